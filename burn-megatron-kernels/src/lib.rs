@@ -1,0 +1,1 @@
+//! Fused kernels for burn-megatron (work in progress).

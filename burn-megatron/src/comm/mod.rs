@@ -1,0 +1,124 @@
+//! Collectives between ranks, shaped after NCCL so that an NCCL backend can slot in.
+//!
+//! A [`Communicator`] is one rank's handle on one [`ProcessGroup`]. Every call is bounded
+//! by a timeout and returns a [`CommError`] rather than hanging: a peer that calls a
+//! different collective, passes a different element count, dtype or root, fails, or exits
+//! early makes the call fail on every member, naming the group, the operation and the ranks.
+//!
+//! Backends:
+//! - [`local`]: ranks are threads of this process ([`LocalWorld`]).
+//!
+//! Tensor-level helpers on Burn tensors live in [`tensor`].
+
+mod buffer;
+mod group;
+pub mod local;
+mod reduce;
+pub mod tensor;
+
+#[cfg(test)]
+mod tests;
+
+pub use buffer::{Buffer, CommDType, CommElement};
+pub use group::{CommError, ProcessGroup};
+pub use local::{LocalCommunicator, LocalWorld};
+pub use reduce::{ReduceOp, has_non_finite};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The timeout of every call unless configured otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A shared handle on a communicator, as layers and optimizers hold it.
+pub type Comm = Arc<dyn Communicator>;
+
+/// One rank's endpoint on a process group.
+///
+/// Peers and roots are group indices. Collectives must be called by every member in the
+/// same order; point-to-point messages are ordered per (sender, receiver) pair.
+pub trait Communicator: Send + Sync + std::fmt::Debug {
+    /// The group this communicator belongs to.
+    fn group(&self) -> &ProcessGroup;
+
+    /// The bound on every call.
+    fn timeout(&self) -> Duration;
+
+    /// Reduces `buf` element-wise over the group, in place.
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError>;
+
+    /// Concatenates every member's `input` in group order (all of the same length).
+    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError>;
+
+    /// Reduces `input` over the group and returns this member's chunk: elements
+    /// `[rank·len/n, (rank+1)·len/n)`. The length must be divisible by the group size.
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError>;
+
+    /// Copies `buf` of member `root` into `buf` of every member.
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError>;
+
+    /// Sends `buf` to member `peer`. Never blocks on the receiver.
+    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError>;
+
+    /// Receives the next message from member `peer` into `buf`, whose dtype and length
+    /// must match the message's.
+    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError>;
+
+    /// Sends to `to` and receives from `from` as one operation, which cannot deadlock when
+    /// two neighbours both send first (NCCL's grouped send/recv).
+    fn send_recv(
+        &self,
+        send: Buffer,
+        to: usize,
+        recv: &mut Buffer,
+        from: usize,
+    ) -> Result<(), CommError> {
+        self.send(send, to)?;
+        self.recv(recv, from)
+    }
+
+    /// Waits until every member has reached the barrier.
+    fn barrier(&self) -> Result<(), CommError>;
+}
+
+/// Typed conveniences over [`Communicator`] for plain `Vec`s.
+///
+/// ```
+/// use burn_megatron::comm::{CommunicatorExt, LocalWorld, ReduceOp};
+/// let world = LocalWorld::new(1);
+/// let comm = world.communicator("solo", vec![0], 0).unwrap();
+/// let mut v = vec![1i64, 2];
+/// comm.all_reduce_vec(&mut v, ReduceOp::Max).unwrap();
+/// assert_eq!(v, vec![1, 2]);
+/// ```
+pub trait CommunicatorExt: Communicator {
+    /// [`Communicator::all_reduce`] on a typed vector.
+    fn all_reduce_vec<T: CommElement>(
+        &self,
+        v: &mut Vec<T>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let mut buf = T::into_buffer(std::mem::take(v));
+        self.all_reduce(&mut buf, op)?;
+        *v = T::from_buffer(buf).expect("all_reduce keeps the dtype");
+        Ok(())
+    }
+
+    /// [`Communicator::all_gather`] on a typed vector.
+    fn all_gather_vec<T: CommElement>(&self, v: Vec<T>) -> Result<Vec<T>, CommError> {
+        let out = self.all_gather(T::into_buffer(v))?;
+        Ok(T::from_buffer(out).expect("all_gather keeps the dtype"))
+    }
+
+    /// [`Communicator::reduce_scatter`] on a typed vector.
+    fn reduce_scatter_vec<T: CommElement>(
+        &self,
+        v: Vec<T>,
+        op: ReduceOp,
+    ) -> Result<Vec<T>, CommError> {
+        let out = self.reduce_scatter(T::into_buffer(v), op)?;
+        Ok(T::from_buffer(out).expect("reduce_scatter keeps the dtype"))
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}

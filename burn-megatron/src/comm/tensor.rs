@@ -1,0 +1,204 @@
+//! Collectives on Burn tensors, on top of the flat-buffer [`Communicator`] API.
+//!
+//! Tensors are read to the host, exchanged, and written back to the same device with the
+//! same dtype (f16/bf16 stay f16/bf16). These functions are *not* differentiable: inside an
+//! autodiff graph use the mappings of `tensor_parallel`, whose backward is the conjugate
+//! collective.
+//!
+//! ```
+//! use burn::tensor::{Device, Tensor};
+//! use burn_megatron::comm::{LocalWorld, tensor};
+//!
+//! let world = LocalWorld::new(1);
+//! let comm = world.communicator("tp", vec![0], 0).unwrap();
+//! let x = Tensor::<2>::from_floats([[1.0, 2.0], [3.0, 4.0]], &Device::flex());
+//! let y = tensor::all_gather(&comm, x, 1).unwrap();
+//! assert_eq!(y.dims(), [2, 2]);
+//! ```
+
+use super::{Buffer, CommError, Communicator, ReduceOp, buffer::with_vec};
+use burn::tensor::kind::Basic;
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
+
+fn invalid(comm: &(impl Communicator + ?Sized), op: &'static str, reason: String) -> CommError {
+    CommError::InvalidArgument {
+        group: comm.group().to_string(),
+        op,
+        reason,
+    }
+}
+
+/// Reads a tensor's data into a flat buffer of the same dtype.
+pub fn tensor_to_buffer<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    op: &'static str,
+    tensor: Tensor<D, K>,
+) -> Result<Buffer, CommError> {
+    data_to_buffer(tensor.into_data()).map_err(|reason| invalid(comm, op, reason))
+}
+
+/// Converts tensor data to a flat buffer of the same dtype.
+pub fn data_to_buffer(data: TensorData) -> Result<Buffer, String> {
+    let dtype = data.dtype();
+    let err = |e| format!("reading {dtype:?} tensor data: {e:?}");
+    Ok(match dtype {
+        DType::F32 => Buffer::F32(data.try_into_vec().map_err(err)?),
+        DType::F16 => Buffer::F16(data.try_into_vec().map_err(err)?),
+        DType::BF16 => Buffer::BF16(data.try_into_vec().map_err(err)?),
+        DType::I32 => Buffer::I32(data.try_into_vec().map_err(err)?),
+        DType::I64 => Buffer::I64(data.try_into_vec().map_err(err)?),
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not supported by the collectives"
+            ));
+        }
+    })
+}
+
+/// Builds a tensor of `shape` on `device` from a buffer, keeping the buffer's dtype.
+pub fn buffer_to_tensor<const D: usize, K: Basic>(
+    buf: Buffer,
+    shape: [usize; D],
+    device: &Device,
+) -> Tensor<D, K> {
+    let data = with_vec!(buf, v => TensorData::new(v, shape));
+    let dtype = data.dtype();
+    Tensor::from_data(
+        data,
+        TensorCreationOptions::new(device.clone()).with_dtype(dtype),
+    )
+}
+
+fn check_dim<const D: usize>(
+    comm: &(impl Communicator + ?Sized),
+    op: &'static str,
+    dims: &[usize; D],
+    dim: usize,
+    divisible: bool,
+) -> Result<(), CommError> {
+    if dim >= D {
+        return Err(invalid(
+            comm,
+            op,
+            format!("dim {dim} is out of range for a {D}-d tensor"),
+        ));
+    }
+    let n = comm.group().size();
+    if divisible && !dims[dim].is_multiple_of(n) {
+        return Err(invalid(
+            comm,
+            op,
+            format!(
+                "dim {dim} of size {} does not split evenly over {n} ranks",
+                dims[dim]
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Reduces `tensor` over the group (every member gets the result).
+pub fn all_reduce<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    tensor: Tensor<D, K>,
+    op: ReduceOp,
+) -> Result<Tensor<D, K>, CommError> {
+    let (dims, device) = (tensor.dims(), tensor.device());
+    let mut buf = tensor_to_buffer(comm, "all_reduce", tensor)?;
+    comm.all_reduce(&mut buf, op)?;
+    Ok(buffer_to_tensor(buf, dims, &device))
+}
+
+/// Concatenates every member's `tensor` along `dim`, in group order.
+pub fn all_gather<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    tensor: Tensor<D, K>,
+    dim: usize,
+) -> Result<Tensor<D, K>, CommError> {
+    let (dims, device) = (tensor.dims(), tensor.device());
+    check_dim(comm, "all_gather", &dims, dim, false)?;
+    let n = comm.group().size();
+    let gathered = comm.all_gather(tensor_to_buffer(comm, "all_gather", tensor)?)?;
+    // Members' blocks are contiguous: as a tensor of [n · d0, d1, ...] they are stacked on
+    // dim 0, which is already the answer when gathering along dim 0.
+    let mut stacked = dims;
+    stacked[0] *= n;
+    let stacked: Tensor<D, K> = buffer_to_tensor(gathered, stacked, &device);
+    if dim == 0 || n == 1 {
+        return Ok(stacked);
+    }
+    Ok(Tensor::cat(stacked.chunk(n, 0), dim))
+}
+
+/// Reduces `tensor` over the group and returns this member's slice along `dim`, whose size
+/// must be divisible by the group size.
+pub fn reduce_scatter<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    tensor: Tensor<D, K>,
+    dim: usize,
+    op: ReduceOp,
+) -> Result<Tensor<D, K>, CommError> {
+    let (dims, device) = (tensor.dims(), tensor.device());
+    check_dim(comm, "reduce_scatter", &dims, dim, true)?;
+    let n = comm.group().size();
+    let mut out_dims = dims;
+    out_dims[dim] /= n;
+    // Lay each member's destination slice out contiguously, in group order.
+    let contiguous = if dim == 0 || n == 1 {
+        tensor
+    } else {
+        Tensor::cat(tensor.chunk(n, dim), 0)
+    };
+    let buf = tensor_to_buffer(comm, "reduce_scatter", contiguous)?;
+    let mine = comm.reduce_scatter(buf, op)?;
+    Ok(buffer_to_tensor(mine, out_dims, &device))
+}
+
+/// This member's slice of `tensor` along `dim` (no communication). The size of `dim` must
+/// be divisible by the group size.
+pub fn split<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    tensor: Tensor<D, K>,
+    dim: usize,
+) -> Result<Tensor<D, K>, CommError> {
+    let dims = tensor.dims();
+    check_dim(comm, "split", &dims, dim, true)?;
+    let part = dims[dim] / comm.group().size();
+    Ok(tensor.narrow(dim, comm.group().rank() * part, part))
+}
+
+/// Every member gets member `root`'s `tensor` (same shape and dtype on every member).
+pub fn broadcast<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    tensor: Tensor<D, K>,
+    root: usize,
+) -> Result<Tensor<D, K>, CommError> {
+    let (dims, device) = (tensor.dims(), tensor.device());
+    let mut buf = tensor_to_buffer(comm, "broadcast", tensor)?;
+    comm.broadcast(&mut buf, root)?;
+    Ok(buffer_to_tensor(buf, dims, &device))
+}
+
+/// Sends `tensor` to member `peer`.
+pub fn send<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    tensor: Tensor<D, K>,
+    peer: usize,
+) -> Result<(), CommError> {
+    comm.send(tensor_to_buffer(comm, "send", tensor)?, peer)
+}
+
+/// Receives a tensor of `shape` and `dtype` from member `peer` onto `device`.
+pub fn recv<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    shape: [usize; D],
+    dtype: DType,
+    device: &Device,
+    peer: usize,
+) -> Result<Tensor<D, K>, CommError> {
+    let comm_dtype = super::buffer::comm_dtype(dtype)
+        .ok_or_else(|| invalid(comm, "recv", format!("dtype {dtype:?} is not supported")))?;
+    let mut buf = Buffer::zeros(comm_dtype, shape.iter().product());
+    comm.recv(&mut buf, peer)?;
+    Ok(buffer_to_tensor(buf, shape, device))
+}

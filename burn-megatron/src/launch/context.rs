@@ -1,0 +1,82 @@
+//! What each rank thread is handed.
+
+use crate::comm::{Comm, CommError, LocalWorld};
+use crate::topology::{GroupKind, ParallelState};
+use burn::tensor::Device;
+use std::sync::Arc;
+
+/// A communicator on each group this rank belongs to.
+#[derive(Debug, Clone)]
+pub struct RankGroups {
+    /// Tensor-model-parallel group.
+    pub tp: Comm,
+    /// Pipeline-model-parallel group.
+    pub pp: Comm,
+    /// Data-parallel group.
+    pub dp: Comm,
+    /// Data-parallel group including context-parallel ranks.
+    pub dp_cp: Comm,
+    /// Model-parallel group (tensor × pipeline).
+    pub mp: Comm,
+    /// Tensor × data parallel group.
+    pub tp_dp: Comm,
+    /// Embedding group (first and last stage); `None` on middle stages.
+    pub embedding: Option<Comm>,
+    /// Position-embedding group (first stage); `None` on other stages.
+    pub position_embedding: Option<Comm>,
+    /// Every rank of the world.
+    pub world: Comm,
+}
+
+/// Everything one rank needs: its coordinates and groups, its communicators, its device.
+#[derive(Debug, Clone)]
+pub struct RankContext {
+    /// This rank's place in the layout.
+    pub state: ParallelState,
+    /// Communicators on this rank's groups.
+    pub groups: RankGroups,
+    /// This rank's own device (autodiff-enabled by default).
+    pub device: Device,
+    /// The world of threads, for creating further groups.
+    pub world: LocalWorld,
+}
+
+impl RankContext {
+    /// Creates the communicators of `state`'s groups on `world`.
+    pub fn new(
+        state: ParallelState,
+        world: &LocalWorld,
+        device: Device,
+    ) -> Result<Self, CommError> {
+        let rank = state.global_rank();
+        let comm = |kind: GroupKind| -> Result<Comm, CommError> {
+            Ok(Arc::new(world.communicator(
+                kind.name(),
+                state.group(kind).to_vec(),
+                rank,
+            )?))
+        };
+        let member = |kind: GroupKind| state.index_in_group(kind).is_some();
+        let groups = RankGroups {
+            tp: comm(GroupKind::TensorModelParallel)?,
+            pp: comm(GroupKind::PipelineModelParallel)?,
+            dp: comm(GroupKind::DataParallel)?,
+            dp_cp: comm(GroupKind::DataParallelWithCp)?,
+            mp: comm(GroupKind::ModelParallel)?,
+            tp_dp: comm(GroupKind::TensorAndDataParallel)?,
+            embedding: member(GroupKind::Embedding)
+                .then(|| comm(GroupKind::Embedding))
+                .transpose()?,
+            position_embedding: member(GroupKind::PositionEmbedding)
+                .then(|| comm(GroupKind::PositionEmbedding))
+                .transpose()?,
+            world: Arc::new(world.communicator("world", (0..world.size()).collect(), rank)?),
+        };
+        Ok(Self {
+            state,
+            groups,
+            device,
+            world: world.clone(),
+        })
+    }
+}

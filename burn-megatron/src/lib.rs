@@ -1,0 +1,12 @@
+//! Megatron-LM-style model parallelism for [Burn](https://burn.dev).
+//!
+//! The crate is organised bottom-up, one module per layer of the system:
+//!
+//! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data- and
+//!   context-parallel groups (Megatron-Core's exact rank arithmetic).
+//! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout.
+//! - [`launch`]: run one closure per rank as threads of this process.
+
+pub mod comm;
+pub mod launch;
+pub mod topology;

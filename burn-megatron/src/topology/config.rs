@@ -1,0 +1,278 @@
+//! User-facing parallelism settings and their up-front validation.
+
+use super::dim::parse_tokens;
+use super::rank_generator::DEFAULT_ORDER;
+use super::{ParallelDim, RankGenerator, TopologyError};
+
+/// How a training job is split across `world_size` ranks.
+///
+/// Build it with [`ParallelConfig::new`] and the `with_*` methods (or set the public
+/// fields directly), then call [`ParallelConfig::validate`] before use.
+///
+/// ```
+/// use burn_megatron::topology::ParallelConfig;
+///
+/// let config = ParallelConfig::new(16, 2, 2)
+///     .with_sequence_parallel(true)
+///     .with_virtual_pipeline(Some(2))
+///     .validate()
+///     .unwrap();
+/// assert_eq!(config.data_parallel_size(), 4);
+/// assert!(config.sequence_parallel());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParallelConfig {
+    /// Total number of ranks.
+    pub world_size: usize,
+    /// Ranks that split each layer's weights (`tp`).
+    pub tensor_model_parallel_size: usize,
+    /// Pipeline stages (`pp`).
+    pub pipeline_model_parallel_size: usize,
+    /// Model chunks per pipeline stage for the interleaved schedule; `None` when not
+    /// interleaving.
+    pub virtual_pipeline_model_parallel_size: Option<usize>,
+    /// Ranks that split the sequence dimension in attention (`cp`); only 1 is supported.
+    pub context_parallel_size: usize,
+    /// Ranks that split the experts of mixture-of-experts layers (`ep`); only 1 is supported.
+    pub expert_model_parallel_size: usize,
+    /// Whether activations outside tensor-parallel regions are split along the sequence.
+    pub sequence_parallel: bool,
+    /// `-`-joined dimension order, fastest-varying first; `pp` must come last when pp > 1.
+    pub order: String,
+}
+
+impl ParallelConfig {
+    /// A configuration with the given world, tensor and pipeline sizes; context and expert
+    /// parallel size 1, no virtual pipeline, no sequence parallelism, order
+    /// `"tp-cp-ep-dp-pp"`. The data parallel size is whatever remains.
+    pub fn new(world_size: usize, tp: usize, pp: usize) -> ParallelConfig {
+        ParallelConfig {
+            world_size,
+            tensor_model_parallel_size: tp,
+            pipeline_model_parallel_size: pp,
+            virtual_pipeline_model_parallel_size: None,
+            context_parallel_size: 1,
+            expert_model_parallel_size: 1,
+            sequence_parallel: false,
+            order: DEFAULT_ORDER.to_string(),
+        }
+    }
+
+    /// Turns sequence parallelism on or off (it is switched off by validation when tp = 1).
+    #[must_use]
+    pub fn with_sequence_parallel(mut self, enabled: bool) -> ParallelConfig {
+        self.sequence_parallel = enabled;
+        self
+    }
+
+    /// Sets the dimension order, e.g. `"tp-pp-dp"` is rejected when pp > 1 but
+    /// `"tp-dp-pp"` is accepted.
+    #[must_use]
+    pub fn with_order(mut self, order: impl Into<String>) -> ParallelConfig {
+        self.order = order.into();
+        self
+    }
+
+    /// Sets the number of model chunks per pipeline stage (interleaved schedule).
+    #[must_use]
+    pub fn with_virtual_pipeline(mut self, size: Option<usize>) -> ParallelConfig {
+        self.virtual_pipeline_model_parallel_size = size;
+        self
+    }
+
+    /// Sets the context parallel size (validation rejects values above 1 for now).
+    #[must_use]
+    pub fn with_context_parallel(mut self, cp: usize) -> ParallelConfig {
+        self.context_parallel_size = cp;
+        self
+    }
+
+    /// Sets the expert parallel size (validation rejects values above 1 for now).
+    #[must_use]
+    pub fn with_expert_parallel(mut self, ep: usize) -> ParallelConfig {
+        self.expert_model_parallel_size = ep;
+        self
+    }
+
+    /// `world_size / (tp · pp · cp)`, rounded down; 0 when that product is 0. Exact
+    /// only for a configuration that [`validate`](ParallelConfig::validate) accepts.
+    pub fn data_parallel_size(&self) -> usize {
+        self.tensor_model_parallel_size
+            .checked_mul(self.pipeline_model_parallel_size)
+            .and_then(|product| product.checked_mul(self.context_parallel_size))
+            .and_then(|product| self.world_size.checked_div(product))
+            .unwrap_or(0)
+    }
+
+    /// Checks every constraint up front and derives the rank layout.
+    ///
+    /// Sequence parallelism with tp = 1 is not an error: it is switched off with a warning.
+    ///
+    /// # Errors
+    ///
+    /// A size of 0 (including a virtual pipeline size of 0); context or expert parallelism
+    /// above 1 (not supported yet); a world size that tp · pp · cp does not divide; an
+    /// unknown or repeated order token, or a dimension of size > 1 missing from the order;
+    /// `pp` not last in the order when pp > 1; a virtual pipeline size with pp = 1.
+    pub fn validate(self) -> Result<ValidatedConfig, TopologyError> {
+        let mut config = self;
+        let world = config.world_size;
+        let tp = config.tensor_model_parallel_size;
+        let pp = config.pipeline_model_parallel_size;
+        let cp = config.context_parallel_size;
+        let ep = config.expert_model_parallel_size;
+
+        let named = [
+            (world, "world"),
+            (tp, "tensor model parallel (tp)"),
+            (pp, "pipeline model parallel (pp)"),
+            (cp, "context parallel (cp)"),
+            (ep, "expert model parallel (ep)"),
+            (
+                config.virtual_pipeline_model_parallel_size.unwrap_or(1),
+                "virtual pipeline model parallel",
+            ),
+        ];
+        if let Some((_, what)) = named.iter().find(|(size, _)| *size == 0) {
+            return Err(TopologyError::ZeroSize { what });
+        }
+
+        if cp > 1 {
+            return Err(TopologyError::Unsupported {
+                feature: "context parallelism",
+                token: ParallelDim::Context.token(),
+                size: cp,
+            });
+        }
+        if ep > 1 {
+            return Err(TopologyError::Unsupported {
+                feature: "expert parallelism",
+                token: ParallelDim::Expert.token(),
+                size: ep,
+            });
+        }
+
+        let product = tp
+            .checked_mul(pp)
+            .and_then(|product| product.checked_mul(cp))
+            .ok_or_else(|| TopologyError::SizeOverflow {
+                sizes: format!("tp = {tp}, pp = {pp}, cp = {cp}"),
+            })?;
+        if !world.is_multiple_of(product) {
+            return Err(TopologyError::WorldSizeNotDivisible {
+                world_size: world,
+                tp,
+                pp,
+                cp,
+                product,
+            });
+        }
+        let dp = world / product;
+
+        let generator = RankGenerator::new(tp, ep, dp, pp, cp, &config.order)?;
+        if pp > 1 && parse_tokens(&config.order)?.last() != Some(&ParallelDim::Pipeline) {
+            return Err(TopologyError::PipelineNotLast {
+                pp,
+                order: config.order.clone(),
+            });
+        }
+
+        if let Some(virtual_size) = config.virtual_pipeline_model_parallel_size
+            && pp == 1
+        {
+            return Err(TopologyError::VirtualPipelineWithoutPipeline { virtual_size, pp });
+        }
+
+        if config.sequence_parallel && tp == 1 {
+            tracing::warn!(
+                "disabling sequence parallelism because tensor model parallelism is off (tp = 1)"
+            );
+            config.sequence_parallel = false;
+        }
+
+        debug_assert_eq!(generator.world_size(), world);
+        Ok(ValidatedConfig {
+            config,
+            data_parallel_size: dp,
+            generator,
+        })
+    }
+}
+
+impl Default for ParallelConfig {
+    /// A single rank with no parallelism.
+    fn default() -> ParallelConfig {
+        ParallelConfig::new(1, 1, 1)
+    }
+}
+
+/// A [`ParallelConfig`] that passed [`ParallelConfig::validate`], with its rank layout.
+///
+/// Use [`ValidatedConfig::all_groups`] to list every communicator a launcher must create,
+/// and [`ParallelState::new`](super::ParallelState::new) for one rank's view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidatedConfig {
+    config: ParallelConfig,
+    data_parallel_size: usize,
+    generator: RankGenerator,
+}
+
+impl ValidatedConfig {
+    /// The settings as validated (sequence parallelism already switched off when tp = 1).
+    pub fn config(&self) -> &ParallelConfig {
+        &self.config
+    }
+
+    /// The rank layout.
+    pub fn rank_generator(&self) -> &RankGenerator {
+        &self.generator
+    }
+
+    /// Total number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.config.world_size
+    }
+
+    /// Tensor model parallel size.
+    pub fn tensor_model_parallel_size(&self) -> usize {
+        self.config.tensor_model_parallel_size
+    }
+
+    /// Pipeline model parallel size.
+    pub fn pipeline_model_parallel_size(&self) -> usize {
+        self.config.pipeline_model_parallel_size
+    }
+
+    /// Virtual pipeline size (model chunks per stage), if interleaving.
+    pub fn virtual_pipeline_model_parallel_size(&self) -> Option<usize> {
+        self.config.virtual_pipeline_model_parallel_size
+    }
+
+    /// Context parallel size.
+    pub fn context_parallel_size(&self) -> usize {
+        self.config.context_parallel_size
+    }
+
+    /// Expert model parallel size.
+    pub fn expert_model_parallel_size(&self) -> usize {
+        self.config.expert_model_parallel_size
+    }
+
+    /// Data parallel size: `world_size / (tp · pp · cp)`, exact.
+    pub fn data_parallel_size(&self) -> usize {
+        self.data_parallel_size
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn sequence_parallel(&self) -> bool {
+        self.config.sequence_parallel
+    }
+}
+
+impl TryFrom<ParallelConfig> for ValidatedConfig {
+    type Error = TopologyError;
+
+    fn try_from(config: ParallelConfig) -> Result<ValidatedConfig, TopologyError> {
+        config.validate()
+    }
+}

@@ -1,0 +1,137 @@
+//! The kinds of process groups a Megatron-style job needs, and how to list them.
+
+use std::fmt;
+
+use super::{TopologyError, ValidatedConfig};
+
+/// A kind of process group.
+///
+/// ```
+/// use burn_megatron::topology::{GroupKind, ParallelConfig};
+///
+/// let config = ParallelConfig::new(8, 2, 2).validate().unwrap();
+/// assert_eq!(GroupKind::ModelParallel.name(), "mp");
+/// assert_eq!(
+///     config.all_groups(GroupKind::ModelParallel),
+///     vec![vec![0, 1, 4, 5], vec![2, 3, 6, 7]]
+/// );
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GroupKind {
+    /// Ranks that split the same layers' weights (`tp`).
+    TensorModelParallel,
+    /// The stages of one pipeline (`pp`).
+    PipelineModelParallel,
+    /// Replicas that all-reduce gradients, excluding context parallelism (`dp`).
+    DataParallel,
+    /// Data parallel replicas including context parallel ranks (`dp-cp`).
+    DataParallelWithCp,
+    /// One full copy of the model: tensor × pipeline ranks (`tp-pp`).
+    ModelParallel,
+    /// Tensor × data parallel ranks of one pipeline stage (`tp-dp`).
+    TensorAndDataParallel,
+    /// First and last pipeline stage, which share the word embeddings.
+    Embedding,
+    /// First pipeline stage only, which holds position embeddings.
+    PositionEmbedding,
+}
+
+impl GroupKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [GroupKind; 8] = [
+        GroupKind::TensorModelParallel,
+        GroupKind::PipelineModelParallel,
+        GroupKind::DataParallel,
+        GroupKind::DataParallelWithCp,
+        GroupKind::ModelParallel,
+        GroupKind::TensorAndDataParallel,
+        GroupKind::Embedding,
+        GroupKind::PositionEmbedding,
+    ];
+
+    /// Short name: `"tp"`, `"pp"`, `"dp"`, `"dp-cp"`, `"mp"`, `"tp-dp"`, `"embd"` or
+    /// `"pos-embd"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupKind::TensorModelParallel => "tp",
+            GroupKind::PipelineModelParallel => "pp",
+            GroupKind::DataParallel => "dp",
+            GroupKind::DataParallelWithCp => "dp-cp",
+            GroupKind::ModelParallel => "mp",
+            GroupKind::TensorAndDataParallel => "tp-dp",
+            GroupKind::Embedding => "embd",
+            GroupKind::PositionEmbedding => "pos-embd",
+        }
+    }
+
+    /// The rank-generator token whose groups this kind is (or is derived from).
+    fn generator_token(self) -> &'static str {
+        match self {
+            GroupKind::TensorModelParallel => "tp",
+            GroupKind::PipelineModelParallel
+            | GroupKind::Embedding
+            | GroupKind::PositionEmbedding => "pp",
+            GroupKind::DataParallel => "dp",
+            GroupKind::DataParallelWithCp => "dp-cp",
+            GroupKind::ModelParallel => "tp-pp",
+            GroupKind::TensorAndDataParallel => "tp-dp",
+        }
+    }
+
+    /// Narrows a pipeline group to this kind (identity for non-embedding kinds).
+    fn narrow(self, mut group: Vec<usize>) -> Vec<usize> {
+        match self {
+            GroupKind::Embedding => {
+                let (first, last) = (group[0], group[group.len() - 1]);
+                if first == last {
+                    vec![first]
+                } else {
+                    vec![first, last]
+                }
+            }
+            GroupKind::PositionEmbedding => {
+                group.truncate(1);
+                group
+            }
+            _ => group,
+        }
+    }
+}
+
+impl fmt::Display for GroupKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl ValidatedConfig {
+    /// Every group of `kind` in the whole world, each as ascending global ranks, in
+    /// Megatron-Core's enumeration order. Together the groups of any kind other than
+    /// the embedding kinds partition the world.
+    ///
+    /// Embedding groups are `[first, last]` of each pipeline group (`[first]` when
+    /// pp = 1); position embedding groups are `[first]`.
+    pub fn all_groups(&self, kind: GroupKind) -> Vec<Vec<usize>> {
+        self.rank_generator()
+            .get_ranks(kind.generator_token())
+            .expect("group kinds use valid generator tokens")
+            .into_iter()
+            .map(|group| kind.narrow(group))
+            .collect()
+    }
+
+    /// The group of `kind` associated with `rank`, as ascending global ranks.
+    ///
+    /// For the embedding kinds this is the group derived from `rank`'s pipeline group,
+    /// which does not contain `rank` when it is a middle stage.
+    ///
+    /// # Errors
+    ///
+    /// [`TopologyError::RankOutOfRange`] when `rank >= world_size()`.
+    pub fn group_of(&self, kind: GroupKind, rank: usize) -> Result<Vec<usize>, TopologyError> {
+        let group = self
+            .rank_generator()
+            .group_of(kind.generator_token(), rank)?;
+        Ok(kind.narrow(group))
+    }
+}

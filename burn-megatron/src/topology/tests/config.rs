@@ -1,0 +1,228 @@
+//! `ParallelConfig` validation: every error, with the numbers in its message.
+
+use crate::topology::{ParallelConfig, TopologyError, ValidatedConfig};
+
+#[test]
+fn defaults_and_derived_sizes() {
+    let config = ParallelConfig::new(64, 4, 2);
+    assert_eq!(config.context_parallel_size, 1);
+    assert_eq!(config.expert_model_parallel_size, 1);
+    assert_eq!(config.virtual_pipeline_model_parallel_size, None);
+    assert!(!config.sequence_parallel);
+    assert_eq!(config.order, "tp-cp-ep-dp-pp");
+    assert_eq!(config.data_parallel_size(), 8);
+
+    let validated = config.clone().validate().unwrap();
+    assert_eq!(validated.world_size(), 64);
+    assert_eq!(validated.tensor_model_parallel_size(), 4);
+    assert_eq!(validated.pipeline_model_parallel_size(), 2);
+    assert_eq!(validated.data_parallel_size(), 8);
+    assert_eq!(validated.context_parallel_size(), 1);
+    assert_eq!(validated.expert_model_parallel_size(), 1);
+    assert_eq!(validated.config(), &config);
+    assert_eq!(validated.rank_generator().world_size(), 64);
+    assert_eq!(ValidatedConfig::try_from(config).unwrap(), validated);
+
+    assert_eq!(ParallelConfig::default(), ParallelConfig::new(1, 1, 1));
+    assert_eq!(ParallelConfig::new(0, 0, 1).data_parallel_size(), 0);
+}
+
+#[test]
+fn builder_methods_set_fields() {
+    let config = ParallelConfig::new(16, 2, 4)
+        .with_sequence_parallel(true)
+        .with_virtual_pipeline(Some(3))
+        .with_order("tp-dp-pp")
+        .with_context_parallel(1)
+        .with_expert_parallel(1);
+    let validated = config.validate().unwrap();
+    assert!(validated.sequence_parallel());
+    assert_eq!(validated.virtual_pipeline_model_parallel_size(), Some(3));
+    assert_eq!(validated.data_parallel_size(), 2);
+    assert_eq!(validated.config().order, "tp-dp-pp");
+}
+
+#[test]
+fn sequence_parallel_with_tp_1_is_turned_off() {
+    let validated = ParallelConfig::new(4, 1, 2)
+        .with_sequence_parallel(true)
+        .validate()
+        .unwrap();
+    assert!(!validated.sequence_parallel());
+    assert!(!validated.config().sequence_parallel);
+
+    let validated = ParallelConfig::new(4, 2, 2)
+        .with_sequence_parallel(true)
+        .validate()
+        .unwrap();
+    assert!(validated.sequence_parallel());
+}
+
+#[test]
+fn world_not_divisible() {
+    let err = ParallelConfig::new(6, 4, 1).validate().unwrap_err();
+    assert_eq!(
+        err,
+        TopologyError::WorldSizeNotDivisible {
+            world_size: 6,
+            tp: 4,
+            pp: 1,
+            cp: 1,
+            product: 4
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "world size 6 is not divisible by tensor (4) × pipeline (1) × context (1) = 4"
+    );
+    let err = ParallelConfig::new(2, 2, 2).validate().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "world size 2 is not divisible by tensor (2) × pipeline (2) × context (1) = 4"
+    );
+}
+
+#[test]
+fn zero_sizes() {
+    let message = |config: ParallelConfig| config.validate().unwrap_err().to_string();
+    assert_eq!(
+        message(ParallelConfig::new(0, 1, 1)),
+        "world size must be at least 1, got 0"
+    );
+    assert_eq!(
+        message(ParallelConfig::new(4, 0, 1)),
+        "tensor model parallel (tp) size must be at least 1, got 0"
+    );
+    assert_eq!(
+        message(ParallelConfig::new(4, 1, 0)),
+        "pipeline model parallel (pp) size must be at least 1, got 0"
+    );
+    assert!(message(ParallelConfig::new(4, 1, 1).with_context_parallel(0)).contains("(cp)"));
+    assert!(message(ParallelConfig::new(4, 1, 1).with_expert_parallel(0)).contains("(ep)"));
+    assert_eq!(
+        message(ParallelConfig::new(4, 1, 2).with_virtual_pipeline(Some(0))),
+        "virtual pipeline model parallel size must be at least 1, got 0"
+    );
+}
+
+#[test]
+fn order_token_errors() {
+    let err = ParallelConfig::new(8, 2, 2)
+        .with_order("tp-xp-dp-pp")
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "unknown parallelism token \"xp\" in \"tp-xp-dp-pp\" (expected tp, cp, ep, dp or pp)"
+    );
+    let err = ParallelConfig::new(8, 2, 2)
+        .with_order("tp-dp-dp-pp")
+        .validate()
+        .unwrap_err();
+    assert!(matches!(&err, TopologyError::DuplicateToken { token, .. } if token == "dp"));
+    assert!(err.to_string().contains("\"tp-dp-dp-pp\""), "{err}");
+
+    // pp > 1 but missing from the order.
+    let err = ParallelConfig::new(8, 2, 2)
+        .with_order("tp-dp")
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "\"pp\" has size 2 but is missing from the order \"tp-dp\""
+    );
+}
+
+#[test]
+fn pipeline_must_be_last() {
+    let err = ParallelConfig::new(8, 2, 2)
+        .with_order("tp-pp-dp")
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        TopologyError::PipelineNotLast {
+            pp: 2,
+            order: "tp-pp-dp".into()
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "pipeline parallelism (pp = 2) requires \"pp\" to be the last token of the order, got \"tp-pp-dp\""
+    );
+    let err = ParallelConfig::new(8, 1, 4)
+        .with_order("pp-tp-dp")
+        .validate()
+        .unwrap_err();
+    assert!(err.to_string().contains("pp = 4"), "{err}");
+
+    // Without pipeline parallelism the position of pp does not matter.
+    let validated = ParallelConfig::new(8, 2, 1)
+        .with_order("tp-pp-dp")
+        .validate()
+        .unwrap();
+    assert_eq!(validated.data_parallel_size(), 4);
+    // A custom order that ends in pp is fine.
+    assert!(
+        ParallelConfig::new(8, 2, 2)
+            .with_order("dp-tp-pp")
+            .validate()
+            .is_ok()
+    );
+}
+
+#[test]
+fn virtual_pipeline_requires_pipeline() {
+    let err = ParallelConfig::new(4, 2, 1)
+        .with_virtual_pipeline(Some(2))
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        TopologyError::VirtualPipelineWithoutPipeline {
+            virtual_size: 2,
+            pp: 1
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "virtual pipeline size 2 requires pipeline parallelism (pp > 1), got pp = 1"
+    );
+}
+
+#[test]
+fn context_and_expert_parallel_unsupported() {
+    let err = ParallelConfig::new(8, 2, 1)
+        .with_context_parallel(2)
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "context parallelism (cp = 2) is not supported yet"
+    );
+    let err = ParallelConfig::new(8, 2, 1)
+        .with_expert_parallel(4)
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        TopologyError::Unsupported {
+            feature: "expert parallelism",
+            token: "ep",
+            size: 4
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "expert parallelism (ep = 4) is not supported yet"
+    );
+}
+
+#[test]
+fn size_overflow() {
+    let err = ParallelConfig::new(4, usize::MAX, 2)
+        .validate()
+        .unwrap_err();
+    assert!(matches!(err, TopologyError::SizeOverflow { .. }));
+    assert!(err.to_string().contains("pp = 2"), "{err}");
+}
