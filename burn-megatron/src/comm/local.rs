@@ -312,11 +312,7 @@ impl LocalCommunicator {
 
     /// Contributes `desc` and `input` to call `seq` and waits until every member has.
     /// Returns every member's input, in group order.
-    fn arrive(
-        &self,
-        desc: OpDesc,
-        input: Option<Buffer>,
-    ) -> Result<(u64, Inputs), CommError> {
+    fn arrive(&self, desc: OpDesc, input: Option<Buffer>) -> Result<(u64, Inputs), CommError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let me = self.group.rank();
         let n = self.group.size();

@@ -17,6 +17,8 @@ mod reduce;
 pub mod tensor;
 
 #[cfg(test)]
+mod tensor_tests;
+#[cfg(test)]
 mod tests;
 
 pub use buffer::{Buffer, CommDType, CommElement};
