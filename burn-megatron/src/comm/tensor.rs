@@ -55,13 +55,18 @@ pub fn data_to_buffer(data: TensorData) -> Result<Buffer, String> {
     })
 }
 
+/// Tensor data of `shape` holding a buffer's elements, with the buffer's dtype.
+pub fn buffer_to_data(buf: Buffer, shape: impl Into<burn::tensor::Shape>) -> TensorData {
+    with_vec!(buf, v => TensorData::new(v, shape))
+}
+
 /// Builds a tensor of `shape` on `device` from a buffer, keeping the buffer's dtype.
 pub fn buffer_to_tensor<const D: usize, K: Basic>(
     buf: Buffer,
     shape: [usize; D],
     device: &Device,
 ) -> Tensor<D, K> {
-    let data = with_vec!(buf, v => TensorData::new(v, shape));
+    let data = buffer_to_data(buf, shape);
     let dtype = data.dtype();
     Tensor::from_data(
         data,

@@ -1,0 +1,355 @@
+//! `ColumnParallelLinear` and `RowParallelLinear`: Megatron's split linear layers.
+//!
+//! Weights use Burn's layout, `[d_input, d_output]`. A column-parallel layer splits the
+//! output features (weight dim 1, bias dim 0); a row-parallel layer splits the input
+//! features (weight dim 0) and keeps a full, duplicated bias added once after the reduction.
+//! Under sequence parallelism, activations outside these layers are split along dim 0 (the
+//! sequence, Megatron's `[s, b, h]` layout).
+
+use super::attrs::{ParallelAttrs, set_parallel_attrs};
+use super::init::{MasterInit, slice_cols};
+use super::mappings::{
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
+};
+use super::{TpError, shard_param};
+use crate::comm::Comm;
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::module::linear;
+use burn::tensor::{Device, Tensor};
+
+/// Configuration of a [`ColumnParallelLinear`].
+#[derive(Config, Debug)]
+pub struct ColumnParallelLinearConfig {
+    /// Input features.
+    pub d_input: usize,
+    /// Output features of the full layer (split over the tensor-parallel ranks).
+    pub d_output: usize,
+    /// Whether the layer has a bias.
+    #[config(default = true)]
+    pub bias: bool,
+    /// All-gather the output so every rank gets all `d_output` features.
+    #[config(default = false)]
+    pub gather_output: bool,
+    /// Do not add the bias; [`ColumnParallelLinear::forward_with_bias`] returns it so the
+    /// caller can fuse it with what follows.
+    #[config(default = false)]
+    pub skip_bias_add: bool,
+    /// The input is split along dim 0 (sequence parallel) and is all-gathered first.
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Weight initialisation of the full master weight.
+    #[config(default = "MasterInit::KaimingUniform")]
+    pub initializer: MasterInit,
+    /// Bias initialisation.
+    #[config(default = "MasterInit::ZEROS")]
+    pub bias_initializer: MasterInit,
+    /// Seed of the master weight (and, plus one, of the bias).
+    #[config(default = 0)]
+    pub seed: u64,
+}
+
+/// A linear layer whose output features are split across tensor-parallel ranks.
+///
+/// `Y = X·W + b` with `W = [W_1, …, W_p]` split by columns: rank `i` computes `X·W_i + b_i`.
+#[derive(Module, Debug)]
+pub struct ColumnParallelLinear {
+    /// This rank's weight slice, `[d_input, d_output / tp]`.
+    pub weight: Param<Tensor<2>>,
+    /// This rank's bias slice, `[d_output / tp]`.
+    pub bias: Option<Param<Tensor<1>>>,
+    #[module(skip)]
+    tp: Comm,
+    #[module(skip)]
+    gather_output: bool,
+    #[module(skip)]
+    skip_bias_add: bool,
+    #[module(skip)]
+    sequence_parallel: bool,
+}
+
+impl ColumnParallelLinearConfig {
+    /// Initialises this rank's shard on `device`. Every rank draws the full master weight
+    /// from `seed` and keeps its slice, so the result does not depend on the TP size.
+    pub fn init(&self, tp: &Comm, device: &Device) -> Result<ColumnParallelLinear, TpError> {
+        let (rank, size) = (tp.group().rank(), tp.group().size());
+        let part = partition(self.d_output, size, "output features")?;
+        let full = self
+            .initializer
+            .values(self.d_input * self.d_output, self.d_input, self.seed);
+        let w = slice_cols(&full, self.d_output, rank * part, part);
+        let weight = shard_param(w, [self.d_input, part], device, ParallelAttrs::sharded(1));
+        let bias = self.bias.then(|| {
+            let full = self
+                .bias_initializer
+                .values(self.d_output, self.d_input, self.seed + 1);
+            shard_param(
+                full[rank * part..(rank + 1) * part].to_vec(),
+                [part],
+                device,
+                ParallelAttrs::sharded(0),
+            )
+        });
+        Ok(ColumnParallelLinear {
+            weight,
+            bias,
+            tp: tp.clone(),
+            gather_output: self.gather_output,
+            skip_bias_add: self.skip_bias_add,
+            sequence_parallel: self.sequence_parallel,
+        })
+    }
+}
+
+impl ColumnParallelLinear {
+    /// Takes this rank's shard of a plain Burn `Linear` (the same full layer on every rank).
+    pub fn from_linear(
+        linear: &Linear,
+        config: &ColumnParallelLinearConfig,
+        tp: &Comm,
+    ) -> Result<Self, TpError> {
+        let [_, d_output] = linear.weight.dims();
+        let size = tp.group().size();
+        let part = partition(d_output, size, "output features")?;
+        let start = tp.group().rank() * part;
+        let weight = linear.weight.val().narrow(1, start, part);
+        let weight = Param::from_tensor(weight.detach().require_grad());
+        set_parallel_attrs(weight.id, ParallelAttrs::sharded(1));
+        let bias = linear.bias.as_ref().map(|b| {
+            let p = Param::from_tensor(b.val().narrow(0, start, part).detach().require_grad());
+            set_parallel_attrs(p.id, ParallelAttrs::sharded(0));
+            p
+        });
+        Ok(Self {
+            weight,
+            bias,
+            tp: tp.clone(),
+            gather_output: config.gather_output,
+            skip_bias_add: config.skip_bias_add,
+            sequence_parallel: config.sequence_parallel,
+        })
+    }
+
+    /// `[..., d_input]` → `[..., d_output]` if `gather_output`, else `[..., d_output / tp]`.
+    /// With `skip_bias_add` the bias is not added (see [`forward_with_bias`](Self::forward_with_bias)).
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        self.forward_with_bias(input).0
+    }
+
+    /// Like [`forward`](Self::forward), and returns the bias when `skip_bias_add` is set
+    /// (Megatron's `(output, output_bias)`).
+    pub fn forward_with_bias<const D: usize>(
+        &self,
+        input: Tensor<D>,
+    ) -> (Tensor<D>, Option<Tensor<1>>) {
+        let input = if self.sequence_parallel {
+            gather_from_sequence_parallel_region(input, &self.tp, true)
+        } else {
+            copy_to_tensor_model_parallel_region(input, &self.tp)
+        };
+        let bias = self.bias.as_ref().map(|b| b.val());
+        let (add, skipped) = if self.skip_bias_add {
+            (None, bias)
+        } else {
+            (bias, None)
+        };
+        let out = linear(input, self.weight.val(), add);
+        let out = if self.gather_output {
+            gather_from_tensor_model_parallel_region(out, &self.tp)
+        } else {
+            out
+        };
+        (out, skipped)
+    }
+
+    /// Gathers the shards of every rank back into the full plain Burn `Linear` (a
+    /// collective: every rank of the group must call it). The result is not tracked.
+    pub fn to_linear(&self) -> Result<Linear, TpError> {
+        let w = crate::comm::tensor::all_gather(&*self.tp, self.weight.val().detach(), 1)?;
+        let bias = match &self.bias {
+            Some(b) => Some(Param::from_tensor(crate::comm::tensor::all_gather(
+                &*self.tp,
+                b.val().detach(),
+                0,
+            )?)),
+            None => None,
+        };
+        Ok(Linear {
+            weight: Param::from_tensor(w),
+            bias,
+        })
+    }
+}
+
+/// Configuration of a [`RowParallelLinear`].
+#[derive(Config, Debug)]
+pub struct RowParallelLinearConfig {
+    /// Input features of the full layer (split over the tensor-parallel ranks).
+    pub d_input: usize,
+    /// Output features.
+    pub d_output: usize,
+    /// Whether the layer has a bias (full and duplicated, added after the reduction).
+    #[config(default = true)]
+    pub bias: bool,
+    /// The input is already split along its last dim (the output of a column-parallel
+    /// layer); otherwise it is split here.
+    #[config(default = true)]
+    pub input_is_parallel: bool,
+    /// Do not add the bias; [`RowParallelLinear::forward_with_bias`] returns it.
+    #[config(default = false)]
+    pub skip_bias_add: bool,
+    /// Reduce-scatter the output along dim 0 (sequence parallel) instead of all-reducing.
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Weight initialisation of the full master weight.
+    #[config(default = "MasterInit::KaimingUniform")]
+    pub initializer: MasterInit,
+    /// Bias initialisation.
+    #[config(default = "MasterInit::ZEROS")]
+    pub bias_initializer: MasterInit,
+    /// Seed of the master weight (and, plus one, of the bias).
+    #[config(default = 0)]
+    pub seed: u64,
+}
+
+/// A linear layer whose input features are split across tensor-parallel ranks.
+///
+/// `Y = X·W + b` with `W` split by rows and `X` by columns: rank `i` computes `X_i·W_i`,
+/// the partial products are summed over the group, then `b` is added once.
+#[derive(Module, Debug)]
+pub struct RowParallelLinear {
+    /// This rank's weight slice, `[d_input / tp, d_output]`.
+    pub weight: Param<Tensor<2>>,
+    /// The full bias, `[d_output]`, the same on every rank.
+    pub bias: Option<Param<Tensor<1>>>,
+    #[module(skip)]
+    tp: Comm,
+    #[module(skip)]
+    input_is_parallel: bool,
+    #[module(skip)]
+    skip_bias_add: bool,
+    #[module(skip)]
+    sequence_parallel: bool,
+}
+
+impl RowParallelLinearConfig {
+    /// Initialises this rank's shard on `device` (independent of the TP size).
+    pub fn init(&self, tp: &Comm, device: &Device) -> Result<RowParallelLinear, TpError> {
+        let (rank, size) = (tp.group().rank(), tp.group().size());
+        let part = partition(self.d_input, size, "input features")?;
+        let full = self
+            .initializer
+            .values(self.d_input * self.d_output, self.d_input, self.seed);
+        let w = full[rank * part * self.d_output..(rank + 1) * part * self.d_output].to_vec();
+        let weight = shard_param(w, [part, self.d_output], device, ParallelAttrs::sharded(0));
+        let bias = self.bias.then(|| {
+            let b = self
+                .bias_initializer
+                .values(self.d_output, self.d_input, self.seed + 1);
+            shard_param(b, [self.d_output], device, self.bias_attrs())
+        });
+        Ok(RowParallelLinear {
+            weight,
+            bias,
+            tp: tp.clone(),
+            input_is_parallel: self.input_is_parallel,
+            skip_bias_add: self.skip_bias_add,
+            sequence_parallel: self.sequence_parallel,
+        })
+    }
+
+    fn bias_attrs(&self) -> ParallelAttrs {
+        if self.sequence_parallel {
+            ParallelAttrs::sequence_parallel()
+        } else {
+            ParallelAttrs::default()
+        }
+    }
+}
+
+impl RowParallelLinear {
+    /// Takes this rank's shard of a plain Burn `Linear` (the same full layer on every rank).
+    pub fn from_linear(
+        linear: &Linear,
+        config: &RowParallelLinearConfig,
+        tp: &Comm,
+    ) -> Result<Self, TpError> {
+        let [d_input, _] = linear.weight.dims();
+        let part = partition(d_input, tp.group().size(), "input features")?;
+        let weight = linear
+            .weight
+            .val()
+            .narrow(0, tp.group().rank() * part, part);
+        let weight = Param::from_tensor(weight.detach().require_grad());
+        set_parallel_attrs(weight.id, ParallelAttrs::sharded(0));
+        let bias = linear.bias.as_ref().map(|b| {
+            let p = Param::from_tensor(b.val().detach().require_grad());
+            set_parallel_attrs(p.id, config.bias_attrs());
+            p
+        });
+        Ok(Self {
+            weight,
+            bias,
+            tp: tp.clone(),
+            input_is_parallel: config.input_is_parallel,
+            skip_bias_add: config.skip_bias_add,
+            sequence_parallel: config.sequence_parallel,
+        })
+    }
+
+    /// `[..., d_input / tp]` (or `[..., d_input]` when the input is not parallel) →
+    /// `[..., d_output]`; under sequence parallelism dim 0 of the output is split.
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        self.forward_with_bias(input).0
+    }
+
+    /// Like [`forward`](Self::forward), and returns the bias when `skip_bias_add` is set.
+    pub fn forward_with_bias<const D: usize>(
+        &self,
+        input: Tensor<D>,
+    ) -> (Tensor<D>, Option<Tensor<1>>) {
+        let input = if self.input_is_parallel {
+            input
+        } else {
+            scatter_to_tensor_model_parallel_region(input, &self.tp)
+        };
+        let partial = linear(input, self.weight.val(), None);
+        let out = if self.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(partial, &self.tp)
+        } else {
+            reduce_from_tensor_model_parallel_region(partial, &self.tp)
+        };
+        let bias = self.bias.as_ref().map(|b| b.val());
+        match (bias, self.skip_bias_add) {
+            (Some(b), false) => (out + b.unsqueeze(), None),
+            (b, _) => (out, b),
+        }
+    }
+
+    /// Gathers the shards of every rank back into the full plain Burn `Linear` (a
+    /// collective: every rank of the group must call it). The result is not tracked.
+    pub fn to_linear(&self) -> Result<Linear, TpError> {
+        let w = crate::comm::tensor::all_gather(&*self.tp, self.weight.val().detach(), 0)?;
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| Param::from_tensor(b.val().detach()));
+        Ok(Linear {
+            weight: Param::from_tensor(w),
+            bias,
+        })
+    }
+}
+
+/// `total / tp`, or an error naming what does not divide.
+pub(crate) fn partition(total: usize, tp: usize, what: &str) -> Result<usize, TpError> {
+    if !total.is_multiple_of(tp) {
+        return Err(TpError::Indivisible(format!(
+            "{what} ({total}) are not divisible by the tensor-parallel size ({tp})"
+        )));
+    }
+    Ok(total / tp)
+}

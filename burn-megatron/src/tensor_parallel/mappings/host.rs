@@ -1,0 +1,153 @@
+//! Forward implementations of the mappings on any backend, through host memory.
+//!
+//! The local communicator exchanges host buffers, so a backend tensor is read to the host,
+//! exchanged and written back, with its dtype kept. A failed collective panics: Burn's op
+//! signatures cannot carry an error, and a panic inside a rank is reported by the launcher
+//! with the rank, while its peers fail promptly instead of waiting for it.
+
+use super::Mapping;
+use crate::comm::tensor::data_to_buffer;
+use crate::comm::{Buffer, Comm, CommError, ReduceOp};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata};
+use burn::tensor::try_read_sync;
+
+/// Runs `mapping`'s forward on `x` over `comm`.
+pub(crate) fn forward<B: Backend>(
+    mapping: Mapping,
+    x: FloatTensor<B>,
+    comm: &Comm,
+) -> FloatTensor<B> {
+    let n = comm.group().size();
+    if n == 1 {
+        return x;
+    }
+    if mapping == Mapping::CopyTo {
+        return x;
+    }
+    let device = x.device();
+    let dims = x.shape().to_vec();
+    let data = try_read_sync(B::float_into_data(x))
+        .expect("synchronous reads are supported on this platform")
+        .unwrap_or_else(|e| {
+            panic!(
+                "{mapping:?} on group {}: reading the tensor failed: {e:?}",
+                comm.group()
+            )
+        });
+    let buf = data_to_buffer(data)
+        .unwrap_or_else(|e| panic!("{mapping:?} on group {}: {e}", comm.group()));
+    let (out, out_dims) = exchange(mapping, buf, dims, comm)
+        .unwrap_or_else(|e| panic!("tensor-parallel {mapping:?} failed: {e}"));
+    let data = crate::comm::tensor::buffer_to_data(out, out_dims);
+    B::float_from_data(data, &device)
+}
+
+fn exchange(
+    mapping: Mapping,
+    buf: Buffer,
+    mut dims: Vec<usize>,
+    comm: &Comm,
+) -> Result<(Buffer, Vec<usize>), CommError> {
+    let (n, me) = (comm.group().size(), comm.group().rank());
+    let last = dims.len() - 1;
+    let invalid = |reason: String| CommError::InvalidArgument {
+        group: comm.group().to_string(),
+        op: mapping.name(),
+        reason,
+    };
+    let divisible = |dim: usize| -> Result<usize, CommError> {
+        if dims[dim].is_multiple_of(n) {
+            Ok(dims[dim] / n)
+        } else {
+            Err(invalid(format!(
+                "dim {dim} of size {} does not split evenly over {n} ranks",
+                dims[dim]
+            )))
+        }
+    };
+    Ok(match mapping {
+        Mapping::CopyTo => (buf, dims),
+        Mapping::ReduceFrom => {
+            let mut buf = buf;
+            comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            (buf, dims)
+        }
+        Mapping::ScatterToTp => {
+            let part = divisible(last)?;
+            let out = select_columns(&buf, dims[last], me * part, part);
+            dims[last] = part;
+            (out, dims)
+        }
+        Mapping::GatherFromTp => {
+            let cols = dims[last];
+            let gathered = comm.all_gather(buf)?;
+            dims[last] = cols * n;
+            (interleave_columns(&gathered, n, cols), dims)
+        }
+        Mapping::ScatterToSp => {
+            let part = divisible(0)?;
+            let row = dims[1..].iter().product::<usize>();
+            let out = buf.slice(me * part * row..(me + 1) * part * row);
+            dims[0] = part;
+            (out, dims)
+        }
+        Mapping::GatherFromSp { .. } => {
+            let out = comm.all_gather(buf)?;
+            dims[0] *= n;
+            (out, dims)
+        }
+        Mapping::ReduceScatterToSp => {
+            let part = divisible(0)?;
+            let out = comm.reduce_scatter(buf, ReduceOp::Sum)?;
+            dims[0] = part;
+            (out, dims)
+        }
+    })
+}
+
+/// Columns `[start, start + len)` of a row-major matrix with `cols` columns.
+fn select_columns(buf: &Buffer, cols: usize, start: usize, len: usize) -> Buffer {
+    macro_rules! go {
+        ($v:expr, $variant:ident) => {
+            Buffer::$variant(
+                $v.chunks(cols)
+                    .flat_map(|row| row[start..start + len].iter().copied())
+                    .collect(),
+            )
+        };
+    }
+    match buf {
+        Buffer::F32(v) => go!(v, F32),
+        Buffer::F16(v) => go!(v, F16),
+        Buffer::BF16(v) => go!(v, BF16),
+        Buffer::I32(v) => go!(v, I32),
+        Buffer::I64(v) => go!(v, I64),
+    }
+}
+
+/// `n` row-major blocks of `cols` columns each (concatenated) → one matrix with the blocks
+/// side by side, `n · cols` columns.
+fn interleave_columns(buf: &Buffer, n: usize, cols: usize) -> Buffer {
+    macro_rules! go {
+        ($v:expr, $variant:ident) => {{
+            let block = $v.len() / n;
+            let rows = if cols == 0 { 0 } else { block / cols };
+            let mut out = Vec::with_capacity($v.len());
+            for r in 0..rows {
+                for b in 0..n {
+                    let at = b * block + r * cols;
+                    out.extend_from_slice(&$v[at..at + cols]);
+                }
+            }
+            Buffer::$variant(out)
+        }};
+    }
+    match buf {
+        Buffer::F32(v) => go!(v, F32),
+        Buffer::F16(v) => go!(v, F16),
+        Buffer::BF16(v) => go!(v, BF16),
+        Buffer::I32(v) => go!(v, I32),
+        Buffer::I64(v) => go!(v, I64),
+    }
+}

@@ -1,0 +1,159 @@
+//! Megatron's conjugate communication ops, differentiable in Burn's autodiff graph.
+//!
+//! | function | forward | backward |
+//! | --- | --- | --- |
+//! | [`copy_to_tensor_model_parallel_region`] | identity | all-reduce |
+//! | [`reduce_from_tensor_model_parallel_region`] | all-reduce | identity |
+//! | [`scatter_to_tensor_model_parallel_region`] | split last dim | all-gather last dim |
+//! | [`gather_from_tensor_model_parallel_region`] | all-gather last dim | split last dim |
+//! | [`scatter_to_sequence_parallel_region`] | split dim 0 | all-gather dim 0 |
+//! | [`gather_from_sequence_parallel_region`] | all-gather dim 0 | reduce-scatter dim 0 (or split) |
+//! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter dim 0 | all-gather dim 0 |
+//!
+//! On a group of one every function returns its input untouched: no op is recorded, no data
+//! moves. Every rank of the group must call the same mappings in the same order, with tensors
+//! that are all tracked or all untracked (the backward collective runs only for tracked ones).
+//! A failed collective inside the graph panics with the [`CommError`](crate::comm::CommError)
+//! message; under [`launch::threads`](crate::launch::threads) that is reported with the rank
+//! and the peers fail promptly.
+
+mod host;
+mod ops;
+
+#[cfg(test)]
+mod tests;
+
+pub use ops::TensorParallelOps;
+
+use crate::comm::Comm;
+use burn::backend::Dispatch;
+use burn::tensor::Tensor;
+
+/// One of Megatron's communication mappings (the forward half; see the module table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mapping {
+    /// Identity forward, all-reduce backward.
+    CopyTo,
+    /// All-reduce forward, identity backward.
+    ReduceFrom,
+    /// Split the last dim forward, all-gather it backward.
+    ScatterToTp,
+    /// All-gather the last dim forward, split it backward.
+    GatherFromTp,
+    /// Split dim 0 forward, all-gather it backward.
+    ScatterToSp,
+    /// All-gather dim 0 forward; backward reduce-scatters dim 0 when the output gradient is
+    /// tensor-parallel (partial sums on each rank), else splits it.
+    GatherFromSp {
+        /// Whether the gradient arriving at the output is partial on each TP rank.
+        tensor_parallel_output_grad: bool,
+    },
+    /// Reduce-scatter dim 0 forward, all-gather it backward.
+    ReduceScatterToSp,
+}
+
+impl Mapping {
+    /// The mapping whose forward is this one's backward.
+    pub fn conjugate(self) -> Mapping {
+        match self {
+            Mapping::CopyTo => Mapping::ReduceFrom,
+            Mapping::ReduceFrom => Mapping::CopyTo,
+            Mapping::ScatterToTp => Mapping::GatherFromTp,
+            Mapping::GatherFromTp => Mapping::ScatterToTp,
+            Mapping::ScatterToSp | Mapping::ReduceScatterToSp => Mapping::GatherFromSp {
+                tensor_parallel_output_grad: true,
+            },
+            Mapping::GatherFromSp {
+                tensor_parallel_output_grad: true,
+            } => Mapping::ReduceScatterToSp,
+            Mapping::GatherFromSp {
+                tensor_parallel_output_grad: false,
+            } => Mapping::ScatterToSp,
+        }
+    }
+
+    /// Megatron's name of the function.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mapping::CopyTo => "copy_to_tensor_model_parallel_region",
+            Mapping::ReduceFrom => "reduce_from_tensor_model_parallel_region",
+            Mapping::ScatterToTp => "scatter_to_tensor_model_parallel_region",
+            Mapping::GatherFromTp => "gather_from_tensor_model_parallel_region",
+            Mapping::ScatterToSp => "scatter_to_sequence_parallel_region",
+            Mapping::GatherFromSp { .. } => "gather_from_sequence_parallel_region",
+            Mapping::ReduceScatterToSp => "reduce_scatter_to_sequence_parallel_region",
+        }
+    }
+}
+
+/// Applies `mapping` to `x` over `comm`'s group (differentiably).
+pub fn apply<const D: usize>(x: Tensor<D>, mapping: Mapping, comm: &Comm) -> Tensor<D> {
+    if comm.group().size() == 1 {
+        return x;
+    }
+    Tensor::from_dispatch(Dispatch::tensor_parallel_mapping(
+        x.into_dispatch(),
+        mapping,
+        comm.clone(),
+    ))
+}
+
+/// Identity forward; all-reduce of the gradient backward (entering a TP region).
+pub fn copy_to_tensor_model_parallel_region<const D: usize>(x: Tensor<D>, tp: &Comm) -> Tensor<D> {
+    apply(x, Mapping::CopyTo, tp)
+}
+
+/// All-reduce forward (leaving a TP region); identity backward.
+pub fn reduce_from_tensor_model_parallel_region<const D: usize>(
+    x: Tensor<D>,
+    tp: &Comm,
+) -> Tensor<D> {
+    apply(x, Mapping::ReduceFrom, tp)
+}
+
+/// Keeps this rank's slice of the last dim; all-gathers the gradient backward.
+pub fn scatter_to_tensor_model_parallel_region<const D: usize>(
+    x: Tensor<D>,
+    tp: &Comm,
+) -> Tensor<D> {
+    apply(x, Mapping::ScatterToTp, tp)
+}
+
+/// All-gathers the last dim (in rank order); keeps this rank's slice of the gradient.
+pub fn gather_from_tensor_model_parallel_region<const D: usize>(
+    x: Tensor<D>,
+    tp: &Comm,
+) -> Tensor<D> {
+    apply(x, Mapping::GatherFromTp, tp)
+}
+
+/// Keeps this rank's slice of dim 0 (the sequence); all-gathers the gradient backward.
+pub fn scatter_to_sequence_parallel_region<const D: usize>(x: Tensor<D>, tp: &Comm) -> Tensor<D> {
+    apply(x, Mapping::ScatterToSp, tp)
+}
+
+/// All-gathers dim 0. Backward reduce-scatters the gradient when
+/// `tensor_parallel_output_grad` (the output feeds a TP region, so each rank's gradient is
+/// partial), else keeps this rank's slice.
+pub fn gather_from_sequence_parallel_region<const D: usize>(
+    x: Tensor<D>,
+    tp: &Comm,
+    tensor_parallel_output_grad: bool,
+) -> Tensor<D> {
+    apply(
+        x,
+        Mapping::GatherFromSp {
+            tensor_parallel_output_grad,
+        },
+        tp,
+    )
+}
+
+/// Reduce-scatters dim 0 (leaving a TP region into the sequence-parallel one); all-gathers
+/// the gradient backward.
+pub fn reduce_scatter_to_sequence_parallel_region<const D: usize>(
+    x: Tensor<D>,
+    tp: &Comm,
+) -> Tensor<D> {
+    apply(x, Mapping::ReduceScatterToSp, tp)
+}

@@ -1,0 +1,48 @@
+//! Tensor parallelism: Megatron's communication mappings as differentiable Burn ops, and the
+//! layers a Burn user swaps in.
+//!
+//! - [`mappings`]: copy / reduce / scatter / gather, tensor- and sequence-parallel.
+//! - [`ColumnParallelLinear`], [`RowParallelLinear`]: split linear layers.
+//! - [`MasterInit`], [`derive_seed`]: initialisation independent of the TP size.
+//! - [`ParallelAttrs`]: per-parameter parallel attributes, queryable by `ParamId`.
+
+mod attrs;
+mod init;
+mod layers;
+pub mod mappings;
+mod vocab;
+
+pub use attrs::{ParallelAttrs, parallel_attrs, set_parallel_attrs};
+pub use init::{MasterInit, derive_seed};
+pub use layers::{
+    ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+};
+pub use vocab::{DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size, vocab_range};
+
+use crate::comm::CommError;
+use burn::module::Param;
+use burn::tensor::{Device, Tensor, TensorData};
+
+/// Why a tensor-parallel layer could not be built or gathered.
+#[derive(Debug, thiserror::Error)]
+pub enum TpError {
+    /// A size does not split over the tensor-parallel ranks.
+    #[error("{0}")]
+    Indivisible(String),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+/// A trainable parameter of `shape` from host values, with its parallel attributes recorded.
+pub(crate) fn shard_param<const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &Device,
+    attrs: ParallelAttrs,
+) -> Param<Tensor<D>> {
+    let tensor = Tensor::<D>::from_data(TensorData::new(values, shape), device);
+    let param = Param::from_tensor(tensor);
+    set_parallel_attrs(param.id, attrs);
+    param
+}
