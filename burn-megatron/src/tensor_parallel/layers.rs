@@ -7,7 +7,7 @@
 //! sequence, Megatron's `[s, b, h]` layout).
 
 use super::attrs::{ParallelAttrs, set_parallel_attrs};
-use super::init::{MasterInit, slice_cols};
+use super::init::{MasterInit, slice_cols, slice_rows};
 use super::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
@@ -243,7 +243,7 @@ impl RowParallelLinearConfig {
         let full = self
             .initializer
             .values(self.d_input * self.d_output, self.d_input, self.seed);
-        let w = full[rank * part * self.d_output..(rank + 1) * part * self.d_output].to_vec();
+        let w = slice_rows(&full, self.d_output, rank * part, part);
         let weight = shard_param(w, [part, self.d_output], device, ParallelAttrs::sharded(0));
         let bias = self.bias.then(|| {
             let b = self

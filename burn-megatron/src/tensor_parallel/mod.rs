@@ -7,12 +7,14 @@
 //! - [`ParallelAttrs`]: per-parameter parallel attributes, queryable by `ParamId`.
 
 mod attrs;
+mod cross_entropy;
 mod init;
 mod layers;
 pub mod mappings;
 mod vocab;
 
 pub use attrs::{ParallelAttrs, parallel_attrs, set_parallel_attrs};
+pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
 pub use init::{MasterInit, derive_seed};
 pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,

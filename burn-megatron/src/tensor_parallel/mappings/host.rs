@@ -151,3 +151,48 @@ fn interleave_columns(buf: &Buffer, n: usize, cols: usize) -> Buffer {
         Buffer::I64(v) => go!(v, I64),
     }
 }
+
+/// All-reduces several tensors with one collective (packed into one buffer). Shapes are
+/// kept; all must share a dtype.
+pub(crate) fn all_reduce_many<B: Backend, const N: usize>(
+    tensors: [FloatTensor<B>; N],
+    op: ReduceOp,
+    comm: &Comm,
+) -> [FloatTensor<B>; N] {
+    if comm.group().size() == 1 {
+        return tensors;
+    }
+    let device = tensors[0].device();
+    let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape().to_vec()).collect();
+    let bufs: Vec<Buffer> = tensors
+        .into_iter()
+        .map(|t| {
+            let data = try_read_sync(B::float_into_data(t))
+                .expect("synchronous reads are supported on this platform")
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "all_reduce on group {}: reading a tensor failed: {e:?}",
+                        comm.group()
+                    )
+                });
+            data_to_buffer(data)
+                .unwrap_or_else(|e| panic!("all_reduce on group {}: {e}", comm.group()))
+        })
+        .collect();
+    let dtype = bufs[0].dtype();
+    let mut packed = Buffer::concat(dtype, &bufs);
+    comm.all_reduce(&mut packed, op)
+        .unwrap_or_else(|e| panic!("tensor-parallel all_reduce failed: {e}"));
+    let mut at = 0;
+    let out: Vec<FloatTensor<B>> = shapes
+        .into_iter()
+        .map(|shape| {
+            let len: usize = shape.iter().product();
+            let part = packed.slice(at..at + len);
+            at += len;
+            B::float_from_data(crate::comm::tensor::buffer_to_data(part, shape), &device)
+        })
+        .collect();
+    out.try_into()
+        .unwrap_or_else(|_| unreachable!("one output per input"))
+}

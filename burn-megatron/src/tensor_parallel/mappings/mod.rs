@@ -17,7 +17,7 @@
 //! message; under [`launch::threads`](crate::launch::threads) that is reported with the rank
 //! and the peers fail promptly.
 
-mod host;
+pub(crate) mod host;
 mod ops;
 
 #[cfg(test)]

@@ -1,0 +1,146 @@
+use super::*;
+use crate::comm::CommError;
+use crate::launch::{LaunchOptions, threads};
+use crate::topology::ParallelConfig;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{DType, Device, TensorData};
+use std::time::Duration;
+
+const N: usize = 6;
+const V: usize = 8;
+
+/// Full logits with a wide range, and targets spread over every slice.
+fn full_logits(device: &Device) -> Tensor<2> {
+    let v: Vec<f32> = (0..N * V)
+        .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.7 + if i % 9 == 0 { 30.0 } else { 0.0 })
+        .collect();
+    Tensor::from_data(TensorData::new(v, [N, V]), device)
+}
+
+fn targets(device: &Device) -> Tensor<1, Int> {
+    Tensor::from_ints([0, 7, 3, 4, 1, 6], device)
+}
+
+/// Per-token weights on the loss, so the backward's scaling by the incoming gradient shows.
+fn weights(device: &Device) -> Tensor<1> {
+    Tensor::from_floats([1.0, 0.5, 2.0, 1.5, 0.25, 3.0], device)
+}
+
+fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.cast(DType::F32).into_data().try_to_vec().unwrap()
+}
+
+/// Single-device smoothed cross-entropy and its gradient, from Burn ops.
+fn reference(smoothing: f32) -> (Vec<f32>, Vec<f32>) {
+    let device = Device::flex().autodiff();
+    let logits = full_logits(&device).require_grad();
+    let logp = log_softmax(logits.clone(), 1);
+    let nll = logp
+        .clone()
+        .gather(1, targets(&device).unsqueeze_dim(1))
+        .squeeze_dim::<1>(1)
+        .neg();
+    let smooth = logp.mean_dim(1).squeeze_dim::<1>(1).neg();
+    let loss = nll * (1.0 - smoothing) + smooth * smoothing;
+    let grads = (loss.clone() * weights(&device)).sum().backward();
+    (to_vec(loss.inner()), to_vec(logits.grad(&grads).unwrap()))
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+#[test]
+fn equals_single_device_cross_entropy_at_every_tp_size() {
+    for smoothing in [0.0, 0.1] {
+        let (ref_loss, ref_grad) = reference(smoothing);
+        for tp in [1, 2, 4] {
+            let out = threads(
+                &ParallelConfig::new(tp, tp, 1),
+                LaunchOptions::default().with_timeout(Duration::from_secs(5)),
+                |ctx| {
+                    let part = V / tp;
+                    let rank = ctx.state.tensor_model_parallel_rank();
+                    let local = full_logits(&ctx.device)
+                        .narrow(1, rank * part, part)
+                        .require_grad();
+                    let loss = vocab_parallel_cross_entropy(
+                        local.clone(),
+                        targets(&ctx.device),
+                        smoothing,
+                        &ctx.groups.tp,
+                    )
+                    .map_err(|e| e.to_string())?;
+                    let grads = (loss.clone() * weights(&ctx.device)).sum().backward();
+                    let grad = local.grad(&grads).unwrap();
+                    let full = crate::comm::tensor::all_gather(&*ctx.groups.tp, grad, 1)
+                        .map_err(|e| e.to_string())?;
+                    Ok::<_, String>((to_vec(loss.inner()), to_vec(full)))
+                },
+            )
+            .unwrap();
+            for (loss, grad) in out {
+                assert_close(
+                    &loss,
+                    &ref_loss,
+                    1e-5,
+                    &format!("loss tp {tp} ε {smoothing}"),
+                );
+                assert_close(
+                    &grad,
+                    &ref_grad,
+                    1e-5,
+                    &format!("grad tp {tp} ε {smoothing}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_logits_get_f32_loss_and_bf16_gradient() {
+    let out = threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let rank = ctx.state.tensor_model_parallel_rank();
+            let local = full_logits(&ctx.device)
+                .narrow(1, rank * 4, 4)
+                .cast(DType::BF16)
+                .require_grad();
+            let loss = vocab_parallel_cross_entropy(
+                local.clone(),
+                targets(&ctx.device),
+                0.0,
+                &ctx.groups.tp,
+            )
+            .unwrap();
+            let grads = loss.clone().sum().backward();
+            Ok::<_, CommError>((loss.dtype(), local.grad(&grads).unwrap().dtype()))
+        },
+    )
+    .unwrap();
+    assert!(
+        out.iter().all(|&d| d == (DType::F32, DType::BF16)),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn invalid_smoothing_is_an_error() {
+    let tp: crate::comm::Comm = std::sync::Arc::new(
+        crate::comm::LocalWorld::new(1)
+            .communicator("tp", vec![0], 0)
+            .unwrap(),
+    );
+    let d = Device::flex();
+    let e = vocab_parallel_cross_entropy(full_logits(&d), targets(&d), 1.0, &tp).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("label smoothing must be in [0, 1), got 1"),
+        "{e}"
+    );
+}
