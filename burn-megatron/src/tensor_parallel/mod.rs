@@ -4,21 +4,29 @@
 //! - [`mappings`]: copy / reduce / scatter / gather, tensor- and sequence-parallel.
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`]: split linear layers.
 //! - [`MasterInit`], [`derive_seed`]: initialisation independent of the TP size.
+//! - [`VocabParallelEmbedding`], [`vocab_parallel_cross_entropy`]: the vocabulary split by rows.
+//! - [`RngTracker`]: dropout masks shared or distinct across TP ranks, as the region needs.
 //! - [`ParallelAttrs`]: per-parameter parallel attributes, queryable by `ParamId`.
 
 mod attrs;
 mod cross_entropy;
+mod embedding;
+mod grads;
 mod init;
 mod layers;
 pub mod mappings;
+pub mod random;
 mod vocab;
 
 pub use attrs::{ParallelAttrs, parallel_attrs, set_parallel_attrs};
 pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
+pub use embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
+pub use grads::allreduce_sequence_parallel_grads;
 pub use init::{MasterInit, derive_seed};
 pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
+pub use random::{RngRegion, RngTracker};
 pub use vocab::{DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size, vocab_range};
 
 use crate::comm::CommError;

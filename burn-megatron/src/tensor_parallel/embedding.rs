@@ -1,0 +1,132 @@
+//! `VocabParallelEmbedding`: the embedding table split by vocabulary rows.
+
+use super::attrs::ParallelAttrs;
+use super::init::{MasterInit, slice_rows};
+use super::layers::partition;
+use super::mappings::{
+    reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
+};
+use super::{TpError, shard_param};
+use crate::comm::Comm;
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::Embedding;
+use burn::tensor::module::embedding;
+use burn::tensor::{Device, Int, Tensor};
+
+/// Configuration of a [`VocabParallelEmbedding`].
+#[derive(Config, Debug)]
+pub struct VocabParallelEmbeddingConfig {
+    /// Vocabulary size, divisible by the tensor-parallel size (see
+    /// [`padded_vocab_size`](super::padded_vocab_size)).
+    pub num_embeddings: usize,
+    /// Embedding width.
+    pub embedding_dim: usize,
+    /// Reduce-scatter the output into the sequence-parallel region (`[s / tp, b, d]`).
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Initialisation of the full table (Burn's `Embedding` uses N(0, 1)).
+    #[config(default = "MasterInit::Normal { mean: 0.0, std: 1.0 }")]
+    pub initializer: MasterInit,
+    /// Seed of the full table.
+    #[config(default = 0)]
+    pub seed: u64,
+}
+
+/// An embedding whose rows (vocabulary ids) are split across tensor-parallel ranks.
+///
+/// Each rank looks up the ids in its range `[start, end)`, zeroes the rows of the others,
+/// and the partial results are summed over the group.
+#[derive(Module, Debug)]
+pub struct VocabParallelEmbedding {
+    /// This rank's rows, `[num_embeddings / tp, embedding_dim]`.
+    pub weight: Param<Tensor<2>>,
+    #[module(skip)]
+    tp: Comm,
+    #[module(skip)]
+    sequence_parallel: bool,
+}
+
+impl VocabParallelEmbeddingConfig {
+    /// Initialises this rank's rows on `device` (independent of the TP size). Fails when
+    /// the vocabulary does not split evenly over the group.
+    pub fn init(&self, tp: &Comm, device: &Device) -> Result<VocabParallelEmbedding, TpError> {
+        let part = partition(self.num_embeddings, tp.group().size(), "vocabulary entries")?;
+        let full = self.initializer.values(
+            self.num_embeddings * self.embedding_dim,
+            self.embedding_dim,
+            self.seed,
+        );
+        let rows = slice_rows(&full, self.embedding_dim, tp.group().rank() * part, part);
+        Ok(VocabParallelEmbedding {
+            weight: shard_param(
+                rows,
+                [part, self.embedding_dim],
+                device,
+                ParallelAttrs::sharded(0),
+            ),
+            tp: tp.clone(),
+            sequence_parallel: self.sequence_parallel,
+        })
+    }
+}
+
+impl VocabParallelEmbedding {
+    /// Takes this rank's rows of a plain Burn `Embedding` (the same table on every rank).
+    pub fn from_embedding(
+        embedding: &Embedding,
+        sequence_parallel: bool,
+        tp: &Comm,
+    ) -> Result<Self, TpError> {
+        let [vocab, _] = embedding.weight.dims();
+        let part = partition(vocab, tp.group().size(), "vocabulary entries")?;
+        let rows = embedding
+            .weight
+            .val()
+            .narrow(0, tp.group().rank() * part, part);
+        let weight = Param::from_tensor(rows.detach().require_grad());
+        super::set_parallel_attrs(weight.id, ParallelAttrs::sharded(0));
+        Ok(Self {
+            weight,
+            tp: tp.clone(),
+            sequence_parallel,
+        })
+    }
+
+    /// The vocabulary ids `[start, end)` this rank holds.
+    pub fn vocab_range(&self) -> (usize, usize) {
+        let part = self.weight.dims()[0];
+        let start = self.tp.group().rank() * part;
+        (start, start + part)
+    }
+
+    /// `[b, s]` ids → `[b, s, d]` embeddings; under sequence parallelism `[s / tp, b, d]`
+    /// (sequence first, split over the group).
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let out = if self.tp.group().size() == 1 {
+            embedding(self.weight.val(), ids)
+        } else {
+            let (start, end) = self.vocab_range();
+            let outside = ids
+                .clone()
+                .lower_elem(start as i64)
+                .bool_or(ids.clone().greater_equal_elem(end as i64));
+            let local = (ids - start as i64).mask_fill(outside.clone(), 0);
+            let keep = outside.bool_not().float().unsqueeze_dim::<3>(2);
+            embedding(self.weight.val(), local) * keep
+        };
+        if self.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(out.swap_dims(0, 1), &self.tp)
+        } else {
+            reduce_from_tensor_model_parallel_region(out, &self.tp)
+        }
+    }
+
+    /// Gathers every rank's rows back into the full plain Burn `Embedding` (a collective).
+    pub fn to_embedding(&self) -> Result<Embedding, TpError> {
+        let w = crate::comm::tensor::all_gather(&*self.tp, self.weight.val().detach(), 0)?;
+        Ok(Embedding {
+            weight: Param::from_tensor(w),
+        })
+    }
+}

@@ -1,0 +1,147 @@
+//! Dropout randomness that is the same or different across tensor-parallel ranks, as the
+//! region requires (Megatron's CUDA RNG tracker).
+//!
+//! Outside tensor-parallel regions activations are duplicated on every TP rank, so their
+//! dropout masks must agree: they come from the default stream, seeded with `seed` on every
+//! rank. Inside a region (e.g. attention probabilities of this rank's heads) each rank holds
+//! different data and draws from the model-parallel stream, seeded with
+//! `seed + 2718 + tp_rank`. Both streams are ChaCha8 on the host: reproducible from the
+//! seed, independent of the device and of other threads.
+
+use burn::tensor::{Tensor, TensorCreationOptions, TensorData};
+use rand::rngs::ChaCha8Rng;
+use rand::{RngExt, SeedableRng};
+use std::sync::{Arc, Mutex};
+
+/// Megatron's offset of the model-parallel seed.
+pub const MODEL_PARALLEL_SEED_OFFSET: u64 = 2718;
+
+/// Which stream a dropout draws from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RngRegion {
+    /// Duplicated activations: the same mask on every TP rank.
+    Default,
+    /// Tensor-parallel activations: a different mask on each TP rank.
+    TensorModelParallel,
+}
+
+#[derive(Debug)]
+struct Streams {
+    default: ChaCha8Rng,
+    model_parallel: ChaCha8Rng,
+}
+
+/// One rank's dropout streams. Clones share the streams.
+#[derive(Debug, Clone)]
+pub struct RngTracker {
+    streams: Arc<Mutex<Streams>>,
+    seed: u64,
+    tp_rank: usize,
+}
+
+impl RngTracker {
+    /// The streams of tensor-parallel rank `tp_rank` for `seed`.
+    pub fn new(seed: u64, tp_rank: usize) -> Self {
+        Self {
+            streams: Arc::new(Mutex::new(Streams {
+                default: ChaCha8Rng::seed_from_u64(seed),
+                model_parallel: ChaCha8Rng::seed_from_u64(Self::model_parallel_seed(seed, tp_rank)),
+            })),
+            seed,
+            tp_rank,
+        }
+    }
+
+    /// `seed + 2718 + tp_rank`.
+    pub fn model_parallel_seed(seed: u64, tp_rank: usize) -> u64 {
+        seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank as u64
+    }
+
+    /// The seed and tensor-parallel rank the tracker was built with.
+    pub fn seed(&self) -> (u64, usize) {
+        (self.seed, self.tp_rank)
+    }
+
+    /// `count` keep-flags (1 with probability `1 − prob`) from `region`'s stream.
+    pub fn keep_mask(&self, count: usize, prob: f64, region: RngRegion) -> Vec<f32> {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        let rng = match region {
+            RngRegion::Default => &mut streams.default,
+            RngRegion::TensorModelParallel => &mut streams.model_parallel,
+        };
+        (0..count)
+            .map(|_| if rng.random::<f64>() < prob { 0.0 } else { 1.0 })
+            .collect()
+    }
+
+    /// Inverted dropout of `x` with drop probability `prob`, drawing from `region`'s stream.
+    /// Applied only to tensors on an autodiff device (training), as Burn's `Dropout`.
+    pub fn dropout<const D: usize>(&self, x: Tensor<D>, prob: f64, region: RngRegion) -> Tensor<D> {
+        if prob <= 0.0 || !x.is_autodiff() {
+            return x;
+        }
+        let dims = x.dims();
+        let mask: Vec<f32> = self
+            .keep_mask(dims.iter().product(), prob, region)
+            .into_iter()
+            .map(|k| k / (1.0 - prob) as f32)
+            .collect();
+        let options = TensorCreationOptions::new(x.device()).with_dtype(x.dtype());
+        x * Tensor::<D>::from_data(TensorData::new(mask, dims), options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_stream_agrees_across_tp_ranks_and_model_parallel_differs() {
+        let a = RngTracker::new(7, 0);
+        let b = RngTracker::new(7, 1);
+        assert_eq!(
+            a.keep_mask(64, 0.5, RngRegion::Default),
+            b.keep_mask(64, 0.5, RngRegion::Default)
+        );
+        assert_ne!(
+            a.keep_mask(64, 0.5, RngRegion::TensorModelParallel),
+            b.keep_mask(64, 0.5, RngRegion::TensorModelParallel)
+        );
+        assert_eq!(RngTracker::model_parallel_seed(7, 1), 7 + 2718 + 1);
+    }
+
+    #[test]
+    fn streams_are_reproducible_from_the_seed() {
+        let draw = || {
+            let t = RngTracker::new(3, 2);
+            (
+                t.keep_mask(32, 0.3, RngRegion::TensorModelParallel),
+                t.keep_mask(32, 0.3, RngRegion::Default),
+            )
+        };
+        assert_eq!(draw(), draw());
+        let m = RngTracker::new(3, 0).keep_mask(10_000, 0.3, RngRegion::Default);
+        let dropped = m.iter().filter(|&&k| k == 0.0).count() as f64 / 1e4;
+        assert!((dropped - 0.3).abs() < 0.02, "{dropped}");
+    }
+
+    #[test]
+    fn dropout_scales_kept_values_and_is_off_without_autodiff() {
+        use burn::tensor::Device;
+        let t = RngTracker::new(1, 0);
+        let x = Tensor::<1>::ones([1000], &Device::flex().autodiff());
+        let y: Vec<f32> = t
+            .dropout(x, 0.5, RngRegion::Default)
+            .into_data()
+            .try_to_vec()
+            .unwrap();
+        assert!(y.iter().all(|&v| v == 0.0 || v == 2.0));
+        let plain = Tensor::<1>::ones([4], &Device::flex());
+        let z: Vec<f32> = t
+            .dropout(plain, 0.5, RngRegion::Default)
+            .into_data()
+            .try_to_vec()
+            .unwrap();
+        assert_eq!(z, vec![1.0; 4]);
+    }
+}
