@@ -1,1 +1,73 @@
-//! Integration tests live under `tests/tests/`.
+//! Helpers shared by the integration and parity tests under `tests/tests/`.
+
+use burn::module::Param;
+use burn::nn::{Embedding, Linear};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_megatron::tensor_parallel::MasterInit;
+
+/// A plain Burn `Linear` whose weight and bias are drawn from `seed` on the host (the same
+/// on every rank and in every process).
+pub fn seeded_linear(d_input: usize, d_output: usize, seed: u64, device: &Device) -> Linear {
+    let w = MasterInit::KaimingUniform.values(d_input * d_output, d_input, seed);
+    let b = MasterInit::Uniform {
+        low: -0.2,
+        high: 0.2,
+    }
+    .values(d_output, d_input, seed + 1);
+    Linear {
+        weight: Param::from_tensor(Tensor::from_data(
+            TensorData::new(w, [d_input, d_output]),
+            device,
+        )),
+        bias: Some(Param::from_tensor(Tensor::from_data(
+            TensorData::new(b, [d_output]),
+            device,
+        ))),
+    }
+}
+
+/// A plain Burn `Embedding` drawn from `seed` on the host.
+pub fn seeded_embedding(vocab: usize, dim: usize, seed: u64, device: &Device) -> Embedding {
+    let w = MasterInit::Normal {
+        mean: 0.0,
+        std: 1.0,
+    }
+    .values(vocab * dim, dim, seed);
+    Embedding {
+        weight: Param::from_tensor(Tensor::from_data(TensorData::new(w, [vocab, dim]), device)),
+    }
+}
+
+/// A tensor's values as f32.
+pub fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.cast(DType::F32)
+        .into_data()
+        .try_to_vec()
+        .expect("float data")
+}
+
+/// Asserts `a` and `b` agree element-wise within `tol` (absolute), naming the first
+/// difference.
+pub fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tol,
+            "{what}[{i}]: {x} vs {y} (tolerance {tol})"
+        );
+    }
+}
+
+/// A deterministic tensor of `shape` for step `step`, values in about [-1, 1].
+pub fn data<const D: usize>(
+    shape: [usize; D],
+    step: usize,
+    salt: usize,
+    device: &Device,
+) -> Tensor<D> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| (((i * 7919 + step * 104_729 + salt * 13) % 2003) as f32 / 1001.5) - 1.0)
+        .collect();
+    Tensor::from_data(TensorData::new(v, shape), device)
+}
