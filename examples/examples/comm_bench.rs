@@ -84,8 +84,8 @@ fn main() {
     let args = Args::parse();
     println!("local backend bus bandwidth (GB/s), f32; ratio = bus bw / single-thread memcpy bw");
     println!(
-        "{:>10} {:>6} {:>9} {:>12} {:>12} {:>9} {:>12} {:>9}",
-        "op", "world", "size", "time", "bus bw", "ratio", "memcpy bw", ""
+        "{:>10} {:>6} {:>10} {:>12} {:>12} {:>9} {:>12}",
+        "op", "world", "size", "time", "bus bw", "ratio", "memcpy bw"
     );
     let mut mib = 1;
     while mib <= args.max_mib {
@@ -101,11 +101,9 @@ fn main() {
                 };
                 let bus = bytes / secs * factor / 1e9;
                 println!(
-                    "{name:>10} {n:>6} {:>6} MiB {:>9.2} ms {bus:>12.2} {:>9.3} {memcpy:>12.2}",
-                    mib,
+                    "{name:>10} {n:>6} {mib:>6} MiB {:>9.2} ms {bus:>12.2} {:>9.3} {memcpy:>12.2}",
                     secs * 1e3,
                     bus / memcpy,
-                    ""
                 );
             }
         }
