@@ -39,19 +39,18 @@ fn time_op(op: Op, n: usize, mib: usize, iters: usize) -> f64 {
                 let comm = world.communicator("bench", (0..n).collect(), rank).unwrap();
                 let mut times = Vec::new();
                 for i in 0..iters + 1 {
-                    let data = vec![rank as f32; elems];
+                    // All-gather: each rank contributes 1/n so the gathered output is `mib`.
+                    let len = if matches!(op, Op::AllGather) {
+                        elems / n
+                    } else {
+                        elems
+                    };
+                    let mut buf = Buffer::F32(vec![rank as f32; len]);
                     comm.barrier().unwrap();
                     let t = Instant::now();
                     match op {
-                        Op::AllReduce => {
-                            let mut buf = Buffer::F32(data);
-                            comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
-                        }
-                        Op::AllGather => {
-                            // Each rank contributes 1/n so the gathered output is `mib`.
-                            let part = Buffer::F32(data[..elems / n].to_vec());
-                            comm.all_gather(part).unwrap();
-                        }
+                        Op::AllReduce => comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap(),
+                        Op::AllGather => drop(comm.all_gather(buf).unwrap()),
                     }
                     comm.barrier().unwrap();
                     if i > 0 {

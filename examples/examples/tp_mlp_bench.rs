@@ -24,18 +24,35 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let device = Device::flex().autodiff();
-    let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).expect("group of one"));
+    let tp: Comm = Arc::new(
+        LocalWorld::new(1)
+            .communicator("tp", vec![0], 0)
+            .expect("group of one"),
+    );
     let iters = 30;
-    println!("{:>6} {:>6} {:>7} {:>12} {:>12} {:>8}", "d", "ffn", "tokens", "burn (ms)", "tp=1 (ms)", "ratio");
+    println!(
+        "{:>6} {:>6} {:>7} {:>12} {:>12} {:>8}",
+        "d", "ffn", "tokens", "burn (ms)", "tp=1 (ms)", "ratio"
+    );
     for (d, ffn, tokens) in [(256, 1024, 256), (512, 2048, 256), (1024, 4096, 128)] {
-        let col = ColumnParallelLinearConfig::new(d, ffn).with_seed(1).init(&tp, &device).expect("init");
-        let row = RowParallelLinearConfig::new(ffn, d).with_seed(2).init(&tp, &device).expect("init");
+        let col = ColumnParallelLinearConfig::new(d, ffn)
+            .with_seed(1)
+            .init(&tp, &device)
+            .expect("init");
+        let row = RowParallelLinearConfig::new(ffn, d)
+            .with_seed(2)
+            .init(&tp, &device)
+            .expect("init");
         let plain = |w: &Param<Tensor<2>>, b: &Option<Param<Tensor<1>>>| Linear {
             weight: Param::from_tensor(w.val().detach().require_grad()),
-            bias: b.as_ref().map(|b| Param::from_tensor(b.val().detach().require_grad())),
+            bias: b
+                .as_ref()
+                .map(|b| Param::from_tensor(b.val().detach().require_grad())),
         };
         let (fc1, fc2) = (plain(&col.weight, &col.bias), plain(&row.weight, &row.bias));
-        let x: Vec<f32> = (0..tokens * d).map(|i| ((i % 101) as f32 / 50.0) - 1.0).collect();
+        let x: Vec<f32> = (0..tokens * d)
+            .map(|i| ((i % 101) as f32 / 50.0) - 1.0)
+            .collect();
         let x = Tensor::<2>::from_data(TensorData::new(x, [tokens, d]), &device);
 
         let run_plain = |x: Tensor<2>| {
@@ -57,6 +74,11 @@ fn main() {
             b.push(t.elapsed().as_secs_f64());
         }
         let (a, b) = (median(a), median(b));
-        println!("{d:>6} {ffn:>6} {tokens:>7} {:>12.3} {:>12.3} {:>8.3}", a * 1e3, b * 1e3, b / a);
+        println!(
+            "{d:>6} {ffn:>6} {tokens:>7} {:>12.3} {:>12.3} {:>8.3}",
+            a * 1e3,
+            b * 1e3,
+            b / a
+        );
     }
 }

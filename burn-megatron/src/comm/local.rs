@@ -451,15 +451,28 @@ impl Communicator for LocalCommunicator {
                 None => Vec::new(),
             },
         )?;
-        let partials: Vec<Arc<Buffer>> = state.slots[&seq]
-            .partials
-            .iter()
-            .flatten()
-            .cloned()
-            .collect();
+        let mut state = state;
+        let slot = state
+            .slots
+            .get_mut(&seq)
+            .expect("slot lives until every member finished");
+        let partials: Vec<Arc<Buffer>> = slot.partials.iter().flatten().cloned().collect();
+        // Every member has reduced its chunk, so nobody reads the inputs any more: reuse
+        // this member's input allocation for the result (no fresh pages to fault in).
+        let own = slot.inputs[me].take().and_then(|b| Arc::try_unwrap(b).ok());
         drop(state);
         self.finish(seq);
-        *buf = Buffer::concat(dtype, partials.iter().map(|p| p.as_ref()));
+        *buf = match own {
+            Some(mut out) if out.len() == len => {
+                let mut at = 0;
+                for p in &partials {
+                    out.write_at(at, p);
+                    at += p.len();
+                }
+                out
+            }
+            _ => Buffer::concat(dtype, partials.iter().map(|p| p.as_ref())),
+        };
         Ok(())
     }
 

@@ -110,24 +110,32 @@ int_reducible!(i32);
 int_reducible!(i64);
 
 fn reduce_slices<T: Reducible>(inputs: &[&[T]], range: Range<usize>, op: ReduceOp) -> Vec<T> {
+    // One pass per input over contiguous slices, the op chosen outside the loop, so the
+    // inner loop vectorises.
+    fn fold<T: Reducible>(
+        inputs: &[&[T]],
+        range: Range<usize>,
+        f: impl Fn(T::Acc, T::Acc) -> T::Acc,
+    ) -> Vec<T::Acc> {
+        let mut acc: Vec<T::Acc> = inputs[0][range.clone()].iter().map(|x| x.widen()).collect();
+        for input in &inputs[1..] {
+            for (a, x) in acc.iter_mut().zip(&input[range.clone()]) {
+                *a = f(*a, x.widen());
+            }
+        }
+        acc
+    }
     let n = inputs.len();
-    range
-        .map(|i| {
-            let mut acc = inputs[0][i].widen();
-            for input in &inputs[1..] {
-                let x = input[i].widen();
-                acc = match op {
-                    ReduceOp::Sum | ReduceOp::Avg => T::add(acc, x),
-                    ReduceOp::Max => T::max(acc, x),
-                    ReduceOp::Min => T::min(acc, x),
-                };
-            }
-            if op == ReduceOp::Avg {
-                acc = T::div(acc, n);
-            }
-            T::narrow(acc)
-        })
-        .collect()
+    let acc = match op {
+        ReduceOp::Sum | ReduceOp::Avg => fold(inputs, range, T::add),
+        ReduceOp::Max => fold(inputs, range, T::max),
+        ReduceOp::Min => fold(inputs, range, T::min),
+    };
+    if op == ReduceOp::Avg {
+        acc.into_iter().map(|a| T::narrow(T::div(a, n))).collect()
+    } else {
+        acc.into_iter().map(T::narrow).collect()
+    }
 }
 
 /// Reduces elements `range` of every input (all of one dtype and length, checked by the
