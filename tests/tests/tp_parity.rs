@@ -415,3 +415,61 @@ fn sizes_that_do_not_split_over_tp_are_errors() {
     .to_string();
     assert!(err.contains("output features (6)"), "{err}");
 }
+
+#[test]
+fn gather_output_skip_bias_add_and_unsplit_row_input_match_plain_linear() {
+    let device = Device::flex();
+    let x = data([S, B, D], 0, 3, &device);
+    let (l1, l2) = (
+        seeded_linear(D, FFN, 50, &device),
+        seeded_linear(FFN, D, 60, &device),
+    );
+    let want_col = values(l1.forward(x.clone()));
+    let want_row = values(l2.forward(data([S, B, FFN], 0, 4, &device)));
+    let out = threads(&ParallelConfig::new(2, 2, 1), options(), |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let (l1, l2) = (seeded_linear(D, FFN, 50, d), seeded_linear(FFN, D, 60, d));
+        let x = data([S, B, D], 0, 3, d);
+        // gather_output: every rank gets the full output.
+        let gathered = ColumnParallelLinear::from_linear(
+            &l1,
+            &ColumnParallelLinearConfig::new(D, FFN).with_gather_output(true),
+            g,
+        )?;
+        let full = values(gathered.forward(x.clone()));
+        // skip_bias_add: the bias comes back separately and is not in the output.
+        let skip = ColumnParallelLinear::from_linear(
+            &l1,
+            &ColumnParallelLinearConfig::new(D, FFN).with_skip_bias_add(true),
+            g,
+        )?;
+        let (out, bias) = skip.forward_with_bias(x);
+        let with_bias = values(out.clone() + bias.clone().unwrap().unsqueeze());
+        let without = values(out);
+        // A row-parallel layer fed the full (unsplit) input splits it itself.
+        let row = RowParallelLinear::from_linear(
+            &l2,
+            &RowParallelLinearConfig::new(FFN, D).with_input_is_parallel(false),
+            g,
+        )?;
+        let row_out = values(row.forward(data([S, B, FFN], 0, 4, d)));
+        Ok::<_, TpError>((full, with_bias, without, values(bias.unwrap()), row_out))
+    })
+    .unwrap();
+    for (rank, (full, with_bias, without, bias, row_out)) in out.into_iter().enumerate() {
+        assert_close(&full, &want_col, TOL, "gather_output");
+        assert_close(&row_out, &want_row, TOL, "row input split");
+        // This rank's columns of the plain output, with and without the bias.
+        let half = FFN / 2;
+        let mine: Vec<f32> = want_col
+            .chunks(FFN)
+            .flat_map(|r| r[rank * half..(rank + 1) * half].to_vec())
+            .collect();
+        assert_close(&with_bias, &mine, TOL, "skip_bias_add output + bias");
+        assert_eq!(bias.len(), half);
+        assert!(
+            without.iter().zip(&mine).any(|(a, b)| (a - b).abs() > 1e-3),
+            "bias must not be added"
+        );
+    }
+}
