@@ -6,9 +6,11 @@
 //!   context-parallel groups (Megatron-Core's exact rank arithmetic).
 //! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout.
 //! - [`launch`]: run one closure per rank as threads of this process.
+//! - [`optimizer`]: Megatron's learning-rate / weight-decay scheduler.
 //! - [`tensor_parallel`]: differentiable mappings and parallel layers.
 
 pub mod comm;
 pub mod launch;
+pub mod optimizer;
 pub mod tensor_parallel;
 pub mod topology;
