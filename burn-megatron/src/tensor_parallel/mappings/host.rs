@@ -12,6 +12,20 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::try_read_sync;
 
+/// Reads a backend tensor into a host buffer of the same dtype, panicking (inside the graph
+/// there is no error channel) with the op and group named.
+fn read_to_host<B: Backend>(x: FloatTensor<B>, op: &str, comm: &Comm) -> Buffer {
+    let data = try_read_sync(B::float_into_data(x))
+        .expect("synchronous reads are supported on this platform")
+        .unwrap_or_else(|e| {
+            panic!(
+                "{op} on group {}: reading the tensor failed: {e:?}",
+                comm.group()
+            )
+        });
+    data_to_buffer(data).unwrap_or_else(|e| panic!("{op} on group {}: {e}", comm.group()))
+}
+
 /// Runs `mapping`'s forward on `x` over `comm`.
 pub(crate) fn forward<B: Backend>(
     mapping: Mapping,
@@ -27,16 +41,7 @@ pub(crate) fn forward<B: Backend>(
     }
     let device = x.device();
     let dims = x.shape().to_vec();
-    let data = try_read_sync(B::float_into_data(x))
-        .expect("synchronous reads are supported on this platform")
-        .unwrap_or_else(|e| {
-            panic!(
-                "{mapping:?} on group {}: reading the tensor failed: {e:?}",
-                comm.group()
-            )
-        });
-    let buf = data_to_buffer(data)
-        .unwrap_or_else(|e| panic!("{mapping:?} on group {}: {e}", comm.group()));
+    let buf = read_to_host::<B>(x, mapping.name(), comm);
     let (out, out_dims) = exchange(mapping, buf, dims, comm)
         .unwrap_or_else(|e| panic!("tensor-parallel {mapping:?} failed: {e}"));
     let data = crate::comm::tensor::buffer_to_data(out, out_dims);
@@ -166,18 +171,7 @@ pub(crate) fn all_reduce_many<B: Backend, const N: usize>(
     let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape().to_vec()).collect();
     let bufs: Vec<Buffer> = tensors
         .into_iter()
-        .map(|t| {
-            let data = try_read_sync(B::float_into_data(t))
-                .expect("synchronous reads are supported on this platform")
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "all_reduce on group {}: reading a tensor failed: {e:?}",
-                        comm.group()
-                    )
-                });
-            data_to_buffer(data)
-                .unwrap_or_else(|e| panic!("all_reduce on group {}: {e}", comm.group()))
-        })
+        .map(|t| read_to_host::<B>(t, "all_reduce", comm))
         .collect();
     let dtype = bufs[0].dtype();
     let mut packed = Buffer::concat(dtype, &bufs);
