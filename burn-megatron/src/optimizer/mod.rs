@@ -1,13 +1,16 @@
 //! Optimizer-side pieces of Megatron training. So far: the learning-rate / weight-decay
 //! scheduler ([`OptimizerParamScheduler`]) and the loss scalers ([`DynamicGradScaler`],
-//! [`ConstantGradScaler`]).
+//! [`ConstantGradScaler`]), and the global gradient norm with tensor-parallel
+//! de-duplication ([`global_grad_norm`], [`clip_grads_by_total_norm`]).
 
+mod grad_norm;
 mod grad_scaler;
 mod scheduler;
 
 #[cfg(test)]
 mod tests;
 
+pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
 pub use scheduler::{
     LrDecayStyle, OptimizerParamScheduler, OptimizerParamSchedulerConfig, ParamGroupSchedule,
