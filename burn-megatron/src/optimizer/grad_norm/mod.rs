@@ -41,7 +41,7 @@ pub(crate) fn with_grad<R>(
     f: impl FnOnce(Tensor<1>) -> R,
 ) -> Option<R> {
     match dims {
-        1 => grads.get::<1>(id).map(|g| f(g)),
+        1 => grads.get::<1>(id).map(f),
         2 => grads.get::<2>(id).map(|g| f(g.flatten(0, 1))),
         3 => grads.get::<3>(id).map(|g| f(g.flatten(0, 2))),
         4 => grads.get::<4>(id).map(|g| f(g.flatten(0, 3))),
