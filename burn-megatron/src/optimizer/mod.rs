@@ -5,6 +5,7 @@
 
 mod grad_norm;
 mod grad_scaler;
+mod megatron;
 mod scheduler;
 
 #[cfg(test)]
@@ -12,6 +13,7 @@ mod tests;
 
 pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
+pub use megatron::{MegatronOptimizer, StepReport};
 pub use scheduler::{
     LrDecayStyle, OptimizerParamScheduler, OptimizerParamSchedulerConfig, ParamGroupSchedule,
     WdIncrStyle, WsdDecayStyle,

@@ -1,0 +1,213 @@
+//! `MegatronOptimizer`: mixed precision (FP32 master weights), loss scaling with overflow
+//! skipping, and clipping by the global gradient norm, around any burn-optim optimizer.
+
+use super::grad_norm::{NormType, clip_grads_by_total_norm, float_params, global_grad_norm};
+use super::grad_scaler::GradScaler;
+use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{DType, Tensor};
+
+/// What one [`MegatronOptimizer::step`] did, for logging.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Whether the weights were updated (false: overflow, step skipped).
+    pub updated: bool,
+    /// The global gradient norm (unscaled), when the step was not skipped.
+    pub grad_norm: Option<f64>,
+    /// The clipping coefficient applied (1 when none).
+    pub clip_coeff: f64,
+    /// The loss scale used for this step's gradients.
+    pub loss_scale: f64,
+}
+
+/// Wraps a burn-optim optimizer the way Megatron wraps torch optimizers.
+///
+/// One step: gradients cast to f32 and multiplied by `1 / loss_scale` → inf/NaN check agreed
+/// across the model-parallel group (max-reduce) → on overflow the step is skipped, weights and
+/// optimizer state untouched, the scaler updated → otherwise clip by the global norm → inner
+/// step on the FP32 master weights → copy back to the model's dtype. FP32 models are stepped
+/// directly (no master copy).
+pub struct MegatronOptimizer<M: Module> {
+    inner: ModuleOptimizer,
+    master: Option<M>,
+    model_dtype: DType,
+    scaler: Option<Box<dyn GradScaler>>,
+    clip_grad: f64,
+    norm_type: NormType,
+    model_parallel: Comm,
+    tp_rank: usize,
+}
+
+impl<M: Module> std::fmt::Debug for MegatronOptimizer<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MegatronOptimizer")
+            .field("model_dtype", &self.model_dtype)
+            .field("scaler", &self.scaler)
+            .field("clip_grad", &self.clip_grad)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Casts every float parameter, keeping ids and whether it requires grad.
+struct Cast(DType);
+
+impl ModuleMapper for Cast {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, t, mapper) = p.consume();
+        let rg = t.is_require_grad();
+        Param::from_mapped_value(id, t.cast(self.0).detach().set_require_grad(rg), mapper)
+    }
+}
+
+fn model_dtype<M: Module>(model: &M) -> DType {
+    struct First(Option<DType>);
+    impl burn::module::ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.get_or_insert(p.val().dtype());
+        }
+    }
+    let mut first = First(None);
+    model.visit(&mut first);
+    first.0.unwrap_or(DType::F32)
+}
+
+impl<M: Module + Clone> MegatronOptimizer<M> {
+    /// Wraps `inner` for `model` (whose dtype decides whether FP32 master weights are kept).
+    /// `model_parallel` is the tp × pp group over which the overflow check and the grad norm
+    /// are reduced; `tp_rank` decides which duplicated parameters count in the norm.
+    pub fn new(
+        inner: impl Into<ModuleOptimizer>,
+        model: &M,
+        model_parallel: Comm,
+        tp_rank: usize,
+    ) -> Self {
+        let dtype = model_dtype(model);
+        let master = (dtype != DType::F32).then(|| model.clone().map(&mut Cast(DType::F32)));
+        Self {
+            inner: inner.into(),
+            master,
+            model_dtype: dtype,
+            scaler: None,
+            clip_grad: 0.0,
+            norm_type: NormType::L2,
+            model_parallel,
+            tp_rank,
+        }
+    }
+
+    /// Scales losses with `scaler` (f16 training).
+    pub fn with_grad_scaler(mut self, scaler: impl GradScaler + 'static) -> Self {
+        self.scaler = Some(Box::new(scaler));
+        self
+    }
+
+    /// Clips gradients to a global norm of `max_norm` (0 disables clipping).
+    pub fn with_clip_grad(mut self, max_norm: f64, norm_type: NormType) -> Self {
+        self.clip_grad = max_norm;
+        self.norm_type = norm_type;
+        self
+    }
+
+    /// The current loss scale (1 without a scaler): multiply the loss by it before backward.
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, |s| s.scale())
+    }
+
+    /// The scaler, for checkpointing its state.
+    pub fn grad_scaler(&self) -> Option<&dyn GradScaler> {
+        self.scaler.as_deref()
+    }
+
+    /// The wrapped optimizer (its state is keyed by `ParamId`, shared with the model).
+    pub fn inner(&self) -> &ModuleOptimizer {
+        &self.inner
+    }
+
+    /// One step with learning rate `lr` on `grads` of the *scaled* loss.
+    pub fn step(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: GradientsParams,
+    ) -> Result<(M, StepReport), CommError> {
+        let loss_scale = self.loss_scale();
+        let params = float_params(&model);
+        let mut grads = unscale(grads, &params, 1.0 / loss_scale);
+        let local_inf = params.iter().any(|&(id, d)| {
+            super::grad_norm::with_grad(&grads, id, d, |g| {
+                let finite: Tensor<1> = g.clone().is_finite().float();
+                finite.min().into_scalar::<f32>() < 1.0
+            })
+            .unwrap_or(false)
+        });
+        let mut found = vec![if local_inf { 1.0f32 } else { 0.0 }];
+        self.model_parallel
+            .all_reduce_vec(&mut found, ReduceOp::Max)?;
+        let found_inf = found[0] > 0.0;
+        if let Some(s) = self.scaler.as_mut() {
+            s.update(found_inf);
+        }
+        if found_inf {
+            let report = StepReport {
+                updated: false,
+                grad_norm: None,
+                clip_coeff: 1.0,
+                loss_scale,
+            };
+            return Ok((model, report));
+        }
+        let norm = global_grad_norm(
+            &model,
+            &grads,
+            self.tp_rank,
+            &self.model_parallel,
+            self.norm_type,
+        )?;
+        let clip_coeff = if self.clip_grad > 0.0 {
+            clip_grads_by_total_norm(&model, &mut grads, self.clip_grad, norm)
+        } else {
+            1.0
+        };
+        let report = StepReport {
+            updated: true,
+            grad_norm: Some(norm),
+            clip_coeff,
+            loss_scale,
+        };
+        let model = match self.master.take() {
+            None => self.inner.step(lr, model, grads),
+            Some(master) => {
+                let master = self.inner.step(lr, master, grads);
+                let model = master.clone().map(&mut Cast(self.model_dtype));
+                self.master = Some(master);
+                model
+            }
+        };
+        Ok((model, report))
+    }
+}
+
+/// Gradients cast to f32 and multiplied by `factor`.
+fn unscale(
+    mut grads: GradientsParams,
+    params: &[(ParamId, usize)],
+    factor: f64,
+) -> GradientsParams {
+    fn one<const D: usize>(grads: &mut GradientsParams, id: ParamId, factor: f64) {
+        if let Some(g) = grads.remove::<D>(id) {
+            let g = g.cast(DType::F32);
+            grads.register::<D>(id, if factor == 1.0 { g } else { g * factor });
+        }
+    }
+    for &(id, d) in params {
+        match d {
+            1 => one::<1>(&mut grads, id, factor),
+            2 => one::<2>(&mut grads, id, factor),
+            3 => one::<3>(&mut grads, id, factor),
+            4 => one::<4>(&mut grads, id, factor),
+            _ => {}
+        }
+    }
+    grads
+}
