@@ -5,11 +5,13 @@
 //! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data- and
 //!   context-parallel groups (Megatron-Core's exact rank arithmetic).
 //! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout.
+//! - [`data_parallel`]: gradient reduction over the data-parallel group, in buckets.
 //! - [`launch`]: run one closure per rank as threads of this process.
 //! - [`optimizer`]: Megatron's learning-rate / weight-decay scheduler.
 //! - [`tensor_parallel`]: differentiable mappings and parallel layers.
 
 pub mod comm;
+pub mod data_parallel;
 pub mod launch;
 pub mod optimizer;
 pub mod tensor_parallel;

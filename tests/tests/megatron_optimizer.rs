@@ -1,11 +1,14 @@
-//! `MegatronOptimizer`: TP parity with AdamW + scheduler + clipping, bf16 master weights,
+//! `MegatronOptimizer` with `finalize_model_grads`: TP × DP parity with AdamW + scheduler +
+//! clipping (global batch fixed), bf16 master weights,
 //! and an f16 overflow that is skipped.
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::gelu;
 use burn::tensor::{DType, Device, Tensor};
-use burn_megatron::comm::{Comm, LocalWorld};
+use burn_megatron::comm::tensor::all_reduce;
+use burn_megatron::comm::{Comm, LocalWorld, ReduceOp};
+use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::*;
 use burn_megatron::tensor_parallel::*;
@@ -71,29 +74,48 @@ fn scheduler() -> OptimizerParamScheduler {
     .unwrap()
 }
 
-/// (loss, grad norm) per step at TP = `tp`, with clipping at 0.5 (active in early steps).
-fn run_tp(tp: usize) -> Vec<Vec<(f32, f64)>> {
+const GLOBAL_BATCH: usize = 16;
+
+/// (global loss, grad norm) per step at TP = `tp` × DP = `dp`, global batch fixed, with
+/// clipping at 0.5 (active in early steps).
+fn run_layout(tp: usize, dp: usize) -> Vec<Vec<(f32, f64)>> {
     threads(
-        &ParallelConfig::new(tp, tp, 1),
+        &ParallelConfig::new(tp * dp, tp, 1),
         LaunchOptions::default(),
         |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
             let mut model = build(g, d);
+            let tp_rank = ctx.state.tensor_model_parallel_rank();
             let mut optim = MegatronOptimizer::new(
                 AdamWConfig::new().init(),
                 &model,
                 ctx.groups.mp.clone(),
-                ctx.state.tensor_model_parallel_rank(),
+                tp_rank,
             )
             .with_clip_grad(0.5, NormType::L2);
             let sched = scheduler();
+            let (dp_rank, local) = (ctx.state.data_parallel_rank(), GLOBAL_BATCH / dp);
             let mut out = Vec::new();
             for step in 0..STEPS {
-                let l = loss(&model, step, d, DType::F32);
-                let grads = GradientsParams::from_grads(l.backward(), &model);
+                // Each data-parallel rank takes its disjoint shard of the same global batch.
+                let x = data([GLOBAL_BATCH, D], step % 4, 1, d).narrow(0, dp_rank * local, local);
+                let y = data([GLOBAL_BATCH, D], step % 4, 2, d).narrow(0, dp_rank * local, local);
+                let l = (model.fc2.forward(gelu(model.fc1.forward(x))) - y)
+                    .powi_scalar(2)
+                    .mean();
+                let mut grads = GradientsParams::from_grads(l.backward(), &model);
+                finalize_model_grads(
+                    &model,
+                    &mut grads,
+                    &ctx.groups.dp,
+                    g,
+                    None,
+                    &DataParallelConfig::default(),
+                )?;
                 let (m, report) = optim.step(sched.lr_at(step), model, grads)?;
                 model = m;
-                out.push((values(l.inner())[0], report.grad_norm.unwrap()));
+                let global = all_reduce(&*ctx.groups.dp, l.inner(), ReduceOp::Avg)?;
+                out.push((values(global)[0], report.grad_norm.unwrap()));
             }
             Ok::<_, burn_megatron::comm::CommError>(out)
         },
@@ -102,22 +124,22 @@ fn run_tp(tp: usize) -> Vec<Vec<(f32, f64)>> {
 }
 
 #[test]
-fn tensor_parallel_training_matches_single_rank_with_clipping() {
-    let one = run_tp(1).remove(0);
+fn tp_by_dp_training_matches_single_rank_with_clipping() {
+    let one = run_layout(1, 1).remove(0);
     assert!(
         one[STEPS - 1].0 < 0.8 * one[0].0,
         "the loss must fall: {one:?}"
     );
-    for tp in [2, 4] {
-        for trace in run_tp(tp) {
+    for (tp, dp) in [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
+        for trace in run_layout(tp, dp) {
             for (step, ((l, n), (rl, rn))) in trace.iter().zip(&one).enumerate() {
                 assert!(
                     (l - rl).abs() <= 1e-5,
-                    "tp {tp} step {step}: loss {l} vs {rl}"
+                    "{tp}×{dp} step {step}: loss {l} vs {rl}"
                 );
                 assert!(
                     (n - rn).abs() <= 1e-5 * rn,
-                    "tp {tp} step {step}: norm {n} vs {rn}"
+                    "{tp}×{dp} step {step}: norm {n} vs {rn}"
                 );
             }
         }

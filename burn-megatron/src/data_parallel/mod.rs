@@ -1,0 +1,231 @@
+//! Data parallelism: gradients reduced over the data-parallel group only, a few large
+//! collectives at a time (contiguous buckets), and `finalize_model_grads`.
+//!
+//! Gradients are reduced after backward, once per optimizer step, so gradient accumulation
+//! over micro-batches (sum the micro-batch `GradientsParams`, then finalize) costs one
+//! reduction. Overlapping the reduction with backward needs per-parameter gradient hooks,
+//! which Burn's autodiff does not offer yet; it is not done here.
+
+use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
+use crate::comm::{Buffer, Comm, CommError, ReduceOp};
+use crate::optimizer::float_params;
+use crate::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
+use burn::module::{Module, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor};
+
+#[cfg(test)]
+mod tests;
+
+/// How gradients are reduced over the data-parallel group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataParallelConfig {
+    /// Elements per bucket; `None` is Megatron's default, max(40 M, 1 M × dp).
+    pub bucket_size: Option<usize>,
+    /// Average over the group (`true`, Megatron's default) or sum.
+    pub average: bool,
+    /// Reduce bf16/f16 gradients in f32 (they come back in their dtype).
+    pub reduce_in_fp32: bool,
+}
+
+impl Default for DataParallelConfig {
+    fn default() -> Self {
+        Self {
+            bucket_size: None,
+            average: true,
+            reduce_in_fp32: false,
+        }
+    }
+}
+
+impl DataParallelConfig {
+    /// The bucket size in elements for a data-parallel group of `dp` ranks.
+    pub fn bucket_elements(&self, dp: usize) -> usize {
+        self.bucket_size
+            .unwrap_or_else(|| (40_000_000usize).max(1_000_000 * dp))
+    }
+}
+
+/// Groups parameters (with their element counts, in module order) into buckets: in reverse
+/// order, as gradients become ready in backward, a bucket closing once it holds at least
+/// `bucket_size` elements. Returns indices into `numels`.
+///
+/// ```
+/// use burn_megatron::data_parallel::bucket_layout;
+/// assert_eq!(bucket_layout(&[10, 20, 30, 5], 25), vec![vec![3, 2], vec![1, 0]]);
+/// ```
+pub fn bucket_layout(numels: &[usize], bucket_size: usize) -> Vec<Vec<usize>> {
+    let mut buckets = Vec::new();
+    let (mut current, mut filled) = (Vec::new(), 0);
+    for i in (0..numels.len()).rev() {
+        current.push(i);
+        filled += numels[i];
+        if filled >= bucket_size {
+            buckets.push(std::mem::take(&mut current));
+            filled = 0;
+        }
+    }
+    if !current.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
+struct Grad {
+    id: ParamId,
+    dims: Vec<usize>,
+    dtype: DType,
+    device: burn::tensor::Device,
+    buf: Buffer,
+}
+
+fn take_grad(
+    grads: &mut GradientsParams,
+    id: ParamId,
+    rank: usize,
+    comm: &Comm,
+    fp32: bool,
+) -> Result<Option<Grad>, CommError> {
+    fn one<const D: usize>(
+        grads: &mut GradientsParams,
+        id: ParamId,
+    ) -> Option<(Tensor<1>, Vec<usize>)> {
+        grads.remove::<D>(id).map(|g| {
+            let dims = g.dims().to_vec();
+            (g.reshape([-1]), dims)
+        })
+    }
+    let got = match rank {
+        1 => one::<1>(grads, id),
+        2 => one::<2>(grads, id),
+        3 => one::<3>(grads, id),
+        4 => one::<4>(grads, id),
+        _ => None,
+    };
+    let Some((g, dims)) = got else {
+        return Ok(None);
+    };
+    let (dtype, device) = (g.dtype(), g.device());
+    let g = if fp32 { g.cast(DType::F32) } else { g };
+    let buf = data_to_buffer(g.into_data()).map_err(|reason| CommError::InvalidArgument {
+        group: comm.group().to_string(),
+        op: "all_reduce",
+        reason,
+    })?;
+    Ok(Some(Grad {
+        id,
+        dims,
+        dtype,
+        device,
+        buf,
+    }))
+}
+
+fn put_grad(grads: &mut GradientsParams, g: Grad, buf: Buffer) {
+    let flat: Tensor<1> = buffer_to_tensor(buf, [g.dims.iter().product()], &g.device);
+    let flat = flat.cast(g.dtype);
+    match g.dims.len() {
+        1 => grads.register::<1>(g.id, flat),
+        2 => grads.register::<2>(g.id, flat.reshape([g.dims[0], g.dims[1]])),
+        3 => grads.register::<3>(g.id, flat.reshape([g.dims[0], g.dims[1], g.dims[2]])),
+        _ => grads.register::<4>(
+            g.id,
+            flat.reshape([g.dims[0], g.dims[1], g.dims[2], g.dims[3]]),
+        ),
+    }
+}
+
+/// Reduces the gradients of `params` over `comm` in contiguous buckets; returns the number of
+/// collectives issued.
+fn reduce_in_buckets(
+    params: &[(ParamId, usize)],
+    grads: &mut GradientsParams,
+    comm: &Comm,
+    config: &DataParallelConfig,
+    op: ReduceOp,
+) -> Result<usize, CommError> {
+    let mut ready = Vec::new();
+    for &(id, rank) in params {
+        if let Some(g) = take_grad(grads, id, rank, comm, config.reduce_in_fp32)? {
+            ready.push(g);
+        }
+    }
+    let numels: Vec<usize> = ready.iter().map(|g| g.buf.len()).collect();
+    let mut issued = 0;
+    let mut slots: Vec<Option<Grad>> = ready.into_iter().map(Some).collect();
+    for bucket in bucket_layout(&numels, config.bucket_elements(comm.group().size())) {
+        // One bucket may mix dtypes only when not reducing in fp32: split it by dtype.
+        let mut by_dtype: Vec<Vec<usize>> = Vec::new();
+        for &i in &bucket {
+            let d = slots[i].as_ref().map(|g| g.buf.dtype());
+            match by_dtype
+                .iter_mut()
+                .find(|b| slots[b[0]].as_ref().map(|g| g.buf.dtype()) == d)
+            {
+                Some(b) => b.push(i),
+                None => by_dtype.push(vec![i]),
+            }
+        }
+        for part in by_dtype {
+            let dtype = slots[part[0]].as_ref().expect("present").buf.dtype();
+            let mut flat = Buffer::concat(
+                dtype,
+                part.iter()
+                    .map(|&i| &slots[i].as_ref().expect("present").buf),
+            );
+            comm.all_reduce(&mut flat, op)?;
+            issued += 1;
+            let mut at = 0;
+            for &i in &part {
+                let g = slots[i].take().expect("present");
+                let len = g.buf.len();
+                put_grad(grads, g, flat.slice(at..at + len));
+                at += len;
+            }
+        }
+    }
+    Ok(issued)
+}
+
+/// All-reduces every gradient of `module` over the data-parallel group `dp` (averaged by
+/// default), in buckets. Returns the number of collectives issued.
+pub fn all_reduce_gradients<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    dp: &Comm,
+    config: &DataParallelConfig,
+) -> Result<usize, CommError> {
+    if dp.group().size() == 1 {
+        return Ok(0);
+    }
+    let op = if config.average {
+        ReduceOp::Avg
+    } else {
+        ReduceOp::Sum
+    };
+    reduce_in_buckets(&float_params(module), grads, dp, config, op)
+}
+
+/// Megatron's `finalize_model_grads`: data-parallel reduction, then the tensor-parallel
+/// all-reduce of sequence-parallel parameters' gradients, then the embedding-group
+/// all-reduce of shared-embedding gradients (tied word embeddings across pipeline stages;
+/// pass `None` without pipelines).
+pub fn finalize_model_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    dp: &Comm,
+    tp: &Comm,
+    embedding: Option<&Comm>,
+    config: &DataParallelConfig,
+) -> Result<(), CommError> {
+    all_reduce_gradients(module, grads, dp, config)?;
+    allreduce_sequence_parallel_grads(module, grads, tp)?;
+    if let Some(embd) = embedding.filter(|c| c.group().size() > 1) {
+        let shared: Vec<(ParamId, usize)> = float_params(module)
+            .into_iter()
+            .filter(|&(id, _)| parallel_attrs(id).shared_embedding)
+            .collect();
+        reduce_in_buckets(&shared, grads, embd, config, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
