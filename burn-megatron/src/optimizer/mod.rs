@@ -6,6 +6,7 @@
 mod grad_norm;
 mod grad_scaler;
 mod megatron;
+mod param_groups;
 mod scheduler;
 
 #[cfg(test)]
@@ -15,6 +16,7 @@ pub(crate) use grad_norm::float_params;
 pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
 pub use megatron::{MegatronOptimizer, StepReport};
+pub use param_groups::{LrMultScheduler, megatron_param_groups, one_dimensional_params};
 pub use scheduler::{
     LrDecayStyle, OptimizerParamScheduler, OptimizerParamSchedulerConfig, ParamGroupSchedule,
     WdIncrStyle, WsdDecayStyle,
