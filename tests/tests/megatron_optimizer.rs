@@ -231,3 +231,54 @@ fn f16_overflow_is_skipped_and_the_scale_backs_off_after_hysteresis() {
     }
     assert_eq!(model.fc1.weight.val().dtype(), DType::F16);
 }
+
+#[test]
+fn accumulating_micro_batches_then_one_reduction_equals_the_full_batch() {
+    use burn::optim::GradientsAccumulator;
+    // DP = 2, each rank's shard of 8 rows split into 2 micro-batches of 4 (losses scaled by
+    // 1/2 so the accumulated gradient is the shard mean), one reduction per step.
+    let out = threads(
+        &ParallelConfig::new(2, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let d = &ctx.device;
+            let model = build(&ctx.groups.tp, d);
+            let dp_rank = ctx.state.data_parallel_rank();
+            let mut acc = GradientsAccumulator::new();
+            for micro in 0..2 {
+                let rows = dp_rank * 8 + micro * 4;
+                let x = data([GLOBAL_BATCH, D], 0, 1, d).narrow(0, rows, 4);
+                let y = data([GLOBAL_BATCH, D], 0, 2, d).narrow(0, rows, 4);
+                let l = (model.fc2.forward(gelu(model.fc1.forward(x))) - y)
+                    .powi_scalar(2)
+                    .mean()
+                    / 2.0;
+                acc.accumulate(&model, GradientsParams::from_grads(l.backward(), &model));
+            }
+            let mut grads = acc.grads();
+            let n = burn_megatron::data_parallel::all_reduce_gradients(
+                &model,
+                &mut grads,
+                &ctx.groups.dp,
+                &DataParallelConfig::default(),
+            )?;
+            assert_eq!(n, 1, "one collective for the whole step");
+            Ok::<_, burn_megatron::comm::CommError>(values(
+                grads.get::<2>(model.fc1.weight.id).unwrap(),
+            ))
+        },
+    )
+    .unwrap();
+    let device = Device::flex().autodiff();
+    let model = build(&solo(), &device);
+    let x = data([GLOBAL_BATCH, D], 0, 1, &device);
+    let y = data([GLOBAL_BATCH, D], 0, 2, &device);
+    let l = (model.fc2.forward(gelu(model.fc1.forward(x))) - y)
+        .powi_scalar(2)
+        .mean();
+    let grads = GradientsParams::from_grads(l.backward(), &model);
+    let full = values(grads.get::<2>(model.fc1.weight.id).unwrap());
+    for g in out {
+        assert_close(&g, &full, 1e-6, "accumulated + reduced vs full batch");
+    }
+}
