@@ -1,10 +1,10 @@
 //! Data parallelism: gradients reduced over the data-parallel group only, a few large
 //! collectives at a time (contiguous buckets), and `finalize_model_grads`.
 //!
-//! [`all_reduce_gradients`] reduces after backward, once per optimizer step, so gradient
-//! accumulation over micro-batches (sum the micro-batch `GradientsParams`, then finalize)
-//! costs one reduction. [`OverlapReducer`] instead starts each bucket's reduction during
-//! backward, as soon as the bucket's gradients are ready.
+//! Gradients are reduced after backward, once per optimizer step, so gradient accumulation
+//! over micro-batches (sum the micro-batch `GradientsParams`, then finalize) costs one
+//! reduction. Overlapping the reduction with backward needs per-parameter gradient hooks,
+//! which Burn's autodiff does not offer yet; it is not done here.
 
 use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
 use crate::comm::{Buffer, Comm, CommError, ReduceOp};
@@ -13,10 +13,6 @@ use crate::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
-
-mod overlap;
-
-pub use overlap::{GradHookOps, GradSink, OverlapReducer};
 
 #[cfg(test)]
 mod tests;
