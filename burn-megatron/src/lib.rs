@@ -7,12 +7,14 @@
 //! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout.
 //! - [`data_parallel`]: gradient reduction over the data-parallel group, in buckets.
 //! - [`launch`]: run one closure per rank as threads of this process.
+//! - [`models`]: tensor-parallel attention, MLP and transformer layer.
 //! - [`optimizer`]: Megatron's learning-rate / weight-decay scheduler.
 //! - [`tensor_parallel`]: differentiable mappings and parallel layers.
 
 pub mod comm;
 pub mod data_parallel;
 pub mod launch;
+pub mod models;
 pub mod optimizer;
 pub mod tensor_parallel;
 pub mod topology;
