@@ -1,0 +1,249 @@
+//! `Bert`: vocab-parallel embeddings, a tensor-parallel encoder, the MLM head tied to the word
+//! embedding, and the pooler with its binary (NSP/SOP) head.
+
+use super::transformer::{LayerNormPosition, TransformerLayer, TransformerLayerConfig};
+use crate::comm::Comm;
+use crate::tensor_parallel::mappings::{
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+};
+use crate::tensor_parallel::{
+    MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
+    VocabParallelEmbeddingConfig, derive_seed, set_parallel_attrs, vocab_parallel_cross_entropy,
+};
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
+use burn::tensor::activation::{gelu, log_softmax};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+/// BERT's shape, named as Megatron's arguments.
+#[derive(Config, Debug)]
+pub struct BertConfig {
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// Attention heads (divisible by the TP size).
+    pub num_attention_heads: usize,
+    /// MLP inner size.
+    pub ffn_hidden_size: usize,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// Vocabulary size padded to a multiple of 128 × TP.
+    pub padded_vocab_size: usize,
+    /// Token types (segments).
+    #[config(default = 2)]
+    pub num_tokentypes: usize,
+    /// Hidden dropout.
+    #[config(default = 0.1)]
+    pub hidden_dropout: f64,
+    /// Attention dropout.
+    #[config(default = 0.1)]
+    pub attention_dropout: f64,
+    /// LayerNorm epsilon.
+    #[config(default = 1e-12)]
+    pub layernorm_epsilon: f64,
+    /// Post-LayerNorm (original BERT) or pre-LayerNorm.
+    #[config(default = "LayerNormPosition::Post")]
+    pub layernorm_position: LayerNormPosition,
+    /// Sequence parallelism inside the encoder.
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Standard deviation of the normal initialisation.
+    #[config(default = 0.02)]
+    pub init_method_std: f64,
+    /// Seed of all weights.
+    #[config(default = 1234)]
+    pub seed: u64,
+}
+
+/// BERT for pretraining, one tensor-parallel rank's part.
+#[derive(Module, Debug)]
+pub struct Bert {
+    /// Word embeddings, split by vocabulary rows; also the MLM output projection.
+    pub word_embeddings: VocabParallelEmbedding,
+    /// Learned positions (duplicated).
+    pub position_embeddings: Embedding,
+    /// Token types (duplicated).
+    pub tokentype_embeddings: Embedding,
+    /// LayerNorm after the embedding sum.
+    pub embedding_layernorm: LayerNorm,
+    /// The encoder.
+    pub layers: Vec<TransformerLayer>,
+    /// MLM head transform.
+    pub lm_dense: Linear,
+    /// MLM head LayerNorm.
+    pub lm_layernorm: LayerNorm,
+    /// MLM output bias, split like the vocabulary.
+    pub lm_bias: Param<Tensor<1>>,
+    /// Pooler on the first token.
+    pub pooler: Linear,
+    /// Binary (NSP / SOP) classifier.
+    pub binary_head: Linear,
+    #[module(skip)]
+    tp: Comm,
+    #[module(skip)]
+    sequence_parallel: bool,
+    #[module(skip)]
+    hidden_dropout: f64,
+}
+
+/// What [`Bert::forward`] returns.
+#[derive(Debug, Clone)]
+pub struct BertOutput {
+    /// `[s, b, V / tp]` MLM logits over this rank's vocabulary slice.
+    pub lm_logits: Tensor<3>,
+    /// `[b, 2]` binary-head logits.
+    pub binary_logits: Tensor<2>,
+}
+
+fn host_param<const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &Device,
+) -> Param<Tensor<D>> {
+    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
+}
+
+impl BertConfig {
+    /// Initialises this rank's part; identical weights at every TP size for one seed.
+    pub fn init(&self, tp: &Comm, device: &Device) -> Result<Bert, TpError> {
+        let (h, seed) = (self.hidden_size, self.seed);
+        let normal = MasterInit::Normal {
+            mean: 0.0,
+            std: self.init_method_std,
+        };
+        let table = |rows: usize, name: &str| Embedding {
+            weight: host_param(
+                normal.values(rows * h, h, derive_seed(seed, name)),
+                [rows, h],
+                device,
+            ),
+        };
+        let linear = |d_in: usize, d_out: usize, name: &str| Linear {
+            weight: host_param(
+                normal.values(d_in * d_out, d_in, derive_seed(seed, name)),
+                [d_in, d_out],
+                device,
+            ),
+            bias: Some(host_param(vec![0.0; d_out], [d_out], device)),
+        };
+        let ln = || {
+            LayerNormConfig::new(h)
+                .with_epsilon(self.layernorm_epsilon)
+                .init(device)
+        };
+        let word_embeddings = VocabParallelEmbeddingConfig::new(self.padded_vocab_size, h)
+            .with_initializer(normal)
+            .with_seed(derive_seed(seed, "word_embeddings"))
+            .init(tp, device)?;
+        let layers = (0..self.num_layers)
+            .map(|i| {
+                TransformerLayerConfig::new(h, self.num_attention_heads, self.ffn_hidden_size)
+                    .with_layernorm_position(self.layernorm_position)
+                    .with_layernorm_epsilon(self.layernorm_epsilon)
+                    .with_hidden_dropout(self.hidden_dropout)
+                    .with_attention_dropout(self.attention_dropout)
+                    .with_sequence_parallel(self.sequence_parallel)
+                    .with_initializer(normal)
+                    .with_seed(derive_seed(seed, &format!("layers.{i}")))
+                    .init(tp, device)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let part = self.padded_vocab_size / tp.group().size();
+        let lm_bias = host_param(vec![0.0; part], [part], device);
+        set_parallel_attrs(lm_bias.id, ParallelAttrs::sharded(0));
+        Ok(Bert {
+            word_embeddings,
+            position_embeddings: table(self.max_position_embeddings, "position_embeddings"),
+            tokentype_embeddings: table(self.num_tokentypes, "tokentype_embeddings"),
+            embedding_layernorm: ln(),
+            layers,
+            lm_dense: linear(h, h, "lm_head.dense"),
+            lm_layernorm: ln(),
+            lm_bias,
+            pooler: linear(h, h, "pooler"),
+            binary_head: linear(h, 2, "binary_head"),
+            tp: tp.clone(),
+            sequence_parallel: self.sequence_parallel,
+            hidden_dropout: self.hidden_dropout,
+        })
+    }
+}
+
+impl Bert {
+    /// `ids`, `token_types`: `[b, s]`; `padding`: `[b, s]`, true at padded positions.
+    /// Dropout applies when `rng` is given.
+    pub fn forward(
+        &self,
+        ids: Tensor<2, Int>,
+        token_types: Tensor<2, Int>,
+        padding: Tensor<2, Bool>,
+        rng: Option<&RngTracker>,
+    ) -> BertOutput {
+        let [b, s] = ids.dims();
+        let device = ids.device();
+        let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
+            .unsqueeze::<2>()
+            .repeat_dim(0, b);
+        let x = self.word_embeddings.forward(ids)
+            + self.position_embeddings.forward(positions)
+            + self.tokentype_embeddings.forward(token_types);
+        let mut x = self.embedding_layernorm.forward(x).swap_dims(0, 1); // [s, b, h]
+        if let Some(rng) = rng {
+            x = rng.dropout(x, self.hidden_dropout, RngRegion::Default);
+        }
+        if self.sequence_parallel {
+            x = scatter_to_sequence_parallel_region(x, &self.tp);
+        }
+        for layer in &self.layers {
+            x = layer.forward(x, Some(padding.clone()), rng);
+        }
+        if self.sequence_parallel {
+            x = gather_from_sequence_parallel_region(x, &self.tp, false);
+        }
+        // MLM head: transform, then logits against this rank's slice of the word embeddings.
+        let t = self
+            .lm_layernorm
+            .forward(gelu(self.lm_dense.forward(x.clone())));
+        let t = copy_to_tensor_model_parallel_region(t, &self.tp);
+        let w = self
+            .word_embeddings
+            .weight
+            .val()
+            .transpose()
+            .unsqueeze::<3>();
+        let lm_logits = t.matmul(w) + self.lm_bias.val().unsqueeze::<3>();
+        let first = x.narrow(0, 0, 1).reshape([b, self.pooler.weight.dims()[0]]);
+        let pooled = self.pooler.forward(first).tanh();
+        BertOutput {
+            lm_logits,
+            binary_logits: self.binary_head.forward(pooled),
+        }
+    }
+
+    /// (MLM loss averaged over `loss_mask`, binary-head loss averaged over the batch).
+    /// `lm_labels`, `loss_mask`: `[b, s]`; `binary_labels`: `[b]`.
+    pub fn loss(
+        &self,
+        output: BertOutput,
+        lm_labels: Tensor<2, Int>,
+        loss_mask: Tensor<2>,
+        binary_labels: Tensor<1, Int>,
+    ) -> Result<(Tensor<1>, Tensor<1>), TpError> {
+        let [s, b, v] = output.lm_logits.dims();
+        let labels = lm_labels.swap_dims(0, 1).reshape([s * b]);
+        let mask = loss_mask.swap_dims(0, 1).reshape([s * b]);
+        let losses = vocab_parallel_cross_entropy(
+            output.lm_logits.reshape([s * b, v]),
+            labels,
+            0.0,
+            &self.tp,
+        )?;
+        let lm_loss = (losses * mask.clone()).sum() / mask.sum().clamp_min(1.0);
+        let logp = log_softmax(output.binary_logits, 1);
+        let binary_loss = logp.gather(1, binary_labels.unsqueeze_dim(1)).neg().mean();
+        Ok((lm_loss, binary_loss))
+    }
+}

@@ -1,0 +1,132 @@
+//! BERT at TP ∈ {1, 2, 4} (with and without sequence parallelism) × DP ∈ {1, 2}, 10 AdamW
+//! steps with dropout off and a fixed global batch: losses within 1e-4 of TP = 1, DP = 1.
+
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_megatron::comm::ReduceOp;
+use burn_megatron::comm::tensor::all_reduce;
+use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::models::BertConfig;
+use burn_megatron::optimizer::{MegatronOptimizer, NormType};
+use burn_megatron::tensor_parallel::TpError;
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::*;
+
+const GLOBAL_BATCH: usize = 4;
+const SEQ: usize = 8;
+const VOCAB: usize = 64;
+const STEPS: usize = 10;
+
+struct Batch {
+    ids: Tensor<2, Int>,
+    types: Tensor<2, Int>,
+    padding: Tensor<2, Bool>,
+    labels: Tensor<2, Int>,
+    mask: Tensor<2>,
+    sop: Tensor<1, Int>,
+}
+
+/// Rows `[start, start + n)` of a fixed global batch.
+fn batch(start: usize, n: usize, device: &Device) -> Batch {
+    let ints = |f: &dyn Fn(usize, usize) -> i64| {
+        let v: Vec<i64> = (0..GLOBAL_BATCH * SEQ)
+            .map(|i| f(i / SEQ, i % SEQ))
+            .collect();
+        Tensor::<2, Int>::from_data(TensorData::new(v, [GLOBAL_BATCH, SEQ]), device)
+            .narrow(0, start, n)
+    };
+    let floats = |f: &dyn Fn(usize, usize) -> f32| {
+        let v: Vec<f32> = (0..GLOBAL_BATCH * SEQ)
+            .map(|i| f(i / SEQ, i % SEQ))
+            .collect();
+        Tensor::<2>::from_data(TensorData::new(v, [GLOBAL_BATCH, SEQ]), device).narrow(0, start, n)
+    };
+    let sop: Vec<i64> = (0..GLOBAL_BATCH as i64).map(|b| b % 2).collect();
+    Batch {
+        ids: ints(&|b, s| ((b * 13 + s * 7) % 60) as i64),
+        types: ints(&|_, s| i64::from(s >= SEQ / 2)),
+        // The last two positions of odd samples are padding.
+        padding: floats(&|b, s| if b % 2 == 1 && s >= SEQ - 2 { 1.0 } else { 0.0 }).equal_elem(1.0),
+        labels: ints(&|b, s| ((b * 5 + s * 11 + 3) % 60) as i64),
+        mask: floats(&|b, s| {
+            if (b + s) % 3 == 0 && !(b % 2 == 1 && s >= SEQ - 2) {
+                1.0
+            } else {
+                0.0
+            }
+        }),
+        sop: Tensor::<1, Int>::from_data(TensorData::new(sop, [GLOBAL_BATCH]), device)
+            .narrow(0, start, n),
+    }
+}
+
+fn run(tp: usize, dp: usize, sp: bool) -> Vec<Vec<(f32, f32)>> {
+    let config = ParallelConfig::new(tp * dp, tp, 1).with_sequence_parallel(sp);
+    threads(&config, LaunchOptions::default(), |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let mut model = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
+            .with_hidden_dropout(0.0)
+            .with_attention_dropout(0.0)
+            .with_sequence_parallel(sp)
+            .init(g, d)?;
+        let tp_rank = ctx.state.tensor_model_parallel_rank();
+        let mut optim = MegatronOptimizer::new(
+            AdamWConfig::new().init(),
+            &model,
+            ctx.groups.mp.clone(),
+            tp_rank,
+        )
+        .with_clip_grad(1.0, NormType::L2);
+        let local = GLOBAL_BATCH / dp;
+        let b = batch(ctx.state.data_parallel_rank() * local, local, d);
+        let mut out = Vec::new();
+        for _ in 0..STEPS {
+            let output = model.forward(b.ids.clone(), b.types.clone(), b.padding.clone(), None);
+            let (lm, sop) = model.loss(output, b.labels.clone(), b.mask.clone(), b.sop.clone())?;
+            let grads = (lm.clone() + sop.clone()).backward();
+            let mut grads = GradientsParams::from_grads(grads, &model);
+            finalize_model_grads(
+                &model,
+                &mut grads,
+                &ctx.groups.dp,
+                g,
+                None,
+                &DataParallelConfig::default(),
+            )?;
+            let (m, _) = optim.step(1e-3, model, grads)?;
+            model = m;
+            let lm = values(all_reduce(&*ctx.groups.dp, lm.inner(), ReduceOp::Avg)?)[0];
+            let sop = values(all_reduce(&*ctx.groups.dp, sop.inner(), ReduceOp::Avg)?)[0];
+            out.push((lm, sop));
+        }
+        Ok::<_, TpError>(out)
+    })
+    .unwrap()
+}
+
+#[test]
+fn bert_matches_tp1_dp1_at_every_layout() {
+    let one = run(1, 1, false).remove(0);
+    assert!(
+        one[STEPS - 1].0 < one[0].0,
+        "the MLM loss must fall: {one:?}"
+    );
+    for (tp, dp, sp) in [
+        (2, 1, false),
+        (4, 1, false),
+        (2, 1, true),
+        (4, 1, true),
+        (1, 2, false),
+        (2, 2, false),
+        (2, 2, true),
+    ] {
+        for (rank, trace) in run(tp, dp, sp).into_iter().enumerate() {
+            for (step, ((lm, sop), (rlm, rsop))) in trace.iter().zip(&one).enumerate() {
+                let what = format!("tp {tp} dp {dp} sp {sp} rank {rank} step {step}");
+                assert!((lm - rlm).abs() <= 1e-4, "{what}: lm {lm} vs {rlm}");
+                assert!((sop - rsop).abs() <= 1e-4, "{what}: sop {sop} vs {rsop}");
+            }
+        }
+    }
+}
