@@ -208,14 +208,13 @@ impl Bert {
             .lm_layernorm
             .forward(gelu(self.lm_dense.forward(x.clone())));
         let t = copy_to_tensor_model_parallel_region(t, &self.tp);
-        let w = self
-            .word_embeddings
-            .weight
-            .val()
-            .transpose()
-            .unsqueeze::<3>();
-        let lm_logits = t.matmul(w) + self.lm_bias.val().unsqueeze::<3>();
-        let first = x.narrow(0, 0, 1).reshape([b, self.pooler.weight.dims()[0]]);
+        // A 2-d matmul: a broadcast [1, h, V] weight would make backward materialise one
+        // [h, V] gradient per sequence position before summing them.
+        let h = t.dims()[2];
+        let w = self.word_embeddings.weight.val().transpose();
+        let logits = t.reshape([s * b, h]).matmul(w) + self.lm_bias.val().unsqueeze::<2>();
+        let lm_logits = logits.reshape([s as i32, b as i32, -1]);
+        let first = x.narrow(0, 0, 1).reshape([b, h]);
         let pooled = self.pooler.forward(first).tanh();
         BertOutput {
             lm_logits,
