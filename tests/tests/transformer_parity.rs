@@ -6,7 +6,7 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_megatron::comm::tensor::all_gather;
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{LayerNormPosition, TransformerLayerConfig};
+use burn_megatron::models::{LayerNormPosition, NormKind, TransformerLayerConfig};
 use burn_megatron::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
@@ -33,7 +33,7 @@ fn padding(device: &Device) -> Tensor<2, Bool> {
     .equal_elem(1.0)
 }
 
-fn run(tp: usize, sp: bool, position: LayerNormPosition) -> Vec<Out> {
+fn run(tp: usize, sp: bool, position: LayerNormPosition, norm: NormKind) -> Vec<Out> {
     threads(
         &ParallelConfig::new(tp, tp, 1).with_sequence_parallel(sp),
         LaunchOptions::default(),
@@ -41,6 +41,7 @@ fn run(tp: usize, sp: bool, position: LayerNormPosition) -> Vec<Out> {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
             let mut layer = TransformerLayerConfig::new(H, HEADS, FFN)
                 .with_layernorm_position(position)
+                .with_normalization(norm)
                 .with_sequence_parallel(sp)
                 .with_hidden_dropout(0.0)
                 .with_attention_dropout(0.0)
@@ -69,7 +70,7 @@ fn run(tp: usize, sp: bool, position: LayerNormPosition) -> Vec<Out> {
                         .get::<2>(layer.attention.query_key_value.weight.id)
                         .unwrap();
                     qkv = values(all_gather(&**g, w, 1)?);
-                    gamma = values(grads.get::<1>(layer.input_layernorm.gamma.id).unwrap());
+                    gamma = values(grads.get::<1>(layer.input_layernorm.gamma().id).unwrap());
                 }
                 losses.push(values(loss.inner())[0]);
                 layer = optim.step(0.05, layer, grads);
@@ -82,11 +83,17 @@ fn run(tp: usize, sp: bool, position: LayerNormPosition) -> Vec<Out> {
 
 #[test]
 fn transformer_layer_matches_tp1() {
-    for position in [LayerNormPosition::Post, LayerNormPosition::Pre] {
-        let one = run(1, false, position).remove(0);
+    let cases = [
+        (LayerNormPosition::Post, NormKind::LayerNorm),
+        (LayerNormPosition::Pre, NormKind::LayerNorm),
+        (LayerNormPosition::Pre, NormKind::RmsNorm),
+    ];
+    for (position, norm) in cases {
+        let one = run(1, false, position, norm).remove(0);
         for (tp, sp) in [(2, false), (4, false), (2, true), (4, true)] {
-            for (rank, (losses, qkv, gamma)) in run(tp, sp, position).into_iter().enumerate() {
-                let what = format!("{position:?} tp {tp} sp {sp} rank {rank}");
+            for (rank, (losses, qkv, gamma)) in run(tp, sp, position, norm).into_iter().enumerate()
+            {
+                let what = format!("{position:?} {norm:?} tp {tp} sp {sp} rank {rank}");
                 assert_close(&losses, &one.0, 1e-4, &format!("{what} losses"));
                 assert_close(&qkv, &one.1, 1e-5, &format!("{what} qkv grad"));
                 assert_close(&gamma, &one.2, 1e-5, &format!("{what} layernorm grad"));

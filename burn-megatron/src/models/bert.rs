@@ -1,7 +1,7 @@
 //! `Bert`: vocab-parallel embeddings, a tensor-parallel encoder, the MLM head tied to the word
 //! embedding, and the pooler with its binary (NSP/SOP) head.
 
-use super::transformer::{LayerNormPosition, TransformerLayer, TransformerLayerConfig};
+use super::transformer::{LayerNormPosition, NormKind, TransformerLayer, TransformerLayerConfig};
 use crate::comm::Comm;
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
@@ -41,6 +41,9 @@ pub struct BertConfig {
     /// Attention dropout.
     #[config(default = 0.1)]
     pub attention_dropout: f64,
+    /// Normalisation in the encoder layers (the embedding and MLM-head norms are LayerNorm).
+    #[config(default = "NormKind::LayerNorm")]
+    pub normalization: NormKind,
     /// LayerNorm epsilon.
     #[config(default = 1e-12)]
     pub layernorm_epsilon: f64,
@@ -142,6 +145,7 @@ impl BertConfig {
             .map(|i| {
                 TransformerLayerConfig::new(h, self.num_attention_heads, self.ffn_hidden_size)
                     .with_layernorm_position(self.layernorm_position)
+                    .with_normalization(self.normalization)
                     .with_layernorm_epsilon(self.layernorm_epsilon)
                     .with_hidden_dropout(self.hidden_dropout)
                     .with_attention_dropout(self.attention_dropout)

@@ -6,4 +6,6 @@ mod transformer;
 
 pub use attention::{ParallelAttention, ParallelAttentionConfig};
 pub use bert::{Bert, BertConfig, BertOutput};
-pub use transformer::{LayerNormPosition, ParallelMlp, TransformerLayer, TransformerLayerConfig};
+pub use transformer::{
+    LayerNormPosition, Norm, NormKind, ParallelMlp, TransformerLayer, TransformerLayerConfig,
+};

@@ -9,7 +9,8 @@ use crate::tensor_parallel::{
 };
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::{LayerNorm, LayerNormConfig};
+use burn::module::Param;
+use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Bool, Device, Tensor};
 
@@ -39,6 +40,71 @@ pub enum LayerNormPosition {
     Pre,
 }
 
+/// Which normalisation a layer uses.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// LayerNorm (BERT, GPT).
+    LayerNorm,
+    /// RMSNorm (no mean subtraction, no bias).
+    RmsNorm,
+}
+
+/// A LayerNorm or an RMSNorm.
+#[derive(Module, Debug)]
+pub enum Norm {
+    /// LayerNorm.
+    LayerNorm(LayerNorm),
+    /// RMSNorm.
+    RmsNorm(RmsNorm),
+}
+
+impl Norm {
+    fn new(
+        kind: NormKind,
+        size: usize,
+        epsilon: f64,
+        sequence_parallel: bool,
+        device: &Device,
+    ) -> Self {
+        let norm = match kind {
+            NormKind::LayerNorm => Norm::LayerNorm(
+                LayerNormConfig::new(size)
+                    .with_epsilon(epsilon)
+                    .init(device),
+            ),
+            NormKind::RmsNorm => {
+                Norm::RmsNorm(RmsNormConfig::new(size).with_epsilon(epsilon).init(device))
+            }
+        };
+        if sequence_parallel {
+            // Each rank normalises only its part of the sequence: partial gradients.
+            set_parallel_attrs(norm.gamma().id, ParallelAttrs::sequence_parallel());
+            if let Norm::LayerNorm(ln) = &norm
+                && let Some(beta) = &ln.beta
+            {
+                set_parallel_attrs(beta.id, ParallelAttrs::sequence_parallel());
+            }
+        }
+        norm
+    }
+
+    /// Normalises the last dimension.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self {
+            Norm::LayerNorm(n) => n.forward(x),
+            Norm::RmsNorm(n) => n.forward(x),
+        }
+    }
+
+    /// The scale parameter.
+    pub fn gamma(&self) -> &Param<Tensor<1>> {
+        match self {
+            Norm::LayerNorm(n) => &n.gamma,
+            Norm::RmsNorm(n) => &n.gamma,
+        }
+    }
+}
+
 /// Configuration of a [`TransformerLayer`].
 #[derive(Config, Debug)]
 pub struct TransformerLayerConfig {
@@ -51,7 +117,10 @@ pub struct TransformerLayerConfig {
     /// Post-LayerNorm (BERT) or pre-LayerNorm.
     #[config(default = "LayerNormPosition::Post")]
     pub layernorm_position: LayerNormPosition,
-    /// LayerNorm epsilon.
+    /// LayerNorm or RMSNorm.
+    #[config(default = "NormKind::LayerNorm")]
+    pub normalization: NormKind,
+    /// Normalisation epsilon.
     #[config(default = 1e-12)]
     pub layernorm_epsilon: f64,
     /// Dropout after attention and MLP, before the residual add.
@@ -78,10 +147,10 @@ pub struct TransformerLayer {
     pub attention: ParallelAttention,
     /// Feed-forward block.
     pub mlp: ParallelMlp,
-    /// LayerNorm of the attention block (after it when post-LN, before it when pre-LN).
-    pub input_layernorm: LayerNorm,
-    /// LayerNorm of the MLP block.
-    pub post_attention_layernorm: LayerNorm,
+    /// Norm of the attention block (after it when post-LN, before it when pre-LN).
+    pub input_layernorm: Norm,
+    /// Norm of the MLP block.
+    pub post_attention_layernorm: Norm,
     #[module(skip)]
     position: LayerNormPosition,
     #[module(skip)]
@@ -113,17 +182,13 @@ impl TransformerLayerConfig {
                 .init(tp, device)?,
         };
         let norm = || {
-            let ln = LayerNormConfig::new(h)
-                .with_epsilon(self.layernorm_epsilon)
-                .init(device);
-            if self.sequence_parallel {
-                // Each rank normalises only its part of the sequence: partial gradients.
-                set_parallel_attrs(ln.gamma.id, ParallelAttrs::sequence_parallel());
-                if let Some(beta) = &ln.beta {
-                    set_parallel_attrs(beta.id, ParallelAttrs::sequence_parallel());
-                }
-            }
-            ln
+            Norm::new(
+                self.normalization,
+                h,
+                self.layernorm_epsilon,
+                self.sequence_parallel,
+                device,
+            )
         };
         Ok(TransformerLayer {
             attention,
