@@ -10,6 +10,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
 use burn_megatron::models::BertConfig;
 use burn_megatron::optimizer::MegatronOptimizer;
+use burn_megatron_examples::median;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -58,12 +59,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 times.push(t.elapsed().as_secs_f64());
             }
         }
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
-        let tokens = (MICRO_BATCH * SEQ) as f64 / median;
+        let step_secs = median(times);
+        let tokens = (MICRO_BATCH * SEQ) as f64 / step_secs;
         println!(
             "{layers:>7} {hidden:>7} {heads:>6} {:>12.1} {tokens:>12.0}",
-            median * 1e3
+            step_secs * 1e3
         );
     }
     Ok(())

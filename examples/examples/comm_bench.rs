@@ -9,6 +9,7 @@
 //! all-gather (n−1)/n of the gathered output, so the figures compare across world sizes.
 
 use burn_megatron::comm::{Buffer, Communicator, LocalWorld, ReduceOp};
+use burn_megatron_examples::median;
 use clap::Parser;
 use std::time::{Duration, Instant};
 
@@ -61,9 +62,7 @@ fn time_op(op: Op, n: usize, mib: usize, iters: usize) -> f64 {
             })
         })
         .collect();
-    let mut times: Vec<f64> = handles.into_iter().next().unwrap().join().unwrap();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+    median(handles.into_iter().next().unwrap().join().unwrap())
 }
 
 fn memcpy_gbps(mib: usize) -> f64 {

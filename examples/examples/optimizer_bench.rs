@@ -15,6 +15,7 @@ use burn_megatron::optimizer::{MegatronOptimizer, NormType};
 use burn_megatron::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
+use burn_megatron_examples::median;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,11 +23,6 @@ use std::time::Instant;
 struct Mlp {
     fc1: ColumnParallelLinear,
     fc2: RowParallelLinear,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {

@@ -14,13 +14,9 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
 use burn_megatron::tensor_parallel::{ColumnParallelLinearConfig, RowParallelLinearConfig};
+use burn_megatron_examples::median;
 use std::sync::Arc;
 use std::time::Instant;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() {
     let device = Device::flex().autodiff();

@@ -1,1 +1,7 @@
-//! Examples live under `examples/examples/`.
+//! Shared helpers of the examples and benchmarks under `examples/examples/`.
+
+/// The median of `samples` (the upper one for an even count). Panics on an empty slice.
+pub fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
