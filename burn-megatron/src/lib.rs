@@ -16,5 +16,6 @@ pub mod data_parallel;
 pub mod launch;
 pub mod models;
 pub mod optimizer;
+mod param_grads;
 pub mod tensor_parallel;
 pub mod topology;

@@ -8,7 +8,7 @@
 
 use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
 use crate::comm::{Buffer, Comm, CommError, ReduceOp};
-use crate::optimizer::float_params;
+use crate::param_grads::{float_params, put_flat, take_flat};
 use crate::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
@@ -86,23 +86,7 @@ fn take_grad(
     comm: &Comm,
     fp32: bool,
 ) -> Result<Option<Grad>, CommError> {
-    fn one<const D: usize>(
-        grads: &mut GradientsParams,
-        id: ParamId,
-    ) -> Option<(Tensor<1>, Vec<usize>)> {
-        grads.remove::<D>(id).map(|g| {
-            let dims = g.dims().to_vec();
-            (g.reshape([-1]), dims)
-        })
-    }
-    let got = match rank {
-        1 => one::<1>(grads, id),
-        2 => one::<2>(grads, id),
-        3 => one::<3>(grads, id),
-        4 => one::<4>(grads, id),
-        _ => None,
-    };
-    let Some((g, dims)) = got else {
+    let Some((g, dims)) = take_flat(grads, id, rank) else {
         return Ok(None);
     };
     let (dtype, device) = (g.dtype(), g.device());
@@ -123,16 +107,7 @@ fn take_grad(
 
 fn put_grad(grads: &mut GradientsParams, g: Grad, buf: Buffer) {
     let flat: Tensor<1> = buffer_to_tensor(buf, [g.dims.iter().product()], &g.device);
-    let flat = flat.cast(g.dtype);
-    match g.dims.len() {
-        1 => grads.register::<1>(g.id, flat),
-        2 => grads.register::<2>(g.id, flat.reshape([g.dims[0], g.dims[1]])),
-        3 => grads.register::<3>(g.id, flat.reshape([g.dims[0], g.dims[1], g.dims[2]])),
-        _ => grads.register::<4>(
-            g.id,
-            flat.reshape([g.dims[0], g.dims[1], g.dims[2], g.dims[3]]),
-        ),
-    }
+    put_flat(grads, g.id, flat.cast(g.dtype), &g.dims);
 }
 
 /// Reduces the gradients of `params` over `comm` in contiguous buckets; returns the number of

@@ -1,9 +1,10 @@
 //! `MegatronOptimizer`: mixed precision (FP32 master weights), loss scaling with overflow
 //! skipping, and clipping by the global gradient norm, around any burn-optim optimizer.
 
-use super::grad_norm::{NormType, clip_grads_by_total_norm, float_params, global_grad_norm};
+use super::grad_norm::{NormType, clip_grads_of, grad_norm_of};
 use super::grad_scaler::GradScaler;
 use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
+use crate::param_grads::{float_params, update_flat, with_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{DType, Tensor};
@@ -135,7 +136,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         let params = float_params(&model);
         let mut grads = unscale(grads, &params, 1.0 / loss_scale);
         let local_inf = params.iter().any(|&(id, d)| {
-            super::grad_norm::with_grad(&grads, id, d, |g| {
+            with_flat(&grads, id, d, |g| {
                 let finite: Tensor<1> = g.clone().is_finite().float();
                 finite.min().into_scalar::<f32>() < 1.0
             })
@@ -157,15 +158,15 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             };
             return Ok((model, report));
         }
-        let norm = global_grad_norm(
-            &model,
+        let norm = grad_norm_of(
+            &params,
             &grads,
             self.tp_rank,
             &self.model_parallel,
             self.norm_type,
         )?;
         let clip_coeff = if self.clip_grad > 0.0 {
-            clip_grads_by_total_norm(&model, &mut grads, self.clip_grad, norm)
+            clip_grads_of(&params, &mut grads, self.clip_grad, norm)
         } else {
             1.0
         };
@@ -194,20 +195,11 @@ fn unscale(
     params: &[(ParamId, usize)],
     factor: f64,
 ) -> GradientsParams {
-    fn one<const D: usize>(grads: &mut GradientsParams, id: ParamId, factor: f64) {
-        if let Some(g) = grads.remove::<D>(id) {
+    for &(id, rank) in params {
+        let _ = update_flat::<std::convert::Infallible>(&mut grads, id, rank, |g| {
             let g = g.cast(DType::F32);
-            grads.register::<D>(id, if factor == 1.0 { g } else { g * factor });
-        }
-    }
-    for &(id, d) in params {
-        match d {
-            1 => one::<1>(&mut grads, id, factor),
-            2 => one::<2>(&mut grads, id, factor),
-            3 => one::<3>(&mut grads, id, factor),
-            4 => one::<4>(&mut grads, id, factor),
-            _ => {}
-        }
+            Ok(if factor == 1.0 { g } else { g * factor })
+        });
     }
     grads
 }

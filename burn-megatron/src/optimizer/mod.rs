@@ -12,7 +12,6 @@ mod scheduler;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use grad_norm::float_params;
 pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
 pub use megatron::{MegatronOptimizer, StepReport};

@@ -2,7 +2,7 @@
 //! name-pattern overrides, and per-group learning-rate multipliers — built on Burn's own
 //! `ParamGroup` / `ModuleOptimizer::with_group` / `ModuleLrScheduler`.
 
-use super::grad_norm::float_params;
+use crate::param_grads::float_params;
 use burn::module::{Module, ParamGroup, ParamId};
 use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::optim::{DynOptimizer, LearningRate, ModuleOptimizer, Optimizer};

@@ -2,22 +2,9 @@
 
 use super::parallel_attrs;
 use crate::comm::{Comm, CommError, ReduceOp};
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use crate::param_grads::{float_params, update_flat};
+use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
-
-struct Collect<F: Fn(ParamId) -> bool> {
-    keep: F,
-    ids: Vec<(ParamId, usize)>,
-}
-
-impl<F: Fn(ParamId) -> bool> ModuleVisitor for Collect<F> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if (self.keep)(param.id) {
-            self.ids.push((param.id, D));
-        }
-    }
-}
 
 /// All-reduces (sums) over the tensor-parallel group the gradients of the parameters marked
 /// [`sequence_parallel`](super::ParallelAttrs::sequence_parallel): under sequence parallelism
@@ -28,32 +15,12 @@ pub fn allreduce_sequence_parallel_grads<M: Module>(
     grads: &mut GradientsParams,
     tp: &Comm,
 ) -> Result<(), CommError> {
-    let mut collect = Collect {
-        keep: |id| parallel_attrs(id).sequence_parallel,
-        ids: Vec::new(),
-    };
-    module.visit(&mut collect);
-    for (id, rank) in collect.ids {
-        match rank {
-            1 => reduce::<1>(grads, id, tp)?,
-            2 => reduce::<2>(grads, id, tp)?,
-            3 => reduce::<3>(grads, id, tp)?,
-            _ => reduce::<4>(grads, id, tp)?,
+    for (id, rank) in float_params(module) {
+        if parallel_attrs(id).sequence_parallel {
+            update_flat(grads, id, rank, |g| {
+                crate::comm::tensor::all_reduce(&**tp, g, ReduceOp::Sum)
+            })?;
         }
-    }
-    Ok(())
-}
-
-fn reduce<const D: usize>(
-    grads: &mut GradientsParams,
-    id: ParamId,
-    tp: &Comm,
-) -> Result<(), CommError> {
-    if let Some(g) = grads.remove::<D>(id) {
-        grads.register::<D>(
-            id,
-            crate::comm::tensor::all_reduce(&**tp, g, ReduceOp::Sum)?,
-        );
     }
     Ok(())
 }

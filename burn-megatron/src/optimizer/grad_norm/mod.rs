@@ -6,10 +6,11 @@
 //! over the model-parallel group (tp × pp), as Megatron's `get_grad_norm_fp32` does.
 
 use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
+use crate::param_grads::{float_params, update_flat, with_flat};
 use crate::tensor_parallel::parallel_attrs;
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::DType;
 
 /// Which norm to clip by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,35 +19,6 @@ pub enum NormType {
     L2,
     /// Largest absolute value.
     Inf,
-}
-
-/// Every float parameter of a module with its rank (number of dims).
-pub(crate) fn float_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
-    struct Collect(Vec<(ParamId, usize)>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push((param.id, D));
-        }
-    }
-    let mut c = Collect(Vec::new());
-    module.visit(&mut c);
-    c.0
-}
-
-/// Runs `f` on the gradient of parameter `id` (of rank `dims`) flattened to 1-d, if any.
-pub(crate) fn with_grad<R>(
-    grads: &GradientsParams,
-    id: ParamId,
-    dims: usize,
-    f: impl FnOnce(Tensor<1>) -> R,
-) -> Option<R> {
-    match dims {
-        1 => grads.get::<1>(id).map(f),
-        2 => grads.get::<2>(id).map(|g| f(g.flatten(0, 1))),
-        3 => grads.get::<3>(id).map(|g| f(g.flatten(0, 2))),
-        4 => grads.get::<4>(id).map(|g| f(g.flatten(0, 3))),
-        _ => None,
-    }
 }
 
 /// The global gradient norm of `module`'s gradients on a rank of tensor-parallel rank
@@ -59,12 +31,29 @@ pub fn global_grad_norm<M: Module>(
     model_parallel: &Comm,
     norm_type: NormType,
 ) -> Result<f64, CommError> {
+    grad_norm_of(
+        &float_params(module),
+        grads,
+        tp_rank,
+        model_parallel,
+        norm_type,
+    )
+}
+
+/// [`global_grad_norm`] over already-collected `(ParamId, rank)` pairs.
+pub(crate) fn grad_norm_of(
+    params: &[(ParamId, usize)],
+    grads: &GradientsParams,
+    tp_rank: usize,
+    model_parallel: &Comm,
+    norm_type: NormType,
+) -> Result<f64, CommError> {
     let mut local = 0.0f64;
-    for (id, dims) in float_params(module) {
+    for &(id, dims) in params {
         if !parallel_attrs(id).counts_in_grad_norm(tp_rank) {
             continue;
         }
-        let part = with_grad(grads, id, dims, |g| {
+        let part = with_flat(grads, id, dims, |g| {
             let g = g.cast(DType::F32);
             let v = match norm_type {
                 NormType::L2 => g.powi_scalar(2).sum(),
@@ -101,26 +90,24 @@ pub fn clip_grads_by_total_norm<M: Module>(
     max_norm: f64,
     total_norm: f64,
 ) -> f64 {
+    clip_grads_of(&float_params(module), grads, max_norm, total_norm)
+}
+
+/// [`clip_grads_by_total_norm`] over already-collected `(ParamId, rank)` pairs.
+pub(crate) fn clip_grads_of(
+    params: &[(ParamId, usize)],
+    grads: &mut GradientsParams,
+    max_norm: f64,
+    total_norm: f64,
+) -> f64 {
     let coeff = max_norm / (total_norm + 1e-6);
     if coeff >= 1.0 {
         return 1.0;
     }
-    for (id, dims) in float_params(module) {
-        match dims {
-            1 => scale::<1>(grads, id, coeff),
-            2 => scale::<2>(grads, id, coeff),
-            3 => scale::<3>(grads, id, coeff),
-            4 => scale::<4>(grads, id, coeff),
-            _ => {}
-        }
+    for &(id, rank) in params {
+        let _ = update_flat::<std::convert::Infallible>(grads, id, rank, |g| Ok(g * coeff));
     }
     coeff
-}
-
-fn scale<const D: usize>(grads: &mut GradientsParams, id: ParamId, coeff: f64) {
-    if let Some(g) = grads.remove::<D>(id) {
-        grads.register::<D>(id, g * coeff);
-    }
 }
 
 #[cfg(test)]

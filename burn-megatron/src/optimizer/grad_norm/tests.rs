@@ -1,12 +1,15 @@
 use super::*;
 use crate::launch::{LaunchOptions, threads};
+use crate::param_grads::{float_params, with_flat};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, RowParallelLinear,
     RowParallelLinearConfig, TpError,
 };
 use crate::topology::ParallelConfig;
 use burn::module::Module;
+use burn::module::Param;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
+use burn::tensor::Tensor;
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, TensorData};
 
@@ -105,7 +108,7 @@ fn duplicated_params_count_once_so_the_norm_is_the_single_rank_norm() {
     let grads = GradientsParams::from_grads(y.powi_scalar(2).sum().backward(), &plain);
     let mut sq = 0.0f64;
     for (id, dims) in float_params(&plain) {
-        sq += with_grad(&grads, id, dims, |g| {
+        sq += with_flat(&grads, id, dims, |g| {
             f64::from(g.powi_scalar(2).sum().into_scalar::<f32>())
         })
         .unwrap();
