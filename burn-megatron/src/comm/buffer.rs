@@ -67,6 +67,21 @@ macro_rules! with_vec {
 }
 pub(crate) use with_vec;
 
+/// Builds a buffer of the same variant as `$buf` from `$body`, with `$v` bound to the
+/// inner `Vec`.
+macro_rules! map_vec {
+    ($buf:expr, $v:ident => $body:expr) => {
+        match $buf {
+            Buffer::F32($v) => Buffer::F32($body),
+            Buffer::F16($v) => Buffer::F16($body),
+            Buffer::BF16($v) => Buffer::BF16($body),
+            Buffer::I32($v) => Buffer::I32($body),
+            Buffer::I64($v) => Buffer::I64($body),
+        }
+    };
+}
+pub(crate) use map_vec;
+
 impl Buffer {
     /// The element type.
     pub fn dtype(&self) -> CommDType {
@@ -113,13 +128,7 @@ impl Buffer {
 
     /// Elements `range` of this buffer, as a new buffer.
     pub fn slice(&self, range: std::ops::Range<usize>) -> Buffer {
-        match self {
-            Buffer::F32(v) => Buffer::F32(v[range].to_vec()),
-            Buffer::F16(v) => Buffer::F16(v[range].to_vec()),
-            Buffer::BF16(v) => Buffer::BF16(v[range].to_vec()),
-            Buffer::I32(v) => Buffer::I32(v[range].to_vec()),
-            Buffer::I64(v) => Buffer::I64(v[range].to_vec()),
-        }
+        map_vec!(self, v => v[range].to_vec())
     }
 
     /// Appends `other` (same dtype) to this buffer.

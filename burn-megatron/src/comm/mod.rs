@@ -21,6 +21,7 @@ mod tensor_tests;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use buffer::map_vec;
 pub use buffer::{Buffer, CommDType, CommElement};
 pub use group::{CommError, ProcessGroup};
 pub use local::{LocalCommunicator, LocalWorld};

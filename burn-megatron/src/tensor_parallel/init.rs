@@ -89,7 +89,7 @@ pub(crate) fn slice_rows(full: &[f32], cols: usize, start: usize, len: usize) ->
 }
 
 /// Columns `[start, start + len)` of a row-major `[rows, cols]` matrix.
-pub(crate) fn slice_cols(full: &[f32], cols: usize, start: usize, len: usize) -> Vec<f32> {
+pub(crate) fn slice_cols<T: Copy>(full: &[T], cols: usize, start: usize, len: usize) -> Vec<T> {
     full.chunks(cols)
         .flat_map(|row| row[start..start + len].iter().copied())
         .collect()

@@ -5,9 +5,10 @@
 //! signatures cannot carry an error, and a panic inside a rank is reported by the launcher
 //! with the rank, while its peers fail promptly instead of waiting for it.
 
+use super::super::init::slice_cols;
 use super::Mapping;
 use crate::comm::tensor::data_to_buffer;
-use crate::comm::{Buffer, Comm, CommError, ReduceOp};
+use crate::comm::{Buffer, Comm, CommError, ReduceOp, map_vec};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::try_read_sync;
@@ -113,48 +114,25 @@ fn exchange(
 
 /// Columns `[start, start + len)` of a row-major matrix with `cols` columns.
 fn select_columns(buf: &Buffer, cols: usize, start: usize, len: usize) -> Buffer {
-    macro_rules! go {
-        ($v:expr, $variant:ident) => {
-            Buffer::$variant(
-                $v.chunks(cols)
-                    .flat_map(|row| row[start..start + len].iter().copied())
-                    .collect(),
-            )
-        };
-    }
-    match buf {
-        Buffer::F32(v) => go!(v, F32),
-        Buffer::F16(v) => go!(v, F16),
-        Buffer::BF16(v) => go!(v, BF16),
-        Buffer::I32(v) => go!(v, I32),
-        Buffer::I64(v) => go!(v, I64),
-    }
+    map_vec!(buf, v => slice_cols(v, cols, start, len))
 }
 
 /// `n` row-major blocks of `cols` columns each (concatenated) → one matrix with the blocks
 /// side by side, `n · cols` columns.
 fn interleave_columns(buf: &Buffer, n: usize, cols: usize) -> Buffer {
-    macro_rules! go {
-        ($v:expr, $variant:ident) => {{
-            let block = $v.len() / n;
-            let rows = if cols == 0 { 0 } else { block / cols };
-            let mut out = Vec::with_capacity($v.len());
-            for r in 0..rows {
-                for b in 0..n {
-                    let at = b * block + r * cols;
-                    out.extend_from_slice(&$v[at..at + cols]);
-                }
+    fn interleave<T: Copy>(v: &[T], n: usize, cols: usize) -> Vec<T> {
+        let block = v.len() / n;
+        let rows = block.checked_div(cols).unwrap_or(0);
+        let mut out = Vec::with_capacity(v.len());
+        for r in 0..rows {
+            for b in 0..n {
+                let at = b * block + r * cols;
+                out.extend_from_slice(&v[at..at + cols]);
             }
-            Buffer::$variant(out)
-        }};
+        }
+        out
     }
-    match buf {
-        Buffer::F32(v) => go!(v, F32),
-        Buffer::F16(v) => go!(v, F16),
-        Buffer::BF16(v) => go!(v, BF16),
-        Buffer::I32(v) => go!(v, I32),
-        Buffer::I64(v) => go!(v, I64),
-    }
+    map_vec!(buf, v => interleave(v, n, cols))
 }
 
 /// All-reduces several tensors with one collective (packed into one buffer). Shapes are
