@@ -5,3 +5,5 @@ pub fn median(mut samples: Vec<f64>) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
 }
+
+pub mod pretrain;

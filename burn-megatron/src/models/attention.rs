@@ -89,6 +89,11 @@ impl ParallelAttentionConfig {
 }
 
 impl ParallelAttention {
+    /// Attention heads held by this rank.
+    pub fn heads_per_rank(&self) -> usize {
+        self.heads_per_rank
+    }
+
     /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism). `padding` is
     /// `[b, s]`, true at padded positions, which no query attends to.
     pub fn forward(

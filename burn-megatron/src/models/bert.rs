@@ -15,7 +15,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
 use burn::tensor::activation::{gelu, log_softmax};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 /// BERT's shape, named as Megatron's arguments.
 #[derive(Config, Debug)]
@@ -226,7 +226,7 @@ impl Bert {
         }
     }
 
-    /// (MLM loss averaged over `loss_mask`, binary-head loss averaged over the batch).
+    /// (MLM loss averaged over `loss_mask`, binary-head loss averaged over the batch), in f32.
     /// `lm_labels`, `loss_mask`: `[b, s]`; `binary_labels`: `[b]`.
     pub fn loss(
         &self,
@@ -244,8 +244,10 @@ impl Bert {
             0.0,
             &self.tp,
         )?;
-        let lm_loss = (losses * mask.clone()).sum() / mask.sum().clamp_min(1.0);
-        let logp = log_softmax(output.binary_logits, 1);
+        // Losses in f32 whatever the model's dtype, as Megatron.
+        let mask = mask.cast(DType::F32);
+        let lm_loss = (losses.cast(DType::F32) * mask.clone()).sum() / mask.sum().clamp_min(1.0);
+        let logp = log_softmax(output.binary_logits.cast(DType::F32), 1);
         let binary_loss = logp.gather(1, binary_labels.unsqueeze_dim(1)).neg().mean();
         Ok((lm_loss, binary_loss))
     }

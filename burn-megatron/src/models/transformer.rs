@@ -203,6 +203,11 @@ impl TransformerLayerConfig {
 }
 
 impl TransformerLayer {
+    /// Where this layer's norms sit.
+    pub fn layernorm_position(&self) -> LayerNormPosition {
+        self.position
+    }
+
     fn dropout(&self, x: Tensor<3>, rng: Option<&RngTracker>) -> Tensor<3> {
         // Split activations (sequence parallel) differ per rank; duplicated ones must not.
         let region = if self.sequence_parallel {

@@ -2,11 +2,11 @@
 //! skipping, and clipping by the global gradient norm, around any burn-optim optimizer.
 
 use super::grad_norm::{NormType, clip_grads_of, grad_norm_of};
-use super::grad_scaler::GradScaler;
+use super::grad_scaler::{GradScaler, GradScalerState};
 use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::param_grads::{float_params, update_flat, with_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{DType, Tensor};
 
 /// What one [`MegatronOptimizer::step`] did, for logging.
@@ -59,6 +59,20 @@ impl ModuleMapper for Cast {
         let rg = t.is_require_grad();
         Param::from_mapped_value(id, t.cast(self.0).detach().set_require_grad(rg), mapper)
     }
+}
+
+/// `model` with every float parameter cast to `dtype` (ids and `require_grad` kept): how a
+/// model is put in bf16 / f16 before [`MegatronOptimizer::new`] keeps its FP32 master copy.
+///
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn::tensor::{DType, Device};
+/// use burn_megatron::optimizer::cast_params;
+/// let model = cast_params(LinearConfig::new(2, 2).init(&Device::flex().autodiff()), DType::BF16);
+/// assert_eq!(model.weight.val().dtype(), DType::BF16);
+/// ```
+pub fn cast_params<M: Module>(model: M, dtype: DType) -> M {
+    model.map(&mut Cast(dtype))
 }
 
 fn model_dtype<M: Module>(model: &M) -> DType {
@@ -123,6 +137,29 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// The wrapped optimizer (its state is keyed by `ParamId`, shared with the model).
     pub fn inner(&self) -> &ModuleOptimizer {
         &self.inner
+    }
+
+    /// The FP32 master weights (bf16 / f16 models only).
+    pub fn master(&self) -> Option<&M> {
+        self.master.as_ref()
+    }
+
+    /// Takes a checkpointed state: the inner optimizer's record, the master weights and the
+    /// scaler's state.
+    pub(crate) fn restore(
+        mut self,
+        record: OptimizerRecord,
+        master: Option<M>,
+        scaler: Option<GradScalerState>,
+    ) -> Self {
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), scaler) {
+            s.load_state(state);
+        }
+        Self {
+            inner: self.inner.load_record(record),
+            master,
+            ..self
+        }
     }
 
     /// One step with learning rate `lr` on `grads` of the *scaled* loss.

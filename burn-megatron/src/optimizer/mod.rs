@@ -14,7 +14,7 @@ mod tests;
 
 pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
-pub use megatron::{MegatronOptimizer, StepReport};
+pub use megatron::{MegatronOptimizer, StepReport, cast_params};
 pub use param_groups::{LrMultScheduler, megatron_param_groups, one_dimensional_params};
 pub use scheduler::{
     LrDecayStyle, OptimizerParamScheduler, OptimizerParamSchedulerConfig, ParamGroupSchedule,

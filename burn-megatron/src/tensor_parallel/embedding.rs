@@ -112,7 +112,11 @@ impl VocabParallelEmbedding {
                 .lower_elem(start as i64)
                 .bool_or(ids.clone().greater_equal_elem(end as i64));
             let local = (ids - start as i64).mask_fill(outside.clone(), 0);
-            let keep = outside.bool_not().float().unsqueeze_dim::<3>(2);
+            let keep = outside
+                .bool_not()
+                .float()
+                .cast(self.weight.val().dtype())
+                .unsqueeze_dim::<3>(2);
             embedding(self.weight.val(), local) * keep
         };
         if self.sequence_parallel {

@@ -1,0 +1,377 @@
+//! Training checkpoints in Megatron's layout: `ROOT/iter_0000100/mp_rank_01/` holds one
+//! tensor-parallel rank's weights (safetensors, by module path, dtype kept), its FP32
+//! master weights when it has them, the inner optimizer's state (burnpack) and a
+//! `state.json` (iteration, loss-scaler state, whatever the caller adds);
+//! `ROOT/latest_checkpointed_iteration.txt` names the newest.
+//!
+//! Burn keys optimizer state by [`ParamId`], so a loaded model takes the ids it was saved
+//! with (its tensor-parallel attributes move along): the optimizer state then applies
+//! unchanged, and resuming continues the exact run.
+
+use crate::optimizer::{GradScalerState, MegatronOptimizer};
+use crate::safetensors_io;
+use crate::tensor_parallel::{parallel_attrs, set_parallel_attrs};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::OptimizerRecord;
+use burn::tensor::{Tensor, TensorCreationOptions, TensorData};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Why a checkpoint could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be read or written.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The checkpoint does not fit the model (another layout or architecture).
+    #[error("checkpoint does not match the model: {0}")]
+    Mismatch(String),
+}
+
+fn io(path: &Path, message: impl ToString) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.display().to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// `ROOT/iter_{iteration:07}/mp_rank_{tp_rank:02}`.
+pub fn rank_dir(root: &Path, iteration: usize, tp_rank: usize) -> PathBuf {
+    root.join(format!("iter_{iteration:07}"))
+        .join(format!("mp_rank_{tp_rank:02}"))
+}
+
+/// Records `iteration` as the newest complete checkpoint (call once every rank has saved).
+pub fn write_latest(root: &Path, iteration: usize) -> Result<(), CheckpointError> {
+    let path = root.join("latest_checkpointed_iteration.txt");
+    std::fs::write(&path, iteration.to_string()).map_err(|e| io(&path, e))
+}
+
+/// The newest complete checkpoint under `root`, if any.
+pub fn read_latest(root: &Path) -> Result<Option<usize>, CheckpointError> {
+    let path = root.join("latest_checkpointed_iteration.txt");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+    text.trim()
+        .parse()
+        .map(Some)
+        .map_err(|e| io(&path, format!("not an iteration number: {e}")))
+}
+
+#[derive(Default)]
+struct Path_(Vec<String>);
+
+impl Path_ {
+    fn enter(&mut self, name: &str) {
+        self.0.push(name.to_string());
+    }
+    fn exit(&mut self) {
+        self.0.pop();
+    }
+    fn join(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+struct Collect {
+    path: Path_,
+    out: Vec<(String, TensorData)>,
+    ids: HashMap<String, String>,
+}
+
+impl ModuleVisitor for Collect {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        let name = self.path.join();
+        self.ids.insert(name.clone(), p.id.val().to_string());
+        self.out.push((name, p.val().into_data()));
+    }
+}
+
+/// `module`'s float parameters by path, with their ids as metadata.
+fn collect<M: Module>(module: &M) -> (Vec<(String, TensorData)>, HashMap<String, String>) {
+    let mut c = Collect {
+        path: Path_::default(),
+        out: Vec::new(),
+        ids: HashMap::new(),
+    };
+    module.visit(&mut c);
+    c.out.sort_by(|a, b| a.0.cmp(&b.0));
+    (c.out, c.ids)
+}
+
+struct Restore {
+    path: Path_,
+    tensors: HashMap<String, TensorData>,
+    ids: HashMap<String, String>,
+    error: Option<String>,
+}
+
+impl ModuleMapper for Restore {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.exit();
+    }
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let name = self.path.join();
+        let (Some(data), Some(id)) = (self.tensors.remove(&name), self.ids.get(&name)) else {
+            self.error.get_or_insert(format!("no tensor {name}"));
+            return p;
+        };
+        let Ok(id) = id.parse::<u64>().map(ParamId::from) else {
+            self.error
+                .get_or_insert(format!("{name}: bad parameter id {id}"));
+            return p;
+        };
+        let (old_id, old, mapper) = p.consume();
+        if data.shape().to_vec() != old.dims().to_vec() {
+            self.error.get_or_insert(format!(
+                "{name}: saved shape {:?}, model shape {:?}",
+                data.shape().to_vec(),
+                old.dims()
+            ));
+            return Param::from_mapped_value(old_id, old, mapper);
+        }
+        let options = TensorCreationOptions::new(old.device()).with_dtype(old.dtype());
+        let t = Tensor::<D>::from_data(data, options).set_require_grad(old.is_require_grad());
+        set_parallel_attrs(id, parallel_attrs(old_id));
+        Param::from_mapped_value(id, t, mapper)
+    }
+}
+
+fn save_module<M: Module>(module: &M, path: &Path) -> Result<(), CheckpointError> {
+    let (tensors, ids) = collect(module);
+    safetensors_io::write(&tensors, ids, path).map_err(|e| io(path, e))
+}
+
+fn load_module<M: Module>(module: M, path: &Path) -> Result<M, CheckpointError> {
+    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    let (tensors, ids) = safetensors_io::read(&bytes).map_err(|e| io(path, e))?;
+    let mut restore = Restore {
+        path: Path_::default(),
+        tensors: tensors.into_iter().collect(),
+        ids,
+        error: None,
+    };
+    let module = module.map(&mut restore);
+    if let Some(e) = restore.error {
+        return Err(CheckpointError::Mismatch(format!(
+            "{}: {e}",
+            path.display()
+        )));
+    }
+    if let Some(extra) = restore.tensors.keys().next() {
+        return Err(CheckpointError::Mismatch(format!(
+            "{}: tensor {extra} has no parameter in the model",
+            path.display()
+        )));
+    }
+    Ok(module)
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct State {
+    iteration: usize,
+    grad_scaler: Option<GradScalerState>,
+    extra: serde_json::Value,
+}
+
+/// Saves one rank's model and optimizer into `dir` (see [`rank_dir`]), with `extra` (e.g.
+/// scheduler and data positions) kept in `state.json`.
+pub fn save_checkpoint<M: Module + Clone>(
+    dir: &Path,
+    iteration: usize,
+    model: &M,
+    optimizer: &MegatronOptimizer<M>,
+    extra: serde_json::Value,
+) -> Result<(), CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    save_module(model, &dir.join("model.safetensors"))?;
+    if let Some(master) = optimizer.master() {
+        save_module(master, &dir.join("master.safetensors"))?;
+    }
+    let optim = dir.join("optimizer.bpk");
+    optimizer
+        .inner()
+        .to_record()
+        .save(&optim)
+        .map_err(|e| io(&optim, format!("{e:?}")))?;
+    let state = State {
+        iteration,
+        grad_scaler: optimizer.grad_scaler().map(|s| s.state()),
+        extra,
+    };
+    let path = dir.join("state.json");
+    let text = serde_json::to_string_pretty(&state).map_err(|e| io(&path, e))?;
+    std::fs::write(&path, text).map_err(|e| io(&path, e))
+}
+
+/// What [`load_checkpoint`] restores.
+pub struct Restored<M: Module> {
+    /// The model, with the saved weights and parameter ids.
+    pub model: M,
+    /// The optimizer, with its saved state.
+    pub optimizer: MegatronOptimizer<M>,
+    /// The iteration the checkpoint was taken after.
+    pub iteration: usize,
+    /// The caller's `extra`.
+    pub extra: serde_json::Value,
+}
+
+/// Loads what [`save_checkpoint`] wrote in `dir` into a freshly built `model` (same
+/// architecture and layout). `make_optimizer` builds the optimizer for the loaded model
+/// (whose parameter ids are the saved ones, so id-based parameter groups match); its state
+/// is then restored.
+pub fn load_checkpoint<M: Module + Clone>(
+    dir: &Path,
+    model: M,
+    make_optimizer: impl FnOnce(&M) -> MegatronOptimizer<M>,
+) -> Result<Restored<M>, CheckpointError> {
+    if !dir.is_dir() {
+        return Err(io(
+            dir,
+            "no checkpoint here (saved with another tensor-parallel size?)",
+        ));
+    }
+    let model = load_module(model, &dir.join("model.safetensors"))?;
+    let optimizer = make_optimizer(&model);
+    let master_path = dir.join("master.safetensors");
+    let master = match optimizer.master() {
+        Some(m) => Some(load_module(m.clone(), &master_path)?),
+        None => None,
+    };
+    let optim = dir.join("optimizer.bpk");
+    let record = OptimizerRecord::load(&optim).map_err(|e| io(&optim, format!("{e:?}")))?;
+    let path = dir.join("state.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+    let state: State = serde_json::from_str(&text).map_err(|e| io(&path, e))?;
+    let optimizer = optimizer.restore(record, master, state.grad_scaler);
+    Ok(Restored {
+        model,
+        optimizer,
+        iteration: state.iteration,
+        extra: state.extra,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::{Comm, LocalWorld};
+    use crate::optimizer::{cast_params, megatron_param_groups};
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn::tensor::{DType, Device};
+    use std::sync::Arc;
+
+    fn step(model: Linear, optim: &mut MegatronOptimizer<Linear>, k: usize) -> Linear {
+        let device = model.weight.val().device();
+        let x = Tensor::<2>::from_data(
+            TensorData::new(
+                (0..6)
+                    .map(|i| (i * (k + 1)) as f32 * 0.1)
+                    .collect::<Vec<_>>(),
+                [2, 3],
+            ),
+            &device,
+        )
+        .cast(model.weight.val().dtype());
+        let loss = model.forward(x).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        optim.step(1e-2, model, grads).unwrap().0
+    }
+
+    fn optimizer_for(model: &Linear) -> MegatronOptimizer<Linear> {
+        let comm: Comm = Arc::new(LocalWorld::new(1).communicator("mp", vec![0], 0).unwrap());
+        // Biases without weight decay: an id-based group, which must match after loading.
+        let adamw = AdamWConfig::new().with_weight_decay(0.5);
+        let groups = megatron_param_groups(
+            model,
+            adamw.build(),
+            adamw.with_weight_decay(0.0).build(),
+            None,
+        );
+        MegatronOptimizer::new(groups, model, comm, 0)
+    }
+
+    fn fresh(seed: u64, dtype: DType) -> (Linear, MegatronOptimizer<Linear>) {
+        let device = Device::flex().autodiff();
+        Device::seed(&device, seed);
+        let model = cast_params(LinearConfig::new(3, 2).init(&device), dtype);
+        let optim = optimizer_for(&model);
+        (model, optim)
+    }
+
+    #[test]
+    fn a_loaded_run_continues_bit_identically() {
+        for dtype in [DType::F32, DType::BF16] {
+            let dir =
+                std::env::temp_dir().join(format!("bm-ckpt-{}-{dtype:?}", std::process::id()));
+            let (mut model, mut optim) = fresh(1, dtype);
+            for k in 0..3 {
+                model = step(model, &mut optim, k);
+            }
+            save_checkpoint(&dir, 3, &model, &optim, serde_json::json!({"note": 7})).unwrap();
+            let mut cont = model;
+            for k in 3..5 {
+                cont = step(cont, &mut optim, k);
+            }
+            let (other, _) = fresh(2, dtype);
+            let r = load_checkpoint(&dir, other, |m| optimizer_for(m)).unwrap();
+            assert_eq!((r.iteration, r.extra["note"].as_u64()), (3, Some(7)));
+            let (mut resumed, mut optim) = (r.model, r.optimizer);
+            for k in 3..5 {
+                resumed = step(resumed, &mut optim, k);
+            }
+            let values = |m: &Linear| m.weight.val().into_data().iter::<f32>().collect::<Vec<_>>();
+            let bias = |m: &Linear| {
+                m.bias
+                    .as_ref()
+                    .unwrap()
+                    .val()
+                    .into_data()
+                    .iter::<f32>()
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(values(&resumed), values(&cont), "{dtype:?}");
+            assert_eq!(bias(&resumed), bias(&cont), "{dtype:?}");
+            assert_eq!(resumed.weight.id, cont.weight.id);
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn another_architecture_is_a_mismatch() {
+        let dir = std::env::temp_dir().join(format!("bm-ckpt-mismatch-{}", std::process::id()));
+        let (model, optim) = fresh(1, DType::F32);
+        save_checkpoint(&dir, 1, &model, &optim, serde_json::Value::Null).unwrap();
+        let device = Device::flex().autodiff();
+        let wider = LinearConfig::new(3, 4).init(&device);
+        let Err(e) = load_checkpoint(&dir, wider, optimizer_for) else {
+            panic!("a wider layer must not load")
+        };
+        assert!(
+            e.to_string()
+                .contains("weight: saved shape [3, 2], model shape [3, 4]"),
+            "{e}"
+        );
+        write_latest(&dir, 1).unwrap();
+        assert_eq!(read_latest(&dir).unwrap(), Some(1));
+        assert_eq!(rank_dir(&dir, 5, 1), dir.join("iter_0000005/mp_rank_01"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,68 @@
+//! Burn `TensorData` ⇄ safetensors, dtype kept (f32, f16, bf16, i64).
+
+use burn::tensor::{DType, TensorData};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// A named tensor read from or written to a safetensors file.
+pub(crate) type Named = Vec<(String, TensorData)>;
+
+pub(crate) fn to_data(view: &TensorView<'_>) -> Result<TensorData, String> {
+    let shape = view.shape().to_vec();
+    let bytes = view.data();
+    let data = match view.dtype() {
+        Dtype::F32 => TensorData::new(bytemuck::pod_collect_to_vec::<u8, f32>(bytes), shape),
+        Dtype::F16 => TensorData::new(bytemuck::pod_collect_to_vec::<u8, half::f16>(bytes), shape),
+        Dtype::BF16 => {
+            TensorData::new(bytemuck::pod_collect_to_vec::<u8, half::bf16>(bytes), shape)
+        }
+        Dtype::I64 => TensorData::new(bytemuck::pod_collect_to_vec::<u8, i64>(bytes), shape),
+        other => return Err(format!("unsupported dtype {other:?}")),
+    };
+    Ok(data)
+}
+
+fn dtype(d: DType) -> Result<Dtype, String> {
+    Ok(match d {
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::I64 => Dtype::I64,
+        other => return Err(format!("cannot store dtype {other:?}")),
+    })
+}
+
+/// Reads every tensor of `bytes`, with the file's metadata.
+pub(crate) fn read(bytes: &[u8]) -> Result<(Named, HashMap<String, String>), String> {
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
+    let file = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for name in file.names() {
+        let view = file.tensor(name).map_err(|e| e.to_string())?;
+        out.push((
+            name.to_string(),
+            to_data(&view).map_err(|e| format!("{name}: {e}"))?,
+        ));
+    }
+    Ok((out, meta.metadata().clone().unwrap_or_default()))
+}
+
+/// Writes `tensors` (sorted by name, as safetensors requires) with `metadata`.
+pub(crate) fn write(
+    tensors: &Named,
+    metadata: HashMap<String, String>,
+    path: &Path,
+) -> Result<(), String> {
+    let views = tensors
+        .iter()
+        .map(|(name, data)| {
+            let view =
+                TensorView::new(dtype(data.dtype())?, data.shape().to_vec(), data.as_bytes())
+                    .map_err(|e| format!("{name}: {e}"))?;
+            Ok((name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| e.to_string())
+}

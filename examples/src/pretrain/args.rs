@@ -1,0 +1,229 @@
+//! `bert_pretrain`'s command line: Megatron's flag names, checked before any work starts.
+
+use burn_megatron::data::BatchLayout;
+use burn_megatron::optimizer::LrDecayStyle;
+use burn_megatron::topology::ParallelConfig;
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+
+/// Learning-rate decay style, as Megatron's `--lr-decay-style`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DecayStyle {
+    /// Constant after warmup.
+    Constant,
+    /// Linear to `--min-lr`.
+    Linear,
+    /// Half a cosine to `--min-lr`.
+    Cosine,
+    /// `1 / sqrt(step)`.
+    InverseSquareRoot,
+}
+
+impl From<DecayStyle> for LrDecayStyle {
+    fn from(s: DecayStyle) -> Self {
+        match s {
+            DecayStyle::Constant => LrDecayStyle::Constant,
+            DecayStyle::Linear => LrDecayStyle::Linear,
+            DecayStyle::Cosine => LrDecayStyle::Cosine,
+            DecayStyle::InverseSquareRoot => LrDecayStyle::InverseSquareRoot,
+        }
+    }
+}
+
+/// BERT pretraining with tensor and data parallelism (ranks run as threads of this
+/// process). Without `--data-path` it trains on a procedurally generated English-like
+/// corpus, and without `--vocab-file` it trains a WordPiece vocabulary on it first.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "bert_pretrain", version, args_override_self = true)]
+pub struct Args {
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 2)]
+    pub tensor_model_parallel_size: usize,
+    /// Split LayerNorm and dropout activations along the sequence across TP ranks.
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// Total ranks; data-parallel size = world size / TP.
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// Transformer layers.
+    #[arg(long, default_value_t = 2)]
+    pub num_layers: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = 128)]
+    pub hidden_size: usize,
+    /// Attention heads (divisible by the TP size).
+    #[arg(long, default_value_t = 4)]
+    pub num_attention_heads: usize,
+    /// MLP inner size (default 4 × hidden).
+    #[arg(long)]
+    pub ffn_hidden_size: Option<usize>,
+    /// Tokens per sample.
+    #[arg(long, default_value_t = 64)]
+    pub seq_length: usize,
+    /// Position-embedding table size (default: the sequence length).
+    #[arg(long)]
+    pub max_position_embeddings: Option<usize>,
+    /// Samples per forward/backward on one data-parallel rank.
+    #[arg(long, default_value_t = 8)]
+    pub micro_batch_size: usize,
+    /// Samples per optimizer step over all data-parallel ranks.
+    #[arg(long, default_value_t = 16)]
+    pub global_batch_size: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    pub train_iters: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Floor of the decay.
+    #[arg(long, default_value_t = 1e-5)]
+    pub min_lr: f64,
+    /// Decay style.
+    #[arg(long, value_enum, default_value_t = DecayStyle::Cosine)]
+    pub lr_decay_style: DecayStyle,
+    /// Fraction of `--train-iters` spent warming up.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr_warmup_fraction: f64,
+    /// AdamW weight decay (not applied to biases and norms).
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    /// Clip gradients to this global L2 norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip_grad: f64,
+    /// Train in bf16 with FP32 master weights.
+    #[arg(long, conflicts_with = "fp16")]
+    pub bf16: bool,
+    /// Train in f16 with FP32 master weights and loss scaling.
+    #[arg(long)]
+    pub fp16: bool,
+    /// Fixed loss scale for --fp16 (default: dynamic).
+    #[arg(long)]
+    pub loss_scale: Option<f64>,
+    /// Hidden-state dropout.
+    #[arg(long, default_value_t = 0.1)]
+    pub hidden_dropout: f64,
+    /// Attention-probability dropout.
+    #[arg(long, default_value_t = 0.1)]
+    pub attention_dropout: f64,
+    /// Seed of weights, data and dropout.
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// Corpus: `.jsonl` ({"text": ...} per line) or plain text (blank-line separated
+    /// documents). Default: the built-in generator.
+    #[arg(long)]
+    pub data_path: Option<PathBuf>,
+    /// Documents the built-in generator writes.
+    #[arg(long, default_value_t = 20_000)]
+    pub synthetic_documents: usize,
+    /// `vocab.txt` or `tokenizer.json`. Default: the generator's vocabulary, or with
+    /// `--data-path` a WordPiece vocabulary trained on the corpus.
+    #[arg(long)]
+    pub vocab_file: Option<PathBuf>,
+    /// Size of a vocabulary trained on `--data-path`.
+    #[arg(long, default_value_t = 8192)]
+    pub vocab_size: usize,
+    /// Save checkpoints under this directory.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Resume from the latest checkpoint under this directory.
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Iterations between checkpoints (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_interval: usize,
+    /// Iterations between log lines.
+    #[arg(long, default_value_t = 10)]
+    pub log_interval: usize,
+    /// Iterations between validation losses (0 disables).
+    #[arg(long, default_value_t = 100)]
+    pub eval_interval: usize,
+    /// Batches per validation.
+    #[arg(long, default_value_t = 5)]
+    pub eval_iters: usize,
+    /// Where the loss curve is drawn (PNG).
+    #[arg(long, default_value = "bert_pretrain_loss.png")]
+    pub loss_plot: PathBuf,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl Args {
+    /// Data-parallel size.
+    pub fn data_parallel_size(&self) -> usize {
+        self.world_size / self.tensor_model_parallel_size.max(1)
+    }
+
+    /// The parallel layout, validated.
+    pub fn parallel_config(&self) -> Result<ParallelConfig, String> {
+        let config = ParallelConfig::new(self.world_size, self.tensor_model_parallel_size, 1)
+            .with_sequence_parallel(self.sequence_parallel);
+        config.clone().validate().map_err(|e| e.to_string())?;
+        Ok(config)
+    }
+
+    /// Every check that can fail before training starts, with a message naming the flags.
+    pub fn validate(&self) -> Result<BatchLayout, String> {
+        self.parallel_config()?;
+        let tp = self.tensor_model_parallel_size;
+        if !self.num_attention_heads.is_multiple_of(tp) {
+            return Err(format!(
+                "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({tp})",
+                self.num_attention_heads
+            ));
+        }
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return Err(format!(
+                "--hidden-size ({}) must be divisible by --num-attention-heads ({})",
+                self.hidden_size, self.num_attention_heads
+            ));
+        }
+        if self.sequence_parallel && !self.seq_length.is_multiple_of(tp) {
+            return Err(format!(
+                "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({tp}) \
+                 with --sequence-parallel",
+                self.seq_length
+            ));
+        }
+        let dp = self.data_parallel_size();
+        let layout = BatchLayout::new(self.global_batch_size, self.micro_batch_size, dp)
+            .map_err(|_| {
+                format!(
+                    "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) × \
+                     data-parallel size ({dp} = --world-size {} / --tensor-model-parallel-size {tp})",
+                    self.global_batch_size, self.micro_batch_size, self.world_size
+                )
+            })?;
+        if self.max_position_embeddings.unwrap_or(self.seq_length) < self.seq_length {
+            return Err("--max-position-embeddings must be at least --seq-length".into());
+        }
+        for (flag, path) in [
+            ("--data-path", &self.data_path),
+            ("--vocab-file", &self.vocab_file),
+        ] {
+            if let Some(p) = path
+                && !p.is_file()
+            {
+                return Err(format!("{flag} {}: no such file", p.display()));
+            }
+        }
+        if let Some(dir) = &self.load
+            && !dir.join("latest_checkpointed_iteration.txt").is_file()
+        {
+            return Err(format!(
+                "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
+                dir.display()
+            ));
+        }
+        if self.train_iters == 0 || self.log_interval == 0 {
+            return Err("--train-iters and --log-interval must be positive".into());
+        }
+        if !(0.0..1.0).contains(&self.lr_warmup_fraction) {
+            return Err("--lr-warmup-fraction must be in [0, 1)".into());
+        }
+        if self.loss_scale.is_some() && !self.fp16 {
+            return Err("--loss-scale needs --fp16".into());
+        }
+        Ok(layout)
+    }
+}

@@ -1,0 +1,248 @@
+//! The `bert_pretrain` example as a library, so tests can run it in-process: parse
+//! [`Args`], then [`run`].
+
+mod args;
+mod plot;
+mod train;
+
+pub use args::{Args, DecayStyle};
+pub use train::scheduler;
+
+use burn_megatron::data::{
+    BatchLayout, BertDataset, BertDatasetConfig, BertTokenizer, Document, load_corpus,
+    synthetic_corpus, synthetic_vocabulary,
+};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::models::BertConfig;
+use burn_megatron::tensor_parallel::padded_vocab_size;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::time::{Duration, Instant};
+
+/// One iteration, as logged.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IterationLog {
+    /// Iterations done (1-based).
+    pub iteration: usize,
+    /// Samples consumed so far.
+    pub consumed_samples: usize,
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// MLM loss (mean over the global batch's micro-batches).
+    pub lm_loss: f64,
+    /// Sentence-order loss.
+    pub sop_loss: f64,
+    /// Global gradient norm (None when the step was skipped).
+    pub grad_norm: Option<f64>,
+    /// Loss scale of this step.
+    pub loss_scale: f64,
+    /// Skipped (overflowed) iterations so far.
+    pub skipped_iterations: usize,
+    /// Wall time of the iteration.
+    pub ms_per_iter: f64,
+    /// Training tokens per second.
+    pub tokens_per_s: f64,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Every iteration of this run (resumed runs start after the checkpoint).
+    pub log: Vec<IterationLog>,
+    /// (iteration, lm loss, sop loss) of each validation.
+    pub evals: Vec<(usize, f64, f64)>,
+    /// Wall time, data preparation included.
+    pub wall: Duration,
+}
+
+/// What every rank reads: arguments, data and the progress display.
+pub struct Shared {
+    args: Args,
+    layout: BatchLayout,
+    model_config: BertConfig,
+    train: BertDataset,
+    valid: BertDataset,
+    progress: ProgressBar,
+}
+
+impl Shared {
+    fn println(&self, line: String) {
+        if self.progress.is_hidden() {
+            println!("{line}");
+        } else {
+            self.progress.println(line);
+        }
+    }
+
+    fn report(&self, e: &IterationLog) {
+        self.progress.set_position(e.iteration as u64);
+        self.progress.set_message(format!(
+            "lm loss {:.3} | {:.0} tok/s",
+            e.lm_loss, e.tokens_per_s
+        ));
+        if e.iteration.is_multiple_of(self.args.log_interval)
+            || e.iteration == self.args.train_iters
+        {
+            self.println(log_line(e, &self.args));
+        }
+    }
+}
+
+/// Megatron's training log line.
+pub fn log_line(e: &IterationLog, args: &Args) -> String {
+    let norm = e.grad_norm.map_or("-".to_string(), |n| format!("{n:.3}"));
+    format!(
+        " iteration {:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {:.1} | \
+         learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} | sop loss: {:.6E} | \
+         loss scale: {:.1} | grad norm: {norm} | number of skipped iterations: {:>3} | tokens/s: {:.0} |",
+        e.iteration,
+        args.train_iters,
+        e.consumed_samples,
+        e.ms_per_iter,
+        e.lr,
+        args.global_batch_size,
+        e.lm_loss,
+        e.sop_loss,
+        e.loss_scale,
+        e.skipped_iterations,
+        e.tokens_per_s,
+    )
+}
+
+fn corpus(args: &Args) -> Result<Vec<Document>, String> {
+    match &args.data_path {
+        Some(p) => load_corpus(p).map_err(|e| e.to_string()),
+        None => Ok(synthetic_corpus(args.synthetic_documents, args.seed)),
+    }
+}
+
+/// The tokenizer: `--vocab-file`; else the one saved with the checkpoint being loaded;
+/// else the built-in generator's fixed vocabulary; else one trained on the corpus (and
+/// saved with the checkpoints, since training can differ between processes).
+fn tokenizer(args: &Args, docs: &[Document]) -> Result<BertTokenizer, String> {
+    let saved = args
+        .load
+        .as_ref()
+        .map(|d| d.join("tokenizer.json"))
+        .filter(|p| p.is_file());
+    let tokenizer = match (&args.vocab_file, &saved, &args.data_path) {
+        (Some(p), _, _) | (None, Some(p), _) => BertTokenizer::from_file(p.as_path()),
+        (None, None, None) => BertTokenizer::from_vocab(synthetic_vocabulary()),
+        (None, None, Some(_)) => BertTokenizer::train(docs, args.vocab_size),
+    }
+    .map_err(|e| e.to_string())?;
+    if let Some(dir) = &args.save {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
+        tokenizer
+            .save(&dir.join("tokenizer.json"))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(tokenizer)
+}
+
+/// Validates `args`, prepares the data and trains; returns the log of global rank 0.
+pub fn run(args: &Args) -> Result<Summary, String> {
+    let start = Instant::now();
+    let layout = args.validate()?;
+    let parallel = args.parallel_config()?;
+    let mut docs = corpus(args)?;
+    // Megatron-style split: the last ~3 % of documents (at least one) for validation.
+    let n_valid = (docs.len() * 3 / 100)
+        .max(1)
+        .min(docs.len().saturating_sub(1));
+    let valid_docs = docs.split_off(docs.len() - n_valid);
+    if docs.is_empty() || valid_docs.is_empty() {
+        return Err("the corpus needs at least two documents (train and validation)".into());
+    }
+    let tokenizer = tokenizer(args, &docs)?;
+    let data_config = BertDatasetConfig::new(args.seq_length).with_seed(args.seed);
+    let train =
+        BertDataset::new(&docs, &tokenizer, data_config.clone()).map_err(|e| e.to_string())?;
+    let valid = BertDataset::new(
+        &valid_docs,
+        &tokenizer,
+        data_config.with_seed(args.seed + 1),
+    )
+    .map_err(|e| e.to_string())?;
+    let tp = args.tensor_model_parallel_size;
+    let model_config = BertConfig::new(
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.ffn_hidden_size.unwrap_or(4 * args.hidden_size),
+        args.max_position_embeddings.unwrap_or(args.seq_length),
+        padded_vocab_size(tokenizer.vocab_size(), 128, tp),
+    )
+    .with_hidden_dropout(args.hidden_dropout)
+    .with_attention_dropout(args.attention_dropout)
+    .with_sequence_parallel(args.sequence_parallel)
+    .with_seed(args.seed);
+    println!(
+        "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × DP {}{} | vocab {} (padded {}) | \
+         {} train / {} validation segments | {}",
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.seq_length,
+        tp,
+        args.data_parallel_size(),
+        if args.sequence_parallel { " + SP" } else { "" },
+        tokenizer.vocab_size(),
+        model_config.padded_vocab_size,
+        train.len(),
+        valid.len(),
+        if args.bf16 {
+            "bf16"
+        } else if args.fp16 {
+            "fp16"
+        } else {
+            "fp32"
+        },
+    );
+    let progress = if args.no_progress {
+        ProgressBar::hidden()
+    } else {
+        let bar = ProgressBar::with_draw_target(
+            Some(args.train_iters as u64),
+            ProgressDrawTarget::stderr(),
+        );
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:40.cyan/blue} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .map_err(|e| e.to_string())?,
+        );
+        bar
+    };
+    let shared = Shared {
+        args: args.clone(),
+        layout,
+        model_config,
+        train,
+        valid,
+        progress,
+    };
+    let mut outputs = threads(&parallel, LaunchOptions::default(), |ctx| {
+        train::train_rank(ctx, &shared)
+    })
+    .map_err(|e| e.to_string())?;
+    shared.progress.finish_and_clear();
+    let (log, evals) = outputs.swap_remove(0);
+    if let Some(first) = log.first() {
+        plot::loss_curve(&args.loss_plot, &log, &evals)?;
+        let last = log.last().unwrap_or(first);
+        println!(
+            "> done: lm loss {:.4} → {:.4} over iterations {}–{} in {:.1} s; loss curve in {}",
+            first.lm_loss,
+            last.lm_loss,
+            first.iteration,
+            last.iteration,
+            start.elapsed().as_secs_f64(),
+            args.loss_plot.display()
+        );
+    }
+    Ok(Summary {
+        log,
+        evals,
+        wall: start.elapsed(),
+    })
+}

@@ -1,0 +1,186 @@
+//! The `bert_pretrain` example end to end: it trains (loss falls), resumes exactly, and
+//! rejects bad arguments before any work.
+
+use burn_megatron_examples::pretrain::{Args, Summary, run};
+use clap::Parser;
+use std::path::PathBuf;
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bm-pretrain-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small model that trains in seconds in the dev profile.
+fn args(extra: &[&str], dir: &std::path::Path) -> Args {
+    let plot = dir.join("loss.png");
+    let mut argv = vec![
+        "bert_pretrain",
+        "--tensor-model-parallel-size",
+        "2",
+        "--world-size",
+        "2",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "40",
+        "--lr",
+        "3e-3",
+        "--synthetic-documents",
+        "600",
+        "--log-interval",
+        "10",
+        "--eval-interval",
+        "20",
+        "--eval-iters",
+        "2",
+        "--no-progress",
+        "--loss-plot",
+        plot.to_str().unwrap(),
+    ];
+    argv.extend_from_slice(extra);
+    Args::try_parse_from(argv).unwrap()
+}
+
+fn mean(xs: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = xs.collect();
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+#[test]
+fn trains_with_falling_loss_and_writes_the_plot() {
+    let dir = tmp("train");
+    let a = args(&["--sequence-parallel"], &dir);
+    let Summary { log, evals, .. } = run(&a).unwrap();
+    assert_eq!(log.len(), 40);
+    assert_eq!(log[39].consumed_samples, 320);
+    let first = mean(log[..5].iter().map(|e| e.lm_loss));
+    let last = mean(log[35..].iter().map(|e| e.lm_loss));
+    assert!(last < first - 0.5, "lm loss must fall: {first} → {last}");
+    assert!(log.iter().all(|e| e.grad_norm.is_some_and(f64::is_finite)));
+    assert_eq!(log[0].lr, 0.0, "warmup starts at 0 as Megatron's");
+    assert_eq!(evals.iter().map(|e| e.0).collect::<Vec<_>>(), vec![20, 40]);
+    let png = std::fs::read(dir.join("loss.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn resuming_continues_the_exact_loss_sequence() {
+    let dir = tmp("resume");
+    let save = dir.join("ckpt");
+    let s = save.to_str().unwrap();
+    // bf16 so the FP32 master weights are checkpointed too; TP 2 × DP 2.
+    let common = [
+        "--world-size",
+        "4",
+        "--bf16",
+        "--train-iters",
+        "20",
+        "--eval-interval",
+        "0",
+    ];
+    let mut full_args: Vec<&str> = common.to_vec();
+    full_args.extend(["--save", s, "--save-interval", "10"]);
+    let full = run(&args(&full_args, &dir)).unwrap();
+    assert!(
+        save.join("iter_0000010/mp_rank_01/master.safetensors")
+            .is_file()
+    );
+    assert!(save.join("iter_0000020/mp_rank_00/optimizer.bpk").is_file());
+    // Resume from iteration 10 as if the run had stopped there.
+    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "10").unwrap();
+    let mut resume_args: Vec<&str> = common.to_vec();
+    resume_args.extend(["--load", s]);
+    let resumed = run(&args(&resume_args, &dir)).unwrap();
+    assert_eq!(resumed.log.len(), 10);
+    for (r, f) in resumed.log.iter().zip(&full.log[10..]) {
+        assert_eq!(r.iteration, f.iteration);
+        assert_eq!(r.lr, f.lr);
+        assert_eq!(r.lm_loss, f.lm_loss, "iteration {}", r.iteration);
+        assert_eq!(r.sop_loss, f.sop_loss, "iteration {}", r.iteration);
+        assert_eq!(r.grad_norm, f.grad_norm, "iteration {}", r.iteration);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn error_of(extra: &[&str]) -> String {
+    let dir = tmp("bad");
+    let e = run(&args(extra, &dir)).unwrap_err();
+    std::fs::remove_dir_all(&dir).unwrap();
+    e
+}
+
+#[test]
+fn bad_arguments_are_rejected_with_clear_messages() {
+    let e = error_of(&["--num-attention-heads", "3", "--hidden-size", "48"]);
+    assert!(
+        e.contains("--num-attention-heads (3)") && e.contains("--tensor-model-parallel-size (2)"),
+        "{e}"
+    );
+    let e = error_of(&["--world-size", "4", "--global-batch-size", "12"]);
+    assert!(
+        e.contains("--global-batch-size (12)") && e.contains("data-parallel size (2"),
+        "{e}"
+    );
+    let e = error_of(&["--data-path", "/nonexistent/corpus.jsonl"]);
+    assert!(
+        e.contains("--data-path /nonexistent/corpus.jsonl: no such file"),
+        "{e}"
+    );
+    let e = error_of(&["--world-size", "3"]);
+    assert!(e.contains("3") && e.contains("2"), "{e}");
+    let e = error_of(&["--load", "/nonexistent/ckpt"]);
+    assert!(e.contains("no checkpoint"), "{e}");
+}
+
+/// The example binary itself: a bad flag value ends with the message and exit status 1
+/// before any training output.
+#[test]
+fn the_binary_exits_nonzero_on_bad_arguments() {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("bert_pretrain");
+    assert!(
+        bin.is_file(),
+        "{} not built: run `cargo test --workspace` or `-p burn-megatron-examples`, which build examples",
+        bin.display()
+    );
+    let out = std::process::Command::new(&bin)
+        .args([
+            "--num-attention-heads",
+            "3",
+            "--hidden-size",
+            "48",
+            "--no-progress",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("error: --num-attention-heads (3) must be divisible"),
+        "{stderr}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "no work may start: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

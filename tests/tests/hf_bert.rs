@@ -1,0 +1,193 @@
+//! Hugging Face interop: a `BertForPreTraining` checkpoint made by the transformers
+//! library (tests/fixtures/hf_bert_tiny, see its README) loads at TP 1 and TP 2 and gives
+//! transformers' logits; export → import gives identical tensors.
+
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn_megatron::comm::tensor::all_gather;
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::models::{HfError, hf_state_dict, load_hf_bert, save_hf_bert};
+use burn_megatron::topology::ParallelConfig;
+use safetensors::SafeTensors;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny")
+}
+
+/// Every tensor of a safetensors file as (shape, f32 or i64 values widened to f64).
+fn read(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    file.names()
+        .into_iter()
+        .map(|name| {
+            let v = file.tensor(name).unwrap();
+            let values: Vec<f64> = match v.dtype() {
+                safetensors::Dtype::F32 => v
+                    .data()
+                    .chunks(4)
+                    .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
+                    .collect(),
+                safetensors::Dtype::I64 => v
+                    .data()
+                    .chunks(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
+                    .collect(),
+                d => panic!("{name}: unexpected {d:?}"),
+            };
+            (name.to_string(), (v.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+/// (prediction logits [b, s, 100], seq-relationship logits [b, 2]) at tensor-parallel `tp`.
+fn logits_at(tp: usize) -> Vec<(Vec<f64>, Vec<f64>)> {
+    let expected = read(&fixture().join("expected.safetensors"));
+    threads(
+        &ParallelConfig::new(tp, tp, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
+            let ints = |name: &str| {
+                let (shape, v) = &expected[name];
+                let v: Vec<i64> = v.iter().map(|x| *x as i64).collect();
+                Tensor::<2, Int>::from_data(TensorData::new(v, [shape[0], shape[1]]), &ctx.device)
+            };
+            let padding: Tensor<2, Bool> = ints("attention_mask").equal_elem(0);
+            let out = model.forward(ints("input_ids"), ints("token_type_ids"), padding, None);
+            let lm = all_gather(&*ctx.groups.tp, out.lm_logits, 2)?.swap_dims(0, 1);
+            let lm = lm.narrow(2, 0, hf.vocab_size);
+            let lm: Vec<f64> = lm.into_data().iter::<f32>().map(f64::from).collect();
+            let nsp: Vec<f64> = out
+                .binary_logits
+                .into_data()
+                .iter::<f32>()
+                .map(f64::from)
+                .collect();
+            Ok::<_, HfError>((lm, nsp))
+        },
+    )
+    .unwrap()
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn transformers_logits_are_reproduced_at_tp1_and_tp2() {
+    let expected = read(&fixture().join("expected.safetensors"));
+    let lm_ref = &expected["prediction_logits"].1;
+    let nsp_ref = &expected["seq_relationship_logits"].1;
+    let one = logits_at(1).remove(0);
+    for (tp, results) in [(1, vec![one.clone()]), (2, logits_at(2))] {
+        for (rank, (lm, nsp)) in results.iter().enumerate() {
+            let (d_lm, d_nsp) = (max_diff(lm, lm_ref), max_diff(nsp, nsp_ref));
+            println!(
+                "tp {tp} rank {rank}: max abs diff to transformers: logits {d_lm:.2e}, nsp {d_nsp:.2e}"
+            );
+            assert!(
+                d_lm < 1e-4 && d_nsp < 1e-4,
+                "tp {tp} rank {rank}: {d_lm} {d_nsp}"
+            );
+            // TP 2 against TP 1: the same computation split, up to summation order.
+            assert!(max_diff(lm, &one.0) < 1e-5, "tp {tp} rank {rank} vs tp 1");
+        }
+    }
+}
+
+#[test]
+fn export_then_import_round_trips_every_tensor() {
+    let original = read(&fixture().join("model.safetensors"));
+    let out = std::env::temp_dir().join(format!("bm-hf-export-{}", std::process::id()));
+    // Load at TP 2, export (gathering the shards), re-import at TP 1 and export again.
+    threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
+            save_hf_bert(&model, &hf, &out, &ctx.groups.tp)
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        read(&out.join("model.safetensors")),
+        original,
+        "TP 2 export"
+    );
+    let again = threads(
+        &ParallelConfig::new(1, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (model, hf) = load_hf_bert(&out, &ctx.groups.tp, &ctx.device)?;
+            hf_state_dict(&model, hf.vocab_size, &ctx.groups.tp)
+        },
+    )
+    .unwrap()
+    .remove(0);
+    assert_eq!(again.len(), original.len());
+    for (name, data) in again {
+        let values: Vec<f64> = data.iter::<f32>().map(f64::from).collect();
+        assert_eq!((data.shape().to_vec(), values), original[&name], "{name}");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn missing_and_misshapen_tensors_are_reported() {
+    let dir = std::env::temp_dir().join(format!("bm-hf-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture().join("config.json"), dir.join("config.json")).unwrap();
+    let mut tensors = read(&fixture().join("model.safetensors"));
+    tensors.remove("bert.encoder.layer.1.attention.self.key.weight");
+    let write = |t: &BTreeMap<String, (Vec<usize>, Vec<f64>)>| {
+        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = t
+            .iter()
+            .map(|(n, (s, v))| {
+                let b = v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect();
+                (n.clone(), b, s.clone())
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
+            .iter()
+            .map(|(n, b, s)| {
+                let view =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+                (n.clone(), view.unwrap())
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    };
+    write(&tensors);
+    let load = || {
+        threads(
+            &ParallelConfig::new(1, 1, 1),
+            LaunchOptions::default(),
+            |ctx| load_hf_bert(&dir, &ctx.groups.tp, &ctx.device).map(|_| ()),
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let e = load();
+    assert!(
+        e.contains("missing tensor bert.encoder.layer.1.attention.self.key.weight"),
+        "{e}"
+    );
+    let mut tensors = read(&fixture().join("model.safetensors"));
+    tensors.insert(
+        "bert.pooler.dense.weight".into(),
+        (vec![16, 32], vec![0.0; 512]),
+    );
+    write(&tensors);
+    let e = load();
+    assert!(
+        e.contains("bert.pooler.dense.weight") && e.contains("32×32"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
