@@ -331,7 +331,7 @@ mod tests {
                 cont = step(cont, &mut optim, k);
             }
             let (other, _) = fresh(2, dtype);
-            let r = load_checkpoint(&dir, other, |m| optimizer_for(m)).unwrap();
+            let r = load_checkpoint(&dir, other, optimizer_for).unwrap();
             assert_eq!((r.iteration, r.extra["note"].as_u64()), (3, Some(7)));
             let (mut resumed, mut optim) = (r.model, r.optimizer);
             for k in 3..5 {

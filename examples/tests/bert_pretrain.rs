@@ -115,6 +115,32 @@ fn resuming_continues_the_exact_loss_sequence() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn overlapped_gradient_reduction_gives_the_same_run() {
+    let dir = tmp("overlap");
+    let base = [
+        "--world-size",
+        "4",
+        "--train-iters",
+        "6",
+        "--eval-interval",
+        "0",
+    ];
+    let plain = run(&args(&base, &dir)).unwrap();
+    let mut with: Vec<&str> = base.to_vec();
+    with.push("--overlap-grad-reduce");
+    let overlapped = run(&args(&with, &dir)).unwrap();
+    for (a, b) in plain.log.iter().zip(&overlapped.log) {
+        assert_eq!(
+            (a.lm_loss, a.grad_norm),
+            (b.lm_loss, b.grad_norm),
+            "iteration {}",
+            a.iteration
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn error_of(extra: &[&str]) -> String {
     let dir = tmp("bad");
     let e = run(&args(extra, &dir)).unwrap_err();

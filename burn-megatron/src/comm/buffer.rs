@@ -18,6 +18,17 @@ pub enum CommDType {
     I64,
 }
 
+impl CommDType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            CommDType::F16 | CommDType::BF16 => 2,
+            CommDType::F32 | CommDType::I32 => 4,
+            CommDType::I64 => 8,
+        }
+    }
+}
+
 impl fmt::Display for CommDType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let name = match self {

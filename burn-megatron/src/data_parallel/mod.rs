@@ -1,10 +1,10 @@
 //! Data parallelism: gradients reduced over the data-parallel group only, a few large
 //! collectives at a time (contiguous buckets), and `finalize_model_grads`.
 //!
-//! Gradients are reduced after backward, once per optimizer step, so gradient accumulation
-//! over micro-batches (sum the micro-batch `GradientsParams`, then finalize) costs one
-//! reduction. Overlapping the reduction with backward needs per-parameter gradient hooks,
-//! which Burn's autodiff does not offer yet; it is not done here.
+//! [`finalize_model_grads`] reduces after backward, once per optimizer step, so gradient
+//! accumulation over micro-batches (sum the micro-batch `GradientsParams`, then finalize)
+//! costs one reduction. [`OverlapReducer`] instead starts each bucket's reduction during the
+//! last micro-batch's backward, as soon as its gradients are in.
 
 use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
 use crate::comm::{Buffer, Comm, CommError, ReduceOp};
@@ -14,8 +14,11 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 
+mod overlap;
 #[cfg(test)]
 mod tests;
+
+pub use overlap::{ActiveGuard, GradHookOps, Hook, OverlapReducer, hook_param};
 
 /// How gradients are reduced over the data-parallel group.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,6 +197,30 @@ pub fn finalize_model_grads<M: Module>(
     config: &DataParallelConfig,
 ) -> Result<(), CommError> {
     all_reduce_gradients(module, grads, dp, config)?;
+    finalize_non_dp(module, grads, tp, embedding, config)
+}
+
+/// [`finalize_model_grads`] after a step whose data-parallel reduction `reducer` overlapped
+/// with backward: waits for it, then the sequence-parallel and embedding reductions.
+pub fn finalize_model_grads_overlapped<M: Module>(
+    reducer: &OverlapReducer,
+    module: &M,
+    grads: &mut GradientsParams,
+    tp: &Comm,
+    embedding: Option<&Comm>,
+    config: &DataParallelConfig,
+) -> Result<(), CommError> {
+    reducer.finish(grads)?;
+    finalize_non_dp(module, grads, tp, embedding, config)
+}
+
+fn finalize_non_dp<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    tp: &Comm,
+    embedding: Option<&Comm>,
+    config: &DataParallelConfig,
+) -> Result<(), CommError> {
     allreduce_sequence_parallel_grads(module, grads, tp)?;
     if let Some(embd) = embedding.filter(|c| c.group().size() > 1) {
         let shared: Vec<(ParamId, usize)> = float_params(module)

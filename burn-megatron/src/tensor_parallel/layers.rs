@@ -15,6 +15,7 @@ use super::mappings::{
 };
 use super::{TpError, shard_param};
 use crate::comm::Comm;
+use crate::data_parallel::hook_param;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
@@ -150,13 +151,15 @@ impl ColumnParallelLinear {
         } else {
             copy_to_tensor_model_parallel_region(input, &self.tp)
         };
-        let bias = self.bias.as_ref().map(|b| b.val());
+        // Gradient-ready hooks when an OverlapReducer is active (else the plain values).
+        let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
+        let weight = hook_param(&self.weight, &input);
         let (add, skipped) = if self.skip_bias_add {
             (None, bias)
         } else {
             (bias, None)
         };
-        let out = linear(input, self.weight.val(), add);
+        let out = linear(input, weight, add);
         let out = if self.gather_output {
             gather_from_tensor_model_parallel_region(out, &self.tp)
         } else {
@@ -316,13 +319,13 @@ impl RowParallelLinear {
         } else {
             scatter_to_tensor_model_parallel_region(input, &self.tp)
         };
-        let partial = linear(input, self.weight.val(), None);
+        let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
+        let partial = linear(input.clone(), hook_param(&self.weight, &input), None);
         let out = if self.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(partial, &self.tp)
         } else {
             reduce_from_tensor_model_parallel_region(partial, &self.tp)
         };
-        let bias = self.bias.as_ref().map(|b| b.val());
         match (bias, self.skip_bias_add) {
             (Some(b), false) => (out + b.unsqueeze(), None),
             (b, _) => (out, b),

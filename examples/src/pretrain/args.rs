@@ -70,7 +70,7 @@ pub struct Args {
     #[arg(long, default_value_t = 16)]
     pub global_batch_size: usize,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 800)]
     pub train_iters: usize,
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-3)]
@@ -87,6 +87,9 @@ pub struct Args {
     /// AdamW weight decay (not applied to biases and norms).
     #[arg(long, default_value_t = 0.01)]
     pub weight_decay: f64,
+    /// Reduce data-parallel gradients bucket by bucket during backward.
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
     /// Clip gradients to this global L2 norm (0 disables).
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad: f64,
@@ -132,10 +135,10 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub save_interval: usize,
     /// Iterations between log lines.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 50)]
     pub log_interval: usize,
     /// Iterations between validation losses (0 disables).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 200)]
     pub eval_interval: usize,
     /// Batches per validation.
     #[arg(long, default_value_t = 5)]

@@ -58,6 +58,7 @@ fn draw(
             .legend(|(x, y)| Circle::new((x + 10, y), 4, GREEN.filled()));
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()?;

@@ -10,7 +10,9 @@ use burn_megatron::checkpoint::{
 };
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BertBatch, BertDataset, BertSample};
-use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
+use burn_megatron::data_parallel::{
+    DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
+};
 use burn_megatron::launch::RankContext;
 use burn_megatron::models::{Bert, BertConfig};
 use burn_megatron::optimizer::{
@@ -83,7 +85,7 @@ fn evaluate(
     valid: &BertDataset,
 ) -> Result<(f64, f64), String> {
     let (layout, dp_rank) = (&shared.layout, ctx.state.data_parallel_rank());
-    let mut sums = vec![0.0f64; 2];
+    let mut sums = [0.0f64; 2];
     for k in 0..shared.args.eval_iters {
         for micro in 0..layout.num_micro_batches() {
             let samples: Vec<BertSample> = layout
@@ -150,6 +152,10 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
 
     let layout = &shared.layout;
     let n_micro = layout.num_micro_batches();
+    let dp_config = DataParallelConfig::default();
+    let reducer = args
+        .overlap_grad_reduce
+        .then(|| OverlapReducer::new(&model, dp, &dp_config));
     let tokens_per_iter = (args.global_batch_size * args.seq_length) as f64;
     let (mut log, mut evals) = (Vec::new(), Vec::new());
     for iteration in start..args.train_iters {
@@ -158,13 +164,15 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
         let scale = optim.loss_scale() / n_micro as f64;
         let mut acc = GradientsAccumulator::new();
-        let mut losses = vec![0.0f64; 2];
+        let mut losses = [0.0f64; 2];
         for micro in 0..n_micro {
             let samples: Vec<BertSample> = layout
                 .micro_batch(iteration, dp_rank, micro)
                 .map(|i| shared.train.sample(i))
                 .collect();
+            let active = reducer.as_ref().map(|r| r.activate(micro + 1 == n_micro));
             let (lm, sop, grads) = micro_step(&model, &samples, Some(&rng), scale)?;
+            drop(active);
             losses[0] += lm / n_micro as f64;
             losses[1] += sop / n_micro as f64;
             if let Some(g) = grads {
@@ -172,14 +180,10 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             }
         }
         let mut grads = acc.grads();
-        finalize_model_grads(
-            &model,
-            &mut grads,
-            dp,
-            tp,
-            None,
-            &DataParallelConfig::default(),
-        )
+        match &reducer {
+            Some(r) => finalize_model_grads_overlapped(r, &model, &mut grads, tp, None, &dp_config),
+            None => finalize_model_grads(&model, &mut grads, dp, tp, None, &dp_config),
+        }
         .map_err(|e| e.to_string())?;
         let lr = scheduler.lr_at(iteration);
         let (m, report) = optim.step(lr, model, grads).map_err(|e| e.to_string())?;

@@ -1,0 +1,410 @@
+//! Overlapping the data-parallel gradient reduction with backward (Megatron's
+//! `overlap_grad_reduce`).
+//!
+//! An [`OverlapReducer`] keeps FP32 main-gradient buckets (Megatron's grad buffers, reverse
+//! parameter order). While it is active on a thread, [`ColumnParallelLinear`] and
+//! [`RowParallelLinear`] wrap their weight and bias in a gradient-ready hook: in backward each
+//! hooked gradient is added to its bucket, and on the step's last micro-batch a bucket whose
+//! gradients are all in is all-reduced by a worker thread while backward goes on. Parameters
+//! no layer hooks (norms, embeddings, plain Burn layers) are added at
+//! [`OverlapReducer::finish`], which waits for the worker and writes the reduced gradients
+//! back. Buckets are launched in the order they complete, which is the same on every rank
+//! (the same graph runs backward everywhere), so the collectives match.
+//!
+//! [`ColumnParallelLinear`]: crate::tensor_parallel::ColumnParallelLinear
+//! [`RowParallelLinear`]: crate::tensor_parallel::RowParallelLinear
+
+mod ops;
+#[cfg(test)]
+mod tests;
+
+pub use ops::GradHookOps;
+
+use super::{DataParallelConfig, bucket_layout};
+use crate::comm::tensor::buffer_to_tensor;
+use crate::comm::{Buffer, Comm, CommError, ReduceOp};
+use crate::param_grads::{float_params, put_flat, take_flat};
+use burn::backend::Dispatch;
+use burn::module::{Module, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    bucket: usize,
+    offset: usize,
+    numel: usize,
+}
+
+#[derive(Debug, Default)]
+struct Bucket {
+    main_grad: Vec<f32>,
+    pending: usize,
+    params: usize,
+    result: Option<Result<Vec<f32>, CommError>>,
+}
+
+/// What happened, in order: for tests that check the reduction started inside backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    Hook,
+    Ready(usize),
+    Launch(usize),
+}
+
+#[derive(Debug, Default)]
+struct State {
+    slots: HashMap<ParamId, Slot>,
+    buckets: Vec<Bucket>,
+    /// Whether the buckets were laid out again once the hooked parameters were known.
+    relaid: bool,
+    uses: HashMap<ParamId, usize>,
+    hooked: HashSet<ParamId>,
+    last: bool,
+    closed: bool,
+    /// Complete buckets not yet launched, in the order they completed.
+    queue: std::collections::VecDeque<usize>,
+    events: Vec<Event>,
+    worker: Option<JoinHandle<()>>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    comm: Comm,
+    op: ReduceOp,
+    state: Mutex<State>,
+    ready: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// One parameter's gradient is final for this step.
+    fn complete(&self, state: &mut State, id: ParamId) {
+        if let Some(slot) = state.slots.get(&id).copied() {
+            let bucket = &mut state.buckets[slot.bucket];
+            bucket.pending = bucket.pending.saturating_sub(1);
+            if bucket.pending == 0 {
+                state.queue.push_back(slot.bucket);
+                state.events.push(Event::Ready(slot.bucket));
+                self.ready.notify_all();
+            }
+        }
+    }
+
+    fn deliver(&self, id: ParamId, grad: Vec<f32>) {
+        let mut state = self.lock();
+        state.events.push(Event::Hook);
+        let Some(slot) = state.slots.get(&id).copied() else {
+            return;
+        };
+        let main = &mut state.buckets[slot.bucket].main_grad[slot.offset..slot.offset + slot.numel];
+        for (m, g) in main.iter_mut().zip(&grad) {
+            *m += g;
+        }
+        let uses = state.uses.entry(id).or_insert(1);
+        *uses = uses.saturating_sub(1);
+        if *uses == 0 && state.last {
+            self.complete(&mut state, id);
+        }
+    }
+
+    /// The worker: all-reduces each bucket as it becomes complete. Every rank runs the same
+    /// graph, so buckets complete — and are launched — in the same order everywhere.
+    fn reduce_as_ready(self: Arc<Self>) {
+        // (A temporary guard in the `for` header would live for the whole loop.)
+        let buckets = self.lock().buckets.len();
+        for _ in 0..buckets {
+            let mut state = self.lock();
+            while state.queue.is_empty() && !state.closed {
+                state = self.ready.wait(state).unwrap_or_else(|e| e.into_inner());
+            }
+            let Some(b) = state.queue.pop_front().filter(|_| !state.closed) else {
+                return;
+            };
+            state.events.push(Event::Launch(b));
+            let mut buf = Buffer::F32(state.buckets[b].main_grad.clone());
+            drop(state);
+            let result = self.comm.all_reduce(&mut buf, self.op).map(|()| match buf {
+                Buffer::F32(v) => v,
+                _ => unreachable!("an f32 all-reduce returns f32"),
+            });
+            self.lock().buckets[b].result = Some(result);
+            self.ready.notify_all();
+        }
+    }
+}
+
+/// A parameter's gradient-ready hook, carried in the autodiff graph.
+#[derive(Clone)]
+pub struct Hook {
+    shared: Arc<Shared>,
+    id: ParamId,
+}
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hook").field("param", &self.id).finish()
+    }
+}
+
+impl Hook {
+    fn deliver(&self, grad: Vec<f32>) {
+        self.shared.deliver(self.id, grad);
+    }
+}
+
+/// `param`'s value, wrapped in a gradient-ready hook anchored at `anchor` (the layer's input)
+/// when an [`OverlapReducer`] is active on this thread and the parameter is trained.
+pub fn hook_param<const D: usize, const E: usize>(
+    param: &Param<Tensor<D>>,
+    anchor: &Tensor<E>,
+) -> Tensor<D> {
+    let value = param.val();
+    let Some(shared) = ACTIVE.with(|a| a.borrow().clone()) else {
+        return value;
+    };
+    if !value.is_require_grad() {
+        return value;
+    }
+    {
+        let mut state = shared.lock();
+        if !state.slots.contains_key(&param.id) {
+            return value;
+        }
+        *state.uses.entry(param.id).or_insert(0) += 1;
+        if state.last {
+            state.hooked.insert(param.id);
+        }
+    }
+    let hook = Hook {
+        shared,
+        id: param.id,
+    };
+    Tensor::from_dispatch(Dispatch::grad_ready_hook(
+        value.into_dispatch(),
+        anchor.clone().into_dispatch(),
+        hook,
+    ))
+}
+
+/// Keeps this thread's reducer active; dropping it deactivates.
+#[derive(Debug)]
+pub struct ActiveGuard(());
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        ACTIVE.with(|a| a.borrow_mut().take());
+    }
+}
+
+/// Reduces a module's gradients over the data-parallel group while backward runs. See the
+/// module documentation.
+#[derive(Debug)]
+pub struct OverlapReducer {
+    shared: Arc<Shared>,
+    /// (id, rank) in module order.
+    order: Vec<(ParamId, usize)>,
+    /// (id, element count) in module order.
+    sized: Vec<(ParamId, usize)>,
+    bucket_size: usize,
+}
+
+impl OverlapReducer {
+    /// FP32 main-gradient buckets for every float parameter of `module` (bucket size and
+    /// averaging from `config`; the reduction is always in f32).
+    pub fn new<M: Module>(module: &M, dp: &Comm, config: &DataParallelConfig) -> Self {
+        let order = float_params(module);
+        let sized: Vec<(ParamId, usize)> = order.iter().map(|o| o.0).zip(numels(module)).collect();
+        let bucket_size = config.bucket_elements(dp.group().size());
+        let mut state = State::default();
+        add_buckets(&sized, bucket_size, &mut state);
+        let op = if config.average {
+            ReduceOp::Avg
+        } else {
+            ReduceOp::Sum
+        };
+        Self {
+            shared: Arc::new(Shared {
+                comm: dp.clone(),
+                op,
+                state: Mutex::new(state),
+                ready: Condvar::new(),
+            }),
+            order,
+            sized,
+            bucket_size,
+        }
+    }
+
+    /// Number of buckets.
+    pub fn num_buckets(&self) -> usize {
+        self.shared.lock().buckets.len()
+    }
+
+    /// Activates the reducer on this thread for one micro-batch's forward and backward;
+    /// `last` marks the step's last micro-batch, whose backward starts the reduction.
+    pub fn activate(&self, last: bool) -> ActiveGuard {
+        let mut state = self.shared.lock();
+        state.last = last;
+        if last && state.worker.is_none() {
+            for b in &mut state.buckets {
+                b.pending = b.params;
+                b.result = None;
+            }
+            state.queue.clear();
+            state.hooked.clear();
+            state.events.clear();
+            if self.shared.comm.group().size() > 1 {
+                let shared = self.shared.clone();
+                state.worker = Some(std::thread::spawn(move || shared.reduce_as_ready()));
+            }
+        }
+        drop(state);
+        ACTIVE.with(|a| *a.borrow_mut() = Some(self.shared.clone()));
+        ActiveGuard(())
+    }
+
+    /// Adds the gradients no hook delivered, waits for every bucket's reduction and writes
+    /// the reduced gradients into `grads` (in each gradient's dtype). Returns the number of
+    /// collectives issued. Call once per step, after the last micro-batch's backward.
+    pub fn finish(&self, grads: &mut GradientsParams) -> Result<usize, CommError> {
+        let mut present = HashMap::new();
+        let mut state = self.shared.lock();
+        if !state.last {
+            return Err(self.invalid("no last micro-batch was activated this step"));
+        }
+        for &(id, rank) in &self.order {
+            let hooked = state.hooked.contains(&id);
+            if let Some((flat, dims)) = take_flat(grads, id, rank) {
+                if !hooked {
+                    let slot = state.slots[&id];
+                    let values: Vec<f32> = flat.clone().into_data().iter::<f32>().collect();
+                    let main = &mut state.buckets[slot.bucket].main_grad;
+                    for (m, g) in main[slot.offset..slot.offset + slot.numel]
+                        .iter_mut()
+                        .zip(values)
+                    {
+                        *m += g;
+                    }
+                }
+                present.insert(id, (flat, dims, state.slots[&id]));
+            }
+            if !hooked {
+                self.shared.complete(&mut state, id);
+            }
+        }
+        let worker = state.worker.take();
+        drop(state);
+        if let Some(w) = worker {
+            w.join()
+                .map_err(|_| self.invalid("the reduction worker panicked"))?;
+        }
+        let mut state = self.shared.lock();
+        let single = self.shared.comm.group().size() == 1;
+        let mut issued = 0;
+        let mut reduced = Vec::with_capacity(state.buckets.len());
+        for b in &mut state.buckets {
+            let len = b.main_grad.len();
+            let main = std::mem::replace(&mut b.main_grad, vec![0.0; len]);
+            reduced.push(match b.result.take() {
+                Some(r) => {
+                    issued += 1;
+                    r?
+                }
+                None if single => main,
+                None => return Err(self.invalid("a bucket was never reduced")),
+            });
+        }
+        state.uses.clear();
+        state.last = false;
+        if !state.relaid && !state.hooked.is_empty() {
+            // Now the hooked parameters are known: bucket them apart from the others, which
+            // only arrive at `finish` and would hold back any bucket they shared.
+            let (hooked, rest): (Vec<_>, Vec<_>) = self
+                .sized
+                .iter()
+                .partition(|(id, _)| state.hooked.contains(id));
+            let mut relaid = State::default();
+            add_buckets(&hooked, self.bucket_size, &mut relaid);
+            add_buckets(&rest, self.bucket_size, &mut relaid);
+            (state.slots, state.buckets, state.relaid) = (relaid.slots, relaid.buckets, true);
+        }
+        drop(state);
+        for (id, (flat, dims, slot)) in present {
+            let values = reduced[slot.bucket][slot.offset..slot.offset + slot.numel].to_vec();
+            let t: Tensor<1> = buffer_to_tensor(Buffer::F32(values), [slot.numel], &flat.device());
+            put_flat(grads, id, t.cast(flat.dtype()), &dims);
+        }
+        Ok(issued)
+    }
+
+    fn invalid(&self, reason: &str) -> CommError {
+        CommError::InvalidArgument {
+            group: self.shared.comm.group().to_string(),
+            op: "overlapped gradient reduction",
+            reason: reason.into(),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn events(&self) -> Vec<Event> {
+        self.shared.lock().events.clone()
+    }
+}
+
+impl Drop for OverlapReducer {
+    fn drop(&mut self) {
+        self.shared.lock().closed = true;
+        self.shared.ready.notify_all();
+    }
+}
+
+/// Appends buckets for `params` ((id, element count) in module order, bucketed in reverse).
+fn add_buckets(params: &[(ParamId, usize)], bucket_size: usize, state: &mut State) {
+    let numels: Vec<usize> = params.iter().map(|p| p.1).collect();
+    for members in bucket_layout(&numels, bucket_size) {
+        let bucket = state.buckets.len();
+        let mut offset = 0;
+        for &i in &members {
+            let (id, numel) = params[i];
+            state.slots.insert(
+                id,
+                Slot {
+                    bucket,
+                    offset,
+                    numel,
+                },
+            );
+            offset += numel;
+        }
+        state.buckets.push(Bucket {
+            main_grad: vec![0.0; offset],
+            params: members.len(),
+            ..Bucket::default()
+        });
+    }
+}
+
+/// Element counts of `module`'s float parameters, in visiting order.
+fn numels<M: Module>(module: &M) -> Vec<usize> {
+    struct Count(Vec<usize>);
+    impl burn::module::ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push(p.val().shape().num_elements());
+        }
+    }
+    let mut c = Count(Vec::new());
+    module.visit(&mut c);
+    c.0
+}

@@ -1,0 +1,76 @@
+//! The gradient-ready hook as a Burn backend extension: identity forward; backward hands
+//! the parameter's gradient to the reducer and passes it on unchanged.
+//!
+//! Burn runs backward by graph depth, deepest first. A hook whose only parent were the
+//! parameter (a leaf, depth 0) would run at the very end; giving it the layer's input as a
+//! second parent puts it right below the op that consumes the parameter, so it runs as soon
+//! as that op has produced the gradient — while the rest of backward is still to come.
+
+use super::Hook;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Backend, Flex, backend_extension};
+use burn::tensor::try_read_sync;
+
+/// Gradient-ready hooks for overlapping the data-parallel reduction with backward.
+#[backend_extension(Flex, Autodiff)]
+pub trait GradHookOps: Backend {
+    /// Returns `param`; in backward, reports its gradient to `hook`. `anchor` (the layer's
+    /// input) only places the hook in the graph and receives no gradient.
+    fn grad_ready_hook(
+        param: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        hook: Hook,
+    ) -> FloatTensor<Self>;
+}
+
+impl GradHookOps for Flex {
+    fn grad_ready_hook(
+        param: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        _: Hook,
+    ) -> FloatTensor<Self> {
+        param
+    }
+}
+
+#[derive(Debug)]
+struct HookBackward;
+
+impl<B: GradHookOps> Backward<B, 2> for HookBackward {
+    type State = Hook;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [param, _anchor] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let data = try_read_sync(B::float_into_data(grad.clone()))
+            .expect("synchronous reads are supported on this platform")
+            .unwrap_or_else(|e| panic!("gradient hook: reading the gradient failed: {e:?}"));
+        ops.state.deliver(data.iter::<f32>().collect());
+        if let Some(param) = param {
+            grads.register::<B>(param.id, grad);
+        }
+    }
+}
+
+impl<B: GradHookOps, C: CheckpointStrategy> GradHookOps for Autodiff<B, C> {
+    fn grad_ready_hook(
+        param: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        hook: Hook,
+    ) -> FloatTensor<Self> {
+        let (param, param_node) = param.into_parts();
+        let (_, anchor_node) = anchor.into_parts();
+        match HookBackward
+            .prepare::<C>([param_node, anchor_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(hook, param),
+            OpsKind::UnTracked(prep) => prep.finish(param),
+        }
+    }
+}

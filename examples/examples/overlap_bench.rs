@@ -1,0 +1,170 @@
+//! Data-parallel step time with the gradient reduction after backward vs overlapped with
+//! backward (`OverlapReducer`), on a communicator slowed to a chosen link speed so the
+//! reduction costs about as much as the backward pass. BERT, DP = 2 (ranks as threads),
+//! forward + backward + reduction + AdamW step, median of the timed steps.
+//!
+//! ```text
+//! cargo run --release -p burn-megatron-examples --example overlap_bench
+//! ```
+
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::{Buffer, Comm, CommError, Communicator, ProcessGroup, ReduceOp};
+use burn_megatron::data_parallel::{
+    DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
+};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::models::BertConfig;
+use burn_megatron::optimizer::MegatronOptimizer;
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_examples::median;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SEQ: usize = 128;
+const MICRO_BATCH: usize = 4;
+const VOCAB: usize = 1024;
+const STEPS: usize = 20;
+
+/// A communicator whose all-reduce also waits as long as a link of `bytes_per_s` with
+/// `latency` would take: the stand-in for a real network on this one machine.
+#[derive(Debug)]
+struct Slow {
+    inner: Comm,
+    latency: Duration,
+    bytes_per_s: f64,
+}
+
+impl Communicator for Slow {
+    fn group(&self) -> &ProcessGroup {
+        self.inner.group()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
+        let bytes = (buf.len() * buf.dtype().size()) as f64;
+        std::thread::sleep(self.latency + Duration::from_secs_f64(bytes / self.bytes_per_s));
+        self.inner.all_reduce(buf, op)
+    }
+    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
+        self.inner.all_gather(input)
+    }
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
+        self.inner.reduce_scatter(input, op)
+    }
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
+        self.inner.broadcast(buf, root)
+    }
+    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
+        self.inner.send(buf, peer)
+    }
+    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
+        self.inner.recv(buf, peer)
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        self.inner.barrier()
+    }
+}
+
+fn ints(f: impl Fn(usize) -> i64, device: &Device) -> Tensor<2, Int> {
+    let v: Vec<i64> = (0..MICRO_BATCH * SEQ).map(f).collect();
+    Tensor::from_data(TensorData::new(v, [MICRO_BATCH, SEQ]), device)
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Mode {
+    NoReduction,
+    AfterBackward,
+    Overlapped,
+}
+
+/// Median step time in ms for `mode` with the DP link at `bytes_per_s`.
+fn step_ms(mode: Mode, bytes_per_s: f64) -> f64 {
+    let config = ParallelConfig::new(2, 1, 1);
+    let times = threads(&config, LaunchOptions::default(), |ctx| {
+        let (tp, d) = (&ctx.groups.tp, &ctx.device);
+        let dp: Comm = Arc::new(Slow {
+            inner: ctx.groups.dp.clone(),
+            latency: Duration::from_micros(200),
+            bytes_per_s,
+        });
+        let mut model = BertConfig::new(2, 256, 4, 1024, SEQ, VOCAB)
+            .with_hidden_dropout(0.0)
+            .with_attention_dropout(0.0)
+            .init(tp, d)?;
+        let mut optim =
+            MegatronOptimizer::new(AdamWConfig::new().init(), &model, ctx.groups.mp.clone(), 0);
+        let dp_config = DataParallelConfig {
+            bucket_size: Some(250_000),
+            ..DataParallelConfig::default()
+        };
+        let reducer = OverlapReducer::new(&model, &dp, &dp_config);
+        let r = ctx.state.data_parallel_rank() as i64;
+        let ids = ints(|i| (i as i64 * 7919 + r * 31) % 1000, d);
+        let types = ints(|i| i64::from(i % SEQ >= SEQ / 2), d);
+        let padding = ints(|_| 0, d).equal_elem(1);
+        let labels = ints(|i| (i as i64 * 104_729 + r) % 1000, d);
+        let mask_v: Vec<f32> = (0..MICRO_BATCH * SEQ)
+            .map(|i| f32::from(i % 7 == 0))
+            .collect();
+        let mask = Tensor::<2>::from_data(TensorData::new(mask_v, [MICRO_BATCH, SEQ]), d);
+        let sop =
+            Tensor::<1, Int>::from_data(TensorData::new(vec![0i64, 1, 0, 1], [MICRO_BATCH]), d);
+        let mut times = Vec::new();
+        for step in 0..STEPS {
+            let t = Instant::now();
+            let active = (mode == Mode::Overlapped).then(|| reducer.activate(true));
+            let out = model.forward(ids.clone(), types.clone(), padding.clone(), None);
+            let (lm, so) = model.loss(out, labels.clone(), mask.clone(), sop.clone())?;
+            let mut grads = GradientsParams::from_grads((lm + so).backward(), &model);
+            drop(active);
+            let t_bwd = t.elapsed().as_secs_f64() * 1e3;
+            match mode {
+                Mode::NoReduction => {}
+                Mode::AfterBackward => {
+                    finalize_model_grads(&model, &mut grads, &dp, tp, None, &dp_config)?
+                }
+                Mode::Overlapped => finalize_model_grads_overlapped(
+                    &reducer, &model, &mut grads, tp, None, &dp_config,
+                )?,
+            }
+            let t_red = t.elapsed().as_secs_f64() * 1e3;
+            if std::env::var("BREAKDOWN").is_ok() && ctx.state.global_rank() == 0 {
+                eprintln!("{mode:?} fwd+bwd {t_bwd:.1} reduce {:.1}", t_red - t_bwd);
+            }
+            let (m, _) = optim.step(1e-4, model, grads)?;
+            model = m;
+            let _ = model.lm_bias.val().into_data(); // wait for the step's work
+            if step > 1 {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(median(times))
+    })
+    .expect("benchmark run");
+    times.into_iter().fold(0.0, f64::max)
+}
+
+fn main() {
+    println!(
+        "BERT 2 layers, hidden 256, seq {SEQ}, micro batch {MICRO_BATCH}, DP 2 (threads), fp32"
+    );
+    let compute = step_ms(Mode::NoReduction, f64::INFINITY);
+    println!("no reduction (compute only): {compute:.1} ms/step");
+    println!(
+        "{:>12} {:>16} {:>14} {:>10} {:>22}",
+        "link MB/s", "after bwd ms", "overlapped ms", "ratio", "hidden comm (of added)"
+    );
+    for mb_per_s in [400.0, 200.0, 100.0] {
+        let after = step_ms(Mode::AfterBackward, mb_per_s * 1e6);
+        let overlapped = step_ms(Mode::Overlapped, mb_per_s * 1e6);
+        let added = (after - compute).max(1e-9);
+        let hidden = ((after - overlapped) / added).clamp(-1.0, 1.0);
+        println!(
+            "{mb_per_s:>12.0} {after:>16.1} {overlapped:>14.1} {:>10.3} {:>21.0}%",
+            overlapped / after,
+            hidden * 100.0
+        );
+    }
+}
