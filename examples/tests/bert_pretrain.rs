@@ -141,6 +141,48 @@ fn overlapped_gradient_reduction_gives_the_same_run() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The example end to end at four layouts, dropout off: TP 1 × DP 1 is the reference.
+#[test]
+fn every_layout_trains_the_same_model() {
+    let dir = tmp("layouts");
+    let losses = |tp: &str, world: &str, extra: &[&str]| {
+        let mut a = vec![
+            "--tensor-model-parallel-size",
+            tp,
+            "--world-size",
+            world,
+            "--train-iters",
+            "6",
+            "--eval-interval",
+            "0",
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+        ];
+        a.extend_from_slice(extra);
+        run(&args(&a, &dir)).unwrap().log
+    };
+    let reference = losses("1", "1", &[]);
+    for (tp, world, extra) in [
+        ("2", "2", &[][..]),
+        ("1", "2", &[]),
+        ("2", "4", &["--sequence-parallel"]),
+    ] {
+        for (a, b) in losses(tp, world, extra).iter().zip(&reference) {
+            let what = format!("tp {tp} world {world} {extra:?} iteration {}", a.iteration);
+            assert!(
+                (a.lm_loss - b.lm_loss).abs() < 1e-4,
+                "{what}: {} vs {}",
+                a.lm_loss,
+                b.lm_loss
+            );
+            assert!((a.sop_loss - b.sop_loss).abs() < 1e-4, "{what}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn error_of(extra: &[&str]) -> String {
     let dir = tmp("bad");
     let e = run(&args(extra, &dir)).unwrap_err();
