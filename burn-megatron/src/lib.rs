@@ -4,14 +4,18 @@
 //!
 //! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data- and
 //!   context-parallel groups (Megatron-Core's exact rank arithmetic).
-//! - [`checkpoint`]: training checkpoints (weights, master weights, optimizer state).
 //! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout.
-//! - [`data`]: BERT pretraining data: corpus, WordPiece tokenizer, masked sentence pairs.
-//! - [`data_parallel`]: gradient reduction over the data-parallel group, in buckets.
 //! - [`launch`]: run one closure per rank as threads of this process.
-//! - [`models`]: tensor-parallel attention, MLP and transformer layer.
-//! - [`optimizer`]: Megatron's learning-rate / weight-decay scheduler.
-//! - [`tensor_parallel`]: differentiable mappings and parallel layers.
+//! - [`tensor_parallel`]: differentiable mappings, parallel layers, vocab-parallel
+//!   cross-entropy, initialisation and dropout RNG independent of the TP size.
+//! - [`data_parallel`]: gradient reduction over the data-parallel group in buckets, after
+//!   backward or overlapped with it.
+//! - [`optimizer`]: Megatron's LR / WD scheduler, loss scalers, and the optimizer wrapper
+//!   (FP32 master weights, overflow skipping, global-norm clipping).
+//! - [`models`]: tensor-parallel attention, MLP, transformer layer and BERT, with Hugging
+//!   Face checkpoint import/export.
+//! - [`data`]: BERT pretraining data: corpus, WordPiece tokenizer, masked sentence pairs.
+//! - [`checkpoint`]: training checkpoints (weights, master weights, optimizer state).
 
 pub mod checkpoint;
 pub mod comm;

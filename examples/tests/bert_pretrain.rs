@@ -105,6 +105,10 @@ fn resuming_continues_the_exact_loss_sequence() {
     resume_args.extend(["--load", s]);
     let resumed = run(&args(&resume_args, &dir)).unwrap();
     assert_eq!(resumed.log.len(), 10);
+    let mut other_layout: Vec<&str> = resume_args.clone();
+    other_layout.extend(["--tensor-model-parallel-size", "1", "--world-size", "2"]);
+    let e = run(&args(&other_layout, &dir)).unwrap_err();
+    assert!(e.contains("saved with tensor-parallel size 2"), "{e}");
     for (r, f) in resumed.log.iter().zip(&full.log[10..]) {
         assert_eq!(r.iteration, f.iteration);
         assert_eq!(r.lr, f.lr);

@@ -1,5 +1,6 @@
 //! `bert_pretrain`'s command line: Megatron's flag names, checked before any work starts.
 
+use burn_megatron::checkpoint::{rank_dir, read_latest};
 use burn_megatron::data::BatchLayout;
 use burn_megatron::optimizer::LrDecayStyle;
 use burn_megatron::topology::ParallelConfig;
@@ -210,13 +211,25 @@ impl Args {
                 return Err(format!("{flag} {}: no such file", p.display()));
             }
         }
-        if let Some(dir) = &self.load
-            && !dir.join("latest_checkpointed_iteration.txt").is_file()
-        {
-            return Err(format!(
-                "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
-                dir.display()
-            ));
+        if let Some(dir) = &self.load {
+            let latest = read_latest(dir).map_err(|e| format!("--load: {e}"))?;
+            let Some(iteration) = latest else {
+                return Err(format!(
+                    "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
+                    dir.display()
+                ));
+            };
+            // Checkpoints hold one directory per TP rank: the layout must be the same.
+            let saved = (0..)
+                .take_while(|&r| rank_dir(dir, iteration, r).is_dir())
+                .count();
+            if saved != tp {
+                return Err(format!(
+                    "--load {}: iteration {iteration} was saved with tensor-parallel size {saved}, \
+                     not --tensor-model-parallel-size {tp}",
+                    dir.display()
+                ));
+            }
         }
         if self.train_iters == 0 || self.log_interval == 0 {
             return Err("--train-iters and --log-interval must be positive".into());
