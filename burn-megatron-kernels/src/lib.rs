@@ -1,1 +1,16 @@
-//! Fused kernels for burn-megatron (work in progress).
+//! Fused kernels for burn-megatron (work in progress: bias + GeLU so far).
+//!
+//! Each op is a Burn backend extension with three implementations: a CubeCL kernel on the
+//! Cube backend (feature `wgpu`; the same source serves CUDA), a reference composed of
+//! Burn's own ops on every other backend (and as the tests' ground truth), and an autodiff
+//! implementation whose backward is a handwritten derivative (a kernel too on Cube). Code
+//! above this crate calls the same function on every backend.
+
+mod autodiff;
+mod bias_gelu;
+#[cfg(feature = "wgpu")]
+mod cube;
+#[cfg(feature = "wgpu")]
+pub mod device;
+
+pub use bias_gelu::{FusedOps, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward};
