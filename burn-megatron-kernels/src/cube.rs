@@ -48,8 +48,9 @@ fn bias_gelu_backward_kernel<F: Float>(
     out[pos] = grad[pos] * (cdf + v * pdf);
 }
 
-/// A contiguous output shaped like `like`, and the launch geometry over its elements.
-fn elementwise_output(like: &CubeTensor) -> (CubeTensor, usize) {
+/// A contiguous output shaped like `like`, and one unit per element: (output, cube
+/// dim, cube count), or `None` for an empty tensor (nothing to launch).
+fn elementwise_launch(like: &CubeTensor) -> (CubeTensor, Option<(CubeDim, CubeCount)>) {
     let out = empty_device_dtype(
         like.client.clone(),
         like.device.clone(),
@@ -57,19 +58,23 @@ fn elementwise_output(like: &CubeTensor) -> (CubeTensor, usize) {
         like.dtype,
     );
     let n = out.shape().num_elements();
-    (out, n)
+    let geometry = (n > 0).then(|| {
+        let cube_dim = CubeDim::new(&like.client, n);
+        (
+            cube_dim,
+            calculate_cube_count_elemwise(&like.client, n, cube_dim),
+        )
+    });
+    (out, geometry)
 }
 
 impl FusedOps for CubeBackend {
     fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
         let (x, bias) = (into_contiguous(x), into_contiguous(bias));
-        let (out, n) = elementwise_output(&x);
-        if n == 0 {
-            return out;
-        }
+        let (out, Some((cube_dim, count))) = elementwise_launch(&x) else {
+            return x; // empty: nothing to compute, the input has the output's shape
+        };
         let client = x.client.clone();
-        let cube_dim = CubeDim::new(&client, n);
-        let count = calculate_cube_count_elemwise(&client, n, cube_dim);
         let dtype = dtype_to_storage_type(x.dtype);
         bias_gelu_kernel::launch(
             &client,
@@ -93,13 +98,10 @@ impl FusedOps for CubeBackend {
             into_contiguous(bias),
             into_contiguous(grad),
         );
-        let (out, n) = elementwise_output(&x);
-        if n == 0 {
-            return out;
-        }
+        let (out, Some((cube_dim, count))) = elementwise_launch(&x) else {
+            return x; // empty: nothing to compute, the input has the output's shape
+        };
         let client = x.client.clone();
-        let cube_dim = CubeDim::new(&client, n);
-        let count = calculate_cube_count_elemwise(&client, n, cube_dim);
         let dtype = dtype_to_storage_type(x.dtype);
         bias_gelu_backward_kernel::launch(
             &client,
