@@ -44,6 +44,13 @@ struct Slot {
     numel: usize,
 }
 
+impl Slot {
+    /// Where the parameter sits in its bucket.
+    fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.numel
+    }
+}
+
 #[derive(Debug, Default)]
 struct Bucket {
     main_grad: Vec<f32>,
@@ -74,6 +81,16 @@ struct State {
     queue: std::collections::VecDeque<usize>,
     events: Vec<Event>,
     worker: Option<JoinHandle<()>>,
+}
+
+impl State {
+    /// Adds a gradient contribution into its main-grad slot.
+    fn accumulate(&mut self, slot: Slot, grad: &[f32]) {
+        let main = &mut self.buckets[slot.bucket].main_grad[slot.range()];
+        for (m, g) in main.iter_mut().zip(grad) {
+            *m += g;
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -108,10 +125,7 @@ impl Shared {
         let Some(slot) = state.slots.get(&id).copied() else {
             return;
         };
-        let main = &mut state.buckets[slot.bucket].main_grad[slot.offset..slot.offset + slot.numel];
-        for (m, g) in main.iter_mut().zip(&grad) {
-            *m += g;
-        }
+        state.accumulate(slot, &grad);
         let uses = state.uses.entry(id).or_insert(1);
         *uses = uses.saturating_sub(1);
         if *uses == 0 && state.last {
@@ -288,15 +302,9 @@ impl OverlapReducer {
             let hooked = state.hooked.contains(&id);
             if let Some((flat, dims)) = take_flat(grads, id, rank) {
                 if !hooked {
-                    let slot = state.slots[&id];
                     let values: Vec<f32> = flat.clone().into_data().iter::<f32>().collect();
-                    let main = &mut state.buckets[slot.bucket].main_grad;
-                    for (m, g) in main[slot.offset..slot.offset + slot.numel]
-                        .iter_mut()
-                        .zip(values)
-                    {
-                        *m += g;
-                    }
+                    let slot = state.slots[&id];
+                    state.accumulate(slot, &values);
                 }
                 present.insert(id, (flat, dims, state.slots[&id]));
             }
@@ -342,7 +350,7 @@ impl OverlapReducer {
         }
         drop(state);
         for (id, (flat, dims, slot)) in present {
-            let values = reduced[slot.bucket][slot.offset..slot.offset + slot.numel].to_vec();
+            let values = reduced[slot.bucket][slot.range()].to_vec();
             let t: Tensor<1> = buffer_to_tensor(Buffer::F32(values), [slot.numel], &flat.device());
             put_flat(grads, id, t.cast(flat.dtype()), &dims);
         }
