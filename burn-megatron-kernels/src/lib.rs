@@ -1,4 +1,4 @@
-//! Fused kernels for burn-megatron (work in progress: bias + GeLU so far).
+//! Fused kernels for burn-megatron.
 //!
 //! Each op is a Burn backend extension with three implementations: a CubeCL kernel on the
 //! Cube backend (feature `wgpu`; the same source serves CUDA), a reference composed of
@@ -6,11 +6,13 @@
 //! implementation whose backward is a handwritten derivative (a kernel too on Cube). Code
 //! above this crate calls the same function on every backend.
 
-mod autodiff;
 mod bias_gelu;
 #[cfg(feature = "wgpu")]
-mod cube;
-#[cfg(feature = "wgpu")]
 pub mod device;
+#[cfg(feature = "wgpu")]
+mod launch;
+mod ops;
 
-pub use bias_gelu::{FusedOps, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward};
+pub use bias_gelu::{
+    BiasGeluOps, Gelu, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward,
+};

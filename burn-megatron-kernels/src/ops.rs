@@ -1,0 +1,21 @@
+//! Small compositions of Burn primitive ops shared by the reference implementations.
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata};
+use burn::tensor::Shape;
+
+/// `x + bias` with `bias` (`[n]`) broadcast over the last dimension of `x` (`[.., n]`).
+pub(crate) fn add_last_dim<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {
+    let rank = x.shape().num_dims();
+    let mut dims = vec![1; rank];
+    dims[rank - 1] = bias.shape().num_elements();
+    B::float_add(x, B::float_reshape(bias, Shape::from(dims)))
+}
+
+/// Sums `t` (`[.., n]`) over every dimension but the last: the gradient of a bias that was
+/// broadcast over the leading dimensions. Returns `[n]`.
+pub(crate) fn sum_to_last_dim<B: Backend>(t: FloatTensor<B>, n: usize) -> FloatTensor<B> {
+    let rows = t.shape().num_elements() / n.max(1);
+    let flat = B::float_reshape(t, Shape::from([rows, n]));
+    B::float_reshape(B::float_sum_dim(flat, 0), Shape::from([n]))
+}
