@@ -3,7 +3,7 @@
 //! forward + backward. Ratios below 1 mean the fused kernel is faster.
 //!
 //! ```text
-//! cargo run --release -p burn-megatron-kernels --features wgpu --example kernel_bench
+//! cargo run -p burn-megatron-kernels --features wgpu --example kernel_bench
 //! ```
 
 mod bias_gelu;
