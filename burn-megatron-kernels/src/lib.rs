@@ -9,6 +9,7 @@
 mod bias_gelu;
 #[cfg(feature = "wgpu")]
 pub mod device;
+mod error;
 #[cfg(feature = "wgpu")]
 mod launch;
 mod ops;
@@ -16,3 +17,4 @@ mod ops;
 pub use bias_gelu::{
     BiasGeluOps, Gelu, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward,
 };
+pub use error::KernelError;
