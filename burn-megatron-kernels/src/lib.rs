@@ -7,9 +7,11 @@
 //! above this crate calls the same function on every backend.
 
 mod bias_gelu;
+mod cross_entropy;
 #[cfg(feature = "wgpu")]
 pub mod device;
 mod error;
+mod grad_accum;
 #[cfg(feature = "wgpu")]
 mod launch;
 mod ops;
@@ -17,4 +19,11 @@ mod ops;
 pub use bias_gelu::{
     BiasGeluOps, Gelu, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward,
 };
+pub use cross_entropy::{
+    CrossEntropyOps, LabelSmoothing, cross_entropy_backward, cross_entropy_predicted_and_sum,
+    cross_entropy_row_max, cross_entropy_sum_exp, reference_cross_entropy_backward,
+    reference_cross_entropy_predicted_and_sum, reference_cross_entropy_row_max,
+    reference_cross_entropy_sum_exp,
+};
 pub use error::KernelError;
+pub use grad_accum::{GradAccumOps, accumulate_weight_grad, reference_accumulate_weight_grad};

@@ -7,6 +7,8 @@
 //! ```
 
 mod bias_gelu;
+mod cross_entropy;
+mod grad_accum;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use std::time::Instant;
@@ -64,4 +66,6 @@ fn main() {
     };
     println!("fused kernel vs Burn composition on {device:?}");
     bias_gelu::bench(&device);
+    cross_entropy::bench(&device);
+    grad_accum::bench(&device);
 }

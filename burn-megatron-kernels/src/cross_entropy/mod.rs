@@ -1,0 +1,241 @@
+//! The local parts of vocab-parallel cross-entropy, one fused pass each over this rank's
+//! `[N, V]` slice of the logits, to be called between the cross-entropy's all-reduces:
+//!
+//! 1. [`cross_entropy_row_max`] → all-reduce (max) → `max`;
+//! 2. [`cross_entropy_predicted_and_sum`] → all-reduce (sum) → predicted logit and the sum
+//!    of logits (for label smoothing), both shifted by `max`;
+//! 3. [`cross_entropy_sum_exp`] → all-reduce (sum) → `sum_exp`;
+//! 4. backward: [`cross_entropy_backward`] recomputes the softmax from `logits`, `max` and
+//!    `sum_exp`, so the forward need not keep an `[N, V]` f32 softmax alive.
+//!
+//! All reductions accumulate in f32 whatever the logits' dtype.
+
+mod autodiff;
+#[cfg(feature = "wgpu")]
+mod cube;
+#[cfg(feature = "wgpu")]
+mod kernels;
+mod reference;
+
+pub use reference::{
+    reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
+    reference_cross_entropy_row_max, reference_cross_entropy_sum_exp,
+};
+
+use crate::KernelError;
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::tensor::{Int, Tensor};
+
+/// Label smoothing of the backward: `ε` and the size of the *global* vocabulary (all ranks'
+/// slices together), over which the smoothing mass `ε / V_global` is spread.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LabelSmoothing {
+    /// `ε` in `[0, 1)`; 0 is plain cross-entropy.
+    pub epsilon: f32,
+    /// The global vocabulary size `V_global ≥ V` (`V · tp` under tensor parallelism).
+    pub global_vocab: usize,
+}
+
+/// The local cross-entropy passes as backend ops: CubeCL kernels (one cube per row) on Cube
+/// backends, Burn's own ops elsewhere. Not differentiable themselves: the cross-entropy's
+/// autodiff owns the backward and calls [`CrossEntropyOps::cross_entropy_backward`].
+///
+/// Shapes: `logits` `[N, V]` (any float dtype); `max`, `sum_exp`, `in_range`, `grad` `[N]`;
+/// `target` `[N]` Int, the local column of each row's target, which must lie in `[0, V)`
+/// on every row (any valid column, e.g. 0, where `in_range` is 0). The methods do not
+/// validate; the public functions on [`Tensor`] do.
+#[backend_extension(Flex, Cube: cfg(feature = "wgpu"), Autodiff)]
+pub trait CrossEntropyOps: Backend {
+    /// `max_v logits[n, v]`, `[N]` f32.
+    fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `[N, 2]` f32: `((logits[n, target] − max)·in_range, Σ_v (logits[n, v] − max))`.
+    fn cross_entropy_predicted_and_sum(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+    /// `Σ_v exp(logits[n, v] − max)`, `[N]` f32.
+    fn cross_entropy_sum_exp(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+    /// `(softmax − (1 − ε)·one_hot·in_range − ε / V_global) · grad`, `[N, V]` in the logits'
+    /// dtype, with `softmax = exp(logits − max) / sum_exp`.
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+        sum_exp: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        smoothing: LabelSmoothing,
+    ) -> FloatTensor<Self>;
+}
+
+impl CrossEntropyOps for Flex {
+    fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference_cross_entropy_row_max::<Self>(logits)
+    }
+
+    fn cross_entropy_predicted_and_sum(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference_cross_entropy_predicted_and_sum::<Self>(logits, max, target, in_range)
+    }
+
+    fn cross_entropy_sum_exp(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference_cross_entropy_sum_exp::<Self>(logits, max)
+    }
+
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        max: FloatTensor<Self>,
+        sum_exp: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        smoothing: LabelSmoothing,
+    ) -> FloatTensor<Self> {
+        reference_cross_entropy_backward::<Self>(
+            logits, max, sum_exp, target, in_range, grad, smoothing,
+        )
+    }
+}
+
+/// `[N, V]` logits with a non-empty vocabulary slice; returns `N`.
+fn check_logits(logits: &Tensor<2>) -> Result<usize, KernelError> {
+    let [n, v] = logits.dims();
+    if v == 0 {
+        return Err(KernelError::Shape(format!(
+            "cross-entropy needs a non-empty vocabulary slice, logits are [{n}, 0]"
+        )));
+    }
+    if !logits.dtype().is_float() {
+        return Err(KernelError::Argument(format!(
+            "logits must be a float tensor, got {:?}",
+            logits.dtype()
+        )));
+    }
+    Ok(n)
+}
+
+/// Every `[N]` per-row input has `n` entries.
+fn check_rows(n: usize, named: &[(&str, [usize; 1])]) -> Result<(), KernelError> {
+    match named.iter().find(|(_, [len])| *len != n) {
+        Some((name, [len])) => Err(KernelError::Shape(format!(
+            "{name} has {len} entries but the logits have {n} rows"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Row max of `[N, V]` logits (any float dtype) as `[N]` f32: the first local pass, before
+/// the all-reduce (max) over the tensor-parallel group. Errors on an empty vocabulary slice.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron_kernels::cross_entropy_row_max;
+/// let logits = Tensor::<2>::from_floats([[1.0, 3.0, 2.0], [-1.0, -5.0, -2.0]], &Device::flex());
+/// let max: Vec<f32> = cross_entropy_row_max(logits).unwrap().into_data().to_vec().unwrap();
+/// assert_eq!(max, [3.0, -1.0]);
+/// ```
+pub fn cross_entropy_row_max(logits: Tensor<2>) -> Result<Tensor<1>, KernelError> {
+    check_logits(&logits)?;
+    Ok(Tensor::from_dispatch(Dispatch::cross_entropy_row_max(
+        logits.into_dispatch(),
+    )))
+}
+
+/// `[N, 2]` f32 rows `((logits[n, target[n]] − max[n])·in_range[n], Σ_v (logits[n, v] −
+/// max[n]))`: the predicted logit and the sum of logits (label smoothing's mean), packed
+/// for one all-reduce (sum). `max` is the all-reduced row max; `target` the local column
+/// (in `[0, V)` on every row); `in_range` 1 where the target lies in this slice, else 0.
+pub fn cross_entropy_predicted_and_sum(
+    logits: Tensor<2>,
+    max: Tensor<1>,
+    target: Tensor<1, Int>,
+    in_range: Tensor<1>,
+) -> Result<Tensor<2>, KernelError> {
+    let n = check_logits(&logits)?;
+    let rows = [
+        ("max", max.dims()),
+        ("target", target.dims()),
+        ("in_range", in_range.dims()),
+    ];
+    check_rows(n, &rows)?;
+    Ok(Tensor::from_dispatch(
+        Dispatch::cross_entropy_predicted_and_sum(
+            logits.into_dispatch(),
+            max.into_dispatch(),
+            target.into_dispatch(),
+            in_range.into_dispatch(),
+        ),
+    ))
+}
+
+/// `Σ_v exp(logits[n, v] − max[n])` as `[N]` f32, `max` the all-reduced row max: the local
+/// part of the softmax denominator, before the all-reduce (sum).
+pub fn cross_entropy_sum_exp(logits: Tensor<2>, max: Tensor<1>) -> Result<Tensor<1>, KernelError> {
+    let n = check_logits(&logits)?;
+    check_rows(n, &[("max", max.dims())])?;
+    Ok(Tensor::from_dispatch(Dispatch::cross_entropy_sum_exp(
+        logits.into_dispatch(),
+        max.into_dispatch(),
+    )))
+}
+
+/// The gradient of the smoothed cross-entropy with respect to this rank's logits:
+/// `(softmax − (1 − ε)·one_hot·in_range − ε / V_global) · grad[n]`, `[N, V]` in the logits'
+/// dtype, the softmax recomputed from `logits`, the all-reduced `max` and `sum_exp`.
+/// `grad` is the `[N]` gradient of the per-token losses.
+pub fn cross_entropy_backward(
+    logits: Tensor<2>,
+    max: Tensor<1>,
+    sum_exp: Tensor<1>,
+    target: Tensor<1, Int>,
+    in_range: Tensor<1>,
+    grad: Tensor<1>,
+    smoothing: LabelSmoothing,
+) -> Result<Tensor<2>, KernelError> {
+    let n = check_logits(&logits)?;
+    let rows = [
+        ("max", max.dims()),
+        ("sum_exp", sum_exp.dims()),
+        ("target", target.dims()),
+        ("in_range", in_range.dims()),
+        ("grad", grad.dims()),
+    ];
+    check_rows(n, &rows)?;
+    let LabelSmoothing {
+        epsilon,
+        global_vocab,
+    } = smoothing;
+    if !(0.0..1.0).contains(&epsilon) {
+        return Err(KernelError::Argument(format!(
+            "label smoothing must be in [0, 1), got {epsilon}"
+        )));
+    }
+    let local = logits.dims()[1];
+    if global_vocab < local {
+        return Err(KernelError::Argument(format!(
+            "global vocabulary {global_vocab} is smaller than the local slice {local}"
+        )));
+    }
+    Ok(Tensor::from_dispatch(Dispatch::cross_entropy_backward(
+        logits.into_dispatch(),
+        max.into_dispatch(),
+        sum_exp.into_dispatch(),
+        target.into_dispatch(),
+        in_range.into_dispatch(),
+        grad.into_dispatch(),
+        smoothing,
+    )))
+}
