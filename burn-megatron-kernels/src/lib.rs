@@ -6,6 +6,7 @@
 //! implementation whose backward is a handwritten derivative (a kernel too on Cube). Code
 //! above this crate calls the same function on every backend.
 
+mod bias_dropout_add;
 mod bias_gelu;
 #[cfg(feature = "wgpu")]
 pub mod device;
@@ -13,8 +14,17 @@ mod error;
 #[cfg(feature = "wgpu")]
 mod launch;
 mod ops;
+mod softmax;
 
+pub use bias_dropout_add::{
+    BiasDropoutAddOps, bias_dropout_add, dropout_hash, dropout_keep, dropout_mask,
+    dropout_threshold, reference_bias_dropout_add, reference_dropout,
+};
 pub use bias_gelu::{
     BiasGeluOps, Gelu, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward,
 };
 pub use error::KernelError;
+pub use softmax::{
+    MASKED_SCORE, ScaledMaskedSoftmaxOps, reference_scaled_masked_softmax,
+    reference_scaled_masked_softmax_backward, scaled_masked_softmax,
+};

@@ -6,7 +6,9 @@
 //! cargo run -p burn-megatron-kernels --features wgpu --example kernel_bench
 //! ```
 
+mod bias_dropout_add;
 mod bias_gelu;
+mod softmax;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use std::time::Instant;
@@ -64,4 +66,6 @@ fn main() {
     };
     println!("fused kernel vs Burn composition on {device:?}");
     bias_gelu::bench(&device);
+    bias_dropout_add::bench(&device);
+    softmax::bench(&device);
 }
