@@ -5,17 +5,25 @@
 //! Burn's own ops on every other backend (and as the tests' ground truth), and an autodiff
 //! implementation whose backward is a handwritten derivative (a kernel too on Cube). Code
 //! above this crate calls the same function on every backend.
+//!
+//! Features: `wgpu` or `cuda` turn on the Cube backend and the kernels (`cube`); without
+//! them every backend runs the references.
 
+mod bias_dropout_add;
 mod bias_gelu;
 mod cross_entropy;
-#[cfg(feature = "wgpu")]
 pub mod device;
 mod error;
 mod grad_accum;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 mod launch;
 mod ops;
+mod softmax;
 
+pub use bias_dropout_add::{
+    BiasDropoutAddOps, bias_dropout_add, dropout_hash, dropout_keep, dropout_mask,
+    dropout_threshold, reference_bias_dropout_add, reference_dropout,
+};
 pub use bias_gelu::{
     BiasGeluOps, Gelu, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward,
 };
@@ -27,3 +35,7 @@ pub use cross_entropy::{
 };
 pub use error::KernelError;
 pub use grad_accum::{GradAccumOps, accumulate_weight_grad, reference_accumulate_weight_grad};
+pub use softmax::{
+    MASKED_SCORE, ScaledMaskedSoftmaxOps, reference_scaled_masked_softmax,
+    reference_scaled_masked_softmax_backward, scaled_masked_softmax,
+};

@@ -6,9 +6,12 @@
 //! cargo run -p burn-megatron-kernels --features wgpu --example kernel_bench
 //! ```
 
+mod bias_dropout_add;
 mod bias_gelu;
 mod cross_entropy;
 mod grad_accum;
+mod softmax;
+
 
 use burn::tensor::{Device, Tensor, TensorData};
 use std::time::Instant;
@@ -68,4 +71,6 @@ fn main() {
     bias_gelu::bench(&device);
     cross_entropy::bench(&device);
     grad_accum::bench(&device);
+    bias_dropout_add::bench(&device);
+    softmax::bench(&device);
 }

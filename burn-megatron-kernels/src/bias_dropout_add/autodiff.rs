@@ -1,0 +1,86 @@
+//! Autodiff for bias + dropout + residual: the backward keeps only (prob, seed, bias size)
+//! and regenerates the mask, so no activation-sized tensor is saved.
+
+use super::BiasDropoutAddOps;
+use crate::ops::sum_to_last_dim;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, TensorMetadata};
+
+/// Parents `[x, residual]`, plus `bias` when `N == 3`.
+#[derive(Debug)]
+struct BiasDropoutAddBackward<const N: usize>;
+
+impl<B: BiasDropoutAddOps, const N: usize> Backward<B, N> for BiasDropoutAddBackward<N> {
+    /// (prob, seed, bias size).
+    type State = (f32, u64, usize);
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (prob, seed, n) = ops.state;
+        let mut parents = ops.parents.into_iter();
+        let (node_x, node_residual) = (parents.next().flatten(), parents.next().flatten());
+        let node_bias = parents.next().flatten();
+        if node_x.is_some() || node_bias.is_some() {
+            let grad_x = B::dropout_backward(grad.clone(), prob, seed);
+            if let Some(node) = node_bias {
+                grads.register::<B>(node.id, sum_to_last_dim::<B>(grad_x.clone(), n));
+            }
+            if let Some(node) = node_x {
+                grads.register::<B>(node.id, grad_x);
+            }
+        }
+        if let Some(node) = node_residual {
+            grads.register::<B>(node.id, grad);
+        }
+    }
+}
+
+/// Runs `forward` on the inner backend and records it under `nodes` when any is tracked.
+fn record<B: BiasDropoutAddOps, C: CheckpointStrategy, const N: usize>(
+    nodes: [NodeGuard; N],
+    state: (f32, u64, usize),
+    forward: impl FnOnce() -> FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match BiasDropoutAddBackward::<N>
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(state, forward()),
+        OpsKind::UnTracked(prep) => prep.finish(forward()),
+    }
+}
+
+impl<B: BiasDropoutAddOps, C: CheckpointStrategy> BiasDropoutAddOps for Autodiff<B, C> {
+    fn bias_dropout_add(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        has_bias: bool,
+        residual: FloatTensor<Self>,
+        prob: f32,
+        seed: u64,
+    ) -> FloatTensor<Self> {
+        let (x, x_node) = x.into_parts();
+        let (residual, residual_node) = residual.into_parts();
+        let (bias, bias_node) = bias.into_parts();
+        let forward = || B::bias_dropout_add(x, bias.clone(), has_bias, residual, prob, seed);
+        if has_bias {
+            let state = (prob, seed, bias.shape().num_elements());
+            record::<B, C, 3>([x_node, residual_node, bias_node], state, forward)
+        } else {
+            // The stand-in bias is not an input: no gradient flows to it.
+            drop(bias_node);
+            record::<B, C, 2>([x_node, residual_node], (prob, seed, 0), forward)
+        }
+    }
+
+    fn dropout_backward(grad: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
+        // Second derivatives are not needed: the result is not tracked.
+        let (grad, _) = grad.into_parts();
+        Self::from_inner(B::dropout_backward(grad, prob, seed))
+    }
+}

@@ -1,0 +1,224 @@
+//! Bias + dropout + residual add: `residual + dropout(x + bias)`, with a dropout mask that is a
+//! pure function of (seed, flat index). The mask is never stored: the backward recomputes it
+//! from the seed, so the only state kept for backward is two scalars.
+//!
+//! # The mask
+//!
+//! Element `i` (row-major flat index, `i < 2³²`) is kept iff
+//! `dropout_hash(seed, i) >= dropout_threshold(prob)`, where `dropout_threshold(prob)` is
+//! `round(prob · 2³²)` clamped to `[0, 2³² − 1]`, so the keep probability is
+//! `1 − threshold / 2³²` (within 2⁻³² of `1 − prob`). The hash uses only u32 arithmetic (WGSL has
+//! no u64): the seed is split into halves `lo`, `hi` and mixed with murmur3's `fmix32`:
+//!
+//! ```text
+//! k1 = fmix32(lo ^ fmix32(hi ^ 0x9E3779B9))
+//! k2 = fmix32(k1 + 0x7F4A7C15)
+//! hash(i) = fmix32(fmix32(i ^ k1) + k2)          (+ wraps mod 2³²)
+//! ```
+//!
+//! The host function [`dropout_hash`] and the kernel's copy are tested bit for bit.
+
+mod autodiff;
+#[cfg(feature = "cube")]
+mod cube;
+
+use crate::KernelError;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+
+/// murmur3's 32-bit finaliser: a bijection of u32 in which every input bit flips each output
+/// bit with probability about ½.
+pub(crate) const fn fmix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85EB_CA6B);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xC2B2_AE35);
+    h ^ (h >> 16)
+}
+
+/// The dropout hash of flat index `index` under `seed` (see the module docs for the formula).
+pub fn dropout_hash(seed: u64, index: u32) -> u32 {
+    let (lo, hi) = (seed as u32, (seed >> 32) as u32);
+    let k1 = fmix32(lo ^ fmix32(hi ^ 0x9E37_79B9));
+    let k2 = fmix32(k1.wrapping_add(0x7F4A_7C15));
+    fmix32(fmix32(index ^ k1).wrapping_add(k2))
+}
+
+/// `round(prob · 2³²)` clamped to u32: hashes below it are dropped. `prob` in `[0, 1)`.
+pub fn dropout_threshold(prob: f32) -> u32 {
+    (f64::from(prob) * 4_294_967_296.0)
+        .round()
+        .clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+/// Whether dropout with probability `prob` keeps flat element `index` under `seed`.
+pub fn dropout_keep(seed: u64, index: u32, prob: f32) -> bool {
+    dropout_hash(seed, index) >= dropout_threshold(prob)
+}
+
+/// The keep mask (true = kept) of a tensor of `shape` under `seed`, built on the host and
+/// uploaded to `device`: the mask every backend's [`bias_dropout_add`] applies.
+pub fn dropout_mask<const D: usize>(
+    seed: u64,
+    shape: [usize; D],
+    prob: f32,
+    device: &Device,
+) -> Tensor<D, Bool> {
+    let n = shape.iter().product();
+    Tensor::from_data(TensorData::new(keep_values(seed, n, prob), shape), device)
+}
+
+fn keep_values(seed: u64, n: usize, prob: f32) -> Vec<bool> {
+    (0..n).map(|i| dropout_keep(seed, i as u32, prob)).collect()
+}
+
+/// Bias + dropout + residual add as backend ops: one kernel on Cube backends, Burn's own ops
+/// elsewhere. Callers validate the arguments (see [`bias_dropout_add`]).
+///
+/// The bias is a tensor plus a flag rather than an `Option`: `#[backend_extension]` in Burn
+/// 0.22.1 routes only plain tensor arguments (an `Option` reaches the backend still wrapped as
+/// a dispatch tensor). Without a bias, pass any tensor of the device (e.g. `x`): it is not read.
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
+pub trait BiasDropoutAddOps: Backend {
+    /// `residual + dropout(x + bias)`; `bias` (read only when `has_bias`) has the size of
+    /// `x`'s last dimension, `prob` is in `[0, 1)`, the mask comes from `seed`.
+    fn bias_dropout_add(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        has_bias: bool,
+        residual: FloatTensor<Self>,
+        prob: f32,
+        seed: u64,
+    ) -> FloatTensor<Self>;
+    /// `dropout(grad)` with the forward's mask and scale: the gradient with respect to
+    /// `x + bias`.
+    fn dropout_backward(grad: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self>;
+}
+
+/// `1 / (1 − prob)`, the scale of kept values, in f32 as every backend applies it.
+pub(crate) fn keep_scale(prob: f32) -> f32 {
+    1.0 / (1.0 - prob)
+}
+
+/// The reference dropout from Burn ops: the host mask uploaded as a bool tensor, then
+/// `mask_fill(v · scale, dropped, 0)`. `prob == 0` returns `v` unchanged.
+pub fn reference_dropout<B: Backend>(v: FloatTensor<B>, prob: f32, seed: u64) -> FloatTensor<B> {
+    if prob == 0.0 {
+        return v;
+    }
+    let shape = v.shape();
+    let dropped: Vec<bool> = keep_values(seed, shape.num_elements(), prob)
+        .into_iter()
+        .map(|keep| !keep)
+        .collect();
+    let mask = B::bool_from_data(TensorData::new(dropped, shape), &v.device());
+    let scaled = B::float_mul_scalar(v, keep_scale(prob).into());
+    B::float_mask_fill(scaled, mask, 0.0f32.into())
+}
+
+/// The reference forward from Burn ops: `residual + reference_dropout(x + bias)` (no bias
+/// unless `has_bias`).
+pub fn reference_bias_dropout_add<B: Backend>(
+    x: FloatTensor<B>,
+    bias: FloatTensor<B>,
+    has_bias: bool,
+    residual: FloatTensor<B>,
+    prob: f32,
+    seed: u64,
+) -> FloatTensor<B> {
+    let v = if has_bias {
+        crate::ops::add_last_dim::<B>(x, bias)
+    } else {
+        x
+    };
+    B::float_add(residual, reference_dropout::<B>(v, prob, seed))
+}
+
+impl BiasDropoutAddOps for Flex {
+    fn bias_dropout_add(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        has_bias: bool,
+        residual: FloatTensor<Self>,
+        prob: f32,
+        seed: u64,
+    ) -> FloatTensor<Self> {
+        reference_bias_dropout_add::<Self>(x, bias, has_bias, residual, prob, seed)
+    }
+
+    fn dropout_backward(grad: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
+        reference_dropout::<Self>(grad, prob, seed)
+    }
+}
+
+/// `residual + dropout(x + bias)`, fused into one kernel on Cube backends and differentiable
+/// (the mask is recomputed from `seed` in the backward, never stored).
+///
+/// Dropout keeps each element with probability `1 − prob` and scales kept values by
+/// `1 / (1 − prob)`; which elements are kept is a pure function of `seed` and the flat
+/// row-major index (see [`dropout_keep`]), identical on every call and every backend.
+/// `prob == 0` means no dropout. The bias, if any, is broadcast over the last dimension.
+///
+/// # Errors
+///
+/// [`KernelError::Argument`] unless `0 ≤ prob < 1`; [`KernelError::Shape`] when `residual`'s
+/// shape differs from `x`'s or `bias` is not `[last dim of x]`; [`KernelError::Unsupported`]
+/// for tensors of more than 2³² elements (the mask index is 32-bit).
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron_kernels::{bias_dropout_add, dropout_mask};
+/// let device = Device::flex();
+/// let x = Tensor::<2>::ones([2, 3], &device);
+/// let b = Tensor::<1>::from_floats([1.0, 2.0, 3.0], &device);
+/// let r = Tensor::<2>::zeros([2, 3], &device);
+/// let y = bias_dropout_add(x.clone(), Some(b.clone()), r, 0.5, 7).unwrap();
+/// let kept = dropout_mask(7, [2, 3], 0.5, &device);
+/// let expected = (x + b.unsqueeze()).mul_scalar(2.0).mask_fill(kept.bool_not(), 0.0);
+/// y.into_data().assert_eq(&expected.into_data(), true);
+/// ```
+pub fn bias_dropout_add<const D: usize>(
+    x: Tensor<D>,
+    bias: Option<Tensor<1>>,
+    residual: Tensor<D>,
+    prob: f32,
+    seed: u64,
+) -> Result<Tensor<D>, KernelError> {
+    if !(0.0..1.0).contains(&prob) {
+        return Err(KernelError::Argument(format!(
+            "dropout probability must be in [0, 1), got {prob}"
+        )));
+    }
+    let dims = x.dims();
+    if residual.dims() != dims {
+        return Err(KernelError::Shape(format!(
+            "residual {:?} must have the shape of x {dims:?}",
+            residual.dims()
+        )));
+    }
+    if let Some(bias) = &bias
+        && (D == 0 || bias.dims() != [dims[D - 1]])
+    {
+        return Err(KernelError::Shape(format!(
+            "bias {:?} must be [last dim of x {dims:?}]",
+            bias.dims()
+        )));
+    }
+    if dims.iter().product::<usize>() as u64 > 1 << 32 {
+        return Err(KernelError::Unsupported(format!(
+            "dropout over {dims:?}: more than 2^32 elements (the mask index is 32-bit)"
+        )));
+    }
+    let has_bias = bias.is_some();
+    // Without a bias, x stands in for it (not read, no copy).
+    let bias = bias.map_or_else(|| x.clone().into_dispatch(), Tensor::into_dispatch);
+    Ok(Tensor::from_dispatch(Dispatch::bias_dropout_add(
+        x.into_dispatch(),
+        bias,
+        has_bias,
+        residual.into_dispatch(),
+        prob,
+        seed,
+    )))
+}
