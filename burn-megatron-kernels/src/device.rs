@@ -1,20 +1,33 @@
 //! The wgpu device for kernel tests and benchmarks: Vulkan on the CPU adapter (Mesa's
 //! lavapipe where no GPU is present), opened once per process.
 
-use burn::tensor::{Device, DeviceKind};
-use std::sync::OnceLock;
+use burn::tensor::Device;
 
-/// The CPU-kind Vulkan wgpu device, or why there is none (no Vulkan driver). Opening a
-/// wgpu device twice fails, so the result is cached.
+/// The CPU-kind Vulkan wgpu device, or why there is none: no Vulkan driver, or this build
+/// lacks the `wgpu` feature. Opening a wgpu device twice fails, so the result is cached.
+///
+/// ```
+/// match burn_megatron_kernels::device::wgpu_cpu_device() {
+///     Ok(device) => println!("kernels run on {device:?}"),
+///     Err(why) => println!("references only: {why}"),
+/// }
+/// ```
 pub fn wgpu_cpu_device() -> Result<Device, String> {
-    static DEVICE: OnceLock<Result<Device, String>> = OnceLock::new();
-    DEVICE
-        .get_or_init(|| {
-            Device::wgpu_options()
-                .device_kind(DeviceKind::Cpu)
-                .graphics_api(burn::tensor::wgpu::WgpuBackend::Vulkan)
-                .init()
-                .map_err(|e| format!("{e:?}"))
-        })
-        .clone()
+    #[cfg(feature = "wgpu")]
+    {
+        use burn::tensor::DeviceKind;
+        use std::sync::OnceLock;
+        static DEVICE: OnceLock<Result<Device, String>> = OnceLock::new();
+        DEVICE
+            .get_or_init(|| {
+                Device::wgpu_options()
+                    .device_kind(DeviceKind::Cpu)
+                    .graphics_api(burn::tensor::wgpu::WgpuBackend::Vulkan)
+                    .init()
+                    .map_err(|e| format!("{e:?}"))
+            })
+            .clone()
+    }
+    #[cfg(not(feature = "wgpu"))]
+    Err("built without the `wgpu` feature".into())
 }

@@ -62,8 +62,12 @@ fn batch(start: usize, n: usize, device: &Device) -> Batch {
 }
 
 fn run(tp: usize, dp: usize, sp: bool) -> Vec<Vec<(f32, f32)>> {
+    run_on(tp, dp, sp, LaunchOptions::default())
+}
+
+fn run_on(tp: usize, dp: usize, sp: bool, options: LaunchOptions) -> Vec<Vec<(f32, f32)>> {
     let config = ParallelConfig::new(tp * dp, tp, 1).with_sequence_parallel(sp);
-    threads(&config, LaunchOptions::default(), |ctx| {
+    threads(&config, options, |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let mut model = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
             .with_hidden_dropout(0.0)
@@ -126,6 +130,36 @@ fn bert_matches_tp1_dp1_at_every_layout() {
                 let what = format!("tp {tp} dp {dp} sp {sp} rank {rank} step {step}");
                 assert!((lm - rlm).abs() <= 1e-4, "{what}: lm {lm} vs {rlm}");
                 assert!((sop - rsop).abs() <= 1e-4, "{what}: sop {sop} vs {rsop}");
+            }
+        }
+    }
+}
+
+/// The same training on the wgpu device (lavapipe on a CPU machine): the fused kernels, the
+/// Cube implementations of the mappings and the cross-entropy, against Flex at TP 1. Without
+/// an adapter (or without the `wgpu` feature) it skips loudly, unless
+/// `BURN_MEGATRON_REQUIRE_WGPU=1` (CI).
+#[test]
+fn bert_on_wgpu_matches_flex() {
+    let device = match burn_megatron_kernels::device::wgpu_cpu_device() {
+        Ok(device) => device.autodiff(),
+        Err(e) if std::env::var("BURN_MEGATRON_REQUIRE_WGPU").as_deref() != Ok("1") => {
+            eprintln!("\n!!! SKIPPED bert_on_wgpu_matches_flex: no wgpu device ({e}) !!!\n");
+            return;
+        }
+        Err(e) => panic!("BURN_MEGATRON_REQUIRE_WGPU=1 but no wgpu device: {e}"),
+    };
+    let one = run(1, 1, false).remove(0);
+    for (tp, dp, sp) in [(1, 1, false), (2, 1, true), (2, 2, false)] {
+        let device = device.clone();
+        let options = LaunchOptions::default().with_device(move |_| device.clone());
+        for (rank, trace) in run_on(tp, dp, sp, options).into_iter().enumerate() {
+            for (step, ((lm, sop), (rlm, rsop))) in trace.iter().zip(&one).enumerate() {
+                let what = format!("wgpu tp {tp} dp {dp} sp {sp} rank {rank} step {step}");
+                // Two backends' f32 arithmetic (reduction orders, erf and exp fits) through
+                // 10 AdamW steps.
+                assert!((lm - rlm).abs() <= 2e-4, "{what}: lm {lm} vs {rlm}");
+                assert!((sop - rsop).abs() <= 2e-4, "{what}: sop {sop} vs {rsop}");
             }
         }
     }

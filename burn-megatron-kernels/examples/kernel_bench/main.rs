@@ -12,7 +12,6 @@ mod cross_entropy;
 mod grad_accum;
 mod softmax;
 
-
 use burn::tensor::{Device, Tensor, TensorData};
 use std::time::Instant;
 

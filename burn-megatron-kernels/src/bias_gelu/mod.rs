@@ -2,7 +2,7 @@
 //! or Megatron's tanh approximation, with its backward `grad · gelu'(x + bias)`.
 
 mod autodiff;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 mod cube;
 
 use burn::backend::tensor::FloatTensor;
@@ -25,7 +25,7 @@ pub(crate) const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 pub(crate) const TANH_CUBIC: f32 = 0.044_715;
 
 /// Bias + GeLU as backend ops: one kernel on Cube backends, Burn's own ops elsewhere.
-#[backend_extension(Flex, Cube: cfg(feature = "wgpu"), Autodiff)]
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait BiasGeluOps: Backend {
     /// `gelu(x + bias)`; `bias` has the size of `x`'s last dimension.
     fn bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self>;

@@ -11,9 +11,9 @@
 //! All reductions accumulate in f32 whatever the logits' dtype.
 
 mod autodiff;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 mod cube;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 mod kernels;
 mod reference;
 
@@ -45,7 +45,7 @@ pub struct LabelSmoothing {
 /// `target` `[N]` Int, the local column of each row's target, which must lie in `[0, V)`
 /// on every row (any valid column, e.g. 0, where `in_range` is 0). The methods do not
 /// validate; the public functions on [`Tensor`] do.
-#[backend_extension(Flex, Cube: cfg(feature = "wgpu"), Autodiff)]
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait CrossEntropyOps: Backend {
     /// `max_v logits[n, v]`, `[N]` f32.
     fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self>;

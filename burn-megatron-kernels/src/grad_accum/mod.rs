@@ -4,7 +4,7 @@
 //! the accumulated weight gradient.
 
 mod autodiff;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 mod cube;
 
 use crate::KernelError;
@@ -15,7 +15,7 @@ use burn::tensor::{DType, FloatDType, Tensor};
 /// Weight-gradient accumulation as a backend op: a tiled shared-memory kernel on Cube
 /// backends (updating `main_grad` in place when nothing else holds it), Burn's own ops
 /// elsewhere. Not differentiable: it *is* a piece of a backward.
-#[backend_extension(Flex, Cube: cfg(feature = "wgpu"), Autodiff)]
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait GradAccumOps: Backend {
     /// `main_grad + xᵀ·dy`: `main_grad` f32 `[in, out]`, `x` `[tokens, in]`, `dy`
     /// `[tokens, out]` of one float dtype; f32 result. Shapes are not validated here (see

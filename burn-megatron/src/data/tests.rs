@@ -131,7 +131,7 @@ fn dp_ranks_read_disjoint_shards_covering_the_same_global_batch() {
 fn batches_stack_samples_into_tensors_and_bad_sizes_are_rejected() {
     let (data, tok) = dataset(32, 0.1, 1);
     let samples: Vec<BertSample> = (0..3).map(|i| data.sample(i)).collect();
-    let device = burn::tensor::Device::default();
+    let device = burn::tensor::Device::flex();
     let batch = BertBatch::new(&samples, &device);
     assert_eq!(batch.ids.dims(), [3, 32]);
     assert_eq!(batch.is_random.dims(), [3]);

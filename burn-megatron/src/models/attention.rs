@@ -7,8 +7,8 @@ use crate::tensor_parallel::{
 };
 use burn::config::Config;
 use burn::module::Module;
-use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor};
+use burn_megatron_kernels::scaled_masked_softmax;
 
 /// Configuration of a [`ParallelAttention`].
 #[derive(Config, Debug)]
@@ -77,6 +77,7 @@ impl ParallelAttentionConfig {
             .with_sequence_parallel(self.sequence_parallel)
             .with_initializer(self.initializer)
             .with_seed(derive_seed(self.seed, "dense"))
+            .with_skip_bias_add(true)
             .init(tp, device)?;
         Ok(ParallelAttention {
             query_key_value,
@@ -102,6 +103,22 @@ impl ParallelAttention {
         padding: Option<Tensor<2, Bool>>,
         rng: Option<&RngTracker>,
     ) -> Tensor<3> {
+        match self.forward_with_bias(x, padding, rng) {
+            (out, Some(bias)) => out + bias.unsqueeze(),
+            (out, None) => out,
+        }
+    }
+
+    /// Like [`forward`](Self::forward), but returns the output projection's bias instead of
+    /// adding it (when the projection was built with `skip_bias_add`, as
+    /// [`ParallelAttentionConfig::init`] does), so the caller fuses it with dropout and the
+    /// residual add.
+    pub fn forward_with_bias(
+        &self,
+        x: Tensor<3>,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
         let qkv = self.query_key_value.forward(x);
         let [s, b, _] = qkv.dims();
         let (np, hn) = (self.heads_per_rank, self.head_dim);
@@ -114,15 +131,11 @@ impl ParallelAttention {
                 .permute([1, 2, 0, 3])
         };
         let (q, k, v) = (part(0), part(1), part(2));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (hn as f64).sqrt();
-        let scores = match padding {
-            // Megatron's large negative fill, so fully padded rows stay finite.
-            Some(pad) => {
-                scores.mask_fill(pad.unsqueeze_dim::<3>(1).unsqueeze_dim::<4>(1), -10000.0)
-            }
-            None => scores,
-        };
-        let mut probs = softmax(scores, 3);
+        // Scaled, padded keys filled with Megatron's -10000 (fully padded rows stay finite),
+        // softmax: one fused kernel on GPUs.
+        let scale = 1.0 / (hn as f32).sqrt();
+        let mut probs = scaled_masked_softmax(q.matmul(k.swap_dims(2, 3)), padding, scale, false)
+            .expect("scores are [b, np, s, s] and the padding [b, s] by construction");
         if let Some(rng) = rng {
             probs = rng.dropout(
                 probs,
@@ -134,6 +147,6 @@ impl ParallelAttention {
             .matmul(v)
             .permute([2, 0, 1, 3])
             .reshape([s, b, np * hn]);
-        self.dense.forward(context)
+        self.dense.forward_with_bias(context)
     }
 }

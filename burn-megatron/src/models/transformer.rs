@@ -13,8 +13,9 @@ use burn::module::Param;
 use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Bool, Device, Tensor};
+use burn_megatron_kernels::{Gelu, bias_dropout_add, bias_gelu};
 
-/// Column → GeLU → Row.
+/// Column → bias + GeLU (one fused kernel on GPUs) → Row.
 #[derive(Module, Debug)]
 pub struct ParallelMlp {
     /// `h → ffn`, split by output features.
@@ -26,8 +27,22 @@ pub struct ParallelMlp {
 impl ParallelMlp {
     /// `[s, b, h]` → `[s, b, h]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.dense_4h_to_h
-            .forward(gelu(self.dense_h_to_4h.forward(x)))
+        match self.forward_with_bias(x) {
+            (out, Some(bias)) => out + bias.unsqueeze(),
+            (out, None) => out,
+        }
+    }
+
+    /// Like [`forward`](Self::forward), but returns the second layer's bias instead of
+    /// adding it when that layer was built with `skip_bias_add` (as
+    /// [`TransformerLayerConfig::init`] does), for the fused bias + dropout + residual add.
+    pub fn forward_with_bias(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
+        // Built with `skip_bias_add`, the first layer hands its bias to the fused op.
+        let up = match self.dense_h_to_4h.forward_with_bias(x) {
+            (h, Some(bias)) => bias_gelu(h, bias, Gelu::Erf),
+            (h, None) => gelu(h),
+        };
+        self.dense_4h_to_h.forward_with_bias(up)
     }
 }
 
@@ -162,6 +177,16 @@ pub struct TransformerLayer {
 impl TransformerLayerConfig {
     /// Initialises this rank's part of the layer.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<TransformerLayer, TpError> {
+        for (name, p) in [
+            ("hidden_dropout", self.hidden_dropout),
+            ("attention_dropout", self.attention_dropout),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(TpError::Invalid(format!(
+                    "{name} must be in [0, 1), got {p}"
+                )));
+            }
+        }
         let h = self.hidden_size;
         let attention = ParallelAttentionConfig::new(h, self.num_attention_heads)
             .with_attention_dropout(self.attention_dropout)
@@ -174,11 +199,13 @@ impl TransformerLayerConfig {
                 .with_sequence_parallel(self.sequence_parallel)
                 .with_initializer(self.initializer)
                 .with_seed(derive_seed(self.seed, "mlp.dense_h_to_4h"))
+                .with_skip_bias_add(true)
                 .init(tp, device)?,
             dense_4h_to_h: RowParallelLinearConfig::new(self.ffn_hidden_size, h)
                 .with_sequence_parallel(self.sequence_parallel)
                 .with_initializer(self.initializer)
                 .with_seed(derive_seed(self.seed, "mlp.dense_4h_to_h"))
+                .with_skip_bias_add(true)
                 .init(tp, device)?,
         };
         let norm = || {
@@ -208,17 +235,28 @@ impl TransformerLayer {
         self.position
     }
 
-    fn dropout(&self, x: Tensor<3>, rng: Option<&RngTracker>) -> Tensor<3> {
+    /// `residual + dropout(x + bias)`, one fused kernel on GPUs (Megatron's
+    /// `bias_dropout_add`). Dropout applies when `rng` is given and `x` is tracked (training).
+    fn bias_dropout_add(
+        &self,
+        (x, bias): (Tensor<3>, Option<Tensor<1>>),
+        residual: Tensor<3>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
         // Split activations (sequence parallel) differ per rank; duplicated ones must not.
         let region = if self.sequence_parallel {
             RngRegion::TensorModelParallel
         } else {
             RngRegion::Default
         };
-        match rng {
-            Some(rng) => rng.dropout(x, self.hidden_dropout, region),
-            None => x,
-        }
+        let (prob, seed) = match rng {
+            Some(rng) if self.hidden_dropout > 0.0 && x.is_autodiff() => {
+                (self.hidden_dropout as f32, rng.next_seed(region))
+            }
+            _ => (0.0, 0),
+        };
+        bias_dropout_add(x, bias, residual, prob, seed)
+            .expect("shapes match by construction and the probability is checked at init")
     }
 
     /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism). `padding` is
@@ -231,20 +269,22 @@ impl TransformerLayer {
     ) -> Tensor<3> {
         match self.position {
             LayerNormPosition::Post => {
-                let a = self.dropout(self.attention.forward(x.clone(), padding, rng), rng);
-                let x = self.input_layernorm.forward(x + a);
-                let m = self.dropout(self.mlp.forward(x.clone()), rng);
-                self.post_attention_layernorm.forward(x + m)
+                let a = self.attention.forward_with_bias(x.clone(), padding, rng);
+                let x = self
+                    .input_layernorm
+                    .forward(self.bias_dropout_add(a, x, rng));
+                let m = self.mlp.forward_with_bias(x.clone());
+                self.post_attention_layernorm
+                    .forward(self.bias_dropout_add(m, x, rng))
             }
             LayerNormPosition::Pre => {
-                let a =
-                    self.attention
-                        .forward(self.input_layernorm.forward(x.clone()), padding, rng);
-                let x = x + self.dropout(a, rng);
+                let normed = self.input_layernorm.forward(x.clone());
+                let a = self.attention.forward_with_bias(normed, padding, rng);
+                let x = self.bias_dropout_add(a, x, rng);
                 let m = self
                     .mlp
-                    .forward(self.post_attention_layernorm.forward(x.clone()));
-                x + self.dropout(m, rng)
+                    .forward_with_bias(self.post_attention_layernorm.forward(x.clone()));
+                self.bias_dropout_add(m, x, rng)
             }
         }
     }

@@ -39,6 +39,9 @@ pub enum TpError {
     /// A size does not split over the tensor-parallel ranks.
     #[error("{0}")]
     Indivisible(String),
+    /// A configuration value outside its domain (e.g. a dropout probability of 1).
+    #[error("{0}")]
+    Invalid(String),
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),

@@ -74,6 +74,17 @@ impl RngTracker {
             .collect()
     }
 
+    /// A fresh seed from `region`'s stream, for a dropout whose mask a kernel derives from it
+    /// (`burn_megatron_kernels::bias_dropout_add`): the same on every TP rank for
+    /// [`RngRegion::Default`], different for [`RngRegion::TensorModelParallel`].
+    pub fn next_seed(&self, region: RngRegion) -> u64 {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        match region {
+            RngRegion::Default => streams.default.random(),
+            RngRegion::TensorModelParallel => streams.model_parallel.random(),
+        }
+    }
+
     /// Inverted dropout of `x` with drop probability `prob`, drawing from `region`'s stream.
     /// Applied only to tensors on an autodiff device (training), as Burn's `Dropout`.
     pub fn dropout<const D: usize>(&self, x: Tensor<D>, prob: f64, region: RngRegion) -> Tensor<D> {

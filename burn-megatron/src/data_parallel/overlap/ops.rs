@@ -16,7 +16,7 @@ use burn::backend::{Autodiff, Backend, Flex, backend_extension};
 use burn::tensor::try_read_sync;
 
 /// Gradient-ready hooks for overlapping the data-parallel reduction with backward.
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait GradHookOps: Backend {
     /// Returns `param`; in backward, reports its gradient to `hook`. `anchor` (the layer's
     /// input) only places the hook in the graph and receives no gradient.
@@ -28,6 +28,17 @@ pub trait GradHookOps: Backend {
 }
 
 impl GradHookOps for Flex {
+    fn grad_ready_hook(
+        param: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        _: Hook,
+    ) -> FloatTensor<Self> {
+        param
+    }
+}
+
+#[cfg(feature = "cube")]
+impl GradHookOps for burn::backend::Cube {
     fn grad_ready_hook(
         param: FloatTensor<Self>,
         _: FloatTensor<Self>,

@@ -8,16 +8,16 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, Backend, Flex, Scalar, TensorMetadata, backend_extension};
-use burn::tensor::ops::IndexingUpdateOp;
-use burn::tensor::{DType, FloatDType, Shape};
+use burn::tensor::{FloatDType, Shape, Slice};
+use burn_megatron_kernels::{CrossEntropyOps, LabelSmoothing};
 
 /// Loss of each token given this rank's slice of the logits.
 ///
 /// `logits`: `[N, V / tp]`; `target`: `[N]`, this rank's local column of each target (any
 /// value where the target lies elsewhere); `in_range`: `[N]`, 1 where the target lies in this
 /// rank's slice, else 0. Returns `[N]` f32 losses.
-#[backend_extension(Flex, Autodiff)]
-pub trait VocabParallelCrossEntropyOps: Backend {
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
+pub trait VocabParallelCrossEntropyOps: CrossEntropyOps {
     /// See the trait documentation.
     fn vocab_parallel_cross_entropy_loss(
         logits: FloatTensor<Self>,
@@ -40,57 +40,69 @@ impl VocabParallelCrossEntropyOps for Flex {
     }
 }
 
-/// What the forward leaves for the backward.
+#[cfg(feature = "cube")]
+impl VocabParallelCrossEntropyOps for burn::backend::Cube {
+    fn vocab_parallel_cross_entropy_loss(
+        logits: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+        label_smoothing: f32,
+        comm: Comm,
+    ) -> FloatTensor<Self> {
+        forward::<Self>(logits, target, in_range, label_smoothing, &comm).loss
+    }
+}
+
+/// What the forward leaves for the backward: the logits and two `[N]` row statistics, from
+/// which the backward kernel recomputes the softmax (no `[N, V / tp]` f32 copy is kept).
 #[derive(Debug, Clone)]
 pub(crate) struct Saved<B: Backend> {
     loss: FloatTensor<B>,
-    /// Local softmax over the global vocabulary, f32, `[N, V / tp]`.
-    softmax: FloatTensor<B>,
-    /// `[N, 1]` local target columns.
+    /// `[N, V / tp]` in the model's dtype.
+    logits: FloatTensor<B>,
+    /// `[N]` f32 global row max and sum of `exp(logit − max)`.
+    max: FloatTensor<B>,
+    sum_exp: FloatTensor<B>,
+    /// `[N]` local target columns.
     target: IntTensor<B>,
-    /// `[N, 1]` 1 where the target is in this slice.
+    /// `[N]` 1 where the target is in this slice.
     in_range: FloatTensor<B>,
-    dtype: DType,
-    label_smoothing: f32,
-    global_vocab: usize,
+    smoothing: LabelSmoothing,
 }
 
-/// The three all-reduces: row max; (predicted logit, sum of logits) packed in one; sum of exps.
-pub(crate) fn forward<B: Backend>(
+/// The local passes are fused ops (kernels on GPUs); between them the three all-reduces:
+/// row max; (predicted logit, sum of logits) packed in one; sum of exps.
+pub(crate) fn forward<B: CrossEntropyOps>(
     logits: FloatTensor<B>,
     target: IntTensor<B>,
     in_range: FloatTensor<B>,
     label_smoothing: f32,
     comm: &Comm,
 ) -> Saved<B> {
-    let dtype = logits.dtype();
     let dims = logits.shape().to_vec();
     let (n, local_vocab) = (dims[0], dims[1]);
     let global_vocab = local_vocab * comm.group().size();
-    let logits = B::float_cast(logits, FloatDType::F32);
-    let in_range = B::float_reshape(
-        B::float_cast(in_range, FloatDType::F32),
-        Shape::from([n, 1]),
-    );
-    let target = B::int_reshape(target, Shape::from([n, 1]));
+    let in_range = B::float_cast(in_range, FloatDType::F32);
 
-    let max = B::float_max_dim(logits.clone(), 1);
+    let max = B::cross_entropy_row_max(logits.clone());
     let [max] = all_reduce_many::<B, 1>([max], ReduceOp::Max, comm);
-    let shifted = B::float_sub(logits, max);
-
-    let predicted = B::float_mul(
-        B::float_gather(1, shifted.clone(), target.clone()),
+    let packed = B::cross_entropy_predicted_and_sum(
+        logits.clone(),
+        max.clone(),
+        target.clone(),
         in_range.clone(),
     );
-    let sum_logits = B::float_sum_dim(shifted.clone(), 1);
-    let [predicted, sum_logits] =
-        all_reduce_many::<B, 2>([predicted, sum_logits], ReduceOp::Sum, comm);
-
-    let exp = B::float_exp(shifted);
-    let sum_exp = B::float_sum_dim(exp.clone(), 1);
+    let [packed] = all_reduce_many::<B, 1>([packed], ReduceOp::Sum, comm);
+    let column = |c: usize| {
+        let col = B::float_slice(packed.clone(), &[Slice::from(0..n), Slice::from(c..c + 1)]);
+        B::float_reshape(col, Shape::from([n]))
+    };
+    let (predicted, sum_logits) = (column(0), column(1));
+    let sum_exp = B::cross_entropy_sum_exp(logits.clone(), max.clone());
     let [sum_exp] = all_reduce_many::<B, 1>([sum_exp], ReduceOp::Sum, comm);
 
-    // (1 − ε)·(lse − z_t) + ε·(lse − mean_k z_k), the mean over the *global* vocabulary.
+    // (1 − ε)·(lse − z_t) + ε·(lse − mean_k z_k), the mean over the *global* vocabulary
+    // (z shifted by the row max, which cancels).
     let lse = B::float_log(sum_exp.clone());
     let nll = B::float_sub(lse.clone(), predicted);
     let loss = if label_smoothing > 0.0 {
@@ -104,39 +116,37 @@ pub(crate) fn forward<B: Backend>(
         nll
     };
     Saved {
-        loss: B::float_reshape(loss, Shape::from([n])),
-        softmax: B::float_div(exp, sum_exp),
+        loss,
+        logits,
+        max,
+        sum_exp,
         target,
         in_range,
-        dtype,
-        label_smoothing,
-        global_vocab,
+        smoothing: LabelSmoothing {
+            epsilon: label_smoothing,
+            global_vocab,
+        },
     }
 }
 
-/// `(softmax − (1 − ε)·one_hot − ε / V) · grad`, in the logits' dtype.
-fn backward<B: Backend>(saved: Saved<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
-    let n = saved.loss.shape()[0];
-    let eps = f64::from(saved.label_smoothing);
-    let hot = B::float_mul_scalar(saved.in_range, Scalar::from(1.0 - eps));
-    let mut g = B::float_scatter(
-        1,
-        saved.softmax,
+/// `(softmax − (1 − ε)·one_hot − ε / V) · grad`, in the logits' dtype: one fused op.
+fn backward<B: CrossEntropyOps>(saved: Saved<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
+    let grad = B::float_cast(grad, FloatDType::F32);
+    B::cross_entropy_backward(
+        saved.logits,
+        saved.max,
+        saved.sum_exp,
         saved.target,
-        B::float_neg(hot),
-        IndexingUpdateOp::Add,
-    );
-    if eps > 0.0 {
-        g = B::float_sub_scalar(g, Scalar::from(eps / saved.global_vocab as f64));
-    }
-    let grad = B::float_reshape(B::float_cast(grad, FloatDType::F32), Shape::from([n, 1]));
-    B::float_cast(B::float_mul(g, grad), FloatDType::from(saved.dtype))
+        saved.in_range,
+        grad,
+        saved.smoothing,
+    )
 }
 
 #[derive(Debug)]
 struct CrossEntropyBackward;
 
-impl<B: Backend> Backward<B, 1> for CrossEntropyBackward {
+impl<B: CrossEntropyOps> Backward<B, 1> for CrossEntropyBackward {
     type State = Saved<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {

@@ -16,7 +16,7 @@ use burn::backend::{Autodiff, Backend, Flex, backend_extension};
 /// Each method is the forward of one [`Mapping`]; on `Autodiff` its backward is the
 /// conjugate mapping. Prefer the free functions of [`mappings`](super), which skip the op
 /// entirely on a group of one.
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait TensorParallelOps: Backend {
     /// Runs `mapping` on `x` over the group of `comm`.
     fn tensor_parallel_mapping(
@@ -27,6 +27,18 @@ pub trait TensorParallelOps: Backend {
 }
 
 impl TensorParallelOps for Flex {
+    fn tensor_parallel_mapping(
+        x: FloatTensor<Self>,
+        mapping: Mapping,
+        comm: Comm,
+    ) -> FloatTensor<Self> {
+        forward::<Self>(mapping, x, &comm)
+    }
+}
+
+// Through host memory like Flex until a device communicator (NCCL) lands.
+#[cfg(feature = "cube")]
+impl TensorParallelOps for burn::backend::Cube {
     fn tensor_parallel_mapping(
         x: FloatTensor<Self>,
         mapping: Mapping,
