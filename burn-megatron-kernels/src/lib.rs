@@ -9,23 +9,34 @@
 //! Features: `wgpu` or `cuda` turn on the Cube backend and the kernels (`cube`); without
 //! them every backend runs the references.
 
+mod adam;
 mod bias_dropout_add;
 mod bias_gelu;
+mod cast;
 mod cross_entropy;
+#[cfg(feature = "cube")]
+mod cube_sum;
 pub mod device;
 mod error;
 mod grad_accum;
 #[cfg(feature = "cube")]
 mod launch;
+mod norm;
 mod ops;
 mod softmax;
 
+pub use adam::{
+    AdamHyper, FlatAdamState, FusedAdamOps, WeightDecay, fused_adam_step, reference_adam_step,
+};
 pub use bias_dropout_add::{
     BiasDropoutAddOps, bias_dropout_add, dropout_hash, dropout_keep, dropout_mask,
     dropout_threshold, reference_bias_dropout_add, reference_dropout,
 };
 pub use bias_gelu::{
     BiasGeluOps, Gelu, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward,
+};
+pub use cast::{
+    MasterCastOps, master_to_model, master_to_model_segments, reference_master_cast, round_to,
 };
 pub use cross_entropy::{
     CrossEntropyOps, LabelSmoothing, cross_entropy_backward, cross_entropy_predicted_and_sum,
@@ -35,6 +46,10 @@ pub use cross_entropy::{
 };
 pub use error::KernelError;
 pub use grad_accum::{GradAccumOps, accumulate_weight_grad, reference_accumulate_weight_grad};
+pub use norm::{
+    SumOfSquaresOps, multi_tensor_sum_of_squares, reference_segment_sum_of_squares,
+    segment_sum_of_squares,
+};
 pub use softmax::{
     MASKED_SCORE, ScaledMaskedSoftmaxOps, reference_scaled_masked_softmax,
     reference_scaled_masked_softmax_backward, scaled_masked_softmax,

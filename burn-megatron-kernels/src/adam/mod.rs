@@ -1,0 +1,304 @@
+//! Fused Adam / AdamW over a flat f32 buffer: gradient unscaling (1 / loss scale, times an
+//! optional clipping coefficient), the inf/NaN check and the moment and parameter updates
+//! in one pass over the elements.
+//!
+//! Contract: the step writes *fresh* buffers and a count of non-finite gradient elements.
+//! When that count is non-zero (on any rank of the model-parallel group) the caller keeps
+//! its old [`FlatAdamState`] and drops the new one, as Megatron skips the step on overflow;
+//! nothing is modified in place, so the old state is always intact.
+
+#[cfg(feature = "cube")]
+mod cube;
+mod reference;
+
+pub use reference::reference_adam_step;
+
+use crate::KernelError;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, Backend, Dispatch, Flex, backend_extension};
+use burn::tensor::{DType, Tensor};
+
+/// How weight decay enters the step.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum WeightDecay {
+    /// No weight decay.
+    #[default]
+    None,
+    /// AdamW, decoupled: `param ← param·(1 − lr·λ) − lr·update`, as burn-optim's `AdamW`.
+    /// This and `None` round as `AdamW` does; `L2` as `Adam` does (the same update, with
+    /// the bias corrections folded differently).
+    Decoupled(f32),
+    /// Adam with an L2 penalty: `g ← g + λ·param` before the moments, as burn-optim's `Adam`
+    /// with a `WeightDecayConfig`.
+    L2(f32),
+}
+
+/// The hyper-parameters of one step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    /// Learning rate (f64 like burn-optim's `LearningRate`; the decay factor is formed in f64).
+    pub lr: f64,
+    /// Decay of the first moment, in [0, 1).
+    pub beta1: f32,
+    /// Decay of the second moment, in [0, 1).
+    pub beta2: f32,
+    /// Added to `√v̂`; positive.
+    pub eps: f32,
+    /// Weight decay and its form.
+    pub weight_decay: WeightDecay,
+    /// The 1-based number of this step, for the bias corrections `1 − βᵗ`.
+    pub step: u32,
+    /// Multiplies the raw gradient: `1 / loss scale` (1 without loss scaling).
+    pub inv_scale: f32,
+    /// Multiplies the unscaled gradient: the clipping coefficient (1 when not clipping).
+    pub clip_coef: f32,
+}
+
+impl Default for AdamHyper {
+    /// burn-optim's `AdamConfig` defaults (β = 0.9 / 0.999, ε = 1e-5), lr 1e-3, step 1, no
+    /// weight decay, no loss scale, no clipping.
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-5,
+            weight_decay: WeightDecay::None,
+            step: 1,
+            inv_scale: 1.0,
+            clip_coef: 1.0,
+        }
+    }
+}
+
+impl AdamHyper {
+    fn validate(&self) -> Result<(), KernelError> {
+        let bad = |what: &str| Err(KernelError::Argument(format!("{what} in {self:?}")));
+        let (wd_ok, unit) = (
+            match self.weight_decay {
+                WeightDecay::None => true,
+                WeightDecay::Decoupled(w) | WeightDecay::L2(w) => w.is_finite() && w >= 0.0,
+            },
+            0.0..1.0,
+        );
+        if self.step == 0 {
+            bad("step must be ≥ 1 (bias correction 1 − β⁰ = 0)")
+        } else if !self.lr.is_finite() || self.lr < 0.0 {
+            bad("lr must be finite and ≥ 0")
+        } else if !unit.contains(&self.beta1) || !unit.contains(&self.beta2) {
+            bad("beta1 and beta2 must lie in [0, 1)")
+        } else if !(self.eps.is_finite() && self.eps > 0.0) {
+            bad("eps must be finite and > 0")
+        } else if !(self.inv_scale.is_finite() && self.inv_scale > 0.0) {
+            bad("inv_scale must be finite and > 0")
+        } else if !(self.clip_coef.is_finite() && self.clip_coef > 0.0) {
+            bad("clip_coef must be finite and > 0")
+        } else if !wd_ok {
+            bad("weight decay must be finite and ≥ 0")
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The f32 constants of the update, formed exactly as burn-optim forms them.
+    pub(crate) fn scalars(&self) -> AdamScalars {
+        let t = self.step.min(i32::MAX as u32) as i32;
+        let (l2, decay) = match self.weight_decay {
+            WeightDecay::None => (None, 0.0),
+            WeightDecay::L2(w) => (Some(w), 0.0),
+            WeightDecay::Decoupled(w) => (None, self.lr * f64::from(w)),
+        };
+        AdamScalars {
+            inv_scale: self.inv_scale,
+            clip: self.clip_coef,
+            l2,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            one_minus_beta1: 1.0 - self.beta1,
+            one_minus_beta2: 1.0 - self.beta2,
+            correction1: 1.0 - self.beta1.powi(t),
+            correction2: 1.0 - self.beta2.powi(t),
+            adam_factor: (1.0 - self.beta2.powi(t)).sqrt() / (1.0 - self.beta1.powi(t)),
+            adam_eps: self.eps * (1.0 - self.beta2.powi(t)).sqrt(),
+            eps: self.eps,
+            lr: self.lr as f32,
+            keep: (1.0 - decay) as f32,
+        }
+    }
+}
+
+/// [`AdamHyper`] as the f32 values both implementations use.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AdamScalars {
+    pub inv_scale: f32,
+    pub clip: f32,
+    pub l2: Option<f32>,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta1: f32,
+    pub one_minus_beta2: f32,
+    pub correction1: f32,
+    pub correction2: f32,
+    /// burn-optim's `Adam` folds both corrections into `m · √(1 − β₂ᵗ)/(1 − β₁ᵗ)` over
+    /// `√v + ε·√(1 − β₂ᵗ)` (same value, other roundings); the L2 form follows it.
+    pub adam_factor: f32,
+    pub adam_eps: f32,
+    pub eps: f32,
+    pub lr: f32,
+    /// `1 − lr·λ` of decoupled decay (1 otherwise).
+    pub keep: f32,
+}
+
+/// The fused step as a backend op: one kernel pass (plus a sum of per-cube flags) on Cube
+/// backends, Burn's own ops elsewhere.
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
+pub trait FusedAdamOps: Backend {
+    /// One step on `[n]` f32 buffers with gradient `grad` (`[n]`, any float dtype): returns
+    /// the new `(param, exp_avg, exp_avg_sq)` and the number of non-finite unscaled gradient
+    /// elements as an f32 `[1]` (exact below 2²⁴, non-zero iff any).
+    fn fused_adam(
+        param: FloatTensor<Self>,
+        exp_avg: FloatTensor<Self>,
+        exp_avg_sq: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        hyper: AdamHyper,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+}
+
+impl FusedAdamOps for Flex {
+    fn fused_adam(
+        param: FloatTensor<Self>,
+        exp_avg: FloatTensor<Self>,
+        exp_avg_sq: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        hyper: AdamHyper,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        reference_adam_step::<Self>(param, exp_avg, exp_avg_sq, grad, &hyper)
+    }
+}
+
+/// An optimizer step is not differentiated: the inner backend's step, untracked.
+impl<B: FusedAdamOps, C: CheckpointStrategy> FusedAdamOps for Autodiff<B, C> {
+    fn fused_adam(
+        param: FloatTensor<Self>,
+        exp_avg: FloatTensor<Self>,
+        exp_avg_sq: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        hyper: AdamHyper,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (p, m, v, found) = B::fused_adam(
+            param.into_parts().0,
+            exp_avg.into_parts().0,
+            exp_avg_sq.into_parts().0,
+            grad.into_parts().0,
+            hyper,
+        );
+        let wrap = Self::from_inner;
+        (wrap(p), wrap(m), wrap(v), wrap(found))
+    }
+}
+
+/// The optimizer state of a flat parameter buffer: f32 `[n]` master weights and moments.
+#[derive(Debug, Clone)]
+pub struct FlatAdamState {
+    /// The f32 master weights.
+    pub param: Tensor<1>,
+    /// First moment `m`.
+    pub exp_avg: Tensor<1>,
+    /// Second moment `v`.
+    pub exp_avg_sq: Tensor<1>,
+}
+
+impl FlatAdamState {
+    /// Fresh state for `param` (cast to f32): both moments zero, as before burn-optim's
+    /// first step.
+    pub fn new(param: Tensor<1>) -> Self {
+        let param = param.cast(DType::F32);
+        Self {
+            exp_avg: param.zeros_like(),
+            exp_avg_sq: param.zeros_like(),
+            param,
+        }
+    }
+}
+
+/// One Adam / AdamW step over a flat buffer, fused: `g = grad · inv_scale · clip_coef`, the
+/// count of non-finite `g`, then the moments and the parameter, as burn-optim computes them.
+///
+/// Returns the new state and the non-finite count (f32 `[1]`, left on the device so the
+/// caller chooses when to sync, e.g. after a max all-reduce over the model-parallel group).
+/// **If the count is non-zero the new state is garbage: keep `state`** (it is borrowed and
+/// never modified). Errors, before any launch, on buffers of different lengths, state that
+/// is not f32, or hyper-parameters outside their domain. One call per parameter group (each
+/// group its own buffer and weight decay).
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron_kernels::{AdamHyper, FlatAdamState, WeightDecay, fused_adam_step};
+/// let device = Device::flex();
+/// let state = FlatAdamState::new(Tensor::<1>::from_floats([1.0, -2.0, 3.0], &device));
+/// let grad = Tensor::<1>::from_floats([1024.0, f32::INFINITY, 0.0], &device);
+/// let hyper = AdamHyper { lr: 0.01, inv_scale: 1.0 / 1024.0, weight_decay: WeightDecay::Decoupled(0.1), ..Default::default() };
+/// let (_, non_finite) = fused_adam_step(&state, grad, &hyper).unwrap();
+/// assert_eq!(non_finite.into_scalar::<f32>(), 1.0); // overflow: keep `state`, skip the step
+/// ```
+pub fn fused_adam_step(
+    state: &FlatAdamState,
+    grad: Tensor<1>,
+    hyper: &AdamHyper,
+) -> Result<(FlatAdamState, Tensor<1>), KernelError> {
+    hyper.validate()?;
+    let n = grad.dims()[0];
+    let FlatAdamState {
+        param,
+        exp_avg,
+        exp_avg_sq,
+    } = state.clone();
+    for (name, t) in [
+        ("param", &param),
+        ("exp_avg", &exp_avg),
+        ("exp_avg_sq", &exp_avg_sq),
+    ] {
+        if t.dims()[0] != n {
+            return Err(KernelError::Shape(format!(
+                "{name} has {} elements, grad {n}",
+                t.dims()[0]
+            )));
+        }
+        if t.dtype() != DType::F32 {
+            return Err(KernelError::Argument(format!(
+                "{name} is {:?}; the optimizer state must be f32",
+                t.dtype()
+            )));
+        }
+    }
+    let (p, m, v, found) = Dispatch::fused_adam(
+        param.into_dispatch(),
+        exp_avg.into_dispatch(),
+        exp_avg_sq.into_dispatch(),
+        grad.into_dispatch(),
+        *hyper,
+    );
+    let state = FlatAdamState {
+        param: Tensor::from_dispatch(p),
+        exp_avg: Tensor::from_dispatch(m),
+        exp_avg_sq: Tensor::from_dispatch(v),
+    };
+    Ok((state, Tensor::from_dispatch(found)))
+}
