@@ -180,7 +180,7 @@ impl ScaledMaskedSoftmaxOps for Flex {
 /// use burn_megatron_kernels::scaled_masked_softmax;
 /// let device = Device::flex();
 /// let scores = Tensor::<4>::from_floats([[[[1.0, 2.0, 3.0], [0.5, 0.0, -1.0]]]], &device);
-/// let pad = Tensor::<2, Bool>::from_bool([[false, false, true]].into(), &device);
+/// let pad = Tensor::<2, Bool>::from_bool([[false, false, true]], &device);
 /// let y = scaled_masked_softmax(scores.clone(), Some(pad.clone()), 0.5, false).unwrap();
 /// // What the attention layer composes from Burn ops:
 /// let mask = pad.unsqueeze_dim::<3>(1).unsqueeze_dim::<4>(1);
