@@ -122,16 +122,15 @@ fn check(device: &Device, what: &str) {
                     "{what} {dims:?} scale {scale} ×{magnitude} pad {with_pad} causal {causal}"
                 );
                 // y ∈ [0, 1]: f32 exp (a few ulps), a sum of ≤ 1000 terms in a tree, one
-                // division: 4e-7 absolute is ~7 ulps of 1, far below any real error
+                // division: 4e-7 absolute is ~7 ulps just below 1, far below any real error
                 // (a wrong mask or max moves values by ≥ 1/sk).
                 assert!(ey <= 4e-7, "{case}: y error {ey}");
                 // dx = scale·y·(dy − dot), |dy| ≤ 1: the y error times ≤ 2·scale, plus the
                 // dot's rounding over ≤ 1000 terms.
                 assert!(edx <= 1e-6 * f64::from(scale), "{case}: dx error {edx}");
-                for i in 0..n {
-                    let (row, j) = (i / sk, i % sk);
-                    if masked(pad_ref, causal, dims, row, j) {
-                        assert_eq!(dx[i], 0.0, "{case}: masked position {i} has gradient");
+                for (i, &d) in dx.iter().enumerate() {
+                    if masked(pad_ref, causal, dims, i / sk, i % sk) {
+                        assert_eq!(d, 0.0, "{case}: masked position {i} has gradient");
                     }
                 }
                 if n > 0 {
@@ -190,6 +189,42 @@ fn all_masked_rows_are_uniform(device: &Device, what: &str) {
 #[test]
 fn all_masked_rows_are_uniform_on_flex() {
     all_masked_rows_are_uniform(&common::flex(), "flex");
+}
+
+/// Scores from a transposed product (not row-major) give what their contiguous copy gives.
+fn strided_scores_match_contiguous(device: &Device, what: &str) {
+    let dims = [2, 3, 37, 5];
+    let t = Tensor::<4>::from_data(
+        TensorData::new(values(2 * 3 * 37 * 5, 7, 4.0), dims),
+        device,
+    );
+    let strided = t.swap_dims(2, 3);
+    let contiguous = Tensor::<4>::from_data(strided.to_data(), device);
+    let pad = Tensor::<2, Bool>::from_data(TensorData::new(padding(2, 37), [2, 37]), device);
+    let run = |x: Tensor<4>| {
+        let x = x.require_grad();
+        let y = scaled_masked_softmax(x.clone(), Some(pad.clone()), 0.5, true).unwrap();
+        let grads = (y.clone() * y.clone()).sum().backward();
+        let dx = Tensor::<4>::from_inner(x.grad(&grads).unwrap());
+        (to_vec(y.detach()), to_vec(dx))
+    };
+    let ((y1, dx1), (y2, dx2)) = (run(strided), run(contiguous));
+    // Same values in the same order: the same arithmetic, bit for bit.
+    assert_eq!(y1, y2, "{what}: forward on strided scores");
+    assert_eq!(dx1, dx2, "{what}: backward on strided scores");
+}
+
+#[test]
+fn strided_scores_match_contiguous_on_flex() {
+    strided_scores_match_contiguous(&common::flex(), "flex");
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn kernel_strided_scores_match_contiguous_on_wgpu() {
+    if let Some(device) = common::wgpu_or_skip("softmax strided") {
+        strided_scores_match_contiguous(&device, "wgpu");
+    }
 }
 
 #[test]
