@@ -7,6 +7,7 @@
 //! ```
 
 mod bias_gelu;
+mod optim;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use std::time::Instant;
@@ -64,4 +65,5 @@ fn main() {
     };
     println!("fused kernel vs Burn composition on {device:?}");
     bias_gelu::bench(&device);
+    optim::bench(&device);
 }
