@@ -10,6 +10,7 @@ mod bias_dropout_add;
 mod bias_gelu;
 mod cross_entropy;
 mod grad_accum;
+mod optim;
 mod softmax;
 
 use burn::tensor::{Device, Tensor, TensorData};
@@ -72,4 +73,5 @@ fn main() {
     grad_accum::bench(&device);
     bias_dropout_add::bench(&device);
     softmax::bench(&device);
+    optim::bench(&device);
 }

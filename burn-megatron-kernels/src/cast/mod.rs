@@ -16,7 +16,7 @@ use crate::KernelError;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, AutodiffBackend, Backend, Dispatch, Flex, backend_extension};
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Slice, Tensor};
 
 /// The master → model copy as a backend op.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
@@ -155,7 +155,7 @@ pub fn master_to_model_segments(
         .iter()
         .map(|&len| {
             start += len;
-            model.clone().slice([start - len..start])
+            model.clone().slice([Slice::from(start - len..start)])
         })
         .collect())
 }
