@@ -14,7 +14,7 @@ fn composed(x: Tensor<2>, b: Tensor<1>, r: Tensor<2>, kept: Tensor<2, Bool>) -> 
 }
 
 pub fn bench(device: &Device) {
-    let (rows, cols) = (4096, 1024);
+    let (rows, cols) = (2048, 1024);
     let (x, r) = (matrix(device, rows, cols), matrix(device, rows, cols));
     let b = matrix(device, 1, cols).reshape([cols]);
     let fused =
