@@ -7,7 +7,8 @@ use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::param_grads::{float_params, update_flat, with_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
+use burn_megatron_kernels::master_to_model;
 
 /// What one [`MegatronOptimizer::step`] did, for logging.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,6 +59,32 @@ impl ModuleMapper for Cast {
         let (id, t, mapper) = p.consume();
         let rg = t.is_require_grad();
         Param::from_mapped_value(id, t.cast(self.0).detach().set_require_grad(rg), mapper)
+    }
+}
+
+/// FP32 master weights to the model's half dtype: one fused rounding pass per parameter
+/// (`master_to_model`, bit-exact with `half`'s round-to-nearest-even).
+struct ToModel(DType);
+
+impl ModuleMapper for ToModel {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, t, mapper) = p.consume();
+        let rg = t.is_require_grad();
+        let t = t.detach();
+        let half = match self.0 {
+            DType::BF16 => Some(FloatDType::BF16),
+            DType::F16 => Some(FloatDType::F16),
+            _ => None,
+        };
+        let model = match half {
+            Some(dtype) if t.dtype() == DType::F32 => {
+                // Only a device without the half type refuses, and a plain cast there would
+                // fail the same way.
+                master_to_model(t.clone(), dtype).unwrap_or_else(|_| t.cast(self.0))
+            }
+            _ => t.cast(self.0),
+        };
+        Param::from_mapped_value(id, model.set_require_grad(rg), mapper)
     }
 }
 
@@ -217,7 +244,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             None => self.inner.step(lr, model, grads),
             Some(master) => {
                 let master = self.inner.step(lr, master, grads);
-                let model = master.clone().map(&mut Cast(self.model_dtype));
+                let model = master.clone().map(&mut ToModel(self.model_dtype));
                 self.master = Some(master);
                 model
             }

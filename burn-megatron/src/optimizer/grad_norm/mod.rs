@@ -10,7 +10,8 @@ use crate::param_grads::{float_params, update_flat, with_flat};
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::DType;
+use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::multi_tensor_sum_of_squares;
 
 /// Which norm to clip by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,26 +49,34 @@ pub(crate) fn grad_norm_of(
     model_parallel: &Comm,
     norm_type: NormType,
 ) -> Result<f64, CommError> {
-    let mut local = 0.0f64;
-    for &(id, dims) in params {
-        if !parallel_attrs(id).counts_in_grad_norm(tp_rank) {
-            continue;
+    let counted = params
+        .iter()
+        .filter(|&&(id, _)| parallel_attrs(id).counts_in_grad_norm(tp_rank));
+    let local = match norm_type {
+        NormType::L2 => {
+            // Every tensor's sum of squares in one fused pass, read back once.
+            let flat: Vec<Tensor<1>> = counted
+                .filter_map(|&(id, dims)| with_flat(grads, id, dims, |g| g.cast(DType::F32)))
+                .collect();
+            if flat.is_empty() {
+                0.0
+            } else {
+                multi_tensor_sum_of_squares(&flat)
+                    .expect("the gradients of one module share a device")
+                    .into_data()
+                    .iter::<f32>()
+                    .map(f64::from)
+                    .sum()
+            }
         }
-        let part = with_flat(grads, id, dims, |g| {
-            let g = g.cast(DType::F32);
-            let v = match norm_type {
-                NormType::L2 => g.powi_scalar(2).sum(),
-                NormType::Inf => g.abs().max(),
-            };
-            f64::from(v.into_scalar::<f32>())
-        });
-        if let Some(p) = part {
-            local = match norm_type {
-                NormType::L2 => local + p,
-                NormType::Inf => local.max(p),
-            };
-        }
-    }
+        NormType::Inf => counted
+            .filter_map(|&(id, dims)| {
+                with_flat(grads, id, dims, |g| {
+                    f64::from(g.cast(DType::F32).abs().max().into_scalar::<f32>())
+                })
+            })
+            .fold(0.0, f64::max),
+    };
     // The reduction is in f32, as Megatron's `get_grad_norm_fp32`.
     let mut v = vec![local as f32];
     let op = match norm_type {
