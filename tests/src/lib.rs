@@ -5,6 +5,8 @@ use burn::nn::{Embedding, Linear};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_megatron::tensor_parallel::MasterInit;
 
+pub mod mlp;
+
 /// A plain Burn `Linear` whose weight and bias are drawn from `seed` on the host (the same
 /// on every rank and in every process).
 pub fn seeded_linear(d_input: usize, d_output: usize, seed: u64, device: &Device) -> Linear {

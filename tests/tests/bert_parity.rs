@@ -8,8 +8,7 @@ use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::BertConfig;
-use burn_megatron::optimizer::{MegatronOptimizer, NormType};
-use burn_megatron::tensor_parallel::TpError;
+use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::*;
 
@@ -62,10 +61,18 @@ fn batch(start: usize, n: usize, device: &Device) -> Batch {
 }
 
 fn run(tp: usize, dp: usize, sp: bool) -> Vec<Vec<(f32, f32)>> {
-    run_on(tp, dp, sp, LaunchOptions::default())
+    run_on(tp, dp, sp, false, LaunchOptions::default())
 }
 
-fn run_on(tp: usize, dp: usize, sp: bool, options: LaunchOptions) -> Vec<Vec<(f32, f32)>> {
+/// `fused`: `MegatronOptimizer::fused_adam` (flat buffers, fused kernels) instead of
+/// burn-optim's `AdamW`, same hyper-parameters.
+fn run_on(
+    tp: usize,
+    dp: usize,
+    sp: bool,
+    fused: bool,
+    options: LaunchOptions,
+) -> Vec<Vec<(f32, f32)>> {
     let config = ParallelConfig::new(tp * dp, tp, 1).with_sequence_parallel(sp);
     threads(&config, options, |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
@@ -75,12 +82,13 @@ fn run_on(tp: usize, dp: usize, sp: bool, options: LaunchOptions) -> Vec<Vec<(f3
             .with_sequence_parallel(sp)
             .init(g, d)?;
         let tp_rank = ctx.state.tensor_model_parallel_rank();
-        let mut optim = MegatronOptimizer::new(
-            AdamWConfig::new().init(),
-            &model,
-            ctx.groups.mp.clone(),
-            tp_rank,
-        )
+        let mp = ctx.groups.mp.clone();
+        let mut optim = if fused {
+            let adam = FusedAdamConfig::new().with_no_weight_decay_on_1d(false);
+            MegatronOptimizer::fused_adam(adam.init()?, &model, mp, tp_rank)
+        } else {
+            MegatronOptimizer::new(AdamWConfig::new().init(), &model, mp, tp_rank)
+        }
         .with_clip_grad(1.0, NormType::L2);
         let local = GLOBAL_BATCH / dp;
         let b = batch(ctx.state.data_parallel_rank() * local, local, d);
@@ -104,7 +112,7 @@ fn run_on(tp: usize, dp: usize, sp: bool, options: LaunchOptions) -> Vec<Vec<(f3
             let sop = values(all_reduce(&*ctx.groups.dp, sop.inner(), ReduceOp::Avg)?)[0];
             out.push((lm, sop));
         }
-        Ok::<_, TpError>(out)
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(out)
     })
     .unwrap()
 }
@@ -150,12 +158,18 @@ fn bert_on_wgpu_matches_flex() {
         Err(e) => panic!("BURN_MEGATRON_REQUIRE_WGPU=1 but no wgpu device: {e}"),
     };
     let one = run(1, 1, false).remove(0);
-    for (tp, dp, sp) in [(1, 1, false), (2, 1, true), (2, 2, false)] {
+    // The fused optimizer's kernels (sums of squares, Adam) run on lavapipe in two layouts.
+    for (tp, dp, sp, fused) in [
+        (1, 1, false, true),
+        (2, 1, true, false),
+        (2, 2, false, true),
+    ] {
         let device = device.clone();
         let options = LaunchOptions::default().with_device(move |_| device.clone());
-        for (rank, trace) in run_on(tp, dp, sp, options).into_iter().enumerate() {
+        for (rank, trace) in run_on(tp, dp, sp, fused, options).into_iter().enumerate() {
             for (step, ((lm, sop), (rlm, rsop))) in trace.iter().zip(&one).enumerate() {
-                let what = format!("wgpu tp {tp} dp {dp} sp {sp} rank {rank} step {step}");
+                let what =
+                    format!("wgpu tp {tp} dp {dp} sp {sp} fused {fused} rank {rank} step {step}");
                 // Two backends' f32 arithmetic (reduction orders, erf and exp fits) through
                 // 10 AdamW steps.
                 assert!((lm - rlm).abs() <= 2e-4, "{what}: lm {lm} vs {rlm}");

@@ -1,14 +1,26 @@
 //! `MegatronOptimizer`: mixed precision (FP32 master weights), loss scaling with overflow
 //! skipping, and clipping by the global gradient norm, around any burn-optim optimizer.
 
-use super::grad_norm::{NormType, clip_grads_of, grad_norm_of};
+use super::fused_adam::{FlatAdam, FusedAdam};
+use super::grad_norm::{NormType, clip_coefficient, clip_grads_of, grad_norm_of};
 use super::grad_scaler::{GradScaler, GradScalerState};
 use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::param_grads::{float_params, update_flat, with_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{DType, FloatDType, Tensor};
-use burn_megatron_kernels::master_to_model;
+use burn_megatron_kernels::{KernelError, master_to_model};
+
+/// Why a [`MegatronOptimizer::step`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimizerError {
+    /// A collective of the model-parallel group failed (timeout, a failed peer).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The fused step refused its inputs (e.g. a negative or non-finite learning rate).
+    #[error("fused optimizer step: {0}")]
+    Kernel(#[from] KernelError),
+}
 
 /// What one [`MegatronOptimizer::step`] did, for logging.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,8 +42,11 @@ pub struct StepReport {
 /// optimizer state untouched, the scaler updated → otherwise clip by the global norm → inner
 /// step on the FP32 master weights → copy back to the model's dtype. FP32 models are stepped
 /// directly (no master copy).
+///
+/// [`MegatronOptimizer::fused_adam`] instead keeps flat FP32 buffers and steps each parameter
+/// group in one fused kernel (Apex's `FusedAdam` with Megatron's `main_param` buffers).
 pub struct MegatronOptimizer<M: Module> {
-    inner: ModuleOptimizer,
+    inner: Stepper,
     master: Option<M>,
     model_dtype: DType,
     scaler: Option<Box<dyn GradScaler>>,
@@ -41,9 +56,18 @@ pub struct MegatronOptimizer<M: Module> {
     tp_rank: usize,
 }
 
+/// What updates the weights.
+enum Stepper {
+    /// A burn-optim optimizer, per parameter.
+    Burn(ModuleOptimizer),
+    /// Flat buffers, one fused kernel per group.
+    Fused(FlatAdam),
+}
+
 impl<M: Module> std::fmt::Debug for MegatronOptimizer<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MegatronOptimizer")
+            .field("fused", &matches!(self.inner, Stepper::Fused(_)))
             .field("model_dtype", &self.model_dtype)
             .field("scaler", &self.scaler)
             .field("clip_grad", &self.clip_grad)
@@ -127,7 +151,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         let dtype = model_dtype(model);
         let master = (dtype != DType::F32).then(|| model.clone().map(&mut Cast(DType::F32)));
         Self {
-            inner: inner.into(),
+            inner: Stepper::Burn(inner.into()),
             master,
             model_dtype: dtype,
             scaler: None,
@@ -136,6 +160,44 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             model_parallel,
             tp_rank,
         }
+    }
+
+    /// Wraps fused Adam / AdamW for `model`: its trainable parameters become segments of flat
+    /// FP32 buffers (one per parameter group, whatever the model's dtype), and a step is one
+    /// read-back of per-parameter sums of squares (overflow check and norm), one collective,
+    /// and one fused kernel per group. Arguments as [`MegatronOptimizer::new`].
+    ///
+    /// A trainable parameter without a gradient in a step is stepped with a zero gradient
+    /// (Megatron's zeroed `main_grad`), where burn-optim would leave it alone.
+    ///
+    /// ```
+    /// use burn::nn::LinearConfig;
+    /// use burn::tensor::Device;
+    /// use burn_megatron::comm::LocalWorld;
+    /// use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
+    /// use std::sync::Arc;
+    /// let model = LinearConfig::new(4, 4).init(&Device::flex().autodiff());
+    /// let solo = Arc::new(LocalWorld::new(1).communicator("mp", vec![0], 0).unwrap());
+    /// let adam = FusedAdamConfig::new().with_weight_decay(0.01).init().unwrap();
+    /// let optim = MegatronOptimizer::fused_adam(adam, &model, solo, 0);
+    /// assert!(optim.is_fused());
+    /// ```
+    pub fn fused_adam(adam: FusedAdam, model: &M, model_parallel: Comm, tp_rank: usize) -> Self {
+        Self {
+            inner: Stepper::Fused(FlatAdam::new(&adam, model)),
+            master: None,
+            model_dtype: model_dtype(model),
+            scaler: None,
+            clip_grad: 0.0,
+            norm_type: NormType::L2,
+            model_parallel,
+            tp_rank,
+        }
+    }
+
+    /// Whether this is the fused optimizer ([`MegatronOptimizer::fused_adam`]).
+    pub fn is_fused(&self) -> bool {
+        matches!(self.inner, Stepper::Fused(_))
     }
 
     /// Scales losses with `scaler` (f16 training).
@@ -161,31 +223,51 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         self.scaler.as_deref()
     }
 
-    /// The wrapped optimizer (its state is keyed by `ParamId`, shared with the model).
-    pub fn inner(&self) -> &ModuleOptimizer {
-        &self.inner
+    /// The wrapped burn-optim optimizer (its state is keyed by `ParamId`, shared with the
+    /// model); `None` for the fused optimizer, whose state is flat.
+    pub fn inner(&self) -> Option<&ModuleOptimizer> {
+        match &self.inner {
+            Stepper::Burn(inner) => Some(inner),
+            Stepper::Fused(_) => None,
+        }
     }
 
-    /// The FP32 master weights (bf16 / f16 models only).
+    /// The FP32 master weights of a burn-optim optimizer on a bf16 / f16 model.
     pub fn master(&self) -> Option<&M> {
         self.master.as_ref()
     }
 
-    /// Takes a checkpointed state: the inner optimizer's record, the master weights and the
-    /// scaler's state.
-    pub(crate) fn restore(
-        mut self,
-        record: OptimizerRecord,
-        master: Option<M>,
-        scaler: Option<GradScalerState>,
-    ) -> Self {
+    pub(crate) fn flat(&self) -> Option<&FlatAdam> {
+        match &self.inner {
+            Stepper::Fused(flat) => Some(flat),
+            Stepper::Burn(_) => None,
+        }
+    }
+
+    pub(crate) fn flat_mut(&mut self) -> Option<&mut FlatAdam> {
+        match &mut self.inner {
+            Stepper::Fused(flat) => Some(flat),
+            Stepper::Burn(_) => None,
+        }
+    }
+
+    /// Takes the checkpointed loss-scaler state.
+    pub(crate) fn restore_scaler(&mut self, scaler: Option<GradScalerState>) {
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), scaler) {
             s.load_state(state);
         }
-        Self {
-            inner: self.inner.load_record(record),
-            master,
-            ..self
+    }
+
+    /// Takes a checkpointed burn-optim state: the inner optimizer's record and the master
+    /// weights (no-op for the fused optimizer).
+    pub(crate) fn restore(self, record: OptimizerRecord, master: Option<M>) -> Self {
+        match self.inner {
+            Stepper::Burn(inner) => Self {
+                inner: Stepper::Burn(inner.load_record(record)),
+                master,
+                ..self
+            },
+            Stepper::Fused(_) => self,
         }
     }
 
@@ -195,8 +277,53 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         lr: f64,
         model: M,
         grads: GradientsParams,
-    ) -> Result<(M, StepReport), CommError> {
+    ) -> Result<(M, StepReport), OptimizerError> {
         let loss_scale = self.loss_scale();
+        let skipped = StepReport {
+            updated: false,
+            grad_norm: None,
+            clip_coeff: 1.0,
+            loss_scale,
+        };
+        let inner = match &mut self.inner {
+            Stepper::Burn(inner) => inner,
+            Stepper::Fused(flat) => {
+                let inv_scale = 1.0 / loss_scale;
+                let stats = flat.local_stats(&grads, self.tp_rank, self.norm_type, inv_scale)?;
+                // Overflow and norm agreed in one collective: a flag sums (or maxes) to non-zero
+                // iff any rank saw one, and the norm reduces by the same operation.
+                let op = match self.norm_type {
+                    NormType::L2 => ReduceOp::Sum,
+                    NormType::Inf => ReduceOp::Max,
+                };
+                let mut v = vec![
+                    f32::from(u8::from(stats.non_finite)),
+                    stats.norm_part as f32,
+                ];
+                self.model_parallel.all_reduce_vec(&mut v, op)?;
+                let found_inf = v[0] > 0.0 || !v[1].is_finite();
+                if let Some(s) = self.scaler.as_mut() {
+                    s.update(found_inf);
+                }
+                if found_inf {
+                    return Ok((model, skipped));
+                }
+                let norm = match self.norm_type {
+                    NormType::L2 => f64::from(v[1]).sqrt(),
+                    NormType::Inf => f64::from(v[1]),
+                };
+                let clip_coeff = clip_coefficient(self.clip_grad, norm);
+                flat.apply(stats.flats, lr, inv_scale, clip_coeff)?;
+                let model = flat.model_from(model)?;
+                let report = StepReport {
+                    updated: true,
+                    grad_norm: Some(norm),
+                    clip_coeff,
+                    loss_scale,
+                };
+                return Ok((model, report));
+            }
+        };
         let params = float_params(&model);
         let mut grads = unscale(grads, &params, 1.0 / loss_scale);
         let local_inf = params.iter().any(|&(id, d)| {
@@ -214,13 +341,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             s.update(found_inf);
         }
         if found_inf {
-            let report = StepReport {
-                updated: false,
-                grad_norm: None,
-                clip_coeff: 1.0,
-                loss_scale,
-            };
-            return Ok((model, report));
+            return Ok((model, skipped));
         }
         let norm = grad_norm_of(
             &params,
@@ -229,11 +350,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             &self.model_parallel,
             self.norm_type,
         )?;
-        let clip_coeff = if self.clip_grad > 0.0 {
-            clip_grads_of(&params, &mut grads, self.clip_grad, norm)
-        } else {
-            1.0
-        };
+        let clip_coeff = clip_grads_of(&params, &mut grads, self.clip_grad, norm);
         let report = StepReport {
             updated: true,
             grad_norm: Some(norm),
@@ -241,9 +358,9 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             loss_scale,
         };
         let model = match self.master.take() {
-            None => self.inner.step(lr, model, grads),
+            None => inner.step(lr, model, grads),
             Some(master) => {
-                let master = self.inner.step(lr, master, grads);
+                let master = inner.step(lr, master, grads);
                 let model = master.clone().map(&mut ToModel(self.model_dtype));
                 self.master = Some(master);
                 model

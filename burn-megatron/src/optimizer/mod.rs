@@ -1,8 +1,11 @@
 //! Optimizer-side pieces of Megatron training. So far: the learning-rate / weight-decay
 //! scheduler ([`OptimizerParamScheduler`]) and the loss scalers ([`DynamicGradScaler`],
 //! [`ConstantGradScaler`]), and the global gradient norm with tensor-parallel
-//! de-duplication ([`global_grad_norm`], [`clip_grads_by_total_norm`]).
+//! de-duplication ([`global_grad_norm`], [`clip_grads_by_total_norm`]), and
+//! [`MegatronOptimizer`] around burn-optim optimizers or the fused flat-buffer Adam
+//! ([`FusedAdamConfig`]).
 
+mod fused_adam;
 mod grad_norm;
 mod grad_scaler;
 mod megatron;
@@ -12,9 +15,11 @@ mod scheduler;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use fused_adam::Buffer;
+pub use fused_adam::{FusedAdam, FusedAdamConfig};
 pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
-pub use megatron::{MegatronOptimizer, StepReport, cast_params};
+pub use megatron::{MegatronOptimizer, OptimizerError, StepReport, cast_params};
 pub use param_groups::{LrMultScheduler, megatron_param_groups, one_dimensional_params};
 pub use scheduler::{
     LrDecayStyle, OptimizerParamScheduler, OptimizerParamSchedulerConfig, ParamGroupSchedule,

@@ -91,6 +91,10 @@ pub struct Args {
     /// Reduce data-parallel gradients bucket by bucket during backward.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
+    /// Step with the fused Adam over flat FP32 buffers (one kernel per parameter group)
+    /// instead of burn-optim's `AdamW`; the same update.
+    #[arg(long)]
+    pub use_fused_adam: bool,
     /// Clip gradients to this global L2 norm (0 disables).
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad: f64,

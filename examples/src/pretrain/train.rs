@@ -16,8 +16,9 @@ use burn_megatron::data_parallel::{
 use burn_megatron::launch::RankContext;
 use burn_megatron::models::{Bert, BertConfig};
 use burn_megatron::optimizer::{
-    ConstantGradScaler, DynamicGradScaler, MegatronOptimizer, NormType, OptimizerParamScheduler,
-    OptimizerParamSchedulerConfig, WdIncrStyle, cast_params, megatron_param_groups,
+    ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
+    OptimizerParamScheduler, OptimizerParamSchedulerConfig, WdIncrStyle, cast_params,
+    megatron_param_groups,
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use std::time::Instant;
@@ -119,16 +120,29 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
     let config: &BertConfig = &shared.model_config;
     let model = config.init(tp, &ctx.device).map_err(|e| e.to_string())?;
     let model = cast_params(model, dtype(args));
+    let fused_adam = args
+        .use_fused_adam
+        .then(|| {
+            let wd = args.weight_decay as f32;
+            FusedAdamConfig::new().with_weight_decay(wd).init()
+        })
+        .transpose()
+        .map_err(|e| e.to_string())?;
     let make_optimizer = |model: &Bert| {
-        let adamw = AdamWConfig::new().with_weight_decay(args.weight_decay as f32);
-        let groups = megatron_param_groups(
-            model,
-            adamw.build(),
-            adamw.with_weight_decay(0.0).build(),
-            None,
-        );
-        let optim = MegatronOptimizer::new(groups, model, ctx.groups.mp.clone(), tp_rank)
-            .with_clip_grad(args.clip_grad, NormType::L2);
+        let mp = ctx.groups.mp.clone();
+        let optim = if let Some(adam) = &fused_adam {
+            MegatronOptimizer::fused_adam(adam.clone(), model, mp, tp_rank)
+        } else {
+            let adamw = AdamWConfig::new().with_weight_decay(args.weight_decay as f32);
+            let groups = megatron_param_groups(
+                model,
+                adamw.build(),
+                adamw.with_weight_decay(0.0).build(),
+                None,
+            );
+            MegatronOptimizer::new(groups, model, mp, tp_rank)
+        }
+        .with_clip_grad(args.clip_grad, NormType::L2);
         match (args.fp16, args.loss_scale) {
             (false, _) => optim,
             (true, Some(s)) => optim.with_grad_scaler(ConstantGradScaler::new(s)),

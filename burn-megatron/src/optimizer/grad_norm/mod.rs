@@ -91,6 +91,17 @@ pub(crate) fn grad_norm_of(
     })
 }
 
+/// `max_norm / (total_norm + 1e-6)` when that is below 1, else 1 (also when `max_norm` is 0:
+/// clipping off).
+pub(crate) fn clip_coefficient(max_norm: f64, total_norm: f64) -> f64 {
+    let coeff = max_norm / (total_norm + 1e-6);
+    if max_norm > 0.0 && coeff < 1.0 {
+        coeff
+    } else {
+        1.0
+    }
+}
+
 /// Scales every gradient by `max_norm / (norm + 1e-6)` when that is below 1 (Megatron's
 /// `clip_grad_by_total_norm_fp32`). Returns the coefficient applied (1 when none).
 pub fn clip_grads_by_total_norm<M: Module>(
@@ -109,8 +120,8 @@ pub(crate) fn clip_grads_of(
     max_norm: f64,
     total_norm: f64,
 ) -> f64 {
-    let coeff = max_norm / (total_norm + 1e-6);
-    if coeff >= 1.0 {
+    let coeff = clip_coefficient(max_norm, total_norm);
+    if coeff == 1.0 {
         return 1.0;
     }
     for &(id, rank) in params {

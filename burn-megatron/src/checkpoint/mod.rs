@@ -8,7 +8,7 @@
 //! with (its tensor-parallel attributes move along): the optimizer state then applies
 //! unchanged, and resuming continues the exact run.
 
-use crate::optimizer::{GradScalerState, MegatronOptimizer};
+use crate::optimizer::{Buffer, GradScalerState, MegatronOptimizer};
 use crate::safetensors_io;
 use crate::tensor_parallel::{parallel_attrs, set_parallel_attrs};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -187,6 +187,9 @@ fn load_module<M: Module>(module: M, path: &Path) -> Result<M, CheckpointError> 
 struct State {
     iteration: usize,
     grad_scaler: Option<GradScalerState>,
+    /// Steps taken by the fused optimizer; absent for a burn-optim one.
+    #[serde(default)]
+    fused_adam_steps: Option<u32>,
     extra: serde_json::Value,
 }
 
@@ -204,15 +207,25 @@ pub fn save_checkpoint<M: Module + Clone>(
     if let Some(master) = optimizer.master() {
         save_module(master, &dir.join("master.safetensors"))?;
     }
-    let optim = dir.join("optimizer.bpk");
-    optimizer
-        .inner()
-        .to_record()
-        .save(&optim)
-        .map_err(|e| io(&optim, format!("{e:?}")))?;
+    if let Some(inner) = optimizer.inner() {
+        let optim = dir.join("optimizer.bpk");
+        inner
+            .to_record()
+            .save(&optim)
+            .map_err(|e| io(&optim, format!("{e:?}")))?;
+    }
+    // The fused optimizer's flat buffers, cut back into per-parameter tensors by module
+    // path: readable by any tool, and independent of how parameters were grouped.
+    if let Some(flat) = optimizer.flat() {
+        for buffer in Buffer::ALL {
+            let path = dir.join(format!("{}.safetensors", buffer.file_stem()));
+            save_module(&flat.state_module(buffer, model), &path)?;
+        }
+    }
     let state = State {
         iteration,
         grad_scaler: optimizer.grad_scaler().map(|s| s.state()),
+        fused_adam_steps: optimizer.flat().map(|f| f.steps()),
         extra,
     };
     let path = dir.join("state.json");
@@ -248,18 +261,47 @@ pub fn load_checkpoint<M: Module + Clone>(
         ));
     }
     let model = load_module(model, &dir.join("model.safetensors"))?;
-    let optimizer = make_optimizer(&model);
-    let master_path = dir.join("master.safetensors");
-    let master = match optimizer.master() {
-        Some(m) => Some(load_module(m.clone(), &master_path)?),
-        None => None,
-    };
-    let optim = dir.join("optimizer.bpk");
-    let record = OptimizerRecord::load(&optim).map_err(|e| io(&optim, format!("{e:?}")))?;
+    let mut optimizer = make_optimizer(&model);
     let path = dir.join("state.json");
     let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
     let state: State = serde_json::from_str(&text).map_err(|e| io(&path, e))?;
-    let optimizer = optimizer.restore(record, master, state.grad_scaler);
+    optimizer.restore_scaler(state.grad_scaler);
+    let kind = |fused: bool| {
+        if fused {
+            "the fused Adam"
+        } else {
+            "a burn-optim optimizer"
+        }
+    };
+    if optimizer.is_fused() != state.fused_adam_steps.is_some() {
+        return Err(CheckpointError::Mismatch(format!(
+            "{}: saved by {}, loading into {}",
+            dir.display(),
+            kind(state.fused_adam_steps.is_some()),
+            kind(optimizer.is_fused())
+        )));
+    }
+    let optimizer = match (optimizer.flat_mut(), state.fused_adam_steps) {
+        (Some(flat), Some(steps)) => {
+            let mut modules = Vec::new();
+            for buffer in Buffer::ALL {
+                let path = dir.join(format!("{}.safetensors", buffer.file_stem()));
+                modules.push(load_module(flat.state_module(buffer, &model), &path)?);
+            }
+            flat.load([&modules[0], &modules[1], &modules[2]], steps)
+                .map_err(|e| CheckpointError::Mismatch(format!("{}: {e}", dir.display())))?;
+            optimizer
+        }
+        _ => {
+            let master = match optimizer.master() {
+                Some(m) => Some(load_module(m.clone(), &dir.join("master.safetensors"))?),
+                None => None,
+            };
+            let optim = dir.join("optimizer.bpk");
+            let record = OptimizerRecord::load(&optim).map_err(|e| io(&optim, format!("{e:?}")))?;
+            optimizer.restore(record, master)
+        }
+    };
     Ok(Restored {
         model,
         optimizer,
@@ -269,109 +311,4 @@ pub fn load_checkpoint<M: Module + Clone>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::comm::{Comm, LocalWorld};
-    use crate::optimizer::{cast_params, megatron_param_groups};
-    use burn::nn::{Linear, LinearConfig};
-    use burn::optim::{AdamWConfig, GradientsParams};
-    use burn::tensor::{DType, Device};
-    use std::sync::Arc;
-
-    fn step(model: Linear, optim: &mut MegatronOptimizer<Linear>, k: usize) -> Linear {
-        let device = model.weight.val().device();
-        let x = Tensor::<2>::from_data(
-            TensorData::new(
-                (0..6)
-                    .map(|i| (i * (k + 1)) as f32 * 0.1)
-                    .collect::<Vec<_>>(),
-                [2, 3],
-            ),
-            &device,
-        )
-        .cast(model.weight.val().dtype());
-        let loss = model.forward(x).powi_scalar(2).mean();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        optim.step(1e-2, model, grads).unwrap().0
-    }
-
-    fn optimizer_for(model: &Linear) -> MegatronOptimizer<Linear> {
-        let comm: Comm = Arc::new(LocalWorld::new(1).communicator("mp", vec![0], 0).unwrap());
-        // Biases without weight decay: an id-based group, which must match after loading.
-        let adamw = AdamWConfig::new().with_weight_decay(0.5);
-        let groups = megatron_param_groups(
-            model,
-            adamw.build(),
-            adamw.with_weight_decay(0.0).build(),
-            None,
-        );
-        MegatronOptimizer::new(groups, model, comm, 0)
-    }
-
-    fn fresh(seed: u64, dtype: DType) -> (Linear, MegatronOptimizer<Linear>) {
-        let device = Device::flex().autodiff();
-        Device::seed(&device, seed);
-        let model = cast_params(LinearConfig::new(3, 2).init(&device), dtype);
-        let optim = optimizer_for(&model);
-        (model, optim)
-    }
-
-    #[test]
-    fn a_loaded_run_continues_bit_identically() {
-        for dtype in [DType::F32, DType::BF16] {
-            let dir =
-                std::env::temp_dir().join(format!("bm-ckpt-{}-{dtype:?}", std::process::id()));
-            let (mut model, mut optim) = fresh(1, dtype);
-            for k in 0..3 {
-                model = step(model, &mut optim, k);
-            }
-            save_checkpoint(&dir, 3, &model, &optim, serde_json::json!({"note": 7})).unwrap();
-            let mut cont = model;
-            for k in 3..5 {
-                cont = step(cont, &mut optim, k);
-            }
-            let (other, _) = fresh(2, dtype);
-            let r = load_checkpoint(&dir, other, optimizer_for).unwrap();
-            assert_eq!((r.iteration, r.extra["note"].as_u64()), (3, Some(7)));
-            let (mut resumed, mut optim) = (r.model, r.optimizer);
-            for k in 3..5 {
-                resumed = step(resumed, &mut optim, k);
-            }
-            let values = |m: &Linear| m.weight.val().into_data().iter::<f32>().collect::<Vec<_>>();
-            let bias = |m: &Linear| {
-                m.bias
-                    .as_ref()
-                    .unwrap()
-                    .val()
-                    .into_data()
-                    .iter::<f32>()
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(values(&resumed), values(&cont), "{dtype:?}");
-            assert_eq!(bias(&resumed), bias(&cont), "{dtype:?}");
-            assert_eq!(resumed.weight.id, cont.weight.id);
-            std::fs::remove_dir_all(&dir).unwrap();
-        }
-    }
-
-    #[test]
-    fn another_architecture_is_a_mismatch() {
-        let dir = std::env::temp_dir().join(format!("bm-ckpt-mismatch-{}", std::process::id()));
-        let (model, optim) = fresh(1, DType::F32);
-        save_checkpoint(&dir, 1, &model, &optim, serde_json::Value::Null).unwrap();
-        let device = Device::flex().autodiff();
-        let wider = LinearConfig::new(3, 4).init(&device);
-        let Err(e) = load_checkpoint(&dir, wider, optimizer_for) else {
-            panic!("a wider layer must not load")
-        };
-        assert!(
-            e.to_string()
-                .contains("weight: saved shape [3, 2], model shape [3, 4]"),
-            "{e}"
-        );
-        write_latest(&dir, 1).unwrap();
-        assert_eq!(read_latest(&dir).unwrap(), Some(1));
-        assert_eq!(rank_dir(&dir, 5, 1), dir.join("iter_0000005/mp_rank_01"));
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-}
+mod tests;
