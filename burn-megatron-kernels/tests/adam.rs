@@ -94,9 +94,10 @@ fn against_exact(device: &Device, n: usize, h0: AdamHyper) -> [f64; 4] {
     for step in 1..=STEPS {
         let h = AdamHyper { step, ..h0 };
         let g = values(n, 100 + u64::from(step), 1.0 / h.inv_scale);
-        let (next, non_finite) = fused_adam_step(&state, tensor(device, &g), &h).unwrap();
+        let (next, non_finite) = fused_adam_step(state.clone(), tensor(device, &g), &h).unwrap();
         assert_eq!(non_finite.into_scalar::<f32>(), 0.0, "finite gradients");
-        let (next_ref, _) = fused_adam_step(&reference, tensor(&common::flex(), &g), &h).unwrap();
+        let (next_ref, _) =
+            fused_adam_step(reference.clone(), tensor(&common::flex(), &g), &h).unwrap();
         host_step(&mut p, &mut m, &mut v, &g, &h);
         let got = [&next.param, &next.exp_avg, &next.exp_avg_sq].map(|t| to_vec(t.clone()));
         for (k, want) in [&p, &m, &v].into_iter().enumerate() {
@@ -149,7 +150,7 @@ fn check(device: &Device, what: &str) {
             inv_scale,
             ..Default::default()
         };
-        let (_, found) = fused_adam_step(&state, tensor(device, &g), &h).unwrap();
+        let (_, found) = fused_adam_step(state.clone(), tensor(device, &g), &h).unwrap();
         assert_eq!(found.into_scalar::<f32>(), expected, "{what}: {bad:?}");
     }
     // Half-precision gradients, read as they are stored (f16 on devices that hold it).
@@ -163,9 +164,13 @@ fn check(device: &Device, what: &str) {
         let g_half = Tensor::<1>::from_data(TensorData::new(g.clone(), [1000]), opts);
         let widened = to_vec(g_half.clone().cast(DType::F32));
         let state = FlatAdamState::new(tensor(device, &values(1000, 9, 1.0)));
-        let (from_half, _) = fused_adam_step(&state, g_half, &AdamHyper::default()).unwrap();
-        let (from_f32, _) =
-            fused_adam_step(&state, tensor(device, &widened), &AdamHyper::default()).unwrap();
+        let (from_half, _) = fused_adam_step(state.clone(), g_half, &AdamHyper::default()).unwrap();
+        let (from_f32, _) = fused_adam_step(
+            state.clone(),
+            tensor(device, &widened),
+            &AdamHyper::default(),
+        )
+        .unwrap();
         // The kernel widens exactly; the same f32 inputs give the same step.
         let d = max_abs_diff(&to_vec(from_half.param), &to_vec(from_f32.param));
         assert!(d <= 1e-7, "{what} {dtype:?}: {d}");
@@ -213,7 +218,7 @@ fn reference_matches_burn_optim() {
                 weight_decay: decay,
                 ..Default::default()
             };
-            state = fused_adam_step(&state, g, &h).unwrap().0;
+            state = fused_adam_step(state, g, &h).unwrap().0;
             worst = worst.max(max_abs_diff(
                 &to_vec(param.val()),
                 &to_vec(state.param.clone()),
@@ -229,7 +234,7 @@ fn bad_inputs_are_refused_before_any_launch() {
     let device = common::flex();
     let state = FlatAdamState::new(tensor(&device, &[1.0, 2.0]));
     let h = AdamHyper::default();
-    let e = fused_adam_step(&state, tensor(&device, &[1.0]), &h).unwrap_err();
+    let e = fused_adam_step(state.clone(), tensor(&device, &[1.0]), &h).unwrap_err();
     assert!(matches!(e, KernelError::Shape(_)), "{e}");
     for bad in [
         AdamHyper { step: 0, ..h },
@@ -244,14 +249,14 @@ fn bad_inputs_are_refused_before_any_launch() {
             ..h
         },
     ] {
-        let e = fused_adam_step(&state, tensor(&device, &[1.0, 1.0]), &bad).unwrap_err();
+        let e = fused_adam_step(state.clone(), tensor(&device, &[1.0, 1.0]), &bad).unwrap_err();
         assert!(matches!(e, KernelError::Argument(_)), "{bad:?}: {e}");
     }
     let half_state = FlatAdamState {
         param: state.param.clone().cast(DType::F16),
         ..state
     };
-    let e = fused_adam_step(&half_state, tensor(&device, &[1.0, 1.0]), &h).unwrap_err();
+    let e = fused_adam_step(half_state.clone(), tensor(&device, &[1.0, 1.0]), &h).unwrap_err();
     assert!(matches!(e, KernelError::Argument(_)), "{e}");
 }
 

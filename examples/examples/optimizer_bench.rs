@@ -1,17 +1,23 @@
-//! Overhead of `MegatronOptimizer::step` over a plain burn-optim AdamW step on the same
-//! model and gradients, measured in the same run (fp32, TP = 1; the inf check and the global
-//! grad norm are the extra work; with bf16 the master-weight copy too).
+//! Cost of `MegatronOptimizer::step` against a plain burn-optim AdamW step on the same model
+//! and gradients, measured in the same run (fp32, TP = 1): wrapping AdamW (the inf check and
+//! the global grad norm are the extra work), and the fused flat-buffer Adam
+//! (`MegatronOptimizer::fused_adam`), which does the same work in a few launches.
 //!
 //! ```text
 //! cargo run --release -p burn-megatron-examples --example optimizer_bench
+//! cargo run --release -p burn-megatron-examples --features burn-megatron/wgpu \
+//!     --example optimizer_bench -- --wgpu    # the same on wgpu (lavapipe on a CPU machine)
 //! ```
+//!
+//! On Flex the fused step runs the reference composition of Burn ops (the kernel is for
+//! Cube backends), so there it is the slower choice.
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
-use burn_megatron::optimizer::{MegatronOptimizer, NormType};
+use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
@@ -26,15 +32,26 @@ struct Mlp {
 }
 
 fn main() {
-    let device = Device::flex().autodiff();
+    let device = if std::env::args().any(|a| a == "--wgpu") {
+        match burn_megatron_kernels::device::wgpu_cpu_device() {
+            Ok(device) => device.autodiff(),
+            Err(e) => {
+                eprintln!("--wgpu: no wgpu device: {e}");
+                std::process::exit(2);
+            }
+        }
+    } else {
+        Device::flex().autodiff()
+    };
+    println!("device: {device:?}");
     let tp: Comm = Arc::new(
         LocalWorld::new(1)
             .communicator("tp", vec![0], 0)
             .expect("group of one"),
     );
     println!(
-        "{:>6} {:>6} {:>10} {:>14} {:>16} {:>8}",
-        "d", "ffn", "params", "AdamW (ms)", "Megatron (ms)", "ratio"
+        "{:>6} {:>6} {:>10} {:>11} {:>15} {:>8} {:>12} {:>8}",
+        "d", "ffn", "params", "AdamW (ms)", "wrapped (ms)", "ratio", "fused (ms)", "ratio"
     );
     for (d, ffn) in [(256, 1024), (512, 2048), (1024, 4096)] {
         let build = || Mlp {
@@ -54,36 +71,52 @@ fn main() {
             let x = Tensor::<2>::from_data(TensorData::new(x, [32, d]), &device);
             GradientsParams::from_grads(m.fc2.forward(gelu(m.fc1.forward(x))).sum().backward(), m)
         };
-        let (mut plain_model, mut mega_model) = (build(), build());
+        let (mut plain_model, mut mega_model, mut fused_model) = (build(), build(), build());
         let mut plain = AdamWConfig::new().init();
         let mut mega =
             MegatronOptimizer::new(AdamWConfig::new().init(), &mega_model, tp.clone(), 0)
                 .with_clip_grad(1.0, NormType::L2);
-        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let adam = FusedAdamConfig::new().with_no_weight_decay_on_1d(false);
+        let mut fused =
+            MegatronOptimizer::fused_adam(adam.init().expect("valid"), &fused_model, tp.clone(), 0)
+                .with_clip_grad(1.0, NormType::L2);
+        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        // Waits for the step's work.
+        let wait = |m: &Mlp| {
+            drop(m.fc2.weight.val().into_data());
+            device.sync().expect("device sync");
+        };
         for i in 0..21 {
             let g = grads_of(&plain_model);
             let t = Instant::now();
             plain_model = plain.step(1e-3, plain_model, g);
-            let _ = plain_model.fc1.weight.val().into_data(); // wait for the work
+            wait(&plain_model);
             let ta = t.elapsed().as_secs_f64();
             let g = grads_of(&mega_model);
             let t = Instant::now();
-            let (m, _) = mega.step(1e-3, mega_model, g).expect("step");
-            mega_model = m;
-            let _ = mega_model.fc1.weight.val().into_data();
+            mega_model = mega.step(1e-3, mega_model, g).expect("step").0;
+            wait(&mega_model);
             let tb = t.elapsed().as_secs_f64();
+            let g = grads_of(&fused_model);
+            let t = Instant::now();
+            fused_model = fused.step(1e-3, fused_model, g).expect("step").0;
+            wait(&fused_model);
+            let tc = t.elapsed().as_secs_f64();
             if i > 0 {
                 a.push(ta);
                 b.push(tb);
+                c.push(tc);
             }
         }
         let params = d * ffn * 2 + ffn + d;
-        let (a, b) = (median(a), median(b));
+        let (a, b, c) = (median(a), median(b), median(c));
         println!(
-            "{d:>6} {ffn:>6} {params:>10} {:>14.3} {:>16.3} {:>8.3}",
+            "{d:>6} {ffn:>6} {params:>10} {:>11.3} {:>15.3} {:>8.3} {:>12.3} {:>8.3}",
             a * 1e3,
             b * 1e3,
-            b / a
+            b / a,
+            c * 1e3,
+            c / a
         );
     }
 }

@@ -37,7 +37,7 @@ pub fn bench(device: &Device) {
         device,
         "adam",
         &format!("AdamW [{n}] fwd"),
-        || drop(fused_adam_step(&state, grad.clone(), &h).unwrap()),
+        || drop(fused_adam_step(state.clone(), grad.clone(), &h).unwrap()),
         composed,
     );
 

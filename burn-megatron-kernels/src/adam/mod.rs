@@ -2,10 +2,12 @@
 //! optional clipping coefficient), the inf/NaN check and the moment and parameter updates
 //! in one pass over the elements.
 //!
-//! Contract: the step writes *fresh* buffers and a count of non-finite gradient elements.
-//! When that count is non-zero (on any rank of the model-parallel group) the caller keeps
-//! its old [`FlatAdamState`] and drops the new one, as Megatron skips the step on overflow;
-//! nothing is modified in place, so the old state is always intact.
+//! Contract: the step returns the new state and a count of non-finite gradient elements. It
+//! consumes the state it is given: a backend may reuse buffers that nothing else holds. A
+//! caller that decides about overflow *after* the step (the count is non-zero on some rank of
+//! the model-parallel group) passes a clone and keeps the original, as Megatron skips the
+//! step; one that checked before (as `MegatronOptimizer` does, from the sums of squares)
+//! hands the state over and lets Flex update it in place.
 
 #[cfg(feature = "cube")]
 mod cube;
@@ -73,7 +75,9 @@ impl Default for AdamHyper {
 }
 
 impl AdamHyper {
-    fn validate(&self) -> Result<(), KernelError> {
+    /// Checks every field's domain, as [`fused_adam_step`] does before any work: lets a
+    /// caller stepping several groups refuse before it hands over any state.
+    pub fn validate(&self) -> Result<(), KernelError> {
         let bad = |what: &str| Err(KernelError::Argument(format!("{what} in {self:?}")));
         let (wd_ok, unit) = (
             match self.weight_decay {
@@ -243,10 +247,12 @@ impl FlatAdamState {
 ///
 /// Returns the new state and the non-finite count (f32 `[1]`, left on the device so the
 /// caller chooses when to sync, e.g. after a max all-reduce over the model-parallel group).
-/// **If the count is non-zero the new state is garbage: keep `state`** (it is borrowed and
-/// never modified). Errors, before any launch, on buffers of different lengths, state that
-/// is not f32, or hyper-parameters outside their domain. One call per parameter group (each
-/// group its own buffer and weight decay).
+/// **If the count is non-zero the new state is garbage.** `state` is consumed, so a backend
+/// may update buffers nothing else holds in place (Flex does); a caller that wants to keep
+/// the old state on overflow passes a clone (handles, not copies), as below. Errors, before
+/// any launch, on buffers of different lengths, state that is not f32, or hyper-parameters
+/// outside their domain. One call per parameter group (each group its own buffer and weight
+/// decay).
 ///
 /// ```
 /// use burn::tensor::{Device, Tensor};
@@ -255,11 +261,11 @@ impl FlatAdamState {
 /// let state = FlatAdamState::new(Tensor::<1>::from_floats([1.0, -2.0, 3.0], &device));
 /// let grad = Tensor::<1>::from_floats([1024.0, f32::INFINITY, 0.0], &device);
 /// let hyper = AdamHyper { lr: 0.01, inv_scale: 1.0 / 1024.0, weight_decay: WeightDecay::Decoupled(0.1), ..Default::default() };
-/// let (_, non_finite) = fused_adam_step(&state, grad, &hyper).unwrap();
+/// let (_, non_finite) = fused_adam_step(state.clone(), grad, &hyper).unwrap();
 /// assert_eq!(non_finite.into_scalar::<f32>(), 1.0); // overflow: keep `state`, skip the step
 /// ```
 pub fn fused_adam_step(
-    state: &FlatAdamState,
+    state: FlatAdamState,
     grad: Tensor<1>,
     hyper: &AdamHyper,
 ) -> Result<(FlatAdamState, Tensor<1>), KernelError> {
@@ -269,7 +275,7 @@ pub fn fused_adam_step(
         param,
         exp_avg,
         exp_avg_sq,
-    } = state.clone();
+    } = state;
     for (name, t) in [
         ("param", &param),
         ("exp_avg", &exp_avg),

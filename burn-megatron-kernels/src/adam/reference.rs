@@ -33,12 +33,24 @@ pub fn reference_adam_step<B: Backend>(
     FloatTensor<B>,
 ) {
     let s = hyper.scalars();
-    let grad = B::float_cast(grad, FloatDType::F32);
-    let g = B::float_mul_scalar(B::float_mul_scalar(grad, s.inv_scale.into()), s.clip.into());
+    // Every op consumes its inputs, and a clone is taken only where a value is used twice:
+    // Flex then updates uniquely held buffers in place instead of allocating one per op.
+    // Multiplying by exactly 1 is skipped, which changes no bit.
+    let scale = |t: FloatTensor<B>, k: f32| match k {
+        1.0 => t,
+        k => B::float_mul_scalar(t, k.into()),
+    };
+    let g = scale(
+        scale(B::float_cast(grad, FloatDType::F32), s.inv_scale),
+        s.clip,
+    );
     let non_finite = non_finite_count::<B>(g.clone());
-    let g = match s.l2 {
-        Some(w) => B::float_add(B::float_mul_scalar(param.clone(), w.into()), g),
-        None => g,
+    let (g, param) = match s.l2 {
+        Some(w) => (
+            B::float_add(B::float_mul_scalar(param.clone(), w.into()), g),
+            param,
+        ),
+        None => (g, param),
     };
     let m = B::float_add(
         B::float_mul_scalar(exp_avg, s.beta1.into()),
@@ -62,11 +74,9 @@ pub fn reference_adam_step<B: Backend>(
             B::float_add_scalar(B::float_sqrt(v_hat), s.eps.into()),
         )
     };
-    let kept = if s.keep == 1.0 {
-        param
-    } else {
-        B::float_mul_scalar(param, s.keep.into())
-    };
-    let param = B::float_sub(kept, B::float_mul_scalar(update, s.lr.into()));
+    let param = B::float_sub(
+        scale(param, s.keep),
+        B::float_mul_scalar(update, s.lr.into()),
+    );
     (param, m, v, non_finite)
 }

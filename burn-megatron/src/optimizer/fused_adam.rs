@@ -400,29 +400,35 @@ impl FlatAdam {
     ) -> Result<(), KernelError> {
         let c = &self.config;
         let step = self.step + 1;
-        let mut next = Vec::with_capacity(self.groups.len());
-        for (g, flat) in self.groups.iter().zip(flats) {
-            let weight_decay = match (g.weight_decay, c.decoupled_weight_decay) {
-                (0.0, _) => WeightDecay::None,
-                (w, true) => WeightDecay::Decoupled(w),
-                (w, false) => WeightDecay::L2(w),
-            };
-            let hyper = AdamHyper {
+        let hypers: Vec<AdamHyper> = self
+            .groups
+            .iter()
+            .map(|g| AdamHyper {
                 lr: lr * g.lr_mult,
                 beta1: c.beta_1,
                 beta2: c.beta_2,
                 eps: c.epsilon,
-                weight_decay,
+                weight_decay: match (g.weight_decay, c.decoupled_weight_decay) {
+                    (0.0, _) => WeightDecay::None,
+                    (w, true) => WeightDecay::Decoupled(w),
+                    (w, false) => WeightDecay::L2(w),
+                },
                 step,
                 inv_scale: inv_scale as f32,
                 clip_coef: clip_coef as f32,
-            };
-            // The non-finite count is already known to be zero (checked before the step).
-            next.push(fused_adam_step(&g.state, flat, &hyper)?.0);
+            })
+            .collect();
+        // Every group's arguments are checked before any state is handed over, so a refused
+        // step leaves the optimizer as it was.
+        for h in &hypers {
+            h.validate()?;
         }
-        // Only now, with every group's step valid, does the state move.
-        for (g, state) in self.groups.iter_mut().zip(next) {
-            g.state = state;
+        for ((g, flat), hyper) in self.groups.iter_mut().zip(flats).zip(&hypers) {
+            // The state is moved in (nothing else holds it), so Flex updates it in place. The
+            // non-finite count is known to be zero: overflow was checked before the step.
+            let empty = placeholder(&g.state);
+            let state = std::mem::replace(&mut g.state, empty);
+            g.state = fused_adam_step(state, flat, hyper)?.0;
         }
         self.step = step;
         Ok(())
@@ -490,5 +496,15 @@ impl FlatAdam {
         }
         self.step = step;
         Ok(())
+    }
+}
+
+/// Empty buffers standing in for a group's state while the step owns it.
+fn placeholder(state: &FlatAdamState) -> FlatAdamState {
+    let empty = || Tensor::<1>::zeros([0], &state.param.device());
+    FlatAdamState {
+        param: empty(),
+        exp_avg: empty(),
+        exp_avg_sq: empty(),
     }
 }
