@@ -29,7 +29,7 @@ pub use adam::{
     AdamHyper, FlatAdamState, FusedAdamOps, WeightDecay, fused_adam_step, reference_adam_step,
 };
 pub use bias_dropout_add::{
-    BiasDropoutAddOps, bias_dropout_add, dropout_hash, dropout_keep, dropout_mask,
+    BiasDropoutAddOps, bias_dropout_add, dropout, dropout_hash, dropout_keep, dropout_mask,
     dropout_threshold, reference_bias_dropout_add, reference_dropout,
 };
 pub use bias_gelu::{

@@ -1,9 +1,10 @@
-//! Bias + dropout + residual vs the composition it replaces: the host mask uploaded per call
-//! (what the layers do today), then `residual + mask_fill((x + b) · scale, dropped, 0)`.
+//! Bias + dropout + residual, and plain dropout, vs the compositions they replace: the host
+//! mask uploaded per call, then `residual + mask_fill((x + b) · scale, dropped, 0)` (or
+//! without bias and residual).
 
 use crate::{compare, matrix};
 use burn::tensor::{Bool, Device, Tensor};
-use burn_megatron_kernels::{bias_dropout_add, dropout_mask};
+use burn_megatron_kernels::{bias_dropout_add, dropout, dropout_mask};
 
 const PROB: f32 = 0.1;
 const SEED: u64 = 0x5EED;
@@ -59,5 +60,18 @@ pub fn bench(device: &Device) {
         &case,
         || backward(true),
         || backward(false),
+    );
+    // Attention-probability dropout: the mask a hash of the seed in the kernel, against
+    // the host mask uploaded and applied (what `RngTracker::dropout` did before).
+    let case = format!("[{rows}, {cols}] p{PROB} fwd");
+    compare(
+        device,
+        "dropout",
+        &case,
+        || drop(dropout(x.clone(), PROB, SEED).unwrap()),
+        || {
+            let v = x.clone().mul_scalar(1.0 / (1.0 - PROB));
+            drop(v.mask_fill(host_mask().bool_not(), 0.0))
+        },
     );
 }

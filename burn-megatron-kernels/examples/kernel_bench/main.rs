@@ -3,8 +3,11 @@
 //! forward + backward. Ratios below 1 mean the fused kernel is faster.
 //!
 //! ```text
-//! cargo run -p burn-megatron-kernels --features wgpu --example kernel_bench
+//! cargo run -p burn-megatron-kernels --features wgpu --example kernel_bench [OP...]
 //! ```
+//!
+//! With arguments, only the benchmark modules whose names contain one of them run (e.g.
+//! `dropout`, `optim`).
 
 mod bias_dropout_add;
 mod bias_gelu;
@@ -59,6 +62,9 @@ pub fn matrix(device: &Device, rows: usize, cols: usize) -> Tensor<2> {
     Tensor::from_data(TensorData::new(values, [rows, cols]), device)
 }
 
+/// One op's benchmark cases.
+type Bench = fn(&Device);
+
 fn main() {
     let device = match burn_megatron_kernels::device::wgpu_cpu_device() {
         Ok(d) => d.autodiff(),
@@ -68,10 +74,18 @@ fn main() {
         }
     };
     println!("fused kernel vs Burn composition on {device:?}");
-    bias_gelu::bench(&device);
-    cross_entropy::bench(&device);
-    grad_accum::bench(&device);
-    bias_dropout_add::bench(&device);
-    softmax::bench(&device);
-    optim::bench(&device);
+    let filters: Vec<String> = std::env::args().skip(1).collect();
+    let benches: [(&str, Bench); 6] = [
+        ("bias_gelu", bias_gelu::bench),
+        ("cross_entropy", cross_entropy::bench),
+        ("grad_accum", grad_accum::bench),
+        ("bias_dropout_add", bias_dropout_add::bench),
+        ("softmax", softmax::bench),
+        ("optim", optim::bench),
+    ];
+    for (name, bench) in benches {
+        if filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str())) {
+            bench(&device);
+        }
+    }
 }

@@ -1,5 +1,5 @@
-//! Autodiff for bias + dropout + residual: the backward keeps only (prob, seed, bias size)
-//! and regenerates the mask, so no activation-sized tensor is saved.
+//! Autodiff for bias + dropout + residual and for plain dropout: the backward keeps only
+//! (prob, seed, bias size) and regenerates the mask, so no activation-sized tensor is saved.
 
 use super::BiasDropoutAddOps;
 use crate::ops::sum_to_last_dim;
@@ -8,7 +8,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, AutodiffBackend, TensorMetadata};
+use burn::backend::{Autodiff, TensorMetadata};
 
 /// Parents `[x, residual]`, plus `bias` when `N == 3`.
 #[derive(Debug)]
@@ -25,7 +25,7 @@ impl<B: BiasDropoutAddOps, const N: usize> Backward<B, N> for BiasDropoutAddBack
         let (node_x, node_residual) = (parents.next().flatten(), parents.next().flatten());
         let node_bias = parents.next().flatten();
         if node_x.is_some() || node_bias.is_some() {
-            let grad_x = B::dropout_backward(grad.clone(), prob, seed);
+            let grad_x = B::dropout(grad.clone(), prob, seed);
             if let Some(node) = node_bias {
                 grads.register::<B>(node.id, sum_to_last_dim::<B>(grad_x.clone(), n));
             }
@@ -35,6 +35,23 @@ impl<B: BiasDropoutAddOps, const N: usize> Backward<B, N> for BiasDropoutAddBack
         }
         if let Some(node) = node_residual {
             grads.register::<B>(node.id, grad);
+        }
+    }
+}
+
+/// Plain dropout: the gradient is the same dropout of the incoming gradient.
+#[derive(Debug)]
+struct DropoutBackward;
+
+impl<B: BiasDropoutAddOps> Backward<B, 1> for DropoutBackward {
+    /// (prob, seed).
+    type State = (f32, u64);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (prob, seed) = ops.state;
+        if let [Some(node)] = ops.parents {
+            grads.register::<B>(node.id, B::dropout(grad, prob, seed));
         }
     }
 }
@@ -78,9 +95,15 @@ impl<B: BiasDropoutAddOps, C: CheckpointStrategy> BiasDropoutAddOps for Autodiff
         }
     }
 
-    fn dropout_backward(grad: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
-        // Second derivatives are not needed: the result is not tracked.
-        let (grad, _) = grad.into_parts();
-        Self::from_inner(B::dropout_backward(grad, prob, seed))
+    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
+        let (v, node) = v.into_parts();
+        match DropoutBackward
+            .prepare::<C>([node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((prob, seed), B::dropout(v, prob, seed)),
+            OpsKind::UnTracked(prep) => prep.finish(B::dropout(v, prob, seed)),
+        }
     }
 }

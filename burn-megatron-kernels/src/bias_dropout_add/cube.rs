@@ -60,8 +60,8 @@ fn bias_dropout_add_kernel<F: Float>(
 }
 
 #[cube(launch)]
-fn dropout_backward_kernel<F: Float>(
-    grad: &Tensor<F>,
+fn dropout_kernel<F: Float>(
+    v: &Tensor<F>,
     out: &mut Tensor<F>,
     seed_lo: u32,
     seed_hi: u32,
@@ -74,7 +74,7 @@ fn dropout_backward_kernel<F: Float>(
         terminate!();
     }
     let keep = dropout_hash(pos as u32, seed_lo, seed_hi) >= threshold;
-    out[pos] = select(keep, grad[pos] * F::cast_from(scale), F::new(0.0));
+    out[pos] = select(keep, v[pos] * F::cast_from(scale), F::new(0.0));
 }
 
 impl BiasDropoutAddOps for CubeBackend {
@@ -113,21 +113,21 @@ impl BiasDropoutAddOps for CubeBackend {
         out
     }
 
-    fn dropout_backward(grad: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
+    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
         if prob == 0.0 {
-            return grad;
+            return v;
         }
-        let grad = into_contiguous(grad);
-        let (out, Some((cube_dim, count))) = elementwise_launch(&grad) else {
-            return grad;
+        let v = into_contiguous(v);
+        let (out, Some((cube_dim, count))) = elementwise_launch(&v) else {
+            return v;
         };
-        let client = grad.client.clone();
-        let dtype = dtype_to_storage_type(grad.dtype);
-        dropout_backward_kernel::launch(
+        let client = v.client.clone();
+        let dtype = dtype_to_storage_type(v.dtype);
+        dropout_kernel::launch(
             &client,
             count,
             cube_dim,
-            grad.into_tensor_arg(),
+            v.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             seed as u32,
             (seed >> 32) as u32,

@@ -91,9 +91,10 @@ pub trait BiasDropoutAddOps: Backend {
         prob: f32,
         seed: u64,
     ) -> FloatTensor<Self>;
-    /// `dropout(grad)` with the forward's mask and scale: the gradient with respect to
+    /// Plain dropout of `v` with `seed`'s mask. Dropout is linear and self-adjoint, so this is
+    /// also its own backward and the backward of [`Self::bias_dropout_add`] with respect to
     /// `x + bias`.
-    fn dropout_backward(grad: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self>;
+    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self>;
 }
 
 /// `1 / (1 − prob)`, the scale of kept values, in f32 as every backend applies it.
@@ -147,8 +148,8 @@ impl BiasDropoutAddOps for Flex {
         reference_bias_dropout_add::<Self>(x, bias, has_bias, residual, prob, seed)
     }
 
-    fn dropout_backward(grad: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
-        reference_dropout::<Self>(grad, prob, seed)
+    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
+        reference_dropout::<Self>(v, prob, seed)
     }
 }
 
@@ -185,11 +186,7 @@ pub fn bias_dropout_add<const D: usize>(
     prob: f32,
     seed: u64,
 ) -> Result<Tensor<D>, KernelError> {
-    if !(0.0..1.0).contains(&prob) {
-        return Err(KernelError::Argument(format!(
-            "dropout probability must be in [0, 1), got {prob}"
-        )));
-    }
+    check(&x.dims(), prob)?;
     let dims = x.dims();
     if residual.dims() != dims {
         return Err(KernelError::Shape(format!(
@@ -205,11 +202,6 @@ pub fn bias_dropout_add<const D: usize>(
             bias.dims()
         )));
     }
-    if dims.iter().product::<usize>() as u64 > 1 << 32 {
-        return Err(KernelError::Unsupported(format!(
-            "dropout over {dims:?}: more than 2^32 elements (the mask index is 32-bit)"
-        )));
-    }
     let has_bias = bias.is_some();
     // Without a bias, x stands in for it (not read, no copy).
     let bias = bias.map_or_else(|| x.clone().into_dispatch(), Tensor::into_dispatch);
@@ -218,6 +210,55 @@ pub fn bias_dropout_add<const D: usize>(
         bias,
         has_bias,
         residual.into_dispatch(),
+        prob,
+        seed,
+    )))
+}
+
+/// The arguments every dropout op refuses: a probability outside `[0, 1)`, more elements than
+/// the 32-bit mask index covers.
+fn check(dims: &[usize], prob: f32) -> Result<(), KernelError> {
+    if !(0.0..1.0).contains(&prob) {
+        return Err(KernelError::Argument(format!(
+            "dropout probability must be in [0, 1), got {prob}"
+        )));
+    }
+    if dims.iter().product::<usize>() as u64 > 1 << 32 {
+        return Err(KernelError::Unsupported(format!(
+            "dropout over {dims:?}: more than 2^32 elements (the mask index is 32-bit)"
+        )));
+    }
+    Ok(())
+}
+
+/// Dropout with the mask of [`dropout_keep`] (a pure function of `seed` and the flat index),
+/// one element-wise kernel on Cube backends, differentiable (the backward regenerates the
+/// mask from the seed; nothing is stored). Kept values are scaled by `1 / (1 − prob)`;
+/// `prob == 0` returns `x` unchanged. For attention probabilities and other dropouts without
+/// a bias or residual to fuse.
+///
+/// # Errors
+///
+/// As [`bias_dropout_add`]: [`KernelError::Argument`] unless `0 ≤ prob < 1`,
+/// [`KernelError::Unsupported`] beyond 2³² elements.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron_kernels::{dropout, dropout_mask};
+/// let device = Device::flex();
+/// let x = Tensor::<2>::ones([2, 3], &device);
+/// let y = dropout(x.clone(), 0.5, 7).unwrap();
+/// let expected = x.mul_scalar(2.0).mask_fill(dropout_mask(7, [2, 3], 0.5, &device).bool_not(), 0.0);
+/// y.into_data().assert_eq(&expected.into_data(), true);
+/// ```
+pub fn dropout<const D: usize>(
+    x: Tensor<D>,
+    prob: f32,
+    seed: u64,
+) -> Result<Tensor<D>, KernelError> {
+    check(&x.dims(), prob)?;
+    Ok(Tensor::from_dispatch(Dispatch::dropout(
+        x.into_dispatch(),
         prob,
         seed,
     )))

@@ -54,6 +54,7 @@ impl ParallelAttentionConfig {
     /// Initialises this rank's heads. Fails when the heads do not split over the group or
     /// the hidden size over the heads.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<ParallelAttention, TpError> {
+        super::check_dropout(&[("attention_dropout", self.attention_dropout)])?;
         let size = tp.group().size();
         if !self.num_attention_heads.is_multiple_of(size) {
             return Err(TpError::Indivisible(format!(
@@ -137,11 +138,15 @@ impl ParallelAttention {
         let mut probs = scaled_masked_softmax(q.matmul(k.swap_dims(2, 3)), padding, scale, false)
             .expect("scores are [b, np, s, s] and the padding [b, s] by construction");
         if let Some(rng) = rng {
-            probs = rng.dropout(
-                probs,
-                self.attention_dropout,
-                RngRegion::TensorModelParallel,
-            );
+            // This rank's heads: a mask of its own (the model-parallel stream), drawn from a
+            // seed as one kernel, no mask uploaded.
+            probs = rng
+                .dropout(
+                    probs,
+                    self.attention_dropout,
+                    RngRegion::TensorModelParallel,
+                )
+                .expect("attention_dropout is checked to lie in [0, 1) at init");
         }
         let context = probs
             .matmul(v)

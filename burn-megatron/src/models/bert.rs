@@ -112,6 +112,10 @@ fn host_param<const D: usize>(
 impl BertConfig {
     /// Initialises this rank's part; identical weights at every TP size for one seed.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<Bert, TpError> {
+        super::check_dropout(&[
+            ("hidden_dropout", self.hidden_dropout),
+            ("attention_dropout", self.attention_dropout),
+        ])?;
         let (h, seed) = (self.hidden_size, self.seed);
         let normal = MasterInit::Normal {
             mean: 0.0,
@@ -196,7 +200,9 @@ impl Bert {
             + self.tokentype_embeddings.forward(token_types);
         let mut x = self.embedding_layernorm.forward(x).swap_dims(0, 1); // [s, b, h]
         if let Some(rng) = rng {
-            x = rng.dropout(x, self.hidden_dropout, RngRegion::Default);
+            x = rng
+                .dropout(x, self.hidden_dropout, RngRegion::Default)
+                .expect("hidden_dropout is checked to lie in [0, 1) at init");
         }
         if self.sequence_parallel {
             x = scatter_to_sequence_parallel_region(x, &self.tp);

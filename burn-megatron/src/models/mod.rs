@@ -13,3 +13,17 @@ pub use bert_hf::{
 pub use transformer::{
     LayerNormPosition, Norm, NormKind, ParallelMlp, TransformerLayer, TransformerLayerConfig,
 };
+
+use crate::tensor_parallel::TpError;
+
+/// Refuses dropout probabilities outside `[0, 1)` at init, so a forward never meets one.
+pub(crate) fn check_dropout(probs: &[(&str, f64)]) -> Result<(), TpError> {
+    for &(name, p) in probs {
+        if !(0.0..1.0).contains(&p) {
+            return Err(TpError::Invalid(format!(
+                "{name} must be in [0, 1), got {p}"
+            )));
+        }
+    }
+    Ok(())
+}

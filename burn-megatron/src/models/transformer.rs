@@ -177,16 +177,10 @@ pub struct TransformerLayer {
 impl TransformerLayerConfig {
     /// Initialises this rank's part of the layer.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<TransformerLayer, TpError> {
-        for (name, p) in [
+        super::check_dropout(&[
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return Err(TpError::Invalid(format!(
-                    "{name} must be in [0, 1), got {p}"
-                )));
-            }
-        }
+        ])?;
         let h = self.hidden_size;
         let attention = ParallelAttentionConfig::new(h, self.num_attention_heads)
             .with_attention_dropout(self.attention_dropout)

@@ -5,10 +5,13 @@
 //! dropout masks must agree: they come from the default stream, seeded with `seed` on every
 //! rank. Inside a region (e.g. attention probabilities of this rank's heads) each rank holds
 //! different data and draws from the model-parallel stream, seeded with
-//! `seed + 2718 + tp_rank`. Both streams are ChaCha8 on the host: reproducible from the
-//! seed, independent of the device and of other threads.
+//! `seed + 2718 + tp_rank`. Both streams are ChaCha8 on the host and draw one 64-bit seed per
+//! dropout; the mask is a hash of that seed and the element index, computed where the tensor
+//! lives (`burn_megatron_kernels::dropout`): reproducible from the seed, the same on every
+//! backend, independent of other threads, and never uploaded.
 
-use burn::tensor::{Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::Tensor;
+use burn_megatron_kernels::KernelError;
 use rand::rngs::ChaCha8Rng;
 use rand::{RngExt, SeedableRng};
 use std::sync::{Arc, Mutex};
@@ -62,18 +65,6 @@ impl RngTracker {
         (self.seed, self.tp_rank)
     }
 
-    /// `count` keep-flags (1 with probability `1 − prob`) from `region`'s stream.
-    pub fn keep_mask(&self, count: usize, prob: f64, region: RngRegion) -> Vec<f32> {
-        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
-        let rng = match region {
-            RngRegion::Default => &mut streams.default,
-            RngRegion::TensorModelParallel => &mut streams.model_parallel,
-        };
-        (0..count)
-            .map(|_| if rng.random::<f64>() < prob { 0.0 } else { 1.0 })
-            .collect()
-    }
-
     /// A fresh seed from `region`'s stream, for a dropout whose mask a kernel derives from it
     /// (`burn_megatron_kernels::bias_dropout_add`): the same on every TP rank for
     /// [`RngRegion::Default`], different for [`RngRegion::TensorModelParallel`].
@@ -85,38 +76,50 @@ impl RngTracker {
         }
     }
 
-    /// Inverted dropout of `x` with drop probability `prob`, drawing from `region`'s stream.
-    /// Applied only to tensors on an autodiff device (training), as Burn's `Dropout`.
-    pub fn dropout<const D: usize>(&self, x: Tensor<D>, prob: f64, region: RngRegion) -> Tensor<D> {
-        if prob <= 0.0 || !x.is_autodiff() {
-            return x;
+    /// Inverted dropout of `x` with drop probability `prob`, its mask from a fresh seed of
+    /// `region`'s stream. Applied only to tensors on an autodiff device (training), as Burn's
+    /// `Dropout`. Errors unless `0 ≤ prob < 1`.
+    pub fn dropout<const D: usize>(
+        &self,
+        x: Tensor<D>,
+        prob: f64,
+        region: RngRegion,
+    ) -> Result<Tensor<D>, KernelError> {
+        if prob == 0.0 || !x.is_autodiff() {
+            return Ok(x);
         }
-        let dims = x.dims();
-        let mask: Vec<f32> = self
-            .keep_mask(dims.iter().product(), prob, region)
-            .into_iter()
-            .map(|k| k / (1.0 - prob) as f32)
-            .collect();
-        let options = TensorCreationOptions::new(x.device()).with_dtype(x.dtype());
-        x * Tensor::<D>::from_data(TensorData::new(mask, dims), options)
+        burn_megatron_kernels::dropout(x, prob as f32, self.next_seed(region))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::Device;
+
+    /// The 0/1 keep pattern of a dropout of ones drawn from `t`'s `region`.
+    fn pattern(t: &RngTracker, n: usize, prob: f64, region: RngRegion) -> Vec<bool> {
+        let x = Tensor::<1>::ones([n], &Device::flex().autodiff());
+        let y = t.dropout(x, prob, region).unwrap();
+        y.into_data().iter::<f32>().map(|v| v != 0.0).collect()
+    }
 
     #[test]
     fn default_stream_agrees_across_tp_ranks_and_model_parallel_differs() {
         let a = RngTracker::new(7, 0);
         let b = RngTracker::new(7, 1);
         assert_eq!(
-            a.keep_mask(64, 0.5, RngRegion::Default),
-            b.keep_mask(64, 0.5, RngRegion::Default)
+            pattern(&a, 64, 0.5, RngRegion::Default),
+            pattern(&b, 64, 0.5, RngRegion::Default)
         );
         assert_ne!(
-            a.keep_mask(64, 0.5, RngRegion::TensorModelParallel),
-            b.keep_mask(64, 0.5, RngRegion::TensorModelParallel)
+            pattern(&a, 64, 0.5, RngRegion::TensorModelParallel),
+            pattern(&b, 64, 0.5, RngRegion::TensorModelParallel)
+        );
+        // Each call draws a fresh seed: two dropouts in a row differ.
+        assert_ne!(
+            pattern(&a, 64, 0.5, RngRegion::Default),
+            pattern(&a, 64, 0.5, RngRegion::Default)
         );
         assert_eq!(RngTracker::model_parallel_seed(7, 1), 7 + 2718 + 1);
     }
@@ -126,33 +129,36 @@ mod tests {
         let draw = || {
             let t = RngTracker::new(3, 2);
             (
-                t.keep_mask(32, 0.3, RngRegion::TensorModelParallel),
-                t.keep_mask(32, 0.3, RngRegion::Default),
+                pattern(&t, 32, 0.3, RngRegion::TensorModelParallel),
+                pattern(&t, 32, 0.3, RngRegion::Default),
             )
         };
         assert_eq!(draw(), draw());
-        let m = RngTracker::new(3, 0).keep_mask(10_000, 0.3, RngRegion::Default);
-        let dropped = m.iter().filter(|&&k| k == 0.0).count() as f64 / 1e4;
+        let m = pattern(&RngTracker::new(3, 0), 10_000, 0.3, RngRegion::Default);
+        let dropped = m.iter().filter(|&&k| !k).count() as f64 / 1e4;
         assert!((dropped - 0.3).abs() < 0.02, "{dropped}");
     }
 
     #[test]
     fn dropout_scales_kept_values_and_is_off_without_autodiff() {
-        use burn::tensor::Device;
         let t = RngTracker::new(1, 0);
         let x = Tensor::<1>::ones([1000], &Device::flex().autodiff());
         let y: Vec<f32> = t
             .dropout(x, 0.5, RngRegion::Default)
+            .unwrap()
             .into_data()
-            .try_to_vec()
-            .unwrap();
+            .iter::<f32>()
+            .collect();
         assert!(y.iter().all(|&v| v == 0.0 || v == 2.0));
         let plain = Tensor::<1>::ones([4], &Device::flex());
         let z: Vec<f32> = t
             .dropout(plain, 0.5, RngRegion::Default)
+            .unwrap()
             .into_data()
-            .try_to_vec()
-            .unwrap();
+            .iter::<f32>()
+            .collect();
         assert_eq!(z, vec![1.0; 4]);
+        let bad = Tensor::<1>::ones([4], &Device::flex().autodiff());
+        assert!(t.dropout(bad, 1.0, RngRegion::Default).is_err());
     }
 }
