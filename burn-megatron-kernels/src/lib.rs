@@ -45,7 +45,10 @@ pub use cross_entropy::{
     reference_cross_entropy_sum_exp,
 };
 pub use error::KernelError;
-pub use grad_accum::{GradAccumOps, accumulate_weight_grad, reference_accumulate_weight_grad};
+pub use grad_accum::{
+    GradAccumOps, accumulate_weight_grad, linear_with_grad_accumulation,
+    reference_accumulate_weight_grad,
+};
 pub use norm::{
     SumOfSquaresOps, multi_tensor_sum_of_squares, reference_segment_sum_of_squares,
     segment_sum_of_squares,

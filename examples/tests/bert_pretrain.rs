@@ -167,6 +167,46 @@ fn fused_adam_gives_the_same_run_and_resumes_exactly() {
 }
 
 #[test]
+fn gradient_accumulation_fusion_trains_the_same_model() {
+    let dir = tmp("grad-accum-fusion");
+    let base = [
+        "--world-size",
+        "4",
+        "--train-iters",
+        "6",
+        "--eval-interval",
+        "0",
+        "--overlap-grad-reduce",
+    ];
+    let run_with = |extra: &[&str]| {
+        let mut a: Vec<&str> = base.to_vec();
+        a.extend(extra);
+        run(&args(&a, &dir)).unwrap().log
+    };
+    let plain = run_with(&[]);
+    // f32: the fused weight gradients are the same f32 sums in another order.
+    let fused = run_with(&["--gradient-accumulation-fusion"]);
+    // bf16: f32 weight gradients into the FP32 main-grad buckets; the bf16 forward differs.
+    let bf16 = run_with(&["--gradient-accumulation-fusion", "--bf16"]);
+    for ((p, f), b) in plain.iter().zip(&fused).zip(&bf16) {
+        let at = format!("iteration {}", p.iteration);
+        assert!(
+            (p.lm_loss - f.lm_loss).abs() <= 1e-4 * p.lm_loss,
+            "{at}: {p:?} vs {f:?}"
+        );
+        assert!(
+            (p.grad_norm.unwrap() - f.grad_norm.unwrap()).abs() <= 1e-4 * p.grad_norm.unwrap(),
+            "{at}"
+        );
+        assert!(
+            (p.lm_loss - b.lm_loss).abs() <= 0.02 * p.lm_loss,
+            "{at}: bf16 {b:?}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn overlapped_gradient_reduction_gives_the_same_run() {
     let dir = tmp("overlap");
     let base = [

@@ -42,6 +42,11 @@ impl TpMlp {
 
 /// The MLP from fixed seeds (the same full weights at every TP size).
 pub fn build(tp: &Comm, device: &Device) -> TpMlp {
+    build_with(tp, device, false)
+}
+
+/// [`build`], with `gradient_accumulation_fusion` in both layers when `fusion`.
+pub fn build_with(tp: &Comm, device: &Device, fusion: bool) -> TpMlp {
     let bias = MasterInit::Uniform {
         low: -0.3,
         high: 0.3,
@@ -50,11 +55,13 @@ pub fn build(tp: &Comm, device: &Device) -> TpMlp {
         fc1: ColumnParallelLinearConfig::new(D, FFN)
             .with_seed(3)
             .with_bias_initializer(bias)
+            .with_gradient_accumulation_fusion(fusion)
             .init(tp, device)
             .unwrap(),
         fc2: RowParallelLinearConfig::new(FFN, D)
             .with_seed(4)
             .with_bias_initializer(bias)
+            .with_gradient_accumulation_fusion(fusion)
             .init(tp, device)
             .unwrap(),
     }
@@ -132,12 +139,17 @@ pub type Trace = (Vec<(f32, f64)>, Vec<f32>);
 /// Trains at TP = `tp` × DP = `dp` (global batch fixed) with clipping at 0.25, active in
 /// early steps; one trace per rank.
 pub fn run_layout(tp: usize, dp: usize, kind: Kind) -> Vec<Trace> {
+    run_layout_with(tp, dp, kind, false)
+}
+
+/// [`run_layout`], the layers built by [`build_with`]`(.., fusion)`.
+pub fn run_layout_with(tp: usize, dp: usize, kind: Kind, fusion: bool) -> Vec<Trace> {
     threads(
         &ParallelConfig::new(tp * dp, tp, 1),
         LaunchOptions::default(),
         |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let mut model = build(g, d);
+            let mut model = build_with(g, d, fusion);
             let tp_rank = ctx.state.tensor_model_parallel_rank();
             let mut optim = optimizer(kind, &model, ctx.groups.mp.clone(), tp_rank)
                 .with_clip_grad(0.25, NormType::L2);

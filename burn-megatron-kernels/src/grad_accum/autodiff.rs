@@ -1,10 +1,37 @@
-//! Autodiff for weight-gradient accumulation: it runs inside a backward, so it runs on the
-//! inner backend and its result is not tracked.
+//! Autodiff for weight-gradient accumulation, which runs inside a backward (on the inner
+//! backend, untracked), and for the linear product whose backward calls it.
 
 use super::GradAccumOps;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, AutodiffBackend};
+use burn::backend::{Autodiff, AutodiffBackend, TensorMetadata};
+use burn::tensor::FloatDType;
+
+/// `y = x·w`: `dx = dy·wᵀ`, `dw = 0 + xᵀ·dy` accumulated in f32.
+#[derive(Debug)]
+struct LinearBackward;
+
+impl<B: GradAccumOps> Backward<B, 2> for LinearBackward {
+    /// The forward's `(x [tokens, in], w [in, out])`.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let [node_x, node_w] = ops.parents;
+        if let Some(node) = node_w {
+            let device = w.device();
+            let zeros = B::float_zeros(w.shape(), &device, FloatDType::F32);
+            grads.register::<B>(node.id, B::accumulate_weight_grad(zeros, x, grad.clone()));
+        }
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::float_matmul(grad, B::float_transpose(w)));
+        }
+    }
+}
 
 impl<B: GradAccumOps, C: CheckpointStrategy> GradAccumOps for Autodiff<B, C> {
     fn accumulate_weight_grad(
@@ -17,5 +44,24 @@ impl<B: GradAccumOps, C: CheckpointStrategy> GradAccumOps for Autodiff<B, C> {
             x.into_primitive(),
             dy.into_primitive(),
         ))
+    }
+
+    fn linear_fp32_weight_grad(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let (x, x_node) = x.into_parts();
+        let (w, w_node) = weight.into_parts();
+        match LinearBackward
+            .prepare::<C>([x_node, w_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::linear_fp32_weight_grad(x.clone(), w.clone());
+                prep.finish((x, w), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::linear_fp32_weight_grad(x, w)),
+        }
     }
 }

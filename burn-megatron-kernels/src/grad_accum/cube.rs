@@ -129,4 +129,11 @@ impl GradAccumOps for CubeBackend {
         );
         grad
     }
+
+    fn linear_fp32_weight_grad(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(x, weight)
+    }
 }

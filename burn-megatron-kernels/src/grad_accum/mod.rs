@@ -14,7 +14,7 @@ use burn::tensor::{DType, FloatDType, Tensor};
 
 /// Weight-gradient accumulation as a backend op: a tiled shared-memory kernel on Cube
 /// backends (updating `main_grad` in place when nothing else holds it), Burn's own ops
-/// elsewhere. Not differentiable: it *is* a piece of a backward.
+/// elsewhere; and the linear product whose backward uses it.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait GradAccumOps: Backend {
     /// `main_grad + xᵀ·dy`: `main_grad` f32 `[in, out]`, `x` `[tokens, in]`, `dy`
@@ -24,6 +24,13 @@ pub trait GradAccumOps: Backend {
         main_grad: FloatTensor<Self>,
         x: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+    /// `x·weight` (`x` `[tokens, in]`, `weight` `[in, out]`, one float dtype). Under
+    /// autodiff its weight gradient is [`Self::accumulate_weight_grad`] into f32 zeros (so an
+    /// f32 gradient for a bf16/f16 weight) and its input gradient `dy·weightᵀ` as usual.
+    fn linear_fp32_weight_grad(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 }
 
@@ -45,6 +52,13 @@ impl GradAccumOps for Flex {
         dy: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         reference_accumulate_weight_grad::<Self>(main_grad, x, dy)
+    }
+
+    fn linear_fp32_weight_grad(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(x, weight)
     }
 }
 
@@ -98,4 +112,55 @@ pub fn accumulate_weight_grad(
         x.into_dispatch(),
         dy.into_dispatch(),
     )))
+}
+
+/// `x·weight` for `x` `[..., in]` and `weight` `[in, out]` (Burn's layout, no bias), whose
+/// backward forms the weight gradient with [`accumulate_weight_grad`] — `xᵀ·dy` summed in f32
+/// — and returns it as an **f32** tensor whatever the weight's dtype: Megatron's
+/// `gradient_accumulation_fusion`. A bf16 model's weight gradients then never round to bf16,
+/// neither within the product nor when micro-batches or data-parallel ranks are summed (Burn's
+/// `GradientsAccumulator` and the FP32 main-grad buckets add f32 to f32). The input gradient
+/// is `dy·weightᵀ` in the model's dtype, as in a plain linear layer.
+///
+/// Errors when `x`'s last dim is not `weight`'s first or the dtypes differ.
+///
+/// ```
+/// use burn::tensor::{DType, Device, Tensor};
+/// use burn_megatron_kernels::linear_with_grad_accumulation;
+/// let device = Device::flex().autodiff();
+/// let x = Tensor::<3>::ones([2, 3, 4], &device).cast(DType::BF16);
+/// let w = Tensor::<2>::ones([4, 5], &device).cast(DType::BF16).require_grad();
+/// let y = linear_with_grad_accumulation(x, w.clone()).unwrap();
+/// assert_eq!(y.dims(), [2, 3, 5]);
+/// let grads = y.sum().backward();
+/// let gw = w.grad(&grads).unwrap();
+/// assert_eq!(gw.dtype(), DType::F32); // six tokens of ones: every entry 6
+/// assert_eq!(gw.into_data().iter::<f32>().collect::<Vec<_>>(), vec![6.0; 20]);
+/// ```
+pub fn linear_with_grad_accumulation<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+) -> Result<Tensor<D>, KernelError> {
+    let (dims, [fan_in, fan_out]) = (x.dims(), weight.dims());
+    if D == 0 || dims[D - 1] != fan_in {
+        return Err(KernelError::Shape(format!(
+            "x {dims:?} must end in the weight's input features ({fan_in}); weight [{fan_in}, {fan_out}]"
+        )));
+    }
+    if x.dtype() != weight.dtype() || !x.dtype().is_float() {
+        return Err(KernelError::Argument(format!(
+            "x and weight must share one float dtype, got {:?} and {:?}",
+            x.dtype(),
+            weight.dtype()
+        )));
+    }
+    let tokens = dims[..D - 1].iter().product::<usize>();
+    let x = x.reshape([tokens, fan_in]);
+    let y = Tensor::<2>::from_dispatch(Dispatch::linear_fp32_weight_grad(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+    ));
+    let mut out = dims;
+    out[D - 1] = fan_out;
+    Ok(y.reshape(out))
 }

@@ -23,6 +23,10 @@ pub struct ParallelAttentionConfig {
     /// Activations are split along the sequence (dim 0) outside the layer.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Megatron's `gradient_accumulation_fusion` in every parallel linear layer: weight
+    /// gradients summed and returned in f32 (see `ColumnParallelLinearConfig`).
+    #[config(default = false)]
+    pub gradient_accumulation_fusion: bool,
     /// Weight initialisation.
     #[config(default = "MasterInit::Normal { mean: 0.0, std: 0.02 }")]
     pub initializer: MasterInit,
@@ -71,11 +75,13 @@ impl ParallelAttentionConfig {
         let h = self.hidden_size;
         let query_key_value = ColumnParallelLinearConfig::new(h, 3 * h)
             .with_sequence_parallel(self.sequence_parallel)
+            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
             .with_initializer(self.initializer)
             .with_seed(derive_seed(self.seed, "query_key_value"))
             .init(tp, device)?;
         let dense = RowParallelLinearConfig::new(h, h)
             .with_sequence_parallel(self.sequence_parallel)
+            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
             .with_initializer(self.initializer)
             .with_seed(derive_seed(self.seed, "dense"))
             .with_skip_bias_add(true)

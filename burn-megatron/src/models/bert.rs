@@ -53,6 +53,10 @@ pub struct BertConfig {
     /// Sequence parallelism inside the encoder.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Megatron's `gradient_accumulation_fusion` in every parallel linear layer: weight
+    /// gradients summed and returned in f32 (see `ColumnParallelLinearConfig`).
+    #[config(default = false)]
+    pub gradient_accumulation_fusion: bool,
     /// Standard deviation of the normal initialisation.
     #[config(default = 0.02)]
     pub init_method_std: f64,
@@ -154,6 +158,7 @@ impl BertConfig {
                     .with_hidden_dropout(self.hidden_dropout)
                     .with_attention_dropout(self.attention_dropout)
                     .with_sequence_parallel(self.sequence_parallel)
+                    .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
                     .with_initializer(normal)
                     .with_seed(derive_seed(seed, &format!("layers.{i}")))
                     .init(tp, device)

@@ -147,6 +147,10 @@ pub struct TransformerLayerConfig {
     /// Sequence parallelism (activations split along dim 0 between sub-layers).
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Megatron's `gradient_accumulation_fusion` in every parallel linear layer: weight
+    /// gradients summed and returned in f32 (see `ColumnParallelLinearConfig`).
+    #[config(default = false)]
+    pub gradient_accumulation_fusion: bool,
     /// Weight initialisation.
     #[config(default = "MasterInit::Normal { mean: 0.0, std: 0.02 }")]
     pub initializer: MasterInit,
@@ -185,18 +189,21 @@ impl TransformerLayerConfig {
         let attention = ParallelAttentionConfig::new(h, self.num_attention_heads)
             .with_attention_dropout(self.attention_dropout)
             .with_sequence_parallel(self.sequence_parallel)
+            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
             .with_initializer(self.initializer)
             .with_seed(derive_seed(self.seed, "attention"))
             .init(tp, device)?;
         let mlp = ParallelMlp {
             dense_h_to_4h: ColumnParallelLinearConfig::new(h, self.ffn_hidden_size)
                 .with_sequence_parallel(self.sequence_parallel)
+                .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
                 .with_initializer(self.initializer)
                 .with_seed(derive_seed(self.seed, "mlp.dense_h_to_4h"))
                 .with_skip_bias_add(true)
                 .init(tp, device)?,
             dense_4h_to_h: RowParallelLinearConfig::new(self.ffn_hidden_size, h)
                 .with_sequence_parallel(self.sequence_parallel)
+                .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
                 .with_initializer(self.initializer)
                 .with_seed(derive_seed(self.seed, "mlp.dense_4h_to_h"))
                 .with_skip_bias_add(true)

@@ -21,6 +21,7 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::module::linear;
 use burn::tensor::{Device, Tensor};
+use burn_megatron_kernels::linear_with_grad_accumulation;
 
 /// Configuration of a [`ColumnParallelLinear`].
 #[derive(Config, Debug)]
@@ -42,6 +43,11 @@ pub struct ColumnParallelLinearConfig {
     /// The input is split along dim 0 (sequence parallel) and is all-gathered first.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Megatron's `gradient_accumulation_fusion`: the weight gradient is `xᵀ·dy` summed in
+    /// f32 by a fused kernel and handed back as an f32 tensor, also for bf16/f16 weights
+    /// (see `burn_megatron_kernels::linear_with_grad_accumulation`).
+    #[config(default = false)]
+    pub gradient_accumulation_fusion: bool,
     /// Weight initialisation of the full master weight.
     #[config(default = "MasterInit::KaimingUniform")]
     pub initializer: MasterInit,
@@ -70,6 +76,8 @@ pub struct ColumnParallelLinear {
     skip_bias_add: bool,
     #[module(skip)]
     sequence_parallel: bool,
+    #[module(skip)]
+    gradient_accumulation_fusion: bool,
 }
 
 impl ColumnParallelLinearConfig {
@@ -101,6 +109,7 @@ impl ColumnParallelLinearConfig {
             gather_output: self.gather_output,
             skip_bias_add: self.skip_bias_add,
             sequence_parallel: self.sequence_parallel,
+            gradient_accumulation_fusion: self.gradient_accumulation_fusion,
         })
     }
 }
@@ -131,6 +140,7 @@ impl ColumnParallelLinear {
             gather_output: config.gather_output,
             skip_bias_add: config.skip_bias_add,
             sequence_parallel: config.sequence_parallel,
+            gradient_accumulation_fusion: config.gradient_accumulation_fusion,
         })
     }
 
@@ -159,7 +169,7 @@ impl ColumnParallelLinear {
         } else {
             (bias, None)
         };
-        let out = linear(input, weight, add);
+        let out = matmul_bias(input, weight, add, self.gradient_accumulation_fusion);
         let out = if self.gather_output {
             gather_from_tensor_model_parallel_region(out, &self.tp)
         } else {
@@ -207,6 +217,11 @@ pub struct RowParallelLinearConfig {
     /// Reduce-scatter the output along dim 0 (sequence parallel) instead of all-reducing.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Megatron's `gradient_accumulation_fusion`: the weight gradient is `xᵀ·dy` summed in
+    /// f32 by a fused kernel and handed back as an f32 tensor, also for bf16/f16 weights
+    /// (see `burn_megatron_kernels::linear_with_grad_accumulation`).
+    #[config(default = false)]
+    pub gradient_accumulation_fusion: bool,
     /// Weight initialisation of the full master weight.
     #[config(default = "MasterInit::KaimingUniform")]
     pub initializer: MasterInit,
@@ -236,6 +251,8 @@ pub struct RowParallelLinear {
     skip_bias_add: bool,
     #[module(skip)]
     sequence_parallel: bool,
+    #[module(skip)]
+    gradient_accumulation_fusion: bool,
 }
 
 impl RowParallelLinearConfig {
@@ -261,6 +278,7 @@ impl RowParallelLinearConfig {
             input_is_parallel: self.input_is_parallel,
             skip_bias_add: self.skip_bias_add,
             sequence_parallel: self.sequence_parallel,
+            gradient_accumulation_fusion: self.gradient_accumulation_fusion,
         })
     }
 
@@ -300,6 +318,7 @@ impl RowParallelLinear {
             input_is_parallel: config.input_is_parallel,
             skip_bias_add: config.skip_bias_add,
             sequence_parallel: config.sequence_parallel,
+            gradient_accumulation_fusion: config.gradient_accumulation_fusion,
         })
     }
 
@@ -320,7 +339,8 @@ impl RowParallelLinear {
             scatter_to_tensor_model_parallel_region(input, &self.tp)
         };
         let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
-        let partial = linear(input.clone(), hook_param(&self.weight, &input), None);
+        let weight = hook_param(&self.weight, &input);
+        let partial = matmul_bias(input, weight, None, self.gradient_accumulation_fusion);
         let out = if self.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(partial, &self.tp)
         } else {
@@ -344,6 +364,25 @@ impl RowParallelLinear {
             weight: Param::from_tensor(w),
             bias,
         })
+    }
+}
+
+/// `input·weight + bias`: Burn's `linear`, or with `fusion` the product whose weight
+/// gradient is accumulated in f32.
+fn matmul_bias<const D: usize>(
+    input: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    fusion: bool,
+) -> Tensor<D> {
+    if !fusion {
+        return linear(input, weight, bias);
+    }
+    let out = linear_with_grad_accumulation(input, weight)
+        .unwrap_or_else(|e| panic!("parallel linear layer: {e}"));
+    match bias {
+        Some(b) => out + b.unsqueeze(),
+        None => out,
     }
 }
 

@@ -43,6 +43,10 @@ pub struct Args {
     /// Split LayerNorm and dropout activations along the sequence across TP ranks.
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Form the parallel linear layers' weight gradients in f32 with the fused kernel
+    /// (Megatron's flag of the same name), also under --bf16 / --fp16.
+    #[arg(long)]
+    pub gradient_accumulation_fusion: bool,
     /// Total ranks; data-parallel size = world size / TP.
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,

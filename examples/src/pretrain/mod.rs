@@ -175,6 +175,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     .with_hidden_dropout(args.hidden_dropout)
     .with_attention_dropout(args.attention_dropout)
     .with_sequence_parallel(args.sequence_parallel)
+    .with_gradient_accumulation_fusion(args.gradient_accumulation_fusion)
     .with_seed(args.seed);
     println!(
         "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × DP {}{} | vocab {} (padded {}) | \
