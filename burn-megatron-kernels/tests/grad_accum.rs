@@ -1,6 +1,6 @@
 //! Weight-gradient accumulation `main_grad + xᵀ·dy` against exact f64 host values and the
-//! reference composition, on Flex (reference path) and, with feature `wgpu`, the tiled
-//! kernel on lavapipe; plus why the f32 accumulation matters for low-precision inputs.
+//! reference composition, on Flex (reference path) and, with feature `wgpu`, cubek's
+//! f32-output matmul on lavapipe; plus why the f32 accumulation matters for low-precision inputs.
 
 mod common;
 
@@ -11,8 +11,8 @@ use burn_megatron_kernels::{
 };
 use common::{max_abs_diff, to_vec, values};
 
-/// Token counts (none, one, not multiples of the 16-token step) and layer sizes (one, not
-/// multiples of the 64-wide tile, more than one tile).
+/// Token counts (none, one, odd sizes) and layer sizes (one, not multiples of the usual
+/// 16/32/64-wide matmul tiles, more than one tile).
 const TOKENS: [usize; 4] = [0, 1, 37, 257];
 const SIDES: [usize; 4] = [1, 3, 33, 100];
 

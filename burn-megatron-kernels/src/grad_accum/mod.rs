@@ -12,9 +12,9 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::{DType, FloatDType, Tensor};
 
-/// Weight-gradient accumulation as a backend op: a tiled shared-memory kernel on Cube
-/// backends (updating `main_grad` in place when nothing else holds it), Burn's own ops
-/// elsewhere; and the linear product whose backward uses it.
+/// Weight-gradient accumulation as a backend op: on Cube backends cubek's matmul with an f32
+/// output from half inputs, then an add into `main_grad` (in place when nothing else holds
+/// it); Burn's own ops elsewhere. And the linear product whose backward uses it.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait GradAccumOps: Backend {
     /// `main_grad + xᵀ·dy`: `main_grad` f32 `[in, out]`, `x` `[tokens, in]`, `dy`
@@ -64,8 +64,9 @@ impl GradAccumOps for Flex {
 
 /// `main_grad + xᵀ·dy`, the weight gradient of a `[in, out]` Linear layer (`y = x·W`) added
 /// to its f32 accumulation buffer: `main_grad` f32 `[in, out]`, `x` `[tokens, in]` and `dy`
-/// `[tokens, out]` both f32, f16 or bf16 (the same dtype); products summed in f32. On Cube
-/// backends `main_grad`'s buffer is updated in place when no other tensor shares it.
+/// `[tokens, out]` both f32, f16 or bf16 (the same dtype); products summed in f32 (on Cube
+/// backends without casting the inputs first). On Cube backends `main_grad`'s buffer is
+/// updated in place when no other tensor shares it.
 ///
 /// Errors on shapes that do not fit together, a `main_grad` that is not f32, or `x` and
 /// `dy` of different or non-float dtypes.
