@@ -1,106 +1,18 @@
-//! Fused Adam / AdamW over flat FP32 buffers, one per parameter group: the optimizer behind
-//! [`MegatronOptimizer::fused_adam`](super::MegatronOptimizer::fused_adam).
-//!
-//! Every trainable parameter is a segment of its group's flat master buffer (f32, as
-//! Megatron's distributed optimizer keeps `main_param` buffers). A step gathers the
-//! gradients into one flat buffer per group, reads the per-parameter sums of squares back
-//! once (overflow check and global norm from the same numbers), and then runs one fused
-//! kernel per group: unscale × clip, moments, update. The model's weights are the master
-//! segments rounded to the model's dtype in one pass per group.
+//! The flat state and the step: gradients gathered per group, measured in one read-back,
+//! and stepped by one fused kernel per group.
 
+use super::config::{FusedAdam, FusedAdamConfig};
+use super::modules::walk;
+use crate::optimizer::NormType;
 use crate::param_grads::with_flat;
 use crate::tensor_parallel::parallel_attrs;
-use burn::config::Config;
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamGroup, ParamId};
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, FloatDType, Tensor};
 use burn_megatron_kernels::{
     AdamHyper, FlatAdamState, KernelError, WeightDecay, fused_adam_step, master_to_model,
     master_to_model_segments, segment_sum_of_squares,
 };
-use std::collections::HashMap;
-
-use super::NormType;
-
-/// Hyper-parameters of [`FusedAdam`]; the defaults are burn-optim's `AdamWConfig`'s.
-#[derive(Config, Debug)]
-pub struct FusedAdamConfig {
-    /// Decay of the first moment.
-    #[config(default = 0.9)]
-    pub beta_1: f32,
-    /// Decay of the second moment.
-    #[config(default = 0.999)]
-    pub beta_2: f32,
-    /// Added to `√v̂`.
-    #[config(default = 1e-5)]
-    pub epsilon: f32,
-    /// Weight decay of the parameters that have it.
-    #[config(default = 1e-4)]
-    pub weight_decay: f32,
-    /// `true`: AdamW (decoupled decay, bit-identical to burn-optim's `AdamW`); `false`: Adam
-    /// with an L2 penalty (bit-identical to `Adam` with a `WeightDecayConfig`).
-    #[config(default = true)]
-    pub decoupled_weight_decay: bool,
-    /// Megatron's default: biases and norm weights (every 1-D parameter) get no weight decay.
-    #[config(default = true)]
-    pub no_weight_decay_on_1d: bool,
-}
-
-impl FusedAdamConfig {
-    /// The optimizer with these hyper-parameters, refusing values outside their domain.
-    ///
-    /// ```
-    /// use burn::module::ParamGroup;
-    /// use burn_megatron::optimizer::FusedAdamConfig;
-    /// let adam = FusedAdamConfig::new().with_weight_decay(0.01).init().unwrap()
-    ///     .with_param_group(ParamGroup::from_regex(".*embedding.*").unwrap(), 0.0, 1.0);
-    /// assert!(FusedAdamConfig::new().with_beta_1(1.0).init().is_err());
-    /// ```
-    pub fn init(&self) -> Result<FusedAdam, KernelError> {
-        let bad = |what: &str| Err(KernelError::Argument(format!("{what} in {self:?}")));
-        let unit = 0.0..1.0;
-        if !unit.contains(&self.beta_1) || !unit.contains(&self.beta_2) {
-            bad("beta_1 and beta_2 must lie in [0, 1)")
-        } else if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
-            bad("epsilon must be finite and > 0")
-        } else if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            bad("weight_decay must be finite and ≥ 0")
-        } else {
-            Ok(FusedAdam {
-                config: self.clone(),
-                overrides: Vec::new(),
-            })
-        }
-    }
-}
-
-/// Fused Adam / AdamW with Megatron's parameter groups; hand it to
-/// [`MegatronOptimizer::fused_adam`](super::MegatronOptimizer::fused_adam).
-#[derive(Debug, Clone)]
-pub struct FusedAdam {
-    config: FusedAdamConfig,
-    overrides: Vec<(ParamGroup, f32, f64)>,
-}
-
-impl FusedAdam {
-    /// Parameters matching `group` (by id or module path) get `weight_decay` and a learning
-    /// rate of `lr × lr_mult`. The first matching group wins; unmatched parameters follow the
-    /// config. A negative or non-finite value is refused at the first step.
-    pub fn with_param_group(mut self, group: ParamGroup, weight_decay: f32, lr_mult: f64) -> Self {
-        self.overrides.push((group, weight_decay, lr_mult));
-        self
-    }
-
-    fn options(&self, id: &ParamId, path: &str, dims: usize) -> (f32, f64) {
-        if let Some(&(_, wd, mult)) = self.overrides.iter().find(|o| o.0.matches(id, Some(path))) {
-            (wd, mult)
-        } else if dims == 1 && self.config.no_weight_decay_on_1d {
-            (0.0, 1.0)
-        } else {
-            (self.config.weight_decay, 1.0)
-        }
-    }
-}
 
 /// Which flat buffer of the state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +33,7 @@ impl Buffer {
         }
     }
 
-    fn of(self, state: &FlatAdamState) -> &Tensor<1> {
+    pub(super) fn of(self, state: &FlatAdamState) -> &Tensor<1> {
         match self {
             Buffer::Master => &state.param,
             Buffer::ExpAvg => &state.exp_avg,
@@ -132,19 +44,19 @@ impl Buffer {
 
 /// One parameter's place in its group's buffers.
 #[derive(Debug, Clone)]
-struct Slot {
-    id: ParamId,
-    rank: usize,
-    len: usize,
-    dtype: DType,
+pub(super) struct Slot {
+    pub(super) id: ParamId,
+    pub(super) rank: usize,
+    pub(super) len: usize,
+    pub(super) dtype: DType,
 }
 
 #[derive(Debug)]
-struct Group {
-    slots: Vec<Slot>,
-    weight_decay: f32,
-    lr_mult: f64,
-    state: FlatAdamState,
+pub(super) struct Group {
+    pub(super) slots: Vec<Slot>,
+    pub(super) weight_decay: f32,
+    pub(super) lr_mult: f64,
+    pub(super) state: FlatAdamState,
 }
 
 impl Group {
@@ -153,7 +65,7 @@ impl Group {
     }
 
     /// `buffer` cut into one `[len]` segment per slot.
-    fn segments(&self, buffer: Buffer) -> Vec<Tensor<1>> {
+    pub(super) fn segments(&self, buffer: Buffer) -> Vec<Tensor<1>> {
         let flat = buffer.of(&self.state);
         let mut offset = 0;
         self.slots
@@ -167,7 +79,7 @@ impl Group {
 
     /// The master segments in each slot's model dtype: one rounding pass when the group has
     /// one half dtype.
-    fn model_segments(&self) -> Result<Vec<Tensor<1>>, KernelError> {
+    pub(super) fn model_segments(&self) -> Result<Vec<Tensor<1>>, KernelError> {
         let half = |d: DType| match d {
             DType::BF16 => Some(FloatDType::BF16),
             DType::F16 => Some(FloatDType::F16),
@@ -207,64 +119,9 @@ pub(crate) struct LocalStats {
 /// The flat state of [`FusedAdam`] for one model.
 #[derive(Debug)]
 pub(crate) struct FlatAdam {
-    config: FusedAdamConfig,
-    groups: Vec<Group>,
-    step: u32,
-}
-
-/// Visits float parameters with their module path.
-struct Walk<F> {
-    path: Vec<String>,
-    f: F,
-}
-
-impl<F: FnMut(&str, ParamId, usize, Tensor<1>, bool)> ModuleVisitor for Walk<F> {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
-    }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
-    }
-    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        let value = p.val();
-        let trainable = value.is_require_grad();
-        let flat = value.inner().reshape([-1]);
-        (self.f)(&self.path.join("."), p.id, D, flat, trainable);
-    }
-}
-
-fn walk<M: Module>(module: &M, f: impl FnMut(&str, ParamId, usize, Tensor<1>, bool)) {
-    module.visit(&mut Walk {
-        path: Vec::new(),
-        f,
-    });
-}
-
-/// Replaces the parameters found in `values` (flat, reshaped back), keeping how each took
-/// part in autodiff.
-struct Replace(HashMap<ParamId, Tensor<1>>);
-
-impl ModuleMapper for Replace {
-    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let (id, old, mapper) = p.consume();
-        let Some(flat) = self.0.remove(&id) else {
-            return Param::from_mapped_value(id, old, mapper);
-        };
-        let new = flat.reshape(old.dims());
-        // An autodiff parameter stays one, under its own checkpointing strategy.
-        let new = match old.gradient_checkpointing_strategy() {
-            Some(strategy) => {
-                Tensor::from_inner(new).with_gradient_checkpointing_strategy(strategy)
-            }
-            None => new,
-        };
-        let new = if old.is_require_grad() {
-            new.require_grad()
-        } else {
-            new
-        };
-        Param::from_mapped_value(id, new, mapper)
-    }
+    pub(super) config: FusedAdamConfig,
+    pub(super) groups: Vec<Group>,
+    pub(super) step: u32,
 }
 
 impl FlatAdam {
@@ -429,70 +286,6 @@ impl FlatAdam {
             let empty = placeholder(&g.state);
             let state = std::mem::replace(&mut g.state, empty);
             g.state = fused_adam_step(state, flat, hyper)?.0;
-        }
-        self.step = step;
-        Ok(())
-    }
-
-    /// `model` with its trainable parameters set from the master weights, in their dtypes.
-    pub(crate) fn model_from<M: Module>(&self, model: M) -> Result<M, KernelError> {
-        let mut values = HashMap::new();
-        for g in &self.groups {
-            values.extend(g.slots.iter().map(|s| s.id).zip(g.model_segments()?));
-        }
-        Ok(model.map(&mut Replace(values)))
-    }
-
-    /// `model` with its trainable parameters replaced by their f32 segments of `buffer`
-    /// (plain tensors, no autodiff): the state in module form, for checkpoints.
-    pub(crate) fn state_module<M: Module>(&self, buffer: Buffer, model: &M) -> M {
-        let values = self
-            .groups
-            .iter()
-            .flat_map(|g| g.slots.iter().map(|s| s.id).zip(g.segments(buffer)))
-            .collect();
-        model.clone().map(&mut Replace(values))
-    }
-
-    /// Takes the state from modules written by [`Self::state_module`] (in [`Buffer::ALL`]
-    /// order) and the step count.
-    pub(crate) fn load(&mut self, modules: [&impl Module; 3], step: u32) -> Result<(), String> {
-        let mut next = Vec::with_capacity(self.groups.len());
-        for g in &self.groups {
-            let mut buffers = Vec::with_capacity(3);
-            for module in modules {
-                let mut by_id = HashMap::new();
-                walk(module, |_, id, _, flat, _| {
-                    by_id.insert(id, flat);
-                });
-                let mut parts = Vec::with_capacity(g.slots.len());
-                for s in &g.slots {
-                    match by_id.remove(&s.id) {
-                        Some(t) if t.dims()[0] == s.len => parts.push(t.cast(DType::F32)),
-                        Some(t) => {
-                            return Err(format!(
-                                "{:?}: {} elements, not {}",
-                                s.id,
-                                t.dims()[0],
-                                s.len
-                            ));
-                        }
-                        None => return Err(format!("no optimizer state for parameter {:?}", s.id)),
-                    }
-                }
-                buffers.push(Tensor::cat(parts, 0));
-            }
-            let [param, exp_avg, exp_avg_sq]: [Tensor<1>; 3] = buffers
-                .try_into()
-                .map_err(|_| "three buffers".to_string())?;
-            next.push(FlatAdamState {
-                param,
-                exp_avg,
-                exp_avg_sq,
-            });
-        }
-        for (g, state) in self.groups.iter_mut().zip(next) {
-            g.state = state;
         }
         self.step = step;
         Ok(())

@@ -1,0 +1,130 @@
+//! The flat state in module form: the model's weights from the master buffers, and the
+//! per-parameter tensors checkpoints hold.
+
+use super::flat::{Buffer, FlatAdam};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::{FlatAdamState, KernelError};
+use std::collections::HashMap;
+
+/// Visits float parameters with their module path.
+struct Walk<F> {
+    path: Vec<String>,
+    f: F,
+}
+
+impl<F: FnMut(&str, ParamId, usize, Tensor<1>, bool)> ModuleVisitor for Walk<F> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        let value = p.val();
+        let trainable = value.is_require_grad();
+        let flat = value.inner().reshape([-1]);
+        (self.f)(&self.path.join("."), p.id, D, flat, trainable);
+    }
+}
+
+/// Calls `f(path, id, rank, flat value without autodiff, trainable)` for each float parameter.
+pub(super) fn walk<M: Module>(module: &M, f: impl FnMut(&str, ParamId, usize, Tensor<1>, bool)) {
+    module.visit(&mut Walk {
+        path: Vec::new(),
+        f,
+    });
+}
+
+/// Replaces the parameters found in `values` (flat, reshaped back), keeping how each took
+/// part in autodiff.
+struct Replace(HashMap<ParamId, Tensor<1>>);
+
+impl ModuleMapper for Replace {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, old, mapper) = p.consume();
+        let Some(flat) = self.0.remove(&id) else {
+            return Param::from_mapped_value(id, old, mapper);
+        };
+        let new = flat.reshape(old.dims());
+        // An autodiff parameter stays one, under its own checkpointing strategy.
+        let new = match old.gradient_checkpointing_strategy() {
+            Some(strategy) => {
+                Tensor::from_inner(new).with_gradient_checkpointing_strategy(strategy)
+            }
+            None => new,
+        };
+        let new = if old.is_require_grad() {
+            new.require_grad()
+        } else {
+            new
+        };
+        Param::from_mapped_value(id, new, mapper)
+    }
+}
+
+impl FlatAdam {
+    /// `model` with its trainable parameters set from the master weights, in their dtypes.
+    pub(crate) fn model_from<M: Module>(&self, model: M) -> Result<M, KernelError> {
+        let mut values = HashMap::new();
+        for g in &self.groups {
+            values.extend(g.slots.iter().map(|s| s.id).zip(g.model_segments()?));
+        }
+        Ok(model.map(&mut Replace(values)))
+    }
+
+    /// `model` with its trainable parameters replaced by their f32 segments of `buffer`
+    /// (plain tensors, no autodiff): the state in module form, for checkpoints.
+    pub(crate) fn state_module<M: Module>(&self, buffer: Buffer, model: &M) -> M {
+        let values = self
+            .groups
+            .iter()
+            .flat_map(|g| g.slots.iter().map(|s| s.id).zip(g.segments(buffer)))
+            .collect();
+        model.clone().map(&mut Replace(values))
+    }
+
+    /// Takes the state from modules written by [`Self::state_module`] (in [`Buffer::ALL`]
+    /// order) and the step count.
+    pub(crate) fn load(&mut self, modules: [&impl Module; 3], step: u32) -> Result<(), String> {
+        let mut next = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            let mut buffers = Vec::with_capacity(3);
+            for module in modules {
+                let mut by_id = HashMap::new();
+                walk(module, |_, id, _, flat, _| {
+                    by_id.insert(id, flat);
+                });
+                let mut parts = Vec::with_capacity(g.slots.len());
+                for s in &g.slots {
+                    match by_id.remove(&s.id) {
+                        Some(t) if t.dims()[0] == s.len => parts.push(t.cast(DType::F32)),
+                        Some(t) => {
+                            return Err(format!(
+                                "{:?}: {} elements, not {}",
+                                s.id,
+                                t.dims()[0],
+                                s.len
+                            ));
+                        }
+                        None => return Err(format!("no optimizer state for parameter {:?}", s.id)),
+                    }
+                }
+                buffers.push(Tensor::cat(parts, 0));
+            }
+            let [param, exp_avg, exp_avg_sq]: [Tensor<1>; 3] = buffers
+                .try_into()
+                .map_err(|_| "three buffers".to_string())?;
+            next.push(FlatAdamState {
+                param,
+                exp_avg,
+                exp_avg_sq,
+            });
+        }
+        for (g, state) in self.groups.iter_mut().zip(next) {
+            g.state = state;
+        }
+        self.step = step;
+        Ok(())
+    }
+}
