@@ -178,11 +178,7 @@ fn gradient_accumulation_fusion_trains_the_same_model() {
         "0",
         "--overlap-grad-reduce",
     ];
-    let run_with = |extra: &[&str]| {
-        let mut a: Vec<&str> = base.to_vec();
-        a.extend(extra);
-        run(&args(&a, &dir)).unwrap().log
-    };
+    let run_with = |extra: &[&str]| run(&args(&[&base[..], extra].concat(), &dir)).unwrap().log;
     let plain = run_with(&[]);
     // f32: the fused weight gradients are the same f32 sums in another order.
     let fused = run_with(&["--gradient-accumulation-fusion"]);
@@ -218,8 +214,7 @@ fn overlapped_gradient_reduction_gives_the_same_run() {
         "0",
     ];
     let plain = run(&args(&base, &dir)).unwrap();
-    let mut with: Vec<&str> = base.to_vec();
-    with.push("--overlap-grad-reduce");
+    let with = [&base[..], &["--overlap-grad-reduce"]].concat();
     let overlapped = run(&args(&with, &dir)).unwrap();
     for (a, b) in plain.log.iter().zip(&overlapped.log) {
         assert_eq!(
