@@ -53,6 +53,16 @@ fn args(extra: &[&str], dir: &std::path::Path) -> Args {
     Args::try_parse_from(argv).unwrap()
 }
 
+/// Six iterations at TP 2 × DP 2, no evaluation: for comparing two runs step by step.
+const SHORT_TP2_DP2: [&str; 6] = [
+    "--world-size",
+    "4",
+    "--train-iters",
+    "6",
+    "--eval-interval",
+    "0",
+];
+
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     let v: Vec<f64> = xs.collect();
     v.iter().sum::<f64>() / v.len() as f64
@@ -169,15 +179,7 @@ fn fused_adam_gives_the_same_run_and_resumes_exactly() {
 #[test]
 fn gradient_accumulation_fusion_trains_the_same_model() {
     let dir = tmp("grad-accum-fusion");
-    let base = [
-        "--world-size",
-        "4",
-        "--train-iters",
-        "6",
-        "--eval-interval",
-        "0",
-        "--overlap-grad-reduce",
-    ];
+    let base = [&SHORT_TP2_DP2[..], &["--overlap-grad-reduce"]].concat();
     let run_with = |extra: &[&str]| run(&args(&[&base[..], extra].concat(), &dir)).unwrap().log;
     let plain = run_with(&[]);
     // f32: the fused weight gradients are the same f32 sums in another order.
@@ -205,16 +207,8 @@ fn gradient_accumulation_fusion_trains_the_same_model() {
 #[test]
 fn overlapped_gradient_reduction_gives_the_same_run() {
     let dir = tmp("overlap");
-    let base = [
-        "--world-size",
-        "4",
-        "--train-iters",
-        "6",
-        "--eval-interval",
-        "0",
-    ];
-    let plain = run(&args(&base, &dir)).unwrap();
-    let with = [&base[..], &["--overlap-grad-reduce"]].concat();
+    let plain = run(&args(&SHORT_TP2_DP2, &dir)).unwrap();
+    let with = [&SHORT_TP2_DP2[..], &["--overlap-grad-reduce"]].concat();
     let overlapped = run(&args(&with, &dir)).unwrap();
     for (a, b) in plain.log.iter().zip(&overlapped.log) {
         assert_eq!(

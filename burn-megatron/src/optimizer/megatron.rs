@@ -86,28 +86,36 @@ impl ModuleMapper for Cast {
     }
 }
 
-/// FP32 master weights to the model's half dtype: one fused rounding pass per parameter
-/// (`master_to_model`, bit-exact with `half`'s round-to-nearest-even).
+/// bf16 / f16 as the kernels name them; `None` for every other dtype.
+pub(super) fn half_dtype(dtype: DType) -> Option<FloatDType> {
+    match dtype {
+        DType::BF16 => Some(FloatDType::BF16),
+        DType::F16 => Some(FloatDType::F16),
+        _ => None,
+    }
+}
+
+/// An FP32 master tensor in the model's `dtype`: to bf16 / f16 by the fused rounding pass
+/// (`master_to_model`, bit-exact with `half`'s round-to-nearest-even), otherwise a cast.
+/// Only a device without the half type refuses the rounding, and a plain cast is then the
+/// answer.
+pub(super) fn to_model_dtype<const D: usize>(master: Tensor<D>, dtype: DType) -> Tensor<D> {
+    match half_dtype(dtype) {
+        Some(half) if master.dtype() == DType::F32 => {
+            master_to_model(master.clone(), half).unwrap_or_else(|_| master.cast(dtype))
+        }
+        _ => master.cast(dtype),
+    }
+}
+
+/// FP32 master weights to the model's dtype, one rounding pass per parameter.
 struct ToModel(DType);
 
 impl ModuleMapper for ToModel {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let (id, t, mapper) = p.consume();
         let rg = t.is_require_grad();
-        let t = t.detach();
-        let half = match self.0 {
-            DType::BF16 => Some(FloatDType::BF16),
-            DType::F16 => Some(FloatDType::F16),
-            _ => None,
-        };
-        let model = match half {
-            Some(dtype) if t.dtype() == DType::F32 => {
-                // Only a device without the half type refuses, and a plain cast there would
-                // fail the same way.
-                master_to_model(t.clone(), dtype).unwrap_or_else(|_| t.cast(self.0))
-            }
-            _ => t.cast(self.0),
-        };
+        let model = to_model_dtype(t.detach(), self.0);
         Param::from_mapped_value(id, model.set_require_grad(rg), mapper)
     }
 }
@@ -292,14 +300,11 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
                 let stats = flat.local_stats(&grads, self.tp_rank, self.norm_type, inv_scale)?;
                 // Overflow and norm agreed in one collective: a flag sums (or maxes) to non-zero
                 // iff any rank saw one, and the norm reduces by the same operation.
-                let op = match self.norm_type {
-                    NormType::L2 => ReduceOp::Sum,
-                    NormType::Inf => ReduceOp::Max,
-                };
                 let mut v = vec![
                     f32::from(u8::from(stats.non_finite)),
                     stats.norm_part as f32,
                 ];
+                let op = self.norm_type.reduce_op();
                 self.model_parallel.all_reduce_vec(&mut v, op)?;
                 let found_inf = v[0] > 0.0 || !v[1].is_finite();
                 if let Some(s) = self.scaler.as_mut() {
@@ -308,10 +313,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
                 if found_inf {
                     return Ok((model, skipped));
                 }
-                let norm = match self.norm_type {
-                    NormType::L2 => f64::from(v[1]).sqrt(),
-                    NormType::Inf => f64::from(v[1]),
-                };
+                let norm = self.norm_type.finish(f64::from(v[1]));
                 let clip_coeff = clip_coefficient(self.clip_grad, norm);
                 flat.apply(stats.flats, lr, inv_scale, clip_coeff)?;
                 let model = flat.model_from(model)?;

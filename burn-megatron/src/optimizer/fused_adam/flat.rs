@@ -4,14 +4,15 @@
 use super::config::{FusedAdam, FusedAdamConfig};
 use super::modules::walk;
 use crate::optimizer::NormType;
+use crate::optimizer::megatron::{half_dtype, to_model_dtype};
 use crate::param_grads::with_flat;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{DType, Tensor};
 use burn_megatron_kernels::{
-    AdamHyper, FlatAdamState, KernelError, WeightDecay, fused_adam_step, master_to_model,
-    master_to_model_segments, segment_sum_of_squares,
+    AdamHyper, FlatAdamState, KernelError, WeightDecay, fused_adam_step, master_to_model_segments,
+    segment_sum_of_squares,
 };
 
 /// Which flat buffer of the state.
@@ -64,9 +65,9 @@ impl Group {
         self.slots.iter().map(|s| s.len).collect()
     }
 
-    /// `buffer` cut into one `[len]` segment per slot.
-    pub(super) fn segments(&self, buffer: Buffer) -> Vec<Tensor<1>> {
-        let flat = buffer.of(&self.state);
+    /// `flat` (one of the group's buffers, or its gradient) cut into one `[len]` segment per
+    /// slot.
+    pub(super) fn cut(&self, flat: &Tensor<1>) -> Vec<Tensor<1>> {
         let mut offset = 0;
         self.slots
             .iter()
@@ -77,30 +78,29 @@ impl Group {
             .collect()
     }
 
+    /// `buffer` cut into one `[len]` segment per slot.
+    pub(super) fn segments(&self, buffer: Buffer) -> Vec<Tensor<1>> {
+        self.cut(buffer.of(&self.state))
+    }
+
     /// The master segments in each slot's model dtype: one rounding pass when the group has
     /// one half dtype.
     pub(super) fn model_segments(&self) -> Result<Vec<Tensor<1>>, KernelError> {
-        let half = |d: DType| match d {
-            DType::BF16 => Some(FloatDType::BF16),
-            DType::F16 => Some(FloatDType::F16),
-            _ => None,
-        };
         let first = self.slots[0].dtype;
-        if let (Some(h), true) = (half(first), self.slots.iter().all(|s| s.dtype == first))
-            && let Ok(segments) =
-                master_to_model_segments(self.state.param.clone(), &self.lengths(), h)
+        if let (Some(h), true) = (
+            half_dtype(first),
+            self.slots.iter().all(|s| s.dtype == first),
+        ) && let Ok(segments) =
+            master_to_model_segments(self.state.param.clone(), &self.lengths(), h)
         {
             return Ok(segments);
         }
-        // Mixed dtypes, or a device without the half type (where a plain cast is the answer).
+        // Mixed dtypes, or a device without the half type.
         Ok(self
             .segments(Buffer::Master)
             .into_iter()
             .zip(&self.slots)
-            .map(|(t, s)| match half(s.dtype) {
-                Some(h) => master_to_model(t.clone(), h).unwrap_or_else(|_| t.cast(s.dtype)),
-                None => t.cast(s.dtype),
-            })
+            .map(|(t, s)| to_model_dtype(t, s.dtype))
             .collect())
     }
 }
@@ -140,17 +140,18 @@ impl FlatAdam {
                 len: flat.dims()[0],
                 dtype: flat.dtype(),
             };
-            let key = |g: &&mut (f32, f64, Vec<Slot>, Vec<Tensor<1>>)| {
+            let same = |g: &(f32, f64, Vec<Slot>, Vec<Tensor<1>>)| {
                 g.0.to_bits() == wd.to_bits() && g.1.to_bits() == mult.to_bits()
             };
-            let f32_flat = flat.cast(DType::F32);
-            match groups.iter_mut().find(|g| key(g)) {
-                Some(g) => {
-                    g.2.push(slot);
-                    g.3.push(f32_flat);
+            let g = match groups.iter().position(same) {
+                Some(g) => g,
+                None => {
+                    groups.push((wd, mult, Vec::new(), Vec::new()));
+                    groups.len() - 1
                 }
-                None => groups.push((wd, mult, vec![slot], vec![f32_flat])),
-            }
+            };
+            groups[g].2.push(slot);
+            groups[g].3.push(flat.cast(DType::F32));
         });
         let groups = groups
             .into_iter()
@@ -208,11 +209,8 @@ impl FlatAdam {
         }
         if norm_type == NormType::Inf {
             for (g, flat) in self.groups.iter().zip(&flats) {
-                let mut offset = 0;
-                for s in &g.slots {
-                    let seg = flat.clone().narrow(0, offset, s.len);
-                    offset += s.len;
-                    stats.push(match s.len {
+                for seg in g.cut(flat) {
+                    stats.push(match seg.dims()[0] {
                         0 => Tensor::zeros([1], &flat.device()),
                         _ => seg.abs().max(),
                     });

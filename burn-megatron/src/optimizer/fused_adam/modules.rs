@@ -87,38 +87,34 @@ impl FlatAdam {
     /// Takes the state from modules written by [`Self::state_module`] (in [`Buffer::ALL`]
     /// order) and the step count.
     pub(crate) fn load(&mut self, modules: [&impl Module; 3], step: u32) -> Result<(), String> {
+        let [mut master, mut exp_avg, mut exp_avg_sq] = modules.map(|module| {
+            let mut by_id = HashMap::new();
+            walk(module, |_, id, _, flat, _| {
+                by_id.insert(id, flat);
+            });
+            by_id
+        });
         let mut next = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
-            let mut buffers = Vec::with_capacity(3);
-            for module in modules {
-                let mut by_id = HashMap::new();
-                walk(module, |_, id, _, flat, _| {
-                    by_id.insert(id, flat);
-                });
+            // The group's slots, in order, from one module's tensors.
+            let gather = |by_id: &mut HashMap<ParamId, Tensor<1>>| {
                 let mut parts = Vec::with_capacity(g.slots.len());
                 for s in &g.slots {
                     match by_id.remove(&s.id) {
                         Some(t) if t.dims()[0] == s.len => parts.push(t.cast(DType::F32)),
                         Some(t) => {
-                            return Err(format!(
-                                "{:?}: {} elements, not {}",
-                                s.id,
-                                t.dims()[0],
-                                s.len
-                            ));
+                            let n = t.dims()[0];
+                            return Err(format!("{:?}: {n} elements, not {}", s.id, s.len));
                         }
                         None => return Err(format!("no optimizer state for parameter {:?}", s.id)),
                     }
                 }
-                buffers.push(Tensor::cat(parts, 0));
-            }
-            let [param, exp_avg, exp_avg_sq]: [Tensor<1>; 3] = buffers
-                .try_into()
-                .map_err(|_| "three buffers".to_string())?;
+                Ok(Tensor::cat(parts, 0))
+            };
             next.push(FlatAdamState {
-                param,
-                exp_avg,
-                exp_avg_sq,
+                param: gather(&mut master)?,
+                exp_avg: gather(&mut exp_avg)?,
+                exp_avg_sq: gather(&mut exp_avg_sq)?,
             });
         }
         for (g, state) in self.groups.iter_mut().zip(next) {

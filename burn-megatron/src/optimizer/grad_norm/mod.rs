@@ -22,6 +22,24 @@ pub enum NormType {
     Inf,
 }
 
+impl NormType {
+    /// How ranks' local parts combine: sums of squares add, maxima take the max.
+    pub(crate) fn reduce_op(self) -> ReduceOp {
+        match self {
+            NormType::L2 => ReduceOp::Sum,
+            NormType::Inf => ReduceOp::Max,
+        }
+    }
+
+    /// The norm from its reduced part (the square root of a sum of squares for L2).
+    pub(crate) fn finish(self, total: f64) -> f64 {
+        match self {
+            NormType::L2 => total.sqrt(),
+            NormType::Inf => total,
+        }
+    }
+}
+
 /// The global gradient norm of `module`'s gradients on a rank of tensor-parallel rank
 /// `tp_rank`, reduced over `model_parallel` (the tp × pp group). Per-tensor sums are f32, summed
 /// over tensors in f64, and reduced across ranks in f32.
@@ -79,16 +97,8 @@ pub(crate) fn grad_norm_of(
     };
     // The reduction is in f32, as Megatron's `get_grad_norm_fp32`.
     let mut v = vec![local as f32];
-    let op = match norm_type {
-        NormType::L2 => ReduceOp::Sum,
-        NormType::Inf => ReduceOp::Max,
-    };
-    model_parallel.all_reduce_vec(&mut v, op)?;
-    let total = f64::from(v[0]);
-    Ok(match norm_type {
-        NormType::L2 => total.sqrt(),
-        NormType::Inf => total,
-    })
+    model_parallel.all_reduce_vec(&mut v, norm_type.reduce_op())?;
+    Ok(norm_type.finish(f64::from(v[0])))
 }
 
 /// `max_norm / (total_norm + 1e-6)` when that is below 1, else 1 (also when `max_norm` is 0:
