@@ -12,6 +12,8 @@
 //!   backward or overlapped with it.
 //! - [`optimizer`]: Megatron's LR / WD scheduler, loss scalers, and the optimizer wrapper
 //!   (FP32 master weights, overflow skipping, global-norm clipping).
+//! - [`pipeline`]: schedules (1F1B, interleaved), p2p between stages and
+//!   `forward_backward_func` over any model's chunks.
 //! - [`models`]: tensor-parallel attention, MLP, transformer layer and BERT, with Hugging
 //!   Face checkpoint import/export.
 //! - [`data`]: BERT pretraining data: corpus, WordPiece tokenizer, masked sentence pairs.
@@ -25,6 +27,7 @@ pub mod launch;
 pub mod models;
 pub mod optimizer;
 mod param_grads;
+pub mod pipeline;
 mod safetensors_io;
 pub mod tensor_parallel;
 pub mod topology;

@@ -263,8 +263,140 @@ fn every_layout_trains_the_same_model() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// TP 2 × PP 2 trains (its loss falls), writes the timeline, saves per-stage checkpoints
+/// under Megatron's names and resumes from them exactly.
+#[test]
+fn pipeline_parallel_training_falls_saves_and_resumes() {
+    let dir = tmp("pipeline");
+    let save = dir.join("ckpt");
+    let (s, trace) = (save.to_str().unwrap(), dir.join("trace.json"));
+    let common = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--world-size",
+        "4",
+        "--num-layers",
+        "2",
+        "--eval-interval",
+        "20",
+    ];
+    let mut full_args: Vec<&str> = common.to_vec();
+    full_args.extend(["--save", s, "--save-interval", "20"]);
+    full_args.extend(["--timeline", trace.to_str().unwrap()]);
+    let full = run(&args(&full_args, &dir)).unwrap();
+    assert_eq!(full.log.len(), 40);
+    let first = mean(full.log[..5].iter().map(|e| e.lm_loss));
+    let last = mean(full.log[35..].iter().map(|e| e.lm_loss));
+    assert!(last < first - 0.5, "lm loss must fall: {first} → {last}");
+    assert_eq!(full.evals.len(), 2);
+    for stage in ["mp_rank_00_000", "mp_rank_01_001"] {
+        assert!(
+            save.join("iter_0000020")
+                .join(stage)
+                .join("model.safetensors")
+                .is_file()
+        );
+    }
+    let events: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let names: Vec<&str> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    // Two microbatches (8 samples / 4 per microbatch / DP 1) through 2 stages.
+    for name in [
+        "F0.0",
+        "F1.0",
+        "B0.0",
+        "B1.0",
+        "send F0.0",
+        "recv B1.0",
+        "idle",
+    ] {
+        assert!(
+            names.contains(&name),
+            "{name} missing from the trace: {names:?}"
+        );
+    }
+    assert_eq!(&std::fs::read(dir.join("trace.png")).unwrap()[1..4], b"PNG");
+    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "20").unwrap();
+    let mut resume_args: Vec<&str> = common.to_vec();
+    resume_args.extend(["--load", s]);
+    let resumed = run(&args(&resume_args, &dir)).unwrap();
+    assert_eq!(resumed.log.len(), 20);
+    for (r, f) in resumed.log.iter().zip(&full.log[20..]) {
+        let at = format!("iteration {}", r.iteration);
+        assert_eq!((r.lm_loss, r.sop_loss), (f.lm_loss, f.sop_loss), "{at}");
+        assert_eq!(r.grad_norm, f.grad_norm, "{at}");
+    }
+    let mut no_pp: Vec<&str> = resume_args.clone();
+    no_pp.extend(["--pipeline-model-parallel-size", "1", "--world-size", "2"]);
+    let e = run(&args(&no_pp, &dir)).unwrap_err();
+    assert!(e.contains("saved with pipeline-parallel size 2"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The example at pipeline layouts (1F1B, interleaved, with TP + SP, with DP + overlap), dropout
+/// off, against TP 1 × PP 1 × DP 1.
+#[test]
+fn every_pipeline_layout_trains_the_same_model() {
+    let dir = tmp("pipeline-layouts");
+    let losses = |tp: &str, pp: &str, world: &str, extra: &[&str]| {
+        let mut a = vec![
+            "--tensor-model-parallel-size",
+            tp,
+            "--pipeline-model-parallel-size",
+            pp,
+            "--world-size",
+            world,
+            "--num-layers",
+            "4",
+        ];
+        a.extend_from_slice(&SHORT_TP2_DP2[2..]);
+        a.extend(["--hidden-dropout", "0", "--attention-dropout", "0"]);
+        a.extend_from_slice(extra);
+        run(&args(&a, &dir)).unwrap().log
+    };
+    let reference = losses("1", "1", "1", &[]);
+    for (tp, pp, world, extra) in [
+        ("1", "2", "2", &[][..]),
+        (
+            "1",
+            "2",
+            "2",
+            &["--num-layers-per-virtual-pipeline-stage", "1"],
+        ),
+        ("2", "2", "4", &["--sequence-parallel"]),
+        ("1", "2", "4", &["--overlap-grad-reduce"]),
+    ] {
+        let log = losses(tp, pp, world, extra);
+        assert_eq!(log.len(), reference.len());
+        for (a, b) in log.iter().zip(&reference) {
+            let what = format!(
+                "tp {tp} pp {pp} world {world} {extra:?} iteration {}",
+                a.iteration
+            );
+            assert!(
+                (a.lm_loss - b.lm_loss).abs() < 1e-4,
+                "{what}: {} vs {}",
+                a.lm_loss,
+                b.lm_loss
+            );
+            assert!((a.sop_loss - b.sop_loss).abs() < 1e-4, "{what}");
+            let (na, nb) = (a.grad_norm.unwrap(), b.grad_norm.unwrap());
+            assert!((na - nb).abs() <= 1e-4 * nb, "{what}: norm {na} vs {nb}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn error_of(extra: &[&str]) -> String {
-    let dir = tmp("bad");
+    // Tests run in parallel: each call gets a directory of its own.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = tmp(&format!("bad-{n}"));
     let e = run(&args(extra, &dir)).unwrap_err();
     std::fs::remove_dir_all(&dir).unwrap();
     e
@@ -291,6 +423,64 @@ fn bad_arguments_are_rejected_with_clear_messages() {
     assert!(e.contains("3") && e.contains("2"), "{e}");
     let e = error_of(&["--load", "/nonexistent/ckpt"]);
     assert!(e.contains("no checkpoint"), "{e}");
+}
+
+#[test]
+fn bad_pipeline_flags_are_rejected_with_clear_messages() {
+    let e = error_of(&["--pipeline-model-parallel-size", "2", "--num-layers", "3"]);
+    assert!(
+        e.contains("--num-layers (3)") && e.contains("--pipeline-model-parallel-size (2)"),
+        "{e}"
+    );
+    // TP 2 × PP 2 needs a world of 4.
+    let e = error_of(&["--pipeline-model-parallel-size", "2", "--num-layers", "2"]);
+    assert!(
+        e.contains("--world-size 2") && e.contains("--pipeline-model-parallel-size 2"),
+        "{e}"
+    );
+    let e = error_of(&["--num-layers-per-virtual-pipeline-stage", "1"]);
+    assert!(
+        e.contains("needs --pipeline-model-parallel-size > 1"),
+        "{e}"
+    );
+    let pp2 = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--world-size",
+        "4",
+        "--num-layers",
+        "4",
+    ];
+    let e = error_of(&[&pp2[..], &["--num-layers-per-virtual-pipeline-stage", "3"]].concat());
+    assert!(
+        e.contains("(3) must divide the 2 layers of each stage"),
+        "{e}"
+    );
+    let e = error_of(
+        &[
+            &pp2[..],
+            &["--microbatch-group-size-per-virtual-pipeline-stage", "2"],
+        ]
+        .concat(),
+    );
+    assert!(e.contains("needs the interleaved schedule"), "{e}");
+    // Interleaving needs at least P microbatches: 8 samples / (8 per microbatch × DP 1) = 1.
+    let e = error_of(
+        &[
+            &pp2[..],
+            &[
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--micro-batch-size",
+                "8",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(
+        e.contains("pipeline schedule of 1 microbatches") && e.contains("[2, 1]"),
+        "{e}"
+    );
 }
 
 /// The example binary itself: a bad flag value ends with the message and exit status 1

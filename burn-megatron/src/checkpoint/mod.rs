@@ -40,10 +40,22 @@ fn io(path: &Path, message: impl ToString) -> CheckpointError {
     }
 }
 
-/// `ROOT/iter_{iteration:07}/mp_rank_{tp_rank:02}`.
-pub fn rank_dir(root: &Path, iteration: usize, tp_rank: usize) -> PathBuf {
-    root.join(format!("iter_{iteration:07}"))
-        .join(format!("mp_rank_{tp_rank:02}"))
+/// Megatron's directory of one model-parallel rank:
+/// `ROOT/iter_{iteration:07}/mp_rank_{tp_rank:02}`, or `mp_rank_{tp_rank:02}_{pp_rank:03}`
+/// with pipeline parallelism (`pp_rank` given).
+///
+/// ```
+/// use burn_megatron::checkpoint::rank_dir;
+/// use std::path::Path;
+/// let d = rank_dir(Path::new("ckpt"), 5, 1, Some(2));
+/// assert_eq!(d, Path::new("ckpt/iter_0000005/mp_rank_01_002"));
+/// ```
+pub fn rank_dir(root: &Path, iteration: usize, tp_rank: usize, pp_rank: Option<usize>) -> PathBuf {
+    let name = match pp_rank {
+        None => format!("mp_rank_{tp_rank:02}"),
+        Some(pp) => format!("mp_rank_{tp_rank:02}_{pp:03}"),
+    };
+    root.join(format!("iter_{iteration:07}")).join(name)
 }
 
 /// Records `iteration` as the newest complete checkpoint (call once every rank has saved).

@@ -118,7 +118,14 @@ fn another_architecture_is_a_mismatch() {
     );
     write_latest(&dir, 1).unwrap();
     assert_eq!(read_latest(&dir).unwrap(), Some(1));
-    assert_eq!(rank_dir(&dir, 5, 1), dir.join("iter_0000005/mp_rank_01"));
+    assert_eq!(
+        rank_dir(&dir, 5, 1, None),
+        dir.join("iter_0000005/mp_rank_01")
+    );
+    assert_eq!(
+        rank_dir(&dir, 5, 1, Some(3)),
+        dir.join("iter_0000005/mp_rank_01_003")
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -21,8 +21,8 @@ mod tensor_tests;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use buffer::map_vec;
 pub use buffer::{Buffer, CommDType, CommElement};
+pub(crate) use buffer::{comm_dtype, map_vec};
 pub use group::{CommError, ProcessGroup};
 pub use local::{LocalCommunicator, LocalWorld};
 pub use reduce::{ReduceOp, has_non_finite};

@@ -200,17 +200,20 @@ pub fn finalize_model_grads<M: Module>(
     finalize_non_dp(module, grads, tp, embedding, config)
 }
 
-/// [`finalize_model_grads`] after a step whose data-parallel reduction `reducer` overlapped
-/// with backward: waits for it, then the sequence-parallel and embedding reductions.
+/// [`finalize_model_grads`] after a step whose data-parallel reduction overlapped with
+/// backward: waits for each of `reducers` (one per model chunk of a pipeline stage, or just
+/// one), then the sequence-parallel and embedding reductions of `module`.
 pub fn finalize_model_grads_overlapped<M: Module>(
-    reducer: &OverlapReducer,
+    reducers: &[OverlapReducer],
     module: &M,
     grads: &mut GradientsParams,
     tp: &Comm,
     embedding: Option<&Comm>,
     config: &DataParallelConfig,
 ) -> Result<(), CommError> {
-    reducer.finish(grads)?;
+    for reducer in reducers {
+        reducer.finish(grads)?;
+    }
     finalize_non_dp(module, grads, tp, embedding, config)
 }
 

@@ -1,6 +1,7 @@
 //! What each rank thread is handed.
 
 use crate::comm::{Comm, CommError, LocalWorld};
+use crate::pipeline::{P2pCommunicator, P2pShapes};
 use crate::topology::{GroupKind, ParallelState};
 use burn::tensor::Device;
 use std::sync::Arc;
@@ -10,8 +11,10 @@ use std::sync::Arc;
 pub struct RankGroups {
     /// Tensor-model-parallel group.
     pub tp: Comm,
-    /// Pipeline-model-parallel group.
+    /// Pipeline-model-parallel group (also the channel of activations between stages).
     pub pp: Comm,
+    /// The pipeline group again, as a separate channel for gradients between stages.
+    pub pp_backward: Comm,
     /// Data-parallel group.
     pub dp: Comm,
     /// Data-parallel group including context-parallel ranks.
@@ -42,6 +45,17 @@ pub struct RankContext {
 }
 
 impl RankContext {
+    /// This rank's pipeline channels ([`RankGroups::pp`] forward, [`RankGroups::pp_backward`]
+    /// backward), receiving onto this rank's device.
+    pub fn p2p(&self, shapes: P2pShapes) -> P2pCommunicator {
+        P2pCommunicator::new(
+            self.groups.pp.clone(),
+            self.groups.pp_backward.clone(),
+            shapes,
+            self.device.clone(),
+        )
+    }
+
     /// Creates the communicators of `state`'s groups on `world`.
     pub fn new(
         state: ParallelState,
@@ -60,6 +74,11 @@ impl RankContext {
         let groups = RankGroups {
             tp: comm(GroupKind::TensorModelParallel)?,
             pp: comm(GroupKind::PipelineModelParallel)?,
+            pp_backward: Arc::new(world.communicator(
+                "pp-backward",
+                state.pipeline_model_parallel_group().to_vec(),
+                rank,
+            )?),
             dp: comm(GroupKind::DataParallel)?,
             dp_cp: comm(GroupKind::DataParallelWithCp)?,
             mp: comm(GroupKind::ModelParallel)?,

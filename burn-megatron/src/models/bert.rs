@@ -1,5 +1,6 @@
 //! `Bert`: vocab-parallel embeddings, a tensor-parallel encoder, the MLM head tied to the word
-//! embedding, and the pooler with its binary (NSP/SOP) head.
+//! embedding, and the pooler with its binary (NSP/SOP) head — whole, or one pipeline chunk
+//! of it (embeddings on the first virtual stage, heads on the last).
 
 use super::transformer::{LayerNormPosition, NormKind, TransformerLayer, TransformerLayerConfig};
 use crate::comm::Comm;
@@ -9,8 +10,10 @@ use crate::tensor_parallel::mappings::{
 };
 use crate::tensor_parallel::{
     MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
-    VocabParallelEmbeddingConfig, derive_seed, set_parallel_attrs, vocab_parallel_cross_entropy,
+    VocabParallelEmbeddingConfig, derive_seed, parallel_attrs, set_parallel_attrs,
+    vocab_parallel_cross_entropy,
 };
+use crate::topology::PipelinePosition;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
@@ -65,10 +68,12 @@ pub struct BertConfig {
     pub seed: u64,
 }
 
-/// BERT for pretraining, one tensor-parallel rank's part.
+/// Word, position and token-type embeddings with their LayerNorm: the first pipeline stage's
+/// part (Megatron's `pre_process`).
 #[derive(Module, Debug)]
-pub struct Bert {
-    /// Word embeddings, split by vocabulary rows; also the MLM output projection.
+pub struct BertEmbeddings {
+    /// Word embeddings, split by vocabulary rows; also the MLM output projection when the
+    /// whole model is on one stage.
     pub word_embeddings: VocabParallelEmbedding,
     /// Learned positions (duplicated).
     pub position_embeddings: Embedding,
@@ -76,8 +81,12 @@ pub struct Bert {
     pub tokentype_embeddings: Embedding,
     /// LayerNorm after the embedding sum.
     pub embedding_layernorm: LayerNorm,
-    /// The encoder.
-    pub layers: Vec<TransformerLayer>,
+}
+
+/// The MLM head and the pooler with its binary head: the last pipeline stage's part
+/// (Megatron's `post_process`).
+#[derive(Module, Debug)]
+pub struct BertHead {
     /// MLM head transform.
     pub lm_dense: Linear,
     /// MLM head LayerNorm.
@@ -88,6 +97,22 @@ pub struct Bert {
     pub pooler: Linear,
     /// Binary (NSP / SOP) classifier.
     pub binary_head: Linear,
+    /// With pipeline stages, the last stage's copy of the word embeddings (the tied MLM
+    /// output projection): initialised like the first stage's, its gradient summed with
+    /// theirs over the embedding group. `None` when the first stage is this model too.
+    pub word_embeddings: Option<VocabParallelEmbedding>,
+}
+
+/// BERT for pretraining: one tensor-parallel rank's part of one pipeline model chunk.
+/// Built by [`BertConfig::init`] for the whole model, [`BertConfig::init_stage`] per chunk.
+#[derive(Module, Debug)]
+pub struct Bert {
+    /// The embeddings, on the first virtual pipeline stage.
+    pub embeddings: Option<BertEmbeddings>,
+    /// This chunk's encoder layers.
+    pub layers: Vec<TransformerLayer>,
+    /// The heads, on the last virtual pipeline stage.
+    pub head: Option<BertHead>,
     #[module(skip)]
     tp: Comm,
     #[module(skip)]
@@ -105,6 +130,16 @@ pub struct BertOutput {
     pub binary_logits: Tensor<2>,
 }
 
+/// What [`Bert::forward_stage`] returns: the heads' output on the last stage, the hidden
+/// states for the next stage elsewhere.
+#[derive(Debug, Clone)]
+pub enum BertStageOutput {
+    /// `[s, b, h]` hidden states (`[s / tp, b, h]` under sequence parallelism).
+    Hidden(Tensor<3>),
+    /// The heads' logits.
+    Output(BertOutput),
+}
+
 fn host_param<const D: usize>(
     values: Vec<f32>,
     shape: [usize; D],
@@ -114,12 +149,30 @@ fn host_param<const D: usize>(
 }
 
 impl BertConfig {
-    /// Initialises this rank's part; identical weights at every TP size for one seed.
+    /// Initialises this rank's part of the whole model; identical weights at every TP size
+    /// for one seed.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<Bert, TpError> {
+        self.init_stage(tp, PipelinePosition::whole(), device)
+    }
+
+    /// Initialises this rank's part of the model chunk at `position`: the layers
+    /// [`PipelinePosition::layer_range`], the embeddings on the first virtual stage and the
+    /// heads on the last. Every weight equals the same weight of the whole model (seeds
+    /// follow global layer indices); the last stage's copy of the word embeddings equals the
+    /// first stage's.
+    pub fn init_stage(
+        &self,
+        tp: &Comm,
+        position: PipelinePosition,
+        device: &Device,
+    ) -> Result<Bert, TpError> {
         super::check_dropout(&[
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
         ])?;
+        let layer_range = position
+            .layer_range(self.num_layers)
+            .map_err(|e| TpError::Invalid(e.to_string()))?;
         let (h, seed) = (self.hidden_size, self.seed);
         let normal = MasterInit::Normal {
             mean: 0.0,
@@ -145,11 +198,28 @@ impl BertConfig {
                 .with_epsilon(self.layernorm_epsilon)
                 .init(device)
         };
-        let word_embeddings = VocabParallelEmbeddingConfig::new(self.padded_vocab_size, h)
-            .with_initializer(normal)
-            .with_seed(derive_seed(seed, "word_embeddings"))
-            .init(tp, device)?;
-        let layers = (0..self.num_layers)
+        let word_embeddings = || {
+            VocabParallelEmbeddingConfig::new(self.padded_vocab_size, h)
+                .with_initializer(normal)
+                .with_seed(derive_seed(seed, "word_embeddings"))
+                .init(tp, device)
+        };
+        let (first, last) = (position.is_first_stage(), position.is_last_stage());
+        let embeddings = first
+            .then(|| -> Result<_, TpError> {
+                let word_embeddings = word_embeddings()?;
+                if !last {
+                    tie(&word_embeddings, false);
+                }
+                Ok(BertEmbeddings {
+                    word_embeddings,
+                    position_embeddings: table(self.max_position_embeddings, "position_embeddings"),
+                    tokentype_embeddings: table(self.num_tokentypes, "tokentype_embeddings"),
+                    embedding_layernorm: ln(),
+                })
+            })
+            .transpose()?;
+        let layers = layer_range
             .map(|i| {
                 TransformerLayerConfig::new(h, self.num_attention_heads, self.ffn_hidden_size)
                     .with_layernorm_position(self.layernorm_position)
@@ -164,20 +234,29 @@ impl BertConfig {
                     .init(tp, device)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let part = self.padded_vocab_size / tp.group().size();
-        let lm_bias = host_param(vec![0.0; part], [part], device);
-        set_parallel_attrs(lm_bias.id, ParallelAttrs::sharded(0));
+        let head = last
+            .then(|| -> Result<_, TpError> {
+                let part = self.padded_vocab_size / tp.group().size();
+                let lm_bias = host_param(vec![0.0; part], [part], device);
+                set_parallel_attrs(lm_bias.id, ParallelAttrs::sharded(0));
+                let word_embeddings = (!first).then(word_embeddings).transpose()?;
+                if let Some(copy) = &word_embeddings {
+                    tie(copy, true);
+                }
+                Ok(BertHead {
+                    lm_dense: linear(h, h, "lm_head.dense"),
+                    lm_layernorm: ln(),
+                    lm_bias,
+                    pooler: linear(h, h, "pooler"),
+                    binary_head: linear(h, 2, "binary_head"),
+                    word_embeddings,
+                })
+            })
+            .transpose()?;
         Ok(Bert {
-            word_embeddings,
-            position_embeddings: table(self.max_position_embeddings, "position_embeddings"),
-            tokentype_embeddings: table(self.num_tokentypes, "tokentype_embeddings"),
-            embedding_layernorm: ln(),
+            embeddings,
             layers,
-            lm_dense: linear(h, h, "lm_head.dense"),
-            lm_layernorm: ln(),
-            lm_bias,
-            pooler: linear(h, h, "pooler"),
-            binary_head: linear(h, 2, "binary_head"),
+            head,
             tp: tp.clone(),
             sequence_parallel: self.sequence_parallel,
             hidden_dropout: self.hidden_dropout,
@@ -185,9 +264,20 @@ impl BertConfig {
     }
 }
 
+/// Marks a copy of the word embeddings tied across the first and last stage.
+fn tie(embedding: &VocabParallelEmbedding, second_copy: bool) {
+    let id = embedding.weight.id;
+    set_parallel_attrs(id, parallel_attrs(id).tied_embedding(second_copy));
+}
+
 impl Bert {
     /// `ids`, `token_types`: `[b, s]`; `padding`: `[b, s]`, true at padded positions.
     /// Dropout applies when `rng` is given.
+    ///
+    /// # Panics
+    ///
+    /// On a pipeline chunk that lacks the embeddings or the heads (built by
+    /// [`BertConfig::init_stage`] for P·V > 1): use [`Bert::forward_stage`] there.
     pub fn forward(
         &self,
         ids: Tensor<2, Int>,
@@ -195,15 +285,89 @@ impl Bert {
         padding: Tensor<2, Bool>,
         rng: Option<&RngTracker>,
     ) -> BertOutput {
+        assert!(
+            self.embeddings.is_some() && self.head.is_some(),
+            "Bert::forward runs the whole model; this is one pipeline chunk (use forward_stage)"
+        );
+        match self.forward_stage(Some((ids, token_types)), None, padding, rng) {
+            Ok(BertStageOutput::Output(out)) => out,
+            _ => unreachable!("the whole model embeds and ends in the heads"),
+        }
+    }
+
+    /// One pipeline chunk's forward: from `tokens` (`ids`, `token_types`, `[b, s]`) on the
+    /// first virtual stage, from the previous stage's `hidden` states elsewhere; `padding`
+    /// (`[b, s]`, true at padded positions) on every stage.
+    pub fn forward_stage(
+        &self,
+        tokens: Option<(Tensor<2, Int>, Tensor<2, Int>)>,
+        hidden: Option<Tensor<3>>,
+        padding: Tensor<2, Bool>,
+        rng: Option<&RngTracker>,
+    ) -> Result<BertStageOutput, TpError> {
+        let mut x = match (&self.embeddings, tokens, hidden) {
+            (Some(e), Some((ids, types)), None) => self.embed(e, ids, types, rng),
+            (None, None, Some(x)) => x,
+            (e, t, x) => {
+                return Err(TpError::Invalid(format!(
+                    "forward_stage on a chunk {} the embeddings needs {}, got token ids: {}, hidden states: {}",
+                    if e.is_some() { "with" } else { "without" },
+                    if e.is_some() {
+                        "token ids only"
+                    } else {
+                        "hidden states only"
+                    },
+                    t.is_some(),
+                    x.is_some()
+                )));
+            }
+        };
+        for layer in &self.layers {
+            x = layer.forward(x, Some(padding.clone()), rng);
+        }
+        let Some(head) = &self.head else {
+            return Ok(BertStageOutput::Hidden(x));
+        };
+        if self.sequence_parallel {
+            x = gather_from_sequence_parallel_region(x, &self.tp, false);
+        }
+        let word_embeddings = match (&head.word_embeddings, &self.embeddings) {
+            (Some(w), _)
+            | (
+                None,
+                Some(BertEmbeddings {
+                    word_embeddings: w, ..
+                }),
+            ) => w,
+            (None, None) => {
+                return Err(TpError::Invalid(
+                    "a last-stage chunk without a copy of the word embeddings".into(),
+                ));
+            }
+        };
+        Ok(BertStageOutput::Output(self.heads(
+            head,
+            word_embeddings,
+            x,
+        )))
+    }
+
+    fn embed(
+        &self,
+        e: &BertEmbeddings,
+        ids: Tensor<2, Int>,
+        token_types: Tensor<2, Int>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
         let [b, s] = ids.dims();
         let device = ids.device();
         let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
             .unsqueeze::<2>()
             .repeat_dim(0, b);
-        let x = self.word_embeddings.forward(ids)
-            + self.position_embeddings.forward(positions)
-            + self.tokentype_embeddings.forward(token_types);
-        let mut x = self.embedding_layernorm.forward(x).swap_dims(0, 1); // [s, b, h]
+        let x = e.word_embeddings.forward(ids)
+            + e.position_embeddings.forward(positions)
+            + e.tokentype_embeddings.forward(token_types);
+        let mut x = e.embedding_layernorm.forward(x).swap_dims(0, 1); // [s, b, h]
         if let Some(rng) = rng {
             x = rng
                 .dropout(x, self.hidden_dropout, RngRegion::Default)
@@ -212,28 +376,31 @@ impl Bert {
         if self.sequence_parallel {
             x = scatter_to_sequence_parallel_region(x, &self.tp);
         }
-        for layer in &self.layers {
-            x = layer.forward(x, Some(padding.clone()), rng);
-        }
-        if self.sequence_parallel {
-            x = gather_from_sequence_parallel_region(x, &self.tp, false);
-        }
+        x
+    }
+
+    fn heads(
+        &self,
+        head: &BertHead,
+        word_embeddings: &VocabParallelEmbedding,
+        x: Tensor<3>,
+    ) -> BertOutput {
+        let [s, b, h] = x.dims();
         // MLM head: transform, then logits against this rank's slice of the word embeddings.
-        let t = self
+        let t = head
             .lm_layernorm
-            .forward(gelu(self.lm_dense.forward(x.clone())));
+            .forward(gelu(head.lm_dense.forward(x.clone())));
         let t = copy_to_tensor_model_parallel_region(t, &self.tp);
         // A 2-d matmul: a broadcast [1, h, V] weight would make backward materialise one
         // [h, V] gradient per sequence position before summing them.
-        let h = t.dims()[2];
-        let w = self.word_embeddings.weight.val().transpose();
-        let logits = t.reshape([s * b, h]).matmul(w) + self.lm_bias.val().unsqueeze::<2>();
+        let w = word_embeddings.weight.val().transpose();
+        let logits = t.reshape([s * b, h]).matmul(w) + head.lm_bias.val().unsqueeze::<2>();
         let lm_logits = logits.reshape([s as i32, b as i32, -1]);
         let first = x.narrow(0, 0, 1).reshape([b, h]);
-        let pooled = self.pooler.forward(first).tanh();
+        let pooled = head.pooler.forward(first).tanh();
         BertOutput {
             lm_logits,
-            binary_logits: self.binary_head.forward(pooled),
+            binary_logits: head.binary_head.forward(pooled),
         }
     }
 

@@ -221,32 +221,42 @@ fn linear<'a>(
 fn entries(model: &mut Bert) -> Result<Vec<Entry<'_>>, HfError> {
     let mut out = Vec::new();
     let e = "bert.embeddings";
-    let m = &mut *model;
+    let Bert {
+        embeddings: Some(emb),
+        layers,
+        head: Some(m),
+        ..
+    } = model
+    else {
+        return Err(HfError::Unsupported(
+            "a pipeline chunk: Hugging Face BERT import and export need the whole model".into(),
+        ));
+    };
     out.push(entry(
         format!("{e}.word_embeddings.weight"),
         Split::Vocab,
         false,
-        Slot::Two(&mut m.word_embeddings.weight),
+        Slot::Two(&mut emb.word_embeddings.weight),
     ));
     out.push(entry(
         format!("{e}.position_embeddings.weight"),
         Split::Dup,
         false,
-        Slot::Two(&mut m.position_embeddings.weight),
+        Slot::Two(&mut emb.position_embeddings.weight),
     ));
     out.push(entry(
         format!("{e}.token_type_embeddings.weight"),
         Split::Dup,
         false,
-        Slot::Two(&mut m.tokentype_embeddings.weight),
+        Slot::Two(&mut emb.tokentype_embeddings.weight),
     ));
     out.push(entry(
         format!("{e}.LayerNorm.weight"),
         Split::Dup,
         false,
-        Slot::One(&mut m.embedding_layernorm.gamma),
+        Slot::One(&mut emb.embedding_layernorm.gamma),
     ));
-    if let Some(beta) = m.embedding_layernorm.beta.as_mut() {
+    if let Some(beta) = emb.embedding_layernorm.beta.as_mut() {
         out.push(entry(
             format!("{e}.LayerNorm.bias"),
             Split::Dup,
@@ -254,7 +264,7 @@ fn entries(model: &mut Bert) -> Result<Vec<Entry<'_>>, HfError> {
             Slot::One(beta),
         ));
     }
-    for (i, layer) in m.layers.iter_mut().enumerate() {
+    for (i, layer) in layers.iter_mut().enumerate() {
         if layer.layernorm_position() != LayerNormPosition::Post {
             return Err(HfError::Unsupported(
                 "pre-LayerNorm layers (HF BERT is post-LN)".into(),

@@ -22,9 +22,13 @@ pub struct ParallelAttrs {
     /// covers only its part of the sequence and must be all-reduced over the TP group
     /// (LayerNorm weights, row-parallel biases).
     pub sequence_parallel: bool,
-    /// The word embedding's second copy on the last pipeline stage (tied output layer):
-    /// its gradient is reduced over the embedding group and it is counted once.
+    /// A word embedding tied between the first and the last pipeline stage (Megatron's
+    /// `shared_embedding`, set on both copies): `finalize_model_grads` sums its gradient
+    /// over the embedding group.
     pub shared_embedding: bool,
+    /// The last stage's copy of a tied weight (Megatron's `shared`): the first stage's copy
+    /// already counts it in the global gradient norm, so this one never does.
+    pub shared: bool,
 }
 
 impl ParallelAttrs {
@@ -47,9 +51,17 @@ impl ParallelAttrs {
 
     /// Whether this rank's copy contributes to the global gradient norm on a rank with the
     /// given tensor-parallel rank: shards always, duplicates only on TP rank 0, the second
-    /// copy of a shared embedding never.
+    /// copy of a tied weight never.
     pub fn counts_in_grad_norm(&self, tp_rank: usize) -> bool {
-        !self.shared_embedding && (self.tensor_model_parallel || tp_rank == 0)
+        !self.shared && (self.tensor_model_parallel || tp_rank == 0)
+    }
+
+    /// These attributes marked as a tied embedding's copy: on the first stage
+    /// (`second_copy` false) or on the last (`true`, left out of the gradient norm).
+    pub fn tied_embedding(mut self, second_copy: bool) -> Self {
+        self.shared_embedding = true;
+        self.shared = second_copy;
+        self
     }
 }
 

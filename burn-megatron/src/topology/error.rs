@@ -119,6 +119,35 @@ pub enum TopologyError {
         pp: usize,
     },
 
+    /// The layers do not split evenly over the `P·V` virtual pipeline stages.
+    #[error(
+        "{num_layers} layers do not split evenly over {pipeline_size} pipeline stages × {num_model_chunks} model chunks = {} virtual stages",
+        pipeline_size * num_model_chunks
+    )]
+    LayersNotDivisible {
+        /// Transformer layers in the whole model.
+        num_layers: usize,
+        /// P.
+        pipeline_size: usize,
+        /// V.
+        num_model_chunks: usize,
+    },
+
+    /// A pipeline position outside its pipeline.
+    #[error(
+        "pipeline rank {pipeline_rank} of {pipeline_size}, model chunk {chunk} of {num_model_chunks}: out of range"
+    )]
+    PositionOutOfRange {
+        /// The stage.
+        pipeline_rank: usize,
+        /// P.
+        pipeline_size: usize,
+        /// The chunk.
+        chunk: usize,
+        /// V.
+        num_model_chunks: usize,
+    },
+
     /// A kind of parallelism that this crate cannot run yet.
     #[error("{feature} ({token} = {size}) is not supported yet")]
     Unsupported {

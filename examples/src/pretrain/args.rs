@@ -3,6 +3,7 @@
 use burn_megatron::checkpoint::{rank_dir, read_latest};
 use burn_megatron::data::BatchLayout;
 use burn_megatron::optimizer::LrDecayStyle;
+use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::topology::ParallelConfig;
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
@@ -31,8 +32,8 @@ impl From<DecayStyle> for LrDecayStyle {
     }
 }
 
-/// BERT pretraining with tensor and data parallelism (ranks run as threads of this
-/// process). Without `--data-path` it trains on a procedurally generated English-like
+/// BERT pretraining with tensor, pipeline and data parallelism (ranks run as threads of
+/// this process). Without `--data-path` it trains on a procedurally generated English-like
 /// corpus, and without `--vocab-file` it trains a WordPiece vocabulary on it first.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "bert_pretrain", version, args_override_self = true)]
@@ -47,7 +48,18 @@ pub struct Args {
     /// (Megatron's flag of the same name), also under --bf16 / --fp16.
     #[arg(long)]
     pub gradient_accumulation_fusion: bool,
-    /// Total ranks; data-parallel size = world size / TP.
+    /// Pipeline stages; each holds `--num-layers / PP` layers, the first the embeddings and
+    /// the last the heads.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline_model_parallel_size: usize,
+    /// Layers per model chunk of the interleaved 1F1B schedule: each stage holds
+    /// V = layers / PP / this chunks (default: one chunk, plain 1F1B).
+    #[arg(long)]
+    pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    /// Microbatches per group of the interleaved schedule's table (default: PP).
+    #[arg(long)]
+    pub microbatch_group_size_per_virtual_pipeline_stage: Option<usize>,
+    /// Total ranks; data-parallel size = world size / (TP × PP).
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,
     /// Transformer layers.
@@ -155,6 +167,10 @@ pub struct Args {
     /// Where the loss curve is drawn (PNG).
     #[arg(long, default_value = "bert_pretrain_loss.png")]
     pub loss_plot: PathBuf,
+    /// Write the last iteration's pipeline schedule as a Chrome trace (JSON; Perfetto and
+    /// chrome://tracing open it) and as a PNG beside it.
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -163,19 +179,91 @@ pub struct Args {
 impl Args {
     /// Data-parallel size.
     pub fn data_parallel_size(&self) -> usize {
-        self.world_size / self.tensor_model_parallel_size.max(1)
+        let mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size;
+        self.world_size / mp.max(1)
+    }
+
+    /// Model chunks per pipeline stage (V): 1 without interleaving.
+    pub fn num_model_chunks(&self) -> usize {
+        let pp = self.pipeline_model_parallel_size.max(1);
+        match self.num_layers_per_virtual_pipeline_stage {
+            Some(n) if n > 0 => self.num_layers / pp / n,
+            _ => 1,
+        }
     }
 
     /// The parallel layout, validated.
     pub fn parallel_config(&self) -> Result<ParallelConfig, String> {
-        let config = ParallelConfig::new(self.world_size, self.tensor_model_parallel_size, 1)
-            .with_sequence_parallel(self.sequence_parallel);
-        config.clone().validate().map_err(|e| e.to_string())?;
+        let v = self.num_model_chunks();
+        let config = ParallelConfig::new(
+            self.world_size,
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+        )
+        .with_sequence_parallel(self.sequence_parallel)
+        .with_virtual_pipeline((self.num_layers_per_virtual_pipeline_stage.is_some()).then_some(v));
+        config.clone().validate().map_err(|e| {
+            format!(
+                "--world-size {} with --tensor-model-parallel-size {} and --pipeline-model-parallel-size {}: {e}",
+                self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+            )
+        })?;
         Ok(config)
+    }
+
+    /// The pipeline schedule of one iteration.
+    pub fn schedule(&self, layout: &BatchLayout) -> PipelineSchedule {
+        PipelineSchedule::new(
+            self.pipeline_model_parallel_size,
+            layout.num_micro_batches(),
+        )
+        .with_model_chunks(self.num_model_chunks())
+        .with_microbatch_group_size(self.microbatch_group_size_per_virtual_pipeline_stage)
+    }
+
+    /// The pipeline flags' own checks, before the layout is built.
+    fn validate_pipeline(&self) -> Result<(), String> {
+        let (pp, layers) = (self.pipeline_model_parallel_size, self.num_layers);
+        if pp == 0 {
+            return Err("--pipeline-model-parallel-size must be at least 1".into());
+        }
+        if !layers.is_multiple_of(pp) {
+            return Err(format!(
+                "--num-layers ({layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
+            ));
+        }
+        match self.num_layers_per_virtual_pipeline_stage {
+            Some(_) if pp == 1 => {
+                return Err("--num-layers-per-virtual-pipeline-stage needs \
+                     --pipeline-model-parallel-size > 1"
+                    .into());
+            }
+            Some(n) if n == 0 || !(layers / pp).is_multiple_of(n) => {
+                return Err(format!(
+                    "--num-layers-per-virtual-pipeline-stage ({n}) must divide the {} layers \
+                     of each stage (--num-layers {layers} / --pipeline-model-parallel-size {pp})",
+                    layers / pp
+                ));
+            }
+            _ => {}
+        }
+        if self
+            .microbatch_group_size_per_virtual_pipeline_stage
+            .is_some()
+            && self.num_model_chunks() == 1
+        {
+            return Err(
+                "--microbatch-group-size-per-virtual-pipeline-stage needs the \
+                 interleaved schedule (--num-layers-per-virtual-pipeline-stage)"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// Every check that can fail before training starts, with a message naming the flags.
     pub fn validate(&self) -> Result<BatchLayout, String> {
+        self.validate_pipeline()?;
         self.parallel_config()?;
         let tp = self.tensor_model_parallel_size;
         if !self.num_attention_heads.is_multiple_of(tp) {
@@ -198,14 +286,23 @@ impl Args {
             ));
         }
         let dp = self.data_parallel_size();
+        let pp = self.pipeline_model_parallel_size;
         let layout = BatchLayout::new(self.global_batch_size, self.micro_batch_size, dp)
             .map_err(|_| {
                 format!(
                     "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) × \
-                     data-parallel size ({dp} = --world-size {} / --tensor-model-parallel-size {tp})",
+                     data-parallel size ({dp} = --world-size {} / (--tensor-model-parallel-size {tp} × \
+                     --pipeline-model-parallel-size {pp}))",
                     self.global_batch_size, self.micro_batch_size, self.world_size
                 )
             })?;
+        self.schedule(&layout).validate().map_err(|e| {
+            format!(
+                "pipeline schedule of {} microbatches (--global-batch-size / (--micro-batch-size × \
+                 data-parallel size)) over --pipeline-model-parallel-size {pp}: {e}",
+                layout.num_micro_batches()
+            )
+        })?;
         if self.max_position_embeddings.unwrap_or(self.seq_length) < self.seq_length {
             return Err("--max-position-embeddings must be at least --seq-length".into());
         }
@@ -220,24 +317,7 @@ impl Args {
             }
         }
         if let Some(dir) = &self.load {
-            let latest = read_latest(dir).map_err(|e| format!("--load: {e}"))?;
-            let Some(iteration) = latest else {
-                return Err(format!(
-                    "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
-                    dir.display()
-                ));
-            };
-            // Checkpoints hold one directory per TP rank: the layout must be the same.
-            let saved = (0..)
-                .take_while(|&r| rank_dir(dir, iteration, r).is_dir())
-                .count();
-            if saved != tp {
-                return Err(format!(
-                    "--load {}: iteration {iteration} was saved with tensor-parallel size {saved}, \
-                     not --tensor-model-parallel-size {tp}",
-                    dir.display()
-                ));
-            }
+            self.check_saved_layout(dir)?;
         }
         if self.train_iters == 0 || self.log_interval == 0 {
             return Err("--train-iters and --log-interval must be positive".into());
@@ -249,5 +329,50 @@ impl Args {
             return Err("--loss-scale needs --fp16".into());
         }
         Ok(layout)
+    }
+
+    /// The checkpoint under `dir` holds one directory per model-parallel rank: the
+    /// tensor- and pipeline-parallel sizes must be the ones it was saved with.
+    fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
+        let latest = read_latest(dir).map_err(|e| format!("--load: {e}"))?;
+        let Some(iteration) = latest else {
+            return Err(format!(
+                "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
+                dir.display()
+            ));
+        };
+        let (tp, pp) = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+        );
+        // Megatron's names: mp_rank_TT without pipelines, mp_rank_TT_PPP with.
+        let count = |stage: Option<usize>| {
+            (0..)
+                .take_while(|&r| rank_dir(dir, iteration, r, stage).is_dir())
+                .count()
+        };
+        let (saved_tp, saved_pp) = if count(None) > 0 {
+            (count(None), 1)
+        } else {
+            let stages = (0..)
+                .take_while(|&p| rank_dir(dir, iteration, 0, Some(p)).is_dir())
+                .count();
+            (count(Some(0)), stages)
+        };
+        if saved_tp != tp {
+            return Err(format!(
+                "--load {}: iteration {iteration} was saved with tensor-parallel size {saved_tp}, \
+                 not --tensor-model-parallel-size {tp}",
+                dir.display()
+            ));
+        }
+        if saved_pp != pp {
+            return Err(format!(
+                "--load {}: iteration {iteration} was saved with pipeline-parallel size {saved_pp}, \
+                 not --pipeline-model-parallel-size {pp}",
+                dir.display()
+            ));
+        }
+        Ok(())
     }
 }

@@ -14,6 +14,7 @@ use burn_megatron::data::{
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::BertConfig;
+use burn_megatron::pipeline::{Span, chrome_trace, idle_fraction};
 use burn_megatron::tensor_parallel::padded_vocab_size;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::time::{Duration, Instant};
@@ -62,6 +63,8 @@ pub struct Shared {
     train: BertDataset,
     valid: BertDataset,
     progress: ProgressBar,
+    /// Every rank's timeline is measured from here.
+    epoch: Instant,
 }
 
 impl Shared {
@@ -139,6 +142,39 @@ fn tokenizer(args: &Args, docs: &[Document]) -> Result<BertTokenizer, String> {
     Ok(tokenizer)
 }
 
+/// Writes every rank's spans of the last iteration as a Chrome trace at `path` and as a PNG
+/// beside it, and prints each rank's idle fraction.
+fn write_timeline(path: &std::path::Path, outputs: &[train::RankOutput]) -> Result<(), String> {
+    let ranks: Vec<Vec<Span>> = outputs.iter().map(|o| o.2.clone()).collect();
+    std::fs::write(path, chrome_trace(&ranks))
+        .map_err(|e| format!("--timeline {}: {e}", path.display()))?;
+    let png = path.with_extension("png");
+    plot::timeline(&png, &ranks)?;
+    let start = ranks
+        .iter()
+        .flatten()
+        .map(|s| s.start)
+        .min()
+        .unwrap_or_default();
+    let end = ranks
+        .iter()
+        .flatten()
+        .map(|s| s.end)
+        .max()
+        .unwrap_or_default();
+    let idle: Vec<String> = ranks
+        .iter()
+        .map(|r| format!("{:.2}", idle_fraction(r, end.saturating_sub(start))))
+        .collect();
+    println!(
+        "> timeline of the last iteration in {} and {} | idle fraction per rank: {}",
+        path.display(),
+        png.display(),
+        idle.join(" ")
+    );
+    Ok(())
+}
+
 /// Validates `args`, prepares the data and trains; returns the log of global rank 0.
 pub fn run(args: &Args) -> Result<Summary, String> {
     let start = Instant::now();
@@ -178,13 +214,18 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     .with_gradient_accumulation_fusion(args.gradient_accumulation_fusion)
     .with_seed(args.seed);
     println!(
-        "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × DP {}{} | vocab {} (padded {}) | \
+        "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × PP {}{} × DP {}{} | vocab {} (padded {}) | \
          {} train / {} validation segments | {}",
         args.num_layers,
         args.hidden_size,
         args.num_attention_heads,
         args.seq_length,
         tp,
+        args.pipeline_model_parallel_size,
+        match args.num_model_chunks() {
+            1 => String::new(),
+            v => format!(" (V {v})"),
+        },
         args.data_parallel_size(),
         if args.sequence_parallel { " + SP" } else { "" },
         tokenizer.vocab_size(),
@@ -221,13 +262,17 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         train,
         valid,
         progress,
+        epoch: Instant::now(),
     };
     let mut outputs = threads(&parallel, LaunchOptions::default(), |ctx| {
         train::train_rank(ctx, &shared)
     })
     .map_err(|e| e.to_string())?;
     shared.progress.finish_and_clear();
-    let (log, evals) = outputs.swap_remove(0);
+    if let Some(path) = &args.timeline {
+        write_timeline(path, &outputs)?;
+    }
+    let (log, evals, _) = outputs.swap_remove(0);
     if let Some(first) = log.first() {
         plot::loss_curve(&args.loss_plot, &log, &evals)?;
         let last = log.last().unwrap_or(first);

@@ -2,6 +2,7 @@
 //! as points.
 
 use super::IterationLog;
+use burn_megatron::pipeline::{Span, SpanKind};
 use plotters::prelude::*;
 use std::path::Path;
 
@@ -79,5 +80,82 @@ pub fn loss_curve(
 ) -> Result<(), String> {
     draw(path, log, evals, true)
         .or_else(|_| draw(path, log, evals, false))
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn draw_timeline(
+    path: &Path,
+    ranks: &[Vec<Span>],
+    text: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let root = BitMapBackend::new(path, (1200, 80 + 60 * ranks.len() as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let t0 = ranks
+        .iter()
+        .flatten()
+        .map(|s| s.start)
+        .min()
+        .unwrap_or_default();
+    let t1 = ranks
+        .iter()
+        .flatten()
+        .map(|s| s.end)
+        .max()
+        .unwrap_or_default();
+    let ms = |d: std::time::Duration| d.saturating_sub(t0).as_secs_f64() * 1e3;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(20);
+    if text {
+        builder
+            .caption(
+                "pipeline schedule (forward blue, backward green, send/recv grey)",
+                ("sans-serif", 20),
+            )
+            .x_label_area_size(30)
+            .y_label_area_size(60);
+    }
+    let n = ranks.len() as f64;
+    let mut chart = builder.build_cartesian_2d(0.0..ms(t1).max(1e-3), 0.0..n)?;
+    if text {
+        chart
+            .configure_mesh()
+            .x_desc("ms")
+            .y_desc("rank")
+            .y_labels(2 * ranks.len() + 1)
+            .y_label_formatter(&|y| {
+                // Row k is drawn between n − k − 1 and n − k: label its middle with the rank.
+                let k = n - y - 0.5;
+                if k >= 0.0 && (k - k.round()).abs() < 0.01 {
+                    format!("{}", k.round())
+                } else {
+                    String::new()
+                }
+            })
+            .disable_y_mesh()
+            .draw()?;
+    }
+    for (rank, spans) in ranks.iter().enumerate() {
+        // Rank 0 at the top, as Perfetto shows it.
+        let y = n - rank as f64;
+        chart.draw_series(spans.iter().map(|s| {
+            let color = match s.kind {
+                SpanKind::Forward => BLUE.mix(0.35 + 0.5 / (1.0 + s.op.chunk as f64)),
+                SpanKind::Backward => GREEN.mix(0.35 + 0.5 / (1.0 + s.op.chunk as f64)),
+                SpanKind::Send | SpanKind::Recv => BLACK.mix(0.25),
+            };
+            // A hair's gap between neighbouring spans keeps microbatches apart.
+            let end = (ms(s.end) - ms(t1) * 1e-3).max(ms(s.start));
+            Rectangle::new([(ms(s.start), y - 0.9), (end, y - 0.1)], color.filled())
+        }))?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+/// Draws every rank's spans as a row of boxes; without a usable system font the axes go
+/// unlabelled.
+pub fn timeline(path: &Path, ranks: &[Vec<Span>]) -> Result<(), String> {
+    draw_timeline(path, ranks, true)
+        .or_else(|_| draw_timeline(path, ranks, false))
         .map_err(|e| format!("{}: {e}", path.display()))
 }

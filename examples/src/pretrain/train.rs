@@ -1,26 +1,33 @@
-//! One rank's training loop: micro-batches with gradient accumulation, the data-parallel
-//! and sequence-parallel gradient reductions, the Megatron optimizer step, validation and
-//! checkpoints.
+//! One rank's training loop: this stage's model chunks run the pipeline schedule over the
+//! iteration's microbatches (gradient accumulation included), then the data-parallel,
+//! sequence-parallel and tied-embedding gradient reductions, the Megatron optimizer step,
+//! validation and checkpoints.
 
 use super::{Args, IterationLog, Shared};
-use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::tensor::{DType, Tensor};
 use burn_megatron::checkpoint::{
     load_checkpoint, rank_dir, read_latest, save_checkpoint, write_latest,
 };
-use burn_megatron::comm::{CommunicatorExt, ReduceOp};
+use burn_megatron::comm::{Buffer, Comm, CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BertBatch, BertDataset, BertSample};
 use burn_megatron::data_parallel::{
     DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
 };
 use burn_megatron::launch::RankContext;
-use burn_megatron::models::{Bert, BertConfig};
+use burn_megatron::models::{Bert, BertConfig, BertStageOutput};
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
     OptimizerParamScheduler, OptimizerParamSchedulerConfig, WdIncrStyle, cast_params,
     megatron_param_groups,
 };
+use burn_megatron::pipeline::{
+    ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync, P2pShapes,
+    Span, StageError, forward_backward_func,
+};
 use burn_megatron::tensor_parallel::RngTracker;
+use burn_megatron::topology::PipelinePosition;
+use std::sync::Arc;
 use std::time::Instant;
 
 fn scalar(t: Tensor<1>) -> f64 {
@@ -60,65 +67,140 @@ pub fn scheduler(args: &Args) -> Result<OptimizerParamScheduler, String> {
     .map_err(|e| e.to_string())
 }
 
-/// (lm loss, sop loss) of one micro-batch, and its backward when `rng` is given.
-fn micro_step(
-    model: &Bert,
-    samples: &[BertSample],
+/// Runs the pipeline schedule over `chunks` on `dataset`'s microbatches of `iteration`:
+/// backward when `rng` is given (training), forward only otherwise. Returns this rank's mean
+/// (lm, sop) losses over the microbatches on the last stage (`None` elsewhere) with the
+/// executor's output.
+fn run_schedule(
+    ctx: &RankContext,
+    shared: &Shared,
+    chunks: &[Bert],
+    dataset: &BertDataset,
+    iteration: usize,
     rng: Option<&RngTracker>,
-    scale: f64,
-) -> Result<(f64, f64, Option<GradientsParams>), String> {
-    let device = model.lm_bias.val().device();
-    let b = BertBatch::new(samples, &device);
-    let out = model.forward(b.ids, b.types, b.padding, rng);
-    let (lm, sop) = model
-        .loss(out, b.labels, b.loss_mask, b.is_random)
+    fb: ForwardBackwardConfig<'_>,
+) -> Result<(Option<(f64, f64)>, ForwardBackwardOutput), String> {
+    let dp_rank = ctx.state.data_parallel_rank();
+    let p2p = ctx.p2p(P2pShapes::Variable);
+    let out = forward_backward_func(
+        |s: ForwardStep<'_, Bert, 3>| -> Result<ChunkOutput<3>, StageError> {
+            let samples: Vec<BertSample> = shared
+                .layout
+                .micro_batch(iteration, dp_rank, s.microbatch)
+                .map(|i| dataset.sample(i))
+                .collect();
+            let b = BertBatch::new(&samples, &ctx.device);
+            let tokens = s.input.is_none().then(|| (b.ids, b.types));
+            Ok(
+                match s.model.forward_stage(tokens, s.input, b.padding, rng)? {
+                    BertStageOutput::Hidden(h) => ChunkOutput::Activation(h),
+                    BertStageOutput::Output(o) => {
+                        let (lm, sop) = s.model.loss(o, b.labels, b.loss_mask, b.is_random)?;
+                        let report = vec![scalar(lm.clone()), scalar(sop.clone())];
+                        ChunkOutput::Loss {
+                            loss: lm + sop,
+                            report,
+                        }
+                    }
+                },
+            )
+        },
+        chunks,
+        &p2p,
+        fb,
+    )
+    .map_err(|e| e.to_string())?;
+    let n = out.losses.len() as f64;
+    let local = (!out.losses.is_empty()).then(|| {
+        let sum = |i: usize| out.losses.iter().map(|l| l.report[i]).sum::<f64>();
+        (sum(0) / n, sum(1) / n)
+    });
+    Ok((local, out))
+}
+
+/// The last stage's mean (lm, sop) losses averaged over data-parallel ranks and sent to every
+/// stage, so that every rank logs the same line. Call it after the gradient reduction: an
+/// overlapped reducer's worker uses the data-parallel communicator until it finishes.
+fn share_losses(ctx: &RankContext, local: Option<(f64, f64)>) -> Result<(f64, f64), String> {
+    let mut v = vec![0.0f32; 2];
+    if let Some((lm, sop)) = local {
+        v = vec![lm as f32, sop as f32];
+        ctx.groups
+            .dp
+            .all_reduce_vec(&mut v, ReduceOp::Avg)
+            .map_err(|e| e.to_string())?;
+    }
+    let mut buf = Buffer::F32(v);
+    let last = ctx.state.pipeline_model_parallel_size() - 1;
+    ctx.groups
+        .pp
+        .broadcast(&mut buf, last)
         .map_err(|e| e.to_string())?;
-    let values = (scalar(lm.clone()), scalar(sop.clone()));
-    let grads = rng.map(|_| GradientsParams::from_grads(((lm + sop) * scale).backward(), model));
-    Ok((values.0, values.1, grads))
+    let Buffer::F32(v) = buf else {
+        unreachable!("an f32 broadcast stays f32")
+    };
+    Ok((f64::from(v[0]), f64::from(v[1])))
 }
 
 /// The mean validation losses over `eval_iters` global batches of `valid`.
 fn evaluate(
     ctx: &RankContext,
-    model: &Bert,
     shared: &Shared,
+    chunks: &[Bert],
     valid: &BertDataset,
 ) -> Result<(f64, f64), String> {
-    let (layout, dp_rank) = (&shared.layout, ctx.state.data_parallel_rank());
+    let schedule = shared.args.schedule(&shared.layout).with_forward_only(true);
     let mut sums = [0.0f64; 2];
     for k in 0..shared.args.eval_iters {
-        for micro in 0..layout.num_micro_batches() {
-            let samples: Vec<BertSample> = layout
-                .micro_batch(k, dp_rank, micro)
-                .map(|i| valid.sample(i))
-                .collect();
-            let (lm, sop, _) = micro_step(model, &samples, None, 1.0)?;
-            sums[0] += lm;
-            sums[1] += sop;
-        }
+        let fb = ForwardBackwardConfig::new(schedule);
+        let (local, _) = run_schedule(ctx, shared, chunks, valid, k, None, fb)?;
+        let (lm, sop) = share_losses(ctx, local)?;
+        sums[0] += lm;
+        sums[1] += sop;
     }
-    let n = (shared.args.eval_iters * layout.num_micro_batches()).max(1) as f64;
-    let mut avg = vec![(sums[0] / n) as f32, (sums[1] / n) as f32];
-    ctx.groups
-        .dp
-        .all_reduce_vec(&mut avg, ReduceOp::Avg)
-        .map_err(|e| e.to_string())?;
-    Ok((f64::from(avg[0]), f64::from(avg[1])))
+    let n = shared.args.eval_iters.max(1) as f64;
+    Ok((sums[0] / n, sums[1] / n))
 }
 
-/// What a rank hands back: its log (identical on every rank) and validation losses.
-pub type RankOutput = (Vec<IterationLog>, Vec<(usize, f64, f64)>);
+/// What a rank hands back: its log (identical on every rank), validation losses, and the
+/// last iteration's pipeline timeline when asked for.
+pub type RankOutput = (Vec<IterationLog>, Vec<(usize, f64, f64)>, Vec<Span>);
 
-/// Trains this rank's part of the model.
+/// The data-parallel communicator of each model chunk's overlapped reducer: the dp group
+/// for chunk 0, a channel of its own for every further chunk (their workers run at once).
+fn chunk_dp_comms(ctx: &RankContext, chunks: usize) -> Result<Vec<Comm>, String> {
+    (0..chunks)
+        .map(|c| {
+            if c == 0 {
+                return Ok(ctx.groups.dp.clone());
+            }
+            let comm = ctx
+                .world
+                .communicator(
+                    &format!("dp-chunk-{c}"),
+                    ctx.state.data_parallel_group().to_vec(),
+                    ctx.state.global_rank(),
+                )
+                .map_err(|e| e.to_string())?;
+            Ok(Arc::new(comm) as Comm)
+        })
+        .collect()
+}
+
+/// Trains this rank's part of the model: its model chunks of its pipeline stage.
 pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, String> {
     let args = &shared.args;
-    let (tp, dp) = (&ctx.groups.tp, &ctx.groups.dp);
+    let tp = &ctx.groups.tp;
     let tp_rank = ctx.state.tensor_model_parallel_rank();
     let dp_rank = ctx.state.data_parallel_rank();
+    let pp_rank =
+        (args.pipeline_model_parallel_size > 1).then(|| ctx.state.pipeline_model_parallel_rank());
     let leader = ctx.state.global_rank() == 0;
     let config: &BertConfig = &shared.model_config;
-    let model = config.init(tp, &ctx.device).map_err(|e| e.to_string())?;
+    let model: Vec<Bert> = (0..args.num_model_chunks())
+        .map(|c| config.init_stage(tp, PipelinePosition::of(&ctx.state, c), &ctx.device))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
     let model = cast_params(model, dtype(args));
     let fused_adam = args
         .use_fused_adam
@@ -128,7 +210,7 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         })
         .transpose()
         .map_err(|e| e.to_string())?;
-    let make_optimizer = |model: &Bert| {
+    let make_optimizer = |model: &Vec<Bert>| {
         let mp = ctx.groups.mp.clone();
         let optim = if let Some(adam) = &fused_adam {
             MegatronOptimizer::fused_adam(adam.clone(), model, mp, tp_rank)
@@ -157,62 +239,68 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         }
         Some(root) => {
             let iteration = read_latest(root).map_err(|e| e.to_string())?.unwrap_or(0);
-            let r = load_checkpoint(&rank_dir(root, iteration, tp_rank), model, make_optimizer)
-                .map_err(|e| e.to_string())?;
+            let dir = rank_dir(root, iteration, tp_rank, pp_rank);
+            let r = load_checkpoint(&dir, model, make_optimizer).map_err(|e| e.to_string())?;
             let skipped = r.extra["skipped_iterations"].as_u64().unwrap_or(0) as usize;
             (r.model, r.optimizer, r.iteration, skipped)
         }
     };
 
-    let layout = &shared.layout;
-    let n_micro = layout.num_micro_batches();
     let dp_config = DataParallelConfig::default();
-    let reducer = args
-        .overlap_grad_reduce
-        .then(|| OverlapReducer::new(&model, dp, &dp_config));
+    let reducers: Vec<OverlapReducer> = if args.overlap_grad_reduce {
+        chunk_dp_comms(&ctx, model.len())?
+            .iter()
+            .zip(&model)
+            .map(|(dp, chunk)| OverlapReducer::new(chunk, dp, &dp_config))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let hooks: Vec<&dyn GradSync> = reducers.iter().map(|r| r as &dyn GradSync).collect();
+    let schedule = args.schedule(&shared.layout);
     let tokens_per_iter = (args.global_batch_size * args.seq_length) as f64;
-    let (mut log, mut evals) = (Vec::new(), Vec::new());
+    let (mut log, mut evals, mut spans) = (Vec::new(), Vec::new(), Vec::new());
     for iteration in start..args.train_iters {
         let t0 = Instant::now();
         // Dropout masks are a function of (seed, iteration): nothing to checkpoint.
         let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
-        let scale = optim.loss_scale() / n_micro as f64;
-        let mut acc = GradientsAccumulator::new();
-        let mut losses = [0.0f64; 2];
-        for micro in 0..n_micro {
-            let samples: Vec<BertSample> = layout
-                .micro_batch(iteration, dp_rank, micro)
-                .map(|i| shared.train.sample(i))
-                .collect();
-            let active = reducer.as_ref().map(|r| r.activate(micro + 1 == n_micro));
-            let (lm, sop, grads) = micro_step(&model, &samples, Some(&rng), scale)?;
-            drop(active);
-            losses[0] += lm / n_micro as f64;
-            losses[1] += sop / n_micro as f64;
-            if let Some(g) = grads {
-                acc.accumulate(&model, g);
-            }
-        }
-        let mut grads = acc.grads();
-        match &reducer {
-            Some(r) => finalize_model_grads_overlapped(r, &model, &mut grads, tp, None, &dp_config),
-            None => finalize_model_grads(&model, &mut grads, dp, tp, None, &dp_config),
+        let mut fb = ForwardBackwardConfig::new(schedule);
+        fb.grad_scale = optim.loss_scale();
+        fb.grad_sync = args.overlap_grad_reduce.then_some(&hooks[..]);
+        fb.timeline =
+            (args.timeline.is_some() && iteration + 1 == args.train_iters).then_some(shared.epoch);
+        let (losses, out) = run_schedule(
+            &ctx,
+            shared,
+            &model,
+            &shared.train,
+            iteration,
+            Some(&rng),
+            fb,
+        )?;
+        spans = out.spans;
+        let mut grads = out.grads;
+        let (dp, embedding) = (&ctx.groups.dp, ctx.groups.embedding.as_ref());
+        if args.overlap_grad_reduce {
+            finalize_model_grads_overlapped(
+                &reducers, &model, &mut grads, tp, embedding, &dp_config,
+            )
+        } else {
+            finalize_model_grads(&model, &mut grads, dp, tp, embedding, &dp_config)
         }
         .map_err(|e| e.to_string())?;
+        let losses = share_losses(&ctx, losses)?;
         let lr = scheduler.lr_at(iteration);
         let (m, report) = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
         model = m;
         skipped += usize::from(!report.updated);
-        let mut reduced = vec![losses[0] as f32, losses[1] as f32];
-        dp.all_reduce_vec(&mut reduced, ReduceOp::Avg)
-            .map_err(|e| e.to_string())?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let entry = IterationLog {
             iteration: iteration + 1,
             consumed_samples: (iteration + 1) * args.global_batch_size,
             lr,
-            lm_loss: f64::from(reduced[0]),
-            sop_loss: f64::from(reduced[1]),
+            lm_loss: losses.0,
+            sop_loss: losses.1,
             grad_norm: report.grad_norm,
             loss_scale: report.loss_scale,
             skipped_iterations: skipped,
@@ -225,7 +313,7 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         log.push(entry);
         let done = iteration + 1;
         if args.eval_interval > 0 && (done % args.eval_interval == 0 || done == args.train_iters) {
-            let (lm, sop) = evaluate(&ctx, &model, shared, &shared.valid)?;
+            let (lm, sop) = evaluate(&ctx, shared, &model, &shared.valid)?;
             if leader {
                 shared.println(format!(
                     " validation loss at iteration {done} | lm loss: {lm:.6E} | sop loss: {sop:.6E} | lm PPL: {:.3}",
@@ -242,8 +330,8 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         {
             if dp_rank == 0 {
                 let extra = serde_json::json!({ "skipped_iterations": skipped });
-                save_checkpoint(&rank_dir(root, done, tp_rank), done, &model, &optim, extra)
-                    .map_err(|e| e.to_string())?;
+                let dir = rank_dir(root, done, tp_rank, pp_rank);
+                save_checkpoint(&dir, done, &model, &optim, extra).map_err(|e| e.to_string())?;
             }
             ctx.groups.world.barrier().map_err(|e| e.to_string())?;
             if leader {
@@ -255,5 +343,5 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             }
         }
     }
-    Ok((log, evals))
+    Ok((log, evals, spans))
 }

@@ -11,6 +11,11 @@
 //! back. Buckets are launched in the order they complete, which is the same on every rank
 //! (the same graph runs backward everywhere), so the collectives match.
 //!
+//! From the last micro-batch's activation until `finish` returns, the worker issues
+//! collectives on the data-parallel communicator: call no other collective on it meanwhile
+//! (average the losses after `finish`), and give each reducer a communicator of its own when
+//! several run at once (one per pipeline model chunk).
+//!
 //! [`ColumnParallelLinear`]: crate::tensor_parallel::ColumnParallelLinear
 //! [`RowParallelLinear`]: crate::tensor_parallel::RowParallelLinear
 
@@ -368,6 +373,12 @@ impl OverlapReducer {
     #[cfg(test)]
     pub(crate) fn events(&self) -> Vec<Event> {
         self.shared.lock().events.clone()
+    }
+}
+
+impl crate::pipeline::GradSync for OverlapReducer {
+    fn enter(&self, last: bool) -> Box<dyn std::any::Any> {
+        Box::new(self.activate(last))
     }
 }
 

@@ -99,7 +99,7 @@ fn run() -> Vec<RankRun> {
             let buckets = reducer.num_buckets();
             let mut overlapped = acc.grads();
             finalize_model_grads_overlapped(
-                &reducer,
+                std::slice::from_ref(&reducer),
                 &model,
                 &mut overlapped,
                 tp,

@@ -1,0 +1,345 @@
+//! `forward_backward_func`: runs one rank's ops of a [`PipelineSchedule`] over its model
+//! chunks, whatever the model.
+
+use super::p2p::P2pCommunicator;
+use super::schedule::{Pass, PipelineOp, PipelineSchedule, ScheduleError, virtual_stage};
+use super::timeline::{Recorder, Span, SpanKind};
+use crate::comm::CommError;
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{DType, Tensor};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// The error a user's forward step may return.
+pub type StageError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why [`forward_backward_func`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The schedule's settings are invalid (checked before any work).
+    #[error("invalid pipeline schedule: {0}")]
+    Schedule(#[from] ScheduleError),
+    /// The call's arguments disagree with each other (checked before any work), or a
+    /// forward step returned the wrong kind of output for its stage.
+    #[error("{0}")]
+    Invalid(String),
+    /// Sending or receiving failed (a peer failed, timed out or sent something else).
+    #[error("pipeline communication failed: {0}")]
+    Comm(#[from] CommError),
+    /// The user's forward step failed.
+    #[error("forward step of microbatch {} on model chunk {} failed: {source}", op.microbatch, op.chunk)]
+    Stage {
+        /// The op that failed.
+        op: PipelineOp,
+        /// The forward step's error.
+        source: StageError,
+    },
+}
+
+/// What one forward step of one model chunk produced.
+#[derive(Debug)]
+pub enum ChunkOutput<const D: usize> {
+    /// The activation to send to the next stage (every virtual stage but the last).
+    Activation(Tensor<D>),
+    /// The last virtual stage's loss (a one-element tensor), averaged over the microbatch,
+    /// and any values to hand back with it (e.g. the parts of a composite loss).
+    Loss {
+        /// The microbatch's loss.
+        loss: Tensor<1>,
+        /// Values reported back per microbatch.
+        report: Vec<f64>,
+    },
+}
+
+/// What a forward step is given.
+#[derive(Debug)]
+pub struct ForwardStep<'a, M, const D: usize> {
+    /// The model chunk to run.
+    pub model: &'a M,
+    /// Which chunk of this rank it is (`0..V`).
+    pub chunk: usize,
+    /// The microbatch (`0..M`); the step loads its data.
+    pub microbatch: usize,
+    /// The previous stage's activation (a tracked leaf when training), `None` on the first
+    /// virtual stage.
+    pub input: Option<Tensor<D>>,
+}
+
+/// Gradient work that keeps pace with a chunk's backwards (Megatron's `grad_sync_func`):
+/// the data-parallel `OverlapReducer` implements it, so its bucket reductions start during
+/// the chunk's last backward instead of after the whole schedule.
+pub trait GradSync {
+    /// Entered around each forward and backward of one model chunk and left when the
+    /// returned guard drops; `last` once the chunk's final forward of the step has started,
+    /// so that the backwards that follow complete its gradients.
+    fn enter(&self, last: bool) -> Box<dyn std::any::Any>;
+}
+
+/// How [`forward_backward_func`] runs.
+#[derive(Clone, Copy)]
+pub struct ForwardBackwardConfig<'a> {
+    /// P, M, V, G and forward-only.
+    pub schedule: PipelineSchedule,
+    /// Backward runs on `loss · grad_scale / M` (the loss scale of mixed precision; 1 by
+    /// default).
+    pub grad_scale: f64,
+    /// One [`GradSync`] per model chunk (e.g. an overlapped data-parallel reducer each).
+    /// With several chunks, give each reducer its own data-parallel communicator: their
+    /// workers run at the same time.
+    pub grad_sync: Option<&'a [&'a dyn GradSync]>,
+    /// Record the timeline against this common start (`None`: no timeline).
+    pub timeline: Option<Instant>,
+}
+
+impl std::fmt::Debug for ForwardBackwardConfig<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForwardBackwardConfig")
+            .field("schedule", &self.schedule)
+            .field("grad_scale", &self.grad_scale)
+            .field("grad_sync", &self.grad_sync.map(<[_]>::len))
+            .field("timeline", &self.timeline)
+            .finish()
+    }
+}
+
+impl ForwardBackwardConfig<'_> {
+    /// Runs `schedule` with no loss scale, no overlap and no timeline.
+    pub fn new(schedule: PipelineSchedule) -> Self {
+        Self {
+            schedule,
+            grad_scale: 1.0,
+            grad_sync: None,
+            timeline: None,
+        }
+    }
+}
+
+/// A last-stage microbatch's loss and its reported values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicrobatchLoss {
+    /// The microbatch.
+    pub microbatch: usize,
+    /// Its loss (before the division by M and the grad scale).
+    pub loss: f64,
+    /// What the forward step reported with it.
+    pub report: Vec<f64>,
+}
+
+/// What [`forward_backward_func`] returns.
+#[derive(Debug)]
+pub struct ForwardBackwardOutput {
+    /// On the rank holding the last virtual stage, each microbatch's loss in microbatch order;
+    /// empty elsewhere.
+    pub losses: Vec<MicrobatchLoss>,
+    /// Every chunk's gradients summed over the microbatches (empty when forward-only).
+    pub grads: GradientsParams,
+    /// The most microbatches that held activations at once.
+    pub peak_live_microbatches: usize,
+    /// The timeline, when asked for.
+    pub spans: Vec<Span>,
+}
+
+struct Live<const D: usize> {
+    input: Option<Tensor<D>>,
+    /// The activation sent on, or the scaled loss on the last virtual stage.
+    output: Result<Tensor<D>, Tensor<1>>,
+}
+
+/// Megatron's `forward_backward_func`: runs this rank's ops of `config.schedule` on `chunks`
+/// (this rank's model chunks, chunk `v` being virtual stage `v·P + pp_rank`), passing
+/// activations and gradients to its neighbours through `p2p`.
+///
+/// `forward_step` runs one chunk on one microbatch: on the first virtual stage it has no
+/// input and embeds the microbatch; on the last it returns the loss. Gradients of each
+/// microbatch are summed into one [`GradientsParams`] for all chunks; then reduce them over
+/// data-parallel ranks (`finalize_model_grads`) and step the optimizer, as without pipelines.
+/// A microbatch's graph is dropped as soon as its backward ran.
+///
+/// ```
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron::comm::LocalWorld;
+/// use burn_megatron::pipeline::*;
+/// use std::sync::Arc;
+///
+/// // One stage: no pipelining, two microbatches.
+/// let device = Device::flex().autodiff();
+/// let world = LocalWorld::new(1);
+/// let comm = |name: &str| Arc::new(world.communicator(name, vec![0], 0).unwrap());
+/// let p2p = P2pCommunicator::new(comm("pp"), comm("pp-backward"), P2pShapes::Variable, device.clone());
+/// let chunks = vec![LinearConfig::new(3, 1).init(&device)];
+/// let out = forward_backward_func(
+///     |step: ForwardStep<'_, Linear, 2>| {
+///         let x = Tensor::<2>::ones([4, 3], &device) * (step.microbatch as f32 + 1.0);
+///         let loss = step.model.forward(x).powi_scalar(2).mean().reshape([1]);
+///         Ok(ChunkOutput::Loss { loss, report: vec![] })
+///     },
+///     &chunks,
+///     &p2p,
+///     ForwardBackwardConfig::new(PipelineSchedule::new(1, 2)),
+/// )
+/// .unwrap();
+/// assert_eq!(out.losses.len(), 2);
+/// assert!(out.grads.get::<2>(chunks[0].weight.id).is_some());
+/// ```
+pub fn forward_backward_func<M, F, const D: usize>(
+    mut forward_step: F,
+    chunks: &[M],
+    p2p: &P2pCommunicator,
+    config: ForwardBackwardConfig<'_>,
+) -> Result<ForwardBackwardOutput, PipelineError>
+where
+    M: Module,
+    F: FnMut(ForwardStep<'_, M, D>) -> Result<ChunkOutput<D>, StageError>,
+{
+    let schedule = config.schedule;
+    let (p, rank) = (p2p.group().size(), p2p.group().rank());
+    let v = schedule.num_model_chunks;
+    let m = schedule.num_microbatches;
+    if schedule.pipeline_size != p {
+        return Err(PipelineError::Invalid(format!(
+            "the schedule is for P = {} stages but the pipeline group {} has {p}",
+            schedule.pipeline_size,
+            p2p.group()
+        )));
+    }
+    if chunks.len() != v {
+        return Err(PipelineError::Invalid(format!(
+            "the schedule has V = {v} model chunks per stage but {} chunks were given",
+            chunks.len()
+        )));
+    }
+    if let Some(r) = config.grad_sync.filter(|r| r.len() != v) {
+        return Err(PipelineError::Invalid(format!(
+            "{} grad_sync hooks for {v} model chunks (one per chunk)",
+            r.len()
+        )));
+    }
+    if !config.grad_scale.is_finite() || config.grad_scale <= 0.0 {
+        return Err(PipelineError::Invalid(format!(
+            "grad_scale must be finite and positive, got {}",
+            config.grad_scale
+        )));
+    }
+    let ops = schedule.ops(rank)?;
+    let stages = p * v;
+    let train = !schedule.forward_only;
+    let mut recorder = Recorder::new(config.timeline);
+    let mut live: HashMap<(usize, usize), Live<D>> = HashMap::new();
+    let mut peak = 0;
+    let mut forwards_done = vec![0usize; v];
+    let mut losses = Vec::new();
+    let mut acc = GradientsAccumulator::<M>::new();
+
+    for op in ops {
+        let vs = virtual_stage(p, rank, op.chunk);
+        let (first, last) = (vs == 0, vs + 1 == stages);
+        // The chunk's reduction may start once its last forward has run.
+        let reducer_last = forwards_done[op.chunk] + usize::from(op.pass == Pass::Forward) == m;
+        let _active = config
+            .grad_sync
+            .filter(|_| train)
+            .map(|r| r[op.chunk].enter(reducer_last));
+        match op.pass {
+            Pass::Forward => {
+                let input = if first {
+                    None
+                } else {
+                    Some(recorder.time(SpanKind::Recv, op, || p2p.recv_forward::<D>(train))?)
+                };
+                let step = ForwardStep {
+                    model: &chunks[op.chunk],
+                    chunk: op.chunk,
+                    microbatch: op.microbatch,
+                    input: input.clone(),
+                };
+                let out = recorder
+                    .time(SpanKind::Forward, op, || forward_step(step))
+                    .map_err(|source| PipelineError::Stage { op, source })?;
+                forwards_done[op.chunk] += 1;
+                let output = match (out, last) {
+                    (ChunkOutput::Loss { loss, report }, true) => {
+                        let value = loss
+                            .clone()
+                            .cast(DType::F32)
+                            .into_data()
+                            .iter::<f32>()
+                            .next()
+                            .map_or(f64::NAN, f64::from);
+                        losses.push(MicrobatchLoss {
+                            microbatch: op.microbatch,
+                            loss: value,
+                            report,
+                        });
+                        Err(loss * (config.grad_scale / m as f64))
+                    }
+                    (ChunkOutput::Activation(a), false) => {
+                        recorder.time(SpanKind::Send, op, || p2p.send_forward(a.clone()))?;
+                        Ok(a)
+                    }
+                    (ChunkOutput::Loss { .. }, false) => {
+                        return Err(PipelineError::Invalid(format!(
+                            "{op}: chunk {} of pipeline rank {rank} is virtual stage {vs} of {stages}, not the last, but its forward step returned a loss",
+                            op.chunk
+                        )));
+                    }
+                    (ChunkOutput::Activation(_), true) => {
+                        return Err(PipelineError::Invalid(format!(
+                            "{op}: chunk {} of pipeline rank {rank} is the last virtual stage, but its forward step returned an activation instead of the loss",
+                            op.chunk
+                        )));
+                    }
+                };
+                if train {
+                    live.insert((op.microbatch, op.chunk), Live { input, output });
+                    peak = peak.max(live.len());
+                } else {
+                    peak = peak.max(1);
+                }
+            }
+            Pass::Backward => {
+                let Live { input, output } = live
+                    .remove(&(op.microbatch, op.chunk))
+                    .expect("a valid schedule runs each backward after its forward");
+                let output_grad = match &output {
+                    Ok(_) => Some(recorder.time(SpanKind::Recv, op, || p2p.recv_backward::<D>())?),
+                    Err(_) => None,
+                };
+                let (grads, input_grad) = recorder.time(SpanKind::Backward, op, || {
+                    let grads = match (output, output_grad) {
+                        (Err(loss), _) => loss.backward(),
+                        // Backward from a received gradient g: d(Σ out·g)/d out = g.
+                        (Ok(out), Some(g)) => (out * g).sum().backward(),
+                        (Ok(_), None) => unreachable!("received above"),
+                    };
+                    let input_grad = input.as_ref().and_then(|x| x.grad(&grads));
+                    (
+                        GradientsParams::from_grads(grads, &chunks[op.chunk]),
+                        input_grad,
+                    )
+                });
+                acc.accumulate(&chunks[op.chunk], grads);
+                if !first {
+                    let g = match (input_grad, input) {
+                        (Some(g), _) => g,
+                        // The chunk ignored its input: its gradient is zero.
+                        (None, Some(x)) => x.inner().zeros_like(),
+                        (None, None) => unreachable!("every stage but the first has an input"),
+                    };
+                    recorder.time(SpanKind::Send, op, || p2p.send_backward(g))?;
+                }
+            }
+        }
+    }
+    Ok(ForwardBackwardOutput {
+        losses: {
+            losses.sort_by_key(|l| l.microbatch);
+            losses
+        },
+        grads: acc.grads(),
+        peak_live_microbatches: peak,
+        spans: recorder.spans,
+    })
+}

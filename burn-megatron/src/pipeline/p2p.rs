@@ -1,0 +1,240 @@
+//! Point-to-point communication between adjacent pipeline stages (Megatron-Core's
+//! `p2p_communication`).
+//!
+//! Activations travel forward on one communicator and gradients backward on another, so a
+//! channel between two ranks only ever carries one kind of message in one direction. With
+//! two stages and interleaving, rank 0 sends rank 1 both activations (its chunk v) and
+//! gradients (its chunk v + 1, whose previous virtual stage is rank 1's chunk v); on one FIFO
+//! channel the two kinds, of equal shape, could be taken for each other. Peers are the ring
+//! neighbours: the last rank's "next" is rank 0, which interleaving uses to pass a
+//! microbatch on to the next model chunk.
+//!
+//! Received tensors are fresh leaves built from host data on the receiving rank, so ranks
+//! never share an autodiff graph.
+
+use crate::comm::tensor::{buffer_to_tensor, tensor_to_buffer};
+use crate::comm::{Buffer, Comm, CommDType, CommError};
+use burn::tensor::{DType, Device, Tensor};
+
+/// What the receiver knows of each message's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum P2pShapes {
+    /// Every message has these dims and this dtype (Megatron's `tensor_shape` and
+    /// `pipeline_dtype`): nothing travels but the data.
+    Fixed {
+        /// The dims of every activation and gradient.
+        dims: Vec<usize>,
+        /// Their dtype.
+        dtype: DType,
+    },
+    /// Megatron's `variable_seq_lengths`: a small header with the dtype and dims goes before
+    /// each tensor, so microbatches may differ in sequence length.
+    Variable,
+}
+
+/// One rank's pipeline channels: activations to the next stage and from the previous one,
+/// gradients to the previous stage and from the next one.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron::comm::LocalWorld;
+/// use burn_megatron::pipeline::{P2pCommunicator, P2pShapes};
+/// use std::sync::Arc;
+///
+/// let world = LocalWorld::new(1);
+/// let fwd = Arc::new(world.communicator("pp", vec![0], 0).unwrap());
+/// let bwd = Arc::new(world.communicator("pp-backward", vec![0], 0).unwrap());
+/// let p2p = P2pCommunicator::new(fwd, bwd, P2pShapes::Variable, Device::flex());
+/// // On a one-rank ring the next stage is this rank itself.
+/// p2p.send_forward(Tensor::<2>::ones([2, 3], &Device::flex())).unwrap();
+/// let x = p2p.recv_forward::<2>(false).unwrap();
+/// assert_eq!(x.dims(), [2, 3]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct P2pCommunicator {
+    forward: Comm,
+    backward: Comm,
+    shapes: P2pShapes,
+    device: Device,
+}
+
+fn code(dtype: CommDType) -> i64 {
+    match dtype {
+        CommDType::F32 => 0,
+        CommDType::F16 => 1,
+        CommDType::BF16 => 2,
+        CommDType::I32 => 3,
+        CommDType::I64 => 4,
+    }
+}
+
+fn from_code(code: i64) -> Option<CommDType> {
+    Some(match code {
+        0 => CommDType::F32,
+        1 => CommDType::F16,
+        2 => CommDType::BF16,
+        3 => CommDType::I32,
+        4 => CommDType::I64,
+        _ => return None,
+    })
+}
+
+impl P2pCommunicator {
+    /// Channels on `forward` and `backward`, two communicators over the same pipeline group
+    /// (same ranks, same order); received tensors go to `device`.
+    pub fn new(forward: Comm, backward: Comm, shapes: P2pShapes, device: Device) -> Self {
+        Self {
+            forward,
+            backward,
+            shapes,
+            device,
+        }
+    }
+
+    /// The pipeline group (of the forward channel).
+    pub fn group(&self) -> &crate::comm::ProcessGroup {
+        self.forward.group()
+    }
+
+    fn next(&self) -> usize {
+        let g = self.forward.group();
+        (g.rank() + 1) % g.size()
+    }
+
+    fn prev(&self) -> usize {
+        let g = self.forward.group();
+        (g.rank() + g.size() - 1) % g.size()
+    }
+
+    fn invalid(comm: &Comm, op: &'static str, reason: String) -> CommError {
+        CommError::InvalidArgument {
+            group: comm.group().to_string(),
+            op,
+            reason,
+        }
+    }
+
+    fn send<const D: usize>(
+        &self,
+        comm: &Comm,
+        op: &'static str,
+        tensor: Tensor<D>,
+        peer: usize,
+    ) -> Result<(), CommError> {
+        let dims = tensor.dims();
+        let buf = tensor_to_buffer(&**comm, op, tensor)?;
+        match &self.shapes {
+            P2pShapes::Variable => {
+                let mut header = vec![code(buf.dtype()), D as i64];
+                header.extend(dims.iter().map(|&d| d as i64));
+                comm.send(Buffer::I64(header), peer)?;
+            }
+            P2pShapes::Fixed { dims: fixed, .. } if fixed[..] != dims[..] => {
+                return Err(Self::invalid(
+                    comm,
+                    op,
+                    format!(
+                        "tensor of dims {dims:?} on a channel fixed to {fixed:?}; use variable shapes for microbatches of different lengths"
+                    ),
+                ));
+            }
+            P2pShapes::Fixed { .. } => {}
+        }
+        comm.send(buf, peer)
+    }
+
+    fn recv<const D: usize>(
+        &self,
+        comm: &Comm,
+        op: &'static str,
+        peer: usize,
+        require_grad: bool,
+    ) -> Result<Tensor<D>, CommError> {
+        let (dtype, dims) = match &self.shapes {
+            P2pShapes::Variable => {
+                let mut header = Buffer::I64(vec![0; 2 + D]);
+                comm.recv(&mut header, peer)?;
+                let Buffer::I64(h) = header else {
+                    unreachable!("received into an i64 buffer")
+                };
+                let dtype = from_code(h[0]).ok_or_else(|| {
+                    Self::invalid(comm, op, format!("unknown dtype code {} in header", h[0]))
+                })?;
+                if h[1] != D as i64 {
+                    return Err(Self::invalid(
+                        comm,
+                        op,
+                        format!("expected a {D}-d tensor, the sender sent {}-d", h[1]),
+                    ));
+                }
+                let mut dims = [0usize; D];
+                for (d, &v) in dims.iter_mut().zip(&h[2..]) {
+                    *d = usize::try_from(v).map_err(|_| {
+                        Self::invalid(comm, op, format!("negative dim {v} in header"))
+                    })?;
+                }
+                (dtype, dims)
+            }
+            P2pShapes::Fixed { dims, dtype } => {
+                let dims: [usize; D] = dims.as_slice().try_into().map_err(|_| {
+                    Self::invalid(
+                        comm,
+                        op,
+                        format!("a {D}-d tensor on a channel fixed to dims {dims:?}"),
+                    )
+                })?;
+                let dtype = crate::comm::comm_dtype(*dtype).ok_or_else(|| {
+                    Self::invalid(comm, op, format!("dtype {dtype:?} is not supported"))
+                })?;
+                (dtype, dims)
+            }
+        };
+        let mut buf = Buffer::zeros(dtype, dims.iter().product());
+        comm.recv(&mut buf, peer)?;
+        let t: Tensor<D> = buffer_to_tensor(buf, dims, &self.device);
+        Ok(if require_grad { t.require_grad() } else { t })
+    }
+
+    /// Sends a stage's output activation to the next stage.
+    pub fn send_forward<const D: usize>(&self, output: Tensor<D>) -> Result<(), CommError> {
+        self.send(&self.forward, "send_forward", output, self.next())
+    }
+
+    /// Receives the previous stage's output, as a leaf tracked when `require_grad`.
+    pub fn recv_forward<const D: usize>(&self, require_grad: bool) -> Result<Tensor<D>, CommError> {
+        self.recv(&self.forward, "recv_forward", self.prev(), require_grad)
+    }
+
+    /// Sends the gradient of a stage's input to the previous stage.
+    pub fn send_backward<const D: usize>(&self, input_grad: Tensor<D>) -> Result<(), CommError> {
+        self.send(&self.backward, "send_backward", input_grad, self.prev())
+    }
+
+    /// Receives the gradient of this stage's output from the next stage.
+    pub fn recv_backward<const D: usize>(&self) -> Result<Tensor<D>, CommError> {
+        self.recv(&self.backward, "recv_backward", self.next(), false)
+    }
+
+    /// Sends an output forward, then receives an output gradient from the same neighbour.
+    /// The send is posted first and never waits for the receiver, so two neighbours that
+    /// both call this (or [`send_backward_recv_forward`](Self::send_backward_recv_forward))
+    /// cannot deadlock.
+    pub fn send_forward_recv_backward<const D: usize>(
+        &self,
+        output: Tensor<D>,
+    ) -> Result<Tensor<D>, CommError> {
+        self.send_forward(output)?;
+        self.recv_backward()
+    }
+
+    /// Sends an input gradient backward, then receives the next input from the same
+    /// neighbour; see [`send_forward_recv_backward`](Self::send_forward_recv_backward).
+    pub fn send_backward_recv_forward<const D: usize>(
+        &self,
+        input_grad: Tensor<D>,
+        require_grad: bool,
+    ) -> Result<Tensor<D>, CommError> {
+        self.send_backward(input_grad)?;
+        self.recv_forward(require_grad)
+    }
+}

@@ -1,0 +1,131 @@
+//! Where one model chunk sits in a pipeline, and which layers it holds.
+
+use super::{ParallelState, TopologyError};
+use std::ops::Range;
+
+/// Model chunk `chunk` (of `num_model_chunks` per stage) on pipeline stage `pipeline_rank`
+/// (of `pipeline_size`): virtual stage `chunk·P + pipeline_rank` of `P·V`.
+///
+/// ```
+/// use burn_megatron::topology::PipelinePosition;
+/// // 8 layers, 2 stages, 2 chunks: rank 1 holds layers 2..4 (chunk 0) and 6..8 (chunk 1).
+/// let p = PipelinePosition::new(2, 1, 2, 1);
+/// assert_eq!(p.layer_range(8).unwrap(), 6..8);
+/// assert!(p.is_last_stage() && !p.is_first_stage());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PipelinePosition {
+    /// P.
+    pub pipeline_size: usize,
+    /// This stage, `0..P`.
+    pub pipeline_rank: usize,
+    /// V.
+    pub num_model_chunks: usize,
+    /// This chunk, `0..V`.
+    pub chunk: usize,
+}
+
+impl PipelinePosition {
+    /// Chunk `chunk` of `num_model_chunks` on stage `pipeline_rank` of `pipeline_size`.
+    pub fn new(
+        pipeline_size: usize,
+        pipeline_rank: usize,
+        num_model_chunks: usize,
+        chunk: usize,
+    ) -> Self {
+        Self {
+            pipeline_size,
+            pipeline_rank,
+            num_model_chunks,
+            chunk,
+        }
+    }
+
+    /// The whole model on one stage.
+    pub fn whole() -> Self {
+        Self::new(1, 0, 1, 0)
+    }
+
+    /// Chunk `chunk` of `state`'s pipeline stage (V from its virtual pipeline size).
+    pub fn of(state: &ParallelState, chunk: usize) -> Self {
+        Self::new(
+            state.pipeline_model_parallel_size(),
+            state.pipeline_model_parallel_rank(),
+            state.virtual_pipeline_model_parallel_size().unwrap_or(1),
+            chunk,
+        )
+    }
+
+    /// `chunk·P + pipeline_rank`: activations go round the ring of stages V times.
+    pub fn virtual_stage(&self) -> usize {
+        self.chunk * self.pipeline_size + self.pipeline_rank
+    }
+
+    /// The first virtual stage (Megatron's `pre_process`: it embeds).
+    pub fn is_first_stage(&self) -> bool {
+        self.virtual_stage() == 0
+    }
+
+    /// The last virtual stage (Megatron's `post_process`: it computes the loss).
+    pub fn is_last_stage(&self) -> bool {
+        self.virtual_stage() + 1 == self.pipeline_size * self.num_model_chunks
+    }
+
+    /// The global indices of this chunk's layers out of `num_layers`: `L/(P·V)` of them
+    /// from Megatron's offset `chunk·L/V + pipeline_rank·L/(P·V)`.
+    pub fn layer_range(&self, num_layers: usize) -> Result<Range<usize>, TopologyError> {
+        let per = layers_per_chunk(num_layers, self.pipeline_size, self.num_model_chunks)?;
+        if self.pipeline_rank >= self.pipeline_size || self.chunk >= self.num_model_chunks {
+            return Err(TopologyError::PositionOutOfRange {
+                pipeline_rank: self.pipeline_rank,
+                pipeline_size: self.pipeline_size,
+                chunk: self.chunk,
+                num_model_chunks: self.num_model_chunks,
+            });
+        }
+        let start = self.chunk * num_layers / self.num_model_chunks + self.pipeline_rank * per;
+        Ok(start..start + per)
+    }
+}
+
+/// Layers per model chunk when `num_layers` split over `P·V` virtual stages.
+///
+/// ```
+/// use burn_megatron::topology::layers_per_chunk;
+/// assert_eq!(layers_per_chunk(8, 2, 2), Ok(2));
+/// assert!(layers_per_chunk(6, 2, 2).is_err());
+/// ```
+pub fn layers_per_chunk(
+    num_layers: usize,
+    pipeline_size: usize,
+    num_model_chunks: usize,
+) -> Result<usize, TopologyError> {
+    let stages = pipeline_size * num_model_chunks;
+    if stages == 0 || num_layers == 0 || !num_layers.is_multiple_of(stages) {
+        return Err(TopologyError::LayersNotDivisible {
+            num_layers,
+            pipeline_size,
+            num_model_chunks,
+        });
+    }
+    Ok(num_layers / stages)
+}
+
+/// Index of the first layer of `chunk` on `pipeline_rank` (see
+/// [`PipelinePosition::layer_range`]).
+///
+/// ```
+/// use burn_megatron::topology::layer_offset;
+/// assert_eq!(layer_offset(8, 2, 2, 1, 0), Ok(2));
+/// ```
+pub fn layer_offset(
+    num_layers: usize,
+    pipeline_size: usize,
+    num_model_chunks: usize,
+    pipeline_rank: usize,
+    chunk: usize,
+) -> Result<usize, TopologyError> {
+    PipelinePosition::new(pipeline_size, pipeline_rank, num_model_chunks, chunk)
+        .layer_range(num_layers)
+        .map(|r| r.start)
+}
