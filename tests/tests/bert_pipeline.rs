@@ -58,7 +58,7 @@ fn sample(g: usize, variable: bool, device: &Device) -> Sample {
     };
     let pad = |j: usize| g % 2 == 1 && j >= s - 2;
     let mask: Vec<f32> = (0..s)
-        .map(|j| f32::from(u8::from((g + j) % 3 == 0 && !pad(j))))
+        .map(|j| f32::from(u8::from((g + j).is_multiple_of(3) && !pad(j))))
         .collect();
     let padding: Vec<f32> = (0..s).map(|j| f32::from(u8::from(pad(j)))).collect();
     Sample {
@@ -117,8 +117,10 @@ struct Layout {
     overlap: bool,
 }
 
-/// Each rank's (losses and norms if it is a last stage, grad norms).
-fn pipelined(l: Layout, variable: bool) -> Vec<(Option<Vec<(f64, f64)>>, Vec<f64>)> {
+/// One rank's (lm, sop) losses per step if it is a last stage, and its grad norms.
+type RankTrace = (Option<Vec<(f64, f64)>>, Vec<f64>);
+
+fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
     let world = l.tp * l.pp * l.dp;
     let config = ParallelConfig::new(world, l.tp, l.pp)
         .with_sequence_parallel(l.sp)
@@ -171,7 +173,7 @@ fn pipelined(l: Layout, variable: bool) -> Vec<(Option<Vec<(f64, f64)>>, Vec<f64
             let out = forward_backward_func(
                 |s: ForwardStep<'_, Bert, 3>| -> Result<ChunkOutput<3>, Error> {
                     let b = sample(first_sample + s.microbatch, variable, device);
-                    let tokens = s.input.is_none().then(|| (b.ids, b.types));
+                    let tokens = s.input.is_none().then_some((b.ids, b.types));
                     match s.model.forward_stage(tokens, s.input, b.padding, None)? {
                         BertStageOutput::Hidden(h) => Ok(ChunkOutput::Activation(h)),
                         BertStageOutput::Output(o) => {

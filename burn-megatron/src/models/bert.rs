@@ -133,6 +133,8 @@ pub struct BertOutput {
 /// What [`Bert::forward_stage`] returns: the heads' output on the last stage, the hidden
 /// states for the next stage elsewhere.
 #[derive(Debug, Clone)]
+// Made and taken apart once per forward: a box would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum BertStageOutput {
     /// `[s, b, h]` hidden states (`[s / tp, b, h]` under sequence parallelism).
     Hidden(Tensor<3>),

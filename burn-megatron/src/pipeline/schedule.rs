@@ -208,6 +208,9 @@ pub struct PipelineSchedule {
     pub microbatch_group_size_per_vp_stage: usize,
     /// Forwards only (evaluation): no backward, no warmup limit.
     pub forward_only: bool,
+    /// GPipe's order instead of 1F1B: every forward, then every backward. For comparison
+    /// only: all `M·V` microbatches hold their activations at once.
+    pub all_forward_first: bool,
 }
 
 impl PipelineSchedule {
@@ -219,6 +222,7 @@ impl PipelineSchedule {
             num_model_chunks: 1,
             microbatch_group_size_per_vp_stage: pipeline_size,
             forward_only: false,
+            all_forward_first: false,
         }
     }
 
@@ -240,6 +244,13 @@ impl PipelineSchedule {
     #[must_use]
     pub fn with_forward_only(mut self, forward_only: bool) -> Self {
         self.forward_only = forward_only;
+        self
+    }
+
+    /// All forwards before any backward (GPipe), for comparison with 1F1B.
+    #[must_use]
+    pub fn with_all_forward_first(mut self, all_forward_first: bool) -> Self {
+        self.all_forward_first = all_forward_first;
         self
     }
 
@@ -301,9 +312,9 @@ impl PipelineSchedule {
     }
 
     /// Forwards pipeline rank `rank` runs before its first backward (all of them when
-    /// forward-only).
+    /// forward-only or all-forward-first).
     pub fn num_warmup(&self, rank: usize) -> usize {
-        if self.forward_only {
+        if self.forward_only || self.all_forward_first {
             return self.num_microbatches * self.num_model_chunks;
         }
         num_warmup_microbatches(

@@ -100,13 +100,27 @@ pub fn idle_fraction(spans: &[Span], run: Duration) -> f64 {
 /// assert!(json.contains("\"name\":\"F0.0\""));
 /// ```
 pub fn chrome_trace(ranks: &[Vec<Span>]) -> String {
+    // Times from the first span of any rank.
+    let t0 = ranks
+        .iter()
+        .flatten()
+        .map(|s| s.start)
+        .min()
+        .unwrap_or_default();
     let mut events = Vec::new();
     for (rank, spans) in ranks.iter().enumerate() {
         events.push(serde_json::json!({
             "name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
             "args": { "name": format!("rank {rank}") }
         }));
-        let mut sorted = spans.clone();
+        let mut sorted: Vec<Span> = spans
+            .iter()
+            .map(|s| Span {
+                start: s.start.saturating_sub(t0),
+                end: s.end.saturating_sub(t0),
+                ..*s
+            })
+            .collect();
         sorted.sort_by_key(|s| s.start);
         let mut last_end: Option<Duration> = None;
         for s in &sorted {

@@ -90,7 +90,7 @@ fn run_schedule(
                 .map(|i| dataset.sample(i))
                 .collect();
             let b = BertBatch::new(&samples, &ctx.device);
-            let tokens = s.input.is_none().then(|| (b.ids, b.types));
+            let tokens = s.input.is_none().then_some((b.ids, b.types));
             Ok(
                 match s.model.forward_stage(tokens, s.input, b.padding, rng)? {
                     BertStageOutput::Hidden(h) => ChunkOutput::Activation(h),

@@ -265,6 +265,20 @@ fn one_f_one_b_bubble_is_megatrons_formula() {
 }
 
 #[test]
+fn all_forward_first_holds_every_microbatch() {
+    let s = PipelineSchedule::new(2, 3).with_all_forward_first(true);
+    assert_eq!(ops_str(&s.ops(1).unwrap()), "F0.0 F1.0 F2.0 B0.0 B1.0 B2.0");
+    for s in matrix() {
+        let s = s.with_all_forward_first(true);
+        let total = s.num_microbatches * s.num_model_chunks;
+        for r in 0..s.pipeline_size {
+            assert_eq!(s.num_warmup(r), total);
+        }
+        simulate(&s, 1, 2);
+    }
+}
+
+#[test]
 fn forward_only_runs_every_forward_in_table_order() {
     for s in matrix() {
         let s = s.with_forward_only(true);
