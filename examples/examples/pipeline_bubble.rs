@@ -18,7 +18,7 @@ use burn::tensor::Tensor;
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineError, PipelineSchedule,
-    SpanKind, idle_fraction, virtual_stage,
+    idle_fractions, virtual_stage,
 };
 use burn_megatron::topology::ParallelConfig;
 use clap::Parser;
@@ -125,16 +125,10 @@ fn measure(schedule: PipelineSchedule, args: &Args) -> Result<Measured, String> 
         Ok::<_, PipelineError>((out.spans, out.peak_live_microbatches))
     })
     .map_err(|e| e.to_string())?;
-    let spans = out.iter().flat_map(|(s, _)| s.iter());
-    let start = spans.clone().map(|s| s.start).min().unwrap_or_default();
-    let end = spans.clone().map(|s| s.end).max().unwrap_or_default();
-    debug_assert!(spans.clone().any(|s| s.kind == SpanKind::Backward));
+    let (spans, peak): (Vec<_>, Vec<_>) = out.into_iter().unzip();
     Ok(Measured {
-        idle: out
-            .iter()
-            .map(|(s, _)| idle_fraction(s, end.saturating_sub(start)))
-            .collect(),
-        peak: out.iter().map(|(_, peak)| *peak).collect(),
+        idle: idle_fractions(&spans),
+        peak,
     })
 }
 

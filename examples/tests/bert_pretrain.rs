@@ -1,7 +1,7 @@
 //! The `bert_pretrain` example end to end: it trains (loss falls), resumes exactly, and
 //! rejects bad arguments before any work.
 
-use burn_megatron_examples::pretrain::{Args, Summary, run};
+use burn_megatron_examples::pretrain::{Args, IterationLog, Summary, run};
 use clap::Parser;
 use std::path::PathBuf;
 
@@ -63,6 +63,18 @@ const SHORT_TP2_DP2: [&str; 6] = [
     "0",
 ];
 
+/// Two runs that must agree bit for bit: the same iterations with the same learning rate,
+/// losses and grad norm.
+fn assert_same_iterations(a: &[IterationLog], b: &[IterationLog]) {
+    assert_eq!(a.len(), b.len(), "iteration counts differ");
+    for (x, y) in a.iter().zip(b) {
+        let at = format!("iteration {}", x.iteration);
+        assert_eq!((x.iteration, x.lr), (y.iteration, y.lr), "{at}");
+        assert_eq!((x.lm_loss, x.sop_loss), (y.lm_loss, y.sop_loss), "{at}");
+        assert_eq!(x.grad_norm, y.grad_norm, "{at}");
+    }
+}
+
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     let v: Vec<f64> = xs.collect();
     v.iter().sum::<f64>() / v.len() as f64
@@ -119,13 +131,7 @@ fn resuming_continues_the_exact_loss_sequence() {
     other_layout.extend(["--tensor-model-parallel-size", "1", "--world-size", "2"]);
     let e = run(&args(&other_layout, &dir)).unwrap_err();
     assert!(e.contains("saved with tensor-parallel size 2"), "{e}");
-    for (r, f) in resumed.log.iter().zip(&full.log[10..]) {
-        assert_eq!(r.iteration, f.iteration);
-        assert_eq!(r.lr, f.lr);
-        assert_eq!(r.lm_loss, f.lm_loss, "iteration {}", r.iteration);
-        assert_eq!(r.sop_loss, f.sop_loss, "iteration {}", r.iteration);
-        assert_eq!(r.grad_norm, f.grad_norm, "iteration {}", r.iteration);
-    }
+    assert_same_iterations(&resumed.log, &full.log[10..]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -155,19 +161,11 @@ fn fused_adam_gives_the_same_run_and_resumes_exactly() {
             .is_file()
     );
     // The same update in the same f32 operations: the same bits, iteration by iteration.
-    for (a, b) in plain.log.iter().zip(&fused.log) {
-        let at = format!("iteration {}", a.iteration);
-        assert_eq!((a.lm_loss, a.sop_loss), (b.lm_loss, b.sop_loss), "{at}");
-        assert_eq!(a.grad_norm, b.grad_norm, "{at}");
-    }
+    assert_same_iterations(&plain.log, &fused.log);
     std::fs::write(save.join("latest_checkpointed_iteration.txt"), "5").unwrap();
     fused_args.extend(["--load", s]);
     let resumed = run(&args(&fused_args, &dir)).unwrap();
-    assert_eq!(resumed.log.len(), 5);
-    for (r, f) in resumed.log.iter().zip(&fused.log[5..]) {
-        let at = format!("iteration {}", r.iteration);
-        assert_eq!((r.lm_loss, r.grad_norm), (f.lm_loss, f.grad_norm), "{at}");
-    }
+    assert_same_iterations(&resumed.log, &fused.log[5..]);
     // A burn-optim run cannot pick up the fused state.
     let mut wrong: Vec<&str> = base.to_vec();
     wrong.extend(["--load", s]);
@@ -186,6 +184,7 @@ fn gradient_accumulation_fusion_trains_the_same_model() {
     let fused = run_with(&["--gradient-accumulation-fusion"]);
     // bf16: f32 weight gradients into the FP32 main-grad buckets; the bf16 forward differs.
     let bf16 = run_with(&["--gradient-accumulation-fusion", "--bf16"]);
+    assert_eq!((fused.len(), bf16.len()), (plain.len(), plain.len()));
     for ((p, f), b) in plain.iter().zip(&fused).zip(&bf16) {
         let at = format!("iteration {}", p.iteration);
         assert!(
@@ -210,14 +209,7 @@ fn overlapped_gradient_reduction_gives_the_same_run() {
     let plain = run(&args(&SHORT_TP2_DP2, &dir)).unwrap();
     let with = [&SHORT_TP2_DP2[..], &["--overlap-grad-reduce"]].concat();
     let overlapped = run(&args(&with, &dir)).unwrap();
-    for (a, b) in plain.log.iter().zip(&overlapped.log) {
-        assert_eq!(
-            (a.lm_loss, a.grad_norm),
-            (b.lm_loss, b.grad_norm),
-            "iteration {}",
-            a.iteration
-        );
-    }
+    assert_same_iterations(&plain.log, &overlapped.log);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -249,7 +241,9 @@ fn every_layout_trains_the_same_model() {
         ("1", "2", &[]),
         ("2", "4", &["--sequence-parallel"]),
     ] {
-        for (a, b) in losses(tp, world, extra).iter().zip(&reference) {
+        let log = losses(tp, world, extra);
+        assert_eq!(log.len(), reference.len());
+        for (a, b) in log.iter().zip(&reference) {
             let what = format!("tp {tp} world {world} {extra:?} iteration {}", a.iteration);
             assert!(
                 (a.lm_loss - b.lm_loss).abs() < 1e-4,
@@ -325,12 +319,7 @@ fn pipeline_parallel_training_falls_saves_and_resumes() {
     let mut resume_args: Vec<&str> = common.to_vec();
     resume_args.extend(["--load", s]);
     let resumed = run(&args(&resume_args, &dir)).unwrap();
-    assert_eq!(resumed.log.len(), 20);
-    for (r, f) in resumed.log.iter().zip(&full.log[20..]) {
-        let at = format!("iteration {}", r.iteration);
-        assert_eq!((r.lm_loss, r.sop_loss), (f.lm_loss, f.sop_loss), "{at}");
-        assert_eq!(r.grad_norm, f.grad_norm, "{at}");
-    }
+    assert_same_iterations(&resumed.log, &full.log[20..]);
     let mut no_pp: Vec<&str> = resume_args.clone();
     no_pp.extend(["--pipeline-model-parallel-size", "1", "--world-size", "2"]);
     let e = run(&args(&no_pp, &dir)).unwrap_err();
@@ -402,85 +391,81 @@ fn error_of(extra: &[&str]) -> String {
     e
 }
 
+/// Each flag list must be refused with an error containing every one of its phrases.
+fn assert_refused(cases: &[(&[&str], &[&str])]) {
+    for (flags, phrases) in cases {
+        let e = error_of(flags);
+        for phrase in *phrases {
+            assert!(
+                e.contains(phrase),
+                "{flags:?}: {phrase:?} missing from: {e}"
+            );
+        }
+    }
+}
+
 #[test]
 fn bad_arguments_are_rejected_with_clear_messages() {
-    let e = error_of(&["--num-attention-heads", "3", "--hidden-size", "48"]);
-    assert!(
-        e.contains("--num-attention-heads (3)") && e.contains("--tensor-model-parallel-size (2)"),
-        "{e}"
-    );
-    let e = error_of(&["--world-size", "4", "--global-batch-size", "12"]);
-    assert!(
-        e.contains("--global-batch-size (12)") && e.contains("data-parallel size (2"),
-        "{e}"
-    );
-    let e = error_of(&["--data-path", "/nonexistent/corpus.jsonl"]);
-    assert!(
-        e.contains("--data-path /nonexistent/corpus.jsonl: no such file"),
-        "{e}"
-    );
-    let e = error_of(&["--world-size", "3"]);
-    assert!(e.contains("3") && e.contains("2"), "{e}");
-    let e = error_of(&["--load", "/nonexistent/ckpt"]);
-    assert!(e.contains("no checkpoint"), "{e}");
+    assert_refused(&[
+        (
+            &["--num-attention-heads", "3", "--hidden-size", "48"],
+            &[
+                "--num-attention-heads (3)",
+                "--tensor-model-parallel-size (2)",
+            ],
+        ),
+        (
+            &["--world-size", "4", "--global-batch-size", "12"],
+            &["--global-batch-size (12)", "data-parallel size (2"],
+        ),
+        (
+            &["--data-path", "/nonexistent/corpus.jsonl"],
+            &["--data-path /nonexistent/corpus.jsonl: no such file"],
+        ),
+        (&["--world-size", "3"], &["--world-size 3", "2"]),
+        (&["--load", "/nonexistent/ckpt"], &["no checkpoint"]),
+    ]);
 }
 
 #[test]
 fn bad_pipeline_flags_are_rejected_with_clear_messages() {
-    let e = error_of(&["--pipeline-model-parallel-size", "2", "--num-layers", "3"]);
-    assert!(
-        e.contains("--num-layers (3)") && e.contains("--pipeline-model-parallel-size (2)"),
-        "{e}"
-    );
-    // TP 2 × PP 2 needs a world of 4.
-    let e = error_of(&["--pipeline-model-parallel-size", "2", "--num-layers", "2"]);
-    assert!(
-        e.contains("--world-size 2") && e.contains("--pipeline-model-parallel-size 2"),
-        "{e}"
-    );
-    let e = error_of(&["--num-layers-per-virtual-pipeline-stage", "1"]);
-    assert!(
-        e.contains("needs --pipeline-model-parallel-size > 1"),
-        "{e}"
-    );
-    let pp2 = [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--world-size",
-        "4",
-        "--num-layers",
-        "4",
-    ];
-    let e = error_of(&[&pp2[..], &["--num-layers-per-virtual-pipeline-stage", "3"]].concat());
-    assert!(
-        e.contains("(3) must divide the 2 layers of each stage"),
-        "{e}"
-    );
-    let e = error_of(
-        &[
-            &pp2[..],
-            &["--microbatch-group-size-per-virtual-pipeline-stage", "2"],
-        ]
-        .concat(),
-    );
-    assert!(e.contains("needs the interleaved schedule"), "{e}");
-    // Interleaving needs at least P microbatches: 8 samples / (8 per microbatch × DP 1) = 1.
-    let e = error_of(
-        &[
-            &pp2[..],
-            &[
+    let pp2 = |extra: &[&'static str]| -> Vec<&'static str> {
+        let base = ["--pipeline-model-parallel-size", "2", "--world-size", "4"];
+        [&base[..], &["--num-layers", "4"], extra].concat()
+    };
+    assert_refused(&[
+        (
+            &["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+            &["--num-layers (3)", "--pipeline-model-parallel-size (2)"],
+        ),
+        // TP 2 × PP 2 needs a world of 4.
+        (
+            &["--pipeline-model-parallel-size", "2", "--num-layers", "2"],
+            &["--world-size 2", "--pipeline-model-parallel-size 2"],
+        ),
+        (
+            &["--num-layers-per-virtual-pipeline-stage", "1"],
+            &["needs --pipeline-model-parallel-size > 1"],
+        ),
+        (
+            &pp2(&["--num-layers-per-virtual-pipeline-stage", "3"]),
+            &["(3) must divide the 2 layers of each stage"],
+        ),
+        (
+            &pp2(&["--microbatch-group-size-per-virtual-pipeline-stage", "2"]),
+            &["needs the interleaved schedule"],
+        ),
+        // Interleaving needs at least P microbatches: 8 samples / (8 per microbatch × DP 1).
+        (
+            &pp2(&[
                 "--num-layers-per-virtual-pipeline-stage",
                 "1",
                 "--micro-batch-size",
                 "8",
-            ],
-        ]
-        .concat(),
-    );
-    assert!(
-        e.contains("pipeline schedule of 1 microbatches") && e.contains("[2, 1]"),
-        "{e}"
-    );
+            ]),
+            &["pipeline schedule of 1 microbatches", "[2, 1]"],
+        ),
+    ]);
 }
 
 /// The example binary itself: a bad flag value ends with the message and exit status 1

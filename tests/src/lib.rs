@@ -5,6 +5,7 @@ use burn::nn::{Embedding, Linear};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_megatron::tensor_parallel::MasterInit;
 
+pub mod bert;
 pub mod mlp;
 
 /// A plain Burn `Linear` whose weight and bias are drawn from `seed` on the host (the same

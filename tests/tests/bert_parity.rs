@@ -2,7 +2,6 @@
 //! steps with dropout off and a fixed global batch: losses within 1e-4 of TP = 1, DP = 1.
 
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
@@ -10,55 +9,13 @@ use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::BertConfig;
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::bert::bert_rows;
 use burn_megatron_tests::*;
 
 const GLOBAL_BATCH: usize = 4;
 const SEQ: usize = 8;
 const VOCAB: usize = 64;
 const STEPS: usize = 10;
-
-struct Batch {
-    ids: Tensor<2, Int>,
-    types: Tensor<2, Int>,
-    padding: Tensor<2, Bool>,
-    labels: Tensor<2, Int>,
-    mask: Tensor<2>,
-    sop: Tensor<1, Int>,
-}
-
-/// Rows `[start, start + n)` of a fixed global batch.
-fn batch(start: usize, n: usize, device: &Device) -> Batch {
-    let ints = |f: &dyn Fn(usize, usize) -> i64| {
-        let v: Vec<i64> = (0..GLOBAL_BATCH * SEQ)
-            .map(|i| f(i / SEQ, i % SEQ))
-            .collect();
-        Tensor::<2, Int>::from_data(TensorData::new(v, [GLOBAL_BATCH, SEQ]), device)
-            .narrow(0, start, n)
-    };
-    let floats = |f: &dyn Fn(usize, usize) -> f32| {
-        let v: Vec<f32> = (0..GLOBAL_BATCH * SEQ)
-            .map(|i| f(i / SEQ, i % SEQ))
-            .collect();
-        Tensor::<2>::from_data(TensorData::new(v, [GLOBAL_BATCH, SEQ]), device).narrow(0, start, n)
-    };
-    let sop: Vec<i64> = (0..GLOBAL_BATCH as i64).map(|b| b % 2).collect();
-    Batch {
-        ids: ints(&|b, s| ((b * 13 + s * 7) % 60) as i64),
-        types: ints(&|_, s| i64::from(s >= SEQ / 2)),
-        // The last two positions of odd samples are padding.
-        padding: floats(&|b, s| if b % 2 == 1 && s >= SEQ - 2 { 1.0 } else { 0.0 }).equal_elem(1.0),
-        labels: ints(&|b, s| ((b * 5 + s * 11 + 3) % 60) as i64),
-        mask: floats(&|b, s| {
-            if (b + s) % 3 == 0 && !(b % 2 == 1 && s >= SEQ - 2) {
-                1.0
-            } else {
-                0.0
-            }
-        }),
-        sop: Tensor::<1, Int>::from_data(TensorData::new(sop, [GLOBAL_BATCH]), device)
-            .narrow(0, start, n),
-    }
-}
 
 fn run(tp: usize, dp: usize, sp: bool) -> Vec<Vec<(f32, f32)>> {
     run_on(tp, dp, sp, false, LaunchOptions::default())
@@ -91,7 +48,7 @@ fn run_on(
         }
         .with_clip_grad(1.0, NormType::L2);
         let local = GLOBAL_BATCH / dp;
-        let b = batch(ctx.state.data_parallel_rank() * local, local, d);
+        let b = bert_rows(ctx.state.data_parallel_rank() * local, local, SEQ, d);
         let mut out = Vec::new();
         for _ in 0..STEPS {
             let output = model.forward(b.ids.clone(), b.types.clone(), b.padding.clone(), None);

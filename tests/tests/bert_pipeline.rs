@@ -5,7 +5,7 @@
 //! that reports them.
 
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn_megatron::comm::{Comm, CommunicatorExt, ReduceOp};
 use burn_megatron::data_parallel::{
     DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
@@ -18,6 +18,7 @@ use burn_megatron::pipeline::{
     forward_backward_func,
 };
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron_tests::bert::{BertRows, bert_sample};
 use std::sync::Arc;
 
 // Eight samples: at DP 2 each replica has 4 microbatches, as many as interleaving over 4
@@ -37,38 +38,13 @@ fn bert(sp: bool) -> BertConfig {
         .with_sequence_parallel(sp)
 }
 
-/// Sample `g` of the fixed global batch, of `SEQ` tokens or fewer when `variable`.
-struct Sample {
-    ids: Tensor<2, Int>,
-    types: Tensor<2, Int>,
-    padding: Tensor<2, Bool>,
-    labels: Tensor<2, Int>,
-    mask: Tensor<2>,
-    sop: Tensor<1, Int>,
-}
-
 fn seq_len(g: usize, variable: bool) -> usize {
     if variable { SEQ - 2 * (g % 2) } else { SEQ }
 }
 
-fn sample(g: usize, variable: bool, device: &Device) -> Sample {
-    let s = seq_len(g, variable);
-    let ints = |f: &dyn Fn(usize) -> i64| {
-        Tensor::<2, Int>::from_data(TensorData::new((0..s).map(f).collect(), [1, s]), device)
-    };
-    let pad = |j: usize| g % 2 == 1 && j >= s - 2;
-    let mask: Vec<f32> = (0..s)
-        .map(|j| f32::from(u8::from((g + j).is_multiple_of(3) && !pad(j))))
-        .collect();
-    let padding: Vec<f32> = (0..s).map(|j| f32::from(u8::from(pad(j)))).collect();
-    Sample {
-        ids: ints(&|j| ((g * 13 + j * 7) % 60) as i64),
-        types: ints(&|j| i64::from(j >= s / 2)),
-        padding: Tensor::<2>::from_data(TensorData::new(padding, [1, s]), device).equal_elem(1.0),
-        labels: ints(&|j| ((g * 5 + j * 11 + 3) % 60) as i64),
-        mask: Tensor::from_data(TensorData::new(mask, [1, s]), device),
-        sop: Tensor::from_data(TensorData::new(vec![(g % 2) as i64], [1]), device),
-    }
+/// Sample `g` of the fixed global batch, of `SEQ` tokens or fewer when `variable`.
+fn sample(g: usize, variable: bool, device: &Device) -> BertRows {
+    bert_sample(g, seq_len(g, variable), device)
 }
 
 /// Per step: (lm loss, sop loss, grad norm).

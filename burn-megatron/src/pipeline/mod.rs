@@ -32,4 +32,4 @@ pub use schedule::{
     Pass, PipelineOp, PipelineSchedule, ScheduleError, ScheduleKind, num_warmup_microbatches,
     schedule_table, virtual_stage,
 };
-pub use timeline::{Span, SpanKind, chrome_trace, idle_fraction};
+pub use timeline::{Span, SpanKind, chrome_trace, idle_fractions, time_bounds};

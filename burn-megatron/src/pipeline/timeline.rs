@@ -73,18 +73,34 @@ impl Recorder {
     }
 }
 
-/// Busy time over the whole run per rank: `1 − busy / (last end − first start)` is the
-/// rank's idle (bubble) fraction. Send and receive spans do not count as busy.
-pub fn idle_fraction(spans: &[Span], run: Duration) -> f64 {
-    let busy: Duration = spans
+/// The first start and the last end of any span of any rank (zero when there is none).
+pub fn time_bounds(ranks: &[Vec<Span>]) -> (Duration, Duration) {
+    let spans = || ranks.iter().flatten();
+    let start = spans().map(|s| s.start).min().unwrap_or_default();
+    let end = spans().map(|s| s.end).max().unwrap_or_default();
+    (start, end)
+}
+
+/// Each rank's idle (bubble) fraction: `1 − busy / window`, the window running from the
+/// first span of any rank to the last. Send and receive spans do not count as busy.
+pub fn idle_fractions(ranks: &[Vec<Span>]) -> Vec<f64> {
+    let (start, end) = time_bounds(ranks);
+    let window = end.saturating_sub(start).as_secs_f64();
+    ranks
         .iter()
-        .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
-        .map(|s| s.end.saturating_sub(s.start))
-        .sum();
-    if run.is_zero() {
-        return 0.0;
-    }
-    (1.0 - busy.as_secs_f64() / run.as_secs_f64()).max(0.0)
+        .map(|spans| {
+            let busy: Duration = spans
+                .iter()
+                .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
+                .map(|s| s.end.saturating_sub(s.start))
+                .sum();
+            if window == 0.0 {
+                0.0
+            } else {
+                (1.0 - busy.as_secs_f64() / window).max(0.0)
+            }
+        })
+        .collect()
 }
 
 /// A Chrome trace (JSON array format) of every rank's spans: one row (`tid`) per rank,
@@ -101,12 +117,7 @@ pub fn idle_fraction(spans: &[Span], run: Duration) -> f64 {
 /// ```
 pub fn chrome_trace(ranks: &[Vec<Span>]) -> String {
     // Times from the first span of any rank.
-    let t0 = ranks
-        .iter()
-        .flatten()
-        .map(|s| s.start)
-        .min()
-        .unwrap_or_default();
+    let (t0, _) = time_bounds(ranks);
     let mut events = Vec::new();
     for (rank, spans) in ranks.iter().enumerate() {
         events.push(serde_json::json!({

@@ -14,7 +14,7 @@ use burn_megatron::data::{
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::BertConfig;
-use burn_megatron::pipeline::{Span, chrome_trace, idle_fraction};
+use burn_megatron::pipeline::{Span, chrome_trace, idle_fractions};
 use burn_megatron::tensor_parallel::padded_vocab_size;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::time::{Duration, Instant};
@@ -150,21 +150,9 @@ fn write_timeline(path: &std::path::Path, outputs: &[train::RankOutput]) -> Resu
         .map_err(|e| format!("--timeline {}: {e}", path.display()))?;
     let png = path.with_extension("png");
     plot::timeline(&png, &ranks)?;
-    let start = ranks
+    let idle: Vec<String> = idle_fractions(&ranks)
         .iter()
-        .flatten()
-        .map(|s| s.start)
-        .min()
-        .unwrap_or_default();
-    let end = ranks
-        .iter()
-        .flatten()
-        .map(|s| s.end)
-        .max()
-        .unwrap_or_default();
-    let idle: Vec<String> = ranks
-        .iter()
-        .map(|r| format!("{:.2}", idle_fraction(r, end.saturating_sub(start))))
+        .map(|f| format!("{f:.2}"))
         .collect();
     println!(
         "> timeline of the last iteration in {} and {} | idle fraction per rank: {}",

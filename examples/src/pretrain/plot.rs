@@ -2,7 +2,7 @@
 //! as points.
 
 use super::IterationLog;
-use burn_megatron::pipeline::{Span, SpanKind};
+use burn_megatron::pipeline::{Span, SpanKind, time_bounds};
 use plotters::prelude::*;
 use std::path::Path;
 
@@ -90,18 +90,7 @@ fn draw_timeline(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let root = BitMapBackend::new(path, (1200, 80 + 60 * ranks.len() as u32)).into_drawing_area();
     root.fill(&WHITE)?;
-    let t0 = ranks
-        .iter()
-        .flatten()
-        .map(|s| s.start)
-        .min()
-        .unwrap_or_default();
-    let t1 = ranks
-        .iter()
-        .flatten()
-        .map(|s| s.end)
-        .max()
-        .unwrap_or_default();
+    let (t0, t1) = time_bounds(ranks);
     let ms = |d: std::time::Duration| d.saturating_sub(t0).as_secs_f64() * 1e3;
     let mut builder = ChartBuilder::on(&root);
     builder.margin(20);
