@@ -424,7 +424,27 @@ fn bad_arguments_are_rejected_with_clear_messages() {
         ),
         (&["--world-size", "3"], &["--world-size 3", "2"]),
         (&["--load", "/nonexistent/ckpt"], &["no checkpoint"]),
+        (
+            &["--init-method-std=-0.5"],
+            &["--init-method-std must be a finite value ≥ 0, got -0.5"],
+        ),
+        (&["--init-method-std", "NaN"], &["--init-method-std", "NaN"]),
     ]);
+}
+
+/// Every `u64` is a seed: the derived streams wrap instead of overflowing.
+#[test]
+fn the_largest_seed_trains() {
+    let dir = tmp("max-seed");
+    let max = u64::MAX.to_string();
+    let flags = [
+        &SHORT_TP2_DP2[..],
+        &["--seed", max.as_str(), "--train-iters", "2"],
+    ]
+    .concat();
+    let log = run(&args(&flags, &dir)).unwrap().log;
+    assert!(log.iter().all(|e| e.lm_loss.is_finite()), "{log:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

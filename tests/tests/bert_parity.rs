@@ -2,6 +2,7 @@
 //! steps with dropout off and a fixed global batch: losses within 1e-4 of TP = 1, DP = 1.
 
 use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Int, Tensor};
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
@@ -9,7 +10,7 @@ use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::BertConfig;
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::ParallelConfig;
-use burn_megatron_tests::bert::bert_rows;
+use burn_megatron_tests::bert::{BertRows, bert_rows};
 use burn_megatron_tests::*;
 
 const GLOBAL_BATCH: usize = 4;
@@ -134,4 +135,82 @@ fn bert_on_wgpu_matches_flex() {
             }
         }
     }
+}
+
+/// A token id beyond the vocabulary, a token type beyond `num_tokentypes` and a sequence
+/// longer than `max_position_embeddings` are refused with the same message at TP 1 and TP 2
+/// (a vocabulary-parallel lookup would otherwise embed an unknown id as zeros).
+#[test]
+fn inputs_outside_the_embeddings_are_refused_alike_at_every_tp_size() {
+    let messages = |tp: usize| {
+        let config = ParallelConfig::new(tp, tp, 1);
+        threads(&config, LaunchOptions::default(), |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB).init(g, d)?;
+            let try_with = |edit: &dyn Fn(&mut BertRows)| {
+                let mut b = bert_rows(0, 2, SEQ, d);
+                edit(&mut b);
+                let tokens = Some((b.ids, b.types));
+                model
+                    .forward_stage(tokens, None, b.padding, None)
+                    .err()
+                    .map(|e| e.to_string())
+            };
+            let set = |t: &Tensor<2, Int>, v: i64| t.clone().slice_fill([1..2, 3..4], v);
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(vec![
+                try_with(&|_| ()),
+                try_with(&|b| b.ids = set(&b.ids, VOCAB as i64)),
+                try_with(&|b| b.ids = set(&b.ids, -1)),
+                try_with(&|b| b.types = set(&b.types, 2)),
+                try_with(&|b| *b = bert_rows(0, 2, SEQ + 1, d)),
+            ])
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let one = messages(1);
+    assert_eq!(one[0], None, "in-range inputs pass");
+    let expect = [
+        "token id 64 is outside [0, 64)",
+        "token id -1 is outside [0, 64)",
+        "token type 2 is outside [0, 2)",
+        "sequence length 9 exceeds max_position_embeddings 8",
+    ];
+    for (got, want) in one[1..].iter().zip(expect) {
+        let got = got.as_deref().unwrap_or("no error");
+        assert!(got.contains(want), "{got:?} should contain {want:?}");
+    }
+    assert_eq!(
+        messages(2),
+        one,
+        "TP 2 refuses the same inputs with the same messages"
+    );
+}
+
+/// A normal of negative or NaN std and an inverted uniform range are refused at `init`,
+/// naming the distribution, instead of panicking while drawing.
+#[test]
+fn impossible_initialisers_are_refused_at_init() {
+    use burn_megatron::tensor_parallel::{ColumnParallelLinearConfig, MasterInit};
+    let world = burn_megatron::comm::LocalWorld::new(1);
+    let tp: burn_megatron::comm::Comm =
+        std::sync::Arc::new(world.communicator("tp", vec![0], 0).unwrap());
+    let d = burn::tensor::Device::flex();
+    for std in [-0.02, f64::NAN] {
+        let e = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
+            .with_init_method_std(std)
+            .init(&tp, &d)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("std: {std}")), "{e}");
+    }
+    let e = ColumnParallelLinearConfig::new(4, 4)
+        .with_initializer(MasterInit::Uniform {
+            low: 1.0,
+            high: 0.5,
+        })
+        .init(&tp, &d)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("low: 1.0, high: 0.5"), "{e}");
 }

@@ -17,8 +17,10 @@ use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, GradSync, P2pShapes, PipelineSchedule,
     forward_backward_func,
 };
+use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::bert::{BertRows, bert_sample};
+use burn_megatron_tests::values;
 use std::sync::Arc;
 
 // Eight samples: at DP 2 each replica has 4 microbatches, as many as interleaving over 4
@@ -285,4 +287,53 @@ fn bert_pipeline_with_variable_sequence_lengths_matches_one_rank() {
     ] {
         check(l, true, &reference);
     }
+}
+
+/// The last stage's copy of the word embeddings starts equal to the first stage's (and to the
+/// whole model's); both are marked for the embedding-group reduction, only the copy is left
+/// out of the grad norm; the embeddings and heads sit on the first and last stage only.
+#[test]
+fn the_tied_word_embedding_starts_equal_and_counts_once() {
+    let device = Device::flex().autodiff();
+    let world = burn_megatron::comm::LocalWorld::new(1);
+    let solo: Comm = Arc::new(world.communicator("solo", vec![0], 0).unwrap());
+    let stage = |rank| {
+        bert(false)
+            .init_stage(&solo, PipelinePosition::new(2, rank, 1, 0), &device)
+            .unwrap()
+    };
+    let (first, last, whole) = (
+        stage(0),
+        stage(1),
+        bert(false).init(&solo, &device).unwrap(),
+    );
+    let emb = first.embeddings.as_ref().unwrap();
+    let head = last.head.as_ref().unwrap();
+    let copy = head.word_embeddings.as_ref().unwrap();
+    let whole_emb = &whole.embeddings.as_ref().unwrap().word_embeddings;
+    assert!(first.head.is_none() && last.embeddings.is_none());
+    assert!(whole.head.as_ref().unwrap().word_embeddings.is_none());
+    assert_eq!(
+        (first.layers.len(), last.layers.len()),
+        (LAYERS / 2, LAYERS / 2)
+    );
+    let w = |t: Tensor<2>| values(t);
+    assert_eq!(w(emb.word_embeddings.weight.val()), w(copy.weight.val()));
+    assert_eq!(
+        w(emb.word_embeddings.weight.val()),
+        w(whole_emb.weight.val())
+    );
+    let (a, b, c) = (
+        parallel_attrs(emb.word_embeddings.weight.id),
+        parallel_attrs(copy.weight.id),
+        parallel_attrs(whole_emb.weight.id),
+    );
+    assert!(a.shared_embedding && !a.shared && a.counts_in_grad_norm(0));
+    assert!(b.shared_embedding && b.shared && !b.counts_in_grad_norm(0));
+    assert!(!c.shared_embedding && c.counts_in_grad_norm(0));
+    // Stage 1's first layer is the whole model's layer L/2.
+    let layer_w = |l: &burn_megatron::models::TransformerLayer| {
+        values(l.attention.query_key_value.weight.val())
+    };
+    assert_eq!(layer_w(&last.layers[0]), layer_w(&whole.layers[LAYERS / 2]));
 }

@@ -1,6 +1,6 @@
 //! `MegatronOptimizer` with `finalize_model_grads`: TP × DP parity with AdamW + scheduler +
-//! clipping (global batch fixed), bf16 master weights,
-//! and an f16 overflow that is skipped.
+//! clipping (global batch fixed), bf16 master weights (also where they are what keeps
+//! updates that bf16 rounds away), and an f16 overflow that is skipped.
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -22,6 +22,7 @@ fn tp_by_dp_training_matches_single_rank_with_clipping() {
     );
     for (tp, dp) in [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)] {
         for (trace, _) in run_layout(tp, dp, Kind::Burn) {
+            assert_eq!(trace.len(), one.len(), "{tp}×{dp}: step count");
             for (step, ((l, n), (rl, rn))) in trace.iter().zip(&one).enumerate() {
                 assert!(
                     (l - rl).abs() <= 1e-5,
@@ -40,6 +41,7 @@ fn tp_by_dp_training_matches_single_rank_with_clipping() {
 fn bf16_with_fp32_master_weights_tracks_the_fp32_run() {
     let fp32 = run_dtype(DType::F32, Kind::Burn).0;
     let bf16 = run_dtype(DType::BF16, Kind::Burn).0;
+    assert_eq!(fp32.len(), bf16.len(), "step count");
     for (step, (a, b)) in fp32.iter().zip(&bf16).enumerate() {
         assert!(
             (a - b).abs() <= 0.02 * a.abs(),
@@ -104,6 +106,7 @@ fn f16_overflow_is_skipped_and_the_scale_backs_off_after_hysteresis() {
                 "{kind:?} after overflow {i}"
             );
             let after = snapshot(&model, &optim, "after");
+            assert_eq!(after.len(), before.len(), "{kind:?}: snapshot sizes");
             for ((name, a), (_, b)) in after.iter().zip(&before) {
                 assert!(
                     a == b,
@@ -163,5 +166,71 @@ fn accumulating_micro_batches_then_one_reduction_equals_the_full_batch() {
     let full = values(grads.get::<2>(model.fc1.weight.id).unwrap());
     for g in out {
         assert_close(&g, &full, 1e-6, "accumulated + reduced vs full batch");
+    }
+}
+
+/// Updates below half of bf16's spacing at the weight (2^-8 at 1.0): Adam moves each weight by
+/// about lr = 1e-3 per step. A bf16 weight stepped directly rounds every update away and never
+/// moves; with FP32 master weights both optimizer kinds accumulate them exactly as an fp32 run
+/// does, and the bf16 model is that run's weights rounded.
+#[test]
+fn master_weights_keep_updates_that_bf16_rounds_away() {
+    use burn::module::Param;
+    use burn::nn::Linear;
+    use burn::optim::AdamWConfig;
+    use burn::tensor::Tensor;
+    let device = Device::flex().autodiff();
+    let linear = |dtype: DType| Linear {
+        weight: Param::from_tensor(Tensor::<2>::ones([4, 4], &device).cast(dtype)),
+        bias: None,
+    };
+    // d(sum(x·W))/dW = 1 everywhere, exact in bf16.
+    let grads = |model: &Linear, dtype: DType| {
+        let x = Tensor::<2>::ones([1, 4], &device).cast(dtype);
+        GradientsParams::from_grads(model.forward(x).sum().backward(), model)
+    };
+    let weights = |model: &Linear| values(model.weight.val());
+    let adamw = || AdamWConfig::new().with_weight_decay(0.0);
+    let (mut fp32, mut direct) = (linear(DType::F32), linear(DType::BF16));
+    let (mut opt32, mut opt_direct) = (adamw().init(), adamw().init());
+    for _ in 0..20 {
+        let g = grads(&fp32, DType::F32);
+        fp32 = opt32.step(1e-3, fp32, g);
+        let g = grads(&direct, DType::BF16);
+        direct = opt_direct.step(1e-3, direct, g);
+    }
+    let moved = weights(&fp32);
+    assert!(moved.iter().all(|&w| (w - 0.98).abs() < 1e-4), "{moved:?}");
+    assert!(
+        weights(&direct).iter().all(|&w| w == 1.0),
+        "without master weights bf16 rounds each update away: {:?}",
+        weights(&direct)
+    );
+    let rounded: Vec<f32> = moved
+        .iter()
+        .map(|&w| half::bf16::from_f32(w).to_f32())
+        .collect();
+    for kind in [Kind::Burn, Kind::Fused] {
+        let mut model = linear(DType::BF16);
+        let mut optim = match kind {
+            Kind::Burn => MegatronOptimizer::new(adamw().init(), &model, solo(), 0),
+            Kind::Fused => {
+                let adam = FusedAdamConfig::new()
+                    .with_weight_decay(0.0)
+                    .init()
+                    .unwrap();
+                MegatronOptimizer::fused_adam(adam, &model, solo(), 0)
+            }
+        };
+        for _ in 0..20 {
+            let g = grads(&model, DType::BF16);
+            model = optim.step(1e-3, model, g).unwrap().0;
+        }
+        assert_eq!(model.weight.val().dtype(), DType::BF16);
+        assert_eq!(
+            weights(&model),
+            rounded,
+            "{kind:?}: the fp32 run, rounded once"
+        );
     }
 }

@@ -10,8 +10,8 @@ use crate::tensor_parallel::mappings::{
 };
 use crate::tensor_parallel::{
     MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
-    VocabParallelEmbeddingConfig, derive_seed, parallel_attrs, set_parallel_attrs,
-    vocab_parallel_cross_entropy,
+    VocabParallelEmbeddingConfig, check_index_range, derive_seed, parallel_attrs,
+    set_parallel_attrs, vocab_parallel_cross_entropy,
 };
 use crate::topology::PipelinePosition;
 use burn::config::Config;
@@ -180,6 +180,7 @@ impl BertConfig {
             mean: 0.0,
             std: self.init_method_std,
         };
+        normal.check()?;
         let table = |rows: usize, name: &str| Embedding {
             weight: host_param(
                 normal.values(rows * h, h, derive_seed(seed, name)),
@@ -266,6 +267,31 @@ impl BertConfig {
     }
 }
 
+/// Refuses token ids, token types or a sequence length the embedding tables do not cover,
+/// the same way at every TP size (a vocabulary-parallel lookup would zero an unknown id).
+fn check_inputs(
+    e: &BertEmbeddings,
+    ids: &Tensor<2, Int>,
+    types: &Tensor<2, Int>,
+) -> Result<(), TpError> {
+    let (s, max_pos) = (ids.dims()[1], e.position_embeddings.weight.dims()[0]);
+    if s > max_pos {
+        return Err(TpError::Invalid(format!(
+            "sequence length {s} exceeds max_position_embeddings {max_pos}"
+        )));
+    }
+    if types.dims() != ids.dims() {
+        return Err(TpError::Invalid(format!(
+            "token types of dims {:?} for token ids of dims {:?}",
+            types.dims(),
+            ids.dims()
+        )));
+    }
+    e.word_embeddings.check_ids(ids)?;
+    let tokentypes = e.tokentype_embeddings.weight.dims()[0];
+    check_index_range(types, tokentypes, "token type", "num_tokentypes")
+}
+
 /// Marks a copy of the word embeddings tied across the first and last stage.
 fn tie(embedding: &VocabParallelEmbedding, second_copy: bool) {
     let id = embedding.weight.id;
@@ -279,7 +305,11 @@ impl Bert {
     /// # Panics
     ///
     /// On a pipeline chunk that lacks the embeddings or the heads (built by
-    /// [`BertConfig::init_stage`] for P·V > 1): use [`Bert::forward_stage`] there.
+    /// [`BertConfig::init_stage`] for P·V > 1): use [`Bert::forward_stage`] there. On inputs
+    /// the embeddings do not cover (a token id ≥ the vocabulary, a token type ≥
+    /// `num_tokentypes`, more than `max_position_embeddings` tokens), with a message naming
+    /// the value and the limit, at every TP size: [`Bert::forward_stage`] returns that as an
+    /// error instead.
     pub fn forward(
         &self,
         ids: Tensor<2, Int>,
@@ -293,7 +323,8 @@ impl Bert {
         );
         match self.forward_stage(Some((ids, token_types)), None, padding, rng) {
             Ok(BertStageOutput::Output(out)) => out,
-            _ => unreachable!("the whole model embeds and ends in the heads"),
+            Ok(BertStageOutput::Hidden(_)) => unreachable!("the whole model ends in the heads"),
+            Err(e) => panic!("Bert::forward: {e}"),
         }
     }
 
@@ -308,7 +339,10 @@ impl Bert {
         rng: Option<&RngTracker>,
     ) -> Result<BertStageOutput, TpError> {
         let mut x = match (&self.embeddings, tokens, hidden) {
-            (Some(e), Some((ids, types)), None) => self.embed(e, ids, types, rng),
+            (Some(e), Some((ids, types)), None) => {
+                check_inputs(e, &ids, &types)?;
+                self.embed(e, ids, types, rng)
+            }
             (None, None, Some(x)) => x,
             (e, t, x) => {
                 return Err(TpError::Invalid(format!(

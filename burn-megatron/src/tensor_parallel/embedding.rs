@@ -52,6 +52,7 @@ impl VocabParallelEmbeddingConfig {
     /// the vocabulary does not split evenly over the group.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<VocabParallelEmbedding, TpError> {
         let part = partition(self.num_embeddings, tp.group().size(), "vocabulary entries")?;
+        self.initializer.check()?;
         let full = self.initializer.values(
             self.num_embeddings * self.embedding_dim,
             self.embedding_dim,
@@ -100,8 +101,26 @@ impl VocabParallelEmbedding {
         (start, start + part)
     }
 
+    /// The full vocabulary size (rows over all tensor-parallel ranks).
+    pub fn num_embeddings(&self) -> usize {
+        self.weight.dims()[0] * self.tp.group().size()
+    }
+
+    /// Refuses ids outside `[0, vocab)`, naming the offending id: [`forward`](Self::forward)
+    /// would panic on one at TP 1 and silently embed it as zeros at TP > 1. Reads the ids'
+    /// extremes back to the host.
+    pub fn check_ids(&self, ids: &Tensor<2, Int>) -> Result<(), TpError> {
+        check_index_range(
+            ids,
+            self.num_embeddings(),
+            "token id",
+            "the vocabulary size",
+        )
+    }
+
     /// `[b, s]` ids → `[b, s, d]` embeddings; under sequence parallelism `[s / tp, b, d]`
-    /// (sequence first, split over the group).
+    /// (sequence first, split over the group). Ids must lie in `[0, vocab)`; see
+    /// [`check_ids`](Self::check_ids).
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         let out = if self.tp.group().size() == 1 {
             embedding(self.weight.val(), ids)
@@ -133,4 +152,26 @@ impl VocabParallelEmbedding {
             weight: Param::from_tensor(w),
         })
     }
+}
+
+/// Refuses values of `index` outside `[0, limit)`: `what` names the values, `limit_name` the
+/// bound, both in the message.
+pub(crate) fn check_index_range(
+    index: &Tensor<2, Int>,
+    limit: usize,
+    what: &str,
+    limit_name: &str,
+) -> Result<(), TpError> {
+    if index.dims().iter().product::<usize>() == 0 {
+        return Ok(());
+    }
+    let lo = index.clone().min().into_scalar::<i64>();
+    let hi = index.clone().max().into_scalar::<i64>();
+    let bad = if lo < 0 { lo } else { hi };
+    if lo < 0 || hi >= limit as i64 {
+        return Err(TpError::Invalid(format!(
+            "{what} {bad} is outside [0, {limit}) ({limit_name} {limit})"
+        )));
+    }
+    Ok(())
 }

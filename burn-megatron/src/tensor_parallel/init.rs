@@ -36,8 +36,38 @@ impl MasterInit {
     /// Zeros (biases).
     pub const ZEROS: MasterInit = MasterInit::Constant(0.0);
 
+    /// Refuses a distribution that cannot be drawn from (a negative or non-finite standard
+    /// deviation, an empty or inverted uniform range, a non-finite value), naming it. Every
+    /// layer config checks its initialisers at `init`, before drawing.
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::MasterInit;
+    /// assert!(MasterInit::Normal { mean: 0.0, std: -0.02 }.check().is_err());
+    /// assert!(MasterInit::Uniform { low: 1.0, high: 0.5 }.check().is_err());
+    /// assert!(MasterInit::KaimingUniform.check().is_ok());
+    /// ```
+    pub fn check(&self) -> Result<(), super::TpError> {
+        let ok = match *self {
+            MasterInit::Normal { mean, std } => mean.is_finite() && std.is_finite() && std >= 0.0,
+            MasterInit::Uniform { low, high } => low.is_finite() && high.is_finite() && low < high,
+            MasterInit::KaimingUniform => true,
+            MasterInit::Constant(c) => c.is_finite(),
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(super::TpError::Invalid(format!(
+                "cannot initialise from {self:?}: a normal needs a finite std ≥ 0, a uniform finite low < high"
+            )))
+        }
+    }
+
     /// `count` values from the stream seeded with `seed`; `fan_in` is used by
     /// [`KaimingUniform`](Self::KaimingUniform).
+    ///
+    /// # Panics
+    ///
+    /// On a distribution [`check`](Self::check) refuses.
     ///
     /// ```
     /// use burn_megatron::tensor_parallel::MasterInit;
@@ -51,11 +81,11 @@ impl MasterInit {
         };
         match *self {
             MasterInit::Normal { mean, std } => {
-                let d = Normal::new(mean, std).expect("a finite, non-negative std");
+                let d = Normal::new(mean, std).expect("checked by MasterInit::check at init");
                 sample(&|r| d.sample(r), &mut rng)
             }
             MasterInit::Uniform { low, high } => {
-                let d = Uniform::new(low, high).expect("low < high");
+                let d = Uniform::new(low, high).expect("checked by MasterInit::check at init");
                 sample(&|r| d.sample(r), &mut rng)
             }
             MasterInit::KaimingUniform => {

@@ -86,15 +86,19 @@ impl ColumnParallelLinearConfig {
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<ColumnParallelLinear, TpError> {
         let (rank, size) = (tp.group().rank(), tp.group().size());
         let part = partition(self.d_output, size, "output features")?;
+        self.initializer.check()?;
+        self.bias_initializer.check()?;
         let full = self
             .initializer
             .values(self.d_input * self.d_output, self.d_input, self.seed);
         let w = slice_cols(&full, self.d_output, rank * part, part);
         let weight = shard_param(w, [self.d_input, part], device, ParallelAttrs::sharded(1));
         let bias = self.bias.then(|| {
-            let full = self
-                .bias_initializer
-                .values(self.d_output, self.d_input, self.seed + 1);
+            let full = self.bias_initializer.values(
+                self.d_output,
+                self.d_input,
+                self.seed.wrapping_add(1),
+            );
             shard_param(
                 full[rank * part..(rank + 1) * part].to_vec(),
                 [part],
@@ -260,15 +264,19 @@ impl RowParallelLinearConfig {
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<RowParallelLinear, TpError> {
         let (rank, size) = (tp.group().rank(), tp.group().size());
         let part = partition(self.d_input, size, "input features")?;
+        self.initializer.check()?;
+        self.bias_initializer.check()?;
         let full = self
             .initializer
             .values(self.d_input * self.d_output, self.d_input, self.seed);
         let w = slice_rows(&full, self.d_output, rank * part, part);
         let weight = shard_param(w, [part, self.d_output], device, ParallelAttrs::sharded(0));
         let bias = self.bias.then(|| {
-            let b = self
-                .bias_initializer
-                .values(self.d_output, self.d_input, self.seed + 1);
+            let b = self.bias_initializer.values(
+                self.d_output,
+                self.d_input,
+                self.seed.wrapping_add(1),
+            );
             shard_param(b, [self.d_output], device, self.bias_attrs())
         });
         Ok(RowParallelLinear {

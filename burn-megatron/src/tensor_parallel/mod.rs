@@ -20,6 +20,7 @@ mod vocab;
 
 pub use attrs::{ParallelAttrs, parallel_attrs, set_parallel_attrs};
 pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
+pub(crate) use embedding::check_index_range;
 pub use embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
 pub use grads::allreduce_sequence_parallel_grads;
 pub use init::{MasterInit, derive_seed};

@@ -55,9 +55,10 @@ impl RngTracker {
         }
     }
 
-    /// `seed + 2718 + tp_rank`.
+    /// `seed + 2718 + tp_rank`, wrapping: every `u64` is a valid seed.
     pub fn model_parallel_seed(seed: u64, tp_rank: usize) -> u64 {
-        seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank as u64
+        seed.wrapping_add(MODEL_PARALLEL_SEED_OFFSET)
+            .wrapping_add(tp_rank as u64)
     }
 
     /// The seed and tensor-parallel rank the tracker was built with.
@@ -122,6 +123,14 @@ mod tests {
             pattern(&a, 64, 0.5, RngRegion::Default)
         );
         assert_eq!(RngTracker::model_parallel_seed(7, 1), 7 + 2718 + 1);
+        // Any u64 is a seed: the offset wraps.
+        assert_eq!(RngTracker::model_parallel_seed(u64::MAX, 1), 2718);
+        let _ = pattern(
+            &RngTracker::new(u64::MAX, 3),
+            8,
+            0.5,
+            RngRegion::TensorModelParallel,
+        );
     }
 
     #[test]

@@ -129,6 +129,9 @@ pub struct Args {
     /// Attention-probability dropout.
     #[arg(long, default_value_t = 0.1)]
     pub attention_dropout: f64,
+    /// Standard deviation of the normal weight initialisation.
+    #[arg(long, default_value_t = 0.02)]
+    pub init_method_std: f64,
     /// Seed of weights, data and dropout.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
@@ -324,6 +327,12 @@ impl Args {
         }
         if !(0.0..1.0).contains(&self.lr_warmup_fraction) {
             return Err("--lr-warmup-fraction must be in [0, 1)".into());
+        }
+        if !(self.init_method_std.is_finite() && self.init_method_std >= 0.0) {
+            return Err(format!(
+                "--init-method-std must be a finite value ≥ 0, got {}",
+                self.init_method_std
+            ));
         }
         if self.loss_scale.is_some() && !self.fp16 {
             return Err("--loss-scale needs --fp16".into());

@@ -184,7 +184,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     let valid = BertDataset::new(
         &valid_docs,
         &tokenizer,
-        data_config.with_seed(args.seed + 1),
+        data_config.with_seed(args.seed.wrapping_add(1)),
     )
     .map_err(|e| e.to_string())?;
     let tp = args.tensor_model_parallel_size;
@@ -200,6 +200,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     .with_attention_dropout(args.attention_dropout)
     .with_sequence_parallel(args.sequence_parallel)
     .with_gradient_accumulation_fusion(args.gradient_accumulation_fusion)
+    .with_init_method_std(args.init_method_std)
     .with_seed(args.seed);
     println!(
         "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × PP {}{} × DP {}{} | vocab {} (padded {}) | \

@@ -80,6 +80,11 @@ struct State {
     relaid: bool,
     uses: HashMap<ParamId, usize>,
     hooked: HashSet<ParamId>,
+    /// Parameters a hook delivered a gradient of this step (any micro-batch): their
+    /// main-grad slot already holds everything `grads` has for them.
+    delivered: HashSet<ParamId>,
+    /// Parameters counted into their bucket's readiness this step.
+    done: HashSet<ParamId>,
     last: bool,
     closed: bool,
     /// Complete buckets not yet launched, in the order they completed.
@@ -111,8 +116,11 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// One parameter's gradient is final for this step.
+    /// One parameter's gradient is final for this step (counted once, however often called).
     fn complete(&self, state: &mut State, id: ParamId) {
+        if !state.done.insert(id) {
+            return;
+        }
         if let Some(slot) = state.slots.get(&id).copied() {
             let bucket = &mut state.buckets[slot.bucket];
             bucket.pending = bucket.pending.saturating_sub(1);
@@ -131,6 +139,7 @@ impl Shared {
             return;
         };
         state.accumulate(slot, &grad);
+        state.delivered.insert(id);
         let uses = state.uses.entry(id).or_insert(1);
         *uses = uses.saturating_sub(1);
         if *uses == 0 && state.last {
@@ -143,10 +152,32 @@ impl Shared {
     fn reduce_as_ready(self: Arc<Self>) {
         // (A temporary guard in the `for` header would live for the whole loop.)
         let buckets = self.lock().buckets.len();
+        let timeout = self.comm.timeout();
         for _ in 0..buckets {
             let mut state = self.lock();
+            // Bounded like every collective: a rank whose backward stalls (or never calls
+            // `finish`) ends with an error instead of a worker waiting forever.
+            let deadline = std::time::Instant::now() + timeout;
             while state.queue.is_empty() && !state.closed {
-                state = self.ready.wait(state).unwrap_or_else(|e| e.into_inner());
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    let err = CommError::InvalidArgument {
+                        group: self.comm.group().to_string(),
+                        op: "overlapped gradient reduction",
+                        reason: format!(
+                            "no further bucket of gradients was complete within {timeout:?}"
+                        ),
+                    };
+                    for b in &mut state.buckets {
+                        b.result.get_or_insert_with(|| Err(err.clone()));
+                    }
+                    return;
+                }
+                state = self
+                    .ready
+                    .wait_timeout(state, left)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
             }
             let Some(b) = state.queue.pop_front().filter(|_| !state.closed) else {
                 return;
@@ -304,18 +335,17 @@ impl OverlapReducer {
             return Err(self.invalid("no last micro-batch was activated this step"));
         }
         for &(id, rank) in &self.order {
-            let hooked = state.hooked.contains(&id);
             if let Some((flat, dims)) = take_flat(grads, id, rank) {
-                if !hooked {
+                if !state.delivered.contains(&id) {
                     let values: Vec<f32> = flat.clone().into_data().iter::<f32>().collect();
                     let slot = state.slots[&id];
                     state.accumulate(slot, &values);
                 }
                 present.insert(id, (flat, dims, state.slots[&id]));
             }
-            if !hooked {
-                self.shared.complete(&mut state, id);
-            }
+            // As Megatron: a parameter that got no gradient in the last micro-batch (its
+            // layer unused there) is ready now, with whatever it has.
+            self.shared.complete(&mut state, id);
         }
         let worker = state.worker.take();
         drop(state);
@@ -340,6 +370,8 @@ impl OverlapReducer {
             });
         }
         state.uses.clear();
+        state.delivered.clear();
+        state.done.clear();
         state.last = false;
         if !state.relaid && !state.hooked.is_empty() {
             // Now the hooked parameters are known: bucket them apart from the others, which

@@ -35,14 +35,41 @@ fn net(tp: &Comm, device: &Device) -> Result<Net, TpError> {
     })
 }
 
+/// How the last micro-batch leaves block 1 without a gradient.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Unused {
+    /// Every block runs and counts.
+    None,
+    /// Block 1 is skipped in the forward.
+    Skipped,
+    /// Block 1 runs (its parameters are hooked) but its output does not reach the loss.
+    Detached,
+}
+
 impl Net {
     fn loss(&self, dp_rank: usize, micro: usize, device: &Device) -> Tensor<1> {
+        self.loss_with(dp_rank, micro, device, Unused::None)
+    }
+
+    fn loss_with(
+        &self,
+        dp_rank: usize,
+        micro: usize,
+        device: &Device,
+        unused: Unused,
+    ) -> Tensor<1> {
         let x: Vec<f32> = (0..4 * H)
             .map(|i| ((i * 7 + dp_rank * 13 + micro * 5) % 11) as f32 / 11.0 - 0.5)
             .collect();
         let mut x = Tensor::<3>::from_data(TensorData::new(x, [2, 2, H]), device);
-        for b in &self.blocks {
-            x = x.clone() + b.forward(x);
+        for (i, b) in self.blocks.iter().enumerate() {
+            match (i, unused) {
+                (1, Unused::Skipped) => {}
+                (1, Unused::Detached) => {
+                    let _ = b.forward(x.clone());
+                }
+                _ => x = x.clone() + b.forward(x),
+            }
         }
         self.norm.forward(x).powi_scalar(2).mean()
     }
@@ -181,6 +208,57 @@ fn finish_without_a_last_micro_batch_is_an_error_and_one_rank_needs_no_collectiv
         let before = grads_of(&model, &grads);
         assert_eq!(reducer.finish(&mut grads)?, 0);
         assert_eq!(grads_of(&model, &grads), before);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    })
+    .unwrap();
+}
+
+/// A hooked layer without a gradient in the last micro-batch — skipped there, or run with
+/// its output unused — neither hangs the reduction nor counts its earlier gradients twice:
+/// the result equals the reduction after backward, bit for bit.
+#[test]
+fn a_layer_without_gradient_in_the_last_micro_batch_neither_hangs_nor_double_counts() {
+    let config = ParallelConfig::new(4, 2, 1);
+    let dp_config = DataParallelConfig {
+        bucket_size: Some(100),
+        ..DataParallelConfig::default()
+    };
+    // A regression shows as a timeout error here, not as a hung test.
+    let options = LaunchOptions::default().with_timeout(std::time::Duration::from_secs(20));
+    threads(&config, options, |ctx| {
+        let (tp, dp, d) = (&ctx.groups.tp, &ctx.groups.dp, &ctx.device);
+        let dp_rank = ctx.state.data_parallel_rank();
+        for unused in [Unused::Skipped, Unused::Detached] {
+            let last = |micro: usize| if micro == 1 { unused } else { Unused::None };
+            let model = net(tp, d)?;
+            let mut acc = GradientsAccumulator::new();
+            for micro in 0..2 {
+                let g = model.loss_with(dp_rank, micro, d, last(micro)).backward();
+                acc.accumulate(&model, GradientsParams::from_grads(g, &model));
+            }
+            let mut sync = acc.grads();
+            finalize_model_grads(&model, &mut sync, dp, tp, None, &dp_config)?;
+            let reducer = OverlapReducer::new(&model, dp, &dp_config);
+            for step in 0..2 {
+                let mut acc = GradientsAccumulator::new();
+                for micro in 0..2 {
+                    let _active = reducer.activate(micro == 1);
+                    let g = model.loss_with(dp_rank, micro, d, last(micro)).backward();
+                    acc.accumulate(&model, GradientsParams::from_grads(g, &model));
+                }
+                let mut overlapped = acc.grads();
+                finalize_model_grads_overlapped(
+                    std::slice::from_ref(&reducer),
+                    &model,
+                    &mut overlapped,
+                    tp,
+                    None,
+                    &dp_config,
+                )?;
+                let (a, b) = (grads_of(&model, &sync), grads_of(&model, &overlapped));
+                assert_eq!(a, b, "{unused:?} step {step}: as after backward");
+            }
+        }
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     })
     .unwrap();
