@@ -1,17 +1,82 @@
 //! Gradients addressed by `ParamId` and rank, flattened: the one place that turns Burn's
 //! const-generic `GradientsParams` accessors into code that works for any parameter.
 //!
-//! Parameters of rank 1 to 4 are handled; others are left alone.
+//! Parameters of every rank are handled: [`float_params`] visits each parameter with its
+//! rank `D` known at compile time and records the accessors of rank `D` (plain functions of
+//! `D`, so the table cannot go stale), which the other helpers look up by the rank they are
+//! given.
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
+use std::collections::HashMap;
+use std::sync::{OnceLock, RwLock};
+
+/// The rank-`D` accessors of `GradientsParams`, behind rank-erased function pointers.
+#[derive(Clone, Copy)]
+struct RankOps {
+    get: fn(&GradientsParams, ParamId) -> Option<Tensor<1>>,
+    remove: fn(&mut GradientsParams, ParamId) -> Option<(Tensor<1>, Vec<usize>)>,
+    register: fn(&mut GradientsParams, ParamId, Tensor<1>, &[usize]),
+}
+
+fn ops_of<const D: usize>() -> RankOps {
+    RankOps {
+        get: |grads, id| grads.get::<D>(id).map(|g| g.reshape([-1])),
+        remove: |grads, id| {
+            grads.remove::<D>(id).map(|g| {
+                let dims = g.dims().to_vec();
+                (g.reshape([-1]), dims)
+            })
+        },
+        register: |grads, id, flat, dims| {
+            let shape: [usize; D] = dims.try_into().expect("dims of the registered rank");
+            grads.register::<D>(id, flat.reshape(shape));
+        },
+    }
+}
+
+fn table() -> &'static RwLock<HashMap<usize, RankOps>> {
+    static TABLE: OnceLock<RwLock<HashMap<usize, RankOps>>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        // The common ranks up front; any other is added when a parameter of it is visited.
+        let ranks = [
+            (1, ops_of::<1>()),
+            (2, ops_of::<2>()),
+            (3, ops_of::<3>()),
+            (4, ops_of::<4>()),
+        ];
+        RwLock::new(ranks.into_iter().collect())
+    })
+}
+
+fn learn<const D: usize>() {
+    let known = table()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains_key(&D);
+    if !known {
+        table()
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(D, ops_of::<D>());
+    }
+}
+
+fn ops(rank: usize) -> Option<RankOps> {
+    table()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&rank)
+        .copied()
+}
 
 /// Every float parameter of `module` with its rank, in visiting (field) order.
 pub(crate) fn float_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
     struct Collect(Vec<(ParamId, usize)>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            learn::<D>();
             self.0.push((param.id, D));
         }
     }
@@ -27,13 +92,7 @@ pub(crate) fn with_flat<R>(
     rank: usize,
     f: impl FnOnce(Tensor<1>) -> R,
 ) -> Option<R> {
-    match rank {
-        1 => grads.get::<1>(id).map(f),
-        2 => grads.get::<2>(id).map(|g| f(g.reshape([-1]))),
-        3 => grads.get::<3>(id).map(|g| f(g.reshape([-1]))),
-        4 => grads.get::<4>(id).map(|g| f(g.reshape([-1]))),
-        _ => None,
-    }
+    ops(rank).and_then(|o| (o.get)(grads, id)).map(f)
 }
 
 /// Removes the gradient of `id` (of rank `rank`) and returns it flattened, with its dims.
@@ -42,33 +101,13 @@ pub(crate) fn take_flat(
     id: ParamId,
     rank: usize,
 ) -> Option<(Tensor<1>, Vec<usize>)> {
-    fn one<const D: usize>(
-        grads: &mut GradientsParams,
-        id: ParamId,
-    ) -> Option<(Tensor<1>, Vec<usize>)> {
-        grads.remove::<D>(id).map(|g| {
-            let dims = g.dims().to_vec();
-            (g.reshape([-1]), dims)
-        })
-    }
-    match rank {
-        1 => one::<1>(grads, id),
-        2 => one::<2>(grads, id),
-        3 => one::<3>(grads, id),
-        4 => one::<4>(grads, id),
-        _ => None,
-    }
+    ops(rank).and_then(|o| (o.remove)(grads, id))
 }
 
 /// Registers `flat` reshaped to `dims` as the gradient of `id`.
 pub(crate) fn put_flat(grads: &mut GradientsParams, id: ParamId, flat: Tensor<1>, dims: &[usize]) {
-    match *dims {
-        [_] => grads.register::<1>(id, flat),
-        [a, b] => grads.register::<2>(id, flat.reshape([a, b])),
-        [a, b, c] => grads.register::<3>(id, flat.reshape([a, b, c])),
-        [a, b, c, d] => grads.register::<4>(id, flat.reshape([a, b, c, d])),
-        _ => {}
-    }
+    let o = ops(dims.len()).expect("a gradient's rank was learnt when it was taken");
+    (o.register)(grads, id, flat, dims);
 }
 
 /// Replaces the gradient of `id` (of rank `rank`) by `f` of it, flattened; no-op when absent.
@@ -82,4 +121,55 @@ pub(crate) fn update_flat<E>(
         put_flat(grads, id, f(g)?, &dims);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    #[derive(Module, Debug)]
+    struct Five {
+        w: Param<Tensor<5>>,
+        b: Param<Tensor<1>>,
+    }
+
+    /// A rank-5 parameter (a 3-d convolution's weight) is seen, read, taken and put back
+    /// like any other; before, ranks above 4 were silently skipped.
+    #[test]
+    fn parameters_of_any_rank_are_handled() {
+        let device = Device::flex().autodiff();
+        let model = Five {
+            w: Param::from_tensor(Tensor::ones([2, 1, 2, 1, 3], &device)),
+            b: Param::from_tensor(Tensor::ones([2], &device)),
+        };
+        let loss = (model.w.val() * 3.0).sum() + model.b.val().sum();
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        let params = float_params(&model);
+        assert_eq!(params, vec![(model.w.id, 5), (model.b.id, 1)]);
+        let sum = |g: Tensor<1>| g.sum().into_scalar::<f32>();
+        assert_eq!(with_flat(&grads, model.w.id, 5, sum), Some(36.0));
+        // The global norm counts it: √(12 · 3² + 2 · 1²).
+        let solo: crate::comm::Comm = std::sync::Arc::new(
+            crate::comm::LocalWorld::new(1)
+                .communicator("mp", vec![0], 0)
+                .unwrap(),
+        );
+        let norm = crate::optimizer::global_grad_norm(
+            &model,
+            &grads,
+            0,
+            &solo,
+            crate::optimizer::NormType::L2,
+        )
+        .unwrap();
+        assert!((norm - 110f64.sqrt()).abs() < 1e-5, "{norm}");
+        update_flat::<()>(&mut grads, model.w.id, 5, |g| Ok(g * 0.5)).unwrap();
+        let w = grads.get::<5>(model.w.id).unwrap();
+        assert_eq!(w.dims(), [2, 1, 2, 1, 3]);
+        assert_eq!(w.sum().into_scalar::<f32>(), 18.0);
+        let (flat, dims) = take_flat(&mut grads, model.w.id, 5).unwrap();
+        assert_eq!((flat.dims(), dims.len()), ([12], 5));
+        assert!(grads.get::<5>(model.w.id).is_none());
+    }
 }
