@@ -12,11 +12,14 @@ use burn::tensor::Tensor;
 use std::collections::HashMap;
 use std::sync::{OnceLock, RwLock};
 
+/// A gradient flattened, with its dims.
+type Flat = (Tensor<1>, Vec<usize>);
+
 /// The rank-`D` accessors of `GradientsParams`, behind rank-erased function pointers.
 #[derive(Clone, Copy)]
 struct RankOps {
     get: fn(&GradientsParams, ParamId) -> Option<Tensor<1>>,
-    remove: fn(&mut GradientsParams, ParamId) -> Option<(Tensor<1>, Vec<usize>)>,
+    remove: fn(&mut GradientsParams, ParamId) -> Option<Flat>,
     register: fn(&mut GradientsParams, ParamId, Tensor<1>, &[usize]),
 }
 
@@ -100,7 +103,7 @@ pub(crate) fn take_flat(
     grads: &mut GradientsParams,
     id: ParamId,
     rank: usize,
-) -> Option<(Tensor<1>, Vec<usize>)> {
+) -> Option<Flat> {
     ops(rank).and_then(|o| (o.remove)(grads, id))
 }
 

@@ -429,6 +429,11 @@ fn bad_arguments_are_rejected_with_clear_messages() {
             &["--init-method-std must be a finite value ≥ 0, got -0.5"],
         ),
         (&["--init-method-std", "NaN"], &["--init-method-std", "NaN"]),
+        // A constant weight decay cannot move from 0 to 0.1.
+        (
+            &["--start-weight-decay", "0", "--end-weight-decay", "0.1"],
+            &["--weight-decay-incr-style"],
+        ),
     ]);
 }
 

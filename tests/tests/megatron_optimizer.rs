@@ -234,3 +234,67 @@ fn master_weights_keep_updates_that_bf16_rounds_away() {
         );
     }
 }
+
+/// Megatron's weight-decay increment applied per step on both optimizer kinds: with zero
+/// gradients Adam's update is 0, so each step multiplies every weight by exactly
+/// `1 − lr·wd_at(step)`, and the bias (1-D, Megatron's no-decay group) stays put.
+#[test]
+fn the_weight_decay_schedule_is_applied_every_step() {
+    use burn::module::Param;
+    use burn::nn::Linear;
+    use burn::optim::AdamWConfig;
+    use burn::tensor::Tensor;
+    let device = Device::flex().autodiff();
+    let scheduler = OptimizerParamScheduler::new(OptimizerParamSchedulerConfig {
+        init_lr: 0.1,
+        max_lr: 0.1,
+        min_lr: 0.1,
+        lr_warmup_steps: 0,
+        lr_decay_steps: 10,
+        lr_decay_style: LrDecayStyle::Constant,
+        wsd_decay_steps: None,
+        lr_wsd_decay_style: None,
+        start_wd: 0.0,
+        end_wd: 0.5,
+        wd_incr_steps: 4,
+        wd_incr_style: WdIncrStyle::Linear,
+    })
+    .unwrap();
+    for kind in [Kind::Burn, Kind::Fused] {
+        let mut model = Linear {
+            weight: Param::from_tensor(Tensor::<2>::ones([3, 2], &device)),
+            bias: Some(Param::from_tensor(Tensor::<1>::ones([2], &device))),
+        };
+        let mut optim = match kind {
+            Kind::Burn => {
+                let adamw = AdamWConfig::new().with_weight_decay(0.0);
+                MegatronOptimizer::new(adamw.init(), &model, solo(), 0)
+            }
+            Kind::Fused => {
+                let adam = FusedAdamConfig::new().init().unwrap();
+                MegatronOptimizer::fused_adam(adam, &model, solo(), 0)
+            }
+        };
+        let mut expected = 1.0f32;
+        for step in 0..6 {
+            let (lr, wd) = (scheduler.lr_at(step), scheduler.wd_at(step));
+            optim.set_weight_decay(wd).unwrap();
+            let x = Tensor::<2>::zeros([1, 3], &device);
+            let zero = (model.forward(x) * 0.0).sum().backward();
+            let grads = GradientsParams::from_grads(zero, &model);
+            model = optim.step(lr, model, grads).unwrap().0;
+            expected *= (1.0 - lr * wd) as f32;
+            let w = values(model.weight.val());
+            for v in &w {
+                assert!(
+                    (v - expected).abs() <= 1e-6 * expected,
+                    "{kind:?} step {step} (wd {wd}): {v} vs {expected}"
+                );
+            }
+            assert_eq!(values(model.bias.as_ref().unwrap().val()), vec![1.0, 1.0]);
+        }
+        assert!(expected < 0.85, "the schedule decayed: {expected}");
+        let e = optim.set_weight_decay(f64::NAN).unwrap_err().to_string();
+        assert!(e.contains("NaN"), "{e}");
+    }
+}

@@ -54,6 +54,8 @@ pub struct MegatronOptimizer<M: Module> {
     norm_type: NormType,
     model_parallel: Comm,
     tp_rank: usize,
+    /// The scheduled weight decay, once [`MegatronOptimizer::set_weight_decay`] was called.
+    weight_decay: Option<f64>,
 }
 
 /// What updates the weights.
@@ -83,6 +85,22 @@ impl ModuleMapper for Cast {
         let (id, t, mapper) = p.consume();
         let rg = t.is_require_grad();
         Param::from_mapped_value(id, t.cast(self.0).detach().set_require_grad(rg), mapper)
+    }
+}
+
+/// Multiplies every parameter of rank above 1 (Megatron's no-decay group is the 1-D ones)
+/// by the factor, keeping ids and `require_grad`.
+struct Decay(f64);
+
+impl ModuleMapper for Decay {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if D == 1 {
+            return p;
+        }
+        let (id, t, mapper) = p.consume();
+        let rg = t.is_require_grad();
+        let decayed = t.mul_scalar(self.0).detach().set_require_grad(rg);
+        Param::from_mapped_value(id, decayed, mapper)
     }
 }
 
@@ -167,6 +185,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             norm_type: NormType::L2,
             model_parallel,
             tp_rank,
+            weight_decay: None,
         }
     }
 
@@ -200,7 +219,32 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             norm_type: NormType::L2,
             model_parallel,
             tp_rank,
+            weight_decay: None,
         }
+    }
+
+    /// Megatron's weight-decay schedule: from the next step on, every parameter's decoupled
+    /// weight decay is `wd × wd_mult` — call it each step with
+    /// [`OptimizerParamScheduler::wd_at`](crate::optimizer::OptimizerParamScheduler::wd_at).
+    ///
+    /// The fused Adam scales its groups' `wd_mult` (0 on 1-D parameters by default). Around a
+    /// burn-optim optimizer the wrapper decays the weights itself, `p ← p·(1 − lr·wd)` before
+    /// the inner step on every parameter but the 1-D ones (Megatron's no-decay group), which
+    /// is AdamW's own decay: build the inner optimizer without weight decay. Refuses a
+    /// negative or non-finite `wd`.
+    pub fn set_weight_decay(&mut self, wd: f64) -> Result<(), OptimizerError> {
+        if !(wd.is_finite() && wd >= 0.0) {
+            return Err(OptimizerError::Kernel(KernelError::Argument(format!(
+                "weight decay must be finite and ≥ 0, got {wd}"
+            ))));
+        }
+        match &mut self.inner {
+            Stepper::Fused(flat) => flat.set_weight_decay(wd as f32),
+            // Rounded to f32 as burn-optim's AdamW holds its weight decay, so that the two
+            // paths (and AdamW built with that decay) agree bit for bit.
+            Stepper::Burn(_) => self.weight_decay = Some(f64::from(wd as f32)),
+        }
+        Ok(())
     }
 
     /// Whether this is the fused optimizer ([`MegatronOptimizer::fused_adam`]).
@@ -359,9 +403,21 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             clip_coeff,
             loss_scale,
         };
+        // AdamW's decoupled decay, `p·(1 − lr·wd)`, in the same f64 → element arithmetic.
+        let decay = self
+            .weight_decay
+            .map(|wd| Decay(1.0 - lr * wd))
+            .filter(|d| d.0 != 1.0);
         let model = match self.master.take() {
-            None => inner.step(lr, model, grads),
+            None => match decay {
+                Some(mut d) => inner.step(lr, model.map(&mut d), grads),
+                None => inner.step(lr, model, grads),
+            },
             Some(master) => {
+                let master = match decay {
+                    Some(mut d) => master.map(&mut d),
+                    None => master,
+                };
                 let master = inner.step(lr, master, grads);
                 let model = master.clone().map(&mut ToModel(self.model_dtype));
                 self.master = Some(master);

@@ -2,7 +2,7 @@
 
 use burn_megatron::checkpoint::{rank_dir, read_latest};
 use burn_megatron::data::BatchLayout;
-use burn_megatron::optimizer::LrDecayStyle;
+use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
 use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::topology::ParallelConfig;
 use clap::{Parser, ValueEnum};
@@ -28,6 +28,27 @@ impl From<DecayStyle> for LrDecayStyle {
             DecayStyle::Linear => LrDecayStyle::Linear,
             DecayStyle::Cosine => LrDecayStyle::Cosine,
             DecayStyle::InverseSquareRoot => LrDecayStyle::InverseSquareRoot,
+        }
+    }
+}
+
+/// Weight-decay increment style, as Megatron's `--weight-decay-incr-style`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WdIncr {
+    /// Constant (start and end must be equal).
+    Constant,
+    /// Linear from start to end.
+    Linear,
+    /// Half a cosine from start to end.
+    Cosine,
+}
+
+impl From<WdIncr> for WdIncrStyle {
+    fn from(s: WdIncr) -> Self {
+        match s {
+            WdIncr::Constant => WdIncrStyle::Constant,
+            WdIncr::Linear => WdIncrStyle::Linear,
+            WdIncr::Cosine => WdIncrStyle::Cosine,
         }
     }
 }
@@ -104,6 +125,15 @@ pub struct Args {
     /// AdamW weight decay (not applied to biases and norms).
     #[arg(long, default_value_t = 0.01)]
     pub weight_decay: f64,
+    /// Weight decay at the first iteration (default: --weight-decay).
+    #[arg(long)]
+    pub start_weight_decay: Option<f64>,
+    /// Weight decay at the last iteration (default: --weight-decay).
+    #[arg(long)]
+    pub end_weight_decay: Option<f64>,
+    /// How the weight decay moves from start to end over --train-iters.
+    #[arg(long, value_enum, default_value_t = WdIncr::Constant)]
+    pub weight_decay_incr_style: WdIncr,
     /// Reduce data-parallel gradients bucket by bucket during backward.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
@@ -328,6 +358,7 @@ impl Args {
         if !(0.0..1.0).contains(&self.lr_warmup_fraction) {
             return Err("--lr-warmup-fraction must be in [0, 1)".into());
         }
+        super::train::scheduler(self)?;
         if !(self.init_method_std.is_finite() && self.init_method_std >= 0.0) {
             return Err(format!(
                 "--init-method-std must be a finite value ≥ 0, got {}",

@@ -5,7 +5,7 @@ mod args;
 mod plot;
 mod train;
 
-pub use args::{Args, DecayStyle};
+pub use args::{Args, DecayStyle, WdIncr};
 pub use train::scheduler;
 
 use burn_megatron::data::{

@@ -18,8 +18,7 @@ use burn_megatron::launch::RankContext;
 use burn_megatron::models::{Bert, BertConfig, BertStageOutput};
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
-    OptimizerParamScheduler, OptimizerParamSchedulerConfig, WdIncrStyle, cast_params,
-    megatron_param_groups,
+    OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
 };
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync, P2pShapes,
@@ -47,7 +46,8 @@ fn dtype(args: &Args) -> DType {
     }
 }
 
-/// The schedule of `args` (warmup from 0, decay over the whole run, constant weight decay).
+/// The schedule of `args`: warmup from 0, decay over the whole run, the weight decay from
+/// `--start-weight-decay` to `--end-weight-decay` over the whole run.
 pub fn scheduler(args: &Args) -> Result<OptimizerParamScheduler, String> {
     let warmup = (args.lr_warmup_fraction * args.train_iters as f64).round() as usize;
     OptimizerParamScheduler::new(OptimizerParamSchedulerConfig {
@@ -59,12 +59,12 @@ pub fn scheduler(args: &Args) -> Result<OptimizerParamScheduler, String> {
         lr_decay_style: args.lr_decay_style.into(),
         wsd_decay_steps: None,
         lr_wsd_decay_style: None,
-        start_wd: args.weight_decay,
-        end_wd: args.weight_decay,
-        wd_incr_steps: 0,
-        wd_incr_style: WdIncrStyle::Constant,
+        start_wd: args.start_weight_decay.unwrap_or(args.weight_decay),
+        end_wd: args.end_weight_decay.unwrap_or(args.weight_decay),
+        wd_incr_steps: args.train_iters,
+        wd_incr_style: args.weight_decay_incr_style.into(),
     })
-    .map_err(|e| e.to_string())
+    .map_err(|e| format!("--weight-decay / --start-weight-decay / --end-weight-decay / --weight-decay-incr-style: {e}"))
 }
 
 /// Runs the pipeline schedule over `chunks` on `dataset`'s microbatches of `iteration`:
@@ -204,25 +204,17 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
     let model = cast_params(model, dtype(args));
     let fused_adam = args
         .use_fused_adam
-        .then(|| {
-            let wd = args.weight_decay as f32;
-            FusedAdamConfig::new().with_weight_decay(wd).init()
-        })
+        .then(|| FusedAdamConfig::new().init())
         .transpose()
         .map_err(|e| e.to_string())?;
+    // The weight decay is the scheduler's, set every step; no decay on biases and norms.
     let make_optimizer = |model: &Vec<Bert>| {
         let mp = ctx.groups.mp.clone();
         let optim = if let Some(adam) = &fused_adam {
             MegatronOptimizer::fused_adam(adam.clone(), model, mp, tp_rank)
         } else {
-            let adamw = AdamWConfig::new().with_weight_decay(args.weight_decay as f32);
-            let groups = megatron_param_groups(
-                model,
-                adamw.build(),
-                adamw.with_weight_decay(0.0).build(),
-                None,
-            );
-            MegatronOptimizer::new(groups, model, mp, tp_rank)
+            let adamw = AdamWConfig::new().with_weight_decay(0.0);
+            MegatronOptimizer::new(adamw.init(), model, mp, tp_rank)
         }
         .with_clip_grad(args.clip_grad, NormType::L2);
         match (args.fp16, args.loss_scale) {
@@ -291,6 +283,9 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         .map_err(|e| e.to_string())?;
         let losses = share_losses(&ctx, losses)?;
         let lr = scheduler.lr_at(iteration);
+        optim
+            .set_weight_decay(scheduler.wd_at(iteration))
+            .map_err(|e| e.to_string())?;
         let (m, report) = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
         model = m;
         skipped += usize::from(!report.updated);

@@ -65,22 +65,26 @@ pub struct FusedAdam {
 }
 
 impl FusedAdam {
-    /// Parameters matching `group` (by id or module path) get `weight_decay` and a learning
-    /// rate of `lr × lr_mult`. The first matching group wins; unmatched parameters follow the
-    /// config. A negative or non-finite value is refused at the first step.
-    pub fn with_param_group(mut self, group: ParamGroup, weight_decay: f32, lr_mult: f64) -> Self {
-        self.overrides.push((group, weight_decay, lr_mult));
+    /// Parameters matching `group` (by id or module path) get a weight decay of
+    /// `weight_decay × wd_mult` and a learning rate of `lr × lr_mult` (Megatron's per-group
+    /// multipliers; `weight_decay` is the config's, or the schedule's once
+    /// [`MegatronOptimizer::set_weight_decay`](crate::optimizer::MegatronOptimizer::set_weight_decay)
+    /// is called). The first matching group wins; unmatched parameters follow the config
+    /// (`wd_mult` 1, or 0 on 1-D parameters with `no_weight_decay_on_1d`). A negative or
+    /// non-finite value is refused at the first step.
+    pub fn with_param_group(mut self, group: ParamGroup, wd_mult: f32, lr_mult: f64) -> Self {
+        self.overrides.push((group, wd_mult, lr_mult));
         self
     }
 
-    /// `(weight decay, lr_mult)` of a parameter.
+    /// `(wd_mult, lr_mult)` of a parameter.
     pub(super) fn options(&self, id: &ParamId, path: &str, dims: usize) -> (f32, f64) {
         if let Some(&(_, wd, mult)) = self.overrides.iter().find(|o| o.0.matches(id, Some(path))) {
             (wd, mult)
         } else if dims == 1 && self.config.no_weight_decay_on_1d {
             (0.0, 1.0)
         } else {
-            (self.config.weight_decay, 1.0)
+            (1.0, 1.0)
         }
     }
 }

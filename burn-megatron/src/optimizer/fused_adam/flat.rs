@@ -55,7 +55,8 @@ pub(super) struct Slot {
 #[derive(Debug)]
 pub(super) struct Group {
     pub(super) slots: Vec<Slot>,
-    pub(super) weight_decay: f32,
+    /// The group's weight decay is `weight_decay × wd_mult`.
+    pub(super) wd_mult: f32,
     pub(super) lr_mult: f64,
     pub(super) state: FlatAdamState,
 }
@@ -120,20 +121,22 @@ pub(crate) struct LocalStats {
 #[derive(Debug)]
 pub(crate) struct FlatAdam {
     pub(super) config: FusedAdamConfig,
+    /// The weight decay that `wd_mult` scales: the config's, or the schedule's latest.
+    pub(super) weight_decay: f32,
     pub(super) groups: Vec<Group>,
     pub(super) step: u32,
 }
 
 impl FlatAdam {
     /// Flat buffers for `model`'s trainable parameters (cast to f32), grouped by
-    /// `(weight decay, lr_mult)` in the order the groups are first met.
+    /// `(wd_mult, lr_mult)` in the order the groups are first met.
     pub(crate) fn new<M: Module>(adam: &FusedAdam, model: &M) -> Self {
         let mut groups: Vec<(f32, f64, Vec<Slot>, Vec<Tensor<1>>)> = Vec::new();
         walk(model, |path, id, dims, flat, trainable| {
             if !trainable {
                 return;
             }
-            let (wd, mult) = adam.options(&id, path, dims);
+            let (wd_mult, lr_mult) = adam.options(&id, path, dims);
             let slot = Slot {
                 id,
                 rank: dims,
@@ -141,12 +144,12 @@ impl FlatAdam {
                 dtype: flat.dtype(),
             };
             let same = |g: &(f32, f64, Vec<Slot>, Vec<Tensor<1>>)| {
-                g.0.to_bits() == wd.to_bits() && g.1.to_bits() == mult.to_bits()
+                g.0.to_bits() == wd_mult.to_bits() && g.1.to_bits() == lr_mult.to_bits()
             };
             let g = match groups.iter().position(same) {
                 Some(g) => g,
                 None => {
-                    groups.push((wd, mult, Vec::new(), Vec::new()));
+                    groups.push((wd_mult, lr_mult, Vec::new(), Vec::new()));
                     groups.len() - 1
                 }
             };
@@ -155,15 +158,16 @@ impl FlatAdam {
         });
         let groups = groups
             .into_iter()
-            .map(|(weight_decay, lr_mult, slots, flats)| Group {
+            .map(|(wd_mult, lr_mult, slots, flats)| Group {
                 slots,
-                weight_decay,
+                wd_mult,
                 lr_mult,
                 state: FlatAdamState::new(Tensor::cat(flats, 0)),
             })
             .collect();
         Self {
             config: adam.config.clone(),
+            weight_decay: adam.config.weight_decay,
             groups,
             step: 0,
         }
@@ -245,6 +249,11 @@ impl FlatAdam {
         })
     }
 
+    /// The weight decay every group's `wd_mult` scales from the next step on.
+    pub(crate) fn set_weight_decay(&mut self, wd: f32) {
+        self.weight_decay = wd;
+    }
+
     /// One fused step per group on the flat gradients of [`Self::local_stats`].
     pub(crate) fn apply(
         &mut self,
@@ -263,7 +272,7 @@ impl FlatAdam {
                 beta1: c.beta_1,
                 beta2: c.beta_2,
                 eps: c.epsilon,
-                weight_decay: match (g.weight_decay, c.decoupled_weight_decay) {
+                weight_decay: match (self.weight_decay * g.wd_mult, c.decoupled_weight_decay) {
                     (0.0, _) => WeightDecay::None,
                     (w, true) => WeightDecay::Decoupled(w),
                     (w, false) => WeightDecay::L2(w),
