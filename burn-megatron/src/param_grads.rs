@@ -99,11 +99,7 @@ pub(crate) fn with_flat<R>(
 }
 
 /// Removes the gradient of `id` (of rank `rank`) and returns it flattened, with its dims.
-pub(crate) fn take_flat(
-    grads: &mut GradientsParams,
-    id: ParamId,
-    rank: usize,
-) -> Option<Flat> {
+pub(crate) fn take_flat(grads: &mut GradientsParams, id: ParamId, rank: usize) -> Option<Flat> {
     ops(rank).and_then(|o| (o.remove)(grads, id))
 }
 

@@ -189,5 +189,19 @@ fn missing_and_misshapen_tensors_are_reported() {
         e.contains("bert.pooler.dense.weight") && e.contains("32×32"),
         "{e}"
     );
+    // A key of another shape than its query: an error naming the three, not an index out of
+    // range while interleaving the heads.
+    let mut tensors = read(&fixture().join("model.safetensors"));
+    tensors.insert(
+        "bert.encoder.layer.0.attention.self.key.weight".into(),
+        (vec![16, 32], vec![0.0; 512]),
+    );
+    write(&tensors);
+    let e = load();
+    assert!(
+        e.contains("bert.encoder.layer.0.attention.self")
+            && e.contains("query 32×32, key 16×32 and value 32×32 must have one shape"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

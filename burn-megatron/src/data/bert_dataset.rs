@@ -123,12 +123,21 @@ impl BertDataset {
                 "the corpus has no document with two sentences".into(),
             ));
         }
+        let special = [tokenizer.pad, tokenizer.cls, tokenizer.sep, tokenizer.mask];
+        let vocab_size = tokenizer.vocab_size();
+        // The 10 % random replacement draws until it meets an ordinary token.
+        if (0..vocab_size as u32).all(|t| special.contains(&t)) {
+            return Err(DataError::Config(format!(
+                "the vocabulary's {vocab_size} tokens are all special ([PAD] [CLS] [SEP] [MASK]): \
+                 no token to replace a masked one with"
+            )));
+        }
         Ok(Self {
             docs,
             segments,
-            special: [tokenizer.pad, tokenizer.cls, tokenizer.sep, tokenizer.mask],
+            special,
             cls_sep_mask: [tokenizer.cls, tokenizer.sep, tokenizer.mask],
-            vocab_size: tokenizer.vocab_size(),
+            vocab_size,
             epoch_order: Mutex::new((usize::MAX, Vec::new())),
             config,
         })

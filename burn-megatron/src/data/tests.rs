@@ -141,3 +141,25 @@ fn batches_stack_samples_into_tensors_and_bad_sizes_are_rejected() {
     let err = BertDataset::new(&docs, &tok, BertDatasetConfig::new(4)).unwrap_err();
     assert!(err.to_string().contains("seq_length 4"));
 }
+
+/// A tokenizer whose whole vocabulary is [PAD] [CLS] [SEP] [MASK] (a word-level model without
+/// an unknown token): refused with a message, where masking would draw a replacement forever.
+#[test]
+fn a_vocabulary_of_only_special_tokens_is_refused() {
+    use tokenizers::models::wordlevel::WordLevel;
+    let vocab = ["[PAD]", "[CLS]", "[SEP]", "[MASK]"]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let model = WordLevel::builder().vocab(vocab).build().unwrap();
+    let path = std::env::temp_dir().join(format!("bm-special-only-{}.json", std::process::id()));
+    tokenizers::Tokenizer::new(model)
+        .save(&path, false)
+        .unwrap();
+    let tok = BertTokenizer::from_file(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let docs = vec![vec!["[CLS]".to_string(), "[MASK]".to_string()]];
+    let e = BertDataset::new(&docs, &tok, BertDatasetConfig::new(16)).unwrap_err();
+    assert!(e.to_string().contains("4 tokens are all special"), "{e}");
+}

@@ -495,6 +495,27 @@ pub fn load_hf_weights(model: &mut Bert, safetensors: &[u8], tp: &Comm) -> Resul
             let parts = ["query", "key", "value"].map(|p| get(&base.replace("{}", p)));
             let [q, k, v] = parts;
             let (q, k, v) = (q?, k?, v?);
+            let shape = |h: &Host| (h.rows, h.cols);
+            if shape(&k) != shape(&q) || shape(&v) != shape(&q) || q.values.len() != q.rows * q.cols
+            {
+                return Err(HfError::Checkpoint(format!(
+                    "{}: query {}×{}, key {}×{} and value {}×{} must have one shape",
+                    base.replace(".{}", ""),
+                    q.rows,
+                    q.cols,
+                    k.rows,
+                    k.cols,
+                    v.rows,
+                    v.cols
+                )));
+            }
+            if !q.rows.is_multiple_of(heads) {
+                return Err(HfError::Checkpoint(format!(
+                    "{}: {} query rows do not split into {heads} attention heads",
+                    base.replace(".{}", ""),
+                    q.rows
+                )));
+            }
             let stacked = Host {
                 values: [q.values, k.values, v.values].concat(),
                 rows: 3 * q.rows,
