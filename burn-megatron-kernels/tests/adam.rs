@@ -263,7 +263,6 @@ fn bad_inputs_are_refused_before_any_launch() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_matches_exact_adam_and_reference_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("adam") {
-        check(&device, "wgpu");
-    }
+    let device = common::wgpu_device("adam");
+    check(&device, "wgpu");
 }

@@ -286,9 +286,8 @@ fn strided_input_matches_contiguous_on_flex() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_strided_input_matches_contiguous_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("bias_dropout_add strided") {
-        strided_input_matches_contiguous(&device, "wgpu");
-    }
+    let device = common::wgpu_device("bias_dropout_add strided");
+    strided_input_matches_contiguous(&device, "wgpu");
 }
 
 #[test]
@@ -299,15 +298,13 @@ fn reference_mask_is_the_host_mask_on_flex() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_matches_exact_values_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("bias_dropout_add") {
-        check(&device, "wgpu");
-    }
+    let device = common::wgpu_device("bias_dropout_add");
+    check(&device, "wgpu");
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_mask_is_the_host_mask_bit_for_bit_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("bias_dropout_add mask") {
-        mask_is_the_host_mask(&device, "wgpu");
-    }
+    let device = common::wgpu_device("bias_dropout_add mask");
+    mask_is_the_host_mask(&device, "wgpu");
 }

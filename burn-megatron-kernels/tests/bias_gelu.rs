@@ -110,7 +110,6 @@ fn reference_path_matches_exact_values_on_flex() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_matches_exact_values_and_burns_composition_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("bias_gelu") {
-        check(&device, "wgpu");
-    }
+    let device = common::wgpu_device("bias_gelu");
+    check(&device, "wgpu");
 }

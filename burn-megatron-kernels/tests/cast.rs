@@ -228,7 +228,6 @@ fn segments_are_views_of_one_cast() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_is_bit_exact_with_half_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("cast") {
-        check(&device, "wgpu");
-    }
+    let device = common::wgpu_device("cast");
+    check(&device, "wgpu");
 }

@@ -80,9 +80,8 @@ fn reference_is_exact_on_flex() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_is_exact_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("kernel_is_exact_on_wgpu") {
-        check_all(&device, "wgpu");
-    }
+    let device = common::wgpu_device("kernel_is_exact_on_wgpu");
+    check_all(&device, "wgpu");
 }
 
 #[test]

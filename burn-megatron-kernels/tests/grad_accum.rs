@@ -129,9 +129,7 @@ fn reference_path_matches_exact_values_on_flex() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_matches_exact_values_and_the_reference_on_wgpu() {
-    let Some(dev) = common::wgpu_or_skip("grad_accum") else {
-        return;
-    };
+    let dev = common::wgpu_device("grad_accum");
     check(&dev, "wgpu", DType::F32, TOL);
     if dev.supports_dtype(DType::F16) {
         check(&dev, "wgpu", DType::F16, TOL);
@@ -144,9 +142,7 @@ fn kernel_matches_exact_values_and_the_reference_on_wgpu() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn shared_main_grad_is_left_untouched_on_wgpu() {
-    let Some(dev) = common::wgpu_or_skip("grad_accum aliasing") else {
-        return;
-    };
+    let dev = common::wgpu_device("grad_accum aliasing");
     let g = tensor(values(33 * 3, 5, 1.0), [33, 3], &dev, DType::F32);
     let before = to_vec(g.clone());
     let x = tensor(values(37 * 33, 6, 1.0), [37, 33], &dev, DType::F32);

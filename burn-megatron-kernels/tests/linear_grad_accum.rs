@@ -100,9 +100,8 @@ fn matches_a_plain_linear_with_an_f32_weight_gradient_on_flex() {
 #[test]
 fn matches_a_plain_linear_with_an_f32_weight_gradient_on_wgpu() {
     // lavapipe has no bf16.
-    if let Some(dev) = common::wgpu_or_skip("linear_with_grad_accumulation on wgpu") {
-        check(&dev, "wgpu", &[DType::F32, DType::F16]);
-    }
+    let dev = common::wgpu_device("linear_with_grad_accumulation on wgpu");
+    check(&dev, "wgpu", &[DType::F32, DType::F16]);
 }
 
 #[test]

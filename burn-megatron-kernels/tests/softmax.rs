@@ -222,9 +222,8 @@ fn strided_scores_match_contiguous_on_flex() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_strided_scores_match_contiguous_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("softmax strided") {
-        strided_scores_match_contiguous(&device, "wgpu");
-    }
+    let device = common::wgpu_device("softmax strided");
+    strided_scores_match_contiguous(&device, "wgpu");
 }
 
 #[test]
@@ -243,15 +242,13 @@ fn bad_arguments_are_refused_before_any_launch() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_matches_exact_values_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("softmax") {
-        check(&device, "wgpu");
-    }
+    let device = common::wgpu_device("softmax");
+    check(&device, "wgpu");
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_all_masked_rows_are_uniform_on_wgpu() {
-    if let Some(device) = common::wgpu_or_skip("softmax all-masked") {
-        all_masked_rows_are_uniform(&device, "wgpu");
-    }
+    let device = common::wgpu_device("softmax all-masked");
+    all_masked_rows_are_uniform(&device, "wgpu");
 }
