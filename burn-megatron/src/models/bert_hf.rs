@@ -468,8 +468,14 @@ fn shard(full: &Host, split: Split, rank: usize, size: usize) -> Host {
     }
 }
 
+/// The MLM output bias of vocabulary entries added by padding: `exp` of it underflows to 0
+/// in f32, bf16 and f16 alike, so a padded entry never takes probability.
+const PADDED_VOCAB_BIAS: f32 = -1e4;
+
 /// Loads HF-named weights into `model` (built from the matching config at any TP size):
-/// each rank keeps its shard.
+/// each rank keeps its shard. Vocabulary rows beyond the checkpoint's (Megatron's padding to
+/// a multiple of 128 × TP) get zero embeddings and an MLM bias of −10⁴, so the model's
+/// softmax, loss and gradients are the checkpoint's.
 pub fn load_hf_weights(model: &mut Bert, safetensors: &[u8], tp: &Comm) -> Result<(), HfError> {
     let (tensors, _) = safetensors_io::read(safetensors).map_err(HfError::Checkpoint)?;
     let tensors: HashMap<String, TensorData> = tensors.into_iter().collect();
@@ -537,7 +543,14 @@ pub fn load_hf_weights(model: &mut Bert, safetensors: &[u8], tp: &Comm) -> Resul
                     e.name, full.rows
                 )));
             }
-            full.values.resize(padded * full.cols, 0.0);
+            // Padded rows of the embedding are zeros; the padded MLM biases are so negative
+            // that those classes get no probability: the loss and its gradients are the
+            // checkpoint's own, not those of a softmax over extra zero logits.
+            let fill = match e.slot {
+                Slot::One(_) => PADDED_VOCAB_BIAS,
+                Slot::Two(_) => 0.0,
+            };
+            full.values.resize(padded * full.cols, fill);
             full.rows = padded;
         }
         let mut part = shard(&full, e.split, rank, size);
