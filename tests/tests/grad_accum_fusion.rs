@@ -12,6 +12,7 @@ fn fused_layers_train_like_plain_ones_at_every_layout() {
     let plain = run_layout(1, 1, Kind::Burn).remove(0);
     for (tp, dp) in [(1, 1), (2, 1), (2, 2), (4, 2)] {
         for (rank, (trace, _)) in run_layout_with(tp, dp, Kind::Burn, true).iter().enumerate() {
+            assert_eq!(trace.len(), plain.0.len(), "{tp}×{dp}: step count");
             for (step, ((l, n), (pl, pn))) in trace.iter().zip(&plain.0).enumerate() {
                 let at = format!("{tp}×{dp} rank {rank} step {step}");
                 assert!((l - pl).abs() <= 1e-5, "{at}: loss {l} vs plain TP1 {pl}");
@@ -79,4 +80,23 @@ fn bf16_weight_gradients_are_formed_and_accumulated_in_f32() {
         fused < 0.75 * plain,
         "f32 gradients ({fused}) must beat bf16 ones ({plain}) against the f32 model"
     );
+}
+
+/// An input of another dtype than the fused layer's weight stops with a message naming both
+/// (the forward's signature has no room for an error), not deep inside a kernel.
+#[test]
+fn a_dtype_mismatch_in_the_fused_layer_names_both_dtypes() {
+    use burn::tensor::Tensor;
+    use burn_megatron::tensor_parallel::ColumnParallelLinearConfig;
+    let device = Device::flex().autodiff();
+    let layer = ColumnParallelLinearConfig::new(4, 4)
+        .with_gradient_accumulation_fusion(true)
+        .init(&solo(), &device)
+        .unwrap();
+    let layer = burn::module::Module::map(layer, &mut CastAll(DType::BF16));
+    let x = Tensor::<2>::ones([2, 4], &device);
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| layer.forward(x)))
+        .expect_err("an f32 input to a bf16 fused layer must not run");
+    let msg = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("F32") && msg.contains("BF16"), "{msg}");
 }

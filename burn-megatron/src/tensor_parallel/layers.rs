@@ -150,6 +150,11 @@ impl ColumnParallelLinear {
 
     /// `[..., d_input]` → `[..., d_output]` if `gather_output`, else `[..., d_output / tp]`.
     /// With `skip_bias_add` the bias is not added (see [`forward_with_bias`](Self::forward_with_bias)).
+    ///
+    /// # Panics
+    ///
+    /// With `gradient_accumulation_fusion`, on an input whose dtype is not the weight's (the
+    /// message names both): Burn's forward signature has no room for an error.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         self.forward_with_bias(input).0
     }
@@ -332,6 +337,11 @@ impl RowParallelLinear {
 
     /// `[..., d_input / tp]` (or `[..., d_input]` when the input is not parallel) →
     /// `[..., d_output]`; under sequence parallelism dim 0 of the output is split.
+    ///
+    /// # Panics
+    ///
+    /// As [`ColumnParallelLinear::forward`], on an input of another dtype than the weight
+    /// with `gradient_accumulation_fusion`.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         self.forward_with_bias(input).0
     }
