@@ -75,6 +75,25 @@ fn assert_same_iterations(a: &[IterationLog], b: &[IterationLog]) {
     }
 }
 
+/// Resumes `flags` from iteration `at` of the checkpoints under `save`, as if the run had
+/// stopped there; returns the resumed run's log.
+fn resume(
+    save: &std::path::Path,
+    at: usize,
+    flags: &[&str],
+    dir: &std::path::Path,
+) -> Vec<IterationLog> {
+    std::fs::write(
+        save.join("latest_checkpointed_iteration.txt"),
+        at.to_string(),
+    )
+    .unwrap();
+    let load = save.to_str().unwrap();
+    run(&args(&[flags, &["--load", load]].concat(), dir))
+        .unwrap()
+        .log
+}
+
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     let v: Vec<f64> = xs.collect();
     v.iter().sum::<f64>() / v.len() as f64
@@ -121,17 +140,12 @@ fn resuming_continues_the_exact_loss_sequence() {
             .is_file()
     );
     assert!(save.join("iter_0000020/mp_rank_00/optimizer.bpk").is_file());
-    // Resume from iteration 10 as if the run had stopped there.
-    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "10").unwrap();
-    let mut resume_args: Vec<&str> = common.to_vec();
-    resume_args.extend(["--load", s]);
-    let resumed = run(&args(&resume_args, &dir)).unwrap();
-    assert_eq!(resumed.log.len(), 10);
-    let mut other_layout: Vec<&str> = resume_args.clone();
-    other_layout.extend(["--tensor-model-parallel-size", "1", "--world-size", "2"]);
+    let resumed = resume(&save, 10, &common, &dir);
+    assert_same_iterations(&resumed, &full.log[10..]);
+    let other_layout = ["--tensor-model-parallel-size", "1", "--world-size", "2"];
+    let other_layout = [&common[..], &["--load", s], &other_layout].concat();
     let e = run(&args(&other_layout, &dir)).unwrap_err();
     assert!(e.contains("saved with tensor-parallel size 2"), "{e}");
-    assert_same_iterations(&resumed.log, &full.log[10..]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -162,10 +176,8 @@ fn fused_adam_gives_the_same_run_and_resumes_exactly() {
     );
     // The same update in the same f32 operations: the same bits, iteration by iteration.
     assert_same_iterations(&plain.log, &fused.log);
-    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "5").unwrap();
-    fused_args.extend(["--load", s]);
-    let resumed = run(&args(&fused_args, &dir)).unwrap();
-    assert_same_iterations(&resumed.log, &fused.log[5..]);
+    let resumed = resume(&save, 5, &fused_args, &dir);
+    assert_same_iterations(&resumed, &fused.log[5..]);
     // A burn-optim run cannot pick up the fused state.
     let mut wrong: Vec<&str> = base.to_vec();
     wrong.extend(["--load", s]);
@@ -315,12 +327,9 @@ fn pipeline_parallel_training_falls_saves_and_resumes() {
         );
     }
     assert_eq!(&std::fs::read(dir.join("trace.png")).unwrap()[1..4], b"PNG");
-    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "20").unwrap();
-    let mut resume_args: Vec<&str> = common.to_vec();
-    resume_args.extend(["--load", s]);
-    let resumed = run(&args(&resume_args, &dir)).unwrap();
-    assert_same_iterations(&resumed.log, &full.log[20..]);
-    let mut no_pp: Vec<&str> = resume_args.clone();
+    let resumed = resume(&save, 20, &common, &dir);
+    assert_same_iterations(&resumed, &full.log[20..]);
+    let mut no_pp: Vec<&str> = [&common[..], &["--load", s]].concat();
     no_pp.extend(["--pipeline-model-parallel-size", "1", "--world-size", "2"]);
     let e = run(&args(&no_pp, &dir)).unwrap_err();
     assert!(e.contains("saved with pipeline-parallel size 2"), "{e}");

@@ -87,6 +87,35 @@ fn grads_of(model: &Net, grads: &GradientsParams) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Two micro-batches of `loss` with `reducer` active (the second as the last), then
+/// `finalize_model_grads_overlapped`: the reduced gradients.
+fn overlapped_step(
+    reducer: &OverlapReducer,
+    model: &Net,
+    tp: &Comm,
+    config: &DataParallelConfig,
+    loss: impl Fn(usize) -> Tensor<1>,
+) -> Result<GradientsParams, CommError> {
+    let mut acc = GradientsAccumulator::new();
+    for micro in 0..2 {
+        let _active = reducer.activate(micro == 1);
+        acc.accumulate(
+            model,
+            GradientsParams::from_grads(loss(micro).backward(), model),
+        );
+    }
+    let mut grads = acc.grads();
+    finalize_model_grads_overlapped(
+        std::slice::from_ref(reducer),
+        model,
+        &mut grads,
+        tp,
+        None,
+        config,
+    )?;
+    Ok(grads)
+}
+
 /// One rank's grads reduced after backward, and per overlapped step (grads, events, buckets).
 type RankRun = (Vec<Vec<f32>>, Vec<(Vec<Vec<f32>>, Vec<Event>, usize)>);
 
@@ -117,22 +146,10 @@ fn run() -> Vec<RankRun> {
         // with the hooked ones bucketed apart.
         let mut steps = Vec::new();
         for _ in 0..2 {
-            let mut acc = GradientsAccumulator::new();
-            for micro in 0..2 {
-                let _active = reducer.activate(micro == 1);
-                let g = model.loss(dp_rank, micro, d).backward();
-                acc.accumulate(&model, GradientsParams::from_grads(g, &model));
-            }
+            let overlapped = overlapped_step(&reducer, &model, tp, &dp_config, |micro| {
+                model.loss(dp_rank, micro, d)
+            })?;
             let buckets = reducer.num_buckets();
-            let mut overlapped = acc.grads();
-            finalize_model_grads_overlapped(
-                std::slice::from_ref(&reducer),
-                &model,
-                &mut overlapped,
-                tp,
-                None,
-                &dp_config,
-            )?;
             steps.push((grads_of(&model, &overlapped), reducer.events(), buckets));
         }
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>((sync, steps))
@@ -240,21 +257,9 @@ fn a_layer_without_gradient_in_the_last_micro_batch_neither_hangs_nor_double_cou
             finalize_model_grads(&model, &mut sync, dp, tp, None, &dp_config)?;
             let reducer = OverlapReducer::new(&model, dp, &dp_config);
             for step in 0..2 {
-                let mut acc = GradientsAccumulator::new();
-                for micro in 0..2 {
-                    let _active = reducer.activate(micro == 1);
-                    let g = model.loss_with(dp_rank, micro, d, last(micro)).backward();
-                    acc.accumulate(&model, GradientsParams::from_grads(g, &model));
-                }
-                let mut overlapped = acc.grads();
-                finalize_model_grads_overlapped(
-                    std::slice::from_ref(&reducer),
-                    &model,
-                    &mut overlapped,
-                    tp,
-                    None,
-                    &dp_config,
-                )?;
+                let overlapped = overlapped_step(&reducer, &model, tp, &dp_config, |micro| {
+                    model.loss_with(dp_rank, micro, d, last(micro))
+                })?;
                 let (a, b) = (grads_of(&model, &sync), grads_of(&model, &overlapped));
                 assert_eq!(a, b, "{unused:?} step {step}: as after backward");
             }
