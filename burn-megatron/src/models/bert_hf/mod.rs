@@ -5,8 +5,7 @@
 //! The mapping is by name: HF's separate query/key/value become the fused per-head QKV
 //! projection; HF `[out, in]` linear weights become Burn's `[in, out]`; the vocabulary is
 //! padded to the padded size (zero embedding rows, MLM biases of −10⁴) and trimmed again on
-//! export. The decoder weight
-//! is tied to the word embeddings (not stored, as HF saves it).
+//! export. The decoder weight is tied to the word embeddings (not stored, as HF saves it).
 
 mod entries;
 mod host;
