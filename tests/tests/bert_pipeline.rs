@@ -119,20 +119,11 @@ fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
         let dp_config = DataParallelConfig::default();
         // One reducer per chunk, each on its own data-parallel channel.
         let reducers: Vec<OverlapReducer> = if l.overlap {
-            (0..l.vp)
-                .map(|c| -> Result<_, Error> {
-                    let dp: Comm = if c == 0 {
-                        ctx.groups.dp.clone()
-                    } else {
-                        Arc::new(ctx.world.communicator(
-                            &format!("dp-chunk-{c}"),
-                            ctx.state.data_parallel_group().to_vec(),
-                            ctx.state.global_rank(),
-                        )?)
-                    };
-                    Ok(OverlapReducer::new(&chunks[c], &dp, &dp_config))
-                })
-                .collect::<Result<_, _>>()?
+            ctx.chunk_data_parallel_groups(l.vp)?
+                .iter()
+                .zip(&chunks)
+                .map(|(dp, chunk)| OverlapReducer::new(chunk, dp, &dp_config))
+                .collect()
         } else {
             Vec::new()
         };

@@ -20,7 +20,12 @@ use super::{Buffer, CommError, Communicator, ReduceOp, buffer::with_vec};
 use burn::tensor::kind::Basic;
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 
-fn invalid(comm: &(impl Communicator + ?Sized), op: &'static str, reason: String) -> CommError {
+/// An `InvalidArgument` error of `op` on `comm`'s group.
+pub(crate) fn invalid(
+    comm: &(impl Communicator + ?Sized),
+    op: &'static str,
+    reason: String,
+) -> CommError {
     CommError::InvalidArgument {
         group: comm.group().to_string(),
         op,

@@ -45,6 +45,25 @@ pub struct RankContext {
 }
 
 impl RankContext {
+    /// One data-parallel communicator per model chunk: [`RankGroups::dp`] for chunk 0, a
+    /// channel of its own (same ranks) for each further chunk, as overlapped reducers of
+    /// several chunks need (their workers run at the same time).
+    pub fn chunk_data_parallel_groups(&self, chunks: usize) -> Result<Vec<Comm>, CommError> {
+        (0..chunks)
+            .map(|c| {
+                if c == 0 {
+                    return Ok(self.groups.dp.clone());
+                }
+                let comm = self.world.communicator(
+                    &format!("dp-chunk-{c}"),
+                    self.state.data_parallel_group().to_vec(),
+                    self.state.global_rank(),
+                )?;
+                Ok(Arc::new(comm) as Comm)
+            })
+            .collect()
+    }
+
     /// This rank's pipeline channels ([`RankGroups::pp`] forward, [`RankGroups::pp_backward`]
     /// backward), receiving onto this rank's device.
     pub fn p2p(&self, shapes: P2pShapes) -> P2pCommunicator {

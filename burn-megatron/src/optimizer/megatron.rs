@@ -77,14 +77,22 @@ impl<M: Module> std::fmt::Debug for MegatronOptimizer<M> {
     }
 }
 
+/// `p` with its value replaced by `f` of it, as a fresh leaf: id and `require_grad` kept.
+fn map_value<const D: usize>(
+    p: Param<Tensor<D>>,
+    f: impl FnOnce(Tensor<D>) -> Tensor<D>,
+) -> Param<Tensor<D>> {
+    let (id, t, mapper) = p.consume();
+    let rg = t.is_require_grad();
+    Param::from_mapped_value(id, f(t).detach().set_require_grad(rg), mapper)
+}
+
 /// Casts every float parameter, keeping ids and whether it requires grad.
 struct Cast(DType);
 
 impl ModuleMapper for Cast {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let (id, t, mapper) = p.consume();
-        let rg = t.is_require_grad();
-        Param::from_mapped_value(id, t.cast(self.0).detach().set_require_grad(rg), mapper)
+        map_value(p, |t| t.cast(self.0))
     }
 }
 
@@ -97,10 +105,7 @@ impl ModuleMapper for Decay {
         if D == 1 {
             return p;
         }
-        let (id, t, mapper) = p.consume();
-        let rg = t.is_require_grad();
-        let decayed = t.mul_scalar(self.0).detach().set_require_grad(rg);
-        Param::from_mapped_value(id, decayed, mapper)
+        map_value(p, |t| t.mul_scalar(self.0))
     }
 }
 
@@ -131,10 +136,8 @@ struct ToModel(DType);
 
 impl ModuleMapper for ToModel {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let (id, t, mapper) = p.consume();
-        let rg = t.is_require_grad();
-        let model = to_model_dtype(t.detach(), self.0);
-        Param::from_mapped_value(id, model.set_require_grad(rg), mapper)
+        // Detached before the rounding pass, so it records no autodiff op.
+        map_value(p, |t| to_model_dtype(t.detach(), self.0))
     }
 }
 

@@ -85,8 +85,8 @@ pub struct ForwardBackwardConfig<'a> {
     /// default).
     pub grad_scale: f64,
     /// One [`GradSync`] per model chunk (e.g. an overlapped data-parallel reducer each).
-    /// With several chunks, give each reducer its own data-parallel communicator: their
-    /// workers run at the same time.
+    /// With several chunks, give each reducer its own data-parallel communicator
+    /// (`RankContext::chunk_data_parallel_groups`): their workers run at the same time.
     pub grad_sync: Option<&'a [&'a dyn GradSync]>,
     /// Record the timeline against this common start (`None`: no timeline).
     pub timeline: Option<Instant>,
@@ -140,10 +140,17 @@ pub struct ForwardBackwardOutput {
     pub spans: Vec<Span>,
 }
 
+/// What a microbatch's forward left for its backward to start from.
+enum Output<const D: usize> {
+    /// The activation sent to the next stage; backward starts from the gradient it returns.
+    Sent(Tensor<D>),
+    /// The last virtual stage's loss, already scaled by `grad_scale / M`.
+    Loss(Tensor<1>),
+}
+
 struct Live<const D: usize> {
     input: Option<Tensor<D>>,
-    /// The activation sent on, or the scaled loss on the last virtual stage.
-    output: Result<Tensor<D>, Tensor<1>>,
+    output: Output<D>,
 }
 
 /// Megatron's `forward_backward_func`: runs this rank's ops of `config.schedule` on `chunks`
@@ -273,11 +280,11 @@ where
                             loss: value,
                             report,
                         });
-                        Err(loss * (config.grad_scale / m as f64))
+                        Output::Loss(loss * (config.grad_scale / m as f64))
                     }
                     (ChunkOutput::Activation(a), false) => {
                         recorder.time(SpanKind::Send, op, || p2p.send_forward(a.clone()))?;
-                        Ok(a)
+                        Output::Sent(a)
                     }
                     (ChunkOutput::Loss { .. }, false) => {
                         return Err(PipelineError::Invalid(format!(
@@ -303,17 +310,17 @@ where
                 let Live { input, output } = live
                     .remove(&(op.microbatch, op.chunk))
                     .expect("a valid schedule runs each backward after its forward");
-                let output_grad = match &output {
-                    Ok(_) => Some(recorder.time(SpanKind::Recv, op, || p2p.recv_backward::<D>())?),
-                    Err(_) => None,
+                // The root of this backward: the loss, or Σ out·g for the received gradient g
+                // of the output (d(Σ out·g)/d out = g).
+                let root = match output {
+                    Output::Loss(loss) => loss,
+                    Output::Sent(out) => {
+                        let g = recorder.time(SpanKind::Recv, op, || p2p.recv_backward::<D>())?;
+                        (out * g).sum()
+                    }
                 };
                 let (grads, input_grad) = recorder.time(SpanKind::Backward, op, || {
-                    let grads = match (output, output_grad) {
-                        (Err(loss), _) => loss.backward(),
-                        // Backward from a received gradient g: d(Σ out·g)/d out = g.
-                        (Ok(out), Some(g)) => (out * g).sum().backward(),
-                        (Ok(_), None) => unreachable!("received above"),
-                    };
+                    let grads = root.backward();
                     let input_grad = input.as_ref().and_then(|x| x.grad(&grads));
                     (
                         GradientsParams::from_grads(grads, &chunks[op.chunk]),

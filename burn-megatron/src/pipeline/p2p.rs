@@ -12,7 +12,7 @@
 //! Received tensors are fresh leaves built from host data on the receiving rank, so ranks
 //! never share an autodiff graph.
 
-use crate::comm::tensor::{buffer_to_tensor, tensor_to_buffer};
+use crate::comm::tensor::{buffer_to_tensor, invalid, tensor_to_buffer};
 use crate::comm::{Buffer, Comm, CommDType, CommError};
 use burn::tensor::{DType, Device, Tensor};
 
@@ -106,14 +106,6 @@ impl P2pCommunicator {
         (g.rank() + g.size() - 1) % g.size()
     }
 
-    fn invalid(comm: &Comm, op: &'static str, reason: String) -> CommError {
-        CommError::InvalidArgument {
-            group: comm.group().to_string(),
-            op,
-            reason,
-        }
-    }
-
     fn send<const D: usize>(
         &self,
         comm: &Comm,
@@ -130,8 +122,8 @@ impl P2pCommunicator {
                 comm.send(Buffer::I64(header), peer)?;
             }
             P2pShapes::Fixed { dims: fixed, .. } if fixed[..] != dims[..] => {
-                return Err(Self::invalid(
-                    comm,
+                return Err(invalid(
+                    &**comm,
                     op,
                     format!(
                         "tensor of dims {dims:?} on a channel fixed to {fixed:?}; use variable shapes for microbatches of different lengths"
@@ -158,33 +150,36 @@ impl P2pCommunicator {
                     unreachable!("received into an i64 buffer")
                 };
                 let dtype = from_code(h[0]).ok_or_else(|| {
-                    Self::invalid(comm, op, format!("unknown dtype code {} in header", h[0]))
+                    invalid(
+                        &**comm,
+                        op,
+                        format!("unknown dtype code {} in header", h[0]),
+                    )
                 })?;
                 if h[1] != D as i64 {
-                    return Err(Self::invalid(
-                        comm,
+                    return Err(invalid(
+                        &**comm,
                         op,
                         format!("expected a {D}-d tensor, the sender sent {}-d", h[1]),
                     ));
                 }
                 let mut dims = [0usize; D];
                 for (d, &v) in dims.iter_mut().zip(&h[2..]) {
-                    *d = usize::try_from(v).map_err(|_| {
-                        Self::invalid(comm, op, format!("negative dim {v} in header"))
-                    })?;
+                    *d = usize::try_from(v)
+                        .map_err(|_| invalid(&**comm, op, format!("negative dim {v} in header")))?;
                 }
                 (dtype, dims)
             }
             P2pShapes::Fixed { dims, dtype } => {
                 let dims: [usize; D] = dims.as_slice().try_into().map_err(|_| {
-                    Self::invalid(
-                        comm,
+                    invalid(
+                        &**comm,
                         op,
                         format!("a {D}-d tensor on a channel fixed to dims {dims:?}"),
                     )
                 })?;
                 let dtype = crate::comm::comm_dtype(*dtype).ok_or_else(|| {
-                    Self::invalid(comm, op, format!("dtype {dtype:?} is not supported"))
+                    invalid(&**comm, op, format!("dtype {dtype:?} is not supported"))
                 })?;
                 (dtype, dims)
             }

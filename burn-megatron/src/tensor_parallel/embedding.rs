@@ -165,8 +165,10 @@ pub(crate) fn check_index_range(
     if index.dims().iter().product::<usize>() == 0 {
         return Ok(());
     }
-    let lo = index.clone().min().into_scalar::<i64>();
-    let hi = index.clone().max().into_scalar::<i64>();
+    // Both extremes in one read-back (a device sync on GPUs).
+    let extremes = Tensor::cat(vec![index.clone().min(), index.clone().max()], 0);
+    let extremes: Vec<i64> = extremes.into_data().iter::<i64>().collect();
+    let (lo, hi) = (extremes[0], extremes[1]);
     let bad = if lo < 0 { lo } else { hi };
     if lo < 0 || hi >= limit as i64 {
         return Err(TpError::Invalid(format!(

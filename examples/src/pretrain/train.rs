@@ -9,7 +9,7 @@ use burn::tensor::{DType, Tensor};
 use burn_megatron::checkpoint::{
     load_checkpoint, rank_dir, read_latest, save_checkpoint, write_latest,
 };
-use burn_megatron::comm::{Buffer, Comm, CommunicatorExt, ReduceOp};
+use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BertBatch, BertDataset, BertSample};
 use burn_megatron::data_parallel::{
     DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
@@ -26,7 +26,6 @@ use burn_megatron::pipeline::{
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
-use std::sync::Arc;
 use std::time::Instant;
 
 fn scalar(t: Tensor<1>) -> f64 {
@@ -166,27 +165,6 @@ fn evaluate(
 /// last iteration's pipeline timeline when asked for.
 pub type RankOutput = (Vec<IterationLog>, Vec<(usize, f64, f64)>, Vec<Span>);
 
-/// The data-parallel communicator of each model chunk's overlapped reducer: the dp group
-/// for chunk 0, a channel of its own for every further chunk (their workers run at once).
-fn chunk_dp_comms(ctx: &RankContext, chunks: usize) -> Result<Vec<Comm>, String> {
-    (0..chunks)
-        .map(|c| {
-            if c == 0 {
-                return Ok(ctx.groups.dp.clone());
-            }
-            let comm = ctx
-                .world
-                .communicator(
-                    &format!("dp-chunk-{c}"),
-                    ctx.state.data_parallel_group().to_vec(),
-                    ctx.state.global_rank(),
-                )
-                .map_err(|e| e.to_string())?;
-            Ok(Arc::new(comm) as Comm)
-        })
-        .collect()
-}
-
 /// Trains this rank's part of the model: its model chunks of its pipeline stage.
 pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, String> {
     let args = &shared.args;
@@ -240,7 +218,8 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
 
     let dp_config = DataParallelConfig::default();
     let reducers: Vec<OverlapReducer> = if args.overlap_grad_reduce {
-        chunk_dp_comms(&ctx, model.len())?
+        ctx.chunk_data_parallel_groups(model.len())
+            .map_err(|e| e.to_string())?
             .iter()
             .zip(&model)
             .map(|(dp, chunk)| OverlapReducer::new(chunk, dp, &dp_config))
