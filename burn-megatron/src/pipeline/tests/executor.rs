@@ -71,6 +71,24 @@ fn loss(out: Tensor<3>, k: usize) -> Tensor<1> {
     (out - (k as f32 * 0.1)).powi_scalar(2).mean().reshape([1])
 }
 
+/// One chunk on one microbatch: from the microbatch's input on the first stage, the loss
+/// (reporting the microbatch id) on the last.
+fn stack_step(s: ForwardStep<'_, Stack, 3>, last: bool, variable: bool) -> ChunkOutput<3> {
+    let device = s.model.layers[0].weight.val().device();
+    let x = s
+        .input
+        .unwrap_or_else(|| input(s.microbatch, variable, &device));
+    let y = s.model.forward(x);
+    if last {
+        ChunkOutput::Loss {
+            loss: loss(y, s.microbatch),
+            report: vec![s.microbatch as f64],
+        }
+    } else {
+        ChunkOutput::Activation(y)
+    }
+}
+
 /// Everything a run produces: per-step losses, first-step gradients and final weights of
 /// each global layer (weight then bias values).
 #[derive(Debug, Default, Clone)]
@@ -153,19 +171,8 @@ fn pipelined(schedule: PipelineSchedule, variable: bool) -> Vec<(Trace, usize)> 
         for step in 0..STEPS {
             let out = forward_backward_func(
                 |s: ForwardStep<'_, Stack, 3>| {
-                    let x = s
-                        .input
-                        .unwrap_or_else(|| input(s.microbatch, variable, &ctx.device));
-                    let y = s.model.forward(x);
-                    if virtual_stage(p, rank, s.chunk) + 1 == p * v {
-                        let loss = loss(y, s.microbatch);
-                        Ok(ChunkOutput::Loss {
-                            loss,
-                            report: vec![],
-                        })
-                    } else {
-                        Ok(ChunkOutput::Activation(y))
-                    }
+                    let last = virtual_stage(p, rank, s.chunk) + 1 == p * v;
+                    Ok(stack_step(s, last, variable))
                 },
                 &chunks,
                 &p2p,
@@ -282,18 +289,8 @@ fn forward_only_gives_the_losses_and_no_gradients() {
             .collect();
         let out = forward_backward_func(
             |s: ForwardStep<'_, Stack, 3>| {
-                let x = s
-                    .input
-                    .unwrap_or_else(|| input(s.microbatch, true, &ctx.device));
-                let y = s.model.forward(x);
-                Ok(if rank == 1 && s.chunk == 1 {
-                    ChunkOutput::Loss {
-                        loss: loss(y, s.microbatch),
-                        report: vec![s.microbatch as f64],
-                    }
-                } else {
-                    ChunkOutput::Activation(y)
-                })
+                let last = rank == 1 && s.chunk == 1;
+                Ok(stack_step(s, last, true))
             },
             &chunks,
             &ctx.p2p(P2pShapes::Variable),
@@ -330,18 +327,7 @@ fn a_failing_rank_fails_every_rank_without_a_hang() {
                     if rank == 2 && s.microbatch == 3 {
                         return Err("out of memory (simulated)".into());
                     }
-                    let x = s
-                        .input
-                        .unwrap_or_else(|| input(s.microbatch, false, &ctx.device));
-                    let y = s.model.forward(x);
-                    Ok(if rank == 3 {
-                        ChunkOutput::Loss {
-                            loss: loss(y, s.microbatch),
-                            report: vec![],
-                        }
-                    } else {
-                        ChunkOutput::Activation(y)
-                    })
+                    Ok(stack_step(s, rank == 3, false))
                 },
                 &chunks,
                 &ctx.p2p(P2pShapes::Variable),
