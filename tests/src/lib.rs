@@ -74,3 +74,44 @@ pub fn data<const D: usize>(
         .collect();
     Tensor::from_data(TensorData::new(v, shape), device)
 }
+
+/// Gives every parameter an id never registered in this process: what a model saved by
+/// another process carries.
+struct AnotherProcess;
+
+impl burn::module::ModuleMapper for AnotherProcess {
+    fn map_float<const D: usize>(&mut self, mut param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.id = burn::module::ParamId::new();
+        param
+    }
+}
+
+/// The parameter ids of `module`, in visiting order.
+pub fn param_ids<M: burn::module::Module>(module: &M) -> Vec<burn::module::ParamId> {
+    struct Ids(Vec<burn::module::ParamId>);
+    impl burn::module::ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+/// `saved` as a new process gets it back through Burn's own record API: written with
+/// `save_file` to `path` under ids this process never registered, read with `load_file` into
+/// `fresh` (which reads the file lazily: leave it in place). Checks that Burn restored the
+/// saved ids, so nothing registered at `fresh`'s init describes them.
+pub fn reload_as_another_process<M: burn::module::Module>(
+    saved: M,
+    fresh: M,
+    path: &std::path::Path,
+) -> M {
+    let saved = saved.map(&mut AnotherProcess);
+    let ids = param_ids(&saved);
+    saved.save_file(path).expect("save_file");
+    let loaded = fresh.load_file(path);
+    assert_eq!(param_ids(&loaded), ids, "Burn's load keeps the saved ids");
+    loaded
+}

@@ -213,3 +213,59 @@ fn impossible_initialisers_are_refused_at_init() {
         .to_string();
     assert!(e.contains("low: 1.0, high: 0.5"), "{e}");
 }
+
+/// Burn's record loading (`save_file` / `load_file`) gives every parameter the id it was
+/// saved with; saved by another process, those ids mean nothing to this one's attribute
+/// table. The layers state their layout again at forward, so a TP 2 model with sequence
+/// parallelism, reloaded that way, still has TP 1's gradient norm: its shards count as
+/// shards and its LayerNorm gradients are all-reduced.
+#[test]
+fn a_model_reloaded_through_burn_records_keeps_its_parallel_attributes() {
+    use burn_megatron::optimizer::global_grad_norm;
+    use burn_megatron::tensor_parallel::{ParallelAttrs, parallel_attrs};
+    let norm = |tp: usize| {
+        let config = ParallelConfig::new(tp, tp, 1).with_sequence_parallel(tp > 1);
+        threads(&config, LaunchOptions::default(), |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let bert = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
+                .with_hidden_dropout(0.0)
+                .with_attention_dropout(0.0)
+                .with_sequence_parallel(tp > 1);
+            let tp_rank = ctx.state.tensor_model_parallel_rank();
+            // Another seed for the model loaded into: the values must come from the file.
+            let model = reload_as_another_process(
+                bert.init(g, d)?,
+                bert.clone().with_seed(99).init(g, d)?,
+                &std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+                    .join(format!("reload-tp{tp}-rank{tp_rank}.bpk")),
+            );
+            let qkv = model.layers[0].attention.query_key_value.weight.id;
+            assert_eq!(
+                parallel_attrs(qkv),
+                ParallelAttrs::default(),
+                "nothing known of the loaded ids before a forward"
+            );
+            let b = bert_rows(0, GLOBAL_BATCH, SEQ, d);
+            let output = model.forward(b.ids, b.types, b.padding, None);
+            let (lm, sop) = model.loss(output, b.labels, b.mask, b.sop)?;
+            let mut grads = GradientsParams::from_grads((lm + sop).backward(), &model);
+            assert_eq!(parallel_attrs(qkv), ParallelAttrs::sharded(1));
+            finalize_model_grads(
+                &model,
+                &mut grads,
+                &ctx.groups.dp,
+                g,
+                None,
+                &DataParallelConfig::default(),
+            )?;
+            let norm = global_grad_norm(&model, &grads, tp_rank, &ctx.groups.mp, NormType::L2)?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(norm)
+        })
+        .unwrap()
+    };
+    let one = norm(1)[0];
+    for (rank, two) in norm(2).into_iter().enumerate() {
+        let rel = (two - one).abs() / one;
+        assert!(rel <= 1e-5, "rank {rank}: TP 2 norm {two} vs TP 1 {one}");
+    }
+}

@@ -20,7 +20,7 @@ use burn_megatron::pipeline::{
 use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::bert::{BertRows, bert_sample};
-use burn_megatron_tests::values;
+use burn_megatron_tests::{reload_as_another_process, values};
 use std::sync::Arc;
 
 // Eight samples: at DP 2 each replica has 4 microbatches, as many as interleaving over 4
@@ -327,4 +327,31 @@ fn the_tied_word_embedding_starts_equal_and_counts_once() {
         values(l.attention.query_key_value.weight.val())
     };
     assert_eq!(layer_w(&last.layers[0]), layer_w(&whole.layers[LAYERS / 2]));
+    // Reloaded through Burn's records under ids this process never registered, both copies
+    // are described again, tie included, by their first forward.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let first = reload_as_another_process(first, stage(0), &dir.join("tied-first.bpk"));
+    let last = reload_as_another_process(last, stage(1), &dir.join("tied-last.bpk"));
+    let rows = sample(0, false, &device);
+    first
+        .forward_stage(
+            Some((rows.ids, rows.types)),
+            None,
+            rows.padding.clone(),
+            None,
+        )
+        .unwrap();
+    let hidden = Tensor::<3>::zeros([SEQ, 1, 16], &device);
+    last.forward_stage(None, Some(hidden), rows.padding, None)
+        .unwrap();
+    let emb = &first.embeddings.as_ref().unwrap().word_embeddings;
+    let copy = last
+        .head
+        .as_ref()
+        .unwrap()
+        .word_embeddings
+        .as_ref()
+        .unwrap();
+    assert_eq!(parallel_attrs(emb.weight.id), a);
+    assert_eq!(parallel_attrs(copy.weight.id), b);
 }

@@ -10,15 +10,15 @@ use crate::tensor_parallel::mappings::{
 };
 use crate::tensor_parallel::{
     MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
-    VocabParallelEmbeddingConfig, check_index_range, derive_seed, parallel_attrs,
-    set_parallel_attrs, vocab_parallel_cross_entropy,
+    VocabParallelEmbeddingConfig, check_index_range, derive_seed, host_param, set_layout_attrs,
+    update_parallel_attrs, vocab_parallel_cross_entropy,
 };
 use crate::topology::PipelinePosition;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
 use burn::tensor::activation::{gelu, log_softmax};
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor};
 
 /// BERT's shape, named as Megatron's arguments.
 #[derive(Config, Debug)]
@@ -142,14 +142,6 @@ pub enum BertStageOutput {
     Output(BertOutput),
 }
 
-fn host_param<const D: usize>(
-    values: Vec<f32>,
-    shape: [usize; D],
-    device: &Device,
-) -> Param<Tensor<D>> {
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
-}
-
 impl BertConfig {
     /// Initialises this rank's part of the whole model; identical weights at every TP size
     /// for one seed.
@@ -210,12 +202,8 @@ impl BertConfig {
         let (first, last) = (position.is_first_stage(), position.is_last_stage());
         let embeddings = first
             .then(|| -> Result<_, TpError> {
-                let word_embeddings = word_embeddings()?;
-                if !last {
-                    tie(&word_embeddings, false);
-                }
                 Ok(BertEmbeddings {
-                    word_embeddings,
+                    word_embeddings: word_embeddings()?,
                     position_embeddings: table(self.max_position_embeddings, "position_embeddings"),
                     tokentype_embeddings: table(self.num_tokentypes, "tokentype_embeddings"),
                     embedding_layernorm: ln(),
@@ -241,11 +229,7 @@ impl BertConfig {
             .then(|| -> Result<_, TpError> {
                 let part = self.padded_vocab_size / tp.group().size();
                 let lm_bias = host_param(vec![0.0; part], [part], device);
-                set_parallel_attrs(lm_bias.id, ParallelAttrs::sharded(0));
                 let word_embeddings = (!first).then(word_embeddings).transpose()?;
-                if let Some(copy) = &word_embeddings {
-                    tie(copy, true);
-                }
                 Ok(BertHead {
                     lm_dense: linear(h, h, "lm_head.dense"),
                     lm_layernorm: ln(),
@@ -256,14 +240,16 @@ impl BertConfig {
                 })
             })
             .transpose()?;
-        Ok(Bert {
+        let bert = Bert {
             embeddings,
             layers,
             head,
             tp: tp.clone(),
             sequence_parallel: self.sequence_parallel,
             hidden_dropout: self.hidden_dropout,
-        })
+        };
+        bert.state_attrs();
+        Ok(bert)
     }
 }
 
@@ -294,11 +280,27 @@ fn check_inputs(
 
 /// Marks a copy of the word embeddings tied across the first and last stage.
 fn tie(embedding: &VocabParallelEmbedding, second_copy: bool) {
-    let id = embedding.weight.id;
-    set_parallel_attrs(id, parallel_attrs(id).tied_embedding(second_copy));
+    update_parallel_attrs(embedding.weight.id, |a| a.tied_embedding(second_copy));
 }
 
 impl Bert {
+    /// States what only the model knows: the MLM bias is split with the vocabulary, and on
+    /// a pipeline the first stage's word embeddings and the last stage's copy are one tied
+    /// weight. At init and at every forward, like the layers (see
+    /// [`set_layout_attrs`](crate::tensor_parallel::set_layout_attrs)).
+    fn state_attrs(&self) {
+        if let (Some(e), None) = (&self.embeddings, &self.head) {
+            tie(&e.word_embeddings, false);
+        }
+        if let Some(head) = &self.head {
+            set_layout_attrs(head.lm_bias.id, ParallelAttrs::sharded(0));
+            if let Some(copy) = &head.word_embeddings {
+                copy.state_attrs();
+                tie(copy, true);
+            }
+        }
+    }
+
     /// `ids`, `token_types`: `[b, s]`; `padding`: `[b, s]`, true at padded positions.
     /// Dropout applies when `rng` is given.
     ///
@@ -338,6 +340,7 @@ impl Bert {
         padding: Tensor<2, Bool>,
         rng: Option<&RngTracker>,
     ) -> Result<BertStageOutput, TpError> {
+        self.state_attrs();
         let mut x = match (&self.embeddings, tokens, hidden) {
             (Some(e), Some((ids, types)), None) => {
                 check_inputs(e, &ids, &types)?;

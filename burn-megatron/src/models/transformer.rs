@@ -4,8 +4,7 @@ use super::attention::{ParallelAttention, ParallelAttentionConfig};
 use crate::comm::Comm;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, ParallelAttrs, RngRegion,
-    RngTracker, RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
-    set_parallel_attrs,
+    RngTracker, RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed, set_layout_attrs,
 };
 use burn::config::Config;
 use burn::module::Module;
@@ -74,14 +73,8 @@ pub enum Norm {
 }
 
 impl Norm {
-    fn new(
-        kind: NormKind,
-        size: usize,
-        epsilon: f64,
-        sequence_parallel: bool,
-        device: &Device,
-    ) -> Self {
-        let norm = match kind {
+    fn new(kind: NormKind, size: usize, epsilon: f64, device: &Device) -> Self {
+        match kind {
             NormKind::LayerNorm => Norm::LayerNorm(
                 LayerNormConfig::new(size)
                     .with_epsilon(epsilon)
@@ -90,17 +83,24 @@ impl Norm {
             NormKind::RmsNorm => {
                 Norm::RmsNorm(RmsNormConfig::new(size).with_epsilon(epsilon).init(device))
             }
-        };
-        if sequence_parallel {
-            // Each rank normalises only its part of the sequence: partial gradients.
-            set_parallel_attrs(norm.gamma().id, ParallelAttrs::sequence_parallel());
-            if let Norm::LayerNorm(ln) = &norm
-                && let Some(beta) = &ln.beta
-            {
-                set_parallel_attrs(beta.id, ParallelAttrs::sequence_parallel());
-            }
         }
-        norm
+    }
+
+    /// Under sequence parallelism each rank normalises only its part of the sequence, so
+    /// the gradients of the scale and the shift are partial.
+    fn state_attrs(&self, sequence_parallel: bool) {
+        let attrs = if sequence_parallel {
+            ParallelAttrs::sequence_parallel()
+        } else {
+            ParallelAttrs::default()
+        };
+        set_layout_attrs(self.gamma().id, attrs);
+        if let Norm::LayerNorm(LayerNorm {
+            beta: Some(beta), ..
+        }) = self
+        {
+            set_layout_attrs(beta.id, attrs);
+        }
     }
 
     /// Normalises the last dimension.
@@ -209,16 +209,8 @@ impl TransformerLayerConfig {
                 .with_skip_bias_add(true)
                 .init(tp, device)?,
         };
-        let norm = || {
-            Norm::new(
-                self.normalization,
-                h,
-                self.layernorm_epsilon,
-                self.sequence_parallel,
-                device,
-            )
-        };
-        Ok(TransformerLayer {
+        let norm = || Norm::new(self.normalization, h, self.layernorm_epsilon, device);
+        let layer = TransformerLayer {
             attention,
             mlp,
             input_layernorm: norm(),
@@ -226,11 +218,20 @@ impl TransformerLayerConfig {
             position: self.layernorm_position,
             hidden_dropout: self.hidden_dropout,
             sequence_parallel: self.sequence_parallel,
-        })
+        };
+        layer.state_attrs();
+        Ok(layer)
     }
 }
 
 impl TransformerLayer {
+    /// The norms' attributes (the linear layers state their own), at init and every forward.
+    fn state_attrs(&self) {
+        self.input_layernorm.state_attrs(self.sequence_parallel);
+        self.post_attention_layernorm
+            .state_attrs(self.sequence_parallel);
+    }
+
     /// Where this layer's norms sit.
     pub fn layernorm_position(&self) -> LayerNormPosition {
         self.position
@@ -268,6 +269,7 @@ impl TransformerLayer {
         padding: Option<Tensor<2, Bool>>,
         rng: Option<&RngTracker>,
     ) -> Tensor<3> {
+        self.state_attrs();
         match self.position {
             LayerNormPosition::Post => {
                 let a = self.attention.forward_with_bias(x.clone(), padding, rng);

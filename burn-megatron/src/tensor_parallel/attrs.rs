@@ -1,11 +1,19 @@
 //! Parallel attributes of parameters, queryable by [`ParamId`].
 //!
-//! Parallel layers record, for each parameter they create, whether it is a tensor-parallel
+//! Parallel layers record, for each parameter they own, whether it is a tensor-parallel
 //! shard (and along which dimension), whether its gradient is partial under sequence
 //! parallelism, and whether it is a shared embedding. The optimizer reads these to count
 //! each gradient once in the global norm, and data-parallel code to finish reductions —
 //! without the user annotating anything. A parameter never registered is *duplicated*: every
 //! tensor-parallel rank holds the same full copy.
+//!
+//! The table is keyed by id, and ids change under a module's feet: Burn's record loading
+//! (`load_record`, `load_file`) gives each parameter the id it was saved with, which in a new
+//! process was never registered. So a layer states its parameters' attributes not only when
+//! it is built but again at every forward (a read and a compare when nothing changed): every
+//! parameter that has a gradient went through a forward since it got its current id, and the
+//! readers all run after backward. A custom layer does the same with
+//! [`set_layout_attrs`] in its `forward`.
 
 use burn::module::ParamId;
 use std::collections::HashMap;
@@ -56,6 +64,16 @@ impl ParallelAttrs {
         !self.shared && (self.tensor_model_parallel || tp_rank == 0)
     }
 
+    /// These attributes with the layout (`tensor_model_parallel`, `partition_dim`,
+    /// `sequence_parallel`) of `layout`, keeping the tie flags of `self`.
+    pub fn with_layout_of(self, layout: ParallelAttrs) -> Self {
+        Self {
+            shared_embedding: self.shared_embedding,
+            shared: self.shared,
+            ..layout
+        }
+    }
+
     /// These attributes marked as a tied embedding's copy: on the first stage
     /// (`second_copy` false) or on the last (`true`, left out of the gradient norm).
     pub fn tied_embedding(mut self, second_copy: bool) -> Self {
@@ -76,6 +94,32 @@ pub fn set_parallel_attrs(id: ParamId, attrs: ParallelAttrs) {
         .write()
         .unwrap_or_else(|e| e.into_inner())
         .insert(id, attrs);
+}
+
+/// Changes the attributes of `id` in place (an id never registered starts as duplicated);
+/// takes the write lock only when `update` changed something, so layers can call it at every
+/// forward.
+pub fn update_parallel_attrs(id: ParamId, update: impl FnOnce(ParallelAttrs) -> ParallelAttrs) {
+    let old = parallel_attrs(id);
+    let new = update(old);
+    if new != old {
+        set_parallel_attrs(id, new);
+    }
+}
+
+/// Records the layout part of `layout` for `id` and keeps its tie flags: what a layer states
+/// about the parameters it owns, at init and at every forward (see the module docs), while
+/// the model that ties two copies of a weight states the tie.
+///
+/// ```
+/// use burn::module::ParamId;
+/// use burn_megatron::tensor_parallel::{ParallelAttrs, parallel_attrs, set_layout_attrs};
+/// let id = ParamId::new();
+/// set_layout_attrs(id, ParallelAttrs::sharded(0));
+/// assert_eq!(parallel_attrs(id), ParallelAttrs::sharded(0));
+/// ```
+pub fn set_layout_attrs(id: ParamId, layout: ParallelAttrs) {
+    update_parallel_attrs(id, |a| a.with_layout_of(layout));
 }
 
 /// The attributes of parameter `id`; a parameter never registered is duplicated.

@@ -6,7 +6,7 @@ use super::layers::partition;
 use super::mappings::{
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
-use super::{TpError, shard_param};
+use super::{TpError, host_param};
 use crate::comm::Comm;
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -59,16 +59,13 @@ impl VocabParallelEmbeddingConfig {
             self.seed,
         );
         let rows = slice_rows(&full, self.embedding_dim, tp.group().rank() * part, part);
-        Ok(VocabParallelEmbedding {
-            weight: shard_param(
-                rows,
-                [part, self.embedding_dim],
-                device,
-                ParallelAttrs::sharded(0),
-            ),
+        let layer = VocabParallelEmbedding {
+            weight: host_param(rows, [part, self.embedding_dim], device),
             tp: tp.clone(),
             sequence_parallel: self.sequence_parallel,
-        })
+        };
+        layer.state_attrs();
+        Ok(layer)
     }
 }
 
@@ -85,13 +82,20 @@ impl VocabParallelEmbedding {
             .weight
             .val()
             .narrow(0, tp.group().rank() * part, part);
-        let weight = Param::from_tensor(rows.detach().require_grad());
-        super::set_parallel_attrs(weight.id, ParallelAttrs::sharded(0));
-        Ok(Self {
-            weight,
+        let layer = Self {
+            weight: Param::from_tensor(rows.detach().require_grad()),
             tp: tp.clone(),
             sequence_parallel,
-        })
+        };
+        layer.state_attrs();
+        Ok(layer)
+    }
+
+    /// States the layout of the table (split along dim 0), keeping a tie a model set on it:
+    /// at init and at every lookup, and by a model that reads the table directly (a tied
+    /// output layer).
+    pub(crate) fn state_attrs(&self) {
+        super::set_layout_attrs(self.weight.id, ParallelAttrs::sharded(0));
     }
 
     /// The vocabulary ids `[start, end)` this rank holds.
@@ -122,6 +126,7 @@ impl VocabParallelEmbedding {
     /// (sequence first, split over the group). Ids must lie in `[0, vocab)`; see
     /// [`check_ids`](Self::check_ids).
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.state_attrs();
         let out = if self.tp.group().size() == 1 {
             embedding(self.weight.val(), ids)
         } else {

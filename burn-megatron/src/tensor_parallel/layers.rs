@@ -6,14 +6,14 @@
 //! Under sequence parallelism, activations outside these layers are split along dim 0 (the
 //! sequence, Megatron's `[s, b, h]` layout).
 
-use super::attrs::{ParallelAttrs, set_parallel_attrs};
+use super::attrs::{ParallelAttrs, set_layout_attrs};
 use super::init::{MasterInit, slice_cols, slice_rows};
 use super::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
 };
-use super::{TpError, shard_param};
+use super::{TpError, host_param};
 use crate::comm::Comm;
 use crate::data_parallel::hook_param;
 use burn::config::Config;
@@ -92,21 +92,20 @@ impl ColumnParallelLinearConfig {
             .initializer
             .values(self.d_input * self.d_output, self.d_input, self.seed);
         let w = slice_cols(&full, self.d_output, rank * part, part);
-        let weight = shard_param(w, [self.d_input, part], device, ParallelAttrs::sharded(1));
+        let weight = host_param(w, [self.d_input, part], device);
         let bias = self.bias.then(|| {
             let full = self.bias_initializer.values(
                 self.d_output,
                 self.d_input,
                 self.seed.wrapping_add(1),
             );
-            shard_param(
+            host_param(
                 full[rank * part..(rank + 1) * part].to_vec(),
                 [part],
                 device,
-                ParallelAttrs::sharded(0),
             )
         });
-        Ok(ColumnParallelLinear {
+        let layer = ColumnParallelLinear {
             weight,
             bias,
             tp: tp.clone(),
@@ -114,7 +113,9 @@ impl ColumnParallelLinearConfig {
             skip_bias_add: self.skip_bias_add,
             sequence_parallel: self.sequence_parallel,
             gradient_accumulation_fusion: self.gradient_accumulation_fusion,
-        })
+        };
+        layer.state_attrs();
+        Ok(layer)
     }
 }
 
@@ -131,13 +132,11 @@ impl ColumnParallelLinear {
         let start = tp.group().rank() * part;
         let weight = linear.weight.val().narrow(1, start, part);
         let weight = Param::from_tensor(weight.detach().require_grad());
-        set_parallel_attrs(weight.id, ParallelAttrs::sharded(1));
-        let bias = linear.bias.as_ref().map(|b| {
-            let p = Param::from_tensor(b.val().narrow(0, start, part).detach().require_grad());
-            set_parallel_attrs(p.id, ParallelAttrs::sharded(0));
-            p
-        });
-        Ok(Self {
+        let bias = linear
+            .bias
+            .as_ref()
+            .map(|b| Param::from_tensor(b.val().narrow(0, start, part).detach().require_grad()));
+        let layer = Self {
             weight,
             bias,
             tp: tp.clone(),
@@ -145,7 +144,18 @@ impl ColumnParallelLinear {
             skip_bias_add: config.skip_bias_add,
             sequence_parallel: config.sequence_parallel,
             gradient_accumulation_fusion: config.gradient_accumulation_fusion,
-        })
+        };
+        layer.state_attrs();
+        Ok(layer)
+    }
+
+    /// States the layout of the weight (split along dim 1) and the bias (dim 0): at init and
+    /// at every forward, so it also holds for ids Burn's record loading restored.
+    fn state_attrs(&self) {
+        set_layout_attrs(self.weight.id, ParallelAttrs::sharded(1));
+        if let Some(b) = &self.bias {
+            set_layout_attrs(b.id, ParallelAttrs::sharded(0));
+        }
     }
 
     /// `[..., d_input]` → `[..., d_output]` if `gather_output`, else `[..., d_output / tp]`.
@@ -165,6 +175,7 @@ impl ColumnParallelLinear {
         &self,
         input: Tensor<D>,
     ) -> (Tensor<D>, Option<Tensor<1>>) {
+        self.state_attrs();
         let input = if self.sequence_parallel {
             gather_from_sequence_parallel_region(input, &self.tp, true)
         } else {
@@ -275,16 +286,16 @@ impl RowParallelLinearConfig {
             .initializer
             .values(self.d_input * self.d_output, self.d_input, self.seed);
         let w = slice_rows(&full, self.d_output, rank * part, part);
-        let weight = shard_param(w, [part, self.d_output], device, ParallelAttrs::sharded(0));
+        let weight = host_param(w, [part, self.d_output], device);
         let bias = self.bias.then(|| {
             let b = self.bias_initializer.values(
                 self.d_output,
                 self.d_input,
                 self.seed.wrapping_add(1),
             );
-            shard_param(b, [self.d_output], device, self.bias_attrs())
+            host_param(b, [self.d_output], device)
         });
-        Ok(RowParallelLinear {
+        let layer = RowParallelLinear {
             weight,
             bias,
             tp: tp.clone(),
@@ -292,15 +303,9 @@ impl RowParallelLinearConfig {
             skip_bias_add: self.skip_bias_add,
             sequence_parallel: self.sequence_parallel,
             gradient_accumulation_fusion: self.gradient_accumulation_fusion,
-        })
-    }
-
-    fn bias_attrs(&self) -> ParallelAttrs {
-        if self.sequence_parallel {
-            ParallelAttrs::sequence_parallel()
-        } else {
-            ParallelAttrs::default()
-        }
+        };
+        layer.state_attrs();
+        Ok(layer)
     }
 }
 
@@ -318,13 +323,11 @@ impl RowParallelLinear {
             .val()
             .narrow(0, tp.group().rank() * part, part);
         let weight = Param::from_tensor(weight.detach().require_grad());
-        set_parallel_attrs(weight.id, ParallelAttrs::sharded(0));
-        let bias = linear.bias.as_ref().map(|b| {
-            let p = Param::from_tensor(b.val().detach().require_grad());
-            set_parallel_attrs(p.id, config.bias_attrs());
-            p
-        });
-        Ok(Self {
+        let bias = linear
+            .bias
+            .as_ref()
+            .map(|b| Param::from_tensor(b.val().detach().require_grad()));
+        let layer = Self {
             weight,
             bias,
             tp: tp.clone(),
@@ -332,7 +335,23 @@ impl RowParallelLinear {
             skip_bias_add: config.skip_bias_add,
             sequence_parallel: config.sequence_parallel,
             gradient_accumulation_fusion: config.gradient_accumulation_fusion,
-        })
+        };
+        layer.state_attrs();
+        Ok(layer)
+    }
+
+    /// States the layout of the weight (split along dim 0) and of the full bias (partial
+    /// gradients under sequence parallelism), at init and at every forward.
+    fn state_attrs(&self) {
+        set_layout_attrs(self.weight.id, ParallelAttrs::sharded(0));
+        if let Some(b) = &self.bias {
+            let attrs = if self.sequence_parallel {
+                ParallelAttrs::sequence_parallel()
+            } else {
+                ParallelAttrs::default()
+            };
+            set_layout_attrs(b.id, attrs);
+        }
     }
 
     /// `[..., d_input / tp]` (or `[..., d_input]` when the input is not parallel) →
@@ -351,6 +370,7 @@ impl RowParallelLinear {
         &self,
         input: Tensor<D>,
     ) -> (Tensor<D>, Option<Tensor<1>>) {
+        self.state_attrs();
         let input = if self.input_is_parallel {
             input
         } else {

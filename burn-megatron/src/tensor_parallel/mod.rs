@@ -18,7 +18,9 @@ pub mod mappings;
 pub mod random;
 mod vocab;
 
-pub use attrs::{ParallelAttrs, parallel_attrs, set_parallel_attrs};
+pub use attrs::{
+    ParallelAttrs, parallel_attrs, set_layout_attrs, set_parallel_attrs, update_parallel_attrs,
+};
 pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
 pub(crate) use embedding::check_index_range;
 pub use embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
@@ -48,15 +50,14 @@ pub enum TpError {
     Comm(#[from] CommError),
 }
 
-/// A trainable parameter of `shape` from host values, with its parallel attributes recorded.
-pub(crate) fn shard_param<const D: usize>(
+/// A trainable parameter of `shape` from host values (its layer states its attributes).
+pub(crate) fn host_param<const D: usize>(
     values: Vec<f32>,
     shape: [usize; D],
     device: &Device,
-    attrs: ParallelAttrs,
 ) -> Param<Tensor<D>> {
-    let tensor = Tensor::<D>::from_data(TensorData::new(values, shape), device);
-    let param = Param::from_tensor(tensor);
-    set_parallel_attrs(param.id, attrs);
-    param
+    Param::from_tensor(Tensor::<D>::from_data(
+        TensorData::new(values, shape),
+        device,
+    ))
 }
