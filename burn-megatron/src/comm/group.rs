@@ -1,5 +1,7 @@
 //! Process groups and the errors a collective can end with.
 
+use super::buffer::CommDType;
+use super::reduce::ReduceOp;
 use std::fmt;
 use std::time::Duration;
 
@@ -148,4 +150,30 @@ pub enum CommError {
         /// What is wrong.
         reason: String,
     },
+}
+
+/// What one member asked for; all members of a call must agree.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OpDesc {
+    pub(crate) op: &'static str,
+    pub(crate) dtype: Option<CommDType>,
+    pub(crate) len: usize,
+    pub(crate) reduce: Option<ReduceOp>,
+    pub(crate) root: Option<usize>,
+}
+
+impl std::fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}(", self.op)?;
+        if let Some(r) = self.reduce {
+            write!(f, "{r}, ")?;
+        }
+        if let Some(root) = self.root {
+            write!(f, "root {root}, ")?;
+        }
+        match self.dtype {
+            Some(d) => write!(f, "{d} × {})", self.len),
+            None => write!(f, "no data)"),
+        }
+    }
 }

@@ -7,8 +7,8 @@
 //! are split into one chunk per member, each member reducing its own chunk, so the work of a
 //! large all-reduce is spread over the ranks' threads as a ring would spread it over GPUs.
 
-use super::buffer::{Buffer, CommDType};
-use super::group::{CommError, ProcessGroup};
+use super::buffer::Buffer;
+use super::group::{CommError, OpDesc, ProcessGroup};
 use super::reduce::{ReduceOp, chunk_range, reduce_range};
 use super::{Communicator, DEFAULT_TIMEOUT};
 use std::collections::{HashMap, VecDeque};
@@ -72,32 +72,6 @@ struct GroupState {
     poisoned: Option<CommError>,
     /// Point-to-point messages keyed by (source index, destination index), FIFO per pair.
     mailboxes: HashMap<(usize, usize), VecDeque<Buffer>>,
-}
-
-/// What one member asked for; all members of a call must agree.
-#[derive(Debug, Clone, PartialEq)]
-struct OpDesc {
-    op: &'static str,
-    dtype: Option<CommDType>,
-    len: usize,
-    reduce: Option<ReduceOp>,
-    root: Option<usize>,
-}
-
-impl std::fmt::Display for OpDesc {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}(", self.op)?;
-        if let Some(r) = self.reduce {
-            write!(f, "{r}, ")?;
-        }
-        if let Some(root) = self.root {
-            write!(f, "root {root}, ")?;
-        }
-        match self.dtype {
-            Some(d) => write!(f, "{d} × {})", self.len),
-            None => write!(f, "no data)"),
-        }
-    }
 }
 
 #[derive(Debug)]

@@ -5,14 +5,17 @@
 //! different collective, passes a different element count, dtype or root, fails, or exits
 //! early makes the call fail on every member, naming the group, the operation and the ranks.
 //!
-//! Backends:
+//! A [`World`] makes communicators; the rest of the library sees only [`Comm`]s. Backends:
 //! - [`local`]: ranks are threads of this process ([`LocalWorld`]).
+//! - `mpi` (feature `mpi`): one process per rank over MPI (`MpiWorld`).
 //!
 //! Tensor-level helpers on Burn tensors live in [`tensor`].
 
 mod buffer;
 mod group;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod reduce;
 pub mod tensor;
 
@@ -25,6 +28,8 @@ pub use buffer::{Buffer, CommDType, CommElement};
 pub(crate) use buffer::{comm_dtype, map_vec};
 pub use group::{CommError, ProcessGroup};
 pub use local::{LocalCommunicator, LocalWorld};
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiCommunicator, MpiWorld};
 pub use reduce::{ReduceOp, has_non_finite};
 
 use std::sync::Arc;
@@ -82,6 +87,46 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
 
     /// Waits until every member has reached the barrier.
     fn barrier(&self) -> Result<(), CommError>;
+}
+
+/// Where communicators come from: the ranks of one job, whatever the engine.
+///
+/// Creating a group is collective over its members (MPI builds the communicator with
+/// them): every member creates it, and members create their shared groups in the same
+/// order.
+pub trait World: Send + Sync + std::fmt::Debug {
+    /// Number of ranks.
+    fn size(&self) -> usize;
+
+    /// The bound on every call of the communicators made here.
+    fn timeout(&self) -> Duration;
+
+    /// This rank's communicator on the group `name` over global `ranks`, in group order.
+    fn new_group(
+        &self,
+        name: &str,
+        ranks: Vec<usize>,
+        global_rank: usize,
+    ) -> Result<Comm, CommError>;
+}
+
+impl World for LocalWorld {
+    fn size(&self) -> usize {
+        LocalWorld::size(self)
+    }
+
+    fn timeout(&self) -> Duration {
+        LocalWorld::timeout(self)
+    }
+
+    fn new_group(
+        &self,
+        name: &str,
+        ranks: Vec<usize>,
+        global_rank: usize,
+    ) -> Result<Comm, CommError> {
+        Ok(Arc::new(self.communicator(name, ranks, global_rank)?))
+    }
 }
 
 /// Typed conveniences over [`Communicator`] for plain `Vec`s.

@@ -1,6 +1,6 @@
-//! What each rank thread is handed.
+//! What each rank is handed.
 
-use crate::comm::{Comm, CommError, LocalWorld};
+use crate::comm::{Comm, CommError, World};
 use crate::pipeline::{P2pCommunicator, P2pShapes};
 use crate::topology::{GroupKind, ParallelState};
 use burn::tensor::Device;
@@ -40,8 +40,8 @@ pub struct RankContext {
     pub groups: RankGroups,
     /// This rank's own device (autodiff-enabled by default).
     pub device: Device,
-    /// The world of threads, for creating further groups.
-    pub world: LocalWorld,
+    /// The world (threads of this process, or processes), for creating further groups.
+    pub world: Arc<dyn World>,
 }
 
 impl RankContext {
@@ -54,12 +54,11 @@ impl RankContext {
                 if c == 0 {
                     return Ok(self.groups.dp.clone());
                 }
-                let comm = self.world.communicator(
+                self.world.new_group(
                     &format!("dp-chunk-{c}"),
                     self.state.data_parallel_group().to_vec(),
                     self.state.global_rank(),
-                )?;
-                Ok(Arc::new(comm) as Comm)
+                )
             })
             .collect()
     }
@@ -75,29 +74,24 @@ impl RankContext {
         )
     }
 
-    /// Creates the communicators of `state`'s groups on `world`.
+    /// Creates the communicators of `state`'s groups on `world` (collectively: every rank
+    /// of the world calls this).
     pub fn new(
         state: ParallelState,
-        world: &LocalWorld,
+        world: Arc<dyn World>,
         device: Device,
     ) -> Result<Self, CommError> {
         let rank = state.global_rank();
-        let comm = |kind: GroupKind| -> Result<Comm, CommError> {
-            Ok(Arc::new(world.communicator(
-                kind.name(),
-                state.group(kind).to_vec(),
-                rank,
-            )?))
-        };
+        let comm = |kind: GroupKind| world.new_group(kind.name(), state.group(kind).to_vec(), rank);
         let member = |kind: GroupKind| state.index_in_group(kind).is_some();
         let groups = RankGroups {
             tp: comm(GroupKind::TensorModelParallel)?,
             pp: comm(GroupKind::PipelineModelParallel)?,
-            pp_backward: Arc::new(world.communicator(
+            pp_backward: world.new_group(
                 "pp-backward",
                 state.pipeline_model_parallel_group().to_vec(),
                 rank,
-            )?),
+            )?,
             dp: comm(GroupKind::DataParallel)?,
             dp_cp: comm(GroupKind::DataParallelWithCp)?,
             mp: comm(GroupKind::ModelParallel)?,
@@ -108,13 +102,13 @@ impl RankContext {
             position_embedding: member(GroupKind::PositionEmbedding)
                 .then(|| comm(GroupKind::PositionEmbedding))
                 .transpose()?,
-            world: Arc::new(world.communicator("world", (0..world.size()).collect(), rank)?),
+            world: world.new_group("world", (0..world.size()).collect(), rank)?,
         };
         Ok(Self {
             state,
             groups,
             device,
-            world: world.clone(),
+            world,
         })
     }
 }

@@ -1,7 +1,8 @@
-//! Run one closure per rank, as threads of this process.
+//! Run one closure per rank: as threads of this process ([`threads`]), or once in each
+//! process of a job started by mpirun, srun or torchrun ([`from_env`]).
 //!
 //! Each rank gets a [`RankContext`]: its [`ParallelState`], a communicator on each of its
-//! groups, and its own Burn device.
+//! groups, and its own Burn device. The model code is the same under both.
 //!
 //! # Ranks must not share autodiff-tracked tensors
 //!
@@ -13,15 +14,19 @@
 //! (`TensorData`, `Vec`s, configs) may be shared freely.
 
 mod context;
+mod env;
+mod process;
 
 pub use context::{RankContext, RankGroups};
+pub use env::{EnvError, LaunchEnv, Launcher, MasterAddr};
+pub use process::{DistributedBackend, from_env};
 
-use crate::comm::{CommError, LocalWorld};
+use crate::comm::{CommError, LocalWorld, World};
 use crate::topology::{ParallelConfig, ParallelState, TopologyError};
 use burn::tensor::Device;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How [`threads`] runs the ranks.
@@ -34,6 +39,8 @@ pub struct LaunchOptions {
     /// Stack size of each rank thread, in bytes (default 32 MiB: deep autodiff graphs
     /// recurse in backward).
     pub stack_size: usize,
+    /// The engine [`from_env`] starts (ignored by [`threads`]).
+    pub backend: DistributedBackend,
 }
 
 impl Default for LaunchOptions {
@@ -42,6 +49,7 @@ impl Default for LaunchOptions {
             timeout: crate::comm::DEFAULT_TIMEOUT,
             device: std::sync::Arc::new(|_| Device::flex().autodiff()),
             stack_size: 32 << 20,
+            backend: DistributedBackend::default(),
         }
     }
 }
@@ -50,6 +58,12 @@ impl LaunchOptions {
     /// These options with another collective timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// These options with the engine [`from_env`] starts.
+    pub fn with_backend(mut self, backend: DistributedBackend) -> Self {
+        self.backend = backend;
         self
     }
 
@@ -65,6 +79,7 @@ impl fmt::Debug for LaunchOptions {
         f.debug_struct("LaunchOptions")
             .field("timeout", &self.timeout)
             .field("stack_size", &self.stack_size)
+            .field("backend", &self.backend)
             .finish_non_exhaustive()
     }
 }
@@ -76,6 +91,12 @@ pub enum LaunchError<E> {
     /// The layout is invalid; no rank was started.
     #[error("invalid parallel layout: {0}")]
     Topology(#[from] TopologyError),
+    /// The launch environment does not describe this job; nothing was started.
+    #[error("launch environment: {0}")]
+    Env(#[from] EnvError),
+    /// The communication engine is unavailable or disagrees with the launcher.
+    #[error("distributed backend: {0}")]
+    Backend(String),
     /// Setting up a rank's communicators failed.
     #[error("rank {rank}: communicator setup failed: {source}")]
     Comm {
@@ -151,7 +172,8 @@ where
         for (rank, state) in states.into_iter().enumerate() {
             let (world, f, options, slot) = (&world, &f, &options, &outcomes[rank]);
             let run = move || {
-                let outcome = match RankContext::new(state, world, (options.device)(rank)) {
+                let shared: Arc<dyn World> = Arc::new(world.clone());
+                let outcome = match RankContext::new(state, shared, (options.device)(rank)) {
                     Err(e) => Outcome::Setup(e),
                     Ok(ctx) => match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
                         Ok(Ok(v)) => Outcome::Done(v),
@@ -216,5 +238,7 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+#[cfg(test)]
+mod env_tests;
 #[cfg(test)]
 mod tests;
