@@ -1,57 +1,10 @@
 //! The `bert_pretrain` example end to end: it trains (loss falls), resumes exactly, and
 //! rejects bad arguments before any work.
 
-use burn_megatron_examples::pretrain::{Args, IterationLog, Summary, run};
-use clap::Parser;
-use std::path::PathBuf;
+mod common;
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bm-pretrain-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A small model that trains in seconds in the dev profile.
-fn args(extra: &[&str], dir: &std::path::Path) -> Args {
-    let plot = dir.join("loss.png");
-    let mut argv = vec![
-        "bert_pretrain",
-        "--tensor-model-parallel-size",
-        "2",
-        "--world-size",
-        "2",
-        "--num-layers",
-        "1",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "2",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "4",
-        "--global-batch-size",
-        "8",
-        "--train-iters",
-        "40",
-        "--lr",
-        "3e-3",
-        "--synthetic-documents",
-        "600",
-        "--log-interval",
-        "10",
-        "--eval-interval",
-        "20",
-        "--eval-iters",
-        "2",
-        "--no-progress",
-        "--loss-plot",
-        plot.to_str().unwrap(),
-    ];
-    argv.extend_from_slice(extra);
-    Args::try_parse_from(argv).unwrap()
-}
+use burn_megatron_examples::pretrain::{IterationLog, Summary, run};
+use common::{args, assert_same_iterations, tmp};
 
 /// Six iterations at TP 2 × DP 2, no evaluation: for comparing two runs step by step.
 const SHORT_TP2_DP2: [&str; 6] = [
@@ -62,18 +15,6 @@ const SHORT_TP2_DP2: [&str; 6] = [
     "--eval-interval",
     "0",
 ];
-
-/// Two runs that must agree bit for bit: the same iterations with the same learning rate,
-/// losses and grad norm.
-fn assert_same_iterations(a: &[IterationLog], b: &[IterationLog]) {
-    assert_eq!(a.len(), b.len(), "iteration counts differ");
-    for (x, y) in a.iter().zip(b) {
-        let at = format!("iteration {}", x.iteration);
-        assert_eq!((x.iteration, x.lr), (y.iteration, y.lr), "{at}");
-        assert_eq!((x.lm_loss, x.sop_loss), (y.lm_loss, y.sop_loss), "{at}");
-        assert_eq!(x.grad_norm, y.grad_norm, "{at}");
-    }
-}
 
 /// Resumes `flags` from iteration `at` of the checkpoints under `save`, as if the run had
 /// stopped there; returns the resumed run's log.

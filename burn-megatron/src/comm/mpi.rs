@@ -46,14 +46,15 @@ struct Inner {
     rank: usize,
     size: usize,
     timeout: Duration,
-    // Dropped last: MPI_Finalize, after every communicator is freed (they hold this).
-    _universe: Raw<Universe>,
+    /// Dropping it is MPI_Finalize: at [`MpiWorld::finalize`], or once the world and every
+    /// communicator (they hold this) are gone.
+    universe: Mutex<Option<Raw<Universe>>>,
 }
 
 impl Inner {
-    fn fatal(&self, err: &CommError) -> ! {
+    fn fatal(&self, reason: &dyn std::fmt::Display) -> ! {
         eprintln!(
-            "burn-megatron: global rank {}: {err}; aborting the MPI job",
+            "burn-megatron: global rank {}: {reason}; aborting the MPI job",
             self.rank
         );
         self.world.0.abort(ABORT_CODE)
@@ -115,7 +116,7 @@ impl MpiWorld {
                 rank,
                 size,
                 timeout,
-                _universe: Raw(universe),
+                universe: Mutex::new(Some(Raw(universe))),
             }),
         })
     }
@@ -125,9 +126,19 @@ impl MpiWorld {
         self.inner.rank
     }
 
-    /// Prints `err` with this rank and ends the whole job (`MPI_Abort`).
-    pub fn abort(&self, err: &CommError) -> ! {
-        self.inner.fatal(err)
+    /// Ends this process's part in the job: a bounded barrier (so nobody waits in
+    /// `MPI_Finalize` for a rank that is still working), then `MPI_Finalize`. Communicators
+    /// still alive afterwards (a model kept by the caller) must not be used again; dropping
+    /// them is harmless. Called by [`from_env`](crate::launch::from_env) once the closure
+    /// returns.
+    pub fn finalize(&self) {
+        self.barrier();
+        drop(lock(&self.inner.universe).take());
+    }
+
+    /// Prints `reason` with this rank and ends the whole job (`MPI_Abort`).
+    pub fn abort(&self, reason: &dyn std::fmt::Display) -> ! {
+        self.inner.fatal(reason)
     }
 
     /// Waits, at most the timeout, until every process of the job has called this: after
@@ -203,7 +214,7 @@ impl World for MpiWorld {
             .split_by_subgroup_with_tag(&subgroup, tag)
             .ok_or_else(|| invalid("MPI_Comm_create_group gave no communicator".into()))?;
         Ok(Arc::new(MpiCommunicator {
-            comm: Raw(comm),
+            comm: std::mem::ManuallyDrop::new(Raw(comm)),
             label: group.to_string(),
             group,
             ops: Mutex::new(OpState::default()),
@@ -246,7 +257,8 @@ struct PendingSend {
 
 /// One process's handle on one group of an [`MpiWorld`].
 pub struct MpiCommunicator {
-    comm: Raw<SimpleCommunicator>,
+    /// Freed at drop unless MPI is finalised by then.
+    comm: std::mem::ManuallyDrop<Raw<SimpleCommunicator>>,
     group: ProcessGroup,
     label: String,
     /// Held through each collective and receive.
@@ -580,12 +592,19 @@ impl MpiCommunicator {
 impl Drop for MpiCommunicator {
     /// Sends still in flight must complete before their buffers go (bounded, like any wait).
     fn drop(&mut self) {
+        if mpi::environment::is_finalized() {
+            // Nothing may call MPI any more; the handle goes with the process.
+            return;
+        }
         let start = Instant::now();
         let mut backoff = Backoff::default();
         loop {
             self.progress_sends();
             let sends = lock(&self.sends);
             if sends.is_empty() {
+                drop(sends);
+                // SAFETY: dropped once, here; nothing uses the communicator after drop.
+                unsafe { std::mem::ManuallyDrop::drop(&mut self.comm) };
                 return;
             }
             if start.elapsed() >= self.world.timeout {

@@ -117,7 +117,7 @@ fn run_mpi<T, E: fmt::Display>(
     f: impl FnOnce(RankContext) -> Result<T, E>,
 ) -> Result<T, LaunchError<E>> {
     use super::panic_message;
-    use crate::comm::{CommError, MpiWorld, World};
+    use crate::comm::{MpiWorld, World};
     use std::panic::{AssertUnwindSafe, catch_unwind};
     let world = MpiWorld::init(options.timeout).map_err(|source| LaunchError::Comm {
         rank: env.rank,
@@ -143,19 +143,13 @@ fn run_mpi<T, E: fmt::Display>(
         Ok(ctx) => ctx,
         Err(source) => world.abort(&source),
     };
-    let failure = |reason: String| CommError::PeerFailed {
-        group: "world".into(),
-        op: "from_env",
-        rank,
-        reason,
-    };
     match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => world.abort(&failure(e.to_string())),
-        Err(payload) => world.abort(&failure(format!(
-            "panicked: {}",
-            panic_message(payload.as_ref())
-        ))),
+        Ok(Ok(v)) => {
+            world.finalize();
+            Ok(v)
+        }
+        Ok(Err(e)) => world.abort(&format!("failed: {e}")),
+        Err(payload) => world.abort(&format!("panicked: {}", panic_message(payload.as_ref()))),
     }
 }
 

@@ -2,6 +2,7 @@
 
 use burn_megatron::checkpoint::{rank_dir, read_latest};
 use burn_megatron::data::BatchLayout;
+use burn_megatron::launch::DistributedBackend;
 use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
 use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::topology::ParallelConfig;
@@ -207,6 +208,14 @@ pub struct Args {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Also write every iteration's log as JSON lines (full precision) to this file.
+    #[arg(long)]
+    pub log_json: Option<PathBuf>,
+    /// How the ranks communicate, as Megatron's flag: `threads` runs every rank in this
+    /// process; `mpi` is one process per rank, started by mpirun or srun (build with
+    /// `--features mpi`).
+    #[arg(long, default_value = "threads")]
+    pub distributed_backend: DistributedBackend,
 }
 
 impl Args {
@@ -254,6 +263,32 @@ impl Args {
         .with_microbatch_group_size(self.microbatch_group_size_per_virtual_pipeline_stage)
     }
 
+    /// What one process per rank cannot do yet, refused before any work.
+    fn validate_backend(&self) -> Result<(), String> {
+        if self.distributed_backend == DistributedBackend::Threads {
+            return Ok(());
+        }
+        if self.timeline.is_some() {
+            return Err(format!(
+                "--timeline draws every rank's spans in one process: use it with \
+                 --distributed-backend threads, not {}",
+                self.distributed_backend
+            ));
+        }
+        let saved = self
+            .load
+            .as_ref()
+            .is_some_and(|d| d.join("tokenizer.json").is_file());
+        if self.data_path.is_some() && self.vocab_file.is_none() && !saved {
+            return Err(format!(
+                "--distributed-backend {} with --data-path needs --vocab-file: a tokenizer \
+                 trained in each process could differ between them",
+                self.distributed_backend
+            ));
+        }
+        Ok(())
+    }
+
     /// The pipeline flags' own checks, before the layout is built.
     fn validate_pipeline(&self) -> Result<(), String> {
         let (pp, layers) = (self.pipeline_model_parallel_size, self.num_layers);
@@ -297,6 +332,7 @@ impl Args {
     /// Every check that can fail before training starts, with a message naming the flags.
     pub fn validate(&self) -> Result<BatchLayout, String> {
         self.validate_pipeline()?;
+        self.validate_backend()?;
         self.parallel_config()?;
         let tp = self.tensor_model_parallel_size;
         if !self.num_attention_heads.is_multiple_of(tp) {

@@ -12,7 +12,7 @@ use burn_megatron::data::{
     BatchLayout, BertDataset, BertDatasetConfig, BertTokenizer, Document, load_corpus,
     synthetic_corpus, synthetic_vocabulary,
 };
-use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::launch::{DistributedBackend, LaunchEnv, LaunchOptions, from_env, threads};
 use burn_megatron::models::BertConfig;
 use burn_megatron::pipeline::{Span, chrome_trace, idle_fractions};
 use burn_megatron::tensor_parallel::padded_vocab_size;
@@ -121,7 +121,7 @@ fn corpus(args: &Args) -> Result<Vec<Document>, String> {
 /// The tokenizer: `--vocab-file`; else the one saved with the checkpoint being loaded;
 /// else the built-in generator's fixed vocabulary; else one trained on the corpus (and
 /// saved with the checkpoints, since training can differ between processes).
-fn tokenizer(args: &Args, docs: &[Document]) -> Result<BertTokenizer, String> {
+fn tokenizer(args: &Args, docs: &[Document], leader: bool) -> Result<BertTokenizer, String> {
     let saved = args
         .load
         .as_ref()
@@ -133,7 +133,7 @@ fn tokenizer(args: &Args, docs: &[Document]) -> Result<BertTokenizer, String> {
         (None, None, Some(_)) => BertTokenizer::train(docs, args.vocab_size),
     }
     .map_err(|e| e.to_string())?;
-    if let Some(dir) = &args.save {
+    if let Some(dir) = args.save.as_ref().filter(|_| leader) {
         std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
         tokenizer
             .save(&dir.join("tokenizer.json"))
@@ -163,11 +163,79 @@ fn write_timeline(path: &std::path::Path, outputs: &[train::RankOutput]) -> Resu
     Ok(())
 }
 
+/// One JSON object per iteration, every field at full precision.
+fn write_log_json(path: &std::path::Path, log: &[IterationLog]) -> Result<(), String> {
+    let lines: Vec<String> = log
+        .iter()
+        .map(|e| {
+            serde_json::json!({
+                "iteration": e.iteration,
+                "consumed_samples": e.consumed_samples,
+                "lr": e.lr,
+                "lm_loss": e.lm_loss,
+                "sop_loss": e.sop_loss,
+                "grad_norm": e.grad_norm,
+                "loss_scale": e.loss_scale,
+                "skipped_iterations": e.skipped_iterations,
+                "ms_per_iter": e.ms_per_iter,
+                "tokens_per_s": e.tokens_per_s,
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n")
+        .map_err(|e| format!("--log-json {}: {e}", path.display()))
+}
+
+/// Reads what [`write_log_json`] wrote (`--log-json`).
+pub fn read_log_json(path: &std::path::Path) -> Result<Vec<IterationLog>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    text.lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+            let f = |k: &str| v[k].as_f64().ok_or(format!("{k} missing in {line}"));
+            let u = |k: &str| {
+                v[k].as_u64()
+                    .map(|x| x as usize)
+                    .ok_or(format!("{k} missing in {line}"))
+            };
+            Ok(IterationLog {
+                iteration: u("iteration")?,
+                consumed_samples: u("consumed_samples")?,
+                lr: f("lr")?,
+                lm_loss: f("lm_loss")?,
+                sop_loss: f("sop_loss")?,
+                grad_norm: v["grad_norm"].as_f64(),
+                loss_scale: f("loss_scale")?,
+                skipped_iterations: u("skipped_iterations")?,
+                ms_per_iter: f("ms_per_iter")?,
+                tokens_per_s: f("tokens_per_s")?,
+            })
+        })
+        .collect()
+}
+
 /// Validates `args`, prepares the data and trains; returns the log of global rank 0.
 pub fn run(args: &Args) -> Result<Summary, String> {
     let start = Instant::now();
     let layout = args.validate()?;
     let parallel = args.parallel_config()?;
+    // One process per rank: the launcher must agree with the layout before any work, and
+    // only global rank 0 prints, plots and writes shared files.
+    let leader = match args.distributed_backend {
+        DistributedBackend::Threads => true,
+        backend => {
+            let env = LaunchEnv::from_env()
+                .map_err(|e| format!("--distributed-backend {backend}: {e}"))?;
+            if env.world_size != args.world_size {
+                return Err(format!(
+                    "--distributed-backend {backend}: {} started {} processes but --world-size is {}",
+                    env.launcher, env.world_size, args.world_size
+                ));
+            }
+            env.rank == 0
+        }
+    };
     let mut docs = corpus(args)?;
     // Megatron-style split: the last ~3 % of documents (at least one) for validation.
     let n_valid = (docs.len() * 3 / 100)
@@ -177,7 +245,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     if docs.is_empty() || valid_docs.is_empty() {
         return Err("the corpus needs at least two documents (train and validation)".into());
     }
-    let tokenizer = tokenizer(args, &docs)?;
+    let tokenizer = tokenizer(args, &docs, leader)?;
     let data_config = BertDatasetConfig::new(args.seq_length).with_seed(args.seed);
     let train =
         BertDataset::new(&docs, &tokenizer, data_config.clone()).map_err(|e| e.to_string())?;
@@ -202,7 +270,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     .with_gradient_accumulation_fusion(args.gradient_accumulation_fusion)
     .with_init_method_std(args.init_method_std)
     .with_seed(args.seed);
-    println!(
+    let header = format!(
         "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × PP {}{} × DP {}{} | vocab {} (padded {}) | \
          {} train / {} validation segments | {}",
         args.num_layers,
@@ -229,7 +297,10 @@ pub fn run(args: &Args) -> Result<Summary, String> {
             "fp32"
         },
     );
-    let progress = if args.no_progress {
+    if leader {
+        println!("{header}");
+    }
+    let progress = if args.no_progress || !leader {
         ProgressBar::hidden()
     } else {
         let bar = ProgressBar::with_draw_target(
@@ -253,16 +324,23 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         progress,
         epoch: Instant::now(),
     };
-    let mut outputs = threads(&parallel, LaunchOptions::default(), |ctx| {
-        train::train_rank(ctx, &shared)
-    })
-    .map_err(|e| e.to_string())?;
+    let train = |ctx| train::train_rank(ctx, &shared);
+    let options = LaunchOptions::default().with_backend(args.distributed_backend);
+    let (log, evals, _) = match args.distributed_backend {
+        DistributedBackend::Threads => {
+            let outputs = threads(&parallel, options, train).map_err(|e| e.to_string())?;
+            if let Some(path) = &args.timeline {
+                write_timeline(path, &outputs)?;
+            }
+            outputs.into_iter().next().expect("a layout has ranks")
+        }
+        _ => from_env(&parallel, options, train).map_err(|e| e.to_string())?,
+    };
     shared.progress.finish_and_clear();
-    if let Some(path) = &args.timeline {
-        write_timeline(path, &outputs)?;
+    if let Some(path) = args.log_json.as_ref().filter(|_| leader) {
+        write_log_json(path, &log)?;
     }
-    let (log, evals, _) = outputs.swap_remove(0);
-    if let Some(first) = log.first() {
+    if let Some(first) = log.first().filter(|_| leader) {
         plot::loss_curve(&args.loss_plot, &log, &evals)?;
         let last = log.last().unwrap_or(first);
         println!(

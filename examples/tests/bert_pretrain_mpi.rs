@@ -1,0 +1,202 @@
+//! `bert_pretrain` under `mpirun`, one process per rank: the same run as the threaded one,
+//! checkpoints per rank, an exact resume, and launch errors before any work. Compiled with
+//! the `mpi` feature only; it then needs `mpirun`.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use burn_megatron_examples::pretrain::{read_log_json, run};
+use common::{args, argv, assert_same_iterations, tmp};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The example binary, built by `cargo test` with this crate's features.
+fn binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("bert_pretrain");
+    assert!(bin.is_file(), "{} not built", bin.display());
+    bin
+}
+
+/// The launchers' variables: none may leak into a run from the test's own environment.
+const LAUNCH_VARS: [&str; 12] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+];
+
+fn command(program: &Path) -> Command {
+    let mut c = Command::new(program);
+    for var in LAUNCH_VARS {
+        c.env_remove(var);
+    }
+    c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+    c
+}
+
+/// `mpirun -np n bert_pretrain <argv> --distributed-backend mpi`.
+fn mpirun(n: usize, flags: &[&str], dir: &Path) -> Output {
+    let mut argv = argv(flags, dir);
+    argv.remove(0);
+    command(Path::new("mpirun"))
+        .args(["-np", &n.to_string()])
+        .arg(binary())
+        .args(argv)
+        .args(["--distributed-backend", "mpi"])
+        .output()
+        .expect("mpirun runs (Debian: openmpi-bin)")
+}
+
+fn succeeded(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// TP 2 × DP 2, 10 iterations with checkpoints at 5 and 10.
+#[test]
+fn tp2_dp2_under_mpirun_is_the_threaded_run_and_resumes_exactly() {
+    let dir = tmp("mpi");
+    let (save, full, resumed) = (
+        dir.join("ck"),
+        dir.join("full.jsonl"),
+        dir.join("resumed.jsonl"),
+    );
+    let layout = [
+        "--world-size",
+        "4",
+        "--train-iters",
+        "10",
+        "--eval-interval",
+        "0",
+    ];
+    let threaded = run(&args(&layout, &dir)).unwrap().log;
+    let save_flags = ["--save", save.to_str().unwrap(), "--save-interval", "5"];
+    let out = mpirun(
+        4,
+        &[
+            &layout[..],
+            &save_flags,
+            &["--log-json", full.to_str().unwrap()],
+        ]
+        .concat(),
+        &dir,
+    );
+    succeeded(&out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.matches("> BERT").count(),
+        1,
+        "only rank 0 logs: {stdout}"
+    );
+    let mpi = read_log_json(&full).unwrap();
+    // Bit for bit: the MPI backend reduces in the local backend's order.
+    assert_same_iterations(&threaded, &mpi);
+    for it in [5, 10] {
+        for tp in 0..2 {
+            let shard = save.join(format!("iter_{it:07}/mp_rank_{tp:02}"));
+            assert!(shard.is_dir(), "{} missing", shard.display());
+        }
+    }
+    let latest = std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt")).unwrap();
+    assert_eq!(latest.trim(), "10");
+    // Resume from iteration 5, as if the run had stopped there.
+    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "5").unwrap();
+    let load = ["--load", save.to_str().unwrap()];
+    let out = mpirun(
+        4,
+        &[
+            &layout[..],
+            &load,
+            &["--log-json", resumed.to_str().unwrap()],
+        ]
+        .concat(),
+        &dir,
+    );
+    succeeded(&out);
+    assert_same_iterations(&mpi[5..], &read_log_json(&resumed).unwrap());
+}
+
+/// Pipelines too: p2p between stage processes, the tied embedding over the embedding group,
+/// one DP communicator per chunk.
+#[test]
+fn interleaved_pipeline_under_mpirun_is_the_threaded_run() {
+    let dir = tmp("mpi-pp");
+    let log = dir.join("pp.jsonl");
+    let layout = [
+        "--world-size",
+        "4",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers",
+        "4",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--overlap-grad-reduce",
+        "--train-iters",
+        "4",
+        "--eval-interval",
+        "0",
+    ];
+    let threaded = run(&args(&layout, &dir)).unwrap().log;
+    let out = mpirun(
+        4,
+        &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
+        &dir,
+    );
+    succeeded(&out);
+    assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
+}
+
+#[test]
+fn bad_launch_environments_stop_before_any_work() {
+    let dir = tmp("mpi-env");
+    // Not started by a launcher at all.
+    let mut a = argv(&["--world-size", "4"], &dir);
+    a.remove(0);
+    let out = command(&binary())
+        .args(&a)
+        .args(["--distributed-backend", "mpi"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no launcher found"), "{stderr}");
+    assert!(out.stdout.is_empty(), "no work may start");
+    // Two processes for a layout of four.
+    let out = mpirun(2, &["--world-size", "4"], &dir);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("Open MPI started 2 processes but --world-size is 4"),
+        "{stderr}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("iteration"),
+        "no work may start"
+    );
+}

@@ -1,0 +1,72 @@
+//! What the `bert_pretrain` tests share: a small model's flags and exact comparisons.
+#![allow(dead_code)] // each test file uses its own part
+
+use burn_megatron_examples::pretrain::{Args, IterationLog};
+use clap::Parser;
+use std::path::PathBuf;
+
+/// A fresh directory for one test.
+pub fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bm-pretrain-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The command line of a small model that trains in seconds in the dev profile.
+pub fn argv(extra: &[&str], dir: &std::path::Path) -> Vec<String> {
+    let plot = dir.join("loss.png");
+    let mut argv = vec![
+        "bert_pretrain",
+        "--tensor-model-parallel-size",
+        "2",
+        "--world-size",
+        "2",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "40",
+        "--lr",
+        "3e-3",
+        "--synthetic-documents",
+        "600",
+        "--log-interval",
+        "10",
+        "--eval-interval",
+        "20",
+        "--eval-iters",
+        "2",
+        "--no-progress",
+        "--loss-plot",
+        plot.to_str().unwrap(),
+    ];
+    argv.extend_from_slice(extra);
+    argv.into_iter().map(String::from).collect()
+}
+
+/// [`argv`], parsed.
+pub fn args(extra: &[&str], dir: &std::path::Path) -> Args {
+    Args::try_parse_from(argv(extra, dir)).unwrap()
+}
+
+/// Two runs that must agree bit for bit: the same iterations with the same learning rate,
+/// losses and grad norm.
+pub fn assert_same_iterations(a: &[IterationLog], b: &[IterationLog]) {
+    assert_eq!(a.len(), b.len(), "iteration counts differ");
+    for (x, y) in a.iter().zip(b) {
+        let at = format!("iteration {}", x.iteration);
+        assert_eq!((x.iteration, x.lr), (y.iteration, y.lr), "{at}");
+        assert_eq!((x.lm_loss, x.sop_loss), (y.lm_loss, y.sop_loss), "{at}");
+        assert_eq!(x.grad_norm, y.grad_norm, "{at}");
+    }
+}

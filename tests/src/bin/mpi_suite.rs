@@ -1,0 +1,242 @@
+//! The collective suite on the MPI backend, one process per rank. Run under mpirun by
+//! `tests/tests/mpi.rs`; by hand:
+//!
+//! ```text
+//! mpirun -np 4 target/debug/mpi_suite collectives
+//! ```
+//!
+//! Cases:
+//! - `collectives`: every op and dtype on the world and on subgroups, each result checked
+//!   bit for bit against the local backend (threads in this process, same inputs) and the
+//!   integer sums against their closed form; two groups driven from two threads at once.
+//! - `mismatch`: rank 0 calls all_reduce while the others call all_gather on group "tp".
+//! - `early-exit`: the last rank returns at once while the others all-reduce on "dp".
+
+use burn_megatron::comm::{
+    Buffer, Comm, CommDType, CommError, CommunicatorExt, LocalWorld, ReduceOp, World,
+};
+use burn_megatron::launch::{DistributedBackend, LaunchOptions, from_env};
+use burn_megatron::topology::ParallelConfig;
+use half::{bf16, f16};
+use std::sync::Arc;
+use std::time::Duration;
+
+const DTYPES: [CommDType; 5] = [
+    CommDType::F32,
+    CommDType::F16,
+    CommDType::BF16,
+    CommDType::I32,
+    CommDType::I64,
+];
+const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+
+/// `len` values of rank `r` in `dtype`: fractions whose sums round differently in each
+/// order, so a result reduced in another order than the local backend's shows.
+fn values(dtype: CommDType, r: usize, len: usize, salt: usize) -> Buffer {
+    let x = |i: usize| ((r * 7 + i * 3 + salt) % 11) as f64 * 0.37 - 1.3 + r as f64 * 0.011;
+    let n = |i: usize| ((r * 7 + i * 3 + salt) % 11) as i64 - 4;
+    match dtype {
+        CommDType::F32 => Buffer::from((0..len).map(|i| x(i) as f32).collect::<Vec<_>>()),
+        CommDType::F16 => Buffer::from((0..len).map(|i| f16::from_f64(x(i))).collect::<Vec<_>>()),
+        CommDType::BF16 => Buffer::from((0..len).map(|i| bf16::from_f64(x(i))).collect::<Vec<_>>()),
+        CommDType::I32 => Buffer::from((0..len).map(|i| n(i) as i32).collect::<Vec<_>>()),
+        CommDType::I64 => Buffer::from((0..len).map(n).collect::<Vec<_>>()),
+    }
+}
+
+/// Element bits, so that the comparison is exact (and -0.0 differs from 0.0).
+fn bits(b: &Buffer) -> Vec<u64> {
+    match b {
+        Buffer::F32(v) => v.iter().map(|x| u64::from(x.to_bits())).collect(),
+        Buffer::F16(v) => v.iter().map(|x| u64::from(x.to_bits())).collect(),
+        Buffer::BF16(v) => v.iter().map(|x| u64::from(x.to_bits())).collect(),
+        Buffer::I32(v) => v.iter().map(|&x| x as u32 as u64).collect(),
+        Buffer::I64(v) => v.iter().map(|&x| x as u64).collect(),
+    }
+}
+
+type Results = Vec<(String, Buffer)>;
+
+/// Every collective this rank takes part in, on groups made by `world`, with named results.
+fn suite(world: &dyn World, rank: usize) -> Result<Results, CommError> {
+    let n = world.size();
+    let mut out = Vec::new();
+    let all = world.new_group("all", (0..n).collect(), rank)?;
+    // Every second rank, in reverse order (group index ≠ global rank).
+    let evens: Vec<usize> = (0..n).filter(|r| r % 2 == 0).rev().collect();
+    let sub = evens
+        .contains(&rank)
+        .then(|| world.new_group("evens", evens.clone(), rank))
+        .transpose()?;
+    for (name, comm) in [("all", Some(&all)), ("evens", sub.as_ref())] {
+        let Some(comm) = comm else { continue };
+        let (g, me) = (comm.group().size(), comm.group().rank());
+        for dtype in DTYPES {
+            for op in OPS {
+                // 7 elements: uneven chunks over 2, 3 and 4 ranks.
+                let mut buf = values(dtype, rank, 7, 0);
+                comm.all_reduce(&mut buf, op)?;
+                out.push((format!("{name} all_reduce {op} {dtype}"), buf));
+                let input = values(dtype, rank, 3 * g, 1);
+                let part = comm.reduce_scatter(input, op)?;
+                out.push((format!("{name} reduce_scatter {op} {dtype}"), part));
+            }
+            let gathered = comm.all_gather(values(dtype, rank, 5, 2))?;
+            out.push((format!("{name} all_gather {dtype}"), gathered));
+            for root in 0..g {
+                let mut buf = values(dtype, rank, 4, 3);
+                comm.broadcast(&mut buf, root)?;
+                out.push((format!("{name} broadcast root {root} {dtype}"), buf));
+            }
+            let (next, prev) = ((me + 1) % g, (me + g - 1) % g);
+            for step in 0..3 {
+                let mut got = Buffer::zeros(dtype, 6);
+                comm.send_recv(values(dtype, rank, 6, step), next, &mut got, prev)?;
+                out.push((format!("{name} send_recv step {step} {dtype}"), got));
+            }
+            comm.barrier()?;
+        }
+        // Empty buffers and a group of one rank are fine too.
+        let mut empty = Buffer::zeros(CommDType::F32, 0);
+        comm.all_reduce(&mut empty, ReduceOp::Sum)?;
+        out.push((format!("{name} empty all_reduce"), empty));
+    }
+    let solo = world.new_group("solo", vec![rank], rank)?;
+    let mut one = values(CommDType::BF16, rank, 3, 4);
+    solo.all_reduce(&mut one, ReduceOp::Avg)?;
+    out.push(("solo all_reduce".into(), one));
+    Ok(out)
+}
+
+/// The same suite on the local backend: one thread per rank.
+fn local_reference(n: usize) -> Vec<Results> {
+    let world = LocalWorld::new(n);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let world = world.clone();
+            std::thread::spawn(move || suite(&world, rank).expect("local suite"))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Two groups with the same members, each driven by its own thread, many calls each: every
+/// result must be its own group's.
+fn concurrent_groups(world: &dyn World, rank: usize) -> Result<(), String> {
+    let n = world.size();
+    let a = world
+        .new_group("a", (0..n).collect(), rank)
+        .map_err(|e| e.to_string())?;
+    let b = world
+        .new_group("b", (0..n).collect(), rank)
+        .map_err(|e| e.to_string())?;
+    let drive = |comm: Comm, base: i64| {
+        std::thread::spawn(move || {
+            for i in 0..100i64 {
+                let mut v = vec![base + i + rank as i64];
+                comm.all_reduce_vec(&mut v, ReduceOp::Sum)
+                    .map_err(|e| e.to_string())?;
+                let want = n as i64 * (base + i) + (n * (n - 1) / 2) as i64;
+                if v[0] != want {
+                    return Err(format!(
+                        "call {i} of base {base}: {} instead of {want}",
+                        v[0]
+                    ));
+                }
+            }
+            Ok(())
+        })
+    };
+    let (ta, tb) = (drive(a, 0), drive(b, 1_000_000));
+    ta.join().expect("group a's thread")?;
+    tb.join().expect("group b's thread")
+}
+
+fn collectives(world: &dyn World, rank: usize) -> Result<(), String> {
+    let n = world.size();
+    let mine = suite(world, rank).map_err(|e| e.to_string())?;
+    let reference = local_reference(n).swap_remove(rank);
+    if mine.len() != reference.len() {
+        return Err(format!(
+            "{} results, the local backend has {}",
+            mine.len(),
+            reference.len()
+        ));
+    }
+    for ((name, got), (ref_name, want)) in mine.iter().zip(&reference) {
+        assert_eq!(name, ref_name);
+        if got.dtype() != want.dtype() || bits(got) != bits(want) {
+            return Err(format!("{name}: {got:?}, the local backend gives {want:?}"));
+        }
+    }
+    // An independent check of the integer sums: Σ_r values(r).
+    let sum = |i: usize| {
+        (0..n)
+            .map(|r| ((r * 7 + i * 3) % 11) as i64 - 4)
+            .sum::<i64>()
+    };
+    let want: Vec<i64> = (0..7).map(sum).collect();
+    let got = &mine
+        .iter()
+        .find(|(k, _)| k == "all all_reduce sum i64")
+        .expect("in the suite")
+        .1;
+    if *got != Buffer::from(want.clone()) {
+        return Err(format!("sum of i64: {got:?} instead of {want:?}"));
+    }
+    concurrent_groups(world, rank)?;
+    println!(
+        "rank {rank}: {} results equal the local backend's",
+        mine.len()
+    );
+    Ok(())
+}
+
+fn main() {
+    let case = std::env::args().nth(1).unwrap_or_default();
+    let timeout = std::env::var("MPI_SUITE_TIMEOUT_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::from_secs(60), Duration::from_secs);
+    let n: usize = std::env::var("OMPI_COMM_WORLD_SIZE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let options = LaunchOptions::default()
+        .with_backend(DistributedBackend::Mpi)
+        .with_timeout(timeout);
+    let result = from_env(&ParallelConfig::new(n, 1, 1), options, |ctx| {
+        let rank = ctx.state.global_rank();
+        let world: Arc<dyn World> = ctx.world.clone();
+        match case.as_str() {
+            "collectives" => collectives(world.as_ref(), rank),
+            "mismatch" => {
+                let tp = world
+                    .new_group("tp", (0..n).collect(), rank)
+                    .map_err(|e| e.to_string())?;
+                let result = if rank == 0 {
+                    tp.all_reduce(&mut Buffer::zeros(CommDType::F32, 4), ReduceOp::Sum)
+                } else {
+                    tp.all_gather(Buffer::zeros(CommDType::F32, 4)).map(|_| ())
+                };
+                result.map_err(|e| e.to_string())
+            }
+            "early-exit" => {
+                if rank == n - 1 {
+                    return Ok(());
+                }
+                let dp = ctx.groups.dp.clone();
+                let mut buf = Buffer::zeros(CommDType::F32, 4);
+                dp.all_reduce(&mut buf, ReduceOp::Sum)
+                    .map_err(|e| e.to_string())
+            }
+            other => Err(format!(
+                "unknown case {other:?}: collectives, mismatch, early-exit"
+            )),
+        }
+    });
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,80 @@
+//! The MPI backend under `mpirun`, one process per rank: the collective suite at 2, 3 and 4
+//! processes, and the failures that must end the whole job quickly with a message naming
+//! the group and the op. Compiled with the `mpi` feature only; it then needs `mpirun`.
+#![cfg(feature = "mpi")]
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+/// `mpirun -np n mpi_suite case`, as root too, with more processes than cores allowed.
+fn mpirun(n: usize, case: &str, timeout_s: u64) -> (Output, Duration) {
+    let start = Instant::now();
+    let out = Command::new("mpirun")
+        .args(["-np", &n.to_string(), env!("CARGO_BIN_EXE_mpi_suite"), case])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .env("MPI_SUITE_TIMEOUT_S", timeout_s.to_string())
+        .output()
+        .expect("mpirun runs (Debian: openmpi-bin)");
+    (out, start.elapsed())
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_op_and_dtype_equals_the_local_backend_at_2_3_and_4_processes() {
+    for n in [2, 3, 4] {
+        let (out, _) = mpirun(n, "collectives", 60);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "np {n}: {stdout}\n{stderr}");
+        for rank in 0..n {
+            assert!(
+                stdout.contains(&format!("rank {rank}: "))
+                    && stdout.contains("equal the local backend's"),
+                "np {n}, rank {rank} did not report: {stdout}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_mismatched_collective_ends_the_job_naming_group_and_op() {
+    let (out, took) = mpirun(3, "mismatch", 60);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(
+        stderr.contains("collective mismatch on group 'tp' [0, 1, 2]"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("global rank 0: all_reduce(sum, f32 × 4)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("global rank 1: all_gather(f32 × 4)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_rank_that_exits_early_ends_the_job_naming_group_op_and_rank() {
+    let (out, took) = mpirun(3, "early-exit", 3);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(
+        stderr.contains("all_reduce #0 on group 'dp' [0, 1, 2] timed out"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("global rank(s) [2] did not take part"),
+        "{stderr}"
+    );
+}
