@@ -162,6 +162,26 @@ pub(crate) fn reduce_range(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp
     }
 }
 
+/// Reduces the `parts` equal, consecutive pieces of `buf` into one piece, folding them in
+/// order (what a byte-moving backend receives from the members of a group, in group order).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+pub(crate) fn reduce_pieces(buf: &Buffer, parts: usize, op: ReduceOp) -> Buffer {
+    let m = buf.len() / parts;
+    macro_rules! go {
+        ($variant:ident, $v:expr) => {{
+            let slices: Vec<_> = (0..parts).map(|i| &$v[i * m..(i + 1) * m]).collect();
+            Buffer::$variant(reduce_slices(&slices, 0..m, op))
+        }};
+    }
+    match buf {
+        Buffer::F32(v) => go!(F32, v),
+        Buffer::F16(v) => go!(F16, v),
+        Buffer::BF16(v) => go!(BF16, v),
+        Buffer::I32(v) => go!(I32, v),
+        Buffer::I64(v) => go!(I64, v),
+    }
+}
+
 /// The element range of chunk `index` when `len` elements are split into `parts` chunks
 /// whose sizes differ by at most one (the first `len % parts` chunks are one longer).
 pub(crate) fn chunk_range(len: usize, parts: usize, index: usize) -> Range<usize> {

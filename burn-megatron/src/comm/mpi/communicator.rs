@@ -1,245 +1,23 @@
-//! The `mpi` backend: one process per rank, over MPI (the `mpi` crate, rsmpi).
-//!
-//! Data moves as bytes and reductions run on the host with the local backend's code, in
-//! group order: an all-reduce is an all-to-all of chunks, each member folding its chunk over
-//! the members in order, then an all-gather of the folded chunks (the bytes a ring moves).
-//! So results are bit-identical to a threaded run of the same layout, and the same on every
-//! rank, for every dtype (halves folded in f32 and rounded once).
-//!
-//! MPI calls have no deadline, so every call here is non-blocking and polled against the
-//! communicator's timeout. Before each collective the members swap a small header (op, dtype,
-//! count, reduction, root, call number) point to point: a mismatch is an error on every
-//! member, as in the local backend, and a rank that never arrives is named. A timeout cannot
-//! be recovered from (a started MPI collective cannot be cancelled), so it is printed, naming
-//! the group, the op and the missing ranks, and the job ends with `MPI_Abort`.
+//! One process's communicator on one group: header-checked collectives over byte moves,
+//! folded on the host in group order, and non-blocking point-to-point messages.
 
-use super::buffer::{Buffer, CommDType};
-use super::group::{CommError, OpDesc, ProcessGroup};
-use super::reduce::{ReduceOp, chunk_range, reduce_range};
-use super::{Comm, Communicator, World};
+use super::header::{DTYPES, HEADER, code, data_desc, decode, describe, encode};
+use super::{Backoff, Inner, Raw, lock};
+use crate::comm::Communicator;
+use crate::comm::buffer::{Buffer, CommDType};
+use crate::comm::group::{CommError, OpDesc, ProcessGroup};
+use crate::comm::reduce::{ReduceOp, chunk_range, reduce_pieces};
 use mpi::datatype::{Partition, PartitionMut};
-use mpi::environment::Universe;
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::request::{Request, Scope, scope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const HEADER_TAG: i32 = 1;
 const P2P_TAG: i32 = 2;
-/// op, dtype, count, reduction, root, call number.
-const HEADER: usize = 6;
-/// The exit status of a job this backend aborts.
-pub const ABORT_CODE: i32 = 3;
-
-/// MPI handles are raw pointers in Open MPI. SAFETY: MPI is initialised with
-/// `MPI_THREAD_MULTIPLE` (checked by [`MpiWorld::init`]), so any thread may call it; calls on
-/// one communicator are serialised by its locks, as MPI requires of collectives.
-struct Raw<T>(T);
-unsafe impl<T> Send for Raw<T> {}
-unsafe impl<T> Sync for Raw<T> {}
-
-struct Inner {
-    world: Raw<SimpleCommunicator>,
-    rank: usize,
-    size: usize,
-    timeout: Duration,
-    /// Dropping it is MPI_Finalize: at [`MpiWorld::finalize`], or once the world and every
-    /// communicator (they hold this) are gone.
-    universe: Mutex<Option<Raw<Universe>>>,
-}
-
-impl Inner {
-    fn fatal(&self, reason: &dyn std::fmt::Display) -> ! {
-        eprintln!(
-            "burn-megatron: global rank {}: {reason}; aborting the MPI job",
-            self.rank
-        );
-        self.world.0.abort(ABORT_CODE)
-    }
-}
-
-/// This process's place in an MPI job: makes one communicator per group.
-///
-/// ```no_run
-/// use burn_megatron::comm::{CommunicatorExt, MpiWorld, ReduceOp, World};
-/// // Under `mpirun -np 2`:
-/// let world = MpiWorld::init(std::time::Duration::from_secs(60)).unwrap();
-/// let all = world.new_group("world", vec![0, 1], world.rank()).unwrap();
-/// let mut v = vec![world.rank() as i64];
-/// all.all_reduce_vec(&mut v, ReduceOp::Sum).unwrap();
-/// assert_eq!(v, vec![1]);
-/// ```
-#[derive(Clone)]
-pub struct MpiWorld {
-    inner: Arc<Inner>,
-}
-
-impl std::fmt::Debug for MpiWorld {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MpiWorld")
-            .field("rank", &self.inner.rank)
-            .field("size", &self.inner.size)
-            .field("timeout", &self.inner.timeout)
-            .finish()
-    }
-}
-
-fn setup_error(reason: impl Into<String>) -> CommError {
-    CommError::InvalidArgument {
-        group: "MPI_COMM_WORLD".into(),
-        op: "init",
-        reason: reason.into(),
-    }
-}
-
-impl MpiWorld {
-    /// Initialises MPI for this process, with `MPI_THREAD_MULTIPLE` (overlapped gradient
-    /// reductions call it from a worker thread). MPI is finalised when the world and every
-    /// communicator made from it are dropped. Once per process.
-    pub fn init(timeout: Duration) -> Result<Self, CommError> {
-        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-            .ok_or_else(|| setup_error("MPI is already initialised in this process"))?;
-        if threading != mpi::Threading::Multiple {
-            return Err(setup_error(format!(
-                "the MPI library provides {threading:?} threading; burn-megatron needs \
-                 MPI_THREAD_MULTIPLE"
-            )));
-        }
-        let world = universe.world();
-        let (rank, size) = (world.rank() as usize, world.size() as usize);
-        Ok(Self {
-            inner: Arc::new(Inner {
-                world: Raw(world),
-                rank,
-                size,
-                timeout,
-                universe: Mutex::new(Some(Raw(universe))),
-            }),
-        })
-    }
-
-    /// This process's rank in `MPI_COMM_WORLD`.
-    pub fn rank(&self) -> usize {
-        self.inner.rank
-    }
-
-    /// Ends this process's part in the job: a bounded barrier (so nobody waits in
-    /// `MPI_Finalize` for a rank that is still working), then `MPI_Finalize`. Communicators
-    /// still alive afterwards (a model kept by the caller) must not be used again; dropping
-    /// them is harmless. Called by [`from_env`](crate::launch::from_env) once the closure
-    /// returns.
-    pub fn finalize(&self) {
-        self.barrier();
-        drop(lock(&self.inner.universe).take());
-    }
-
-    /// Prints `reason` with this rank and ends the whole job (`MPI_Abort`).
-    pub fn abort(&self, reason: &dyn std::fmt::Display) -> ! {
-        self.inner.fatal(reason)
-    }
-
-    /// Waits, at most the timeout, until every process of the job has called this: after
-    /// it, every process takes part in what follows (group creation, which MPI cannot
-    /// bound, comes after one). A straggler ends the job.
-    pub fn barrier(&self) {
-        let start = Instant::now();
-        let mut request = self.inner.world.0.immediate_barrier();
-        let mut backoff = Backoff::default();
-        loop {
-            match request.test() {
-                Ok(_) => return,
-                Err(r) => request = r,
-            }
-            if start.elapsed() >= self.inner.timeout {
-                self.inner.fatal(&CommError::Timeout {
-                    group: format!("'world' [0..{}]", self.inner.size),
-                    op: "barrier",
-                    seq: 0,
-                    waited: start.elapsed(),
-                    missing: (0..self.inner.size)
-                        .filter(|&r| r != self.inner.rank)
-                        .collect(),
-                });
-            }
-            backoff.snooze();
-        }
-    }
-}
-
-impl World for MpiWorld {
-    fn size(&self) -> usize {
-        self.inner.size
-    }
-
-    fn timeout(&self) -> Duration {
-        self.inner.timeout
-    }
-
-    /// `MPI_Comm_create_group` over `ranks`, in group order: collective over the members only.
-    fn new_group(
-        &self,
-        name: &str,
-        ranks: Vec<usize>,
-        global_rank: usize,
-    ) -> Result<Comm, CommError> {
-        let group = ProcessGroup::new(name, ranks, global_rank)?;
-        let invalid = |reason: String| CommError::InvalidArgument {
-            group: group.to_string(),
-            op: "new_group",
-            reason,
-        };
-        if global_rank != self.inner.rank {
-            return Err(invalid(format!(
-                "this process is MPI rank {}, not {global_rank}",
-                self.inner.rank
-            )));
-        }
-        if let Some(&bad) = group.ranks().iter().find(|&&r| r >= self.inner.size) {
-            return Err(invalid(format!(
-                "rank {bad} is outside the MPI world of {}",
-                self.inner.size
-            )));
-        }
-        let members: Vec<i32> = group.ranks().iter().map(|&r| r as i32).collect();
-        let world = &self.inner.world.0;
-        let subgroup = world.group().include(&members);
-        // The tag only tells apart creations running at once in one process.
-        let tag = name
-            .bytes()
-            .fold(7i32, |h, b| (h * 31 + i32::from(b)) & 0x3fff);
-        let comm = world
-            .split_by_subgroup_with_tag(&subgroup, tag)
-            .ok_or_else(|| invalid("MPI_Comm_create_group gave no communicator".into()))?;
-        Ok(Arc::new(MpiCommunicator {
-            comm: std::mem::ManuallyDrop::new(Raw(comm)),
-            label: group.to_string(),
-            group,
-            ops: Mutex::new(OpState::default()),
-            sends: Mutex::new(Vec::new()),
-            world: self.inner.clone(),
-        }))
-    }
-}
-
-/// Polling with backing off: spins briefly, then sleeps up to 1 ms so that oversubscribed
-/// ranks (4 processes on 2 cores) leave the cores to the ones with work.
-#[derive(Default)]
-struct Backoff(u32);
-
-impl Backoff {
-    fn snooze(&mut self) {
-        self.0 += 1;
-        if self.0 < 64 {
-            std::thread::yield_now();
-        } else {
-            let us = (self.0 - 63).min(1000);
-            std::thread::sleep(Duration::from_micros(u64::from(us)));
-        }
-    }
-}
 
 #[derive(Default)]
 struct OpState {
@@ -275,71 +53,18 @@ impl std::fmt::Debug for MpiCommunicator {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-const OPS: [&str; 5] = [
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "barrier",
-];
-const DTYPES: [CommDType; 5] = [
-    CommDType::F32,
-    CommDType::F16,
-    CommDType::BF16,
-    CommDType::I32,
-    CommDType::I64,
-];
-const REDUCTIONS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
-
-fn code<T: PartialEq>(table: &[T], value: Option<&T>) -> i64 {
-    value.map_or(-1, |v| {
-        table.iter().position(|t| t == v).expect("in the table") as i64
-    })
-}
-
-fn decode<T: Copy>(table: &[T], code: i64) -> Option<T> {
-    usize::try_from(code)
-        .ok()
-        .and_then(|i| table.get(i).copied())
-}
-
-fn encode(desc: &OpDesc, seq: u64) -> [i64; HEADER] {
-    [
-        code(&OPS, Some(&desc.op)),
-        code(&DTYPES, desc.dtype.as_ref()),
-        desc.len as i64,
-        code(&REDUCTIONS, desc.reduce.as_ref()),
-        desc.root.map_or(-1, |r| r as i64),
-        seq as i64,
-    ]
-}
-
-fn describe(h: &[i64; HEADER]) -> String {
-    let desc = OpDesc {
-        op: decode(&OPS, h[0]).unwrap_or("?"),
-        dtype: decode(&DTYPES, h[1]),
-        len: h[2].max(0) as usize,
-        reduce: decode(&REDUCTIONS, h[3]),
-        root: usize::try_from(h[4]).ok(),
-    };
-    format!("{desc} as call #{}", h[5])
-}
-
-fn data_desc(op: &'static str, buf: &Buffer) -> OpDesc {
-    OpDesc {
-        op,
-        dtype: Some(buf.dtype()),
-        len: buf.len(),
-        reduce: None,
-        root: None,
-    }
-}
-
 impl MpiCommunicator {
+    pub(crate) fn new(comm: SimpleCommunicator, group: ProcessGroup, world: Arc<Inner>) -> Self {
+        Self {
+            comm: std::mem::ManuallyDrop::new(Raw(comm)),
+            label: group.to_string(),
+            group,
+            ops: Mutex::new(OpState::default()),
+            sends: Mutex::new(Vec::new()),
+            world,
+        }
+    }
+
     fn invalid(&self, op: &'static str, reason: String) -> CommError {
         CommError::InvalidArgument {
             group: self.label.clone(),
@@ -526,14 +251,6 @@ impl MpiCommunicator {
         Ok(pieces)
     }
 
-    /// Folds member `i`'s piece (elements `[i·m, (i+1)·m)` of `pieces`) in member order.
-    fn fold(&self, pieces: &Buffer, m: usize, op: ReduceOp) -> Buffer {
-        let parts: Vec<Buffer> = (0..self.group.size())
-            .map(|i| pieces.slice(i * m..(i + 1) * m))
-            .collect();
-        reduce_range(&parts.iter().collect::<Vec<_>>(), 0..m, op)
-    }
-
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {
         if peer >= self.group.size() {
             return Err(self.invalid(
@@ -646,7 +363,7 @@ impl Communicator for MpiCommunicator {
         let (n, me, len) = (self.group.size(), self.group.rank(), buf.len());
         let m = chunk_range(len, n, me).len();
         let pieces = self.all_to_all("all_reduce", seq, buf, m)?;
-        let mine = self.fold(&pieces, m, op);
+        let mine = reduce_pieces(&pieces, self.group.size(), op);
         let (counts, displs) = self.chunk_bytes("all_reduce", len, buf.dtype().size())?;
         let start = Instant::now();
         let mut out = PartitionMut::new(buf.bytes_mut(), counts, displs);
@@ -696,7 +413,7 @@ impl Communicator for MpiCommunicator {
         let seq = self.agree(&mut state, desc)?;
         let m = input.len() / n;
         let pieces = self.all_to_all("reduce_scatter", seq, &input, m)?;
-        Ok(self.fold(&pieces, m, op))
+        Ok(reduce_pieces(&pieces, n, op))
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {

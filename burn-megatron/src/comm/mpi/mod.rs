@@ -1,0 +1,238 @@
+//! The `mpi` backend: one process per rank, over MPI (the `mpi` crate, rsmpi).
+//!
+//! Data moves as bytes and reductions run on the host with the local backend's code, in
+//! group order: an all-reduce is an all-to-all of chunks, each member folding its chunk over
+//! the members in order, then an all-gather of the folded chunks (the bytes a ring moves).
+//! So results are bit-identical to a threaded run of the same layout, and the same on every
+//! rank, for every dtype (halves folded in f32 and rounded once).
+//!
+//! MPI calls have no deadline, so every call here is non-blocking and polled against the
+//! communicator's timeout. Before each collective the members swap a small header (op, dtype,
+//! count, reduction, root, call number) point to point: a mismatch is an error on every
+//! member, as in the local backend, and a rank that never arrives is named. A timeout cannot
+//! be recovered from (a started MPI collective cannot be cancelled), so it is printed, naming
+//! the group, the op and the missing ranks, and the job ends with `MPI_Abort`.
+
+mod communicator;
+mod header;
+
+pub use communicator::MpiCommunicator;
+
+use super::group::{CommError, ProcessGroup};
+use super::{Comm, World};
+use mpi::environment::Universe;
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use mpi::traits::*;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+/// The exit status of a job this backend aborts.
+pub const ABORT_CODE: i32 = 3;
+
+/// MPI handles are raw pointers in Open MPI. SAFETY: MPI is initialised with
+/// `MPI_THREAD_MULTIPLE` (checked by [`MpiWorld::init`]), so any thread may call it; calls on
+/// one communicator are serialised by its locks, as MPI requires of collectives.
+pub(crate) struct Raw<T>(pub(crate) T);
+unsafe impl<T> Send for Raw<T> {}
+unsafe impl<T> Sync for Raw<T> {}
+
+pub(crate) struct Inner {
+    world: Raw<SimpleCommunicator>,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    /// Dropping it is MPI_Finalize: at [`MpiWorld::finalize`], or once the world and every
+    /// communicator (they hold this) are gone.
+    universe: Mutex<Option<Raw<Universe>>>,
+}
+
+impl Inner {
+    pub(crate) fn fatal(&self, reason: &dyn std::fmt::Display) -> ! {
+        eprintln!(
+            "burn-megatron: global rank {}: {reason}; aborting the MPI job",
+            self.rank
+        );
+        self.world.0.abort(ABORT_CODE)
+    }
+}
+
+/// This process's place in an MPI job: makes one communicator per group.
+///
+/// ```no_run
+/// use burn_megatron::comm::{CommunicatorExt, MpiWorld, ReduceOp, World};
+/// // Under `mpirun -np 2`:
+/// let world = MpiWorld::init(std::time::Duration::from_secs(60)).unwrap();
+/// let all = world.new_group("world", vec![0, 1], world.rank()).unwrap();
+/// let mut v = vec![world.rank() as i64];
+/// all.all_reduce_vec(&mut v, ReduceOp::Sum).unwrap();
+/// assert_eq!(v, vec![1]);
+/// ```
+#[derive(Clone)]
+pub struct MpiWorld {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MpiWorld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiWorld")
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.size)
+            .field("timeout", &self.inner.timeout)
+            .finish()
+    }
+}
+
+fn setup_error(reason: impl Into<String>) -> CommError {
+    CommError::InvalidArgument {
+        group: "MPI_COMM_WORLD".into(),
+        op: "init",
+        reason: reason.into(),
+    }
+}
+
+impl MpiWorld {
+    /// Initialises MPI for this process, with `MPI_THREAD_MULTIPLE` (overlapped gradient
+    /// reductions call it from a worker thread). MPI is finalised when the world and every
+    /// communicator made from it are dropped. Once per process.
+    pub fn init(timeout: Duration) -> Result<Self, CommError> {
+        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+            .ok_or_else(|| setup_error("MPI is already initialised in this process"))?;
+        if threading != mpi::Threading::Multiple {
+            return Err(setup_error(format!(
+                "the MPI library provides {threading:?} threading; burn-megatron needs \
+                 MPI_THREAD_MULTIPLE"
+            )));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                world: Raw(world),
+                rank,
+                size,
+                timeout,
+                universe: Mutex::new(Some(Raw(universe))),
+            }),
+        })
+    }
+
+    /// This process's rank in `MPI_COMM_WORLD`.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Ends this process's part in the job: a bounded barrier (so nobody waits in
+    /// `MPI_Finalize` for a rank that is still working), then `MPI_Finalize`. Communicators
+    /// still alive afterwards (a model kept by the caller) must not be used again; dropping
+    /// them is harmless. Called by [`from_env`](crate::launch::from_env) once the closure
+    /// returns.
+    pub fn finalize(&self) {
+        self.barrier();
+        drop(lock(&self.inner.universe).take());
+    }
+
+    /// Prints `reason` with this rank and ends the whole job (`MPI_Abort`).
+    pub fn abort(&self, reason: &dyn std::fmt::Display) -> ! {
+        self.inner.fatal(reason)
+    }
+
+    /// Waits, at most the timeout, until every process of the job has called this: after
+    /// it, every process takes part in what follows (group creation, which MPI cannot
+    /// bound, comes after one). A straggler ends the job.
+    pub fn barrier(&self) {
+        let start = Instant::now();
+        let mut request = self.inner.world.0.immediate_barrier();
+        let mut backoff = Backoff::default();
+        loop {
+            match request.test() {
+                Ok(_) => return,
+                Err(r) => request = r,
+            }
+            if start.elapsed() >= self.inner.timeout {
+                self.inner.fatal(&CommError::Timeout {
+                    group: format!("'world' [0..{}]", self.inner.size),
+                    op: "barrier",
+                    seq: 0,
+                    waited: start.elapsed(),
+                    missing: (0..self.inner.size)
+                        .filter(|&r| r != self.inner.rank)
+                        .collect(),
+                });
+            }
+            backoff.snooze();
+        }
+    }
+}
+
+impl World for MpiWorld {
+    fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// `MPI_Comm_create_group` over `ranks`, in group order: collective over the members only.
+    fn new_group(
+        &self,
+        name: &str,
+        ranks: Vec<usize>,
+        global_rank: usize,
+    ) -> Result<Comm, CommError> {
+        let group = ProcessGroup::new(name, ranks, global_rank)?;
+        let invalid = |reason: String| CommError::InvalidArgument {
+            group: group.to_string(),
+            op: "new_group",
+            reason,
+        };
+        if global_rank != self.inner.rank {
+            return Err(invalid(format!(
+                "this process is MPI rank {}, not {global_rank}",
+                self.inner.rank
+            )));
+        }
+        if let Some(&bad) = group.ranks().iter().find(|&&r| r >= self.inner.size) {
+            return Err(invalid(format!(
+                "rank {bad} is outside the MPI world of {}",
+                self.inner.size
+            )));
+        }
+        let members: Vec<i32> = group.ranks().iter().map(|&r| r as i32).collect();
+        let world = &self.inner.world.0;
+        let subgroup = world.group().include(&members);
+        // The tag only tells apart creations running at once in one process.
+        let tag = name
+            .bytes()
+            .fold(7i32, |h, b| (h * 31 + i32::from(b)) & 0x3fff);
+        let comm = world
+            .split_by_subgroup_with_tag(&subgroup, tag)
+            .ok_or_else(|| invalid("MPI_Comm_create_group gave no communicator".into()))?;
+        Ok(Arc::new(MpiCommunicator::new(
+            comm,
+            group,
+            self.inner.clone(),
+        )))
+    }
+}
+
+/// Polling with backing off: spins briefly, then sleeps up to 1 ms so that oversubscribed
+/// ranks (4 processes on 2 cores) leave the cores to the ones with work.
+#[derive(Default)]
+pub(crate) struct Backoff(u32);
+
+impl Backoff {
+    pub(crate) fn snooze(&mut self) {
+        self.0 += 1;
+        if self.0 < 64 {
+            std::thread::yield_now();
+        } else {
+            let us = (self.0 - 63).min(1000);
+            std::thread::sleep(Duration::from_micros(u64::from(us)));
+        }
+    }
+}
+
+/// Locks a mutex, ignoring poisoning: nothing panics while holding these locks.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
