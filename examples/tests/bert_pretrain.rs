@@ -4,7 +4,7 @@
 mod common;
 
 use burn_megatron_examples::pretrain::{IterationLog, Summary, run};
-use common::{args, assert_same_iterations, tmp};
+use common::{args, assert_same_iterations, binary, tmp};
 
 /// Six iterations at TP 2 × DP 2, no evaluation: for comparing two runs step by step.
 const SHORT_TP2_DP2: [&str; 6] = [
@@ -447,19 +447,7 @@ fn bad_pipeline_flags_are_rejected_with_clear_messages() {
 /// before any training output.
 #[test]
 fn the_binary_exits_nonzero_on_bad_arguments() {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("bert_pretrain");
-    assert!(
-        bin.is_file(),
-        "{} not built: run `cargo test --workspace` or `-p burn-megatron-examples`, which build examples",
-        bin.display()
-    );
+    let bin = binary();
     let out = std::process::Command::new(&bin)
         .args([
             "--num-attention-heads",

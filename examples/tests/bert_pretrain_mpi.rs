@@ -6,23 +6,9 @@
 mod common;
 
 use burn_megatron_examples::pretrain::{read_log_json, run};
-use common::{args, argv, assert_same_iterations, tmp};
-use std::path::{Path, PathBuf};
+use common::{args, argv, assert_same_iterations, binary, tmp};
+use std::path::Path;
 use std::process::{Command, Output};
-
-/// The example binary, built by `cargo test` with this crate's features.
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("bert_pretrain");
-    assert!(bin.is_file(), "{} not built", bin.display());
-    bin
-}
 
 /// The launchers' variables: none may leak into a run from the test's own environment.
 const LAUNCH_VARS: [&str; 12] = [

@@ -162,6 +162,37 @@ pub(crate) struct OpDesc {
     pub(crate) root: Option<usize>,
 }
 
+impl OpDesc {
+    /// A call `op` moving `buf` (no reduction, no root).
+    pub(crate) fn data(op: &'static str, buf: &super::Buffer) -> Self {
+        Self {
+            op,
+            dtype: Some(buf.dtype()),
+            len: buf.len(),
+            reduce: None,
+            root: None,
+        }
+    }
+
+    /// A call of `op` on `group` splitting `len` elements evenly over its members: the chunk
+    /// length, or the error every backend gives.
+    pub(crate) fn even_split(
+        group: &ProcessGroup,
+        op: &'static str,
+        len: usize,
+    ) -> Result<usize, CommError> {
+        let n = group.size();
+        if !len.is_multiple_of(n) {
+            return Err(CommError::InvalidArgument {
+                group: group.to_string(),
+                op,
+                reason: format!("{len} elements do not split evenly over {n} ranks"),
+            });
+        }
+        Ok(len / n)
+    }
+}
+
 impl std::fmt::Display for OpDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}(", self.op)?;

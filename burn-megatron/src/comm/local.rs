@@ -368,16 +368,6 @@ fn missing_members(descs: Option<&Vec<Option<OpDesc>>>, n: usize) -> Vec<usize> 
     }
 }
 
-fn data_desc(op: &'static str, buf: &Buffer) -> OpDesc {
-    OpDesc {
-        op,
-        dtype: Some(buf.dtype()),
-        len: buf.len(),
-        reduce: None,
-        root: None,
-    }
-}
-
 fn present(inputs: &[Option<Arc<Buffer>>]) -> Vec<&Buffer> {
     inputs.iter().flatten().map(|b| b.as_ref()).collect()
 }
@@ -398,7 +388,7 @@ impl Communicator for LocalCommunicator {
         let len = buf.len();
         let desc = OpDesc {
             reduce: Some(op),
-            ..data_desc("all_reduce", buf)
+            ..OpDesc::data("all_reduce", buf)
         };
         // The caller's buffer is overwritten anyway: move it in rather than copy it.
         let input = std::mem::replace(buf, Buffer::with_capacity(dtype, 0));
@@ -452,27 +442,17 @@ impl Communicator for LocalCommunicator {
 
     fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
         let dtype = input.dtype();
-        let (seq, inputs) = self.arrive(data_desc("all_gather", &input), Some(input))?;
+        let (seq, inputs) = self.arrive(OpDesc::data("all_gather", &input), Some(input))?;
         self.finish(seq);
         Ok(Buffer::concat(dtype, present(&inputs)))
     }
 
     fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
-        let n = self.group.size();
-        if !input.len().is_multiple_of(n) {
-            return Err(self.err_invalid(
-                "reduce_scatter",
-                format!(
-                    "{} elements do not split evenly over {n} ranks",
-                    input.len()
-                ),
-            ));
-        }
-        let chunk = input.len() / n;
+        let chunk = OpDesc::even_split(&self.group, "reduce_scatter", input.len())?;
         let me = self.group.rank();
         let desc = OpDesc {
             reduce: Some(op),
-            ..data_desc("reduce_scatter", &input)
+            ..OpDesc::data("reduce_scatter", &input)
         };
         let (seq, inputs) = self.arrive(desc, Some(input))?;
         self.finish(seq);
@@ -487,7 +467,7 @@ impl Communicator for LocalCommunicator {
         self.check_peer("broadcast", root)?;
         let desc = OpDesc {
             root: Some(root),
-            ..data_desc("broadcast", buf)
+            ..OpDesc::data("broadcast", buf)
         };
         let me = self.group.rank();
         let input = (me == root).then(|| buf.clone());

@@ -70,3 +70,22 @@ pub fn assert_same_iterations(a: &[IterationLog], b: &[IterationLog]) {
         assert_eq!(x.grad_norm, y.grad_norm, "{at}");
     }
 }
+
+/// The example binary, built by `cargo test --workspace` (or `-p burn-megatron-examples`)
+/// with this crate's features.
+pub fn binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("bert_pretrain");
+    assert!(
+        bin.is_file(),
+        "{} not built: run `cargo test --workspace` or `-p burn-megatron-examples`, which build examples",
+        bin.display()
+    );
+    bin
+}

@@ -1,7 +1,7 @@
 //! One process's communicator on one group: header-checked collectives over byte moves,
 //! folded on the host in group order, and non-blocking point-to-point messages.
 
-use super::header::{DTYPES, HEADER, code, data_desc, decode, describe, encode};
+use super::header::{DTYPES, HEADER, code, decode, describe, encode};
 use super::{Backoff, Inner, Raw, lock};
 use crate::comm::Communicator;
 use crate::comm::buffer::{Buffer, CommDType};
@@ -357,7 +357,7 @@ impl Communicator for MpiCommunicator {
         let mut state = lock(&self.ops);
         let desc = OpDesc {
             reduce: Some(op),
-            ..data_desc("all_reduce", buf)
+            ..OpDesc::data("all_reduce", buf)
         };
         let seq = self.agree(&mut state, desc)?;
         let (n, me, len) = (self.group.size(), self.group.rank(), buf.len());
@@ -379,7 +379,7 @@ impl Communicator for MpiCommunicator {
 
     fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
         let mut state = lock(&self.ops);
-        let seq = self.agree(&mut state, data_desc("all_gather", &input))?;
+        let seq = self.agree(&mut state, OpDesc::data("all_gather", &input))?;
         let n = self.group.size();
         self.count("all_gather", input.bytes().len() * n)?;
         let mut out = Buffer::zeros(input.dtype(), input.len() * n);
@@ -395,23 +395,14 @@ impl Communicator for MpiCommunicator {
     }
 
     fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
+        let m = OpDesc::even_split(&self.group, "reduce_scatter", input.len())?;
         let n = self.group.size();
-        if !input.len().is_multiple_of(n) {
-            return Err(self.invalid(
-                "reduce_scatter",
-                format!(
-                    "{} elements do not split evenly over {n} ranks",
-                    input.len()
-                ),
-            ));
-        }
         let mut state = lock(&self.ops);
         let desc = OpDesc {
             reduce: Some(op),
-            ..data_desc("reduce_scatter", &input)
+            ..OpDesc::data("reduce_scatter", &input)
         };
         let seq = self.agree(&mut state, desc)?;
-        let m = input.len() / n;
         let pieces = self.all_to_all("reduce_scatter", seq, &input, m)?;
         Ok(reduce_pieces(&pieces, n, op))
     }
@@ -421,7 +412,7 @@ impl Communicator for MpiCommunicator {
         let mut state = lock(&self.ops);
         let desc = OpDesc {
             root: Some(root),
-            ..data_desc("broadcast", buf)
+            ..OpDesc::data("broadcast", buf)
         };
         let seq = self.agree(&mut state, desc)?;
         if self.group.size() == 1 {

@@ -1,6 +1,6 @@
 //! The header members swap before each collective: what call each one is making.
 
-use super::super::buffer::{Buffer, CommDType};
+use super::super::buffer::CommDType;
 use super::super::group::OpDesc;
 use super::super::reduce::ReduceOp;
 
@@ -55,14 +55,4 @@ pub(crate) fn describe(h: &[i64; HEADER]) -> String {
         root: usize::try_from(h[4]).ok(),
     };
     format!("{desc} as call #{}", h[5])
-}
-
-pub(crate) fn data_desc(op: &'static str, buf: &Buffer) -> OpDesc {
-    OpDesc {
-        op,
-        dtype: Some(buf.dtype()),
-        len: buf.len(),
-        reduce: None,
-        root: None,
-    }
 }
