@@ -76,6 +76,18 @@ impl ProcessGroup {
         self.ranks[self.index]
     }
 
+    /// Refuses a peer or root that is not a group index.
+    pub(crate) fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {
+        if peer >= self.size() {
+            return Err(CommError::InvalidArgument {
+                group: self.to_string(),
+                op,
+                reason: format!("peer {peer} is not a group index (size {})", self.size()),
+            });
+        }
+        Ok(())
+    }
+
     /// The global rank of the member at group index `index` (panics when out of range).
     pub fn global_rank_of(&self, index: usize) -> usize {
         self.ranks[index]

@@ -213,14 +213,6 @@ pub struct LocalCommunicator {
 }
 
 impl LocalCommunicator {
-    fn err_invalid(&self, op: &'static str, reason: String) -> CommError {
-        CommError::InvalidArgument {
-            group: self.shared.label.clone(),
-            op,
-            reason,
-        }
-    }
-
     /// Waits until `ready` holds, failing on poison, peer failure, peer exit or timeout.
     /// `missing` lists the group indices still awaited (for error messages).
     fn wait<'a>(
@@ -346,19 +338,6 @@ impl LocalCommunicator {
             }
         }
     }
-
-    fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {
-        if peer >= self.group.size() {
-            return Err(self.err_invalid(
-                op,
-                format!(
-                    "peer {peer} is not a group index (size {})",
-                    self.group.size()
-                ),
-            ));
-        }
-        Ok(())
-    }
 }
 
 fn missing_members(descs: Option<&Vec<Option<OpDesc>>>, n: usize) -> Vec<usize> {
@@ -464,7 +443,7 @@ impl Communicator for LocalCommunicator {
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
-        self.check_peer("broadcast", root)?;
+        self.group.check_peer("broadcast", root)?;
         let desc = OpDesc {
             root: Some(root),
             ..OpDesc::data("broadcast", buf)
@@ -482,7 +461,7 @@ impl Communicator for LocalCommunicator {
     }
 
     fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
-        self.check_peer("send", peer)?;
+        self.group.check_peer("send", peer)?;
         let mut state = lock(&self.shared.state);
         if let Some(e) = &state.poisoned {
             return Err(e.clone());
@@ -497,7 +476,7 @@ impl Communicator for LocalCommunicator {
     }
 
     fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
-        self.check_peer("recv", peer)?;
+        self.group.check_peer("recv", peer)?;
         let key = (peer, self.group.rank());
         let state = lock(&self.shared.state);
         let mut state = self.wait(

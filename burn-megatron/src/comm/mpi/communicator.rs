@@ -251,19 +251,6 @@ impl MpiCommunicator {
         Ok(pieces)
     }
 
-    fn check_peer(&self, op: &'static str, peer: usize) -> Result<(), CommError> {
-        if peer >= self.group.size() {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "peer {peer} is not a group index (size {})",
-                    self.group.size()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// Waits for the next message from `peer` on the p2p tag and receives it into `into`
     /// (made from the message's byte count), all within the deadline.
     fn recv_message(
@@ -408,7 +395,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
-        self.check_peer("broadcast", root)?;
+        self.group.check_peer("broadcast", root)?;
         let mut state = lock(&self.ops);
         let desc = OpDesc {
             root: Some(root),
@@ -429,7 +416,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
-        self.check_peer("send", peer)?;
+        self.group.check_peer("send", peer)?;
         let bytes = self.count("send", buf.bytes().len())?;
         self.progress_sends();
         let header = Box::new([code(&DTYPES, Some(&buf.dtype())), buf.len() as i64]);
@@ -468,7 +455,7 @@ impl Communicator for MpiCommunicator {
     }
 
     fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
-        self.check_peer("recv", peer)?;
+        self.group.check_peer("recv", peer)?;
         let state = lock(&self.ops);
         if let Some(e) = &state.poisoned {
             return Err(e.clone());
