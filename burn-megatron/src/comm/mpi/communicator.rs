@@ -2,7 +2,7 @@
 //! folded on the host in group order, and non-blocking point-to-point messages.
 
 use super::header::{DTYPES, HEADER, code, decode, describe, encode};
-use super::{Backoff, Inner, Raw, lock};
+use super::{Inner, Raw, Watch, lock};
 use crate::comm::Communicator;
 use crate::comm::buffer::{Buffer, CommDType};
 use crate::comm::group::{CommError, OpDesc, ProcessGroup};
@@ -14,7 +14,7 @@ use mpi::request::{Request, Scope, scope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const HEADER_TAG: i32 = 1;
 const P2P_TAG: i32 = 2;
@@ -99,10 +99,9 @@ impl MpiCommunicator {
         &self,
         op: &'static str,
         seq: u64,
-        start: Instant,
         mut requests: Vec<(Vec<usize>, Request<'a, D, S>)>,
     ) {
-        let mut backoff = Backoff::default();
+        let mut watch = Watch::new(&self.world, &self.label, op, seq);
         loop {
             requests = requests
                 .into_iter()
@@ -112,20 +111,11 @@ impl MpiCommunicator {
                 return;
             }
             self.progress_sends();
-            if start.elapsed() >= self.world.timeout {
-                let mut missing: Vec<usize> =
-                    requests.iter().flat_map(|(who, _)| who.clone()).collect();
-                missing.sort_unstable();
-                missing.dedup();
-                self.world.fatal(&CommError::Timeout {
-                    group: self.label.clone(),
-                    op,
-                    seq,
-                    waited: start.elapsed(),
-                    missing,
-                });
-            }
-            backoff.snooze();
+            let mut awaited: Vec<usize> =
+                requests.iter().flat_map(|(who, _)| who.clone()).collect();
+            awaited.sort_unstable();
+            awaited.dedup();
+            watch.turn(&awaited);
         }
     }
 
@@ -143,7 +133,6 @@ impl MpiCommunicator {
         }
         let mine = encode(&desc, seq);
         let mut theirs = vec![[0i64; HEADER]; n];
-        let start = Instant::now();
         let bytes_of = |h: &[i64; HEADER]| -> Vec<u8> { bytemuck::cast_slice(h).to_vec() };
         let out = bytes_of(&mine);
         let mut inbox: Vec<Vec<u8>> = vec![vec![0u8; HEADER * 8]; n];
@@ -159,7 +148,7 @@ impl MpiCommunicator {
                 let send = self.comm.0.process_at_rank(i as i32);
                 requests.push((who, send.immediate_send_with_tag(sc, &out[..], HEADER_TAG)));
             }
-            self.wait(desc.op, seq, start, requests);
+            self.wait(desc.op, seq, requests);
         });
         for (i, bytes) in inbox.iter().enumerate() {
             theirs[i] = if i == me {
@@ -238,7 +227,6 @@ impl MpiCommunicator {
         self.count(op, m * n * size)?;
         let rcounts = vec![piece; n];
         let rdispls = (0..n as i32).map(|i| piece * i).collect::<Vec<_>>();
-        let start = Instant::now();
         let send = Partition::new(input.bytes(), counts, displs);
         let mut recv = PartitionMut::new(pieces.bytes_mut(), rcounts, rdispls);
         scope(|sc| {
@@ -246,7 +234,7 @@ impl MpiCommunicator {
                 .comm
                 .0
                 .immediate_all_to_all_varcount_into(sc, &send, &mut recv);
-            self.wait(op, seq, start, vec![(self.others(), r)]);
+            self.wait(op, seq, vec![(self.others(), r)]);
         });
         Ok(pieces)
     }
@@ -257,26 +245,16 @@ impl MpiCommunicator {
         &self,
         peer: usize,
         seq: u64,
-        start: Instant,
         into: impl FnOnce(usize) -> Result<Buffer, CommError>,
     ) -> Result<Buffer, CommError> {
         let source = self.comm.0.process_at_rank(peer as i32);
-        let mut backoff = Backoff::default();
+        let mut watch = Watch::new(&self.world, &self.label, "recv", seq);
         let (message, status) = loop {
             if let Some(found) = source.immediate_matched_probe_with_tag(P2P_TAG) {
                 break found;
             }
             self.progress_sends();
-            if start.elapsed() >= self.world.timeout {
-                self.world.fatal(&CommError::Timeout {
-                    group: self.label.clone(),
-                    op: "recv",
-                    seq,
-                    waited: start.elapsed(),
-                    missing: vec![self.group.global_rank_of(peer)],
-                });
-            }
-            backoff.snooze();
+            watch.turn(&[self.group.global_rank_of(peer)]);
         };
         let bytes = status.count(u8::equivalent_datatype()).max(0) as usize;
         let mut buf = into(bytes)?;
@@ -285,7 +263,6 @@ impl MpiCommunicator {
             self.wait(
                 "recv",
                 seq,
-                start,
                 vec![(vec![self.group.global_rank_of(peer)], r)],
             );
         });
@@ -300,8 +277,7 @@ impl Drop for MpiCommunicator {
             // Nothing may call MPI any more; the handle goes with the process.
             return;
         }
-        let start = Instant::now();
-        let mut backoff = Backoff::default();
+        let mut watch = Watch::new(&self.world, &self.label, "send", 0);
         loop {
             self.progress_sends();
             let sends = lock(&self.sends);
@@ -311,22 +287,12 @@ impl Drop for MpiCommunicator {
                 unsafe { std::mem::ManuallyDrop::drop(&mut self.comm) };
                 return;
             }
-            if start.elapsed() >= self.world.timeout {
-                let missing = sends
-                    .iter()
-                    .map(|s| self.group.global_rank_of(s.peer))
-                    .collect();
-                drop(sends);
-                self.world.fatal(&CommError::Timeout {
-                    group: self.label.clone(),
-                    op: "send",
-                    seq: 0,
-                    waited: start.elapsed(),
-                    missing,
-                });
-            }
+            let awaited: Vec<usize> = sends
+                .iter()
+                .map(|s| self.group.global_rank_of(s.peer))
+                .collect();
             drop(sends);
-            backoff.snooze();
+            watch.turn(&awaited);
         }
     }
 }
@@ -352,14 +318,13 @@ impl Communicator for MpiCommunicator {
         let pieces = self.all_to_all("all_reduce", seq, buf, m)?;
         let mine = reduce_pieces(&pieces, self.group.size(), op);
         let (counts, displs) = self.chunk_bytes("all_reduce", len, buf.dtype().size())?;
-        let start = Instant::now();
         let mut out = PartitionMut::new(buf.bytes_mut(), counts, displs);
         scope(|sc| {
             let r = self
                 .comm
                 .0
                 .immediate_all_gather_varcount_into(sc, mine.bytes(), &mut out);
-            self.wait("all_reduce", seq, start, vec![(self.others(), r)]);
+            self.wait("all_reduce", seq, vec![(self.others(), r)]);
         });
         Ok(())
     }
@@ -370,13 +335,12 @@ impl Communicator for MpiCommunicator {
         let n = self.group.size();
         self.count("all_gather", input.bytes().len() * n)?;
         let mut out = Buffer::zeros(input.dtype(), input.len() * n);
-        let start = Instant::now();
         scope(|sc| {
             let r = self
                 .comm
                 .0
                 .immediate_all_gather_into(sc, input.bytes(), out.bytes_mut());
-            self.wait("all_gather", seq, start, vec![(self.others(), r)]);
+            self.wait("all_gather", seq, vec![(self.others(), r)]);
         });
         Ok(out)
     }
@@ -406,11 +370,10 @@ impl Communicator for MpiCommunicator {
             return Ok(());
         }
         self.count("broadcast", buf.bytes().len())?;
-        let start = Instant::now();
         scope(|sc| {
             let from = self.comm.0.process_at_rank(root as i32);
             let r = from.immediate_broadcast_into(sc, buf.bytes_mut());
-            self.wait("broadcast", seq, start, vec![(self.others(), r)]);
+            self.wait("broadcast", seq, vec![(self.others(), r)]);
         });
         Ok(())
     }
@@ -460,13 +423,12 @@ impl Communicator for MpiCommunicator {
         if let Some(e) = &state.poisoned {
             return Err(e.clone());
         }
-        let start = Instant::now();
-        let header = self.recv_message(peer, 0, start, |_| Ok(Buffer::zeros(CommDType::I64, 2)))?;
+        let header = self.recv_message(peer, 0, |_| Ok(Buffer::zeros(CommDType::I64, 2)))?;
         let Buffer::I64(h) = header else {
             unreachable!("received into an i64 buffer")
         };
         let sent = (decode(&DTYPES, h[0]), h[1].max(0) as usize);
-        let payload = self.recv_message(peer, 0, start, |bytes| {
+        let payload = self.recv_message(peer, 0, |bytes| {
             Ok(match sent.0 {
                 Some(dtype) => Buffer::zeros(dtype, bytes / dtype.size()),
                 None => Buffer::zeros(CommDType::I64, bytes.div_ceil(8)),

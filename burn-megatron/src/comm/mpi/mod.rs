@@ -11,7 +11,10 @@
 //! count, reduction, root, call number) point to point: a mismatch is an error on every
 //! member, as in the local backend, and a rank that never arrives is named. A timeout cannot
 //! be recovered from (a started MPI collective cannot be cancelled), so it is printed, naming
-//! the group, the op and the missing ranks, and the job ends with `MPI_Abort`.
+//! the group, the op and the missing ranks, and the job ends with `MPI_Abort`. A rank that
+//! finishes tells every other one (a one-byte notice on a communicator of its own), so a
+//! call still waiting for it ends the job within a short grace period instead of at the
+//! timeout.
 
 mod communicator;
 mod header;
@@ -21,6 +24,7 @@ pub use communicator::MpiCommunicator;
 use super::group::{CommError, ProcessGroup};
 use super::{Comm, World};
 use mpi::environment::Universe;
+use mpi::request::scope;
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,6 +41,11 @@ unsafe impl<T> Sync for Raw<T> {}
 
 pub(crate) struct Inner {
     world: Raw<SimpleCommunicator>,
+    /// A duplicate of the world for exit notices, so they never meet other traffic. Freed
+    /// at drop unless MPI is finalised by then (freeing it after is an error).
+    control: std::mem::ManuallyDrop<Raw<SimpleCommunicator>>,
+    /// Global ranks whose notice arrived.
+    exited: Mutex<Vec<bool>>,
     rank: usize,
     size: usize,
     timeout: Duration,
@@ -52,6 +61,87 @@ impl Inner {
             self.rank
         );
         self.world.0.abort(ABORT_CODE)
+    }
+
+    /// Takes in the exit notices that have arrived.
+    fn poll_exits(&self) {
+        let any = self.control.0.any_process();
+        while let Some((message, status)) = any.immediate_matched_probe_with_tag(EXIT_TAG) {
+            let mut byte = [0u8; 1];
+            // Matched and one byte long: it is here, the receive completes at once.
+            message.matched_receive_into(&mut byte[..]);
+            if let Some(e) = lock(&self.exited).get_mut(status.source_rank() as usize) {
+                *e = true;
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if !mpi::environment::is_finalized() {
+            // SAFETY: dropped once, here, before the universe (MPI_Finalize) after it.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.control) };
+        }
+    }
+}
+
+const EXIT_TAG: i32 = 9;
+
+/// How long a call may still wait for a rank that has exited: what it needed may already be
+/// on its way (the rank finished its part before it left).
+const EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// What a waiting loop checks on every turn: its deadline, and whether a rank it waits for
+/// has exited. Either ends the job, naming the group, the op and the ranks.
+pub(crate) struct Watch<'a> {
+    inner: &'a Inner,
+    group: &'a str,
+    op: &'static str,
+    seq: u64,
+    start: Instant,
+    exit_seen: Option<Instant>,
+    backoff: Backoff,
+}
+
+impl<'a> Watch<'a> {
+    pub(crate) fn new(inner: &'a Inner, group: &'a str, op: &'static str, seq: u64) -> Self {
+        Self {
+            inner,
+            group,
+            op,
+            seq,
+            start: Instant::now(),
+            exit_seen: None,
+            backoff: Backoff::default(),
+        }
+    }
+
+    /// One turn of waiting for the global ranks `awaited`.
+    pub(crate) fn turn(&mut self, awaited: &[usize]) {
+        if self.start.elapsed() >= self.inner.timeout {
+            self.inner.fatal(&CommError::Timeout {
+                group: self.group.to_string(),
+                op: self.op,
+                seq: self.seq,
+                waited: self.start.elapsed(),
+                missing: awaited.to_vec(),
+            });
+        }
+        self.inner.poll_exits();
+        let gone = lock(&self.inner.exited);
+        if let Some(&rank) = awaited.iter().find(|&&r| gone.get(r) == Some(&true)) {
+            drop(gone);
+            let seen = *self.exit_seen.get_or_insert_with(Instant::now);
+            if seen.elapsed() >= EXIT_GRACE {
+                self.inner.fatal(&CommError::PeerExited {
+                    group: self.group.to_string(),
+                    op: self.op,
+                    rank,
+                });
+            }
+        }
+        self.backoff.snooze();
     }
 }
 
@@ -104,9 +194,12 @@ impl MpiWorld {
         }
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let control = world.duplicate();
         Ok(Self {
             inner: Arc::new(Inner {
                 world: Raw(world),
+                control: std::mem::ManuallyDrop::new(Raw(control)),
+                exited: Mutex::new(vec![false; size]),
                 rank,
                 size,
                 timeout,
@@ -126,8 +219,42 @@ impl MpiWorld {
     /// them is harmless. Called by [`from_env`](crate::launch::from_env) once the closure
     /// returns.
     pub fn finalize(&self) {
-        self.barrier();
-        drop(lock(&self.inner.universe).take());
+        let inner = &self.inner;
+        let others: Vec<usize> = (0..inner.size).filter(|&r| r != inner.rank).collect();
+        let notice = [1u8];
+        scope(|sc| {
+            let sends: Vec<_> = others
+                .iter()
+                .map(|&r| {
+                    let to = inner.control.0.process_at_rank(r as i32);
+                    to.immediate_send_with_tag(sc, &notice[..], EXIT_TAG)
+                })
+                .collect();
+            self.barrier();
+            // Everyone is past the barrier, so every notice is sent; take them all in.
+            let mut watch = Watch::new(inner, "world", "finalize", 0);
+            loop {
+                inner.poll_exits();
+                let missing: Vec<usize> = {
+                    let gone = lock(&inner.exited);
+                    others.iter().copied().filter(|&r| !gone[r]).collect()
+                };
+                if missing.is_empty() {
+                    break;
+                }
+                watch.turn(&[]);
+            }
+            for mut send in sends {
+                loop {
+                    match send.test() {
+                        Ok(_) => break,
+                        Err(r) => send = r,
+                    }
+                    watch.turn(&[]);
+                }
+            }
+        });
+        drop(lock(&inner.universe).take());
     }
 
     /// Prints `reason` with this rank and ends the whole job (`MPI_Abort`).
@@ -139,26 +266,17 @@ impl MpiWorld {
     /// it, every process takes part in what follows (group creation, which MPI cannot
     /// bound, comes after one). A straggler ends the job.
     pub fn barrier(&self) {
-        let start = Instant::now();
+        let label = format!("'world' [0..{}]", self.inner.size);
+        let mut watch = Watch::new(&self.inner, &label, "barrier", 0);
         let mut request = self.inner.world.0.immediate_barrier();
-        let mut backoff = Backoff::default();
         loop {
             match request.test() {
                 Ok(_) => return,
                 Err(r) => request = r,
             }
-            if start.elapsed() >= self.inner.timeout {
-                self.inner.fatal(&CommError::Timeout {
-                    group: format!("'world' [0..{}]", self.inner.size),
-                    op: "barrier",
-                    seq: 0,
-                    waited: start.elapsed(),
-                    missing: (0..self.inner.size)
-                        .filter(|&r| r != self.inner.rank)
-                        .collect(),
-                });
-            }
-            backoff.snooze();
+            // Who is late is unknown; an exit is not waited for here (finishing ranks meet
+            // in this barrier).
+            watch.turn(&[]);
         }
     }
 }
