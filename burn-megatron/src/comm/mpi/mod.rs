@@ -344,7 +344,7 @@ impl Backoff {
         if self.0 < 64 {
             std::thread::yield_now();
         } else {
-            let us = (self.0 - 63).min(1000);
+            let us = ((self.0 - 63) / 16).clamp(1, 50);
             std::thread::sleep(Duration::from_micros(u64::from(us)));
         }
     }
