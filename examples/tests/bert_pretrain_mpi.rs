@@ -1,7 +1,6 @@
 //! `bert_pretrain` under `mpirun`, one process per rank: the same run as the threaded one,
-//! checkpoints per rank, an exact resume, and launch errors before any work. Compiled with
-//! the `mpi` feature only; it then needs `mpirun`.
-#![cfg(feature = "mpi")]
+//! checkpoints per rank, an exact resume, and launch errors before any work. Built only with
+//! the `mpi` feature (`required-features`); it then needs `mpirun`.
 
 mod common;
 
