@@ -123,7 +123,7 @@ fn tp2_dp2_under_mpirun_is_the_threaded_run_and_resumes_exactly() {
 }
 
 /// Pipelines too: p2p between stage processes, the tied embedding over the embedding group,
-/// one DP communicator per chunk.
+/// one DP communicator per chunk; and the timeline, gathered to rank 0.
 #[test]
 fn interleaved_pipeline_under_mpirun_is_the_threaded_run() {
     let dir = tmp("mpi-pp");
@@ -148,13 +148,37 @@ fn interleaved_pipeline_under_mpirun_is_the_threaded_run() {
         "0",
     ];
     let threaded = run(&args(&layout, &dir)).unwrap().log;
-    let out = mpirun(
-        4,
-        &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
-        &dir,
-    );
+    let trace = dir.join("trace.json");
+    let flags = [
+        "--log-json",
+        log.to_str().unwrap(),
+        "--timeline",
+        trace.to_str().unwrap(),
+    ];
+    let out = mpirun(4, &[&layout[..], &flags].concat(), &dir);
     succeeded(&out);
     assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
+    // Rank 0 drew every process's spans on one time axis.
+    let events: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let span = |tid: u64, name: &str| {
+        let e = events
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["tid"].as_u64() == Some(tid) && e["name"] == name)
+            .unwrap_or_else(|| panic!("{name} of rank {tid} missing from the trace"));
+        let ts = e["ts"].as_f64().unwrap();
+        (ts, ts + e["dur"].as_f64().unwrap())
+    };
+    for tid in 0..4 {
+        span(tid, "F3.1");
+        span(tid, "B0.0");
+    }
+    // Global ranks 0 and 2 are stages 0 and 1 of one pipeline: stage 1 starts microbatch 0
+    // after stage 0 sent it (1 ms of clock skew allowed, in µs).
+    assert!(span(2, "F0.0").0 >= span(0, "F0.0").1 - 1000.0);
+    assert_eq!(&std::fs::read(dir.join("trace.png")).unwrap()[1..4], b"PNG");
 }
 
 #[test]

@@ -263,17 +263,10 @@ impl Args {
         .with_microbatch_group_size(self.microbatch_group_size_per_virtual_pipeline_stage)
     }
 
-    /// What one process per rank cannot do yet, refused before any work.
+    /// What one process per rank cannot do, refused before any work.
     fn validate_backend(&self) -> Result<(), String> {
         if self.distributed_backend == DistributedBackend::Threads {
             return Ok(());
-        }
-        if self.timeline.is_some() {
-            return Err(format!(
-                "--timeline draws every rank's spans in one process: use it with \
-                 --distributed-backend threads, not {}",
-                self.distributed_backend
-            ));
         }
         let saved = self
             .load

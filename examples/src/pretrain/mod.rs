@@ -3,6 +3,7 @@
 
 mod args;
 mod plot;
+mod spans;
 mod train;
 
 pub use args::{Args, DecayStyle, WdIncr};
@@ -144,13 +145,12 @@ fn tokenizer(args: &Args, docs: &[Document], leader: bool) -> Result<BertTokeniz
 
 /// Writes every rank's spans of the last iteration as a Chrome trace at `path` and as a PNG
 /// beside it, and prints each rank's idle fraction.
-fn write_timeline(path: &std::path::Path, outputs: &[train::RankOutput]) -> Result<(), String> {
-    let ranks: Vec<Vec<Span>> = outputs.iter().map(|o| o.2.clone()).collect();
-    std::fs::write(path, chrome_trace(&ranks))
+fn write_timeline(path: &std::path::Path, ranks: &[Vec<Span>]) -> Result<(), String> {
+    std::fs::write(path, chrome_trace(ranks))
         .map_err(|e| format!("--timeline {}: {e}", path.display()))?;
     let png = path.with_extension("png");
-    plot::timeline(&png, &ranks)?;
-    let idle: Vec<String> = idle_fractions(&ranks)
+    plot::timeline(&png, ranks)?;
+    let idle: Vec<String> = idle_fractions(ranks)
         .iter()
         .map(|f| format!("{f:.2}"))
         .collect();
@@ -324,17 +324,30 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         progress,
         epoch: Instant::now(),
     };
-    let train = |ctx| train::train_rank(ctx, &shared);
     let options = LaunchOptions::default().with_backend(args.distributed_backend);
     let (log, evals, _) = match args.distributed_backend {
         DistributedBackend::Threads => {
+            let train = |ctx| train::train_rank(ctx, &shared);
             let outputs = threads(&parallel, options, train).map_err(|e| e.to_string())?;
             if let Some(path) = &args.timeline {
-                write_timeline(path, &outputs)?;
+                let ranks: Vec<Vec<Span>> = outputs.iter().map(|o| o.2.clone()).collect();
+                write_timeline(path, &ranks)?;
             }
             outputs.into_iter().next().expect("a layout has ranks")
         }
-        _ => from_env(&parallel, options, train).map_err(|e| e.to_string())?,
+        _ => from_env(&parallel, options, |ctx| {
+            let world = ctx.groups.world.clone();
+            let out = train::train_rank(ctx, &shared)?;
+            // Every process's spans to rank 0, while the communicators still exist.
+            if let Some(path) = &args.timeline {
+                let ranks = spans::gather(&world, &out.2, shared.epoch)?;
+                if leader {
+                    write_timeline(path, &ranks)?;
+                }
+            }
+            Ok::<_, String>(out)
+        })
+        .map_err(|e| e.to_string())?,
     };
     shared.progress.finish_and_clear();
     if let Some(path) = args.log_json.as_ref().filter(|_| leader) {
