@@ -175,6 +175,15 @@ pub(crate) struct OpDesc {
 }
 
 impl OpDesc {
+    /// A barrier: no data.
+    pub(crate) const BARRIER: Self = Self {
+        op: "barrier",
+        dtype: None,
+        len: 0,
+        reduce: None,
+        root: None,
+    };
+
     /// A call `op` moving `buf` (no reduction, no root).
     pub(crate) fn data(op: &'static str, buf: &super::Buffer) -> Self {
         Self {

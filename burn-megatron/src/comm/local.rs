@@ -515,13 +515,7 @@ impl Communicator for LocalCommunicator {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        let desc = OpDesc {
-            op: "barrier",
-            dtype: None,
-            len: 0,
-            reduce: None,
-            root: None,
-        };
+        let desc = OpDesc::BARRIER;
         let (seq, _) = self.arrive(desc, None)?;
         self.finish(seq);
         Ok(())

@@ -480,13 +480,7 @@ impl Communicator for MpiCommunicator {
 
     fn barrier(&self) -> Result<(), CommError> {
         let mut state = lock(&self.ops);
-        let desc = OpDesc {
-            op: "barrier",
-            dtype: None,
-            len: 0,
-            reduce: None,
-            root: None,
-        };
+        let desc = OpDesc::BARRIER;
         self.agree(&mut state, desc).map(|_| ())
     }
 }
