@@ -242,7 +242,7 @@ impl MpiWorld {
                 if missing.is_empty() {
                     break;
                 }
-                watch.turn(&[]);
+                watch.turn(&missing);
             }
             for mut send in sends {
                 loop {
