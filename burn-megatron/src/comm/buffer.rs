@@ -19,6 +19,15 @@ pub enum CommDType {
 }
 
 impl CommDType {
+    /// Every element type, in a fixed order.
+    pub const ALL: [CommDType; 5] = [
+        CommDType::F32,
+        CommDType::F16,
+        CommDType::BF16,
+        CommDType::I32,
+        CommDType::I64,
+    ];
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {

@@ -10,7 +10,7 @@
 use super::buffer::Buffer;
 use super::group::{CommError, OpDesc, ProcessGroup};
 use super::reduce::{ReduceOp, chunk_range, reduce_range};
-use super::{Communicator, DEFAULT_TIMEOUT};
+use super::{Communicator, DEFAULT_TIMEOUT, lock};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -196,12 +196,6 @@ impl LocalWorld {
             g.changed.notify_all();
         }
     }
-}
-
-/// Locks a mutex, ignoring poisoning: a panicking rank is reported through `abort`, and
-/// the state it leaves is consistent because no user code runs under these locks.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One rank's handle on one group of a [`LocalWorld`].

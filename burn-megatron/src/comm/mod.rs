@@ -35,6 +35,12 @@ pub use reduce::{ReduceOp, has_non_finite};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Locks a mutex, ignoring poisoning: a panicking rank is reported through its world, and
+/// the state it leaves is consistent because no user code runs under the backends' locks.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The timeout of every call unless configured otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 

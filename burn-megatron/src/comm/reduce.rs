@@ -22,6 +22,11 @@ pub enum ReduceOp {
     Min,
 }
 
+impl ReduceOp {
+    /// Every reduction, in a fixed order.
+    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+}
+
 impl std::fmt::Display for ReduceOp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

@@ -40,14 +40,6 @@ fn as_dtype(dtype: CommDType, vals: &[f64]) -> Buffer {
     }
 }
 
-const DTYPES: [CommDType; 5] = [
-    CommDType::F32,
-    CommDType::F16,
-    CommDType::BF16,
-    CommDType::I32,
-    CommDType::I64,
-];
-
 /// Rank-valued inputs: rank r holds [r, 2r + 1, 10 - r, 4r, -r].
 fn rank_values(r: usize) -> Vec<f64> {
     let r = r as f64;
@@ -57,8 +49,8 @@ fn rank_values(r: usize) -> Vec<f64> {
 #[test]
 fn all_reduce_every_op_dtype_and_world_size() {
     for n in [1, 2, 3, 4, 8] {
-        for dtype in DTYPES {
-            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+        for dtype in CommDType::ALL {
+            for op in ReduceOp::ALL {
                 let out = run(n, T2, move |rank, world| {
                     let comm = world.communicator("g", all(n), rank).unwrap();
                     let mut buf = as_dtype(dtype, &rank_values(rank));
@@ -100,7 +92,7 @@ fn all_reduce_every_op_dtype_and_world_size() {
 #[test]
 fn all_gather_concatenates_in_group_order() {
     for n in [1, 2, 3, 4, 8] {
-        for dtype in DTYPES {
+        for dtype in CommDType::ALL {
             let out = run(n, T2, move |rank, world| {
                 // Group order deliberately reversed: the result follows it.
                 let ranks: Vec<usize> = (0..n).rev().collect();
@@ -122,7 +114,7 @@ fn all_gather_concatenates_in_group_order() {
 #[test]
 fn reduce_scatter_returns_each_rank_its_chunk() {
     for n in [1, 2, 3, 4, 8] {
-        for dtype in DTYPES {
+        for dtype in CommDType::ALL {
             let out = run(n, T2, move |rank, world| {
                 let comm = world.communicator("g", all(n), rank).unwrap();
                 // Element i of rank r is i + r; 2 elements per rank.

@@ -144,15 +144,17 @@ fn the_launch_is_refused_before_any_work() {
     use super::process::run_in;
     use super::{DistributedBackend, LaunchError, LaunchOptions};
     use crate::topology::ParallelConfig;
-    let env = |world_size| LaunchEnv {
-        launcher: Launcher::OpenMpi,
-        rank: 0,
-        world_size,
-        local_rank: 0,
-        master: None,
+    let env = |world_size| {
+        Ok(LaunchEnv {
+            launcher: Launcher::OpenMpi,
+            rank: 0,
+            world_size,
+            local_rank: 0,
+            master: None,
+        })
     };
     let mpi = LaunchOptions::default().with_backend(DistributedBackend::Mpi);
-    let run = |env: LaunchEnv, config: ParallelConfig, options: LaunchOptions| {
+    let run = |env: Result<LaunchEnv, EnvError>, config: ParallelConfig, options: LaunchOptions| {
         run_in(env, &config, options, |_| -> Result<(), String> {
             panic!("no rank may start")
         })

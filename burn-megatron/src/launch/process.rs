@@ -68,14 +68,12 @@ where
     E: fmt::Display,
     F: FnOnce(RankContext) -> Result<T, E>,
 {
-    // A bad layout is reported before a bad environment.
-    config.clone().validate()?;
-    run_in(LaunchEnv::from_env()?, config, options, f)
+    run_in(LaunchEnv::from_env(), config, options, f)
 }
 
-/// [`from_env`] for the launch environment `env`.
+/// [`from_env`] for the launch environment `env` (read, or why it could not be).
 pub(crate) fn run_in<T, E, F>(
-    env: LaunchEnv,
+    env: Result<LaunchEnv, EnvError>,
     config: &ParallelConfig,
     options: LaunchOptions,
     f: F,
@@ -84,7 +82,9 @@ where
     E: fmt::Display,
     F: FnOnce(RankContext) -> Result<T, E>,
 {
+    // A bad layout is reported before a bad environment.
     let config = config.clone().validate()?;
+    let env = env?;
     check_world_size(&env, config.world_size())?;
     let state = ParallelState::new(&config, env.rank)?;
     match options.backend {

@@ -21,15 +21,6 @@ use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::Duration;
 
-const DTYPES: [CommDType; 5] = [
-    CommDType::F32,
-    CommDType::F16,
-    CommDType::BF16,
-    CommDType::I32,
-    CommDType::I64,
-];
-const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
-
 /// `len` values of rank `r` in `dtype`: fractions whose sums round differently in each
 /// order, so a result reduced in another order than the local backend's shows.
 fn values(dtype: CommDType, r: usize, len: usize, salt: usize) -> Buffer {
@@ -71,8 +62,8 @@ fn suite(world: &dyn World, rank: usize) -> Result<Results, CommError> {
     for (name, comm) in [("all", Some(&all)), ("evens", sub.as_ref())] {
         let Some(comm) = comm else { continue };
         let (g, me) = (comm.group().size(), comm.group().rank());
-        for dtype in DTYPES {
-            for op in OPS {
+        for dtype in CommDType::ALL {
+            for op in ReduceOp::ALL {
                 // 7 elements: uneven chunks over 2, 3 and 4 ranks.
                 let mut buf = values(dtype, rank, 7, 0);
                 comm.all_reduce(&mut buf, op)?;

@@ -1,11 +1,12 @@
 //! One process's communicator on one group: header-checked collectives over byte moves,
 //! folded on the host in group order, and non-blocking point-to-point messages.
 
-use super::header::{DTYPES, HEADER, code, decode, describe, encode};
-use super::{Inner, Raw, Watch, lock};
+use super::header::{code, decode, describe, encode};
+use super::{Inner, Raw, Watch};
 use crate::comm::Communicator;
 use crate::comm::buffer::{Buffer, CommDType};
 use crate::comm::group::{CommError, OpDesc, ProcessGroup};
+use crate::comm::lock;
 use crate::comm::reduce::{ReduceOp, chunk_range, reduce_pieces};
 use mpi::datatype::PartitionMut;
 use mpi::ffi;
@@ -133,31 +134,18 @@ impl MpiCommunicator {
             return Ok(seq);
         }
         let mine = encode(&desc, seq);
-        let mut theirs = vec![[0i64; HEADER]; n];
-        let bytes_of = |h: &[i64; HEADER]| -> Vec<u8> { bytemuck::cast_slice(h).to_vec() };
-        let out = bytes_of(&mine);
-        let mut inbox: Vec<Vec<u8>> = vec![vec![0u8; HEADER * 8]; n];
+        let mut theirs = vec![mine; n];
         scope(|sc| {
             let mut requests = Vec::new();
-            for (i, slot) in inbox.iter_mut().enumerate().filter(|(i, _)| *i != me) {
+            for (i, slot) in theirs.iter_mut().enumerate().filter(|(i, _)| *i != me) {
                 let peer = self.comm.0.process_at_rank(i as i32);
                 let who = vec![self.group.global_rank_of(i)];
-                requests.push((
-                    who.clone(),
-                    peer.immediate_receive_into_with_tag(sc, &mut slot[..], HEADER_TAG),
-                ));
-                let send = self.comm.0.process_at_rank(i as i32);
-                requests.push((who, send.immediate_send_with_tag(sc, &out[..], HEADER_TAG)));
+                let recv = peer.immediate_receive_into_with_tag(sc, &mut slot[..], HEADER_TAG);
+                requests.push((who.clone(), recv));
+                requests.push((who, peer.immediate_send_with_tag(sc, &mine[..], HEADER_TAG)));
             }
             self.wait(desc.op, seq, requests);
         });
-        for (i, bytes) in inbox.iter().enumerate() {
-            theirs[i] = if i == me {
-                mine
-            } else {
-                bytemuck::pod_read_unaligned(bytes)
-            };
-        }
         if theirs.iter().any(|h| *h != mine) {
             let detail = theirs
                 .iter()
@@ -404,7 +392,7 @@ impl Communicator for MpiCommunicator {
         self.group.check_peer("send", peer)?;
         let bytes = self.count("send", buf.bytes().len())?;
         self.progress_sends();
-        let header = Box::new([code(&DTYPES, Some(&buf.dtype())), buf.len() as i64]);
+        let header = Box::new([code(&CommDType::ALL, Some(&buf.dtype())), buf.len() as i64]);
         // SAFETY: reading a constant the MPI library exports.
         let mut requests = [unsafe { ffi::RSMPI_REQUEST_NULL }; 2];
         let (comm, dest) = (self.comm.0.as_raw(), peer as i32);
@@ -449,7 +437,7 @@ impl Communicator for MpiCommunicator {
         let Buffer::I64(h) = header else {
             unreachable!("received into an i64 buffer")
         };
-        let sent = (decode(&DTYPES, h[0]), h[1].max(0) as usize);
+        let sent = (decode(&CommDType::ALL, h[0]), h[1].max(0) as usize);
         let payload = self.recv_message(peer, 0, |bytes| {
             Ok(match sent.0 {
                 Some(dtype) => Buffer::zeros(dtype, bytes / dtype.size()),

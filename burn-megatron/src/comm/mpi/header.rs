@@ -5,7 +5,7 @@ use super::super::group::OpDesc;
 use super::super::reduce::ReduceOp;
 
 /// op, dtype, count, reduction, root, call number.
-pub(crate) const HEADER: usize = 6;
+const HEADER: usize = 6;
 
 const OPS: [&str; 5] = [
     "all_reduce",
@@ -14,14 +14,6 @@ const OPS: [&str; 5] = [
     "broadcast",
     "barrier",
 ];
-pub(crate) const DTYPES: [CommDType; 5] = [
-    CommDType::F32,
-    CommDType::F16,
-    CommDType::BF16,
-    CommDType::I32,
-    CommDType::I64,
-];
-const REDUCTIONS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
 pub(crate) fn code<T: PartialEq>(table: &[T], value: Option<&T>) -> i64 {
     value.map_or(-1, |v| {
@@ -38,9 +30,9 @@ pub(crate) fn decode<T: Copy>(table: &[T], code: i64) -> Option<T> {
 pub(crate) fn encode(desc: &OpDesc, seq: u64) -> [i64; HEADER] {
     [
         code(&OPS, Some(&desc.op)),
-        code(&DTYPES, desc.dtype.as_ref()),
+        code(&CommDType::ALL, desc.dtype.as_ref()),
         desc.len as i64,
-        code(&REDUCTIONS, desc.reduce.as_ref()),
+        code(&ReduceOp::ALL, desc.reduce.as_ref()),
         desc.root.map_or(-1, |r| r as i64),
         seq as i64,
     ]
@@ -49,9 +41,9 @@ pub(crate) fn encode(desc: &OpDesc, seq: u64) -> [i64; HEADER] {
 pub(crate) fn describe(h: &[i64; HEADER]) -> String {
     let desc = OpDesc {
         op: decode(&OPS, h[0]).unwrap_or("?"),
-        dtype: decode(&DTYPES, h[1]),
+        dtype: decode(&CommDType::ALL, h[1]),
         len: h[2].max(0) as usize,
-        reduce: decode(&REDUCTIONS, h[3]),
+        reduce: decode(&ReduceOp::ALL, h[3]),
         root: usize::try_from(h[4]).ok(),
     };
     format!("{desc} as call #{}", h[5])

@@ -22,12 +22,12 @@ mod header;
 pub use communicator::MpiCommunicator;
 
 use super::group::{CommError, ProcessGroup};
-use super::{Comm, World};
+use super::{Comm, World, lock};
 use mpi::environment::Universe;
 use mpi::request::scope;
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 /// The exit status of a job this backend aborts.
 pub const ABORT_CODE: i32 = 3;
@@ -348,9 +348,4 @@ impl Backoff {
             std::thread::sleep(Duration::from_micros(u64::from(us)));
         }
     }
-}
-
-/// Locks a mutex, ignoring poisoning: nothing panics while holding these locks.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
