@@ -6,15 +6,21 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-/// `mpirun -np n mpi_suite case`, as root too, with more processes than cores allowed.
+/// `mpirun -np n comm_suite case mpi`, as root too, with more processes than cores allowed.
 fn mpirun(n: usize, case: &str, timeout_s: u64) -> (Output, Duration) {
     let start = Instant::now();
     let out = Command::new("mpirun")
-        .args(["-np", &n.to_string(), env!("CARGO_BIN_EXE_mpi_suite"), case])
+        .args([
+            "-np",
+            &n.to_string(),
+            env!("CARGO_BIN_EXE_comm_suite"),
+            case,
+            "mpi",
+        ])
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .env("MPI_SUITE_TIMEOUT_S", timeout_s.to_string())
+        .env("COMM_SUITE_TIMEOUT_S", timeout_s.to_string())
         .output()
         .expect("mpirun runs (Debian: openmpi-bin)");
     (out, start.elapsed())

@@ -176,13 +176,13 @@ impl Buffer {
     }
 
     /// The elements' bytes, in memory order (what a byte-moving engine sends).
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
     pub(crate) fn bytes(&self) -> &[u8] {
         with_vec!(self, v => bytemuck::cast_slice(v.as_slice()))
     }
 
     /// The elements' bytes, writable (what a byte-moving engine receives into).
-    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         with_vec!(self, v => bytemuck::cast_slice_mut(v.as_mut_slice()))
     }

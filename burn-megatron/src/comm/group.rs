@@ -51,6 +51,36 @@ impl ProcessGroup {
         Ok(Self { name, ranks, index })
     }
 
+    /// [`new`](Self::new) in a world of one process per rank, where this process is global
+    /// rank `this` of `world_size` (as `engine`, e.g. "MPI", numbers it): the group must be
+    /// seen from this process and lie inside the world.
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn of_process(
+        name: &str,
+        ranks: Vec<usize>,
+        global_rank: usize,
+        (this, world_size): (usize, usize),
+        engine: &str,
+    ) -> Result<Self, CommError> {
+        let group = Self::new(name, ranks, global_rank)?;
+        let invalid = |reason: String| CommError::InvalidArgument {
+            group: group.to_string(),
+            op: "new_group",
+            reason,
+        };
+        if global_rank != this {
+            return Err(invalid(format!(
+                "this process is {engine} rank {this}, not {global_rank}"
+            )));
+        }
+        if let Some(&bad) = group.ranks().iter().find(|&&r| r >= world_size) {
+            return Err(invalid(format!(
+                "rank {bad} is outside the {engine} world of {world_size}"
+            )));
+        }
+        Ok(group)
+    }
+
     /// The group's name (e.g. `"tp"`).
     pub fn name(&self) -> &str {
         &self.name
@@ -119,6 +149,32 @@ pub enum CommError {
         waited: Duration,
         /// Global ranks that had not joined when the time ran out.
         missing: Vec<usize>,
+    },
+    /// The call did not complete in time and the engine cannot tell which ranks are missing
+    /// (NCCL runs on the GPU and reports no progress); the communicator is aborted.
+    #[error(
+        "{op} #{seq} on group {group} did not complete within {waited:?}: a member did not \
+         take part or failed; the communicator is aborted"
+    )]
+    Stalled {
+        /// The group.
+        group: String,
+        /// The operation.
+        op: &'static str,
+        /// The call's sequence number on this group.
+        seq: u64,
+        /// How long this rank waited.
+        waited: Duration,
+    },
+    /// The engine reported an error of its own (CUDA, NCCL).
+    #[error("{op} on group {group} failed in the engine: {reason}")]
+    Engine {
+        /// The group.
+        group: String,
+        /// The operation.
+        op: &'static str,
+        /// The engine's error.
+        reason: String,
     },
     /// Ranks called different collectives, or the same one with different arguments.
     #[error("collective mismatch on group {group} at call #{seq}: {detail}")]

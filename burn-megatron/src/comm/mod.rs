@@ -8,15 +8,24 @@
 //! A [`World`] makes communicators; the rest of the library sees only [`Comm`]s. Backends:
 //! - [`local`]: ranks are threads of this process ([`LocalWorld`]).
 //! - `mpi` (feature `mpi`): one process per rank over MPI (`MpiWorld`).
+//! - `nccl` (feature `cuda`): one process per GPU over NCCL (`NcclWorld`), bootstrapped
+//!   through a [`TcpStore`] or MPI; its communicators also work on device memory
+//!   ([`DeviceCollectives`]).
 //!
 //! Tensor-level helpers on Burn tensors live in [`tensor`].
 
 mod buffer;
+mod device;
 mod group;
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+mod header;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod reduce;
+mod store;
 pub mod tensor;
 
 #[cfg(test)]
@@ -26,11 +35,15 @@ mod tests;
 
 pub use buffer::{Buffer, CommDType, CommElement};
 pub(crate) use buffer::{comm_dtype, map_vec};
+pub use device::{DeviceCollectives, DeviceSlice};
 pub use group::{CommError, ProcessGroup};
 pub use local::{LocalCommunicator, LocalWorld};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiCommunicator, MpiWorld};
+#[cfg(feature = "cuda")]
+pub use nccl::{NcclCommunicator, NcclWorld};
 pub use reduce::{ReduceOp, has_non_finite};
+pub use store::{StoreError, TcpStore};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,6 +106,12 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
 
     /// Waits until every member has reached the barrier.
     fn barrier(&self) -> Result<(), CommError>;
+
+    /// The same collectives on device memory, where this communicator's engine has them
+    /// (NCCL); `None` (the default) means data moves through host buffers.
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        None
+    }
 }
 
 /// Where communicators come from: the ranks of one job, whatever the engine.

@@ -184,3 +184,39 @@ fn the_launch_is_refused_before_any_work() {
         assert!(e.to_string().contains("`mpi` feature"), "{e}");
     }
 }
+
+#[test]
+fn the_nccl_backend_is_named_like_megatrons_flag_and_needs_the_cuda_feature() {
+    use super::DistributedBackend;
+    for b in [
+        DistributedBackend::Threads,
+        DistributedBackend::Mpi,
+        DistributedBackend::Nccl,
+    ] {
+        assert_eq!(b.to_string().parse::<DistributedBackend>(), Ok(b));
+    }
+    let e = "gloo".parse::<DistributedBackend>().unwrap_err();
+    assert!(e.contains("threads, mpi or nccl"), "{e}");
+    #[cfg(not(feature = "cuda"))]
+    {
+        use super::LaunchOptions;
+        use super::process::run_in;
+        use crate::topology::ParallelConfig;
+        let env = LaunchEnv {
+            launcher: Launcher::Torchrun,
+            rank: 0,
+            world_size: 2,
+            local_rank: 0,
+            master: None,
+        };
+        let nccl = LaunchOptions::default().with_backend(DistributedBackend::Nccl);
+        let e = run_in(
+            Ok(env),
+            &ParallelConfig::new(2, 2, 1),
+            nccl,
+            |_| -> Result<(), String> { panic!("no rank may start") },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("`cuda` feature"), "{e}");
+    }
+}

@@ -15,6 +15,7 @@
 
 mod context;
 mod env;
+mod nccl;
 mod process;
 
 pub use context::{RankContext, RankGroups};
@@ -34,8 +35,9 @@ use std::time::Duration;
 pub struct LaunchOptions {
     /// Bound on every collective (default 300 s).
     pub timeout: Duration,
-    /// The device of each global rank (default: `Device::flex().autodiff()` for all).
-    pub device: std::sync::Arc<dyn Fn(usize) -> Device + Send + Sync>,
+    /// The device of each global rank. Default: `Device::flex().autodiff()`, except under
+    /// NCCL, where it is `Device::cuda(local_rank).autodiff()` (NCCL's GPU for the rank).
+    pub device: Option<std::sync::Arc<dyn Fn(usize) -> Device + Send + Sync>>,
     /// Stack size of each rank thread, in bytes (default 32 MiB: deep autodiff graphs
     /// recurse in backward).
     pub stack_size: usize,
@@ -47,7 +49,7 @@ impl Default for LaunchOptions {
     fn default() -> Self {
         Self {
             timeout: crate::comm::DEFAULT_TIMEOUT,
-            device: std::sync::Arc::new(|_| Device::flex().autodiff()),
+            device: None,
             stack_size: 32 << 20,
             backend: DistributedBackend::default(),
         }
@@ -69,8 +71,13 @@ impl LaunchOptions {
 
     /// These options with a device chosen per global rank.
     pub fn with_device(mut self, device: impl Fn(usize) -> Device + Send + Sync + 'static) -> Self {
-        self.device = std::sync::Arc::new(device);
+        self.device = Some(std::sync::Arc::new(device));
         self
+    }
+
+    /// The device of global rank `rank`, or `default` when none was chosen.
+    pub(crate) fn device_or(&self, rank: usize, default: impl FnOnce() -> Device) -> Device {
+        self.device.as_ref().map_or_else(default, |d| d(rank))
     }
 }
 
@@ -173,7 +180,7 @@ where
             let (world, f, options, slot) = (&world, &f, &options, &outcomes[rank]);
             let run = move || {
                 let shared: Arc<dyn World> = Arc::new(world.clone());
-                let outcome = match RankContext::new(state, shared, (options.device)(rank)) {
+                let outcome = match RankContext::new(state, shared, options.device_or(rank, flex)) {
                     Err(e) => Outcome::Setup(e),
                     Ok(ctx) => match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
                         Ok(Ok(v)) => Outcome::Done(v),
@@ -226,6 +233,10 @@ where
             _ => unreachable!("no failure was recorded"),
         })
         .collect())
+}
+
+fn flex() -> Device {
+    Device::flex().autodiff()
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -15,6 +15,8 @@ pub enum DistributedBackend {
     Threads,
     /// One process per rank over MPI (feature `mpi`).
     Mpi,
+    /// One process per GPU over NCCL (feature `cuda`).
+    Nccl,
 }
 
 impl fmt::Display for DistributedBackend {
@@ -22,6 +24,7 @@ impl fmt::Display for DistributedBackend {
         f.write_str(match self {
             DistributedBackend::Threads => "threads",
             DistributedBackend::Mpi => "mpi",
+            DistributedBackend::Nccl => "nccl",
         })
     }
 }
@@ -33,8 +36,9 @@ impl FromStr for DistributedBackend {
         match s {
             "threads" => Ok(Self::Threads),
             "mpi" => Ok(Self::Mpi),
+            "nccl" => Ok(Self::Nccl),
             _ => Err(format!(
-                "unknown distributed backend {s:?}: expected threads or mpi"
+                "unknown distributed backend {s:?}: expected threads, mpi or nccl"
             )),
         }
     }
@@ -94,6 +98,7 @@ where
                 .into(),
         )),
         DistributedBackend::Mpi => run_mpi(&env, state, &options, f),
+        DistributedBackend::Nccl => super::nccl::run_nccl(&env, state, &options, f),
     }
 }
 
@@ -137,7 +142,7 @@ fn run_mpi<T, E: fmt::Display>(
     let rank = env.rank;
     // Group creation cannot be bounded in MPI: start it only once every process is here.
     world.barrier();
-    let device = (options.device)(rank);
+    let device = options.device_or(rank, super::flex);
     let shared: std::sync::Arc<dyn World> = std::sync::Arc::new(world.clone());
     let ctx = match RankContext::new(state, shared, device) {
         Ok(ctx) => ctx,

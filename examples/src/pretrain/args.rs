@@ -213,7 +213,8 @@ pub struct Args {
     pub log_json: Option<PathBuf>,
     /// How the ranks communicate, as Megatron's flag: `threads` runs every rank in this
     /// process; `mpi` is one process per rank, started by mpirun or srun (build with
-    /// `--features mpi`).
+    /// `--features mpi`); `nccl` is one process per GPU, started by torchrun, srun or
+    /// mpirun (build with `--features cuda`).
     #[arg(long, default_value = "threads")]
     pub distributed_backend: DistributedBackend,
 }

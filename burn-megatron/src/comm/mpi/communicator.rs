@@ -1,7 +1,7 @@
 //! One process's communicator on one group: header-checked collectives over byte moves,
 //! folded on the host in group order, and non-blocking point-to-point messages.
 
-use super::header::{code, decode, describe, encode};
+use super::super::header::{code, decode, encode, mismatch};
 use super::{Inner, Raw, Watch};
 use crate::comm::Communicator;
 use crate::comm::buffer::{Buffer, CommDType};
@@ -147,23 +147,7 @@ impl MpiCommunicator {
             self.wait(desc.op, seq, requests);
         });
         if theirs.iter().any(|h| *h != mine) {
-            let detail = theirs
-                .iter()
-                .enumerate()
-                .map(|(i, h)| {
-                    format!(
-                        "global rank {}: {}",
-                        self.group.global_rank_of(i),
-                        describe(h)
-                    )
-                })
-                .collect::<Vec<_>>()
-                .join("; ");
-            let err = CommError::Mismatch {
-                group: self.label.clone(),
-                seq,
-                detail,
-            };
+            let err = mismatch(&self.label, seq, &self.group, &theirs);
             state.poisoned = Some(err.clone());
             return Err(err);
         }

@@ -17,7 +17,6 @@
 //! timeout.
 
 mod communicator;
-mod header;
 
 pub use communicator::MpiCommunicator;
 
@@ -297,24 +296,18 @@ impl World for MpiWorld {
         ranks: Vec<usize>,
         global_rank: usize,
     ) -> Result<Comm, CommError> {
-        let group = ProcessGroup::new(name, ranks, global_rank)?;
+        let group = ProcessGroup::of_process(
+            name,
+            ranks,
+            global_rank,
+            (self.inner.rank, self.inner.size),
+            "MPI",
+        )?;
         let invalid = |reason: String| CommError::InvalidArgument {
             group: group.to_string(),
             op: "new_group",
             reason,
         };
-        if global_rank != self.inner.rank {
-            return Err(invalid(format!(
-                "this process is MPI rank {}, not {global_rank}",
-                self.inner.rank
-            )));
-        }
-        if let Some(&bad) = group.ranks().iter().find(|&&r| r >= self.inner.size) {
-            return Err(invalid(format!(
-                "rank {bad} is outside the MPI world of {}",
-                self.inner.size
-            )));
-        }
         let members: Vec<i32> = group.ranks().iter().map(|&r| r as i32).collect();
         let world = &self.inner.world.0;
         let subgroup = world.group().include(&members);

@@ -57,21 +57,7 @@ fn exchange(
 ) -> Result<(Buffer, Vec<usize>), CommError> {
     let (n, me) = (comm.group().size(), comm.group().rank());
     let last = dims.len() - 1;
-    let invalid = |reason: String| CommError::InvalidArgument {
-        group: comm.group().to_string(),
-        op: mapping.name(),
-        reason,
-    };
-    let divisible = |dim: usize| -> Result<usize, CommError> {
-        if dims[dim].is_multiple_of(n) {
-            Ok(dims[dim] / n)
-        } else {
-            Err(invalid(format!(
-                "dim {dim} of size {} does not split evenly over {n} ranks",
-                dims[dim]
-            )))
-        }
-    };
+    let divisible = |dim: usize| split_size(mapping, comm, &dims, dim);
     Ok(match mapping {
         Mapping::CopyTo => (buf, dims),
         Mapping::ReduceFrom => {
@@ -109,6 +95,27 @@ fn exchange(
             dims[0] = part;
             (out, dims)
         }
+    })
+}
+
+/// Each member's part of `dims[dim]` split over `comm`'s group, or the error naming it.
+pub(super) fn split_size(
+    mapping: Mapping,
+    comm: &Comm,
+    dims: &[usize],
+    dim: usize,
+) -> Result<usize, CommError> {
+    let n = comm.group().size();
+    if dims[dim].is_multiple_of(n) {
+        return Ok(dims[dim] / n);
+    }
+    Err(CommError::InvalidArgument {
+        group: comm.group().to_string(),
+        op: mapping.name(),
+        reason: format!(
+            "dim {dim} of size {} does not split evenly over {n} ranks",
+            dims[dim]
+        ),
     })
 }
 

@@ -17,6 +17,8 @@
 //! message; under [`launch::threads`](crate::launch::threads) that is reported with the rank
 //! and the peers fail promptly.
 
+#[cfg(feature = "cuda")]
+mod device;
 pub(crate) mod host;
 mod ops;
 

@@ -36,7 +36,7 @@ impl TensorParallelOps for Flex {
     }
 }
 
-// Through host memory like Flex until a device communicator (NCCL) lands.
+// CUDA tensors over NCCL stay on the device; everything else goes through host memory.
 #[cfg(feature = "cube")]
 impl TensorParallelOps for burn::backend::Cube {
     fn tensor_parallel_mapping(
@@ -44,6 +44,10 @@ impl TensorParallelOps for burn::backend::Cube {
         mapping: Mapping,
         comm: Comm,
     ) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = super::device::collectives(&x, &comm) {
+            return super::device::forward(mapping, x, &comm, dev);
+        }
         forward::<Self>(mapping, x, &comm)
     }
 }

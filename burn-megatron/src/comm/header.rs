@@ -1,11 +1,11 @@
 //! The header members swap before each collective: what call each one is making.
 
-use super::super::buffer::CommDType;
-use super::super::group::OpDesc;
-use super::super::reduce::ReduceOp;
+use super::buffer::CommDType;
+use super::group::{CommError, OpDesc, ProcessGroup};
+use super::reduce::ReduceOp;
 
 /// op, dtype, count, reduction, root, call number.
-const HEADER: usize = 6;
+pub(crate) const HEADER: usize = 6;
 
 const OPS: [&str; 5] = [
     "all_reduce",
@@ -47,4 +47,24 @@ pub(crate) fn describe(h: &[i64; HEADER]) -> String {
         root: usize::try_from(h[4]).ok(),
     };
     format!("{desc} as call #{}", h[5])
+}
+
+/// The error every member reports when the members' headers (in group order) differ.
+pub(crate) fn mismatch(
+    label: &str,
+    seq: u64,
+    group: &ProcessGroup,
+    headers: &[[i64; HEADER]],
+) -> CommError {
+    let detail = headers
+        .iter()
+        .enumerate()
+        .map(|(i, h)| format!("global rank {}: {}", group.global_rank_of(i), describe(h)))
+        .collect::<Vec<_>>()
+        .join("; ");
+    CommError::Mismatch {
+        group: label.to_string(),
+        seq,
+        detail,
+    }
 }

@@ -1,0 +1,566 @@
+//! One process's NCCL communicator on one group: header-checked collectives on host buffers
+//! (copied to the GPU and back) and on device memory, and point-to-point messages on a
+//! communicator per direction.
+
+use super::super::group::{CommError, OpDesc, ProcessGroup};
+use super::super::header::{HEADER, code, decode, encode, mismatch};
+use super::super::{Buffer, CommDType, Communicator, DeviceCollectives, ReduceOp, lock};
+use super::{Inner, RawComm};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{result, sys};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A communicator and the stream its work runs on; the lock serialises its calls.
+pub(super) struct Link {
+    comm: RawComm,
+    pub(super) stream: Arc<CudaStream>,
+    lock: Mutex<()>,
+}
+
+/// The two communicators between this member and one peer: `out` carries our sends (we are
+/// its NCCL rank 0), `inn` the peer's (NCCL rank 1 is us).
+struct Pair {
+    out: Link,
+    inn: Link,
+}
+
+/// A send NCCL is still carrying: its device copies live until the event completes.
+struct Pending {
+    pair: Arc<Pair>,
+    event: CudaEvent,
+    started: Instant,
+    _header: CudaSlice<u8>,
+    _payload: CudaSlice<u8>,
+}
+
+struct State {
+    seq: u64,
+    poisoned: Option<CommError>,
+}
+
+/// A rank's NCCL communicator on one group (see [`NcclWorld`](super::NcclWorld)).
+pub struct NcclCommunicator {
+    pub(super) group: ProcessGroup,
+    label: String,
+    pub(super) world: Arc<Inner>,
+    pub(super) link: Link,
+    state: Mutex<State>,
+    pairs: Mutex<HashMap<usize, Arc<Pair>>>,
+    pending: Mutex<Vec<Pending>>,
+    /// Messages to this member itself, which need no engine.
+    to_self: Mutex<std::collections::VecDeque<Buffer>>,
+}
+
+impl std::fmt::Debug for NcclCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclCommunicator")
+            .field("group", &self.label)
+            .field("rank", &self.group.rank())
+            .finish_non_exhaustive()
+    }
+}
+
+pub(super) fn nccl_dtype(d: CommDType) -> sys::ncclDataType_t {
+    match d {
+        CommDType::F32 => sys::ncclDataType_t::ncclFloat32,
+        CommDType::F16 => sys::ncclDataType_t::ncclFloat16,
+        CommDType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        CommDType::I32 => sys::ncclDataType_t::ncclInt32,
+        CommDType::I64 => sys::ncclDataType_t::ncclInt64,
+    }
+}
+
+pub(super) fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+    }
+}
+
+pub(super) type NcclResult = Result<result::NcclStatus, result::NcclError>;
+
+const BYTE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
+
+fn i64s_to_bytes(v: &[i64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bytes_to_i64s(b: &[u8]) -> Vec<i64> {
+    b.chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}
+
+impl NcclCommunicator {
+    pub(crate) fn new(group: ProcessGroup, world: Arc<Inner>) -> Result<Self, CommError> {
+        let label = group.to_string();
+        let comm = world.join(&label, &label, group.ranks(), group.rank())?;
+        let link = Self::link(&world, &label, comm)?;
+        Ok(Self {
+            group,
+            label,
+            world,
+            link,
+            state: Mutex::new(State {
+                seq: 0,
+                poisoned: None,
+            }),
+            pairs: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Vec::new()),
+            to_self: Mutex::new(Default::default()),
+        })
+    }
+
+    fn link(world: &Inner, label: &str, comm: RawComm) -> Result<Link, CommError> {
+        let stream = world.ctx.new_stream().map_err(|e| CommError::Engine {
+            group: label.to_string(),
+            op: "new_group",
+            reason: format!("creating a CUDA stream: {e:?}"),
+        })?;
+        Ok(Link {
+            comm,
+            stream,
+            lock: Mutex::new(()),
+        })
+    }
+
+    pub(super) fn engine(&self, op: &'static str, e: impl std::fmt::Debug) -> CommError {
+        CommError::Engine {
+            group: self.label.clone(),
+            op,
+            reason: format!("{e:?}"),
+        }
+    }
+
+    pub(super) fn invalid(&self, op: &'static str, reason: String) -> CommError {
+        CommError::InvalidArgument {
+            group: self.label.clone(),
+            op,
+            reason,
+        }
+    }
+
+    /// The live handle of `link`, or the error of a call on an aborted one.
+    fn handle(&self, link: &Link, op: &'static str) -> Result<sys::ncclComm_t, CommError> {
+        if link.comm.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(self.engine(op, "the communicator was aborted after an earlier failure"));
+        }
+        self.world
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| self.engine(op, e))?;
+        Ok(link.comm.comm)
+    }
+
+    /// Waits for the work enqueued on `link` so far, against the timeout. On a timeout or an
+    /// NCCL error the communicator is aborted.
+    pub(super) fn wait(&self, link: &Link, op: &'static str, seq: u64) -> Result<(), CommError> {
+        let event = link
+            .stream
+            .record_event(None)
+            .map_err(|e| self.engine(op, e))?;
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(2);
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.engine(op, e)),
+            }
+            let mut status = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: a live communicator (aborting happens only below, on this thread).
+            unsafe { sys::ncclCommGetAsyncError(link.comm.comm, &mut status) };
+            if !matches!(
+                status,
+                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+            ) {
+                link.comm.abort();
+                return Err(self.engine(op, format!("NCCL reported {status:?}")));
+            }
+            if start.elapsed() >= self.world.timeout {
+                link.comm.abort();
+                return Err(CommError::Stalled {
+                    group: self.label.clone(),
+                    op,
+                    seq,
+                    waited: start.elapsed(),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// Runs one collective: agree on `desc`, then `f` with the call number; a failure
+    /// poisons the communicator for every later call.
+    pub(super) fn collective<R>(
+        &self,
+        desc: OpDesc,
+        f: impl FnOnce(u64, sys::ncclComm_t) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        let mut state = lock(&self.state);
+        if let Some(e) = &state.poisoned {
+            return Err(e.clone());
+        }
+        let seq = state.seq;
+        state.seq += 1;
+        let _serial = lock(&self.link.lock);
+        let out = self.agree(&desc, seq).and_then(|()| {
+            let comm = self.handle(&self.link, desc.op)?;
+            f(seq, comm)
+        });
+        if let Err(e) = &out {
+            state.poisoned = Some(e.clone());
+        }
+        out
+    }
+
+    /// All-gathers the members' headers and checks they describe the same call (also a
+    /// barrier).
+    fn agree(&self, desc: &OpDesc, seq: u64) -> Result<(), CommError> {
+        let n = self.group.size();
+        if n == 1 {
+            return Ok(());
+        }
+        let mine = encode(desc, seq);
+        let all = self.bytes_op(
+            desc.op,
+            seq,
+            &i64s_to_bytes(&mine),
+            n * HEADER * 8,
+            |s, r, c, st| {
+                // SAFETY: device buffers of the sizes NCCL reads and writes, live until the wait.
+                unsafe { result::all_gather(s as _, r as _, HEADER * 8, BYTE, c, st) }
+            },
+        )?;
+        let theirs: Vec<[i64; HEADER]> = bytes_to_i64s(&all)
+            .chunks_exact(HEADER)
+            .map(|h| h.try_into().expect("HEADER values"))
+            .collect();
+        if theirs.iter().any(|h| *h != mine) {
+            return Err(mismatch(&self.label, seq, &self.group, &theirs));
+        }
+        Ok(())
+    }
+
+    /// Copies `input` to the GPU, runs `enqueue(send, recv, comm, stream)` on the group's
+    /// communicator, waits, and returns the `out_len` bytes of `recv`.
+    fn bytes_op(
+        &self,
+        op: &'static str,
+        seq: u64,
+        input: &[u8],
+        out_len: usize,
+        enqueue: impl FnOnce(u64, u64, sys::ncclComm_t, sys::cudaStream_t) -> NcclResult,
+    ) -> Result<Vec<u8>, CommError> {
+        let comm = self.handle(&self.link, op)?;
+        let stream = &self.link.stream;
+        let cuda = |e| self.engine(op, e);
+        let send = if input.is_empty() {
+            stream.alloc_zeros::<u8>(1)
+        } else {
+            stream.clone_htod(input)
+        }
+        .map_err(cuda)?;
+        let mut recv = stream.alloc_zeros::<u8>(out_len.max(1)).map_err(cuda)?;
+        {
+            let (s, _s) = send.device_ptr(stream);
+            let (r, _r) = recv.device_ptr_mut(stream);
+            enqueue(s, r, comm, stream.cu_stream() as _).map_err(|e| self.engine(op, e))?;
+        }
+        self.wait(&self.link, op, seq)?;
+        self.to_host(op, stream, &recv, out_len)
+    }
+
+    /// The first `len` bytes of `dev`, once `stream` has written them.
+    fn to_host(
+        &self,
+        op: &'static str,
+        stream: &Arc<CudaStream>,
+        dev: &CudaSlice<u8>,
+        len: usize,
+    ) -> Result<Vec<u8>, CommError> {
+        let mut out = vec![0u8; len];
+        if len > 0 {
+            let cuda = |e| self.engine(op, e);
+            stream
+                .memcpy_dtoh(&dev.slice(..len), out.as_mut_slice())
+                .map_err(cuda)?;
+            stream.synchronize().map_err(cuda)?;
+        }
+        Ok(out)
+    }
+
+    /// One collective on host bytes: agree on `desc`, then [`Self::bytes_op`].
+    fn host_op(
+        &self,
+        desc: OpDesc,
+        input: &[u8],
+        out_len: usize,
+        enqueue: impl FnOnce(u64, u64, sys::ncclComm_t, sys::cudaStream_t) -> NcclResult,
+    ) -> Result<Vec<u8>, CommError> {
+        let op = desc.op;
+        self.collective(desc, |seq, _| {
+            self.bytes_op(op, seq, input, out_len, enqueue)
+        })
+    }
+
+    /// The communicators to and from `peer`, made at the pair's first message (both
+    /// directions, lower group index's first, so neither side waits for the other's order).
+    fn pair(&self, op: &'static str, peer: usize) -> Result<Arc<Pair>, CommError> {
+        self.group.check_peer(op, peer)?;
+        let me = self.group.rank();
+        let mut pairs = lock(&self.pairs);
+        if let Some(p) = pairs.get(&peer) {
+            return Ok(p.clone());
+        }
+        let (lo, hi) = (me.min(peer), me.max(peer));
+        let (glo, ghi) = (self.group.global_rank_of(lo), self.group.global_rank_of(hi));
+        let up = self.world.join(
+            &self.label,
+            &format!("{} p2p {glo}->{ghi}", self.label),
+            &[glo, ghi],
+            usize::from(me != lo),
+        )?;
+        let down = self.world.join(
+            &self.label,
+            &format!("{} p2p {ghi}->{glo}", self.label),
+            &[ghi, glo],
+            usize::from(me != hi),
+        )?;
+        let (out, inn) = if me == lo { (up, down) } else { (down, up) };
+        let pair = Arc::new(Pair {
+            out: Self::link(&self.world, &self.label, out)?,
+            inn: Self::link(&self.world, &self.label, inn)?,
+        });
+        pairs.insert(peer, pair.clone());
+        Ok(pair)
+    }
+
+    /// Frees finished sends; a send still unfinished past the timeout stalls its link.
+    fn reap(&self) -> Result<(), CommError> {
+        let mut stalled = None;
+        lock(&self.pending).retain(|p| {
+            if p.event.is_complete() {
+                return false;
+            }
+            if p.started.elapsed() >= self.world.timeout {
+                p.pair.out.comm.abort();
+                stalled.get_or_insert(CommError::Stalled {
+                    group: self.label.clone(),
+                    op: "send",
+                    seq: 0,
+                    waited: p.started.elapsed(),
+                });
+                return false;
+            }
+            true
+        });
+        stalled.map_or(Ok(()), Err)
+    }
+
+    fn recv_bytes(&self, link: &Link, len: usize) -> Result<Vec<u8>, CommError> {
+        let comm = self.handle(link, "recv")?;
+        let cuda = |e| self.engine("recv", e);
+        let mut dev = link.stream.alloc_zeros::<u8>(len.max(1)).map_err(cuda)?;
+        {
+            let (p, _p) = dev.device_ptr_mut(&link.stream);
+            // SAFETY: a device buffer of `len` bytes, live until the wait below.
+            unsafe { result::recv(p as _, len, BYTE, 0, comm, link.stream.cu_stream() as _) }
+                .map_err(|e| self.engine("recv", e))?;
+        }
+        self.wait(link, "recv", 0)?;
+        self.to_host("recv", &link.stream, &dev, len)
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        // Sends still in flight must land before their communicators are destroyed.
+        let start = Instant::now();
+        let pending = std::mem::take(&mut *lock(&self.pending));
+        for p in pending {
+            while !p.event.is_complete() {
+                if start.elapsed() >= self.world.timeout {
+                    p.pair.out.comm.abort();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+impl Communicator for NcclCommunicator {
+    fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    fn timeout(&self) -> Duration {
+        self.world.timeout
+    }
+
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
+        let desc = OpDesc {
+            reduce: Some(op),
+            ..OpDesc::data("all_reduce", buf)
+        };
+        let (dtype, len) = (nccl_dtype(buf.dtype()), buf.len());
+        let out = self.host_op(desc, buf.bytes(), buf.bytes().len(), |s, r, c, st| {
+            // SAFETY: device buffers of `len` elements, live until the wait.
+            unsafe { result::all_reduce(s as _, r as _, len, dtype, nccl_op(op), c, st) }
+        })?;
+        buf.bytes_mut().copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
+        let n = self.group.size();
+        let (dtype, len, bytes) = (input.dtype(), input.len(), input.bytes());
+        let desc = OpDesc::data("all_gather", &input);
+        let out = self.host_op(desc, bytes, n * bytes.len(), |s, r, c, st| {
+            // SAFETY: `len` elements in, `n · len` out, live until the wait.
+            unsafe { result::all_gather(s as _, r as _, len, nccl_dtype(dtype), c, st) }
+        })?;
+        let mut gathered = Buffer::zeros(dtype, n * len);
+        gathered.bytes_mut().copy_from_slice(&out);
+        Ok(gathered)
+    }
+
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
+        let m = OpDesc::even_split(&self.group, "reduce_scatter", input.len())?;
+        let desc = OpDesc {
+            reduce: Some(op),
+            ..OpDesc::data("reduce_scatter", &input)
+        };
+        let dtype = input.dtype();
+        let (nd, nop) = (nccl_dtype(dtype), nccl_op(op));
+        let out = self.host_op(desc, input.bytes(), m * dtype.size(), |s, r, c, st| {
+            // SAFETY: `n · m` elements in, `m` out, live until the wait.
+            unsafe { result::reduce_scatter(s as _, r as _, m, nd, nop, c, st) }
+        })?;
+        let mut mine = Buffer::zeros(dtype, m);
+        mine.bytes_mut().copy_from_slice(&out);
+        Ok(mine)
+    }
+
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
+        self.group.check_peer("broadcast", root)?;
+        let desc = OpDesc {
+            root: Some(root),
+            ..OpDesc::data("broadcast", buf)
+        };
+        let (dtype, len) = (nccl_dtype(buf.dtype()), buf.len());
+        let out = self.host_op(desc, buf.bytes(), buf.bytes().len(), |s, r, c, st| {
+            // SAFETY: device buffers of `len` elements, live until the wait.
+            unsafe { result::broadcast(s as _, r as _, len, dtype, root as i32, c, st) }
+        })?;
+        buf.bytes_mut().copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
+        self.reap()?;
+        self.group.check_peer("send", peer)?;
+        if peer == self.group.rank() {
+            lock(&self.to_self).push_back(buf);
+            return Ok(());
+        }
+        let pair = self.pair("send", peer)?;
+        let link = &pair.out;
+        let _serial = lock(&link.lock);
+        let comm = self.handle(link, "send")?;
+        let cuda = |e| self.engine("send", e);
+        let header = i64s_to_bytes(&[code(&CommDType::ALL, Some(&buf.dtype())), buf.len() as i64]);
+        let header = link.stream.clone_htod(&header).map_err(cuda)?;
+        let payload = if buf.is_empty() {
+            link.stream.alloc_zeros::<u8>(1)
+        } else {
+            link.stream.clone_htod(buf.bytes())
+        }
+        .map_err(cuda)?;
+        let nbytes = buf.bytes().len();
+        {
+            let (h, _h) = header.device_ptr(&link.stream);
+            let (p, _p) = payload.device_ptr(&link.stream);
+            let st = link.stream.cu_stream() as _;
+            result::group_start().map_err(|e| self.engine("send", e))?;
+            // SAFETY: both device buffers live in the pending entry until the event completes.
+            let sent = unsafe {
+                result::send(h as _, 16, BYTE, 1, comm, st)
+                    .and_then(|_| result::send(p as _, nbytes, BYTE, 1, comm, st))
+            };
+            let ended = result::group_end();
+            sent.and(ended).map_err(|e| self.engine("send", e))?;
+        }
+        let event = link.stream.record_event(None).map_err(cuda)?;
+        lock(&self.pending).push(Pending {
+            pair: pair.clone(),
+            event,
+            started: Instant::now(),
+            _header: header,
+            _payload: payload,
+        });
+        Ok(())
+    }
+
+    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
+        self.reap()?;
+        self.group.check_peer("recv", peer)?;
+        if peer == self.group.rank() {
+            let Some(got) = lock(&self.to_self).pop_front() else {
+                return Err(self.invalid("recv", "no message from this member to itself".into()));
+            };
+            if got.dtype() != buf.dtype() || got.len() != buf.len() {
+                return Err(self.invalid(
+                    "recv",
+                    format!(
+                        "this member sent itself {} × {}, and expects {} × {}",
+                        got.dtype(),
+                        got.len(),
+                        buf.dtype(),
+                        buf.len()
+                    ),
+                ));
+            }
+            *buf = got;
+            return Ok(());
+        }
+        let pair = self.pair("recv", peer)?;
+        let link = &pair.inn;
+        let _serial = lock(&link.lock);
+        let header = bytes_to_i64s(&self.recv_bytes(link, 16)?);
+        let dtype: Option<CommDType> = decode(&CommDType::ALL, header[0]);
+        let len = usize::try_from(header[1]).unwrap_or(0);
+        // The payload is taken whatever it is, so the next message starts where it should.
+        let payload = self.recv_bytes(link, len * dtype.map_or(0, |d| d.size()))?;
+        if dtype != Some(buf.dtype()) || len != buf.len() {
+            return Err(CommError::Mismatch {
+                group: self.label.clone(),
+                seq: 0,
+                detail: format!(
+                    "global rank {} sent {} × {len}, global rank {} expects {} × {}",
+                    self.group.global_rank_of(peer),
+                    dtype.map_or("?".to_string(), |d| d.to_string()),
+                    self.group.global_rank(),
+                    buf.dtype(),
+                    buf.len()
+                ),
+            });
+        }
+        buf.bytes_mut().copy_from_slice(&payload);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.collective(OpDesc::BARRIER, |_, _| Ok(()))
+    }
+
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        Some(self)
+    }
+}

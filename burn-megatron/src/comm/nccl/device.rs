@@ -1,0 +1,128 @@
+//! The [`DeviceCollectives`] of an [`NcclCommunicator`]: the caller's device buffers handed
+//! to NCCL, with the same header check and deadline as the host calls.
+
+use super::super::group::{CommError, OpDesc};
+use super::super::{DeviceCollectives, DeviceSlice, ReduceOp};
+use super::communicator::{NcclCommunicator, NcclResult, nccl_dtype, nccl_op};
+use cudarc::nccl::{result, sys};
+
+impl NcclCommunicator {
+    fn check_device(&self, op: &'static str, s: &[DeviceSlice]) -> Result<(), CommError> {
+        if s.windows(2).any(|w| w[0].dtype != w[1].dtype) {
+            return Err(self.invalid(op, "send and receive dtypes differ".into()));
+        }
+        Ok(())
+    }
+
+    /// Enqueues a collective on device memory and waits for it.
+    fn device_op(
+        &self,
+        desc: OpDesc,
+        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> NcclResult,
+    ) -> Result<(), CommError> {
+        let op = desc.op;
+        self.collective(desc, |seq, comm| {
+            enqueue(comm, self.link.stream.cu_stream() as _).map_err(|e| self.engine(op, e))?;
+            self.wait(&self.link, op, seq)
+        })
+    }
+}
+
+/// What a device collective of `send` asks for: as the host call with that buffer, so device
+/// and host calls check against each other.
+fn device_desc(op: &'static str, send: DeviceSlice, reduce: Option<ReduceOp>) -> OpDesc {
+    OpDesc {
+        op,
+        dtype: Some(send.dtype),
+        len: send.len,
+        reduce,
+        root: None,
+    }
+}
+
+// SAFETY: every call waits for its NCCL work before returning, so `send` is read and `recv`
+// written only during the call.
+unsafe impl DeviceCollectives for NcclCommunicator {
+    fn ordinal(&self) -> usize {
+        self.world.ctx.ordinal()
+    }
+
+    unsafe fn all_reduce(
+        &self,
+        send: DeviceSlice,
+        recv: DeviceSlice,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.check_device("all_reduce", &[send, recv])?;
+        if send.len != recv.len {
+            return Err(self.invalid("all_reduce", "send and receive lengths differ".into()));
+        }
+        let desc = device_desc("all_reduce", send, Some(op));
+        self.device_op(desc, |c, st| {
+            // SAFETY: the caller's slices (see the trait).
+            unsafe {
+                result::all_reduce(
+                    send.ptr as _,
+                    recv.ptr as _,
+                    send.len,
+                    nccl_dtype(send.dtype),
+                    nccl_op(op),
+                    c,
+                    st,
+                )
+            }
+        })
+    }
+
+    unsafe fn all_gather(&self, send: DeviceSlice, recv: DeviceSlice) -> Result<(), CommError> {
+        self.check_device("all_gather", &[send, recv])?;
+        if recv.len != send.len * self.group.size() {
+            return Err(self.invalid("all_gather", "recv must hold size × send elements".into()));
+        }
+        let desc = device_desc("all_gather", send, None);
+        self.device_op(desc, |c, st| {
+            // SAFETY: the caller's slices (see the trait).
+            unsafe {
+                result::all_gather(
+                    send.ptr as _,
+                    recv.ptr as _,
+                    send.len,
+                    nccl_dtype(send.dtype),
+                    c,
+                    st,
+                )
+            }
+        })
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        send: DeviceSlice,
+        recv: DeviceSlice,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.check_device("reduce_scatter", &[send, recv])?;
+        let m = OpDesc::even_split(&self.group, "reduce_scatter", send.len)?;
+        if recv.len != m {
+            return Err(self.invalid(
+                "reduce_scatter",
+                "recv must hold send / size elements".into(),
+            ));
+        }
+        let desc = device_desc("reduce_scatter", send, Some(op));
+        self.device_op(desc, |c, st| {
+            // SAFETY: the caller's slices (see the trait).
+            unsafe {
+                result::reduce_scatter(
+                    send.ptr as _,
+                    recv.ptr as _,
+                    m,
+                    nccl_dtype(send.dtype),
+                    nccl_op(op),
+                    c,
+                    st,
+                )
+            }
+        })
+    }
+}

@@ -1,0 +1,307 @@
+//! The `nccl` backend: one process per GPU, over NCCL (cudarc's `nccl`, loaded at run time).
+//!
+//! Each [`ProcessGroup`] is one NCCL communicator with a stream of its own; point-to-point
+//! messages between two members run on two more, one per direction, created together at the
+//! pair's first message. A send is then only enqueued (it never waits for the receiver, as
+//! the trait promises), and two neighbours that both send first cannot deadlock.
+//!
+//! The NCCL unique id of a communicator is made by its first member and handed to the others
+//! by a [`Bootstrap`]: rank 0's [`TcpStore`] (torchrun, srun with `MASTER_ADDR`), or MPI
+//! itself when mpirun started the job and the `mpi` feature is on.
+//!
+//! NCCL has no deadline and runs on the GPU. Every call here waits for its stream by polling
+//! an event against the communicator's timeout; on a timeout the communicator is aborted
+//! (`ncclCommAbort`, which frees the stuck kernels) and the call fails with
+//! [`CommError::Stalled`]. Before each collective the members all-gather a small header (op,
+//! dtype, count, reduction, root, call number), so a mismatched call is an error on every
+//! member, as in the other backends; each message carries its dtype and length likewise.
+//!
+//! Reductions are NCCL's own (f16 and bf16 native): every rank gets the same bits, but not
+//! necessarily those of the threaded backend, which folds in group order.
+
+mod communicator;
+mod device;
+
+pub use communicator::NcclCommunicator;
+
+use super::group::{CommError, ProcessGroup};
+use super::{Buffer, Comm, TcpStore, World, lock};
+use cudarc::driver::CudaContext;
+use cudarc::nccl::{result, sys};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The exit status of a process this backend ends after a failure.
+pub const ABORT_CODE: i32 = 3;
+
+/// How the members of a new communicator receive its NCCL unique id.
+#[derive(Debug)]
+pub enum Bootstrap {
+    /// Through rank 0's key-value store.
+    Store(TcpStore),
+    /// Over a host-buffer world with the same ranks (MPI under mpirun): a broadcast on a
+    /// group of the new communicator's members.
+    World(Arc<dyn World>),
+}
+
+/// An NCCL communicator handle. Destroyed on drop, or aborted when a call on it stalled.
+pub(crate) struct RawComm {
+    pub(crate) comm: sys::ncclComm_t,
+    aborted: std::sync::atomic::AtomicBool,
+}
+
+// SAFETY: NCCL communicators may be used from any thread; calls on one are serialised by
+// the communicator's locks, as NCCL requires.
+unsafe impl Send for RawComm {}
+unsafe impl Sync for RawComm {}
+
+impl RawComm {
+    /// Frees the kernels stuck on this communicator; later calls fail.
+    pub(crate) fn abort(&self) {
+        if !self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            // SAFETY: a live communicator, aborted once.
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        if !*self.aborted.get_mut() {
+            // SAFETY: a live communicator, destroyed once; its streams are idle (every call
+            // waits for its work, pending sends are waited for by their owner's drop).
+            let _ = unsafe { result::comm_destroy(self.comm) };
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) ctx: Arc<CudaContext>,
+    bootstrap: Bootstrap,
+    rank: usize,
+    size: usize,
+    pub(crate) timeout: Duration,
+    /// How many communicators of each key this process has made: members make theirs in the
+    /// same order, so the count names the same communicator on every member.
+    created: Mutex<HashMap<String, u64>>,
+}
+
+/// The ranks of a job of one process per GPU, over NCCL. See the [module docs](self).
+#[derive(Clone, Debug)]
+pub struct NcclWorld {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclWorld")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.ctx.ordinal())
+            .field("bootstrap", &self.bootstrap)
+            .finish()
+    }
+}
+
+impl NcclWorld {
+    /// Global rank `rank` of `size`, on CUDA device `ordinal`.
+    pub fn new(
+        ordinal: usize,
+        rank: usize,
+        size: usize,
+        bootstrap: Bootstrap,
+        timeout: Duration,
+    ) -> Result<Self, CommError> {
+        let engine = |reason: String| CommError::Engine {
+            group: "world".into(),
+            op: "init",
+            reason,
+        };
+        if rank >= size {
+            return Err(engine(format!("rank {rank} is outside a world of {size}")));
+        }
+        let version = result::get_nccl_version()
+            .map_err(|e| engine(format!("libnccl could not be loaded or queried: {e:?}")))?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| engine(format!("CUDA device {ordinal} (NCCL {version}): {e:?}")))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                ctx,
+                bootstrap,
+                rank,
+                size,
+                timeout,
+                created: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// This process's global rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+}
+
+impl Inner {
+    /// Joins a new NCCL communicator over `group` named `what`, as member `index` of
+    /// `ranks.len()`: the id comes from `ranks[0]`, the join is bounded by the timeout.
+    pub(crate) fn join(
+        &self,
+        label: &str,
+        what: &str,
+        ranks: &[usize],
+        index: usize,
+    ) -> Result<RawComm, CommError> {
+        let key = format!("nccl/{what}");
+        let count = {
+            let mut created = lock(&self.created);
+            let c = created.entry(key.clone()).or_insert(0);
+            *c += 1;
+            *c
+        };
+        let key = format!("{key}#{count}");
+        let engine = |reason: String| CommError::Engine {
+            group: label.to_string(),
+            op: "new_group",
+            reason,
+        };
+        let id = if index == 0 {
+            Some(result::get_uniqueid().map_err(|e| engine(format!("ncclGetUniqueId: {e:?}")))?)
+        } else {
+            None
+        };
+        let id = self.share(label, &key, ranks, id)?;
+        let ctx = self.ctx.clone();
+        let (n, me) = (ranks.len() as i32, index as i32);
+        // ncclCommInitRank waits for every member with no deadline: run it aside and stop
+        // waiting at ours. A join that never completes leaves that thread behind, and the
+        // error ends the job.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("nccl-init".into())
+            .spawn(move || {
+                let joined = ctx
+                    .bind_to_thread()
+                    .map_err(|e| format!("{e:?}"))
+                    .and_then(|_| {
+                        let mut comm = std::mem::MaybeUninit::uninit();
+                        // SAFETY: `comm` is written by a successful init, read only then.
+                        unsafe {
+                            result::comm_init_rank(comm.as_mut_ptr(), n, id, me)
+                                .map(|_| Raw(comm.assume_init()))
+                                .map_err(|e| format!("ncclCommInitRank: {e:?}"))
+                        }
+                    });
+                let _ = tx.send(joined);
+            })
+            .map_err(|e| engine(format!("spawning the init thread: {e}")))?;
+        let start = Instant::now();
+        match rx.recv_timeout(self.timeout) {
+            Ok(Ok(Raw(comm))) => Ok(RawComm {
+                comm,
+                aborted: false.into(),
+            }),
+            Ok(Err(reason)) => Err(engine(reason)),
+            Err(_) => Err(CommError::Stalled {
+                group: label.to_string(),
+                op: "new_group",
+                seq: 0,
+                waited: start.elapsed(),
+            }),
+        }
+    }
+
+    /// Hands the id of `ranks[0]` to every member of `ranks`.
+    fn share(
+        &self,
+        label: &str,
+        key: &str,
+        ranks: &[usize],
+        id: Option<sys::ncclUniqueId>,
+    ) -> Result<sys::ncclUniqueId, CommError> {
+        let bytes =
+            |id: &sys::ncclUniqueId| -> Vec<u8> { id.internal.iter().map(|&c| c as u8).collect() };
+        let from_bytes = |b: &[u8]| -> Result<sys::ncclUniqueId, CommError> {
+            let internal: [std::ffi::c_char; 128] =
+                std::array::from_fn(|i| b.get(i).copied().unwrap_or(0) as std::ffi::c_char);
+            if b.len() != 128 {
+                return Err(CommError::Engine {
+                    group: label.to_string(),
+                    op: "new_group",
+                    reason: format!("the rendezvous gave a {}-byte NCCL id, not 128", b.len()),
+                });
+            }
+            Ok(sys::ncclUniqueId { internal })
+        };
+        match &self.bootstrap {
+            Bootstrap::Store(store) => {
+                if let Some(id) = id {
+                    store.set(key, &bytes(&id)).map_err(|e| CommError::Engine {
+                        group: label.to_string(),
+                        op: "new_group",
+                        reason: e.to_string(),
+                    })?;
+                    Ok(id)
+                } else {
+                    let got = store.get(key, self.timeout).map_err(|e| match e {
+                        super::StoreError::Timeout { waited, .. } => CommError::Timeout {
+                            group: label.to_string(),
+                            op: "new_group",
+                            seq: 0,
+                            waited,
+                            missing: vec![ranks[0]],
+                        },
+                        other => CommError::Engine {
+                            group: label.to_string(),
+                            op: "new_group",
+                            reason: other.to_string(),
+                        },
+                    })?;
+                    from_bytes(&got)
+                }
+            }
+            Bootstrap::World(world) => {
+                let comm = world.new_group(key, ranks.to_vec(), self.rank)?;
+                let words = |b: Vec<u8>| -> Vec<i64> {
+                    b.chunks_exact(8)
+                        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        .collect()
+                };
+                let mut buf = Buffer::I64(id.map_or_else(|| vec![0; 16], |id| words(bytes(&id))));
+                comm.broadcast(&mut buf, 0)?;
+                from_bytes(buf.bytes())
+            }
+        }
+    }
+}
+
+struct Raw(sys::ncclComm_t);
+// SAFETY: a communicator handle moved once from the init thread to its owner.
+unsafe impl Send for Raw {}
+
+impl World for NcclWorld {
+    fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    fn new_group(
+        &self,
+        name: &str,
+        ranks: Vec<usize>,
+        global_rank: usize,
+    ) -> Result<Comm, CommError> {
+        let group = ProcessGroup::of_process(
+            name,
+            ranks,
+            global_rank,
+            (self.inner.rank, self.inner.size),
+            "NCCL",
+        )?;
+        Ok(Arc::new(NcclCommunicator::new(group, self.inner.clone())?))
+    }
+}

@@ -1,0 +1,181 @@
+//! [`from_env`](super::from_env) on NCCL: where the unique ids come from, and the run.
+//!
+//! Under mpirun (Open MPI or a PMI launcher) with the `mpi` feature, MPI hands the ids
+//! round. Otherwise rank 0 serves a [`TcpStore`](crate::comm::TcpStore) at `MASTER_ADDR`:
+//! on `MASTER_PORT`, or on `MASTER_PORT + 1` under torchrun, whose agent already serves its
+//! own store on `MASTER_PORT` (it says so with `TORCHELASTIC_USE_AGENT_STORE=True`). Rank 0
+//! must run on `MASTER_ADDR`'s host, as it does under torchrun's static rendezvous.
+
+use super::env::{LaunchEnv, Launcher};
+#[cfg(feature = "cuda")]
+use super::{LaunchError, LaunchOptions, RankContext};
+#[cfg(feature = "cuda")]
+use crate::topology::ParallelState;
+
+/// The host and port of the rendezvous store, from the launch environment and torchrun's
+/// `TORCHELASTIC_USE_AGENT_STORE`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn store_addr(
+    env: &LaunchEnv,
+    agent_store: Option<&str>,
+) -> Result<(String, u16), String> {
+    let Some(master) = &env.master else {
+        return Err(format!(
+            "the nccl backend needs MASTER_ADDR and MASTER_PORT (rank 0's host and a free port) \
+             for its rendezvous{}",
+            if matches!(env.launcher, Launcher::OpenMpi | Launcher::Pmi) {
+                ", or burn-megatron built with the `mpi` feature to use MPI for it"
+            } else {
+                ""
+            }
+        ));
+    };
+    let port = if agent_store.is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        master.port.checked_add(1).ok_or_else(|| {
+            "MASTER_PORT is 65535: torchrun's agent holds it, and there is no next port for \
+             the nccl rendezvous"
+                .to_string()
+        })?
+    } else {
+        master.port
+    };
+    Ok((master.addr.clone(), port))
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn run_nccl<T, E: std::fmt::Display>(
+    env: &LaunchEnv,
+    state: ParallelState,
+    options: &LaunchOptions,
+    f: impl FnOnce(RankContext) -> Result<T, E>,
+) -> Result<T, LaunchError<E>> {
+    use super::panic_message;
+    use crate::comm::nccl::{ABORT_CODE, Bootstrap, NcclWorld};
+    use crate::comm::{TcpStore, World};
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    use std::sync::Arc;
+
+    let rank = env.rank;
+    let setup = |source| LaunchError::Comm { rank, source };
+    #[cfg(feature = "mpi")]
+    let mpi = if matches!(env.launcher, Launcher::OpenMpi | Launcher::Pmi) {
+        let world = crate::comm::MpiWorld::init(options.timeout).map_err(setup)?;
+        world.barrier();
+        Some(world)
+    } else {
+        None
+    };
+    #[cfg(not(feature = "mpi"))]
+    let mpi: Option<std::convert::Infallible> = None;
+    let bootstrap = match &mpi {
+        #[cfg(feature = "mpi")]
+        Some(world) => Bootstrap::World(Arc::new(world.clone())),
+        #[cfg(not(feature = "mpi"))]
+        Some(never) => match *never {},
+        None => {
+            let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").ok();
+            let (host, port) = store_addr(env, agent.as_deref()).map_err(LaunchError::Backend)?;
+            let store = if rank == 0 {
+                TcpStore::serve(([0, 0, 0, 0], port).into())
+            } else {
+                TcpStore::connect(format!("{host}:{port}"), options.timeout)
+            };
+            Bootstrap::Store(store.map_err(|e| LaunchError::Backend(e.to_string()))?)
+        }
+    };
+    let world = NcclWorld::new(
+        env.local_rank,
+        rank,
+        env.world_size,
+        bootstrap,
+        options.timeout,
+    )
+    .map_err(setup)?;
+    let device = options.device_or(rank, || {
+        burn::tensor::Device::cuda(env.local_rank).autodiff()
+    });
+    let shared: Arc<dyn World> = Arc::new(world);
+    // Once communicators exist a failing rank must end the job: its peers would wait for it.
+    let fatal = |reason: String| -> ! {
+        eprintln!("burn-megatron: global rank {rank}: {reason}; ending the job");
+        #[cfg(feature = "mpi")]
+        if let Some(world) = &mpi {
+            world.abort(&reason);
+        }
+        std::process::exit(ABORT_CODE)
+    };
+    let ctx = RankContext::new(state, shared, device)
+        .unwrap_or_else(|e| fatal(format!("communicator setup failed: {e}")));
+    match catch_unwind(AssertUnwindSafe(|| f(ctx))) {
+        Ok(Ok(v)) => {
+            #[cfg(feature = "mpi")]
+            if let Some(world) = mpi {
+                world.finalize();
+            }
+            Ok(v)
+        }
+        Ok(Err(e)) => fatal(format!("failed: {e}")),
+        Err(payload) => fatal(format!("panicked: {}", panic_message(payload.as_ref()))),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn run_nccl<T, E>(
+    _: &LaunchEnv,
+    _: crate::topology::ParallelState,
+    _: &super::LaunchOptions,
+    _: impl FnOnce(super::RankContext) -> Result<T, E>,
+) -> Result<T, super::LaunchError<E>> {
+    Err(super::LaunchError::Backend(
+        "the nccl backend needs burn-megatron built with the `cuda` feature".into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::MasterAddr;
+
+    fn env(launcher: Launcher, master: Option<(&str, u16)>) -> LaunchEnv {
+        LaunchEnv {
+            launcher,
+            rank: 1,
+            world_size: 2,
+            local_rank: 1,
+            master: master.map(|(addr, port)| MasterAddr {
+                addr: addr.into(),
+                port,
+            }),
+        }
+    }
+
+    #[test]
+    fn the_store_is_on_master_port_or_the_next_one_under_torchruns_agent() {
+        let e = env(Launcher::Slurm, Some(("node0", 29500)));
+        assert_eq!(store_addr(&e, None).unwrap(), ("node0".into(), 29500));
+        assert_eq!(
+            store_addr(&e, Some("False")).unwrap(),
+            ("node0".into(), 29500)
+        );
+        let t = env(Launcher::Torchrun, Some(("node0", 29500)));
+        assert_eq!(
+            store_addr(&t, Some("True")).unwrap(),
+            ("node0".into(), 29501)
+        );
+        let full = env(Launcher::Torchrun, Some(("node0", 65535)));
+        assert!(
+            store_addr(&full, Some("True"))
+                .unwrap_err()
+                .contains("65535")
+        );
+    }
+
+    #[test]
+    fn without_master_addr_the_error_says_what_to_set() {
+        let e = store_addr(&env(Launcher::Slurm, None), None).unwrap_err();
+        assert!(e.contains("MASTER_ADDR and MASTER_PORT"), "{e}");
+        assert!(!e.contains("mpi"), "{e}");
+        let e = store_addr(&env(Launcher::OpenMpi, None), None).unwrap_err();
+        assert!(e.contains("`mpi` feature"), "{e}");
+    }
+}

@@ -1,0 +1,135 @@
+//! The mappings on Burn's CUDA tensors, on device memory, when the communicator has device
+//! collectives (NCCL): activations and gradients never leave the GPU. Splits are slices on the
+//! device; gathers and reductions hand the tensors' buffers to NCCL.
+//!
+//! NCCL runs on a stream of its own, so Burn's stream is drained before a collective reads a
+//! tensor, and the collective has finished (the communicator waits) before Burn reads its
+//! output.
+
+use super::Mapping;
+use crate::comm::{Comm, CommError, DeviceCollectives, DeviceSlice, ReduceOp, comm_dtype};
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{Shape, Slice};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::RuntimeId;
+
+type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
+
+/// The communicator's device collectives, when they apply to `x`: a CUDA tensor of a dtype
+/// they carry, not empty, on a group of more than one.
+pub(crate) fn collectives<'a>(x: &CubeTensor, comm: &'a Comm) -> Option<&'a dyn DeviceCollectives> {
+    // An empty tensor has no buffer to hand over; the host path costs nothing for it.
+    let applies = comm.group().size() > 1
+        && x.meta.shape().num_elements() > 0
+        && x.device.runtime() == RuntimeId::Cuda
+        && comm_dtype(x.dtype).is_some();
+    comm.device_collectives().filter(|_| applies)
+}
+
+/// `mapping` of `x` on the device, over `dev` (from [`collectives`]).
+pub(crate) fn forward(
+    mapping: Mapping,
+    x: CubeTensor,
+    comm: &Comm,
+    dev: &dyn DeviceCollectives,
+) -> CubeTensor {
+    run(mapping, x, comm, dev).unwrap_or_else(|e| panic!("tensor-parallel {mapping:?} failed: {e}"))
+}
+
+fn run(
+    mapping: Mapping,
+    x: CubeTensor,
+    comm: &Comm,
+    dev: &dyn DeviceCollectives,
+) -> Result<CubeTensor, CommError> {
+    let (n, me) = (comm.group().size(), comm.group().rank());
+    let dims = x.meta.shape().to_vec();
+    let last = dims.len() - 1;
+    let part = |dim: usize| super::host::split_size(mapping, comm, &dims, dim);
+    let with = |dim: usize, size: usize| {
+        let mut d = dims.clone();
+        d[dim] = size;
+        Shape::from(d)
+    };
+    Ok(match mapping {
+        Mapping::CopyTo => x,
+        Mapping::ScatterToTp => narrow(x, last, me * part(last)?, part(last)?),
+        Mapping::ScatterToSp => narrow(x, 0, me * part(0)?, part(0)?),
+        Mapping::ReduceFrom => {
+            let shape = Shape::from(dims.clone());
+            collective(&x, shape, comm, |s, r| unsafe {
+                dev.all_reduce(s, r, ReduceOp::Sum)
+            })?
+        }
+        Mapping::GatherFromSp { .. } => {
+            let shape = with(0, dims[0] * n);
+            collective(&x, shape, comm, |s, r| unsafe { dev.all_gather(s, r) })?
+        }
+        Mapping::ReduceScatterToSp => {
+            let shape = with(0, part(0)?);
+            collective(&x, shape, comm, |s, r| unsafe {
+                dev.reduce_scatter(s, r, ReduceOp::Sum)
+            })?
+        }
+        Mapping::GatherFromTp => {
+            // Gathered as n blocks of [rows, cols]; the blocks go side by side on the last dim.
+            let rows: usize = dims[..last].iter().product();
+            let cols = dims[last];
+            let blocks = collective(&x, Shape::from([n, rows, cols]), comm, |s, r| unsafe {
+                dev.all_gather(s, r)
+            })?;
+            let side_by_side = into_contiguous(CubeBackend::float_swap_dims(blocks, 0, 1));
+            CubeBackend::float_reshape(side_by_side, with(last, cols * n))
+        }
+    })
+}
+
+fn narrow(x: CubeTensor, dim: usize, start: usize, len: usize) -> CubeTensor {
+    let slices: Vec<Slice> = (0..x.meta.shape().num_dims())
+        .map(|d| {
+            if d == dim {
+                Slice::from(start..start + len)
+            } else {
+                Slice::from(..)
+            }
+        })
+        .collect();
+    CubeBackend::float_slice(x, &slices)
+}
+
+/// Runs `op` from `x`'s buffer into a new tensor of `shape` on the same device.
+fn collective(
+    x: &CubeTensor,
+    shape: Shape,
+    comm: &Comm,
+    op: impl FnOnce(DeviceSlice, DeviceSlice) -> Result<(), CommError>,
+) -> Result<CubeTensor, CommError> {
+    let engine = |reason: String| CommError::Engine {
+        group: comm.group().to_string(),
+        op: "device collective",
+        reason,
+    };
+    let x = into_contiguous(x.clone());
+    let dtype = comm_dtype(x.dtype).expect("checked by the caller");
+    let out = empty_device_dtype(x.client.clone(), x.device.clone(), shape.clone(), x.dtype);
+    // NCCL reads `x` on its own stream: everything Burn queued must have run.
+    cubecl::future::block_on(x.client.sync()).map_err(|e| engine(format!("{e:?}")))?;
+    let src = x
+        .client
+        .get_resource::<CudaServer>(x.handle.clone())
+        .map_err(|e| engine(format!("{e:?}")))?;
+    let dst = out
+        .client
+        .get_resource::<CudaServer>(out.handle.clone())
+        .map_err(|e| engine(format!("{e:?}")))?;
+    let slice = |ptr: u64, len: usize| DeviceSlice { ptr, dtype, len };
+    // The resources keep both allocations in place until `op` has waited for NCCL.
+    op(
+        slice(src.resource().ptr, x.meta.shape().num_elements()),
+        slice(dst.resource().ptr, shape.num_elements()),
+    )?;
+    Ok(out)
+}
