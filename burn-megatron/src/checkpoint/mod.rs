@@ -31,6 +31,9 @@ pub enum CheckpointError {
     /// The checkpoint does not fit the model (another layout or architecture).
     #[error("checkpoint does not match the model: {0}")]
     Mismatch(String),
+    /// Gathering a distributed optimizer's state failed.
+    #[error("gathering the optimizer state: {0}")]
+    Optimizer(#[from] crate::optimizer::OptimizerError),
 }
 
 fn io(path: &Path, message: impl ToString) -> CheckpointError {
@@ -207,6 +210,11 @@ struct State {
 
 /// Saves one rank's model and optimizer into `dir` (see [`rank_dir`]), with `extra` (e.g.
 /// scheduler and data positions) kept in `state.json`.
+///
+/// With a distributed optimizer call it on every data-parallel rank: the state of every
+/// rank's shards is gathered into whole parameters (the same files as without it, so either
+/// optimizer can load them) and data-parallel rank 0 writes. Otherwise call it on one rank
+/// of the data-parallel group.
 pub fn save_checkpoint<M: Module + Clone>(
     dir: &Path,
     iteration: usize,
@@ -214,6 +222,17 @@ pub fn save_checkpoint<M: Module + Clone>(
     optimizer: &MegatronOptimizer<M>,
     extra: serde_json::Value,
 ) -> Result<(), CheckpointError> {
+    // The fused optimizer's flat buffers, cut back into per-parameter tensors by module
+    // path: readable by any tool, and independent of how parameters were grouped or sharded.
+    let mut flat_state = Vec::new();
+    if let Some(flat) = optimizer.flat() {
+        for buffer in Buffer::ALL {
+            flat_state.push((buffer, flat.state_module(buffer, model)?));
+        }
+    }
+    if optimizer.data_parallel_rank().is_some_and(|r| r != 0) {
+        return Ok(());
+    }
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     save_module(model, &dir.join("model.safetensors"))?;
     if let Some(master) = optimizer.master() {
@@ -226,13 +245,9 @@ pub fn save_checkpoint<M: Module + Clone>(
             .save(&optim)
             .map_err(|e| io(&optim, format!("{e:?}")))?;
     }
-    // The fused optimizer's flat buffers, cut back into per-parameter tensors by module
-    // path: readable by any tool, and independent of how parameters were grouped.
-    if let Some(flat) = optimizer.flat() {
-        for buffer in Buffer::ALL {
-            let path = dir.join(format!("{}.safetensors", buffer.file_stem()));
-            save_module(&flat.state_module(buffer, model), &path)?;
-        }
+    for (buffer, module) in &flat_state {
+        let path = dir.join(format!("{}.safetensors", buffer.file_stem()));
+        save_module(module, &path)?;
     }
     let state = State {
         iteration,
@@ -264,7 +279,7 @@ pub struct Restored<M: Module> {
 pub fn load_checkpoint<M: Module + Clone>(
     dir: &Path,
     model: M,
-    make_optimizer: impl FnOnce(&M) -> MegatronOptimizer<M>,
+    make_optimizer: impl FnOnce(&M) -> Result<MegatronOptimizer<M>, crate::optimizer::OptimizerError>,
 ) -> Result<Restored<M>, CheckpointError> {
     if !dir.is_dir() {
         return Err(io(
@@ -273,7 +288,7 @@ pub fn load_checkpoint<M: Module + Clone>(
         ));
     }
     let model = load_module(model, &dir.join("model.safetensors"))?;
-    let mut optimizer = make_optimizer(&model);
+    let mut optimizer = make_optimizer(&model)?;
     let path = dir.join("state.json");
     let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
     let state: State = serde_json::from_str(&text).map_err(|e| io(&path, e))?;
@@ -298,7 +313,7 @@ pub fn load_checkpoint<M: Module + Clone>(
             let mut modules = Vec::new();
             for buffer in Buffer::ALL {
                 let path = dir.join(format!("{}.safetensors", buffer.file_stem()));
-                modules.push(load_module(flat.state_module(buffer, &model), &path)?);
+                modules.push(load_module(flat.state_template(&model), &path)?);
             }
             flat.load([&modules[0], &modules[1], &modules[2]], steps)
                 .map_err(|e| CheckpointError::Mismatch(format!("{}: {e}", dir.display())))?;

@@ -4,7 +4,9 @@
 //! [`finalize_model_grads`] reduces after backward, once per optimizer step, so gradient
 //! accumulation over micro-batches (sum the micro-batch `GradientsParams`, then finalize)
 //! costs one reduction. [`OverlapReducer`] instead starts each bucket's reduction during the
-//! last micro-batch's backward, as soon as its gradients are in.
+//! last micro-batch's backward, as soon as its gradients are in. With the distributed
+//! optimizer a [`ShardPlan`] decides which elements each rank owns, and the buckets are
+//! reduce-scattered ([`finalize_model_grads_distributed`]).
 
 use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
 use crate::comm::{Buffer, Comm, CommError, ReduceOp};
@@ -15,10 +17,14 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 
 mod overlap;
+mod shard;
+mod sharded;
 #[cfg(test)]
 mod tests;
 
 pub use overlap::{ActiveGuard, GradHookOps, Hook, OverlapReducer, hook_param};
+pub use shard::{Piece, PlannedBucket, PlannedParam, ShardPlan};
+pub use sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
 
 /// How gradients are reduced over the data-parallel group.
 #[derive(Debug, Clone, PartialEq)]

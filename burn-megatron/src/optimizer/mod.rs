@@ -13,6 +13,8 @@ mod param_groups;
 mod scheduler;
 
 #[cfg(test)]
+mod distributed_tests;
+#[cfg(test)]
 mod tests;
 
 pub(crate) use fused_adam::Buffer;

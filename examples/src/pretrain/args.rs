@@ -142,6 +142,12 @@ pub struct Args {
     /// instead of burn-optim's `AdamW`; the same update.
     #[arg(long)]
     pub use_fused_adam: bool,
+    /// Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered over the
+    /// data-parallel group, each rank keeping master weights and Adam moments for its shard
+    /// only, weights all-gathered after the step. Uses the fused Adam (implies
+    /// --use-fused-adam).
+    #[arg(long)]
+    pub use_distributed_optimizer: bool,
     /// Clip gradients to this global L2 norm (0 disables).
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad: f64,

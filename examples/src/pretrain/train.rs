@@ -4,21 +4,23 @@
 //! validation and checkpoints.
 
 use super::{Args, IterationLog, Shared};
+use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{DType, Tensor};
 use burn_megatron::checkpoint::{
     load_checkpoint, rank_dir, read_latest, save_checkpoint, write_latest,
 };
-use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
+use burn_megatron::comm::{Buffer, CommError, CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BertBatch, BertDataset, BertSample};
 use burn_megatron::data_parallel::{
-    DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
+    DataParallelConfig, OverlapReducer, ShardPlan, finalize_model_grads,
+    finalize_model_grads_distributed, finalize_model_grads_overlapped,
 };
 use burn_megatron::launch::RankContext;
 use burn_megatron::models::{Bert, BertConfig, BertStageOutput};
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
-    OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
+    OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
 };
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync, P2pShapes,
@@ -180,49 +182,93 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
     let model = cast_params(model, dtype(args));
-    let fused_adam = args
-        .use_fused_adam
+    let fused_adam = (args.use_fused_adam || args.use_distributed_optimizer)
         .then(|| FusedAdamConfig::new().init())
         .transpose()
         .map_err(|e| e.to_string())?;
+    let dp_config = DataParallelConfig::default();
+    // The distributed optimizer's shards: one plan per model chunk, the same on every
+    // tensor-parallel peer (same shapes), made from the model's (possibly loaded) ids.
+    let tied = ctx
+        .groups
+        .embedding
+        .as_ref()
+        .is_some_and(|e| e.group().size() > 1);
+    let plans_of = |model: &Vec<Bert>| -> Vec<ShardPlan> {
+        let (size, rank) = (ctx.state.data_parallel_size(), dp_rank);
+        model
+            .iter()
+            .map(|chunk| ShardPlan::new(chunk, size, rank, &dp_config, tied))
+            .collect()
+    };
     // The weight decay is the scheduler's, set every step; no decay on biases and norms.
-    let make_optimizer = |model: &Vec<Bert>| {
+    let make_optimizer = |model: &Vec<Bert>| -> Result<MegatronOptimizer<Vec<Bert>>, CommError> {
         let mp = ctx.groups.mp.clone();
-        let optim = if let Some(adam) = &fused_adam {
-            MegatronOptimizer::fused_adam(adam.clone(), model, mp, tp_rank)
-        } else {
-            let adamw = AdamWConfig::new().with_weight_decay(0.0);
-            MegatronOptimizer::new(adamw.init(), model, mp, tp_rank)
+        let optim = match &fused_adam {
+            Some(adam) if args.use_distributed_optimizer => {
+                let dp = ctx.groups.dp.clone();
+                MegatronOptimizer::distributed_fused_adam(
+                    adam.clone(),
+                    model,
+                    plans_of(model),
+                    dp,
+                    mp,
+                    tp_rank,
+                )?
+            }
+            Some(adam) => MegatronOptimizer::fused_adam(adam.clone(), model, mp, tp_rank),
+            None => {
+                let adamw = AdamWConfig::new().with_weight_decay(0.0);
+                MegatronOptimizer::new(adamw.init(), model, mp, tp_rank)
+            }
         }
         .with_clip_grad(args.clip_grad, NormType::L2);
-        match (args.fp16, args.loss_scale) {
+        Ok(match (args.fp16, args.loss_scale) {
             (false, _) => optim,
             (true, Some(s)) => optim.with_grad_scaler(ConstantGradScaler::new(s)),
             (true, None) => optim.with_grad_scaler(DynamicGradScaler::default()),
-        }
+        })
     };
     let scheduler = scheduler(args)?;
     let (mut model, mut optim, start, mut skipped) = match &args.load {
         None => {
-            let optim = make_optimizer(&model);
+            let optim = make_optimizer(&model).map_err(|e| e.to_string())?;
             (model, optim, 0, 0usize)
         }
         Some(root) => {
             let iteration = read_latest(root).map_err(|e| e.to_string())?.unwrap_or(0);
             let dir = rank_dir(root, iteration, tp_rank, pp_rank);
-            let r = load_checkpoint(&dir, model, make_optimizer).map_err(|e| e.to_string())?;
+            let r = load_checkpoint(&dir, model, |m| {
+                make_optimizer(m).map_err(OptimizerError::Comm)
+            })
+            .map_err(|e| e.to_string())?;
             let skipped = r.extra["skipped_iterations"].as_u64().unwrap_or(0) as usize;
             (r.model, r.optimizer, r.iteration, skipped)
         }
     };
 
-    let dp_config = DataParallelConfig::default();
+    if let Some(state) = optim.state_elements().filter(|_| leader) {
+        // The distributed optimizer's point: 12 bytes of state per parameter, over DP.
+        let params = model.num_params();
+        shared.println(format!(
+            " optimizer state on rank 0: {state} f32 elements for {params} parameters, {:.2} bytes per parameter",
+            4.0 * state as f64 / params.max(1) as f64
+        ));
+    }
+    let plans = plans_of(&model);
     let reducers: Vec<OverlapReducer> = if args.overlap_grad_reduce {
         ctx.chunk_data_parallel_groups(model.len())
             .map_err(|e| e.to_string())?
             .iter()
             .zip(&model)
-            .map(|(dp, chunk)| OverlapReducer::new(chunk, dp, &dp_config))
+            .zip(&plans)
+            .map(|((dp, chunk), plan)| {
+                if args.use_distributed_optimizer {
+                    OverlapReducer::distributed(chunk, dp, &dp_config, plan)
+                } else {
+                    OverlapReducer::new(chunk, dp, &dp_config)
+                }
+            })
             .collect()
     } else {
         Vec::new()
@@ -255,6 +301,10 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         if args.overlap_grad_reduce {
             finalize_model_grads_overlapped(
                 &reducers, &model, &mut grads, tp, embedding, &dp_config,
+            )
+        } else if args.use_distributed_optimizer {
+            finalize_model_grads_distributed(
+                &plans, &model, &mut grads, dp, tp, embedding, &dp_config,
             )
         } else {
             finalize_model_grads(&model, &mut grads, dp, tp, embedding, &dp_config)
@@ -302,7 +352,8 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             .as_ref()
             .filter(|_| save_now || done == args.train_iters)
         {
-            if dp_rank == 0 {
+            // A distributed optimizer gathers its shards from every data-parallel rank.
+            if dp_rank == 0 || args.use_distributed_optimizer {
                 let extra = serde_json::json!({ "skipped_iterations": skipped });
                 let dir = rank_dir(root, done, tp_rank, pp_rank);
                 save_checkpoint(&dir, done, &model, &optim, extra).map_err(|e| e.to_string())?;

@@ -25,7 +25,7 @@ mod tests;
 
 pub use ops::GradHookOps;
 
-use super::{DataParallelConfig, bucket_layout};
+use super::{DataParallelConfig, ShardPlan, bucket_layout};
 use crate::comm::tensor::buffer_to_tensor;
 use crate::comm::{Buffer, Comm, CommError, ReduceOp};
 use crate::param_grads::{float_params, put_flat, take_flat};
@@ -107,6 +107,9 @@ impl State {
 struct Shared {
     comm: Comm,
     op: ReduceOp,
+    /// The distributed optimizer's plan: buckets reduce-scattered as it says, and never
+    /// laid out again (the optimizer's shards are the plan's).
+    plan: Option<ShardPlan>,
     state: Mutex<State>,
     ready: Condvar,
 }
@@ -185,10 +188,19 @@ impl Shared {
             state.events.push(Event::Launch(b));
             let mut buf = Buffer::F32(state.buckets[b].main_grad.clone());
             drop(state);
-            let result = self.comm.all_reduce(&mut buf, self.op).map(|()| match buf {
+            let f32s = |buf: Buffer| match buf {
                 Buffer::F32(v) => v,
-                _ => unreachable!("an f32 all-reduce returns f32"),
-            });
+                _ => unreachable!("an f32 reduction returns f32"),
+            };
+            let result = match self.plan.as_ref().filter(|p| !p.buckets()[b].all_reduced) {
+                // The owned elements reduced, zeros elsewhere (see `ShardPlan`).
+                Some(plan) => self.comm.reduce_scatter(buf, self.op).map(|part| {
+                    let mut full = vec![0.0; plan.buckets()[b].len];
+                    full[plan.shard_range(b)].copy_from_slice(&f32s(part));
+                    full
+                }),
+                None => self.comm.all_reduce(&mut buf, self.op).map(|()| f32s(buf)),
+            };
             self.lock().buckets[b].result = Some(result);
             self.ready.notify_all();
         }
@@ -274,11 +286,35 @@ impl OverlapReducer {
     /// FP32 main-gradient buckets for every float parameter of `module` (bucket size and
     /// averaging from `config`; the reduction is always in f32).
     pub fn new<M: Module>(module: &M, dp: &Comm, config: &DataParallelConfig) -> Self {
+        Self::build(module, dp, config, None)
+    }
+
+    /// The reducer of the distributed optimizer: the buckets of `plan` (made for `module`
+    /// and `dp`), reduce-scattered as soon as they are complete; each gradient then holds
+    /// the reduced values on the elements this rank owns and zeros elsewhere.
+    pub fn distributed<M: Module>(
+        module: &M,
+        dp: &Comm,
+        config: &DataParallelConfig,
+        plan: &ShardPlan,
+    ) -> Self {
+        Self::build(module, dp, config, Some(plan.clone()))
+    }
+
+    fn build<M: Module>(
+        module: &M,
+        dp: &Comm,
+        config: &DataParallelConfig,
+        plan: Option<ShardPlan>,
+    ) -> Self {
         let order = float_params(module);
         let sized: Vec<(ParamId, usize)> = order.iter().map(|o| o.0).zip(numels(module)).collect();
         let bucket_size = config.bucket_elements(dp.group().size());
         let mut state = State::default();
-        add_buckets(&sized, bucket_size, &mut state);
+        match &plan {
+            Some(plan) => plan_buckets(plan, &mut state),
+            None => add_buckets(&sized, bucket_size, &mut state),
+        }
         let op = if config.average {
             ReduceOp::Avg
         } else {
@@ -288,6 +324,7 @@ impl OverlapReducer {
             shared: Arc::new(Shared {
                 comm: dp.clone(),
                 op,
+                plan,
                 state: Mutex::new(state),
                 ready: Condvar::new(),
             }),
@@ -373,7 +410,7 @@ impl OverlapReducer {
         state.delivered.clear();
         state.done.clear();
         state.last = false;
-        if !state.relaid && !state.hooked.is_empty() {
+        if !state.relaid && !state.hooked.is_empty() && self.shared.plan.is_none() {
             // Now the hooked parameters are known: bucket them apart from the others, which
             // only arrive at `finish` and would hold back any bucket they shared.
             let (hooked, rest): (Vec<_>, Vec<_>) = self
@@ -442,6 +479,25 @@ fn add_buckets(params: &[(ParamId, usize)], bucket_size: usize, state: &mut Stat
         state.buckets.push(Bucket {
             main_grad: vec![0.0; offset],
             params: members.len(),
+            ..Bucket::default()
+        });
+    }
+}
+
+/// The buckets of a distributed optimizer's plan, padding included.
+fn plan_buckets(plan: &ShardPlan, state: &mut State) {
+    for (bucket, planned) in plan.buckets().iter().enumerate() {
+        for p in &planned.params {
+            let slot = Slot {
+                bucket,
+                offset: p.offset,
+                numel: p.numel,
+            };
+            state.slots.insert(p.id, slot);
+        }
+        state.buckets.push(Bucket {
+            main_grad: vec![0.0; planned.len],
+            params: planned.params.len(),
             ..Bucket::default()
         });
     }

@@ -43,13 +43,37 @@ impl Buffer {
     }
 }
 
-/// One parameter's place in its group's buffers.
+/// One parameter's place in its group's buffers: its elements `[offset, offset + len)` of
+/// `numel` (all of them, unless the distributed optimizer gave this rank only a piece).
 #[derive(Debug, Clone)]
 pub(super) struct Slot {
     pub(super) id: ParamId,
     pub(super) rank: usize,
     pub(super) len: usize,
     pub(super) dtype: DType,
+    pub(super) offset: usize,
+    pub(super) numel: usize,
+    /// Where the piece sits in the distributed optimizer's shards.
+    pub(super) place: Option<Place>,
+}
+
+/// A piece's plan (among the optimizer's plans), bucket, and position in this rank's shard.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Place {
+    pub(super) plan: usize,
+    pub(super) bucket: usize,
+    pub(super) at: usize,
+}
+
+impl Slot {
+    /// This slot's elements of the flattened parameter (or of its gradient).
+    pub(super) fn of(&self, flat: Tensor<1>) -> Tensor<1> {
+        if self.len == self.numel {
+            flat
+        } else {
+            flat.narrow(0, self.offset, self.len)
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -125,24 +149,51 @@ pub(crate) struct FlatAdam {
     pub(super) weight_decay: f32,
     pub(super) groups: Vec<Group>,
     pub(super) step: u32,
+    /// The distributed optimizer's plans and group, when this rank holds shards only.
+    pub(super) sharding: Option<Sharding>,
+}
+
+/// What a distributed (ZeRO-1) optimizer needs beyond its pieces: the plans they come from
+/// (one per model chunk) and the data-parallel group to gather over.
+#[derive(Debug)]
+pub(crate) struct Sharding {
+    pub(super) plans: Vec<crate::data_parallel::ShardPlan>,
+    pub(super) dp: crate::comm::Comm,
 }
 
 impl FlatAdam {
     /// Flat buffers for `model`'s trainable parameters (cast to f32), grouped by
     /// `(wd_mult, lr_mult)` in the order the groups are first met.
     pub(crate) fn new<M: Module>(adam: &FusedAdam, model: &M) -> Self {
-        let mut groups: Vec<(f32, f64, Vec<Slot>, Vec<Tensor<1>>)> = Vec::new();
+        let mut entries = Vec::new();
         walk(model, |path, id, dims, flat, trainable| {
             if !trainable {
                 return;
             }
-            let (wd_mult, lr_mult) = adam.options(&id, path, dims);
+            let len = flat.dims()[0];
             let slot = Slot {
                 id,
                 rank: dims,
-                len: flat.dims()[0],
+                len,
                 dtype: flat.dtype(),
+                offset: 0,
+                numel: len,
+                place: None,
             };
+            entries.push((slot, adam.options(&id, path, dims), flat));
+        });
+        Self::grouped(adam, entries, None)
+    }
+
+    /// The state of `entries` (slot, its group's `(wd_mult, lr_mult)`, its values), grouped
+    /// in the order the groups are first met.
+    pub(super) fn grouped(
+        adam: &FusedAdam,
+        entries: Vec<(Slot, (f32, f64), Tensor<1>)>,
+        sharding: Option<Sharding>,
+    ) -> Self {
+        let mut groups: Vec<(f32, f64, Vec<Slot>, Vec<Tensor<1>>)> = Vec::new();
+        for (slot, (wd_mult, lr_mult), values) in entries {
             let same = |g: &(f32, f64, Vec<Slot>, Vec<Tensor<1>>)| {
                 g.0.to_bits() == wd_mult.to_bits() && g.1.to_bits() == lr_mult.to_bits()
             };
@@ -154,8 +205,8 @@ impl FlatAdam {
                 }
             };
             groups[g].2.push(slot);
-            groups[g].3.push(flat.cast(DType::F32));
-        });
+            groups[g].3.push(values.cast(DType::F32));
+        }
         let groups = groups
             .into_iter()
             .map(|(wd_mult, lr_mult, slots, flats)| Group {
@@ -170,6 +221,7 @@ impl FlatAdam {
             weight_decay: adam.config.weight_decay,
             groups,
             step: 0,
+            sharding,
         }
     }
 
@@ -192,7 +244,7 @@ impl FlatAdam {
             .map(|g| {
                 let device = g.state.param.device();
                 let parts = g.slots.iter().map(|s| {
-                    with_flat(grads, s.id, s.rank, |t| t.inner().cast(DType::F32))
+                    with_flat(grads, s.id, s.rank, |t| s.of(t.inner().cast(DType::F32)))
                         .unwrap_or_else(|| Tensor::zeros([s.len], &device))
                 });
                 Tensor::cat(parts.collect(), 0)

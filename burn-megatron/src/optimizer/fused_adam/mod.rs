@@ -11,6 +11,7 @@
 mod config;
 mod flat;
 mod modules;
+mod sharded;
 
 pub use config::{FusedAdam, FusedAdamConfig};
 pub(crate) use flat::{Buffer, FlatAdam};

@@ -2,9 +2,10 @@
 //! per-parameter tensors checkpoints hold.
 
 use super::flat::{Buffer, FlatAdam};
+use crate::optimizer::megatron::OptimizerError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
-use burn_megatron_kernels::{FlatAdamState, KernelError};
+use burn_megatron_kernels::FlatAdamState;
 use std::collections::HashMap;
 
 /// Visits float parameters with their module path.
@@ -38,7 +39,7 @@ pub(super) fn walk<M: Module>(module: &M, f: impl FnMut(&str, ParamId, usize, Te
 
 /// Replaces the parameters found in `values` (flat, reshaped back), keeping how each took
 /// part in autodiff.
-struct Replace(HashMap<ParamId, Tensor<1>>);
+pub(super) struct Replace(pub(super) HashMap<ParamId, Tensor<1>>);
 
 impl ModuleMapper for Replace {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -65,7 +66,11 @@ impl ModuleMapper for Replace {
 
 impl FlatAdam {
     /// `model` with its trainable parameters set from the master weights, in their dtypes.
-    pub(crate) fn model_from<M: Module>(&self, model: M) -> Result<M, KernelError> {
+    /// Collective over the data-parallel group for a distributed optimizer.
+    pub(crate) fn model_from<M: Module>(&self, model: M) -> Result<M, OptimizerError> {
+        if let Some(sharding) = &self.sharding {
+            return self.gather_model(sharding, model);
+        }
         let mut values = HashMap::new();
         for g in &self.groups {
             values.extend(g.slots.iter().map(|s| s.id).zip(g.model_segments()?));
@@ -73,15 +78,29 @@ impl FlatAdam {
         Ok(model.map(&mut Replace(values)))
     }
 
-    /// `model` with its trainable parameters replaced by their f32 segments of `buffer`
-    /// (plain tensors, no autodiff): the state in module form, for checkpoints.
-    pub(crate) fn state_module<M: Module>(&self, buffer: Buffer, model: &M) -> M {
+    /// `model` with its trainable parameters replaced by their f32 values of `buffer`
+    /// (plain tensors, no autodiff): the state in module form, for checkpoints. Whole
+    /// parameters whether or not the optimizer is distributed; collective over the
+    /// data-parallel group when it is.
+    pub(crate) fn state_module<M: Module>(
+        &self,
+        buffer: Buffer,
+        model: &M,
+    ) -> Result<M, OptimizerError> {
+        if let Some(sharding) = &self.sharding {
+            return self.gather_state(sharding, buffer, model);
+        }
         let values = self
             .groups
             .iter()
             .flat_map(|g| g.slots.iter().map(|s| s.id).zip(g.segments(buffer)))
             .collect();
-        model.clone().map(&mut Replace(values))
+        Ok(model.clone().map(&mut Replace(values)))
+    }
+
+    /// A module shaped as [`Self::state_module`]'s, for reading one back.
+    pub(crate) fn state_template<M: Module>(&self, model: &M) -> M {
+        crate::optimizer::cast_params(model.clone(), DType::F32)
     }
 
     /// Takes the state from modules written by [`Self::state_module`] (in [`Buffer::ALL`]
@@ -101,10 +120,10 @@ impl FlatAdam {
                 let mut parts = Vec::with_capacity(g.slots.len());
                 for s in &g.slots {
                     match by_id.remove(&s.id) {
-                        Some(t) if t.dims()[0] == s.len => parts.push(t.cast(DType::F32)),
+                        Some(t) if t.dims()[0] == s.numel => parts.push(s.of(t.cast(DType::F32))),
                         Some(t) => {
                             let n = t.dims()[0];
-                            return Err(format!("{:?}: {n} elements, not {}", s.id, s.len));
+                            return Err(format!("{:?}: {n} elements, not {}", s.id, s.numel));
                         }
                         None => return Err(format!("no optimizer state for parameter {:?}", s.id)),
                     }

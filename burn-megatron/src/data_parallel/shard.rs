@@ -1,0 +1,230 @@
+//! How the distributed optimizer (ZeRO-1) splits a module over the data-parallel group:
+//! Megatron's `ParamAndGradBuffer` with its buckets cut into one contiguous shard per rank.
+//!
+//! The parameters are bucketed as the gradient reduction buckets them (reverse module
+//! order, [`bucket_layout`], one dtype per bucket); each bucket is padded to a multiple of
+//! the group size and rank `r` owns elements `[r·len/dp, (r+1)·len/dp)`. The reduction
+//! reduce-scatters each bucket, so a rank's reduced gradients are exactly the elements it
+//! owns; the optimizer keeps master weights and moments for those elements only and
+//! all-gathers the updated weights bucket by bucket.
+//!
+//! Parameters tied across pipeline stages (the word embedding of the first and last stage)
+//! are summed over the embedding group after the data-parallel reduction, and the two stages
+//! lay out their buckets differently: those parameters get buckets of their own, which are
+//! all-reduced, so every element is reduced wherever the other stage has it.
+
+use super::{DataParallelConfig, bucket_layout};
+use crate::param_grads::float_params;
+use crate::tensor_parallel::parallel_attrs;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::{DType, Tensor};
+use std::ops::Range;
+
+/// One parameter's place in a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedParam {
+    /// The parameter.
+    pub id: ParamId,
+    /// Its tensor rank (`D`).
+    pub rank: usize,
+    /// Its first element's position in the bucket.
+    pub offset: usize,
+    /// Its element count.
+    pub numel: usize,
+    /// Its dims.
+    pub dims: Vec<usize>,
+    /// Whether it is trained (has a gradient and optimizer state).
+    pub trainable: bool,
+}
+
+/// One bucket: parameters of one dtype, contiguous, padded to a multiple of the group size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedBucket {
+    /// The parameters, in bucket order.
+    pub params: Vec<PlannedParam>,
+    /// The parameters' dtype.
+    pub dtype: DType,
+    /// Elements including the padding (a multiple of the group size).
+    pub len: usize,
+    /// All-reduced rather than reduce-scattered (parameters tied across stages).
+    pub all_reduced: bool,
+}
+
+impl PlannedBucket {
+    /// Elements without the padding.
+    pub fn used(&self) -> usize {
+        self.params.last().map_or(0, |p| p.offset + p.numel)
+    }
+}
+
+/// The part of one parameter a rank owns: elements `[start, start + len)` of its flattened
+/// value, at `at` in the rank's shard of `bucket`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// The bucket.
+    pub bucket: usize,
+    /// The parameter.
+    pub id: ParamId,
+    /// Its tensor rank.
+    pub rank: usize,
+    /// First element, in the flattened parameter.
+    pub start: usize,
+    /// Elements.
+    pub len: usize,
+    /// Where they sit in this rank's shard of the bucket.
+    pub at: usize,
+    /// The parameter's element count.
+    pub numel: usize,
+}
+
+/// A module's buckets and this rank's shard of each. See the [module docs](self).
+///
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn::tensor::Device;
+/// use burn_megatron::data_parallel::{DataParallelConfig, ShardPlan};
+/// let model = LinearConfig::new(3, 2).init(&Device::flex().autodiff()); // 6 + 2 elements
+/// let plan = ShardPlan::new(&model, 3, 1, &DataParallelConfig::default(), false);
+/// assert_eq!(plan.buckets()[0].len, 9); // padded to a multiple of 3
+/// assert_eq!(plan.shard_range(0), 3..6); // rank 1 of 3
+/// let owned: usize = plan.pieces().iter().map(|p| p.len).sum();
+/// assert_eq!(owned, 3);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardPlan {
+    size: usize,
+    rank: usize,
+    buckets: Vec<PlannedBucket>,
+}
+
+impl ShardPlan {
+    /// The plan of `module` for rank `rank` of a data-parallel group of `size`, with the
+    /// bucket size of `config`. `tied_across_stages` (the embedding group has more than one
+    /// rank) gives shared-embedding parameters all-reduced buckets of their own.
+    pub fn new<M: Module>(
+        module: &M,
+        size: usize,
+        rank: usize,
+        config: &DataParallelConfig,
+        tied_across_stages: bool,
+    ) -> Self {
+        let size = size.max(1);
+        let info = param_info(module);
+        let bucket_size = config.bucket_elements(size);
+        let (tied, rest): (Vec<_>, Vec<_>) = info
+            .into_iter()
+            .partition(|p| tied_across_stages && parallel_attrs(p.0).shared_embedding);
+        let mut buckets = Vec::new();
+        for (params, all_reduced) in [(rest, false), (tied, true)] {
+            let numels: Vec<usize> = params
+                .iter()
+                .map(|p| p.2.iter().product::<usize>())
+                .collect();
+            for members in bucket_layout(&numels, bucket_size) {
+                // One dtype per bucket, as the reduction splits them.
+                let mut by_dtype: Vec<(DType, Vec<usize>)> = Vec::new();
+                for i in members {
+                    let d = params[i].3;
+                    match by_dtype.iter_mut().find(|(bd, _)| *bd == d) {
+                        Some((_, v)) => v.push(i),
+                        None => by_dtype.push((d, vec![i])),
+                    }
+                }
+                for (dtype, members) in by_dtype {
+                    let mut offset = 0;
+                    let planned = members
+                        .iter()
+                        .map(|&i| {
+                            let (id, rank, ref dims, _, trainable) = params[i];
+                            let numel = dims.iter().product::<usize>();
+                            offset += numel;
+                            PlannedParam {
+                                id,
+                                rank,
+                                offset: offset - numel,
+                                numel,
+                                dims: dims.clone(),
+                                trainable,
+                            }
+                        })
+                        .collect();
+                    buckets.push(PlannedBucket {
+                        params: planned,
+                        dtype,
+                        len: offset.div_ceil(size) * size,
+                        all_reduced,
+                    });
+                }
+            }
+        }
+        Self {
+            size,
+            rank,
+            buckets,
+        }
+    }
+
+    /// The data-parallel group size.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The buckets, in reduction order.
+    pub fn buckets(&self) -> &[PlannedBucket] {
+        &self.buckets
+    }
+
+    /// This rank's elements of bucket `b`.
+    pub fn shard_range(&self, b: usize) -> Range<usize> {
+        let part = self.buckets[b].len / self.size;
+        self.rank * part..(self.rank + 1) * part
+    }
+
+    /// The trainable parameters' elements this rank owns, bucket by bucket.
+    pub fn pieces(&self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            let shard = self.shard_range(b);
+            for p in bucket.params.iter().filter(|p| p.trainable) {
+                let start = shard.start.max(p.offset);
+                let end = shard.end.min(p.offset + p.numel);
+                if start < end {
+                    out.push(Piece {
+                        bucket: b,
+                        id: p.id,
+                        rank: p.rank,
+                        start: start - p.offset,
+                        len: end - start,
+                        at: start - shard.start,
+                        numel: p.numel,
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+/// (id, rank, dims, dtype, trainable) of each float parameter, in module order.
+fn param_info<M: Module>(module: &M) -> Vec<(ParamId, usize, Vec<usize>, DType, bool)> {
+    struct Info(Vec<(Vec<usize>, DType, bool)>);
+    impl ModuleVisitor for Info {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let v = p.val();
+            self.0
+                .push((v.dims().to_vec(), v.dtype(), v.is_require_grad()));
+        }
+    }
+    let mut info = Info(Vec::new());
+    module.visit(&mut info);
+    float_params(module)
+        .into_iter()
+        .zip(info.0)
+        .map(|((id, rank), (dims, dtype, trainable))| (id, rank, dims, dtype, trainable))
+        .collect()
+}

@@ -1,0 +1,165 @@
+//! The distributed optimizer's side of the flat state (ZeRO-1): each data-parallel rank holds
+//! the master weights and moments of the elements its [`ShardPlan`]s give it, and rebuilds
+//! whole parameters (weights after a step, state for a checkpoint) by all-gathering every
+//! bucket's shards.
+
+use super::config::FusedAdam;
+use super::flat::{Buffer, FlatAdam, Place, Sharding, Slot};
+use super::modules::{Replace, walk};
+use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
+use crate::comm::{Buffer as CommBuffer, Comm, CommDType, CommError, comm_dtype};
+use crate::data_parallel::ShardPlan;
+use crate::optimizer::megatron::OptimizerError;
+use burn::module::{Module, ParamId};
+use burn::tensor::{DType, Tensor};
+use std::collections::HashMap;
+
+impl FlatAdam {
+    /// Flat buffers for this rank's pieces of `model`'s trainable parameters: those of
+    /// `plans` (one per model chunk, made for `dp`), grouped as [`FlatAdam::new`] groups.
+    pub(crate) fn distributed<M: Module>(
+        adam: &FusedAdam,
+        model: &M,
+        plans: Vec<ShardPlan>,
+        dp: Comm,
+    ) -> Result<Self, CommError> {
+        let invalid = |reason: String| CommError::InvalidArgument {
+            group: dp.group().to_string(),
+            op: "distributed optimizer",
+            reason,
+        };
+        let (size, rank) = (dp.group().size(), dp.group().rank());
+        if let Some(p) = plans.iter().find(|p| (p.size(), p.rank()) != (size, rank)) {
+            return Err(invalid(format!(
+                "a plan is for rank {} of {}, the group has this rank at {rank} of {size}",
+                p.rank(),
+                p.size()
+            )));
+        }
+        let mut params = HashMap::new();
+        walk(model, |path, id, dims, flat, trainable| {
+            if trainable {
+                params.insert(id, (path.to_string(), dims, flat));
+            }
+        });
+        let mut entries = Vec::new();
+        for (plan_index, plan) in plans.iter().enumerate() {
+            for piece in plan.pieces() {
+                let Some((path, dims, flat)) = params.get(&piece.id) else {
+                    return Err(invalid(format!(
+                        "the plan names parameter {:?}, which the model does not train",
+                        piece.id
+                    )));
+                };
+                let slot = Slot {
+                    id: piece.id,
+                    rank: *dims,
+                    len: piece.len,
+                    dtype: flat.dtype(),
+                    offset: piece.start,
+                    numel: piece.numel,
+                    place: Some(Place {
+                        plan: plan_index,
+                        bucket: piece.bucket,
+                        at: piece.at,
+                    }),
+                };
+                let values = slot.of(flat.clone());
+                entries.push((slot, adam.options(&piece.id, path, *dims), values));
+            }
+        }
+        Ok(Self::grouped(adam, entries, Some(Sharding { plans, dp })))
+    }
+
+    /// The data-parallel group of a distributed optimizer.
+    pub(crate) fn dp(&self) -> Option<&Comm> {
+        self.sharding.as_ref().map(|s| &s.dp)
+    }
+
+    /// Elements of master weights this rank holds (each moment holds as many).
+    pub(crate) fn state_elements(&self) -> usize {
+        self.groups
+            .iter()
+            .flat_map(|g| &g.slots)
+            .map(|s| s.len)
+            .sum()
+    }
+
+    /// Whole parameters from every rank's pieces: `pieces` gives each slot's values, and
+    /// each bucket is all-gathered in `dtype` of its parameters' dtype. Collective over the
+    /// data-parallel group.
+    fn gather(
+        &self,
+        sharding: &Sharding,
+        pieces: Vec<(Slot, Tensor<1>)>,
+        dtype: impl Fn(DType) -> DType,
+    ) -> Result<HashMap<ParamId, Tensor<1>>, OptimizerError> {
+        let device = self.groups[0].state.param.device();
+        let mut by_bucket: HashMap<(usize, usize), Vec<(usize, Tensor<1>)>> = HashMap::new();
+        for (slot, values) in pieces {
+            let place = slot
+                .place
+                .expect("a distributed optimizer's slots are placed");
+            by_bucket
+                .entry((place.plan, place.bucket))
+                .or_default()
+                .push((place.at, values));
+        }
+        let comm_error = |reason: String| CommError::InvalidArgument {
+            group: sharding.dp.group().to_string(),
+            op: "all_gather",
+            reason,
+        };
+        let mut out = HashMap::new();
+        for (p, plan) in sharding.plans.iter().enumerate() {
+            for (b, bucket) in plan.buckets().iter().enumerate() {
+                let d = dtype(bucket.dtype);
+                let cd = comm_dtype(d).unwrap_or(CommDType::F32);
+                let mut shard = CommBuffer::zeros(cd, bucket.len / plan.size());
+                for (at, values) in by_bucket.remove(&(p, b)).unwrap_or_default() {
+                    let data = values.cast(d).into_data();
+                    shard.write_at(at, &data_to_buffer(data).map_err(comm_error)?);
+                }
+                // Every rank gathers every bucket, pieces or not, so the calls match.
+                let full = sharding.dp.all_gather(shard)?;
+                for param in bucket.params.iter().filter(|p| p.trainable) {
+                    let values = full.slice(param.offset..param.offset + param.numel);
+                    let t: Tensor<1> = buffer_to_tensor(values, [param.numel], &device);
+                    out.insert(param.id, t);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`FlatAdam::model_from`] for a distributed optimizer: every rank's updated pieces in
+    /// the model's dtypes, gathered (in those dtypes) into whole parameters.
+    pub(super) fn gather_model<M: Module>(
+        &self,
+        sharding: &Sharding,
+        model: M,
+    ) -> Result<M, OptimizerError> {
+        let mut pieces = Vec::new();
+        for g in &self.groups {
+            pieces.extend(g.slots.iter().cloned().zip(g.model_segments()?));
+        }
+        let values = self.gather(sharding, pieces, |d| d)?;
+        Ok(model.map(&mut Replace(values)))
+    }
+
+    /// [`FlatAdam::state_module`] for a distributed optimizer: `buffer` of every rank's
+    /// pieces, gathered in f32. Collective over the data-parallel group.
+    pub(super) fn gather_state<M: Module>(
+        &self,
+        sharding: &Sharding,
+        buffer: Buffer,
+        model: &M,
+    ) -> Result<M, OptimizerError> {
+        let mut pieces = Vec::new();
+        for g in &self.groups {
+            pieces.extend(g.slots.iter().cloned().zip(g.segments(buffer)));
+        }
+        let values = self.gather(sharding, pieces, |_| DType::F32)?;
+        Ok(model.clone().map(&mut Replace(values)))
+    }
+}

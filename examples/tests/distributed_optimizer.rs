@@ -1,0 +1,158 @@
+//! `--use-distributed-optimizer` (ZeRO-1) against the same layout without it: 20 AdamW steps
+//! with clipping and a cosine schedule, in f32 and in bf16 with master weights.
+
+mod common;
+
+use burn_megatron_examples::pretrain::{IterationLog, run};
+use common::{args, assert_same_iterations, tmp};
+
+fn log(
+    dir: &std::path::Path,
+    tp: usize,
+    pp: usize,
+    world: usize,
+    extra: &[&str],
+) -> Vec<IterationLog> {
+    let (tp, pp, world) = (tp.to_string(), pp.to_string(), world.to_string());
+    let mut a = vec![
+        "--tensor-model-parallel-size",
+        &tp,
+        "--pipeline-model-parallel-size",
+        &pp,
+        "--world-size",
+        &world,
+        "--num-layers",
+        "2",
+        "--train-iters",
+        "20",
+        "--lr-decay-style",
+        "cosine",
+        "--clip-grad",
+        "0.5",
+        "--eval-interval",
+        "0",
+        // DP 4 needs two micro-batches of 2 per rank.
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+    ];
+    a.extend_from_slice(extra);
+    run(&args(&a, dir)).unwrap().log
+}
+
+fn relative(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
+
+/// Every loss and grad norm within `tol` relative; returns how many were bit-identical.
+fn assert_close(what: &str, a: &[IterationLog], b: &[IterationLog], tol: f64) -> usize {
+    assert_eq!(a.len(), b.len(), "{what}: iteration counts");
+    let worst = a
+        .iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            [
+                relative(x.lm_loss, y.lm_loss),
+                relative(x.sop_loss, y.sop_loss),
+                relative(x.grad_norm.unwrap(), y.grad_norm.unwrap()),
+            ]
+        })
+        .fold(0.0, f64::max);
+    println!("{what}: worst relative difference {worst:.2e}");
+    let mut same = 0;
+    for (x, y) in a.iter().zip(b) {
+        let at = format!("{what}, iteration {}", x.iteration);
+        let (gx, gy) = (x.grad_norm.unwrap(), y.grad_norm.unwrap());
+        for (name, p, q) in [
+            ("lm", x.lm_loss, y.lm_loss),
+            ("sop", x.sop_loss, y.sop_loss),
+            ("norm", gx, gy),
+        ] {
+            assert!(relative(p, q) <= tol, "{at}: {name} {p} vs {q}");
+            same += usize::from(p.to_bits() == q.to_bits());
+        }
+    }
+    same
+}
+
+#[test]
+fn zero1_matches_the_fused_adam_at_every_layout_in_f32_and_bf16() {
+    let dir = tmp("zero1");
+    for (tp, pp, dp) in [(1, 1, 2), (1, 1, 4), (2, 1, 2), (2, 2, 2)] {
+        for dtype in [&[][..], &["--bf16"][..]] {
+            let what = format!("TP {tp} × PP {pp} × DP {dp} {dtype:?}");
+            let world = tp * pp * dp;
+            let plain = log(
+                &dir,
+                tp,
+                pp,
+                world,
+                &[dtype, &["--use-fused-adam"]].concat(),
+            );
+            let zero = log(
+                &dir,
+                tp,
+                pp,
+                world,
+                &[dtype, &["--use-distributed-optimizer"]].concat(),
+            );
+            let same = assert_close(&what, &zero, &plain, 1e-6);
+            println!("{what}: {same} of {} values bit-identical", 3 * plain.len());
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn zero1_with_overlapped_reduction_matches_it_without() {
+    let dir = tmp("zero1-overlap");
+    let plain = log(
+        &dir,
+        2,
+        1,
+        4,
+        &["--use-fused-adam", "--overlap-grad-reduce"],
+    );
+    let zero = log(
+        &dir,
+        2,
+        1,
+        4,
+        &["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    );
+    let same = assert_close("overlapped TP 2 × DP 2", &zero, &plain, 1e-6);
+    println!(
+        "overlapped: {same} of {} values bit-identical",
+        3 * plain.len()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn zero1_saves_and_resumes_the_exact_run() {
+    let dir = tmp("zero1-resume");
+    let save = dir.join("ckpt");
+    let save = save.to_str().unwrap();
+    let flags = [
+        "--use-distributed-optimizer",
+        "--save",
+        save,
+        "--save-interval",
+        "10",
+    ];
+    let full = log(&dir, 1, 1, 2, &flags);
+    std::fs::write(dir.join("ckpt/latest_checkpointed_iteration.txt"), "10").unwrap();
+    let resumed = log(&dir, 1, 1, 2, &[&flags[..], &["--load", save]].concat());
+    assert_same_iterations(&full[10..], &resumed);
+    // Saved whole, the state loads into the fused Adam without the distributed optimizer.
+    std::fs::write(dir.join("ckpt/latest_checkpointed_iteration.txt"), "10").unwrap();
+    let plain = log(&dir, 1, 1, 2, &["--use-fused-adam", "--load", save]);
+    assert_close(
+        "zero1 checkpoint into the fused Adam",
+        &plain,
+        &full[10..],
+        1e-6,
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
