@@ -25,6 +25,7 @@ pub mod data;
 pub mod data_parallel;
 pub mod launch;
 pub mod models;
+mod module_path;
 pub mod optimizer;
 mod param_grads;
 pub mod pipeline;

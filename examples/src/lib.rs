@@ -6,4 +6,5 @@ pub fn median(mut samples: Vec<f64>) -> f64 {
     samples[samples.len() / 2]
 }
 
+pub mod checkpoint_tool;
 pub mod pretrain;

@@ -50,13 +50,28 @@ fn bf16_with_fp32_master_weights_tracks_the_fp32_run() {
     }
 }
 
-/// Every checkpoint file but `state.json` (which holds the loss scale): the weights and the
-/// whole optimizer state, whichever optimizer kind wrote them. Safetensors files by their
-/// tensors (their metadata is a hash map, in no fixed order).
+/// Every checkpoint file but `index.json` (which holds the loss scale and the files'
+/// checksums): the weights and the whole optimizer state, whichever optimizer kind wrote
+/// them, safetensors files by their tensors.
 fn snapshot(model: &TpMlp, optim: &MegatronOptimizer<TpMlp>, tag: &str) -> Vec<(String, Vec<u8>)> {
-    let dir = std::env::temp_dir().join(format!("bm-snapshot-{}-{tag}", std::process::id()));
-    burn_megatron::checkpoint::save_checkpoint(&dir, 0, model, optim, serde_json::Value::Null)
-        .unwrap();
+    use burn_megatron::checkpoint::*;
+    let root = std::env::temp_dir().join(format!("bm-snapshot-{}-{tag}", std::process::id()));
+    let rank = CheckpointRank {
+        layout: SavedLayout {
+            tensor_model_parallel_size: 1,
+            pipeline_model_parallel_size: 1,
+            virtual_pipeline_model_parallel_size: 1,
+            data_parallel_size: 1,
+            distributed_optimizer: false,
+        },
+        tensor_model_parallel_rank: 0,
+        pipeline_model_parallel_rank: 0,
+        names: &|p: &str| p.to_string(),
+    };
+    begin_checkpoint(&root, 0).unwrap();
+    save_checkpoint(&root, 0, &rank, model, optim, serde_json::Value::Null).unwrap();
+    commit_checkpoint(&root, 0).unwrap();
+    let dir = iteration_dir(&root, 0).join("mp_rank_00");
     let mut files = Vec::new();
     for path in std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()) {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
@@ -68,12 +83,12 @@ fn snapshot(model: &TpMlp, optim: &MegatronOptimizer<TpMlp>, tag: &str) -> Vec<(
             for (t, view) in tensors {
                 files.push((format!("{name}:{t}"), view.data().to_vec()));
             }
-        } else if name != "state.json" {
+        } else if name != "index.json" {
             files.push((name, bytes));
         }
     }
     files.sort();
-    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&root).unwrap();
     files
 }
 

@@ -1,26 +1,46 @@
-//! Training checkpoints in Megatron's layout: `ROOT/iter_0000100/mp_rank_01/` holds one
-//! tensor-parallel rank's weights (safetensors, by module path, dtype kept), its FP32
-//! master weights when it has them, the inner optimizer's state (burnpack) and a
-//! `state.json` (iteration, loss-scaler state, whatever the caller adds);
-//! `ROOT/latest_checkpointed_iteration.txt` names the newest.
+//! Training checkpoints that load at any layout: saved at one TP × PP × DP (with or without
+//! the distributed optimizer), resumed at another.
 //!
-//! Burn keys optimizer state by [`ParamId`], so a loaded model takes the ids it was saved
-//! with (its tensor-parallel attributes move along): the optimizer state then applies
-//! unchanged, and resuming continues the exact run.
+//! Megatron's layout: `ROOT/iter_0000100/mp_rank_TT[_PPP]/` per model-parallel rank, and
+//! `ROOT/latest_checkpointed_iteration.txt`. Each rank directory holds safetensors files of
+//! the weights (`model`), the FP32 master weights (`master`) and the fused Adam's moments
+//! (`exp_avg`, `exp_avg_sq`), every tensor under its *global* name (layers by global index,
+//! so pipeline splits do not rename them), and an `index.json`: the layout saved at, each
+//! tensor's global shape and this shard's offset (Megatron's `ShardedTensor`), each file's
+//! size and CRC-32, and the training state. A duplicated tensor is written once (by TP
+//! rank 0), a tied one by its first copy. Loading reads, for each of the new layout's
+//! parameters, whatever saved shards overlap its slice.
+//!
+//! A save is atomic: every rank writes into `iter_0000100.tmp/`, and [`commit_checkpoint`]
+//! (one rank, once all have written) checks that every rank's index is there, renames the
+//! directory and then `latest` — a crash before leaves the previous checkpoint `latest` and
+//! whole. On load every file is checked against its index, so a truncated, corrupted or
+//! foreign file, a missing shard or a shape that does not fit is an error naming it.
+//!
+//! A burn-optim optimizer's state (`optimizer.bpk`, keyed by parameter id) resumes only at
+//! the layout it was saved at; the fused Adam's (with or without the distributed optimizer)
+//! at any.
 
-use crate::optimizer::{Buffer, GradScalerState, MegatronOptimizer};
-use crate::safetensors_io;
-use crate::tensor_parallel::{parallel_attrs, set_parallel_attrs};
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+mod index;
+mod shards;
+mod tensors;
+
+pub use index::{
+    CheckpointIndex, FORMAT, FileEntry, RankIndex, SavedLayout, TensorEntry, TrainingState,
+};
+
+use crate::optimizer::{Buffer, MegatronOptimizer, OptimizerError};
+use burn::module::Module;
 use burn::optim::OptimizerRecord;
-use burn::tensor::{Tensor, TensorCreationOptions, TensorData};
-use std::collections::HashMap;
+use index::file_entry;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use tensors::{Files, Restore, collect, ids, write_set};
 
 /// Why a checkpoint could not be written or read.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    /// A file could not be read or written.
+    /// A file could not be read or written, or is not what its index says.
     #[error("{path}: {message}")]
     Io {
         /// The file.
@@ -28,12 +48,12 @@ pub enum CheckpointError {
         /// What went wrong.
         message: String,
     },
-    /// The checkpoint does not fit the model (another layout or architecture).
+    /// The checkpoint does not fit the model (architecture, padding, optimizer).
     #[error("checkpoint does not match the model: {0}")]
     Mismatch(String),
-    /// Gathering a distributed optimizer's state failed.
-    #[error("gathering the optimizer state: {0}")]
-    Optimizer(#[from] crate::optimizer::OptimizerError),
+    /// Making the optimizer or gathering a distributed optimizer's state failed.
+    #[error("optimizer: {0}")]
+    Optimizer(#[from] OptimizerError),
 }
 
 fn io(path: &Path, message: impl ToString) -> CheckpointError {
@@ -43,31 +63,59 @@ fn io(path: &Path, message: impl ToString) -> CheckpointError {
     }
 }
 
-/// Megatron's directory of one model-parallel rank:
-/// `ROOT/iter_{iteration:07}/mp_rank_{tp_rank:02}`, or `mp_rank_{tp_rank:02}_{pp_rank:03}`
-/// with pipeline parallelism (`pp_rank` given).
+/// Where this rank sits, and how its modules' paths are named globally.
+pub struct CheckpointRank<'a> {
+    /// The layout of this run.
+    pub layout: SavedLayout,
+    /// This rank's tensor-parallel rank.
+    pub tensor_model_parallel_rank: usize,
+    /// This rank's pipeline stage.
+    pub pipeline_model_parallel_rank: usize,
+    /// The global name of the parameter at a local module path (the identity for a model on
+    /// one stage; `Bert::global_param_name` for BERT chunks).
+    pub names: &'a dyn Fn(&str) -> String,
+}
+
+impl CheckpointRank<'_> {
+    fn tp(&self) -> (usize, usize) {
+        (
+            self.tensor_model_parallel_rank,
+            self.layout.tensor_model_parallel_size,
+        )
+    }
+
+    fn dir_name(&self) -> String {
+        let tp = self.tensor_model_parallel_rank;
+        match self.layout.pipeline_model_parallel_size {
+            1 => format!("mp_rank_{tp:02}"),
+            _ => format!("mp_rank_{tp:02}_{:03}", self.pipeline_model_parallel_rank),
+        }
+    }
+}
+
+/// `ROOT/iter_{iteration:07}`.
 ///
 /// ```
-/// use burn_megatron::checkpoint::rank_dir;
+/// use burn_megatron::checkpoint::iteration_dir;
 /// use std::path::Path;
-/// let d = rank_dir(Path::new("ckpt"), 5, 1, Some(2));
-/// assert_eq!(d, Path::new("ckpt/iter_0000005/mp_rank_01_002"));
+/// assert_eq!(iteration_dir(Path::new("ckpt"), 5), Path::new("ckpt/iter_0000005"));
 /// ```
-pub fn rank_dir(root: &Path, iteration: usize, tp_rank: usize, pp_rank: Option<usize>) -> PathBuf {
-    let name = match pp_rank {
-        None => format!("mp_rank_{tp_rank:02}"),
-        Some(pp) => format!("mp_rank_{tp_rank:02}_{pp:03}"),
-    };
-    root.join(format!("iter_{iteration:07}")).join(name)
+pub fn iteration_dir(root: &Path, iteration: usize) -> PathBuf {
+    root.join(format!("iter_{iteration:07}"))
 }
 
-/// Records `iteration` as the newest complete checkpoint (call once every rank has saved).
-pub fn write_latest(root: &Path, iteration: usize) -> Result<(), CheckpointError> {
-    let path = root.join("latest_checkpointed_iteration.txt");
-    std::fs::write(&path, iteration.to_string()).map_err(|e| io(&path, e))
+fn staging_dir(root: &Path, iteration: usize) -> PathBuf {
+    root.join(format!("iter_{iteration:07}.tmp"))
 }
 
-/// The newest complete checkpoint under `root`, if any.
+/// Writes `text` to `path` atomically (a temporary name, then a rename).
+fn write_atomic(path: &Path, text: &str) -> Result<(), CheckpointError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+}
+
+/// The newest committed checkpoint under `root`, if any.
 pub fn read_latest(root: &Path) -> Result<Option<usize>, CheckpointError> {
     let path = root.join("latest_checkpointed_iteration.txt");
     if !path.exists() {
@@ -80,219 +128,194 @@ pub fn read_latest(root: &Path) -> Result<Option<usize>, CheckpointError> {
         .map_err(|e| io(&path, format!("not an iteration number: {e}")))
 }
 
-#[derive(Default)]
-struct Path_(Vec<String>);
-
-impl Path_ {
-    fn enter(&mut self, name: &str) {
-        self.0.push(name.to_string());
+/// Clears what an interrupted save of `iteration` left behind. Call it on one rank before
+/// the ranks save (and separate the two by a barrier).
+pub fn begin_checkpoint(root: &Path, iteration: usize) -> Result<(), CheckpointError> {
+    let staging = staging_dir(root, iteration);
+    if staging.exists() {
+        std::fs::remove_dir_all(&staging).map_err(|e| io(&staging, e))?;
     }
-    fn exit(&mut self) {
-        self.0.pop();
-    }
-    fn join(&self) -> String {
-        self.0.join(".")
-    }
+    Ok(())
 }
 
-struct Collect {
-    path: Path_,
-    out: Vec<(String, TensorData)>,
-    ids: HashMap<String, String>,
-}
-
-impl ModuleVisitor for Collect {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.exit();
-    }
-    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        let name = self.path.join();
-        self.ids.insert(name.clone(), p.id.val().to_string());
-        self.out.push((name, p.val().into_data()));
-    }
-}
-
-/// `module`'s float parameters by path, with their ids as metadata.
-fn collect<M: Module>(module: &M) -> (Vec<(String, TensorData)>, HashMap<String, String>) {
-    let mut c = Collect {
-        path: Path_::default(),
-        out: Vec::new(),
-        ids: HashMap::new(),
-    };
-    module.visit(&mut c);
-    c.out.sort_by(|a, b| a.0.cmp(&b.0));
-    (c.out, c.ids)
-}
-
-struct Restore {
-    path: Path_,
-    tensors: HashMap<String, TensorData>,
-    ids: HashMap<String, String>,
-    error: Option<String>,
-}
-
-impl ModuleMapper for Restore {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.exit();
-    }
-    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let name = self.path.join();
-        let (Some(data), Some(id)) = (self.tensors.remove(&name), self.ids.get(&name)) else {
-            self.error.get_or_insert(format!("no tensor {name}"));
-            return p;
-        };
-        let Ok(id) = id.parse::<u64>().map(ParamId::from) else {
-            self.error
-                .get_or_insert(format!("{name}: bad parameter id {id}"));
-            return p;
-        };
-        let (old_id, old, mapper) = p.consume();
-        if data.shape().to_vec() != old.dims().to_vec() {
-            self.error.get_or_insert(format!(
-                "{name}: saved shape {:?}, model shape {:?}",
-                data.shape().to_vec(),
-                old.dims()
-            ));
-            return Param::from_mapped_value(old_id, old, mapper);
-        }
-        let options = TensorCreationOptions::new(old.device()).with_dtype(old.dtype());
-        let t = Tensor::<D>::from_data(data, options).set_require_grad(old.is_require_grad());
-        set_parallel_attrs(id, parallel_attrs(old_id));
-        Param::from_mapped_value(id, t, mapper)
-    }
-}
-
-fn save_module<M: Module>(module: &M, path: &Path) -> Result<(), CheckpointError> {
-    let (tensors, ids) = collect(module);
-    safetensors_io::write(&tensors, ids, path).map_err(|e| io(path, e))
-}
-
-fn load_module<M: Module>(module: M, path: &Path) -> Result<M, CheckpointError> {
-    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
-    let (tensors, ids) = safetensors_io::read(&bytes).map_err(|e| io(path, e))?;
-    let mut restore = Restore {
-        path: Path_::default(),
-        tensors: tensors.into_iter().collect(),
-        ids,
-        error: None,
-    };
-    let module = module.map(&mut restore);
-    if let Some(e) = restore.error {
-        return Err(CheckpointError::Mismatch(format!(
-            "{}: {e}",
-            path.display()
-        )));
-    }
-    if let Some(extra) = restore.tensors.keys().next() {
-        return Err(CheckpointError::Mismatch(format!(
-            "{}: tensor {extra} has no parameter in the model",
-            path.display()
-        )));
-    }
-    Ok(module)
-}
-
-#[derive(serde::Serialize, serde::Deserialize)]
-struct State {
-    iteration: usize,
-    grad_scaler: Option<GradScalerState>,
-    /// Steps taken by the fused optimizer; absent for a burn-optim one.
-    #[serde(default)]
-    fused_adam_steps: Option<u32>,
-    extra: serde_json::Value,
-}
-
-/// Saves one rank's model and optimizer into `dir` (see [`rank_dir`]), with `extra` (e.g.
-/// scheduler and data positions) kept in `state.json`.
+/// Writes this rank's part of iteration `iteration` under `root` (staged until
+/// [`commit_checkpoint`]), with `extra` kept in the index (data position, counters).
 ///
 /// With a distributed optimizer call it on every data-parallel rank: the state of every
-/// rank's shards is gathered into whole parameters (the same files as without it, so either
-/// optimizer can load them) and data-parallel rank 0 writes. Otherwise call it on one rank
-/// of the data-parallel group.
+/// rank's shards is gathered into whole parameters and data-parallel rank 0 writes.
+/// Otherwise call it on one rank of each data-parallel group.
 pub fn save_checkpoint<M: Module + Clone>(
-    dir: &Path,
+    root: &Path,
     iteration: usize,
+    rank: &CheckpointRank<'_>,
     model: &M,
     optimizer: &MegatronOptimizer<M>,
     extra: serde_json::Value,
 ) -> Result<(), CheckpointError> {
-    // The fused optimizer's flat buffers, cut back into per-parameter tensors by module
-    // path: readable by any tool, and independent of how parameters were grouped or sharded.
+    // Collective for a distributed optimizer: before any rank returns.
     let mut flat_state = Vec::new();
     if let Some(flat) = optimizer.flat() {
         for buffer in Buffer::ALL {
-            flat_state.push((buffer, flat.state_module(buffer, model)?));
+            flat_state.push((buffer.file_stem(), flat.state_module(buffer, model)?));
         }
     }
     if optimizer.data_parallel_rank().is_some_and(|r| r != 0) {
         return Ok(());
     }
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    save_module(model, &dir.join("model.safetensors"))?;
+    let dir = staging_dir(root, iteration).join(rank.dir_name());
+    std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    let (names, tp) = (rank.names, rank.tp());
+    let mut entries = write_set(
+        &dir,
+        "model",
+        "model.safetensors",
+        &collect(model, names, tp, false),
+    )?;
     if let Some(master) = optimizer.master() {
-        save_module(master, &dir.join("master.safetensors"))?;
+        let tensors = collect(master, names, tp, true);
+        entries.extend(write_set(&dir, "master", "master.safetensors", &tensors)?);
+    }
+    for (stem, module) in &flat_state {
+        let tensors = collect(module, names, tp, true);
+        entries.extend(write_set(
+            &dir,
+            stem,
+            &format!("{stem}.safetensors"),
+            &tensors,
+        )?);
     }
     if let Some(inner) = optimizer.inner() {
-        let optim = dir.join("optimizer.bpk");
+        let path = dir.join("optimizer.bpk");
         inner
             .to_record()
-            .save(&optim)
-            .map_err(|e| io(&optim, format!("{e:?}")))?;
+            .save(&path)
+            .map_err(|e| io(&path, format!("{e:?}")))?;
     }
-    for (buffer, module) in &flat_state {
-        let path = dir.join(format!("{}.safetensors", buffer.file_stem()));
-        save_module(module, &path)?;
+    let mut files = BTreeMap::new();
+    for file in entries
+        .iter()
+        .map(|e| e.file.clone())
+        .chain(optimizer.inner().map(|_| "optimizer.bpk".to_string()))
+    {
+        if !files.contains_key(&file) {
+            files.insert(file.clone(), file_entry(&dir.join(&file))?);
+        }
     }
-    let state = State {
-        iteration,
-        grad_scaler: optimizer.grad_scaler().map(|s| s.state()),
-        fused_adam_steps: optimizer.flat().map(|f| f.steps()),
-        extra,
+    let index = RankIndex {
+        format: FORMAT.to_string(),
+        layout: rank.layout,
+        tensor_model_parallel_rank: rank.tensor_model_parallel_rank,
+        pipeline_model_parallel_rank: rank.pipeline_model_parallel_rank,
+        state: TrainingState {
+            iteration,
+            grad_scaler: optimizer.grad_scaler().map(|s| s.state()),
+            fused_adam_steps: optimizer.flat().map(|f| f.steps()),
+            extra,
+        },
+        tensors: entries,
+        files,
+        ids: ids(model),
     };
-    let path = dir.join("state.json");
-    let text = serde_json::to_string_pretty(&state).map_err(|e| io(&path, e))?;
-    std::fs::write(&path, text).map_err(|e| io(&path, e))
+    let path = dir.join("index.json");
+    let text = serde_json::to_string_pretty(&index).map_err(|e| io(&path, e))?;
+    // The index last: a rank directory without one is a save that did not finish.
+    write_atomic(&path, &text)
+}
+
+/// Makes iteration `iteration` under `root` the newest checkpoint, once every rank has
+/// saved (one rank calls it, after a barrier): every model-parallel rank's index must be
+/// there, then the directory is renamed and `latest_checkpointed_iteration.txt` updated.
+pub fn commit_checkpoint(root: &Path, iteration: usize) -> Result<(), CheckpointError> {
+    let staging = staging_dir(root, iteration);
+    let index = CheckpointIndex::read(&staging)?;
+    for (dir, rank) in &index.ranks {
+        for (file, entry) in &rank.files {
+            let path = dir.join(file);
+            let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
+            if len != entry.bytes {
+                return Err(io(
+                    &path,
+                    format!("{len} bytes, the index says {}", entry.bytes),
+                ));
+            }
+        }
+    }
+    let done = iteration_dir(root, iteration);
+    if done.exists() {
+        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
+    }
+    std::fs::rename(&staging, &done).map_err(|e| io(&done, e))?;
+    write_atomic(
+        &root.join("latest_checkpointed_iteration.txt"),
+        &iteration.to_string(),
+    )
 }
 
 /// What [`load_checkpoint`] restores.
 pub struct Restored<M: Module> {
-    /// The model, with the saved weights and parameter ids.
+    /// The model, with the saved weights.
     pub model: M,
-    /// The optimizer, with its saved state.
+    /// The optimizer, with its saved state (unless it was not loaded).
     pub optimizer: MegatronOptimizer<M>,
     /// The iteration the checkpoint was taken after.
     pub iteration: usize,
     /// The caller's `extra`.
     pub extra: serde_json::Value,
+    /// The layout the checkpoint was saved at.
+    pub saved_at: SavedLayout,
 }
 
-/// Loads what [`save_checkpoint`] wrote in `dir` into a freshly built `model` (same
-/// architecture and layout). `make_optimizer` builds the optimizer for the loaded model
-/// (whose parameter ids are the saved ones, so id-based parameter groups match); its state
-/// is then restored.
+/// Loads iteration `iteration` under `root` into a freshly built `model` at this rank's
+/// layout, whatever layout saved it. `make_optimizer` builds the optimizer for the loaded
+/// model; with `load_optimizer` its state is then restored (Megatron's `--no-load-optim`
+/// is `false`: weights only, a fresh optimizer).
 pub fn load_checkpoint<M: Module + Clone>(
-    dir: &Path,
+    root: &Path,
+    iteration: usize,
+    rank: &CheckpointRank<'_>,
     model: M,
-    make_optimizer: impl FnOnce(&M) -> Result<MegatronOptimizer<M>, crate::optimizer::OptimizerError>,
+    make_optimizer: impl FnOnce(&M) -> Result<MegatronOptimizer<M>, OptimizerError>,
+    load_optimizer: bool,
 ) -> Result<Restored<M>, CheckpointError> {
-    if !dir.is_dir() {
-        return Err(io(
-            dir,
-            "no checkpoint here (saved with another tensor-parallel size?)",
-        ));
+    let index = CheckpointIndex::read(&iteration_dir(root, iteration))?;
+    let saved = index.layout();
+    let same_model_layout = (
+        saved.tensor_model_parallel_size,
+        saved.pipeline_model_parallel_size,
+        saved.virtual_pipeline_model_parallel_size,
+    ) == (
+        rank.layout.tensor_model_parallel_size,
+        rank.layout.pipeline_model_parallel_size,
+        rank.layout.virtual_pipeline_model_parallel_size,
+    );
+    let own = rank
+        .rank(&index)
+        .filter(|_| same_model_layout)
+        .map(|(d, r)| (d.clone(), r.ids.clone()));
+    let mut files = Files::new(&index);
+    let model = Restore {
+        files: &mut files,
+        set: "model",
+        names: rank.names,
+        tp: rank.tp(),
+        trainable_only: false,
+        ids: own.as_ref().map(|(_, ids)| ids),
+        error: None,
     }
-    let model = load_module(model, &dir.join("model.safetensors"))?;
+    .apply(model)?;
     let mut optimizer = make_optimizer(&model)?;
-    let path = dir.join("state.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
-    let state: State = serde_json::from_str(&text).map_err(|e| io(&path, e))?;
+    let state = index.state().clone();
     optimizer.restore_scaler(state.grad_scaler);
+    let done = |model, optimizer| Restored {
+        model,
+        optimizer,
+        iteration: state.iteration,
+        extra: state.extra.clone(),
+        saved_at: saved,
+    };
+    if !load_optimizer {
+        return Ok(done(model, optimizer));
+    }
     let kind = |fused: bool| {
         if fused {
             "the fused Adam"
@@ -302,39 +325,63 @@ pub fn load_checkpoint<M: Module + Clone>(
     };
     if optimizer.is_fused() != state.fused_adam_steps.is_some() {
         return Err(CheckpointError::Mismatch(format!(
-            "{}: saved by {}, loading into {}",
-            dir.display(),
+            "{}: saved by {}, loading into {} (load the weights only to change optimizer)",
+            index.dir.display(),
             kind(state.fused_adam_steps.is_some()),
             kind(optimizer.is_fused())
         )));
     }
+    let mut read_set = |set: &str, module: M| -> Result<M, CheckpointError> {
+        Restore {
+            files: &mut files,
+            set,
+            names: rank.names,
+            tp: rank.tp(),
+            trainable_only: true,
+            ids: None,
+            error: None,
+        }
+        .apply(module)
+    };
     let optimizer = match (optimizer.flat_mut(), state.fused_adam_steps) {
         (Some(flat), Some(steps)) => {
             let mut modules = Vec::new();
             for buffer in Buffer::ALL {
-                let path = dir.join(format!("{}.safetensors", buffer.file_stem()));
-                modules.push(load_module(flat.state_template(&model), &path)?);
+                modules.push(read_set(buffer.file_stem(), flat.state_template(&model))?);
             }
             flat.load([&modules[0], &modules[1], &modules[2]], steps)
-                .map_err(|e| CheckpointError::Mismatch(format!("{}: {e}", dir.display())))?;
+                .map_err(|e| CheckpointError::Mismatch(format!("{}: {e}", index.dir.display())))?;
             optimizer
         }
         _ => {
+            let Some((dir, _)) = own else {
+                return Err(CheckpointError::Mismatch(format!(
+                    "{}: a burn-optim optimizer's state resumes only at the layout it was saved \
+                     at ({saved}), not at {}: load the weights only, or train with the fused Adam",
+                    index.dir.display(),
+                    rank.layout
+                )));
+            };
             let master = match optimizer.master() {
-                Some(m) => Some(load_module(m.clone(), &dir.join("master.safetensors"))?),
+                Some(m) => Some(read_set("master", m.clone())?),
                 None => None,
             };
-            let optim = dir.join("optimizer.bpk");
-            let record = OptimizerRecord::load(&optim).map_err(|e| io(&optim, format!("{e:?}")))?;
+            let bytes = index.read_file(&dir, "optimizer.bpk")?;
+            let record = OptimizerRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+                .map_err(|e| io(&dir.join("optimizer.bpk"), format!("{e:?}")))?;
             optimizer.restore(record, master)
         }
     };
-    Ok(Restored {
-        model,
-        optimizer,
-        iteration: state.iteration,
-        extra: state.extra,
-    })
+    Ok(done(model, optimizer))
+}
+
+impl CheckpointRank<'_> {
+    fn rank<'i>(&self, index: &'i CheckpointIndex) -> Option<&'i (PathBuf, RankIndex)> {
+        index.rank(
+            self.tensor_model_parallel_rank,
+            self.pipeline_model_parallel_rank,
+        )
+    }
 }
 
 #[cfg(test)]

@@ -119,6 +119,9 @@ pub struct Bert {
     sequence_parallel: bool,
     #[module(skip)]
     hidden_dropout: f64,
+    /// The global index of this chunk's first layer.
+    #[module(skip)]
+    first_layer: usize,
 }
 
 /// What [`Bert::forward`] returns.
@@ -168,6 +171,7 @@ impl BertConfig {
             .layer_range(self.num_layers)
             .map_err(|e| TpError::Invalid(e.to_string()))?;
         let (h, seed) = (self.hidden_size, self.seed);
+        let first_layer = layer_range.start;
         let normal = MasterInit::Normal {
             mean: 0.0,
             std: self.init_method_std,
@@ -247,6 +251,7 @@ impl BertConfig {
             tp: tp.clone(),
             sequence_parallel: self.sequence_parallel,
             hidden_dropout: self.hidden_dropout,
+            first_layer,
         };
         bert.state_attrs();
         Ok(bert)
@@ -284,6 +289,46 @@ fn tie(embedding: &VocabParallelEmbedding, second_copy: bool) {
 }
 
 impl Bert {
+    /// The layout-independent name of the parameter at `path` in a model of `chunks` (as
+    /// module paths of a `Vec<Bert>` read, `"1.layers.0.…"`; or of one `Bert`): layers by
+    /// global index, and the last stage's copy of the tied word embeddings under the first
+    /// stage's name. What checkpoints key tensors by.
+    ///
+    /// ```
+    /// use burn_megatron::models::Bert;
+    /// assert_eq!(Bert::global_param_name(&[], "head.word_embeddings.weight"),
+    ///            "embeddings.word_embeddings.weight");
+    /// ```
+    pub fn global_param_name(chunks: &[Bert], path: &str) -> String {
+        let first: Vec<usize> = chunks.iter().map(Bert::first_layer).collect();
+        Self::global_param_name_at(&first, path)
+    }
+
+    /// [`Bert::global_param_name`] from each chunk's [`first_layer`](Bert::first_layer).
+    pub fn global_param_name_at(first_layers: &[usize], path: &str) -> String {
+        let (chunk, rest) = match path.split_once('.') {
+            Some((c, rest)) if c.parse::<usize>().is_ok() => (c.parse().unwrap_or(0), rest),
+            _ => (0, path),
+        };
+        let first = first_layers.get(chunk).copied().unwrap_or(0);
+        if let Some((i, tail)) = rest
+            .strip_prefix("layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(i, tail)| i.parse::<usize>().ok().map(|i| (i, tail)))
+        {
+            return format!("layers.{}.{tail}", first + i);
+        }
+        if let Some(tail) = rest.strip_prefix("head.word_embeddings.") {
+            return format!("embeddings.word_embeddings.{tail}");
+        }
+        rest.to_string()
+    }
+
+    /// The global index of this chunk's first layer.
+    pub fn first_layer(&self) -> usize {
+        self.first_layer
+    }
+
     /// States what only the model knows: the MLM bias is split with the vocabulary, and on
     /// a pipeline the first stage's word embeddings and the last stage's copy are one tied
     /// weight. At init and at every forward, like the layers (see

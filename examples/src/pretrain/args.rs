@@ -1,6 +1,6 @@
 //! `bert_pretrain`'s command line: Megatron's flag names, checked before any work starts.
 
-use burn_megatron::checkpoint::{rank_dir, read_latest};
+use burn_megatron::checkpoint::{CheckpointIndex, iteration_dir, read_latest};
 use burn_megatron::data::BatchLayout;
 use burn_megatron::launch::DistributedBackend;
 use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
@@ -142,6 +142,10 @@ pub struct Args {
     /// instead of burn-optim's `AdamW`; the same update.
     #[arg(long)]
     pub use_fused_adam: bool,
+    /// The vocabulary is padded to a multiple of this × TP (Megatron's flag). A checkpoint
+    /// loads at another TP size only when both pad it to the same size.
+    #[arg(long, default_value_t = 128)]
+    pub make_vocab_size_divisible_by: usize,
     /// Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered over the
     /// data-parallel group, each rank keeping master weights and Adam moments for its shard
     /// only, weights all-gathered after the step. Uses the fused Adam (implies
@@ -189,9 +193,12 @@ pub struct Args {
     /// Save checkpoints under this directory.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Resume from the latest checkpoint under this directory.
+    /// Resume from the latest checkpoint under this directory, saved at any layout.
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// With --load, take the weights only: a fresh optimizer (Megatron's flag).
+    #[arg(long)]
+    pub no_load_optim: bool,
     /// Iterations between checkpoints (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub save_interval: usize,
@@ -407,8 +414,8 @@ impl Args {
         Ok(layout)
     }
 
-    /// The checkpoint under `dir` holds one directory per model-parallel rank: the
-    /// tensor- and pipeline-parallel sizes must be the ones it was saved with.
+    /// The latest checkpoint under `dir` must be readable, and its optimizer state loadable
+    /// by this run's optimizer at this layout (or `--no-load-optim`).
     fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
         let latest = read_latest(dir).map_err(|e| format!("--load: {e}"))?;
         let Some(iteration) = latest else {
@@ -417,35 +424,45 @@ impl Args {
                 dir.display()
             ));
         };
-        let (tp, pp) = (
-            self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size,
-        );
-        // Megatron's names: mp_rank_TT without pipelines, mp_rank_TT_PPP with.
-        let count = |stage: Option<usize>| {
-            (0..)
-                .take_while(|&r| rank_dir(dir, iteration, r, stage).is_dir())
-                .count()
+        let index = CheckpointIndex::read(&iteration_dir(dir, iteration))
+            .map_err(|e| format!("--load: {e}"))?;
+        if self.no_load_optim {
+            return Ok(());
+        }
+        let saved = index.layout();
+        let fused = self.use_fused_adam || self.use_distributed_optimizer;
+        let saved_fused = index.state().fused_adam_steps.is_some();
+        let kind = |f: bool| {
+            if f {
+                "the fused Adam"
+            } else {
+                "burn-optim's AdamW"
+            }
         };
-        let (saved_tp, saved_pp) = if count(None) > 0 {
-            (count(None), 1)
-        } else {
-            let stages = (0..)
-                .take_while(|&p| rank_dir(dir, iteration, 0, Some(p)).is_dir())
-                .count();
-            (count(Some(0)), stages)
-        };
-        if saved_tp != tp {
+        if fused != saved_fused {
             return Err(format!(
-                "--load {}: iteration {iteration} was saved with tensor-parallel size {saved_tp}, \
-                 not --tensor-model-parallel-size {tp}",
-                dir.display()
+                "--load {}: iteration {iteration} was saved by {}, this run uses {}: add \
+                 --no-load-optim to load the weights only",
+                dir.display(),
+                kind(saved_fused),
+                kind(fused)
             ));
         }
-        if saved_pp != pp {
+        let here = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.num_model_chunks(),
+        );
+        let there = (
+            saved.tensor_model_parallel_size,
+            saved.pipeline_model_parallel_size,
+            saved.virtual_pipeline_model_parallel_size,
+        );
+        if !fused && here != there {
             return Err(format!(
-                "--load {}: iteration {iteration} was saved with pipeline-parallel size {saved_pp}, \
-                 not --pipeline-model-parallel-size {pp}",
+                "--load {}: iteration {iteration} was saved at {saved} with burn-optim's AdamW, \
+                 whose state resumes only at that layout: add --no-load-optim, or train with \
+                 --use-fused-adam to reshard the optimizer state too",
                 dir.display()
             ));
         }

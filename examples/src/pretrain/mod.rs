@@ -9,6 +9,7 @@ mod train;
 pub use args::{Args, DecayStyle, WdIncr};
 pub use train::scheduler;
 
+use burn::config::Config;
 use burn_megatron::data::{
     BatchLayout, BertDataset, BertDatasetConfig, BertTokenizer, Document, load_corpus,
     synthetic_corpus, synthetic_vocabulary,
@@ -262,7 +263,11 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         args.num_attention_heads,
         args.ffn_hidden_size.unwrap_or(4 * args.hidden_size),
         args.max_position_embeddings.unwrap_or(args.seq_length),
-        padded_vocab_size(tokenizer.vocab_size(), 128, tp),
+        padded_vocab_size(
+            tokenizer.vocab_size(),
+            args.make_vocab_size_divisible_by,
+            tp,
+        ),
     )
     .with_hidden_dropout(args.hidden_dropout)
     .with_attention_dropout(args.attention_dropout)
@@ -270,6 +275,13 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     .with_gradient_accumulation_fusion(args.gradient_accumulation_fusion)
     .with_init_method_std(args.init_method_std)
     .with_seed(args.seed);
+    // Beside the checkpoints, what the `checkpoint` tool needs to rebuild the model.
+    if let Some(dir) = args.save.as_ref().filter(|_| leader) {
+        let path = dir.join("bert_config.json");
+        model_config
+            .save(&path)
+            .map_err(|e| format!("--save {}: {e}", path.display()))?;
+    }
     let header = format!(
         "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × PP {}{} × DP {}{} | vocab {} (padded {}) | \
          {} train / {} validation segments | {}",

@@ -8,7 +8,8 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{DType, Tensor};
 use burn_megatron::checkpoint::{
-    load_checkpoint, rank_dir, read_latest, save_checkpoint, write_latest,
+    CheckpointRank, SavedLayout, begin_checkpoint, commit_checkpoint, load_checkpoint, read_latest,
+    save_checkpoint,
 };
 use burn_megatron::comm::{Buffer, CommError, CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BertBatch, BertDataset, BertSample};
@@ -173,8 +174,6 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
     let tp = &ctx.groups.tp;
     let tp_rank = ctx.state.tensor_model_parallel_rank();
     let dp_rank = ctx.state.data_parallel_rank();
-    let pp_rank =
-        (args.pipeline_model_parallel_size > 1).then(|| ctx.state.pipeline_model_parallel_rank());
     let leader = ctx.state.global_rank() == 0;
     let config: &BertConfig = &shared.model_config;
     let model: Vec<Bert> = (0..args.num_model_chunks())
@@ -230,6 +229,22 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         })
     };
     let scheduler = scheduler(args)?;
+    // Checkpoints key tensors by global name, so any layout loads any other's.
+    let layout = SavedLayout {
+        tensor_model_parallel_size: args.tensor_model_parallel_size,
+        pipeline_model_parallel_size: args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size: args.num_model_chunks(),
+        data_parallel_size: ctx.state.data_parallel_size(),
+        distributed_optimizer: args.use_distributed_optimizer,
+    };
+    let first_layers: Vec<usize> = model.iter().map(Bert::first_layer).collect();
+    let names = |path: &str| Bert::global_param_name_at(&first_layers, path);
+    let checkpoint_rank = CheckpointRank {
+        layout,
+        tensor_model_parallel_rank: tp_rank,
+        pipeline_model_parallel_rank: ctx.state.pipeline_model_parallel_rank(),
+        names: &names,
+    };
     let (mut model, mut optim, start, mut skipped) = match &args.load {
         None => {
             let optim = make_optimizer(&model).map_err(|e| e.to_string())?;
@@ -237,16 +252,26 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         }
         Some(root) => {
             let iteration = read_latest(root).map_err(|e| e.to_string())?.unwrap_or(0);
-            let dir = rank_dir(root, iteration, tp_rank, pp_rank);
-            let r = load_checkpoint(&dir, model, |m| {
-                make_optimizer(m).map_err(OptimizerError::Comm)
-            })
+            let make = |m: &Vec<Bert>| make_optimizer(m).map_err(OptimizerError::Comm);
+            let r = load_checkpoint(
+                root,
+                iteration,
+                &checkpoint_rank,
+                model,
+                make,
+                !args.no_load_optim,
+            )
             .map_err(|e| e.to_string())?;
             let skipped = r.extra["skipped_iterations"].as_u64().unwrap_or(0) as usize;
+            if leader && r.saved_at != layout {
+                shared.println(format!(
+                    " loaded iteration {iteration} saved at {}, resharded to {layout}",
+                    r.saved_at
+                ));
+            }
             (r.model, r.optimizer, r.iteration, skipped)
         }
     };
-
     if let Some(state) = optim.state_elements().filter(|_| leader) {
         // The distributed optimizer's point: 12 bytes of state per parameter, over DP.
         let params = model.num_params();
@@ -352,15 +377,21 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             .as_ref()
             .filter(|_| save_now || done == args.train_iters)
         {
+            // Staged by every rank, then made `latest` by one once all have written.
+            let world = &ctx.groups.world;
+            if leader {
+                begin_checkpoint(root, done).map_err(|e| e.to_string())?;
+            }
+            world.barrier().map_err(|e| e.to_string())?;
             // A distributed optimizer gathers its shards from every data-parallel rank.
             if dp_rank == 0 || args.use_distributed_optimizer {
                 let extra = serde_json::json!({ "skipped_iterations": skipped });
-                let dir = rank_dir(root, done, tp_rank, pp_rank);
-                save_checkpoint(&dir, done, &model, &optim, extra).map_err(|e| e.to_string())?;
+                save_checkpoint(root, done, &checkpoint_rank, &model, &optim, extra)
+                    .map_err(|e| e.to_string())?;
             }
-            ctx.groups.world.barrier().map_err(|e| e.to_string())?;
+            world.barrier().map_err(|e| e.to_string())?;
             if leader {
-                write_latest(root, done).map_err(|e| e.to_string())?;
+                commit_checkpoint(root, done).map_err(|e| e.to_string())?;
                 shared.println(format!(
                     " saved checkpoint at iteration {done} to {}",
                     root.display()

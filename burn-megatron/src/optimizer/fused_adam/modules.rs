@@ -2,39 +2,25 @@
 //! per-parameter tensors checkpoints hold.
 
 use super::flat::{Buffer, FlatAdam};
+use crate::module_path::{PathVisitor, visit_paths};
 use crate::optimizer::megatron::OptimizerError;
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{DType, Tensor};
 use burn_megatron_kernels::FlatAdamState;
 use std::collections::HashMap;
 
-/// Visits float parameters with their module path.
-struct Walk<F> {
-    path: Vec<String>,
-    f: F,
-}
-
-impl<F: FnMut(&str, ParamId, usize, Tensor<1>, bool)> ModuleVisitor for Walk<F> {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
-    }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
-    }
-    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-        let value = p.val();
-        let trainable = value.is_require_grad();
-        let flat = value.inner().reshape([-1]);
-        (self.f)(&self.path.join("."), p.id, D, flat, trainable);
-    }
-}
-
 /// Calls `f(path, id, rank, flat value without autodiff, trainable)` for each float parameter.
 pub(super) fn walk<M: Module>(module: &M, f: impl FnMut(&str, ParamId, usize, Tensor<1>, bool)) {
-    module.visit(&mut Walk {
-        path: Vec::new(),
-        f,
-    });
+    struct Walk<F>(F);
+    impl<F: FnMut(&str, ParamId, usize, Tensor<1>, bool)> PathVisitor for Walk<F> {
+        fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+            let value = p.val();
+            let trainable = value.is_require_grad();
+            let flat = value.inner().reshape([-1]);
+            (self.0)(path, p.id, D, flat, trainable);
+        }
+    }
+    visit_paths(module, &mut Walk(f));
 }
 
 /// Replaces the parameters found in `values` (flat, reshaped back), keeping how each took

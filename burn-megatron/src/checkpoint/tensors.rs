@@ -1,0 +1,278 @@
+//! A module's parameters as global tensors: collected for saving (global name, global shape,
+//! this rank's offset), and restored from whatever shards a checkpoint holds.
+
+use super::index::{CheckpointIndex, TensorEntry};
+use super::shards::{Piece, assemble};
+use super::{CheckpointError, io};
+use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
+use crate::safetensors_io;
+use crate::tensor_parallel::{parallel_attrs, set_parallel_attrs};
+use burn::module::{Module, Param, ParamId};
+use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Where this rank's slice of a parameter sits in the global tensor.
+pub(super) struct Placement {
+    pub(super) global_shape: Vec<usize>,
+    pub(super) offset: Vec<usize>,
+}
+
+/// The placement of a parameter of local `dims` with id `id` on tensor-parallel rank
+/// `tp_rank` of `tp`: tensor-parallel shards are contiguous slices along their partition
+/// dim, in rank order (the layers slice one full initialisation).
+pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) -> Placement {
+    let attrs = parallel_attrs(id);
+    let mut global_shape = dims.to_vec();
+    let mut offset = vec![0; dims.len()];
+    if let (true, Some(d)) = (attrs.tensor_model_parallel, attrs.partition_dim)
+        && d < dims.len()
+    {
+        global_shape[d] *= tp;
+        offset[d] = tp_rank * dims[d];
+    }
+    Placement {
+        global_shape,
+        offset,
+    }
+}
+
+/// One tensor to write: its global name, data and placement.
+pub(super) struct Collected {
+    pub(super) name: String,
+    pub(super) data: TensorData,
+    pub(super) placement: Placement,
+}
+
+struct Collect<'a> {
+    names: &'a dyn Fn(&str) -> String,
+    tp: (usize, usize),
+    trainable_only: bool,
+    out: Vec<Collected>,
+}
+
+impl PathVisitor for Collect<'_> {
+    fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+        let value = p.val();
+        let attrs = parallel_attrs(p.id);
+        // Written once: a tied weight by its first copy, a duplicate by TP rank 0.
+        let once = !attrs.shared && (attrs.tensor_model_parallel || self.tp.0 == 0);
+        if !once || (self.trainable_only && !value.is_require_grad()) {
+            return;
+        }
+        let placement = placement(p.id, &value.dims(), self.tp.0, self.tp.1);
+        self.out.push(Collected {
+            name: (self.names)(path),
+            data: value.into_data(),
+            placement,
+        });
+    }
+}
+
+/// The tensors of `module` this rank writes, sorted by global name. `trainable_only` leaves
+/// out frozen parameters (optimizer state exists only for the trained ones).
+pub(super) fn collect<M: Module>(
+    module: &M,
+    names: &dyn Fn(&str) -> String,
+    tp: (usize, usize),
+    trainable_only: bool,
+) -> Vec<Collected> {
+    let mut c = Collect {
+        names,
+        tp,
+        trainable_only,
+        out: Vec::new(),
+    };
+    visit_paths(module, &mut c);
+    c.out.sort_by(|a, b| a.name.cmp(&b.name));
+    c.out
+}
+
+/// Writes `tensors` of `set` as `file` in `dir`; returns their index entries.
+pub(super) fn write_set(
+    dir: &Path,
+    set: &str,
+    file: &str,
+    tensors: &[Collected],
+) -> Result<Vec<TensorEntry>, CheckpointError> {
+    let path = dir.join(file);
+    let named: Vec<(String, TensorData)> = tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.data.clone()))
+        .collect();
+    // No metadata: the index holds it, and the bytes depend on the state alone.
+    safetensors_io::write(&named, HashMap::new(), &path).map_err(|e| io(&path, e))?;
+    Ok(tensors
+        .iter()
+        .map(|t| TensorEntry {
+            set: set.to_string(),
+            name: t.name.clone(),
+            file: file.to_string(),
+            global_shape: t.placement.global_shape.clone(),
+            offset: t.placement.offset.clone(),
+            shape: t.data.shape().to_vec(),
+        })
+        .collect())
+}
+
+/// Parsed files, each read (and checked) once per load.
+pub(super) struct Files<'a> {
+    index: &'a CheckpointIndex,
+    parsed: HashMap<PathBuf, BTreeMap<String, TensorData>>,
+}
+
+impl<'a> Files<'a> {
+    pub(super) fn new(index: &'a CheckpointIndex) -> Self {
+        Self {
+            index,
+            parsed: HashMap::new(),
+        }
+    }
+
+    fn tensor(
+        &mut self,
+        dir: &Path,
+        file: &str,
+        name: &str,
+    ) -> Result<&TensorData, CheckpointError> {
+        let path = dir.join(file);
+        if !self.parsed.contains_key(&path) {
+            let bytes = self.index.read_file(dir, file)?;
+            let (tensors, _) = safetensors_io::read(&bytes)
+                .map_err(|e| io(&path, format!("not a safetensors file: {e}")))?;
+            self.parsed
+                .insert(path.clone(), tensors.into_iter().collect());
+        }
+        self.parsed[&path].get(name).ok_or_else(|| {
+            io(
+                &path,
+                format!("no tensor {name}, though the index lists it"),
+            )
+        })
+    }
+
+    /// This rank's slice of `set`'s global tensor `name`, placed as `want` with `shape`.
+    pub(super) fn slice(
+        &mut self,
+        set: &str,
+        name: &str,
+        want: &Placement,
+        shape: &[usize],
+    ) -> Result<TensorData, CheckpointError> {
+        let index = self.index;
+        let shards = index.shards(set);
+        let mismatch =
+            |reason: String| CheckpointError::Mismatch(format!("{set} tensor {name}: {reason}"));
+        let Some(found) = shards.get(name) else {
+            return Err(mismatch(format!(
+                "not in the checkpoint at {} (saved at {})",
+                index.dir.display(),
+                index.layout()
+            )));
+        };
+        let mut datas = Vec::new();
+        for (dir, entry) in found {
+            if entry.global_shape != want.global_shape {
+                return Err(mismatch(format!(
+                    "saved with global shape {:?} in {}, the model's is {:?} (a padded vocabulary? \
+                     --make-vocab-size-divisible-by × TP must pad it the same way)",
+                    entry.global_shape,
+                    dir.join(&entry.file).display(),
+                    want.global_shape
+                )));
+            }
+            let data = self.tensor(dir, &entry.file, name)?;
+            if data.shape().to_vec() != entry.shape {
+                return Err(io(
+                    &dir.join(&entry.file),
+                    format!(
+                        "{name} has shape {:?}, the index says {:?}",
+                        data.shape().to_vec(),
+                        entry.shape
+                    ),
+                ));
+            }
+            datas.push((entry, data.clone()));
+        }
+        let dtype = datas[0].1.dtype();
+        if datas.iter().any(|(_, d)| d.dtype() != dtype) {
+            return Err(mismatch("its shards were saved in different dtypes".into()));
+        }
+        let pieces: Vec<Piece<'_>> = datas
+            .iter()
+            .map(|(e, d)| Piece {
+                offset: &e.offset,
+                shape: &e.shape,
+                bytes: d.as_bytes(),
+            })
+            .collect();
+        let bytes = assemble(&want.offset, shape, &pieces, dtype.size()).map_err(mismatch)?;
+        Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
+    }
+}
+
+/// Replaces every float parameter of a module with its slice of `set`, keeping dtype, device
+/// and `require_grad`; the first error is kept. With `ids` (by local module path),
+/// parameters take the ids they were saved with (and their parallel attributes move along).
+pub(super) struct Restore<'a, 'b> {
+    pub(super) files: &'b mut Files<'a>,
+    pub(super) set: &'b str,
+    pub(super) names: &'b dyn Fn(&str) -> String,
+    pub(super) tp: (usize, usize),
+    pub(super) trainable_only: bool,
+    pub(super) ids: Option<&'b BTreeMap<String, u64>>,
+    pub(super) error: Option<CheckpointError>,
+}
+
+impl Restore<'_, '_> {
+    /// `module` restored, or the first error.
+    pub(super) fn apply<M: Module>(mut self, module: M) -> Result<M, CheckpointError> {
+        let module = map_paths(module, &mut self);
+        self.error.map_or(Ok(module), Err)
+    }
+}
+
+impl PathMapper for Restore<'_, '_> {
+    fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, old, mapper) = p.consume();
+        if self.error.is_some() || (self.trainable_only && !old.is_require_grad()) {
+            return Param::from_mapped_value(id, old, mapper);
+        }
+        let name = (self.names)(path);
+        let dims = old.dims();
+        let want = placement(id, &dims, self.tp.0, self.tp.1);
+        let data = match self.files.slice(self.set, &name, &want, &dims) {
+            Ok(d) => d,
+            Err(e) => {
+                self.error = Some(e);
+                return Param::from_mapped_value(id, old, mapper);
+            }
+        };
+        let dtype: DType = old.dtype();
+        let options = TensorCreationOptions::new(old.device()).with_dtype(dtype);
+        let t = Tensor::<D>::from_data(data.convert_dtype(dtype), options)
+            .set_require_grad(old.is_require_grad());
+        let new_id = match self.ids.and_then(|ids| ids.get(path)) {
+            Some(&saved) => {
+                let saved = ParamId::from(saved);
+                set_parallel_attrs(saved, parallel_attrs(id));
+                saved
+            }
+            None => id,
+        };
+        Param::from_mapped_value(new_id, t, mapper)
+    }
+}
+
+/// Every float parameter's id by local module path.
+pub(super) fn ids<M: Module>(module: &M) -> BTreeMap<String, u64> {
+    struct Ids(BTreeMap<String, u64>);
+    impl PathVisitor for Ids {
+        fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+            self.0.insert(path.to_string(), p.id.val());
+        }
+    }
+    let mut v = Ids(BTreeMap::new());
+    visit_paths(module, &mut v);
+    v.0
+}

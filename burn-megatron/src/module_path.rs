@@ -1,0 +1,60 @@
+//! Visiting and mapping a module's float parameters with their module paths (`"0.layers.1.
+//! mlp.dense_h_to_4h.weight"`), the names checkpoints and optimizer groups go by.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+
+/// Sees each float parameter with its path.
+pub(crate) trait PathVisitor {
+    fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>);
+}
+
+/// Replaces each float parameter, knowing its path.
+pub(crate) trait PathMapper {
+    fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<D>>) -> Param<Tensor<D>>;
+}
+
+struct Paths<T> {
+    path: Vec<String>,
+    inner: T,
+}
+
+impl<T: PathVisitor> ModuleVisitor for Paths<&mut T> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        self.inner.visit(&self.path.join("."), p);
+    }
+}
+
+impl<T: PathMapper> ModuleMapper for Paths<&mut T> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        self.inner.map(&self.path.join("."), p)
+    }
+}
+
+/// Runs `visitor` over `module`'s float parameters, in module order.
+pub(crate) fn visit_paths<M: Module>(module: &M, visitor: &mut impl PathVisitor) {
+    module.visit(&mut Paths {
+        path: Vec::new(),
+        inner: visitor,
+    });
+}
+
+/// `module` with each float parameter replaced by `mapper`.
+pub(crate) fn map_paths<M: Module>(module: M, mapper: &mut impl PathMapper) -> M {
+    module.map(&mut Paths {
+        path: Vec::new(),
+        inner: mapper,
+    })
+}
