@@ -1,5 +1,6 @@
 //! `--use-distributed-optimizer` (ZeRO-1) against the same layout without it: 20 AdamW steps
-//! with clipping and a cosine schedule, in f32 and in bf16 with master weights.
+//! with clipping and a cosine schedule, in f32 and in bf16 with master weights, around the
+//! fused Adam and around burn-optim's AdamW.
 
 mod common;
 
@@ -77,28 +78,19 @@ fn assert_close(what: &str, a: &[IterationLog], b: &[IterationLog], tol: f64) ->
 }
 
 #[test]
-fn zero1_matches_the_fused_adam_at_every_layout_in_f32_and_bf16() {
+fn zero1_matches_the_same_optimizer_unsharded_at_every_layout_in_f32_and_bf16() {
     let dir = tmp("zero1");
     for (tp, pp, dp) in [(1, 1, 2), (1, 1, 4), (2, 1, 2), (2, 2, 2)] {
         for dtype in [&[][..], &["--bf16"][..]] {
-            let what = format!("TP {tp} × PP {pp} × DP {dp} {dtype:?}");
-            let world = tp * pp * dp;
-            let plain = log(
-                &dir,
-                tp,
-                pp,
-                world,
-                &[dtype, &["--use-fused-adam"]].concat(),
-            );
-            let zero = log(
-                &dir,
-                tp,
-                pp,
-                world,
-                &[dtype, &["--use-distributed-optimizer"]].concat(),
-            );
-            let same = assert_close(&what, &zero, &plain, 1e-6);
-            println!("{what}: {same} of {} values bit-identical", 3 * plain.len());
+            for optimizer in [&["--use-fused-adam"][..], &[][..]] {
+                let what = format!("TP {tp} × PP {pp} × DP {dp} {dtype:?} {optimizer:?}");
+                let world = tp * pp * dp;
+                let plain = log(&dir, tp, pp, world, &[dtype, optimizer].concat());
+                let zero = [dtype, optimizer, &["--use-distributed-optimizer"]].concat();
+                let zero = log(&dir, tp, pp, world, &zero);
+                let same = assert_close(&what, &zero, &plain, 1e-6);
+                println!("{what}: {same} of {} values bit-identical", 3 * plain.len());
+            }
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -119,7 +111,11 @@ fn zero1_with_overlapped_reduction_matches_it_without() {
         2,
         1,
         4,
-        &["--use-distributed-optimizer", "--overlap-grad-reduce"],
+        &[
+            "--use-fused-adam",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+        ],
     );
     let same = assert_close("overlapped TP 2 × DP 2", &zero, &plain, 1e-6);
     println!(
@@ -135,6 +131,7 @@ fn zero1_saves_and_resumes_the_exact_run() {
     let save = dir.join("ckpt");
     let save = save.to_str().unwrap();
     let flags = [
+        "--use-fused-adam",
         "--use-distributed-optimizer",
         "--save",
         save,
@@ -154,5 +151,23 @@ fn zero1_saves_and_resumes_the_exact_run() {
         &full[10..],
         1e-6,
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn burn_optims_distributed_optimizer_refuses_checkpoints_before_any_work() {
+    let dir = tmp("zero1-refuse");
+    let save = dir.join("ckpt");
+    let flags = [
+        "--use-distributed-optimizer",
+        "--save",
+        save.to_str().unwrap(),
+    ];
+    let e = run(&args(&flags, &dir)).unwrap_err();
+    assert!(
+        e.contains("--save with --use-distributed-optimizer needs --use-fused-adam"),
+        "{e}"
+    );
+    assert!(!save.join("latest_checkpointed_iteration.txt").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -152,6 +152,9 @@ pub fn save_checkpoint<M: Module + Clone>(
     optimizer: &MegatronOptimizer<M>,
     extra: serde_json::Value,
 ) -> Result<(), CheckpointError> {
+    optimizer
+        .checkpointable()
+        .map_err(CheckpointError::Mismatch)?;
     // Collective for a distributed optimizer: before any rank returns.
     let mut flat_state = Vec::new();
     if let Some(flat) = optimizer.flat() {
@@ -316,6 +319,9 @@ pub fn load_checkpoint<M: Module + Clone>(
     if !load_optimizer {
         return Ok(done(model, optimizer));
     }
+    optimizer
+        .checkpointable()
+        .map_err(CheckpointError::Mismatch)?;
     let kind = |fused: bool| {
         if fused {
             "the fused Adam"

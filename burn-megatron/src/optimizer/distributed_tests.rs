@@ -89,8 +89,9 @@ fn weights(model: &[Linear]) -> Vec<u32> {
         .collect()
 }
 
-/// Five clipped AdamW steps on `dp` ranks; returns each rank's weights and state elements.
-fn train(dp: usize, distributed: bool, dtype: DType) -> Vec<(Vec<u32>, usize)> {
+/// Five clipped AdamW steps on `dp` ranks, fused or burn-optim's; returns each rank's weights
+/// and state elements (`0` for an unsharded burn-optim optimizer, which does not say).
+fn train(dp: usize, distributed: bool, fused: bool, dtype: DType) -> Vec<(Vec<u32>, usize)> {
     let config = DataParallelConfig {
         bucket_size: Some(20),
         ..DataParallelConfig::default()
@@ -107,20 +108,32 @@ fn train(dp: usize, distributed: bool, dtype: DType) -> Vec<(Vec<u32>, usize)> {
                 .init()
                 .unwrap();
             let plan = ShardPlan::new(&m, size, rank, &config, false);
-            let mut optim = if distributed {
-                MegatronOptimizer::distributed_fused_adam(
+            let (mp, plans) = (ctx.groups.mp.clone(), vec![plan.clone()]);
+            let adamw = burn::optim::AdamWConfig::new()
+                .with_weight_decay(0.0)
+                .init();
+            let mut optim = match (distributed, fused) {
+                (true, true) => MegatronOptimizer::distributed_fused_adam(
                     adam,
                     &m,
-                    vec![plan.clone()],
+                    plans,
                     dp_comm.clone(),
-                    ctx.groups.mp.clone(),
+                    mp,
                     0,
                 )
-                .unwrap()
-            } else {
-                MegatronOptimizer::fused_adam(adam, &m, ctx.groups.mp.clone(), 0)
+                .unwrap(),
+                (false, true) => MegatronOptimizer::fused_adam(adam, &m, mp, 0),
+                (true, false) => {
+                    MegatronOptimizer::distributed(adamw, &m, plans, dp_comm.clone(), mp, 0)
+                        .unwrap()
+                }
+                (false, false) => MegatronOptimizer::new(adamw, &m, mp, 0),
             }
             .with_clip_grad(0.3, NormType::L2);
+            if !fused {
+                // The wrapper's decoupled decay (the fused Adam's is in its config).
+                optim.set_weight_decay(0.1).unwrap();
+            }
             let mut m = m;
             for step in 0..5 {
                 let mut g = grads(&m, rank, step);
@@ -133,7 +146,7 @@ fn train(dp: usize, distributed: bool, dtype: DType) -> Vec<(Vec<u32>, usize)> {
                 assert!(report.clip_coeff < 1.0, "the test must clip");
                 m = next;
             }
-            Ok::<_, String>((weights(&m), optim.state_elements().unwrap()))
+            Ok::<_, String>((weights(&m), optim.state_elements().unwrap_or(0)))
         },
     )
     .unwrap()
@@ -141,16 +154,25 @@ fn train(dp: usize, distributed: bool, dtype: DType) -> Vec<(Vec<u32>, usize)> {
 
 #[test]
 fn zero1_gives_the_all_reduce_weights_bit_for_bit_and_shards_the_state_exactly() {
-    for dtype in [DType::F32, DType::BF16] {
+    for (dtype, fused) in [
+        (DType::F32, true),
+        (DType::BF16, true),
+        (DType::F32, false),
+        (DType::BF16, false),
+    ] {
         for dp in [2, 3, 4] {
-            let plain = train(dp, false, dtype);
-            let zero = train(dp, true, dtype);
+            let plain = train(dp, false, fused, dtype);
+            let zero = train(dp, true, fused, dtype);
             for (r, ((w, _), (wz, _))) in plain.iter().zip(&zero).enumerate() {
-                assert_eq!(w, wz, "{dtype:?} dp {dp} rank {r}: weights differ");
+                assert_eq!(
+                    w, wz,
+                    "{dtype:?} fused {fused} dp {dp} rank {r}: weights differ"
+                );
             }
             // State: master + 2 moments of exactly the owned elements, no element twice.
             let total = 46;
-            assert!(plain.iter().all(|(_, s)| *s == 3 * total));
+            let unsharded = if fused { 3 * total } else { 0 };
+            assert!(plain.iter().all(|(_, s)| *s == unsharded));
             let held: Vec<usize> = zero.iter().map(|(_, s)| *s).collect();
             assert_eq!(
                 held.iter().sum::<usize>(),
@@ -174,7 +196,7 @@ fn zero1_gives_the_all_reduce_weights_bit_for_bit_and_shards_the_state_exactly()
                 .collect();
             assert_eq!(held, expected, "{dtype:?} dp {dp}");
             println!(
-                "{dtype:?} dp {dp}: state per rank {held:?} elements = {:.2} bytes per parameter (12 without)",
+                "{dtype:?} fused {fused} dp {dp}: state per rank {held:?} elements = {:.2} bytes per parameter (12 without)",
                 4.0 * held[0] as f64 / total as f64
             );
         }

@@ -4,6 +4,7 @@
 use super::fused_adam::{FlatAdam, FusedAdam};
 use super::grad_norm::{NormType, clip_coefficient, clip_grads_of, grad_norm_of};
 use super::grad_scaler::{GradScaler, GradScalerState};
+use super::sharded_burn::ShardedBurn;
 use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::param_grads::{float_params, update_flat, with_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
@@ -64,6 +65,8 @@ enum Stepper {
     Burn(ModuleOptimizer),
     /// Flat buffers, one fused kernel per group.
     Fused(FlatAdam),
+    /// A burn-optim optimizer on this data-parallel rank's pieces (ZeRO-1).
+    Sharded(ShardedBurn),
 }
 
 impl<M: Module> std::fmt::Debug for MegatronOptimizer<M> {
@@ -252,6 +255,35 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         Ok(Self::with_flat(flat, model, model_parallel, tp_rank))
     }
 
+    /// [`MegatronOptimizer::new`] as Megatron's distributed optimizer (ZeRO-1): `inner`
+    /// steps only this data-parallel rank's pieces of the parameters (those `plans` give it,
+    /// as FP32 master weights), so its state is 1/DP of the model's; the updated weights are
+    /// all-gathered. Gradients as for [`MegatronOptimizer::distributed_fused_adam`]. Build
+    /// `inner` without weight decay (see [`MegatronOptimizer::set_weight_decay`]) and without
+    /// id-based parameter groups (the pieces are parameters of their own). Checkpoints of this
+    /// optimizer are not written yet: use the fused one to save.
+    pub fn distributed(
+        inner: impl Into<ModuleOptimizer>,
+        model: &M,
+        plans: Vec<crate::data_parallel::ShardPlan>,
+        dp: Comm,
+        model_parallel: Comm,
+        tp_rank: usize,
+    ) -> Result<Self, CommError> {
+        let sharded = ShardedBurn::new(inner.into(), model, plans, dp)?;
+        Ok(Self {
+            inner: Stepper::Sharded(sharded),
+            master: None,
+            model_dtype: model_dtype(model),
+            scaler: None,
+            clip_grad: 0.0,
+            norm_type: NormType::L2,
+            model_parallel,
+            tp_rank,
+            weight_decay: None,
+        })
+    }
+
     /// Megatron's weight-decay schedule: from the next step on, every parameter's decoupled
     /// weight decay is `wd × wd_mult` — call it each step with
     /// [`OptimizerParamScheduler::wd_at`](crate::optimizer::OptimizerParamScheduler::wd_at).
@@ -271,7 +303,9 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             Stepper::Fused(flat) => flat.set_weight_decay(wd as f32),
             // Rounded to f32 as burn-optim's AdamW holds its weight decay, so that the two
             // paths (and AdamW built with that decay) agree bit for bit.
-            Stepper::Burn(_) => self.weight_decay = Some(f64::from(wd as f32)),
+            Stepper::Burn(_) | Stepper::Sharded(_) => {
+                self.weight_decay = Some(f64::from(wd as f32))
+            }
         }
         Ok(())
     }
@@ -284,15 +318,37 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// This rank's index in the data-parallel group of a distributed optimizer
     /// ([`MegatronOptimizer::distributed_fused_adam`]); `None` for the others.
     pub fn data_parallel_rank(&self) -> Option<usize> {
-        self.flat().and_then(|f| f.dp()).map(|dp| dp.group().rank())
+        match &self.inner {
+            Stepper::Fused(f) => f.dp().map(|dp| dp.group().rank()),
+            Stepper::Sharded(s) => Some(s.dp().group().rank()),
+            Stepper::Burn(_) => None,
+        }
     }
 
-    /// Elements of optimizer state this rank holds for the fused optimizer: FP32 master
-    /// weights and two moments, each as long as the parameter elements it steps (all of
-    /// them, or this rank's shards for a distributed optimizer). `None` for a burn-optim
-    /// optimizer, whose state lives inside it.
+    /// Whether checkpoints can hold this optimizer's state (not yet a distributed
+    /// burn-optim one: its state is spread over the data-parallel ranks, keyed by pieces).
+    pub(crate) fn checkpointable(&self) -> Result<(), String> {
+        match self.inner {
+            Stepper::Sharded(_) => Err(
+                "the distributed optimizer around a burn-optim optimizer cannot be \
+                 checkpointed yet: use the fused Adam with the distributed optimizer"
+                    .into(),
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// Elements of optimizer state this rank holds for the fused optimizer or a distributed
+    /// one: FP32 master weights and two moments, each as long as the parameter elements it
+    /// steps (all of them, or this rank's shards). `None` for a plain burn-optim optimizer,
+    /// whose state lives inside it.
     pub fn state_elements(&self) -> Option<usize> {
-        self.flat().map(|f| 3 * f.state_elements())
+        match &self.inner {
+            Stepper::Fused(f) => Some(3 * f.state_elements()),
+            // The master pieces and Adam's two moments of each.
+            Stepper::Sharded(s) => Some(3 * s.state_elements()),
+            Stepper::Burn(_) => None,
+        }
     }
 
     /// Scales losses with `scaler` (f16 training).
@@ -323,7 +379,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     pub fn inner(&self) -> Option<&ModuleOptimizer> {
         match &self.inner {
             Stepper::Burn(inner) => Some(inner),
-            Stepper::Fused(_) => None,
+            Stepper::Fused(_) | Stepper::Sharded(_) => None,
         }
     }
 
@@ -335,14 +391,14 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     pub(crate) fn flat(&self) -> Option<&FlatAdam> {
         match &self.inner {
             Stepper::Fused(flat) => Some(flat),
-            Stepper::Burn(_) => None,
+            Stepper::Burn(_) | Stepper::Sharded(_) => None,
         }
     }
 
     pub(crate) fn flat_mut(&mut self) -> Option<&mut FlatAdam> {
         match &mut self.inner {
             Stepper::Fused(flat) => Some(flat),
-            Stepper::Burn(_) => None,
+            Stepper::Burn(_) | Stepper::Sharded(_) => None,
         }
     }
 
@@ -362,7 +418,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
                 master,
                 ..self
             },
-            Stepper::Fused(_) => self,
+            Stepper::Fused(_) | Stepper::Sharded(_) => self,
         }
     }
 
@@ -382,6 +438,39 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         };
         let inner = match &mut self.inner {
             Stepper::Burn(inner) => inner,
+            Stepper::Sharded(sharded) => {
+                let mut measured =
+                    sharded.measure(&grads, self.tp_rank, self.norm_type, 1.0 / loss_scale);
+                sharded.combine(&mut measured, self.norm_type)?;
+                let mut v = vec![
+                    f32::from(u8::from(measured.non_finite)),
+                    measured.norm_part as f32,
+                ];
+                self.model_parallel
+                    .all_reduce_vec(&mut v, self.norm_type.reduce_op())?;
+                let found_inf = v[0] > 0.0 || !v[1].is_finite();
+                if let Some(s) = self.scaler.as_mut() {
+                    s.update(found_inf);
+                }
+                if found_inf {
+                    return Ok((model, skipped));
+                }
+                let norm = self.norm_type.finish(f64::from(v[1]));
+                // AdamW's decoupled decay on the master pieces, as `Decay` on whole tensors.
+                let decay = self
+                    .weight_decay
+                    .map(|wd| 1.0 - lr * wd)
+                    .filter(|&f| f != 1.0);
+                let (model, clip_coeff) =
+                    sharded.apply(measured, lr, self.clip_grad, norm, decay, model)?;
+                let report = StepReport {
+                    updated: true,
+                    grad_norm: Some(norm),
+                    clip_coeff,
+                    loss_scale,
+                };
+                return Ok((model, report));
+            }
             Stepper::Fused(flat) => {
                 let inv_scale = 1.0 / loss_scale;
                 let mut stats =

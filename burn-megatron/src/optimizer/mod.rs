@@ -11,6 +11,7 @@ mod grad_scaler;
 mod megatron;
 mod param_groups;
 mod scheduler;
+mod sharded_burn;
 
 #[cfg(test)]
 mod distributed_tests;

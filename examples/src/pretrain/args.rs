@@ -148,8 +148,8 @@ pub struct Args {
     pub make_vocab_size_divisible_by: usize,
     /// Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered over the
     /// data-parallel group, each rank keeping master weights and Adam moments for its shard
-    /// only, weights all-gathered after the step. Uses the fused Adam (implies
-    /// --use-fused-adam).
+    /// only, weights all-gathered after the step; around the fused Adam with
+    /// --use-fused-adam (checkpoints need it), around burn-optim's AdamW otherwise.
     #[arg(long)]
     pub use_distributed_optimizer: bool,
     /// Clip gradients to this global L2 norm (0 disables).
@@ -408,6 +408,22 @@ impl Args {
                 self.init_method_std
             ));
         }
+        if self.use_distributed_optimizer && !self.use_fused_adam {
+            let saving = self.save.is_some();
+            let loading_state = self.load.is_some() && !self.no_load_optim;
+            if saving || loading_state {
+                return Err(format!(
+                    "{} with --use-distributed-optimizer needs --use-fused-adam: the distributed \
+                     AdamW of burn-optim has no checkpoint format yet{}",
+                    if saving { "--save" } else { "--load" },
+                    if saving {
+                        ""
+                    } else {
+                        " (or add --no-load-optim)"
+                    }
+                ));
+            }
+        }
         if self.loss_scale.is_some() && !self.fp16 {
             return Err("--loss-scale needs --fp16".into());
         }
@@ -430,7 +446,7 @@ impl Args {
             return Ok(());
         }
         let saved = index.layout();
-        let fused = self.use_fused_adam || self.use_distributed_optimizer;
+        let fused = self.use_fused_adam;
         let saved_fused = index.state().fused_adam_steps.is_some();
         let kind = |f: bool| {
             if f {

@@ -181,7 +181,8 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
     let model = cast_params(model, dtype(args));
-    let fused_adam = (args.use_fused_adam || args.use_distributed_optimizer)
+    let fused_adam = args
+        .use_fused_adam
         .then(|| FusedAdamConfig::new().init())
         .transpose()
         .map_err(|e| e.to_string())?;
@@ -217,8 +218,13 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             }
             Some(adam) => MegatronOptimizer::fused_adam(adam.clone(), model, mp, tp_rank),
             None => {
-                let adamw = AdamWConfig::new().with_weight_decay(0.0);
-                MegatronOptimizer::new(adamw.init(), model, mp, tp_rank)
+                let adamw = AdamWConfig::new().with_weight_decay(0.0).init();
+                if args.use_distributed_optimizer {
+                    let (plans, dp) = (plans_of(model), ctx.groups.dp.clone());
+                    MegatronOptimizer::distributed(adamw, model, plans, dp, mp, tp_rank)?
+                } else {
+                    MegatronOptimizer::new(adamw, model, mp, tp_rank)
+                }
             }
         }
         .with_clip_grad(args.clip_grad, NormType::L2);

@@ -59,10 +59,10 @@ pub(super) struct Slot {
 
 /// A piece's plan (among the optimizer's plans), bucket, and position in this rank's shard.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Place {
-    pub(super) plan: usize,
-    pub(super) bucket: usize,
-    pub(super) at: usize,
+pub(crate) struct Place {
+    pub(crate) plan: usize,
+    pub(crate) bucket: usize,
+    pub(crate) at: usize,
 }
 
 impl Slot {
@@ -157,8 +157,8 @@ pub(crate) struct FlatAdam {
 /// (one per model chunk) and the data-parallel group to gather over.
 #[derive(Debug)]
 pub(crate) struct Sharding {
-    pub(super) plans: Vec<crate::data_parallel::ShardPlan>,
-    pub(super) dp: crate::comm::Comm,
+    pub(crate) plans: Vec<crate::data_parallel::ShardPlan>,
+    pub(crate) dp: crate::comm::Comm,
 }
 
 impl FlatAdam {

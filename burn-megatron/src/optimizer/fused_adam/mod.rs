@@ -14,4 +14,6 @@ mod modules;
 mod sharded;
 
 pub use config::{FusedAdam, FusedAdamConfig};
-pub(crate) use flat::{Buffer, FlatAdam};
+pub(crate) use flat::{Buffer, FlatAdam, Place, Sharding};
+pub(crate) use modules::Replace;
+pub(crate) use sharded::gather_pieces;

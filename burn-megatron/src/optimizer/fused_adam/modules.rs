@@ -25,7 +25,7 @@ pub(super) fn walk<M: Module>(module: &M, f: impl FnMut(&str, ParamId, usize, Te
 
 /// Replaces the parameters found in `values` (flat, reshaped back), keeping how each took
 /// part in autodiff.
-pub(super) struct Replace(pub(super) HashMap<ParamId, Tensor<1>>);
+pub(crate) struct Replace(pub(crate) HashMap<ParamId, Tensor<1>>);
 
 impl ModuleMapper for Replace {
     fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {

@@ -71,6 +71,10 @@ impl FlatAdam {
         Ok(Self::grouped(adam, entries, Some(Sharding { plans, dp })))
     }
 
+    fn device(&self) -> burn::tensor::Device {
+        self.groups[0].state.param.device()
+    }
+
     /// The data-parallel group of a distributed optimizer.
     pub(crate) fn dp(&self) -> Option<&Comm> {
         self.sharding.as_ref().map(|s| &s.dp)
@@ -85,53 +89,6 @@ impl FlatAdam {
             .sum()
     }
 
-    /// Whole parameters from every rank's pieces: `pieces` gives each slot's values, and
-    /// each bucket is all-gathered in `dtype` of its parameters' dtype. Collective over the
-    /// data-parallel group.
-    fn gather(
-        &self,
-        sharding: &Sharding,
-        pieces: Vec<(Slot, Tensor<1>)>,
-        dtype: impl Fn(DType) -> DType,
-    ) -> Result<HashMap<ParamId, Tensor<1>>, OptimizerError> {
-        let device = self.groups[0].state.param.device();
-        let mut by_bucket: HashMap<(usize, usize), Vec<(usize, Tensor<1>)>> = HashMap::new();
-        for (slot, values) in pieces {
-            let place = slot
-                .place
-                .expect("a distributed optimizer's slots are placed");
-            by_bucket
-                .entry((place.plan, place.bucket))
-                .or_default()
-                .push((place.at, values));
-        }
-        let comm_error = |reason: String| CommError::InvalidArgument {
-            group: sharding.dp.group().to_string(),
-            op: "all_gather",
-            reason,
-        };
-        let mut out = HashMap::new();
-        for (p, plan) in sharding.plans.iter().enumerate() {
-            for (b, bucket) in plan.buckets().iter().enumerate() {
-                let d = dtype(bucket.dtype);
-                let cd = comm_dtype(d).unwrap_or(CommDType::F32);
-                let mut shard = CommBuffer::zeros(cd, bucket.len / plan.size());
-                for (at, values) in by_bucket.remove(&(p, b)).unwrap_or_default() {
-                    let data = values.cast(d).into_data();
-                    shard.write_at(at, &data_to_buffer(data).map_err(comm_error)?);
-                }
-                // Every rank gathers every bucket, pieces or not, so the calls match.
-                let full = sharding.dp.all_gather(shard)?;
-                for param in bucket.params.iter().filter(|p| p.trainable) {
-                    let values = full.slice(param.offset..param.offset + param.numel);
-                    let t: Tensor<1> = buffer_to_tensor(values, [param.numel], &device);
-                    out.insert(param.id, t);
-                }
-            }
-        }
-        Ok(out)
-    }
-
     /// [`FlatAdam::model_from`] for a distributed optimizer: every rank's updated pieces in
     /// the model's dtypes, gathered (in those dtypes) into whole parameters.
     pub(super) fn gather_model<M: Module>(
@@ -143,7 +100,7 @@ impl FlatAdam {
         for g in &self.groups {
             pieces.extend(g.slots.iter().cloned().zip(g.model_segments()?));
         }
-        let values = self.gather(sharding, pieces, |d| d)?;
+        let values = gather_pieces(sharding, &self.device(), placed(pieces), |d| d)?;
         Ok(model.map(&mut Replace(values)))
     }
 
@@ -159,7 +116,61 @@ impl FlatAdam {
         for g in &self.groups {
             pieces.extend(g.slots.iter().cloned().zip(g.segments(buffer)));
         }
-        let values = self.gather(sharding, pieces, |_| DType::F32)?;
+        let values = gather_pieces(sharding, &self.device(), placed(pieces), |_| DType::F32)?;
         Ok(model.clone().map(&mut Replace(values)))
     }
+}
+
+fn placed(pieces: Vec<(Slot, Tensor<1>)>) -> Vec<(Place, Tensor<1>)> {
+    pieces
+        .into_iter()
+        .map(|(s, t)| {
+            (
+                s.place.expect("a distributed optimizer's slots are placed"),
+                t,
+            )
+        })
+        .collect()
+}
+
+/// Whole parameters from every data-parallel rank's pieces (`pieces`: this rank's, with
+/// their places): each bucket all-gathered in `dtype` of its parameters' dtype, onto
+/// `device`. Collective over the data-parallel group; every rank gathers every bucket.
+pub(crate) fn gather_pieces(
+    sharding: &Sharding,
+    device: &burn::tensor::Device,
+    pieces: Vec<(Place, Tensor<1>)>,
+    dtype: impl Fn(DType) -> DType,
+) -> Result<HashMap<ParamId, Tensor<1>>, OptimizerError> {
+    let mut by_bucket: HashMap<(usize, usize), Vec<(usize, Tensor<1>)>> = HashMap::new();
+    for (place, values) in pieces {
+        by_bucket
+            .entry((place.plan, place.bucket))
+            .or_default()
+            .push((place.at, values));
+    }
+    let comm_error = |reason: String| CommError::InvalidArgument {
+        group: sharding.dp.group().to_string(),
+        op: "all_gather",
+        reason,
+    };
+    let mut out = HashMap::new();
+    for (p, plan) in sharding.plans.iter().enumerate() {
+        for (b, bucket) in plan.buckets().iter().enumerate() {
+            let d = dtype(bucket.dtype);
+            let cd = comm_dtype(d).unwrap_or(CommDType::F32);
+            let mut shard = CommBuffer::zeros(cd, bucket.len / plan.size());
+            for (at, values) in by_bucket.remove(&(p, b)).unwrap_or_default() {
+                let data = values.cast(d).into_data();
+                shard.write_at(at, &data_to_buffer(data).map_err(comm_error)?);
+            }
+            let full = sharding.dp.all_gather(shard)?;
+            for param in bucket.params.iter().filter(|p| p.trainable) {
+                let values = full.slice(param.offset..param.offset + param.numel);
+                let t: Tensor<1> = buffer_to_tensor(values, [param.numel], device);
+                out.insert(param.id, t);
+            }
+        }
+    }
+    Ok(out)
 }
