@@ -80,18 +80,28 @@ fn resuming_continues_the_exact_loss_sequence() {
         save.join("iter_0000010/mp_rank_01/master.safetensors")
             .is_file()
     );
-    assert!(save.join("iter_0000020/mp_rank_00/optimizer.bpk").is_file());
+    assert!(
+        save.join("iter_0000020/mp_rank_00/optim.safetensors")
+            .is_file()
+    );
     let resumed = resume(&save, 10, &common, &dir);
     assert_same_iterations(&resumed, &full.log[10..]);
-    // burn-optim's AdamW state is keyed by parameter id: another layout takes the weights
-    // only (the fused Adam reshards its state too: tests/reshard.rs).
+    // Another layout (TP 1 × DP 2) resumes too, AdamW's moments resharded with the weights;
+    // in bf16 with dropout it follows the original run only roughly (tests/reshard.rs checks
+    // the exact continuation).
     let other_layout = ["--tensor-model-parallel-size", "1", "--world-size", "2"];
     let other_layout = [&common[..], &["--load", s], &other_layout].concat();
-    let e = run(&args(&other_layout, &dir)).unwrap_err();
-    assert!(
-        e.contains("resumes only at that layout") && e.contains("--no-load-optim"),
-        "{e}"
-    );
+    let log = run(&args(&other_layout, &dir)).unwrap().log;
+    assert_eq!(log.first().map(|e| e.iteration), Some(11));
+    for (a, b) in log.iter().zip(&full.log[10..]) {
+        let at = a.iteration;
+        assert!(
+            (a.lm_loss - b.lm_loss).abs() < 0.1,
+            "{at}: {} vs {}",
+            a.lm_loss,
+            b.lm_loss
+        );
+    }
     let weights_only = [
         &other_layout[..],
         &["--no-load-optim", "--train-iters", "12"],
@@ -284,8 +294,8 @@ fn pipeline_parallel_training_falls_saves_and_resumes() {
     assert_same_iterations(&resumed, &full.log[20..]);
     let mut no_pp: Vec<&str> = [&common[..], &["--load", s]].concat();
     no_pp.extend(["--pipeline-model-parallel-size", "1", "--world-size", "2"]);
-    let e = run(&args(&no_pp, &dir)).unwrap_err();
-    assert!(e.contains("resumes only at that layout"), "{e}");
+    let log = run(&args(&no_pp, &dir)).unwrap().log;
+    assert_eq!(log.first().map(|e| e.iteration), Some(21));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

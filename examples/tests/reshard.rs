@@ -120,3 +120,37 @@ fn a_distributed_optimizer_checkpoint_resumes_without_it_elsewhere() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// burn-optim's AdamW: its moments and step counters are stored by global name too.
+#[test]
+fn adamws_state_reshards_with_the_weights() {
+    let dir = tmp("reshard-adamw");
+    let save = dir.join("ckpt");
+    let s = save.to_str().unwrap();
+    let adamw = |f: Vec<String>| -> Vec<String> {
+        f.into_iter().filter(|a| a != "--use-fused-adam").collect()
+    };
+    let full = train(
+        &dir,
+        adamw(flags(2, 2, 4)),
+        &["--save", s, "--save-interval", "10"],
+    );
+    for (tp, pp, world) in [(2, 2, 4), (1, 1, 1), (4, 1, 4)] {
+        std::fs::write(save.join("latest_checkpointed_iteration.txt"), "10").unwrap();
+        let resumed = train(&dir, adamw(flags(tp, pp, world)), &["--load", s]);
+        assert_eq!(resumed.len(), 10);
+        for (a, b) in resumed.iter().zip(&full[10..]) {
+            let at = format!("TP {tp} × PP {pp}, iteration {}", a.iteration);
+            assert!(
+                (a.lm_loss - b.lm_loss).abs() < 1e-5,
+                "{at}: {} vs {}",
+                a.lm_loss,
+                b.lm_loss
+            );
+            if (tp, pp) == (2, 2) {
+                assert_eq!(a.lm_loss.to_bits(), b.lm_loss.to_bits(), "{at}: not exact");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -100,9 +100,12 @@ pub struct RankIndex {
     pub tensors: Vec<TensorEntry>,
     /// Every file written (the index excepted).
     pub files: BTreeMap<String, FileEntry>,
-    /// Parameter ids by local module path, so that a resume at the same layout keeps them
-    /// (and a burn-optim optimizer's state, keyed by id, applies).
+    /// Parameter ids by local module path, so that a resume at the same layout keeps them.
     pub ids: BTreeMap<String, u64>,
+    /// A burn-optim optimizer's per-parameter scalars (its step counters) by global name;
+    /// its tensors are the `optim.*` sets.
+    #[serde(default)]
+    pub optimizer_scalars: BTreeMap<String, BTreeMap<String, serde_json::Value>>,
 }
 
 /// A checkpoint iteration directory, read: every rank's index, and its files on demand.
@@ -193,6 +196,27 @@ impl CheckpointIndex {
             }
         }
         out
+    }
+
+    /// The burn-optim state's sets (`optim.{field}`) and scalars of every rank, merged.
+    pub(super) fn optimizer_state(
+        &self,
+    ) -> (
+        Vec<String>,
+        BTreeMap<String, BTreeMap<String, serde_json::Value>>,
+    ) {
+        let mut sets: Vec<String> = Vec::new();
+        let mut scalars = BTreeMap::new();
+        for (_, index) in &self.ranks {
+            for t in index.tensors.iter().filter(|t| t.set.starts_with("optim.")) {
+                if !sets.contains(&t.set) {
+                    sets.push(t.set.clone());
+                }
+            }
+            scalars.extend(index.optimizer_scalars.clone());
+        }
+        sets.sort();
+        (sets, scalars)
     }
 
     /// The index of the rank directory of `(tp_rank, pp_rank)`, if the checkpoint has it.

@@ -17,10 +17,11 @@
 //! whole. On load every file is checked against its index, so a truncated, corrupted or
 //! foreign file, a missing shard or a shape that does not fit is an error naming it.
 //!
-//! A burn-optim optimizer's state (`optimizer.bpk`, keyed by parameter id) resumes only at
-//! the layout it was saved at; the fused Adam's (with or without the distributed optimizer)
-//! at any.
+//! The optimizer's state follows, whichever the optimizer: the fused Adam's buffers (with or
+//! without the distributed optimizer) and a burn-optim optimizer's record (its per-parameter
+//! tensors as `optim.{field}` sets, its scalars in the index) are stored by global name too.
 
+mod burn_optim;
 mod index;
 mod shards;
 mod tensors;
@@ -31,7 +32,6 @@ pub use index::{
 
 use crate::optimizer::{Buffer, MegatronOptimizer, OptimizerError};
 use burn::module::Module;
-use burn::optim::OptimizerRecord;
 use index::file_entry;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -187,19 +187,14 @@ pub fn save_checkpoint<M: Module + Clone>(
             &tensors,
         )?);
     }
+    let mut optimizer_scalars = BTreeMap::new();
     if let Some(inner) = optimizer.inner() {
-        let path = dir.join("optimizer.bpk");
-        inner
-            .to_record()
-            .save(&path)
-            .map_err(|e| io(&path, format!("{e:?}")))?;
+        let (state, scalars) = burn_optim::save(&dir, inner.to_record(), model, names, tp)?;
+        entries.extend(state);
+        optimizer_scalars = scalars;
     }
     let mut files = BTreeMap::new();
-    for file in entries
-        .iter()
-        .map(|e| e.file.clone())
-        .chain(optimizer.inner().map(|_| "optimizer.bpk".to_string()))
-    {
+    for file in entries.iter().map(|e| e.file.clone()) {
         if !files.contains_key(&file) {
             files.insert(file.clone(), file_entry(&dir.join(&file))?);
         }
@@ -218,6 +213,7 @@ pub fn save_checkpoint<M: Module + Clone>(
         tensors: entries,
         files,
         ids: ids(model),
+        optimizer_scalars,
     };
     let path = dir.join("index.json");
     let text = serde_json::to_string_pretty(&index).map_err(|e| io(&path, e))?;
@@ -360,21 +356,13 @@ pub fn load_checkpoint<M: Module + Clone>(
             optimizer
         }
         _ => {
-            let Some((dir, _)) = own else {
-                return Err(CheckpointError::Mismatch(format!(
-                    "{}: a burn-optim optimizer's state resumes only at the layout it was saved \
-                     at ({saved}), not at {}: load the weights only, or train with the fused Adam",
-                    index.dir.display(),
-                    rank.layout
-                )));
-            };
             let master = match optimizer.master() {
                 Some(m) => Some(read_set("master", m.clone())?),
                 None => None,
             };
-            let bytes = index.read_file(&dir, "optimizer.bpk")?;
-            let record = OptimizerRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
-                .map_err(|e| io(&dir.join("optimizer.bpk"), format!("{e:?}")))?;
+            let (sets, scalars) = index.optimizer_state();
+            let record =
+                burn_optim::load(&mut files, &sets, &scalars, &model, rank.names, rank.tp())?;
             optimizer.restore(record, master)
         }
     };

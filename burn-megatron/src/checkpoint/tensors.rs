@@ -159,6 +159,18 @@ impl<'a> Files<'a> {
         want: &Placement,
         shape: &[usize],
     ) -> Result<TensorData, CheckpointError> {
+        self.slice_in(set, name, name, want, shape)
+    }
+
+    /// [`Self::slice`] of a tensor stored under `key` in its files.
+    pub(super) fn slice_in(
+        &mut self,
+        set: &str,
+        key: &str,
+        name: &str,
+        want: &Placement,
+        shape: &[usize],
+    ) -> Result<TensorData, CheckpointError> {
         let index = self.index;
         let shards = index.shards(set);
         let mismatch =
@@ -181,7 +193,7 @@ impl<'a> Files<'a> {
                     want.global_shape
                 )));
             }
-            let data = self.tensor(dir, &entry.file, name)?;
+            let data = self.tensor(dir, &entry.file, key)?;
             if data.shape().to_vec() != entry.shape {
                 return Err(io(
                     &dir.join(&entry.file),

@@ -430,8 +430,8 @@ impl Args {
         Ok(layout)
     }
 
-    /// The latest checkpoint under `dir` must be readable, and its optimizer state loadable
-    /// by this run's optimizer at this layout (or `--no-load-optim`).
+    /// The latest checkpoint under `dir` must be readable, and its optimizer state one this
+    /// run's optimizer takes (or `--no-load-optim`); any layout loads.
     fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
         let latest = read_latest(dir).map_err(|e| format!("--load: {e}"))?;
         let Some(iteration) = latest else {
@@ -445,7 +445,6 @@ impl Args {
         if self.no_load_optim {
             return Ok(());
         }
-        let saved = index.layout();
         let fused = self.use_fused_adam;
         let saved_fused = index.state().fused_adam_steps.is_some();
         let kind = |f: bool| {
@@ -462,24 +461,6 @@ impl Args {
                 dir.display(),
                 kind(saved_fused),
                 kind(fused)
-            ));
-        }
-        let here = (
-            self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size,
-            self.num_model_chunks(),
-        );
-        let there = (
-            saved.tensor_model_parallel_size,
-            saved.pipeline_model_parallel_size,
-            saved.virtual_pipeline_model_parallel_size,
-        );
-        if !fused && here != there {
-            return Err(format!(
-                "--load {}: iteration {iteration} was saved at {saved} with burn-optim's AdamW, \
-                 whose state resumes only at that layout: add --no-load-optim, or train with \
-                 --use-fused-adam to reshard the optimizer state too",
-                dir.display()
             ));
         }
         Ok(())
