@@ -152,10 +152,8 @@ pub fn save_checkpoint<M: Module + Clone>(
     optimizer: &MegatronOptimizer<M>,
     extra: serde_json::Value,
 ) -> Result<(), CheckpointError> {
-    optimizer
-        .checkpointable()
-        .map_err(CheckpointError::Mismatch)?;
     // Collective for a distributed optimizer: before any rank returns.
+    let burn_state = optimizer.burn_state(model)?;
     let mut flat_state = Vec::new();
     if let Some(flat) = optimizer.flat() {
         for buffer in Buffer::ALL {
@@ -174,8 +172,9 @@ pub fn save_checkpoint<M: Module + Clone>(
         "model.safetensors",
         &collect(model, names, tp, false),
     )?;
-    if let Some(master) = optimizer.master() {
-        let tensors = collect(master, names, tp, true);
+    let (record, master) = burn_state.unzip();
+    if let Some(master) = master.flatten() {
+        let tensors = collect(&master, names, tp, true);
         entries.extend(write_set(&dir, "master", "master.safetensors", &tensors)?);
     }
     for (stem, module) in &flat_state {
@@ -188,8 +187,8 @@ pub fn save_checkpoint<M: Module + Clone>(
         )?);
     }
     let mut optimizer_scalars = BTreeMap::new();
-    if let Some(inner) = optimizer.inner() {
-        let (state, scalars) = burn_optim::save(&dir, inner.to_record(), model, names, tp)?;
+    if let Some(record) = record {
+        let (state, scalars) = burn_optim::save(&dir, record, model, names, tp)?;
         entries.extend(state);
         optimizer_scalars = scalars;
     }
@@ -315,9 +314,6 @@ pub fn load_checkpoint<M: Module + Clone>(
     if !load_optimizer {
         return Ok(done(model, optimizer));
     }
-    optimizer
-        .checkpointable()
-        .map_err(CheckpointError::Mismatch)?;
     let kind = |fused: bool| {
         if fused {
             "the fused Adam"
@@ -356,14 +352,14 @@ pub fn load_checkpoint<M: Module + Clone>(
             optimizer
         }
         _ => {
-            let master = match optimizer.master() {
-                Some(m) => Some(read_set("master", m.clone())?),
+            let master = match optimizer.master_template(&model) {
+                Some(m) => Some(read_set("master", m)?),
                 None => None,
             };
             let (sets, scalars) = index.optimizer_state();
             let record =
                 burn_optim::load(&mut files, &sets, &scalars, &model, rank.names, rank.tp())?;
-            optimizer.restore(record, master)
+            optimizer.restore(record, master)?
         }
     };
     Ok(done(model, optimizer))

@@ -179,6 +179,14 @@ impl ShardPlan {
         &self.buckets
     }
 
+    /// The same plan seen from rank `rank` of the group.
+    pub fn for_rank(&self, rank: usize) -> Self {
+        Self {
+            rank,
+            ..self.clone()
+        }
+    }
+
     /// This rank's elements of bucket `b`.
     pub fn shard_range(&self, b: usize) -> Range<usize> {
         let part = self.buckets[b].len / self.size;

@@ -260,8 +260,8 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// as FP32 master weights), so its state is 1/DP of the model's; the updated weights are
     /// all-gathered. Gradients as for [`MegatronOptimizer::distributed_fused_adam`]. Build
     /// `inner` without weight decay (see [`MegatronOptimizer::set_weight_decay`]) and without
-    /// id-based parameter groups (the pieces are parameters of their own). Checkpoints of this
-    /// optimizer are not written yet: use the fused one to save.
+    /// id-based parameter groups (the pieces are parameters of their own). Checkpoints gather
+    /// its state into whole parameters, as for the unsharded optimizer.
     pub fn distributed(
         inner: impl Into<ModuleOptimizer>,
         model: &M,
@@ -325,16 +325,30 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         }
     }
 
-    /// Whether checkpoints can hold this optimizer's state (not yet a distributed
-    /// burn-optim one: its state is spread over the data-parallel ranks, keyed by pieces).
-    pub(crate) fn checkpointable(&self) -> Result<(), String> {
-        match self.inner {
-            Stepper::Sharded(_) => Err(
-                "the distributed optimizer around a burn-optim optimizer cannot be \
-                 checkpointed yet: use the fused Adam with the distributed optimizer"
-                    .into(),
-            ),
-            _ => Ok(()),
+    /// A burn-optim optimizer's state for a checkpoint: its record over the model's whole
+    /// parameters and its FP32 master weights (when it keeps them). Collective over the
+    /// data-parallel group for a distributed one; `None` for the fused optimizer.
+    pub(crate) fn burn_state(
+        &self,
+        model: &M,
+    ) -> Result<Option<(OptimizerRecord, Option<M>)>, OptimizerError> {
+        Ok(match &self.inner {
+            Stepper::Burn(inner) => Some((inner.to_record(), self.master.clone())),
+            Stepper::Sharded(s) => {
+                let (record, master) = s.whole(model)?;
+                Some((record, Some(master)))
+            }
+            Stepper::Fused(_) => None,
+        })
+    }
+
+    /// What a checkpoint's master weights are read into, for a burn-optim optimizer that
+    /// keeps them.
+    pub(crate) fn master_template(&self, model: &M) -> Option<M> {
+        match &self.inner {
+            Stepper::Burn(_) => self.master.clone(),
+            Stepper::Sharded(_) => Some(cast_params(model.clone(), DType::F32)),
+            Stepper::Fused(_) => None,
         }
     }
 
@@ -411,14 +425,24 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
 
     /// Takes a checkpointed burn-optim state: the inner optimizer's record and the master
     /// weights (no-op for the fused optimizer).
-    pub(crate) fn restore(self, record: OptimizerRecord, master: Option<M>) -> Self {
+    pub(crate) fn restore(
+        mut self,
+        record: OptimizerRecord,
+        master: Option<M>,
+    ) -> Result<Self, OptimizerError> {
         match self.inner {
-            Stepper::Burn(inner) => Self {
+            Stepper::Burn(inner) => Ok(Self {
                 inner: Stepper::Burn(inner.load_record(record)),
                 master,
                 ..self
-            },
-            Stepper::Fused(_) | Stepper::Sharded(_) => self,
+            }),
+            Stepper::Sharded(ref mut sharded) => {
+                if let Some(m) = &master {
+                    sharded.load_whole(record, m)?;
+                }
+                Ok(self)
+            }
+            Stepper::Fused(_) => Ok(self),
         }
     }
 

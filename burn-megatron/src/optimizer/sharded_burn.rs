@@ -11,8 +11,8 @@ use crate::data_parallel::ShardPlan;
 use crate::param_grads::with_flat;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::{DType, Tensor};
+use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
+use burn::tensor::{Bytes, DType, Tensor, TensorData};
 use burn_megatron_kernels::multi_tensor_sum_of_squares;
 use std::collections::HashMap;
 
@@ -241,4 +241,234 @@ fn flat_values<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>> {
     let mut v = Values(HashMap::new());
     model.visit(&mut v);
     v.0
+}
+
+/// A burn-pack record's tensors `"{id}.{field}"` by id and its scalars `"{id}.{key}"` by id.
+type Parsed = (
+    HashMap<u64, Vec<(String, TensorData)>>,
+    HashMap<u64, Vec<(String, burn_pack::Scalar)>>,
+);
+
+fn parse(record: OptimizerRecord) -> Result<Parsed, String> {
+    let bytes = record.into_bytes().map_err(|e| format!("{e:?}"))?;
+    let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| format!("{e:?}"))?;
+    let mut scalars: HashMap<u64, Vec<(String, burn_pack::Scalar)>> = HashMap::new();
+    for (key, value) in reader.scalars() {
+        if let Some((id, k)) = key.split_once('.')
+            && let Ok(id) = id.parse()
+        {
+            scalars.entry(id).or_default().push((k.to_string(), *value));
+        }
+    }
+    let mut tensors: HashMap<u64, Vec<(String, TensorData)>> = HashMap::new();
+    for t in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
+        let (name, dtype, shape, param_id, bytes) = t.into_parts().map_err(|e| format!("{e:?}"))?;
+        if let (Some(id), Some((_, field))) = (param_id, name.split_once('.')) {
+            let data = TensorData::from_bytes(bytes, shape.to_vec(), dtype);
+            tensors
+                .entry(id)
+                .or_default()
+                .push((field.to_string(), data));
+        }
+    }
+    for v in tensors.values_mut() {
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+    Ok((tensors, scalars))
+}
+
+/// A record of `tensors` (id, field, data) and `scalars` (id, key, value).
+fn build(
+    tensors: Vec<(u64, String, TensorData)>,
+    scalars: Vec<(u64, String, burn_pack::Scalar)>,
+) -> Result<OptimizerRecord, String> {
+    let packed = tensors
+        .into_iter()
+        .map(|(id, field, data)| {
+            let shape = data.shape().to_vec();
+            let dtype = data.dtype();
+            let bytes = Bytes::from_bytes_vec(data.as_bytes().to_vec());
+            burn_pack::Tensor::new(format!("{id}.{field}"), dtype, shape, Some(id), bytes)
+        })
+        .collect();
+    let mut writer = burn_pack::Writer::new(packed);
+    for (id, key, value) in scalars {
+        writer = writer.with_scalar(&format!("{id}.{key}"), value);
+    }
+    let bytes = writer.into_bytes().map_err(|e| format!("{e:?}"))?;
+    OptimizerRecord::from_bytes(bytes).map_err(|e| format!("{e:?}"))
+}
+
+/// The key of a record's tensor-rank scalar, which pieces (1-D) and parameters differ in.
+const RANK_KEY: &str = "__rank";
+
+impl ShardedBurn {
+    fn invalid(&self, reason: String) -> OptimizerError {
+        OptimizerError::Comm(CommError::InvalidArgument {
+            group: self.sharding.dp.group().to_string(),
+            op: "distributed optimizer state",
+            reason,
+        })
+    }
+
+    /// The state as a record over `model`'s whole parameters, and the FP32 master weights as
+    /// `model` in f32: every rank's pieces all-gathered, so that a checkpoint holds what the
+    /// unsharded optimizer would. Collective over the data-parallel group.
+    pub(crate) fn whole<M: Module + Clone>(
+        &self,
+        model: &M,
+    ) -> Result<(OptimizerRecord, M), OptimizerError> {
+        let (size, plans) = (self.sharding.dp.group().size(), &self.sharding.plans);
+        // Every rank must hold a piece to know the state's fields; they can all tell.
+        if let Some(r) =
+            (0..size).find(|&r| plans.iter().all(|p| p.for_rank(r).pieces().is_empty()))
+        {
+            return Err(self.invalid(format!(
+                "data-parallel rank {r} holds no element of the model: too small to shard"
+            )));
+        }
+        let master = self.master.as_ref().expect("between steps");
+        let (mut tensors, scalars) = parse(self.inner.to_record()).map_err(|e| self.invalid(e))?;
+        let first = master.parts.first().map(|p| p.id.val());
+        let fields: Vec<String> = first
+            .and_then(|id| tensors.get(&id))
+            .map(|v| v.iter().map(|(f, _)| f.clone()).collect())
+            .unwrap_or_default();
+        let device = self.device();
+        let mut whole = Vec::new();
+        for field in &fields {
+            let placed = self
+                .pieces
+                .iter()
+                .zip(&master.parts)
+                .map(|(p, part)| {
+                    let data = tensors
+                        .get_mut(&part.id.val())
+                        .and_then(|v| {
+                            v.iter()
+                                .position(|(f, _)| f == field)
+                                .map(|i| v.swap_remove(i).1)
+                        })
+                        .ok_or_else(|| {
+                            self.invalid(format!("piece of {:?} without {field}", p.param))
+                        })?;
+                    Ok((p.place, Tensor::<1>::from_data(data, &device)))
+                })
+                .collect::<Result<Vec<_>, OptimizerError>>()?;
+            for (id, t) in gather_pieces(&self.sharding, &device, placed, |_| DType::F32)? {
+                whole.push((id, field.clone(), t));
+            }
+        }
+        let values = flat_values(model);
+        let ranks: HashMap<ParamId, usize> = crate::param_grads::float_params(model)
+            .into_iter()
+            .collect();
+        let shapes = param_dims(model);
+        let record_tensors = whole
+            .into_iter()
+            .map(|(id, field, t)| {
+                let data = t.into_data();
+                let shape = shapes
+                    .get(&id)
+                    .cloned()
+                    .unwrap_or_else(|| data.shape().to_vec());
+                (
+                    id.val(),
+                    field,
+                    TensorData::from_bytes_vec(data.as_bytes().to_vec(), shape, data.dtype()),
+                )
+            })
+            .collect();
+        // Every piece has stepped as often as the others: the first one's counters stand for
+        // every parameter's.
+        let template: Vec<(String, burn_pack::Scalar)> = first
+            .and_then(|id| scalars.get(&id).cloned())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(k, _)| k != RANK_KEY)
+            .collect();
+        let mut record_scalars = Vec::new();
+        for id in values.keys() {
+            for (k, v) in &template {
+                record_scalars.push((id.val(), k.clone(), *v));
+            }
+            let rank = ranks.get(id).copied().unwrap_or(1);
+            record_scalars.push((
+                id.val(),
+                RANK_KEY.to_string(),
+                burn_pack::Scalar::from(rank),
+            ));
+        }
+        let record = build(record_tensors, record_scalars).map_err(|e| self.invalid(e))?;
+        let placed: Vec<(Place, Tensor<1>)> = self
+            .pieces
+            .iter()
+            .zip(&master.parts)
+            .map(|(p, part)| (p.place, part.val().detach()))
+            .collect();
+        let master_values = gather_pieces(&self.sharding, &device, placed, |_| DType::F32)?;
+        let master_model =
+            super::cast_params(model.clone(), DType::F32).map(&mut Replace(master_values));
+        Ok((record, master_model))
+    }
+
+    /// Takes the state of [`Self::whole`]'s form (a record over the model's parameters, the
+    /// master weights as a model), keeping this rank's pieces.
+    pub(crate) fn load_whole<M: Module>(
+        &mut self,
+        record: OptimizerRecord,
+        master: &M,
+    ) -> Result<(), OptimizerError> {
+        let (tensors, scalars) = parse(record).map_err(|e| self.invalid(e))?;
+        let masters = flat_values(master);
+        let parts = self.master.take().expect("between steps").parts;
+        let mut piece_tensors = Vec::new();
+        let mut piece_scalars = Vec::new();
+        let mut new_parts = Vec::new();
+        for (p, part) in self.pieces.iter().zip(parts) {
+            let pid = part.id.val();
+            for (field, data) in tensors.get(&p.param.val()).into_iter().flatten() {
+                let n = data.shape().iter().product::<usize>();
+                let flat = TensorData::from_bytes_vec(data.as_bytes().to_vec(), [n], data.dtype());
+                let flat = Tensor::<1>::from_data(flat, &part.val().device());
+                piece_tensors.push((
+                    pid,
+                    field.clone(),
+                    flat.narrow(0, p.start, p.len).into_data(),
+                ));
+            }
+            for (k, v) in scalars.get(&p.param.val()).into_iter().flatten() {
+                let v = if k == RANK_KEY {
+                    burn_pack::Scalar::from(1usize)
+                } else {
+                    *v
+                };
+                piece_scalars.push((pid, k.clone(), v));
+            }
+            let value = masters
+                .get(&p.param)
+                .map(|m| m.clone().cast(DType::F32).narrow(0, p.start, p.len))
+                .ok_or_else(|| self.invalid(format!("no master weights for {:?}", p.param)))?;
+            new_parts.push(part.map(|_| value.detach().require_grad()));
+        }
+        let record = build(piece_tensors, piece_scalars).map_err(|e| self.invalid(e))?;
+        // `load_record` takes the optimizer by value: a placeholder stands in meanwhile.
+        let inner = std::mem::replace(&mut self.inner, burn::optim::AdamConfig::new().init());
+        self.inner = inner.load_record(record);
+        self.master = Some(Pieces { parts: new_parts });
+        Ok(())
+    }
+}
+
+/// The dims of every float parameter of `model`, by id.
+fn param_dims<M: Module>(model: &M) -> HashMap<ParamId, Vec<usize>> {
+    struct Dims(HashMap<ParamId, Vec<usize>>);
+    impl ModuleVisitor for Dims {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.insert(p.id, p.val().dims().to_vec());
+        }
+    }
+    let mut d = Dims(HashMap::new());
+    model.visit(&mut d);
+    d.0
 }

@@ -149,7 +149,7 @@ pub struct Args {
     /// Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered over the
     /// data-parallel group, each rank keeping master weights and Adam moments for its shard
     /// only, weights all-gathered after the step; around the fused Adam with
-    /// --use-fused-adam (checkpoints need it), around burn-optim's AdamW otherwise.
+    /// --use-fused-adam, around burn-optim's AdamW otherwise.
     #[arg(long)]
     pub use_distributed_optimizer: bool,
     /// Clip gradients to this global L2 norm (0 disables).
@@ -407,22 +407,6 @@ impl Args {
                 "--init-method-std must be a finite value ≥ 0, got {}",
                 self.init_method_std
             ));
-        }
-        if self.use_distributed_optimizer && !self.use_fused_adam {
-            let saving = self.save.is_some();
-            let loading_state = self.load.is_some() && !self.no_load_optim;
-            if saving || loading_state {
-                return Err(format!(
-                    "{} with --use-distributed-optimizer needs --use-fused-adam: the distributed \
-                     AdamW of burn-optim has no checkpoint format yet{}",
-                    if saving { "--save" } else { "--load" },
-                    if saving {
-                        ""
-                    } else {
-                        " (or add --no-load-optim)"
-                    }
-                ));
-            }
         }
         if self.loss_scale.is_some() && !self.fp16 {
             return Err("--loss-scale needs --fp16".into());
