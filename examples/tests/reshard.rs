@@ -1,5 +1,6 @@
 //! Checkpoints that load at any layout: a run saved at TP 2 × PP 2 at iteration 10 resumes at
-//! other tensor, pipeline and data-parallel sizes (with and without the distributed optimizer)
+//! other tensor, pipeline (interleaved too) and data-parallel sizes (with and without the
+//! distributed optimizer)
 //! and continues the uninterrupted run's losses.
 
 mod common;
@@ -65,6 +66,8 @@ fn a_tp2_pp2_checkpoint_resumes_at_every_other_layout() {
         (4, 1, 4, &[]),
         (1, 4, 4, &[]),
         (2, 1, 4, &["--use-distributed-optimizer"]),
+        // Interleaved: two chunks of one layer per stage.
+        (1, 2, 2, &["--num-layers-per-virtual-pipeline-stage", "1"]),
     ] {
         let what = format!("TP {tp} × PP {pp} × DP {} {extra:?}", world / (tp * pp));
         let resumed = from_10(flags(tp, pp, world), extra);
