@@ -8,11 +8,10 @@
 //! rebuilt for the new model's ids from the slices of the new layout.
 
 use super::index::TensorEntry;
-use super::tensors::{Files, Placement, placement};
+use super::tensors::{Files, Placement, placement, written_here};
 use super::{CheckpointError, io};
 use crate::module_path::{PathVisitor, visit_paths};
 use crate::safetensors_io;
-use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, Param, ParamId};
 use burn::optim::OptimizerRecord;
 use burn::tensor::{Bytes, Tensor, TensorData};
@@ -76,13 +75,11 @@ pub(super) fn save<M: Module>(
         .map_err(|e| io(&path, format!("reading the optimizer's record: {e:?}")))?;
     let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| io(&path, format!("{e:?}")))?;
     let by_id = params(model);
-    // Written once, as the weights: a tied copy by its first, a duplicate by TP rank 0.
+    // Written once, as the weights.
     let owned = |id: u64| -> Option<(String, Vec<usize>)> {
         let id = ParamId::from(id);
         let (path, dims, _) = by_id.get(&id)?;
-        let attrs = parallel_attrs(id);
-        let once = !attrs.shared && (attrs.tensor_model_parallel || tp.0 == 0);
-        once.then(|| (names(path), dims.clone()))
+        written_here(id, tp.0).then(|| (names(path), dims.clone()))
     };
     let mut scalars: BTreeMap<String, Scalars> = BTreeMap::new();
     for (key, value) in reader.scalars() {

@@ -37,6 +37,13 @@ pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) 
     }
 }
 
+/// Whether this rank writes parameter `id`'s tensors: each is written once, a tied weight by
+/// its first copy, a duplicated one by TP rank 0.
+pub(super) fn written_here(id: ParamId, tp_rank: usize) -> bool {
+    let attrs = parallel_attrs(id);
+    !attrs.shared && (attrs.tensor_model_parallel || tp_rank == 0)
+}
+
 /// One tensor to write: its global name, data and placement.
 pub(super) struct Collected {
     pub(super) name: String,
@@ -54,10 +61,7 @@ struct Collect<'a> {
 impl PathVisitor for Collect<'_> {
     fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
         let value = p.val();
-        let attrs = parallel_attrs(p.id);
-        // Written once: a tied weight by its first copy, a duplicate by TP rank 0.
-        let once = !attrs.shared && (attrs.tensor_model_parallel || self.tp.0 == 0);
-        if !once || (self.trainable_only && !value.is_require_grad()) {
+        if !written_here(p.id, self.tp.0) || (self.trainable_only && !value.is_require_grad()) {
             return;
         }
         let placement = placement(p.id, &value.dims(), self.tp.0, self.tp.1);

@@ -14,6 +14,7 @@
 //! all-reduced, so every element is reduced wherever the other stage has it.
 
 use super::{DataParallelConfig, bucket_layout};
+use crate::comm::{CommError, ProcessGroup};
 use crate::param_grads::float_params;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -177,6 +178,24 @@ impl ShardPlan {
     /// The buckets, in reduction order.
     pub fn buckets(&self) -> &[PlannedBucket] {
         &self.buckets
+    }
+
+    /// Refuses a group this plan was not made for (another size, or this rank elsewhere).
+    pub fn check_group(&self, group: &ProcessGroup, op: &'static str) -> Result<(), CommError> {
+        if (group.size(), group.rank()) == (self.size, self.rank) {
+            return Ok(());
+        }
+        Err(CommError::InvalidArgument {
+            group: group.to_string(),
+            op,
+            reason: format!(
+                "the plan is for rank {} of {}, the group has this rank at {} of {}",
+                self.rank,
+                self.size,
+                group.rank(),
+                group.size()
+            ),
+        })
     }
 
     /// The same plan seen from rank `rank` of the group.

@@ -29,15 +29,7 @@ pub fn reduce_scatter_gradients(
         op: "reduce_scatter",
         reason,
     };
-    if dp.group().size() != plan.size() || dp.group().rank() != plan.rank() {
-        return Err(invalid(format!(
-            "the plan is for rank {} of {}, the group has this rank at {} of {}",
-            plan.rank(),
-            plan.size(),
-            dp.group().rank(),
-            dp.group().size()
-        )));
-    }
+    plan.check_group(dp.group(), "reduce_scatter")?;
     if plan.size() == 1 {
         return Ok(0);
     }

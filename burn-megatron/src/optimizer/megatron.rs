@@ -180,19 +180,15 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         model_parallel: Comm,
         tp_rank: usize,
     ) -> Self {
-        let dtype = model_dtype(model);
-        let master = (dtype != DType::F32).then(|| model.clone().map(&mut Cast(DType::F32)));
-        Self {
-            inner: Stepper::Burn(inner.into()),
+        let master =
+            (model_dtype(model) != DType::F32).then(|| model.clone().map(&mut Cast(DType::F32)));
+        Self::with_stepper(
+            Stepper::Burn(inner.into()),
             master,
-            model_dtype: dtype,
-            scaler: None,
-            clip_grad: 0.0,
-            norm_type: NormType::L2,
+            model,
             model_parallel,
             tp_rank,
-            weight_decay: None,
-        }
+        )
     }
 
     /// Wraps fused Adam / AdamW for `model`: its trainable parameters become segments of flat
@@ -216,13 +212,22 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// assert!(optim.is_fused());
     /// ```
     pub fn fused_adam(adam: FusedAdam, model: &M, model_parallel: Comm, tp_rank: usize) -> Self {
-        Self::with_flat(FlatAdam::new(&adam, model), model, model_parallel, tp_rank)
+        let flat = Stepper::Fused(FlatAdam::new(&adam, model));
+        Self::with_stepper(flat, None, model, model_parallel, tp_rank)
     }
 
-    fn with_flat(flat: FlatAdam, model: &M, model_parallel: Comm, tp_rank: usize) -> Self {
+    /// The wrapper around `inner` (with `master`, the FP32 master weights it keeps beside
+    /// it), no scaler, no clipping, the inner optimizer's own weight decay.
+    fn with_stepper(
+        inner: Stepper,
+        master: Option<M>,
+        model: &M,
+        model_parallel: Comm,
+        tp_rank: usize,
+    ) -> Self {
         Self {
-            inner: Stepper::Fused(flat),
-            master: None,
+            inner,
+            master,
             model_dtype: model_dtype(model),
             scaler: None,
             clip_grad: 0.0,
@@ -251,8 +256,14 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         model_parallel: Comm,
         tp_rank: usize,
     ) -> Result<Self, CommError> {
-        let flat = FlatAdam::distributed(&adam, model, plans, dp)?;
-        Ok(Self::with_flat(flat, model, model_parallel, tp_rank))
+        let flat = Stepper::Fused(FlatAdam::distributed(&adam, model, plans, dp)?);
+        Ok(Self::with_stepper(
+            flat,
+            None,
+            model,
+            model_parallel,
+            tp_rank,
+        ))
     }
 
     /// [`MegatronOptimizer::new`] as Megatron's distributed optimizer (ZeRO-1): `inner`
@@ -270,18 +281,14 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         model_parallel: Comm,
         tp_rank: usize,
     ) -> Result<Self, CommError> {
-        let sharded = ShardedBurn::new(inner.into(), model, plans, dp)?;
-        Ok(Self {
-            inner: Stepper::Sharded(sharded),
-            master: None,
-            model_dtype: model_dtype(model),
-            scaler: None,
-            clip_grad: 0.0,
-            norm_type: NormType::L2,
+        let sharded = Stepper::Sharded(ShardedBurn::new(inner.into(), model, plans, dp)?);
+        Ok(Self::with_stepper(
+            sharded,
+            None,
+            model,
             model_parallel,
             tp_rank,
-            weight_decay: None,
-        })
+        ))
     }
 
     /// Megatron's weight-decay schedule: from the next step on, every parameter's decoupled
@@ -463,23 +470,16 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         let inner = match &mut self.inner {
             Stepper::Burn(inner) => inner,
             Stepper::Sharded(sharded) => {
-                let mut measured =
+                let measured =
                     sharded.measure(&grads, self.tp_rank, self.norm_type, 1.0 / loss_scale);
-                sharded.combine(&mut measured, self.norm_type)?;
-                let mut v = vec![
-                    f32::from(u8::from(measured.non_finite)),
-                    measured.norm_part as f32,
-                ];
-                self.model_parallel
-                    .all_reduce_vec(&mut v, self.norm_type.reduce_op())?;
-                let found_inf = v[0] > 0.0 || !v[1].is_finite();
-                if let Some(s) = self.scaler.as_mut() {
-                    s.update(found_inf);
-                }
-                if found_inf {
+                let scaler = self.scaler.as_mut();
+                let (flag, part) = (measured.non_finite, measured.norm_part);
+                let dp = Some(sharded.dp());
+                let Some(norm) =
+                    agree_norm(flag, part, dp, &self.model_parallel, self.norm_type, scaler)?
+                else {
                     return Ok((model, skipped));
-                }
-                let norm = self.norm_type.finish(f64::from(v[1]));
+                };
                 // AdamW's decoupled decay on the master pieces, as `Decay` on whole tensors.
                 let decay = self
                     .weight_decay
@@ -497,40 +497,20 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             }
             Stepper::Fused(flat) => {
                 let inv_scale = 1.0 / loss_scale;
-                let mut stats =
-                    flat.local_stats(&grads, self.tp_rank, self.norm_type, inv_scale)?;
-                // A distributed optimizer's shards cover its data-parallel group's elements:
-                // their parts are combined in f64, in rank order, so that the norm is rounded
-                // to f32 once, as it is without the distributed optimizer.
-                if let Some(dp) = flat.dp() {
-                    let mine = vec![
-                        i64::from(stats.non_finite),
-                        stats.norm_part.to_bits() as i64,
-                    ];
-                    let all = dp.all_gather_vec(mine)?;
-                    stats.non_finite = all.chunks(2).any(|c| c[0] != 0);
-                    let parts = all.chunks(2).map(|c| f64::from_bits(c[1] as u64));
-                    stats.norm_part = match self.norm_type {
-                        NormType::L2 => parts.sum(),
-                        NormType::Inf => parts.fold(0.0, f64::max),
-                    };
-                }
-                // Overflow and norm agreed in one collective: a flag sums (or maxes) to non-zero
-                // iff any rank saw one, and the norm reduces by the same operation.
-                let mut v = vec![
-                    f32::from(u8::from(stats.non_finite)),
-                    stats.norm_part as f32,
-                ];
-                let op = self.norm_type.reduce_op();
-                self.model_parallel.all_reduce_vec(&mut v, op)?;
-                let found_inf = v[0] > 0.0 || !v[1].is_finite();
-                if let Some(s) = self.scaler.as_mut() {
-                    s.update(found_inf);
-                }
-                if found_inf {
+                let stats = flat.local_stats(&grads, self.tp_rank, self.norm_type, inv_scale)?;
+                let scaler = self.scaler.as_mut();
+                let (flag, part) = (stats.non_finite, stats.norm_part);
+                let Some(norm) = agree_norm(
+                    flag,
+                    part,
+                    flat.dp(),
+                    &self.model_parallel,
+                    self.norm_type,
+                    scaler,
+                )?
+                else {
                     return Ok((model, skipped));
-                }
-                let norm = self.norm_type.finish(f64::from(v[1]));
+                };
                 let clip_coeff = clip_coefficient(self.clip_grad, norm);
                 flat.apply(stats.flats, lr, inv_scale, clip_coeff)?;
                 let model = flat.model_from(model)?;
@@ -599,6 +579,39 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         };
         Ok((model, report))
     }
+}
+
+/// Overflow and the gradient norm agreed by every rank holding a part of them, the scaler
+/// updated with the verdict; the norm, or `None` when some rank saw inf or NaN.
+///
+/// A distributed optimizer's parts are first combined over its data-parallel group `dp`, in
+/// f64 and in rank order, so that the norm is rounded to f32 once, as it is without one. Then
+/// overflow and norm go over the model-parallel group in one collective: a flag sums (or
+/// maxes) to non-zero iff any rank saw one, and the norm reduces by the same operation.
+fn agree_norm(
+    mut non_finite: bool,
+    mut norm_part: f64,
+    dp: Option<&Comm>,
+    model_parallel: &Comm,
+    norm_type: NormType,
+    scaler: Option<&mut Box<dyn GradScaler>>,
+) -> Result<Option<f64>, CommError> {
+    if let Some(dp) = dp {
+        let all = dp.all_gather_vec(vec![i64::from(non_finite), norm_part.to_bits() as i64])?;
+        non_finite = all.chunks(2).any(|c| c[0] != 0);
+        let parts = all.chunks(2).map(|c| f64::from_bits(c[1] as u64));
+        norm_part = match norm_type {
+            NormType::L2 => parts.sum(),
+            NormType::Inf => parts.fold(0.0, f64::max),
+        };
+    }
+    let mut v = vec![f32::from(u8::from(non_finite)), norm_part as f32];
+    model_parallel.all_reduce_vec(&mut v, norm_type.reduce_op())?;
+    let found_inf = v[0] > 0.0 || !v[1].is_finite();
+    if let Some(s) = scaler {
+        s.update(found_inf);
+    }
+    Ok((!found_inf).then(|| norm_type.finish(f64::from(v[1]))))
 }
 
 /// Gradients cast to f32 and multiplied by `factor`.

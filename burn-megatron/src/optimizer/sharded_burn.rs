@@ -6,7 +6,7 @@
 use super::fused_adam::{Place, Replace, Sharding, gather_pieces};
 use super::grad_norm::{NormType, clip_coefficient};
 use super::megatron::{OptimizerError, to_model_dtype};
-use crate::comm::{Comm, CommError, CommunicatorExt};
+use crate::comm::{Comm, CommError};
 use crate::data_parallel::ShardPlan;
 use crate::param_grads::with_flat;
 use crate::tensor_parallel::parallel_attrs;
@@ -54,17 +54,8 @@ impl ShardedBurn {
         plans: Vec<ShardPlan>,
         dp: Comm,
     ) -> Result<Self, CommError> {
-        let (size, rank) = (dp.group().size(), dp.group().rank());
-        if let Some(p) = plans.iter().find(|p| (p.size(), p.rank()) != (size, rank)) {
-            return Err(CommError::InvalidArgument {
-                group: dp.group().to_string(),
-                op: "distributed optimizer",
-                reason: format!(
-                    "a plan is for rank {} of {}, the group has this rank at {rank} of {size}",
-                    p.rank(),
-                    p.size()
-                ),
-            });
+        for plan in &plans {
+            plan.check_group(dp.group(), "distributed optimizer")?;
         }
         let values = flat_values(model);
         let mut pieces = Vec::new();
@@ -206,26 +197,6 @@ impl ShardedBurn {
     pub(crate) fn dp(&self) -> &Comm {
         &self.sharding.dp
     }
-
-    /// The flag and norm parts of every data-parallel rank, combined in f64 in rank order.
-    pub(crate) fn combine(
-        &self,
-        measured: &mut Measured,
-        norm_type: NormType,
-    ) -> Result<(), CommError> {
-        let mine = vec![
-            i64::from(measured.non_finite),
-            measured.norm_part.to_bits() as i64,
-        ];
-        let all = self.sharding.dp.all_gather_vec(mine)?;
-        measured.non_finite = all.chunks(2).any(|c| c[0] != 0);
-        let parts = all.chunks(2).map(|c| f64::from_bits(c[1] as u64));
-        measured.norm_part = match norm_type {
-            NormType::L2 => parts.sum(),
-            NormType::Inf => parts.fold(0.0, f64::max),
-        };
-        Ok(())
-    }
 }
 
 /// Each float parameter's flattened value (no autodiff), by id.
@@ -359,11 +330,7 @@ impl ShardedBurn {
                 whole.push((id, field.clone(), t));
             }
         }
-        let values = flat_values(model);
-        let ranks: HashMap<ParamId, usize> = crate::param_grads::float_params(model)
-            .into_iter()
-            .collect();
-        let shapes = param_dims(model);
+        let shapes = trainable_dims(model);
         let record_tensors = whole
             .into_iter()
             .map(|(id, field, t)| {
@@ -388,16 +355,12 @@ impl ShardedBurn {
             .filter(|(k, _)| k != RANK_KEY)
             .collect();
         let mut record_scalars = Vec::new();
-        for id in values.keys() {
+        for (id, dims) in &shapes {
             for (k, v) in &template {
                 record_scalars.push((id.val(), k.clone(), *v));
             }
-            let rank = ranks.get(id).copied().unwrap_or(1);
-            record_scalars.push((
-                id.val(),
-                RANK_KEY.to_string(),
-                burn_pack::Scalar::from(rank),
-            ));
+            let rank = burn_pack::Scalar::from(dims.len());
+            record_scalars.push((id.val(), RANK_KEY.to_string(), rank));
         }
         let record = build(record_tensors, record_scalars).map_err(|e| self.invalid(e))?;
         let placed: Vec<(Place, Tensor<1>)> = self
@@ -460,12 +423,15 @@ impl ShardedBurn {
     }
 }
 
-/// The dims of every float parameter of `model`, by id.
-fn param_dims<M: Module>(model: &M) -> HashMap<ParamId, Vec<usize>> {
+/// The dims of every trained float parameter of `model`, by id.
+fn trainable_dims<M: Module>(model: &M) -> HashMap<ParamId, Vec<usize>> {
     struct Dims(HashMap<ParamId, Vec<usize>>);
     impl ModuleVisitor for Dims {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0.insert(p.id, p.val().dims().to_vec());
+            let v = p.val();
+            if v.is_require_grad() {
+                self.0.insert(p.id, v.dims().to_vec());
+            }
         }
     }
     let mut d = Dims(HashMap::new());

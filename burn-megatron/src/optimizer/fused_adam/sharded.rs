@@ -28,13 +28,8 @@ impl FlatAdam {
             op: "distributed optimizer",
             reason,
         };
-        let (size, rank) = (dp.group().size(), dp.group().rank());
-        if let Some(p) = plans.iter().find(|p| (p.size(), p.rank()) != (size, rank)) {
-            return Err(invalid(format!(
-                "a plan is for rank {} of {}, the group has this rank at {rank} of {size}",
-                p.rank(),
-                p.size()
-            )));
+        for plan in &plans {
+            plan.check_group(dp.group(), "distributed optimizer")?;
         }
         let mut params = HashMap::new();
         walk(model, |path, id, dims, flat, trainable| {
