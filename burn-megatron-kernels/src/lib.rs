@@ -13,6 +13,7 @@ mod adam;
 mod bias_dropout_add;
 mod bias_gelu;
 mod cast;
+mod cpu;
 mod cross_entropy;
 #[cfg(feature = "cube")]
 mod cube_sum;

@@ -1,70 +1,250 @@
-//! BERT training throughput at TP = 1, fp32: forward + backward + AdamW step, median of the
-//! timed steps, for two model sizes.
+//! BERT training throughput at TP = 1, fp32 (forward + backward + AdamW step, median of the
+//! timed steps) for two model sizes, with the MLM head over every position (the same work as
+//! PyTorch's reference) and over the masked positions only; with `--torch`, PyTorch eager's
+//! step on the same model in the same run, and the ratios. Then where our step's time goes.
 //!
 //! ```text
-//! cargo run --release -p burn-megatron-examples --example bert_bench
+//! cargo run --release -p burn-megatron-examples --example bert_bench -- --torch
 //! ```
+//!
+//! `--torch` runs `../shared/bench/torch_bert_ref.py` (PyTorch from pip; dev-only).
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
-use burn_megatron::models::BertConfig;
-use burn_megatron::optimizer::MegatronOptimizer;
+use burn_megatron::models::{BertConfig, BertStageOutput, MaskedPositions};
+use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron_examples::median;
+use burn_megatron_examples::phases::PhaseTimes;
+use clap::Parser;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Optim {
+    Fused,
+    Adamw,
+}
+
+#[derive(Parser)]
+struct Args {
+    /// Timed steps per run (after two untimed ones); the median is reported.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Also time PyTorch eager's step on each model (`python3` with torch installed).
+    #[arg(long)]
+    torch: bool,
+    /// The PyTorch reference script.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/bench/torch_bert_ref.py"))]
+    torch_script: PathBuf,
+    /// `fused`: `MegatronOptimizer::fused_adam` (AdamW over flat buffers, one native pass
+    /// on Flex); `adamw`: `MegatronOptimizer` around burn-optim's `AdamW`. The same update.
+    #[arg(long, value_enum, default_value_t = Optim::Fused)]
+    optimizer: Optim,
+    /// Models as LAYERSxHIDDENxHEADS.
+    #[arg(long, value_delimiter = ',', default_value = "2x128x2,4x256x4")]
+    models: Vec<String>,
+}
 
 const SEQ: usize = 128;
 const MICRO_BATCH: usize = 8;
 const VOCAB: usize = 30592;
+
+/// One run's median step and its mean per-phase times.
+struct Run {
+    step: f64,
+    phases: BTreeMap<&'static str, Duration>,
+}
 
 fn ints(f: impl Fn(usize) -> i64, device: &Device) -> Tensor<2, Int> {
     let v: Vec<i64> = (0..MICRO_BATCH * SEQ).map(f).collect();
     Tensor::from_data(TensorData::new(v, [MICRO_BATCH, SEQ]), device)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn ours(
+    (layers, hidden, heads): (usize, usize, usize),
+    masked_head: bool,
+    args: &Args,
+    times: &PhaseTimes,
+) -> Result<Run, Box<dyn std::error::Error>> {
     let device = Device::flex().autodiff();
     let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0)?);
-    println!(
-        "{:>7} {:>7} {:>6} {:>12} {:>12}",
-        "layers", "hidden", "heads", "ms/step", "tokens/s"
-    );
-    for (layers, hidden, heads) in [(2, 128, 2), (4, 256, 4)] {
-        let mut model =
-            BertConfig::new(layers, hidden, heads, 4 * hidden, SEQ, VOCAB).init(&tp, &device)?;
-        let mut optim = MegatronOptimizer::new(AdamWConfig::new().init(), &model, tp.clone(), 0);
-        let ids = ints(|i| ((i * 7919) % 30000) as i64, &device);
-        let types = ints(|i| i64::from(i % SEQ >= SEQ / 2), &device);
-        let padding = ints(|_| 0, &device).equal_elem(1);
-        let labels = ints(|i| ((i * 104_729) % 30000) as i64, &device);
-        let mask_v: Vec<f32> = (0..MICRO_BATCH * SEQ)
-            .map(|i| if i % 7 == 0 { 1.0 } else { 0.0 })
-            .collect();
-        let mask = Tensor::<2>::from_data(TensorData::new(mask_v, [MICRO_BATCH, SEQ]), &device);
-        let sop = Tensor::<1, Int>::from_data(
-            TensorData::new(vec![0i64, 1, 0, 1, 0, 1, 0, 1], [MICRO_BATCH]),
-            &device,
-        );
-        let mut times = Vec::new();
-        for step in 0..6 {
-            let t = Instant::now();
-            let out = model.forward(ids.clone(), types.clone(), padding.clone(), None);
-            let (lm, so) = model.loss(out, labels.clone(), mask.clone(), sop.clone())?;
-            let grads = GradientsParams::from_grads((lm + so).backward(), &model);
-            let (m, _) = optim.step(1e-4, model, grads)?;
-            model = m;
-            let _ = model.head.as_ref().map(|h| h.lm_bias.val().into_data()); // wait for the step's work
-            if step > 0 {
-                times.push(t.elapsed().as_secs_f64());
-            }
+    let mut model =
+        BertConfig::new(layers, hidden, heads, 4 * hidden, SEQ, VOCAB).init(&tp, &device)?;
+    let steps = args.steps;
+    let mut optim = match args.optimizer {
+        Optim::Fused => {
+            let adam = FusedAdamConfig::new().with_no_weight_decay_on_1d(false);
+            MegatronOptimizer::fused_adam(adam.init()?, &model, tp.clone(), 0)
         }
-        let step_secs = median(times);
-        let tokens = (MICRO_BATCH * SEQ) as f64 / step_secs;
-        println!(
-            "{layers:>7} {hidden:>7} {heads:>6} {:>12.1} {tokens:>12.0}",
-            step_secs * 1e3
-        );
+        Optim::Adamw => MegatronOptimizer::new(AdamWConfig::new().init(), &model, tp.clone(), 0),
+    };
+    let ids = ints(|i| ((i * 7919) % 30000) as i64, &device);
+    let types = ints(|i| i64::from(i % SEQ >= SEQ / 2), &device);
+    let padding = ints(|_| 0, &device).equal_elem(1);
+    let labels = ints(|i| ((i * 104_729) % 30000) as i64, &device);
+    let mask_v: Vec<f32> = (0..MICRO_BATCH * SEQ)
+        .map(|i| if i % 7 == 0 { 1.0 } else { 0.0 })
+        .collect();
+    let mask = Tensor::<2>::from_data(TensorData::new(mask_v, [MICRO_BATCH, SEQ]), &device);
+    let sop = Tensor::<1, Int>::from_data(
+        TensorData::new(vec![0i64, 1, 0, 1, 0, 1, 0, 1], [MICRO_BATCH]),
+        &device,
+    );
+    let mut secs = Vec::new();
+    for step in 0..steps + 2 {
+        if step == 2 {
+            times.take();
+        }
+        let t = Instant::now();
+        let positions = masked_head
+            .then(|| MaskedPositions::from_loss_mask(&mask))
+            .transpose()?;
+        let tokens = Some((ids.clone(), types.clone()));
+        let out = match model.forward_stage_with_positions(
+            tokens,
+            None,
+            padding.clone(),
+            None,
+            positions.as_ref(),
+        )? {
+            BertStageOutput::Output(out) => out,
+            BertStageOutput::Hidden(_) => unreachable!("the whole model ends in its heads"),
+        };
+        let (lm, so) = model.loss(out, labels.clone(), mask.clone(), sop.clone())?;
+        let grads = {
+            let _span = tracing::debug_span!("backward").entered();
+            GradientsParams::from_grads((lm + so).backward(), &model)
+        };
+        let _span = tracing::debug_span!("optimizer").entered();
+        let (m, _) = optim.step(1e-4, model, grads)?;
+        model = m;
+        let _ = model.head.as_ref().map(|h| h.lm_bias.val().into_data()); // the step's end
+        drop(_span);
+        if step >= 2 {
+            secs.push(t.elapsed().as_secs_f64());
+        }
     }
+    let phases = times
+        .take()
+        .into_iter()
+        .map(|(k, v)| (k, v / steps as u32))
+        .collect();
+    Ok(Run {
+        step: median(secs),
+        phases,
+    })
+}
+
+fn torch(args: &Args, (l, h, a): (usize, usize, usize)) -> Result<f64, String> {
+    let out = Command::new("python3")
+        .arg(&args.torch_script)
+        .args([l, h, a, SEQ, MICRO_BATCH, VOCAB, args.steps].map(|v| v.to_string()))
+        .output()
+        .map_err(|e| format!("python3 {}: {e}", args.torch_script.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(format!(
+            "the PyTorch reference failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let field = text
+        .split_whitespace()
+        .skip_while(|w| *w != "step_s")
+        .nth(1);
+    field
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("no step_s in the reference's output: {text}"))
+}
+
+fn parse_model(s: &str) -> Result<(usize, usize, usize), String> {
+    let v: Vec<usize> = s
+        .split('x')
+        .map(|p| p.parse::<usize>().map_err(|e| format!("{s}: {e}")))
+        .collect::<Result<_, _>>()?;
+    match v[..] {
+        [l, h, a] => Ok((l, h, a)),
+        _ => Err(format!("a model is LAYERSxHIDDENxHEADS, got {s}")),
+    }
+}
+
+const PHASES: [(&str, &str); 7] = [
+    ("embedding", "bert.embeddings"),
+    ("attention", "layer.attention"),
+    ("MLP", "layer.mlp"),
+    ("LM head", "bert.lm_head"),
+    ("cross-entropy", "bert.loss"),
+    ("backward", "backward"),
+    ("optimizer", "optimizer"),
+];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let models: Vec<_> = args
+        .models
+        .iter()
+        .map(|m| parse_model(m))
+        .collect::<Result<_, _>>()?;
+    let (times, _guard) = PhaseTimes::install();
+    let mut breakdown = Vec::new();
+    println!(
+        "{:>7} {:>7} {:>6} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "layers",
+        "hidden",
+        "heads",
+        "torch ms",
+        "all ms",
+        "masked ms",
+        "tokens/s",
+        "all×",
+        "masked×"
+    );
+    for &(l, h, a) in &models {
+        let reference = args.torch.then(|| torch(&args, (l, h, a))).transpose()?;
+        let all = ours((l, h, a), false, &args, &times)?;
+        let masked = ours((l, h, a), true, &args, &times)?;
+        let ratio = |r: &Run| reference.map_or("-".into(), |t| format!("{:.2}", t / r.step));
+        println!(
+            "{l:>7} {h:>7} {a:>6} {:>9} {:>10.1} {:>10.1} {:>10.0} {:>8} {:>8}",
+            reference.map_or("-".into(), |t| format!("{:.1}", t * 1e3)),
+            all.step * 1e3,
+            masked.step * 1e3,
+            (MICRO_BATCH * SEQ) as f64 / masked.step,
+            ratio(&all),
+            ratio(&masked),
+        );
+        breakdown.push((format!("{l}x{h}x{a} all"), all));
+        breakdown.push((format!("{l}x{h}x{a} masked"), masked));
+    }
+    println!("\nms per step by phase (mean of the timed steps; forward phases, then backward");
+    println!("and optimizer as wholes; `other` is the rest of the median step):");
+    print!("{:>14}", "phase");
+    for (name, _) in &breakdown {
+        print!(" {name:>15}");
+    }
+    println!();
+    for (label, span) in PHASES {
+        print!("{label:>14}");
+        for (_, run) in &breakdown {
+            let ms = run.phases.get(span).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+            print!(" {ms:>15.1}");
+        }
+        println!();
+    }
+    print!("{:>14}", "other");
+    for (_, run) in &breakdown {
+        let known: f64 = PHASES
+            .iter()
+            .filter_map(|(_, s)| run.phases.get(s))
+            .map(Duration::as_secs_f64)
+            .sum();
+        print!(" {:>15.1}", (run.step - known) * 1e3);
+    }
+    println!();
     Ok(())
 }

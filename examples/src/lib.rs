@@ -7,4 +7,5 @@ pub fn median(mut samples: Vec<f64>) -> f64 {
 }
 
 pub mod checkpoint_tool;
+pub mod phases;
 pub mod pretrain;

@@ -88,7 +88,12 @@ fn zero1_matches_the_same_optimizer_unsharded_at_every_layout_in_f32_and_bf16() 
                 let plain = log(&dir, tp, pp, world, &[dtype, optimizer].concat());
                 let zero = [dtype, optimizer, &["--use-distributed-optimizer"]].concat();
                 let zero = log(&dir, tp, pp, world, &zero);
-                let same = assert_close(&what, &zero, &plain, 1e-6);
+                // The sharded norm adds per-piece sums, the unsharded per-parameter ones: an
+                // f32 ulp apart at times. In bf16 that can flip a weight's rounding, which
+                // later steps carry (TP 2 × PP 2 × DP 2 with the fused Adam: 1.7e-4 by
+                // iteration 20); in f32 it stays an ulp.
+                let tol = if dtype.is_empty() { 1e-6 } else { 1e-3 };
+                let same = assert_close(&what, &zero, &plain, tol);
                 println!("{what}: {same} of {} values bit-identical", 3 * plain.len());
             }
         }

@@ -1,13 +1,14 @@
 //! BERT at TP ∈ {1, 2, 4} (with and without sequence parallelism) × DP ∈ {1, 2}, 10 AdamW
 //! steps with dropout off and a fixed global batch: losses within 1e-4 of TP = 1, DP = 1.
 
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor};
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::BertConfig;
+use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::bert::{BertRows, bert_rows};
@@ -267,5 +268,82 @@ fn a_model_reloaded_through_burn_records_keeps_its_parallel_attributes() {
     for (rank, two) in norm(2).into_iter().enumerate() {
         let rel = (two - one).abs() / one;
         assert!(rel <= 1e-5, "rank {rank}: TP 2 norm {two} vs TP 1 {one}");
+    }
+}
+
+/// Every parameter's gradient, in visiting order (`None` where the parameter got none).
+fn gradients(model: &Bert, grads: &GradientsParams) -> Vec<Option<Vec<f32>>> {
+    struct Grads<'a>(&'a GradientsParams, Vec<Option<Vec<f32>>>);
+    impl burn::module::ModuleVisitor for Grads<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            self.1.push(self.0.get::<D>(param.id).map(values));
+        }
+    }
+    let mut g = Grads(grads, Vec::new());
+    model.visit(&mut g);
+    g.1
+}
+
+/// The MLM head on the masked positions only (what `bert_pretrain` trains with) gives the
+/// all-position MLM loss and every parameter's gradient within 1e-6: at TP 1, at TP 2 with
+/// sequence parallelism, and for a batch whose loss mask is empty (loss 0).
+#[test]
+fn the_masked_position_head_gives_the_all_position_loss_and_gradients() {
+    for (tp, sp) in [(1, false), (2, true)] {
+        let config = ParallelConfig::new(tp, tp, 1).with_sequence_parallel(sp);
+        let per_rank = threads(&config, LaunchOptions::default(), |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
+                .with_hidden_dropout(0.0)
+                .with_attention_dropout(0.0)
+                .with_sequence_parallel(sp)
+                .init(g, d)?;
+            let b = bert_rows(0, GLOBAL_BATCH, SEQ, d);
+            let run = |mask: &Tensor<2>, positions: Option<&MaskedPositions>| {
+                let tokens = Some((b.ids.clone(), b.types.clone()));
+                let out = match model.forward_stage_with_positions(
+                    tokens,
+                    None,
+                    b.padding.clone(),
+                    None,
+                    positions,
+                )? {
+                    BertStageOutput::Output(out) => out,
+                    BertStageOutput::Hidden(_) => unreachable!("the whole model"),
+                };
+                let (lm, sop) = model.loss(out, b.labels.clone(), mask.clone(), b.sop.clone())?;
+                let grads = GradientsParams::from_grads((lm.clone() + sop).backward(), &model);
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>((
+                    values(lm)[0],
+                    gradients(&model, &grads),
+                ))
+            };
+            let mut out = Vec::new();
+            for mask in [b.mask.clone(), b.mask.zeros_like()] {
+                let positions = MaskedPositions::from_loss_mask(&mask)?;
+                out.push((run(&mask, None)?, run(&mask, Some(&positions))?));
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(out)
+        })
+        .unwrap();
+        for (rank, cases) in per_rank.into_iter().enumerate() {
+            for (case, ((lm_all, g_all), (lm_masked, g_masked))) in cases.into_iter().enumerate() {
+                let what = format!("tp {tp} rank {rank} mask {case}");
+                assert_eq!(lm_all == 0.0, case == 1, "{what}: lm {lm_all}");
+                assert!(
+                    (lm_all - lm_masked).abs() <= 1e-6,
+                    "{what}: all-position lm {lm_all} vs masked {lm_masked}"
+                );
+                assert_eq!(g_all.len(), g_masked.len());
+                let word_embeddings = g_all[0].as_ref().expect("a word-embedding gradient");
+                assert!(word_embeddings.iter().any(|v| *v != 0.0), "{what}");
+                for (i, (a, m)) in g_all.iter().zip(&g_masked).enumerate() {
+                    match (a, m) {
+                        (Some(a), Some(m)) => assert_close(a, m, 1e-6, &format!("{what} grad {i}")),
+                        (a, m) => assert_eq!(a.is_some(), m.is_some(), "{what} grad {i}"),
+                    }
+                }
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@
 
 #[cfg(feature = "cube")]
 mod cube;
+mod flex;
 mod reference;
 
 pub use reference::reference_adam_step;
@@ -155,7 +156,7 @@ pub(crate) struct AdamScalars {
 }
 
 /// The fused step as a backend op: one kernel pass (plus a sum of per-cube flags) on Cube
-/// backends, Burn's own ops elsewhere.
+/// backends, one native pass on Flex, Burn's own ops elsewhere.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait FusedAdamOps: Backend {
     /// One step on `[n]` f32 buffers with gradient `grad` (`[n]`, any float dtype): returns
@@ -188,7 +189,7 @@ impl FusedAdamOps for Flex {
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
-        reference_adam_step::<Self>(param, exp_avg, exp_avg_sq, grad, &hyper)
+        flex::fused_adam(param, exp_avg, exp_avg_sq, grad, hyper)
     }
 }
 

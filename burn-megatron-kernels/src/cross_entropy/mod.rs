@@ -13,6 +13,7 @@
 mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
+mod flex;
 #[cfg(feature = "cube")]
 mod kernels;
 mod reference;
@@ -76,7 +77,7 @@ pub trait CrossEntropyOps: Backend {
 
 impl CrossEntropyOps for Flex {
     fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self> {
-        reference_cross_entropy_row_max::<Self>(logits)
+        flex::row_max(logits)
     }
 
     fn cross_entropy_predicted_and_sum(
@@ -85,14 +86,14 @@ impl CrossEntropyOps for Flex {
         target: IntTensor<Self>,
         in_range: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        reference_cross_entropy_predicted_and_sum::<Self>(logits, max, target, in_range)
+        flex::predicted_and_sum(logits, max, target, in_range)
     }
 
     fn cross_entropy_sum_exp(
         logits: FloatTensor<Self>,
         max: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        reference_cross_entropy_sum_exp::<Self>(logits, max)
+        flex::sum_exp(logits, max)
     }
 
     fn cross_entropy_backward(
@@ -104,9 +105,7 @@ impl CrossEntropyOps for Flex {
         grad: FloatTensor<Self>,
         smoothing: LabelSmoothing,
     ) -> FloatTensor<Self> {
-        reference_cross_entropy_backward::<Self>(
-            logits, max, sum_exp, target, in_range, grad, smoothing,
-        )
+        flex::backward(logits, max, sum_exp, target, in_range, grad, smoothing)
     }
 }
 

@@ -9,7 +9,7 @@
 
 use super::buffer::Buffer;
 use super::group::{CommError, OpDesc, ProcessGroup};
-use super::reduce::{ReduceOp, chunk_range, reduce_range};
+use super::reduce::{ReduceOp, chunk_range, reduce_range, reduce_range_into};
 use super::{Communicator, DEFAULT_TIMEOUT, lock};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -159,6 +159,7 @@ impl LocalWorld {
             group,
             shared,
             seq: AtomicU64::new(0),
+            spare: Mutex::new(None),
         })
     }
 
@@ -204,6 +205,10 @@ pub struct LocalCommunicator {
     group: ProcessGroup,
     shared: Arc<GroupShared>,
     seq: AtomicU64,
+    /// The reduced chunk this member published at its last all-reduce. Every member has
+    /// copied it once the next collective of the group has gathered them all, so it comes
+    /// back unshared then: its pages are reused instead of faulted in afresh.
+    spare: Mutex<Option<Arc<Buffer>>>,
 }
 
 impl LocalCommunicator {
@@ -366,12 +371,18 @@ impl Communicator for LocalCommunicator {
         // The caller's buffer is overwritten anyway: move it in rather than copy it.
         let input = std::mem::replace(buf, Buffer::with_capacity(dtype, 0));
         let (seq, inputs) = self.arrive(desc, Some(input))?;
-        let mine = reduce_range(&present(&inputs), chunk_range(len, n, me), op);
+        let spare = lock(&self.spare).take();
+        let mut mine = spare
+            .and_then(|b| Arc::try_unwrap(b).ok())
+            .unwrap_or_else(|| Buffer::with_capacity(dtype, 0));
+        reduce_range_into(&present(&inputs), chunk_range(len, n, me), op, &mut mine);
         drop(inputs);
+        let mine = Arc::new(mine);
+        *lock(&self.spare) = Some(mine.clone());
         let start = Instant::now();
         let mut state = lock(&self.shared.state);
         if let Some(slot) = state.slots.get_mut(&seq) {
-            slot.partials[me] = Some(Arc::new(mine));
+            slot.partials[me] = Some(mine);
             slot.partials_in += 1;
             if slot.partials_in == n {
                 self.shared.changed.notify_all();

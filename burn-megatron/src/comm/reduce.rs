@@ -114,40 +114,75 @@ macro_rules! int_reducible {
 int_reducible!(i32);
 int_reducible!(i64);
 
-fn reduce_slices<T: Reducible>(inputs: &[&[T]], range: Range<usize>, op: ReduceOp) -> Vec<T> {
-    // One pass per input over contiguous slices, the op chosen outside the loop, so the
-    // inner loop vectorises.
+/// Output elements folded per block: the block's accumulators stay in L1 while every
+/// input's block is folded into them, so each input is read once and the output written
+/// once, without temporaries.
+const BLOCK: usize = 1024;
+
+/// Folds elements `range` of every input into `out` (`range.len()` elements), in group
+/// order per element.
+fn reduce_into<T: Reducible>(inputs: &[&[T]], range: Range<usize>, op: ReduceOp, out: &mut [T])
+where
+    T::Acc: Default,
+{
+    // The op chosen outside the loops, so the inner ones vectorise.
     fn fold<T: Reducible>(
         inputs: &[&[T]],
         range: Range<usize>,
+        out: &mut [T],
         f: impl Fn(T::Acc, T::Acc) -> T::Acc,
-    ) -> Vec<T::Acc> {
-        let mut acc: Vec<T::Acc> = inputs[0][range.clone()].iter().map(|x| x.widen()).collect();
-        for input in &inputs[1..] {
-            for (a, x) in acc.iter_mut().zip(&input[range.clone()]) {
-                *a = f(*a, x.widen());
+        finish: impl Fn(T::Acc) -> T,
+    ) where
+        T::Acc: Default,
+    {
+        let mut acc = [T::Acc::default(); BLOCK];
+        for (b, out) in out.chunks_mut(BLOCK).enumerate() {
+            let start = range.start + b * BLOCK;
+            let acc = &mut acc[..out.len()];
+            let end = start + out.len();
+            for (a, x) in acc.iter_mut().zip(&inputs[0][start..end]) {
+                *a = x.widen();
+            }
+            for input in &inputs[1..] {
+                for (a, x) in acc.iter_mut().zip(&input[start..end]) {
+                    *a = f(*a, x.widen());
+                }
+            }
+            for (o, &a) in out.iter_mut().zip(acc.iter()) {
+                *o = finish(a);
             }
         }
-        acc
     }
     let n = inputs.len();
-    let acc = match op {
-        ReduceOp::Sum | ReduceOp::Avg => fold(inputs, range, T::add),
-        ReduceOp::Max => fold(inputs, range, T::max),
-        ReduceOp::Min => fold(inputs, range, T::min),
-    };
-    if op == ReduceOp::Avg {
-        acc.into_iter().map(|a| T::narrow(T::div(a, n))).collect()
-    } else {
-        acc.into_iter().map(T::narrow).collect()
+    match op {
+        ReduceOp::Sum => fold(inputs, range, out, T::add, T::narrow),
+        ReduceOp::Avg => fold(inputs, range, out, T::add, |a| T::narrow(T::div(a, n))),
+        ReduceOp::Max => fold(inputs, range, out, T::max, T::narrow),
+        ReduceOp::Min => fold(inputs, range, out, T::min, T::narrow),
     }
 }
 
 /// Reduces elements `range` of every input (all of one dtype and length, checked by the
 /// caller) into a new buffer.
 pub(crate) fn reduce_range(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp) -> Buffer {
+    let mut out = Buffer::zeros(inputs[0].dtype(), range.len());
+    reduce_range_into(inputs, range, op, &mut out);
+    out
+}
+
+/// [`reduce_range`] into `out`, resized to the range (its allocation reused: no fresh pages
+/// to fault in when it is large enough).
+pub(crate) fn reduce_range_into(
+    inputs: &[&Buffer],
+    range: Range<usize>,
+    op: ReduceOp,
+    out: &mut Buffer,
+) {
+    if out.dtype() != inputs[0].dtype() {
+        *out = Buffer::zeros(inputs[0].dtype(), range.len());
+    }
     macro_rules! go {
-        ($variant:ident) => {{
+        ($variant:ident, $zero:expr) => {{
             let slices: Vec<_> = inputs
                 .iter()
                 .map(|b| match b {
@@ -155,15 +190,19 @@ pub(crate) fn reduce_range(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp
                     _ => unreachable!("dtype checked before reducing"),
                 })
                 .collect();
-            Buffer::$variant(reduce_slices(&slices, range, op))
+            let Buffer::$variant(o) = out else {
+                unreachable!("out has the inputs' dtype")
+            };
+            o.resize(range.len(), $zero);
+            reduce_into(&slices, range, op, o);
         }};
     }
     match inputs[0] {
-        Buffer::F32(_) => go!(F32),
-        Buffer::F16(_) => go!(F16),
-        Buffer::BF16(_) => go!(BF16),
-        Buffer::I32(_) => go!(I32),
-        Buffer::I64(_) => go!(I64),
+        Buffer::F32(_) => go!(F32, 0.0),
+        Buffer::F16(_) => go!(F16, f16::ZERO),
+        Buffer::BF16(_) => go!(BF16, bf16::ZERO),
+        Buffer::I32(_) => go!(I32, 0),
+        Buffer::I64(_) => go!(I64, 0),
     }
 }
 
@@ -173,17 +212,19 @@ pub(crate) fn reduce_range(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp
 pub(crate) fn reduce_pieces(buf: &Buffer, parts: usize, op: ReduceOp) -> Buffer {
     let m = buf.len() / parts;
     macro_rules! go {
-        ($variant:ident, $v:expr) => {{
+        ($variant:ident, $v:expr, $zero:expr) => {{
             let slices: Vec<_> = (0..parts).map(|i| &$v[i * m..(i + 1) * m]).collect();
-            Buffer::$variant(reduce_slices(&slices, 0..m, op))
+            let mut out = vec![$zero; m];
+            reduce_into(&slices, 0..m, op, &mut out);
+            Buffer::$variant(out)
         }};
     }
     match buf {
-        Buffer::F32(v) => go!(F32, v),
-        Buffer::F16(v) => go!(F16, v),
-        Buffer::BF16(v) => go!(BF16, v),
-        Buffer::I32(v) => go!(I32, v),
-        Buffer::I64(v) => go!(I64, v),
+        Buffer::F32(v) => go!(F32, v, 0.0),
+        Buffer::F16(v) => go!(F16, v, f16::ZERO),
+        Buffer::BF16(v) => go!(BF16, v, bf16::ZERO),
+        Buffer::I32(v) => go!(I32, v, 0),
+        Buffer::I64(v) => go!(I64, v, 0),
     }
 }
 

@@ -2,23 +2,25 @@
 //! embedding, and the pooler with its binary (NSP/SOP) head — whole, or one pipeline chunk
 //! of it (embeddings on the first virtual stage, heads on the last).
 
+mod head;
+
+pub use head::MaskedPositions;
+
 use super::transformer::{LayerNormPosition, NormKind, TransformerLayer, TransformerLayerConfig};
 use crate::comm::Comm;
 use crate::tensor_parallel::mappings::{
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
+    gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
 use crate::tensor_parallel::{
     MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
     VocabParallelEmbeddingConfig, check_index_range, derive_seed, host_param, set_layout_attrs,
-    update_parallel_attrs, vocab_parallel_cross_entropy,
+    update_parallel_attrs,
 };
 use crate::topology::PipelinePosition;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
-use burn::tensor::activation::{gelu, log_softmax};
-use burn::tensor::{Bool, DType, Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor};
 
 /// BERT's shape, named as Megatron's arguments.
 #[derive(Config, Debug)]
@@ -127,10 +129,13 @@ pub struct Bert {
 /// What [`Bert::forward`] returns.
 #[derive(Debug, Clone)]
 pub struct BertOutput {
-    /// `[s, b, V / tp]` MLM logits over this rank's vocabulary slice.
+    /// MLM logits over this rank's vocabulary slice: `[s, b, V / tp]` at every position, or
+    /// `[m, 1, V / tp]` at the `m` rows of [`lm_positions`](Self::lm_positions).
     pub lm_logits: Tensor<3>,
     /// `[b, 2]` binary-head logits.
     pub binary_logits: Tensor<2>,
+    /// The positions the MLM head ran on, when not all of them.
+    pub lm_positions: Option<MaskedPositions>,
 }
 
 /// What [`Bert::forward_stage`] returns: the heads' output on the last stage, the hidden
@@ -385,6 +390,19 @@ impl Bert {
         padding: Tensor<2, Bool>,
         rng: Option<&RngTracker>,
     ) -> Result<BertStageOutput, TpError> {
+        self.forward_stage_with_positions(tokens, hidden, padding, rng, None)
+    }
+
+    /// [`Bert::forward_stage`] with the MLM head on `lm_positions` only, when given: the
+    /// training loss needs no other rows ([`Bert::loss`] scores them the same).
+    pub fn forward_stage_with_positions(
+        &self,
+        tokens: Option<(Tensor<2, Int>, Tensor<2, Int>)>,
+        hidden: Option<Tensor<3>>,
+        padding: Tensor<2, Bool>,
+        rng: Option<&RngTracker>,
+        lm_positions: Option<&MaskedPositions>,
+    ) -> Result<BertStageOutput, TpError> {
         self.state_attrs();
         let mut x = match (&self.embeddings, tokens, hidden) {
             (Some(e), Some((ids, types)), None) => {
@@ -433,6 +451,7 @@ impl Bert {
             head,
             word_embeddings,
             x,
+            lm_positions,
         )))
     }
 
@@ -443,6 +462,7 @@ impl Bert {
         token_types: Tensor<2, Int>,
         rng: Option<&RngTracker>,
     ) -> Tensor<3> {
+        let _span = tracing::debug_span!("bert.embeddings").entered();
         let [b, s] = ids.dims();
         let device = ids.device();
         let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
@@ -461,56 +481,5 @@ impl Bert {
             x = scatter_to_sequence_parallel_region(x, &self.tp);
         }
         x
-    }
-
-    fn heads(
-        &self,
-        head: &BertHead,
-        word_embeddings: &VocabParallelEmbedding,
-        x: Tensor<3>,
-    ) -> BertOutput {
-        let [s, b, h] = x.dims();
-        // MLM head: transform, then logits against this rank's slice of the word embeddings.
-        let t = head
-            .lm_layernorm
-            .forward(gelu(head.lm_dense.forward(x.clone())));
-        let t = copy_to_tensor_model_parallel_region(t, &self.tp);
-        // A 2-d matmul: a broadcast [1, h, V] weight would make backward materialise one
-        // [h, V] gradient per sequence position before summing them.
-        let w = word_embeddings.weight.val().transpose();
-        let logits = t.reshape([s * b, h]).matmul(w) + head.lm_bias.val().unsqueeze::<2>();
-        let lm_logits = logits.reshape([s as i32, b as i32, -1]);
-        let first = x.narrow(0, 0, 1).reshape([b, h]);
-        let pooled = head.pooler.forward(first).tanh();
-        BertOutput {
-            lm_logits,
-            binary_logits: head.binary_head.forward(pooled),
-        }
-    }
-
-    /// (MLM loss averaged over `loss_mask`, binary-head loss averaged over the batch), in f32.
-    /// `lm_labels`, `loss_mask`: `[b, s]`; `binary_labels`: `[b]`.
-    pub fn loss(
-        &self,
-        output: BertOutput,
-        lm_labels: Tensor<2, Int>,
-        loss_mask: Tensor<2>,
-        binary_labels: Tensor<1, Int>,
-    ) -> Result<(Tensor<1>, Tensor<1>), TpError> {
-        let [s, b, v] = output.lm_logits.dims();
-        let labels = lm_labels.swap_dims(0, 1).reshape([s * b]);
-        let mask = loss_mask.swap_dims(0, 1).reshape([s * b]);
-        let losses = vocab_parallel_cross_entropy(
-            output.lm_logits.reshape([s * b, v]),
-            labels,
-            0.0,
-            &self.tp,
-        )?;
-        // Losses in f32 whatever the model's dtype, as Megatron.
-        let mask = mask.cast(DType::F32);
-        let lm_loss = (losses.cast(DType::F32) * mask.clone()).sum() / mask.sum().clamp_min(1.0);
-        let logp = log_softmax(output.binary_logits.cast(DType::F32), 1);
-        let binary_loss = logp.gather(1, binary_labels.unsqueeze_dim(1)).neg().mean();
-        Ok((lm_loss, binary_loss))
     }
 }

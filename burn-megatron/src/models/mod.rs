@@ -6,7 +6,9 @@ mod bert_hf;
 mod transformer;
 
 pub use attention::{ParallelAttention, ParallelAttentionConfig};
-pub use bert::{Bert, BertConfig, BertEmbeddings, BertHead, BertOutput, BertStageOutput};
+pub use bert::{
+    Bert, BertConfig, BertEmbeddings, BertHead, BertOutput, BertStageOutput, MaskedPositions,
+};
 pub use bert_hf::{
     HfBertConfig, HfError, hf_state_dict, load_hf_bert, load_hf_weights, save_hf_bert,
 };

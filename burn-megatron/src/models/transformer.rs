@@ -271,19 +271,26 @@ impl TransformerLayer {
     ) -> Tensor<3> {
         self.state_attrs();
         match self.position {
+            // Spans name the sub-layers (with their norm and residual add) for profiles.
             LayerNormPosition::Post => {
+                let span = tracing::debug_span!("layer.attention").entered();
                 let a = self.attention.forward_with_bias(x.clone(), padding, rng);
                 let x = self
                     .input_layernorm
                     .forward(self.bias_dropout_add(a, x, rng));
+                drop(span);
+                let _span = tracing::debug_span!("layer.mlp").entered();
                 let m = self.mlp.forward_with_bias(x.clone());
                 self.post_attention_layernorm
                     .forward(self.bias_dropout_add(m, x, rng))
             }
             LayerNormPosition::Pre => {
+                let span = tracing::debug_span!("layer.attention").entered();
                 let normed = self.input_layernorm.forward(x.clone());
                 let a = self.attention.forward_with_bias(normed, padding, rng);
                 let x = self.bias_dropout_add(a, x, rng);
+                drop(span);
+                let _span = tracing::debug_span!("layer.mlp").entered();
                 let m = self
                     .mlp
                     .forward_with_bias(self.post_attention_layernorm.forward(x.clone()));

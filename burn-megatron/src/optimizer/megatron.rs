@@ -2,11 +2,11 @@
 //! skipping, and clipping by the global gradient norm, around any burn-optim optimizer.
 
 use super::fused_adam::{FlatAdam, FusedAdam};
-use super::grad_norm::{NormType, clip_coefficient, clip_grads_of, grad_norm_of};
+use super::grad_norm::{NormType, clip_coefficient, clip_grads_of, local_norm_stats};
 use super::grad_scaler::{GradScaler, GradScalerState};
 use super::sharded_burn::ShardedBurn;
-use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
-use crate::param_grads::{float_params, update_flat, with_flat};
+use crate::comm::{Comm, CommError, CommunicatorExt};
+use crate::param_grads::{float_params, update_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{DType, FloatDType, Tensor};
@@ -525,30 +525,21 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         };
         let params = float_params(&model);
         let mut grads = unscale(grads, &params, 1.0 / loss_scale);
-        let local_inf = params.iter().any(|&(id, d)| {
-            with_flat(&grads, id, d, |g| {
-                let finite: Tensor<1> = g.clone().is_finite().float();
-                finite.min().into_scalar::<f32>() < 1.0
-            })
-            .unwrap_or(false)
-        });
-        let mut found = vec![if local_inf { 1.0f32 } else { 0.0 }];
-        self.model_parallel
-            .all_reduce_vec(&mut found, ReduceOp::Max)?;
-        let found_inf = found[0] > 0.0;
-        if let Some(s) = self.scaler.as_mut() {
-            s.update(found_inf);
-        }
-        if found_inf {
-            return Ok((model, skipped));
-        }
-        let norm = grad_norm_of(
-            &params,
-            &grads,
-            self.tp_rank,
+        // One sum-of-squares pass gives overflow and norm; one collective agrees on both.
+        let stats = local_norm_stats(&params, &grads, self.tp_rank, self.norm_type, true);
+        let scaler = self.scaler.as_mut();
+        let (flag, part) = (stats.non_finite, stats.norm_part);
+        let Some(norm) = agree_norm(
+            flag,
+            part,
+            None,
             &self.model_parallel,
             self.norm_type,
-        )?;
+            scaler,
+        )?
+        else {
+            return Ok((model, skipped));
+        };
         let clip_coeff = clip_grads_of(&params, &mut grads, self.clip_grad, norm);
         let report = StepReport {
             updated: true,

@@ -70,6 +70,11 @@ pub struct Args {
     /// (Megatron's flag of the same name), also under --bf16 / --fp16.
     #[arg(long)]
     pub gradient_accumulation_fusion: bool,
+    /// Run the MLM head on every position, as Hugging Face's `BertForPreTraining` does,
+    /// instead of the masked ones the loss counts (the original BERT's choice: the same loss
+    /// and gradients with ~1/7 of the vocabulary-sized work).
+    #[arg(long)]
+    pub mlm_head_all_positions: bool,
     /// Pipeline stages; each holds `--num-layers / PP` layers, the first the embeddings and
     /// the last the heads.
     #[arg(long, default_value_t = 1)]

@@ -18,7 +18,7 @@ use burn_megatron::data_parallel::{
     finalize_model_grads_distributed, finalize_model_grads_overlapped,
 };
 use burn_megatron::launch::RankContext;
-use burn_megatron::models::{Bert, BertConfig, BertStageOutput};
+use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
     OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
@@ -93,8 +93,18 @@ fn run_schedule(
                 .collect();
             let b = BertBatch::new(&samples, &ctx.device);
             let tokens = s.input.is_none().then_some((b.ids, b.types));
+            let last = s.model.head.is_some();
+            let positions = (last && !shared.args.mlm_head_all_positions)
+                .then(|| MaskedPositions::from_loss_mask(&b.loss_mask))
+                .transpose()?;
             Ok(
-                match s.model.forward_stage(tokens, s.input, b.padding, rng)? {
+                match s.model.forward_stage_with_positions(
+                    tokens,
+                    s.input,
+                    b.padding,
+                    rng,
+                    positions.as_ref(),
+                )? {
                     BertStageOutput::Hidden(h) => ChunkOutput::Activation(h),
                     BertStageOutput::Output(o) => {
                         let (lm, sop) = s.model.loss(o, b.labels, b.loss_mask, b.is_random)?;

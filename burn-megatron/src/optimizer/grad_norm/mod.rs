@@ -67,38 +67,75 @@ pub(crate) fn grad_norm_of(
     model_parallel: &Comm,
     norm_type: NormType,
 ) -> Result<f64, CommError> {
-    let counted = params
-        .iter()
-        .filter(|&&(id, _)| parallel_attrs(id).counts_in_grad_norm(tp_rank));
-    let local = match norm_type {
-        NormType::L2 => {
-            // Every tensor's sum of squares in one fused pass, read back once.
-            let flat: Vec<Tensor<1>> = counted
-                .filter_map(|&(id, dims)| with_flat(grads, id, dims, |g| g.cast(DType::F32)))
-                .collect();
-            if flat.is_empty() {
-                0.0
-            } else {
-                multi_tensor_sum_of_squares(&flat)
-                    .expect("the gradients of one module share a device")
-                    .into_data()
-                    .iter::<f32>()
-                    .map(f64::from)
-                    .sum()
-            }
-        }
-        NormType::Inf => counted
-            .filter_map(|&(id, dims)| {
-                with_flat(grads, id, dims, |g| {
-                    f64::from(g.cast(DType::F32).abs().max().into_scalar::<f32>())
-                })
-            })
-            .fold(0.0, f64::max),
-    };
+    let local = local_norm_stats(params, grads, tp_rank, norm_type, false).norm_part;
     // The reduction is in f32, as Megatron's `get_grad_norm_fp32`.
     let mut v = vec![local as f32];
     model_parallel.all_reduce_vec(&mut v, norm_type.reduce_op())?;
     Ok(norm_type.finish(f64::from(v[0])))
+}
+
+/// This rank's part of the gradient norm and whether any of its gradients is inf or NaN.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LocalNormStats {
+    /// Some gradient of this rank (counted in the norm or not) holds inf or NaN, or squares
+    /// past f32's range (the fused optimizer's test too).
+    pub non_finite: bool,
+    /// The sum of squares (L2) or the largest |g| (Inf) of the counted gradients.
+    pub norm_part: f64,
+}
+
+/// [`LocalNormStats`] of `grads`. For L2 one fused sum-of-squares pass over every gradient
+/// and one read-back give both; `check_all` asks for the finiteness of every gradient under
+/// the Inf norm too (one more such pass).
+pub(crate) fn local_norm_stats(
+    params: &[(ParamId, usize)],
+    grads: &GradientsParams,
+    tp_rank: usize,
+    norm_type: NormType,
+    check_all: bool,
+) -> LocalNormStats {
+    let present: Vec<(bool, Tensor<1>)> = params
+        .iter()
+        .filter_map(|&(id, dims)| {
+            let counted = parallel_attrs(id).counts_in_grad_norm(tp_rank);
+            with_flat(grads, id, dims, |g| (counted, g.cast(DType::F32)))
+        })
+        .collect();
+    let sums = |tensors: Vec<Tensor<1>>| -> Vec<f32> {
+        if tensors.is_empty() {
+            return Vec::new();
+        }
+        multi_tensor_sum_of_squares(&tensors)
+            .expect("the gradients of one module share a device")
+            .into_data()
+            .iter::<f32>()
+            .collect()
+    };
+    match norm_type {
+        NormType::L2 => {
+            let all = sums(present.iter().map(|(_, g)| g.clone()).collect());
+            let counted = present.iter().zip(&all).filter(|((c, _), _)| *c);
+            LocalNormStats {
+                non_finite: all.iter().any(|s| !s.is_finite()),
+                norm_part: counted.map(|(_, &s)| f64::from(s)).sum(),
+            }
+        }
+        NormType::Inf => {
+            let non_finite = check_all
+                && sums(present.iter().map(|(_, g)| g.clone()).collect())
+                    .iter()
+                    .any(|s| !s.is_finite());
+            let norm_part = present
+                .iter()
+                .filter(|(c, _)| *c)
+                .map(|(_, g)| f64::from(g.clone().abs().max().into_scalar::<f32>()))
+                .fold(0.0, f64::max);
+            LocalNormStats {
+                non_finite,
+                norm_part,
+            }
+        }
+    }
 }
 
 /// `max_norm / (total_norm + 1e-6)` when that is below 1, else 1 (also when `max_norm` is 0:

@@ -1,0 +1,169 @@
+//! Native loops for Flex (Burn's CPU backend), where an op's reference is a chain of Burn
+//! ops that each allocate and walk a whole tensor: one pass per op, rows split over rayon's
+//! threads, each pass compiled for the best SIMD level the CPU offers (pulp's runtime
+//! dispatch), with an `exp` that vectorises (Flex's calls libm once per element).
+
+use burn::backend::flex::FlexTensor;
+use burn::tensor::{DType, TensorData};
+use rayon::prelude::*;
+
+/// Rows per rayon task: below this, splitting costs more than it saves.
+const MIN_ELEMENTS_PER_TASK: usize = 1 << 14;
+
+/// `e^x` within ~2 ulp (Cephes' `expf` polynomial after a reduction by `ln 2`), without
+/// branches or calls so that loops of it vectorise: `n = round(x·log2 e)` by the 1.5·2²³
+/// trick, `2ⁿ` built in the exponent bits. Saturates to `e^-87.34 ≈ 1.2e-38` below and
+/// `e^88.38` above; NaN stays NaN (a NaN logit must reach the loss, where overflow checks
+/// look).
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2²³: adding it rounds to an integer
+    let c = x.clamp(-87.336_55, 88.376_26);
+    let t = c * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
+    let r = c - n * LN2_HI - n * LN2_LO;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    // t's low mantissa bits hold n (|n| ≤ 127 < 2²²).
+    let k = t.to_bits().wrapping_sub(ROUND.to_bits());
+    let scale = f32::from_bits(k.wrapping_add(127) << 23);
+    let y = (p * r * r + r + 1.0) * scale;
+    if x.is_nan() { x } else { y }
+}
+
+/// Sum of `f(x)` over `xs`, in 16 independent lanes (so that it vectorises) then combined.
+#[inline(always)]
+pub(crate) fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let chunks = xs.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f(x);
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for &x in tail {
+        s += f(x);
+    }
+    s
+}
+
+/// `t`'s values when it is an f32 tensor, made contiguous if it is not.
+pub(crate) fn f32_values(t: &FlexTensor) -> Option<std::borrow::Cow<'_, [f32]>> {
+    if t.dtype() != DType::F32 {
+        return None;
+    }
+    Some(match t.as_slice::<f32>() {
+        Some(s) => s.into(),
+        None => t.to_contiguous().as_slice::<f32>()?.to_vec().into(),
+    })
+}
+
+/// `t`'s values as i64 when it is an i64 or i32 tensor.
+pub(crate) fn index_values(t: &FlexTensor) -> Option<Vec<i64>> {
+    let t = t.to_contiguous();
+    match t.dtype() {
+        DType::I64 => t.as_slice::<i64>().map(<[i64]>::to_vec),
+        DType::I32 => t
+            .as_slice::<i32>()
+            .map(|s| s.iter().map(|&v| i64::from(v)).collect()),
+        _ => None,
+    }
+}
+
+/// An f32 tensor of `shape` holding `values`.
+pub(crate) fn f32_tensor(values: Vec<f32>, shape: &[usize]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape.to_vec()))
+}
+
+/// A pass over the rows of an `[N, len]` f32 buffer writing `OUT` values per row (or
+/// `len` when `OUT` is 0). Implementations mark `row` `#[inline(always)]`, so that it is
+/// compiled inside [`for_rows`]' SIMD dispatch.
+pub(crate) trait RowOp: Sync {
+    /// Output values per row; 0 for as many as the input row has.
+    const OUT: usize;
+    /// Row `i` of the input into its output values.
+    fn row(&self, i: usize, row: &[f32], out: &mut [f32]);
+}
+
+/// `op` over every `len`-element row of `xs`, rows split over rayon's threads, each task
+/// compiled for the best SIMD level the CPU has. Returns the outputs, row after row.
+pub(crate) fn for_rows<K: RowOp>(xs: &[f32], len: usize, op: &K) -> Vec<f32> {
+    let rows = xs.len().checked_div(len).unwrap_or(0);
+    let out_len = if K::OUT == 0 { len } else { K::OUT };
+    let mut out = vec![0.0f32; rows * out_len];
+    if rows == 0 || out_len == 0 {
+        return out;
+    }
+    let per_task = MIN_ELEMENTS_PER_TASK.div_ceil(len).max(1);
+    out.par_chunks_mut(per_task * out_len)
+        .zip(xs.par_chunks(per_task * len))
+        .enumerate()
+        .for_each(|(t, (out, xs))| {
+            pulp::Arch::new().dispatch(Task {
+                op,
+                first: t * per_task,
+                xs,
+                out,
+                len,
+                out_len,
+            })
+        });
+    out
+}
+
+struct Task<'a, K> {
+    op: &'a K,
+    first: usize,
+    xs: &'a [f32],
+    out: &'a mut [f32],
+    len: usize,
+    out_len: usize,
+}
+
+impl<K: RowOp> pulp::WithSimd for Task<'_, K> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let rows = self
+            .xs
+            .chunks(self.len)
+            .zip(self.out.chunks_mut(self.out_len));
+        for (r, (x, o)) in rows.enumerate() {
+            self.op.row(self.first + r, x, o);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_2_ulp_of_libm_and_keeps_nan() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let (got, want) = (exp(x) as f64, (x as f64).exp());
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.001_7;
+        }
+        assert!(worst < 2.5e-7, "max relative error {worst}");
+        assert!(exp(f32::NAN).is_nan());
+        assert!(exp(-1e4) < 1.3e-38 && exp(-1e4) >= 0.0);
+        assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn lane_sum_adds_every_element() {
+        let xs: Vec<f32> = (0..37).map(|i| i as f32).collect();
+        assert_eq!(lane_sum(&xs, |x| x), 666.0);
+        assert_eq!(lane_sum(&[], |x| x), 0.0);
+    }
+}
