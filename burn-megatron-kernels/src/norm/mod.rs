@@ -22,7 +22,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension,
 };
-use burn::tensor::{DType, FloatDType, Shape, Slice, Tensor};
+use burn::tensor::{DType, Device, FloatDType, Shape, Slice, Tensor};
 
 /// Sums of squares over the segments of a flat buffer, as a backend op.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
@@ -103,8 +103,9 @@ pub fn segment_sum_of_squares(
 }
 
 /// `Σ x²` of each tensor (flattened; f32, f16 or bf16, accumulated in f32): an f32 tensor
-/// `[tensors.len()]` on the tensors' device. Concatenates them first (one copy each on Cube
-/// backends; mixed dtypes are cast to f32), then [`segment_sum_of_squares`]. Errors on an
+/// `[tensors.len()]` on the tensors' device. On Cube backends concatenates them first (one
+/// copy each; mixed dtypes are cast to f32), then [`segment_sum_of_squares`] (two launches);
+/// on Flex sums each where it lies. Errors on an
 /// empty list (no device to put the result on) or tensors on different devices.
 ///
 /// ```
@@ -132,6 +133,16 @@ pub fn multi_tensor_sum_of_squares(tensors: &[Tensor<1>]) -> Result<Tensor<1>, K
         )));
     }
     let lengths: Vec<usize> = tensors.iter().map(|t| t.dims()[0]).collect();
+    // On the CPU a pass per tensor reads it where it lies: the concatenation would be one
+    // more pass over every gradient, into fresh pages.
+    if device == Device::flex() {
+        let sums = tensors
+            .iter()
+            .zip(&lengths)
+            .map(|(t, &len)| segment_sum_of_squares(t.clone(), &[len]))
+            .collect::<Result<Vec<_>, _>>()?;
+        return Ok(Tensor::cat(sums, 0));
+    }
     let same_dtype = tensors.iter().all(|t| t.dtype() == first.dtype());
     let parts: Vec<Tensor<1>> = tensors
         .iter()
