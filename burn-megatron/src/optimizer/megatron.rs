@@ -512,7 +512,6 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
                     return Ok((model, skipped));
                 };
                 let clip_coeff = clip_coefficient(self.clip_grad, norm);
-                let model = flat.vacate(model);
                 flat.apply(stats.flats, lr, inv_scale, clip_coeff)?;
                 let model = flat.model_from(model)?;
                 let report = StepReport {
