@@ -61,13 +61,17 @@ fn time_calls(comm: &dyn Communicator, op: Op, mib: usize, iters: usize) -> Vec<
         Op::AllReduce => elems,
     };
     let mut times = Vec::new();
+    let mut out = Buffer::F32(Vec::new());
     for i in 0..iters + 1 {
-        let mut buf = Buffer::F32(vec![comm.group().rank() as f32; len]);
+        // Not 0: a zeroed allocation comes as untouched pages, which would then be faulted
+        // in inside the timed call (rank 0's input, written with the result).
+        let mut buf = Buffer::F32(vec![comm.group().rank() as f32 + 1.0; len]);
         comm.barrier().unwrap();
         let t = Instant::now();
         match op {
             Op::AllReduce => comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap(),
-            Op::AllGather => drop(comm.all_gather(buf).unwrap()),
+            // One output for every call, as a training loop keeps it: written, not faulted in.
+            Op::AllGather => comm.all_gather_into(buf, &mut out).unwrap(),
         }
         comm.barrier().unwrap();
         if i > 0 {

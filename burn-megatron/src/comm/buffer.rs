@@ -187,6 +187,22 @@ impl Buffer {
         with_vec!(self, v => bytemuck::cast_slice_mut(v.as_mut_slice()))
     }
 
+    /// Overwrites this buffer with `parts` (of `dtype`) in order, keeping its allocation
+    /// when it has the dtype.
+    pub(crate) fn assign_concat<'a>(
+        &mut self,
+        dtype: CommDType,
+        parts: impl IntoIterator<Item = &'a Buffer>,
+    ) {
+        if self.dtype() != dtype {
+            *self = Buffer::with_capacity(dtype, 0);
+        }
+        with_vec!(self, v => v.clear());
+        for p in parts {
+            self.extend_from(p);
+        }
+    }
+
     /// Concatenates same-typed buffers in order.
     pub(crate) fn concat<'a>(
         dtype: CommDType,

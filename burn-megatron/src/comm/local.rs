@@ -425,10 +425,17 @@ impl Communicator for LocalCommunicator {
     }
 
     fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
+        let mut out = Buffer::with_capacity(input.dtype(), 0);
+        self.all_gather_into(input, &mut out)?;
+        Ok(out)
+    }
+
+    fn all_gather_into(&self, input: Buffer, out: &mut Buffer) -> Result<(), CommError> {
         let dtype = input.dtype();
         let (seq, inputs) = self.arrive(OpDesc::data("all_gather", &input), Some(input))?;
         self.finish(seq);
-        Ok(Buffer::concat(dtype, present(&inputs)))
+        out.assign_concat(dtype, present(&inputs));
+        Ok(())
     }
 
     fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {

@@ -77,6 +77,15 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     /// Concatenates every member's `input` in group order (all of the same length).
     fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError>;
 
+    /// [`Communicator::all_gather`] into `out`, resized to the gathered length with its
+    /// allocation kept where the backend can (the threaded one does): a caller gathering into
+    /// the same buffer every step writes pages it already has instead of faulting in fresh
+    /// ones. The default gathers, then moves the result into `out`.
+    fn all_gather_into(&self, input: Buffer, out: &mut Buffer) -> Result<(), CommError> {
+        *out = self.all_gather(input)?;
+        Ok(())
+    }
+
     /// Reduces `input` over the group and returns this member's chunk: elements
     /// `[rank·len/n, (rank+1)·len/n)`. The length must be divisible by the group size.
     fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError>;

@@ -111,6 +111,43 @@ fn all_gather_concatenates_in_group_order() {
     }
 }
 
+/// `all_gather_into` gives `all_gather`'s result and, called again with the same buffer,
+/// writes into the allocation it already has (and into a buffer of another dtype too).
+#[test]
+fn all_gather_into_reuses_the_output_buffer() {
+    let out = run(3, T2, move |rank, world| {
+        let comm = world.communicator("g", vec![0, 1, 2], rank).unwrap();
+        let input = |k: usize| Buffer::F32(vec![(rank * 10 + k) as f32; 1000]);
+        let mut out = Buffer::I64(vec![7; 5]);
+        comm.all_gather_into(input(0), &mut out).unwrap();
+        let first = out.clone();
+        let Buffer::F32(v) = &out else {
+            panic!("gathered f32, got {}", out.dtype())
+        };
+        let at = v.as_ptr();
+        comm.all_gather_into(input(1), &mut out).unwrap();
+        let Buffer::F32(v) = &out else {
+            panic!("gathered f32, got {}", out.dtype())
+        };
+        let reused = v.as_ptr() == at;
+        (first, comm.all_gather(input(1)).unwrap(), out, reused)
+    });
+    for (first, plain, into, reused) in out {
+        let expect = |k: usize| -> Vec<f32> {
+            (0..3)
+                .flat_map(|r| vec![(r * 10 + k) as f32; 1000])
+                .collect()
+        };
+        assert_eq!(first, Buffer::F32(expect(0)));
+        assert_eq!(into, plain);
+        assert_eq!(into, Buffer::F32(expect(1)));
+        assert!(
+            reused,
+            "the second gather wrote into the first one's allocation"
+        );
+    }
+}
+
 #[test]
 fn reduce_scatter_returns_each_rank_its_chunk() {
     for n in [1, 2, 3, 4, 8] {
