@@ -35,22 +35,31 @@ pub(crate) fn exp(x: f32) -> f32 {
     if x.is_nan() { x } else { y }
 }
 
-/// Sum of `f(x)` over `xs`, in 16 independent lanes (so that it vectorises) then combined.
+/// `step(acc, x)` over `xs` in 16 independent lanes from `init` (so that it vectorises),
+/// the lanes then joined in order by `join`, then the tail stepped in.
 #[inline(always)]
-pub(crate) fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let mut acc = [0.0f32; 16];
+pub(crate) fn lane_fold(
+    xs: &[f32],
+    init: f32,
+    step: impl Fn(f32, f32) -> f32,
+    join: impl Fn(f32, f32) -> f32,
+) -> f32 {
+    let mut acc = [init; 16];
     let chunks = xs.chunks_exact(16);
     let tail = chunks.remainder();
     for c in chunks {
         for (a, &x) in acc.iter_mut().zip(c) {
-            *a += f(x);
+            *a = step(*a, x);
         }
     }
-    let mut s: f32 = acc.iter().sum();
-    for &x in tail {
-        s += f(x);
-    }
-    s
+    let joined = acc.iter().fold(init, |a, &b| join(a, b));
+    tail.iter().fold(joined, |a, &x| step(a, x))
+}
+
+/// Sum of `f(x)` over `xs`, in 16 lanes ([`lane_fold`]).
+#[inline(always)]
+pub(crate) fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    lane_fold(xs, 0.0, |a, x| a + f(x), |a, b| a + b)
 }
 
 /// `t`'s values when it is an f32 tensor, made contiguous if it is not.
@@ -165,5 +174,7 @@ mod tests {
         let xs: Vec<f32> = (0..37).map(|i| i as f32).collect();
         assert_eq!(lane_sum(&xs, |x| x), 666.0);
         assert_eq!(lane_sum(&[], |x| x), 0.0);
+        assert_eq!(lane_fold(&xs, f32::NEG_INFINITY, f32::max, f32::max), 36.0);
+        assert_eq!(lane_sum(&xs, |x| x * x), 16206.0);
     }
 }

@@ -7,7 +7,7 @@ use super::reference::{
     reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
     reference_cross_entropy_row_max, reference_cross_entropy_sum_exp,
 };
-use crate::cpu::{RowOp, exp, f32_tensor, f32_values, for_rows, index_values, lane_sum};
+use crate::cpu::{RowOp, exp, f32_tensor, f32_values, for_rows, index_values, lane_fold, lane_sum};
 use burn::backend::Flex;
 use burn::backend::TensorMetadata;
 use burn::backend::flex::FlexTensor;
@@ -90,11 +90,8 @@ pub(super) fn backward(
     };
     let (n, v) = dims(&logits);
     let eps = smoothing.epsilon;
-    let spread = if eps > 0.0 {
-        eps / smoothing.global_vocab as f32
-    } else {
-        0.0
-    };
+    // ε / V_global: exactly 0 without smoothing.
+    let spread = eps / smoothing.global_vocab as f32;
     let op = Backward {
         m: &m,
         s: &s,
@@ -116,18 +113,7 @@ impl RowOp for RowMax {
 
     #[inline(always)]
     fn row(&self, _: usize, row: &[f32], out: &mut [f32]) {
-        let mut acc = [f32::NEG_INFINITY; 16];
-        let chunks = row.chunks_exact(16);
-        let tail = chunks.remainder();
-        for c in chunks {
-            for (a, &z) in acc.iter_mut().zip(c) {
-                *a = a.max(z);
-            }
-        }
-        out[0] = acc
-            .iter()
-            .chain(tail)
-            .fold(f32::NEG_INFINITY, |m, &z| m.max(z));
+        out[0] = lane_fold(row, f32::NEG_INFINITY, f32::max, f32::max);
     }
 }
 

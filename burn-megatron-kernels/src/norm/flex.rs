@@ -20,12 +20,10 @@ thread_local! {
 }
 
 pub(super) fn segment_sum_of_squares(flat: FlexTensor, lengths: Vec<usize>) -> FlexTensor {
-    let (Some(x), total) = (f32_values(&flat), lengths.iter().sum::<usize>()) else {
+    let total: usize = lengths.iter().sum();
+    let Some(x) = f32_values(&flat).filter(|x| x.len() == total) else {
         return reference_segment_sum_of_squares::<Flex>(flat, &lengths);
     };
-    if total != x.len() {
-        return reference_segment_sum_of_squares::<Flex>(flat, &lengths);
-    }
     let mut start = 0;
     let sums: Vec<f32> = SQUARES.with(|squares| {
         let mut squares = squares.borrow_mut();

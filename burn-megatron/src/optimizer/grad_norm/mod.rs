@@ -84,9 +84,10 @@ pub(crate) struct LocalNormStats {
     pub norm_part: f64,
 }
 
-/// [`LocalNormStats`] of `grads`. For L2 one fused sum-of-squares pass over every gradient
-/// and one read-back give both; `check_all` asks for the finiteness of every gradient under
-/// the Inf norm too (one more such pass).
+/// [`LocalNormStats`] of `grads`. With `check_all` (an optimizer step) every gradient's
+/// finiteness is checked too: under L2 the one sum-of-squares pass and read-back give both,
+/// under Inf it is one more such pass. Without it (the norm alone) only the counted
+/// gradients are read, and `non_finite` is false.
 pub(crate) fn local_norm_stats(
     params: &[(ParamId, usize)],
     grads: &GradientsParams,
@@ -101,40 +102,42 @@ pub(crate) fn local_norm_stats(
             with_flat(grads, id, dims, |g| (counted, g.cast(DType::F32)))
         })
         .collect();
-    let sums = |tensors: Vec<Tensor<1>>| -> Vec<f32> {
-        if tensors.is_empty() {
-            return Vec::new();
-        }
-        multi_tensor_sum_of_squares(&tensors)
-            .expect("the gradients of one module share a device")
-            .into_data()
-            .iter::<f32>()
-            .collect()
+    // Sums of squares of every gradient when overflow is checked (any may hold it), else of
+    // the counted ones, and only for L2.
+    let squared: Vec<(bool, f32)> = if check_all || norm_type == NormType::L2 {
+        let (counted, tensors): (Vec<bool>, Vec<Tensor<1>>) = present
+            .iter()
+            .filter(|(c, _)| check_all || *c)
+            .map(|(c, g)| (*c, g.clone()))
+            .unzip();
+        let sums: Vec<f32> = if tensors.is_empty() {
+            Vec::new()
+        } else {
+            multi_tensor_sum_of_squares(&tensors)
+                .expect("the gradients of one module share a device")
+                .into_data()
+                .iter::<f32>()
+                .collect()
+        };
+        counted.into_iter().zip(sums).collect()
+    } else {
+        Vec::new()
     };
-    match norm_type {
-        NormType::L2 => {
-            let all = sums(present.iter().map(|(_, g)| g.clone()).collect());
-            let counted = present.iter().zip(&all).filter(|((c, _), _)| *c);
-            LocalNormStats {
-                non_finite: all.iter().any(|s| !s.is_finite()),
-                norm_part: counted.map(|(_, &s)| f64::from(s)).sum(),
-            }
-        }
-        NormType::Inf => {
-            let non_finite = check_all
-                && sums(present.iter().map(|(_, g)| g.clone()).collect())
-                    .iter()
-                    .any(|s| !s.is_finite());
-            let norm_part = present
-                .iter()
-                .filter(|(c, _)| *c)
-                .map(|(_, g)| f64::from(g.clone().abs().max().into_scalar::<f32>()))
-                .fold(0.0, f64::max);
-            LocalNormStats {
-                non_finite,
-                norm_part,
-            }
-        }
+    let norm_part = match norm_type {
+        NormType::L2 => squared
+            .iter()
+            .filter(|(c, _)| *c)
+            .map(|&(_, s)| f64::from(s))
+            .sum(),
+        NormType::Inf => present
+            .iter()
+            .filter(|(c, _)| *c)
+            .map(|(_, g)| f64::from(g.clone().abs().max().into_scalar::<f32>()))
+            .fold(0.0, f64::max),
+    };
+    LocalNormStats {
+        non_finite: check_all && squared.iter().any(|(_, s)| !s.is_finite()),
+        norm_part,
     }
 }
 
