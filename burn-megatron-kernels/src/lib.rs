@@ -27,7 +27,8 @@ mod ops;
 mod softmax;
 
 pub use adam::{
-    AdamHyper, FlatAdamState, FusedAdamOps, WeightDecay, fused_adam_step, reference_adam_step,
+    AdamHyper, FlatAdamState, FusedAdamOps, WeightDecay, fused_adam_step,
+    multi_tensor_fused_adam_step, reference_adam_step,
 };
 pub use bias_dropout_add::{
     BiasDropoutAddOps, bias_dropout_add, dropout, dropout_hash, dropout_keep, dropout_mask,

@@ -10,7 +10,10 @@ use burn::module::Param;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::{AdamConfig, AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorCreationOptions, TensorData};
-use burn_megatron_kernels::{AdamHyper, FlatAdamState, KernelError, WeightDecay, fused_adam_step};
+use burn_megatron_kernels::{
+    AdamHyper, FlatAdamState, KernelError, WeightDecay, fused_adam_step,
+    multi_tensor_fused_adam_step,
+};
 use common::{max_abs_diff, to_vec, values};
 
 const SIZES: [usize; 5] = [0, 1, 3, 1000, 100_003];
@@ -265,4 +268,81 @@ fn bad_inputs_are_refused_before_any_launch() {
 fn kernel_matches_exact_adam_and_reference_on_wgpu() {
     let device = common::wgpu_device("adam");
     check(&device, "wgpu");
+}
+
+/// The gradient in pieces (one an f16 tensor, one empty, one a strided view) steps the
+/// buffer exactly as the same gradient concatenated does, over several steps, and counts
+/// the non-finite elements of every piece; a piece on another device, or pieces that do
+/// not add up to the buffer, are refused.
+fn pieces_step_as_the_flat_gradient(device: &Device, what: &str) {
+    let n = [700, 0, 64, 2000];
+    let total: usize = n.iter().sum();
+    let param: Vec<f32> = values(total, 7, 1.0);
+    let mut whole = FlatAdamState::new(tensor(device, &param));
+    let mut split = whole.clone();
+    let h = AdamHyper {
+        weight_decay: WeightDecay::Decoupled(0.1),
+        clip_coef: 0.5,
+        ..AdamHyper::default()
+    };
+    for step in 1..=STEPS {
+        let h = AdamHyper { step, ..h };
+        let g: Vec<f32> = values(total, u64::from(step), 0.01);
+        // The f16 piece's values, as the flat gradient holds them.
+        let half = to_vec(tensor(device, &g[..700]).cast(DType::F16).cast(DType::F32));
+        // Every other element of a [64, 2] tensor whose rows repeat the value.
+        let twice: Vec<f32> = g[700..764].iter().flat_map(|&v| [v, v]).collect();
+        let strided = tensor(device, &twice)
+            .reshape([64, 2])
+            .narrow(1, 0, 1)
+            .reshape([64]);
+        let pieces = vec![
+            tensor(device, &half).cast(DType::F16),
+            tensor(device, &[]),
+            strided,
+            tensor(device, &g[764..]),
+        ];
+        let flat = tensor(device, &[half.as_slice(), &g[700..]].concat());
+        whole = fused_adam_step(whole, flat, &h).unwrap().0;
+        let found;
+        (split, found) = multi_tensor_fused_adam_step(split, pieces, &h).unwrap();
+        assert_eq!(to_vec(found), vec![0.0], "{what}: step {step}");
+        for (a, b) in [
+            (&whole.param, &split.param),
+            (&whole.exp_avg, &split.exp_avg),
+        ] {
+            let (a, b) = (to_vec(a.clone()), to_vec(b.clone()));
+            let first = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(first, None, "{what}: step {step}, first differing element");
+        }
+    }
+    let bad = vec![
+        tensor(device, &[f32::INFINITY, 1.0]),
+        tensor(device, &[f32::NAN; 3]),
+    ];
+    let small = FlatAdamState::new(tensor(device, &[1.0; 5]));
+    let (_, found) = multi_tensor_fused_adam_step(small.clone(), bad, &h).unwrap();
+    assert_eq!(to_vec(found), vec![4.0], "{what}: inf + 3 NaN");
+    let short = vec![tensor(device, &[1.0; 4])];
+    let e = multi_tensor_fused_adam_step(small.clone(), short, &h).unwrap_err();
+    assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
+    if *device != Device::flex() {
+        let elsewhere = vec![tensor(&Device::flex(), &[1.0; 5])];
+        let e = multi_tensor_fused_adam_step(small, elsewhere, &h).unwrap_err();
+        assert!(matches!(e, KernelError::Argument(_)), "{what}: {e}");
+    }
+}
+
+#[test]
+fn gradient_pieces_step_as_the_flat_gradient_on_flex() {
+    pieces_step_as_the_flat_gradient(&Device::flex(), "flex");
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn gradient_pieces_step_as_the_flat_gradient_on_wgpu() {
+    pieces_step_as_the_flat_gradient(&common::wgpu_device("adam"), "wgpu");
 }

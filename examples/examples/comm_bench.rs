@@ -1,4 +1,4 @@
-//! Bus bandwidth of all-reduce and all-gather on f32 buffers: the `local` backend (ranks as
+//! Bus bandwidth of all-reduce, all-gather and reduce-scatter on f32 buffers: the `local` backend (ranks as
 //! threads) and, with `--mpi 2,4`, the MPI backend (one process per rank, started here
 //! through `mpirun`), beside a single-thread memcpy measured in the same run.
 //!
@@ -8,7 +8,9 @@
 //! ```
 //!
 //! Bus bandwidth follows nccl-tests: all-reduce moves 2(n−1)/n of the buffer per rank,
-//! all-gather (n−1)/n of the gathered output, so the figures compare across world sizes.
+//! all-gather (n−1)/n of the gathered output and reduce-scatter (n−1)/n of its input, so
+//! the figures compare across world sizes. Each rank keeps its buffers from call to call,
+//! as a training loop does (`all_gather_into`, `reduce_scatter_into`).
 
 use burn_megatron::comm::{Buffer, Communicator, LocalWorld, ReduceOp, World};
 use burn_megatron_examples::median;
@@ -37,9 +39,14 @@ struct Args {
 enum Op {
     AllReduce,
     AllGather,
+    ReduceScatter,
 }
 
-const OPS: [(&str, Op); 2] = [("all_reduce", Op::AllReduce), ("all_gather", Op::AllGather)];
+const OPS: [(&str, Op); 3] = [
+    ("all_reduce", Op::AllReduce),
+    ("all_gather", Op::AllGather),
+    ("reduce_scatter", Op::ReduceScatter),
+];
 
 fn iters(mib: usize) -> usize {
     (64 / mib).clamp(3, 20)
@@ -52,26 +59,29 @@ fn sizes(max_mib: usize) -> Vec<usize> {
 }
 
 /// Seconds of each of `iters` calls of `op` on `mib` MiB (the gathered output for
-/// all-gather), the first call not counted; every rank calls this.
+/// all-gather, the input for reduce-scatter), the first call not counted; every rank calls
+/// this.
 fn time_calls(comm: &dyn Communicator, op: Op, mib: usize, iters: usize) -> Vec<f64> {
     let n = comm.group().size();
     let elems = mib * (1 << 20) / 4;
     let len = match op {
         Op::AllGather => elems / n,
-        Op::AllReduce => elems,
+        Op::AllReduce | Op::ReduceScatter => elems,
     };
     let mut times = Vec::new();
+    // Not 0: a zeroed allocation comes as untouched pages, which would then be faulted in
+    // inside the first timed call. One input and one output for every call.
+    let mut buf = Buffer::F32(vec![comm.group().rank() as f32 + 1.0; len]);
     let mut out = Buffer::F32(Vec::new());
     for i in 0..iters + 1 {
-        // Not 0: a zeroed allocation comes as untouched pages, which would then be faulted
-        // in inside the timed call (rank 0's input, written with the result).
-        let mut buf = Buffer::F32(vec![comm.group().rank() as f32 + 1.0; len]);
         comm.barrier().unwrap();
         let t = Instant::now();
         match op {
             Op::AllReduce => comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap(),
-            // One output for every call, as a training loop keeps it: written, not faulted in.
-            Op::AllGather => comm.all_gather_into(buf, &mut out).unwrap(),
+            Op::AllGather => comm.all_gather_into(&buf, &mut out).unwrap(),
+            Op::ReduceScatter => comm
+                .reduce_scatter_into(&mut buf, ReduceOp::Sum, &mut out)
+                .unwrap(),
         }
         comm.barrier().unwrap();
         if i > 0 {
@@ -185,7 +195,7 @@ fn main() -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     println!("bus bandwidth (GB/s), f32; ratio = bus bw / single-thread memcpy bw");
     println!(
-        "{:>10} {:>8} {:>6} {:>10} {:>12} {:>12} {:>9} {:>12}",
+        "{:>14} {:>8} {:>6} {:>10} {:>12} {:>12} {:>9} {:>12}",
         "op", "backend", "world", "size", "time", "bus bw", "ratio", "memcpy bw"
     );
     for mib in sizes(args.max_mib) {
@@ -202,11 +212,11 @@ fn main() -> Result<(), String> {
             for (backend, n, secs) in local.collect::<Vec<_>>().into_iter().chain(processes) {
                 let factor = match op {
                     Op::AllReduce => 2.0 * (n - 1) as f64 / n as f64,
-                    Op::AllGather => (n - 1) as f64 / n as f64,
+                    Op::AllGather | Op::ReduceScatter => (n - 1) as f64 / n as f64,
                 };
                 let bus = bytes / secs * factor / 1e9;
                 println!(
-                    "{name:>10} {backend:>8} {n:>6} {mib:>6} MiB {:>9.2} ms {bus:>12.2} {:>9.3} {memcpy:>12.2}",
+                    "{name:>14} {backend:>8} {n:>6} {mib:>6} MiB {:>9.2} ms {bus:>12.2} {:>9.3} {memcpy:>12.2}",
                     secs * 1e3,
                     bus / memcpy,
                 );

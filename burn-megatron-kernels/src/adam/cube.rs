@@ -1,7 +1,7 @@
 //! The fused Adam kernel: each cube streams a chunk of the flat buffer, updates it and writes
 //! how many non-finite gradients it saw; Burn's `sum` adds the per-cube counts (two launches).
 
-use super::{AdamHyper, FusedAdamOps};
+use super::{AdamHyper, FusedAdamOps, ranged};
 use crate::cube_sum::{BLOCK, cube_grid, cube_sum};
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
@@ -78,75 +78,93 @@ impl FusedAdamOps for CubeBackend {
         exp_avg_sq: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         hyper: AdamHyper,
+        offset: usize,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
-        let n = param.shape().num_elements();
-        if n == 0 {
-            let zero = Self::float_zeros(Shape::from([1]), &param.device, FloatDType::F32);
-            return (param, exp_avg, exp_avg_sq, zero);
-        }
-        let [param, exp_avg, exp_avg_sq, grad] =
-            [param, exp_avg, exp_avg_sq, grad].map(into_contiguous);
-        let s = hyper.scalars();
-        // Scalars travel as a small tensor: one upload instead of twelve launch arguments.
-        let k = [
-            s.inv_scale,
-            s.clip,
-            s.l2.unwrap_or(0.0),
-            s.beta1,
-            s.beta2,
-            s.one_minus_beta1,
-            s.one_minus_beta2,
-            s.correction1,
-            s.correction2,
-            s.eps,
-            s.lr,
-            s.keep,
-            s.adam_factor,
-            s.adam_eps,
-        ];
-        let k = Self::float_from_data(
-            burn::tensor::TensorData::new(k.to_vec(), [k.len()]),
-            &param.device,
-        );
-        let cubes = n.div_ceil(BLOCK * PER_UNIT);
-        let empty = |shape: Shape| {
-            empty_device_dtype(
-                param.client.clone(),
-                param.device.clone(),
-                shape,
-                DType::F32,
-            )
-        };
-        let outs = [(); 3].map(|_| empty(param.shape()));
-        let flags = empty(Shape::from([cubes]));
-        let dtypes = [
-            dtype_to_storage_type(DType::F32),
-            dtype_to_storage_type(grad.dtype),
-        ];
-        let client = param.client.clone();
-        adam_kernel::launch(
-            &client,
-            cube_grid(cubes),
-            CubeDim::new_1d(BLOCK as u32),
-            param.into_tensor_arg(),
-            exp_avg.into_tensor_arg(),
-            exp_avg_sq.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            outs[0].clone().into_tensor_arg(),
-            outs[1].clone().into_tensor_arg(),
-            outs[2].clone().into_tensor_arg(),
-            flags.clone().into_tensor_arg(),
-            k.into_tensor_arg(),
-            s.l2.is_some(),
-            dtypes,
-        );
-        let [p, m, v] = outs;
-        let found = Self::float_reshape(Self::float_sum(flags), Shape::from([1]));
-        (p, m, v, found)
+        let state = [param, exp_avg, exp_avg_sq];
+        ranged::<Self>(state, grad, offset, |p, m, v, g| whole(p, m, v, g, hyper))
     }
+}
+
+/// The kernel over whole buffers.
+fn whole(
+    param: FloatTensor<CubeBackend>,
+    exp_avg: FloatTensor<CubeBackend>,
+    exp_avg_sq: FloatTensor<CubeBackend>,
+    grad: FloatTensor<CubeBackend>,
+    hyper: AdamHyper,
+) -> (
+    FloatTensor<CubeBackend>,
+    FloatTensor<CubeBackend>,
+    FloatTensor<CubeBackend>,
+    FloatTensor<CubeBackend>,
+) {
+    let n = param.shape().num_elements();
+    if n == 0 {
+        let zero = CubeBackend::float_zeros(Shape::from([1]), &param.device, FloatDType::F32);
+        return (param, exp_avg, exp_avg_sq, zero);
+    }
+    let [param, exp_avg, exp_avg_sq, grad] =
+        [param, exp_avg, exp_avg_sq, grad].map(into_contiguous);
+    let s = hyper.scalars();
+    // Scalars travel as a small tensor: one upload instead of twelve launch arguments.
+    let k = [
+        s.inv_scale,
+        s.clip,
+        s.l2.unwrap_or(0.0),
+        s.beta1,
+        s.beta2,
+        s.one_minus_beta1,
+        s.one_minus_beta2,
+        s.correction1,
+        s.correction2,
+        s.eps,
+        s.lr,
+        s.keep,
+        s.adam_factor,
+        s.adam_eps,
+    ];
+    let k = CubeBackend::float_from_data(
+        burn::tensor::TensorData::new(k.to_vec(), [k.len()]),
+        &param.device,
+    );
+    let cubes = n.div_ceil(BLOCK * PER_UNIT);
+    let empty = |shape: Shape| {
+        empty_device_dtype(
+            param.client.clone(),
+            param.device.clone(),
+            shape,
+            DType::F32,
+        )
+    };
+    let outs = [(); 3].map(|_| empty(param.shape()));
+    let flags = empty(Shape::from([cubes]));
+    let dtypes = [
+        dtype_to_storage_type(DType::F32),
+        dtype_to_storage_type(grad.dtype),
+    ];
+    let client = param.client.clone();
+    adam_kernel::launch(
+        &client,
+        cube_grid(cubes),
+        CubeDim::new_1d(BLOCK as u32),
+        param.into_tensor_arg(),
+        exp_avg.into_tensor_arg(),
+        exp_avg_sq.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        outs[0].clone().into_tensor_arg(),
+        outs[1].clone().into_tensor_arg(),
+        outs[2].clone().into_tensor_arg(),
+        flags.clone().into_tensor_arg(),
+        k.into_tensor_arg(),
+        s.l2.is_some(),
+        dtypes,
+    );
+    let [p, m, v] = outs;
+    let found = CubeBackend::float_reshape(CubeBackend::float_sum(flags), Shape::from([1]));
+    (p, m, v, found)
 }

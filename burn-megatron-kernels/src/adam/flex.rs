@@ -1,8 +1,8 @@
-//! Flex's fused Adam: one pass over the flat buffers, updated in place when nothing else
-//! holds them, chunks over rayon's threads, each compiled for the CPU's SIMD level. The
+//! Flex's fused Adam: one pass over a range of the flat buffers, updated in place when
+//! nothing else holds them, chunks over rayon's threads, each compiled for the CPU's SIMD level. The
 //! same operations in the same order as the reference (burn-optim's), so the same bits.
 
-use super::{AdamHyper, AdamScalars, reference_adam_step};
+use super::{AdamHyper, AdamScalars, ranged, reference_adam_step};
 use crate::cpu::{f32_tensor, f32_values};
 use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
@@ -31,13 +31,20 @@ pub(super) fn fused_adam(
     exp_avg_sq: FlexTensor,
     grad: FlexTensor,
     hyper: AdamHyper,
+    offset: usize,
 ) -> (FlexTensor, FlexTensor, FlexTensor, FlexTensor) {
-    let n = param.shape().num_elements();
+    let (n, len) = (param.shape().num_elements(), grad.shape().num_elements());
     let f32_state = [&param, &exp_avg, &exp_avg_sq]
         .iter()
         .all(|t| t.dtype() == DType::F32);
-    if !f32_state || exp_avg.shape().num_elements() != n || exp_avg_sq.shape().num_elements() != n {
-        return reference_adam_step::<Flex>(param, exp_avg, exp_avg_sq, grad, &hyper);
+    let sizes = [&exp_avg, &exp_avg_sq]
+        .iter()
+        .all(|t| t.shape().num_elements() == n);
+    if !f32_state || !sizes || offset + len > n {
+        let state = [param, exp_avg, exp_avg_sq];
+        return ranged::<Flex>(state, grad, offset, |p, m, v, g| {
+            reference_adam_step::<Flex>(p, m, v, g, &hyper)
+        });
     }
     let grad = match grad.dtype() {
         DType::F32 => grad,
@@ -49,11 +56,11 @@ pub(super) fn fused_adam(
         unreachable!("cast to f32 above")
     };
     let s = hyper.scalars();
-    let bad: usize = p
-        .storage_mut::<f32>()
+    let range = offset..offset + len;
+    let bad: usize = p.storage_mut::<f32>()[range.clone()]
         .par_chunks_mut(CHUNK)
-        .zip(m.storage_mut::<f32>().par_chunks_mut(CHUNK))
-        .zip(v.storage_mut::<f32>().par_chunks_mut(CHUNK))
+        .zip(m.storage_mut::<f32>()[range.clone()].par_chunks_mut(CHUNK))
+        .zip(v.storage_mut::<f32>()[range].par_chunks_mut(CHUNK))
         .zip(g.par_chunks(CHUNK))
         .map(|(((p, m), v), g)| pulp::Arch::new().dispatch(Chunk { s, p, m, v, g }))
         .sum();

@@ -19,8 +19,10 @@ pub use reference::reference_adam_step;
 use crate::KernelError;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, AutodiffBackend, Backend, Dispatch, Flex, backend_extension};
-use burn::tensor::{DType, Tensor};
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension,
+};
+use burn::tensor::{DType, Device, Slice, Tensor};
 
 /// How weight decay enters the step.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -159,15 +161,19 @@ pub(crate) struct AdamScalars {
 /// backends, one native pass on Flex, Burn's own ops elsewhere.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait FusedAdamOps: Backend {
-    /// One step on `[n]` f32 buffers with gradient `grad` (`[n]`, any float dtype): returns
-    /// the new `(param, exp_avg, exp_avg_sq)` and the number of non-finite unscaled gradient
-    /// elements as an f32 `[1]` (exact below 2²⁴, non-zero iff any).
+    /// One step of elements `[offset, offset + len)` of `[n]` f32 buffers, with gradient
+    /// `grad` (`[len]`, any float dtype; `offset + len ≤ n`): returns the new `(param,
+    /// exp_avg, exp_avg_sq)`, the other elements unchanged, and the number of non-finite
+    /// unscaled gradient elements as an f32 `[1]` (exact below 2²⁴, non-zero iff any).
+    /// A range lets one buffer be stepped a parameter's gradient at a time, each read where
+    /// it lies.
     fn fused_adam(
         param: FloatTensor<Self>,
         exp_avg: FloatTensor<Self>,
         exp_avg_sq: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         hyper: AdamHyper,
+        offset: usize,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -183,13 +189,14 @@ impl FusedAdamOps for Flex {
         exp_avg_sq: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         hyper: AdamHyper,
+        offset: usize,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
-        flex::fused_adam(param, exp_avg, exp_avg_sq, grad, hyper)
+        flex::fused_adam(param, exp_avg, exp_avg_sq, grad, hyper, offset)
     }
 }
 
@@ -201,6 +208,7 @@ impl<B: FusedAdamOps, C: CheckpointStrategy> FusedAdamOps for Autodiff<B, C> {
         exp_avg_sq: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         hyper: AdamHyper,
+        offset: usize,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -213,10 +221,38 @@ impl<B: FusedAdamOps, C: CheckpointStrategy> FusedAdamOps for Autodiff<B, C> {
             exp_avg_sq.into_parts().0,
             grad.into_parts().0,
             hyper,
+            offset,
         );
         let wrap = Self::from_inner;
         (wrap(p), wrap(m), wrap(v), wrap(found))
     }
+}
+
+type Step<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+);
+
+/// `step` (of whole buffers) applied to elements `[offset, offset + len(grad))` of the
+/// state: the range sliced out, stepped, and written back; the whole buffers go straight
+/// to `step`.
+pub(crate) fn ranged<B: Backend>(
+    [param, exp_avg, exp_avg_sq]: [FloatTensor<B>; 3],
+    grad: FloatTensor<B>,
+    offset: usize,
+    step: impl FnOnce(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> Step<B>,
+) -> Step<B> {
+    let (n, len) = (param.shape().num_elements(), grad.shape().num_elements());
+    if offset == 0 && len == n {
+        return step(param, exp_avg, exp_avg_sq, grad);
+    }
+    let range = [Slice::from(offset..offset + len)];
+    let cut = |t: &FloatTensor<B>| B::float_slice(t.clone(), &range);
+    let (p, m, v, found) = step(cut(&param), cut(&exp_avg), cut(&exp_avg_sq), grad);
+    let put = |t, x| B::float_slice_assign(t, &range, x);
+    (put(param, p), put(exp_avg, m), put(exp_avg_sq, v), found)
 }
 
 /// The optimizer state of a flat parameter buffer: f32 `[n]` master weights and moments.
@@ -270,8 +306,39 @@ pub fn fused_adam_step(
     grad: Tensor<1>,
     hyper: &AdamHyper,
 ) -> Result<(FlatAdamState, Tensor<1>), KernelError> {
+    multi_tensor_fused_adam_step(state, vec![grad], hyper)
+}
+
+/// [`fused_adam_step`] with the gradient in consecutive pieces, e.g. one tensor per
+/// parameter of the flat buffer, in order: on Flex one pass reads each where it lies (no
+/// concatenation into a fresh buffer first); Cube backends concatenate them, then launch
+/// the one kernel.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron_kernels::{AdamHyper, FlatAdamState, fused_adam_step, multi_tensor_fused_adam_step};
+/// let device = Device::flex();
+/// let state = FlatAdamState::new(Tensor::<1>::from_floats([1.0, -2.0, 3.0], &device));
+/// let (a, b) = (Tensor::<1>::from_floats([0.5], &device), Tensor::<1>::from_floats([-1.0, 2.0], &device));
+/// let hyper = AdamHyper::default();
+/// let (pieces, _) = multi_tensor_fused_adam_step(state.clone(), vec![a.clone(), b.clone()], &hyper).unwrap();
+/// let (flat, _) = fused_adam_step(state, Tensor::cat(vec![a, b], 0), &hyper).unwrap();
+/// assert_eq!(pieces.param.into_data(), flat.param.into_data());
+/// ```
+pub fn multi_tensor_fused_adam_step(
+    state: FlatAdamState,
+    grads: Vec<Tensor<1>>,
+    hyper: &AdamHyper,
+) -> Result<(FlatAdamState, Tensor<1>), KernelError> {
     hyper.validate()?;
-    let n = grad.dims()[0];
+    let device = state.param.device();
+    if let Some((i, g)) = grads.iter().enumerate().find(|(_, g)| g.device() != device) {
+        return Err(KernelError::Argument(format!(
+            "gradient piece {i} is on {:?}, the state on {device:?}",
+            g.device()
+        )));
+    }
+    let n: usize = grads.iter().map(|g| g.dims()[0]).sum();
     let FlatAdamState {
         param,
         exp_avg,
@@ -284,7 +351,7 @@ pub fn fused_adam_step(
     ] {
         if t.dims()[0] != n {
             return Err(KernelError::Shape(format!(
-                "{name} has {} elements, grad {n}",
+                "{name} has {} elements, the gradient {n}",
                 t.dims()[0]
             )));
         }
@@ -295,17 +362,38 @@ pub fn fused_adam_step(
             )));
         }
     }
-    let (p, m, v, found) = Dispatch::fused_adam(
-        param.into_dispatch(),
-        exp_avg.into_dispatch(),
-        exp_avg_sq.into_dispatch(),
-        grad.into_dispatch(),
-        *hyper,
-    );
+    // Flex steps the buffers in place a piece at a time; a GPU backend takes one launch
+    // over one concatenated gradient.
+    let pieces = match device == Device::flex() || grads.len() == 1 {
+        true => grads,
+        false => vec![Tensor::cat(
+            grads.into_iter().map(|g| g.cast(DType::F32)).collect(),
+            0,
+        )],
+    };
+    let mut state = [param, exp_avg, exp_avg_sq].map(Tensor::into_dispatch);
+    let (mut offset, mut found) = (0, Vec::with_capacity(pieces.len()));
+    for g in pieces {
+        let len = g.dims()[0];
+        if len == 0 {
+            continue;
+        }
+        let [p, m, v] = state;
+        let (p, m, v, f) = Dispatch::fused_adam(p, m, v, g.into_dispatch(), *hyper, offset);
+        state = [p, m, v];
+        found.push(Tensor::<1>::from_dispatch(f));
+        offset += len;
+    }
+    let [p, m, v] = state;
+    let found = match found.len() {
+        0 => Tensor::zeros([1], &device),
+        1 => found.pop().expect("one count"),
+        _ => Tensor::cat(found, 0).sum(),
+    };
     let state = FlatAdamState {
         param: Tensor::from_dispatch(p),
         exp_avg: Tensor::from_dispatch(m),
         exp_avg_sq: Tensor::from_dispatch(v),
     };
-    Ok((state, Tensor::from_dispatch(found)))
+    Ok((state, found))
 }

@@ -176,7 +176,6 @@ impl Buffer {
     }
 
     /// The elements' bytes, in memory order (what a byte-moving engine sends).
-    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
     pub(crate) fn bytes(&self) -> &[u8] {
         with_vec!(self, v => bytemuck::cast_slice(v.as_slice()))
     }
@@ -187,19 +186,18 @@ impl Buffer {
         with_vec!(self, v => bytemuck::cast_slice_mut(v.as_mut_slice()))
     }
 
-    /// Overwrites this buffer with `parts` (of `dtype`) in order, keeping its allocation
-    /// when it has the dtype.
-    pub(crate) fn assign_concat<'a>(
-        &mut self,
-        dtype: CommDType,
-        parts: impl IntoIterator<Item = &'a Buffer>,
-    ) {
+    /// Makes this a buffer of `len` elements of `dtype` whose values are to be overwritten,
+    /// keeping its allocation when it has the dtype (zeros where it grows).
+    pub(crate) fn resize_for(&mut self, dtype: CommDType, len: usize) {
         if self.dtype() != dtype {
-            *self = Buffer::with_capacity(dtype, 0);
+            *self = Buffer::zeros(dtype, len);
         }
-        with_vec!(self, v => v.clear());
-        for p in parts {
-            self.extend_from(p);
+        match self {
+            Buffer::F32(v) => v.resize(len, 0.0),
+            Buffer::F16(v) => v.resize(len, f16::ZERO),
+            Buffer::BF16(v) => v.resize(len, bf16::ZERO),
+            Buffer::I32(v) => v.resize(len, 0),
+            Buffer::I64(v) => v.resize(len, 0),
         }
     }
 

@@ -9,7 +9,8 @@
 
 use super::buffer::Buffer;
 use super::group::{CommError, OpDesc, ProcessGroup};
-use super::reduce::{ReduceOp, chunk_range, reduce_range, reduce_range_into};
+use super::lend::{self, Lent};
+use super::reduce::{ReduceOp, chunk_range};
 use super::{Communicator, DEFAULT_TIMEOUT, lock};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -78,9 +79,11 @@ struct GroupState {
 struct Slot {
     descs: Vec<Option<OpDesc>>,
     inputs: Vec<Option<Arc<Buffer>>>,
+    /// The buffers members lent for the call (see [`super::lend`]).
+    lent: Vec<Option<Lent>>,
     arrived: usize,
-    partials: Vec<Option<Arc<Buffer>>>,
-    partials_in: usize,
+    /// Which members are done with the lent buffers.
+    released: Vec<bool>,
     finished: usize,
 }
 
@@ -89,9 +92,9 @@ impl Slot {
         Self {
             descs: vec![None; n],
             inputs: vec![None; n],
+            lent: vec![None; n],
             arrived: 0,
-            partials: vec![None; n],
-            partials_in: 0,
+            released: vec![false; n],
             finished: 0,
         }
     }
@@ -159,7 +162,6 @@ impl LocalWorld {
             group,
             shared,
             seq: AtomicU64::new(0),
-            spare: Mutex::new(None),
         })
     }
 
@@ -205,10 +207,6 @@ pub struct LocalCommunicator {
     group: ProcessGroup,
     shared: Arc<GroupShared>,
     seq: AtomicU64,
-    /// The reduced chunk this member published at its last all-reduce. Every member has
-    /// copied it once the next collective of the group has gathered them all, so it comes
-    /// back unshared then: its pages are reused instead of faulted in afresh.
-    spare: Mutex<Option<Arc<Buffer>>>,
 }
 
 impl LocalCommunicator {
@@ -278,6 +276,19 @@ impl LocalCommunicator {
     /// Contributes `desc` and `input` to call `seq` and waits until every member has.
     /// Returns every member's input, in group order.
     fn arrive(&self, desc: OpDesc, input: Option<Buffer>) -> Result<(u64, Inputs), CommError> {
+        self.arrive_with(desc, input, None)
+            .map(|(seq, inputs, _)| (seq, inputs))
+    }
+
+    /// [`Self::arrive`] lending `lent` too; returns every member's lent buffer as well. A
+    /// member that lent must [`Self::release`] the call, and leak its buffer if either
+    /// fails: a peer may still be using it.
+    fn arrive_with(
+        &self,
+        desc: OpDesc,
+        input: Option<Buffer>,
+        lent: Option<Lent>,
+    ) -> Result<(u64, Inputs, Vec<Lent>), CommError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let me = self.group.rank();
         let n = self.group.size();
@@ -310,6 +321,7 @@ impl LocalCommunicator {
         }
         slot.descs[me] = Some(desc.clone());
         slot.inputs[me] = input.map(Arc::new);
+        slot.lent[me] = lent;
         slot.arrived += 1;
         if slot.arrived == n {
             self.shared.changed.notify_all();
@@ -322,8 +334,41 @@ impl LocalCommunicator {
             |s| s.slots.get(&seq).is_some_and(|sl| sl.arrived == n),
             |s| missing_members(s.slots.get(&seq).map(|sl| &sl.descs), n),
         )?;
-        let inputs = state.slots[&seq].inputs.clone();
-        Ok((seq, inputs))
+        let slot = &state.slots[&seq];
+        let lent = slot.lent.iter().flatten().copied().collect();
+        Ok((seq, slot.inputs.clone(), lent))
+    }
+
+    /// Reports this member done with the buffers lent for call `seq` and waits until every
+    /// member is, so that none is still in use when its owner takes it back.
+    fn release(&self, seq: u64, op: &'static str) -> Result<(), CommError> {
+        let (me, n) = (self.group.rank(), self.group.size());
+        let start = Instant::now();
+        let mut state = lock(&self.shared.state);
+        if let Some(slot) = state.slots.get_mut(&seq) {
+            slot.released[me] = true;
+            if slot.released.iter().all(|&r| r) {
+                self.shared.changed.notify_all();
+            }
+        }
+        let state = self.wait(
+            state,
+            op,
+            seq,
+            start,
+            |s| {
+                s.slots
+                    .get(&seq)
+                    .is_some_and(|sl| sl.released.iter().all(|&r| r))
+            },
+            |s| match s.slots.get(&seq) {
+                Some(sl) => (0..n).filter(|&i| !sl.released[i]).collect(),
+                None => Vec::new(),
+            },
+        )?;
+        drop(state);
+        self.finish(seq);
+        Ok(())
     }
 
     /// Marks this member done with call `seq`; the last one frees the slot.
@@ -346,10 +391,6 @@ fn missing_members(descs: Option<&Vec<Option<OpDesc>>>, n: usize) -> Vec<usize> 
     }
 }
 
-fn present(inputs: &[Option<Arc<Buffer>>]) -> Vec<&Buffer> {
-    inputs.iter().flatten().map(|b| b.as_ref()).collect()
-}
-
 impl Communicator for LocalCommunicator {
     fn group(&self) -> &ProcessGroup {
         &self.group
@@ -360,98 +401,111 @@ impl Communicator for LocalCommunicator {
     }
 
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
-        let n = self.group.size();
-        let me = self.group.rank();
-        let dtype = buf.dtype();
-        let len = buf.len();
+        let (me, n) = (self.group.rank(), self.group.size());
         let desc = OpDesc {
             reduce: Some(op),
             ..OpDesc::data("all_reduce", buf)
         };
-        // The caller's buffer is overwritten anyway: move it in rather than copy it.
-        let input = std::mem::replace(buf, Buffer::with_capacity(dtype, 0));
-        let (seq, inputs) = self.arrive(desc, Some(input))?;
-        let spare = lock(&self.spare).take();
-        let mut mine = spare
-            .and_then(|b| Arc::try_unwrap(b).ok())
-            .unwrap_or_else(|| Buffer::with_capacity(dtype, 0));
-        reduce_range_into(&present(&inputs), chunk_range(len, n, me), op, &mut mine);
-        drop(inputs);
-        let mine = Arc::new(mine);
-        *lock(&self.spare) = Some(mine.clone());
-        let start = Instant::now();
-        let mut state = lock(&self.shared.state);
-        if let Some(slot) = state.slots.get_mut(&seq) {
-            slot.partials[me] = Some(mine);
-            slot.partials_in += 1;
-            if slot.partials_in == n {
-                self.shared.changed.notify_all();
+        let len = buf.len();
+        // Every member folds its chunk of all the buffers and writes the result into that
+        // chunk of each: every element is read once and written once per member, in place.
+        let mut owned = std::mem::replace(buf, Buffer::with_capacity(buf.dtype(), 0));
+        let lent = Lent::of(&mut owned);
+        let done = self
+            .arrive_with(desc, None, Some(lent))
+            .and_then(|(seq, _, lent)| {
+                // SAFETY: every member lent its buffer until all have released the call, and
+                // chunk `me` of each is this member's alone.
+                unsafe { lend::reduce_in_place(&lent, chunk_range(len, n, me), op) };
+                self.release(seq, "all_reduce")
+            });
+        match done {
+            Ok(()) => {
+                *buf = owned;
+                Ok(())
+            }
+            Err(e) => {
+                std::mem::forget(owned);
+                Err(e)
             }
         }
-        let state = self.wait(
-            state,
-            "all_reduce",
-            seq,
-            start,
-            |s| s.slots.get(&seq).is_some_and(|sl| sl.partials_in == n),
-            |s| match s.slots.get(&seq) {
-                Some(sl) => (0..n).filter(|&i| sl.partials[i].is_none()).collect(),
-                None => Vec::new(),
-            },
-        )?;
-        let mut state = state;
-        let slot = state
-            .slots
-            .get_mut(&seq)
-            .expect("slot lives until every member finished");
-        let partials: Vec<Arc<Buffer>> = slot.partials.iter().flatten().cloned().collect();
-        // Every member has reduced its chunk, so nobody reads the inputs any more: reuse
-        // this member's input allocation for the result (no fresh pages to fault in).
-        let own = slot.inputs[me].take().and_then(|b| Arc::try_unwrap(b).ok());
-        drop(state);
-        self.finish(seq);
-        *buf = match own {
-            Some(mut out) if out.len() == len => {
-                let mut at = 0;
-                for p in &partials {
-                    out.write_at(at, p);
-                    at += p.len();
-                }
-                out
-            }
-            _ => Buffer::concat(dtype, partials.iter().map(|p| p.as_ref())),
-        };
-        Ok(())
     }
 
     fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
         let mut out = Buffer::with_capacity(input.dtype(), 0);
-        self.all_gather_into(input, &mut out)?;
+        self.all_gather_into(&input, &mut out)?;
         Ok(out)
     }
 
-    fn all_gather_into(&self, input: Buffer, out: &mut Buffer) -> Result<(), CommError> {
+    fn all_gather_into(&self, input: &Buffer, out: &mut Buffer) -> Result<(), CommError> {
+        let (me, n) = (self.group.rank(), self.group.size());
         let dtype = input.dtype();
-        let (seq, inputs) = self.arrive(OpDesc::data("all_gather", &input), Some(input))?;
-        self.finish(seq);
-        out.assign_concat(dtype, present(&inputs));
-        Ok(())
+        // Every member lends its output and writes its input into its place in each.
+        let mut owned = std::mem::replace(out, Buffer::with_capacity(dtype, 0));
+        owned.resize_for(dtype, n * input.len());
+        let lent = Lent::of(&mut owned);
+        let desc = OpDesc::data("all_gather", input);
+        let done = self
+            .arrive_with(desc, None, Some(lent))
+            .and_then(|(seq, _, lent)| {
+                let bytes = input.bytes();
+                for out in &lent {
+                    // SAFETY: lent until every member released the call; piece `me` of each
+                    // output is this member's alone.
+                    unsafe { out.write_bytes(me * bytes.len(), bytes) };
+                }
+                self.release(seq, "all_gather")
+            });
+        match done {
+            Ok(()) => {
+                *out = owned;
+                Ok(())
+            }
+            Err(e) => {
+                std::mem::forget(owned);
+                Err(e)
+            }
+        }
     }
 
-    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
+    fn reduce_scatter(&self, mut input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
+        let mut out = Buffer::with_capacity(input.dtype(), 0);
+        self.reduce_scatter_into(&mut input, op, &mut out)?;
+        Ok(out)
+    }
+
+    fn reduce_scatter_into(
+        &self,
+        input: &mut Buffer,
+        op: ReduceOp,
+        out: &mut Buffer,
+    ) -> Result<(), CommError> {
         let chunk = OpDesc::even_split(&self.group, "reduce_scatter", input.len())?;
         let me = self.group.rank();
         let desc = OpDesc {
             reduce: Some(op),
-            ..OpDesc::data("reduce_scatter", &input)
+            ..OpDesc::data("reduce_scatter", input)
         };
-        let (seq, inputs) = self.arrive(desc, Some(input))?;
-        self.finish(seq);
-        Ok(reduce_range(
-            &present(&inputs),
-            me * chunk..(me + 1) * chunk,
-            op,
-        ))
+        // Every member lends its input and folds its own chunk of all of them.
+        let mut owned = std::mem::replace(input, Buffer::with_capacity(input.dtype(), 0));
+        let lent = Lent::of(&mut owned);
+        let done = self
+            .arrive_with(desc, None, Some(lent))
+            .and_then(|(seq, _, lent)| {
+                // SAFETY: lent until every member released the call; nobody writes it.
+                unsafe { lend::reduce_into(&lent, me * chunk..(me + 1) * chunk, op, out) };
+                self.release(seq, "reduce_scatter")
+            });
+        match done {
+            Ok(()) => {
+                *input = owned;
+                Ok(())
+            }
+            Err(e) => {
+                std::mem::forget(owned);
+                Err(e)
+            }
+        }
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {

@@ -19,6 +19,7 @@ mod device;
 mod group;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod header;
+mod lend;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -77,18 +78,34 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     /// Concatenates every member's `input` in group order (all of the same length).
     fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError>;
 
-    /// [`Communicator::all_gather`] into `out`, resized to the gathered length with its
-    /// allocation kept where the backend can (the threaded one does): a caller gathering into
-    /// the same buffer every step writes pages it already has instead of faulting in fresh
-    /// ones. The default gathers, then moves the result into `out`.
-    fn all_gather_into(&self, input: Buffer, out: &mut Buffer) -> Result<(), CommError> {
-        *out = self.all_gather(input)?;
+    /// [`Communicator::all_gather`] of a borrowed `input` into `out`, resized to the
+    /// gathered length with its allocation kept where the backend can (the threaded one
+    /// does): a caller gathering into the same buffer every step writes pages it already has
+    /// instead of faulting in fresh ones, and keeps its input. The default copies the input,
+    /// gathers, then moves the result into `out`.
+    fn all_gather_into(&self, input: &Buffer, out: &mut Buffer) -> Result<(), CommError> {
+        *out = self.all_gather(input.clone())?;
         Ok(())
     }
 
     /// Reduces `input` over the group and returns this member's chunk: elements
     /// `[rank·len/n, (rank+1)·len/n)`. The length must be divisible by the group size.
     fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError>;
+
+    /// [`Communicator::reduce_scatter`] of a borrowed `input` into `out`, its allocation
+    /// kept where the backend can, as [`Communicator::all_gather_into`]. `input` comes back
+    /// unchanged; it is borrowed mutably so that the threaded backend can lend it to the
+    /// other ranks' threads for the call (on an error it is left empty). The default copies
+    /// the input, reduces, then moves the chunk into `out`.
+    fn reduce_scatter_into(
+        &self,
+        input: &mut Buffer,
+        op: ReduceOp,
+        out: &mut Buffer,
+    ) -> Result<(), CommError> {
+        *out = self.reduce_scatter(input.clone(), op)?;
+        Ok(())
+    }
 
     /// Copies `buf` of member `root` into `buf` of every member.
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError>;

@@ -38,7 +38,7 @@ impl std::fmt::Display for ReduceOp {
     }
 }
 
-trait Reducible: Copy {
+pub(crate) trait Reducible: Copy {
     type Acc: Copy;
     fn widen(self) -> Self::Acc;
     fn narrow(acc: Self::Acc) -> Self;
@@ -121,6 +121,7 @@ const BLOCK: usize = 1024;
 
 /// Folds elements `range` of every input into `out` (`range.len()` elements), in group
 /// order per element.
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 fn reduce_into<T: Reducible>(inputs: &[&[T]], range: Range<usize>, op: ReduceOp, out: &mut [T])
 where
     T::Acc: Default,
@@ -159,50 +160,6 @@ where
         ReduceOp::Avg => fold(inputs, range, out, T::add, |a| T::narrow(T::div(a, n))),
         ReduceOp::Max => fold(inputs, range, out, T::max, T::narrow),
         ReduceOp::Min => fold(inputs, range, out, T::min, T::narrow),
-    }
-}
-
-/// Reduces elements `range` of every input (all of one dtype and length, checked by the
-/// caller) into a new buffer.
-pub(crate) fn reduce_range(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp) -> Buffer {
-    let mut out = Buffer::zeros(inputs[0].dtype(), range.len());
-    reduce_range_into(inputs, range, op, &mut out);
-    out
-}
-
-/// [`reduce_range`] into `out`, resized to the range (its allocation reused: no fresh pages
-/// to fault in when it is large enough).
-pub(crate) fn reduce_range_into(
-    inputs: &[&Buffer],
-    range: Range<usize>,
-    op: ReduceOp,
-    out: &mut Buffer,
-) {
-    if out.dtype() != inputs[0].dtype() {
-        *out = Buffer::zeros(inputs[0].dtype(), range.len());
-    }
-    macro_rules! go {
-        ($variant:ident, $zero:expr) => {{
-            let slices: Vec<_> = inputs
-                .iter()
-                .map(|b| match b {
-                    Buffer::$variant(v) => v.as_slice(),
-                    _ => unreachable!("dtype checked before reducing"),
-                })
-                .collect();
-            let Buffer::$variant(o) = out else {
-                unreachable!("out has the inputs' dtype")
-            };
-            o.resize(range.len(), $zero);
-            reduce_into(&slices, range, op, o);
-        }};
-    }
-    match inputs[0] {
-        Buffer::F32(_) => go!(F32, 0.0),
-        Buffer::F16(_) => go!(F16, f16::ZERO),
-        Buffer::BF16(_) => go!(BF16, bf16::ZERO),
-        Buffer::I32(_) => go!(I32, 0),
-        Buffer::I64(_) => go!(I64, 0),
     }
 }
 

@@ -119,13 +119,13 @@ fn all_gather_into_reuses_the_output_buffer() {
         let comm = world.communicator("g", vec![0, 1, 2], rank).unwrap();
         let input = |k: usize| Buffer::F32(vec![(rank * 10 + k) as f32; 1000]);
         let mut out = Buffer::I64(vec![7; 5]);
-        comm.all_gather_into(input(0), &mut out).unwrap();
+        comm.all_gather_into(&input(0), &mut out).unwrap();
         let first = out.clone();
         let Buffer::F32(v) = &out else {
             panic!("gathered f32, got {}", out.dtype())
         };
         let at = v.as_ptr();
-        comm.all_gather_into(input(1), &mut out).unwrap();
+        comm.all_gather_into(&input(1), &mut out).unwrap();
         let Buffer::F32(v) = &out else {
             panic!("gathered f32, got {}", out.dtype())
         };
@@ -171,6 +171,44 @@ fn reduce_scatter_returns_each_rank_its_chunk() {
                 );
             }
         }
+    }
+}
+
+/// `reduce_scatter_into` gives `reduce_scatter`'s chunk, hands the input back unchanged,
+/// and writes a second call into the first one's output allocation.
+#[test]
+fn reduce_scatter_into_keeps_the_input_and_reuses_the_output() {
+    let out = run(3, T2, move |rank, world| {
+        let comm = world.communicator("g", vec![0, 1, 2], rank).unwrap();
+        let values: Vec<f32> = (0..3000).map(|i| (i % 7 + rank) as f32).collect();
+        let mut input = Buffer::F32(values.clone());
+        let mut out = Buffer::F32(Vec::new());
+        comm.reduce_scatter_into(&mut input, ReduceOp::Sum, &mut out)
+            .unwrap();
+        let Buffer::F32(v) = &out else {
+            panic!("reduced f32, got {}", out.dtype())
+        };
+        let at = v.as_ptr();
+        comm.reduce_scatter_into(&mut input, ReduceOp::Max, &mut out)
+            .unwrap();
+        let Buffer::F32(v) = &out else {
+            panic!("reduced f32, got {}", out.dtype())
+        };
+        let reused = v.as_ptr() == at;
+        let plain = comm.reduce_scatter(input.clone(), ReduceOp::Max).unwrap();
+        (rank, input == Buffer::F32(values), out, plain, reused)
+    });
+    for (rank, unchanged, into, plain, reused) in out {
+        assert!(unchanged, "rank {rank}: the input came back changed");
+        let expect: Vec<f32> = (rank * 1000..(rank + 1) * 1000)
+            .map(|i| (i % 7 + 2) as f32)
+            .collect();
+        assert_eq!(into, Buffer::F32(expect), "rank {rank}: max over ranks");
+        assert_eq!(into, plain);
+        assert!(
+            reused,
+            "rank {rank}: the second call wrote into the first one's output"
+        );
     }
 }
 

@@ -512,7 +512,10 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
                     return Ok((model, skipped));
                 };
                 let clip_coeff = clip_coefficient(self.clip_grad, norm);
-                flat.apply(stats.flats, lr, inv_scale, clip_coeff)?;
+                // The model lets go of its views of the master buffer, so that the step
+                // updates it in place instead of copying it.
+                let model = flat.vacate(model);
+                flat.apply(stats.pieces, lr, inv_scale, clip_coeff)?;
                 let model = flat.model_from(model)?;
                 let report = StepReport {
                     updated: true,

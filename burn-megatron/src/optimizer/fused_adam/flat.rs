@@ -1,4 +1,4 @@
-//! The flat state and the step: gradients gathered per group, measured in one read-back,
+//! The flat state and the step: gradients taken per group, measured in one read-back,
 //! and stepped by one fused kernel per group.
 
 use super::config::{FusedAdam, FusedAdamConfig};
@@ -11,8 +11,8 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 use burn_megatron_kernels::{
-    AdamHyper, FlatAdamState, KernelError, WeightDecay, fused_adam_step, master_to_model_segments,
-    segment_sum_of_squares,
+    AdamHyper, FlatAdamState, KernelError, WeightDecay, master_to_model_segments,
+    multi_tensor_fused_adam_step, multi_tensor_sum_of_squares,
 };
 
 /// Which flat buffer of the state.
@@ -132,8 +132,9 @@ impl Group {
 
 /// What one rank's gradients say before the model-parallel reduction.
 pub(crate) struct LocalStats {
-    /// Each group's flat f32 gradient, still multiplied by the loss scale.
-    pub flats: Vec<Tensor<1>>,
+    /// Each group's gradient, still multiplied by the loss scale: one f32 piece per slot,
+    /// in order (the fused step reads them where they lie).
+    pub pieces: Vec<Vec<Tensor<1>>>,
     /// Whether any gradient element is inf or NaN (or so large its square overflows f32).
     pub non_finite: bool,
     /// This rank's part of the unscaled norm: the sum of squares (L2) or the largest |g| (Inf)
@@ -238,21 +239,21 @@ impl FlatAdam {
         norm_type: NormType,
         inv_scale: f64,
     ) -> Result<LocalStats, KernelError> {
-        let flats: Vec<Tensor<1>> = self
+        let pieces: Vec<Vec<Tensor<1>>> = self
             .groups
             .iter()
             .map(|g| {
                 let device = g.state.param.device();
-                let parts = g.slots.iter().map(|s| {
+                let piece = |s: &Slot| {
                     with_flat(grads, s.id, s.rank, |t| s.of(t.inner().cast(DType::F32)))
                         .unwrap_or_else(|| Tensor::zeros([s.len], &device))
-                });
-                Tensor::cat(parts.collect(), 0)
+                };
+                g.slots.iter().map(piece).collect()
             })
             .collect();
-        if flats.is_empty() {
+        if pieces.is_empty() {
             return Ok(LocalStats {
-                flats,
+                pieces,
                 non_finite: false,
                 norm_part: 0.0,
             });
@@ -260,17 +261,15 @@ impl FlatAdam {
         // One read-back for every group: per-parameter sums of squares, then (Inf norm) the
         // per-parameter largest |g|.
         let mut stats = Vec::new();
-        for (g, flat) in self.groups.iter().zip(&flats) {
-            stats.push(segment_sum_of_squares(flat.clone(), &g.lengths())?);
+        for group in &pieces {
+            stats.push(multi_tensor_sum_of_squares(group)?);
         }
         if norm_type == NormType::Inf {
-            for (g, flat) in self.groups.iter().zip(&flats) {
-                for seg in g.cut(flat) {
-                    stats.push(match seg.dims()[0] {
-                        0 => Tensor::zeros([1], &flat.device()),
-                        _ => seg.abs().max(),
-                    });
-                }
+            for seg in pieces.iter().flatten() {
+                stats.push(match seg.dims()[0] {
+                    0 => Tensor::zeros([1], &seg.device()),
+                    _ => seg.clone().abs().max(),
+                });
             }
         }
         let values: Vec<f32> = Tensor::cat(stats, 0).into_data().iter::<f32>().collect();
@@ -295,7 +294,7 @@ impl FlatAdam {
             }
         };
         Ok(LocalStats {
-            flats,
+            pieces,
             non_finite,
             norm_part,
         })
@@ -306,10 +305,10 @@ impl FlatAdam {
         self.weight_decay = wd;
     }
 
-    /// One fused step per group on the flat gradients of [`Self::local_stats`].
+    /// One fused step per group on the gradient pieces of [`Self::local_stats`].
     pub(crate) fn apply(
         &mut self,
-        flats: Vec<Tensor<1>>,
+        pieces: Vec<Vec<Tensor<1>>>,
         lr: f64,
         inv_scale: f64,
         clip_coef: f64,
@@ -339,12 +338,12 @@ impl FlatAdam {
         for h in &hypers {
             h.validate()?;
         }
-        for ((g, flat), hyper) in self.groups.iter_mut().zip(flats).zip(&hypers) {
+        for ((g, grad), hyper) in self.groups.iter_mut().zip(pieces).zip(&hypers) {
             // The state is moved in (nothing else holds it), so Flex updates it in place. The
             // non-finite count is known to be zero: overflow was checked before the step.
             let empty = placeholder(&g.state);
             let state = std::mem::replace(&mut g.state, empty);
-            g.state = fused_adam_step(state, flat, hyper)?.0;
+            g.state = multi_tensor_fused_adam_step(state, grad, hyper)?.0;
         }
         self.step = step;
         Ok(())

@@ -5,9 +5,9 @@ use super::flat::{Buffer, FlatAdam};
 use crate::module_path::{PathVisitor, visit_paths};
 use crate::optimizer::megatron::OptimizerError;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorCreationOptions};
 use burn_megatron_kernels::FlatAdamState;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// Calls `f(path, id, rank, flat value without autodiff, trainable)` for each float parameter.
 pub(super) fn walk<M: Module>(module: &M, f: impl FnMut(&str, ParamId, usize, Tensor<1>, bool)) {
@@ -34,23 +34,57 @@ impl ModuleMapper for Replace {
             return Param::from_mapped_value(id, old, mapper);
         };
         let new = flat.reshape(old.dims());
-        // An autodiff parameter stays one, under its own checkpointing strategy.
-        let new = match old.gradient_checkpointing_strategy() {
-            Some(strategy) => {
-                Tensor::from_inner(new).with_gradient_checkpointing_strategy(strategy)
-            }
-            None => new,
-        };
-        let new = if old.is_require_grad() {
-            new.require_grad()
-        } else {
-            new
-        };
-        Param::from_mapped_value(id, new, mapper)
+        Param::from_mapped_value(id, standing_of(&old, new), mapper)
+    }
+}
+
+/// `new` (no autodiff) taking part in autodiff as `old` did: an autodiff parameter stays
+/// one, under its own checkpointing strategy, trainable if it was.
+fn standing_of<const D: usize>(old: &Tensor<D>, new: Tensor<D>) -> Tensor<D> {
+    let new = match old.gradient_checkpointing_strategy() {
+        Some(strategy) => Tensor::from_inner(new).with_gradient_checkpointing_strategy(strategy),
+        None => new,
+    };
+    if old.is_require_grad() {
+        new.require_grad()
+    } else {
+        new
+    }
+}
+
+/// Gives the parameters in `.0` unwritten tensors of their shape and dtype (no pages touched)
+/// in place of their values: the model's views of the master buffer let go of it, so that
+/// the step updates it in place instead of copying it.
+struct Vacate(HashSet<ParamId>);
+
+impl ModuleMapper for Vacate {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (id, old, mapper) = p.consume();
+        if !self.0.contains(&id) {
+            return Param::from_mapped_value(id, old, mapper);
+        }
+        // One element seen through zero strides: the placeholder owns no memory of its size.
+        let inner = old.clone().inner();
+        let options = TensorCreationOptions::new(inner.device()).with_dtype(inner.dtype());
+        let new = Tensor::<D>::zeros([1; D], options).expand(old.dims());
+        Param::from_mapped_value(id, standing_of(&old, new), mapper)
     }
 }
 
 impl FlatAdam {
+    /// `model` without its views of the (unsharded) master buffers, before a step; the
+    /// weights come back with [`Self::model_from`].
+    pub(crate) fn vacate<M: Module>(&self, model: M) -> M {
+        if self.sharding.is_some() {
+            return model;
+        }
+        let ids = self
+            .groups
+            .iter()
+            .flat_map(|g| g.slots.iter().map(|s| s.id));
+        model.map(&mut Vacate(ids.collect()))
+    }
+
     /// `model` with its trainable parameters set from the master weights, in their dtypes.
     /// Collective over the data-parallel group for a distributed optimizer.
     pub(crate) fn model_from<M: Module>(&self, model: M) -> Result<M, OptimizerError> {

@@ -1,0 +1,189 @@
+//! Buffers lent to the other ranks of a threaded group for the length of one collective:
+//! each member reads (and, for an all-reduce, writes) the others' memory where it lies,
+//! so a reduction moves every element once instead of through intermediate copies.
+//!
+//! The protocol that makes the raw accesses sound: a member lends a buffer it owns and
+//! does not touch (other than through this module) until every member has reported being
+//! done with it; the members of one call access disjoint element ranges wherever one of
+//! them writes. A member whose wait fails after lending cannot know that the others are
+//! done, so it leaks the buffer instead of freeing memory a peer may still access.
+
+use super::buffer::{Buffer, CommDType, with_vec};
+use super::reduce::{ReduceOp, Reducible};
+use half::{bf16, f16};
+use std::ops::Range;
+
+/// One member's buffer as the others see it during a call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lent {
+    ptr: *mut u8,
+    len: usize,
+    dtype: CommDType,
+}
+
+// SAFETY: a `Lent` is only dereferenced under the protocol above: the owner keeps the
+// memory alive and untouched while any member may access it, and writers own disjoint
+// ranges.
+unsafe impl Send for Lent {}
+unsafe impl Sync for Lent {}
+
+impl Lent {
+    /// `buf`, lent for the call.
+    pub(crate) fn of(buf: &mut Buffer) -> Self {
+        let dtype = buf.dtype();
+        with_vec!(buf, v => Self { ptr: v.as_mut_ptr().cast(), len: v.len(), dtype })
+    }
+
+    /// Copies `src` into the lent buffer's bytes from `offset` on.
+    ///
+    /// # Safety
+    /// The owner keeps the buffer alive, `offset + src.len()` is within its bytes, and no
+    /// other thread accesses those bytes meanwhile.
+    pub(crate) unsafe fn write_bytes(&self, offset: usize, src: &[u8]) {
+        debug_assert!(offset + src.len() <= self.len * self.dtype.size());
+        // SAFETY: in bounds and exclusive per the caller; `src` is another allocation.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) }
+    }
+}
+
+/// Folds elements `range` of every lent buffer (one dtype, at least `range.end` elements
+/// each), in group order per element, and writes the result into that range of each.
+///
+/// # Safety
+/// Every buffer is alive for the call, and no other thread accesses elements `range` of
+/// any of them meanwhile.
+pub(crate) unsafe fn reduce_in_place(bufs: &[Lent], range: Range<usize>, op: ReduceOp) {
+    macro_rules! go {
+        ($t:ty) => {{
+            let ptrs: Vec<*mut $t> = bufs.iter().map(|b| b.ptr.cast::<$t>()).collect();
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                fold(&ptrs, range, op, |start, block: &[$t]| {
+                    for p in &ptrs {
+                        // SAFETY: this range of every buffer is this thread's alone, and
+                        // the block was read before it is written.
+                        let out = std::slice::from_raw_parts_mut(p.add(start), block.len());
+                        out.copy_from_slice(block);
+                    }
+                })
+            }
+        }};
+    }
+    match bufs.first().map(|b| b.dtype) {
+        None => {}
+        Some(CommDType::F32) => go!(f32),
+        Some(CommDType::F16) => go!(f16),
+        Some(CommDType::BF16) => go!(bf16),
+        Some(CommDType::I32) => go!(i32),
+        Some(CommDType::I64) => go!(i64),
+    }
+}
+
+/// Folds elements `range` of every lent buffer, in group order per element, into `out`
+/// (resized to the range, its allocation kept when it has the dtype).
+///
+/// # Safety
+/// Every buffer is alive for the call, and nobody writes elements `range` of any of them
+/// meanwhile.
+pub(crate) unsafe fn reduce_into(
+    bufs: &[Lent],
+    range: Range<usize>,
+    op: ReduceOp,
+    out: &mut Buffer,
+) {
+    let Some(dtype) = bufs.first().map(|b| b.dtype) else {
+        return;
+    };
+    if out.dtype() != dtype {
+        *out = Buffer::with_capacity(dtype, 0);
+    }
+    macro_rules! go {
+        ($variant:ident, $t:ty, $zero:expr) => {{
+            let Buffer::$variant(o) = out else {
+                unreachable!("out was given the inputs' dtype")
+            };
+            o.resize(range.len(), $zero);
+            let base = range.start;
+            let ptrs: Vec<*mut $t> = bufs.iter().map(|b| b.ptr.cast::<$t>()).collect();
+            // SAFETY: forwarded from the caller; the writes go to `out`, which is ours.
+            unsafe {
+                fold(&ptrs, range, op, |start, block: &[$t]| {
+                    o[start - base..start - base + block.len()].copy_from_slice(block);
+                })
+            }
+        }};
+    }
+    match dtype {
+        CommDType::F32 => go!(F32, f32, 0.0),
+        CommDType::F16 => go!(F16, f16, f16::ZERO),
+        CommDType::BF16 => go!(BF16, bf16, bf16::ZERO),
+        CommDType::I32 => go!(I32, i32, 0),
+        CommDType::I64 => go!(I64, i64, 0),
+    }
+}
+
+/// Output elements folded per block: the accumulators stay in L1 while every input's block
+/// is folded into them, so each input is read once.
+const BLOCK: usize = 1024;
+
+/// Folds `range` of `ptrs` block by block, handing each folded block to `write(start,
+/// block)`. The op is chosen outside the loops, so they vectorise.
+///
+/// # Safety
+/// As the callers': `range` of every pointer is readable for the call, and only `write`
+/// writes it, after the block is read.
+unsafe fn fold<T: Reducible + Default>(
+    ptrs: &[*mut T],
+    range: Range<usize>,
+    op: ReduceOp,
+    mut write: impl FnMut(usize, &[T]),
+) where
+    T::Acc: Default,
+{
+    #[inline(always)]
+    unsafe fn blocks<T: Reducible + Default>(
+        ptrs: &[*mut T],
+        range: Range<usize>,
+        f: impl Fn(T::Acc, T::Acc) -> T::Acc,
+        finish: impl Fn(T::Acc) -> T,
+        write: &mut impl FnMut(usize, &[T]),
+    ) where
+        T::Acc: Default,
+    {
+        let mut acc = [T::Acc::default(); BLOCK];
+        let mut out = [T::default(); BLOCK];
+        let mut start = range.start;
+        while start < range.end {
+            let len = BLOCK.min(range.end - start);
+            let acc = &mut acc[..len];
+            for (i, p) in ptrs.iter().enumerate() {
+                // SAFETY: readable per the caller.
+                let x = unsafe { std::slice::from_raw_parts(p.add(start), len) };
+                if i == 0 {
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = x.widen();
+                    }
+                } else {
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = f(*a, x.widen());
+                    }
+                }
+            }
+            for (o, &a) in out.iter_mut().zip(acc.iter()) {
+                *o = finish(a);
+            }
+            write(start, &out[..len]);
+            start += len;
+        }
+    }
+    let n = ptrs.len();
+    // SAFETY: forwarded.
+    unsafe {
+        match op {
+            ReduceOp::Sum => blocks(ptrs, range, T::add, T::narrow, &mut write),
+            ReduceOp::Avg => blocks(ptrs, range, T::add, |a| T::narrow(T::div(a, n)), &mut write),
+            ReduceOp::Max => blocks(ptrs, range, T::max, T::narrow, &mut write),
+            ReduceOp::Min => blocks(ptrs, range, T::min, T::narrow, &mut write),
+        }
+    }
+}
