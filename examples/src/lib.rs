@@ -6,6 +6,7 @@ pub fn median(mut samples: Vec<f64>) -> f64 {
     samples[samples.len() / 2]
 }
 
+mod alloc;
 pub mod checkpoint_tool;
 pub mod phases;
 pub mod pretrain;

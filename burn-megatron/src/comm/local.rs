@@ -65,7 +65,23 @@ struct GroupShared {
     ranks: Vec<usize>,
     state: Mutex<GroupState>,
     changed: Condvar,
+    /// Counts the changes notified on `changed`, so a waiter can watch for one without the
+    /// lock.
+    epoch: AtomicU64,
 }
+
+impl GroupShared {
+    /// Wakes every waiter; called with `state` locked.
+    fn notify(&self) {
+        self.epoch.fetch_add(1, Ordering::Release);
+        self.changed.notify_all();
+    }
+}
+
+/// How long a waiter polls for a change before it sleeps on the condition variable: a
+/// collective's members arrive within microseconds of each other, and a thread put to
+/// sleep takes tens of them to wake.
+const SPIN: Duration = Duration::from_micros(100);
 
 #[derive(Debug, Default)]
 struct GroupState {
@@ -155,6 +171,7 @@ impl LocalWorld {
                     ranks: group.ranks().to_vec(),
                     state: Mutex::new(GroupState::default()),
                     changed: Condvar::new(),
+                    epoch: AtomicU64::new(0),
                 })
             })
             .clone();
@@ -196,7 +213,7 @@ impl LocalWorld {
         for g in groups {
             // Taking the lock orders this wake-up after any waiter's last check.
             let _guard = lock(&g.state);
-            g.changed.notify_all();
+            g.notify();
         }
     }
 }
@@ -223,6 +240,7 @@ impl LocalCommunicator {
     ) -> Result<MutexGuard<'a, GroupState>, CommError> {
         let world = &self.shared.world;
         let deadline = start + world.timeout;
+        let mut spun = false;
         loop {
             if let Some(e) = &state.poisoned {
                 return Err(e.clone());
@@ -261,13 +279,28 @@ impl LocalCommunicator {
                     missing: missing_global,
                 };
                 state.poisoned = Some(err.clone());
-                self.shared.changed.notify_all();
+                self.shared.notify();
                 return Err(err);
+            }
+            if !spun {
+                spun = true;
+                let seen = self.shared.epoch.load(Ordering::Acquire);
+                drop(state);
+                let until = now + SPIN.min(deadline - now);
+                while self.shared.epoch.load(Ordering::Acquire) == seen && Instant::now() < until {
+                    std::thread::yield_now();
+                }
+                state = lock(&self.shared.state);
+                // A change notified under the lock since `seen` is seen here; otherwise
+                // the wait below is woken by the next one.
+                if self.shared.epoch.load(Ordering::Acquire) != seen {
+                    continue;
+                }
             }
             state = self
                 .shared
                 .changed
-                .wait_timeout(state, deadline - now)
+                .wait_timeout(state, deadline - Instant::now().min(deadline))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
@@ -316,7 +349,7 @@ impl LocalCommunicator {
                 detail,
             };
             state.poisoned = Some(err.clone());
-            self.shared.changed.notify_all();
+            self.shared.notify();
             return Err(err);
         }
         slot.descs[me] = Some(desc.clone());
@@ -324,7 +357,7 @@ impl LocalCommunicator {
         slot.lent[me] = lent;
         slot.arrived += 1;
         if slot.arrived == n {
-            self.shared.changed.notify_all();
+            self.shared.notify();
         }
         let state = self.wait(
             state,
@@ -348,7 +381,7 @@ impl LocalCommunicator {
         if let Some(slot) = state.slots.get_mut(&seq) {
             slot.released[me] = true;
             if slot.released.iter().all(|&r| r) {
-                self.shared.changed.notify_all();
+                self.shared.notify();
             }
         }
         let state = self.wait(
@@ -537,7 +570,7 @@ impl Communicator for LocalCommunicator {
             .entry((self.group.rank(), peer))
             .or_default()
             .push_back(buf);
-        self.shared.changed.notify_all();
+        self.shared.notify();
         Ok(())
     }
 
@@ -573,7 +606,7 @@ impl Communicator for LocalCommunicator {
                 ),
             };
             state.poisoned = Some(err.clone());
-            self.shared.changed.notify_all();
+            self.shared.notify();
             return Err(err);
         }
         *buf = msg;
