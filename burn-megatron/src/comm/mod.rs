@@ -72,7 +72,9 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     /// The bound on every call.
     fn timeout(&self) -> Duration;
 
-    /// Reduces `buf` element-wise over the group, in place.
+    /// Reduces `buf` element-wise over the group, in place. After an error its contents
+    /// are unspecified (the threaded backend leaves it empty: the other ranks' threads may
+    /// still have been using its memory, so it is leaked rather than freed).
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError>;
 
     /// Concatenates every member's `input` in group order (all of the same length).
@@ -81,8 +83,10 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     /// [`Communicator::all_gather`] of a borrowed `input` into `out`, resized to the
     /// gathered length with its allocation kept where the backend can (the threaded one
     /// does): a caller gathering into the same buffer every step writes pages it already has
-    /// instead of faulting in fresh ones, and keeps its input. The default copies the input,
-    /// gathers, then moves the result into `out`.
+    /// instead of faulting in fresh ones, and keeps its input. After an error `out` is
+    /// unspecified (the threaded backend leaves it empty, as [`Communicator::all_reduce`]
+    /// its buffer). The default copies the input, gathers, then moves the result into
+    /// `out`.
     fn all_gather_into(&self, input: &Buffer, out: &mut Buffer) -> Result<(), CommError> {
         *out = self.all_gather(input.clone())?;
         Ok(())
