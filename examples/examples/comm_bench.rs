@@ -48,8 +48,10 @@ const OPS: [(&str, Op); 3] = [
     ("reduce_scatter", Op::ReduceScatter),
 ];
 
+/// Calls per measurement: the median of this many, on a machine whose memory bandwidth
+/// varies from second to second.
 fn iters(mib: usize) -> usize {
-    (64 / mib).clamp(3, 20)
+    (256 / mib).clamp(7, 40)
 }
 
 fn sizes(max_mib: usize) -> Vec<usize> {
@@ -172,14 +174,17 @@ fn time_mpi(n: usize, max_mib: usize) -> Result<Timings, String> {
 fn memcpy_gbps(mib: usize) -> f64 {
     let src = vec![1.0f32; mib * (1 << 20) / 4];
     let mut dst = vec![0.0f32; src.len()];
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    (mib << 20) as f64 / best / 1e9
+    // The first copy faults the destination in; then the median, as for the collectives.
+    let times: Vec<f64> = (0..=iters(mib))
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_secs_f64()
+        })
+        .skip(1)
+        .collect();
+    (mib << 20) as f64 / median(times) / 1e9
 }
 
 fn main() -> Result<(), String> {

@@ -83,6 +83,10 @@ impl GroupShared {
 /// sleep takes tens of them to wake.
 const SPIN: Duration = Duration::from_micros(100);
 
+/// Bytes of its input an all-gather member copies to every output before the next block:
+/// the block stays in L2 between the copies.
+const GATHER_BLOCK: usize = 128 << 10;
+
 #[derive(Debug, Default)]
 struct GroupState {
     slots: HashMap<u64, Slot>,
@@ -482,11 +486,17 @@ impl Communicator for LocalCommunicator {
             .arrive_with(desc, None, Some(lent))
             .and_then(|(seq, _, lent)| {
                 let bytes = input.bytes();
-                for out in &lent {
-                    // SAFETY: lent until every member released the call; piece `me` of each
-                    // output is this member's alone.
-                    unsafe { out.write_bytes(me * bytes.len(), bytes) };
+                let stream = bytes.len() * n >= lend::STREAM_FROM;
+                // A block of the input is read once, then written to every output from L2.
+                for (b, block) in bytes.chunks(GATHER_BLOCK).enumerate() {
+                    let at = me * bytes.len() + b * GATHER_BLOCK;
+                    for out in &lent {
+                        // SAFETY: lent until every member released the call; piece `me` of
+                        // each output is this member's alone.
+                        unsafe { out.write_bytes(at, block, stream) };
+                    }
                 }
+                lend::fence();
                 self.release(seq, "all_gather")
             });
         match done {
@@ -514,7 +524,7 @@ impl Communicator for LocalCommunicator {
         out: &mut Buffer,
     ) -> Result<(), CommError> {
         let chunk = OpDesc::even_split(&self.group, "reduce_scatter", input.len())?;
-        let me = self.group.rank();
+        let (me, n, dtype) = (self.group.rank(), self.group.size(), input.dtype());
         let desc = OpDesc {
             reduce: Some(op),
             ..OpDesc::data("reduce_scatter", input)
@@ -525,8 +535,10 @@ impl Communicator for LocalCommunicator {
         let done = self
             .arrive_with(desc, None, Some(lent))
             .and_then(|(seq, _, lent)| {
+                let stream = chunk * n * dtype.size() >= lend::STREAM_FROM;
+                let range = me * chunk..(me + 1) * chunk;
                 // SAFETY: lent until every member released the call; nobody writes it.
-                unsafe { lend::reduce_into(&lent, me * chunk..(me + 1) * chunk, op, out) };
+                unsafe { lend::reduce_into(&lent, range, op, out, stream) };
                 self.release(seq, "reduce_scatter")
             });
         match done {

@@ -212,6 +212,39 @@ fn reduce_scatter_into_keeps_the_input_and_reuses_the_output() {
     }
 }
 
+/// Above `lend::STREAM_FROM` the gathered and reduced pieces are written by non-temporal
+/// stores: the same results, at offsets that are not 16-byte aligned too.
+#[test]
+fn large_gathers_and_reductions_stream_the_same_values() {
+    let len = 1_500_001; // 6 MB per rank: a 12 MB gather, a 3-float unaligned tail
+    assert!(2 * len * 4 >= super::lend::STREAM_FROM);
+    let out = run(2, T2, move |rank, world| {
+        let comm = world.communicator("g", all(2), rank).unwrap();
+        let piece = |r: usize| -> Vec<f32> { (0..len).map(|i| (i % 1000 + r) as f32).collect() };
+        let mut gathered = Buffer::F32(Vec::new());
+        comm.all_gather_into(&Buffer::F32(piece(rank)), &mut gathered)
+            .unwrap();
+        let mut input = Buffer::F32([piece(rank), piece(rank + 2)].concat());
+        let mut reduced = Buffer::F32(Vec::new());
+        comm.reduce_scatter_into(&mut input, ReduceOp::Sum, &mut reduced)
+            .unwrap();
+        (rank, gathered, reduced)
+    });
+    let piece = |r: usize| -> Vec<f32> { (0..len).map(|i| (i % 1000 + r) as f32).collect() };
+    for (rank, gathered, reduced) in out {
+        assert_eq!(
+            gathered,
+            Buffer::F32([piece(0), piece(1)].concat()),
+            "rank {rank}"
+        );
+        // Chunk `rank` of [piece(r), piece(r + 2)] summed over r = 0, 1.
+        let sum: Vec<f32> = (0..len)
+            .map(|i| (2 * (i % 1000) + 1 + 4 * rank) as f32)
+            .collect();
+        assert_eq!(reduced, Buffer::F32(sum), "rank {rank}");
+    }
+}
+
 #[test]
 fn reduce_scatter_avg_and_indivisible_length() {
     let out = run(2, T2, |rank, world| {
