@@ -6,7 +6,7 @@
 //! first; a free of 256 MiB costs about as much as copying it. mimalloc reuses freed
 //! memory, and with purging off (by default it returns memory idle for a second) it never
 //! gives it back, as PyTorch's caching allocator does on a GPU. `bert_bench`'s 4x256x4
-//! step took 911 ms under glibc, ~700 under mimalloc's defaults, ~640 with purging off.
+//! step took 911 ms under glibc, 650–870 under mimalloc's defaults, 640–665 with purging off.
 //! A library leaves this choice to the binary.
 
 use std::alloc::{GlobalAlloc, Layout};
