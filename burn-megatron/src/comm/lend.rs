@@ -9,7 +9,7 @@
 //! done, so it leaks the buffer instead of freeing memory a peer may still access.
 
 use super::buffer::{Buffer, CommDType, with_vec};
-use super::reduce::{ReduceOp, Reducible};
+use super::reduce::{ReduceOp, fold_blocks};
 use half::{bf16, f16};
 use std::ops::Range;
 
@@ -102,9 +102,10 @@ pub(crate) unsafe fn reduce_in_place(bufs: &[Lent], range: Range<usize>, op: Red
     macro_rules! go {
         ($t:ty) => {{
             let ptrs: Vec<*mut $t> = bufs.iter().map(|b| b.ptr.cast::<$t>()).collect();
+            let reads: Vec<*const $t> = ptrs.iter().map(|p| p.cast_const()).collect();
             // SAFETY: forwarded from the caller.
             unsafe {
-                fold(&ptrs, range, op, |start, block: &[$t]| {
+                fold_blocks(&reads, range, op, |start, block: &[$t]| {
                     for p in &ptrs {
                         // SAFETY: this range of every buffer is this thread's alone, and
                         // the block was read before it is written.
@@ -152,10 +153,13 @@ pub(crate) unsafe fn reduce_into(
             };
             o.resize(range.len(), $zero);
             let base = range.start;
-            let ptrs: Vec<*mut $t> = bufs.iter().map(|b| b.ptr.cast::<$t>()).collect();
+            let ptrs: Vec<*const $t> = bufs
+                .iter()
+                .map(|b| b.ptr.cast_const().cast::<$t>())
+                .collect();
             // SAFETY: forwarded from the caller; the writes go to `out`, which is ours.
             unsafe {
-                fold(&ptrs, range, op, |start, block: &[$t]| {
+                fold_blocks(&ptrs, range, op, |start, block: &[$t]| {
                     let o = &mut o[start - base..start - base + block.len()];
                     let bytes: &[u8] = bytemuck::cast_slice(block);
                     // SAFETY: `o` is ours and as long as `block`.
@@ -171,71 +175,5 @@ pub(crate) unsafe fn reduce_into(
         CommDType::BF16 => go!(BF16, bf16, bf16::ZERO),
         CommDType::I32 => go!(I32, i32, 0),
         CommDType::I64 => go!(I64, i64, 0),
-    }
-}
-
-/// Output elements folded per block: the accumulators stay in L1 while every input's block
-/// is folded into them, so each input is read once.
-const BLOCK: usize = 1024;
-
-/// Folds `range` of `ptrs` block by block, handing each folded block to `write(start,
-/// block)`. The op is chosen outside the loops, so they vectorise.
-///
-/// # Safety
-/// As the callers': `range` of every pointer is readable for the call, and only `write`
-/// writes it, after the block is read.
-unsafe fn fold<T: Reducible + Default>(
-    ptrs: &[*mut T],
-    range: Range<usize>,
-    op: ReduceOp,
-    mut write: impl FnMut(usize, &[T]),
-) where
-    T::Acc: Default,
-{
-    #[inline(always)]
-    unsafe fn blocks<T: Reducible + Default>(
-        ptrs: &[*mut T],
-        range: Range<usize>,
-        f: impl Fn(T::Acc, T::Acc) -> T::Acc,
-        finish: impl Fn(T::Acc) -> T,
-        write: &mut impl FnMut(usize, &[T]),
-    ) where
-        T::Acc: Default,
-    {
-        let mut acc = [T::Acc::default(); BLOCK];
-        let mut out = [T::default(); BLOCK];
-        let mut start = range.start;
-        while start < range.end {
-            let len = BLOCK.min(range.end - start);
-            let acc = &mut acc[..len];
-            for (i, p) in ptrs.iter().enumerate() {
-                // SAFETY: readable per the caller.
-                let x = unsafe { std::slice::from_raw_parts(p.add(start), len) };
-                if i == 0 {
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = x.widen();
-                    }
-                } else {
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = f(*a, x.widen());
-                    }
-                }
-            }
-            for (o, &a) in out.iter_mut().zip(acc.iter()) {
-                *o = finish(a);
-            }
-            write(start, &out[..len]);
-            start += len;
-        }
-    }
-    let n = ptrs.len();
-    // SAFETY: forwarded.
-    unsafe {
-        match op {
-            ReduceOp::Sum => blocks(ptrs, range, T::add, T::narrow, &mut write),
-            ReduceOp::Avg => blocks(ptrs, range, T::add, |a| T::narrow(T::div(a, n)), &mut write),
-            ReduceOp::Max => blocks(ptrs, range, T::max, T::narrow, &mut write),
-            ReduceOp::Min => blocks(ptrs, range, T::min, T::narrow, &mut write),
-        }
     }
 }

@@ -122,44 +122,85 @@ const BLOCK: usize = 1024;
 /// Folds elements `range` of every input into `out` (`range.len()` elements), in group
 /// order per element.
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-fn reduce_into<T: Reducible>(inputs: &[&[T]], range: Range<usize>, op: ReduceOp, out: &mut [T])
-where
+fn reduce_into<T: Reducible + Default>(
+    inputs: &[&[T]],
+    range: Range<usize>,
+    op: ReduceOp,
+    out: &mut [T],
+) where
     T::Acc: Default,
 {
-    // The op chosen outside the loops, so the inner ones vectorise.
-    fn fold<T: Reducible>(
-        inputs: &[&[T]],
+    // Indexing checks the range against every input before any raw read.
+    let ptrs: Vec<*const T> = inputs.iter().map(|x| x[range.clone()].as_ptr()).collect();
+    // SAFETY: each pointer starts `range.len()` readable elements of a slice borrowed for
+    // the call; the writes go to `out`, another borrow.
+    unsafe {
+        fold_blocks(&ptrs, 0..range.len(), op, |start, block| {
+            out[start..start + block.len()].copy_from_slice(block);
+        })
+    }
+}
+
+/// Folds elements `range` of `ptrs` block by block, in group order per element, handing
+/// each folded block to `write(start, block)`. The op is chosen outside the loops, so they
+/// vectorise.
+///
+/// # Safety
+/// Elements `range` of every pointer are readable for the call, and nothing writes them
+/// except `write`, after their block is read.
+pub(crate) unsafe fn fold_blocks<T: Reducible + Default>(
+    ptrs: &[*const T],
+    range: Range<usize>,
+    op: ReduceOp,
+    mut write: impl FnMut(usize, &[T]),
+) where
+    T::Acc: Default,
+{
+    #[inline(always)]
+    unsafe fn blocks<T: Reducible + Default>(
+        ptrs: &[*const T],
         range: Range<usize>,
-        out: &mut [T],
         f: impl Fn(T::Acc, T::Acc) -> T::Acc,
         finish: impl Fn(T::Acc) -> T,
+        write: &mut impl FnMut(usize, &[T]),
     ) where
         T::Acc: Default,
     {
         let mut acc = [T::Acc::default(); BLOCK];
-        for (b, out) in out.chunks_mut(BLOCK).enumerate() {
-            let start = range.start + b * BLOCK;
-            let acc = &mut acc[..out.len()];
-            let end = start + out.len();
-            for (a, x) in acc.iter_mut().zip(&inputs[0][start..end]) {
-                *a = x.widen();
-            }
-            for input in &inputs[1..] {
-                for (a, x) in acc.iter_mut().zip(&input[start..end]) {
-                    *a = f(*a, x.widen());
+        let mut out = [T::default(); BLOCK];
+        let mut start = range.start;
+        while start < range.end {
+            let len = BLOCK.min(range.end - start);
+            let acc = &mut acc[..len];
+            for (i, p) in ptrs.iter().enumerate() {
+                // SAFETY: readable per the caller.
+                let x = unsafe { std::slice::from_raw_parts(p.add(start), len) };
+                if i == 0 {
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = x.widen();
+                    }
+                } else {
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = f(*a, x.widen());
+                    }
                 }
             }
             for (o, &a) in out.iter_mut().zip(acc.iter()) {
                 *o = finish(a);
             }
+            write(start, &out[..len]);
+            start += len;
         }
     }
-    let n = inputs.len();
-    match op {
-        ReduceOp::Sum => fold(inputs, range, out, T::add, T::narrow),
-        ReduceOp::Avg => fold(inputs, range, out, T::add, |a| T::narrow(T::div(a, n))),
-        ReduceOp::Max => fold(inputs, range, out, T::max, T::narrow),
-        ReduceOp::Min => fold(inputs, range, out, T::min, T::narrow),
+    let n = ptrs.len();
+    // SAFETY: forwarded.
+    unsafe {
+        match op {
+            ReduceOp::Sum => blocks(ptrs, range, T::add, T::narrow, &mut write),
+            ReduceOp::Avg => blocks(ptrs, range, T::add, |a| T::narrow(T::div(a, n)), &mut write),
+            ReduceOp::Max => blocks(ptrs, range, T::max, T::narrow, &mut write),
+            ReduceOp::Min => blocks(ptrs, range, T::min, T::narrow, &mut write),
+        }
     }
 }
 

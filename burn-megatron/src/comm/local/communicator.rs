@@ -5,7 +5,7 @@
 use super::LocalCommunicator;
 use crate::comm::buffer::Buffer;
 use crate::comm::group::{CommError, OpDesc, ProcessGroup};
-use crate::comm::lend::{self, Lent};
+use crate::comm::lend;
 use crate::comm::reduce::{ReduceOp, chunk_range};
 use crate::comm::{Communicator, lock};
 use std::time::{Duration, Instant};
@@ -24,34 +24,18 @@ impl Communicator for LocalCommunicator {
     }
 
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
-        let (me, n) = (self.group.rank(), self.group.size());
+        let (me, n, len) = (self.group.rank(), self.group.size(), buf.len());
         let desc = OpDesc {
             reduce: Some(op),
             ..OpDesc::data("all_reduce", buf)
         };
-        let len = buf.len();
         // Every member folds its chunk of all the buffers and writes the result into that
         // chunk of each: every element is read once and written once per member, in place.
-        let mut owned = std::mem::replace(buf, Buffer::with_capacity(buf.dtype(), 0));
-        let lent = Lent::of(&mut owned);
-        let done = self
-            .arrive_with(desc, None, Some(lent))
-            .and_then(|(seq, _, lent)| {
-                // SAFETY: every member lent its buffer until all have released the call, and
-                // chunk `me` of each is this member's alone.
-                unsafe { lend::reduce_in_place(&lent, chunk_range(len, n, me), op) };
-                self.release(seq, "all_reduce")
-            });
-        match done {
-            Ok(()) => {
-                *buf = owned;
-                Ok(())
-            }
-            Err(e) => {
-                std::mem::forget(owned);
-                Err(e)
-            }
-        }
+        self.lend(desc, buf, |lent| {
+            // SAFETY: lent until every member released the call; chunk `me` of each is
+            // this member's alone.
+            unsafe { lend::reduce_in_place(lent, chunk_range(len, n, me), op) };
+        })
     }
 
     fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
@@ -62,39 +46,23 @@ impl Communicator for LocalCommunicator {
 
     fn all_gather_into(&self, input: &Buffer, out: &mut Buffer) -> Result<(), CommError> {
         let (me, n) = (self.group.rank(), self.group.size());
-        let dtype = input.dtype();
         // Every member lends its output and writes its input into its place in each.
-        let mut owned = std::mem::replace(out, Buffer::with_capacity(dtype, 0));
-        owned.resize_for(dtype, n * input.len());
-        let lent = Lent::of(&mut owned);
+        out.resize_for(input.dtype(), n * input.len());
         let desc = OpDesc::data("all_gather", input);
-        let done = self
-            .arrive_with(desc, None, Some(lent))
-            .and_then(|(seq, _, lent)| {
-                let bytes = input.bytes();
-                let stream = bytes.len() * n >= lend::STREAM_FROM;
-                // A block of the input is read once, then written to every output from L2.
-                for (b, block) in bytes.chunks(GATHER_BLOCK).enumerate() {
-                    let at = me * bytes.len() + b * GATHER_BLOCK;
-                    for out in &lent {
-                        // SAFETY: lent until every member released the call; piece `me` of
-                        // each output is this member's alone.
-                        unsafe { out.write_bytes(at, block, stream) };
-                    }
+        self.lend(desc, out, |lent| {
+            let bytes = input.bytes();
+            let stream = bytes.len() * n >= lend::STREAM_FROM;
+            // A block of the input is read once, then written to every output from L2.
+            for (b, block) in bytes.chunks(GATHER_BLOCK).enumerate() {
+                let at = me * bytes.len() + b * GATHER_BLOCK;
+                for out in lent {
+                    // SAFETY: lent until every member released the call; piece `me` of
+                    // each output is this member's alone.
+                    unsafe { out.write_bytes(at, block, stream) };
                 }
-                lend::fence();
-                self.release(seq, "all_gather")
-            });
-        match done {
-            Ok(()) => {
-                *out = owned;
-                Ok(())
             }
-            Err(e) => {
-                std::mem::forget(owned);
-                Err(e)
-            }
-        }
+            lend::fence();
+        })
     }
 
     fn reduce_scatter(&self, mut input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
@@ -116,27 +84,12 @@ impl Communicator for LocalCommunicator {
             ..OpDesc::data("reduce_scatter", input)
         };
         // Every member lends its input and folds its own chunk of all of them.
-        let mut owned = std::mem::replace(input, Buffer::with_capacity(input.dtype(), 0));
-        let lent = Lent::of(&mut owned);
-        let done = self
-            .arrive_with(desc, None, Some(lent))
-            .and_then(|(seq, _, lent)| {
-                let stream = chunk * n * dtype.size() >= lend::STREAM_FROM;
-                let range = me * chunk..(me + 1) * chunk;
-                // SAFETY: lent until every member released the call; nobody writes it.
-                unsafe { lend::reduce_into(&lent, range, op, out, stream) };
-                self.release(seq, "reduce_scatter")
-            });
-        match done {
-            Ok(()) => {
-                *input = owned;
-                Ok(())
-            }
-            Err(e) => {
-                std::mem::forget(owned);
-                Err(e)
-            }
-        }
+        self.lend(desc, input, |lent| {
+            let stream = chunk * n * dtype.size() >= lend::STREAM_FROM;
+            let range = me * chunk..(me + 1) * chunk;
+            // SAFETY: lent until every member released the call; nobody writes it.
+            unsafe { lend::reduce_into(lent, range, op, out, stream) };
+        })
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {

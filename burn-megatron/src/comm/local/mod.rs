@@ -315,9 +315,9 @@ impl LocalCommunicator {
             .map(|(seq, inputs, _)| (seq, inputs))
     }
 
-    /// [`Self::arrive`] lending `lent` too; returns every member's lent buffer as well. A
-    /// member that lent must [`Self::release`] the call, and leak its buffer if either
-    /// fails: a peer may still be using it.
+    /// [`Self::arrive`] lending `lent` too; returns every member's lent buffer as well.
+    /// [`Self::lend`] is the way to lend: it releases the call, and leaks the buffer if
+    /// either fails.
     fn arrive_with(
         &self,
         desc: OpDesc,
@@ -372,6 +372,37 @@ impl LocalCommunicator {
         let slot = &state.slots[&seq];
         let lent = slot.lent.iter().flatten().copied().collect();
         Ok((seq, slot.inputs.clone(), lent))
+    }
+
+    /// Lends `buf` for the collective `desc`: once every member has arrived, `work` runs
+    /// on every member's lent buffer (in group order), then this member waits until all
+    /// have released the call and hands `buf` back. After an error the buffer is leaked,
+    /// since a peer may still be using it, and `buf` is left empty.
+    fn lend(
+        &self,
+        desc: OpDesc,
+        buf: &mut Buffer,
+        work: impl FnOnce(&[Lent]),
+    ) -> Result<(), CommError> {
+        let op = desc.op;
+        let mut owned = std::mem::replace(buf, Buffer::with_capacity(buf.dtype(), 0));
+        let lent = Lent::of(&mut owned);
+        let done = self
+            .arrive_with(desc, None, Some(lent))
+            .and_then(|(seq, _, lent)| {
+                work(&lent);
+                self.release(seq, op)
+            });
+        match done {
+            Ok(()) => {
+                *buf = owned;
+                Ok(())
+            }
+            Err(e) => {
+                std::mem::forget(owned);
+                Err(e)
+            }
+        }
     }
 
     /// Reports this member done with the buffers lent for call `seq` and waits until every
