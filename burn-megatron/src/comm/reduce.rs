@@ -38,8 +38,8 @@ impl std::fmt::Display for ReduceOp {
     }
 }
 
-pub(crate) trait Reducible: Copy {
-    type Acc: Copy;
+pub(crate) trait Reducible: Copy + 'static {
+    type Acc: Copy + 'static;
     fn widen(self) -> Self::Acc;
     fn narrow(acc: Self::Acc) -> Self;
     fn add(a: Self::Acc, b: Self::Acc) -> Self::Acc;
@@ -161,7 +161,7 @@ pub(crate) unsafe fn fold_blocks<T: Reducible + Default>(
         ptrs: &[*const T],
         range: Range<usize>,
         f: impl Fn(T::Acc, T::Acc) -> T::Acc,
-        finish: impl Fn(T::Acc) -> T,
+        finish: Option<impl Fn(T::Acc) -> T>,
         write: &mut impl FnMut(usize, &[T]),
     ) where
         T::Acc: Default,
@@ -172,34 +172,57 @@ pub(crate) unsafe fn fold_blocks<T: Reducible + Default>(
         while start < range.end {
             let len = BLOCK.min(range.end - start);
             let acc = &mut acc[..len];
-            for (i, p) in ptrs.iter().enumerate() {
-                // SAFETY: readable per the caller.
-                let x = unsafe { std::slice::from_raw_parts(p.add(start), len) };
-                if i == 0 {
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = x.widen();
-                    }
-                } else {
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = f(*a, x.widen());
+            // SAFETY: readable per the caller.
+            let x = |i: usize| unsafe { std::slice::from_raw_parts(ptrs[i].add(start), len) };
+            // The first two inputs are folded in one pass: at the sizes that stay in cache,
+            // the passes over the block are what a reduction costs.
+            match ptrs.len() {
+                1 => acc.iter_mut().zip(x(0)).for_each(|(a, x)| *a = x.widen()),
+                _ => {
+                    for ((a, x0), x1) in acc.iter_mut().zip(x(0)).zip(x(1)) {
+                        *a = f(x0.widen(), x1.widen());
                     }
                 }
             }
-            for (o, &a) in out.iter_mut().zip(acc.iter()) {
-                *o = finish(a);
+            for i in 2..ptrs.len() {
+                for (a, x) in acc.iter_mut().zip(x(i)) {
+                    *a = f(*a, x.widen());
+                }
             }
-            write(start, &out[..len]);
+            match &finish {
+                Some(finish) => {
+                    for (o, &a) in out.iter_mut().zip(acc.iter()) {
+                        *o = finish(a);
+                    }
+                    write(start, &out[..len]);
+                }
+                // SAFETY: no finish is asked only where the accumulator is `T` itself
+                // (checked by the caller), so the block is already the result.
+                None => write(start, unsafe {
+                    std::slice::from_raw_parts(acc.as_ptr().cast::<T>(), len)
+                }),
+            }
             start += len;
         }
     }
     let n = ptrs.len();
-    // SAFETY: forwarded.
+    // Where the accumulator is the element type, narrowing is the identity and the folded
+    // block is handed on as it is, saving a pass.
+    let narrow =
+        (std::any::TypeId::of::<T>() != std::any::TypeId::of::<T::Acc>()).then_some(T::narrow);
+    // SAFETY: forwarded; `None` only where `T::Acc` is `T`.
     unsafe {
         match op {
-            ReduceOp::Sum => blocks(ptrs, range, T::add, T::narrow, &mut write),
-            ReduceOp::Avg => blocks(ptrs, range, T::add, |a| T::narrow(T::div(a, n)), &mut write),
-            ReduceOp::Max => blocks(ptrs, range, T::max, T::narrow, &mut write),
-            ReduceOp::Min => blocks(ptrs, range, T::min, T::narrow, &mut write),
+            ReduceOp::Sum => blocks(ptrs, range, T::add, narrow, &mut write),
+            ReduceOp::Avg => blocks(
+                ptrs,
+                range,
+                T::add,
+                Some(|a| T::narrow(T::div(a, n))),
+                &mut write,
+            ),
+            ReduceOp::Max => blocks(ptrs, range, T::max, narrow, &mut write),
+            ReduceOp::Min => blocks(ptrs, range, T::min, narrow, &mut write),
         }
     }
 }
