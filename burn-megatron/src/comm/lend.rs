@@ -9,7 +9,7 @@
 //! done, so it leaks the buffer instead of freeing memory a peer may still access.
 
 use super::buffer::{Buffer, CommDType, with_vec};
-use super::reduce::{ReduceOp, fold_blocks};
+use super::reduce::{ReduceOp, fold_blocks, fold_into, fold_into_first};
 use half::{bf16, f16};
 use std::ops::Range;
 
@@ -32,6 +32,17 @@ impl Lent {
     pub(crate) fn of(buf: &mut Buffer) -> Self {
         let dtype = buf.dtype();
         with_vec!(buf, v => Self { ptr: v.as_mut_ptr().cast(), len: v.len(), dtype })
+    }
+
+    /// `len` of the lent buffer's bytes from `offset` on.
+    ///
+    /// # Safety
+    /// The owner keeps the buffer alive, the range is within its bytes, and no thread
+    /// writes it while the slice lives.
+    pub(crate) unsafe fn bytes<'a>(&self, offset: usize, len: usize) -> &'a [u8] {
+        debug_assert!(offset + len <= self.len * self.dtype.size());
+        // SAFETY: in bounds and unwritten per the caller.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(offset), len) }
     }
 
     /// Copies `src` into the lent buffer's bytes from `offset` on, past the cache when
@@ -103,6 +114,19 @@ pub(crate) unsafe fn reduce_in_place(bufs: &[Lent], range: Range<usize>, op: Red
         ($t:ty) => {{
             let ptrs: Vec<*mut $t> = bufs.iter().map(|b| b.ptr.cast::<$t>()).collect();
             let reads: Vec<*const $t> = ptrs.iter().map(|p| p.cast_const()).collect();
+            // SAFETY: forwarded from the caller; members lend distinct buffers.
+            let folded = unsafe {
+                fold_into_first(&ptrs, range.clone(), op, |start, block: &[$t]| {
+                    for p in &ptrs[1..] {
+                        // SAFETY: this range of every buffer is this thread's alone.
+                        let out = std::slice::from_raw_parts_mut(p.add(start), block.len());
+                        out.copy_from_slice(block);
+                    }
+                })
+            };
+            if folded {
+                return;
+            }
             // SAFETY: forwarded from the caller.
             unsafe {
                 fold_blocks(&reads, range, op, |start, block: &[$t]| {
@@ -159,6 +183,10 @@ pub(crate) unsafe fn reduce_into(
                 .collect();
             // SAFETY: forwarded from the caller; the writes go to `out`, which is ours.
             unsafe {
+                if !stream {
+                    fold_into(&ptrs, range, op, o);
+                    return;
+                }
                 fold_blocks(&ptrs, range, op, |start, block: &[$t]| {
                     let o = &mut o[start - base..start - base + block.len()];
                     let bytes: &[u8] = bytemuck::cast_slice(block);

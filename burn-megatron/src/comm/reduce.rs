@@ -134,11 +134,118 @@ fn reduce_into<T: Reducible + Default>(
     let ptrs: Vec<*const T> = inputs.iter().map(|x| x[range.clone()].as_ptr()).collect();
     // SAFETY: each pointer starts `range.len()` readable elements of a slice borrowed for
     // the call; the writes go to `out`, another borrow.
-    unsafe {
-        fold_blocks(&ptrs, 0..range.len(), op, |start, block| {
-            out[start..start + block.len()].copy_from_slice(block);
-        })
+    unsafe { fold_into(&ptrs, 0..range.len(), op, out) }
+}
+
+/// Folds elements `range` of `ptrs` into `out` (`range.len()` elements), in group order per
+/// element. Where the accumulator is the element type and no finishing division follows,
+/// the inputs are folded straight into `out`, a block of it at a time in L1: the result is
+/// the same, without a pass through an accumulator block (in cache, nearly twice as fast).
+///
+/// # Safety
+/// As [`fold_blocks`]; `out` overlaps none of the inputs.
+pub(crate) unsafe fn fold_into<T: Reducible + Default>(
+    ptrs: &[*const T],
+    range: Range<usize>,
+    op: ReduceOp,
+    out: &mut [T],
+) where
+    T::Acc: Default,
+{
+    #[inline(always)]
+    unsafe fn direct<T: Reducible>(
+        ptrs: &[*const T],
+        range: Range<usize>,
+        f: impl Fn(T::Acc, T::Acc) -> T::Acc,
+        out: &mut [T],
+    ) {
+        for (b, o) in out.chunks_mut(BLOCK).enumerate() {
+            let (start, len) = (range.start + b * BLOCK, o.len());
+            // SAFETY: readable per the caller.
+            let x = |i: usize| unsafe { std::slice::from_raw_parts(ptrs[i].add(start), len) };
+            match ptrs.len() {
+                0 => {}
+                1 => o.copy_from_slice(x(0)),
+                _ => {
+                    for ((o, a), b) in o.iter_mut().zip(x(0)).zip(x(1)) {
+                        *o = T::narrow(f(a.widen(), b.widen()));
+                    }
+                }
+            }
+            for i in 2..ptrs.len() {
+                for (o, a) in o.iter_mut().zip(x(i)) {
+                    *o = T::narrow(f(o.widen(), a.widen()));
+                }
+            }
+        }
     }
+    let base = range.start;
+    let exact = std::any::TypeId::of::<T>() == std::any::TypeId::of::<T::Acc>();
+    // SAFETY: forwarded; `direct` only where widening and narrowing are the identity, so
+    // that folding in `T` rounds nothing the accumulator would not.
+    unsafe {
+        match op {
+            ReduceOp::Sum if exact => direct(ptrs, range, T::add, out),
+            ReduceOp::Max if exact => direct(ptrs, range, T::max, out),
+            ReduceOp::Min if exact => direct(ptrs, range, T::min, out),
+            _ => fold_blocks(ptrs, range, op, |start, block| {
+                out[start - base..start - base + block.len()].copy_from_slice(block);
+            }),
+        }
+    }
+}
+
+/// Folds elements `range` of every buffer into the first, in place, a block at a time in
+/// L1, handing each folded block to `then(start, block)` (which copies it to the others);
+/// for the ops where [`fold_into`] folds directly. Returns false, doing nothing, for the
+/// others.
+///
+/// # Safety
+/// Elements `range` of every pointer are valid and accessed by no other thread meanwhile;
+/// the pointers are distinct allocations; `then` writes only buffers other than the first.
+pub(crate) unsafe fn fold_into_first<T: Reducible>(
+    ptrs: &[*mut T],
+    range: Range<usize>,
+    op: ReduceOp,
+    mut then: impl FnMut(usize, &[T]),
+) -> bool {
+    #[inline(always)]
+    unsafe fn go<T: Reducible>(
+        ptrs: &[*mut T],
+        range: Range<usize>,
+        f: impl Fn(T::Acc, T::Acc) -> T::Acc,
+        then: &mut impl FnMut(usize, &[T]),
+    ) {
+        let mut start = range.start;
+        while start < range.end {
+            let len = BLOCK.min(range.end - start);
+            // SAFETY: valid and exclusive per the caller, and the first buffer is none of
+            // the others.
+            let o = unsafe { std::slice::from_raw_parts_mut(ptrs[0].add(start), len) };
+            for p in &ptrs[1..] {
+                // SAFETY: as above.
+                let x = unsafe { std::slice::from_raw_parts(p.add(start), len) };
+                for (o, a) in o.iter_mut().zip(x) {
+                    *o = T::narrow(f(o.widen(), a.widen()));
+                }
+            }
+            then(start, o);
+            start += len;
+        }
+    }
+    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<T::Acc>() {
+        return false;
+    }
+    // SAFETY: forwarded; folding in `T` is exact, as for `fold_into`.
+    unsafe {
+        match op {
+            ReduceOp::Sum => go(ptrs, range, T::add, &mut then),
+            ReduceOp::Max => go(ptrs, range, T::max, &mut then),
+            ReduceOp::Min => go(ptrs, range, T::min, &mut then),
+            ReduceOp::Avg => return false,
+        }
+    }
+    true
 }
 
 /// Folds elements `range` of `ptrs` block by block, in group order per element, handing
