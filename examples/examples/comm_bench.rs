@@ -1,5 +1,5 @@
-//! Bus bandwidth of all-reduce, all-gather and reduce-scatter on f32 buffers: the `local` backend (ranks as
-//! threads) and, with `--mpi 2,4`, the MPI backend (one process per rank, started here
+//! Bus bandwidth of all-reduce, all-gather and reduce-scatter on f32 buffers: the `local`
+//! backend (ranks as threads) and, with `--mpi 2,4`, the MPI backend (one process per rank, started here
 //! through `mpirun`), beside a single-thread memcpy measured in the same run.
 //!
 //! ```text
@@ -10,13 +10,15 @@
 //! Bus bandwidth follows nccl-tests: all-reduce moves 2(n−1)/n of the buffer per rank,
 //! all-gather (n−1)/n of the gathered output and reduce-scatter (n−1)/n of its input, so
 //! the figures compare across world sizes. Each rank keeps its buffers from call to call,
-//! as a training loop does (`all_gather_into`, `reduce_scatter_into`).
+//! as a training loop does (`all_gather_into`, `reduce_scatter_into`). `ag_in_place` is the
+//! all-gather whose input already sits in its place in the output (`all_gather_in_place`,
+//! nccl-tests' in-place column).
 //!
 //! As in nccl-tests, a measurement is a batch of calls issued back to back (a call returns
 //! once every rank is done with the buffers lent to it, so the batch ends when the last
 //! rank's work does), divided by its length. The memory bandwidth of this kind of machine
-//! drifts by up to 2x within seconds, so rank 0 times the memcpy right before each batch
-//! and a cell's ratio is the median of the per-batch ratios. A last table shows how a copy
+//! drifts by up to 2x within seconds, so a memcpy is timed right before each batch and a
+//! cell's ratio is the median of the per-batch ratios. A last table shows how a copy
 //! scales with threads on this machine: the ceiling on every collective at that size.
 
 use burn_megatron::comm::{Buffer, Communicator, LocalWorld, ReduceOp, World};
@@ -46,12 +48,15 @@ struct Args {
 enum Op {
     AllReduce,
     AllGather,
+    /// All-gather whose input is this rank's piece of the output (ZeRO's parameter gather).
+    AllGatherInPlace,
     ReduceScatter,
 }
 
-const OPS: [(&str, Op); 3] = [
+const OPS: [(&str, Op); 4] = [
     ("all_reduce", Op::AllReduce),
     ("all_gather", Op::AllGather),
+    ("ag_in_place", Op::AllGatherInPlace),
     ("reduce_scatter", Op::ReduceScatter),
 ];
 
@@ -84,7 +89,7 @@ fn summarize(samples: &[Sample], op: Op, n: usize, mib: usize) -> (f64, f64, f64
 fn bus_gbps(op: Op, n: usize, mib: usize, secs: f64) -> f64 {
     let factor = match op {
         Op::AllReduce => 2.0 * (n - 1) as f64 / n as f64,
-        Op::AllGather | Op::ReduceScatter => (n - 1) as f64 / n as f64,
+        Op::AllGather | Op::AllGatherInPlace | Op::ReduceScatter => (n - 1) as f64 / n as f64,
     };
     (mib << 20) as f64 / secs * factor / 1e9
 }
@@ -109,7 +114,7 @@ fn time_calls(
     let elems = mib * (1 << 20) / 4;
     let len = match op {
         Op::AllGather => elems / n,
-        Op::AllReduce | Op::ReduceScatter => elems,
+        Op::AllReduce | Op::AllGatherInPlace | Op::ReduceScatter => elems,
     };
     // Not 0: a zeroed allocation comes as untouched pages, which would then be faulted in
     // inside the first timed call. One input and one output for every call.
@@ -118,6 +123,7 @@ fn time_calls(
     let mut call = || match op {
         Op::AllReduce => comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap(),
         Op::AllGather => comm.all_gather_into(&buf, &mut out).unwrap(),
+        Op::AllGatherInPlace => comm.all_gather_in_place(&mut buf).unwrap(),
         Op::ReduceScatter => comm
             .reduce_scatter_into(&mut buf, ReduceOp::Sum, &mut out)
             .unwrap(),
@@ -155,13 +161,17 @@ impl Memcpy {
         Self { src, dst }
     }
 
+    fn copy(&mut self) {
+        self.dst.copy_from_slice(std::hint::black_box(&self.src));
+        std::hint::black_box(&mut self.dst);
+    }
+
     /// GB/s: the median of `copies`.
     fn gbps(&mut self, copies: usize) -> f64 {
         let times = (0..copies)
             .map(|_| {
                 let t = Instant::now();
-                self.dst.copy_from_slice(std::hint::black_box(&self.src));
-                std::hint::black_box(&mut self.dst);
+                self.copy();
                 t.elapsed().as_secs_f64()
             })
             .collect();
@@ -267,8 +277,9 @@ fn time_mpi(n: usize, max_mib: usize) -> Result<Timings, String> {
     Ok(times)
 }
 
-/// Aggregate GB/s of `threads` threads each copying its own `mib` MiB at once, over a
-/// single thread's, medians of [`ROUNDS`] copies.
+/// Aggregate GB/s of `threads` threads each copying its own `mib` MiB [`batch`] times at
+/// once (from the first start to the last finish, so that threads sharing a core count as
+/// they run), over a single thread's; medians of [`ROUNDS`].
 fn copy_scaling(threads: usize, mib: usize) -> f64 {
     let run = |threads: usize| {
         let barrier = std::sync::Arc::new(std::sync::Barrier::new(threads));
@@ -277,22 +288,27 @@ fn copy_scaling(threads: usize, mib: usize) -> f64 {
                 let barrier = barrier.clone();
                 std::thread::spawn(move || {
                     let mut copy = Memcpy::new(mib);
+                    copy.gbps(1);
                     (0..ROUNDS)
                         .map(|_| {
                             barrier.wait();
-                            copy.gbps(1)
+                            let start = Instant::now();
+                            (0..batch(mib)).for_each(|_| copy.copy());
+                            (start, Instant::now())
                         })
                         .collect::<Vec<_>>()
                 })
             })
             .collect();
-        let per_thread: Vec<Vec<f64>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        // The slowest thread of each round sets the round's aggregate.
+        let spans: Vec<Vec<(Instant, Instant)>> =
+            handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let bytes = (threads * batch(mib) * (mib << 20)) as f64;
         median(
             (0..ROUNDS)
                 .map(|r| {
-                    let slowest = per_thread.iter().map(|t| t[r]).fold(f64::MAX, f64::min);
-                    slowest * threads as f64
+                    let first = spans.iter().map(|t| t[r].0).min().unwrap();
+                    let last = spans.iter().map(|t| t[r].1).max().unwrap();
+                    bytes / (last - first).as_secs_f64() / 1e9
                 })
                 .collect(),
         )

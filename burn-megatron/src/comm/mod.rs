@@ -92,6 +92,42 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// [`Communicator::all_gather`] where `buf` is the gathered buffer: it holds one piece
+    /// per member (its length divisible by the group size), this member's at index
+    /// `rank`, and on return every piece holds its member's. What ZeRO's parameter gather
+    /// does: the threaded backend then moves each piece to the other members only,
+    /// `(n − 1)/n` of the bytes an all-gather into a separate output writes. Members may mix
+    /// this with [`Communicator::all_gather_into`] of their piece in one call. After an
+    /// error `buf` is unspecified, as for [`Communicator::all_reduce`]. The default copies
+    /// the piece out and gathers into `buf`.
+    ///
+    /// ```
+    /// use burn_megatron::comm::{Buffer, Communicator, LocalWorld};
+    /// let world = LocalWorld::new(2);
+    /// let handles: Vec<_> = (0..2)
+    ///     .map(|rank| {
+    ///         let world = world.clone();
+    ///         std::thread::spawn(move || {
+    ///             let comm = world.communicator("dp", vec![0, 1], rank).unwrap();
+    ///             // Each rank has written only its own piece.
+    ///             let mut v = vec![0.0f32; 4];
+    ///             v[2 * rank..2 * rank + 2].fill(rank as f32 + 1.0);
+    ///             let mut buf = Buffer::from(v);
+    ///             comm.all_gather_in_place(&mut buf).unwrap();
+    ///             buf
+    ///         })
+    ///     })
+    ///     .collect();
+    /// for h in handles {
+    ///     assert_eq!(h.join().unwrap(), Buffer::from(vec![1.0f32, 1.0, 2.0, 2.0]));
+    /// }
+    /// ```
+    fn all_gather_in_place(&self, buf: &mut Buffer) -> Result<(), CommError> {
+        let m = group::OpDesc::even_split(self.group(), "all_gather", buf.len())?;
+        let piece = buf.slice(self.group().rank() * m..(self.group().rank() + 1) * m);
+        self.all_gather_into(&piece, buf)
+    }
+
     /// Reduces `input` over the group and returns this member's chunk: elements
     /// `[rank·len/n, (rank+1)·len/n)`. The length must be divisible by the group size.
     fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError>;

@@ -148,6 +148,77 @@ fn all_gather_into_reuses_the_output_buffer() {
     }
 }
 
+/// `all_gather_in_place` fills every other member's piece of a buffer that holds only this
+/// member's (the rest poisoned with -1), for every dtype and world size, small and
+/// streamed; a member may gather into a separate output in the same call; and a length
+/// the group does not divide is an error on every member.
+#[test]
+fn all_gather_in_place_fills_the_other_pieces() {
+    for n in [1, 2, 3, 4] {
+        for dtype in CommDType::ALL {
+            for piece in [3, 1 << 20] {
+                let out = run(n, T2, move |rank, world| {
+                    let comm = world.communicator("g", all(n), rank).unwrap();
+                    let value = |r: usize, i: usize| (r * 7 + i % 50) as f64;
+                    let mut vals = vec![-1.0; n * piece];
+                    for i in 0..piece {
+                        vals[rank * piece + i] = value(rank, i);
+                    }
+                    let mut buf = as_dtype(dtype, &vals);
+                    if rank == 1 {
+                        // Gathers its piece into a separate output instead.
+                        let mine = buf.slice(piece..2 * piece);
+                        comm.all_gather_into(&mine, &mut buf).unwrap();
+                    } else {
+                        comm.all_gather_in_place(&mut buf).unwrap();
+                    }
+                    let expect: Vec<f64> = (0..n * piece)
+                        .map(|j| value(j / piece, j % piece))
+                        .collect();
+                    (buf, as_dtype(dtype, &expect))
+                });
+                for (rank, (got, expect)) in out.into_iter().enumerate() {
+                    assert!(
+                        got == expect,
+                        "world {n}, {dtype}, piece {piece}, rank {rank}"
+                    );
+                }
+            }
+        }
+    }
+    let errors = run(2, T2, |rank, world| {
+        let comm = world.communicator("g", all(2), rank).unwrap();
+        comm.all_gather_in_place(&mut Buffer::F32(vec![0.0; 5]))
+    });
+    for e in errors {
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("do not split evenly over 2 ranks"), "{e}");
+    }
+}
+
+/// Sums are folded in group order on every rank, whichever chunk it folds: with 1e8, -1e8
+/// and 1 that order gives 1 and any order that adds the 1 before the cancellation gives 0
+/// (f32 has no room for 1e8 + 1; nor has the f32 accumulator of bf16).
+#[test]
+fn sums_fold_in_group_order_on_every_rank() {
+    for dtype in [CommDType::F32, CommDType::BF16] {
+        let out = run(3, T2, move |rank, world| {
+            let comm = world.communicator("g", all(3), rank).unwrap();
+            let x = [1e8, -1e8, 1.0][rank];
+            let mut buf = as_dtype(dtype, &vec![x; 3000]);
+            let mut part = Buffer::F32(Vec::new());
+            comm.reduce_scatter_into(&mut buf, ReduceOp::Sum, &mut part)
+                .unwrap();
+            comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            (buf, part)
+        });
+        for (rank, (sum, part)) in out.into_iter().enumerate() {
+            assert_eq!(sum, as_dtype(dtype, &[1.0; 3000]), "{dtype}, rank {rank}");
+            assert_eq!(part, as_dtype(dtype, &[1.0; 1000]), "{dtype}, rank {rank}");
+        }
+    }
+}
+
 #[test]
 fn reduce_scatter_returns_each_rank_its_chunk() {
     for n in [1, 2, 3, 4, 8] {

@@ -77,6 +77,10 @@ fn suite(world: &dyn World, rank: usize) -> Result<Results, CommError> {
             }
             let gathered = comm.all_gather(values(dtype, rank, 5, 2))?;
             out.push((format!("{name} all_gather {dtype}"), gathered));
+            // Every piece holds this rank's values; the others' are overwritten.
+            let mut buf = values(dtype, rank, 5 * g, 2);
+            comm.all_gather_in_place(&mut buf)?;
+            out.push((format!("{name} all_gather_in_place {dtype}"), buf));
             for root in 0..g {
                 let mut buf = values(dtype, rank, 4, 3);
                 comm.broadcast(&mut buf, root)?;

@@ -5,7 +5,7 @@
 use super::LocalCommunicator;
 use crate::comm::buffer::Buffer;
 use crate::comm::group::{CommError, OpDesc, ProcessGroup};
-use crate::comm::lend;
+use crate::comm::lend::{self, Lent};
 use crate::comm::reduce::{ReduceOp, chunk_range};
 use crate::comm::{Communicator, lock};
 use std::time::{Duration, Instant};
@@ -50,18 +50,29 @@ impl Communicator for LocalCommunicator {
         out.resize_for(input.dtype(), n * input.len());
         let desc = OpDesc::data("all_gather", input);
         self.lend(desc, out, |lent| {
-            let bytes = input.bytes();
-            let stream = bytes.len() * n >= lend::STREAM_FROM;
-            // A block of the input is read once, then written to every output from L2.
-            for (b, block) in bytes.chunks(GATHER_BLOCK).enumerate() {
-                let at = me * bytes.len() + b * GATHER_BLOCK;
-                for out in lent {
-                    // SAFETY: lent until every member released the call; piece `me` of
-                    // each output is this member's alone.
-                    unsafe { out.write_bytes(at, block, stream) };
-                }
+            // SAFETY: lent until every member released the call; piece `me` of each output
+            // is this member's alone.
+            unsafe { write_piece(lent, me, input.bytes(), None) }
+        })
+    }
+
+    fn all_gather_in_place(&self, buf: &mut Buffer) -> Result<(), CommError> {
+        let piece = OpDesc::even_split(&self.group, "all_gather", buf.len())?;
+        let (me, dtype) = (self.group.rank(), buf.dtype());
+        // The call of a member that gathers into a separate output (the same description):
+        // that member writes its piece into every lent buffer, this one into every other.
+        let desc = OpDesc {
+            len: piece,
+            ..OpDesc::data("all_gather", buf)
+        };
+        self.lend(desc, buf, |lent| {
+            let size = piece * dtype.size();
+            // SAFETY: lent until every member released the call; piece `me` of each buffer
+            // is this member's alone, to read in its own and to write in the others.
+            unsafe {
+                let own = lent[me].bytes(me * size, size);
+                write_piece(lent, me, own, Some(me));
             }
-            lend::fence();
         })
     }
 
@@ -170,4 +181,24 @@ impl Communicator for LocalCommunicator {
         self.finish(seq);
         Ok(())
     }
+}
+
+/// Writes `piece` (member `me`'s) into its place in every lent buffer but `skip`, a block
+/// at a time: each block is read once, then written to every buffer from L2.
+///
+/// # Safety
+/// The buffers are lent for the call, each at least `(me + 1) · piece.len()` bytes, and
+/// no other thread accesses piece `me` of those written meanwhile.
+unsafe fn write_piece(lent: &[Lent], me: usize, piece: &[u8], skip: Option<usize>) {
+    let stream = piece.len() * lent.len() >= lend::STREAM_FROM;
+    for (b, block) in piece.chunks(GATHER_BLOCK).enumerate() {
+        let at = me * piece.len() + b * GATHER_BLOCK;
+        for (i, out) in lent.iter().enumerate() {
+            if Some(i) != skip {
+                // SAFETY: in bounds and exclusive per the caller.
+                unsafe { out.write_bytes(at, block, stream) };
+            }
+        }
+    }
+    lend::fence();
 }

@@ -154,12 +154,16 @@ pub(crate) fn gather_pieces(
         for (b, bucket) in plan.buckets().iter().enumerate() {
             let d = dtype(bucket.dtype);
             let cd = comm_dtype(d).unwrap_or(CommDType::F32);
-            let mut shard = CommBuffer::zeros(cd, bucket.len / plan.size());
+            // This rank's pieces written into its shard of the whole bucket, which is then
+            // gathered in place.
+            let shard = bucket.len / plan.size();
+            let mine = sharding.dp.group().rank() * shard;
+            let mut full = CommBuffer::zeros(cd, bucket.len);
             for (at, values) in by_bucket.remove(&(p, b)).unwrap_or_default() {
                 let data = values.cast(d).into_data();
-                shard.write_at(at, &data_to_buffer(data).map_err(comm_error)?);
+                full.write_at(mine + at, &data_to_buffer(data).map_err(comm_error)?);
             }
-            let full = sharding.dp.all_gather(shard)?;
+            sharding.dp.all_gather_in_place(&mut full)?;
             for param in bucket.params.iter().filter(|p| p.trainable) {
                 let values = full.slice(param.offset..param.offset + param.numel);
                 let t: Tensor<1> = buffer_to_tensor(values, [param.numel], device);
