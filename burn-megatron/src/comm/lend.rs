@@ -116,13 +116,19 @@ pub(crate) unsafe fn reduce_in_place(bufs: &[Lent], range: Range<usize>, op: Red
             let reads: Vec<*const $t> = ptrs.iter().map(|p| p.cast_const()).collect();
             // SAFETY: forwarded from the caller; members lend distinct buffers.
             let folded = unsafe {
-                fold_into_first(&ptrs, range.clone(), op, |start, block: &[$t]| {
-                    for p in &ptrs[1..] {
-                        // SAFETY: this range of every buffer is this thread's alone.
-                        let out = std::slice::from_raw_parts_mut(p.add(start), block.len());
-                        out.copy_from_slice(block);
-                    }
-                })
+                fold_into_first(
+                    ptrs[0],
+                    &reads[1..],
+                    range.clone(),
+                    op,
+                    |start, block: &[$t]| {
+                        for p in &ptrs[1..] {
+                            // SAFETY: this range of every buffer is this thread's alone.
+                            let out = std::slice::from_raw_parts_mut(p.add(start), block.len());
+                            out.copy_from_slice(block);
+                        }
+                    },
+                )
             };
             if folded {
                 return;

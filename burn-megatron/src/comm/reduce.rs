@@ -170,17 +170,14 @@ pub(crate) unsafe fn fold_into<T: Reducible + Default>(
                     for ((o, a), b) in o.iter_mut().zip(x(0)).zip(x(1)) {
                         *o = T::narrow(f(a.widen(), b.widen()));
                     }
-                }
-            }
-            for i in 2..ptrs.len() {
-                for (o, a) in o.iter_mut().zip(x(i)) {
-                    *o = T::narrow(f(o.widen(), a.widen()));
+                    // SAFETY: forwarded.
+                    unsafe { fold_onto(o, &ptrs[2..], start, &f) };
                 }
             }
         }
     }
     let base = range.start;
-    let exact = std::any::TypeId::of::<T>() == std::any::TypeId::of::<T::Acc>();
+    let exact = acc_is_elem::<T>();
     // SAFETY: forwarded; `direct` only where widening and narrowing are the identity, so
     // that folding in `T` rounds nothing the accumulator would not.
     unsafe {
@@ -195,23 +192,25 @@ pub(crate) unsafe fn fold_into<T: Reducible + Default>(
     }
 }
 
-/// Folds elements `range` of every buffer into the first, in place, a block at a time in
-/// L1, handing each folded block to `then(start, block)` (which copies it to the others);
-/// for the ops where [`fold_into`] folds directly. Returns false, doing nothing, for the
-/// others.
+/// Folds elements `range` of `rest` into those of `first`, in place, in order, a block at
+/// a time in L1, handing each folded block to `then(start, block)` (which copies it to the
+/// others); for the ops where [`fold_into`] folds directly. Returns false, doing nothing,
+/// for the others.
 ///
 /// # Safety
 /// Elements `range` of every pointer are valid and accessed by no other thread meanwhile;
-/// the pointers are distinct allocations; `then` writes only buffers other than the first.
+/// `first` is none of `rest`; `then` writes only buffers other than `first`.
 pub(crate) unsafe fn fold_into_first<T: Reducible>(
-    ptrs: &[*mut T],
+    first: *mut T,
+    rest: &[*const T],
     range: Range<usize>,
     op: ReduceOp,
     mut then: impl FnMut(usize, &[T]),
 ) -> bool {
     #[inline(always)]
     unsafe fn go<T: Reducible>(
-        ptrs: &[*mut T],
+        first: *mut T,
+        rest: &[*const T],
         range: Range<usize>,
         f: impl Fn(T::Acc, T::Acc) -> T::Acc,
         then: &mut impl FnMut(usize, &[T]),
@@ -219,33 +218,54 @@ pub(crate) unsafe fn fold_into_first<T: Reducible>(
         let mut start = range.start;
         while start < range.end {
             let len = BLOCK.min(range.end - start);
-            // SAFETY: valid and exclusive per the caller, and the first buffer is none of
-            // the others.
-            let o = unsafe { std::slice::from_raw_parts_mut(ptrs[0].add(start), len) };
-            for p in &ptrs[1..] {
-                // SAFETY: as above.
-                let x = unsafe { std::slice::from_raw_parts(p.add(start), len) };
-                for (o, a) in o.iter_mut().zip(x) {
-                    *o = T::narrow(f(o.widen(), a.widen()));
-                }
-            }
+            // SAFETY: valid and exclusive per the caller, and `first` is none of `rest`.
+            let o = unsafe { std::slice::from_raw_parts_mut(first.add(start), len) };
+            // SAFETY: as above.
+            unsafe { fold_onto(o, rest, start, &f) };
             then(start, o);
             start += len;
         }
     }
-    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<T::Acc>() {
+    if !acc_is_elem::<T>() {
         return false;
     }
     // SAFETY: forwarded; folding in `T` is exact, as for `fold_into`.
     unsafe {
         match op {
-            ReduceOp::Sum => go(ptrs, range, T::add, &mut then),
-            ReduceOp::Max => go(ptrs, range, T::max, &mut then),
-            ReduceOp::Min => go(ptrs, range, T::min, &mut then),
+            ReduceOp::Sum => go(first, rest, range, T::add, &mut then),
+            ReduceOp::Max => go(first, rest, range, T::max, &mut then),
+            ReduceOp::Min => go(first, rest, range, T::min, &mut then),
             ReduceOp::Avg => return false,
         }
     }
     true
+}
+
+/// Whether the accumulator is the element type itself (f32, i64): widening and narrowing
+/// are then the identity, and folding in `T` rounds nothing the accumulator would not.
+fn acc_is_elem<T: Reducible>() -> bool {
+    std::any::TypeId::of::<T>() == std::any::TypeId::of::<T::Acc>()
+}
+
+/// Folds the `o.len()` elements from `start` of each of `ptrs`, in order, onto `o`, in `T`
+/// (callers check [`acc_is_elem`]).
+///
+/// # Safety
+/// Those elements are readable and none of them lies in `o`.
+#[inline(always)]
+unsafe fn fold_onto<T: Reducible>(
+    o: &mut [T],
+    ptrs: &[*const T],
+    start: usize,
+    f: &impl Fn(T::Acc, T::Acc) -> T::Acc,
+) {
+    for p in ptrs {
+        // SAFETY: per the caller.
+        let x = unsafe { std::slice::from_raw_parts(p.add(start), o.len()) };
+        for (o, a) in o.iter_mut().zip(x) {
+            *o = T::narrow(f(o.widen(), a.widen()));
+        }
+    }
 }
 
 /// Folds elements `range` of `ptrs` block by block, in group order per element, handing
@@ -315,8 +335,7 @@ pub(crate) unsafe fn fold_blocks<T: Reducible + Default>(
     let n = ptrs.len();
     // Where the accumulator is the element type, narrowing is the identity and the folded
     // block is handed on as it is, saving a pass.
-    let narrow =
-        (std::any::TypeId::of::<T>() != std::any::TypeId::of::<T::Acc>()).then_some(T::narrow);
+    let narrow = (!acc_is_elem::<T>()).then_some(T::narrow);
     // SAFETY: forwarded; `None` only where `T::Acc` is `T`.
     unsafe {
         match op {
