@@ -395,6 +395,15 @@ fn bad_arguments_are_rejected_with_clear_messages() {
             &["--data-path /nonexistent/corpus.jsonl: no such file"],
         ),
         (&["--world-size", "3"], &["--world-size 3", "2"]),
+        // Zero sizes would divide by zero while the model is built.
+        (
+            &["--hidden-size", "0", "--num-attention-heads", "0"],
+            &["--hidden-size must be at least 1"],
+        ),
+        (
+            &["--num-attention-heads", "0"],
+            &["--num-attention-heads must be at least 1"],
+        ),
         (&["--load", "/nonexistent/ckpt"], &["no checkpoint"]),
         (
             &["--init-method-std=-0.5"],

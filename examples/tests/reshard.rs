@@ -5,8 +5,10 @@
 
 mod common;
 
+use burn_megatron::checkpoint::{CheckpointIndex, iteration_dir};
 use burn_megatron_examples::pretrain::{IterationLog, run};
 use common::{args, assert_same_iterations, tmp};
+use std::path::Path;
 
 /// Four layers and four heads (so TP 4 and PP 4 fit), dropout off, a vocabulary padded to
 /// the same 192 rows at TP 1, 2 and 4 (multiples of 16 × TP).
@@ -91,69 +93,152 @@ fn a_tp2_pp2_checkpoint_resumes_at_every_other_layout() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A checkpoint with the distributed optimizer's state (saved whole) resumes without it, at
-/// another layout.
-#[test]
-fn a_distributed_optimizer_checkpoint_resumes_without_it_elsewhere() {
-    let dir = tmp("reshard-zero");
-    let save = dir.join("ckpt");
-    let s = save.to_str().unwrap();
-    let full = train(
-        &dir,
-        flags(1, 1, 2),
-        &[
-            "--use-distributed-optimizer",
-            "--save",
-            s,
-            "--save-interval",
-            "10",
-        ],
+/// Every global tensor of every state set of two checkpoints, compared bit for bit, and
+/// their training states. A checkpoint of an FP32 model around burn-optim without the
+/// distributed optimizer keeps no master weights: its weights stand for them.
+fn assert_same_state(what: &str, a: &Path, b: &Path) {
+    let (a, b) = (
+        CheckpointIndex::read(a).unwrap(),
+        CheckpointIndex::read(b).unwrap(),
     );
-    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "10").unwrap();
-    let resumed = train(&dir, flags(2, 2, 4), &["--load", s]);
-    assert_eq!(resumed.len(), 10);
-    for (a, b) in resumed.iter().zip(&full[10..]) {
-        assert!(
-            (a.lm_loss - b.lm_loss).abs() < 1e-5,
-            "iteration {}: {} vs {}",
-            a.iteration,
-            a.lm_loss,
-            b.lm_loss
-        );
+    let (sa, sb) = (a.state(), b.state());
+    assert_eq!(
+        (
+            sa.iteration,
+            &sa.grad_scaler,
+            sa.fused_adam_steps,
+            &sa.extra
+        ),
+        (
+            sb.iteration,
+            &sb.grad_scaler,
+            sb.fused_adam_steps,
+            &sb.extra
+        ),
+        "{what}: training state"
+    );
+    let scalars = |i: &CheckpointIndex| {
+        let mut all = std::collections::BTreeMap::new();
+        for (_, r) in &i.ranks {
+            all.extend(r.optimizer_scalars.clone());
+        }
+        all
+    };
+    assert_eq!(scalars(&a), scalars(&b), "{what}: optimizer scalars");
+    let (mut sets_a, mut sets_b) = (a.sets(), b.sets());
+    for sets in [&mut sets_a, &mut sets_b] {
+        if !sets.contains(&"master".to_string()) {
+            sets.push("master".into());
+        }
+        sets.sort();
     }
-    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(sets_a, sets_b, "{what}: state sets");
+    let read = |i: &CheckpointIndex, set: &str, name: &str| {
+        let from = if set == "master" && !i.sets().contains(&set.to_string()) {
+            "model"
+        } else {
+            set
+        };
+        i.read_tensor(from, name).unwrap()
+    };
+    let mut tensors = 0;
+    for set in &sets_a {
+        let names = a.tensor_names(if a.sets().contains(set) { set } else { "model" });
+        let other = b.tensor_names(if b.sets().contains(set) { set } else { "model" });
+        assert_eq!(names, other, "{what}: {set} names");
+        for name in &names {
+            let (x, y) = (read(&a, set, name), read(&b, set, name));
+            assert_eq!(
+                (x.dtype(), x.shape().to_vec()),
+                (y.dtype(), y.shape().to_vec()),
+                "{what}: {set} {name}"
+            );
+            assert!(x.as_bytes() == y.as_bytes(), "{what}: {set} {name} differs");
+            tensors += 1;
+        }
+    }
+    assert!(tensors > 30, "{what}: only {tensors} tensors compared");
 }
 
-/// burn-optim's AdamW: its moments and step counters are stored by global name too.
+/// Both optimizers, with and without the distributed optimizer on either side, in f32 and
+/// bf16: a checkpoint saved at one layout loads at another with its whole state (weights,
+/// master weights, moments, step counters) bit for bit — loaded and saved again at the new
+/// layout it holds the same global tensors — and training continues the uninterrupted run.
 #[test]
-fn adamws_state_reshards_with_the_weights() {
-    let dir = tmp("reshard-adamw");
-    let save = dir.join("ckpt");
-    let s = save.to_str().unwrap();
-    let adamw = |f: Vec<String>| -> Vec<String> {
-        f.into_iter().filter(|a| a != "--use-fused-adam").collect()
+fn every_optimizer_state_reshards_exactly_across_layouts() {
+    let dir = tmp("reshard-matrix");
+    // Save at TP 2 × PP 2 (or × DP 2 sharded), load at TP 1 × PP 2 (or × DP 2 sharded).
+    let at = |tp: usize, pp: usize, world: usize, fused: bool, bf16: bool, zero: bool| {
+        let mut f: Vec<String> = flags(tp, pp, world)
+            .into_iter()
+            .filter(|a| fused || a != "--use-fused-adam")
+            .collect();
+        if bf16 {
+            f.push("--bf16".into());
+        }
+        if zero {
+            f.push("--use-distributed-optimizer".into());
+        }
+        f
     };
-    let full = train(
-        &dir,
-        adamw(flags(2, 2, 4)),
-        &["--save", s, "--save-interval", "10"],
-    );
-    for (tp, pp, world) in [(2, 2, 4), (1, 1, 1), (4, 1, 4)] {
-        std::fs::write(save.join("latest_checkpointed_iteration.txt"), "10").unwrap();
-        let resumed = train(&dir, adamw(flags(tp, pp, world)), &["--load", s]);
-        assert_eq!(resumed.len(), 10);
-        for (a, b) in resumed.iter().zip(&full[10..]) {
-            let at = format!("TP {tp} × PP {pp}, iteration {}", a.iteration);
-            assert!(
-                (a.lm_loss - b.lm_loss).abs() < 1e-5,
-                "{at}: {} vs {}",
-                a.lm_loss,
-                b.lm_loss
-            );
-            if (tp, pp) == (2, 2) {
-                assert_eq!(a.lm_loss.to_bits(), b.lm_loss.to_bits(), "{at}: not exact");
+    let mut report = Vec::new();
+    for fused in [true, false] {
+        for bf16 in [false, true] {
+            for save_zero in [false, true] {
+                let save = dir.join(format!("save-{fused}-{bf16}-{save_zero}"));
+                let s = save.to_str().unwrap();
+                let (tp, pp) = if save_zero { (2, 1) } else { (2, 2) };
+                let full = train(
+                    &dir,
+                    at(tp, pp, 4, fused, bf16, save_zero),
+                    &["--save", s, "--save-interval", "10"],
+                );
+                for load_zero in [false, true] {
+                    let (tp2, pp2) = if load_zero { (1, 1) } else { (1, 2) };
+                    let what = format!(
+                        "{} {} TP {tp} × PP {pp}{} → TP {tp2} × PP {pp2}{}",
+                        if fused { "fused Adam" } else { "AdamW" },
+                        if bf16 { "bf16" } else { "f32" },
+                        if save_zero { " ZeRO-1" } else { "" },
+                        if load_zero { " ZeRO-1" } else { "" },
+                    );
+                    std::fs::write(save.join("latest_checkpointed_iteration.txt"), "10").unwrap();
+                    let again = dir.join(format!("again-{fused}-{bf16}-{save_zero}-{load_zero}"));
+                    let a = again.to_str().unwrap();
+                    let f = at(tp2, pp2, 2, fused, bf16, load_zero);
+                    let none = train(
+                        &dir,
+                        f.clone(),
+                        &["--load", s, "--train-iters", "10", "--save", a],
+                    );
+                    assert!(none.is_empty(), "{what}: trained while resharding");
+                    assert_same_state(&what, &iteration_dir(&save, 10), &iteration_dir(&again, 10));
+                    let resumed = train(&dir, f, &["--load", s]);
+                    assert_eq!(resumed.len(), 10, "{what}");
+                    let worst = resumed
+                        .iter()
+                        .zip(&full[10..])
+                        .flat_map(|(x, y)| {
+                            [
+                                (x.lm_loss - y.lm_loss).abs(),
+                                (x.sop_loss - y.sop_loss).abs(),
+                            ]
+                        })
+                        .fold(0.0, f64::max);
+                    report.push((what, bf16, worst));
+                }
             }
         }
+    }
+    for (what, bf16, worst) in &report {
+        println!(
+            "{what}: state bit-identical; iterations 11–20 within {worst:.1e} of the uninterrupted run"
+        );
+        // The new layout sums in another order from the first step on (f32: up to 4.8e-7
+        // measured); in bf16 a flipped rounding of a weight is carried by the later steps
+        // (up to 5.9e-4 measured). The state itself is exact, above.
+        let bound = if *bf16 { 2e-3 } else { 2e-6 };
+        assert!(*worst < bound, "{what}: {worst}");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

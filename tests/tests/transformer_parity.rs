@@ -120,3 +120,26 @@ fn heads_not_divisible_by_tp_is_an_error() {
         "{err}"
     );
 }
+
+/// Zero heads (or a zero hidden size) passed every divisibility check and then divided by
+/// zero while the heads were sized.
+#[test]
+fn zero_heads_or_hidden_size_is_an_error() {
+    for (hidden, heads) in [(0, 0), (H, 0), (0, HEADS)] {
+        let err = threads(
+            &ParallelConfig::new(1, 1, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                TransformerLayerConfig::new(hidden, heads, FFN)
+                    .init(&ctx.groups.tp, &ctx.device)
+                    .map(|_| ())
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("must both be at least 1"),
+            "{hidden}/{heads}: {err}"
+        );
+    }
+}

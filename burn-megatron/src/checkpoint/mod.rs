@@ -23,6 +23,8 @@
 
 mod burn_optim;
 mod index;
+mod layout;
+mod read;
 mod shards;
 mod tensors;
 
@@ -163,6 +165,7 @@ pub fn save_checkpoint<M: Module + Clone>(
     if optimizer.data_parallel_rank().is_some_and(|r| r != 0) {
         return Ok(());
     }
+    layout::check_tensor_parallel_layout(model, rank, optimizer.model_parallel())?;
     let dir = staging_dir(root, iteration).join(rank.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
     let (names, tp) = (rank.names, rank.tp());
@@ -329,6 +332,8 @@ pub fn load_checkpoint<M: Module + Clone>(
             kind(optimizer.is_fused())
         )));
     }
+    // Asked before the sets are read; an error only matters to an optimizer that needs it.
+    let master_from = master_set(&mut files, &index);
     let mut read_set = |set: &str, module: M| -> Result<M, CheckpointError> {
         Restore {
             files: &mut files,
@@ -353,7 +358,7 @@ pub fn load_checkpoint<M: Module + Clone>(
         }
         _ => {
             let master = match optimizer.master_template(&model) {
-                Some(m) => Some(read_set("master", m)?),
+                Some(m) => Some(read_set(master_from?, m)?),
                 None => None,
             };
             let (sets, scalars) = index.optimizer_state();
@@ -363,6 +368,26 @@ pub fn load_checkpoint<M: Module + Clone>(
         }
     };
     Ok(done(model, optimizer))
+}
+
+/// Where a burn-optim optimizer that keeps FP32 master weights reads them from: the
+/// `master` set, or, from a checkpoint of an FP32 model stepped without a master copy (a
+/// burn-optim optimizer keeps none then, the distributed one always does), the weights,
+/// which were the master weights.
+fn master_set(
+    files: &mut Files<'_>,
+    index: &CheckpointIndex,
+) -> Result<&'static str, CheckpointError> {
+    if files.saved_dtype("master")?.is_some() {
+        return Ok("master");
+    }
+    match files.saved_dtype("model")? {
+        Some(burn::tensor::DType::F32) => Ok("model"),
+        saved => Err(CheckpointError::Mismatch(format!(
+            "{}: no FP32 master weights, and the weights were saved in {saved:?}, not F32",
+            index.dir.display()
+        ))),
+    }
 }
 
 impl CheckpointRank<'_> {

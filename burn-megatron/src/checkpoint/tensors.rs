@@ -155,6 +155,18 @@ impl<'a> Files<'a> {
         })
     }
 
+    /// The dtype `set` was saved in (its first tensor's), or `None` when the checkpoint has
+    /// no such set.
+    pub(super) fn saved_dtype(&mut self, set: &str) -> Result<Option<DType>, CheckpointError> {
+        let index = self.index;
+        let shards = index.shards(set);
+        let Some((name, found)) = shards.iter().next() else {
+            return Ok(None);
+        };
+        let (dir, entry) = found[0];
+        Ok(Some(self.tensor(dir, &entry.file, name)?.dtype()))
+    }
+
     /// This rank's slice of `set`'s global tensor `name`, placed as `want` with `shape`.
     pub(super) fn slice(
         &mut self,

@@ -60,6 +60,12 @@ impl ParallelAttentionConfig {
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<ParallelAttention, TpError> {
         super::check_dropout(&[("attention_dropout", self.attention_dropout)])?;
         let size = tp.group().size();
+        if self.hidden_size == 0 || self.num_attention_heads == 0 {
+            return Err(TpError::Invalid(format!(
+                "hidden size ({}) and attention heads ({}) must both be at least 1",
+                self.hidden_size, self.num_attention_heads
+            )));
+        }
         if !self.num_attention_heads.is_multiple_of(size) {
             return Err(TpError::Indivisible(format!(
                 "attention heads ({}) are not divisible by the tensor-parallel size ({size})",

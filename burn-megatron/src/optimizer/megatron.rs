@@ -317,6 +317,11 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         Ok(())
     }
 
+    /// The model-parallel (tp × pp) group the overflow check and the norm are reduced over.
+    pub(crate) fn model_parallel(&self) -> &Comm {
+        &self.model_parallel
+    }
+
     /// Whether this is the fused optimizer ([`MegatronOptimizer::fused_adam`]).
     pub fn is_fused(&self) -> bool {
         matches!(self.inner, Stepper::Fused(_))

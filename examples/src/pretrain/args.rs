@@ -343,6 +343,17 @@ impl Args {
 
     /// Every check that can fail before training starts, with a message naming the flags.
     pub fn validate(&self) -> Result<BatchLayout, String> {
+        for (flag, value) in [
+            ("--num-layers", self.num_layers),
+            ("--hidden-size", self.hidden_size),
+            ("--num-attention-heads", self.num_attention_heads),
+            ("--seq-length", self.seq_length),
+            ("--micro-batch-size", self.micro_batch_size),
+        ] {
+            if value == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
         self.validate_pipeline()?;
         self.validate_backend()?;
         self.parallel_config()?;

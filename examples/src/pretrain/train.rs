@@ -314,6 +314,36 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
     } else {
         Vec::new()
     };
+    // Staged by every rank, then made `latest` by one once all have written.
+    let save = |done: usize,
+                model: &Vec<Bert>,
+                optim: &MegatronOptimizer<Vec<Bert>>,
+                skipped: usize|
+     -> Result<(), String> {
+        let Some(root) = &args.save else {
+            return Ok(());
+        };
+        let world = &ctx.groups.world;
+        if leader {
+            begin_checkpoint(root, done).map_err(|e| e.to_string())?;
+        }
+        world.barrier().map_err(|e| e.to_string())?;
+        // A distributed optimizer gathers its shards from every data-parallel rank.
+        if dp_rank == 0 || args.use_distributed_optimizer {
+            let extra = serde_json::json!({ "skipped_iterations": skipped });
+            save_checkpoint(root, done, &checkpoint_rank, model, optim, extra)
+                .map_err(|e| e.to_string())?;
+        }
+        world.barrier().map_err(|e| e.to_string())?;
+        if leader {
+            commit_checkpoint(root, done).map_err(|e| e.to_string())?;
+            shared.println(format!(
+                " saved checkpoint at iteration {done} to {}",
+                root.display()
+            ));
+        }
+        Ok(())
+    };
     let hooks: Vec<&dyn GradSync> = reducers.iter().map(|r| r as &dyn GradSync).collect();
     let schedule = args.schedule(&shared.layout);
     let tokens_per_iter = (args.global_batch_size * args.seq_length) as f64;
@@ -388,32 +418,14 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             evals.push((done, lm, sop));
         }
         let save_now = args.save_interval > 0 && done.is_multiple_of(args.save_interval);
-        if let Some(root) = args
-            .save
-            .as_ref()
-            .filter(|_| save_now || done == args.train_iters)
-        {
-            // Staged by every rank, then made `latest` by one once all have written.
-            let world = &ctx.groups.world;
-            if leader {
-                begin_checkpoint(root, done).map_err(|e| e.to_string())?;
-            }
-            world.barrier().map_err(|e| e.to_string())?;
-            // A distributed optimizer gathers its shards from every data-parallel rank.
-            if dp_rank == 0 || args.use_distributed_optimizer {
-                let extra = serde_json::json!({ "skipped_iterations": skipped });
-                save_checkpoint(root, done, &checkpoint_rank, &model, &optim, extra)
-                    .map_err(|e| e.to_string())?;
-            }
-            world.barrier().map_err(|e| e.to_string())?;
-            if leader {
-                commit_checkpoint(root, done).map_err(|e| e.to_string())?;
-                shared.println(format!(
-                    " saved checkpoint at iteration {done} to {}",
-                    root.display()
-                ));
-            }
+        if save_now || done == args.train_iters {
+            save(done, &model, &optim, skipped)?;
         }
+    }
+    // A run that trained no iteration (`--train-iters` at the loaded iteration) still
+    // saves, at its own layout: how a checkpoint is resharded without training.
+    if start == args.train_iters && start > 0 {
+        save(start, &model, &optim, skipped)?;
     }
     Ok((log, evals, spans))
 }
