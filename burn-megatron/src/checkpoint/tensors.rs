@@ -6,7 +6,7 @@ use super::shards::{Piece, assemble};
 use super::{CheckpointError, io};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
 use crate::safetensors_io;
-use crate::tensor_parallel::{parallel_attrs, set_parallel_attrs};
+use crate::tensor_parallel::{copy_parallel_attrs, parallel_attrs};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};
 use std::collections::{BTreeMap, HashMap};
@@ -283,7 +283,7 @@ impl PathMapper for Restore<'_, '_> {
         let new_id = match self.ids.and_then(|ids| ids.get(path)) {
             Some(&saved) => {
                 let saved = ParamId::from(saved);
-                set_parallel_attrs(saved, parallel_attrs(id));
+                copy_parallel_attrs(id, saved);
                 saved
             }
             None => id,

@@ -12,9 +12,8 @@ use crate::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
 use crate::tensor_parallel::{
-    MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
-    VocabParallelEmbeddingConfig, check_index_range, derive_seed, host_param, set_layout_attrs,
-    update_parallel_attrs,
+    LayoutOwner, MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
+    VocabParallelEmbeddingConfig, check_index_range, derive_seed, host_param,
 };
 use crate::topology::PipelinePosition;
 use burn::config::Config;
@@ -117,6 +116,9 @@ pub struct Bert {
     pub head: Option<BertHead>,
     #[module(skip)]
     tp: Comm,
+    /// Holds what only the model states (the MLM bias's split, the tie).
+    #[module(skip)]
+    layout: LayoutOwner,
     #[module(skip)]
     sequence_parallel: bool,
     #[module(skip)]
@@ -254,6 +256,7 @@ impl BertConfig {
             layers,
             head,
             tp: tp.clone(),
+            layout: LayoutOwner::default(),
             sequence_parallel: self.sequence_parallel,
             hidden_dropout: self.hidden_dropout,
             first_layer,
@@ -289,8 +292,8 @@ fn check_inputs(
 }
 
 /// Marks a copy of the word embeddings tied across the first and last stage.
-fn tie(embedding: &VocabParallelEmbedding, second_copy: bool) {
-    update_parallel_attrs(embedding.weight.id, |a| a.tied_embedding(second_copy));
+fn tie(owner: &LayoutOwner, embedding: &VocabParallelEmbedding, second_copy: bool) {
+    owner.update(embedding.weight.id, |a| a.tied_embedding(second_copy));
 }
 
 impl Bert {
@@ -340,13 +343,14 @@ impl Bert {
     /// [`set_layout_attrs`](crate::tensor_parallel::set_layout_attrs)).
     fn state_attrs(&self) {
         if let (Some(e), None) = (&self.embeddings, &self.head) {
-            tie(&e.word_embeddings, false);
+            tie(&self.layout, &e.word_embeddings, false);
         }
         if let Some(head) = &self.head {
-            set_layout_attrs(head.lm_bias.id, ParallelAttrs::sharded(0));
+            self.layout
+                .state(head.lm_bias.id, ParallelAttrs::sharded(0));
             if let Some(copy) = &head.word_embeddings {
                 copy.state_attrs();
-                tie(copy, true);
+                tie(&self.layout, copy, true);
             }
         }
     }

@@ -3,8 +3,8 @@
 use super::attention::{ParallelAttention, ParallelAttentionConfig};
 use crate::comm::Comm;
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, ParallelAttrs, RngRegion,
-    RngTracker, RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed, set_layout_attrs,
+    ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs,
+    RngRegion, RngTracker, RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
 };
 use burn::config::Config;
 use burn::module::Module;
@@ -88,18 +88,18 @@ impl Norm {
 
     /// Under sequence parallelism each rank normalises only its part of the sequence, so
     /// the gradients of the scale and the shift are partial.
-    fn state_attrs(&self, sequence_parallel: bool) {
+    fn state_attrs(&self, owner: &LayoutOwner, sequence_parallel: bool) {
         let attrs = if sequence_parallel {
             ParallelAttrs::sequence_parallel()
         } else {
             ParallelAttrs::default()
         };
-        set_layout_attrs(self.gamma().id, attrs);
+        owner.state(self.gamma().id, attrs);
         if let Norm::LayerNorm(LayerNorm {
             beta: Some(beta), ..
         }) = self
         {
-            set_layout_attrs(beta.id, attrs);
+            owner.state(beta.id, attrs);
         }
     }
 
@@ -176,6 +176,9 @@ pub struct TransformerLayer {
     hidden_dropout: f64,
     #[module(skip)]
     sequence_parallel: bool,
+    /// Holds the norms' attributes.
+    #[module(skip)]
+    layout: LayoutOwner,
 }
 
 impl TransformerLayerConfig {
@@ -218,6 +221,7 @@ impl TransformerLayerConfig {
             position: self.layernorm_position,
             hidden_dropout: self.hidden_dropout,
             sequence_parallel: self.sequence_parallel,
+            layout: LayoutOwner::default(),
         };
         layer.state_attrs();
         Ok(layer)
@@ -227,9 +231,9 @@ impl TransformerLayerConfig {
 impl TransformerLayer {
     /// The norms' attributes (the linear layers state their own), at init and every forward.
     fn state_attrs(&self) {
-        self.input_layernorm.state_attrs(self.sequence_parallel);
-        self.post_attention_layernorm
-            .state_attrs(self.sequence_parallel);
+        let (owner, sp) = (&self.layout, self.sequence_parallel);
+        self.input_layernorm.state_attrs(owner, sp);
+        self.post_attention_layernorm.state_attrs(owner, sp);
     }
 
     /// Where this layer's norms sit.

@@ -13,11 +13,13 @@
 //! it is built but again at every forward (a read and a compare when nothing changed): every
 //! parameter that has a gradient went through a forward since it got its current id, and the
 //! readers all run after backward. A custom layer does the same with
-//! [`set_layout_attrs`] in its `forward`.
+//! [`set_layout_attrs`] in its `forward`, or better with a [`LayoutOwner`] it holds, so that
+//! its entries are freed with it. What a save would lose to missing or stale attributes is
+//! caught before it writes: the tensor-parallel ranks compare what they are about to save.
 
 use burn::module::ParamId;
 use std::collections::HashMap;
-use std::sync::{OnceLock, RwLock};
+use std::sync::{Arc, OnceLock, RwLock, Weak};
 
 /// How one parameter is laid out across tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,17 +85,120 @@ impl ParallelAttrs {
     }
 }
 
-fn registry() -> &'static RwLock<HashMap<ParamId, ParallelAttrs>> {
-    static REGISTRY: OnceLock<RwLock<HashMap<ParamId, ParallelAttrs>>> = OnceLock::new();
+/// One parameter's attributes, and the layer that stated them: the entry lives as long as
+/// some clone of that layer does (`None`: stated by hand, kept for the process).
+#[derive(Debug, Clone)]
+struct Entry {
+    attrs: ParallelAttrs,
+    owner: Option<Weak<()>>,
+}
+
+impl Entry {
+    fn alive(&self) -> bool {
+        self.owner.as_ref().is_none_or(|w| w.strong_count() > 0)
+    }
+}
+
+#[derive(Default)]
+struct Registry {
+    entries: HashMap<ParamId, Entry>,
+    /// The size at which dead entries are swept next.
+    sweep_at: usize,
+}
+
+/// Entries are swept of dead owners whenever the table has doubled since the last sweep,
+/// so its size stays within twice the live entries (and this floor).
+const SWEEP_FLOOR: usize = 1024;
+
+impl Registry {
+    fn insert(&mut self, id: ParamId, entry: Entry) {
+        self.entries.insert(id, entry);
+        if self.entries.len() >= self.sweep_at.max(SWEEP_FLOOR) {
+            self.entries.retain(|_, e| e.alive());
+            self.sweep_at = 2 * self.entries.len();
+        }
+    }
+
+    fn get(&self, id: ParamId) -> Option<&Entry> {
+        self.entries.get(&id).filter(|e| e.alive())
+    }
+}
+
+fn registry() -> &'static RwLock<Registry> {
+    static REGISTRY: OnceLock<RwLock<Registry>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
 }
 
-/// Records the attributes of parameter `id` (replacing earlier ones).
+fn write() -> std::sync::RwLockWriteGuard<'static, Registry> {
+    registry().write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a parallel layer holds (`#[module(skip)]`) so that the attributes it states live
+/// exactly as long as it does: its clones share the owner, and once the last one is dropped
+/// the entries are freed. Attributes stated without an owner ([`set_layout_attrs`],
+/// [`set_parallel_attrs`]) are kept for the life of the process.
+///
+/// ```
+/// use burn::module::ParamId;
+/// use burn_megatron::tensor_parallel::{LayoutOwner, ParallelAttrs, parallel_attrs};
+/// let (owner, id) = (LayoutOwner::default(), ParamId::new());
+/// owner.state(id, ParallelAttrs::sharded(0));
+/// assert_eq!(parallel_attrs(id), ParallelAttrs::sharded(0));
+/// drop(owner);
+/// assert_eq!(parallel_attrs(id), ParallelAttrs::default());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct LayoutOwner(Arc<()>);
+
+impl LayoutOwner {
+    /// [`set_layout_attrs`] for a parameter of the layer holding this owner.
+    pub fn state(&self, id: ParamId, layout: ParallelAttrs) {
+        self.update(id, |a| a.with_layout_of(layout));
+    }
+
+    /// [`update_parallel_attrs`] for a parameter of the layer holding this owner; an entry
+    /// another live owner stated keeps that owner.
+    pub fn update(&self, id: ParamId, update: impl FnOnce(ParallelAttrs) -> ParallelAttrs) {
+        let old = registry()
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned();
+        let attrs = update(old.as_ref().map(|e| e.attrs).unwrap_or_default());
+        if old
+            .as_ref()
+            .is_some_and(|e| e.attrs == attrs && e.owner.is_some())
+        {
+            return;
+        }
+        let owner = old
+            .and_then(|e| e.owner)
+            .unwrap_or_else(|| Arc::downgrade(&self.0));
+        write().insert(
+            id,
+            Entry {
+                attrs,
+                owner: Some(owner),
+            },
+        );
+    }
+}
+
+/// Records the attributes of parameter `id` (replacing earlier ones; an owner that stated
+/// them is kept).
 pub fn set_parallel_attrs(id: ParamId, attrs: ParallelAttrs) {
-    registry()
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(id, attrs);
+    let mut r = write();
+    let owner = r.get(id).and_then(|e| e.owner.clone());
+    r.insert(id, Entry { attrs, owner });
+}
+
+/// Gives parameter `to` the attributes of `from`, and the same owner: a parameter whose id
+/// changed (a checkpoint restores the saved ids) lives as long as the layer holding it.
+pub fn copy_parallel_attrs(from: ParamId, to: ParamId) {
+    let mut r = write();
+    if let Some(e) = r.get(from).cloned() {
+        r.insert(to, e);
+    }
 }
 
 /// Changes the attributes of `id` in place (an id never registered starts as duplicated);
@@ -105,6 +210,16 @@ pub fn update_parallel_attrs(id: ParamId, update: impl FnOnce(ParallelAttrs) -> 
     if new != old {
         set_parallel_attrs(id, new);
     }
+}
+
+/// How many entries the table holds, dead ones not yet swept included.
+#[doc(hidden)]
+pub fn parallel_attrs_entries() -> usize {
+    registry()
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .entries
+        .len()
 }
 
 /// Records the layout part of `layout` for `id` and keeps its tie flags: what a layer states
@@ -136,7 +251,40 @@ pub fn parallel_attrs(id: ParamId) -> ParallelAttrs {
     registry()
         .read()
         .unwrap_or_else(|e| e.into_inner())
-        .get(&id)
-        .copied()
+        .get(id)
+        .map(|e| e.attrs)
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Layers built and dropped over and over (a sweep, a test suite) leave the table no
+    /// bigger than twice what is alive.
+    #[test]
+    fn entries_of_dropped_layers_are_freed() {
+        let kept = LayoutOwner::default();
+        let kept_id = ParamId::new();
+        kept.state(kept_id, ParallelAttrs::sharded(1));
+        for _ in 0..20_000 {
+            let owner = LayoutOwner::default();
+            for _ in 0..3 {
+                owner.state(ParamId::new(), ParallelAttrs::sharded(0));
+            }
+        }
+        let n = parallel_attrs_entries();
+        // Other tests of this process state theirs meanwhile; far fewer than 60,000.
+        assert!(n < 20_000, "{n} entries for one live layer");
+        assert_eq!(parallel_attrs(kept_id), ParallelAttrs::sharded(1));
+        let clone = kept.clone();
+        drop(kept);
+        assert_eq!(
+            parallel_attrs(kept_id),
+            ParallelAttrs::sharded(1),
+            "a clone holds it"
+        );
+        drop(clone);
+        assert_eq!(parallel_attrs(kept_id), ParallelAttrs::default());
+    }
 }

@@ -44,6 +44,8 @@ pub struct VocabParallelEmbedding {
     #[module(skip)]
     tp: Comm,
     #[module(skip)]
+    layout: super::LayoutOwner,
+    #[module(skip)]
     sequence_parallel: bool,
 }
 
@@ -62,6 +64,7 @@ impl VocabParallelEmbeddingConfig {
         let layer = VocabParallelEmbedding {
             weight: host_param(rows, [part, self.embedding_dim], device),
             tp: tp.clone(),
+            layout: super::LayoutOwner::default(),
             sequence_parallel: self.sequence_parallel,
         };
         layer.state_attrs();
@@ -85,6 +88,7 @@ impl VocabParallelEmbedding {
         let layer = Self {
             weight: Param::from_tensor(rows.detach().require_grad()),
             tp: tp.clone(),
+            layout: super::LayoutOwner::default(),
             sequence_parallel,
         };
         layer.state_attrs();
@@ -95,7 +99,7 @@ impl VocabParallelEmbedding {
     /// at init and at every lookup, and by a model that reads the table directly (a tied
     /// output layer).
     pub(crate) fn state_attrs(&self) {
-        super::set_layout_attrs(self.weight.id, ParallelAttrs::sharded(0));
+        self.layout.state(self.weight.id, ParallelAttrs::sharded(0));
     }
 
     /// The vocabulary ids `[start, end)` this rank holds.

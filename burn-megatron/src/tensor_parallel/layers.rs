@@ -6,7 +6,7 @@
 //! Under sequence parallelism, activations outside these layers are split along dim 0 (the
 //! sequence, Megatron's `[s, b, h]` layout).
 
-use super::attrs::{ParallelAttrs, set_layout_attrs};
+use super::attrs::{LayoutOwner, ParallelAttrs};
 use super::init::{MasterInit, slice_cols, slice_rows};
 use super::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
@@ -71,6 +71,8 @@ pub struct ColumnParallelLinear {
     #[module(skip)]
     tp: Comm,
     #[module(skip)]
+    layout: LayoutOwner,
+    #[module(skip)]
     gather_output: bool,
     #[module(skip)]
     skip_bias_add: bool,
@@ -109,6 +111,7 @@ impl ColumnParallelLinearConfig {
             weight,
             bias,
             tp: tp.clone(),
+            layout: LayoutOwner::default(),
             gather_output: self.gather_output,
             skip_bias_add: self.skip_bias_add,
             sequence_parallel: self.sequence_parallel,
@@ -140,6 +143,7 @@ impl ColumnParallelLinear {
             weight,
             bias,
             tp: tp.clone(),
+            layout: LayoutOwner::default(),
             gather_output: config.gather_output,
             skip_bias_add: config.skip_bias_add,
             sequence_parallel: config.sequence_parallel,
@@ -152,9 +156,9 @@ impl ColumnParallelLinear {
     /// States the layout of the weight (split along dim 1) and the bias (dim 0): at init and
     /// at every forward, so it also holds for ids Burn's record loading restored.
     fn state_attrs(&self) {
-        set_layout_attrs(self.weight.id, ParallelAttrs::sharded(1));
+        self.layout.state(self.weight.id, ParallelAttrs::sharded(1));
         if let Some(b) = &self.bias {
-            set_layout_attrs(b.id, ParallelAttrs::sharded(0));
+            self.layout.state(b.id, ParallelAttrs::sharded(0));
         }
     }
 
@@ -266,6 +270,8 @@ pub struct RowParallelLinear {
     #[module(skip)]
     tp: Comm,
     #[module(skip)]
+    layout: LayoutOwner,
+    #[module(skip)]
     input_is_parallel: bool,
     #[module(skip)]
     skip_bias_add: bool,
@@ -299,6 +305,7 @@ impl RowParallelLinearConfig {
             weight,
             bias,
             tp: tp.clone(),
+            layout: LayoutOwner::default(),
             input_is_parallel: self.input_is_parallel,
             skip_bias_add: self.skip_bias_add,
             sequence_parallel: self.sequence_parallel,
@@ -331,6 +338,7 @@ impl RowParallelLinear {
             weight,
             bias,
             tp: tp.clone(),
+            layout: LayoutOwner::default(),
             input_is_parallel: config.input_is_parallel,
             skip_bias_add: config.skip_bias_add,
             sequence_parallel: config.sequence_parallel,
@@ -343,14 +351,14 @@ impl RowParallelLinear {
     /// States the layout of the weight (split along dim 0) and of the full bias (partial
     /// gradients under sequence parallelism), at init and at every forward.
     fn state_attrs(&self) {
-        set_layout_attrs(self.weight.id, ParallelAttrs::sharded(0));
+        self.layout.state(self.weight.id, ParallelAttrs::sharded(0));
         if let Some(b) = &self.bias {
             let attrs = if self.sequence_parallel {
                 ParallelAttrs::sequence_parallel()
             } else {
                 ParallelAttrs::default()
             };
-            set_layout_attrs(b.id, attrs);
+            self.layout.state(b.id, attrs);
         }
     }
 

@@ -19,7 +19,8 @@ pub mod random;
 mod vocab;
 
 pub use attrs::{
-    ParallelAttrs, parallel_attrs, set_layout_attrs, set_parallel_attrs, update_parallel_attrs,
+    LayoutOwner, ParallelAttrs, copy_parallel_attrs, parallel_attrs, parallel_attrs_entries,
+    set_layout_attrs, set_parallel_attrs, update_parallel_attrs,
 };
 pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
 pub(crate) use embedding::check_index_range;
