@@ -83,3 +83,32 @@ fn a_rank_that_exits_early_ends_the_job_naming_group_op_and_rank() {
         "{stderr}"
     );
 }
+
+/// Group creation (`MPI_Comm_create_group`, which has no deadline) is bounded by the
+/// timeout: a member that does not come ends the job naming it, not at its arrival.
+#[test]
+fn a_group_a_member_does_not_create_ends_the_job_within_the_timeout() {
+    let (out, took) = mpirun(2, "late-group", 2);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+    assert!(
+        stderr.contains("new_group #0 on group 'late' [0, 1] timed out")
+            && stderr.contains("global rank(s) [1] did not take part"),
+        "{stderr}"
+    );
+}
+
+/// A barrier given its own bound outlasts the collective timeout (a slow checkpoint save).
+#[test]
+fn a_barrier_with_its_own_timeout_outlasts_the_collective_timeout() {
+    let (out, _) = mpirun(2, "slow-barrier", 1);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for rank in 0..2 {
+        assert!(
+            stdout.contains(&format!("rank {rank}: past the slow barrier")),
+            "{stdout}"
+        );
+    }
+}

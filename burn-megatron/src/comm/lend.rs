@@ -63,13 +63,14 @@ impl Lent {
 /// before overwriting it, a third of a copy's memory traffic.
 pub(crate) const STREAM_FROM: usize = 8 << 20;
 
-/// Copies `src` to `dst`; with `stream`, by non-temporal stores (x86-64; elsewhere a plain
-/// copy), which [`fence`] must follow before the caller signals its peers.
+/// Copies `src` to `dst`; with `stream`, by non-temporal stores (x86-64; elsewhere, and
+/// under Miri, a plain copy), which [`fence`] must follow before the caller signals its peers.
 ///
 /// # Safety
 /// `dst` is valid for `src.len()` bytes and does not overlap `src`.
 pub(crate) unsafe fn copy(src: &[u8], dst: *mut u8, stream: bool) {
-    #[cfg(target_arch = "x86_64")]
+    // Miri has no non-temporal stores; a plain copy is the same bytes.
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     if stream {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let n = src.len();
@@ -96,7 +97,7 @@ pub(crate) unsafe fn copy(src: &[u8], dst: *mut u8, stream: bool) {
 /// Orders the non-temporal stores of [`copy`] before the stores that follow (the lock
 /// that tells the peers this member is done), which x86 does not do by itself.
 pub(crate) fn fence() {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     // SAFETY: SSE2 is part of x86-64.
     unsafe {
         std::arch::x86_64::_mm_sfence()

@@ -47,7 +47,7 @@ pub use reduce::{ReduceOp, has_non_finite};
 pub use store::{StoreError, TcpStore};
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Locks a mutex, ignoring poisoning: a panicking rank is reported through its world, and
 /// the state it leaves is consistent because no user code runs under the backends' locks.
@@ -55,8 +55,47 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The timeout of every call unless configured otherwise.
+/// The timeout of every call unless configured otherwise (the examples'
+/// `--distributed-timeout-minutes` sets another).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A bound for the barriers around checkpoint I/O ([`Communicator::barrier_with_timeout`]):
+/// writing or reading a large checkpoint on a slow file system may take far longer than any
+/// collective should, and a healthy job must not die of it.
+pub const CHECKPOINT_BARRIER_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+
+/// The end of a wait of `timeout` from some start. A timeout past what an [`Instant`] can
+/// hold (`Duration::MAX` and its like) is no deadline at all, rather than an overflow
+/// panic: such a wait is bounded only by the peers' failures.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline(Option<Instant>);
+
+impl Deadline {
+    /// The longest a caller sleeps at once when there is no deadline; it then looks again.
+    const NAP: Duration = Duration::from_secs(3600);
+
+    /// `timeout` after `start`.
+    pub(crate) fn after(start: Instant, timeout: Duration) -> Self {
+        Self(start.checked_add(timeout))
+    }
+
+    /// `timeout` from now.
+    pub(crate) fn from_now(timeout: Duration) -> Self {
+        Self::after(Instant::now(), timeout)
+    }
+
+    /// Whether `now` is at or past the deadline.
+    pub(crate) fn passed(&self, now: Instant) -> bool {
+        self.0.is_some_and(|d| now >= d)
+    }
+
+    /// How long from `now` until the deadline (zero once past); with no deadline, a long
+    /// nap after which the caller checks again.
+    pub(crate) fn left(&self, now: Instant) -> Duration {
+        self.0
+            .map_or(Self::NAP, |d| d.saturating_duration_since(now))
+    }
+}
 
 /// A shared handle on a communicator, as layers and optimizers hold it.
 pub type Comm = Arc<dyn Communicator>;
@@ -172,6 +211,24 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
 
     /// Waits until every member has reached the barrier.
     fn barrier(&self) -> Result<(), CommError>;
+
+    /// [`Communicator::barrier`] bounded by `timeout` instead of the communicator's
+    /// timeout: for the barriers around checkpoint I/O, where a slow save is no failure
+    /// (see [`CHECKPOINT_BARRIER_TIMEOUT`]). Every member must call this where the others
+    /// do (it is the same collective as a barrier), and may pass another bound. The
+    /// default is [`Communicator::barrier`], bounded by the communicator's own timeout, for
+    /// wrappers that have no other; the library's backends all honour `timeout`.
+    ///
+    /// ```
+    /// use burn_megatron::comm::{CHECKPOINT_BARRIER_TIMEOUT, Communicator, LocalWorld};
+    /// let world = LocalWorld::new(1);
+    /// let comm = world.communicator("solo", vec![0], 0).unwrap();
+    /// comm.barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT).unwrap();
+    /// ```
+    fn barrier_with_timeout(&self, timeout: Duration) -> Result<(), CommError> {
+        let _ = timeout;
+        self.barrier()
+    }
 
     /// The same collectives on device memory, where this communicator's engine has them
     /// (NCCL); `None` (the default) means data moves through host buffers.

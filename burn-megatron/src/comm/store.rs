@@ -17,7 +17,7 @@
 //! assert_eq!(client.get("nccl/tp [0, 1]", Duration::from_secs(5)).unwrap(), b"id");
 //! ```
 
-use super::lock;
+use super::{Deadline, lock};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -193,7 +193,7 @@ impl TcpStore {
         msg.extend_from_slice(&(timeout.as_millis().min(u64::MAX as u128) as u64).to_le_bytes());
         conn.write_all(&msg).map_err(|e| self.io(e))?;
         // The server answers at its own deadline; the margin covers the network.
-        conn.set_read_timeout(Some(timeout + Duration::from_secs(5)))
+        conn.set_read_timeout(Some(timeout.saturating_add(Duration::from_secs(5))))
             .map_err(|e| self.io(e))?;
         let mut found = [0u8; 1];
         conn.read_exact(&mut found).map_err(|e| match e.kind() {
@@ -253,7 +253,9 @@ fn serve_client(mut conn: TcpStream, table: &Table) {
                 if conn.read_exact(&mut ms).is_err() {
                     return;
                 }
-                let deadline = Instant::now() + Duration::from_millis(u64::from_le_bytes(ms));
+                // The client's wait, whatever it is: one past what an `Instant` holds is no
+                // deadline rather than an overflow.
+                let deadline = Deadline::from_now(Duration::from_millis(u64::from_le_bytes(ms)));
                 let mut values = lock(&table.values);
                 loop {
                     if let Some(v) = values.get(&key) {
@@ -261,10 +263,11 @@ fn serve_client(mut conn: TcpStream, table: &Table) {
                         put(&mut reply, v);
                         break reply;
                     }
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
+                    let now = Instant::now();
+                    if deadline.passed(now) {
                         break vec![0];
                     }
+                    let left = deadline.left(now);
                     values = table
                         .changed
                         .wait_timeout(values, left)
@@ -350,6 +353,38 @@ mod tests {
             TcpStore::connect(format!("127.0.0.1:{port}"), Duration::from_millis(300)).unwrap_err();
         assert!(matches!(err, StoreError::Connect { .. }), "{err}");
         assert!(start.elapsed() < Duration::from_secs(3));
+    }
+
+    /// `Duration::MAX` (no deadline) is a wait like any other, not an overflow panic.
+    #[test]
+    fn a_get_without_a_deadline_waits_for_the_set() {
+        let server = server();
+        let addr = server.addr();
+        let reader = std::thread::spawn(move || {
+            let c = TcpStore::connect(addr, Duration::MAX).unwrap();
+            c.get("k", Duration::MAX)
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        server.set("k", b"v").unwrap();
+        assert_eq!(reader.join().unwrap().unwrap(), b"v");
+    }
+
+    /// The server takes the wait a client asks for, however large, without overflowing.
+    #[test]
+    fn the_largest_deadline_a_client_can_send_is_served() {
+        let server = server();
+        let mut raw = TcpStream::connect(server.addr()).unwrap();
+        let mut msg = vec![GET];
+        put(&mut msg, b"late");
+        msg.extend_from_slice(&u64::MAX.to_le_bytes());
+        raw.write_all(&msg).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        server.set("late", b"here").unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut found = [0u8; 1];
+        raw.read_exact(&mut found).unwrap();
+        assert_eq!(found, [1]);
+        assert_eq!(take(&mut raw).unwrap(), b"here");
     }
 
     #[test]

@@ -235,6 +235,11 @@ pub struct Args {
     /// mpirun (build with `--features cuda`).
     #[arg(long, default_value = "threads")]
     pub distributed_backend: DistributedBackend,
+    /// The bound on every collective, in minutes, as Megatron's flag: a rank that waits
+    /// longer for its peers fails, naming the ranks it waited for. The default is the
+    /// library's (5; Megatron's is 10). Checkpoint barriers have their own, longer bound.
+    #[arg(long, default_value_t = 5)]
+    pub distributed_timeout_minutes: u64,
 }
 
 impl Args {
@@ -282,8 +287,16 @@ impl Args {
         .with_microbatch_group_size(self.microbatch_group_size_per_virtual_pipeline_stage)
     }
 
+    /// The collective timeout of `--distributed-timeout-minutes`.
+    pub fn distributed_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.distributed_timeout_minutes.saturating_mul(60))
+    }
+
     /// What one process per rank cannot do, refused before any work.
     fn validate_backend(&self) -> Result<(), String> {
+        if self.distributed_timeout_minutes == 0 {
+            return Err("--distributed-timeout-minutes must be at least 1".into());
+        }
         if self.distributed_backend == DistributedBackend::Threads {
             return Ok(());
         }
@@ -464,5 +477,30 @@ impl Args {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+
+    #[test]
+    fn distributed_timeout_minutes_sets_the_collective_timeout() {
+        let args = |extra: &[&str]| {
+            Args::try_parse_from(std::iter::once("pretrain").chain(extra.iter().copied())).unwrap()
+        };
+        assert_eq!(
+            args(&[]).distributed_timeout(),
+            burn_megatron::comm::DEFAULT_TIMEOUT
+        );
+        let long = args(&["--distributed-timeout-minutes", "30"]);
+        assert_eq!(long.distributed_timeout().as_secs(), 1800);
+        assert!(long.validate().is_ok());
+        let huge = args(&["--distributed-timeout-minutes", &u64::MAX.to_string()]);
+        assert_eq!(huge.distributed_timeout().as_secs(), u64::MAX);
+        let err = args(&["--distributed-timeout-minutes", "0"])
+            .validate()
+            .unwrap_err();
+        assert!(err.contains("--distributed-timeout-minutes"), "{err}");
     }
 }

@@ -336,7 +336,9 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         progress,
         epoch: Instant::now(),
     };
-    let options = LaunchOptions::default().with_backend(args.distributed_backend);
+    let options = LaunchOptions::default()
+        .with_backend(args.distributed_backend)
+        .with_timeout(args.distributed_timeout());
     let (log, evals, _) = match args.distributed_backend {
         DistributedBackend::Threads => {
             let train = |ctx| train::train_rank(ctx, &shared);

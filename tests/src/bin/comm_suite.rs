@@ -14,6 +14,9 @@
 //!   reductions must match to a tolerance, everything else exactly.
 //! - `mismatch`: rank 0 calls all_reduce while the others call all_gather on group "tp".
 //! - `early-exit`: the last rank returns at once while the others all-reduce on "dp".
+//! - `late-group`: the last rank sleeps 20 s while the others create group "late".
+//! - `slow-barrier`: the last rank sleeps 3 s, then every rank calls a barrier bounded by
+//!   30 s (run with a shorter collective timeout: the barrier's own bound holds).
 
 use burn_megatron::comm::{
     Buffer, Comm, CommDType, CommError, CommunicatorExt, LocalWorld, ReduceOp, World,
@@ -269,8 +272,29 @@ fn main() {
                 dp.all_reduce(&mut buf, ReduceOp::Sum)
                     .map_err(|e| e.to_string())
             }
+            "late-group" => {
+                if rank == n - 1 {
+                    std::thread::sleep(Duration::from_secs(20));
+                }
+                world
+                    .new_group("late", (0..n).collect(), rank)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+            "slow-barrier" => {
+                if rank == n - 1 {
+                    std::thread::sleep(Duration::from_secs(3));
+                }
+                ctx.groups
+                    .world
+                    .barrier_with_timeout(Duration::from_secs(30))
+                    .map_err(|e| e.to_string())?;
+                println!("rank {rank}: past the slow barrier");
+                Ok(())
+            }
             other => Err(format!(
-                "unknown case {other:?}: collectives, mismatch, early-exit"
+                "unknown case {other:?}: collectives, mismatch, early-exit, late-group, \
+                 slow-barrier"
             )),
         }
     });

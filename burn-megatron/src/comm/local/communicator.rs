@@ -145,6 +145,7 @@ impl Communicator for LocalCommunicator {
             "recv",
             0,
             Instant::now(),
+            self.shared.world.timeout,
             |s| s.mailboxes.get(&key).is_some_and(|q| !q.is_empty()),
             |_| vec![peer],
         )?;
@@ -176,8 +177,11 @@ impl Communicator for LocalCommunicator {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        let desc = OpDesc::BARRIER;
-        let (seq, _) = self.arrive(desc, None)?;
+        self.barrier_with_timeout(self.shared.world.timeout)
+    }
+
+    fn barrier_with_timeout(&self, timeout: Duration) -> Result<(), CommError> {
+        let (seq, _, _) = self.arrive_with(OpDesc::BARRIER, None, None, timeout)?;
         self.finish(seq);
         Ok(())
     }

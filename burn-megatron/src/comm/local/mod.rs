@@ -9,12 +9,18 @@
 //! all-reduce is split into one chunk per member, each member folding its chunk of every
 //! buffer in place, so the work is spread over the ranks' threads as a ring would spread
 //! it over GPUs, and every element is read and written once.
+//!
+//! The lending protocol relies on each member of a group having one communicator: two
+//! communicators for one member would lend into one slot and fold the same chunk. So a
+//! member's communicator is claimed while it lives, a second one is refused, and a second
+//! arrival of one member at a call poisons the group in case anything gets past the claim.
 
 use super::buffer::Buffer;
 use super::group::{CommError, OpDesc, ProcessGroup};
 use super::lend::Lent;
-use super::{DEFAULT_TIMEOUT, lock};
+use super::{DEFAULT_TIMEOUT, Deadline, lock};
 use std::collections::{HashMap, VecDeque};
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -85,12 +91,33 @@ impl GroupShared {
 /// sleep takes tens of them to wake.
 const SPIN: Duration = Duration::from_micros(100);
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct GroupState {
     slots: HashMap<u64, Slot>,
     poisoned: Option<CommError>,
     /// Point-to-point messages keyed by (source index, destination index), FIFO per pair.
     mailboxes: HashMap<(usize, usize), VecDeque<Buffer>>,
+    /// Per member: whether a live communicator holds it, and the number of its next call,
+    /// kept when the communicator is dropped so that a new one carries on in step with the
+    /// other members.
+    members: Vec<Member>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Member {
+    claimed: bool,
+    next_seq: u64,
+}
+
+impl GroupState {
+    fn new(n: usize) -> Self {
+        Self {
+            slots: HashMap::new(),
+            poisoned: None,
+            mailboxes: HashMap::new(),
+            members: vec![Member::default(); n],
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -124,7 +151,8 @@ impl LocalWorld {
         Self::with_timeout(size, DEFAULT_TIMEOUT)
     }
 
-    /// A world of `size` ranks whose every call gives up after `timeout`.
+    /// A world of `size` ranks whose every call gives up after `timeout`. A timeout too
+    /// large for a deadline (`Duration::MAX`) means calls wait as long as it takes.
     pub fn with_timeout(size: usize, timeout: Duration) -> Self {
         Self {
             inner: Arc::new(WorldInner {
@@ -149,7 +177,41 @@ impl LocalWorld {
 
     /// This rank's communicator on the group `name` over global `ranks`. Every member must
     /// use the same name and rank order; groups with another name never share traffic.
+    ///
+    /// A member has one communicator on a group at a time: while it lives, another for the
+    /// same (name, ranks, `global_rank`) is refused with [`CommError::InvalidArgument`].
+    /// Once it is dropped the member may create a new one, which carries on with the next
+    /// call of the group's sequence (the dropped one's calls count).
     pub fn communicator(
+        &self,
+        name: &str,
+        ranks: Vec<usize>,
+        global_rank: usize,
+    ) -> Result<LocalCommunicator, CommError> {
+        let mut comm = self.unclaimed(name, ranks, global_rank)?;
+        let shared = comm.shared.clone();
+        let mut state = lock(&shared.state);
+        let member = &mut state.members[comm.group.rank()];
+        if member.claimed {
+            return Err(CommError::InvalidArgument {
+                group: shared.label.clone(),
+                op: "new_group",
+                reason: format!(
+                    "global rank {global_rank} already has a live communicator on this group; \
+                     share it (`Comm` is an `Arc`) or drop it before creating another"
+                ),
+            });
+        }
+        member.claimed = true;
+        *comm.seq.get_mut() = member.next_seq;
+        comm.claimed = true;
+        Ok(comm)
+    }
+
+    /// A communicator that holds no claim on its member (so dropping it releases none):
+    /// [`communicator`](Self::communicator) claims it, tests bypass the claim to check the
+    /// slots' own defence.
+    fn unclaimed(
         &self,
         name: &str,
         ranks: Vec<usize>,
@@ -171,7 +233,7 @@ impl LocalWorld {
                     world: self.inner.clone(),
                     label: group.to_string(),
                     ranks: group.ranks().to_vec(),
-                    state: Mutex::new(GroupState::default()),
+                    state: Mutex::new(GroupState::new(group.size())),
                     changed: Condvar::new(),
                     epoch: AtomicU64::new(0),
                 })
@@ -181,6 +243,7 @@ impl LocalWorld {
             group,
             shared,
             seq: AtomicU64::new(0),
+            claimed: false,
         })
     }
 
@@ -220,28 +283,70 @@ impl LocalWorld {
     }
 }
 
-/// One rank's handle on one group of a [`LocalWorld`].
+/// One rank's handle on one group of a [`LocalWorld`]; its member is claimed until it is
+/// dropped (see [`LocalWorld::communicator`]).
 #[derive(Debug)]
 pub struct LocalCommunicator {
     group: ProcessGroup,
     shared: Arc<GroupShared>,
     seq: AtomicU64,
+    /// Whether this communicator holds its member's claim.
+    claimed: bool,
+}
+
+impl Drop for LocalCommunicator {
+    fn drop(&mut self) {
+        if self.claimed {
+            let mut state = lock(&self.shared.state);
+            state.members[self.group.rank()] = Member {
+                claimed: false,
+                next_seq: *self.seq.get_mut(),
+            };
+        }
+    }
+}
+
+/// Poisons the group if dropped, which [`LocalCommunicator::lend`] lets happen only when
+/// the work panics with the buffer lent: the peers then fail at once instead of waiting
+/// for a release that never comes.
+struct PoisonOnUnwind<'a> {
+    comm: &'a LocalCommunicator,
+    op: &'static str,
+}
+
+impl Drop for PoisonOnUnwind<'_> {
+    fn drop(&mut self) {
+        let comm = self.comm;
+        let mut state = lock(&comm.shared.state);
+        state.poisoned.get_or_insert_with(|| CommError::PeerFailed {
+            group: comm.shared.label.clone(),
+            op: self.op,
+            rank: comm.group.global_rank(),
+            reason: "panicked during the call with its buffer lent to the group (the buffer \
+                     is leaked)"
+                .into(),
+        });
+        comm.shared.notify();
+    }
 }
 
 impl LocalCommunicator {
-    /// Waits until `ready` holds, failing on poison, peer failure, peer exit or timeout.
-    /// `missing` lists the group indices still awaited (for error messages).
+    /// Waits until `ready` holds, failing on poison, peer failure, peer exit or once
+    /// `timeout` has passed since `start`. `missing` lists the group indices still awaited
+    /// (for error messages).
+    #[allow(clippy::too_many_arguments)]
     fn wait<'a>(
         &'a self,
         mut state: MutexGuard<'a, GroupState>,
         op: &'static str,
         seq: u64,
         start: Instant,
+        timeout: Duration,
         ready: impl Fn(&GroupState) -> bool,
         missing: impl Fn(&GroupState) -> Vec<usize>,
     ) -> Result<MutexGuard<'a, GroupState>, CommError> {
         let world = &self.shared.world;
-        let deadline = start + world.timeout;
+        let deadline = Deadline::after(start, timeout);
         let mut spun = false;
         loop {
             if let Some(e) = &state.poisoned {
@@ -272,7 +377,7 @@ impl LocalCommunicator {
             }
             drop(exited);
             let now = Instant::now();
-            if now >= deadline {
+            if deadline.passed(now) {
                 let err = CommError::Timeout {
                     group: self.shared.label.clone(),
                     op,
@@ -288,7 +393,7 @@ impl LocalCommunicator {
                 spun = true;
                 let seen = self.shared.epoch.load(Ordering::Acquire);
                 drop(state);
-                let until = now + SPIN.min(deadline - now);
+                let until = now + SPIN.min(deadline.left(now));
                 while self.shared.epoch.load(Ordering::Acquire) == seen && Instant::now() < until {
                     std::thread::yield_now();
                 }
@@ -302,7 +407,7 @@ impl LocalCommunicator {
             state = self
                 .shared
                 .changed
-                .wait_timeout(state, deadline - Instant::now().min(deadline))
+                .wait_timeout(state, deadline.left(Instant::now()))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
@@ -311,18 +416,19 @@ impl LocalCommunicator {
     /// Contributes `desc` and `input` to call `seq` and waits until every member has.
     /// Returns every member's input, in group order.
     fn arrive(&self, desc: OpDesc, input: Option<Buffer>) -> Result<(u64, Inputs), CommError> {
-        self.arrive_with(desc, input, None)
+        self.arrive_with(desc, input, None, self.shared.world.timeout)
             .map(|(seq, inputs, _)| (seq, inputs))
     }
 
-    /// [`Self::arrive`] lending `lent` too; returns every member's lent buffer as well.
-    /// [`Self::lend`] is the way to lend: it releases the call, and leaks the buffer if
-    /// either fails.
+    /// [`Self::arrive`] lending `lent` too, waiting up to `timeout`; returns every member's
+    /// lent buffer as well. [`Self::lend`] is the way to lend: it releases the call, and
+    /// leaks the buffer if either fails.
     fn arrive_with(
         &self,
         desc: OpDesc,
         input: Option<Buffer>,
         lent: Option<Lent>,
+        timeout: Duration,
     ) -> Result<(u64, Inputs, Vec<Lent>), CommError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let me = self.group.rank();
@@ -333,6 +439,21 @@ impl LocalCommunicator {
             return Err(e.clone());
         }
         let slot = state.slots.entry(seq).or_insert_with(|| Slot::new(n));
+        if slot.descs[me].is_some() {
+            // Only two communicators for one member get here, which the claim prevents;
+            // lending twice into one place would let two threads write one chunk.
+            let err = CommError::Mismatch {
+                group: self.shared.label.clone(),
+                seq,
+                detail: format!(
+                    "global rank {} arrived twice (two communicators for one member)",
+                    self.group.global_rank()
+                ),
+            };
+            state.poisoned = Some(err.clone());
+            self.shared.notify();
+            return Err(err);
+        }
         if slot.descs.iter().flatten().any(|d| *d != desc) {
             slot.descs[me] = Some(desc);
             let detail = slot
@@ -366,6 +487,7 @@ impl LocalCommunicator {
             desc.op,
             seq,
             start,
+            timeout,
             |s| s.slots.get(&seq).is_some_and(|sl| sl.arrived == n),
             |s| missing_members(s.slots.get(&seq).map(|sl| &sl.descs), n),
         )?;
@@ -377,7 +499,8 @@ impl LocalCommunicator {
     /// Lends `buf` for the collective `desc`: once every member has arrived, `work` runs
     /// on every member's lent buffer (in group order), then this member waits until all
     /// have released the call and hands `buf` back. After an error the buffer is leaked,
-    /// since a peer may still be using it, and `buf` is left empty.
+    /// since a peer may still be using it, and `buf` is left empty. If `work` panics the
+    /// buffer is leaked too, and the group poisoned so that the peers fail promptly.
     fn lend(
         &self,
         desc: OpDesc,
@@ -385,24 +508,22 @@ impl LocalCommunicator {
         work: impl FnOnce(&[Lent]),
     ) -> Result<(), CommError> {
         let op = desc.op;
-        let mut owned = std::mem::replace(buf, Buffer::with_capacity(buf.dtype(), 0));
+        // Never dropped here, on an unwind either: only handed back once every member has
+        // released the call.
+        let mut owned = ManuallyDrop::new(std::mem::replace(
+            buf,
+            Buffer::with_capacity(buf.dtype(), 0),
+        ));
         let lent = Lent::of(&mut owned);
+        let unwinding = PoisonOnUnwind { comm: self, op };
         let done = self
-            .arrive_with(desc, None, Some(lent))
+            .arrive_with(desc, None, Some(lent), self.shared.world.timeout)
             .and_then(|(seq, _, lent)| {
                 work(&lent);
                 self.release(seq, op)
             });
-        match done {
-            Ok(()) => {
-                *buf = owned;
-                Ok(())
-            }
-            Err(e) => {
-                std::mem::forget(owned);
-                Err(e)
-            }
-        }
+        std::mem::forget(unwinding);
+        done.map(|()| *buf = ManuallyDrop::into_inner(owned))
     }
 
     /// Reports this member done with the buffers lent for call `seq` and waits until every
@@ -422,6 +543,7 @@ impl LocalCommunicator {
             op,
             seq,
             start,
+            self.shared.world.timeout,
             |s| {
                 s.slots
                     .get(&seq)
@@ -458,3 +580,5 @@ fn missing_members(descs: Option<&Vec<Option<OpDesc>>>, n: usize) -> Vec<usize> 
 }
 
 mod communicator;
+#[cfg(test)]
+mod tests;

@@ -101,9 +101,20 @@ impl MpiCommunicator {
         &self,
         op: &'static str,
         seq: u64,
-        mut requests: Vec<(Vec<usize>, Request<'a, D, S>)>,
+        requests: Vec<(Vec<usize>, Request<'a, D, S>)>,
     ) {
-        let mut watch = Watch::new(&self.world, &self.label, op, seq);
+        self.wait_within(op, seq, requests, self.world.timeout);
+    }
+
+    /// [`Self::wait`] with the deadline `timeout` from now.
+    fn wait_within<'a, D: ?Sized, S: Scope<'a>>(
+        &self,
+        op: &'static str,
+        seq: u64,
+        mut requests: Vec<(Vec<usize>, Request<'a, D, S>)>,
+        timeout: Duration,
+    ) {
+        let mut watch = Watch::within(&self.world, &self.label, op, seq, timeout);
         loop {
             requests = requests
                 .into_iter()
@@ -124,6 +135,16 @@ impl MpiCommunicator {
     /// Swaps headers with every other member and checks they all describe the same call.
     /// Also a barrier: it returns once every member has sent its header.
     fn agree(&self, state: &mut OpState, desc: OpDesc) -> Result<u64, CommError> {
+        self.agree_within(state, desc, self.world.timeout)
+    }
+
+    /// [`Self::agree`] bounded by `timeout`.
+    fn agree_within(
+        &self,
+        state: &mut OpState,
+        desc: OpDesc,
+        timeout: Duration,
+    ) -> Result<u64, CommError> {
         if let Some(e) = &state.poisoned {
             return Err(e.clone());
         }
@@ -144,7 +165,7 @@ impl MpiCommunicator {
                 requests.push((who.clone(), recv));
                 requests.push((who, peer.immediate_send_with_tag(sc, &mine[..], HEADER_TAG)));
             }
-            self.wait(desc.op, seq, requests);
+            self.wait_within(desc.op, seq, requests, timeout);
         });
         if theirs.iter().any(|h| *h != mine) {
             let err = mismatch(&self.label, seq, &self.group, &theirs);
@@ -451,8 +472,12 @@ impl Communicator for MpiCommunicator {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
+        self.barrier_with_timeout(self.world.timeout)
+    }
+
+    fn barrier_with_timeout(&self, timeout: Duration) -> Result<(), CommError> {
         let mut state = lock(&self.ops);
-        let desc = OpDesc::BARRIER;
-        self.agree(&mut state, desc).map(|_| ())
+        self.agree_within(&mut state, OpDesc::BARRIER, timeout)
+            .map(|_| ())
     }
 }

@@ -14,7 +14,9 @@
 //! the group, the op and the missing ranks, and the job ends with `MPI_Abort`. A rank that
 //! finishes tells every other one (a one-byte notice on a communicator of its own), so a
 //! call still waiting for it ends the job within a short grace period instead of at the
-//! timeout.
+//! timeout. `MPI_Comm_create_group` has no deadline either, so the members of a new group
+//! first meet point to point, against the timeout: the blocking creation starts only once
+//! every member is known to be starting it too.
 
 mod communicator;
 
@@ -99,18 +101,32 @@ pub(crate) struct Watch<'a> {
     op: &'static str,
     seq: u64,
     start: Instant,
+    timeout: Duration,
     exit_seen: Option<Instant>,
     backoff: Backoff,
 }
 
 impl<'a> Watch<'a> {
+    /// A wait bounded by the world's timeout.
     pub(crate) fn new(inner: &'a Inner, group: &'a str, op: &'static str, seq: u64) -> Self {
+        Self::within(inner, group, op, seq, inner.timeout)
+    }
+
+    /// A wait bounded by `timeout` (a checkpoint barrier's, say).
+    pub(crate) fn within(
+        inner: &'a Inner,
+        group: &'a str,
+        op: &'static str,
+        seq: u64,
+        timeout: Duration,
+    ) -> Self {
         Self {
             inner,
             group,
             op,
             seq,
             start: Instant::now(),
+            timeout,
             exit_seen: None,
             backoff: Backoff::default(),
         }
@@ -118,7 +134,7 @@ impl<'a> Watch<'a> {
 
     /// One turn of waiting for the global ranks `awaited`.
     pub(crate) fn turn(&mut self, awaited: &[usize]) {
-        if self.start.elapsed() >= self.inner.timeout {
+        if self.start.elapsed() >= self.timeout {
             self.inner.fatal(&CommError::Timeout {
                 group: self.group.to_string(),
                 op: self.op,
@@ -289,7 +305,8 @@ impl World for MpiWorld {
         self.inner.timeout
     }
 
-    /// `MPI_Comm_create_group` over `ranks`, in group order: collective over the members only.
+    /// `MPI_Comm_create_group` over `ranks`, in group order: collective over the members
+    /// only, after they have met within the timeout (see the [module docs](self)).
     fn new_group(
         &self,
         name: &str,
@@ -315,6 +332,7 @@ impl World for MpiWorld {
         let tag = name
             .bytes()
             .fold(7i32, |h, b| (h * 31 + i32::from(b)) & 0x3fff);
+        self.meet(&group, tag)?;
         let comm = world
             .split_by_subgroup_with_tag(&subgroup, tag)
             .ok_or_else(|| invalid("MPI_Comm_create_group gave no communicator".into()))?;
@@ -323,6 +341,67 @@ impl World for MpiWorld {
             group,
             self.inner.clone(),
         )))
+    }
+}
+
+impl MpiWorld {
+    /// Waits, at most the timeout, until every member of `group` is creating it: each sends
+    /// every other a digest of the group's name and ranks on the world communicator (tag
+    /// `0x4000 | tag`; MPI keeps messages of one sender and tag in order, and members
+    /// create their shared groups in the same order), and receives theirs. A member missing
+    /// at the deadline ends the job, naming it; one creating another group is a mismatch.
+    fn meet(&self, group: &ProcessGroup, tag: i32) -> Result<(), CommError> {
+        let inner = &self.inner;
+        let me = inner.rank;
+        let digest = |name: &str, ranks: &[usize]| -> i64 {
+            let mut h = std::hash::DefaultHasher::new();
+            std::hash::Hash::hash(&(name, ranks), &mut h);
+            std::hash::Hasher::finish(&h) as i64
+        };
+        let mine = [digest(group.name(), group.ranks())];
+        let mut theirs = vec![mine; group.size()];
+        let label = group.to_string();
+        scope(|sc| {
+            let mut requests = Vec::new();
+            for (i, slot) in theirs.iter_mut().enumerate() {
+                let r = group.global_rank_of(i);
+                if r == me {
+                    continue;
+                }
+                let peer = inner.world.0.process_at_rank(r as i32);
+                requests.push((
+                    r,
+                    peer.immediate_receive_into_with_tag(sc, &mut slot[..], 0x4000 | tag),
+                ));
+                requests.push((r, peer.immediate_send_with_tag(sc, &mine[..], 0x4000 | tag)));
+            }
+            let mut watch = Watch::new(inner, &label, "new_group", 0);
+            loop {
+                requests = requests
+                    .into_iter()
+                    .filter_map(|(who, r)| r.test().err().map(|r| (who, r)))
+                    .collect();
+                if requests.is_empty() {
+                    break;
+                }
+                let mut awaited: Vec<usize> = requests.iter().map(|(who, _)| *who).collect();
+                awaited.dedup();
+                watch.turn(&awaited);
+            }
+        });
+        match theirs.iter().position(|d| *d != mine) {
+            None => Ok(()),
+            Some(i) => Err(CommError::Mismatch {
+                group: label,
+                seq: 0,
+                detail: format!(
+                    "global rank {} is creating another group than {} at this point (members \
+                     must create their shared groups in the same order)",
+                    group.global_rank_of(i),
+                    group
+                ),
+            }),
+        }
     }
 }
 

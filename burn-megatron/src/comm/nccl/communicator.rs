@@ -159,6 +159,17 @@ impl NcclCommunicator {
     /// Waits for the work enqueued on `link` so far, against the timeout. On a timeout or an
     /// NCCL error the communicator is aborted.
     pub(super) fn wait(&self, link: &Link, op: &'static str, seq: u64) -> Result<(), CommError> {
+        self.wait_within(link, op, seq, self.world.timeout)
+    }
+
+    /// [`Self::wait`] against `timeout` instead of the communicator's.
+    fn wait_within(
+        &self,
+        link: &Link,
+        op: &'static str,
+        seq: u64,
+        timeout: Duration,
+    ) -> Result<(), CommError> {
         let event = link
             .stream
             .record_event(None)
@@ -181,7 +192,7 @@ impl NcclCommunicator {
                 link.comm.abort();
                 return Err(self.engine(op, format!("NCCL reported {status:?}")));
             }
-            if start.elapsed() >= self.world.timeout {
+            if start.elapsed() >= timeout {
                 link.comm.abort();
                 return Err(CommError::Stalled {
                     group: self.label.clone(),
@@ -202,6 +213,17 @@ impl NcclCommunicator {
         desc: OpDesc,
         f: impl FnOnce(u64, sys::ncclComm_t) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
+        self.collective_within(desc, self.world.timeout, f)
+    }
+
+    /// [`Self::collective`] whose header exchange is bounded by `timeout` (what `f` waits
+    /// for is bounded as `f` decides).
+    fn collective_within<R>(
+        &self,
+        desc: OpDesc,
+        timeout: Duration,
+        f: impl FnOnce(u64, sys::ncclComm_t) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
         let mut state = lock(&self.state);
         if let Some(e) = &state.poisoned {
             return Err(e.clone());
@@ -209,7 +231,7 @@ impl NcclCommunicator {
         let seq = state.seq;
         state.seq += 1;
         let _serial = lock(&self.link.lock);
-        let out = self.agree(&desc, seq).and_then(|()| {
+        let out = self.agree(&desc, seq, timeout).and_then(|()| {
             let comm = self.handle(&self.link, desc.op)?;
             f(seq, comm)
         });
@@ -221,7 +243,7 @@ impl NcclCommunicator {
 
     /// All-gathers the members' headers and checks they describe the same call (also a
     /// barrier).
-    fn agree(&self, desc: &OpDesc, seq: u64) -> Result<(), CommError> {
+    fn agree(&self, desc: &OpDesc, seq: u64, timeout: Duration) -> Result<(), CommError> {
         let n = self.group.size();
         if n == 1 {
             return Ok(());
@@ -230,6 +252,7 @@ impl NcclCommunicator {
         let all = self.bytes_op(
             desc.op,
             seq,
+            timeout,
             &i64s_to_bytes(&mine),
             n * HEADER * 8,
             |s, r, c, st| {
@@ -249,10 +272,12 @@ impl NcclCommunicator {
 
     /// Copies `input` to the GPU, runs `enqueue(send, recv, comm, stream)` on the group's
     /// communicator, waits, and returns the `out_len` bytes of `recv`.
+    #[allow(clippy::too_many_arguments)]
     fn bytes_op(
         &self,
         op: &'static str,
         seq: u64,
+        timeout: Duration,
         input: &[u8],
         out_len: usize,
         enqueue: impl FnOnce(u64, u64, sys::ncclComm_t, sys::cudaStream_t) -> NcclResult,
@@ -272,7 +297,7 @@ impl NcclCommunicator {
             let (r, _r) = recv.device_ptr_mut(stream);
             enqueue(s, r, comm, stream.cu_stream() as _).map_err(|e| self.engine(op, e))?;
         }
-        self.wait(&self.link, op, seq)?;
+        self.wait_within(&self.link, op, seq, timeout)?;
         self.to_host(op, stream, &recv, out_len)
     }
 
@@ -305,7 +330,7 @@ impl NcclCommunicator {
     ) -> Result<Vec<u8>, CommError> {
         let op = desc.op;
         self.collective(desc, |seq, _| {
-            self.bytes_op(op, seq, input, out_len, enqueue)
+            self.bytes_op(op, seq, self.world.timeout, input, out_len, enqueue)
         })
     }
 
@@ -557,7 +582,12 @@ impl Communicator for NcclCommunicator {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        self.collective(OpDesc::BARRIER, |_, _| Ok(()))
+        self.barrier_with_timeout(self.world.timeout)
+    }
+
+    /// The header exchange is the barrier; it waits up to `timeout`.
+    fn barrier_with_timeout(&self, timeout: Duration) -> Result<(), CommError> {
+        self.collective_within(OpDesc::BARRIER, timeout, |_, _| Ok(()))
     }
 
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {

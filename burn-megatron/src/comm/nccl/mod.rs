@@ -49,6 +49,10 @@ pub enum Bootstrap {
 pub(crate) struct RawComm {
     pub(crate) comm: sys::ncclComm_t,
     aborted: std::sync::atomic::AtomicBool,
+    /// The device the communicator lives on, made current for its destruction.
+    ctx: Arc<CudaContext>,
+    /// How long dropping it waits for `ncclCommDestroy`.
+    timeout: Duration,
 }
 
 // SAFETY: NCCL communicators may be used from any thread; calls on one are serialised by
@@ -67,11 +71,38 @@ impl RawComm {
 }
 
 impl Drop for RawComm {
+    /// `ncclCommDestroy` waits for the communicator's work with no deadline (a kernel stuck
+    /// on a dead peer never ends), so it runs aside: past the timeout the communicator is
+    /// abandoned, with a warning, and its thread left behind, rather than this drop hanging.
     fn drop(&mut self) {
-        if !*self.aborted.get_mut() {
-            // SAFETY: a live communicator, destroyed once; its streams are idle (every call
-            // waits for its work, pending sends are waited for by their owner's drop).
-            let _ = unsafe { result::comm_destroy(self.comm) };
+        if *self.aborted.get_mut() {
+            return;
+        }
+        let comm = Raw(self.comm);
+        let ctx = self.ctx.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let destroy = move || {
+            let comm = comm.get();
+            let _ = ctx.bind_to_thread();
+            // SAFETY: a live communicator, destroyed once, here; its streams are idle
+            // (every call waits for its work, pending sends are waited for by their owner's
+            // drop).
+            let _ = unsafe { result::comm_destroy(comm) };
+            let _ = tx.send(());
+        };
+        let spawned = std::thread::Builder::new()
+            .name("nccl-destroy".into())
+            .spawn(destroy);
+        let done = match spawned {
+            Ok(_) => rx.recv_timeout(self.timeout).is_ok(),
+            Err(_) => false,
+        };
+        if !done {
+            eprintln!(
+                "burn-megatron: warning: ncclCommDestroy did not complete within {:?}; the \
+                 NCCL communicator is abandoned (its memory stays allocated)",
+                self.timeout
+            );
         }
     }
 }
@@ -201,6 +232,8 @@ impl Inner {
             Ok(Ok(Raw(comm))) => Ok(RawComm {
                 comm,
                 aborted: false.into(),
+                ctx: self.ctx.clone(),
+                timeout: self.timeout,
             }),
             Ok(Err(reason)) => Err(engine(reason)),
             Err(_) => Err(CommError::Stalled {
@@ -277,8 +310,16 @@ impl Inner {
 }
 
 struct Raw(sys::ncclComm_t);
-// SAFETY: a communicator handle moved once from the init thread to its owner.
+// SAFETY: a communicator handle moved once between threads: from the init thread to its
+// owner, from its owner to the thread that destroys it.
 unsafe impl Send for Raw {}
+
+impl Raw {
+    /// The handle (a method, so that a closure moves the whole `Raw`, which is `Send`).
+    fn get(self) -> sys::ncclComm_t {
+        self.0
+    }
+}
 
 impl World for NcclWorld {
     fn size(&self) -> usize {

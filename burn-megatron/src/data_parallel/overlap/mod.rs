@@ -19,6 +19,8 @@
 //! [`ColumnParallelLinear`]: crate::tensor_parallel::ColumnParallelLinear
 //! [`RowParallelLinear`]: crate::tensor_parallel::RowParallelLinear
 
+#[cfg(test)]
+mod join_tests;
 mod ops;
 #[cfg(test)]
 mod tests;
@@ -27,7 +29,7 @@ pub use ops::GradHookOps;
 
 use super::{DataParallelConfig, ShardPlan, bucket_layout};
 use crate::comm::tensor::buffer_to_tensor;
-use crate::comm::{Buffer, Comm, CommError, ReduceOp};
+use crate::comm::{Buffer, Comm, CommError, Deadline, ReduceOp};
 use crate::param_grads::{float_params, put_flat, take_flat};
 use burn::backend::Dispatch;
 use burn::module::{Module, Param, ParamId};
@@ -160,10 +162,11 @@ impl Shared {
             let mut state = self.lock();
             // Bounded like every collective: a rank whose backward stalls (or never calls
             // `finish`) ends with an error instead of a worker waiting forever.
-            let deadline = std::time::Instant::now() + timeout;
+            let deadline = Deadline::from_now(timeout);
             while state.queue.is_empty() && !state.closed {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
-                if left.is_zero() {
+                let now = std::time::Instant::now();
+                let left = deadline.left(now);
+                if deadline.passed(now) {
                     let err = CommError::InvalidArgument {
                         group: self.comm.group().to_string(),
                         op: "overlapped gradient reduction",
@@ -387,8 +390,7 @@ impl OverlapReducer {
         let worker = state.worker.take();
         drop(state);
         if let Some(w) = worker {
-            w.join()
-                .map_err(|_| self.invalid("the reduction worker panicked"))?;
+            self.join_worker(w)?;
         }
         let mut state = self.shared.lock();
         let single = self.shared.comm.group().size() == 1;
@@ -448,6 +450,45 @@ impl OverlapReducer {
 impl crate::pipeline::GradSync for OverlapReducer {
     fn enter(&self, last: bool) -> Box<dyn std::any::Any> {
         Box::new(self.activate(last))
+    }
+}
+
+impl OverlapReducer {
+    /// Waits for the worker to end, bounded: an error once it has finished no bucket for
+    /// the communicator's timeout (each of its collectives is bounded by that, but a
+    /// communicator may not keep its bound). The worker is then closed and left behind.
+    fn join_worker(&self, worker: JoinHandle<()>) -> Result<(), CommError> {
+        let timeout = self.shared.comm.timeout();
+        let reduced = |s: &State| s.buckets.iter().filter(|b| b.result.is_some()).count();
+        let mut state = self.shared.lock();
+        let mut seen = reduced(&state);
+        let mut deadline = Deadline::from_now(timeout);
+        while !worker.is_finished() {
+            let now = std::time::Instant::now();
+            if reduced(&state) > seen {
+                seen = reduced(&state);
+                deadline = Deadline::from_now(timeout);
+            } else if deadline.passed(now) {
+                state.closed = true;
+                self.shared.ready.notify_all();
+                return Err(self.invalid(&format!(
+                    "the reduction worker finished no bucket within {timeout:?}; it is left \
+                     behind"
+                )));
+            }
+            // Its last notice comes just before it ends, so look again shortly after.
+            let nap = deadline.left(now).min(std::time::Duration::from_millis(5));
+            state = self
+                .shared
+                .ready
+                .wait_timeout(state, nap)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(state);
+        worker
+            .join()
+            .map_err(|_| self.invalid("the reduction worker panicked"))
     }
 }
 
