@@ -125,28 +125,30 @@ pub fn read_latest(root: &Path) -> Result<Option<usize>, CheckpointError> {
         .map_err(|e| io(&path, format!("not an iteration number: {e}")))
 }
 
-/// Clears what an interrupted save of `iteration` left behind, and finishes any commit a
-/// crash interrupted: where `iter_X.old` is all that is left of iteration X it is renamed
-/// back, where `iter_X` is in it is deleted. Call it on one rank before the ranks save
-/// (and separate the two by a barrier).
-pub fn begin_checkpoint(root: &Path, iteration: usize) -> Result<(), CheckpointError> {
-    let staging = staging_dir(root, iteration);
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(|e| io(&staging, e))?;
-    }
+/// Clears what interrupted saves left behind (`iter_*.tmp`, never committed), and finishes
+/// any commit a crash interrupted: where `iter_X.old` is all that is left of iteration X it
+/// is renamed back, where `iter_X` is in it is deleted. Call it on one rank before the ranks
+/// save `iteration` (and separate the two by a barrier).
+pub fn begin_checkpoint(root: &Path, _iteration: usize) -> Result<(), CheckpointError> {
     let Ok(entries) = std::fs::read_dir(root) else {
         return Ok(());
     };
-    for aside in entries.filter_map(|e| e.ok().map(|e| e.path())) {
-        let Some(done) = aside
+    for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+        let Some(name) = path
             .file_name()
             .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_suffix(".old"))
-            .filter(|n| n.starts_with("iter_"))
-            .map(|n| root.join(n))
+            .filter(|n| n.starts_with("iter_") && path.is_dir())
         else {
             continue;
         };
+        if name.ends_with(".tmp") {
+            std::fs::remove_dir_all(&path).map_err(|e| io(&path, e))?;
+            continue;
+        }
+        let Some(done) = name.strip_suffix(".old").map(|n| root.join(n)) else {
+            continue;
+        };
+        let aside = path;
         if done.exists() {
             std::fs::remove_dir_all(&aside).map_err(|e| io(&aside, e))?;
         } else {

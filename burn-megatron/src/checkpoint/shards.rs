@@ -12,13 +12,16 @@ fn volume(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |v, &d| v.checked_mul(d))
 }
 
+/// A box as its first index and its end, `[lo, hi)`.
+type Bounds = (Vec<usize>, Vec<usize>);
+
 /// The overlap `[lo, hi)` of the box `src` with `[dst_offset, dst_offset + dst_shape)`, if
 /// any; an error if a bound overflows.
 fn overlap(
     src: &Piece<'_>,
     dst_offset: &[usize],
     dst_shape: &[usize],
-) -> Result<Option<(Vec<usize>, Vec<usize>)>, String> {
+) -> Result<Option<Bounds>, String> {
     let n = dst_shape.len();
     let mut lo = Vec::with_capacity(n);
     let mut hi = Vec::with_capacity(n);
@@ -105,7 +108,7 @@ pub(super) fn assemble(
     }
     let mut out = vec![0u8; size(shape)?];
     let mut covered = 0usize;
-    let mut taken: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+    let mut taken: Vec<Bounds> = Vec::new();
     for p in pieces {
         if p.offset.len() != shape.len() || p.shape.len() != shape.len() {
             return Err(format!(
@@ -125,8 +128,7 @@ pub(super) fn assemble(
         let Some((lo, hi)) = overlap(p, offset, shape)? else {
             continue;
         };
-        let meets =
-            |(l, h): &(Vec<usize>, Vec<usize>)| (0..lo.len()).all(|d| lo[d] < h[d] && l[d] < hi[d]);
+        let meets = |(l, h): &Bounds| (0..lo.len()).all(|d| lo[d] < h[d] && l[d] < hi[d]);
         if taken.iter().any(meets) {
             return Err(format!(
                 "the shards at offset {:?} and another overlap: a hole could hide behind them",
