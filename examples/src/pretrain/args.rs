@@ -198,7 +198,8 @@ pub struct Args {
     /// Save checkpoints under this directory.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Resume from the latest checkpoint under this directory, saved at any layout.
+    /// Resume from the newest checkpoint under this directory that verifies (at or before
+    /// `latest_checkpointed_iteration.txt`), saved at any layout.
     #[arg(long)]
     pub load: Option<PathBuf>,
     /// With --load, the iteration to load (Megatron's flag); an error if it does not
@@ -425,7 +426,7 @@ impl Args {
     }
 
     /// The checkpoint to load: `--ckpt-step`'s, or the newest under `dir` that verifies.
-    pub fn checkpoint_to_load(&self, dir: &std::path::Path) -> Result<usize, String> {
+    fn checkpoint_to_load(&self, dir: &std::path::Path) -> Result<usize, String> {
         if let Some(step) = self.ckpt_step {
             return Ok(step);
         }
@@ -443,7 +444,7 @@ impl Args {
     fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
         let iteration = self.checkpoint_to_load(dir)?;
         let index = CheckpointIndex::read(&committed_dir(dir, iteration))
-            .map_err(|e| format!("--load {} --ckpt-step {iteration}: {e}", dir.display()))?;
+            .map_err(|e| format!("--load {} (iteration {iteration}): {e}", dir.display()))?;
         if self.no_load_optim {
             return Ok(());
         }

@@ -182,7 +182,11 @@ fn checkpoint_to_load(
         };
     }
     // -1: rank 0 found none; every rank then stops with its own error.
-    let mut buf = Buffer::I64(vec![chosen.as_ref().map_or(-1, |&i| i as i64)]);
+    let mut buf = Buffer::I64(vec![
+        chosen
+            .as_ref()
+            .map_or(-1, |&i| i64::try_from(i).unwrap_or(-1)),
+    ]);
     ctx.groups
         .world
         .broadcast(&mut buf, 0)
@@ -190,9 +194,10 @@ fn checkpoint_to_load(
     let Buffer::I64(v) = buf else {
         unreachable!("an i64 broadcast stays i64")
     };
-    match usize::try_from(v[0]) {
-        Ok(iteration) => Ok(iteration),
-        Err(_) => chosen.map(|_| 0),
+    match (usize::try_from(v[0]), chosen) {
+        (Ok(iteration), _) => Ok(iteration),
+        (Err(_), Err(e)) => Err(e),
+        (Err(_), Ok(i)) => Err(format!("iteration {i} does not fit an i64")),
     }
 }
 
