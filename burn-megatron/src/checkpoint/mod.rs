@@ -15,8 +15,8 @@
 //! [`commit_checkpoint`] (one rank, once all have written) checks that every rank's index
 //! is there, seals the indexes in a `metadata.json` (their sizes and CRC-32s), renames the
 //! directory and then `latest`, every file and directory synced on the way (see `commit.rs`
-//! for the steps). A crash or power loss at any step leaves the previous checkpoint
-//! `latest` and whole. On load the indexes are checked against the metadata and each other,
+//! for the steps). A crash or power loss at any step leaves `latest` naming a whole
+//! checkpoint: the previous one, or once its rename is on disk, this one. On load the indexes are checked against the metadata and each other,
 //! and every file against its index, so a truncated, corrupted, edited or foreign file, a
 //! missing shard or a shape that does not fit is an error naming it;
 //! [`latest_loadable_checkpoint`] falls back to the newest checkpoint that verifies.
