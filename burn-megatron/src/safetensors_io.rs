@@ -64,5 +64,27 @@ pub(crate) fn write(
             Ok((name.clone(), view))
         })
         .collect::<Result<Vec<_>, String>>()?;
-    safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| e.to_string())
+    safetensors::serialize_to_file(views, Some(metadata), path).map_err(|e| e.to_string())?;
+    // Streamed to the file (no second copy in memory), then flushed to the disk.
+    sync(path)
+}
+
+/// Waits until the file or directory at `path` is on disk (`fsync`). For a directory that
+/// is its entries: the names of files created or renamed in it.
+pub(crate) fn sync(path: &Path) -> Result<(), String> {
+    // Windows cannot open a directory as a file to sync it; there the rename is all we have.
+    if cfg!(not(unix)) && path.is_dir() {
+        return Ok(());
+    }
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    file.sync_all().map_err(|e| format!("fsync: {e}"))
+}
+
+/// Writes `bytes` to `path` and waits until they are on disk (`fsync`), so that a power loss
+/// after a checkpoint names this file cannot leave it empty or short.
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path).map_err(|e| e.to_string())?;
+    file.write_all(bytes).map_err(|e| e.to_string())?;
+    file.sync_all().map_err(|e| format!("fsync: {e}"))
 }

@@ -1,13 +1,16 @@
 //! Checkpoints that load at any layout: a run saved at TP 2 × PP 2 at iteration 10 resumes at
 //! other tensor, pipeline (interleaved too) and data-parallel sizes (with and without the
 //! distributed optimizer)
-//! and continues the uninterrupted run's losses.
+//! and continues the uninterrupted run's losses; and a run killed at any step of a save
+//! resumes the last complete checkpoint exactly.
 
 mod common;
 
-use burn_megatron::checkpoint::{CheckpointIndex, iteration_dir};
-use burn_megatron_examples::pretrain::{IterationLog, run};
-use common::{args, assert_same_iterations, tmp};
+use burn_megatron::checkpoint::{
+    CRASH_AT, CheckpointIndex, iteration_dir, read_latest, verify_checkpoint,
+};
+use burn_megatron_examples::pretrain::{IterationLog, read_log_json, run};
+use common::{args, argv, assert_same_iterations, binary, tmp};
 use std::path::Path;
 
 /// Four layers and four heads (so TP 4 and PP 4 fit), dropout off, a vocabulary padded to
@@ -240,5 +243,145 @@ fn every_optimizer_state_reshards_exactly_across_layouts() {
         let bound = if *bf16 { 2e-3 } else { 2e-6 };
         assert!(*worst < bound, "{what}: {worst}");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The binary killed (SIGKILL, through the checkpoint code's test hook) at each step of the
+/// save protocol of iteration 4 leaves a directory from which `--load` resumes the last
+/// complete checkpoint and continues the uninterrupted run bit for bit. A re-save of an
+/// iteration `latest` names, killed once the old copy is renamed aside, resumes from that
+/// copy.
+#[test]
+fn a_run_killed_at_any_step_of_a_save_resumes_exactly() {
+    let bin = binary();
+    let dir = tmp("crash");
+    let base = [
+        "--world-size",
+        "2",
+        "--train-iters",
+        "6",
+        "--eval-interval",
+        "0",
+        "--save-interval",
+        "2",
+        "--log-interval",
+        "1",
+    ];
+    let launch = |ckpt: &Path, extra: &[&str], crash: Option<&str>| {
+        let log = dir.join("log.jsonl");
+        let _ = std::fs::remove_file(&log);
+        let (c, l) = (ckpt.to_str().unwrap(), log.to_str().unwrap());
+        let all = argv(
+            &[&base[..], &["--save", c, "--log-json", l], extra].concat(),
+            &dir,
+        );
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(&all[1..]).env_remove(CRASH_AT);
+        if let Some(point) = crash {
+            cmd.env(CRASH_AT, point);
+        }
+        let out = cmd.output().unwrap();
+        (out, log)
+    };
+    let finished = |out: &std::process::Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let killed = |out: &std::process::Output, point: &str| {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(9), "{point}: {:?}", out.status);
+    };
+    let resume_and_compare = |ckpt: &Path, from: usize, reference: &[IterationLog], what: &str| {
+        let (out, log) = launch(ckpt, &["--load", ckpt.to_str().unwrap()], None);
+        finished(&out);
+        let resumed = read_log_json(&log).unwrap();
+        assert_eq!(
+            resumed.first().map(|e| e.iteration),
+            Some(from + 1),
+            "{what}"
+        );
+        assert_same_iterations(&resumed, &reference[from..]);
+        // The resumed run's own saves completed: every checkpoint verifies, none is aside.
+        assert_eq!(read_latest(ckpt).unwrap(), Some(6), "{what}");
+        for it in [2, 4, 6] {
+            verify_checkpoint(ckpt, it).unwrap();
+        }
+        let left: Vec<String> = std::fs::read_dir(ckpt)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.ends_with(".old") || n.ends_with(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "{what}: {left:?}");
+    };
+    let reference_ckpt = dir.join("reference");
+    let (out, log) = launch(&reference_ckpt, &[], None);
+    finished(&out);
+    let reference = read_log_json(&log).unwrap();
+    assert_eq!(reference.len(), 6);
+    // Killed before `latest` names iteration 4, the run resumes from 2; after, from 4.
+    for (point, from) in [
+        ("shard", 2),
+        ("saved", 2),
+        ("sealed", 2),
+        ("renamed", 2),
+        ("latest", 2),
+        ("committed", 4),
+    ] {
+        let ckpt = dir.join(point);
+        let (out, _) = launch(&ckpt, &[], Some(&format!("{point}@4")));
+        killed(&out, point);
+        assert_eq!(read_latest(&ckpt).unwrap(), Some(from), "{point}");
+        resume_and_compare(&ckpt, from, &reference, point);
+    }
+    // Iteration 4 re-saved while `latest` names it (a run restarted at --ckpt-step 2),
+    // killed with the old copy renamed aside: only `iter_0000004.old` holds iteration 4.
+    std::fs::write(
+        reference_ckpt.join("latest_checkpointed_iteration.txt"),
+        "4",
+    )
+    .unwrap();
+    let c = reference_ckpt.to_str().unwrap();
+    let (out, _) = launch(
+        &reference_ckpt,
+        &["--load", c, "--ckpt-step", "2"],
+        Some("aside@4"),
+    );
+    killed(&out, "aside");
+    assert!(!iteration_dir(&reference_ckpt, 4).exists());
+    resume_and_compare(&reference_ckpt, 4, &reference, "aside");
+    // A newest checkpoint that does not verify: `--load` falls back to the one before,
+    // naming what failed; `--ckpt-step` to it is an error.
+    let shard = iteration_dir(&reference_ckpt, 6).join("mp_rank_01/model.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&shard, bytes).unwrap();
+    let e = run(&args(
+        &[&base[..], &["--load", c, "--ckpt-step", "6"]].concat(),
+        &dir,
+    ))
+    .unwrap_err();
+    assert!(
+        e.contains("mp_rank_01/model.safetensors") && e.contains("corrupted"),
+        "{e}"
+    );
+    std::fs::write(
+        reference_ckpt.join("latest_checkpointed_iteration.txt"),
+        "6",
+    )
+    .unwrap();
+    let (out, log) = launch(&reference_ckpt, &["--load", c], None);
+    finished(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("checkpoint iteration 6 does not verify")
+            && stderr.contains("model.safetensors"),
+        "{stderr}"
+    );
+    assert_same_iterations(&read_log_json(&log).unwrap(), &reference[4..]);
+    verify_checkpoint(&reference_ckpt, 6).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }

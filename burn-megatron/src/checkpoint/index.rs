@@ -2,7 +2,7 @@
 //! saved at, every tensor with its global name, global shape and offset, every file with its
 //! size and CRC-32), and the files read back through it, checked.
 
-use super::{CheckpointError, io};
+use super::{CheckpointError, check, io};
 use crate::optimizer::GradScalerState;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -108,6 +108,24 @@ pub struct RankIndex {
     pub optimizer_scalars: BTreeMap<String, BTreeMap<String, serde_json::Value>>,
 }
 
+/// `metadata.json`: written into an iteration directory when it is committed, after every
+/// rank's index. It seals each rank's `index.json` (size and CRC-32), so an index that was
+/// edited, truncated or replaced after the commit is refused, and its presence marks a
+/// directory whose save finished (Megatron's `dist_checkpointing` writes its metadata at
+/// the same point).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CommitMetadata {
+    /// [`FORMAT`].
+    pub format: String,
+    /// The iteration committed.
+    pub iteration: usize,
+    /// Each rank directory's `index.json` by directory name.
+    pub indexes: BTreeMap<String, FileEntry>,
+}
+
+/// The name of [`CommitMetadata`]'s file in an iteration directory.
+pub const METADATA: &str = "metadata.json";
+
 /// A checkpoint iteration directory, read: every rank's index, and its files on demand.
 #[derive(Debug)]
 pub struct CheckpointIndex {
@@ -118,27 +136,123 @@ pub struct CheckpointIndex {
 }
 
 impl CheckpointIndex {
-    /// Reads every `mp_rank_*/index.json` of the iteration directory `dir`.
+    /// Reads the committed iteration directory `dir`: its `metadata.json`, then every
+    /// `mp_rank_*/index.json` it seals, checked against it and against each other (every
+    /// model-parallel rank present once, one training state, every tensor covered exactly
+    /// once by shards inside its global shape).
     pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        let path = dir.join(METADATA);
+        let bytes = std::fs::read(&path).map_err(|e| {
+            io(
+                &path,
+                format!("{e}: not a committed checkpoint (its save did not finish, or an older version wrote it)"),
+            )
+        })?;
+        let meta: CommitMetadata = serde_json::from_slice(&bytes)
+            .map_err(|e| io(&path, format!("not a checkpoint's metadata: {e}")))?;
+        if meta.format != FORMAT {
+            return Err(io(
+                &path,
+                format!("format {:?}, this version reads {FORMAT:?}", meta.format),
+            ));
+        }
+        let (index, _) = Self::read_ranks(dir, Some(&meta.indexes))?;
+        if index.state().iteration != meta.iteration {
+            return Err(io(
+                &path,
+                format!(
+                    "iteration {}, the indexes say {}",
+                    meta.iteration,
+                    index.state().iteration
+                ),
+            ));
+        }
+        Ok(index)
+    }
+
+    /// Reads a staged (not yet committed) directory; returns it with each index's size and
+    /// CRC-32, for its `metadata.json`.
+    pub(super) fn read_staged(
+        dir: &Path,
+    ) -> Result<(Self, BTreeMap<String, FileEntry>), CheckpointError> {
+        Self::read_ranks(dir, None)
+    }
+
+    fn read_ranks(
+        dir: &Path,
+        sealed: Option<&BTreeMap<String, FileEntry>>,
+    ) -> Result<(Self, BTreeMap<String, FileEntry>), CheckpointError> {
         let entries = std::fs::read_dir(dir).map_err(|e| io(dir, format!("no checkpoint: {e}")))?;
-        let mut rank_dirs: Vec<PathBuf> = entries
+        let mut rank_dirs: Vec<(String, PathBuf)> = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.is_dir()
-                    && p.file_name()
-                        .and_then(|n| n.to_str())
-                        .is_some_and(|n| n.starts_with("mp_rank_"))
+            .filter_map(|p| {
+                let name = p.file_name()?.to_str()?.to_string();
+                (p.is_dir() && name.starts_with("mp_rank_")).then_some((name, p))
             })
             .collect();
         rank_dirs.sort();
         if rank_dirs.is_empty() {
             return Err(io(dir, "no mp_rank_* directory: not a checkpoint"));
         }
+        if let Some(sealed) = sealed {
+            if let Some(name) = sealed
+                .keys()
+                .find(|n| !rank_dirs.iter().any(|(d, _)| d == *n))
+            {
+                return Err(io(
+                    &dir.join(name),
+                    "missing, though metadata.json lists it: a shard is missing",
+                ));
+            }
+            if let Some((_, d)) = rank_dirs.iter().find(|(n, _)| !sealed.contains_key(n)) {
+                return Err(io(
+                    d,
+                    "not listed in metadata.json: a foreign rank directory",
+                ));
+            }
+        }
         let mut ranks = Vec::new();
-        for d in rank_dirs {
+        let mut seals = BTreeMap::new();
+        for (name, d) in rank_dirs {
             let path = d.join("index.json");
-            let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
-            let index: RankIndex = serde_json::from_str(&text)
+            let missing = |e: std::io::Error| {
+                let why = if e.kind() == std::io::ErrorKind::NotFound {
+                    "missing: this rank's save did not finish".to_string()
+                } else {
+                    e.to_string()
+                };
+                io(&path, why)
+            };
+            let len = std::fs::metadata(&path).map_err(missing)?.len();
+            if let Some(seal) = sealed.and_then(|s| s.get(&name))
+                && len != seal.bytes
+            {
+                // Checked before reading, so a huge file is never read in.
+                return Err(io(
+                    &path,
+                    format!(
+                        "{len} bytes, metadata.json says {}: truncated or replaced",
+                        seal.bytes
+                    ),
+                ));
+            }
+            let bytes = std::fs::read(&path).map_err(missing)?;
+            let seal = FileEntry {
+                bytes: bytes.len() as u64,
+                crc32: crc32fast::hash(&bytes),
+            };
+            if let Some(expected) = sealed.and_then(|s| s.get(&name))
+                && *expected != seal
+            {
+                return Err(io(
+                    &path,
+                    format!(
+                        "CRC-32 {:08x}, metadata.json says {:08x}: the index is corrupted or was edited",
+                        seal.crc32, expected.crc32
+                    ),
+                ));
+            }
+            let index: RankIndex = serde_json::from_slice(&bytes)
                 .map_err(|e| io(&path, format!("not a checkpoint index: {e}")))?;
             if index.format != FORMAT {
                 return Err(io(
@@ -146,33 +260,18 @@ impl CheckpointIndex {
                     format!("format {:?}, this version reads {FORMAT:?}", index.format),
                 ));
             }
+            seals.insert(name, seal);
             ranks.push((d, index));
         }
-        let first = ranks[0].1.layout;
-        if let Some((d, other)) = ranks.iter().find(|(_, r)| r.layout != first) {
-            return Err(io(
-                d,
-                format!("saved at {}, the other ranks at {first}", other.layout),
-            ));
-        }
-        let (tp, pp) = (
-            first.tensor_model_parallel_size,
-            first.pipeline_model_parallel_size,
-        );
-        if ranks.len() != tp * pp {
-            return Err(io(
-                dir,
-                format!(
-                    "{} rank directories, but the layout {first} has {} model-parallel ranks: a shard is missing",
-                    ranks.len(),
-                    tp * pp
-                ),
-            ));
-        }
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            ranks,
-        })
+        check::ranks(dir, &ranks)?;
+        check::tensors(&ranks)?;
+        Ok((
+            Self {
+                dir: dir.to_path_buf(),
+                ranks,
+            },
+            seals,
+        ))
     }
 
     /// The layout saved at.
@@ -239,16 +338,20 @@ impl CheckpointIndex {
             .files
             .get(file)
             .ok_or_else(|| io(&path, "not listed in the rank's index"))?;
-        let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
-        if bytes.len() as u64 != expected.bytes {
+        // The size first, so that a file larger than the index says is never read in.
+        let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
+        if len != expected.bytes {
             return Err(io(
                 &path,
                 format!(
-                    "{} bytes, the index says {}: truncated or replaced",
-                    bytes.len(),
+                    "{len} bytes, the index says {}: truncated or replaced",
                     expected.bytes
                 ),
             ));
+        }
+        let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+        if bytes.len() as u64 != expected.bytes {
+            return Err(io(&path, "changed while it was read"));
         }
         let crc = crc32fast::hash(&bytes);
         if crc != expected.crc32 {

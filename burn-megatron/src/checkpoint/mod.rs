@@ -11,29 +11,43 @@
 //! rank 0), a tied one by its first copy. Loading reads, for each of the new layout's
 //! parameters, whatever saved shards overlap its slice.
 //!
-//! A save is atomic: every rank writes into `iter_0000100.tmp/`, and [`commit_checkpoint`]
-//! (one rank, once all have written) checks that every rank's index is there, renames the
-//! directory and then `latest` — a crash before leaves the previous checkpoint `latest` and
-//! whole. On load every file is checked against its index, so a truncated, corrupted or
-//! foreign file, a missing shard or a shape that does not fit is an error naming it.
+//! A save is atomic and durable: every rank writes into `iter_0000100.tmp/`, and
+//! [`commit_checkpoint`] (one rank, once all have written) checks that every rank's index
+//! is there, seals the indexes in a `metadata.json` (their sizes and CRC-32s), renames the
+//! directory and then `latest`, every file and directory synced on the way (see `commit.rs`
+//! for the steps). A crash or power loss at any step leaves `latest` naming a whole
+//! checkpoint: the previous one, or once its rename is on disk, this one. On load the indexes are checked against the metadata and each other,
+//! and every file against its index, so a truncated, corrupted, edited or foreign file, a
+//! missing shard or a shape that does not fit is an error naming it;
+//! [`latest_loadable_checkpoint`] falls back to the newest checkpoint that verifies.
 //!
 //! The optimizer's state follows, whichever the optimizer: the fused Adam's buffers (with or
 //! without the distributed optimizer) and a burn-optim optimizer's record (its per-parameter
 //! tensors as `optim.{field}` sets, its scalars in the index) are stored by global name too.
 
 mod burn_optim;
+mod check;
+mod commit;
+mod find;
 mod index;
 mod layout;
 mod read;
 mod shards;
 mod tensors;
 
+pub use commit::{
+    CRASH_AT, begin_checkpoint, commit_checkpoint, committed_dir, crash_point, iteration_dir,
+    read_latest,
+};
+pub use find::{LoadableCheckpoint, latest_loadable_checkpoint, verify_checkpoint};
 pub use index::{
-    CheckpointIndex, FORMAT, FileEntry, RankIndex, SavedLayout, TensorEntry, TrainingState,
+    CheckpointIndex, CommitMetadata, FORMAT, FileEntry, METADATA, RankIndex, SavedLayout,
+    TensorEntry, TrainingState,
 };
 
 use crate::optimizer::{Buffer, MegatronOptimizer, OptimizerError};
 use burn::module::Module;
+use commit::{staging_dir, synced, write_atomic};
 use index::file_entry;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -87,57 +101,12 @@ impl CheckpointRank<'_> {
     }
 
     fn dir_name(&self) -> String {
-        let tp = self.tensor_model_parallel_rank;
-        match self.layout.pipeline_model_parallel_size {
-            1 => format!("mp_rank_{tp:02}"),
-            _ => format!("mp_rank_{tp:02}_{:03}", self.pipeline_model_parallel_rank),
-        }
+        check::rank_dir_name(
+            self.tensor_model_parallel_rank,
+            self.pipeline_model_parallel_rank,
+            self.layout.pipeline_model_parallel_size,
+        )
     }
-}
-
-/// `ROOT/iter_{iteration:07}`.
-///
-/// ```
-/// use burn_megatron::checkpoint::iteration_dir;
-/// use std::path::Path;
-/// assert_eq!(iteration_dir(Path::new("ckpt"), 5), Path::new("ckpt/iter_0000005"));
-/// ```
-pub fn iteration_dir(root: &Path, iteration: usize) -> PathBuf {
-    root.join(format!("iter_{iteration:07}"))
-}
-
-fn staging_dir(root: &Path, iteration: usize) -> PathBuf {
-    root.join(format!("iter_{iteration:07}.tmp"))
-}
-
-/// Writes `text` to `path` atomically (a temporary name, then a rename).
-fn write_atomic(path: &Path, text: &str) -> Result<(), CheckpointError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
-}
-
-/// The newest committed checkpoint under `root`, if any.
-pub fn read_latest(root: &Path) -> Result<Option<usize>, CheckpointError> {
-    let path = root.join("latest_checkpointed_iteration.txt");
-    if !path.exists() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
-    text.trim()
-        .parse()
-        .map(Some)
-        .map_err(|e| io(&path, format!("not an iteration number: {e}")))
-}
-
-/// Clears what an interrupted save of `iteration` left behind. Call it on one rank before
-/// the ranks save (and separate the two by a barrier).
-pub fn begin_checkpoint(root: &Path, iteration: usize) -> Result<(), CheckpointError> {
-    let staging = staging_dir(root, iteration);
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(|e| io(&staging, e))?;
-    }
-    Ok(())
 }
 
 /// Writes this rank's part of iteration `iteration` under `root` (staged until
@@ -175,6 +144,7 @@ pub fn save_checkpoint<M: Module + Clone>(
         "model.safetensors",
         &collect(model, names, tp, false),
     )?;
+    commit::crash_point("shard", iteration);
     let (record, master) = burn_state.unzip();
     if let Some(master) = master.flatten() {
         let tensors = collect(&master, names, tp, true);
@@ -220,36 +190,9 @@ pub fn save_checkpoint<M: Module + Clone>(
     let path = dir.join("index.json");
     let text = serde_json::to_string_pretty(&index).map_err(|e| io(&path, e))?;
     // The index last: a rank directory without one is a save that did not finish.
-    write_atomic(&path, &text)
-}
-
-/// Makes iteration `iteration` under `root` the newest checkpoint, once every rank has
-/// saved (one rank calls it, after a barrier): every model-parallel rank's index must be
-/// there, then the directory is renamed and `latest_checkpointed_iteration.txt` updated.
-pub fn commit_checkpoint(root: &Path, iteration: usize) -> Result<(), CheckpointError> {
-    let staging = staging_dir(root, iteration);
-    let index = CheckpointIndex::read(&staging)?;
-    for (dir, rank) in &index.ranks {
-        for (file, entry) in &rank.files {
-            let path = dir.join(file);
-            let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
-            if len != entry.bytes {
-                return Err(io(
-                    &path,
-                    format!("{len} bytes, the index says {}", entry.bytes),
-                ));
-            }
-        }
-    }
-    let done = iteration_dir(root, iteration);
-    if done.exists() {
-        std::fs::remove_dir_all(&done).map_err(|e| io(&done, e))?;
-    }
-    std::fs::rename(&staging, &done).map_err(|e| io(&done, e))?;
-    write_atomic(
-        &root.join("latest_checkpointed_iteration.txt"),
-        &iteration.to_string(),
-    )
+    write_atomic(&path, &text, None)?;
+    // The files' names in the rank directory.
+    synced(&dir)
 }
 
 /// What [`load_checkpoint`] restores.
@@ -278,7 +221,7 @@ pub fn load_checkpoint<M: Module + Clone>(
     make_optimizer: impl FnOnce(&M) -> Result<MegatronOptimizer<M>, OptimizerError>,
     load_optimizer: bool,
 ) -> Result<Restored<M>, CheckpointError> {
-    let index = CheckpointIndex::read(&iteration_dir(root, iteration))?;
+    let index = CheckpointIndex::read(&committed_dir(root, iteration))?;
     let saved = index.layout();
     let same_model_layout = (
         saved.tensor_model_parallel_size,
@@ -399,5 +342,9 @@ impl CheckpointRank<'_> {
     }
 }
 
+#[cfg(test)]
+mod durability_tests;
+#[cfg(test)]
+mod fuzz_tests;
 #[cfg(test)]
 mod tests;

@@ -8,30 +8,48 @@ pub(super) struct Piece<'a> {
     pub(super) bytes: &'a [u8],
 }
 
-fn volume(shape: &[usize]) -> usize {
-    shape.iter().product()
+fn volume(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |v, &d| v.checked_mul(d))
 }
 
-/// Copies the overlap of `src` into `dst` (both boxes of the same global tensor, `elem`
-/// bytes per element); returns the elements copied.
+/// A box as its first index and its end, `[lo, hi)`.
+type Bounds = (Vec<usize>, Vec<usize>);
+
+/// The overlap `[lo, hi)` of the box `src` with `[dst_offset, dst_offset + dst_shape)`, if
+/// any; an error if a bound overflows.
+fn overlap(
+    src: &Piece<'_>,
+    dst_offset: &[usize],
+    dst_shape: &[usize],
+) -> Result<Option<Bounds>, String> {
+    let n = dst_shape.len();
+    let mut lo = Vec::with_capacity(n);
+    let mut hi = Vec::with_capacity(n);
+    for d in 0..n {
+        let end = |o: usize, s: usize| {
+            o.checked_add(s)
+                .ok_or_else(|| format!("offset {o} + {s} overflows"))
+        };
+        lo.push(src.offset[d].max(dst_offset[d]));
+        hi.push(end(src.offset[d], src.shape[d])?.min(end(dst_offset[d], dst_shape[d])?));
+    }
+    Ok((0..n).all(|d| lo[d] < hi[d]).then_some((lo, hi)))
+}
+
+/// Copies the overlap `[lo, hi)` of `src` into `dst` (both boxes of the same global tensor,
+/// `elem` bytes per element; the sizes were checked by [`assemble`]).
 fn copy_overlap(
     src: &Piece<'_>,
+    (lo, hi): (&[usize], &[usize]),
     dst_offset: &[usize],
     dst_shape: &[usize],
     dst: &mut [u8],
     elem: usize,
-) -> usize {
+) {
     let n = dst_shape.len();
-    let lo: Vec<usize> = (0..n).map(|d| src.offset[d].max(dst_offset[d])).collect();
-    let hi: Vec<usize> = (0..n)
-        .map(|d| (src.offset[d] + src.shape[d]).min(dst_offset[d] + dst_shape[d]))
-        .collect();
-    if (0..n).any(|d| lo[d] >= hi[d]) {
-        return 0;
-    }
     if n == 0 {
         dst[..elem].copy_from_slice(&src.bytes[..elem]);
-        return 1;
+        return;
     }
     let strides = |shape: &[usize]| -> Vec<usize> {
         let mut s = vec![1; n];
@@ -44,7 +62,6 @@ fn copy_overlap(
     let run = hi[n - 1] - lo[n - 1];
     // Every index of the overlap but the last dimension's, in row-major order.
     let mut at: Vec<usize> = lo[..n - 1].to_vec();
-    let mut copied = 0;
     loop {
         let index = |offset: &[usize], strides: &[usize]| -> usize {
             let mut i = 0;
@@ -55,12 +72,11 @@ fn copy_overlap(
         };
         let (s, t) = (index(src.offset, &ss) * elem, index(dst_offset, &ds) * elem);
         dst[t..t + run * elem].copy_from_slice(&src.bytes[s..s + run * elem]);
-        copied += run;
         // The next index, last dimension first.
         let mut d = n - 1;
         loop {
             if d == 0 {
-                return copied;
+                return;
             }
             d -= 1;
             at[d] += 1;
@@ -72,16 +88,27 @@ fn copy_overlap(
     }
 }
 
-/// The box `[offset, offset + shape)` assembled from `pieces` (non-overlapping boxes of the
-/// same tensor, `elem` bytes per element), or why it cannot be.
+/// The box `[offset, offset + shape)` assembled from `pieces` (disjoint boxes of the same
+/// tensor, `elem` bytes per element), or why it cannot be: pieces that overlap within the
+/// box are refused, so the count of elements copied is the box's only when every element
+/// came from a piece.
 pub(super) fn assemble(
     offset: &[usize],
     shape: &[usize],
     pieces: &[Piece<'_>],
     elem: usize,
 ) -> Result<Vec<u8>, String> {
-    let mut out = vec![0u8; volume(shape) * elem];
-    let mut covered = 0;
+    let size = |shape: &[usize]| {
+        volume(shape)
+            .and_then(|v| v.checked_mul(elem))
+            .ok_or_else(|| format!("a box of shape {shape:?} overflows"))
+    };
+    if offset.len() != shape.len() {
+        return Err(format!("offset {offset:?} for a box of shape {shape:?}"));
+    }
+    let mut out = vec![0u8; size(shape)?];
+    let mut covered = 0usize;
+    let mut taken: Vec<Bounds> = Vec::new();
     for p in pieces {
         if p.offset.len() != shape.len() || p.shape.len() != shape.len() {
             return Err(format!(
@@ -90,20 +117,33 @@ pub(super) fn assemble(
                 shape.len()
             ));
         }
-        if p.bytes.len() != volume(p.shape) * elem {
+        let bytes = size(p.shape)?;
+        if p.bytes.len() != bytes {
             return Err(format!(
-                "a shard of shape {:?} holds {} bytes, not {}",
+                "a shard of shape {:?} holds {} bytes, not {bytes}",
                 p.shape,
                 p.bytes.len(),
-                volume(p.shape) * elem
             ));
         }
-        covered += copy_overlap(p, offset, shape, &mut out, elem);
+        let Some((lo, hi)) = overlap(p, offset, shape)? else {
+            continue;
+        };
+        let meets = |(l, h): &Bounds| (0..lo.len()).all(|d| lo[d] < h[d] && l[d] < hi[d]);
+        if taken.iter().any(meets) {
+            return Err(format!(
+                "the shards at offset {:?} and another overlap: a hole could hide behind them",
+                p.offset
+            ));
+        }
+        copy_overlap(p, (&lo, &hi), offset, shape, &mut out, elem);
+        let run: Vec<usize> = (0..lo.len()).map(|d| hi[d] - lo[d]).collect();
+        covered += volume(&run).unwrap_or(0);
+        taken.push((lo, hi));
     }
-    if covered != volume(shape) {
+    let want = volume(shape).unwrap_or(0);
+    if covered != want {
         return Err(format!(
-            "the saved shards cover {covered} of the {} elements at offset {offset:?}, shape {shape:?}: a shard is missing",
-            volume(shape)
+            "the saved shards cover {covered} of the {want} elements at offset {offset:?}, shape {shape:?}: a shard is missing",
         ));
     }
     Ok(out)
@@ -178,5 +218,36 @@ mod tests {
         assert!(e.contains("holds 5 bytes, not 12"), "{e}");
         let e = assemble(&[0], &[12], &only_left, 1).unwrap_err();
         assert!(e.contains("rank 2 for a tensor of rank 1"), "{e}");
+    }
+
+    /// Two overlapping halves copy 12 + 12 elements of a 4 × 6 box, yet leave a column
+    /// empty: counting alone would call it covered.
+    #[test]
+    fn overlapping_shards_cannot_hide_a_hole() {
+        let part: Vec<u8> = vec![1; 12];
+        let overlapping = [
+            Piece {
+                offset: &[0, 0],
+                shape: &[4, 3],
+                bytes: &part,
+            },
+            Piece {
+                offset: &[0, 2],
+                shape: &[4, 3],
+                bytes: &part,
+            },
+        ];
+        let e = assemble(&[0, 0], &[4, 6], &overlapping, 1).unwrap_err();
+        assert!(e.contains("overlap"), "{e}");
+        // Offsets near usize::MAX are an error, not an overflow.
+        let far = [Piece {
+            offset: &[0, usize::MAX - 1],
+            shape: &[4, 3],
+            bytes: &part,
+        }];
+        let e = assemble(&[0, 0], &[4, 6], &far, 1).unwrap_err();
+        assert!(e.contains("overflows"), "{e}");
+        let e = assemble(&[0, 0], &[usize::MAX, 6], &far, 2).unwrap_err();
+        assert!(e.contains("overflows"), "{e}");
     }
 }

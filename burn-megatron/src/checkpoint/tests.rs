@@ -10,7 +10,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use std::sync::Arc;
 
-fn step(model: Linear, optim: &mut MegatronOptimizer<Linear>, k: usize) -> Linear {
+pub(super) fn step(model: Linear, optim: &mut MegatronOptimizer<Linear>, k: usize) -> Linear {
     let device = model.weight.val().device();
     let x = Tensor::<2>::from_data(
         TensorData::new(
@@ -27,7 +27,7 @@ fn step(model: Linear, optim: &mut MegatronOptimizer<Linear>, k: usize) -> Linea
     optim.step(1e-2, model, grads).unwrap().0
 }
 
-fn optimizer_for(fused: bool) -> impl Fn(&Linear) -> MegatronOptimizer<Linear> {
+pub(super) fn optimizer_for(fused: bool) -> impl Fn(&Linear) -> MegatronOptimizer<Linear> {
     move |model| {
         let comm: Comm = Arc::new(LocalWorld::new(1).communicator("mp", vec![0], 0).unwrap());
         if fused {
@@ -47,7 +47,7 @@ fn optimizer_for(fused: bool) -> impl Fn(&Linear) -> MegatronOptimizer<Linear> {
     }
 }
 
-fn fresh(seed: u64, dtype: DType, fused: bool) -> (Linear, MegatronOptimizer<Linear>) {
+pub(super) fn fresh(seed: u64, dtype: DType, fused: bool) -> (Linear, MegatronOptimizer<Linear>) {
     let device = Device::flex().autodiff();
     Device::seed(&device, seed);
     let model = cast_params(LinearConfig::new(3, 2).init(&device), dtype);
@@ -56,7 +56,7 @@ fn fresh(seed: u64, dtype: DType, fused: bool) -> (Linear, MegatronOptimizer<Lin
 }
 
 /// A single-rank layout, names as the module's paths.
-fn solo() -> CheckpointRank<'static> {
+pub(super) fn solo() -> CheckpointRank<'static> {
     CheckpointRank {
         layout: layout(1),
         tensor_model_parallel_rank: 0,
@@ -65,7 +65,7 @@ fn solo() -> CheckpointRank<'static> {
     }
 }
 
-fn layout(tp: usize) -> SavedLayout {
+pub(super) fn layout(tp: usize) -> SavedLayout {
     SavedLayout {
         tensor_model_parallel_size: tp,
         pipeline_model_parallel_size: 1,
@@ -75,14 +75,43 @@ fn layout(tp: usize) -> SavedLayout {
     }
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("bm-ckpt-{name}-{}", std::process::id()));
+/// A fresh directory, in memory where there is a tmpfs (the fuzz test writes thousands of
+/// files).
+pub(super) fn tmp(name: &str) -> std::path::PathBuf {
+    let shm = Path::new("/dev/shm");
+    let base = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    let dir = base.join(format!("bm-ckpt-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
 
+/// Rewrites the `metadata.json` of the iteration directory `dir` to seal its indexes as
+/// they are now: what a crafted checkpoint would do, so that the checks behind the seal are
+/// the ones tested.
+pub(super) fn reseal(dir: &Path) {
+    let path = dir.join(METADATA);
+    let mut meta: CommitMetadata = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    for (name, seal) in meta.indexes.iter_mut() {
+        let bytes = std::fs::read(dir.join(name).join("index.json")).unwrap_or_default();
+        *seal = FileEntry {
+            bytes: bytes.len() as u64,
+            crc32: crc32fast::hash(&bytes),
+        };
+    }
+    std::fs::write(&path, serde_json::to_string(&meta).unwrap()).unwrap();
+}
+
 /// One rank's save and commit.
-fn save(root: &Path, iteration: usize, model: &Linear, optim: &MegatronOptimizer<Linear>) {
+pub(super) fn save(
+    root: &Path,
+    iteration: usize,
+    model: &Linear,
+    optim: &MegatronOptimizer<Linear>,
+) {
     begin_checkpoint(root, iteration).unwrap();
     save_checkpoint(
         root,
@@ -96,7 +125,7 @@ fn save(root: &Path, iteration: usize, model: &Linear, optim: &MegatronOptimizer
     commit_checkpoint(root, iteration).unwrap();
 }
 
-fn load(
+pub(super) fn load(
     root: &Path,
     iteration: usize,
     model: Linear,
@@ -112,7 +141,7 @@ fn load(
     )
 }
 
-fn values(m: &Linear) -> Vec<f32> {
+pub(super) fn values(m: &Linear) -> Vec<f32> {
     let mut v: Vec<f32> = m
         .weight
         .val()
@@ -240,7 +269,9 @@ fn flipped_truncated_or_foreign_files_and_missing_shards_are_named() {
     std::fs::write(&file, &good).unwrap();
     assert!(attempt().is_none(), "restored, it loads again");
 
-    // A tensor the index no longer lists for this set: a missing shard.
+    // A tensor the index no longer lists for this set: a missing shard. Edited after the
+    // commit, the index no longer matches metadata.json; sealed again (a crafted index),
+    // the missing shard itself is the error.
     let index_path = rank.join("index.json");
     let text = std::fs::read_to_string(&index_path).unwrap();
     let mut index: RankIndex = serde_json::from_str(&text).unwrap();
@@ -248,14 +279,23 @@ fn flipped_truncated_or_foreign_files_and_missing_shards_are_named() {
         .tensors
         .retain(|t| !(t.set == "exp_avg_sq" && t.name == "bias"));
     std::fs::write(&index_path, serde_json::to_string(&index).unwrap()).unwrap();
+    let e = attempt().expect("an edited index must not load");
+    assert!(
+        e.contains("index.json") && e.contains("metadata.json"),
+        "{e}"
+    );
+    reseal(&iteration_dir(&dir, 1));
     let e = attempt().expect("a missing shard must not load");
     assert!(
         e.contains("exp_avg_sq tensor bias") && e.contains("not in the checkpoint"),
         "{e}"
     );
-    std::fs::write(&index_path, text).unwrap();
+    std::fs::write(&index_path, &text).unwrap();
+    reseal(&iteration_dir(&dir, 1));
+    assert!(attempt().is_none(), "restored, it loads again");
 
     std::fs::write(&index_path, "{ not json").unwrap();
+    reseal(&iteration_dir(&dir, 1));
     let e = attempt().expect("a broken index must not load");
     assert!(
         e.contains("index.json") && e.contains("not a checkpoint index"),

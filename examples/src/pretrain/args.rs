@@ -1,6 +1,6 @@
 //! `bert_pretrain`'s command line: Megatron's flag names, checked before any work starts.
 
-use burn_megatron::checkpoint::{CheckpointIndex, iteration_dir, read_latest};
+use burn_megatron::checkpoint::{CheckpointIndex, committed_dir, latest_loadable_checkpoint};
 use burn_megatron::data::BatchLayout;
 use burn_megatron::launch::DistributedBackend;
 use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
@@ -198,9 +198,15 @@ pub struct Args {
     /// Save checkpoints under this directory.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Resume from the latest checkpoint under this directory, saved at any layout.
+    /// Resume from the newest checkpoint under this directory that verifies (at or before
+    /// `latest_checkpointed_iteration.txt`), saved at any layout.
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// With --load, the iteration to load (Megatron's flag); an error if it does not
+    /// verify. Without it, the newest checkpoint at or before
+    /// `latest_checkpointed_iteration.txt` that verifies, falling back past any that do not.
+    #[arg(long, requires = "load")]
+    pub ckpt_step: Option<usize>,
     /// With --load, take the weights only: a fresh optimizer (Megatron's flag).
     #[arg(long)]
     pub no_load_optim: bool,
@@ -443,18 +449,26 @@ impl Args {
         Ok(layout)
     }
 
-    /// The latest checkpoint under `dir` must be readable, and its optimizer state one this
-    /// run's optimizer takes (or `--no-load-optim`); any layout loads.
-    fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
-        let latest = read_latest(dir).map_err(|e| format!("--load: {e}"))?;
-        let Some(iteration) = latest else {
-            return Err(format!(
+    /// The checkpoint to load: `--ckpt-step`'s, or the newest under `dir` that verifies.
+    fn checkpoint_to_load(&self, dir: &std::path::Path) -> Result<usize, String> {
+        if let Some(step) = self.ckpt_step {
+            return Ok(step);
+        }
+        let found = latest_loadable_checkpoint(dir).map_err(|e| format!("--load: {e}"))?;
+        found.map(|f| f.iteration).ok_or_else(|| {
+            format!(
                 "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
                 dir.display()
-            ));
-        };
-        let index = CheckpointIndex::read(&iteration_dir(dir, iteration))
-            .map_err(|e| format!("--load: {e}"))?;
+            )
+        })
+    }
+
+    /// The checkpoint to load must be readable, and its optimizer state one this run's
+    /// optimizer takes (or `--no-load-optim`); any layout loads.
+    fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
+        let iteration = self.checkpoint_to_load(dir)?;
+        let index = CheckpointIndex::read(&committed_dir(dir, iteration))
+            .map_err(|e| format!("--load {} (iteration {iteration}): {e}", dir.display()))?;
         if self.no_load_optim {
             return Ok(());
         }

@@ -8,8 +8,8 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{DType, Tensor};
 use burn_megatron::checkpoint::{
-    CheckpointRank, SavedLayout, begin_checkpoint, commit_checkpoint, load_checkpoint, read_latest,
-    save_checkpoint,
+    CheckpointRank, SavedLayout, begin_checkpoint, commit_checkpoint, latest_loadable_checkpoint,
+    load_checkpoint, save_checkpoint,
 };
 use burn_megatron::comm::{Buffer, CommError, CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BertBatch, BertDataset, BertSample};
@@ -154,6 +154,53 @@ fn share_losses(ctx: &RankContext, local: Option<(f64, f64)>) -> Result<(f64, f6
     Ok((f64::from(v[0]), f64::from(v[1])))
 }
 
+/// The iteration every rank loads: `--ckpt-step`, or the newest checkpoint that verifies,
+/// chosen by rank 0 (which reports any it skipped) and broadcast, so that the ranks cannot
+/// load different iterations.
+fn checkpoint_to_load(
+    ctx: &RankContext,
+    args: &Args,
+    root: &std::path::Path,
+    leader: bool,
+) -> Result<usize, String> {
+    if let Some(step) = args.ckpt_step {
+        return Ok(step);
+    }
+    let mut chosen = Err("rank 0 found no checkpoint to load".to_string());
+    if leader {
+        chosen = match latest_loadable_checkpoint(root) {
+            Ok(Some(found)) => {
+                for (iteration, e) in &found.skipped {
+                    eprintln!(
+                        " WARNING: checkpoint iteration {iteration} does not verify, skipped: {e}"
+                    );
+                }
+                Ok(found.iteration)
+            }
+            Ok(None) => Err(format!("--load {}: no checkpoint", root.display())),
+            Err(e) => Err(e.to_string()),
+        };
+    }
+    // -1: rank 0 found none; every rank then stops with its own error.
+    let mut buf = Buffer::I64(vec![
+        chosen
+            .as_ref()
+            .map_or(-1, |&i| i64::try_from(i).unwrap_or(-1)),
+    ]);
+    ctx.groups
+        .world
+        .broadcast(&mut buf, 0)
+        .map_err(|e| e.to_string())?;
+    let Buffer::I64(v) = buf else {
+        unreachable!("an i64 broadcast stays i64")
+    };
+    match (usize::try_from(v[0]), chosen) {
+        (Ok(iteration), _) => Ok(iteration),
+        (Err(_), Err(e)) => Err(e),
+        (Err(_), Ok(i)) => Err(format!("iteration {i} does not fit an i64")),
+    }
+}
+
 /// The mean validation losses over `eval_iters` global batches of `valid`.
 fn evaluate(
     ctx: &RankContext,
@@ -267,7 +314,7 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             (model, optim, 0, 0usize)
         }
         Some(root) => {
-            let iteration = read_latest(root).map_err(|e| e.to_string())?.unwrap_or(0);
+            let iteration = checkpoint_to_load(&ctx, args, root, leader)?;
             let make = |m: &Vec<Bert>| make_optimizer(m).map_err(OptimizerError::Comm);
             let r = load_checkpoint(
                 root,
