@@ -18,6 +18,8 @@
 //!   Face checkpoint import/export.
 //! - [`data`]: BERT pretraining data: corpus, WordPiece tokenizer, masked sentence pairs.
 //! - [`checkpoint`]: training checkpoints (weights, master weights, optimizer state).
+//! - [`training`]: one rank's side of training in one object: the data-parallel
+//!   reducers and shard plans, `finalize`, and collective checkpoint `save` / `load`.
 
 pub mod checkpoint;
 pub mod comm;
@@ -32,3 +34,4 @@ pub mod pipeline;
 mod safetensors_io;
 pub mod tensor_parallel;
 pub mod topology;
+pub mod training;

@@ -70,6 +70,12 @@ pub enum CheckpointError {
     /// Making the optimizer or gathering a distributed optimizer's state failed.
     #[error("optimizer: {0}")]
     Optimizer(#[from] OptimizerError),
+    /// A collective among the ranks saving or loading failed (a timeout, a failed peer).
+    #[error("checkpoint collective: {0}")]
+    Comm(#[from] crate::comm::CommError),
+    /// Another rank failed its part; its own error says what.
+    #[error("{0}")]
+    Peer(String),
 }
 
 fn io(path: &Path, message: impl ToString) -> CheckpointError {
@@ -207,6 +213,9 @@ pub struct Restored<M: Module> {
     pub extra: serde_json::Value,
     /// The layout the checkpoint was saved at.
     pub saved_at: SavedLayout,
+    /// Newer checkpoints passed over because they did not verify, newest first, with why
+    /// (empty when an iteration was asked for).
+    pub skipped: Vec<(usize, String)>,
 }
 
 /// Loads iteration `iteration` under `root` into a freshly built `model` at this rank's
@@ -256,6 +265,7 @@ pub fn load_checkpoint<M: Module + Clone>(
         iteration: state.iteration,
         extra: state.extra.clone(),
         saved_at: saved,
+        skipped: Vec::new(),
     };
     if !load_optimizer {
         return Ok(done(model, optimizer));

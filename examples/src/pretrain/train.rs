@@ -7,16 +7,8 @@ use super::{Args, IterationLog, Shared};
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{DType, Tensor};
-use burn_megatron::checkpoint::{
-    CheckpointRank, SavedLayout, begin_checkpoint, commit_checkpoint, latest_loadable_checkpoint,
-    load_checkpoint, save_checkpoint,
-};
-use burn_megatron::comm::{Buffer, CommError, CommunicatorExt, ReduceOp};
+use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BertBatch, BertDataset, BertSample};
-use burn_megatron::data_parallel::{
-    DataParallelConfig, OverlapReducer, ShardPlan, finalize_model_grads,
-    finalize_model_grads_distributed, finalize_model_grads_overlapped,
-};
 use burn_megatron::launch::RankContext;
 use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{
@@ -24,11 +16,13 @@ use burn_megatron::optimizer::{
     OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
 };
 use burn_megatron::pipeline::{
-    ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync, P2pShapes,
-    Span, StageError, forward_backward_func,
+    ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, P2pShapes, Span,
+    StageError, forward_backward_func,
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
+use burn_megatron::training::{InnerOptimizer, ParallelTraining, ParallelTrainingConfig};
+use std::sync::Arc;
 use std::time::Instant;
 
 fn scalar(t: Tensor<1>) -> f64 {
@@ -154,53 +148,6 @@ fn share_losses(ctx: &RankContext, local: Option<(f64, f64)>) -> Result<(f64, f6
     Ok((f64::from(v[0]), f64::from(v[1])))
 }
 
-/// The iteration every rank loads: `--ckpt-step`, or the newest checkpoint that verifies,
-/// chosen by rank 0 (which reports any it skipped) and broadcast, so that the ranks cannot
-/// load different iterations.
-fn checkpoint_to_load(
-    ctx: &RankContext,
-    args: &Args,
-    root: &std::path::Path,
-    leader: bool,
-) -> Result<usize, String> {
-    if let Some(step) = args.ckpt_step {
-        return Ok(step);
-    }
-    let mut chosen = Err("rank 0 found no checkpoint to load".to_string());
-    if leader {
-        chosen = match latest_loadable_checkpoint(root) {
-            Ok(Some(found)) => {
-                for (iteration, e) in &found.skipped {
-                    eprintln!(
-                        " WARNING: checkpoint iteration {iteration} does not verify, skipped: {e}"
-                    );
-                }
-                Ok(found.iteration)
-            }
-            Ok(None) => Err(format!("--load {}: no checkpoint", root.display())),
-            Err(e) => Err(e.to_string()),
-        };
-    }
-    // -1: rank 0 found none; every rank then stops with its own error.
-    let mut buf = Buffer::I64(vec![
-        chosen
-            .as_ref()
-            .map_or(-1, |&i| i64::try_from(i).unwrap_or(-1)),
-    ]);
-    ctx.groups
-        .world
-        .broadcast(&mut buf, 0)
-        .map_err(|e| e.to_string())?;
-    let Buffer::I64(v) = buf else {
-        unreachable!("an i64 broadcast stays i64")
-    };
-    match (usize::try_from(v[0]), chosen) {
-        (Ok(iteration), _) => Ok(iteration),
-        (Err(_), Err(e)) => Err(e),
-        (Err(_), Ok(i)) => Err(format!("iteration {i} does not fit an i64")),
-    }
-}
-
 /// The mean validation losses over `eval_iters` global batches of `valid`.
 fn evaluate(
     ctx: &RankContext,
@@ -230,7 +177,6 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
     let args = &shared.args;
     let tp = &ctx.groups.tp;
     let tp_rank = ctx.state.tensor_model_parallel_rank();
-    let dp_rank = ctx.state.data_parallel_rank();
     let leader = ctx.state.global_rank() == 0;
     let config: &BertConfig = &shared.model_config;
     let model: Vec<Bert> = (0..args.num_model_chunks())
@@ -243,48 +189,27 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         .then(|| FusedAdamConfig::new().init())
         .transpose()
         .map_err(|e| e.to_string())?;
-    let dp_config = DataParallelConfig::default();
-    // The distributed optimizer's shards: one plan per model chunk, the same on every
-    // tensor-parallel peer (same shapes), made from the model's (possibly loaded) ids.
-    let tied = ctx
-        .groups
-        .embedding
-        .as_ref()
-        .is_some_and(|e| e.group().size() > 1);
-    let plans_of = |model: &Vec<Bert>| -> Vec<ShardPlan> {
-        let (size, rank) = (ctx.state.data_parallel_size(), dp_rank);
-        model
-            .iter()
-            .map(|chunk| ShardPlan::new(chunk, size, rank, &dp_config, tied))
-            .collect()
-    };
+    // One object for the data-parallel reducers, the distributed optimizer's plans and the
+    // checkpoints; keys tensors by global name, so any layout loads any other's.
+    let first_layers: Vec<usize> = model.iter().map(Bert::first_layer).collect();
+    let names = Arc::new(move |path: &str| Bert::global_param_name_at(&first_layers, path));
+    let mut training = ParallelTrainingConfig::new()
+        .with_overlap_grad_reduce(args.overlap_grad_reduce)
+        .with_use_distributed_optimizer(args.use_distributed_optimizer)
+        .init(&ctx, &model, names)
+        .map_err(|e| e.to_string())?;
+    let layout = training.checkpoint_rank().layout;
     // The weight decay is the scheduler's, set every step; no decay on biases and norms.
-    let make_optimizer = |model: &Vec<Bert>| -> Result<MegatronOptimizer<Vec<Bert>>, CommError> {
-        let mp = ctx.groups.mp.clone();
-        let optim = match &fused_adam {
-            Some(adam) if args.use_distributed_optimizer => {
-                let dp = ctx.groups.dp.clone();
-                MegatronOptimizer::distributed_fused_adam(
-                    adam.clone(),
-                    model,
-                    plans_of(model),
-                    dp,
-                    mp,
-                    tp_rank,
-                )?
-            }
-            Some(adam) => MegatronOptimizer::fused_adam(adam.clone(), model, mp, tp_rank),
-            None => {
-                let adamw = AdamWConfig::new().with_weight_decay(0.0).init();
-                if args.use_distributed_optimizer {
-                    let (plans, dp) = (plans_of(model), ctx.groups.dp.clone());
-                    MegatronOptimizer::distributed(adamw, model, plans, dp, mp, tp_rank)?
-                } else {
-                    MegatronOptimizer::new(adamw, model, mp, tp_rank)
-                }
-            }
-        }
-        .with_clip_grad(args.clip_grad, NormType::L2);
+    let make_optimizer = |training: &ParallelTraining,
+                          model: &Vec<Bert>|
+     -> Result<MegatronOptimizer<Vec<Bert>>, OptimizerError> {
+        let inner = match &fused_adam {
+            Some(adam) => InnerOptimizer::FusedAdam(adam.clone()),
+            None => InnerOptimizer::burn(AdamWConfig::new().with_weight_decay(0.0).init()),
+        };
+        let optim = training
+            .optimizer(inner, model)?
+            .with_clip_grad(args.clip_grad, NormType::L2);
         Ok(match (args.fp16, args.loss_scale) {
             (false, _) => optim,
             (true, Some(s)) => optim.with_grad_scaler(ConstantGradScaler::new(s)),
@@ -292,46 +217,35 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         })
     };
     let scheduler = scheduler(args)?;
-    // Checkpoints key tensors by global name, so any layout loads any other's.
-    let layout = SavedLayout {
-        tensor_model_parallel_size: args.tensor_model_parallel_size,
-        pipeline_model_parallel_size: args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size: args.num_model_chunks(),
-        data_parallel_size: ctx.state.data_parallel_size(),
-        distributed_optimizer: args.use_distributed_optimizer,
-    };
-    let first_layers: Vec<usize> = model.iter().map(Bert::first_layer).collect();
-    let names = |path: &str| Bert::global_param_name_at(&first_layers, path);
-    let checkpoint_rank = CheckpointRank {
-        layout,
-        tensor_model_parallel_rank: tp_rank,
-        pipeline_model_parallel_rank: ctx.state.pipeline_model_parallel_rank(),
-        names: &names,
-    };
     let (mut model, mut optim, start, mut skipped) = match &args.load {
         None => {
-            let optim = make_optimizer(&model).map_err(|e| e.to_string())?;
+            let optim = make_optimizer(&training, &model).map_err(|e| e.to_string())?;
             (model, optim, 0, 0usize)
         }
         Some(root) => {
-            let iteration = checkpoint_to_load(&ctx, args, root, leader)?;
-            let make = |m: &Vec<Bert>| make_optimizer(m).map_err(OptimizerError::Comm);
-            let r = load_checkpoint(
-                root,
-                iteration,
-                &checkpoint_rank,
-                model,
-                make,
-                !args.no_load_optim,
-            )
-            .map_err(|e| e.to_string())?;
-            let skipped = r.extra["skipped_iterations"].as_u64().unwrap_or(0) as usize;
-            if leader && r.saved_at != layout {
-                shared.println(format!(
-                    " loaded iteration {iteration} saved at {}, resharded to {layout}",
-                    r.saved_at
-                ));
+            let r = training
+                .load(
+                    root,
+                    args.ckpt_step,
+                    model,
+                    make_optimizer,
+                    !args.no_load_optim,
+                )
+                .map_err(|e| e.to_string())?;
+            if leader {
+                for (iteration, e) in &r.skipped {
+                    eprintln!(
+                        " WARNING: checkpoint iteration {iteration} does not verify, skipped: {e}"
+                    );
+                }
+                if r.saved_at != layout {
+                    shared.println(format!(
+                        " loaded iteration {} saved at {}, resharded to {layout}",
+                        r.iteration, r.saved_at
+                    ));
+                }
             }
+            let skipped = r.extra["skipped_iterations"].as_u64().unwrap_or(0) as usize;
             (r.model, r.optimizer, r.iteration, skipped)
         }
     };
@@ -343,25 +257,6 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             4.0 * state as f64 / params.max(1) as f64
         ));
     }
-    let plans = plans_of(&model);
-    let reducers: Vec<OverlapReducer> = if args.overlap_grad_reduce {
-        ctx.chunk_data_parallel_groups(model.len())
-            .map_err(|e| e.to_string())?
-            .iter()
-            .zip(&model)
-            .zip(&plans)
-            .map(|((dp, chunk), plan)| {
-                if args.use_distributed_optimizer {
-                    OverlapReducer::distributed(chunk, dp, &dp_config, plan)
-                } else {
-                    OverlapReducer::new(chunk, dp, &dp_config)
-                }
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    // Staged by every rank, then made `latest` by one once all have written.
     let save = |done: usize,
                 model: &Vec<Bert>,
                 optim: &MegatronOptimizer<Vec<Bert>>,
@@ -370,20 +265,11 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         let Some(root) = &args.save else {
             return Ok(());
         };
-        let world = &ctx.groups.world;
+        let extra = serde_json::json!({ "skipped_iterations": skipped });
+        training
+            .save(root, done, model, optim, extra)
+            .map_err(|e| e.to_string())?;
         if leader {
-            begin_checkpoint(root, done).map_err(|e| e.to_string())?;
-        }
-        world.barrier().map_err(|e| e.to_string())?;
-        // A distributed optimizer gathers its shards from every data-parallel rank.
-        if dp_rank == 0 || args.use_distributed_optimizer {
-            let extra = serde_json::json!({ "skipped_iterations": skipped });
-            save_checkpoint(root, done, &checkpoint_rank, model, optim, extra)
-                .map_err(|e| e.to_string())?;
-        }
-        world.barrier().map_err(|e| e.to_string())?;
-        if leader {
-            commit_checkpoint(root, done).map_err(|e| e.to_string())?;
             shared.println(format!(
                 " saved checkpoint at iteration {done} to {}",
                 root.display()
@@ -391,7 +277,7 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         }
         Ok(())
     };
-    let hooks: Vec<&dyn GradSync> = reducers.iter().map(|r| r as &dyn GradSync).collect();
+    let hooks = training.grad_sync();
     let schedule = args.schedule(&shared.layout);
     let tokens_per_iter = (args.global_batch_size * args.seq_length) as f64;
     let (mut log, mut evals, mut spans) = (Vec::new(), Vec::new(), Vec::new());
@@ -401,7 +287,7 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
         let mut fb = ForwardBackwardConfig::new(schedule);
         fb.grad_scale = optim.loss_scale();
-        fb.grad_sync = args.overlap_grad_reduce.then_some(&hooks[..]);
+        fb.grad_sync = hooks.as_deref();
         fb.timeline =
             (args.timeline.is_some() && iteration + 1 == args.train_iters).then_some(shared.epoch);
         let (losses, out) = run_schedule(
@@ -415,19 +301,9 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         )?;
         spans = out.spans;
         let mut grads = out.grads;
-        let (dp, embedding) = (&ctx.groups.dp, ctx.groups.embedding.as_ref());
-        if args.overlap_grad_reduce {
-            finalize_model_grads_overlapped(
-                &reducers, &model, &mut grads, tp, embedding, &dp_config,
-            )
-        } else if args.use_distributed_optimizer {
-            finalize_model_grads_distributed(
-                &plans, &model, &mut grads, dp, tp, embedding, &dp_config,
-            )
-        } else {
-            finalize_model_grads(&model, &mut grads, dp, tp, embedding, &dp_config)
-        }
-        .map_err(|e| e.to_string())?;
+        training
+            .finalize(&model, &mut grads)
+            .map_err(|e| e.to_string())?;
         let losses = share_losses(&ctx, losses)?;
         let lr = scheduler.lr_at(iteration);
         optim

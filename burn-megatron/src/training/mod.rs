@@ -1,0 +1,409 @@
+//! One rank's side of parallel training, in one object: [`ParallelTraining`] owns what a
+//! training loop would otherwise thread through every call — the data-parallel reducers and
+//! the distributed optimizer's shard plans of the model's chunks, the groups they reduce
+//! over, and where this rank's checkpoint shards go — so that a step reads like Megatron's
+//! `train_step`:
+//!
+//! ```text
+//! let mut training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+//! let mut optim = training.optimizer(adamw, &chunks)?;          // ZeRO-1 if configured
+//! loop {
+//!     fb.grad_sync = training.grad_sync().as_deref();           // overlapped reduction
+//!     let out = forward_backward_func(…, &chunks, …, fb)?;
+//!     training.finalize(&chunks, &mut grads)?;                  // finalize_model_grads
+//!     (chunks, _) = optim.step(lr, chunks, grads)?;
+//!     training.save(root, iteration, &chunks, &optim, extra)?;  // barriers inside
+//! }
+//! ```
+//!
+//! The model is a `Vec` of chunks (one per virtual pipeline stage; one chunk without
+//! interleaving), as Megatron's list of model chunks.
+
+use crate::checkpoint::{
+    CheckpointError, CheckpointRank, Restored, SavedLayout, begin_checkpoint, commit_checkpoint,
+    latest_loadable_checkpoint, load_checkpoint, save_checkpoint,
+};
+use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt, ReduceOp};
+use crate::data_parallel::{
+    DataParallelConfig, OverlapReducer, ShardPlan, finalize_model_grads,
+    finalize_model_grads_distributed, finalize_model_grads_overlapped,
+};
+use crate::launch::RankContext;
+use crate::optimizer::{FusedAdam, MegatronOptimizer, OptimizerError};
+use crate::pipeline::GradSync;
+use burn::config::Config;
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use std::path::Path;
+use std::sync::Arc;
+
+/// How gradients are reduced and the optimizer state is laid out (Megatron's
+/// `DistributedDataParallelConfig` and `--use-distributed-optimizer`).
+#[derive(Config, Debug)]
+pub struct ParallelTrainingConfig {
+    /// Reduce gradients while backward still runs (`--overlap-grad-reduce`).
+    #[config(default = false)]
+    pub overlap_grad_reduce: bool,
+    /// Shard the optimizer state over the data-parallel ranks, ZeRO-1
+    /// (`--use-distributed-optimizer`).
+    #[config(default = false)]
+    pub use_distributed_optimizer: bool,
+    /// Elements per gradient bucket; `None` is Megatron's default, max(40 M, 1 M × dp).
+    #[config(default = "None")]
+    pub bucket_size: Option<usize>,
+    /// Average gradients over the data-parallel group (`true`, Megatron's default) or sum.
+    #[config(default = true)]
+    pub average_in_collective: bool,
+    /// Reduce bf16 / f16 gradients in f32 (`--accumulate-allreduce-grads-in-fp32`).
+    #[config(default = true)]
+    pub grad_reduce_in_fp32: bool,
+}
+
+/// What the wrapper steps: the fused flat-buffer Adam, or any burn-optim optimizer.
+pub enum InnerOptimizer {
+    /// [`MegatronOptimizer::fused_adam`] (or its distributed form).
+    FusedAdam(FusedAdam),
+    /// [`MegatronOptimizer::new`] (or [`MegatronOptimizer::distributed`]).
+    Burn(ModuleOptimizer),
+}
+
+impl From<FusedAdam> for InnerOptimizer {
+    fn from(adam: FusedAdam) -> Self {
+        Self::FusedAdam(adam)
+    }
+}
+
+impl InnerOptimizer {
+    /// A burn-optim optimizer (AdamW, SGD, parameter groups, …).
+    pub fn burn(optimizer: impl Into<ModuleOptimizer>) -> Self {
+        Self::Burn(optimizer.into())
+    }
+}
+
+/// The global name of a parameter at a local module path of the chunks (layers by global
+/// index), which checkpoints key tensors by.
+pub type GlobalNames = Arc<dyn Fn(&str) -> String + Send + Sync>;
+
+/// This rank's data-parallel reducers, shard plans, groups and checkpoint placement for one
+/// model; see the [module docs](self).
+pub struct ParallelTraining {
+    config: ParallelTrainingConfig,
+    dp_config: DataParallelConfig,
+    tp: Comm,
+    dp: Comm,
+    mp: Comm,
+    world: Comm,
+    embedding: Option<Comm>,
+    /// One data-parallel channel per chunk, for the overlapped reducers.
+    chunk_dp: Vec<Comm>,
+    tied: bool,
+    tp_rank: usize,
+    pp_rank: usize,
+    dp_rank: usize,
+    dp_size: usize,
+    layout: SavedLayout,
+    names: GlobalNames,
+    plans: Vec<ShardPlan>,
+    reducers: Vec<OverlapReducer>,
+}
+
+impl ParallelTrainingConfig {
+    /// The training state of `chunks` on this rank: shard plans when the optimizer is
+    /// distributed, reducers when the reduction overlaps backward. `names` gives each local
+    /// module path's global name (the identity for a model on one stage).
+    pub fn init<C: Module>(
+        &self,
+        ctx: &RankContext,
+        chunks: &[C],
+        names: GlobalNames,
+    ) -> Result<ParallelTraining, CommError> {
+        let state = &ctx.state;
+        let dp_config = DataParallelConfig {
+            bucket_size: self.bucket_size,
+            average: self.average_in_collective,
+            reduce_in_fp32: self.grad_reduce_in_fp32,
+        };
+        let chunk_dp = if self.overlap_grad_reduce {
+            ctx.chunk_data_parallel_groups(chunks.len())?
+        } else {
+            Vec::new()
+        };
+        let embedding = ctx.groups.embedding.clone();
+        let mut training = ParallelTraining {
+            config: self.clone(),
+            dp_config,
+            tp: ctx.groups.tp.clone(),
+            dp: ctx.groups.dp.clone(),
+            mp: ctx.groups.mp.clone(),
+            world: ctx.groups.world.clone(),
+            tied: embedding.as_ref().is_some_and(|e| e.group().size() > 1),
+            embedding,
+            chunk_dp,
+            tp_rank: state.tensor_model_parallel_rank(),
+            pp_rank: state.pipeline_model_parallel_rank(),
+            dp_rank: state.data_parallel_rank(),
+            dp_size: state.data_parallel_size(),
+            layout: SavedLayout {
+                tensor_model_parallel_size: state.tensor_model_parallel_size(),
+                pipeline_model_parallel_size: state.pipeline_model_parallel_size(),
+                virtual_pipeline_model_parallel_size: chunks.len(),
+                data_parallel_size: state.data_parallel_size(),
+                distributed_optimizer: self.use_distributed_optimizer,
+            },
+            names,
+            plans: Vec::new(),
+            reducers: Vec::new(),
+        };
+        training.attach(chunks);
+        Ok(training)
+    }
+}
+
+impl ParallelTraining {
+    /// Plans and reducers for `chunks`' parameters (their ids: a load may restore others).
+    fn attach<C: Module>(&mut self, chunks: &[C]) {
+        // The old reducers' hooks must be gone before new ones are installed.
+        self.reducers.clear();
+        self.plans = self.plans_for(chunks);
+        if self.config.overlap_grad_reduce {
+            self.reducers = chunks
+                .iter()
+                .zip(&self.chunk_dp)
+                .enumerate()
+                .map(|(c, (chunk, dp))| match self.plans.get(c) {
+                    Some(plan) => OverlapReducer::distributed(chunk, dp, &self.dp_config, plan),
+                    None => OverlapReducer::new(chunk, dp, &self.dp_config),
+                })
+                .collect();
+        }
+    }
+
+    fn plans_for<C: Module>(&self, chunks: &[C]) -> Vec<ShardPlan> {
+        if !self.config.use_distributed_optimizer {
+            return Vec::new();
+        }
+        chunks
+            .iter()
+            .map(|c| ShardPlan::new(c, self.dp_size, self.dp_rank, &self.dp_config, self.tied))
+            .collect()
+    }
+
+    /// The configuration this was built with.
+    pub fn config(&self) -> &ParallelTrainingConfig {
+        &self.config
+    }
+
+    /// Where this rank's checkpoint shards go, and the layout it runs at.
+    pub fn checkpoint_rank(&self) -> CheckpointRank<'_> {
+        CheckpointRank {
+            layout: self.layout,
+            tensor_model_parallel_rank: self.tp_rank,
+            pipeline_model_parallel_rank: self.pp_rank,
+            names: &*self.names,
+        }
+    }
+
+    /// `inner` wrapped for `chunks`: around the distributed optimizer's shards when so
+    /// configured, with the model-parallel group for the overflow check and the norm. Add
+    /// clipping and loss scaling with the wrapper's `with_*` methods.
+    pub fn optimizer<C: Module + Clone>(
+        &self,
+        inner: impl Into<InnerOptimizer>,
+        chunks: &Vec<C>,
+    ) -> Result<MegatronOptimizer<Vec<C>>, CommError> {
+        let (mp, tp_rank) = (self.mp.clone(), self.tp_rank);
+        let zero = self.config.use_distributed_optimizer;
+        let plans = || self.plans_for(chunks);
+        Ok(match inner.into() {
+            InnerOptimizer::FusedAdam(adam) if zero => MegatronOptimizer::distributed_fused_adam(
+                adam,
+                chunks,
+                plans(),
+                self.dp.clone(),
+                mp,
+                tp_rank,
+            )?,
+            InnerOptimizer::FusedAdam(adam) => {
+                MegatronOptimizer::fused_adam(adam, chunks, mp, tp_rank)
+            }
+            InnerOptimizer::Burn(o) if zero => {
+                MegatronOptimizer::distributed(o, chunks, plans(), self.dp.clone(), mp, tp_rank)?
+            }
+            InnerOptimizer::Burn(o) => MegatronOptimizer::new(o, chunks, mp, tp_rank),
+        })
+    }
+
+    /// The hooks that overlap the data-parallel reduction with backward, for
+    /// [`ForwardBackwardConfig::grad_sync`](crate::pipeline::ForwardBackwardConfig); `None`
+    /// when the reduction does not overlap.
+    pub fn grad_sync(&self) -> Option<Vec<&dyn GradSync>> {
+        self.config
+            .overlap_grad_reduce
+            .then(|| self.reducers.iter().map(|r| r as &dyn GradSync).collect())
+    }
+
+    /// Megatron's `finalize_model_grads` for this configuration: the data-parallel
+    /// reduction (waited for when it overlapped backward, reduce-scattered for the
+    /// distributed optimizer), the tensor-parallel reduction of sequence-parallel
+    /// gradients, and the embedding group's of tied embeddings.
+    pub fn finalize<M: Module>(
+        &self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(), CommError> {
+        let (tp, embedding, config) = (&self.tp, self.embedding.as_ref(), &self.dp_config);
+        if self.config.overlap_grad_reduce {
+            finalize_model_grads_overlapped(&self.reducers, model, grads, tp, embedding, config)
+        } else if self.config.use_distributed_optimizer {
+            let dp = &self.dp;
+            finalize_model_grads_distributed(&self.plans, model, grads, dp, tp, embedding, config)
+        } else {
+            finalize_model_grads(model, grads, &self.dp, tp, embedding, config)
+        }
+    }
+
+    /// Saves iteration `iteration` under `root`, collectively over the world: every rank
+    /// calls it. One rank clears an interrupted save of it, the ranks that hold state write
+    /// (data-parallel rank 0, or every rank with the distributed optimizer), and once all
+    /// have, one rank commits it as the newest. After each phase the ranks agree whether
+    /// any failed, so every rank returns an error if one did and none waits for a peer that
+    /// gave up. The waits are bounded by [`CHECKPOINT_BARRIER_TIMEOUT`], not the collective
+    /// timeout: a slow disk is not a dead peer.
+    pub fn save<C: Module + Clone>(
+        &self,
+        root: &Path,
+        iteration: usize,
+        chunks: &Vec<C>,
+        optimizer: &MegatronOptimizer<Vec<C>>,
+        extra: serde_json::Value,
+    ) -> Result<(), CheckpointError> {
+        let leader = self.world.group().rank() == 0;
+        let writes = self.dp_rank == 0 || self.config.use_distributed_optimizer;
+        self.phase(
+            "clearing",
+            leader.then(|| begin_checkpoint(root, iteration)),
+        )?;
+        let rank = self.checkpoint_rank();
+        let saved =
+            writes.then(|| save_checkpoint(root, iteration, &rank, chunks, optimizer, extra));
+        self.phase("writing", saved)?;
+        self.phase(
+            "committing",
+            leader.then(|| commit_checkpoint(root, iteration)),
+        )
+    }
+
+    /// Waits for every rank to finish a phase of a save (`mine`: this rank's part, if it had
+    /// one) and agrees whether any failed.
+    fn phase(
+        &self,
+        what: &str,
+        mine: Option<Result<(), CheckpointError>>,
+    ) -> Result<(), CheckpointError> {
+        let mine = mine.unwrap_or(Ok(()));
+        let collective = |e: CommError| CheckpointError::Comm(e);
+        self.world
+            .barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT)
+            .map_err(collective)?;
+        let mut failed = vec![i64::from(mine.is_err())];
+        self.world
+            .all_reduce_vec(&mut failed, ReduceOp::Max)
+            .map_err(collective)?;
+        mine?;
+        if failed[0] != 0 {
+            return Err(CheckpointError::Peer(format!(
+                "another rank failed while {what} the checkpoint (see its error)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Loads a checkpoint under `root` into the freshly built `chunks`, whatever layout
+    /// saved it, then rebuilds the plans and reducers for the loaded parameters. Collective:
+    /// every rank calls it. `step` picks the iteration (Megatron's `--ckpt-step`, no
+    /// fallback); without it rank 0 picks the newest one that verifies, passing over (and
+    /// reporting in [`Restored::skipped`]) newer ones that do not, and every rank loads that
+    /// one. `make_optimizer` builds the optimizer for the loaded model (with
+    /// [`ParallelTraining::optimizer`]); with `load_optimizer` its state is restored too.
+    pub fn load<C: Module + Clone>(
+        &mut self,
+        root: &Path,
+        step: Option<usize>,
+        chunks: Vec<C>,
+        make_optimizer: impl FnOnce(
+            &ParallelTraining,
+            &Vec<C>,
+        ) -> Result<MegatronOptimizer<Vec<C>>, OptimizerError>,
+        load_optimizer: bool,
+    ) -> Result<Restored<Vec<C>>, CheckpointError> {
+        let (iteration, skipped) = match step {
+            Some(step) => (step, Vec::new()),
+            None => self.agree_on_checkpoint(root)?,
+        };
+        let this = &*self;
+        let mut restored = load_checkpoint(
+            root,
+            iteration,
+            &this.checkpoint_rank(),
+            chunks,
+            |m| make_optimizer(this, m),
+            load_optimizer,
+        )?;
+        restored.skipped = skipped;
+        self.attach(&restored.model);
+        Ok(restored)
+    }
+
+    /// The newest checkpoint under `root` that verifies, as rank 0 finds it, on every rank.
+    fn agree_on_checkpoint(
+        &self,
+        root: &Path,
+    ) -> Result<(usize, Vec<(usize, String)>), CheckpointError> {
+        let leader = self.world.group().rank() == 0;
+        let mut chosen = Err(CheckpointError::Peer(
+            "rank 0 found no checkpoint to load (see its error)".into(),
+        ));
+        if leader {
+            chosen = match latest_loadable_checkpoint(root) {
+                Ok(Some(found)) => Ok((
+                    found.iteration,
+                    found
+                        .skipped
+                        .into_iter()
+                        .map(|(i, e)| (i, e.to_string()))
+                        .collect(),
+                )),
+                Ok(None) => Err(CheckpointError::Io {
+                    path: root.display().to_string(),
+                    message: "no checkpoint to load".into(),
+                }),
+                Err(e) => Err(e),
+            };
+        }
+        // Rank 0 reads every file of the candidates: the others wait for it as for a save.
+        self.world
+            .barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT)?;
+        let found = chosen
+            .as_ref()
+            .ok()
+            .and_then(|(i, _)| i64::try_from(*i).ok())
+            .unwrap_or(-1);
+        let mut buf = Buffer::I64(vec![found]);
+        self.world.broadcast(&mut buf, 0)?;
+        let agreed = match buf {
+            Buffer::I64(v) => usize::try_from(v[0]).ok(),
+            _ => None,
+        };
+        match (agreed, chosen) {
+            (Some(iteration), Ok((_, skipped))) => Ok((iteration, skipped)),
+            (Some(iteration), Err(_)) => Ok((iteration, Vec::new())),
+            (None, Err(e)) => Err(e),
+            (None, Ok((i, _))) => Err(CheckpointError::Mismatch(format!(
+                "iteration {i} does not fit the broadcast"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
