@@ -6,7 +6,8 @@ use burn::config::Config;
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_megatron::checkpoint::{
-    CheckpointIndex, CheckpointRank, SavedLayout, iteration_dir, load_checkpoint, read_latest,
+    CheckpointIndex, CheckpointRank, SavedLayout, committed_dir, latest_loadable_checkpoint,
+    load_checkpoint,
 };
 use burn_megatron::comm::Comm;
 use burn_megatron::data::BertTokenizer;
@@ -18,21 +19,26 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 
-/// `iteration`, or the latest committed one under `root`.
+/// `iteration`, or the newest one under `root` that verifies (those newer that do not are
+/// reported on stderr and passed over, as a resumed run would).
 fn which(root: &Path, iteration: Option<usize>) -> Result<usize, String> {
-    match iteration {
-        Some(i) => Ok(i),
-        None => read_latest(root)
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| format!("{}: no latest_checkpointed_iteration.txt", root.display())),
+    if let Some(i) = iteration {
+        return Ok(i);
     }
+    let found = latest_loadable_checkpoint(root)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("{}: no checkpoint that verifies", root.display()))?;
+    for (skipped, e) in &found.skipped {
+        eprintln!("WARNING: checkpoint iteration {skipped} does not verify, skipped: {e}");
+    }
+    Ok(found.iteration)
 }
 
 /// A readable summary of the checkpoint of `iteration` (default: the latest) under `root`.
 pub fn inspect(root: &Path, iteration: Option<usize>) -> Result<String, String> {
     let iteration = which(root, iteration)?;
     let index =
-        CheckpointIndex::read(&iteration_dir(root, iteration)).map_err(|e| e.to_string())?;
+        CheckpointIndex::read(&committed_dir(root, iteration)).map_err(|e| e.to_string())?;
     let state = index.state();
     let mut out = String::new();
     let _ = writeln!(
