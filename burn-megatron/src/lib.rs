@@ -5,7 +5,6 @@
 //! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data- and
 //!   context-parallel groups (Megatron-Core's exact rank arithmetic).
 //! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout.
-//! - [`launch`]: run one closure per rank as threads of this process.
 //! - [`tensor_parallel`]: differentiable mappings, parallel layers, vocab-parallel
 //!   cross-entropy, initialisation and dropout RNG independent of the TP size.
 //! - [`data_parallel`]: gradient reduction over the data-parallel group in buckets, after
@@ -17,14 +16,23 @@
 //! - [`models`]: tensor-parallel attention, MLP, transformer layer and BERT, with Hugging
 //!   Face checkpoint import/export.
 //! - [`data`]: BERT pretraining data: corpus, WordPiece tokenizer, masked sentence pairs.
+//! - [`launch`]: run one closure per rank (threads of this process, or processes), each
+//!   handed its groups, device and pipeline channels.
 //! - [`checkpoint`]: training checkpoints (weights, master weights, optimizer state).
 //! - [`training`]: one rank's side of training in one object: the data-parallel
 //!   reducers and shard plans, `finalize`, and collective checkpoint `save` / `load`.
+//!
+//! No module imports one listed after it, except that the models sit below data
+//! parallelism, the optimizer and the pipeline (none of which imports them);
+//! `tests/layering.rs` holds the exact table and checks it. The gradient-ready hooks the
+//! parallel layers and the overlapped reduction share sit below both, with the other
+//! crate-private helpers.
 
 pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod data_parallel;
+mod grad_hooks;
 pub mod launch;
 pub mod models;
 mod module_path;

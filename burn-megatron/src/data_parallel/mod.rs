@@ -22,7 +22,8 @@ mod sharded;
 #[cfg(test)]
 mod tests;
 
-pub use overlap::{ActiveGuard, GradHookOps, Hook, OverlapReducer, hook_param};
+pub use crate::grad_hooks::{ActiveGuard, GradHookOps, Hook, hook_param};
+pub use overlap::OverlapReducer;
 pub use shard::{Piece, PlannedBucket, PlannedParam, ShardPlan};
 pub use sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
 

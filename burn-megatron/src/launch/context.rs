@@ -45,17 +45,17 @@ pub struct RankContext {
 }
 
 impl RankContext {
-    /// One data-parallel communicator per model chunk: [`RankGroups::dp`] for chunk 0, a
-    /// channel of its own (same ranks) for each further chunk, as overlapped reducers of
-    /// several chunks need (their workers run at the same time).
+    /// One communicator per model chunk over this rank's data-parallel group, each a
+    /// channel of its own (same ranks, separate traffic): what overlapped reducers need,
+    /// as their workers issue collectives while the caller may issue its own on
+    /// [`RankGroups::dp`], and the reducers of several chunks run at the same time.
+    ///
+    /// Collective over the data-parallel group; call it once per rank.
     pub fn chunk_data_parallel_groups(&self, chunks: usize) -> Result<Vec<Comm>, CommError> {
         (0..chunks)
             .map(|c| {
-                if c == 0 {
-                    return Ok(self.groups.dp.clone());
-                }
                 self.world.new_group(
-                    &format!("dp-chunk-{c}"),
+                    &format!("dp-grad-chunk-{c}"),
                     self.state.data_parallel_group().to_vec(),
                     self.state.global_rank(),
                 )

@@ -1,6 +1,8 @@
 //! `MegatronOptimizer`: mixed precision (FP32 master weights), loss scaling with overflow
 //! skipping, and clipping by the global gradient norm, around any burn-optim optimizer.
 
+use super::cast::{Cast, cast_params, map_value, to_model_dtype};
+use super::error::OptimizerError;
 use super::fused_adam::{FlatAdam, FusedAdam};
 use super::grad_norm::{NormType, clip_coefficient, clip_grads_of, local_norm_stats};
 use super::grad_scaler::{GradScaler, GradScalerState};
@@ -9,19 +11,8 @@ use crate::comm::{Comm, CommError, CommunicatorExt};
 use crate::param_grads::{float_params, update_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
-use burn::tensor::{DType, FloatDType, Tensor};
-use burn_megatron_kernels::{KernelError, master_to_model};
-
-/// Why a [`MegatronOptimizer::step`] failed.
-#[derive(Debug, thiserror::Error)]
-pub enum OptimizerError {
-    /// A collective of the model-parallel group failed (timeout, a failed peer).
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    /// The fused step refused its inputs (e.g. a negative or non-finite learning rate).
-    #[error("fused optimizer step: {0}")]
-    Kernel(#[from] KernelError),
-}
+use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::KernelError;
 
 /// What one [`MegatronOptimizer::step`] did, for logging.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -80,25 +71,6 @@ impl<M: Module> std::fmt::Debug for MegatronOptimizer<M> {
     }
 }
 
-/// `p` with its value replaced by `f` of it, as a fresh leaf: id and `require_grad` kept.
-fn map_value<const D: usize>(
-    p: Param<Tensor<D>>,
-    f: impl FnOnce(Tensor<D>) -> Tensor<D>,
-) -> Param<Tensor<D>> {
-    let (id, t, mapper) = p.consume();
-    let rg = t.is_require_grad();
-    Param::from_mapped_value(id, f(t).detach().set_require_grad(rg), mapper)
-}
-
-/// Casts every float parameter, keeping ids and whether it requires grad.
-struct Cast(DType);
-
-impl ModuleMapper for Cast {
-    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        map_value(p, |t| t.cast(self.0))
-    }
-}
-
 /// Multiplies every parameter of rank above 1 (Megatron's no-decay group is the 1-D ones)
 /// by the factor, keeping ids and `require_grad`.
 struct Decay(f64);
@@ -112,28 +84,6 @@ impl ModuleMapper for Decay {
     }
 }
 
-/// bf16 / f16 as the kernels name them; `None` for every other dtype.
-pub(super) fn half_dtype(dtype: DType) -> Option<FloatDType> {
-    match dtype {
-        DType::BF16 => Some(FloatDType::BF16),
-        DType::F16 => Some(FloatDType::F16),
-        _ => None,
-    }
-}
-
-/// An FP32 master tensor in the model's `dtype`: to bf16 / f16 by the fused rounding pass
-/// (`master_to_model`, bit-exact with `half`'s round-to-nearest-even), otherwise a cast.
-/// Only a device without the half type refuses the rounding, and a plain cast is then the
-/// answer.
-pub(super) fn to_model_dtype<const D: usize>(master: Tensor<D>, dtype: DType) -> Tensor<D> {
-    match half_dtype(dtype) {
-        Some(half) if master.dtype() == DType::F32 => {
-            master_to_model(master.clone(), half).unwrap_or_else(|_| master.cast(dtype))
-        }
-        _ => master.cast(dtype),
-    }
-}
-
 /// FP32 master weights to the model's dtype, one rounding pass per parameter.
 struct ToModel(DType);
 
@@ -142,20 +92,6 @@ impl ModuleMapper for ToModel {
         // Detached before the rounding pass, so it records no autodiff op.
         map_value(p, |t| to_model_dtype(t.detach(), self.0))
     }
-}
-
-/// `model` with every float parameter cast to `dtype` (ids and `require_grad` kept): how a
-/// model is put in bf16 / f16 before [`MegatronOptimizer::new`] keeps its FP32 master copy.
-///
-/// ```
-/// use burn::nn::LinearConfig;
-/// use burn::tensor::{DType, Device};
-/// use burn_megatron::optimizer::cast_params;
-/// let model = cast_params(LinearConfig::new(2, 2).init(&Device::flex().autodiff()), DType::BF16);
-/// assert_eq!(model.weight.val().dtype(), DType::BF16);
-/// ```
-pub fn cast_params<M: Module>(model: M, dtype: DType) -> M {
-    model.map(&mut Cast(dtype))
 }
 
 fn model_dtype<M: Module>(model: &M) -> DType {

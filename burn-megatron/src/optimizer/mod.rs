@@ -5,6 +5,8 @@
 //! [`MegatronOptimizer`] around burn-optim optimizers or the fused flat-buffer Adam
 //! ([`FusedAdamConfig`]).
 
+mod cast;
+mod error;
 mod fused_adam;
 mod grad_norm;
 mod grad_scaler;
@@ -18,11 +20,13 @@ mod distributed_tests;
 #[cfg(test)]
 mod tests;
 
+pub use cast::cast_params;
+pub use error::OptimizerError;
 pub(crate) use fused_adam::Buffer;
 pub use fused_adam::{FusedAdam, FusedAdamConfig};
 pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
-pub use megatron::{MegatronOptimizer, OptimizerError, StepReport, cast_params};
+pub use megatron::{MegatronOptimizer, StepReport};
 pub use param_groups::{LrMultScheduler, megatron_param_groups, one_dimensional_params};
 pub use scheduler::{
     LrDecayStyle, OptimizerParamScheduler, OptimizerParamSchedulerConfig, ParamGroupSchedule,

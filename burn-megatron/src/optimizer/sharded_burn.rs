@@ -3,9 +3,10 @@
 //! parameters of a module of their own, which the burn-optim optimizer steps. Adam's update
 //! is element-wise, so stepping a piece is stepping those elements of the whole parameter.
 
+use super::cast::to_model_dtype;
+use super::error::OptimizerError;
 use super::fused_adam::{Place, Replace, Sharding, gather_pieces};
 use super::grad_norm::{NormType, clip_coefficient};
-use super::megatron::{OptimizerError, to_model_dtype};
 use crate::comm::{Comm, CommError};
 use crate::data_parallel::ShardPlan;
 use crate::param_grads::with_flat;
@@ -371,7 +372,7 @@ impl ShardedBurn {
             .collect();
         let master_values = gather_pieces(&self.sharding, &device, placed, |_| DType::F32)?;
         let master_model =
-            super::cast_params(model.clone(), DType::F32).map(&mut Replace(master_values));
+            super::cast::cast_params(model.clone(), DType::F32).map(&mut Replace(master_values));
         Ok((record, master_model))
     }
 

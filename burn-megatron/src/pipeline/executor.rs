@@ -5,6 +5,7 @@ use super::p2p::P2pCommunicator;
 use super::schedule::{Pass, PipelineOp, PipelineSchedule, ScheduleError, virtual_stage};
 use super::timeline::{Recorder, Span, SpanKind};
 use crate::comm::CommError;
+use crate::grad_hooks::GradSync;
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Tensor};
@@ -64,16 +65,6 @@ pub struct ForwardStep<'a, M, const D: usize> {
     /// The previous stage's activation (a tracked leaf when training), `None` on the first
     /// virtual stage.
     pub input: Option<Tensor<D>>,
-}
-
-/// Gradient work that keeps pace with a chunk's backwards (Megatron's `grad_sync_func`):
-/// the data-parallel `OverlapReducer` implements it, so its bucket reductions start during
-/// the chunk's last backward instead of after the whole schedule.
-pub trait GradSync {
-    /// Entered around each forward and backward of one model chunk and left when the
-    /// returned guard drops; `last` once the chunk's final forward of the step has started,
-    /// so that the backwards that follow complete its gradients.
-    fn enter(&self, last: bool) -> Box<dyn std::any::Any>;
 }
 
 /// How [`forward_backward_func`] runs.

@@ -22,10 +22,11 @@ pub mod timeline;
 #[cfg(test)]
 mod tests;
 
+pub use crate::grad_hooks::GradSync;
 pub use crate::topology::{PipelinePosition, layer_offset, layers_per_chunk};
 pub use executor::{
-    ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync,
-    MicrobatchLoss, PipelineError, StageError, forward_backward_func,
+    ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, MicrobatchLoss,
+    PipelineError, StageError, forward_backward_func,
 };
 pub use p2p::{P2pCommunicator, P2pShapes};
 pub use schedule::{

@@ -15,7 +15,7 @@ use super::mappings::{
 };
 use super::{TpError, host_param};
 use crate::comm::Comm;
-use crate::data_parallel::hook_param;
+use crate::grad_hooks::hook_param;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;

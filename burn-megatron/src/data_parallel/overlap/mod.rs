@@ -12,37 +12,37 @@
 //! (the same graph runs backward everywhere), so the collectives match.
 //!
 //! From the last micro-batch's activation until `finish` returns, the worker issues
-//! collectives on the data-parallel communicator: call no other collective on it meanwhile
-//! (average the losses after `finish`), and give each reducer a communicator of its own when
-//! several run at once (one per pipeline model chunk).
+//! collectives on the reducer's communicator. Give each reducer a channel of its own over
+//! the data-parallel ranks ([`RankContext::chunk_data_parallel_groups`], one per model
+//! chunk), not [`RankGroups::dp`]: the caller's collectives on that group (averaging the
+//! losses, say) then cannot be paired with the worker's, whenever they run.
+//!
+//! Activate the reducer for every micro-batch of the step: [`OverlapReducer::finish`]
+//! counts the gradients that reached it while it was inactive, or after their bucket went
+//! out, and refuses a step that has any (they would be missing from the reduction).
 //!
 //! [`ColumnParallelLinear`]: crate::tensor_parallel::ColumnParallelLinear
 //! [`RowParallelLinear`]: crate::tensor_parallel::RowParallelLinear
+//! [`RankContext::chunk_data_parallel_groups`]: crate::launch::RankContext::chunk_data_parallel_groups
+//! [`RankGroups::dp`]: crate::launch::RankGroups::dp
 
 #[cfg(test)]
 mod join_tests;
-mod ops;
 #[cfg(test)]
 mod tests;
-
-pub use ops::GradHookOps;
 
 use super::{DataParallelConfig, ShardPlan, bucket_layout};
 use crate::comm::tensor::buffer_to_tensor;
 use crate::comm::{Buffer, Comm, CommError, Deadline, ReduceOp};
+use crate::grad_hooks::{ActiveGuard, Claim, GradSink, GradSync, activate, claim};
+use crate::module_path::{PathVisitor, visit_paths};
 use crate::param_grads::{float_params, put_flat, take_flat};
-use burn::backend::Dispatch;
 use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-
-thread_local! {
-    static ACTIVE: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Slot {
@@ -87,6 +87,12 @@ struct State {
     delivered: HashSet<ParamId>,
     /// Parameters counted into their bucket's readiness this step.
     done: HashSet<ParamId>,
+    /// Micro-batches activated this step (with `last` or not).
+    activations: usize,
+    /// Gradients of this step that reached no main-grad slot: computed while the reducer
+    /// was inactive (`.0`), or after the parameter's bucket was handed to the reduction
+    /// (`.1`). Either would be missing from the reduced gradient.
+    missed: HashMap<ParamId, (usize, usize)>,
     last: bool,
     closed: bool,
     /// Complete buckets not yet launched, in the order they completed.
@@ -134,21 +140,6 @@ impl Shared {
                 state.events.push(Event::Ready(slot.bucket));
                 self.ready.notify_all();
             }
-        }
-    }
-
-    fn deliver(&self, id: ParamId, grad: Vec<f32>) {
-        let mut state = self.lock();
-        state.events.push(Event::Hook);
-        let Some(slot) = state.slots.get(&id).copied() else {
-            return;
-        };
-        state.accumulate(slot, &grad);
-        state.delivered.insert(id);
-        let uses = state.uses.entry(id).or_insert(1);
-        *uses = uses.saturating_sub(1);
-        if *uses == 0 && state.last {
-            self.complete(&mut state, id);
         }
     }
 
@@ -210,66 +201,41 @@ impl Shared {
     }
 }
 
-/// A parameter's gradient-ready hook, carried in the autodiff graph.
-#[derive(Clone)]
-pub struct Hook {
-    shared: Arc<Shared>,
-    id: ParamId,
-}
-
-impl std::fmt::Debug for Hook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Hook").field("param", &self.id).finish()
-    }
-}
-
-impl Hook {
-    fn deliver(&self, grad: Vec<f32>) {
-        self.shared.deliver(self.id, grad);
-    }
-}
-
-/// `param`'s value, wrapped in a gradient-ready hook anchored at `anchor` (the layer's input)
-/// when an [`OverlapReducer`] is active on this thread and the parameter is trained.
-pub fn hook_param<const D: usize, const E: usize>(
-    param: &Param<Tensor<D>>,
-    anchor: &Tensor<E>,
-) -> Tensor<D> {
-    let value = param.val();
-    let Some(shared) = ACTIVE.with(|a| a.borrow().clone()) else {
-        return value;
-    };
-    if !value.is_require_grad() {
-        return value;
-    }
-    {
-        let mut state = shared.lock();
-        if !state.slots.contains_key(&param.id) {
-            return value;
+impl GradSink for Shared {
+    fn hook(&self, id: ParamId) -> bool {
+        let mut state = self.lock();
+        if !state.slots.contains_key(&id) {
+            return false;
         }
-        *state.uses.entry(param.id).or_insert(0) += 1;
+        *state.uses.entry(id).or_insert(0) += 1;
         if state.last {
-            state.hooked.insert(param.id);
+            state.hooked.insert(id);
+        }
+        true
+    }
+
+    fn deliver(&self, id: ParamId, grad: Vec<f32>) {
+        let mut state = self.lock();
+        state.events.push(Event::Hook);
+        let Some(slot) = state.slots.get(&id).copied() else {
+            return;
+        };
+        if state.done.contains(&id) {
+            // Its bucket may already be on the wire: this gradient would be lost.
+            state.missed.entry(id).or_default().1 += 1;
+            return;
+        }
+        state.accumulate(slot, &grad);
+        state.delivered.insert(id);
+        let uses = state.uses.entry(id).or_insert(1);
+        *uses = uses.saturating_sub(1);
+        if *uses == 0 && state.last {
+            self.complete(&mut state, id);
         }
     }
-    let hook = Hook {
-        shared,
-        id: param.id,
-    };
-    Tensor::from_dispatch(Dispatch::grad_ready_hook(
-        value.into_dispatch(),
-        anchor.clone().into_dispatch(),
-        hook,
-    ))
-}
 
-/// Keeps this thread's reducer active; dropping it deactivates.
-#[derive(Debug)]
-pub struct ActiveGuard(());
-
-impl Drop for ActiveGuard {
-    fn drop(&mut self) {
-        ACTIVE.with(|a| a.borrow_mut().take());
+    fn deliver_inactive(&self, id: ParamId) {
+        self.lock().missed.entry(id).or_default().0 += 1;
     }
 }
 
@@ -282,7 +248,11 @@ pub struct OverlapReducer {
     order: Vec<(ParamId, usize)>,
     /// (id, element count) in module order.
     sized: Vec<(ParamId, usize)>,
+    /// Module paths, for errors.
+    names: HashMap<ParamId, String>,
     bucket_size: usize,
+    /// Gradients of these parameters computed with the reducer inactive reach it too.
+    _claim: Claim,
 }
 
 impl OverlapReducer {
@@ -323,17 +293,22 @@ impl OverlapReducer {
         } else {
             ReduceOp::Sum
         };
+        let shared = Arc::new(Shared {
+            comm: dp.clone(),
+            op,
+            plan,
+            state: Mutex::new(state),
+            ready: Condvar::new(),
+        });
+        let sink: Arc<dyn GradSink> = shared.clone();
+        let claim = claim(&sink, order.iter().map(|o| o.0).collect());
         Self {
-            shared: Arc::new(Shared {
-                comm: dp.clone(),
-                op,
-                plan,
-                state: Mutex::new(state),
-                ready: Condvar::new(),
-            }),
+            shared,
             order,
             sized,
+            names: param_names(module),
             bucket_size,
+            _claim: claim,
         }
     }
 
@@ -344,8 +319,13 @@ impl OverlapReducer {
 
     /// Activates the reducer on this thread for one micro-batch's forward and backward;
     /// `last` marks the step's last micro-batch, whose backward starts the reduction.
+    ///
+    /// Activate it for every micro-batch of the step: a gradient of the module computed
+    /// while it is inactive (or, with `last` given too early, after its bucket went out)
+    /// would be missing from the reduction, and [`Self::finish`] refuses the step.
     pub fn activate(&self, last: bool) -> ActiveGuard {
         let mut state = self.shared.lock();
+        state.activations += 1;
         state.last = last;
         if last && state.worker.is_none() {
             for b in &mut state.buckets {
@@ -361,19 +341,24 @@ impl OverlapReducer {
             }
         }
         drop(state);
-        ACTIVE.with(|a| *a.borrow_mut() = Some(self.shared.clone()));
-        ActiveGuard(())
+        activate(self.shared.clone())
     }
 
     /// Adds the gradients no hook delivered, waits for every bucket's reduction and writes
     /// the reduced gradients into `grads` (in each gradient's dtype). Returns the number of
     /// collectives issued. Call once per step, after the last micro-batch's backward.
+    ///
+    /// A step in which a gradient of the module missed the reduction (see
+    /// [`Self::activate`]) is an error, and `grads` is left as it was: the reduction still
+    /// runs to its end, so that every rank's collectives stay matched.
     pub fn finish(&self, grads: &mut GradientsParams) -> Result<usize, CommError> {
         let mut present = HashMap::new();
         let mut state = self.shared.lock();
         if !state.last {
             return Err(self.invalid("no last micro-batch was activated this step"));
         }
+        let missed = std::mem::take(&mut state.missed);
+        let activations = std::mem::take(&mut state.activations);
         for &(id, rank) in &self.order {
             if let Some((flat, dims)) = take_flat(grads, id, rank) {
                 if !state.delivered.contains(&id) {
@@ -425,12 +410,51 @@ impl OverlapReducer {
             (state.slots, state.buckets, state.relaid) = (relaid.slots, relaid.buckets, true);
         }
         drop(state);
+        if let Some(reason) = self.missed_reason(&missed, activations) {
+            for (id, (flat, dims, _)) in present {
+                put_flat(grads, id, flat, &dims);
+            }
+            return Err(self.invalid(&reason));
+        }
         for (id, (flat, dims, slot)) in present {
             let values = reduced[slot.bucket][slot.range()].to_vec();
             let t: Tensor<1> = buffer_to_tensor(Buffer::F32(values), [slot.numel], &flat.device());
             put_flat(grads, id, t.cast(flat.dtype()), &dims);
         }
         Ok(issued)
+    }
+
+    /// What went wrong in a step whose gradients missed the reduction, naming the first
+    /// such parameter in module order.
+    fn missed_reason(
+        &self,
+        missed: &HashMap<ParamId, (usize, usize)>,
+        activations: usize,
+    ) -> Option<String> {
+        let mut params = self
+            .order
+            .iter()
+            .filter_map(|(id, _)| Some((id, missed.get(id)?)));
+        let (id, &(inactive, late)) = params.next()?;
+        let others = match params.count() {
+            0 => String::new(),
+            n => format!(" (and {n} more parameters)"),
+        };
+        let name = self.names.get(id).map_or("?", String::as_str);
+        Some(if inactive > 0 {
+            format!(
+                "parameter {name} received {inactive} gradient(s) while the reducer was inactive{others}, \
+                 which the reduction would have dropped ({activations} micro-batch(es) activated \
+                 this step): activate the reducer around every micro-batch's forward and \
+                 backward, with `last` only on the step's last"
+            )
+        } else {
+            format!(
+                "parameter {name} received {late} gradient(s) after its bucket was handed to the \
+                 reduction{others}, which would have dropped them: activate with `last` only \
+                 from the step's last micro-batch on"
+            )
+        })
     }
 
     fn invalid(&self, reason: &str) -> CommError {
@@ -447,7 +471,7 @@ impl OverlapReducer {
     }
 }
 
-impl crate::pipeline::GradSync for OverlapReducer {
+impl GradSync for OverlapReducer {
     fn enter(&self, last: bool) -> Box<dyn std::any::Any> {
         Box::new(self.activate(last))
     }
@@ -542,6 +566,19 @@ fn plan_buckets(plan: &ShardPlan, state: &mut State) {
             ..Bucket::default()
         });
     }
+}
+
+/// The module path of each float parameter of `module`.
+fn param_names<M: Module>(module: &M) -> HashMap<ParamId, String> {
+    struct Names(HashMap<ParamId, String>);
+    impl PathVisitor for Names {
+        fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+            self.0.insert(p.id, path.to_string());
+        }
+    }
+    let mut names = Names(HashMap::new());
+    visit_paths(module, &mut names);
+    names.0
 }
 
 /// Element counts of `module`'s float parameters, in visiting order.

@@ -268,3 +268,178 @@ fn a_layer_without_gradient_in_the_last_micro_batch_neither_hangs_nor_double_cou
     })
     .unwrap();
 }
+
+/// One rank's accumulated gradients over `micros` micro-batches of `model.loss`, with
+/// `activate(micro)` saying whether (and with which `last`) the reducer is active for each.
+fn accumulate(
+    reducer: &OverlapReducer,
+    model: &Net,
+    dp_rank: usize,
+    micros: usize,
+    device: &Device,
+    activate: impl Fn(usize) -> Option<bool>,
+) -> GradientsParams {
+    let mut acc = GradientsAccumulator::new();
+    for micro in 0..micros {
+        let _active = activate(micro).map(|last| reducer.activate(last));
+        let g = model.loss(dp_rank, micro, device).backward();
+        acc.accumulate(model, GradientsParams::from_grads(g, model));
+    }
+    acc.grads()
+}
+
+/// The usual `no_sync` mistake: the reducer activated on the last micro-batch only. Its
+/// hooked gradients would hold that micro-batch alone; `finish` refuses the step instead,
+/// names a parameter and leaves the gradients as they were. The same reducer then reduces
+/// a correct step exactly as `finalize_model_grads`.
+#[test]
+fn a_reducer_activated_on_the_last_micro_batch_only_is_an_error() {
+    let config = ParallelConfig::new(2, 1, 1);
+    let dp_config = DataParallelConfig {
+        bucket_size: Some(100),
+        ..DataParallelConfig::default()
+    };
+    let options = LaunchOptions::default().with_timeout(std::time::Duration::from_secs(20));
+    threads(&config, options, |ctx| {
+        let (tp, d) = (&ctx.groups.tp, &ctx.device);
+        let dp_rank = ctx.state.data_parallel_rank();
+        let dp = ctx.chunk_data_parallel_groups(1)?.remove(0);
+        for micros in [2, 3] {
+            let model = net(tp, d)?;
+            let reducer = OverlapReducer::new(&model, &dp, &dp_config);
+            let mut grads = accumulate(&reducer, &model, dp_rank, micros, d, |micro| {
+                (micro + 1 == micros).then_some(true)
+            });
+            let before = grads_of(&model, &grads);
+            let err = reducer.finish(&mut grads).unwrap_err().to_string();
+            let inactive = format!(
+                "received {} gradient(s) while the reducer was inactive",
+                micros - 1
+            );
+            assert!(err.contains(&inactive), "{err}");
+            assert!(err.contains("parameter blocks.0.dense_h_to_4h."), "{err}");
+            assert!(err.contains("1 micro-batch(es) activated"), "{err}");
+            assert_eq!(grads_of(&model, &grads), before, "gradients untouched");
+
+            // The correct use, on the same reducer, matches the reduction after backward
+            // (of an equal model: a backward through the reducer's own parameters while
+            // it is inactive would count against its step).
+            let reference = net(tp, d)?;
+            let mut sync = accumulate(&reducer, &reference, dp_rank, micros, d, |_| None);
+            finalize_model_grads(&reference, &mut sync, &ctx.groups.dp, tp, None, &dp_config)?;
+            let mut overlapped = accumulate(&reducer, &model, dp_rank, micros, d, |micro| {
+                Some(micro + 1 == micros)
+            });
+            reducer.finish(&mut overlapped)?;
+            assert_eq!(grads_of(&model, &overlapped), grads_of(&reference, &sync));
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    })
+    .unwrap();
+}
+
+/// `last` on every micro-batch: the first one's backward hands buckets to the reduction,
+/// and the next micro-batch's gradients come after them. An error, not a dropped gradient.
+#[test]
+fn gradients_after_their_bucket_went_out_are_an_error() {
+    let config = ParallelConfig::new(2, 1, 1);
+    let dp_config = DataParallelConfig {
+        bucket_size: Some(100),
+        ..DataParallelConfig::default()
+    };
+    let options = LaunchOptions::default().with_timeout(std::time::Duration::from_secs(20));
+    threads(&config, options, |ctx| {
+        let (tp, d) = (&ctx.groups.tp, &ctx.device);
+        let dp_rank = ctx.state.data_parallel_rank();
+        let dp = ctx.chunk_data_parallel_groups(1)?.remove(0);
+        let model = net(tp, d)?;
+        let reducer = OverlapReducer::new(&model, &dp, &dp_config);
+        let mut grads = accumulate(&reducer, &model, dp_rank, 2, d, |_| Some(true));
+        let err = reducer.finish(&mut grads).unwrap_err().to_string();
+        assert!(
+            err.contains("after its bucket was handed to the reduction"),
+            "{err}"
+        );
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    })
+    .unwrap();
+}
+
+/// The reducer's communicator is a channel of its own: a caller's all-reduce on
+/// `groups.dp` while the worker reduces buckets pairs with the other ranks' all-reduce,
+/// not with a bucket. Rank 1 all-reduces before its last backward (its worker has sent
+/// nothing yet), rank 0 once its worker has started on a bucket: on a shared channel,
+/// rank 1's call would meet rank 0's bucket.
+#[test]
+fn a_caller_collective_on_dp_is_not_paired_with_the_reducer_worker() {
+    let config = ParallelConfig::new(2, 1, 1);
+    let dp_config = DataParallelConfig {
+        bucket_size: Some(100),
+        ..DataParallelConfig::default()
+    };
+    let options = LaunchOptions::default().with_timeout(std::time::Duration::from_secs(20));
+    threads(&config, options, |ctx| {
+        let (tp, d) = (&ctx.groups.tp, &ctx.device);
+        let dp_rank = ctx.state.data_parallel_rank();
+        let model = net(tp, d)?;
+        let mut sync = accumulate_plain(&model, dp_rank, d);
+        finalize_model_grads(&model, &mut sync, &ctx.groups.dp, tp, None, &dp_config)?;
+
+        let dp = ctx.chunk_data_parallel_groups(1)?.remove(0);
+        let reducer = OverlapReducer::new(&model, &dp, &dp_config);
+        let caller = || -> Result<Vec<f32>, CommError> {
+            let mut buf = Buffer::F32(vec![dp_rank as f32 + 1.0; 4]);
+            ctx.groups.dp.all_reduce(&mut buf, ReduceOp::Sum)?;
+            match buf {
+                Buffer::F32(v) => Ok(v),
+                _ => unreachable!("an f32 reduction returns f32"),
+            }
+        };
+        let mut acc = GradientsAccumulator::new();
+        let mut summed = None;
+        for micro in 0..2 {
+            let _active = reducer.activate(micro == 1);
+            let loss = model.loss(dp_rank, micro, d);
+            if micro == 1 && dp_rank == 1 {
+                summed = Some(caller()?);
+            }
+            acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+            if micro == 1 && dp_rank == 0 {
+                // Once the worker has taken a bucket (and had time to start on it).
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !reducer
+                    .events()
+                    .iter()
+                    .any(|e| matches!(e, Event::Launch(_)))
+                {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "no bucket was launched"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                summed = Some(caller()?);
+            }
+        }
+        let mut grads = acc.grads();
+        assert!(
+            reducer.finish(&mut grads)? >= 3,
+            "several buckets were reduced"
+        );
+        assert_eq!(summed, Some(vec![3.0; 4]), "the caller's own sum");
+        assert_eq!(grads_of(&model, &grads), grads_of(&model, &sync));
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    })
+    .unwrap();
+}
+
+/// Two micro-batches of `model.loss`, accumulated without a reducer.
+fn accumulate_plain(model: &Net, dp_rank: usize, device: &Device) -> GradientsParams {
+    let mut acc = GradientsAccumulator::new();
+    for micro in 0..2 {
+        let g = model.loss(dp_rank, micro, device).backward();
+        acc.accumulate(model, GradientsParams::from_grads(g, model));
+    }
+    acc.grads()
+}

@@ -2,9 +2,9 @@
 //! and stepped by one fused kernel per group.
 
 use super::config::{FusedAdam, FusedAdamConfig};
-use super::modules::walk;
+use super::mappers::walk;
 use crate::optimizer::NormType;
-use crate::optimizer::megatron::{half_dtype, to_model_dtype};
+use crate::optimizer::cast::{half_dtype, to_model_dtype};
 use crate::param_grads::with_flat;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ParamId};

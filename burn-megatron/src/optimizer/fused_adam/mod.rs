@@ -10,10 +10,11 @@
 
 mod config;
 mod flat;
+mod mappers;
 mod modules;
 mod sharded;
 
 pub use config::{FusedAdam, FusedAdamConfig};
 pub(crate) use flat::{Buffer, FlatAdam, Place, Sharding};
-pub(crate) use modules::Replace;
+pub(crate) use mappers::Replace;
 pub(crate) use sharded::gather_pieces;

@@ -5,11 +5,11 @@
 
 use super::config::FusedAdam;
 use super::flat::{Buffer, FlatAdam, Place, Sharding, Slot};
-use super::modules::{Replace, walk};
+use super::mappers::{Replace, walk};
 use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
 use crate::comm::{Buffer as CommBuffer, Comm, CommDType, CommError, comm_dtype};
 use crate::data_parallel::ShardPlan;
-use crate::optimizer::megatron::OptimizerError;
+use crate::optimizer::error::OptimizerError;
 use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
 //! The gradient-ready hook as a Burn backend extension: identity forward; backward hands
-//! the parameter's gradient to the reducer and passes it on unchanged.
+//! the parameter's gradient to the sink (the reducer) and passes it on unchanged.
 //!
 //! Burn runs backward by graph depth, deepest first. A hook whose only parent were the
 //! parameter (a leaf, depth 0) would run at the very end; giving it the layer's input as a
@@ -57,10 +57,13 @@ impl<B: GradHookOps> Backward<B, 2> for HookBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [param, _anchor] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let data = try_read_sync(B::float_into_data(grad.clone()))
-            .expect("synchronous reads are supported on this platform")
-            .unwrap_or_else(|e| panic!("gradient hook: reading the gradient failed: {e:?}"));
-        ops.state.deliver(data.iter::<f32>().collect());
+        ops.state.deliver(|| {
+            try_read_sync(B::float_into_data(grad.clone()))
+                .expect("synchronous reads are supported on this platform")
+                .unwrap_or_else(|e| panic!("gradient hook: reading the gradient failed: {e:?}"))
+                .iter::<f32>()
+                .collect()
+        });
         if let Some(param) = param {
             grads.register::<B>(param.id, grad);
         }
