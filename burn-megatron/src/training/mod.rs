@@ -54,8 +54,9 @@ pub struct ParallelTrainingConfig {
     /// Average gradients over the data-parallel group (`true`, Megatron's default) or sum.
     #[config(default = true)]
     pub average_in_collective: bool,
-    /// Reduce bf16 / f16 gradients in f32 (`--accumulate-allreduce-grads-in-fp32`).
-    #[config(default = true)]
+    /// Reduce bf16 / f16 gradients in f32 (`--accumulate-allreduce-grads-in-fp32`); off, as
+    /// [`DataParallelConfig`]'s default.
+    #[config(default = false)]
     pub grad_reduce_in_fp32: bool,
 }
 
