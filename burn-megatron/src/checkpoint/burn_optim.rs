@@ -7,6 +7,7 @@
 //! parameter, and the scalars are kept by global name in the index. Loaded, the record is
 //! rebuilt for the new model's ids from the slices of the new layout.
 
+use super::find::stored_key;
 use super::index::TensorEntry;
 use super::tensors::{Files, Placement, placement, written_here};
 use super::{CheckpointError, io};
@@ -21,7 +22,8 @@ use std::path::Path;
 /// Scalars of one parameter's state, by key.
 pub(super) type Scalars = BTreeMap<String, serde_json::Value>;
 
-const FILE: &str = "optim.safetensors";
+/// The one file holding every `optim.*` set.
+pub(super) const FILE: &str = "optim.safetensors";
 
 fn scalar_to_json(s: &burn_pack::Scalar) -> serde_json::Value {
     match *s {
@@ -121,7 +123,7 @@ pub(super) fn save<M: Module>(
         } = placement(ParamId::from(id), &dims, tp.0, tp.1);
         // One safetensors key per (set, name).
         named.push((
-            format!("{set}/{global}"),
+            stored_key(&set, &global),
             TensorData::from_bytes(bytes, shape.clone(), dtype),
         ));
         entries.push(TensorEntry {
@@ -174,7 +176,7 @@ pub(super) fn load<M: Module>(
         let want = placement(id, &dims, tp.0, tp.1);
         for set in sets {
             let field = set.strip_prefix("optim.").unwrap_or(set);
-            let data = files.slice_in(set, &format!("{set}/{global}"), &global, &want, &dims)?;
+            let data = files.slice_in(set, &stored_key(set, &global), &global, &want, &dims)?;
             let (bytes, dtype) = (data.as_bytes().to_vec(), data.dtype());
             tensors.push(burn_pack::Tensor::new(
                 format!("{key}.{field}"),

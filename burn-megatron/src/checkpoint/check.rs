@@ -114,7 +114,7 @@ pub(super) fn volume(shape: &[usize]) -> Option<u64> {
 /// optimizer's sets.
 pub(super) fn set_file(set: &str) -> String {
     if set.starts_with("optim.") {
-        "optim.safetensors".to_string()
+        super::burn_optim::FILE.to_string()
     } else {
         format!("{set}.safetensors")
     }

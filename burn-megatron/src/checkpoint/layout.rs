@@ -78,42 +78,33 @@ pub(super) fn check_tensor_parallel_layout<M: Module>(
         rank.tensor_model_parallel_rank,
         rank.pipeline_model_parallel_rank,
     );
-    let comm =
-        |e: String| CheckpointError::Mismatch(format!("checking the layout before saving: {e}"));
-    let all = model_parallel
-        .all_gather_vec(vec![stage as i64, digest(&mine)])
-        .map_err(|e| comm(e.to_string()))?;
-    let peers = |all: &[i64]| -> Vec<usize> {
-        (0..all.len() / 2)
-            .filter(|&i| all[2 * i] == stage as i64)
-            .collect()
+    let bad_record = |e: serde_json::Error| {
+        CheckpointError::Mismatch(format!("checking the layout before saving: {e}"))
     };
-    let same_stage = peers(&all);
+    let all = model_parallel.all_gather_vec(vec![stage as i64, digest(&mine)])?;
+    let members = all.len() / 2;
+    let same_stage: Vec<usize> = (0..members)
+        .filter(|&i| all[2 * i] == stage as i64)
+        .collect();
     let agreed = same_stage
         .iter()
         .all(|&i| all[2 * i + 1] == all[2 * same_stage[0] + 1]);
     // Some stage disagrees: every member takes part in the exchange that names it.
-    let any_disagrees = (0..all.len() / 2).any(|i| {
-        let stage_i = all[2 * i];
-        (0..all.len() / 2).any(|j| all[2 * j] == stage_i && all[2 * j + 1] != all[2 * i + 1])
+    let any_disagrees = (0..members).any(|i| {
+        (0..members).any(|j| all[2 * j] == all[2 * i] && all[2 * j + 1] != all[2 * i + 1])
     });
     if !any_disagrees {
         return Ok(());
     }
-    let text = serde_json::to_vec(&(tp_rank, &mine)).map_err(|e| comm(e.to_string()))?;
-    let lens = model_parallel
-        .all_gather_vec(vec![text.len() as i64])
-        .map_err(|e| comm(e.to_string()))?;
+    let mut text = serde_json::to_vec(&(tp_rank, &mine)).map_err(bad_record)?;
+    let lens = model_parallel.all_gather_vec(vec![text.len() as i64])?;
     let width = lens.iter().copied().max().unwrap_or(0).max(0) as usize;
-    let mut padded = text.clone();
-    padded.resize(width.div_ceil(8) * 8, 0);
-    let words: Vec<i64> = padded
+    text.resize(width.div_ceil(8) * 8, 0);
+    let words: Vec<i64> = text
         .chunks(8)
         .map(|c| i64::from_le_bytes(c.try_into().expect("padded to 8")))
         .collect();
-    let gathered = model_parallel
-        .all_gather_vec(words)
-        .map_err(|e| comm(e.to_string()))?;
+    let gathered = model_parallel.all_gather_vec(words)?;
     if agreed {
         return Err(CheckpointError::Mismatch(
             "another pipeline stage's tensor-parallel ranks disagree on the layout of what \
@@ -129,7 +120,7 @@ pub(super) fn check_tensor_parallel_layout<M: Module>(
             .flat_map(|w| w.to_le_bytes())
             .take(lens[i].max(0) as usize)
             .collect();
-        theirs.push(serde_json::from_slice(&bytes).map_err(|e| comm(e.to_string()))?);
+        theirs.push(serde_json::from_slice(&bytes).map_err(bad_record)?);
     }
     Err(CheckpointError::Mismatch(describe(stage, &theirs)))
 }

@@ -144,26 +144,16 @@ pub fn save_checkpoint<M: Module + Clone>(
     let dir = staging_dir(root, iteration).join(rank.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
     let (names, tp) = (rank.names, rank.tp());
-    let mut entries = write_set(
-        &dir,
-        "model",
-        "model.safetensors",
-        &collect(model, names, tp, false),
-    )?;
+    let mut entries = write_set(&dir, "model", &collect(model, names, tp, false))?;
     commit::crash_point("shard", iteration);
     let (record, master) = burn_state.unzip();
     if let Some(master) = master.flatten() {
         let tensors = collect(&master, names, tp, true);
-        entries.extend(write_set(&dir, "master", "master.safetensors", &tensors)?);
+        entries.extend(write_set(&dir, "master", &tensors)?);
     }
     for (stem, module) in &flat_state {
         let tensors = collect(module, names, tp, true);
-        entries.extend(write_set(
-            &dir,
-            stem,
-            &format!("{stem}.safetensors"),
-            &tensors,
-        )?);
+        entries.extend(write_set(&dir, stem, &tensors)?);
     }
     let mut optimizer_scalars = BTreeMap::new();
     if let Some(record) = record {

@@ -2,6 +2,7 @@
 //! tests compare two checkpoints by.
 
 use super::CheckpointError;
+use super::find::stored_key;
 use super::index::CheckpointIndex;
 use super::tensors::{Files, Placement};
 use burn::tensor::TensorData;
@@ -49,10 +50,7 @@ impl CheckpointIndex {
                     self.dir.display()
                 ))
             })?;
-        let key = match set.strip_prefix("optim.") {
-            Some(_) => format!("{set}/{name}"),
-            None => name.to_string(),
-        };
+        let key = stored_key(set, name);
         let whole = Placement {
             offset: vec![0; global_shape.len()],
             global_shape: global_shape.clone(),

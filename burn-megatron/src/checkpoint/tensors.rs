@@ -1,6 +1,7 @@
 //! A module's parameters as global tensors: collected for saving (global name, global shape,
 //! this rank's offset), and restored from whatever shards a checkpoint holds.
 
+use super::check::set_file;
 use super::index::{CheckpointIndex, TensorEntry};
 use super::shards::{Piece, assemble};
 use super::{CheckpointError, io};
@@ -92,14 +93,14 @@ pub(super) fn collect<M: Module>(
     c.out
 }
 
-/// Writes `tensors` of `set` as `file` in `dir`; returns their index entries.
+/// Writes `tensors` of `set` into its file in `dir` ([`set_file`]); returns their index entries.
 pub(super) fn write_set(
     dir: &Path,
     set: &str,
-    file: &str,
     tensors: &[Collected],
 ) -> Result<Vec<TensorEntry>, CheckpointError> {
-    let path = dir.join(file);
+    let file = set_file(set);
+    let path = dir.join(&file);
     let named: Vec<(String, TensorData)> = tensors
         .iter()
         .map(|t| (t.name.clone(), t.data.clone()))
@@ -111,7 +112,7 @@ pub(super) fn write_set(
         .map(|t| TensorEntry {
             set: set.to_string(),
             name: t.name.clone(),
-            file: file.to_string(),
+            file: file.clone(),
             global_shape: t.placement.global_shape.clone(),
             offset: t.placement.offset.clone(),
             shape: t.data.shape().to_vec(),

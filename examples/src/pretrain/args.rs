@@ -449,13 +449,19 @@ impl Args {
         Ok(layout)
     }
 
-    /// The checkpoint to load: `--ckpt-step`'s, or the newest under `dir` that verifies.
-    fn checkpoint_to_load(&self, dir: &std::path::Path) -> Result<usize, String> {
+    /// The checkpoint to load, read: `--ckpt-step`'s, or the newest under `dir` that
+    /// verifies.
+    fn checkpoint_to_load(
+        &self,
+        dir: &std::path::Path,
+    ) -> Result<(usize, CheckpointIndex), String> {
         if let Some(step) = self.ckpt_step {
-            return Ok(step);
+            let index = CheckpointIndex::read(&committed_dir(dir, step))
+                .map_err(|e| format!("--load {} (iteration {step}): {e}", dir.display()))?;
+            return Ok((step, index));
         }
         let found = latest_loadable_checkpoint(dir).map_err(|e| format!("--load: {e}"))?;
-        found.map(|f| f.iteration).ok_or_else(|| {
+        found.map(|f| (f.iteration, f.index)).ok_or_else(|| {
             format!(
                 "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
                 dir.display()
@@ -466,9 +472,7 @@ impl Args {
     /// The checkpoint to load must be readable, and its optimizer state one this run's
     /// optimizer takes (or `--no-load-optim`); any layout loads.
     fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
-        let iteration = self.checkpoint_to_load(dir)?;
-        let index = CheckpointIndex::read(&committed_dir(dir, iteration))
-            .map_err(|e| format!("--load {} (iteration {iteration}): {e}", dir.display()))?;
+        let (iteration, index) = self.checkpoint_to_load(dir)?;
         if self.no_load_optim {
             return Ok(());
         }
