@@ -129,8 +129,31 @@ fn registry() -> &'static RwLock<Registry> {
     REGISTRY.get_or_init(Default::default)
 }
 
+fn read() -> std::sync::RwLockReadGuard<'static, Registry> {
+    registry().read().unwrap_or_else(|e| e.into_inner())
+}
+
 fn write() -> std::sync::RwLockWriteGuard<'static, Registry> {
     registry().write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Applies `update` to the attributes of `id`; writes only when they change, or when
+/// `owner` states them and no live owner holds them yet (an owner already holding them
+/// keeps them).
+fn update_entry(
+    id: ParamId,
+    owner: Option<&LayoutOwner>,
+    update: impl FnOnce(ParallelAttrs) -> ParallelAttrs,
+) {
+    let old = read().get(id).cloned();
+    let current = old.as_ref().map(|e| e.attrs).unwrap_or_default();
+    let attrs = update(current);
+    let held = old.and_then(|e| e.owner);
+    if attrs == current && (held.is_some() || owner.is_none()) {
+        return;
+    }
+    let owner = held.or_else(|| owner.map(|o| Arc::downgrade(&o.0)));
+    write().insert(id, Entry { attrs, owner });
 }
 
 /// What a parallel layer holds (`#[module(skip)]`) so that the attributes it states live
@@ -159,28 +182,7 @@ impl LayoutOwner {
     /// [`update_parallel_attrs`] for a parameter of the layer holding this owner; an entry
     /// another live owner stated keeps that owner.
     pub fn update(&self, id: ParamId, update: impl FnOnce(ParallelAttrs) -> ParallelAttrs) {
-        let old = registry()
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned();
-        let attrs = update(old.as_ref().map(|e| e.attrs).unwrap_or_default());
-        if old
-            .as_ref()
-            .is_some_and(|e| e.attrs == attrs && e.owner.is_some())
-        {
-            return;
-        }
-        let owner = old
-            .and_then(|e| e.owner)
-            .unwrap_or_else(|| Arc::downgrade(&self.0));
-        write().insert(
-            id,
-            Entry {
-                attrs,
-                owner: Some(owner),
-            },
-        );
+        update_entry(id, Some(self), update);
     }
 }
 
@@ -205,21 +207,13 @@ pub fn copy_parallel_attrs(from: ParamId, to: ParamId) {
 /// takes the write lock only when `update` changed something, so layers can call it at every
 /// forward.
 pub fn update_parallel_attrs(id: ParamId, update: impl FnOnce(ParallelAttrs) -> ParallelAttrs) {
-    let old = parallel_attrs(id);
-    let new = update(old);
-    if new != old {
-        set_parallel_attrs(id, new);
-    }
+    update_entry(id, None, update);
 }
 
 /// How many entries the table holds, dead ones not yet swept included.
 #[doc(hidden)]
 pub fn parallel_attrs_entries() -> usize {
-    registry()
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .entries
-        .len()
+    read().entries.len()
 }
 
 /// Records the layout part of `layout` for `id` and keeps its tie flags: what a layer states
@@ -248,12 +242,7 @@ pub fn set_layout_attrs(id: ParamId, layout: ParallelAttrs) {
 /// assert!(parallel_attrs(id).tensor_model_parallel);
 /// ```
 pub fn parallel_attrs(id: ParamId) -> ParallelAttrs {
-    registry()
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(id)
-        .map(|e| e.attrs)
-        .unwrap_or_default()
+    read().get(id).map(|e| e.attrs).unwrap_or_default()
 }
 
 #[cfg(test)]
