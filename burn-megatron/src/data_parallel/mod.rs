@@ -28,7 +28,7 @@ pub use shard::{Piece, PlannedBucket, PlannedParam, ShardPlan};
 pub use sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
 
 /// How gradients are reduced over the data-parallel group.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DataParallelConfig {
     /// Elements per bucket; `None` is Megatron's default, max(40 M, 1 M × dp).
     pub bucket_size: Option<usize>,

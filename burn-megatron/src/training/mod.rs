@@ -48,16 +48,9 @@ pub struct ParallelTrainingConfig {
     /// (`--use-distributed-optimizer`).
     #[config(default = false)]
     pub use_distributed_optimizer: bool,
-    /// Elements per gradient bucket; `None` is Megatron's default, max(40 M, 1 M × dp).
-    #[config(default = "None")]
-    pub bucket_size: Option<usize>,
-    /// Average gradients over the data-parallel group (`true`, Megatron's default) or sum.
-    #[config(default = true)]
-    pub average_in_collective: bool,
-    /// Reduce bf16 / f16 gradients in f32 (`--accumulate-allreduce-grads-in-fp32`); off, as
-    /// [`DataParallelConfig`]'s default.
-    #[config(default = false)]
-    pub grad_reduce_in_fp32: bool,
+    /// Bucket size, averaging, and the dtype gradients are reduced in.
+    #[config(default = "DataParallelConfig::default()")]
+    pub data_parallel: DataParallelConfig,
 }
 
 /// What the wrapper steps: the fused flat-buffer Adam, or any burn-optim optimizer.
@@ -89,7 +82,6 @@ pub type GlobalNames = Arc<dyn Fn(&str) -> String + Send + Sync>;
 /// model; see the [module docs](self).
 pub struct ParallelTraining {
     config: ParallelTrainingConfig,
-    dp_config: DataParallelConfig,
     tp: Comm,
     dp: Comm,
     mp: Comm,
@@ -119,11 +111,6 @@ impl ParallelTrainingConfig {
         names: GlobalNames,
     ) -> Result<ParallelTraining, CommError> {
         let state = &ctx.state;
-        let dp_config = DataParallelConfig {
-            bucket_size: self.bucket_size,
-            average: self.average_in_collective,
-            reduce_in_fp32: self.grad_reduce_in_fp32,
-        };
         let chunk_dp = if self.overlap_grad_reduce {
             ctx.chunk_data_parallel_groups(chunks.len())?
         } else {
@@ -132,7 +119,6 @@ impl ParallelTrainingConfig {
         let embedding = ctx.groups.embedding.clone();
         let mut training = ParallelTraining {
             config: self.clone(),
-            dp_config,
             tp: ctx.groups.tp.clone(),
             dp: ctx.groups.dp.clone(),
             mp: ctx.groups.mp.clone(),
@@ -172,8 +158,10 @@ impl ParallelTraining {
                 .zip(&self.chunk_dp)
                 .enumerate()
                 .map(|(c, (chunk, dp))| match self.plans.get(c) {
-                    Some(plan) => OverlapReducer::distributed(chunk, dp, &self.dp_config, plan),
-                    None => OverlapReducer::new(chunk, dp, &self.dp_config),
+                    Some(plan) => {
+                        OverlapReducer::distributed(chunk, dp, &self.config.data_parallel, plan)
+                    }
+                    None => OverlapReducer::new(chunk, dp, &self.config.data_parallel),
                 })
                 .collect();
         }
@@ -185,7 +173,15 @@ impl ParallelTraining {
         }
         chunks
             .iter()
-            .map(|c| ShardPlan::new(c, self.dp_size, self.dp_rank, &self.dp_config, self.tied))
+            .map(|c| {
+                ShardPlan::new(
+                    c,
+                    self.dp_size,
+                    self.dp_rank,
+                    &self.config.data_parallel,
+                    self.tied,
+                )
+            })
             .collect()
     }
 
@@ -252,7 +248,11 @@ impl ParallelTraining {
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<(), CommError> {
-        let (tp, embedding, config) = (&self.tp, self.embedding.as_ref(), &self.dp_config);
+        let (tp, embedding, config) = (
+            &self.tp,
+            self.embedding.as_ref(),
+            &self.config.data_parallel,
+        );
         if self.config.overlap_grad_reduce {
             finalize_model_grads_overlapped(&self.reducers, model, grads, tp, embedding, config)
         } else if self.config.use_distributed_optimizer {
