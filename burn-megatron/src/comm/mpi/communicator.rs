@@ -111,25 +111,11 @@ impl MpiCommunicator {
         &self,
         op: &'static str,
         seq: u64,
-        mut requests: Vec<(Vec<usize>, Request<'a, D, S>)>,
+        requests: Vec<(Vec<usize>, Request<'a, D, S>)>,
         timeout: Duration,
     ) {
-        let mut watch = Watch::within(&self.world, &self.label, op, seq, timeout);
-        loop {
-            requests = requests
-                .into_iter()
-                .filter_map(|(who, r)| r.test().err().map(|r| (who, r)))
-                .collect();
-            if requests.is_empty() {
-                return;
-            }
-            self.progress_sends();
-            let mut awaited: Vec<usize> =
-                requests.iter().flat_map(|(who, _)| who.clone()).collect();
-            awaited.sort_unstable();
-            awaited.dedup();
-            watch.turn(&awaited);
-        }
+        Watch::within(&self.world, &self.label, op, seq, timeout)
+            .complete(requests, || self.progress_sends());
     }
 
     /// Swaps headers with every other member and checks they all describe the same call.

@@ -25,7 +25,7 @@ pub use communicator::MpiCommunicator;
 use super::group::{CommError, ProcessGroup};
 use super::{Comm, World, lock};
 use mpi::environment::Universe;
-use mpi::request::scope;
+use mpi::request::{Request, Scope, scope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::*;
 use std::sync::{Arc, Mutex};
@@ -129,6 +129,30 @@ impl<'a> Watch<'a> {
             timeout,
             exit_seen: None,
             backoff: Backoff::default(),
+        }
+    }
+
+    /// Tests `requests` (each with the global ranks it waits for) until every one has
+    /// completed, running `between` at each turn that leaves some pending.
+    pub(crate) fn complete<'r, D: ?Sized, S: Scope<'r>>(
+        &mut self,
+        mut requests: Vec<(Vec<usize>, Request<'r, D, S>)>,
+        mut between: impl FnMut(),
+    ) {
+        loop {
+            requests = requests
+                .into_iter()
+                .filter_map(|(who, r)| r.test().err().map(|r| (who, r)))
+                .collect();
+            if requests.is_empty() {
+                return;
+            }
+            between();
+            let mut awaited: Vec<usize> =
+                requests.iter().flat_map(|(who, _)| who.clone()).collect();
+            awaited.sort_unstable();
+            awaited.dedup();
+            self.turn(&awaited);
         }
     }
 
@@ -370,24 +394,15 @@ impl MpiWorld {
                 }
                 let peer = inner.world.0.process_at_rank(r as i32);
                 requests.push((
-                    r,
+                    vec![r],
                     peer.immediate_receive_into_with_tag(sc, &mut slot[..], 0x4000 | tag),
                 ));
-                requests.push((r, peer.immediate_send_with_tag(sc, &mine[..], 0x4000 | tag)));
+                requests.push((
+                    vec![r],
+                    peer.immediate_send_with_tag(sc, &mine[..], 0x4000 | tag),
+                ));
             }
-            let mut watch = Watch::new(inner, &label, "new_group", 0);
-            loop {
-                requests = requests
-                    .into_iter()
-                    .filter_map(|(who, r)| r.test().err().map(|r| (who, r)))
-                    .collect();
-                if requests.is_empty() {
-                    break;
-                }
-                let mut awaited: Vec<usize> = requests.iter().map(|(who, _)| *who).collect();
-                awaited.dedup();
-                watch.turn(&awaited);
-            }
+            Watch::new(inner, &label, "new_group", 0).complete(requests, || {});
         });
         match theirs.iter().position(|d| *d != mine) {
             None => Ok(()),
