@@ -6,6 +6,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_megatron::tensor_parallel::MasterInit;
 
 pub mod bert;
+pub mod gpt;
 pub mod mlp;
 
 /// A plain Burn `Linear` whose weight and bias are drawn from `seed` on the host (the same
@@ -114,4 +115,54 @@ pub fn reload_as_another_process<M: burn::module::Module>(
     let loaded = fresh.load_file(path);
     assert_eq!(param_ids(&loaded), ids, "Burn's load keeps the saved ids");
     loaded
+}
+
+/// Every tensor of a safetensors file (a fixture) as (shape, f32 or i64 values widened to
+/// f64), by name.
+pub fn read_safetensors(
+    path: &std::path::Path,
+) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+    file.names()
+        .into_iter()
+        .map(|name| {
+            let v = file.tensor(name).expect("listed");
+            let values: Vec<f64> = match v.dtype() {
+                safetensors::Dtype::F32 => v
+                    .data()
+                    .chunks(4)
+                    .map(|c| f64::from(f32::from_le_bytes(c.try_into().expect("4 bytes"))))
+                    .collect(),
+                safetensors::Dtype::I64 => v
+                    .data()
+                    .chunks(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")) as f64)
+                    .collect(),
+                d => panic!("{name}: unexpected {d:?}"),
+            };
+            (name.to_string(), (v.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+/// `model` with every parameter replaced by its gradient in `grads`, so that a function that
+/// names, gathers and lays out parameters (a Hugging Face export, say) does the same for the
+/// gradients.
+///
+/// # Panics
+///
+/// When a parameter has no gradient.
+pub fn as_gradients<M: burn::module::Module>(model: &M, grads: &burn::optim::GradientsParams) -> M {
+    struct ToGrad<'a>(&'a burn::optim::GradientsParams);
+    impl burn::module::ModuleMapper for ToGrad<'_> {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let g = self
+                .0
+                .get::<D>(p.id)
+                .expect("every parameter has a gradient");
+            p.map(|_| g)
+        }
+    }
+    model.clone().map(&mut ToGrad(grads))
 }

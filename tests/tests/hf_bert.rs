@@ -8,38 +8,12 @@ use burn_megatron::comm::tensor::all_gather;
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{HfError, hf_state_dict, load_hf_bert, save_hf_bert};
 use burn_megatron::topology::ParallelConfig;
-use safetensors::SafeTensors;
+use burn_megatron_tests::read_safetensors as read;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny")
-}
-
-/// Every tensor of a safetensors file as (shape, f32 or i64 values widened to f64).
-fn read(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
-    let bytes = std::fs::read(path).unwrap();
-    let file = SafeTensors::deserialize(&bytes).unwrap();
-    file.names()
-        .into_iter()
-        .map(|name| {
-            let v = file.tensor(name).unwrap();
-            let values: Vec<f64> = match v.dtype() {
-                safetensors::Dtype::F32 => v
-                    .data()
-                    .chunks(4)
-                    .map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap())))
-                    .collect(),
-                safetensors::Dtype::I64 => v
-                    .data()
-                    .chunks(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f64)
-                    .collect(),
-                d => panic!("{name}: unexpected {d:?}"),
-            };
-            (name.to_string(), (v.shape().to_vec(), values))
-        })
-        .collect()
 }
 
 /// (prediction logits [b, s, 100], seq-relationship logits [b, 2]) at tensor-parallel `tp`.
@@ -207,23 +181,6 @@ fn missing_and_misshapen_tensors_are_reported() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Replaces every parameter by its gradient, so that `hf_state_dict` names, gathers and lays
-/// the gradients out as Hugging Face's parameters.
-struct ToGrad<'a>(&'a burn::optim::GradientsParams);
-
-impl burn::module::ModuleMapper for ToGrad<'_> {
-    fn map_float<const D: usize>(
-        &mut self,
-        p: burn::module::Param<Tensor<D>>,
-    ) -> burn::module::Param<Tensor<D>> {
-        let g = self
-            .0
-            .get::<D>(p.id)
-            .expect("every parameter has a gradient");
-        p.map(|_| g)
-    }
-}
-
 /// Backward against an independent reference: `transformers`' gradients of lm + sop loss for
 /// every parameter (tests/fixtures/make_hf_bert_grads.py, same inputs and labels), at TP 1
 /// and gathered from TP 2. Per tensor ‖ours − theirs‖ ≤ 1e-4·‖theirs‖, plus 1e-6 for the
@@ -231,7 +188,6 @@ impl burn::module::ModuleMapper for ToGrad<'_> {
 /// every key) and float noise of ~1e-8 in both.
 #[test]
 fn transformers_gradients_are_reproduced_at_tp1_and_tp2() {
-    use burn::module::Module;
     let reference = read(&fixture().join("gradients.safetensors"));
     let expected = read(&fixture().join("expected.safetensors"));
     for tp in [1, 2] {
@@ -265,7 +221,7 @@ fn transformers_gradients_are_reproduced_at_tp1_and_tp2() {
                 let (lm, so) = model.loss(out, labels, mask, sop)?;
                 let losses = [lm.clone(), so.clone()].map(|l| f64::from(l.into_scalar::<f32>()));
                 let grads = burn::optim::GradientsParams::from_grads((lm + so).backward(), &model);
-                let as_grads = model.clone().map(&mut ToGrad(&grads));
+                let as_grads = burn_megatron_tests::as_gradients(&model, &grads);
                 let named = hf_state_dict(&as_grads, hf.vocab_size, &ctx.groups.tp)?;
                 Ok::<_, Box<dyn std::error::Error + Send + Sync>>((losses, named))
             },

@@ -6,7 +6,7 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_megatron::comm::tensor::all_gather;
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{LayerNormPosition, NormKind, TransformerLayerConfig};
+use burn_megatron::models::{AttentionInputs, LayerNormPosition, NormKind, TransformerLayerConfig};
 use burn_megatron::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
@@ -56,7 +56,7 @@ fn run(tp: usize, sp: bool, position: LayerNormPosition, norm: NormKind) -> Vec<
                 } else {
                     x
                 };
-                let y = layer.forward(x, Some(padding(d)), None);
+                let y = layer.forward(x, &AttentionInputs::padding(padding(d)), None);
                 let y = if sp {
                     gather_from_sequence_parallel_region(y, g, false)
                 } else {
@@ -138,7 +138,7 @@ fn zero_heads_or_hidden_size_is_an_error() {
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains("must both be at least 1"),
+            err.contains("must all be at least 1"),
             "{hidden}/{heads}: {err}"
         );
     }

@@ -1,6 +1,6 @@
-//! BERT pretraining data: a corpus (procedural by default, or a text / JSONL file), a
-//! WordPiece tokenizer, sentence-pair samples with masking, and the split of each global
-//! batch over data-parallel ranks.
+//! Pretraining data: a corpus (procedural by default, or a text / JSONL file); for BERT a
+//! WordPiece tokenizer and sentence-pair samples with masking, for GPT a byte-level BPE and
+//! causal-LM windows; and the split of each global batch over data-parallel ranks.
 //!
 //! ```
 //! use burn_megatron::data::*;
@@ -16,10 +16,14 @@
 
 mod bert_dataset;
 mod corpus;
+mod gpt_dataset;
 mod tokenizer;
 
 pub use bert_dataset::{BatchLayout, BertBatch, BertDataset, BertDatasetConfig, BertSample};
 pub use corpus::{Document, load_corpus, synthetic_corpus, synthetic_vocabulary};
+pub use gpt_dataset::{
+    END_OF_TEXT, GptBatch, GptDataset, GptDatasetConfig, GptSample, GptTokenizer,
+};
 pub use tokenizer::{BertTokenizer, SPECIAL_TOKENS};
 
 /// Why data could not be prepared.

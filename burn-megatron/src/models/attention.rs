@@ -1,5 +1,8 @@
-//! `ParallelAttention`: self-attention with its heads split across tensor-parallel ranks.
+//! `ParallelAttention`: self-attention with its heads split across tensor-parallel ranks,
+//! multi-head or grouped-query (`num_query_groups`), with a padding or causal mask, rotary
+//! positions, and a key/value cache for decoding.
 
+use super::rotary::RotaryTables;
 use crate::comm::Comm;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, RngRegion, RngTracker,
@@ -10,13 +13,39 @@ use burn::module::Module;
 use burn::tensor::{Bool, Device, Tensor};
 use burn_megatron_kernels::scaled_masked_softmax;
 
+/// Which keys a query sees (Megatron's `AttnMaskType`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum AttnMaskType {
+    /// Every key but padded ones (BERT).
+    Padding,
+    /// Keys at or before the query's position, and not padded (GPT).
+    Causal,
+}
+
 /// Configuration of a [`ParallelAttention`].
 #[derive(Config, Debug)]
 pub struct ParallelAttentionConfig {
     /// Hidden size `h`.
     pub hidden_size: usize,
-    /// Attention heads, divisible by the tensor-parallel size.
+    /// Attention (query) heads, divisible by the query groups and the tensor-parallel size.
     pub num_attention_heads: usize,
+    /// Key/value heads (Megatron's `--num-query-groups`; grouped-query attention when fewer
+    /// than the heads, multi-query at 1). `None`: one per head. Divisible by the
+    /// tensor-parallel size: each rank keeps whole groups.
+    #[config(default = "None")]
+    pub num_query_groups: Option<usize>,
+    /// Channels per head (Megatron's `kv_channels`). `None`: `hidden_size / heads`.
+    #[config(default = "None")]
+    pub kv_channels: Option<usize>,
+    /// Padding (BERT) or causal (GPT) masking.
+    #[config(default = "AttnMaskType::Padding")]
+    pub attn_mask_type: AttnMaskType,
+    /// Biases on the QKV and output projections (Megatron's `add_bias_linear`).
+    #[config(default = true)]
+    pub add_bias_linear: bool,
+    /// A bias on the QKV projection even without `add_bias_linear` (Qwen2).
+    #[config(default = false)]
+    pub add_qkv_bias: bool,
     /// Dropout on the attention probabilities (drawn per TP rank: each holds other heads).
     #[config(default = 0.1)]
     pub attention_dropout: f64,
@@ -30,73 +59,155 @@ pub struct ParallelAttentionConfig {
     /// Weight initialisation.
     #[config(default = "MasterInit::Normal { mean: 0.0, std: 0.02 }")]
     pub initializer: MasterInit,
+    /// Initialisation of the output projection (Megatron scales it by `1/√(2·layers)` for
+    /// GPT); `None`: `initializer`.
+    #[config(default = "None")]
+    pub output_initializer: Option<MasterInit>,
     /// Seed of this layer's weights.
     #[config(default = 0)]
     pub seed: u64,
 }
 
-/// Self-attention with a fused QKV projection split by heads (`ColumnParallelLinear`) and an
-/// output projection (`RowParallelLinear`). Activations are `[s, b, h]`.
+/// What every layer of one forward shares besides the hidden states: the padding mask and
+/// the rotary tables.
+#[derive(Debug, Clone, Default)]
+pub struct AttentionInputs {
+    /// `[b, sk]`, true at padded keys (with a cache, over the cached keys and the new ones).
+    pub padding: Option<Tensor<2, Bool>>,
+    /// Rotary cos/sin tables of the new tokens' positions.
+    pub rotary: Option<RotaryTables>,
+}
+
+impl AttentionInputs {
+    /// Only a padding mask.
+    pub fn padding(padding: Tensor<2, Bool>) -> Self {
+        Self {
+            padding: Some(padding),
+            rotary: None,
+        }
+    }
+}
+
+/// One layer's cached keys and values, `[b, groups / tp, tokens so far, head_dim]` each.
+#[derive(Debug, Clone, Default)]
+pub struct LayerKvCache {
+    kv: Option<(Tensor<4>, Tensor<4>)>,
+}
+
+impl LayerKvCache {
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2])
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.kv.is_none()
+    }
+}
+
+/// Self-attention with a fused QKV projection split by query groups
+/// (`ColumnParallelLinear`) and an output projection (`RowParallelLinear`). Activations are
+/// `[s, b, h]`.
 ///
-/// The fused QKV output is laid out per head (`[head][q, k, v][head_dim]`), so a contiguous
-/// column split gives each rank whole heads.
+/// The fused QKV output is laid out per query group, as Megatron-Core's `linear_qkv`:
+/// `[group][its q heads…, k, v][head_dim]`, so a contiguous column split gives each rank
+/// whole groups. With one group per head this is `[head][q, k, v][head_dim]`.
 #[derive(Module, Debug)]
 pub struct ParallelAttention {
-    /// Fused query/key/value projection, `h → 3h` split by heads.
+    /// Fused query/key/value projection, `h → (heads + 2·groups)·head_dim`, split by groups.
     pub query_key_value: ColumnParallelLinear,
-    /// Output projection, `h → h` split by input rows.
+    /// Output projection, `heads·head_dim → h`, split by input rows.
     pub dense: RowParallelLinear,
     #[module(skip)]
-    heads_per_rank: usize,
+    groups_per_rank: usize,
+    #[module(skip)]
+    heads_per_group: usize,
     #[module(skip)]
     head_dim: usize,
+    #[module(skip)]
+    causal: bool,
     #[module(skip)]
     attention_dropout: f64,
 }
 
 impl ParallelAttentionConfig {
-    /// Initialises this rank's heads. Fails when the heads do not split over the group or
-    /// the hidden size over the heads.
+    /// The query groups (one per head when not set).
+    pub fn query_groups(&self) -> usize {
+        self.num_query_groups.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.kv_channels
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Checks that the heads split into groups and over `tp` ranks, naming the numbers.
+    pub fn check(&self, tp: usize) -> Result<(), TpError> {
+        let (h, heads, groups) = (
+            self.hidden_size,
+            self.num_attention_heads,
+            self.query_groups(),
+        );
+        if h == 0 || heads == 0 || groups == 0 || self.kv_channels == Some(0) {
+            return Err(TpError::Invalid(format!(
+                "hidden size ({h}), attention heads ({heads}), query groups ({groups}) and kv channels must all be at least 1"
+            )));
+        }
+        if !heads.is_multiple_of(groups) {
+            return Err(TpError::Indivisible(format!(
+                "attention heads ({heads}) are not divisible by the query groups ({groups})"
+            )));
+        }
+        if !heads.is_multiple_of(tp) {
+            return Err(TpError::Indivisible(format!(
+                "attention heads ({heads}) are not divisible by the tensor-parallel size ({tp})"
+            )));
+        }
+        if !groups.is_multiple_of(tp) {
+            return Err(TpError::Indivisible(format!(
+                "query groups ({groups}) are not divisible by the tensor-parallel size ({tp}): each rank keeps whole key/value heads"
+            )));
+        }
+        if self.kv_channels.is_none() && !h.is_multiple_of(heads) {
+            return Err(TpError::Indivisible(format!(
+                "hidden size ({h}) is not divisible by the attention heads ({heads})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Initialises this rank's query groups. Fails when the heads do not split into the
+    /// groups, the groups over the TP group, or the hidden size over the heads.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<ParallelAttention, TpError> {
         super::check_dropout(&[("attention_dropout", self.attention_dropout)])?;
         let size = tp.group().size();
-        if self.hidden_size == 0 || self.num_attention_heads == 0 {
-            return Err(TpError::Invalid(format!(
-                "hidden size ({}) and attention heads ({}) must both be at least 1",
-                self.hidden_size, self.num_attention_heads
-            )));
-        }
-        if !self.num_attention_heads.is_multiple_of(size) {
-            return Err(TpError::Indivisible(format!(
-                "attention heads ({}) are not divisible by the tensor-parallel size ({size})",
-                self.num_attention_heads
-            )));
-        }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return Err(TpError::Indivisible(format!(
-                "hidden size ({}) is not divisible by the attention heads ({})",
-                self.hidden_size, self.num_attention_heads
-            )));
-        }
-        let h = self.hidden_size;
-        let query_key_value = ColumnParallelLinearConfig::new(h, 3 * h)
+        self.check(size)?;
+        let (h, hn) = (self.hidden_size, self.head_dim());
+        let (heads, groups) = (self.num_attention_heads, self.query_groups());
+        let query_key_value = ColumnParallelLinearConfig::new(h, (heads + 2 * groups) * hn)
+            .with_bias(self.add_bias_linear || self.add_qkv_bias)
             .with_sequence_parallel(self.sequence_parallel)
             .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
             .with_initializer(self.initializer)
             .with_seed(derive_seed(self.seed, "query_key_value"))
             .init(tp, device)?;
-        let dense = RowParallelLinearConfig::new(h, h)
+        let dense = RowParallelLinearConfig::new(heads * hn, h)
+            .with_bias(self.add_bias_linear)
             .with_sequence_parallel(self.sequence_parallel)
             .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-            .with_initializer(self.initializer)
+            .with_initializer(self.output_initializer.unwrap_or(self.initializer))
             .with_seed(derive_seed(self.seed, "dense"))
             .with_skip_bias_add(true)
             .init(tp, device)?;
         Ok(ParallelAttention {
             query_key_value,
             dense,
-            heads_per_rank: self.num_attention_heads / size,
-            head_dim: h / self.num_attention_heads,
+            groups_per_rank: groups / size,
+            heads_per_group: heads / groups,
+            head_dim: hn,
+            causal: self.attn_mask_type == AttnMaskType::Causal,
             attention_dropout: self.attention_dropout,
         })
     }
@@ -105,18 +216,28 @@ impl ParallelAttentionConfig {
 impl ParallelAttention {
     /// Attention heads held by this rank.
     pub fn heads_per_rank(&self) -> usize {
-        self.heads_per_rank
+        self.groups_per_rank * self.heads_per_group
     }
 
-    /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism). `padding` is
-    /// `[b, s]`, true at padded positions, which no query attends to.
+    /// Key/value heads (query groups) held by this rank.
+    pub fn groups_per_rank(&self) -> usize {
+        self.groups_per_rank
+    }
+
+    /// Channels per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism). Dropout applies
+    /// when `rng` is given.
     pub fn forward(
         &self,
         x: Tensor<3>,
-        padding: Option<Tensor<2, Bool>>,
+        inputs: &AttentionInputs,
         rng: Option<&RngTracker>,
     ) -> Tensor<3> {
-        match self.forward_with_bias(x, padding, rng) {
+        match self.forward_with_bias(x, inputs, rng, None) {
             (out, Some(bias)) => out + bias.unsqueeze(),
             (out, None) => out,
         }
@@ -125,30 +246,56 @@ impl ParallelAttention {
     /// Like [`forward`](Self::forward), but returns the output projection's bias instead of
     /// adding it (when the projection was built with `skip_bias_add`, as
     /// [`ParallelAttentionConfig::init`] does), so the caller fuses it with dropout and the
-    /// residual add.
+    /// residual add. With a `cache`, the new keys and values are appended to it and the
+    /// queries (the last `s` positions) attend to everything it holds.
     pub fn forward_with_bias(
         &self,
         x: Tensor<3>,
-        padding: Option<Tensor<2, Bool>>,
+        inputs: &AttentionInputs,
         rng: Option<&RngTracker>,
+        cache: Option<&mut LayerKvCache>,
     ) -> (Tensor<3>, Option<Tensor<1>>) {
         let qkv = self.query_key_value.forward(x);
         let [s, b, _] = qkv.dims();
-        let (np, hn) = (self.heads_per_rank, self.head_dim);
-        // [s, b, np, 3, hn] → three [b, np, s, hn].
-        let qkv = qkv.reshape([s, b, np, 3, hn]);
-        let part = |i: usize| {
+        let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
+        let np = ng * qpg;
+        // [s, b, ng, qpg + 2, hn]: each group's queries, then its key and value.
+        let qkv = qkv.reshape([s, b, ng, qpg + 2, hn]);
+        let part = |start: usize, per_group: usize| {
             qkv.clone()
-                .narrow(3, i, 1)
-                .reshape([s, b, np, hn])
-                .permute([1, 2, 0, 3])
+                .narrow(3, start, per_group)
+                .reshape([s, b, ng * per_group, hn])
         };
-        let (q, k, v) = (part(0), part(1), part(2));
-        // Scaled, padded keys filled with Megatron's -10000 (fully padded rows stay finite),
+        let (mut q, mut k, v) = (part(0, qpg), part(qpg, 1), part(qpg + 1, 1));
+        if let Some(rotary) = &inputs.rotary {
+            q = rotary.apply(q);
+            k = rotary.apply(k);
+        }
+        // [b, heads, s, hn].
+        let (q, mut k, mut v) = (
+            q.permute([1, 2, 0, 3]),
+            k.permute([1, 2, 0, 3]),
+            v.permute([1, 2, 0, 3]),
+        );
+        if let Some(cache) = cache {
+            if let Some((k0, v0)) = cache.kv.take() {
+                k = Tensor::cat(vec![k0, k], 2);
+                v = Tensor::cat(vec![v0, v], 2);
+            }
+            cache.kv = Some((k.clone(), v.clone()));
+        }
+        let sk = k.dims()[2];
+        // The heads of a group share its key: one [qpg·s, hn] × [hn, sk] product per group,
+        // no copy of the key per head.
+        let scores = q
+            .reshape([b, ng, qpg * s, hn])
+            .matmul(k.swap_dims(2, 3))
+            .reshape([b, np, s, sk]);
+        // Scaled, masked keys filled with Megatron's -10000 (fully masked rows stay finite),
         // softmax: one fused kernel on GPUs.
         let scale = 1.0 / (hn as f32).sqrt();
-        let mut probs = scaled_masked_softmax(q.matmul(k.swap_dims(2, 3)), padding, scale, false)
-            .expect("scores are [b, np, s, s] and the padding [b, s] by construction");
+        let mut probs = scaled_masked_softmax(scores, inputs.padding.clone(), scale, self.causal)
+            .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction");
         if let Some(rng) = rng {
             // This rank's heads: a mask of its own (the model-parallel stream), drawn from a
             // seed as one kernel, no mask uploaded.
@@ -161,7 +308,9 @@ impl ParallelAttention {
                 .expect("attention_dropout is checked to lie in [0, 1) at init");
         }
         let context = probs
+            .reshape([b, ng, qpg * s, sk])
             .matmul(v)
+            .reshape([b, np, s, hn])
             .permute([2, 0, 1, 3])
             .reshape([s, b, np * hn]);
         self.dense.forward_with_bias(context)

@@ -6,6 +6,7 @@ mod head;
 
 pub use head::MaskedPositions;
 
+use super::attention::AttentionInputs;
 use super::transformer::{LayerNormPosition, NormKind, TransformerLayer, TransformerLayerConfig};
 use crate::comm::Comm;
 use crate::tensor_parallel::mappings::{
@@ -291,11 +292,6 @@ fn check_inputs(
     check_index_range(types, tokentypes, "token type", "num_tokentypes")
 }
 
-/// Marks a copy of the word embeddings tied across the first and last stage.
-fn tie(owner: &LayoutOwner, embedding: &VocabParallelEmbedding, second_copy: bool) {
-    owner.update(embedding.weight.id, |a| a.tied_embedding(second_copy));
-}
-
 impl Bert {
     /// The layout-independent name of the parameter at `path` in a model of `chunks` (as
     /// module paths of a `Vec<Bert>` read, `"1.layers.0.…"`; or of one `Bert`): layers by
@@ -314,22 +310,12 @@ impl Bert {
 
     /// [`Bert::global_param_name`] from each chunk's [`first_layer`](Bert::first_layer).
     pub fn global_param_name_at(first_layers: &[usize], path: &str) -> String {
-        let (chunk, rest) = match path.split_once('.') {
-            Some((c, rest)) if c.parse::<usize>().is_ok() => (c.parse().unwrap_or(0), rest),
-            _ => (0, path),
-        };
-        let first = first_layers.get(chunk).copied().unwrap_or(0);
-        if let Some((i, tail)) = rest
-            .strip_prefix("layers.")
-            .and_then(|r| r.split_once('.'))
-            .and_then(|(i, tail)| i.parse::<usize>().ok().map(|i| (i, tail)))
-        {
-            return format!("layers.{}.{tail}", first + i);
-        }
-        if let Some(tail) = rest.strip_prefix("head.word_embeddings.") {
-            return format!("embeddings.word_embeddings.{tail}");
-        }
-        rest.to_string()
+        super::global_param_name(
+            first_layers,
+            path,
+            "head.word_embeddings.",
+            "embeddings.word_embeddings.",
+        )
     }
 
     /// The global index of this chunk's first layer.
@@ -343,14 +329,14 @@ impl Bert {
     /// [`set_layout_attrs`](crate::tensor_parallel::set_layout_attrs)).
     fn state_attrs(&self) {
         if let (Some(e), None) = (&self.embeddings, &self.head) {
-            tie(&self.layout, &e.word_embeddings, false);
+            super::tie(&self.layout, &e.word_embeddings, false);
         }
         if let Some(head) = &self.head {
             self.layout
                 .state(head.lm_bias.id, ParallelAttrs::sharded(0));
             if let Some(copy) = &head.word_embeddings {
                 copy.state_attrs();
-                tie(&self.layout, copy, true);
+                super::tie(&self.layout, copy, true);
             }
         }
     }
@@ -428,8 +414,9 @@ impl Bert {
                 )));
             }
         };
+        let inputs = AttentionInputs::padding(padding);
         for layer in &self.layers {
-            x = layer.forward(x, Some(padding.clone()), rng);
+            x = layer.forward(x, &inputs, rng);
         }
         let Some(head) = &self.head else {
             return Ok(BertStageOutput::Hidden(x));

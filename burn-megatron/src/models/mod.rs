@@ -3,20 +3,36 @@
 mod attention;
 mod bert;
 mod bert_hf;
+mod gpt;
+mod gpt_hf;
+mod hf_host;
+mod rotary;
 mod transformer;
 
-pub use attention::{ParallelAttention, ParallelAttentionConfig};
+pub use attention::{
+    AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
+};
 pub use bert::{
     Bert, BertConfig, BertEmbeddings, BertHead, BertOutput, BertStageOutput, MaskedPositions,
 };
 pub use bert_hf::{
     HfBertConfig, HfError, hf_state_dict, load_hf_bert, load_hf_weights, save_hf_bert,
 };
+pub use gpt::{
+    GenerateConfig, GenerateError, Generated, Gpt, GptConfig, GptEmbedding, GptHead,
+    GptStageOutput, KvCache, PositionEmbeddingType, Positions, Sampling, generate,
+};
+pub use gpt_hf::{
+    HfArchitecture, HfGptConfig, hf_gpt_state_dict, load_hf_gpt, load_hf_gpt as load_hf_llama,
+    load_hf_gpt_weights, read_hf_tensors, save_hf_gpt, save_hf_gpt as save_hf_llama,
+};
+pub use rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig, RotaryTables};
 pub use transformer::{
-    LayerNormPosition, Norm, NormKind, ParallelMlp, TransformerLayer, TransformerLayerConfig,
+    ActivationFunc, LayerNormPosition, Norm, NormKind, ParallelMlp, TransformerLayer,
+    TransformerLayerConfig,
 };
 
-use crate::tensor_parallel::TpError;
+use crate::tensor_parallel::{LayoutOwner, TpError, VocabParallelEmbedding};
 
 /// Refuses dropout probabilities outside `[0, 1)` at init, so a forward never meets one.
 pub(crate) fn check_dropout(probs: &[(&str, f64)]) -> Result<(), TpError> {
@@ -28,4 +44,37 @@ pub(crate) fn check_dropout(probs: &[(&str, f64)]) -> Result<(), TpError> {
         }
     }
     Ok(())
+}
+
+/// Marks a copy of the word embeddings tied across the first and last stage.
+fn tie(owner: &LayoutOwner, embedding: &VocabParallelEmbedding, second_copy: bool) {
+    owner.update(embedding.weight.id, |a| a.tied_embedding(second_copy));
+}
+
+/// The global name of the parameter at `path` of a model of chunks whose first layers are
+/// `first_layers` (module paths of a `Vec` of chunks, `"1.layers.0.…"`, or of one chunk):
+/// layers by global index, and the last stage's tied copy (`tied_copy`) under the first
+/// stage's name (`tied_name`).
+fn global_param_name(
+    first_layers: &[usize],
+    path: &str,
+    tied_copy: &str,
+    tied_name: &str,
+) -> String {
+    let (chunk, rest) = match path.split_once('.') {
+        Some((c, rest)) if c.parse::<usize>().is_ok() => (c.parse().unwrap_or(0), rest),
+        _ => (0, path),
+    };
+    let first = first_layers.get(chunk).copied().unwrap_or(0);
+    if let Some((i, tail)) = rest
+        .strip_prefix("layers.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(i, tail)| i.parse::<usize>().ok().map(|i| (i, tail)))
+    {
+        return format!("layers.{}.{tail}", first + i);
+    }
+    if let Some(tail) = rest.strip_prefix(tied_copy) {
+        return format!("{tied_name}{tail}");
+    }
+    rest.to_string()
 }

@@ -1,6 +1,10 @@
-//! `ParallelMlp` and `TransformerLayer` (post- or pre-LayerNorm).
+//! `ParallelMlp` and `TransformerLayer` (post- or pre-LayerNorm): the one transformer core
+//! that BERT and the GPT family share, told apart by config switches as Megatron-Core's
+//! `TransformerConfig` does.
 
-use super::attention::{ParallelAttention, ParallelAttentionConfig};
+use super::attention::{
+    AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
+};
 use crate::comm::Comm;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs,
@@ -10,17 +14,49 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::module::Param;
 use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::gelu;
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::activation::{gelu, gelu_approximate, silu};
+use burn::tensor::{Device, Tensor};
 use burn_megatron_kernels::{Gelu, bias_dropout_add, bias_gelu};
 
-/// Column → bias + GeLU (one fused kernel on GPUs) → Row.
+/// The MLP's activation (Megatron's `activation_func`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum ActivationFunc {
+    /// GeLU, erf form (`F.gelu`; BERT, Megatron's default).
+    Gelu,
+    /// GeLU, tanh approximation (Megatron's `--openai-gelu`; GPT-2's `gelu_new`).
+    GeluTanh,
+    /// SiLU (with `gated_linear_unit`: SwiGLU, Megatron's `--swiglu`).
+    Silu,
+}
+
+impl ActivationFunc {
+    fn apply(self, x: Tensor<3>, bias: Option<Tensor<1>>) -> Tensor<3> {
+        match (self, bias) {
+            // One fused kernel on GPUs.
+            (Self::Gelu, Some(b)) => bias_gelu(x, b, Gelu::Erf),
+            (Self::GeluTanh, Some(b)) => bias_gelu(x, b, Gelu::Tanh),
+            (Self::Silu, Some(b)) => silu(x + b.unsqueeze()),
+            (Self::Gelu, None) => gelu(x),
+            (Self::GeluTanh, None) => gelu_approximate(x),
+            (Self::Silu, None) => silu(x),
+        }
+    }
+}
+
+/// Column → activation → Row; with a gated linear unit, `act(gate(x)) ⊙ up(x)` → Row.
 #[derive(Module, Debug)]
 pub struct ParallelMlp {
-    /// `h → ffn`, split by output features.
+    /// `h → ffn`, split by output features (the "up" projection under a gated unit).
     pub dense_h_to_4h: ColumnParallelLinear,
+    /// The gate, `h → ffn`, split like `dense_h_to_4h` (Megatron's `gated_linear_unit`).
+    /// Kept as its own layer rather than fused into `dense_h_to_4h`, so that each rank's
+    /// shard is a contiguous slice of the global weight at every TP size.
+    pub dense_h_to_4h_gate: Option<ColumnParallelLinear>,
     /// `ffn → h`, split by input features.
     pub dense_4h_to_h: RowParallelLinear,
+    /// The activation (of the gate under a gated unit).
+    #[module(skip)]
+    pub activation: ActivationFunc,
 }
 
 impl ParallelMlp {
@@ -36,10 +72,20 @@ impl ParallelMlp {
     /// adding it when that layer was built with `skip_bias_add` (as
     /// [`TransformerLayerConfig::init`] does), for the fused bias + dropout + residual add.
     pub fn forward_with_bias(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
-        // Built with `skip_bias_add`, the first layer hands its bias to the fused op.
-        let up = match self.dense_h_to_4h.forward_with_bias(x) {
-            (h, Some(bias)) => bias_gelu(h, bias, Gelu::Erf),
-            (h, None) => gelu(h),
+        // Built with `skip_bias_add`, the first layer hands its bias to the activation.
+        let up = match &self.dense_h_to_4h_gate {
+            None => {
+                let (h, bias) = self.dense_h_to_4h.forward_with_bias(x);
+                self.activation.apply(h, bias)
+            }
+            Some(gate) => {
+                let (g, gate_bias) = gate.forward_with_bias(x.clone());
+                let up = match self.dense_h_to_4h.forward_with_bias(x) {
+                    (u, Some(b)) => u + b.unsqueeze(),
+                    (u, None) => u,
+                };
+                self.activation.apply(g, gate_bias) * up
+            }
         };
         self.dense_4h_to_h.forward_with_bias(up)
     }
@@ -73,7 +119,7 @@ pub enum Norm {
 }
 
 impl Norm {
-    fn new(kind: NormKind, size: usize, epsilon: f64, device: &Device) -> Self {
+    pub(crate) fn new(kind: NormKind, size: usize, epsilon: f64, device: &Device) -> Self {
         match kind {
             NormKind::LayerNorm => Norm::LayerNorm(
                 LayerNormConfig::new(size)
@@ -88,7 +134,7 @@ impl Norm {
 
     /// Under sequence parallelism each rank normalises only its part of the sequence, so
     /// the gradients of the scale and the shift are partial.
-    fn state_attrs(&self, owner: &LayoutOwner, sequence_parallel: bool) {
+    pub(crate) fn state_attrs(&self, owner: &LayoutOwner, sequence_parallel: bool) {
         let attrs = if sequence_parallel {
             ParallelAttrs::sequence_parallel()
         } else {
@@ -129,6 +175,28 @@ pub struct TransformerLayerConfig {
     pub num_attention_heads: usize,
     /// MLP inner size.
     pub ffn_hidden_size: usize,
+    /// Key/value heads (`--num-query-groups`); `None`: one per head.
+    #[config(default = "None")]
+    pub num_query_groups: Option<usize>,
+    /// Channels per head; `None`: `hidden_size / num_attention_heads`.
+    #[config(default = "None")]
+    pub kv_channels: Option<usize>,
+    /// Padding (BERT) or causal (GPT) attention.
+    #[config(default = "AttnMaskType::Padding")]
+    pub attn_mask_type: AttnMaskType,
+    /// Biases in every linear layer (Megatron's `add_bias_linear`; `--disable-bias-linear`
+    /// turns it off).
+    #[config(default = true)]
+    pub add_bias_linear: bool,
+    /// A QKV bias even without `add_bias_linear` (Qwen2).
+    #[config(default = false)]
+    pub add_qkv_bias: bool,
+    /// A gated MLP, `act(gate(x)) ⊙ up(x)` (Megatron's `gated_linear_unit`).
+    #[config(default = false)]
+    pub gated_linear_unit: bool,
+    /// The MLP's activation.
+    #[config(default = "ActivationFunc::Gelu")]
+    pub activation_func: ActivationFunc,
     /// Post-LayerNorm (BERT) or pre-LayerNorm.
     #[config(default = "LayerNormPosition::Post")]
     pub layernorm_position: LayerNormPosition,
@@ -154,6 +222,10 @@ pub struct TransformerLayerConfig {
     /// Weight initialisation.
     #[config(default = "MasterInit::Normal { mean: 0.0, std: 0.02 }")]
     pub initializer: MasterInit,
+    /// Initialisation of the two output projections (attention's `dense`, the MLP's
+    /// `dense_4h_to_h`); `None`: `initializer`. Megatron scales GPT's by `1/√(2·layers)`.
+    #[config(default = "None")]
+    pub output_initializer: Option<MasterInit>,
     /// Seed of this layer's weights.
     #[config(default = 0)]
     pub seed: u64,
@@ -182,6 +254,22 @@ pub struct TransformerLayer {
 }
 
 impl TransformerLayerConfig {
+    /// The attention part of this layer's configuration.
+    pub fn attention_config(&self) -> ParallelAttentionConfig {
+        ParallelAttentionConfig::new(self.hidden_size, self.num_attention_heads)
+            .with_num_query_groups(self.num_query_groups)
+            .with_kv_channels(self.kv_channels)
+            .with_attn_mask_type(self.attn_mask_type)
+            .with_add_bias_linear(self.add_bias_linear)
+            .with_add_qkv_bias(self.add_qkv_bias)
+            .with_attention_dropout(self.attention_dropout)
+            .with_sequence_parallel(self.sequence_parallel)
+            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
+            .with_initializer(self.initializer)
+            .with_output_initializer(self.output_initializer)
+            .with_seed(derive_seed(self.seed, "attention"))
+    }
+
     /// Initialises this rank's part of the layer.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<TransformerLayer, TpError> {
         super::check_dropout(&[
@@ -189,28 +277,32 @@ impl TransformerLayerConfig {
             ("attention_dropout", self.attention_dropout),
         ])?;
         let h = self.hidden_size;
-        let attention = ParallelAttentionConfig::new(h, self.num_attention_heads)
-            .with_attention_dropout(self.attention_dropout)
-            .with_sequence_parallel(self.sequence_parallel)
-            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-            .with_initializer(self.initializer)
-            .with_seed(derive_seed(self.seed, "attention"))
-            .init(tp, device)?;
-        let mlp = ParallelMlp {
-            dense_h_to_4h: ColumnParallelLinearConfig::new(h, self.ffn_hidden_size)
+        let attention = self.attention_config().init(tp, device)?;
+        let column = |name: &str| {
+            ColumnParallelLinearConfig::new(h, self.ffn_hidden_size)
+                .with_bias(self.add_bias_linear)
                 .with_sequence_parallel(self.sequence_parallel)
                 .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
                 .with_initializer(self.initializer)
-                .with_seed(derive_seed(self.seed, "mlp.dense_h_to_4h"))
+                .with_seed(derive_seed(self.seed, name))
                 .with_skip_bias_add(true)
-                .init(tp, device)?,
+                .init(tp, device)
+        };
+        let mlp = ParallelMlp {
+            dense_h_to_4h: column("mlp.dense_h_to_4h")?,
+            dense_h_to_4h_gate: self
+                .gated_linear_unit
+                .then(|| column("mlp.dense_h_to_4h_gate"))
+                .transpose()?,
             dense_4h_to_h: RowParallelLinearConfig::new(self.ffn_hidden_size, h)
+                .with_bias(self.add_bias_linear)
                 .with_sequence_parallel(self.sequence_parallel)
                 .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-                .with_initializer(self.initializer)
+                .with_initializer(self.output_initializer.unwrap_or(self.initializer))
                 .with_seed(derive_seed(self.seed, "mlp.dense_4h_to_h"))
                 .with_skip_bias_add(true)
                 .init(tp, device)?,
+            activation: self.activation_func,
         };
         let norm = || Norm::new(self.normalization, h, self.layernorm_epsilon, device);
         let layer = TransformerLayer {
@@ -265,20 +357,34 @@ impl TransformerLayer {
             .expect("shapes match by construction and the probability is checked at init")
     }
 
-    /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism). `padding` is
-    /// `[b, s]`, true at padded positions. Dropout applies when `rng` is given.
+    /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism), with the padding
+    /// mask and rotary tables of `inputs`. Dropout applies when `rng` is given.
     pub fn forward(
         &self,
         x: Tensor<3>,
-        padding: Option<Tensor<2, Bool>>,
+        inputs: &AttentionInputs,
         rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        self.forward_with_cache(x, inputs, rng, None)
+    }
+
+    /// [`forward`](Self::forward) whose attention appends its keys and values to `cache`
+    /// and attends to every cached token (decoding).
+    pub fn forward_with_cache(
+        &self,
+        x: Tensor<3>,
+        inputs: &AttentionInputs,
+        rng: Option<&RngTracker>,
+        cache: Option<&mut LayerKvCache>,
     ) -> Tensor<3> {
         self.state_attrs();
         match self.position {
             // Spans name the sub-layers (with their norm and residual add) for profiles.
             LayerNormPosition::Post => {
                 let span = tracing::debug_span!("layer.attention").entered();
-                let a = self.attention.forward_with_bias(x.clone(), padding, rng);
+                let a = self
+                    .attention
+                    .forward_with_bias(x.clone(), inputs, rng, cache);
                 let x = self
                     .input_layernorm
                     .forward(self.bias_dropout_add(a, x, rng));
@@ -291,7 +397,7 @@ impl TransformerLayer {
             LayerNormPosition::Pre => {
                 let span = tracing::debug_span!("layer.attention").entered();
                 let normed = self.input_layernorm.forward(x.clone());
-                let a = self.attention.forward_with_bias(normed, padding, rng);
+                let a = self.attention.forward_with_bias(normed, inputs, rng, cache);
                 let x = self.bias_dropout_add(a, x, rng);
                 drop(span);
                 let _span = tracing::debug_span!("layer.mlp").entered();

@@ -1,4 +1,5 @@
-//! `bert_pretrain`'s command line: Megatron's flag names, checked before any work starts.
+//! The pretraining command line that `bert_pretrain` and `gpt_pretrain` share (Megatron's
+//! flag names), checked before any work starts; each example adds its model's flags.
 
 use burn_megatron::checkpoint::{CheckpointIndex, committed_dir, latest_loadable_checkpoint};
 use burn_megatron::data::BatchLayout;
@@ -6,7 +7,7 @@ use burn_megatron::launch::DistributedBackend;
 use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
 use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::topology::ParallelConfig;
-use clap::{Parser, ValueEnum};
+use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
 /// Learning-rate decay style, as Megatron's `--lr-decay-style`.
@@ -54,12 +55,11 @@ impl From<WdIncr> for WdIncrStyle {
     }
 }
 
-/// BERT pretraining with tensor, pipeline and data parallelism (ranks run as threads of
-/// this process). Without `--data-path` it trains on a procedurally generated English-like
-/// corpus, and without `--vocab-file` it trains a WordPiece vocabulary on it first.
-#[derive(Debug, Clone, Parser)]
-#[command(name = "bert_pretrain", version, args_override_self = true)]
-pub struct Args {
+/// Training with tensor, pipeline and data parallelism (ranks run as threads of this
+/// process, or as processes under mpirun / srun / torchrun). Without `--data-path` it trains
+/// on a procedurally generated English-like corpus.
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
     /// Tensor-parallel size.
     #[arg(long, default_value_t = 2)]
     pub tensor_model_parallel_size: usize,
@@ -70,11 +70,6 @@ pub struct Args {
     /// (Megatron's flag of the same name), also under --bf16 / --fp16.
     #[arg(long)]
     pub gradient_accumulation_fusion: bool,
-    /// Run the MLM head on every position, as Hugging Face's `BertForPreTraining` does,
-    /// instead of the masked ones the loss counts (the original BERT's choice: the same loss
-    /// and gradients with ~1/7 of the vocabulary-sized work).
-    #[arg(long)]
-    pub mlm_head_all_positions: bool,
     /// Pipeline stages; each holds `--num-layers / PP` layers, the first the embeddings and
     /// the last the heads.
     #[arg(long, default_value_t = 1)]
@@ -188,11 +183,12 @@ pub struct Args {
     /// Documents the built-in generator writes.
     #[arg(long, default_value_t = 20_000)]
     pub synthetic_documents: usize,
-    /// `vocab.txt` or `tokenizer.json`. Default: the generator's vocabulary, or with
-    /// `--data-path` a WordPiece vocabulary trained on the corpus.
-    #[arg(long)]
+    /// The tokenizer: a Hugging Face `tokenizer.json` (or BERT's `vocab.txt`). Default: BERT
+    /// uses the generator's vocabulary, or with `--data-path` trains a WordPiece one; GPT
+    /// trains a byte-level BPE on the corpus.
+    #[arg(long, visible_alias = "tokenizer-model")]
     pub vocab_file: Option<PathBuf>,
-    /// Size of a vocabulary trained on `--data-path`.
+    /// Size of a vocabulary trained on the corpus.
     #[arg(long, default_value_t = 8192)]
     pub vocab_size: usize,
     /// Save checkpoints under this directory.
@@ -222,9 +218,9 @@ pub struct Args {
     /// Batches per validation.
     #[arg(long, default_value_t = 5)]
     pub eval_iters: usize,
-    /// Where the loss curve is drawn (PNG).
-    #[arg(long, default_value = "bert_pretrain_loss.png")]
-    pub loss_plot: PathBuf,
+    /// Where the loss curve is drawn (PNG; default: `<example>_loss.png`).
+    #[arg(long)]
+    pub loss_plot: Option<PathBuf>,
     /// Write the last iteration's pipeline schedule as a Chrome trace (JSON; Perfetto and
     /// chrome://tracing open it) and as a PNG beside it.
     #[arg(long)]
@@ -248,7 +244,7 @@ pub struct Args {
     pub distributed_timeout_minutes: u64,
 }
 
-impl Args {
+impl TrainArgs {
     /// Data-parallel size.
     pub fn data_parallel_size(&self) -> usize {
         let mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size;
@@ -377,18 +373,6 @@ impl Args {
         self.validate_backend()?;
         self.parallel_config()?;
         let tp = self.tensor_model_parallel_size;
-        if !self.num_attention_heads.is_multiple_of(tp) {
-            return Err(format!(
-                "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({tp})",
-                self.num_attention_heads
-            ));
-        }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return Err(format!(
-                "--hidden-size ({}) must be divisible by --num-attention-heads ({})",
-                self.hidden_size, self.num_attention_heads
-            ));
-        }
         if self.sequence_parallel && !self.seq_length.is_multiple_of(tp) {
             return Err(format!(
                 "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({tp}) \
@@ -414,9 +398,6 @@ impl Args {
                 layout.num_micro_batches()
             )
         })?;
-        if self.max_position_embeddings.unwrap_or(self.seq_length) < self.seq_length {
-            return Err("--max-position-embeddings must be at least --seq-length".into());
-        }
         for (flag, path) in [
             ("--data-path", &self.data_path),
             ("--vocab-file", &self.vocab_file),
@@ -500,12 +481,16 @@ impl Args {
 
 #[cfg(test)]
 mod timeout_tests {
-    use super::*;
+    use clap::Parser;
 
     #[test]
     fn distributed_timeout_minutes_sets_the_collective_timeout() {
         let args = |extra: &[&str]| {
-            Args::try_parse_from(std::iter::once("pretrain").chain(extra.iter().copied())).unwrap()
+            crate::pretrain::Args::try_parse_from(
+                std::iter::once("pretrain").chain(extra.iter().copied()),
+            )
+            .unwrap()
+            .train
         };
         assert_eq!(
             args(&[]).distributed_timeout(),

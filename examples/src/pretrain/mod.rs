@@ -1,24 +1,37 @@
-//! The `bert_pretrain` example as a library, so tests can run it in-process: parse
-//! [`Args`], then [`run`].
+//! `bert_pretrain` and `gpt_pretrain` as a library, so tests can run them in-process: parse
+//! [`Args`] (BERT) or [`GptArgs`], then [`run`] or [`run_gpt`].
+//!
+//! Both share one training loop ([`train`]): a model family ([`Family`]) says how to build
+//! a pipeline chunk, how to name its parameters globally, and how one microbatch runs and
+//! is scored; everything else — the layout, the schedule, the optimizer, checkpoints,
+//! validation, the log — is the loop's.
 
 mod args;
+mod bert;
+mod gpt;
 mod plot;
 mod spans;
 mod train;
 
-pub use args::{Args, DecayStyle, WdIncr};
+pub use args::{DecayStyle, TrainArgs, WdIncr};
+pub use bert::{Args, run};
+pub use gpt::{GptArgs, PositionEmbedding, run_gpt};
 pub use train::scheduler;
 
-use burn::config::Config;
-use burn_megatron::data::{
-    BatchLayout, BertDataset, BertDatasetConfig, BertTokenizer, Document, load_corpus,
-    synthetic_corpus, synthetic_vocabulary,
+use burn::module::Module;
+use burn::tensor::Device;
+use burn_megatron::data::{BatchLayout, Document, load_corpus, synthetic_corpus};
+use burn_megatron::launch::{
+    DistributedBackend, LaunchEnv, LaunchOptions, RankContext, from_env, threads,
 };
-use burn_megatron::launch::{DistributedBackend, LaunchEnv, LaunchOptions, from_env, threads};
-use burn_megatron::models::BertConfig;
-use burn_megatron::pipeline::{Span, chrome_trace, idle_fractions};
-use burn_megatron::tensor_parallel::padded_vocab_size;
+use burn_megatron::pipeline::{
+    ChunkOutput, ForwardStep, Span, StageError, chrome_trace, idle_fractions,
+};
+use burn_megatron::tensor_parallel::RngTracker;
+use burn_megatron::topology::PipelinePosition;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::ops::Range;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// One iteration, as logged.
@@ -30,10 +43,10 @@ pub struct IterationLog {
     pub consumed_samples: usize,
     /// Learning rate of this step.
     pub lr: f64,
-    /// MLM loss (mean over the global batch's micro-batches).
+    /// Language-model loss (mean over the global batch's micro-batches).
     pub lm_loss: f64,
-    /// Sentence-order loss.
-    pub sop_loss: f64,
+    /// BERT's sentence-order loss.
+    pub sop_loss: Option<f64>,
     /// Global gradient norm (None when the step was skipped).
     pub grad_norm: Option<f64>,
     /// Loss scale of this step.
@@ -46,30 +59,78 @@ pub struct IterationLog {
     pub tokens_per_s: f64,
 }
 
+/// One validation: iteration, lm loss and (BERT) sentence-order loss.
+pub type Eval = (usize, f64, Option<f64>);
+
 /// What a run did.
 #[derive(Debug, Clone)]
 pub struct Summary {
     /// Every iteration of this run (resumed runs start after the checkpoint).
     pub log: Vec<IterationLog>,
-    /// (iteration, lm loss, sop loss) of each validation.
-    pub evals: Vec<(usize, f64, f64)>,
+    /// Each validation.
+    pub evals: Vec<Eval>,
     /// Wall time, data preparation included.
     pub wall: Duration,
 }
 
-/// What every rank reads: arguments, data and the progress display.
-pub struct Shared {
-    args: Args,
+/// Which samples a microbatch reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// The training set.
+    Train,
+    /// The validation set.
+    Valid,
+}
+
+/// A model family the shared loop trains: BERT or GPT.
+pub trait Family: Sync {
+    /// One pipeline model chunk.
+    type Chunk: Module + Clone + Send + Sync + std::fmt::Debug + 'static;
+
+    /// The example's name (`bert_pretrain`), for files and the plot.
+    fn example(&self) -> &'static str;
+    /// The first line printed: the model, the layout, the data.
+    fn header(&self) -> String;
+    /// Whether the loss has a second, sentence-order part (BERT).
+    fn has_sop(&self) -> bool;
+    /// This rank's chunk at `position`.
+    fn init_chunk(
+        &self,
+        ctx: &RankContext,
+        position: PipelinePosition,
+    ) -> Result<Self::Chunk, String>;
+    /// The global index of a chunk's first layer.
+    fn first_layer(chunk: &Self::Chunk) -> usize;
+    /// The global name of the parameter at `path` of chunks whose first layers are `first`.
+    fn global_name(first: &[usize], path: &str) -> String;
+    /// One microbatch (samples `samples` of `split`) through `step.model`: its activation,
+    /// or on the last stage its loss and reported values (lm, and sop for BERT).
+    fn forward_step(
+        &self,
+        step: ForwardStep<'_, Self::Chunk, 3>,
+        split: Split,
+        samples: Range<usize>,
+        rng: Option<&RngTracker>,
+        device: &Device,
+    ) -> Result<ChunkOutput<3>, StageError>;
+    /// After the last iteration, on every rank, with its trained chunks (e.g. print
+    /// samples, write a Hugging Face directory).
+    fn finish(&self, _ctx: &RankContext, _chunks: &[Self::Chunk]) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// What every rank reads: arguments, the model family with its data, the progress display.
+pub struct Shared<F: Family> {
+    args: TrainArgs,
     layout: BatchLayout,
-    model_config: BertConfig,
-    train: BertDataset,
-    valid: BertDataset,
+    family: F,
     progress: ProgressBar,
     /// Every rank's timeline is measured from here.
     epoch: Instant,
 }
 
-impl Shared {
+impl<F: Family> Shared<F> {
     fn println(&self, line: String) {
         if self.progress.is_hidden() {
             println!("{line}");
@@ -93,11 +154,14 @@ impl Shared {
 }
 
 /// Megatron's training log line.
-pub fn log_line(e: &IterationLog, args: &Args) -> String {
+pub fn log_line(e: &IterationLog, args: &TrainArgs) -> String {
     let norm = e.grad_norm.map_or("-".to_string(), |n| format!("{n:.3}"));
+    let sop = e
+        .sop_loss
+        .map_or(String::new(), |s| format!(" sop loss: {s:.6E} |"));
     format!(
         " iteration {:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {:.1} | \
-         learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} | sop loss: {:.6E} | \
+         learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} |{sop} \
          loss scale: {:.1} | grad norm: {norm} | number of skipped iterations: {:>3} | tokens/s: {:.0} |",
         e.iteration,
         args.train_iters,
@@ -106,42 +170,71 @@ pub fn log_line(e: &IterationLog, args: &Args) -> String {
         e.lr,
         args.global_batch_size,
         e.lm_loss,
-        e.sop_loss,
         e.loss_scale,
         e.skipped_iterations,
         e.tokens_per_s,
     )
 }
 
-fn corpus(args: &Args) -> Result<Vec<Document>, String> {
-    match &args.data_path {
-        Some(p) => load_corpus(p).map_err(|e| e.to_string()),
-        None => Ok(synthetic_corpus(args.synthetic_documents, args.seed)),
+/// The training and validation documents: the last ~3 % (at least one) validate, as
+/// Megatron's split.
+fn corpus(args: &TrainArgs) -> Result<(Vec<Document>, Vec<Document>), String> {
+    let mut docs = match &args.data_path {
+        Some(p) => load_corpus(p).map_err(|e| e.to_string())?,
+        None => synthetic_corpus(args.synthetic_documents, args.seed),
+    };
+    let n_valid = (docs.len() * 3 / 100)
+        .max(1)
+        .min(docs.len().saturating_sub(1));
+    let valid = docs.split_off(docs.len() - n_valid);
+    if docs.is_empty() || valid.is_empty() {
+        return Err("the corpus needs at least two documents (train and validation)".into());
+    }
+    Ok((docs, valid))
+}
+
+/// Whether this process is global rank 0 (it prints, plots and writes shared files): always
+/// with threads; with one process per rank, the launcher must agree with the layout first.
+fn is_leader(args: &TrainArgs) -> Result<bool, String> {
+    match args.distributed_backend {
+        DistributedBackend::Threads => Ok(true),
+        backend => {
+            let env = LaunchEnv::from_env()
+                .map_err(|e| format!("--distributed-backend {backend}: {e}"))?;
+            if env.world_size != args.world_size {
+                return Err(format!(
+                    "--distributed-backend {backend}: {} started {} processes but --world-size is {}",
+                    env.launcher, env.world_size, args.world_size
+                ));
+            }
+            Ok(env.rank == 0)
+        }
     }
 }
 
-/// The tokenizer: `--vocab-file`; else the one saved with the checkpoint being loaded;
-/// else the built-in generator's fixed vocabulary; else one trained on the corpus (and
-/// saved with the checkpoints, since training can differ between processes).
-fn tokenizer(args: &Args, docs: &[Document], leader: bool) -> Result<BertTokenizer, String> {
-    let saved = args
-        .load
-        .as_ref()
-        .map(|d| d.join("tokenizer.json"))
-        .filter(|p| p.is_file());
-    let tokenizer = match (&args.vocab_file, &saved, &args.data_path) {
-        (Some(p), _, _) | (None, Some(p), _) => BertTokenizer::from_file(p.as_path()),
-        (None, None, None) => BertTokenizer::from_vocab(synthetic_vocabulary()),
-        (None, None, Some(_)) => BertTokenizer::train(docs, args.vocab_size),
+/// The layout part of the header: `TP 2 × PP 1 × DP 1 + SP`.
+fn layout_line(args: &TrainArgs) -> String {
+    format!(
+        "TP {} × PP {}{} × DP {}{}",
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        match args.num_model_chunks() {
+            1 => String::new(),
+            v => format!(" (V {v})"),
+        },
+        args.data_parallel_size(),
+        if args.sequence_parallel { " + SP" } else { "" },
+    )
+}
+
+fn precision(args: &TrainArgs) -> &'static str {
+    if args.bf16 {
+        "bf16"
+    } else if args.fp16 {
+        "fp16"
+    } else {
+        "fp32"
     }
-    .map_err(|e| e.to_string())?;
-    if let Some(dir) = args.save.as_ref().filter(|_| leader) {
-        std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
-        tokenizer
-            .save(&dir.join("tokenizer.json"))
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(tokenizer)
 }
 
 /// Writes every rank's spans of the last iteration as a Chrome trace at `path` and as a PNG
@@ -205,7 +298,7 @@ pub fn read_log_json(path: &std::path::Path) -> Result<Vec<IterationLog>, String
                 consumed_samples: u("consumed_samples")?,
                 lr: f("lr")?,
                 lm_loss: f("lm_loss")?,
-                sop_loss: f("sop_loss")?,
+                sop_loss: v["sop_loss"].as_f64(),
                 grad_norm: v["grad_norm"].as_f64(),
                 loss_scale: f("loss_scale")?,
                 skipped_iterations: u("skipped_iterations")?,
@@ -216,101 +309,18 @@ pub fn read_log_json(path: &std::path::Path) -> Result<Vec<IterationLog>, String
         .collect()
 }
 
-/// Validates `args`, prepares the data and trains; returns the log of global rank 0.
-pub fn run(args: &Args) -> Result<Summary, String> {
-    let start = Instant::now();
-    let layout = args.validate()?;
+/// Trains `family` under `args` (already validated into `layout`) and returns the log of
+/// global rank 0: the part of a run both examples share.
+fn train_family<F: Family>(
+    args: &TrainArgs,
+    layout: BatchLayout,
+    family: F,
+    leader: bool,
+    start: Instant,
+) -> Result<Summary, String> {
     let parallel = args.parallel_config()?;
-    // One process per rank: the launcher must agree with the layout before any work, and
-    // only global rank 0 prints, plots and writes shared files.
-    let leader = match args.distributed_backend {
-        DistributedBackend::Threads => true,
-        backend => {
-            let env = LaunchEnv::from_env()
-                .map_err(|e| format!("--distributed-backend {backend}: {e}"))?;
-            if env.world_size != args.world_size {
-                return Err(format!(
-                    "--distributed-backend {backend}: {} started {} processes but --world-size is {}",
-                    env.launcher, env.world_size, args.world_size
-                ));
-            }
-            env.rank == 0
-        }
-    };
-    let mut docs = corpus(args)?;
-    // Megatron-style split: the last ~3 % of documents (at least one) for validation.
-    let n_valid = (docs.len() * 3 / 100)
-        .max(1)
-        .min(docs.len().saturating_sub(1));
-    let valid_docs = docs.split_off(docs.len() - n_valid);
-    if docs.is_empty() || valid_docs.is_empty() {
-        return Err("the corpus needs at least two documents (train and validation)".into());
-    }
-    let tokenizer = tokenizer(args, &docs, leader)?;
-    let data_config = BertDatasetConfig::new(args.seq_length).with_seed(args.seed);
-    let train =
-        BertDataset::new(&docs, &tokenizer, data_config.clone()).map_err(|e| e.to_string())?;
-    let valid = BertDataset::new(
-        &valid_docs,
-        &tokenizer,
-        data_config.with_seed(args.seed.wrapping_add(1)),
-    )
-    .map_err(|e| e.to_string())?;
-    let tp = args.tensor_model_parallel_size;
-    let model_config = BertConfig::new(
-        args.num_layers,
-        args.hidden_size,
-        args.num_attention_heads,
-        args.ffn_hidden_size.unwrap_or(4 * args.hidden_size),
-        args.max_position_embeddings.unwrap_or(args.seq_length),
-        padded_vocab_size(
-            tokenizer.vocab_size(),
-            args.make_vocab_size_divisible_by,
-            tp,
-        ),
-    )
-    .with_hidden_dropout(args.hidden_dropout)
-    .with_attention_dropout(args.attention_dropout)
-    .with_sequence_parallel(args.sequence_parallel)
-    .with_gradient_accumulation_fusion(args.gradient_accumulation_fusion)
-    .with_init_method_std(args.init_method_std)
-    .with_seed(args.seed);
-    // Beside the checkpoints, what the `checkpoint` tool needs to rebuild the model.
-    if let Some(dir) = args.save.as_ref().filter(|_| leader) {
-        let path = dir.join("bert_config.json");
-        model_config
-            .save(&path)
-            .map_err(|e| format!("--save {}: {e}", path.display()))?;
-    }
-    let header = format!(
-        "> BERT {} layers, hidden {}, {} heads, seq {} | TP {} × PP {}{} × DP {}{} | vocab {} (padded {}) | \
-         {} train / {} validation segments | {}",
-        args.num_layers,
-        args.hidden_size,
-        args.num_attention_heads,
-        args.seq_length,
-        tp,
-        args.pipeline_model_parallel_size,
-        match args.num_model_chunks() {
-            1 => String::new(),
-            v => format!(" (V {v})"),
-        },
-        args.data_parallel_size(),
-        if args.sequence_parallel { " + SP" } else { "" },
-        tokenizer.vocab_size(),
-        model_config.padded_vocab_size,
-        train.len(),
-        valid.len(),
-        if args.bf16 {
-            "bf16"
-        } else if args.fp16 {
-            "fp16"
-        } else {
-            "fp32"
-        },
-    );
     if leader {
-        println!("{header}");
+        println!("{}", family.header());
     }
     let progress = if args.no_progress || !leader {
         ProgressBar::hidden()
@@ -327,12 +337,14 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         );
         bar
     };
+    let loss_plot = args
+        .loss_plot
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("{}_loss.png", family.example())));
     let shared = Shared {
         args: args.clone(),
         layout,
-        model_config,
-        train,
-        valid,
+        family,
         progress,
         epoch: Instant::now(),
     };
@@ -368,7 +380,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         write_log_json(path, &log)?;
     }
     if let Some(first) = log.first().filter(|_| leader) {
-        plot::loss_curve(&args.loss_plot, &log, &evals)?;
+        plot::loss_curve(&loss_plot, shared.family.example(), &log, &evals)?;
         let last = log.last().unwrap_or(first);
         println!(
             "> done: lm loss {:.4} → {:.4} over iterations {}–{} in {:.1} s; loss curve in {}",
@@ -377,7 +389,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
             first.iteration,
             last.iteration,
             start.elapsed().as_secs_f64(),
-            args.loss_plot.display()
+            loss_plot.display()
         );
     }
     Ok(Summary {

@@ -1,15 +1,16 @@
-//! The loss curve as a PNG: training MLM and SOP losses per iteration, validation MLM loss
-//! as points.
+//! The loss curve as a PNG: training lm (and BERT's SOP) losses per iteration, validation
+//! lm loss as points.
 
-use super::IterationLog;
+use super::{Eval, IterationLog};
 use burn_megatron::pipeline::{Span, SpanKind, time_bounds};
 use plotters::prelude::*;
 use std::path::Path;
 
 fn draw(
     path: &Path,
+    title: &str,
     log: &[IterationLog],
-    evals: &[(usize, f64, f64)],
+    evals: &[Eval],
     text: bool,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let root = BitMapBackend::new(path, (960, 540)).into_drawing_area();
@@ -18,7 +19,7 @@ fn draw(
     let x1 = log.last().map_or(1, |e| e.iteration).max(x0 as usize + 1) as f64;
     let ymax = log
         .iter()
-        .flat_map(|e| [e.lm_loss, e.sop_loss])
+        .flat_map(|e| [Some(e.lm_loss), e.sop_loss].into_iter().flatten())
         .chain(evals.iter().map(|e| e.1))
         .filter(|v| v.is_finite())
         .fold(0.0f64, f64::max)
@@ -27,7 +28,7 @@ fn draw(
     builder.margin(20);
     if text {
         builder
-            .caption("bert_pretrain loss", ("sans-serif", 28))
+            .caption(format!("{title} loss"), ("sans-serif", 28))
             .x_label_area_size(40)
             .y_label_area_size(60);
     }
@@ -40,7 +41,12 @@ fn draw(
             .draw()?;
     }
     let lm = LineSeries::new(log.iter().map(|e| (e.iteration as f64, e.lm_loss)), &BLUE);
-    let sop = LineSeries::new(log.iter().map(|e| (e.iteration as f64, e.sop_loss)), &RED);
+    let sop_points: Vec<(f64, f64)> = log
+        .iter()
+        .filter_map(|e| e.sop_loss.map(|s| (e.iteration as f64, s)))
+        .collect();
+    let has_sop = !sop_points.is_empty();
+    let sop = LineSeries::new(sop_points, &RED);
     let valid = evals
         .iter()
         .map(|e| Circle::new((e.0 as f64, e.1), 4, GREEN.filled()));
@@ -49,10 +55,12 @@ fn draw(
             .draw_series(lm)?
             .label("lm loss (train)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
-        chart
-            .draw_series(sop)?
-            .label("sop loss (train)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+        if has_sop {
+            chart
+                .draw_series(sop)?
+                .label("sop loss (train)")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+        }
         chart
             .draw_series(valid)?
             .label("lm loss (validation)")
@@ -75,11 +83,12 @@ fn draw(
 /// Writes the curve to `path`; without a usable system font the axes go unlabelled.
 pub fn loss_curve(
     path: &Path,
+    title: &str,
     log: &[IterationLog],
-    evals: &[(usize, f64, f64)],
+    evals: &[Eval],
 ) -> Result<(), String> {
-    draw(path, log, evals, true)
-        .or_else(|_| draw(path, log, evals, false))
+    draw(path, title, log, evals, true)
+        .or_else(|_| draw(path, title, log, evals, false))
         .map_err(|e| format!("{}: {e}", path.display()))
 }
 

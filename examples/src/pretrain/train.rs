@@ -3,21 +3,19 @@
 //! sequence-parallel and tied-embedding gradient reductions, the Megatron optimizer step,
 //! validation and checkpoints.
 
-use super::{Args, IterationLog, Shared};
+use super::{Eval, Family, IterationLog, Shared, Split, TrainArgs};
 use burn::module::Module;
 use burn::optim::AdamWConfig;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::DType;
 use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
-use burn_megatron::data::{BertBatch, BertDataset, BertSample};
 use burn_megatron::launch::RankContext;
-use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
     OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
 };
 use burn_megatron::pipeline::{
-    ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, P2pShapes, Span,
-    StageError, forward_backward_func,
+    ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, P2pShapes, Span,
+    forward_backward_func,
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
@@ -25,14 +23,7 @@ use burn_megatron::training::{InnerOptimizer, ParallelTraining, ParallelTraining
 use std::sync::Arc;
 use std::time::Instant;
 
-fn scalar(t: Tensor<1>) -> f64 {
-    t.into_data()
-        .iter::<f32>()
-        .next()
-        .map_or(f64::NAN, f64::from)
-}
-
-fn dtype(args: &Args) -> DType {
+fn dtype(args: &TrainArgs) -> DType {
     if args.bf16 {
         DType::BF16
     } else if args.fp16 {
@@ -44,7 +35,7 @@ fn dtype(args: &Args) -> DType {
 
 /// The schedule of `args`: warmup from 0, decay over the whole run, the weight decay from
 /// `--start-weight-decay` to `--end-weight-decay` over the whole run.
-pub fn scheduler(args: &Args) -> Result<OptimizerParamScheduler, String> {
+pub fn scheduler(args: &TrainArgs) -> Result<OptimizerParamScheduler, String> {
     let warmup = (args.lr_warmup_fraction * args.train_iters as f64).round() as usize;
     OptimizerParamScheduler::new(OptimizerParamSchedulerConfig {
         init_lr: 0.0,
@@ -63,53 +54,30 @@ pub fn scheduler(args: &Args) -> Result<OptimizerParamScheduler, String> {
     .map_err(|e| format!("--weight-decay / --start-weight-decay / --end-weight-decay / --weight-decay-incr-style: {e}"))
 }
 
-/// Runs the pipeline schedule over `chunks` on `dataset`'s microbatches of `iteration`:
+/// This rank's mean losses over its microbatches (lm, and sop for BERT), on last stages.
+type Losses = Option<(f64, Option<f64>)>;
+
+/// Runs the pipeline schedule over `chunks` on `split`'s microbatches of `iteration`:
 /// backward when `rng` is given (training), forward only otherwise. Returns this rank's mean
-/// (lm, sop) losses over the microbatches on the last stage (`None` elsewhere) with the
-/// executor's output.
-fn run_schedule(
+/// losses over the microbatches on the last stage (`None` elsewhere) with the executor's
+/// output.
+fn run_schedule<F: Family>(
     ctx: &RankContext,
-    shared: &Shared,
-    chunks: &[Bert],
-    dataset: &BertDataset,
+    shared: &Shared<F>,
+    chunks: &[F::Chunk],
+    split: Split,
     iteration: usize,
     rng: Option<&RngTracker>,
     fb: ForwardBackwardConfig<'_>,
-) -> Result<(Option<(f64, f64)>, ForwardBackwardOutput), String> {
+) -> Result<(Losses, ForwardBackwardOutput), String> {
     let dp_rank = ctx.state.data_parallel_rank();
     let p2p = ctx.p2p(P2pShapes::Variable);
     let out = forward_backward_func(
-        |s: ForwardStep<'_, Bert, 3>| -> Result<ChunkOutput<3>, StageError> {
-            let samples: Vec<BertSample> = shared
-                .layout
-                .micro_batch(iteration, dp_rank, s.microbatch)
-                .map(|i| dataset.sample(i))
-                .collect();
-            let b = BertBatch::new(&samples, &ctx.device);
-            let tokens = s.input.is_none().then_some((b.ids, b.types));
-            let last = s.model.head.is_some();
-            let positions = (last && !shared.args.mlm_head_all_positions)
-                .then(|| MaskedPositions::from_loss_mask(&b.loss_mask))
-                .transpose()?;
-            Ok(
-                match s.model.forward_stage_with_positions(
-                    tokens,
-                    s.input,
-                    b.padding,
-                    rng,
-                    positions.as_ref(),
-                )? {
-                    BertStageOutput::Hidden(h) => ChunkOutput::Activation(h),
-                    BertStageOutput::Output(o) => {
-                        let (lm, sop) = s.model.loss(o, b.labels, b.loss_mask, b.is_random)?;
-                        let report = vec![scalar(lm.clone()), scalar(sop.clone())];
-                        ChunkOutput::Loss {
-                            loss: lm + sop,
-                            report,
-                        }
-                    }
-                },
-            )
+        |s: ForwardStep<'_, F::Chunk, 3>| {
+            let samples = shared.layout.micro_batch(iteration, dp_rank, s.microbatch);
+            shared
+                .family
+                .forward_step(s, split, samples, rng, &ctx.device)
         },
         chunks,
         &p2p,
@@ -119,18 +87,19 @@ fn run_schedule(
     let n = out.losses.len() as f64;
     let local = (!out.losses.is_empty()).then(|| {
         let sum = |i: usize| out.losses.iter().map(|l| l.report[i]).sum::<f64>();
-        (sum(0) / n, sum(1) / n)
+        let sop = out.losses[0].report.len() > 1;
+        (sum(0) / n, sop.then(|| sum(1) / n))
     });
     Ok((local, out))
 }
 
-/// The last stage's mean (lm, sop) losses averaged over data-parallel ranks and sent to every
-/// stage, so that every rank logs the same line. Call it after the gradient reduction: an
+/// The last stage's mean losses averaged over data-parallel ranks and sent to every stage,
+/// so that every rank logs the same line. Call it after the gradient reduction: an
 /// overlapped reducer's worker uses the data-parallel communicator until it finishes.
-fn share_losses(ctx: &RankContext, local: Option<(f64, f64)>) -> Result<(f64, f64), String> {
+fn share_losses(ctx: &RankContext, local: Losses, sop: bool) -> Result<(f64, Option<f64>), String> {
     let mut v = vec![0.0f32; 2];
-    if let Some((lm, sop)) = local {
-        v = vec![lm as f32, sop as f32];
+    if let Some((lm, s)) = local {
+        v = vec![lm as f32, s.unwrap_or(0.0) as f32];
         ctx.groups
             .dp
             .all_reduce_vec(&mut v, ReduceOp::Avg)
@@ -145,44 +114,45 @@ fn share_losses(ctx: &RankContext, local: Option<(f64, f64)>) -> Result<(f64, f6
     let Buffer::F32(v) = buf else {
         unreachable!("an f32 broadcast stays f32")
     };
-    Ok((f64::from(v[0]), f64::from(v[1])))
+    Ok((f64::from(v[0]), sop.then_some(f64::from(v[1]))))
 }
 
-/// The mean validation losses over `eval_iters` global batches of `valid`.
-fn evaluate(
+/// The mean validation losses over `eval_iters` global batches.
+fn evaluate<F: Family>(
     ctx: &RankContext,
-    shared: &Shared,
-    chunks: &[Bert],
-    valid: &BertDataset,
-) -> Result<(f64, f64), String> {
+    shared: &Shared<F>,
+    chunks: &[F::Chunk],
+) -> Result<(f64, Option<f64>), String> {
     let schedule = shared.args.schedule(&shared.layout).with_forward_only(true);
+    let sop = shared.family.has_sop();
     let mut sums = [0.0f64; 2];
     for k in 0..shared.args.eval_iters {
         let fb = ForwardBackwardConfig::new(schedule);
-        let (local, _) = run_schedule(ctx, shared, chunks, valid, k, None, fb)?;
-        let (lm, sop) = share_losses(ctx, local)?;
+        let (local, _) = run_schedule(ctx, shared, chunks, Split::Valid, k, None, fb)?;
+        let (lm, s) = share_losses(ctx, local, sop)?;
         sums[0] += lm;
-        sums[1] += sop;
+        sums[1] += s.unwrap_or(0.0);
     }
     let n = shared.args.eval_iters.max(1) as f64;
-    Ok((sums[0] / n, sums[1] / n))
+    Ok((sums[0] / n, sop.then_some(sums[1] / n)))
 }
 
 /// What a rank hands back: its log (identical on every rank), validation losses, and the
 /// last iteration's pipeline timeline when asked for.
-pub type RankOutput = (Vec<IterationLog>, Vec<(usize, f64, f64)>, Vec<Span>);
+pub type RankOutput = (Vec<IterationLog>, Vec<Eval>, Vec<Span>);
 
 /// Trains this rank's part of the model: its model chunks of its pipeline stage.
-pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, String> {
+pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<RankOutput, String> {
     let args = &shared.args;
-    let tp = &ctx.groups.tp;
     let tp_rank = ctx.state.tensor_model_parallel_rank();
     let leader = ctx.state.global_rank() == 0;
-    let config: &BertConfig = &shared.model_config;
-    let model: Vec<Bert> = (0..args.num_model_chunks())
-        .map(|c| config.init_stage(tp, PipelinePosition::of(&ctx.state, c), &ctx.device))
-        .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
+    let model: Vec<F::Chunk> = (0..args.num_model_chunks())
+        .map(|c| {
+            shared
+                .family
+                .init_chunk(&ctx, PipelinePosition::of(&ctx.state, c))
+        })
+        .collect::<Result<_, _>>()?;
     let model = cast_params(model, dtype(args));
     let fused_adam = args
         .use_fused_adam
@@ -191,8 +161,8 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         .map_err(|e| e.to_string())?;
     // One object for the data-parallel reducers, the distributed optimizer's plans and the
     // checkpoints; keys tensors by global name, so any layout loads any other's.
-    let first_layers: Vec<usize> = model.iter().map(Bert::first_layer).collect();
-    let names = Arc::new(move |path: &str| Bert::global_param_name_at(&first_layers, path));
+    let first_layers: Vec<usize> = model.iter().map(F::first_layer).collect();
+    let names = Arc::new(move |path: &str| F::global_name(&first_layers, path));
     let mut training = ParallelTrainingConfig::new()
         .with_overlap_grad_reduce(args.overlap_grad_reduce)
         .with_use_distributed_optimizer(args.use_distributed_optimizer)
@@ -201,8 +171,8 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
     let layout = training.checkpoint_rank().layout;
     // The weight decay is the scheduler's, set every step; no decay on biases and norms.
     let make_optimizer = |training: &ParallelTraining,
-                          model: &Vec<Bert>|
-     -> Result<MegatronOptimizer<Vec<Bert>>, OptimizerError> {
+                          model: &Vec<F::Chunk>|
+     -> Result<MegatronOptimizer<Vec<F::Chunk>>, OptimizerError> {
         let inner = match &fused_adam {
             Some(adam) => InnerOptimizer::FusedAdam(adam.clone()),
             None => InnerOptimizer::burn(AdamWConfig::new().with_weight_decay(0.0).init()),
@@ -258,8 +228,8 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         ));
     }
     let save = |done: usize,
-                model: &Vec<Bert>,
-                optim: &MegatronOptimizer<Vec<Bert>>,
+                model: &Vec<F::Chunk>,
+                optim: &MegatronOptimizer<Vec<F::Chunk>>,
                 skipped: usize|
      -> Result<(), String> {
         let Some(root) = &args.save else {
@@ -294,7 +264,7 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
             &ctx,
             shared,
             &model,
-            &shared.train,
+            Split::Train,
             iteration,
             Some(&rng),
             fb,
@@ -304,7 +274,7 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         training
             .finalize(&model, &mut grads)
             .map_err(|e| e.to_string())?;
-        let losses = share_losses(&ctx, losses)?;
+        let losses = share_losses(&ctx, losses, shared.family.has_sop())?;
         let lr = scheduler.lr_at(iteration);
         optim
             .set_weight_decay(scheduler.wd_at(iteration))
@@ -331,10 +301,11 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
         log.push(entry);
         let done = iteration + 1;
         if args.eval_interval > 0 && (done % args.eval_interval == 0 || done == args.train_iters) {
-            let (lm, sop) = evaluate(&ctx, shared, &model, &shared.valid)?;
+            let (lm, sop) = evaluate(&ctx, shared, &model)?;
             if leader {
+                let sop_part = sop.map_or(String::new(), |s| format!(" sop loss: {s:.6E} |"));
                 shared.println(format!(
-                    " validation loss at iteration {done} | lm loss: {lm:.6E} | sop loss: {sop:.6E} | lm PPL: {:.3}",
+                    " validation loss at iteration {done} | lm loss: {lm:.6E} |{sop_part} lm PPL: {:.3}",
                     lm.exp()
                 ));
             }
@@ -350,5 +321,6 @@ pub fn train_rank(ctx: RankContext, shared: &Shared) -> Result<RankOutput, Strin
     if start == args.train_iters && start > 0 {
         save(start, &model, &optim, skipped)?;
     }
+    shared.family.finish(&ctx, &model)?;
     Ok((log, evals, spans))
 }

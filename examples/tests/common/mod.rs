@@ -89,3 +89,8 @@ pub fn binary() -> PathBuf {
     );
     bin
 }
+
+/// BERT's sentence-order loss, which every BERT iteration logs.
+pub fn sop(e: &IterationLog) -> f64 {
+    e.sop_loss.expect("BERT logs the sentence-order loss")
+}

@@ -1,7 +1,7 @@
 use super::*;
 use crate::data_parallel::{finalize_model_grads, finalize_model_grads_overlapped};
 use crate::launch::{LaunchOptions, threads};
-use crate::models::ParallelMlp;
+use crate::models::{ActivationFunc, ParallelMlp};
 use crate::tensor_parallel::{ColumnParallelLinearConfig, RowParallelLinearConfig, TpError};
 use crate::topology::ParallelConfig;
 use burn::nn::{LayerNorm, LayerNormConfig};
@@ -23,9 +23,11 @@ fn net(tp: &Comm, device: &Device) -> Result<Net, TpError> {
                 dense_h_to_4h: ColumnParallelLinearConfig::new(H, 4 * H)
                     .with_seed(10 + i)
                     .init(tp, device)?,
+                dense_h_to_4h_gate: None,
                 dense_4h_to_h: RowParallelLinearConfig::new(4 * H, H)
                     .with_seed(20 + i)
                     .init(tp, device)?,
+                activation: ActivationFunc::Gelu,
             })
         })
         .collect::<Result<_, TpError>>()?;

@@ -1,8 +1,8 @@
 //! Every parameter of a `Bert` with its Hugging Face name and how it is split across
 //! tensor-parallel ranks.
 
+use super::super::hf_host::HfError;
 use super::super::{Bert, LayerNormPosition, Norm};
-use super::HfError;
 use burn::module::Param;
 use burn::tensor::Tensor;
 

@@ -10,13 +10,16 @@
 mod entries;
 mod host;
 
+use super::hf_host::{Host, host_of, permute_rows, qkv_permutation, set_param};
 use super::{Bert, BertConfig};
-use crate::comm::{Comm, CommError, tensor::all_gather};
+use crate::comm::{Comm, tensor::all_gather};
 use crate::safetensors_io;
 use crate::tensor_parallel::padded_vocab_size;
 use burn::tensor::{Device, TensorData};
 use entries::{Slot, Split, entries};
-use host::{Host, host_of, permute_rows, qkv_permutation, set_param, shard};
+use host::shard;
+
+pub use super::hf_host::HfError;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
@@ -55,28 +58,6 @@ fn eps() -> f64 {
 }
 fn gelu() -> String {
     "gelu".into()
-}
-
-/// Why a Hugging Face checkpoint could not be read or written.
-#[derive(Debug, thiserror::Error)]
-pub enum HfError {
-    /// Reading or writing a file failed.
-    #[error("{path}: {message}")]
-    Io {
-        /// The file.
-        path: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// A tensor is missing or has the wrong shape.
-    #[error("{0}")]
-    Checkpoint(String),
-    /// The checkpoint uses something this model does not implement.
-    #[error("unsupported: {0}")]
-    Unsupported(String),
-    /// Gathering the shards failed.
-    #[error(transparent)]
-    Comm(#[from] CommError),
 }
 
 impl HfBertConfig {
@@ -188,7 +169,11 @@ pub fn load_hf_weights(model: &mut Bert, safetensors: &[u8], tp: &Comm) -> Resul
                 rows: 3 * q.rows,
                 cols: q.cols,
             };
-            permute_rows(&stacked, &qkv_permutation(heads, q.rows), false)
+            permute_rows(
+                &stacked,
+                &qkv_permutation(heads, heads, q.rows / heads),
+                false,
+            )
         } else {
             get(&e.name)?
         };
@@ -314,7 +299,11 @@ pub fn hf_state_dict(
                 emit(e.name, full.rows(0..rows), &mut out);
             }
             Split::Qkv => {
-                let stacked = permute_rows(&full, &qkv_permutation(heads, full.rows / 3), true);
+                let stacked = permute_rows(
+                    &full,
+                    &qkv_permutation(heads, heads, full.rows / 3 / heads),
+                    true,
+                );
                 let h = full.rows / 3;
                 for (j, p) in ["query", "key", "value"].iter().enumerate() {
                     emit(

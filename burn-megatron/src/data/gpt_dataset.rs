@@ -1,0 +1,289 @@
+//! GPT pretraining data: a byte-level BPE tokenizer (trained on the corpus, or any Hugging
+//! Face `tokenizer.json`), and causal-LM samples cut from the documents concatenated with an
+//! end-of-document token between them, as Megatron's GPT dataset does.
+//!
+//! Sample `i` of the epoch is the `seq_length + 1` tokens of window `order[i]`, `order` a
+//! seeded shuffle of the windows: the inputs are its first `seq_length` tokens, the labels
+//! its last `seq_length` (each position's next token). A run therefore sees the same samples
+//! at every parallel layout ([`BatchLayout`](super::BatchLayout) splits each global batch).
+//! Megatron's exact document/sample index (its `.bin/.idx` files and `numpy` shuffles) is a
+//! separate reader.
+
+use super::{DataError, Document};
+use burn::config::Config;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use rand::SeedableRng;
+use rand::rngs::ChaCha8Rng;
+use rand::seq::SliceRandom;
+use std::path::Path;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::TrainerWrapper;
+use tokenizers::models::bpe::{BPE, BpeTrainer};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, Tokenizer};
+
+/// The end-of-document token of a trained tokenizer (GPT-2's).
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
+/// End-of-document tokens looked for in a loaded `tokenizer.json`, in order: GPT-2's,
+/// Llama 3's, Llama 2's / Mistral's, Gemma's.
+const EOD_CANDIDATES: [&str; 4] = [END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>"];
+
+/// A byte-level tokenizer with its end-of-document id.
+#[derive(Debug, Clone)]
+pub struct GptTokenizer {
+    inner: Tokenizer,
+    /// The end-of-document token.
+    pub eod: u32,
+}
+
+fn tok_err(what: &str) -> impl Fn(tokenizers::Error) -> DataError + '_ {
+    move |e| DataError::Tokenizer(format!("{what}: {e}"))
+}
+
+impl GptTokenizer {
+    /// Loads a Hugging Face `tokenizer.json`; its end-of-document token is the first of
+    /// `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` it has.
+    pub fn from_file(path: &Path) -> Result<Self, DataError> {
+        let name = path.display().to_string();
+        if !path.is_file() {
+            return Err(DataError::Io {
+                path: name,
+                message: "no such file".into(),
+            });
+        }
+        let inner = Tokenizer::from_file(path).map_err(tok_err(&name))?;
+        let eod = EOD_CANDIDATES
+            .iter()
+            .find_map(|t| inner.token_to_id(t))
+            .ok_or_else(|| {
+                DataError::Tokenizer(format!(
+                    "{name}: no end-of-document token (one of {EOD_CANDIDATES:?})"
+                ))
+            })?;
+        Ok(Self { inner, eod })
+    }
+
+    /// Trains a byte-level BPE of at most `vocab_size` tokens (the 256 bytes and
+    /// `<|endoftext|>` included) on `docs`. Training is deterministic: the same corpus gives
+    /// the same tokenizer in every process.
+    pub fn train(docs: &[Document], vocab_size: usize) -> Result<Self, DataError> {
+        let mut tokenizer = Tokenizer::new(BPE::default());
+        tokenizer.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+        tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+        let trainer = BpeTrainer::builder()
+            .vocab_size(vocab_size)
+            .show_progress(false)
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
+            .build();
+        let mut trainer = TrainerWrapper::BpeTrainer(trainer);
+        let texts = docs.iter().map(|d| d.join(" "));
+        tokenizer
+            .train(&mut trainer, texts)
+            .map_err(tok_err("training"))?;
+        let eod = tokenizer
+            .token_to_id(END_OF_TEXT)
+            .ok_or_else(|| DataError::Tokenizer("training lost <|endoftext|>".into()))?;
+        Ok(Self {
+            inner: tokenizer,
+            eod,
+        })
+    }
+
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
+    pub fn save(&self, path: &Path) -> Result<(), DataError> {
+        let name = path.display().to_string();
+        self.inner.save(path, false).map_err(tok_err(&name))
+    }
+
+    /// The vocabulary size (special tokens included).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The ids of `text`, without special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(tok_err("encode"))?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// The text of `ids`, special tokens dropped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, DataError> {
+        self.inner.decode(ids, true).map_err(tok_err("decode"))
+    }
+}
+
+/// How samples are cut.
+#[derive(Config, Debug)]
+pub struct GptDatasetConfig {
+    /// Input tokens per sample (each sample holds one more, for the last label).
+    pub seq_length: usize,
+    /// Seed of the shuffle.
+    #[config(default = 1234)]
+    pub seed: u64,
+}
+
+/// Causal-LM samples over a tokenized corpus.
+#[derive(Debug)]
+pub struct GptDataset {
+    tokens: Vec<u32>,
+    order: Vec<usize>,
+    seq_length: usize,
+}
+
+/// One sample, host-side.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptSample {
+    /// `seq_length` input ids.
+    pub ids: Vec<i64>,
+    /// The next token of each position.
+    pub labels: Vec<i64>,
+}
+
+impl GptDataset {
+    /// Tokenizes `docs` (sentences joined by spaces), concatenates them with `eod` after
+    /// each, and cuts non-overlapping windows of `seq_length + 1` tokens.
+    pub fn new(
+        docs: &[Document],
+        tokenizer: &GptTokenizer,
+        config: GptDatasetConfig,
+    ) -> Result<Self, DataError> {
+        let mut tokens = Vec::new();
+        for d in docs {
+            tokens.extend(tokenizer.encode(&d.join(" "))?);
+            tokens.push(tokenizer.eod);
+        }
+        Self::from_tokens(tokens, config)
+    }
+
+    /// Samples over an already tokenized stream.
+    pub fn from_tokens(tokens: Vec<u32>, config: GptDatasetConfig) -> Result<Self, DataError> {
+        let s = config.seq_length;
+        if s == 0 {
+            return Err(DataError::Config("seq_length must be at least 1".into()));
+        }
+        let windows = tokens.len().saturating_sub(1) / s;
+        if windows == 0 {
+            return Err(DataError::Config(format!(
+                "{} tokens make no sample of {} (seq_length + 1)",
+                tokens.len(),
+                s + 1
+            )));
+        }
+        let mut order: Vec<usize> = (0..windows).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(config.seed));
+        Ok(Self {
+            tokens,
+            order,
+            seq_length: s,
+        })
+    }
+
+    /// Samples per epoch.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether there are none (never: construction refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Tokens in the stream.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Global sample `index` (epochs repeat the same order).
+    pub fn sample(&self, index: usize) -> GptSample {
+        let s = self.seq_length;
+        let start = self.order[index % self.order.len()] * s;
+        let window = &self.tokens[start..start + s + 1];
+        GptSample {
+            ids: window[..s].iter().map(|&t| i64::from(t)).collect(),
+            labels: window[1..].iter().map(|&t| i64::from(t)).collect(),
+        }
+    }
+}
+
+/// A micro-batch as tensors, in the shapes [`crate::models::Gpt`] takes.
+#[derive(Debug, Clone)]
+pub struct GptBatch {
+    /// `[b, s]` input ids.
+    pub ids: Tensor<2, Int>,
+    /// `[b, s]` next tokens.
+    pub labels: Tensor<2, Int>,
+    /// `[b, s]` ones: every position counts.
+    pub loss_mask: Tensor<2>,
+}
+
+impl GptBatch {
+    /// Stacks `samples` (all of one length) on `device`.
+    pub fn new(samples: &[GptSample], device: &Device) -> Self {
+        let (b, s) = (samples.len(), samples.first().map_or(0, |x| x.ids.len()));
+        let ints = |f: fn(&GptSample) -> &Vec<i64>| {
+            let v: Vec<i64> = samples.iter().flat_map(|x| f(x).iter().copied()).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(v, [b, s]), device)
+        };
+        Self {
+            ids: ints(|x| &x.ids),
+            labels: ints(|x| &x.labels),
+            loss_mask: Tensor::ones([b, s], device),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::synthetic_corpus;
+
+    #[test]
+    fn bpe_training_is_deterministic_and_round_trips() {
+        let docs = synthetic_corpus(200, 3);
+        let a = GptTokenizer::train(&docs, 600).unwrap();
+        let b = GptTokenizer::train(&docs, 600).unwrap();
+        assert_eq!(
+            a.inner.get_vocab(true),
+            b.inner.get_vocab(true),
+            "the same vocabulary"
+        );
+        assert!(a.vocab_size() <= 600 && a.vocab_size() > 300);
+        let text = "Then the gentle cats wait near the bread.";
+        let ids = a.encode(text).unwrap();
+        assert!(ids.len() < text.len(), "merges shorten the text");
+        assert_eq!(a.decode(&ids).unwrap(), text);
+        let dir = std::env::temp_dir().join(format!("bm-gpt-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        a.save(&dir.join("tokenizer.json")).unwrap();
+        let again = GptTokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(again.encode(text).unwrap(), ids);
+        assert_eq!(again.eod, a.eod);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn samples_are_shifted_windows_of_the_stream() {
+        let data = GptDataset::from_tokens((0..23).collect(), GptDatasetConfig::new(4)).unwrap();
+        assert_eq!(data.len(), 5);
+        let mut starts: Vec<i64> = (0..5).map(|i| data.sample(i).ids[0]).collect();
+        for i in 0..5 {
+            let s = data.sample(i);
+            assert_eq!(s.labels[..3], s.ids[1..]);
+            assert_eq!(s.labels[3], s.ids[3] + 1);
+        }
+        starts.sort();
+        assert_eq!(starts, vec![0, 4, 8, 12, 16]);
+        assert_eq!(
+            data.sample(5),
+            data.sample(0),
+            "the next epoch repeats the order"
+        );
+        assert!(GptDataset::from_tokens(vec![1, 2], GptDatasetConfig::new(4)).is_err());
+    }
+}

@@ -1,0 +1,351 @@
+//! Text generation with a [`Gpt`] at any tensor-parallel size: greedy decoding or
+//! temperature / top-k / top-p sampling with a seed, a key/value cache, batched prompts of
+//! different lengths (left-padded, each at its own positions, as `transformers` does), and a
+//! stop at EOS or after `max_new_tokens`.
+//!
+//! Each step gathers the last position's vocabulary-parallel logits once over the
+//! tensor-parallel group (`[b, V]`), so every rank draws the same token from the same seed.
+
+use super::{Gpt, GptStageOutput, KvCache, Positions};
+use crate::comm::CommError;
+use crate::comm::tensor::all_gather;
+use crate::tensor_parallel::TpError;
+use burn::config::Config;
+use burn::tensor::{Bool, Int, Tensor, TensorData};
+use rand::rngs::ChaCha8Rng;
+use rand::{RngExt, SeedableRng};
+
+/// How the next token is chosen.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum Sampling {
+    /// The most likely token (the first of equals, as `torch.argmax`).
+    Greedy,
+    /// A draw from `softmax(logits / temperature)`, restricted to the `top_k` most likely
+    /// tokens and then to the smallest set whose probability reaches `top_p`.
+    Sample {
+        /// Above 0; 1 leaves the distribution as it is.
+        temperature: f64,
+        /// Keep this many tokens (`None`: all).
+        top_k: Option<usize>,
+        /// Keep the most likely tokens up to this cumulative probability, in `(0, 1]`
+        /// (`None`: all).
+        top_p: Option<f64>,
+    },
+}
+
+/// How [`generate`] runs.
+#[derive(Config, Debug)]
+pub struct GenerateConfig {
+    /// Tokens to add to each prompt at most.
+    pub max_new_tokens: usize,
+    /// Greedy or sampled.
+    #[config(default = "Sampling::Greedy")]
+    pub sampling: Sampling,
+    /// Seed of the draws.
+    #[config(default = 0)]
+    pub seed: u64,
+    /// A prompt's generation ends after it emits this token.
+    #[config(default = "None")]
+    pub eos_token_id: Option<u32>,
+    /// The id left-padding fills with (never attended to).
+    #[config(default = 0)]
+    pub pad_token_id: u32,
+    /// Keep every layer's keys and values instead of re-running the whole sequence each
+    /// step (the same tokens either way).
+    #[config(default = true)]
+    pub use_cache: bool,
+}
+
+/// The new tokens of each prompt, ending with the EOS token if one was emitted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generated {
+    /// Per prompt, in order.
+    pub tokens: Vec<Vec<u32>>,
+}
+
+/// Why generation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// The prompts or the configuration cannot be generated from.
+    #[error("{0}")]
+    Invalid(String),
+    /// The model refused its input.
+    #[error(transparent)]
+    Model(#[from] TpError),
+    /// Gathering the logits failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+/// Generates from each of `prompts` (token ids) with `model`, a whole model (no pipeline
+/// stages, no sequence parallelism). A collective: every tensor-parallel rank calls it with
+/// the same prompts and config, and all get the same tokens.
+///
+/// Errors before any work on an empty prompt, a prompt that with `max_new_tokens` would
+/// not fit the model's context (`max_position_embeddings`), an id outside the vocabulary,
+/// or bad sampling parameters.
+pub fn generate(
+    model: &Gpt,
+    prompts: &[Vec<u32>],
+    config: &GenerateConfig,
+) -> Result<Generated, GenerateError> {
+    check(model, prompts, config)?;
+    let device = model
+        .embedding
+        .as_ref()
+        .map(|e| e.word_embeddings.weight.device())
+        .expect("checked: the model has its embeddings");
+    let (b, width) = (
+        prompts.len(),
+        prompts.iter().map(Vec::len).max().unwrap_or(0),
+    );
+    // Left-padded rows, each token at its own position.
+    let mut rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| [vec![config.pad_token_id; width - p.len()], p.clone()].concat())
+        .collect();
+    let mut padded: Vec<Vec<bool>> = prompts
+        .iter()
+        .map(|p| (0..width).map(|j| j < width - p.len()).collect())
+        .collect();
+    let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
+    let mut done = vec![false; b];
+    let mut out = vec![Vec::new(); b];
+    let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
+    let mut cache = config.use_cache.then(KvCache::default);
+    for step in 0..config.max_new_tokens {
+        // With the cache, only the newest token after the first step.
+        let from = if step > 0 && cache.is_some() {
+            rows[0].len() - 1
+        } else {
+            0
+        };
+        let ids: Vec<i64> = rows
+            .iter()
+            .flat_map(|r| r[from..].iter().map(|&t| i64::from(t)))
+            .collect();
+        let s = rows[0].len() - from;
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, s]), &device);
+        // Left padding sits at position 0 (masked anyway); a prompt counts from 0.
+        let positions = Positions::PerSample(
+            pads.iter()
+                .map(|&pad| {
+                    (from..rows[0].len())
+                        .map(|j| j.saturating_sub(pad))
+                        .collect()
+                })
+                .collect(),
+        );
+        let mask: Vec<bool> = padded.iter().flatten().copied().collect();
+        let sk = padded[0].len();
+        let padding = Tensor::<2, Bool>::from_data(TensorData::new(mask, [b, sk]), &device);
+        let logits = match model.forward_with(
+            Some(ids),
+            None,
+            &positions,
+            Some(padding),
+            None,
+            cache.as_mut(),
+        )? {
+            GptStageOutput::Logits(l) => l,
+            GptStageOutput::Hidden(_) => unreachable!("checked: the model has its head"),
+        };
+        let last = logits.narrow(0, s - 1, 1).reshape([b as i32, -1]);
+        let full = all_gather(&**model.tp(), last, 1)?;
+        let values: Vec<f32> = full
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec()
+            .map_err(|e| GenerateError::Invalid(format!("logits cannot be read: {e:?}")))?;
+        let v = values.len() / b;
+        for i in 0..b {
+            let token = if done[i] {
+                config.pad_token_id
+            } else {
+                let row = &values[i * v..i * v + model.vocab_size()];
+                let t = choose(row, &config.sampling, &mut rng);
+                out[i].push(t);
+                done[i] = Some(t) == config.eos_token_id;
+                t
+            };
+            rows[i].push(token);
+            padded[i].push(false);
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+    }
+    Ok(Generated { tokens: out })
+}
+
+fn check(model: &Gpt, prompts: &[Vec<u32>], config: &GenerateConfig) -> Result<(), GenerateError> {
+    let bad = |m: String| Err(GenerateError::Invalid(m));
+    if model.embedding.is_none() || model.head.is_none() {
+        return bad("generate needs the whole model on this rank (no pipeline stages)".into());
+    }
+    if model.sequence_parallel {
+        return bad(
+            "generate needs a model built without sequence parallelism (it splits the sequence over the tensor-parallel ranks)"
+                .into(),
+        );
+    }
+    if prompts.is_empty() {
+        return bad("no prompts".into());
+    }
+    let context = model.max_position_embeddings();
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return bad(format!("prompt {i} is empty"));
+        }
+        if p.len() > context {
+            return bad(format!(
+                "prompt {i} has {} tokens, longer than the model's context (max_position_embeddings {context})",
+                p.len()
+            ));
+        }
+        if p.len() + config.max_new_tokens > context {
+            return bad(format!(
+                "prompt {i} has {} tokens: with max_new_tokens {} it would pass the model's context (max_position_embeddings {context})",
+                p.len(),
+                config.max_new_tokens
+            ));
+        }
+        if let Some(&t) = p.iter().find(|&&t| t as usize >= model.vocab_size()) {
+            return bad(format!(
+                "prompt {i} has token id {t}, outside the vocabulary (size {})",
+                model.vocab_size()
+            ));
+        }
+    }
+    if let Sampling::Sample {
+        temperature,
+        top_k,
+        top_p,
+    } = config.sampling
+    {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return bad(format!("temperature must be above 0, got {temperature}"));
+        }
+        if top_k == Some(0) {
+            return bad("top_k must be at least 1".into());
+        }
+        if let Some(p) = top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return bad(format!("top_p must be in (0, 1], got {p}"));
+        }
+    }
+    Ok(())
+}
+
+/// The next token from one row of logits over the real vocabulary.
+fn choose(logits: &[f32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> u32 {
+    let argmax = |xs: &[f32]| {
+        let mut best = 0;
+        for (i, &x) in xs.iter().enumerate() {
+            if x > xs[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    let Sampling::Sample {
+        temperature,
+        top_k,
+        top_p,
+    } = *sampling
+    else {
+        return argmax(logits);
+    };
+    // Candidates by decreasing logit (ties by id), cut to top-k.
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    order.truncate(top_k.unwrap_or(order.len()).min(order.len()));
+    let max = f64::from(logits[order[0]]);
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if let Some(top_p) = top_p {
+        // The smallest prefix whose mass reaches top_p (at least one token).
+        let mut mass = 0.0;
+        let keep = probs
+            .iter()
+            .position(|p| {
+                mass += p;
+                mass >= top_p
+            })
+            .map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+        order.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut draw = rng.random::<f64>() * total;
+    for (p, &i) in probs.iter().zip(&order) {
+        draw -= p;
+        if draw < 0.0 {
+            return i as u32;
+        }
+    }
+    order[order.len() - 1] as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_first_of_equal_maxima() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(
+            choose(&[0.0, 3.0, 3.0, 1.0], &Sampling::Greedy, &mut rng),
+            1
+        );
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let logits = [0.5, 2.0, 1.9, -1.0];
+        for _ in 0..50 {
+            let k1 = Sampling::Sample {
+                temperature: 1.0,
+                top_k: Some(1),
+                top_p: None,
+            };
+            assert_eq!(choose(&logits, &k1, &mut rng), 1);
+            let p = Sampling::Sample {
+                temperature: 1.0,
+                top_k: None,
+                top_p: Some(1e-6),
+            };
+            assert_eq!(choose(&logits, &p, &mut rng), 1);
+        }
+    }
+
+    #[test]
+    fn sampling_follows_the_softmax_and_respects_top_k() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let logits = [0.0f32, (2.0f32).ln(), -30.0];
+        let all = Sampling::Sample {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+        };
+        let n = 20_000;
+        let ones = (0..n)
+            .filter(|_| choose(&logits, &all, &mut rng) == 1)
+            .count();
+        // P(1) = 2/3.
+        let p = ones as f64 / n as f64;
+        assert!((p - 2.0 / 3.0).abs() < 0.02, "{p}");
+        let k2 = Sampling::Sample {
+            temperature: 5.0,
+            top_k: Some(2),
+            top_p: None,
+        };
+        assert!((0..2000).all(|_| choose(&logits, &k2, &mut rng) != 2));
+    }
+}

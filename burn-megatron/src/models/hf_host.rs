@@ -1,0 +1,166 @@
+//! What the Hugging Face interop of every model shares: its error, and host-side matrices
+//! (the row-major f32 form HF tensors are reshaped, permuted and sharded in).
+
+use crate::comm::CommError;
+use burn::module::Param;
+use burn::tensor::{Tensor, TensorCreationOptions, TensorData};
+
+/// Why a Hugging Face checkpoint could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    /// Reading or writing a file failed.
+    #[error("{path}: {message}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A tensor is missing or has the wrong shape.
+    #[error("{0}")]
+    Checkpoint(String),
+    /// The checkpoint uses something this model does not implement.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// Gathering the shards failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+/// A row-major host matrix (a 1-d tensor is one column).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Host {
+    pub(super) values: Vec<f32>,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
+impl Host {
+    pub(super) fn transpose(&self) -> Host {
+        let mut values = vec![0.0; self.values.len()];
+        for r in 0..self.rows {
+            for c in 0..self.cols {
+                values[c * self.rows + r] = self.values[r * self.cols + c];
+            }
+        }
+        Host {
+            values,
+            rows: self.cols,
+            cols: self.rows,
+        }
+    }
+
+    pub(super) fn rows(&self, range: std::ops::Range<usize>) -> Host {
+        Host {
+            values: self.values[range.start * self.cols..range.end * self.cols].to_vec(),
+            rows: range.len(),
+            cols: self.cols,
+        }
+    }
+
+    pub(super) fn cols(&self, range: std::ops::Range<usize>) -> Host {
+        self.transpose().rows(range).transpose()
+    }
+}
+
+/// HF's query, key and value rows stacked as `[q (heads·hn); k (groups·hn); v (groups·hn)]`
+/// ⇄ the fused order of Megatron-Core's `linear_qkv`, per query group:
+/// `[group][its heads' q…, k, v][hn]` (rows). With one group per head (BERT, GPT-2) this
+/// is `[head][q, k, v][hn]`.
+pub(super) fn qkv_permutation(heads: usize, groups: usize, hn: usize) -> Vec<usize> {
+    let per_group = heads / groups;
+    let (k0, v0) = (heads * hn, (heads + groups) * hn);
+    let mut perm = Vec::with_capacity((heads + 2 * groups) * hn);
+    for g in 0..groups {
+        for head in g * per_group..(g + 1) * per_group {
+            perm.extend((0..hn).map(|d| head * hn + d));
+        }
+        perm.extend((0..hn).map(|d| k0 + g * hn + d));
+        perm.extend((0..hn).map(|d| v0 + g * hn + d));
+    }
+    perm
+}
+
+pub(super) fn permute_rows(m: &Host, perm: &[usize], inverse: bool) -> Host {
+    let mut values = vec![0.0; m.values.len()];
+    for (dst, &src) in perm.iter().enumerate() {
+        let (to, from) = if inverse { (src, dst) } else { (dst, src) };
+        values[to * m.cols..(to + 1) * m.cols]
+            .copy_from_slice(&m.values[from * m.cols..(from + 1) * m.cols]);
+    }
+    Host {
+        values,
+        ..m.clone()
+    }
+}
+
+pub(super) fn host_of(name: &str, data: &TensorData) -> Result<Host, HfError> {
+    let values: Vec<f32> = data.iter::<f32>().collect();
+    match data.shape().len() {
+        1 => Ok(Host {
+            rows: values.len(),
+            cols: 1,
+            values,
+        }),
+        2 => Ok(Host {
+            rows: data.shape()[0],
+            cols: data.shape()[1],
+            values,
+        }),
+        n => Err(HfError::Checkpoint(format!(
+            "{name}: expected a 1-d or 2-d tensor, found {n}-d"
+        ))),
+    }
+}
+
+pub(super) fn set_param<const D: usize>(
+    p: &mut Param<Tensor<D>>,
+    values: Vec<f32>,
+    shape: [usize; D],
+) {
+    let old = p.val();
+    let options = TensorCreationOptions::new(old.device()).with_dtype(old.dtype());
+    let t = Tensor::<D>::from_data(TensorData::new(values, shape), options)
+        .set_require_grad(old.is_require_grad());
+    *p = p.clone().map(|_| t);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qkv_permutation_interleaves_heads_and_inverts() {
+        // 2 heads of size 2: rows [q0 q1 | q2 q3], etc.
+        assert_eq!(
+            qkv_permutation(2, 2, 2),
+            vec![0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+        );
+        let m = Host {
+            values: (0..24).map(|v| v as f32).collect(),
+            rows: 12,
+            cols: 2,
+        };
+        let p = qkv_permutation(2, 2, 2);
+        assert_eq!(permute_rows(&permute_rows(&m, &p, false), &p, true), m);
+        assert_eq!(permute_rows(&m, &p, false).values[4..6], [8.0, 9.0]);
+    }
+
+    #[test]
+    fn grouped_qkv_keeps_each_groups_heads_then_its_key_and_value() {
+        // 4 heads in 2 groups, head dim 1: q rows 0-3, k rows 4-5, v rows 6-7.
+        assert_eq!(qkv_permutation(4, 2, 1), vec![0, 1, 4, 6, 2, 3, 5, 7]);
+    }
+
+    #[test]
+    fn host_matrix_slicing() {
+        let m = Host {
+            values: (0..6).map(|v| v as f32).collect(),
+            rows: 2,
+            cols: 3,
+        };
+        assert_eq!(m.transpose().values, vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        assert_eq!(m.cols(1..3).values, vec![1.0, 2.0, 4.0, 5.0]);
+        assert_eq!(m.rows(1..2).values, vec![3.0, 4.0, 5.0]);
+    }
+}

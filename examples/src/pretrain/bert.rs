@@ -1,0 +1,232 @@
+//! `bert_pretrain`: BERT's command line, data and microbatch step for the shared loop.
+
+use super::args::TrainArgs;
+use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
+use burn::config::Config;
+use burn::tensor::{Device, Tensor};
+use burn_megatron::data::{
+    BertBatch, BertDataset, BertDatasetConfig, BertSample, BertTokenizer, Document,
+    synthetic_vocabulary,
+};
+use burn_megatron::launch::RankContext;
+use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
+use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
+use burn_megatron::tensor_parallel::{RngTracker, padded_vocab_size};
+use burn_megatron::topology::PipelinePosition;
+use clap::Parser;
+use std::ops::Range;
+use std::time::Instant;
+
+/// BERT pretraining with tensor, pipeline and data parallelism (ranks run as threads of
+/// this process). Without `--data-path` it trains on a procedurally generated English-like
+/// corpus, and without `--vocab-file` it trains a WordPiece vocabulary on it first.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "bert_pretrain", version, args_override_self = true)]
+pub struct Args {
+    /// The flags every pretraining example has.
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Run the MLM head on every position, as Hugging Face's `BertForPreTraining` does,
+    /// instead of the masked ones the loss counts (the original BERT's choice: the same loss
+    /// and gradients with ~1/7 of the vocabulary-sized work).
+    #[arg(long)]
+    pub mlm_head_all_positions: bool,
+}
+
+impl Args {
+    /// Every check that can fail before training starts, with a message naming the flags.
+    pub fn validate(&self) -> Result<burn_megatron::data::BatchLayout, String> {
+        let a = &self.train;
+        let layout = a.validate()?;
+        let tp = a.tensor_model_parallel_size;
+        if !a.num_attention_heads.is_multiple_of(tp) {
+            return Err(format!(
+                "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({tp})",
+                a.num_attention_heads
+            ));
+        }
+        if !a.hidden_size.is_multiple_of(a.num_attention_heads) {
+            return Err(format!(
+                "--hidden-size ({}) must be divisible by --num-attention-heads ({})",
+                a.hidden_size, a.num_attention_heads
+            ));
+        }
+        if a.max_position_embeddings.unwrap_or(a.seq_length) < a.seq_length {
+            return Err("--max-position-embeddings must be at least --seq-length".into());
+        }
+        Ok(layout)
+    }
+}
+
+/// The tokenizer: `--vocab-file`; else the one saved with the checkpoint being loaded;
+/// else the built-in generator's fixed vocabulary; else one trained on the corpus (and
+/// saved with the checkpoints, since training can differ between processes).
+fn tokenizer(args: &TrainArgs, docs: &[Document], leader: bool) -> Result<BertTokenizer, String> {
+    let saved = args
+        .load
+        .as_ref()
+        .map(|d| d.join("tokenizer.json"))
+        .filter(|p| p.is_file());
+    let tokenizer = match (&args.vocab_file, &saved, &args.data_path) {
+        (Some(p), _, _) | (None, Some(p), _) => BertTokenizer::from_file(p.as_path()),
+        (None, None, None) => BertTokenizer::from_vocab(synthetic_vocabulary()),
+        (None, None, Some(_)) => BertTokenizer::train(docs, args.vocab_size),
+    }
+    .map_err(|e| e.to_string())?;
+    if let Some(dir) = args.save.as_ref().filter(|_| leader) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
+        tokenizer
+            .save(&dir.join("tokenizer.json"))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(tokenizer)
+}
+
+/// BERT for the shared loop: its config, data and head choice.
+struct BertFamily {
+    config: BertConfig,
+    train: BertDataset,
+    valid: BertDataset,
+    all_positions: bool,
+    header: String,
+}
+
+fn scalar(t: Tensor<1>) -> f64 {
+    t.into_data()
+        .iter::<f32>()
+        .next()
+        .map_or(f64::NAN, f64::from)
+}
+
+impl Family for BertFamily {
+    type Chunk = Bert;
+
+    fn example(&self) -> &'static str {
+        "bert_pretrain"
+    }
+
+    fn header(&self) -> String {
+        self.header.clone()
+    }
+
+    fn has_sop(&self) -> bool {
+        true
+    }
+
+    fn init_chunk(&self, ctx: &RankContext, position: PipelinePosition) -> Result<Bert, String> {
+        self.config
+            .init_stage(&ctx.groups.tp, position, &ctx.device)
+            .map_err(|e| e.to_string())
+    }
+
+    fn first_layer(chunk: &Bert) -> usize {
+        chunk.first_layer()
+    }
+
+    fn global_name(first: &[usize], path: &str) -> String {
+        Bert::global_param_name_at(first, path)
+    }
+
+    fn forward_step(
+        &self,
+        s: ForwardStep<'_, Bert, 3>,
+        split: Split,
+        samples: Range<usize>,
+        rng: Option<&RngTracker>,
+        device: &Device,
+    ) -> Result<ChunkOutput<3>, StageError> {
+        let data = match split {
+            Split::Train => &self.train,
+            Split::Valid => &self.valid,
+        };
+        let samples: Vec<BertSample> = samples.map(|i| data.sample(i)).collect();
+        let b = BertBatch::new(&samples, device);
+        let tokens = s.input.is_none().then_some((b.ids, b.types));
+        let last = s.model.head.is_some();
+        let positions = (last && !self.all_positions)
+            .then(|| MaskedPositions::from_loss_mask(&b.loss_mask))
+            .transpose()?;
+        Ok(
+            match s.model.forward_stage_with_positions(
+                tokens,
+                s.input,
+                b.padding,
+                rng,
+                positions.as_ref(),
+            )? {
+                BertStageOutput::Hidden(h) => ChunkOutput::Activation(h),
+                BertStageOutput::Output(o) => {
+                    let (lm, sop) = s.model.loss(o, b.labels, b.loss_mask, b.is_random)?;
+                    let report = vec![scalar(lm.clone()), scalar(sop.clone())];
+                    ChunkOutput::Loss {
+                        loss: lm + sop,
+                        report,
+                    }
+                }
+            },
+        )
+    }
+}
+
+/// Validates `args`, prepares the data and trains; returns the log of global rank 0.
+pub fn run(args: &Args) -> Result<Summary, String> {
+    let start = Instant::now();
+    let layout = args.validate()?;
+    let a = &args.train;
+    let leader = is_leader(a)?;
+    let (docs, valid_docs) = corpus(a)?;
+    let tokenizer = tokenizer(a, &docs, leader)?;
+    let data_config = BertDatasetConfig::new(a.seq_length).with_seed(a.seed);
+    let train =
+        BertDataset::new(&docs, &tokenizer, data_config.clone()).map_err(|e| e.to_string())?;
+    let valid = BertDataset::new(
+        &valid_docs,
+        &tokenizer,
+        data_config.with_seed(a.seed.wrapping_add(1)),
+    )
+    .map_err(|e| e.to_string())?;
+    let tp = a.tensor_model_parallel_size;
+    let config = BertConfig::new(
+        a.num_layers,
+        a.hidden_size,
+        a.num_attention_heads,
+        a.ffn_hidden_size.unwrap_or(4 * a.hidden_size),
+        a.max_position_embeddings.unwrap_or(a.seq_length),
+        padded_vocab_size(tokenizer.vocab_size(), a.make_vocab_size_divisible_by, tp),
+    )
+    .with_hidden_dropout(a.hidden_dropout)
+    .with_attention_dropout(a.attention_dropout)
+    .with_sequence_parallel(a.sequence_parallel)
+    .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
+    .with_init_method_std(a.init_method_std)
+    .with_seed(a.seed);
+    // Beside the checkpoints, what the `checkpoint` tool needs to rebuild the model.
+    if let Some(dir) = a.save.as_ref().filter(|_| leader) {
+        let path = dir.join("bert_config.json");
+        config
+            .save(&path)
+            .map_err(|e| format!("--save {}: {e}", path.display()))?;
+    }
+    let header = format!(
+        "> BERT {} layers, hidden {}, {} heads, seq {} | {} | vocab {} (padded {}) | \
+         {} train / {} validation segments | {}",
+        a.num_layers,
+        a.hidden_size,
+        a.num_attention_heads,
+        a.seq_length,
+        layout_line(a),
+        tokenizer.vocab_size(),
+        config.padded_vocab_size,
+        train.len(),
+        valid.len(),
+        precision(a),
+    );
+    let family = BertFamily {
+        config,
+        train,
+        valid,
+        all_positions: args.mlm_head_all_positions,
+        header,
+    };
+    train_family(a, layout, family, leader, start)
+}

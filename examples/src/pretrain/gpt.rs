@@ -1,0 +1,454 @@
+//! `gpt_pretrain`: the GPT family's command line (Megatron's `pretrain_gpt.py` flags), data
+//! (a byte-level BPE trained on the spot, or a `tokenizer.json`), microbatch step, Hugging
+//! Face fine-tuning and export, and a few generated samples at the end.
+
+use super::args::TrainArgs;
+use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
+use burn::config::Config;
+use burn::module::Module;
+use burn::tensor::Device;
+use burn::tensor::TensorData;
+use burn_megatron::data::{
+    BatchLayout, Document, GptBatch, GptDataset, GptDatasetConfig, GptSample, GptTokenizer,
+};
+use burn_megatron::launch::RankContext;
+use burn_megatron::models::{
+    ActivationFunc, GenerateConfig, Gpt, GptConfig, GptStageOutput, HfGptConfig, NormKind,
+    PositionEmbeddingType, generate, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
+};
+use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
+use burn_megatron::tensor_parallel::{RngTracker, padded_vocab_size};
+use burn_megatron::topology::PipelinePosition;
+use clap::{Parser, ValueEnum};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// `--position-embedding-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PositionEmbedding {
+    /// A learned table (GPT-2).
+    #[value(name = "learned_absolute")]
+    LearnedAbsolute,
+    /// Rotary embeddings (Llama).
+    Rope,
+}
+
+/// `--normalization`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Normalization {
+    /// LayerNorm.
+    #[value(name = "LayerNorm")]
+    LayerNorm,
+    /// RMSNorm.
+    #[value(name = "RMSNorm")]
+    RmsNorm,
+}
+
+/// GPT-family pretraining (GPT-2 style by default, Llama style with `--position-embedding-type
+/// rope --normalization RMSNorm --swiglu --group-query-attention --num-query-groups N
+/// --disable-bias-linear --untie-embeddings-and-output-weights`) with tensor, pipeline and
+/// data parallelism. Without `--data-path` it trains on a procedurally generated corpus
+/// with a byte-level BPE trained on it first.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "gpt_pretrain", version, args_override_self = true)]
+pub struct GptArgs {
+    /// The flags every pretraining example has.
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Grouped-query attention: `--num-query-groups` key/value heads.
+    #[arg(long)]
+    pub group_query_attention: bool,
+    /// Key/value heads with `--group-query-attention` (divisible by the TP size).
+    #[arg(long, default_value_t = 1)]
+    pub num_query_groups: usize,
+    /// Channels per head (default: hidden / heads).
+    #[arg(long)]
+    pub kv_channels: Option<usize>,
+    /// How positions enter the model.
+    #[arg(long, value_enum, default_value_t = PositionEmbedding::LearnedAbsolute)]
+    pub position_embedding_type: PositionEmbedding,
+    /// RoPE base.
+    #[arg(long, default_value_t = 10000.0)]
+    pub rotary_base: f64,
+    /// The fraction of each head RoPE rotates.
+    #[arg(long, default_value_t = 1.0)]
+    pub rotary_percent: f64,
+    /// LayerNorm or RMSNorm.
+    #[arg(long, value_enum, default_value_t = Normalization::LayerNorm)]
+    pub normalization: Normalization,
+    /// The norms' epsilon.
+    #[arg(long, default_value_t = 1e-5)]
+    pub norm_epsilon: f64,
+    /// SwiGLU MLP (gated, SiLU) instead of GeLU.
+    #[arg(long)]
+    pub swiglu: bool,
+    /// GeLU's tanh approximation (GPT-2's) instead of the erf form.
+    #[arg(long)]
+    pub openai_gelu: bool,
+    /// An output layer of its own instead of the word embeddings.
+    #[arg(long)]
+    pub untie_embeddings_and_output_weights: bool,
+    /// No biases in the linear layers.
+    #[arg(long)]
+    pub disable_bias_linear: bool,
+    /// Query/key/value biases even with `--disable-bias-linear` (Qwen2).
+    #[arg(long)]
+    pub add_qkv_bias: bool,
+    /// Fine-tune from a Hugging Face Llama / Mistral / Qwen2 / GPT-2 directory: its
+    /// `config.json` sets the model's shape (the shape flags are not used), its weights the
+    /// initial ones, its `tokenizer.json` the tokenizer (unless `--tokenizer-model`).
+    #[arg(long)]
+    pub load_hf: Option<PathBuf>,
+    /// Write the trained model as a Hugging Face directory (needs
+    /// `--pipeline-model-parallel-size 1`; convert a pipelined run's checkpoint with the
+    /// `checkpoint` tool's `to-hf`).
+    #[arg(long)]
+    pub save_hf: Option<PathBuf>,
+    /// Tokens generated for each of the samples printed at the end (0: none).
+    #[arg(long, default_value_t = 32)]
+    pub generate_tokens: usize,
+}
+
+impl GptArgs {
+    /// The model these flags describe, for a vocabulary of `vocab_size` real entries.
+    pub fn model_config(&self, vocab_size: usize) -> Result<GptConfig, String> {
+        let a = &self.train;
+        let base = match &self.load_hf {
+            Some(dir) => HfGptConfig::from_file(&dir.join("config.json"))
+                .map_err(|e| format!("--load-hf: {e}"))?
+                .to_gpt_config(a.tensor_model_parallel_size),
+            None => {
+                let rope = self.position_embedding_type == PositionEmbedding::Rope;
+                GptConfig::new(
+                    a.num_layers,
+                    a.hidden_size,
+                    a.num_attention_heads,
+                    a.ffn_hidden_size.unwrap_or(4 * a.hidden_size),
+                    a.max_position_embeddings.unwrap_or(a.seq_length),
+                    padded_vocab_size(
+                        vocab_size,
+                        a.make_vocab_size_divisible_by,
+                        a.tensor_model_parallel_size,
+                    ),
+                )
+                .with_vocab_size(Some(vocab_size))
+                .with_num_query_groups(self.group_query_attention.then_some(self.num_query_groups))
+                .with_kv_channels(self.kv_channels)
+                .with_position_embedding_type(if rope {
+                    PositionEmbeddingType::Rope
+                } else {
+                    PositionEmbeddingType::LearnedAbsolute
+                })
+                .with_rotary_base(self.rotary_base)
+                .with_rotary_percent(self.rotary_percent)
+                .with_normalization(match self.normalization {
+                    Normalization::LayerNorm => NormKind::LayerNorm,
+                    Normalization::RmsNorm => NormKind::RmsNorm,
+                })
+                .with_layernorm_epsilon(self.norm_epsilon)
+                .with_gated_linear_unit(self.swiglu)
+                .with_activation_func(match (self.swiglu, self.openai_gelu) {
+                    (true, _) => ActivationFunc::Silu,
+                    (false, true) => ActivationFunc::GeluTanh,
+                    (false, false) => ActivationFunc::Gelu,
+                })
+                .with_add_bias_linear(!self.disable_bias_linear)
+                .with_add_qkv_bias(self.add_qkv_bias)
+                .with_untie_embeddings_and_output_weights(self.untie_embeddings_and_output_weights)
+                .with_init_method_std(a.init_method_std)
+            }
+        };
+        Ok(base
+            .with_hidden_dropout(a.hidden_dropout)
+            .with_attention_dropout(a.attention_dropout)
+            .with_sequence_parallel(a.sequence_parallel)
+            .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
+            .with_seed(a.seed))
+    }
+
+    /// Every check that can fail before training starts, with a message naming the flags
+    /// (the model's own checks with it: heads, query groups and TP; rotary shape).
+    pub fn validate(&self) -> Result<BatchLayout, String> {
+        let a = &self.train;
+        let layout = a.validate()?;
+        let tp = a.tensor_model_parallel_size;
+        let heads = a.num_attention_heads;
+        if self.load_hf.is_none() {
+            let groups = if self.group_query_attention {
+                self.num_query_groups
+            } else {
+                heads
+            };
+            if groups == 0 || !heads.is_multiple_of(groups) {
+                return Err(format!(
+                    "--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})"
+                ));
+            }
+            if !heads.is_multiple_of(tp) {
+                return Err(format!(
+                    "--num-attention-heads ({heads}) must be divisible by --tensor-model-parallel-size ({tp})"
+                ));
+            }
+            if !groups.is_multiple_of(tp) {
+                return Err(format!(
+                    "--num-query-groups ({groups}) must be divisible by --tensor-model-parallel-size ({tp}): each rank keeps whole key/value heads"
+                ));
+            }
+            if self.kv_channels.is_none() && !a.hidden_size.is_multiple_of(heads) {
+                return Err(format!(
+                    "--hidden-size ({}) must be divisible by --num-attention-heads ({heads}) (or set --kv-channels)",
+                    a.hidden_size
+                ));
+            }
+        }
+        let config = self.model_config(1)?;
+        if config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute
+            && a.seq_length > config.max_position_embeddings
+        {
+            return Err(format!(
+                "--seq-length ({}) exceeds --max-position-embeddings ({}) with learned absolute positions",
+                a.seq_length, config.max_position_embeddings
+            ));
+        }
+        config.check(tp).map_err(|e| format!("the model: {e}"))?;
+        if self.save_hf.is_some() && a.pipeline_model_parallel_size > 1 {
+            return Err("--save-hf needs --pipeline-model-parallel-size 1 (convert a pipelined run's checkpoint with `checkpoint to-hf`)".into());
+        }
+        Ok(layout)
+    }
+}
+
+/// The tokenizer: `--tokenizer-model`; else the one saved with the checkpoint being loaded;
+/// else `--load-hf`'s; else a byte-level BPE trained on the corpus (and saved with the
+/// checkpoints).
+fn tokenizer(args: &GptArgs, docs: &[Document], leader: bool) -> Result<GptTokenizer, String> {
+    let a = &args.train;
+    let saved = a
+        .load
+        .as_ref()
+        .map(|d| d.join("tokenizer.json"))
+        .filter(|p| p.is_file());
+    let hf = args.load_hf.as_ref().map(|d| d.join("tokenizer.json"));
+    let tokenizer = match a.vocab_file.as_ref().or(saved.as_ref()).or(hf.as_ref()) {
+        Some(p) => GptTokenizer::from_file(p),
+        None => GptTokenizer::train(docs, a.vocab_size),
+    }
+    .map_err(|e| e.to_string())?;
+    if let Some(dir) = a.save.as_ref().filter(|_| leader) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
+        tokenizer
+            .save(&dir.join("tokenizer.json"))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(tokenizer)
+}
+
+/// GPT for the shared loop.
+struct GptFamily {
+    args: GptArgs,
+    config: GptConfig,
+    tokenizer: GptTokenizer,
+    train: GptDataset,
+    valid: GptDataset,
+    /// The checkpoint of `--load-hf`, read once for every rank.
+    hf: Option<(HfGptConfig, HashMap<String, TensorData>)>,
+    prompts: Vec<Vec<u32>>,
+    header: String,
+}
+
+impl Family for GptFamily {
+    type Chunk = Gpt;
+
+    fn example(&self) -> &'static str {
+        "gpt_pretrain"
+    }
+
+    fn header(&self) -> String {
+        self.header.clone()
+    }
+
+    fn has_sop(&self) -> bool {
+        false
+    }
+
+    fn init_chunk(&self, ctx: &RankContext, position: PipelinePosition) -> Result<Gpt, String> {
+        let chunk = self
+            .config
+            .init_stage(&ctx.groups.tp, position, &ctx.device)
+            .map_err(|e| e.to_string())?;
+        match &self.hf {
+            Some((hf, tensors)) => {
+                load_hf_gpt_weights(chunk, hf, tensors).map_err(|e| format!("--load-hf: {e}"))
+            }
+            None => Ok(chunk),
+        }
+    }
+
+    fn first_layer(chunk: &Gpt) -> usize {
+        chunk.first_layer()
+    }
+
+    fn global_name(first: &[usize], path: &str) -> String {
+        Gpt::global_param_name_at(first, path)
+    }
+
+    fn forward_step(
+        &self,
+        s: ForwardStep<'_, Gpt, 3>,
+        split: Split,
+        samples: Range<usize>,
+        rng: Option<&RngTracker>,
+        device: &Device,
+    ) -> Result<ChunkOutput<3>, StageError> {
+        let data = match split {
+            Split::Train => &self.train,
+            Split::Valid => &self.valid,
+        };
+        let samples: Vec<GptSample> = samples.map(|i| data.sample(i)).collect();
+        let b = GptBatch::new(&samples, device);
+        let ids = s.input.is_none().then_some(b.ids);
+        Ok(match s.model.forward_stage(ids, s.input, rng)? {
+            GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
+            GptStageOutput::Logits(logits) => {
+                let loss = s.model.loss(logits, b.labels, b.loss_mask)?;
+                let report = vec![f64::from(loss.clone().into_scalar::<f32>())];
+                ChunkOutput::Loss { loss, report }
+            }
+        })
+    }
+
+    fn finish(&self, ctx: &RankContext, chunks: &[Gpt]) -> Result<(), String> {
+        let whole = ctx.state.pipeline_model_parallel_size() == 1;
+        let leader = ctx.state.global_rank() == 0;
+        let (Some(model), true) = (chunks.first(), whole) else {
+            if leader && self.args.generate_tokens > 0 {
+                println!("> samples are generated at --pipeline-model-parallel-size 1 only");
+            }
+            return Ok(());
+        };
+        // Generation runs the sequence whole: a model trained with sequence parallelism is
+        // rebuilt without it, with the same weights.
+        let model = if self.config.sequence_parallel {
+            let plain = self.config.clone().with_sequence_parallel(false);
+            plain
+                .init(&ctx.groups.tp, &ctx.device)
+                .map_err(|e| e.to_string())?
+                .load_record(model.clone().into_record())
+        } else {
+            model.clone()
+        };
+        if self.args.generate_tokens > 0 && !self.prompts.is_empty() {
+            let config = GenerateConfig::new(self.args.generate_tokens)
+                .with_eos_token_id(Some(self.tokenizer.eod));
+            let out = generate(&model, &self.prompts, &config).map_err(|e| e.to_string())?;
+            for (prompt, new) in self.prompts.iter().zip(&out.tokens) {
+                let text = |ids: &[u32]| self.tokenizer.decode(ids).map_err(|e| e.to_string());
+                if leader {
+                    println!("> sample: {} ⟶{}", text(prompt)?, text(new)?);
+                }
+            }
+        }
+        if let Some(dir) = &self.args.save_hf
+            && ctx.state.data_parallel_rank() == 0
+        {
+            let mut hf = HfGptConfig::from_gpt_config(&self.config, self.tokenizer.vocab_size())
+                .map_err(|e| format!("--save-hf: {e}"))?;
+            hf.eos_token_id = vec![self.tokenizer.eod];
+            save_hf_gpt(&model, &hf, dir).map_err(|e| format!("--save-hf: {e}"))?;
+            if ctx.state.tensor_model_parallel_rank() == 0 {
+                self.tokenizer
+                    .save(&dir.join("tokenizer.json"))
+                    .map_err(|e| format!("--save-hf: {e}"))?;
+                println!("> Hugging Face directory written to {}", dir.display());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Validates `args`, prepares the data and trains; returns the log of global rank 0.
+pub fn run_gpt(args: &GptArgs) -> Result<Summary, String> {
+    let start = Instant::now();
+    let layout = args.validate()?;
+    let a = &args.train;
+    let leader = is_leader(a)?;
+    let (docs, valid_docs) = corpus(a)?;
+    let tokenizer = tokenizer(args, &docs, leader)?;
+    let hf = match &args.load_hf {
+        Some(dir) => {
+            let hf = HfGptConfig::from_file(&dir.join("config.json"))
+                .map_err(|e| format!("--load-hf: {e}"))?;
+            let tensors = read_hf_tensors(dir).map_err(|e| format!("--load-hf: {e}"))?;
+            if tokenizer.vocab_size() > hf.vocab_size {
+                return Err(format!(
+                    "--load-hf: the tokenizer has {} tokens, the model {}",
+                    tokenizer.vocab_size(),
+                    hf.vocab_size
+                ));
+            }
+            Some((hf, tensors))
+        }
+        None => None,
+    };
+    let config = args.model_config(tokenizer.vocab_size())?;
+    let data = |docs: &[Document], seed: u64| {
+        GptDataset::new(
+            docs,
+            &tokenizer,
+            GptDatasetConfig::new(a.seq_length).with_seed(seed),
+        )
+        .map_err(|e| e.to_string())
+    };
+    let train = data(&docs, a.seed)?;
+    let valid = data(&valid_docs, a.seed.wrapping_add(1))?;
+    if let Some(dir) = a.save.as_ref().filter(|_| leader) {
+        let path = dir.join("gpt_config.json");
+        config
+            .save(&path)
+            .map_err(|e| format!("--save {}: {e}", path.display()))?;
+    }
+    // The first words of three validation documents.
+    let prompts = valid_docs
+        .iter()
+        .take(3)
+        .map(|d| {
+            tokenizer
+                .encode(&d.join(" "))
+                .map(|ids| ids.into_iter().take(6).collect())
+        })
+        .collect::<Result<Vec<Vec<u32>>, _>>()
+        .map_err(|e| e.to_string())?;
+    let kind = match (config.position_embedding_type, config.gated_linear_unit) {
+        (PositionEmbeddingType::Rope, true) => "Llama-style",
+        _ => "GPT-2-style",
+    };
+    let header = format!(
+        "> GPT ({kind}) {} layers, hidden {}, {} heads / {} query groups, seq {} | {} | vocab {} (padded {}) | \
+         {} train / {} validation samples of {} tokens | {}",
+        config.num_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.query_groups(),
+        a.seq_length,
+        layout_line(a),
+        tokenizer.vocab_size(),
+        config.padded_vocab_size,
+        train.len(),
+        valid.len(),
+        a.seq_length,
+        precision(a),
+    );
+    let family = GptFamily {
+        args: args.clone(),
+        config,
+        tokenizer,
+        train,
+        valid,
+        hf,
+        prompts,
+        header,
+    };
+    train_family(a, layout, family, leader, start)
+}

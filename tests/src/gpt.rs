@@ -1,0 +1,148 @@
+//! GPT test helpers: tiny Llama-style and GPT-2-style configs, a fixed causal-LM batch, and
+//! a model's (or its gradients') global tensors gathered over the tensor-parallel group.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::Comm;
+use burn_megatron::comm::tensor::all_gather;
+use burn_megatron::models::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType};
+use burn_megatron::tensor_parallel::parallel_attrs;
+use std::collections::BTreeMap;
+
+/// Vocabulary of the tiny models (padded: 64, a multiple of every TP size used).
+pub const VOCAB: usize = 60;
+
+/// A tiny Llama-style model: RoPE, RMSNorm, SwiGLU, 4 heads in 2 query groups, no biases,
+/// untied output layer, dropout off.
+pub fn llama(layers: usize, seq: usize) -> GptConfig {
+    GptConfig::new(layers, 32, 4, 48, seq, 64)
+        .with_vocab_size(Some(VOCAB))
+        .with_num_query_groups(Some(2))
+        .with_position_embedding_type(PositionEmbeddingType::Rope)
+        .with_normalization(NormKind::RmsNorm)
+        .with_gated_linear_unit(true)
+        .with_activation_func(ActivationFunc::Silu)
+        .with_add_bias_linear(false)
+        .with_untie_embeddings_and_output_weights(true)
+        .with_hidden_dropout(0.0)
+        .with_attention_dropout(0.0)
+}
+
+/// A tiny GPT-2-style model: learned positions, LayerNorm, GeLU (tanh), biases, tied
+/// embeddings, 4 heads, dropout off.
+pub fn gpt2(layers: usize, seq: usize) -> GptConfig {
+    GptConfig::new(layers, 32, 4, 64, seq, 64)
+        .with_vocab_size(Some(VOCAB))
+        .with_activation_func(ActivationFunc::GeluTanh)
+        .with_hidden_dropout(0.0)
+        .with_attention_dropout(0.0)
+}
+
+/// Token ids, next-token labels and the loss mask of a causal-LM batch, `[b, s]`.
+pub struct GptRows {
+    /// Inputs.
+    pub ids: Tensor<2, Int>,
+    /// The next token of each position.
+    pub labels: Tensor<2, Int>,
+    /// 1 where the loss counts (0 at the last position of odd samples).
+    pub mask: Tensor<2>,
+}
+
+/// Samples `start..start + n` of `s` tokens: sample `g` is a pure function of `g`, so every
+/// layout and rank builds the same rows.
+pub fn gpt_rows(start: usize, n: usize, s: usize, device: &Device) -> GptRows {
+    let token = |g: usize, j: usize| ((g * 17 + j * j * 5 + j * 3 + 1) % VOCAB) as i64;
+    let (mut ids, mut labels, mut mask) = (Vec::new(), Vec::new(), Vec::new());
+    for g in start..start + n {
+        for j in 0..s {
+            ids.push(token(g, j));
+            labels.push(token(g, j + 1));
+            mask.push(if g % 2 == 1 && j == s - 1 {
+                0.0f32
+            } else {
+                1.0
+            });
+        }
+    }
+    GptRows {
+        ids: Tensor::from_data(TensorData::new(ids, [n, s]), device),
+        labels: Tensor::from_data(TensorData::new(labels, [n, s]), device),
+        mask: Tensor::from_data(TensorData::new(mask, [n, s]), device),
+    }
+}
+
+/// The module paths and values of `model`'s parameters (or of their `grads`), gathered over
+/// `tp` along each one's partition dim: the global tensors, comparable across TP sizes.
+/// Collective: every rank of `tp` calls it.
+pub fn gathered<M: Module>(
+    model: &M,
+    grads: Option<&GradientsParams>,
+    tp: &Comm,
+) -> BTreeMap<String, Vec<f32>> {
+    struct Gather<'a> {
+        path: Vec<String>,
+        grads: Option<&'a GradientsParams>,
+        tp: &'a Comm,
+        out: BTreeMap<String, Vec<f32>>,
+    }
+    impl ModuleVisitor for Gather<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let value = match self.grads {
+                Some(g) => match g.get::<D>(p.id) {
+                    Some(g) => g,
+                    None => return,
+                },
+                None => p.val().detach(),
+            };
+            let attrs = parallel_attrs(p.id);
+            let full = match attrs.partition_dim.filter(|_| attrs.tensor_model_parallel) {
+                Some(d) => all_gather(&**self.tp, value, d).expect("gather"),
+                None => value,
+            };
+            self.out.insert(self.path.join("."), crate::values(full));
+        }
+    }
+    let mut g = Gather {
+        path: Vec::new(),
+        grads,
+        tp,
+        out: BTreeMap::new(),
+    };
+    model.visit(&mut g);
+    g.out
+}
+
+/// The largest `|a − b| / max(|b|∞, floor)` over tensors of the same name, naming the worst.
+pub fn max_rel_diff(
+    a: &BTreeMap<String, Vec<f32>>,
+    b: &BTreeMap<String, Vec<f32>>,
+    floor: f32,
+) -> (f32, String) {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "the same tensors"
+    );
+    let mut worst = (0.0f32, String::new());
+    for (name, x) in a {
+        let y = &b[name];
+        assert_eq!(x.len(), y.len(), "{name}: lengths");
+        let scale = y.iter().fold(floor, |m, v| m.max(v.abs()));
+        let d = x
+            .iter()
+            .zip(y)
+            .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()))
+            / scale;
+        if d > worst.0 {
+            worst = (d, name.clone());
+        }
+    }
+    worst
+}

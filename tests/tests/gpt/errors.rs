@@ -1,0 +1,90 @@
+//! Configurations and inputs a GPT cannot take are errors naming the values, before any
+//! weight is drawn or any work is done.
+
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::models::{GptConfig, PositionEmbeddingType, RopeScaling};
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::gpt::{gpt2, llama};
+
+fn refused_at(config: &GptConfig, tp: usize) -> String {
+    let out = threads(
+        &ParallelConfig::new(tp, tp, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            Ok::<_, String>(
+                config
+                    .init(&ctx.groups.tp, &ctx.device)
+                    .err()
+                    .map(|e| e.to_string()),
+            )
+        },
+    )
+    .unwrap();
+    out[0].clone().expect("the configuration must be refused")
+}
+
+#[test]
+fn head_group_and_tp_arithmetic_is_refused_naming_both_numbers() {
+    // 2 query groups over 4 ranks.
+    let e = refused_at(&llama(2, 8), 4);
+    assert!(
+        e.contains("query groups (2)") && e.contains("tensor-parallel size (4)"),
+        "{e}"
+    );
+    // 4 heads in 3 groups.
+    let e = refused_at(&llama(2, 8).with_num_query_groups(Some(3)), 1);
+    assert!(
+        e.contains("attention heads (4)") && e.contains("query groups (3)"),
+        "{e}"
+    );
+    // 6 heads over 4 ranks.
+    let mut six_heads = gpt2(2, 8);
+    (six_heads.num_attention_heads, six_heads.hidden_size) = (6, 36);
+    let e = refused_at(&six_heads, 4);
+    assert!(
+        e.contains("attention heads (6)") && e.contains("tensor-parallel size (4)"),
+        "{e}"
+    );
+    // A vocabulary larger than its padding, a rotary head of odd width, a bad scaling.
+    let e = refused_at(&llama(2, 8).with_vocab_size(Some(65)), 1);
+    assert!(e.contains("65") && e.contains("64"), "{e}");
+    let e = refused_at(&llama(2, 8).with_kv_channels(Some(7)), 1);
+    assert!(e.contains("7"), "{e}");
+    let scaling = RopeScaling::Linear { factor: 0.5 };
+    let e = refused_at(&llama(2, 8).with_rope_scaling(Some(scaling)), 1);
+    assert!(e.contains("0.5"), "{e}");
+}
+
+#[test]
+fn sequences_beyond_the_learned_positions_are_refused_and_rope_has_no_such_limit() {
+    let out = threads(
+        &ParallelConfig::new(1, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let d = &ctx.device;
+            let ids =
+                |s: usize| Tensor::<2, Int>::from_data(TensorData::new(vec![1i64; s], [1, s]), d);
+            let learned = gpt2(1, 8)
+                .init(&ctx.groups.tp, d)
+                .map_err(|e| e.to_string())?;
+            let e = learned.forward(ids(9)).unwrap_err().to_string();
+            let rope = llama(1, 8).with_position_embedding_type(PositionEmbeddingType::Rope);
+            let rope = rope.init(&ctx.groups.tp, d).map_err(|e| e.to_string())?;
+            let ok = rope.forward(ids(9)).is_ok();
+            let bad = rope
+                .forward(Tensor::from_data(TensorData::new(vec![64i64], [1, 1]), d))
+                .unwrap_err()
+                .to_string();
+            Ok::<_, String>((e, ok, bad))
+        },
+    )
+    .unwrap();
+    let (e, ok, bad) = &out[0];
+    assert!(
+        e.contains("position 8") && e.contains("max_position_embeddings 8"),
+        "{e}"
+    );
+    assert!(ok);
+    assert!(bad.contains("token id 64"), "{bad}");
+}

@@ -1,0 +1,12 @@
+//! The GPT family (Llama-style and GPT-2-style configs of one model): parity of every layout
+//! with one rank, Hugging Face fixtures, generation, and refused configurations. One test
+//! binary (each links Burn).
+
+mod errors;
+mod generate;
+mod hf;
+mod parity;
+mod pipeline;
+
+/// The error type the rank closures return.
+type Error = Box<dyn std::error::Error + Send + Sync>;
