@@ -1,8 +1,11 @@
-//! Inspect a training checkpoint, or convert it to Hugging Face's `BertForPreTraining`.
+//! Inspect a training checkpoint, or convert it to a Hugging Face directory: a
+//! `bert_pretrain` checkpoint to `BertForPreTraining`, a `gpt_pretrain` one to a causal LM
+//! (`LlamaForCausalLM`, `Qwen2ForCausalLM` or `GPT2LMHeadModel`, whichever its shape is).
 //!
 //! ```text
 //! cargo run --release -p burn-megatron-examples --example checkpoint -- inspect ckpt
 //! cargo run --release -p burn-megatron-examples --example checkpoint -- to-hf ckpt hf-bert
+//! cargo run --release -p burn-megatron-examples --example checkpoint -- to-hf gpt-ckpt hf-gpt
 //! ```
 //!
 //! Checkpoints of any layout (TP, PP, DP, the distributed optimizer) are read.
@@ -12,7 +15,7 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(about = "Inspect or convert a burn-megatron training checkpoint")]
+#[command(about = "Inspect or convert a burn-megatron training checkpoint (BERT or GPT)")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -22,15 +25,19 @@ struct Cli {
 enum Command {
     /// Print the layout saved at, the training state and every tensor's global shape.
     Inspect {
-        /// The checkpoint root (`--save` of bert_pretrain).
+        /// The checkpoint root (`--save` of bert_pretrain or gpt_pretrain).
         root: PathBuf,
         /// The iteration (default: the latest).
         #[arg(long)]
         iteration: Option<usize>,
     },
-    /// Write a Hugging Face `BertForPreTraining` directory (config.json, model.safetensors).
+    /// Write a Hugging Face directory (config.json, model.safetensors) of a BERT or a GPT.
+    ///
+    /// From a bert_pretrain checkpoint, `BertForPreTraining`; from a gpt_pretrain one
+    /// (gpt_config.json beside the iterations), `LlamaForCausalLM`, `Qwen2ForCausalLM` or
+    /// `GPT2LMHeadModel`, whichever its shape is, with its tokenizer.json copied.
     ToHf {
-        /// The checkpoint root.
+        /// The checkpoint root (with bert_config.json or gpt_config.json and tokenizer.json).
         root: PathBuf,
         /// The output directory.
         out: PathBuf,
@@ -49,8 +56,12 @@ fn main() {
             root,
             out,
             iteration,
-        } => to_hf(&root, iteration, &out)
-            .map(|()| println!("wrote {}/config.json and model.safetensors", out.display())),
+        } => to_hf(&root, iteration, &out).map(|architecture| {
+            println!(
+                "wrote {architecture}: {}/config.json and model.safetensors",
+                out.display()
+            )
+        }),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

@@ -1,8 +1,10 @@
 //! What the `checkpoint` example does: print a training checkpoint's index (the layout it was
-//! saved at, every tensor with its global shape), and convert one to a Hugging Face
-//! `BertForPreTraining` directory. Both read checkpoints of any layout.
+//! saved at, every tensor with its global shape), and convert one to a Hugging Face directory
+//! (`BertForPreTraining`, or a GPT's Llama / Qwen2 / GPT-2 causal LM). Both read checkpoints
+//! of any layout; [`load_rank`] loads one into a whole model at any tensor-parallel size.
 
 use burn::config::Config;
+use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_megatron::checkpoint::{
@@ -10,9 +12,11 @@ use burn_megatron::checkpoint::{
     load_checkpoint,
 };
 use burn_megatron::comm::Comm;
-use burn_megatron::data::BertTokenizer;
-use burn_megatron::launch::{self, LaunchOptions};
-use burn_megatron::models::{Bert, BertConfig, HfBertConfig, save_hf_bert};
+use burn_megatron::data::{BertTokenizer, GptTokenizer};
+use burn_megatron::launch::{self, LaunchOptions, RankContext};
+use burn_megatron::models::{
+    Bert, BertConfig, Gpt, GptConfig, HfBertConfig, HfGptConfig, save_hf_bert, save_hf_gpt,
+};
 use burn_megatron::optimizer::MegatronOptimizer;
 use burn_megatron::topology::ParallelConfig;
 use std::collections::BTreeMap;
@@ -21,7 +25,7 @@ use std::path::Path;
 
 /// `iteration`, or the newest one under `root` that verifies (those newer that do not are
 /// reported on stderr and passed over, as a resumed run would).
-fn which(root: &Path, iteration: Option<usize>) -> Result<usize, String> {
+pub fn resolve_iteration(root: &Path, iteration: Option<usize>) -> Result<usize, String> {
     if let Some(i) = iteration {
         return Ok(i);
     }
@@ -36,7 +40,7 @@ fn which(root: &Path, iteration: Option<usize>) -> Result<usize, String> {
 
 /// A readable summary of the checkpoint of `iteration` (default: the latest) under `root`.
 pub fn inspect(root: &Path, iteration: Option<usize>) -> Result<String, String> {
-    let iteration = which(root, iteration)?;
+    let iteration = resolve_iteration(root, iteration)?;
     let index =
         CheckpointIndex::read(&committed_dir(root, iteration)).map_err(|e| e.to_string())?;
     let state = index.state();
@@ -91,67 +95,152 @@ pub fn inspect(root: &Path, iteration: Option<usize>) -> Result<String, String> 
     Ok(out)
 }
 
-/// Runs `f` on the whole model (TP 1, one stage) of the checkpoint, with its config, its
-/// real vocabulary size and the (single-rank) tensor-parallel group: what
-/// `bert_pretrain --save` wrote (`bert_config.json`, `tokenizer.json` beside the iterations)
-/// is read back.
-fn with_whole<T: Send>(
+/// A model the tool reads checkpoints of, whole (one pipeline stage): the config its
+/// pretraining example writes beside the iterations, how it is built, and the global names
+/// its checkpoints key its parameters by.
+pub trait WholeModel: Module + Clone + Send {
+    /// The model's configuration.
+    type Config: Config + Clone + Send + Sync;
+    /// The config's file under a checkpoint root.
+    const CONFIG_FILE: &'static str;
+    /// The example whose `--save` writes it.
+    const EXAMPLE: &'static str;
+    /// This rank's part of the whole model over `tp`, without sequence parallelism (inference
+    /// runs the sequence whole; the weights are the same either way).
+    fn build(config: &Self::Config, tp: &Comm, device: &Device) -> Result<Self, String>;
+    /// The global name of the parameter at module path `path`.
+    fn global_name(path: &str) -> String;
+}
+
+impl WholeModel for Bert {
+    type Config = BertConfig;
+    const CONFIG_FILE: &'static str = "bert_config.json";
+    const EXAMPLE: &'static str = "bert_pretrain";
+    fn build(config: &BertConfig, tp: &Comm, device: &Device) -> Result<Self, String> {
+        let config = config.clone().with_sequence_parallel(false);
+        config.init(tp, device).map_err(|e| e.to_string())
+    }
+    fn global_name(path: &str) -> String {
+        Bert::global_param_name_at(&[0], path)
+    }
+}
+
+impl WholeModel for Gpt {
+    type Config = GptConfig;
+    const CONFIG_FILE: &'static str = "gpt_config.json";
+    const EXAMPLE: &'static str = "gpt_pretrain";
+    fn build(config: &GptConfig, tp: &Comm, device: &Device) -> Result<Self, String> {
+        let config = config.clone().with_sequence_parallel(false);
+        config.init(tp, device).map_err(|e| e.to_string())
+    }
+    fn global_name(path: &str) -> String {
+        Gpt::global_param_name_at(&[0], path)
+    }
+}
+
+/// The model config saved beside the checkpoints under `root`.
+pub fn read_config<M: WholeModel>(root: &Path) -> Result<M::Config, String> {
+    let path = root.join(M::CONFIG_FILE);
+    M::Config::load(&path)
+        .map_err(|e| format!("{}: {e} (written by {} --save)", path.display(), M::EXAMPLE))
+}
+
+/// This rank's part of the whole model (one pipeline stage, split over `ctx`'s
+/// tensor-parallel group), loaded from the checkpoint of `iteration` under `root`, whatever
+/// layout it was saved at. Collective over `ctx`'s ranks.
+pub fn load_rank<M: WholeModel>(
     root: &Path,
-    iteration: Option<usize>,
-    f: impl Fn(Bert, &BertConfig, usize, &Comm) -> Result<T, String> + Sync,
-) -> Result<T, String> {
-    let iteration = which(root, iteration)?;
-    let config_path = root.join("bert_config.json");
-    let config = BertConfig::load(&config_path).map_err(|e| {
-        format!(
-            "{}: {e} (written by bert_pretrain --save)",
-            config_path.display()
-        )
-    })?;
-    let tokenizer =
-        BertTokenizer::from_file(&root.join("tokenizer.json")).map_err(|e| e.to_string())?;
-    let vocab = tokenizer.vocab_size();
-    let options = LaunchOptions::default().with_device(|_| Device::flex());
-    let mut out = launch::threads(&ParallelConfig::new(1, 1, 1), options, |ctx| {
-        let model = config
-            .init(&ctx.groups.tp, &ctx.device)
-            .map_err(|e| e.to_string())?;
-        let layout = SavedLayout {
-            tensor_model_parallel_size: 1,
+    iteration: usize,
+    config: &M::Config,
+    ctx: &RankContext,
+) -> Result<M, String> {
+    let state = &ctx.state;
+    if state.pipeline_model_parallel_size() != 1 {
+        return Err("a whole model loads at pipeline-parallel size 1".into());
+    }
+    let model = M::build(config, &ctx.groups.tp, &ctx.device)?;
+    let rank = CheckpointRank {
+        layout: SavedLayout {
+            tensor_model_parallel_size: state.tensor_model_parallel_size(),
             pipeline_model_parallel_size: 1,
             virtual_pipeline_model_parallel_size: 1,
-            data_parallel_size: 1,
+            data_parallel_size: state.data_parallel_size(),
             distributed_optimizer: false,
-        };
-        let names = |p: &str| Bert::global_param_name_at(&[0], p);
-        let rank = CheckpointRank {
-            layout,
-            tensor_model_parallel_rank: 0,
-            pipeline_model_parallel_rank: 0,
-            names: &names,
-        };
-        let mp = ctx.groups.mp.clone();
-        let weights_only =
-            |m: &Bert| Ok(MegatronOptimizer::new(AdamWConfig::new().init(), m, mp, 0));
-        let r = load_checkpoint(root, iteration, &rank, model, weights_only, false)
-            .map_err(|e| e.to_string())?;
-        f(r.model, &config, vocab, &ctx.groups.tp)
+        },
+        tensor_model_parallel_rank: state.tensor_model_parallel_rank(),
+        pipeline_model_parallel_rank: 0,
+        names: &M::global_name,
+    };
+    let (mp, tp_rank) = (ctx.groups.mp.clone(), state.tensor_model_parallel_rank());
+    let weights_only = |m: &M| {
+        Ok(MegatronOptimizer::new(
+            AdamWConfig::new().init(),
+            m,
+            mp,
+            tp_rank,
+        ))
+    };
+    load_checkpoint(root, iteration, &rank, model, weights_only, false)
+        .map(|r| r.model)
+        .map_err(|e| e.to_string())
+}
+
+/// Runs `f` on the whole model (TP 1, one stage) of the checkpoint of `iteration` (default:
+/// the latest) under `root`, with its config and its (single-rank) tensor-parallel group.
+fn with_whole<M: WholeModel, T: Send>(
+    root: &Path,
+    iteration: Option<usize>,
+    f: impl Fn(M, &M::Config, &Comm) -> Result<T, String> + Sync,
+) -> Result<T, String> {
+    let iteration = resolve_iteration(root, iteration)?;
+    let config = read_config::<M>(root)?;
+    let options = LaunchOptions::default().with_device(|_| Device::flex());
+    let mut out = launch::threads(&ParallelConfig::new(1, 1, 1), options, |ctx| {
+        let model = load_rank::<M>(root, iteration, &config, &ctx)?;
+        f(model, &config, &ctx.groups.tp)
     })
     .map_err(|e| e.to_string())?;
     Ok(out.remove(0))
 }
 
 /// The whole model (TP 1, one stage) of the checkpoint of `iteration` (default: the
-/// latest) under `root`, with its config.
-pub fn load_whole(root: &Path, iteration: Option<usize>) -> Result<(Bert, BertConfig), String> {
-    with_whole(root, iteration, |m, c, _, _| Ok((m, c.clone())))
+/// latest) under `root`, with its config: `load_whole::<Bert>` or `load_whole::<Gpt>`.
+pub fn load_whole<M: WholeModel>(
+    root: &Path,
+    iteration: Option<usize>,
+) -> Result<(M, M::Config), String> {
+    with_whole(root, iteration, |m: M, c: &M::Config, _| Ok((m, c.clone())))
 }
 
-/// Writes `out/config.json` and `out/model.safetensors`, Hugging Face's `BertForPreTraining`,
-/// from the checkpoint of `iteration` (default: the latest) under `root`.
-pub fn to_hf(root: &Path, iteration: Option<usize>, out: &Path) -> Result<(), String> {
-    with_whole(root, iteration, |model, config, vocab, tp| {
-        let hf = HfBertConfig::from_bert_config(config, vocab);
-        save_hf_bert(&model, &hf, out, tp).map_err(|e| e.to_string())
-    })
+/// Writes a Hugging Face directory from the checkpoint of `iteration` (default: the latest)
+/// under `root`: a GPT's (`gpt_config.json` beside the checkpoints; Llama, Qwen2 or GPT-2,
+/// whichever its shape is, with its `tokenizer.json`), else a BERT's
+/// (`BertForPreTraining`). Returns the architecture written.
+pub fn to_hf(root: &Path, iteration: Option<usize>, out: &Path) -> Result<String, String> {
+    let tokenizer_path = root.join("tokenizer.json");
+    if !root.join(Gpt::CONFIG_FILE).is_file() {
+        let vocab = BertTokenizer::from_file(&tokenizer_path)
+            .map_err(|e| e.to_string())?
+            .vocab_size();
+        return with_whole(root, iteration, |model: Bert, config, tp| {
+            let hf = HfBertConfig::from_bert_config(config, vocab);
+            save_hf_bert(&model, &hf, out, tp).map_err(|e| e.to_string())?;
+            Ok("BertForPreTraining".to_string())
+        });
+    }
+    let tokenizer = GptTokenizer::from_file(&tokenizer_path).map_err(|e| e.to_string())?;
+    let architecture = with_whole(root, iteration, |model: Gpt, config, _| {
+        // The model's own vocabulary (a fine-tuned Hugging Face model's may exceed its
+        // tokenizer's).
+        let mut hf =
+            HfGptConfig::from_gpt_config(config, config.vocab_size()).map_err(|e| e.to_string())?;
+        // The document separator begins and ends a text, as GPT-2's `<|endoftext|>`.
+        hf.bos_token_id = Some(tokenizer.eod);
+        hf.eos_token_id = vec![tokenizer.eod];
+        save_hf_gpt(&model, &hf, out).map_err(|e| e.to_string())?;
+        Ok(hf.architecture.names().1.to_string())
+    })?;
+    let copy = out.join("tokenizer.json");
+    std::fs::copy(&tokenizer_path, &copy).map_err(|e| format!("{}: {e}", copy.display()))?;
+    Ok(architecture)
 }

@@ -1,14 +1,17 @@
-//! The `checkpoint` tool on a TP 2 × PP 2 checkpoint: its index printed, and its weights
-//! converted to Hugging Face's `BertForPreTraining`, whose model (read back by the importer
-//! that is tested against `transformers`) computes the checkpoint's logits.
+//! The `checkpoint` tool on TP 2 × PP 2 checkpoints: a BERT's index printed, and its weights
+//! converted to Hugging Face's `BertForPreTraining`; a Llama-style and a GPT-2-style GPT's
+//! converted to `LlamaForCausalLM` / `GPT2LMHeadModel`. Each Hugging Face model (read back by
+//! the importers that are tested against `transformers`) computes the checkpoint's logits.
 
 mod common;
 
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::comm::LocalWorld;
-use burn_megatron::models::load_hf_bert;
+use burn_megatron::data::GptTokenizer;
+use burn_megatron::models::{Bert, Gpt, load_hf_bert, load_hf_llama};
 use burn_megatron_examples::checkpoint_tool::{inspect, load_whole, to_hf};
-use burn_megatron_examples::pretrain::run;
+use burn_megatron_examples::pretrain::{GptArgs, run, run_gpt};
+use clap::Parser;
 use common::{args, tmp};
 use std::sync::Arc;
 
@@ -58,7 +61,7 @@ fn a_checkpoint_is_inspected_and_converted_to_hugging_face() {
 
     let hf = dir.join("hf");
     to_hf(&save, None, &hf).unwrap();
-    let (ours, config) = load_whole(&save, None).unwrap();
+    let (ours, config) = load_whole::<Bert>(&save, None).unwrap();
     let device = Device::flex();
     let solo = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
     let (theirs, hf_config) = load_hf_bert(&hf, &(solo as _), &device).unwrap();
@@ -94,4 +97,110 @@ fn a_checkpoint_is_inspected_and_converted_to_hugging_face() {
         "{p:?} vs {q:?}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Trains a tiny GPT with `gpt_pretrain` (`flags` on top of a small shape), converts its
+/// checkpoint with `to-hf`, and checks that the Hugging Face directory, read back by
+/// `load_hf_llama` at TP 1, computes the logits of the checkpoint's whole model.
+fn gpt_round_trip(name: &str, flags: &[&str], architecture: &str) {
+    let dir = tmp(name);
+    let save = dir.join("ckpt");
+    let plot = dir.join("loss.png");
+    let mut argv = vec![
+        "gpt_pretrain",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "4",
+        "--init-method-std",
+        "0.2",
+        "--synthetic-documents",
+        "300",
+        "--vocab-size",
+        "300",
+        "--eval-interval",
+        "0",
+        "--no-progress",
+        "--generate-tokens",
+        "0",
+        "--loss-plot",
+        plot.to_str().unwrap(),
+        "--save",
+        save.to_str().unwrap(),
+    ];
+    argv.extend_from_slice(flags);
+    run_gpt(&GptArgs::try_parse_from(argv).unwrap()).unwrap();
+
+    let hf = dir.join("hf");
+    assert_eq!(to_hf(&save, None, &hf).unwrap(), architecture);
+    let tokenizer = GptTokenizer::from_file(&hf.join("tokenizer.json")).unwrap();
+    let (ours, config) = load_whole::<Gpt>(&save, None).unwrap();
+    let device = Device::flex();
+    let solo = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
+    let (theirs, hf_config) = load_hf_llama(&hf, &(solo as _), &device).unwrap();
+    assert_eq!(hf_config.num_hidden_layers, config.num_layers);
+    assert_eq!(hf_config.eos_token_id, vec![tokenizer.eod]);
+    assert_eq!(hf_config.bos_token_id, Some(tokenizer.eod));
+    let vocab = tokenizer.vocab_size();
+    assert_eq!(hf_config.vocab_size, vocab);
+    let (b, seq) = (2, 16);
+    let ids: Vec<i64> = (0..b * seq).map(|i| (i * 37 % vocab) as i64).collect();
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, seq]), &device);
+    // The real vocabulary's logits: the two models pad it differently (TP 2 and TP 1).
+    let real = |t: Tensor<3>| {
+        t.narrow(2, 0, vocab)
+            .into_data()
+            .iter::<f32>()
+            .collect::<Vec<_>>()
+    };
+    let x = real(ours.forward(ids.clone()).unwrap());
+    let y = real(theirs.forward(ids).unwrap());
+    let worst = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0f32, f32::max);
+    let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(scale > 0.1, "logits too small to compare: {scale}");
+    assert!(worst <= 1e-6, "logits differ by {worst}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_llama_style_checkpoint_at_tp2_pp2_converts_to_hugging_face() {
+    let flags = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--world-size",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+    ];
+    gpt_round_trip("gpt-llama-to-hf", &flags, "LlamaForCausalLM");
+}
+
+#[test]
+fn a_gpt2_style_checkpoint_at_tp2_converts_to_hugging_face() {
+    let flags = ["--tensor-model-parallel-size", "2", "--world-size", "2"];
+    gpt_round_trip("gpt2-to-hf", &flags, "GPT2LMHeadModel");
 }

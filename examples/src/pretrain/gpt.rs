@@ -353,9 +353,10 @@ impl Family for GptFamily {
         if let Some(dir) = &self.args.save_hf
             && ctx.state.data_parallel_rank() == 0
         {
-            let mut hf = HfGptConfig::from_gpt_config(&self.config, self.tokenizer.vocab_size())
+            let mut hf = HfGptConfig::from_gpt_config(&self.config, self.config.vocab_size())
                 .map_err(|e| format!("--save-hf: {e}"))?;
             hf.eos_token_id = vec![self.tokenizer.eod];
+            hf.bos_token_id = Some(self.tokenizer.eod);
             save_hf_gpt(&model, &hf, dir).map_err(|e| format!("--save-hf: {e}"))?;
             if ctx.state.tensor_model_parallel_rank() == 0 {
                 self.tokenizer

@@ -74,6 +74,11 @@ pub fn assert_same_iterations(a: &[IterationLog], b: &[IterationLog]) {
 /// The example binary, built by `cargo test --workspace` (or `-p burn-megatron-examples`)
 /// with this crate's features.
 pub fn binary() -> PathBuf {
+    example_binary("bert_pretrain")
+}
+
+/// The example binary `name` (`target/<profile>/examples/<name>`).
+pub fn example_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let bin = exe
         .parent()
@@ -81,7 +86,7 @@ pub fn binary() -> PathBuf {
         .parent()
         .unwrap()
         .join("examples")
-        .join("bert_pretrain");
+        .join(name);
     assert!(
         bin.is_file(),
         "{} not built: run `cargo test --workspace` or `-p burn-megatron-examples`, which build examples",

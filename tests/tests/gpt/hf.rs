@@ -236,7 +236,12 @@ fn load_error(dir: &Path, tp: usize) -> String {
 #[test]
 fn checkpoints_the_model_cannot_represent_are_refused_naming_what() {
     // (fixture, config edit, TP size, what the error names)
-    type Case = (&'static str, Box<dyn Fn(&mut serde_json::Value)>, usize, &'static str);
+    type Case = (
+        &'static str,
+        Box<dyn Fn(&mut serde_json::Value)>,
+        usize,
+        &'static str,
+    );
     let cases: Vec<Case> = vec![
         (
             "hf_llama_tiny",
