@@ -14,6 +14,8 @@ mod bias_dropout_add;
 mod bias_gelu;
 mod cast;
 mod cpu;
+mod cpu_elem;
+mod cpu_rows;
 mod cross_entropy;
 #[cfg(feature = "cube")]
 mod cube_sum;
@@ -24,7 +26,10 @@ mod grad_accum;
 mod launch;
 mod norm;
 mod ops;
+mod rms_norm;
+mod rotary;
 mod softmax;
+mod swiglu;
 
 pub use adam::{
     AdamHyper, FlatAdamState, FusedAdamOps, WeightDecay, fused_adam_step,
@@ -55,7 +60,12 @@ pub use norm::{
     SumOfSquaresOps, multi_tensor_sum_of_squares, reference_segment_sum_of_squares,
     segment_sum_of_squares,
 };
+pub use rms_norm::{RmsNormOps, reference_rms_norm_backward, reference_rms_norm_forward, rms_norm};
+pub use rotary::{
+    RotaryOps, apply_rotary, reference_apply_rotary, reference_apply_rotary_backward,
+};
 pub use softmax::{
     MASKED_SCORE, ScaledMaskedSoftmaxOps, reference_scaled_masked_softmax,
     reference_scaled_masked_softmax_backward, scaled_masked_softmax,
 };
+pub use swiglu::{SwigluOps, reference_swiglu, reference_swiglu_backward, swiglu};

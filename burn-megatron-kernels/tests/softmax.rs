@@ -1,13 +1,19 @@
 //! Scaled masked softmax against an exact f64 host softmax (forward) and the exact host
 //! gradient formula (backward), against the attention layer's composition of Burn ops, with
 //! padding, causal (sq = sk and sq ≠ sk), all-masked rows, large magnitudes and empty shapes;
-//! on Flex (reference path) and, with feature `wgpu`, the row-per-cube kernels on lavapipe.
+//! on Flex (its native row loops) and, with feature `wgpu`, the row-per-cube kernels on
+//! lavapipe. Flex's loops also against the reference composed of Burn ops, forward, Burn's
+//! autodiff of it and the reference backward, in f32 and bf16.
 
 mod common;
 
+use burn::backend::Dispatch;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Device, Tensor, TensorData};
-use burn_megatron_kernels::{KernelError, MASKED_SCORE, scaled_masked_softmax};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorCreationOptions, TensorData};
+use burn_megatron_kernels::{
+    KernelError, MASKED_SCORE, reference_scaled_masked_softmax,
+    reference_scaled_masked_softmax_backward, scaled_masked_softmax,
+};
 use common::{max_abs_diff, to_vec, values};
 
 /// [b, heads, sq, sk]: row lengths 1, 3, 37, 128, 1000 (not multiples of a cube), sq ≠ sk
@@ -159,7 +165,7 @@ fn check(device: &Device, what: &str) {
 }
 
 #[test]
-fn reference_path_matches_exact_values_on_flex() {
+fn native_path_matches_exact_values_on_flex() {
     check(&common::flex(), "flex");
 }
 
@@ -226,6 +232,39 @@ fn kernel_strided_scores_match_contiguous_on_wgpu() {
     strided_scores_match_contiguous(&device, "wgpu");
 }
 
+/// Unmasked scores at the masked value's level: the masked keys' probabilities are not
+/// negligible, and the backward's `Σ dy·y` must count them (the module docs).
+fn masked_keys_count_in_the_backward_sum(device: &Device, what: &str) {
+    let dims = [1, 2, 3, 5];
+    let n = 30;
+    let xv: Vec<f32> = values(n, 9, 2.0).iter().map(|v| MASKED_SCORE + v).collect();
+    let gv = values(n, 10, 1.0);
+    let pv = vec![false, false, true, false, false];
+    let (y_ex, dx_ex) = exact(&xv, &gv, Some(&pv), 1.0, true, dims);
+    let x = Tensor::<4>::from_data(TensorData::new(xv, dims), device).require_grad();
+    let pad = Tensor::<2, Bool>::from_data(TensorData::new(pv, [1, 5]), device);
+    let g = Tensor::<4>::from_data(TensorData::new(gv, dims), device);
+    let y = scaled_masked_softmax(x.clone(), Some(pad), 1.0, true).unwrap();
+    let grads = (y.clone() * g).sum().backward();
+    let dx = to_vec(Tensor::<4>::from_inner(x.grad(&grads).unwrap()));
+    let (ey, edx) = (max_err(&to_vec(y.detach()), &y_ex), max_err(&dx, &dx_ex));
+    assert!(
+        ey <= 4e-7 && edx <= 1e-6,
+        "{what}: y error {ey}, dx error {edx}"
+    );
+}
+
+#[test]
+fn masked_keys_count_in_the_backward_sum_on_flex() {
+    masked_keys_count_in_the_backward_sum(&common::flex(), "flex");
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn kernel_masked_keys_count_in_the_backward_sum_on_wgpu() {
+    masked_keys_count_in_the_backward_sum(&common::wgpu_device("softmax masked sum"), "wgpu");
+}
+
 #[test]
 fn bad_arguments_are_refused_before_any_launch() {
     let device = common::flex();
@@ -251,4 +290,117 @@ fn kernel_matches_exact_values_on_wgpu() {
 fn kernel_all_masked_rows_are_uniform_on_wgpu() {
     let device = common::wgpu_device("softmax all-masked");
     all_masked_rows_are_uniform(&device, "wgpu");
+}
+
+/// [b, heads, sq, sk] for Flex's loops against the reference: causal with sq = sk, sq < sk
+/// (queries after a cache) and sq > sk (the first rows fully masked); rows that are not
+/// multiples of 16 lanes; rows over several rayon tasks; long rows. With padding, batch 1
+/// pads every key (fully masked rows).
+const NATIVE_SHAPES: [[usize; 4]; 6] = [
+    [2, 3, 5, 5],
+    [2, 2, 3, 7],
+    [2, 2, 7, 3],
+    [2, 2, 16, 37],
+    [2, 4, 64, 64],
+    [2, 1, 2, 1000],
+];
+
+/// A tensor of `dims` holding `v` in dtype `dt`.
+fn stored(device: &Device, v: Vec<f32>, dims: [usize; 4], dt: DType) -> Tensor<4> {
+    let options = TensorCreationOptions::new(device.clone()).with_dtype(dt);
+    Tensor::<4>::from_data(TensorData::new(v, dims), options)
+}
+
+/// `(y, dx)` of `f`, `dx` that of `Σ y·g` through `.backward()`.
+fn run(x: Tensor<4>, g: Tensor<4>, f: impl FnOnce(Tensor<4>) -> Tensor<4>) -> (Vec<f32>, Vec<f32>) {
+    let x = x.detach().require_grad();
+    let y = f(x.clone());
+    let grads = (y.clone() * g).sum().backward();
+    let dx = Tensor::<4>::from_inner(x.grad(&grads).expect("x is tracked"));
+    (to_vec(y.detach()), to_vec(dx))
+}
+
+/// Worst differences of Flex's loops from the reference: (y, dx vs Burn's autodiff of the
+/// reference, dx vs the reference backward), each over `scale` for dx.
+fn native_vs_reference(dt: DType) -> [f32; 3] {
+    let device = common::flex();
+    let mut worst = [0.0f32; 3];
+    for dims in NATIVE_SHAPES {
+        let [b, _, _, sk] = dims;
+        let n: usize = dims.iter().product();
+        for (scale, magnitude) in [(0.125f32, 8.0f32), (1.0, 1e4)] {
+            for (with_pad, causal) in [(false, false), (true, false), (false, true), (true, true)] {
+                let case = format!(
+                    "{dt:?} {dims:?} scale {scale} ×{magnitude} pad {with_pad} causal {causal}"
+                );
+                let x = stored(&device, values(n, 1, magnitude), dims, dt);
+                let g = stored(&device, values(n, 2, 1.0), dims, dt);
+                let pv = padding(b, sk);
+                let pad_t =
+                    Tensor::<2, Bool>::from_data(TensorData::new(pv.clone(), [b, sk]), &device);
+                let pad = with_pad.then(|| pad_t.clone());
+                let native = |x| scaled_masked_softmax(x, pad.clone(), scale, causal).unwrap();
+                let (y, dx) = run(x.clone(), g.clone(), native);
+                let reference = |x: Tensor<4>| {
+                    Tensor::<4>::from_dispatch(reference_scaled_masked_softmax::<Dispatch>(
+                        x.into_dispatch(),
+                        pad_t.clone().into_dispatch(),
+                        with_pad,
+                        scale,
+                        causal,
+                    ))
+                };
+                let (yr, dxr) = run(x.clone(), g.clone(), reference);
+                let dxh = reference_scaled_masked_softmax_backward::<Dispatch>(
+                    reference(x.clone()).detach().into_dispatch(),
+                    g.into_dispatch(),
+                    pad_t.into_dispatch(),
+                    with_pad,
+                    scale,
+                    causal,
+                );
+                let dxh = to_vec(Tensor::<4>::from_dispatch(dxh));
+                let pad_ref = with_pad.then_some(&pv[..]);
+                for (i, &d) in dx.iter().enumerate() {
+                    if masked(pad_ref, causal, dims, i / sk, i % sk) {
+                        assert_eq!(d, 0.0, "{case}: masked position {i} has gradient");
+                    }
+                }
+                let d = [
+                    max_abs_diff(&y, &yr),
+                    max_abs_diff(&dx, &dxr) / scale,
+                    max_abs_diff(&dx, &dxh) / scale,
+                ];
+                // f32: the same formulas, a vectorised exp within 2 ulp and other summation
+                // orders: ~1e-7 (y ≤ 1, |dx| ≤ 2·scale). bf16: y rounded once on each side
+                // from f32 values that differ by ulps: they may round apart, by one bf16 ulp
+                // (2⁻⁸ just below 1); the reference's backward also rounds g − dot, the
+                // product and the scaling to bf16 (≤ 2⁻⁸·2 each).
+                let tol = if dt == DType::F32 {
+                    [1e-6, 1e-6, 1e-6]
+                } else {
+                    [2.0 / 256.0, 3.0 / 64.0, 3.0 / 64.0]
+                };
+                for (k, name) in ["y", "dx vs autodiff", "dx vs backward"].iter().enumerate() {
+                    assert!(d[k] <= tol[k], "{case}: {name} differs by {}", d[k]);
+                    worst[k] = worst[k].max(d[k]);
+                }
+            }
+        }
+    }
+    eprintln!(
+        "flex {dt:?} vs reference: max |Δy| {:.2e}, max |Δdx|/scale {:.2e} (autodiff) {:.2e} (backward)",
+        worst[0], worst[1], worst[2]
+    );
+    worst
+}
+
+#[test]
+fn native_matches_the_reference_in_f32_on_flex() {
+    native_vs_reference(DType::F32);
+}
+
+#[test]
+fn native_matches_the_reference_in_bf16_on_flex() {
+    native_vs_reference(DType::BF16);
 }

@@ -1,11 +1,11 @@
-//! `bert_pretrain` under `mpirun`, one process per rank: the same run as the threaded one,
-//! checkpoints per rank, an exact resume, and launch errors before any work. Built only with
-//! the `mpi` feature (`required-features`); it then needs `mpirun`.
+//! `bert_pretrain` (and `gpt_pretrain`) under `mpirun`, one process per rank: the same run as
+//! the threaded one, checkpoints per rank, an exact resume, and launch errors before any
+//! work. Built only with the `mpi` feature (`required-features`); it then needs `mpirun`.
 
 mod common;
 
-use burn_megatron_examples::pretrain::{read_log_json, run};
-use common::{args, argv, assert_same_iterations, binary, tmp};
+use burn_megatron_examples::pretrain::{read_log_json, run, run_gpt};
+use common::{args, argv, assert_same_iterations, binary, example_binary, gpt_args, gpt_argv, tmp};
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -179,6 +179,42 @@ fn interleaved_pipeline_under_mpirun_is_the_threaded_run() {
     // after stage 0 sent it (1 ms of clock skew allowed, in µs).
     assert!(span(2, "F0.0").0 >= span(0, "F0.0").1 - 1000.0);
     assert_eq!(&std::fs::read(dir.join("trace.png")).unwrap()[1..4], b"PNG");
+}
+
+/// A Llama-style GPT at TP 2 × PP 2 with sequence parallelism: each process trains the same
+/// byte-level BPE on the built-in corpus, and the run is the threaded one, bit for bit.
+#[test]
+fn a_llama_style_gpt_pipeline_under_mpirun_is_the_threaded_run() {
+    let dir = tmp("mpi-gpt");
+    let log = dir.join("gpt.jsonl");
+    let layout = [
+        "--world-size",
+        "4",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--train-iters",
+        "4",
+        "--eval-interval",
+        "0",
+        "--generate-tokens",
+        "0",
+    ];
+    let threaded = run_gpt(&gpt_args(&layout, &dir)).unwrap().log;
+    let mut argv = gpt_argv(
+        &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
+        &dir,
+    );
+    argv.remove(0);
+    let out = command(Path::new("mpirun"))
+        .args(["-np", "4"])
+        .arg(example_binary("gpt_pretrain"))
+        .args(argv)
+        .args(["--distributed-backend", "mpi"])
+        .output()
+        .expect("mpirun runs (Debian: openmpi-bin)");
+    succeeded(&out);
+    assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
 }
 
 #[test]

@@ -6,69 +6,9 @@
 
 mod common;
 
-use burn_megatron_examples::pretrain::{GptArgs, IterationLog, Summary, run_gpt};
-use clap::Parser;
-use common::{assert_same_iterations, example_binary, tmp};
+use burn_megatron_examples::pretrain::{IterationLog, Summary, run_gpt};
+use common::{assert_same_iterations, example_binary, gpt_args as args, tmp};
 use std::path::Path;
-
-/// A tiny Llama-style model (GQA, RoPE, RMSNorm, SwiGLU, no biases, untied) at TP 2.
-fn argv(extra: &[&str], dir: &Path) -> Vec<String> {
-    let plot = dir.join("loss.png");
-    let mut v = vec![
-        "gpt_pretrain",
-        "--tensor-model-parallel-size",
-        "2",
-        "--world-size",
-        "2",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--group-query-attention",
-        "--num-query-groups",
-        "2",
-        "--position-embedding-type",
-        "rope",
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
-        "--seq-length",
-        "32",
-        "--micro-batch-size",
-        "4",
-        "--global-batch-size",
-        "8",
-        "--train-iters",
-        "40",
-        "--lr",
-        "3e-3",
-        "--synthetic-documents",
-        "600",
-        "--vocab-size",
-        "400",
-        "--log-interval",
-        "10",
-        "--eval-interval",
-        "20",
-        "--eval-iters",
-        "2",
-        "--generate-tokens",
-        "8",
-        "--no-progress",
-        "--loss-plot",
-        plot.to_str().unwrap(),
-    ];
-    v.extend_from_slice(extra);
-    v.into_iter().map(String::from).collect()
-}
-
-fn args(extra: &[&str], dir: &Path) -> GptArgs {
-    GptArgs::try_parse_from(argv(extra, dir)).unwrap()
-}
 
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     let v: Vec<f64> = xs.collect();
@@ -91,6 +31,30 @@ fn a_llama_style_model_trains_with_falling_loss_and_writes_the_plot() {
     assert!(evals.iter().all(|e| e.2.is_none() && e.1.is_finite()));
     let png = std::fs::read(dir.join("loss.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
+    // fp16 with FP32 master weights and the dynamic loss scaler: Megatron's initial scale
+    // 2³² overflows, is halved until it fits, and the model still learns.
+    let fp16 = [
+        "--fp16",
+        "--train-iters",
+        "40",
+        "--eval-interval",
+        "0",
+        "--generate-tokens",
+        "0",
+    ];
+    let log = run_gpt(&args(&fp16, &dir)).unwrap().log;
+    let skipped = log.last().unwrap().skipped_iterations;
+    assert!(skipped > 0 && log.last().unwrap().loss_scale < 2f64.powi(32));
+    let trained: Vec<f64> = log
+        .iter()
+        .filter(|e| e.grad_norm.is_some())
+        .map(|e| e.lm_loss)
+        .collect();
+    assert!(trained.iter().all(|l| l.is_finite()));
+    assert!(
+        trained[trained.len() - 1] < trained[0] - 0.3,
+        "fp16 lm loss must fall: {trained:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -201,12 +165,16 @@ fn a_hugging_face_directory_written_by_save_hf_loads_back_with_load_hf() {
         "--generate-tokens",
         "0",
     ];
-    let loaded = run_gpt(&args(&frozen, &dir)).unwrap();
-    let (a, b) = (trained.evals[0].1, loaded.evals[0].1);
-    assert!(
-        (a - b).abs() <= 1e-6 * a,
-        "validation loss {b} after --load-hf, {a} when saved"
-    );
+    // At the layout that saved it, and split over pipeline stages (each loads its layers).
+    let pp2 = ["--pipeline-model-parallel-size", "2", "--world-size", "4"];
+    for layout in [&[][..], &pp2[..]] {
+        let loaded = run_gpt(&args(&[&frozen[..], layout].concat(), &dir)).unwrap();
+        let (a, b) = (trained.evals[0].1, loaded.evals[0].1);
+        assert!(
+            (a - b).abs() <= 1e-6 * a,
+            "{layout:?}: validation loss {b} after --load-hf, {a} when saved"
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

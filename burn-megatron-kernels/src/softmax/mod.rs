@@ -22,6 +22,7 @@
 mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
+mod flex;
 
 use crate::KernelError;
 use burn::backend::tensor::{BoolTensor, FloatTensor};
@@ -31,8 +32,9 @@ use burn::tensor::{Bool, Shape, Tensor, TensorData};
 /// The score given to masked positions before the softmax.
 pub const MASKED_SCORE: f32 = -10000.0;
 
-/// Scaled masked softmax as backend ops: one row-per-cube kernel on Cube backends, Burn's own
-/// ops elsewhere. Callers validate shapes (see [`scaled_masked_softmax`]).
+/// Scaled masked softmax as backend ops: one row-per-cube kernel on Cube backends, native
+/// row loops on Flex (one pass per direction, masks from the row index), Burn's own ops
+/// elsewhere. Callers validate shapes (see [`scaled_masked_softmax`]).
 ///
 /// The padding is a tensor plus a flag rather than an `Option`: `#[backend_extension]` in Burn
 /// 0.22.1 routes only plain tensor arguments. Without padding, pass any bool tensor of the
@@ -139,7 +141,7 @@ impl ScaledMaskedSoftmaxOps for Flex {
         scale: f32,
         causal: bool,
     ) -> FloatTensor<Self> {
-        reference_scaled_masked_softmax::<Self>(scores, key_padding, padded, scale, causal)
+        flex::forward(scores, key_padding, padded, scale, causal)
     }
 
     fn scaled_masked_softmax_backward(
@@ -150,14 +152,7 @@ impl ScaledMaskedSoftmaxOps for Flex {
         scale: f32,
         causal: bool,
     ) -> FloatTensor<Self> {
-        reference_scaled_masked_softmax_backward::<Self>(
-            output,
-            grad,
-            key_padding,
-            padded,
-            scale,
-            causal,
-        )
+        flex::backward(output, grad, key_padding, padded, scale, causal)
     }
 }
 

@@ -401,17 +401,11 @@ impl Bert {
             }
             (None, None, Some(x)) => x,
             (e, t, x) => {
-                return Err(TpError::Invalid(format!(
-                    "forward_stage on a chunk {} the embeddings needs {}, got token ids: {}, hidden states: {}",
-                    if e.is_some() { "with" } else { "without" },
-                    if e.is_some() {
-                        "token ids only"
-                    } else {
-                        "hidden states only"
-                    },
+                return Err(super::stage_input_error(
+                    e.is_some(),
                     t.is_some(),
-                    x.is_some()
-                )));
+                    x.is_some(),
+                ));
             }
         };
         let inputs = AttentionInputs::padding(padding);

@@ -78,3 +78,18 @@ fn global_param_name(
     }
     rest.to_string()
 }
+
+/// A pipeline chunk's forward takes token ids where it holds the embeddings (the first
+/// virtual stage) and the previous stage's hidden states elsewhere: the error for any
+/// other combination.
+fn stage_input_error(embeddings: bool, tokens: bool, hidden: bool) -> TpError {
+    TpError::Invalid(format!(
+        "the forward of a chunk {} the embeddings needs {}, got token ids: {tokens}, hidden states: {hidden}",
+        if embeddings { "with" } else { "without" },
+        if embeddings {
+            "token ids only"
+        } else {
+            "hidden states only"
+        },
+    ))
+}

@@ -9,6 +9,7 @@
 use crate::tensor_parallel::TpError;
 use burn::config::Config;
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_megatron_kernels::apply_rotary;
 
 /// How the inverse frequencies are rescaled for contexts longer than training's
 /// (Hugging Face's `rope_scaling` / `rope_parameters`).
@@ -194,28 +195,14 @@ impl RotaryEmbedding {
 }
 
 impl RotaryTables {
-    /// Rotates the first `rotary_dim` channels of `x` (`[s, b, heads, head_dim]`).
+    /// Rotates the first `rotary_dim` channels of `x` (`[s, b, heads, head_dim]`): the fused
+    /// [`apply_rotary`] (one pass per direction on the CPU, one kernel on GPUs), in `x`'s
+    /// dtype with the tables rounded to it.
     pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
-        let [.., hn] = x.dims();
-        let dim = self.cos.dims()[3];
-        let cos = self.cos.clone().cast(x.dtype());
-        let sin = self.sin.clone().cast(x.dtype());
-        let (rotated, rest) = if dim < hn {
-            (
-                x.clone().narrow(3, 0, dim),
-                Some(x.narrow(3, dim, hn - dim)),
-            )
-        } else {
-            (x, None)
-        };
-        let half = dim / 2;
-        let x1 = rotated.clone().narrow(3, 0, half);
-        let x2 = rotated.clone().narrow(3, half, half);
-        let out = rotated * cos + Tensor::cat(vec![x2.neg(), x1], 3) * sin;
-        match rest {
-            Some(rest) => Tensor::cat(vec![out, rest], 3),
-            None => out,
-        }
+        apply_rotary(x, self.cos.clone(), self.sin.clone()).expect(
+            "the tables are [s, b or 1, 1, rotary_dim] for the activations they were built for, \
+             rotary_dim even and at most the head dim (checked at init)",
+        )
     }
 
     /// Sequence length and batch of the tables (`b` is 1 when shared by every sample).

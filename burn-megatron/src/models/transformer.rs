@@ -16,7 +16,7 @@ use burn::module::Param;
 use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::{gelu, gelu_approximate, silu};
 use burn::tensor::{Device, Tensor};
-use burn_megatron_kernels::{Gelu, bias_dropout_add, bias_gelu};
+use burn_megatron_kernels::{Gelu, bias_dropout_add, bias_gelu, rms_norm, swiglu};
 
 /// The MLP's activation (Megatron's `activation_func`).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -84,7 +84,20 @@ impl ParallelMlp {
                     (u, Some(b)) => u + b.unsqueeze(),
                     (u, None) => u,
                 };
-                self.activation.apply(g, gate_bias) * up
+                match self.activation {
+                    // SwiGLU: one fused pass each way (Flex's native loops, a kernel on GPUs).
+                    ActivationFunc::Silu => {
+                        let g = match gate_bias {
+                            Some(b) => g + b.unsqueeze(),
+                            None => g,
+                        };
+                        swiglu(g, up).expect(
+                            "gate and up project one input to the same features: one shape \
+                             and dtype by construction",
+                        )
+                    }
+                    act => act.apply(g, gate_bias) * up,
+                }
             }
         };
         self.dense_4h_to_h.forward_with_bias(up)
@@ -153,7 +166,11 @@ impl Norm {
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         match self {
             Norm::LayerNorm(n) => n.forward(x),
-            Norm::RmsNorm(n) => n.forward(x),
+            // Burn's `RmsNorm::forward`, fused (one pass each way on Flex, kernels on GPUs).
+            Norm::RmsNorm(n) => rms_norm(x, n.gamma.val(), n.epsilon).expect(
+                "gamma has the normalised size by construction and RmsNormConfig::init checks \
+                 that epsilon is positive",
+            ),
         }
     }
 

@@ -1,8 +1,9 @@
-//! What the `bert_pretrain` tests share: a small model's flags and exact comparisons.
+//! What the pretraining tests share: small models' flags and exact comparisons.
 #![allow(dead_code)] // each test file uses its own part
 
-use burn_megatron_examples::pretrain::{Args, IterationLog};
+use burn_megatron_examples::pretrain::{Args, GptArgs, IterationLog};
 use clap::Parser;
+use std::path::Path;
 use std::path::PathBuf;
 
 /// A fresh directory for one test.
@@ -52,6 +53,66 @@ pub fn argv(extra: &[&str], dir: &std::path::Path) -> Vec<String> {
     ];
     argv.extend_from_slice(extra);
     argv.into_iter().map(String::from).collect()
+}
+
+/// A tiny Llama-style model (GQA, RoPE, RMSNorm, SwiGLU, no biases, untied) at TP 2.
+pub fn gpt_argv(extra: &[&str], dir: &Path) -> Vec<String> {
+    let plot = dir.join("loss.png");
+    let mut v = vec![
+        "gpt_pretrain",
+        "--tensor-model-parallel-size",
+        "2",
+        "--world-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "40",
+        "--lr",
+        "3e-3",
+        "--synthetic-documents",
+        "600",
+        "--vocab-size",
+        "400",
+        "--log-interval",
+        "10",
+        "--eval-interval",
+        "20",
+        "--eval-iters",
+        "2",
+        "--generate-tokens",
+        "8",
+        "--no-progress",
+        "--loss-plot",
+        plot.to_str().unwrap(),
+    ];
+    v.extend_from_slice(extra);
+    v.into_iter().map(String::from).collect()
+}
+
+/// [`gpt_argv`], parsed.
+pub fn gpt_args(extra: &[&str], dir: &Path) -> GptArgs {
+    GptArgs::try_parse_from(gpt_argv(extra, dir)).unwrap()
 }
 
 /// [`argv`], parsed.

@@ -107,17 +107,11 @@ impl Gpt {
             (Some(e), Some(ids), None) => self.embed(e, ids, positions, rng)?,
             (None, None, Some(x)) => x,
             (e, i, x) => {
-                return Err(TpError::Invalid(format!(
-                    "forward on a chunk {} the embeddings needs {}, got token ids: {}, hidden states: {}",
-                    if e.is_some() { "with" } else { "without" },
-                    if e.is_some() {
-                        "token ids only"
-                    } else {
-                        "hidden states only"
-                    },
+                return Err(crate::models::stage_input_error(
+                    e.is_some(),
                     i.is_some(),
-                    x.is_some()
-                )));
+                    x.is_some(),
+                ));
             }
         };
         let s = x.dims()[0]

@@ -1,0 +1,265 @@
+//! The RMSNorm CubeCL kernels, for Burn's Cube backend: one cube per row for the forward and
+//! for `dx` (units stride over the row, then a shared-memory tree; lavapipe has no plane
+//! ops), and one unit per column for `dγ`, which walks the rows in order (deterministic, no
+//! float atomics, which WGSL lacks). Statistics and gradients accumulate in f32.
+
+use super::RmsNormOps;
+use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward, rows_and_width};
+use crate::launch::elementwise_geometry;
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata};
+use burn::tensor::{DType, FloatDType, Shape};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// The row of this cube; the grid is 2-D past the hardware's x limit.
+#[cube]
+fn cube_row() -> usize {
+    CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize
+}
+
+/// Sums `shared[0..CUBE_DIM_X]` (a power of two); every unit must call it (barriers).
+#[cube]
+fn tree_sum(shared: &mut Shared<[f32]>) -> f32 {
+    sync_cube();
+    let unit = UNIT_POS_X as usize;
+    let mut active = CUBE_DIM_X as usize / 2;
+    while active > 0 {
+        if unit < active {
+            let other = shared[unit + active];
+            shared[unit] += other;
+        }
+        sync_cube();
+        active /= 2;
+    }
+    shared[0]
+}
+
+#[cube(launch)]
+fn forward_kernel<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    y: &mut Tensor<F>,
+    inv_rms: &mut Tensor<f32>,
+    epsilon: f32,
+    #[comptime] block: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = cube_row();
+    if row >= inv_rms.len() {
+        terminate!();
+    }
+    let n = gamma.len();
+    let start = row * n;
+    let unit = UNIT_POS_X as usize;
+    let mut sum = 0.0f32;
+    let mut c = unit;
+    while c < n {
+        let v = f32::cast_from(x[start + c]);
+        sum += v * v;
+        c += block;
+    }
+    let mut shared = Shared::<[f32]>::new_slice(block);
+    shared[unit] = sum;
+    let sum = tree_sum(&mut shared);
+    let rms = f32::sqrt(sum / f32::cast_from(n) + epsilon);
+    if unit == 0 {
+        inv_rms[row] = 1.0 / rms;
+    }
+    // As Burn's RmsNorm: the rms cast to the dtype, then `x / rms * γ` in the dtype.
+    let rms = F::cast_from(rms);
+    c = unit;
+    while c < n {
+        y[start + c] = x[start + c] / rms * gamma[c];
+        c += block;
+    }
+}
+
+#[cube(launch)]
+fn backward_dx_kernel<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    inv_rms: &Tensor<f32>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    #[comptime] block: usize,
+    #[define(F)] _dtype: ElemType,
+) {
+    let row = cube_row();
+    if row >= inv_rms.len() {
+        terminate!();
+    }
+    let n = gamma.len();
+    let start = row * n;
+    let unit = UNIT_POS_X as usize;
+    let r = inv_rms[row];
+    let mut sum = 0.0f32;
+    let mut c = unit;
+    while c < n {
+        let i = start + c;
+        let x_hat = f32::cast_from(x[i]) * r;
+        sum += f32::cast_from(dy[i]) * f32::cast_from(gamma[c]) * x_hat;
+        c += block;
+    }
+    let mut shared = Shared::<[f32]>::new_slice(block);
+    shared[unit] = sum;
+    let mean = tree_sum(&mut shared) / f32::cast_from(n);
+    c = unit;
+    while c < n {
+        let i = start + c;
+        let x_hat = f32::cast_from(x[i]) * r;
+        let d = f32::cast_from(dy[i]) * f32::cast_from(gamma[c]) - x_hat * mean;
+        dx[i] = F::cast_from(d * r);
+        c += block;
+    }
+}
+
+/// `dγ[c] = Σ_rows dy·x̂` for column `c = ABSOLUTE_POS`, rows in order; f32 out.
+#[cube(launch)]
+fn dgamma_kernel<F: Float>(
+    x: &Tensor<F>,
+    inv_rms: &Tensor<f32>,
+    dy: &Tensor<F>,
+    dgamma: &mut Tensor<f32>,
+    #[define(F)] _dtype: ElemType,
+) {
+    let c = ABSOLUTE_POS;
+    let n = dgamma.len();
+    if c >= n {
+        terminate!();
+    }
+    let rows = inv_rms.len();
+    let mut sum = 0.0f32;
+    let mut row = 0;
+    while row < rows {
+        let i = row * n + c;
+        sum += f32::cast_from(dy[i]) * (f32::cast_from(x[i]) * inv_rms[row]);
+        row += 1;
+    }
+    dgamma[c] = sum;
+}
+
+/// Units per row cube: a power of two (the tree needs it), no more than the row needs nor
+/// the hardware allows.
+fn block_size(tensor: &CubeTensor, cols: usize) -> usize {
+    let hw = tensor.client.properties().hardware.max_cube_dim.0 as usize;
+    let hw = 1 << hw.max(1).ilog2();
+    cols.next_power_of_two().clamp(32, 256).min(hw)
+}
+
+/// One cube per row, the rows folded into a 2-D grid past the hardware's x limit.
+fn row_count(tensor: &CubeTensor, rows: usize) -> CubeCount {
+    let max_x = tensor.client.properties().hardware.max_cube_count.0 as usize;
+    let x = rows.clamp(1, max_x.max(1));
+    CubeCount::Static(x as u32, rows.div_ceil(x) as u32, 1)
+}
+
+fn empty_like(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
+    empty_device_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
+/// Zeros shaped and typed like `t`.
+fn zeros_like<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_zeros(t.shape(), &t.device(), FloatDType::from(t.dtype()))
+}
+
+/// `t` in `dtype` (a no-op when it is already).
+fn cast<B: Backend>(t: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
+    if t.dtype() == DType::from(dtype) {
+        t
+    } else {
+        B::float_cast(t, dtype)
+    }
+}
+
+impl RmsNormOps for CubeBackend {
+    fn rms_norm_forward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (rows, n) = rows_and_width(&x.shape());
+        if rows == 0 {
+            // No launch (Burn's own unary kernels panic on empty Cube tensors in 0.22.1).
+            let inv_rms = empty_like(&x, Shape::from([0]), DType::F32);
+            return (x, inv_rms);
+        }
+        if x.dtype != gamma.dtype || n == 0 {
+            // Mixed dtypes as Burn mixes them.
+            return reference_rms_norm_forward::<Self>(x, gamma, epsilon);
+        }
+        let (x, gamma) = (into_contiguous(x), into_contiguous(gamma));
+        let y = empty_like(&x, x.shape(), x.dtype);
+        let inv_rms = empty_like(&x, Shape::from([rows]), DType::F32);
+        let block = block_size(&x, n);
+        forward_kernel::launch(
+            &x.client.clone(),
+            row_count(&x, rows),
+            CubeDim::new_1d(block as u32),
+            x.clone().into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            inv_rms.clone().into_tensor_arg(),
+            epsilon as f32,
+            block,
+            dtype_to_storage_type(x.dtype),
+        );
+        (y, inv_rms)
+    }
+
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        inv_rms: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (rows, n) = rows_and_width(&x.shape());
+        if rows == 0 {
+            return (x, zeros_like::<Self>(gamma));
+        }
+        let same = x.dtype == gamma.dtype && x.dtype == grad.dtype;
+        if !same || n == 0 {
+            return reference_rms_norm_backward::<Self>(x, gamma, inv_rms, grad);
+        }
+        let (x, gamma, dy) = (
+            into_contiguous(x),
+            into_contiguous(gamma),
+            into_contiguous(grad),
+        );
+        let inv_rms = into_contiguous(cast::<Self>(inv_rms, FloatDType::F32));
+        let dtype = dtype_to_storage_type(x.dtype);
+        let client = x.client.clone();
+        let dx = empty_like(&x, x.shape(), x.dtype);
+        let block = block_size(&x, n);
+        backward_dx_kernel::launch(
+            &client,
+            row_count(&x, rows),
+            CubeDim::new_1d(block as u32),
+            x.clone().into_tensor_arg(),
+            gamma.clone().into_tensor_arg(),
+            inv_rms.clone().into_tensor_arg(),
+            dy.clone().into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            block,
+            dtype,
+        );
+        let dgamma = empty_like(&x, Shape::from([n]), DType::F32);
+        if let Some((cube_dim, count)) = elementwise_geometry(&x, n) {
+            dgamma_kernel::launch(
+                &client,
+                count,
+                cube_dim,
+                x.into_tensor_arg(),
+                inv_rms.into_tensor_arg(),
+                dy.into_tensor_arg(),
+                dgamma.clone().into_tensor_arg(),
+                dtype,
+            );
+        }
+        (dx, cast::<Self>(dgamma, FloatDType::from(gamma.dtype)))
+    }
+}
