@@ -3,6 +3,7 @@
 //! threads, each pass compiled for the best SIMD level the CPU offers (pulp's runtime
 //! dispatch), with an `exp` that vectorises (Flex's calls libm once per element).
 
+use crate::cpu_elem::Elem;
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, TensorData};
 use rayon::prelude::*;
@@ -35,11 +36,11 @@ pub(crate) fn exp(x: f32) -> f32 {
     if x.is_nan() { x } else { y }
 }
 
-/// `step(acc, x)` over `xs` in 16 independent lanes from `init` (so that it vectorises),
-/// the lanes then joined in order by `join`, then the tail stepped in.
+/// `step(acc, x)` over `xs` (widened to f32) in 16 independent lanes from `init` (so that
+/// it vectorises), the lanes then joined in order by `join`, then the tail stepped in.
 #[inline(always)]
-pub(crate) fn lane_fold(
-    xs: &[f32],
+pub(crate) fn lane_fold<E: Elem>(
+    xs: &[E],
     init: f32,
     step: impl Fn(f32, f32) -> f32,
     join: impl Fn(f32, f32) -> f32,
@@ -49,16 +50,16 @@ pub(crate) fn lane_fold(
     let tail = chunks.remainder();
     for c in chunks {
         for (a, &x) in acc.iter_mut().zip(c) {
-            *a = step(*a, x);
+            *a = step(*a, x.to_f32());
         }
     }
     let joined = acc.iter().fold(init, |a, &b| join(a, b));
-    tail.iter().fold(joined, |a, &x| step(a, x))
+    tail.iter().fold(joined, |a, &x| step(a, x.to_f32()))
 }
 
-/// Sum of `f(x)` over `xs`, in 16 lanes ([`lane_fold`]).
+/// Sum of `f(x)` over `xs` (widened to f32), in 16 lanes ([`lane_fold`]).
 #[inline(always)]
-pub(crate) fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+pub(crate) fn lane_sum<E: Elem>(xs: &[E], f: impl Fn(f32) -> f32) -> f32 {
     lane_fold(xs, 0.0, |a, x| a + f(x), |a, b| a + b)
 }
 
@@ -90,19 +91,19 @@ pub(crate) fn f32_tensor(values: Vec<f32>, shape: &[usize]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape.to_vec()))
 }
 
-/// A pass over the rows of an `[N, len]` f32 buffer writing `OUT` values per row (or
-/// `len` when `OUT` is 0). Implementations mark `row` `#[inline(always)]`, so that it is
-/// compiled inside [`for_rows`]' SIMD dispatch.
-pub(crate) trait RowOp: Sync {
+/// A pass over the rows of an `[N, len]` buffer of `E` (f32, bf16 or f16) writing `OUT`
+/// f32 values per row (or `len` when `OUT` is 0). Implementations mark `row`
+/// `#[inline(always)]`, so that it is compiled inside [`for_rows`]' SIMD dispatch.
+pub(crate) trait RowOp<E: Elem = f32>: Sync {
     /// Output values per row; 0 for as many as the input row has.
     const OUT: usize;
     /// Row `i` of the input into its output values.
-    fn row(&self, i: usize, row: &[f32], out: &mut [f32]);
+    fn row(&self, i: usize, row: &[E], out: &mut [f32]);
 }
 
 /// `op` over every `len`-element row of `xs`, rows split over rayon's threads, each task
 /// compiled for the best SIMD level the CPU has. Returns the outputs, row after row.
-pub(crate) fn for_rows<K: RowOp>(xs: &[f32], len: usize, op: &K) -> Vec<f32> {
+pub(crate) fn for_rows<E: Elem, K: RowOp<E>>(xs: &[E], len: usize, op: &K) -> Vec<f32> {
     let rows = xs.len().checked_div(len).unwrap_or(0);
     let out_len = if K::OUT == 0 { len } else { K::OUT };
     let mut out = vec![0.0f32; rows * out_len];
@@ -126,16 +127,16 @@ pub(crate) fn for_rows<K: RowOp>(xs: &[f32], len: usize, op: &K) -> Vec<f32> {
     out
 }
 
-struct Task<'a, K> {
+struct Task<'a, K, E> {
     op: &'a K,
     first: usize,
-    xs: &'a [f32],
+    xs: &'a [E],
     out: &'a mut [f32],
     len: usize,
     out_len: usize,
 }
 
-impl<K: RowOp> pulp::WithSimd for Task<'_, K> {
+impl<E: Elem, K: RowOp<E>> pulp::WithSimd for Task<'_, K, E> {
     type Output = ();
 
     #[inline(always)]
@@ -173,7 +174,7 @@ mod tests {
     fn lane_sum_adds_every_element() {
         let xs: Vec<f32> = (0..37).map(|i| i as f32).collect();
         assert_eq!(lane_sum(&xs, |x| x), 666.0);
-        assert_eq!(lane_sum(&[], |x| x), 0.0);
+        assert_eq!(lane_sum::<f32>(&[], |x| x), 0.0);
         assert_eq!(lane_fold(&xs, f32::NEG_INFINITY, f32::max, f32::max), 36.0);
         assert_eq!(lane_sum(&xs, |x| x * x), 16206.0);
     }

@@ -90,18 +90,6 @@ impl Elem for f16 {
     }
 }
 
-/// Sum of `f(x)` over `xs` widened to f32, in 16 independent lanes (so that it vectorises),
-/// joined in order, then the tail: [`crate::cpu::lane_sum`] for any [`Elem`].
-#[inline(always)]
-pub(crate) fn lane_sum<E: Elem>(xs: &[E], f: impl Fn(f32) -> f32) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let chunks = xs.chunks_exact(16);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += f(x.to_f32());
-        }
-    }
-    let joined = acc.iter().fold(0.0, |a, &b| a + b);
-    tail.iter().fold(joined, |a, &x| a + f(x.to_f32()))
-}
+// Sum of `f(x)` over `xs` widened to f32, in 16 independent lanes (so that it vectorises),
+// joined in order, then the tail: one definition for every `Elem`, in `cpu`.
+pub(crate) use crate::cpu::lane_sum;

@@ -47,8 +47,9 @@ pub use cast::{
 };
 pub use cross_entropy::{
     CrossEntropyOps, LabelSmoothing, cross_entropy_backward, cross_entropy_predicted_and_sum,
-    cross_entropy_row_max, cross_entropy_sum_exp, reference_cross_entropy_backward,
-    reference_cross_entropy_predicted_and_sum, reference_cross_entropy_row_max,
+    cross_entropy_row_max, cross_entropy_row_stats, cross_entropy_sum_exp,
+    reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
+    reference_cross_entropy_row_max, reference_cross_entropy_row_stats,
     reference_cross_entropy_sum_exp,
 };
 pub use error::KernelError;

@@ -1,7 +1,8 @@
-//! The local cross-entropy passes (row max; predicted logit + sum of logits; sum of exps;
-//! backward) against exact f64 host values and against the reference composition on the
-//! same device, on Flex (its native loops for f32, the reference for f16/bf16) and, with
-//! feature `wgpu`, the kernels on lavapipe.
+//! The local cross-entropy passes (the one-pass row statistics; the older row max,
+//! predicted logit + sum of logits and sum of exps; backward) against exact f64 host values
+//! and against the reference composition on the same device, on Flex (its native loops:
+//! every float dtype for the row statistics, f32 for the rest, the reference for f16/bf16)
+//! and, with feature `wgpu`, the kernels on lavapipe.
 
 mod common;
 
@@ -9,8 +10,9 @@ use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
 use burn_megatron_kernels::{
     KernelError, LabelSmoothing, cross_entropy_backward, cross_entropy_predicted_and_sum,
-    cross_entropy_row_max, cross_entropy_sum_exp, reference_cross_entropy_backward,
-    reference_cross_entropy_predicted_and_sum,
+    cross_entropy_row_max, cross_entropy_row_stats, cross_entropy_sum_exp,
+    reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
+    reference_cross_entropy_row_stats,
 };
 use common::{max_abs_diff, to_vec, values};
 
@@ -290,6 +292,220 @@ fn kernel_ignores_out_of_range_targets_on_wgpu() {
     assert_eq!([packed[0], packed[2], packed[4]], [0.0; 3], "{packed:?}");
 }
 
+/// Exact f64 row statistics `[m, Σ exp(z − m), z_t·in_range, Σ z]` of the logits as
+/// stored, and per row the scale of each column's rounding error: `Σ exp` for the sum of
+/// exps, `Σ |z|` for the (mixed-sign) sum of logits.
+fn exact_stats(c: &Case) -> (Vec<f32>, Vec<[f64; 4]>) {
+    let (mut stats, mut scales) = (vec![], vec![]);
+    for r in 0..c.n {
+        let m = row(c, r).fold(f64::NEG_INFINITY, f64::max);
+        let sum_exp = row(c, r).map(|x| (x - m).exp()).sum::<f64>();
+        let t = f64::from(c.logits[r * c.v + c.target[r] as usize]);
+        let sum = row(c, r).sum::<f64>();
+        let predicted = t * f64::from(c.in_range[r]);
+        stats.extend([m, sum_exp, predicted, sum].map(|x| x as f32));
+        scales.push([0.0, sum_exp, 0.0, row(c, r).map(f64::abs).sum()]);
+    }
+    (stats, scales)
+}
+
+/// Worst `|Δ| / scale` per column of `[N, 4]` stats against `want`; a column whose scale is
+/// 0 must match exactly (reported as ∞ otherwise).
+fn stats_error(got: &[f32], want: &[f32], scales: &[[f64; 4]]) -> [f64; 4] {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let mut worst = [0.0f64; 4];
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (r, k) = (i / 4, i % 4);
+        let d = (f64::from(*g) - f64::from(*w)).abs();
+        let e = match scales[r][k] {
+            0.0 if d == 0.0 => 0.0,
+            0.0 => f64::INFINITY,
+            s => d / s,
+        };
+        worst[k] = worst[k].max(e);
+    }
+    worst
+}
+
+/// The row statistics on `dev` in dtype `dt` against the exact values and the reference
+/// composition on the same device, over every shape and scale; returns the worst relative
+/// errors of the two sums (vs exact, vs the reference).
+fn check_stats(dev: &Device, what: &str, dt: DType) -> [f64; 4] {
+    let mut worst = [0.0f64; 4];
+    for n in ROWS {
+        for v in COLS {
+            for (tp, all_out) in [(1, false), (1, true), (4, false)] {
+                for scale in [3.0, 1e4] {
+                    let mut c = case(n, v, tp, scale, 0.0, all_out);
+                    let options = TensorCreationOptions::new(dev.clone()).with_dtype(dt);
+                    let data = TensorData::new(c.logits.clone(), [n, v]);
+                    let logits = Tensor::<2>::from_data(data, options);
+                    c.logits = to_vec(logits.clone());
+                    let target = TensorData::new(c.target.clone(), [n]);
+                    let target = Tensor::<1, Int>::from_data(target, dev);
+                    let in_range = TensorData::new(c.in_range.clone(), [n]);
+                    let in_range = Tensor::<1>::from_data(in_range, dev);
+                    let stats =
+                        cross_entropy_row_stats(logits.clone(), target.clone(), in_range.clone())
+                            .unwrap();
+                    assert_eq!((stats.dtype(), stats.dims()), (DType::F32, [n, 4]));
+                    let stats = to_vec(stats);
+                    let (exact, scales) = exact_stats(&c);
+                    let vs_exact = stats_error(&stats, &exact, &scales);
+                    // Burn's own kernels panic on empty Cube tensors: no composition there.
+                    let vs_ref = if n == 0 {
+                        [0.0; 4]
+                    } else {
+                        let reference = reference_cross_entropy_row_stats::<Dispatch>(
+                            logits.into_dispatch(),
+                            target.into_dispatch(),
+                            in_range.into_dispatch(),
+                        );
+                        let reference = to_vec(Tensor::<2>::from_dispatch(reference));
+                        stats_error(&stats, &reference, &scales)
+                    };
+                    let what = format!(
+                        "{what} {dt:?} [{n}, {v}] tp {tp} all_out {all_out} ×{scale}: \
+                         |Δ|/scale [max, sum_exp, predicted, sum] vs exact {vs_exact:?} \
+                         vs reference {vs_ref:?}"
+                    );
+                    // The max and the masked target logit are stored values: exact. The sums:
+                    // ~300 sequential f32 adds per lane, then a join (the reference and the
+                    // kernels' trees sum in other orders), plus the exp's few ulp.
+                    for (k, tol) in [0.0, 2e-6, 0.0, 2e-6].into_iter().enumerate() {
+                        assert!(vs_exact[k] <= tol && vs_ref[k] <= tol, "column {k}: {what}");
+                        worst[k] = worst[k].max(vs_exact[k]);
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{what} {dt:?}: row stats worst |Δ|/scale vs exact {worst:?}");
+    worst
+}
+
+#[test]
+fn row_stats_match_exact_values_and_the_reference_on_flex() {
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        check_stats(&common::flex(), "flex", dt);
+    }
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn row_stats_kernel_matches_exact_values_and_the_reference_on_wgpu() {
+    let dev = common::wgpu_device("cross_entropy row stats");
+    check_stats(&dev, "wgpu", DType::F32);
+    for dt in [DType::F16, DType::BF16] {
+        if dev.supports_dtype(dt) {
+            check_stats(&dev, "wgpu", dt);
+        } else {
+            eprintln!("\n!!! wgpu adapter has no {dt:?}: {dt:?} logits NOT tested on wgpu !!!\n");
+        }
+    }
+}
+
+/// The online-softmax identity over slices of odd widths (one of them masked padding, as
+/// a rank holding only padding): `M = max m_k`, `Σ_k exp(m_k − M)·s_k` is the whole row's
+/// `Σ exp(z − M)`, and the target logit and sum of logits add up.
+fn check_slices_combine(dev: &Device) {
+    let (n, widths) = (5, [7usize, 1, 333, 64]);
+    let v: usize = widths.iter().sum();
+    let mut x = values(n * v, 17, 8.0);
+    for r in 0..n {
+        x[r * v + v - 64..(r + 1) * v].fill(-10_000.0);
+    }
+    let whole = |r: usize| x[r * v..(r + 1) * v].iter().map(|&z| f64::from(z));
+    let logits = Tensor::<2>::from_data(TensorData::new(x.clone(), [n, v]), dev);
+    let (mut max, mut sum_exp, mut sum) = (vec![f64::NEG_INFINITY; n], vec![0.0; n], vec![0.0; n]);
+    let (mut start, mut stats) = (0, vec![]);
+    for w in widths {
+        let slice = logits.clone().narrow(1, start, w);
+        let zeros = Tensor::<1, Int>::zeros([n], dev);
+        let part = cross_entropy_row_stats(slice, zeros, Tensor::zeros([n], dev)).unwrap();
+        stats.push(to_vec(part));
+        start += w;
+    }
+    for r in 0..n {
+        for st in &stats {
+            max[r] = max[r].max(f64::from(st[4 * r]));
+            sum[r] += f64::from(st[4 * r + 3]);
+        }
+        for st in &stats {
+            sum_exp[r] += f64::from(st[4 * r + 1]) * (f64::from(st[4 * r]) - max[r]).exp();
+        }
+        let m = whole(r).fold(f64::NEG_INFINITY, f64::max);
+        let want = whole(r).map(|z| (z - m).exp()).sum::<f64>();
+        assert_eq!(max[r], m, "row {r}");
+        assert!(
+            sum_exp[r].is_finite() && (sum_exp[r] - want).abs() <= 1e-6 * want,
+            "row {r}"
+        );
+        let abs: f64 = whole(r).map(f64::abs).sum();
+        assert!(
+            (sum[r] - whole(r).sum::<f64>()).abs() <= 1e-6 * abs,
+            "row {r}"
+        );
+    }
+}
+
+#[test]
+fn row_stats_of_slices_combine_into_the_whole_row_on_flex() {
+    check_slices_combine(&common::flex());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn row_stats_of_slices_combine_into_the_whole_row_on_wgpu() {
+    check_slices_combine(&common::wgpu_device("cross_entropy row stats of slices"));
+}
+
+/// Rows with −∞ (a slice masked with −∞): an all −∞ row has max −∞ and a sum of exps of 0,
+/// not NaN; −∞ among finite logits adds ~0 (Flex's `exp` saturates at 1.2e-38).
+fn check_infinite_rows(dev: &Device) {
+    let inf = f32::NEG_INFINITY;
+    let x = vec![inf, inf, inf, 1.0, inf, 1.0, inf, 2.0, 0.0];
+    let logits = Tensor::<2>::from_data(TensorData::new(x, [3, 3]), dev);
+    let target = Tensor::<1, Int>::from_data(TensorData::new(vec![0i64, 1, 2], [3]), dev);
+    let in_range = Tensor::<1>::ones([3], dev);
+    let stats = to_vec(cross_entropy_row_stats(logits, target, in_range).unwrap());
+    assert_eq!(stats[..4], [inf, 0.0, inf, inf], "{stats:?}");
+    assert_eq!(stats[4..7], [1.0, 2.0, inf], "{stats:?}");
+    assert_eq!(
+        (stats[8], stats[10], stats[11]),
+        (2.0, 0.0, inf),
+        "{stats:?}"
+    );
+    assert!(
+        (stats[9] - (1.0 + (-2.0f32).exp())).abs() < 1e-6,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn row_stats_of_infinite_rows_are_not_nan_on_flex() {
+    check_infinite_rows(&common::flex());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn row_stats_of_infinite_rows_are_not_nan_on_wgpu() {
+    check_infinite_rows(&common::wgpu_device("cross_entropy row stats of −∞"));
+}
+
+/// Garbage targets where `in_range` is 0 (negative, past the slice) must not be read by
+/// the kernel: the target logit is 0 there.
+#[cfg(feature = "wgpu")]
+#[test]
+fn row_stats_kernel_ignores_out_of_range_targets_on_wgpu() {
+    let dev = common::wgpu_device("cross_entropy row stats out-of-range targets");
+    let logits = Tensor::<2>::from_data(TensorData::new(values(3 * 5, 4, 2.0), [3, 5]), &dev);
+    let target = Tensor::<1, Int>::from_data(TensorData::new(vec![-3i64, 7, 1_000_000], [3]), &dev);
+    let in_range = Tensor::<1>::zeros([3], &dev);
+    let stats = to_vec(cross_entropy_row_stats(logits, target, in_range).unwrap());
+    assert_eq!([stats[2], stats[6], stats[10]], [0.0; 3], "{stats:?}");
+}
+
 fn shape<T>(r: Result<T, KernelError>) -> bool {
     matches!(r, Err(KernelError::Shape(_)))
 }
@@ -305,6 +521,16 @@ fn bad_inputs_are_refused_before_any_launch() {
         &dev
     ))));
     assert!(shape(cross_entropy_sum_exp(logits.clone(), row3.clone())));
+    assert!(shape(cross_entropy_row_stats(
+        logits.clone(),
+        target.clone(),
+        row3.clone()
+    )));
+    assert!(shape(cross_entropy_row_stats(
+        Tensor::<2>::zeros([4, 0], &dev),
+        target.clone(),
+        row4.clone()
+    )));
     assert!(shape(cross_entropy_predicted_and_sum(
         logits.clone(),
         row4.clone(),

@@ -8,6 +8,18 @@ use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, AutodiffBackend};
 
 impl<B: CrossEntropyOps, C: CheckpointStrategy> CrossEntropyOps for Autodiff<B, C> {
+    fn cross_entropy_row_stats(
+        logits: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::cross_entropy_row_stats(
+            logits.into_primitive(),
+            target,
+            in_range.into_primitive(),
+        ))
+    }
+
     fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::from_inner(B::cross_entropy_row_max(logits.into_primitive()))
     }

@@ -1,12 +1,19 @@
-//! The local parts of vocab-parallel cross-entropy, one fused pass each over this rank's
-//! `[N, V]` slice of the logits, to be called between the cross-entropy's all-reduces:
+//! The local parts of vocab-parallel cross-entropy over this rank's `[N, V]` slice of the
+//! logits, to be called around the cross-entropy's all-reduces.
 //!
-//! 1. [`cross_entropy_row_max`] → all-reduce (max) → `max`;
-//! 2. [`cross_entropy_predicted_and_sum`] → all-reduce (sum) → predicted logit and the sum
-//!    of logits (for label smoothing), both shifted by `max`;
-//! 3. [`cross_entropy_sum_exp`] → all-reduce (sum) → `sum_exp`;
-//! 4. backward: [`cross_entropy_backward`] recomputes the softmax from `logits`, `max` and
-//!    `sum_exp`, so the forward need not keep an `[N, V]` f32 softmax alive.
+//! The forward is one fused pass, [`cross_entropy_row_stats`]: per row the local max `m_l`,
+//! `Σ_v exp(z − m_l)`, the raw target logit and the raw sum of logits. The caller
+//! all-reduces (max) `m_l` into `M`, then all-reduces (sum) `Σ exp(z − m_l)·exp(m_l − M)` with
+//! the raw sums in one packed buffer (the online-softmax identity: `Σ_v exp(z − M)` over every
+//! rank, without a second walk over the logits).
+//!
+//! The backward, [`cross_entropy_backward`], recomputes the softmax from `logits`, `max` and
+//! `sum_exp`, so the forward need not keep an `[N, V]` f32 softmax alive.
+//!
+//! The earlier three-pass forward is kept as ops too (and benchmarked against): the row max
+//! ([`cross_entropy_row_max`]) → all-reduce (max) → predicted logit and sum of logits
+//! shifted by `max` ([`cross_entropy_predicted_and_sum`]) → all-reduce → sum of exps
+//! ([`cross_entropy_sum_exp`]) → all-reduce.
 //!
 //! All reductions accumulate in f32 whatever the logits' dtype.
 
@@ -20,7 +27,8 @@ mod reference;
 
 pub use reference::{
     reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
-    reference_cross_entropy_row_max, reference_cross_entropy_sum_exp,
+    reference_cross_entropy_row_max, reference_cross_entropy_row_stats,
+    reference_cross_entropy_sum_exp,
 };
 
 use crate::KernelError;
@@ -42,12 +50,21 @@ pub struct LabelSmoothing {
 /// backends, Burn's own ops elsewhere. Not differentiable themselves: the cross-entropy's
 /// autodiff owns the backward and calls [`CrossEntropyOps::cross_entropy_backward`].
 ///
-/// Shapes: `logits` `[N, V]` (any float dtype); `max`, `sum_exp`, `in_range`, `grad` `[N]`;
+/// Shapes: `logits` `[N, V]` (any float dtype); `max`, `sum_exp`, `in_range`, `grad` `[N]`
+/// f32;
 /// `target` `[N]` Int, the local column of each row's target, which must lie in `[0, V)`
 /// on every row (any valid column, e.g. 0, where `in_range` is 0). The methods do not
 /// validate; the public functions on [`Tensor`] do.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait CrossEntropyOps: Backend {
+    /// `[N, 4]` f32 rows `(m, Σ_v exp(logits[n, v] − m), logits[n, target]·in_range,
+    /// Σ_v logits[n, v])` with `m = max_v logits[n, v]`: the whole local forward in one pass
+    /// over the logits. A row of −∞ has `m = −∞` and a sum of exps of 0.
+    fn cross_entropy_row_stats(
+        logits: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
     /// `max_v logits[n, v]`, `[N]` f32.
     fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self>;
     /// `[N, 2]` f32: `((logits[n, target] − max)·in_range, Σ_v (logits[n, v] − max))`.
@@ -76,6 +93,14 @@ pub trait CrossEntropyOps: Backend {
 }
 
 impl CrossEntropyOps for Flex {
+    fn cross_entropy_row_stats(
+        logits: FloatTensor<Self>,
+        target: IntTensor<Self>,
+        in_range: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        flex::row_stats(logits, target, in_range)
+    }
+
     fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self> {
         flex::row_max(logits)
     }
@@ -134,6 +159,46 @@ fn check_rows(n: usize, named: &[(&str, [usize; 1])]) -> Result<(), KernelError>
         ))),
         None => Ok(()),
     }
+}
+
+/// The local forward of vocab-parallel cross-entropy in one pass over `[N, V]` logits (any
+/// float dtype): `[N, 4]` f32 rows `(m, Σ_v exp(logits[n, v] − m), logits[n, target[n]] ·
+/// in_range[n], Σ_v logits[n, v])`, `m` the row's max (a row of −∞: `m = −∞`, sum 0).
+/// `target` is the local column (in `[0, V)` on every row); `in_range` 1 where the target
+/// lies in this slice, else 0. Accumulates in f32. Errors on an empty vocabulary slice or
+/// mismatched row counts.
+///
+/// Across ranks: `M = max_r m_r`, `Σ_r exp(m_r − M)·sum_r` is the global `Σ exp(z − M)`,
+/// and the raw target logit and sum of logits add up directly.
+///
+/// ```
+/// use burn::tensor::{Device, Int, Tensor};
+/// use burn_megatron_kernels::cross_entropy_row_stats;
+/// let d = Device::flex();
+/// let logits = Tensor::<2>::from_floats([[0.0, 0.0], [1.0, 3.0]], &d);
+/// let target = Tensor::<1, Int>::from_ints([1, 0], &d);
+/// let in_range = Tensor::<1>::from_floats([1.0, 0.0], &d);
+/// let stats = cross_entropy_row_stats(logits, target, in_range).unwrap();
+/// let s: Vec<f32> = stats.into_data().to_vec().unwrap();
+/// let e = (-2.0f32).exp();
+/// assert_eq!(&s[..4], [0.0, 2.0, 0.0, 0.0]);
+/// assert!(s[4] == 3.0 && (s[5] - (1.0 + e)).abs() < 1e-6 && s[6] == 0.0 && s[7] == 4.0);
+/// ```
+pub fn cross_entropy_row_stats(
+    logits: Tensor<2>,
+    target: Tensor<1, Int>,
+    in_range: Tensor<1>,
+) -> Result<Tensor<2>, KernelError> {
+    let n = check_logits(&logits)?;
+    check_rows(
+        n,
+        &[("target", target.dims()), ("in_range", in_range.dims())],
+    )?;
+    Ok(Tensor::from_dispatch(Dispatch::cross_entropy_row_stats(
+        logits.into_dispatch(),
+        target.into_dispatch(),
+        in_range.into_dispatch(),
+    )))
 }
 
 /// Row max of `[N, V]` logits (any float dtype) as `[N]` f32: the first local pass, before

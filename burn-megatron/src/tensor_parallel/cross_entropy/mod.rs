@@ -1,8 +1,10 @@
 //! Cross-entropy over logits whose vocabulary is split across tensor-parallel ranks.
 //!
-//! Each rank holds `[N, V / tp]` logits. The loss needs exactly three all-reduces of `[N]`
-//! vectors (the row max; the predicted logit packed with the sum of logits; the sum of
-//! exponentials), never the full logits. The backward is handwritten:
+//! Each rank holds `[N, V / tp]` logits. The forward walks them once (one fused op: the local
+//! row max `m_l`, `Σ exp(z − m_l)`, the target logit and the sum of logits), then needs two
+//! all-reduces of `[N]` vectors, never the full logits: the max `M` of the `m_l`, and one
+//! packed sum of `Σ exp(z − m_l)·exp(m_l − M)` (the online-softmax identity) with the target
+//! logit, the sum of logits and the in-range flags. The backward is handwritten:
 //! `(softmax − (1 − ε)·one_hot − ε / V) · grad`, with no communication.
 //!
 //! Label smoothing is over the *global* vocabulary, so the loss equals single-device

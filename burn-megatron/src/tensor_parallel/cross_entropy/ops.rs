@@ -70,8 +70,11 @@ pub(crate) struct Saved<B: Backend> {
     smoothing: LabelSmoothing,
 }
 
-/// The local passes are fused ops (kernels on GPUs); between them the three all-reduces:
-/// row max; (predicted logit, sum of logits) packed in one; sum of exps.
+/// One fused pass over the logits ([`CrossEntropyOps::cross_entropy_row_stats`]: local max
+/// `m_l`, `Σ exp(z − m_l)`, raw target logit, raw sum of logits), then two all-reduces: the
+/// max `M` of the `m_l`, and one packed sum of `(Σ exp(z − m_l)·exp(m_l − M), z_target,
+/// Σ z, in_range)`. `m_l ≤ M` on every rank (a max is exact), so `exp(m_l − M) ≤ 1`: a rank
+/// whose slice is all masked padding (−10⁴) contributes a finite ~0, never ∞ or NaN.
 pub(crate) fn forward<B: CrossEntropyOps>(
     logits: FloatTensor<B>,
     target: IntTensor<B>,
@@ -84,22 +87,28 @@ pub(crate) fn forward<B: CrossEntropyOps>(
     let global_vocab = local_vocab * comm.group().size();
     let in_range = B::float_cast(in_range, FloatDType::F32);
 
-    let max = B::cross_entropy_row_max(logits.clone());
-    let [max] = all_reduce_many::<B, 1>([max], ReduceOp::Max, comm);
-    let packed = B::cross_entropy_predicted_and_sum(
-        logits.clone(),
-        max.clone(),
-        target.clone(),
-        in_range.clone(),
-    );
-    let [packed] = all_reduce_many::<B, 1>([packed], ReduceOp::Sum, comm);
+    let stats = B::cross_entropy_row_stats(logits.clone(), target.clone(), in_range.clone());
     let column = |c: usize| {
-        let col = B::float_slice(packed.clone(), &[Slice::from(0..n), Slice::from(c..c + 1)]);
+        let col = B::float_slice(stats.clone(), &[Slice::from(0..n), Slice::from(c..c + 1)]);
         B::float_reshape(col, Shape::from([n]))
     };
-    let (predicted, sum_logits) = (column(0), column(1));
-    let sum_exp = B::cross_entropy_sum_exp(logits.clone(), max.clone());
-    let [sum_exp] = all_reduce_many::<B, 1>([sum_exp], ReduceOp::Sum, comm);
+    let local_max = column(0);
+    let [max] = all_reduce_many::<B, 1>([local_max.clone()], ReduceOp::Max, comm);
+    // Σ exp(z − m_l) re-shifted to the global max.
+    let rescale = B::float_exp(B::float_sub(local_max, max.clone()));
+    let local_sum_exp = B::float_mul(column(1), rescale);
+    let [sum_exp, predicted, sum_logits, owned] = all_reduce_many::<B, 4>(
+        [local_sum_exp, column(2), column(3), in_range.clone()],
+        ReduceOp::Sum,
+        comm,
+    );
+    // Shifted by the global max: z_t − M where some rank owns the target (`owned` is 1),
+    // and Σ_v (z_v − M) over the global vocabulary.
+    let predicted = B::float_sub(predicted, B::float_mul(max.clone(), owned));
+    let sum_logits = B::float_sub(
+        sum_logits,
+        B::float_mul_scalar(max.clone(), Scalar::from(global_vocab as f64)),
+    );
 
     // (1 − ε)·(lse − z_t) + ε·(lse − mean_k z_k), the mean over the *global* vocabulary
     // (z shifted by the row max, which cancels).
