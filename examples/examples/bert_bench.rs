@@ -15,13 +15,12 @@ use burn_megatron::comm::{Comm, LocalWorld};
 use burn_megatron::models::{BertConfig, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron_examples::median;
-use burn_megatron_examples::phases::PhaseTimes;
+use burn_megatron_examples::phases::{PhaseTimes, Run, print_breakdown};
 use clap::Parser;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum Optim {
@@ -52,12 +51,6 @@ struct Args {
 const SEQ: usize = 128;
 const MICRO_BATCH: usize = 8;
 const VOCAB: usize = 30592;
-
-/// One run's median step and its mean per-phase times.
-struct Run {
-    step: f64,
-    phases: BTreeMap<&'static str, Duration>,
-}
 
 fn ints(f: impl Fn(usize) -> i64, device: &Device) -> Tensor<2, Int> {
     let v: Vec<i64> = (0..MICRO_BATCH * SEQ).map(f).collect();
@@ -221,30 +214,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         breakdown.push((format!("{l}x{h}x{a} all"), all));
         breakdown.push((format!("{l}x{h}x{a} masked"), masked));
     }
-    println!("\nms per step by phase (mean of the timed steps; forward phases, then backward");
-    println!("and optimizer as wholes; `other` is the rest of the median step):");
-    print!("{:>14}", "phase");
-    for (name, _) in &breakdown {
-        print!(" {name:>15}");
-    }
-    println!();
-    for (label, span) in PHASES {
-        print!("{label:>14}");
-        for (_, run) in &breakdown {
-            let ms = run.phases.get(span).map_or(0.0, |d| d.as_secs_f64() * 1e3);
-            print!(" {ms:>15.1}");
-        }
-        println!();
-    }
-    print!("{:>14}", "other");
-    for (_, run) in &breakdown {
-        let known: f64 = PHASES
-            .iter()
-            .filter_map(|(_, s)| run.phases.get(s))
-            .map(Duration::as_secs_f64)
-            .sum();
-        print!(" {:>15.1}", (run.step - known) * 1e3);
-    }
-    println!();
+    print_breakdown(&PHASES, &breakdown, 15);
     Ok(())
 }

@@ -17,13 +17,12 @@ use burn_megatron::comm::{Comm, LocalWorld};
 use burn_megatron::models::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron_examples::median;
-use burn_megatron_examples::phases::PhaseTimes;
+use burn_megatron_examples::phases::{PhaseTimes, Run, print_breakdown};
 use clap::Parser;
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Parser)]
 struct Args {
@@ -84,12 +83,6 @@ impl Shape {
             .with_hidden_dropout(0.0)
             .with_attention_dropout(0.0)
     }
-}
-
-/// One run's median step and its mean per-phase times.
-struct Run {
-    step: f64,
-    phases: BTreeMap<&'static str, Duration>,
 }
 
 fn ours(shape: Shape, args: &Args, times: &PhaseTimes) -> Result<Run, Box<dyn std::error::Error>> {
@@ -270,30 +263,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         breakdown.push((name, run));
     }
-    println!("\nms per step by phase (mean of the timed steps; forward phases, then backward");
-    println!("and optimizer as wholes; `other` is the rest of the median step):");
-    print!("{:>14}", "phase");
-    for (name, _) in &breakdown {
-        print!(" {name:>18}");
-    }
-    println!();
-    for (label, span) in PHASES {
-        print!("{label:>14}");
-        for (_, run) in &breakdown {
-            let ms = run.phases.get(span).map_or(0.0, |d| d.as_secs_f64() * 1e3);
-            print!(" {ms:>18.1}");
-        }
-        println!();
-    }
-    print!("{:>14}", "other");
-    for (_, run) in &breakdown {
-        let known: f64 = PHASES
-            .iter()
-            .filter_map(|(_, s)| run.phases.get(s))
-            .map(Duration::as_secs_f64)
-            .sum();
-        print!(" {:>18.1}", (run.step - known) * 1e3);
-    }
-    println!();
+    print_breakdown(&PHASES, &breakdown, 18);
     Ok(())
 }

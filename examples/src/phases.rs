@@ -11,6 +11,45 @@ use tracing::{Subscriber, subscriber::Interest};
 use tracing_subscriber::layer::{Context, Layer};
 use tracing_subscriber::registry::LookupSpan;
 
+/// One benchmark run's median step (seconds) and its mean time per span.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// The median step.
+    pub step: f64,
+    /// Mean time per step in each span.
+    pub phases: BTreeMap<&'static str, Duration>,
+}
+
+/// Prints the per-phase table of `runs` (columns) over `phases` (`(label, span name)` rows)
+/// and `other`, the rest of each median step, `width` characters per column.
+pub fn print_breakdown(phases: &[(&str, &str)], runs: &[(String, Run)], width: usize) {
+    println!("\nms per step by phase (mean of the timed steps; forward phases, then backward");
+    println!("and optimizer as wholes; `other` is the rest of the median step):");
+    print!("{:>14}", "phase");
+    for (name, _) in runs {
+        print!(" {name:>width$}");
+    }
+    println!();
+    for &(label, span) in phases {
+        print!("{label:>14}");
+        for (_, run) in runs {
+            let ms = run.phases.get(span).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+            print!(" {ms:>width$.1}");
+        }
+        println!();
+    }
+    print!("{:>14}", "other");
+    for (_, run) in runs {
+        let known: f64 = phases
+            .iter()
+            .filter_map(|(_, s)| run.phases.get(s))
+            .map(Duration::as_secs_f64)
+            .sum();
+        print!(" {:>width$.1}", (run.step - known) * 1e3);
+    }
+    println!();
+}
+
 /// Summed durations by span name; cloned handles share one table.
 #[derive(Debug, Clone, Default)]
 pub struct PhaseTimes {
