@@ -89,7 +89,3 @@ impl Elem for f16 {
         FlexTensor::from_data(TensorData::new(values, shape.to_vec()))
     }
 }
-
-// Sum of `f(x)` over `xs` widened to f32, in 16 independent lanes (so that it vectorises),
-// joined in order, then the tail: one definition for every `Elem`, in `cpu`.
-pub(crate) use crate::cpu::lane_sum;

@@ -46,11 +46,8 @@ pub use cast::{
     MasterCastOps, master_to_model, master_to_model_segments, reference_master_cast, round_to,
 };
 pub use cross_entropy::{
-    CrossEntropyOps, LabelSmoothing, cross_entropy_backward, cross_entropy_predicted_and_sum,
-    cross_entropy_row_max, cross_entropy_row_stats, cross_entropy_sum_exp,
-    reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
-    reference_cross_entropy_row_max, reference_cross_entropy_row_stats,
-    reference_cross_entropy_sum_exp,
+    CrossEntropyOps, LabelSmoothing, cross_entropy_backward, cross_entropy_row_stats,
+    reference_cross_entropy_backward, reference_cross_entropy_row_stats,
 };
 pub use error::KernelError;
 pub use grad_accum::{

@@ -1,14 +1,12 @@
-//! The local cross-entropy passes vs the reference compositions (cast, max, gather, sum,
-//! exp, scatter) on the same device: the forward's three passes, and the backward.
+//! The local cross-entropy ops vs the reference compositions (cast, max, gather, sum, exp,
+//! scatter) on the same device: the forward's row statistics, and the backward.
 
 use crate::{compare, matrix};
 use burn::backend::Dispatch;
 use burn::tensor::{Device, Int, Tensor};
 use burn_megatron_kernels::{
-    LabelSmoothing, cross_entropy_backward, cross_entropy_predicted_and_sum, cross_entropy_row_max,
-    cross_entropy_sum_exp, reference_cross_entropy_backward,
-    reference_cross_entropy_predicted_and_sum, reference_cross_entropy_row_max,
-    reference_cross_entropy_sum_exp,
+    LabelSmoothing, cross_entropy_backward, cross_entropy_row_stats,
+    reference_cross_entropy_backward, reference_cross_entropy_row_stats,
 };
 
 pub fn bench(device: &Device) {
@@ -24,40 +22,29 @@ pub fn bench(device: &Device) {
             global_vocab: cols * 2,
         };
         let d = |t: &Tensor<2>| t.clone().into_dispatch();
-        let case = format!("[{rows}, {cols}] fwd (3 passes)");
+        let case = format!("[{rows}, {cols}] fwd (row stats)");
         compare(
             device,
             "cross_entropy",
             &case,
             || {
-                let max = cross_entropy_row_max(logits.clone()).unwrap();
-                let p = cross_entropy_predicted_and_sum(
-                    logits.clone(),
-                    max.clone(),
-                    target.clone(),
-                    in_range.clone(),
-                );
-                drop((
-                    p.unwrap(),
-                    cross_entropy_sum_exp(logits.clone(), max).unwrap(),
-                ));
+                let stats =
+                    cross_entropy_row_stats(logits.clone(), target.clone(), in_range.clone());
+                drop(stats.unwrap());
             },
             || {
-                let max = reference_cross_entropy_row_max::<Dispatch>(d(&logits));
-                let max = Tensor::<1>::from_dispatch(max);
-                let p = reference_cross_entropy_predicted_and_sum::<Dispatch>(
+                drop(reference_cross_entropy_row_stats::<Dispatch>(
                     d(&logits),
-                    max.clone().into_dispatch(),
                     target.clone().into_dispatch(),
                     in_range.clone().into_dispatch(),
-                );
-                let s =
-                    reference_cross_entropy_sum_exp::<Dispatch>(d(&logits), max.into_dispatch());
-                drop((p, s));
+                ));
             },
         );
-        let max = cross_entropy_row_max(logits.clone()).unwrap();
-        let sum_exp = cross_entropy_sum_exp(logits.clone(), max.clone()).unwrap();
+        // At one rank the local max and sum of exps are the global ones.
+        let stats = cross_entropy_row_stats(logits.clone(), target.clone(), in_range.clone())
+            .expect("shapes match");
+        let column = |c: usize| stats.clone().narrow(1, c, 1).reshape([rows]);
+        let (max, sum_exp) = (column(0), column(1));
         let case = format!("[{rows}, {cols}] bwd");
         compare(
             device,

@@ -1,4 +1,4 @@
-//! Autodiff for the local cross-entropy passes: they are pieces of a forward and of a
+//! Autodiff for the local cross-entropy ops: they are pieces of a forward and of a
 //! handwritten backward that the cross-entropy op owns, so they run on the inner backend
 //! and their results are not tracked.
 
@@ -17,34 +17,6 @@ impl<B: CrossEntropyOps, C: CheckpointStrategy> CrossEntropyOps for Autodiff<B, 
             logits.into_primitive(),
             target,
             in_range.into_primitive(),
-        ))
-    }
-
-    fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::from_inner(B::cross_entropy_row_max(logits.into_primitive()))
-    }
-
-    fn cross_entropy_predicted_and_sum(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-        target: IntTensor<Self>,
-        in_range: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        Self::from_inner(B::cross_entropy_predicted_and_sum(
-            logits.into_primitive(),
-            max.into_primitive(),
-            target,
-            in_range.into_primitive(),
-        ))
-    }
-
-    fn cross_entropy_sum_exp(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        Self::from_inner(B::cross_entropy_sum_exp(
-            logits.into_primitive(),
-            max.into_primitive(),
         ))
     }
 

@@ -2,9 +2,7 @@
 //! one cube per row for the reductions (the row statistics in one pass) and one unit per
 //! element for the backward.
 
-use super::kernels::{
-    backward_kernel, predicted_and_sum_kernel, row_max_kernel, row_stats_kernel, sum_exp_kernel,
-};
+use super::kernels::{backward_kernel, row_stats_kernel};
 use super::{CrossEntropyOps, LabelSmoothing};
 use crate::launch::elementwise_geometry;
 use burn::backend::cubecl::dtype_to_storage_type;
@@ -77,85 +75,6 @@ impl CrossEntropyOps for CubeBackend {
             out.clone().into_tensor_arg(),
             block,
             dtypes,
-        );
-        out
-    }
-
-    fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self> {
-        let [rows, cols] = logits.shape().dims::<2>();
-        let out = empty_f32(&logits, Shape::from([rows]));
-        if rows == 0 || cols == 0 {
-            return out;
-        }
-        let logits = into_contiguous(logits);
-        let block = block_size(&logits, cols);
-        let dtype = dtype_to_storage_type(logits.dtype);
-        row_max_kernel::launch(
-            &logits.client.clone(),
-            row_count(&logits, rows),
-            CubeDim::new_1d(block as u32),
-            logits.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            block,
-            dtype,
-        );
-        out
-    }
-
-    fn cross_entropy_predicted_and_sum(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-        target: IntTensor<Self>,
-        in_range: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        let [rows, cols] = logits.shape().dims::<2>();
-        let out = empty_f32(&logits, Shape::from([rows, 2]));
-        if rows == 0 || cols == 0 {
-            return out;
-        }
-        let logits = into_contiguous(logits);
-        let target = into_contiguous(target);
-        let block = block_size(&logits, cols);
-        let dtypes = [
-            dtype_to_storage_type(logits.dtype),
-            dtype_to_storage_type(target.dtype),
-        ];
-        predicted_and_sum_kernel::launch(
-            &logits.client.clone(),
-            row_count(&logits, rows),
-            CubeDim::new_1d(block as u32),
-            logits.into_tensor_arg(),
-            f32_contiguous(max).into_tensor_arg(),
-            target.into_tensor_arg(),
-            f32_contiguous(in_range).into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            block,
-            dtypes,
-        );
-        out
-    }
-
-    fn cross_entropy_sum_exp(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        let [rows, cols] = logits.shape().dims::<2>();
-        let out = empty_f32(&logits, Shape::from([rows]));
-        if rows == 0 || cols == 0 {
-            return out;
-        }
-        let logits = into_contiguous(logits);
-        let block = block_size(&logits, cols);
-        let dtype = dtype_to_storage_type(logits.dtype);
-        sum_exp_kernel::launch(
-            &logits.client.clone(),
-            row_count(&logits, rows),
-            CubeDim::new_1d(block as u32),
-            logits.into_tensor_arg(),
-            f32_contiguous(max).into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            block,
-            dtype,
         );
         out
     }

@@ -1,7 +1,7 @@
-//! Flex's cross-entropy passes: one loop over the rows of the logits each (the reference
-//! walks and allocates the `[N, V]` tensor several times per pass), with the same formulas.
-//! The row statistics read f32, bf16 and f16 logits natively; the other passes f32 only,
-//! other dtypes going through the reference.
+//! Flex's cross-entropy ops: one loop over the rows of the logits each (the reference walks
+//! and allocates the `[N, V]` tensor several times), with the same formulas. The row
+//! statistics read f32, bf16 and f16 logits natively; the backward f32 only, other dtypes
+//! going through the reference.
 //!
 //! The row statistics walk each row twice, the max and then the sums of exps and of logits,
 //! the second walk reading the row from cache (a 32k-vocabulary f32 row is 128 KiB; one
@@ -9,17 +9,13 @@
 //! old three passes 21.8–26.5 ms, a single walk in 2048-element chunks (chunk max, then
 //! rescale the running sum) within noise of it (11.5–13.1 ms), a single walk keeping a
 //! running max per lane (two `exp`s per element) 38–40 ms. The two walks keep the sum of
-//! exps bit-identical to [`sum_exp`]'s where the local max is the global one (TP 1), so
-//! runs that compare with each other see the same numbers as before. The `exp` is
+//! exps bit-identical to the three-pass forward's where the local max is the global one
+//! (TP 1), so runs that compare with each other saw the same numbers across the change. The `exp` is
 //! `crate::cpu::exp` (2 ulp), as in the other passes and the backward.
 
 use super::LabelSmoothing;
-use super::reference::{
-    reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
-    reference_cross_entropy_row_max, reference_cross_entropy_row_stats,
-    reference_cross_entropy_sum_exp,
-};
-use crate::cpu::{RowOp, exp, f32_tensor, f32_values, for_rows, index_values, lane_fold, lane_sum};
+use super::reference::{reference_cross_entropy_backward, reference_cross_entropy_row_stats};
+use crate::cpu::{RowOp, exp, f32_tensor, f32_values, for_rows, index_values, lane_fold};
 use crate::cpu_elem::Elem;
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Flex, TensorMetadata};
@@ -64,50 +60,6 @@ fn stats_of<E: Elem>(
     let (n, v) = dims(logits);
     let stats = for_rows(&x, v, &RowStats { t: &t, r: &r, v });
     Some(f32_tensor(stats, &[n, 4]))
-}
-
-pub(super) fn row_max(logits: FlexTensor) -> FlexTensor {
-    let Some(x) = f32_values(&logits) else {
-        return reference_cross_entropy_row_max::<Flex>(logits);
-    };
-    let (n, v) = dims(&logits);
-    let max = for_rows(&x, v, &RowMax);
-    f32_tensor(max, &[n])
-}
-
-pub(super) fn predicted_and_sum(
-    logits: FlexTensor,
-    max: FlexTensor,
-    target: FlexTensor,
-    in_range: FlexTensor,
-) -> FlexTensor {
-    let (Some(x), Some(m), Some(t), Some(r)) = (
-        f32_values(&logits),
-        f32_values(&max),
-        index_values(&target),
-        f32_values(&in_range),
-    ) else {
-        return reference_cross_entropy_predicted_and_sum::<Flex>(logits, max, target, in_range);
-    };
-    let (n, v) = dims(&logits);
-    let sums = for_rows(&x, v, &SumShifted(&m));
-    let mut packed = Vec::with_capacity(2 * n);
-    for i in 0..n {
-        // A target outside the slice is the caller's bug: NaN shows it in the loss.
-        let z = column(t[i], v).map_or(f32::NAN, |c| x[i * v + c]);
-        packed.push((z - m[i]) * r[i]);
-        packed.push(sums[i]);
-    }
-    f32_tensor(packed, &[n, 2])
-}
-
-pub(super) fn sum_exp(logits: FlexTensor, max: FlexTensor) -> FlexTensor {
-    let (Some(x), Some(m)) = (f32_values(&logits), f32_values(&max)) else {
-        return reference_cross_entropy_sum_exp::<Flex>(logits, max);
-    };
-    let (n, v) = dims(&logits);
-    let sums = for_rows(&x, v, &SumExp(&m));
-    f32_tensor(sums, &[n])
 }
 
 pub(super) fn backward(
@@ -173,7 +125,7 @@ impl<E: Elem> RowOp<E> for RowStats<'_> {
 }
 
 /// `(Σ exp(x − shift), Σ x)` in one walk, each in 16 lanes joined in order then the tail:
-/// the sum of exps in exactly [`lane_sum`]'s order.
+/// the sum of exps in exactly [`crate::cpu::lane_sum`]'s order.
 #[inline(always)]
 fn exp_and_plain_sums<E: Elem>(xs: &[E], shift: f32) -> (f32, f32) {
     let (mut e, mut s) = ([0.0f32; 16], [0.0f32; 16]);
@@ -191,43 +143,6 @@ fn exp_and_plain_sums<E: Elem>(xs: &[E], shift: f32) -> (f32, f32) {
         let x = x.to_f32();
         (e + exp(x - shift), s + x)
     })
-}
-
-struct RowMax;
-
-impl RowOp for RowMax {
-    const OUT: usize = 1;
-
-    #[inline(always)]
-    fn row(&self, _: usize, row: &[f32], out: &mut [f32]) {
-        out[0] = lane_fold(row, f32::NEG_INFINITY, f32::max, f32::max);
-    }
-}
-
-/// `Σ (x − max)`.
-struct SumShifted<'a>(&'a [f32]);
-
-impl RowOp for SumShifted<'_> {
-    const OUT: usize = 1;
-
-    #[inline(always)]
-    fn row(&self, i: usize, row: &[f32], out: &mut [f32]) {
-        let m = self.0[i];
-        out[0] = lane_sum(row, |z| z - m);
-    }
-}
-
-/// `Σ exp(x − max)`.
-struct SumExp<'a>(&'a [f32]);
-
-impl RowOp for SumExp<'_> {
-    const OUT: usize = 1;
-
-    #[inline(always)]
-    fn row(&self, i: usize, row: &[f32], out: &mut [f32]) {
-        let m = self.0[i];
-        out[0] = lane_sum(row, |z| exp(z - m));
-    }
 }
 
 struct Backward<'a> {

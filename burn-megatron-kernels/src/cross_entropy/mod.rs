@@ -10,11 +10,6 @@
 //! The backward, [`cross_entropy_backward`], recomputes the softmax from `logits`, `max` and
 //! `sum_exp`, so the forward need not keep an `[N, V]` f32 softmax alive.
 //!
-//! The earlier three-pass forward is kept as ops too (and benchmarked against): the row max
-//! ([`cross_entropy_row_max`]) → all-reduce (max) → predicted logit and sum of logits
-//! shifted by `max` ([`cross_entropy_predicted_and_sum`]) → all-reduce → sum of exps
-//! ([`cross_entropy_sum_exp`]) → all-reduce.
-//!
 //! All reductions accumulate in f32 whatever the logits' dtype.
 
 mod autodiff;
@@ -25,11 +20,7 @@ mod flex;
 mod kernels;
 mod reference;
 
-pub use reference::{
-    reference_cross_entropy_backward, reference_cross_entropy_predicted_and_sum,
-    reference_cross_entropy_row_max, reference_cross_entropy_row_stats,
-    reference_cross_entropy_sum_exp,
-};
+pub use reference::{reference_cross_entropy_backward, reference_cross_entropy_row_stats};
 
 use crate::KernelError;
 use burn::backend::tensor::{FloatTensor, IntTensor};
@@ -65,20 +56,6 @@ pub trait CrossEntropyOps: Backend {
         target: IntTensor<Self>,
         in_range: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
-    /// `max_v logits[n, v]`, `[N]` f32.
-    fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self>;
-    /// `[N, 2]` f32: `((logits[n, target] − max)·in_range, Σ_v (logits[n, v] − max))`.
-    fn cross_entropy_predicted_and_sum(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-        target: IntTensor<Self>,
-        in_range: FloatTensor<Self>,
-    ) -> FloatTensor<Self>;
-    /// `Σ_v exp(logits[n, v] − max)`, `[N]` f32.
-    fn cross_entropy_sum_exp(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-    ) -> FloatTensor<Self>;
     /// `(softmax − (1 − ε)·one_hot·in_range − ε / V_global) · grad`, `[N, V]` in the logits'
     /// dtype, with `softmax = exp(logits − max) / sum_exp`.
     fn cross_entropy_backward(
@@ -99,26 +76,6 @@ impl CrossEntropyOps for Flex {
         in_range: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         flex::row_stats(logits, target, in_range)
-    }
-
-    fn cross_entropy_row_max(logits: FloatTensor<Self>) -> FloatTensor<Self> {
-        flex::row_max(logits)
-    }
-
-    fn cross_entropy_predicted_and_sum(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-        target: IntTensor<Self>,
-        in_range: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        flex::predicted_and_sum(logits, max, target, in_range)
-    }
-
-    fn cross_entropy_sum_exp(
-        logits: FloatTensor<Self>,
-        max: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        flex::sum_exp(logits, max)
     }
 
     fn cross_entropy_backward(
@@ -198,61 +155,6 @@ pub fn cross_entropy_row_stats(
         logits.into_dispatch(),
         target.into_dispatch(),
         in_range.into_dispatch(),
-    )))
-}
-
-/// Row max of `[N, V]` logits (any float dtype) as `[N]` f32: the first local pass, before
-/// the all-reduce (max) over the tensor-parallel group. Errors on an empty vocabulary slice.
-///
-/// ```
-/// use burn::tensor::{Device, Tensor};
-/// use burn_megatron_kernels::cross_entropy_row_max;
-/// let logits = Tensor::<2>::from_floats([[1.0, 3.0, 2.0], [-1.0, -5.0, -2.0]], &Device::flex());
-/// let max: Vec<f32> = cross_entropy_row_max(logits).unwrap().into_data().to_vec().unwrap();
-/// assert_eq!(max, [3.0, -1.0]);
-/// ```
-pub fn cross_entropy_row_max(logits: Tensor<2>) -> Result<Tensor<1>, KernelError> {
-    check_logits(&logits)?;
-    Ok(Tensor::from_dispatch(Dispatch::cross_entropy_row_max(
-        logits.into_dispatch(),
-    )))
-}
-
-/// `[N, 2]` f32 rows `((logits[n, target[n]] − max[n])·in_range[n], Σ_v (logits[n, v] −
-/// max[n]))`: the predicted logit and the sum of logits (label smoothing's mean), packed
-/// for one all-reduce (sum). `max` is the all-reduced row max; `target` the local column
-/// (in `[0, V)` on every row); `in_range` 1 where the target lies in this slice, else 0.
-pub fn cross_entropy_predicted_and_sum(
-    logits: Tensor<2>,
-    max: Tensor<1>,
-    target: Tensor<1, Int>,
-    in_range: Tensor<1>,
-) -> Result<Tensor<2>, KernelError> {
-    let n = check_logits(&logits)?;
-    let rows = [
-        ("max", max.dims()),
-        ("target", target.dims()),
-        ("in_range", in_range.dims()),
-    ];
-    check_rows(n, &rows)?;
-    Ok(Tensor::from_dispatch(
-        Dispatch::cross_entropy_predicted_and_sum(
-            logits.into_dispatch(),
-            max.into_dispatch(),
-            target.into_dispatch(),
-            in_range.into_dispatch(),
-        ),
-    ))
-}
-
-/// `Σ_v exp(logits[n, v] − max[n])` as `[N]` f32, `max` the all-reduced row max: the local
-/// part of the softmax denominator, before the all-reduce (sum).
-pub fn cross_entropy_sum_exp(logits: Tensor<2>, max: Tensor<1>) -> Result<Tensor<1>, KernelError> {
-    let n = check_logits(&logits)?;
-    check_rows(n, &[("max", max.dims())])?;
-    Ok(Tensor::from_dispatch(Dispatch::cross_entropy_sum_exp(
-        logits.into_dispatch(),
-        max.into_dispatch(),
     )))
 }
 

@@ -41,41 +41,6 @@ fn shifted<B: Backend>(logits: FloatTensor<B>, max: FloatTensor<B>) -> FloatTens
     B::float_sub(B::float_cast(logits, FloatDType::F32), column::<B>(max, n))
 }
 
-/// Row max of `[N, V]` logits as `[N]` f32.
-pub fn reference_cross_entropy_row_max<B: Backend>(logits: FloatTensor<B>) -> FloatTensor<B> {
-    let n = logits.shape()[0];
-    let max = B::float_max_dim(B::float_cast(logits, FloatDType::F32), 1);
-    B::float_reshape(max, Shape::from([n]))
-}
-
-/// `[N, 2]` f32: `((logits[n, target] − max)·in_range, Σ_v (logits[n, v] − max))`.
-pub fn reference_cross_entropy_predicted_and_sum<B: Backend>(
-    logits: FloatTensor<B>,
-    max: FloatTensor<B>,
-    target: IntTensor<B>,
-    in_range: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let n = logits.shape()[0];
-    let shifted = shifted::<B>(logits, max);
-    let target = B::int_reshape(target, Shape::from([n, 1]));
-    let predicted = B::float_mul(
-        B::float_gather(1, shifted.clone(), target),
-        column::<B>(in_range, n),
-    );
-    let sum = B::float_sum_dim(shifted, 1);
-    B::float_cat(vec![predicted, sum], 1)
-}
-
-/// `Σ_v exp(logits[n, v] − max)` as `[N]` f32.
-pub fn reference_cross_entropy_sum_exp<B: Backend>(
-    logits: FloatTensor<B>,
-    max: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let n = logits.shape()[0];
-    let sum = B::float_sum_dim(B::float_exp(shifted::<B>(logits, max)), 1);
-    B::float_reshape(sum, Shape::from([n]))
-}
-
 /// `(softmax − (1 − ε)·one_hot·in_range − ε / V_global) · grad` in the logits' dtype, the
 /// softmax recomputed as `exp(logits − max) / sum_exp`.
 pub fn reference_cross_entropy_backward<B: Backend>(

@@ -12,8 +12,9 @@
 //! Mixed dtypes (`x` and `gamma` differ) and other dtypes go through the reference.
 
 use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward, rows_and_width};
+use crate::cpu::lane_sum;
 use crate::cpu::{f32_tensor, f32_values};
-use crate::cpu_elem::{Elem, lane_sum};
+use crate::cpu_elem::Elem;
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{DType, bf16, f16};
