@@ -102,7 +102,7 @@ pub fn gathered<M: Module>(
                 None => p.val().detach(),
             };
             let attrs = parallel_attrs(p.id);
-            let full = match attrs.partition_dim.filter(|_| attrs.tensor_model_parallel) {
+            let full = match attrs.split_dim() {
                 Some(d) => all_gather(&**self.tp, value, d).expect("gather"),
                 None => value,
             };

@@ -39,12 +39,12 @@ fn facts<M: Module>(model: &M, rank: &CheckpointRank<'_>) -> Vec<Fact> {
             let (rank, value) = (self.0, p.val());
             let attrs = parallel_attrs(p.id);
             let (tp_rank, tp) = rank.tp();
-            let sharded = attrs.tensor_model_parallel && attrs.partition_dim.is_some();
+            let sharded = attrs.split_dim().is_some();
             let copy_crc32 = (!sharded).then(|| crc32fast::hash(value.clone().into_data().bytes()));
             self.1.push(Fact {
                 name: (rank.names)(path),
                 global_shape: placement(p.id, &value.dims(), tp_rank, tp).global_shape,
-                partition_dim: attrs.partition_dim.filter(|_| sharded),
+                partition_dim: attrs.split_dim(),
                 shared: attrs.shared,
                 copy_crc32,
             });

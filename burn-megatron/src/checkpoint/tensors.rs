@@ -23,15 +23,7 @@ pub(super) struct Placement {
 /// `tp_rank` of `tp`: tensor-parallel shards are contiguous slices along their partition
 /// dim, in rank order (the layers slice one full initialisation).
 pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) -> Placement {
-    let attrs = parallel_attrs(id);
-    let mut global_shape = dims.to_vec();
-    let mut offset = vec![0; dims.len()];
-    if let (true, Some(d)) = (attrs.tensor_model_parallel, attrs.partition_dim)
-        && d < dims.len()
-    {
-        global_shape[d] *= tp;
-        offset[d] = tp_rank * dims[d];
-    }
+    let (global_shape, offset) = parallel_attrs(id).placement(dims, tp_rank, tp);
     Placement {
         global_shape,
         offset,

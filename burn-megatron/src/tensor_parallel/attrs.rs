@@ -59,6 +59,30 @@ impl ParallelAttrs {
         }
     }
 
+    /// The split dimension of a tensor-parallel shard (`None` for a duplicated parameter).
+    pub fn split_dim(&self) -> Option<usize> {
+        self.partition_dim.filter(|_| self.tensor_model_parallel)
+    }
+
+    /// The global shape and this rank's offset in it of a parameter whose local shard has
+    /// `dims`, on tensor-parallel rank `tp_rank` of `tp`: shards are contiguous slices along
+    /// their split dim in rank order (the layers slice one full initialisation).
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::ParallelAttrs;
+    /// assert_eq!(ParallelAttrs::sharded(1).placement(&[4, 3], 1, 2), (vec![4, 6], vec![0, 3]));
+    /// assert_eq!(ParallelAttrs::default().placement(&[4, 3], 1, 2), (vec![4, 3], vec![0, 0]));
+    /// ```
+    pub fn placement(&self, dims: &[usize], tp_rank: usize, tp: usize) -> (Vec<usize>, Vec<usize>) {
+        let mut global = dims.to_vec();
+        let mut offset = vec![0; dims.len()];
+        if let Some(d) = self.split_dim().filter(|&d| d < dims.len()) {
+            global[d] *= tp;
+            offset[d] = tp_rank * dims[d];
+        }
+        (global, offset)
+    }
+
     /// Whether this rank's copy contributes to the global gradient norm on a rank with the
     /// given tensor-parallel rank: shards always, duplicates only on TP rank 0, the second
     /// copy of a tied weight never.

@@ -190,7 +190,7 @@ pub struct Gpt {
 impl GptConfig {
     /// The query groups (one per head when not set).
     pub fn query_groups(&self) -> usize {
-        self.num_query_groups.unwrap_or(self.num_attention_heads)
+        self.layer_config(0).attention_config().query_groups()
     }
 
     /// The real vocabulary size.
@@ -235,9 +235,9 @@ impl GptConfig {
         }
     }
 
-    fn head_dim(&self) -> usize {
-        self.kv_channels
-            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    /// Channels per head.
+    pub(crate) fn head_dim(&self) -> usize {
+        self.layer_config(0).attention_config().head_dim()
     }
 
     /// The rotary embedding this config asks for (`None` with learned positions).

@@ -334,9 +334,7 @@ impl HfGptConfig {
             )))
         };
         let heads = config.num_attention_heads;
-        let head_dim = config
-            .kv_channels
-            .unwrap_or(config.hidden_size / heads.max(1));
+        let head_dim = config.head_dim();
         let architecture = match config.position_embedding_type {
             PositionEmbeddingType::Rope => {
                 if config.normalization != NormKind::RmsNorm

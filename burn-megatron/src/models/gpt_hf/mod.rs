@@ -165,21 +165,11 @@ impl PathMapper for Loader<'_> {
         let ours = (self.names)(path);
         let value = p.val();
         let dims = value.dims();
-        let partition = parallel_attrs(p.id).partition_dim;
-        let global: Vec<usize> = dims
-            .iter()
-            .enumerate()
-            .map(|(d, &n)| {
-                if partition == Some(d) {
-                    n * self.tp.1
-                } else {
-                    n
-                }
-            })
-            .collect();
-        let shard = self
-            .global(&ours, &global)
-            .and_then(|full| slice_shard(&full, &ours, &dims, &global, partition, self.tp.0));
+        let attrs = parallel_attrs(p.id);
+        let (global, _) = attrs.placement(&dims, self.tp.0, self.tp.1);
+        let shard = self.global(&ours, &global).and_then(|full| {
+            slice_shard(&full, &ours, &dims, &global, attrs.split_dim(), self.tp.0)
+        });
         match shard {
             Ok(values) => {
                 let options = TensorCreationOptions::new(value.device()).with_dtype(value.dtype());
@@ -236,7 +226,7 @@ fn gather_global(model: &Gpt) -> Result<BTreeMap<String, Host>, HfError> {
             let attrs = parallel_attrs(p.id);
             let value = p.val().detach();
             // Every rank gathers the same parameters in the same order, errors or not.
-            let full = match attrs.partition_dim.filter(|_| attrs.tensor_model_parallel) {
+            let full = match attrs.split_dim() {
                 Some(d) => all_gather(&**self.tp, value, d).map_err(HfError::from),
                 None => Ok(value),
             };
