@@ -13,6 +13,8 @@
 //!   (FP32 master weights, overflow skipping, global-norm clipping).
 //! - [`pipeline`]: schedules (1F1B, interleaved), p2p between stages and
 //!   `forward_backward_func` over any model's chunks.
+//! - [`recompute`]: activation recomputation: regions that keep only their input and run
+//!   again in backward (Megatron's `--recompute-granularity`).
 //! - [`models`]: tensor-parallel attention, MLP, transformer layer and BERT, with Hugging
 //!   Face checkpoint import/export.
 //! - [`data`]: BERT pretraining data: corpus, WordPiece tokenizer, masked sentence pairs.
@@ -39,6 +41,7 @@ mod module_path;
 pub mod optimizer;
 mod param_grads;
 pub mod pipeline;
+pub mod recompute;
 mod safetensors_io;
 pub mod tensor_parallel;
 pub mod topology;

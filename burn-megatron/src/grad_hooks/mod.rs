@@ -16,7 +16,7 @@ use burn::backend::Dispatch;
 use burn::module::{Param, ParamId};
 use burn::tensor::Tensor;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -33,8 +33,9 @@ pub trait GradSync {
 /// Where hooked gradients go.
 pub(crate) trait GradSink: Send + Sync + std::fmt::Debug {
     /// Forward, with this sink active: whether to hook `id` (a parameter it reduces), the
-    /// use counted.
-    fn hook(&self, id: ParamId) -> bool;
+    /// use counted when `count` (a recomputed region counts its uses in its first forward
+    /// and hooks them when it runs again in backward).
+    fn hook(&self, id: ParamId, count: bool) -> bool;
     /// Backward of a parameter hooked while this sink was active: its gradient, flat f32.
     fn deliver(&self, id: ParamId, grad: Vec<f32>);
     /// Backward of a parameter this sink claimed, hooked while no sink was active.
@@ -43,6 +44,45 @@ pub(crate) trait GradSink: Send + Sync + std::fmt::Debug {
 
 thread_local! {
     static ACTIVE: RefCell<Option<Arc<dyn GradSink>>> = const { RefCell::new(None) };
+    static PHASE: RefCell<Phase> = const { RefCell::new(Phase::Normal) };
+}
+
+/// Which forward of a recomputed region is running on this thread.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Not inside a recomputed region.
+    #[default]
+    Normal,
+    /// The region's first forward, untracked: its activations are dropped. The parameters
+    /// it detached (those that train) count a use with the active sink, so that a reducer
+    /// knows a gradient is still to come.
+    Discard(HashSet<ParamId>),
+    /// The region's forward again, in backward: its hooks deliver the uses counted before.
+    Replay,
+}
+
+/// Restores the previous phase on drop.
+#[derive(Debug)]
+pub(crate) struct PhaseGuard(Option<Phase>);
+
+impl Drop for PhaseGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.0.take() {
+            PHASE.with(|p| *p.borrow_mut() = previous);
+        }
+    }
+}
+
+/// Runs this thread in `phase` until the guard drops.
+pub(crate) fn enter_phase(phase: Phase) -> PhaseGuard {
+    PhaseGuard(Some(
+        PHASE.with(|p| std::mem::replace(&mut *p.borrow_mut(), phase)),
+    ))
+}
+
+/// Whether this thread runs the first, discarded forward of a recomputed region.
+pub(crate) fn in_discard() -> bool {
+    PHASE.with(|p| matches!(*p.borrow(), Phase::Discard(_)))
 }
 
 /// Which live sinks claimed each parameter (several when ranks of one process share
@@ -152,12 +192,24 @@ pub fn hook_param<const D: usize, const E: usize>(
     anchor: &Tensor<E>,
 ) -> Tensor<D> {
     let value = param.val();
+    // `None` in a discarded forward: whether it counts a use instead of hooking.
+    let (discarded, count) = PHASE.with(|p| match &*p.borrow() {
+        Phase::Discard(trained) => (Some(trained.contains(&param.id)), false),
+        Phase::Replay => (None, false),
+        Phase::Normal => (None, true),
+    });
+    if let Some(trained) = discarded {
+        if trained && let Some(sink) = ACTIVE.with(|a| a.borrow().clone()) {
+            sink.hook(param.id, true);
+        }
+        return value;
+    }
     if !value.is_require_grad() {
         return value;
     }
     let target = match ACTIVE.with(|a| a.borrow().clone()) {
         Some(sink) => {
-            if !sink.hook(param.id) {
+            if !sink.hook(param.id, count) {
                 return value;
             }
             Target::Active(sink)

@@ -4,6 +4,7 @@
 
 use super::rotary::RotaryTables;
 use crate::comm::Comm;
+use crate::recompute::recompute_fn;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, RngRegion, RngTracker,
     RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
@@ -66,6 +67,10 @@ pub struct ParallelAttentionConfig {
     /// Seed of this layer's weights.
     #[config(default = 0)]
     pub seed: u64,
+    /// Recompute the core attention in backward instead of keeping its `[b, heads, s, s]`
+    /// scores and probabilities (Megatron's selective `core_attn` recomputation).
+    #[config(default = false)]
+    pub recompute_core_attn: bool,
 }
 
 /// What every layer of one forward shares besides the hidden states: the padding mask and
@@ -120,14 +125,20 @@ pub struct ParallelAttention {
     /// Output projection, `heads·head_dim → h`, split by input rows.
     pub dense: RowParallelLinear,
     #[module(skip)]
+    core: CoreAttention,
+    #[module(skip)]
+    recompute_core_attn: bool,
+}
+
+/// Attention between the QKV and output projections: rotary positions, scores, the masked
+/// softmax, dropout and the weighted values. Parameter-free, so that selective
+/// recomputation can replay it alone.
+#[derive(Debug, Clone, Copy)]
+struct CoreAttention {
     groups_per_rank: usize,
-    #[module(skip)]
     heads_per_group: usize,
-    #[module(skip)]
     head_dim: usize,
-    #[module(skip)]
     causal: bool,
-    #[module(skip)]
     attention_dropout: f64,
 }
 
@@ -204,11 +215,14 @@ impl ParallelAttentionConfig {
         Ok(ParallelAttention {
             query_key_value,
             dense,
-            groups_per_rank: groups / size,
-            heads_per_group: heads / groups,
-            head_dim: hn,
-            causal: self.attn_mask_type == AttnMaskType::Causal,
-            attention_dropout: self.attention_dropout,
+            core: CoreAttention {
+                groups_per_rank: groups / size,
+                heads_per_group: heads / groups,
+                head_dim: hn,
+                causal: self.attn_mask_type == AttnMaskType::Causal,
+                attention_dropout: self.attention_dropout,
+            },
+            recompute_core_attn: self.recompute_core_attn,
         })
     }
 }
@@ -216,17 +230,17 @@ impl ParallelAttentionConfig {
 impl ParallelAttention {
     /// Attention heads held by this rank.
     pub fn heads_per_rank(&self) -> usize {
-        self.groups_per_rank * self.heads_per_group
+        self.core.groups_per_rank * self.core.heads_per_group
     }
 
     /// Key/value heads (query groups) held by this rank.
     pub fn groups_per_rank(&self) -> usize {
-        self.groups_per_rank
+        self.core.groups_per_rank
     }
 
     /// Channels per head.
     pub fn head_dim(&self) -> usize {
-        self.head_dim
+        self.core.head_dim
     }
 
     /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism). Dropout applies
@@ -256,6 +270,29 @@ impl ParallelAttention {
         cache: Option<&mut LayerKvCache>,
     ) -> (Tensor<3>, Option<Tensor<1>>) {
         let qkv = self.query_key_value.forward(x);
+        let core = self.core;
+        let context = match cache {
+            None if self.recompute_core_attn => {
+                let inputs = inputs.clone();
+                recompute_fn(qkv, rng, move |qkv, rng| {
+                    core.forward(qkv, &inputs, rng, None)
+                })
+            }
+            cache => core.forward(qkv, inputs, rng, cache),
+        };
+        self.dense.forward_with_bias(context)
+    }
+}
+
+impl CoreAttention {
+    /// `[s, b, groups·(qpg + 2)·hn]` QKV → `[s, b, heads·hn]` context.
+    fn forward(
+        self,
+        qkv: Tensor<3>,
+        inputs: &AttentionInputs,
+        rng: Option<&RngTracker>,
+        cache: Option<&mut LayerKvCache>,
+    ) -> Tensor<3> {
         let [s, b, _] = qkv.dims();
         let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
         let np = ng * qpg;
@@ -307,12 +344,11 @@ impl ParallelAttention {
                 )
                 .expect("attention_dropout is checked to lie in [0, 1) at init");
         }
-        let context = probs
+        probs
             .reshape([b, ng, qpg * s, sk])
             .matmul(v)
             .reshape([b, np, s, hn])
             .permute([2, 0, 1, 3])
-            .reshape([s, b, np * hn]);
-        self.dense.forward_with_bias(context)
+            .reshape([s, b, np * hn])
     }
 }

@@ -7,8 +7,11 @@ mod head;
 pub use head::MaskedPositions;
 
 use super::attention::AttentionInputs;
-use super::transformer::{LayerNormPosition, NormKind, TransformerLayer, TransformerLayerConfig};
+use super::transformer::{
+    LayerNormPosition, NormKind, TransformerLayer, TransformerLayerConfig, forward_layers,
+};
 use crate::comm::Comm;
+use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
@@ -68,6 +71,9 @@ pub struct BertConfig {
     /// Seed of all weights.
     #[config(default = 1234)]
     pub seed: u64,
+    /// Activation recomputation (Megatron's `--recompute-*` flags).
+    #[config(default = "RecomputeConfig::new()")]
+    pub recompute: RecomputeConfig,
 }
 
 /// Word, position and token-type embeddings with their LayerNorm: the first pipeline stage's
@@ -127,6 +133,8 @@ pub struct Bert {
     /// The global index of this chunk's first layer.
     #[module(skip)]
     first_layer: usize,
+    #[module(skip)]
+    recompute: RecomputeConfig,
 }
 
 /// What [`Bert::forward`] returns.
@@ -175,6 +183,9 @@ impl BertConfig {
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
         ])?;
+        self.recompute
+            .check(self.num_layers)
+            .map_err(|e| TpError::Invalid(e.0))?;
         let layer_range = position
             .layer_range(self.num_layers)
             .map_err(|e| TpError::Invalid(e.to_string()))?;
@@ -234,6 +245,7 @@ impl BertConfig {
                     .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
                     .with_initializer(normal)
                     .with_seed(derive_seed(seed, &format!("layers.{i}")))
+                    .with_recompute(self.recompute.clone())
                     .init(tp, device)
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -261,6 +273,7 @@ impl BertConfig {
             sequence_parallel: self.sequence_parallel,
             hidden_dropout: self.hidden_dropout,
             first_layer,
+            recompute: self.recompute.clone(),
         };
         bert.state_attrs();
         Ok(bert)
@@ -409,9 +422,7 @@ impl Bert {
             }
         };
         let inputs = AttentionInputs::padding(padding);
-        for layer in &self.layers {
-            x = layer.forward(x, &inputs, rng);
-        }
+        x = forward_layers(&self.layers, x, &inputs, rng, &self.recompute);
         let Some(head) = &self.head else {
             return Ok(BertStageOutput::Hidden(x));
         };

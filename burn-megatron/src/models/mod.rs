@@ -29,7 +29,7 @@ pub use gpt_hf::{
 pub use rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig, RotaryTables};
 pub use transformer::{
     ActivationFunc, LayerNormPosition, Norm, NormKind, ParallelMlp, TransformerLayer,
-    TransformerLayerConfig,
+    TransformerLayerConfig, forward_layers,
 };
 
 use crate::tensor_parallel::{LayoutOwner, TpError, VocabParallelEmbedding};

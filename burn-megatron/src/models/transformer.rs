@@ -6,6 +6,7 @@ use super::attention::{
     AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
 };
 use crate::comm::Comm;
+use crate::recompute::{RecomputeConfig, RecomputeModule, recompute};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs,
     RngRegion, RngTracker, RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
@@ -246,6 +247,10 @@ pub struct TransformerLayerConfig {
     /// Seed of this layer's weights.
     #[config(default = 0)]
     pub seed: u64,
+    /// Activation recomputation; the layer applies the `selective` modules (the block of
+    /// layers applies `full`, see [`forward_layers`]).
+    #[config(default = "RecomputeConfig::new()")]
+    pub recompute: RecomputeConfig,
 }
 
 /// One transformer layer: attention and MLP, each with a residual connection and LayerNorm.
@@ -265,6 +270,9 @@ pub struct TransformerLayer {
     hidden_dropout: f64,
     #[module(skip)]
     sequence_parallel: bool,
+    /// Selective recomputation of the MLP.
+    #[module(skip)]
+    recompute_mlp: bool,
     /// Holds the norms' attributes.
     #[module(skip)]
     layout: LayoutOwner,
@@ -285,6 +293,7 @@ impl TransformerLayerConfig {
             .with_initializer(self.initializer)
             .with_output_initializer(self.output_initializer)
             .with_seed(derive_seed(self.seed, "attention"))
+            .with_recompute_core_attn(self.recompute.selects(RecomputeModule::CoreAttn))
     }
 
     /// Initialises this rank's part of the layer.
@@ -330,6 +339,7 @@ impl TransformerLayerConfig {
             position: self.layernorm_position,
             hidden_dropout: self.hidden_dropout,
             sequence_parallel: self.sequence_parallel,
+            recompute_mlp: self.recompute.selects(RecomputeModule::Mlp),
             layout: LayoutOwner::default(),
         };
         layer.state_attrs();
@@ -374,6 +384,19 @@ impl TransformerLayer {
             .expect("shapes match by construction and the probability is checked at init")
     }
 
+    /// The MLP's output and its unadded bias; recomputed (bias added inside, as the fused
+    /// add would add it) under selective `mlp` recomputation.
+    fn mlp_forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
+        if self.recompute_mlp {
+            (
+                recompute(&self.mlp, x, None, |mlp, x, _| mlp.forward(x)),
+                None,
+            )
+        } else {
+            self.mlp.forward_with_bias(x)
+        }
+    }
+
     /// `[s, b, h]` → `[s, b, h]` (dim 0 split under sequence parallelism), with the padding
     /// mask and rotary tables of `inputs`. Dropout applies when `rng` is given.
     pub fn forward(
@@ -407,7 +430,7 @@ impl TransformerLayer {
                     .forward(self.bias_dropout_add(a, x, rng));
                 drop(span);
                 let _span = tracing::debug_span!("layer.mlp").entered();
-                let m = self.mlp.forward_with_bias(x.clone());
+                let m = self.mlp_forward(x.clone());
                 self.post_attention_layernorm
                     .forward(self.bias_dropout_add(m, x, rng))
             }
@@ -418,11 +441,34 @@ impl TransformerLayer {
                 let x = self.bias_dropout_add(a, x, rng);
                 drop(span);
                 let _span = tracing::debug_span!("layer.mlp").entered();
-                let m = self
-                    .mlp
-                    .forward_with_bias(self.post_attention_layernorm.forward(x.clone()));
+                let m = self.mlp_forward(self.post_attention_layernorm.forward(x.clone()));
                 self.bias_dropout_add(m, x, rng)
             }
         }
     }
+}
+
+/// Runs a pipeline chunk's `layers` in order, recomputing them as `recompute` asks for
+/// `full` granularity (Megatron's `TransformerBlock._checkpointed_forward`): a region keeps
+/// only its input, and replays its layers' dropout in backward.
+pub fn forward_layers(
+    layers: &[TransformerLayer],
+    mut x: Tensor<3>,
+    inputs: &AttentionInputs,
+    rng: Option<&RngTracker>,
+    recompute_config: &RecomputeConfig,
+) -> Tensor<3> {
+    for (range, recomputed) in recompute_config.layer_regions(layers.len()) {
+        if recomputed {
+            let inputs = inputs.clone();
+            x = recompute(&layers[range].to_vec(), x, rng, move |layers, x, rng| {
+                layers.iter().fold(x, |x, l| l.forward(x, &inputs, rng))
+            });
+        } else {
+            x = layers[range]
+                .iter()
+                .fold(x, |x, l| l.forward(x, inputs, rng));
+        }
+    }
+    x
 }

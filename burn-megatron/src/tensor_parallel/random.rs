@@ -66,6 +66,28 @@ impl RngTracker {
         (self.seed, self.tp_rank)
     }
 
+    /// An independent tracker whose streams start where this one's are now: what a
+    /// recomputed region replays, so that its second forward draws the same masks as its
+    /// first (Megatron's `CheckpointFunction` saves and restores the tracker's states).
+    pub fn fork(&self) -> Self {
+        let streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        // ChaCha's state is its key, stream and position.
+        let copy = |r: &ChaCha8Rng| {
+            let mut c = ChaCha8Rng::from_seed(r.get_seed());
+            c.set_stream(r.get_stream());
+            c.set_word_pos(r.get_word_pos());
+            c
+        };
+        Self {
+            streams: Arc::new(Mutex::new(Streams {
+                default: copy(&streams.default),
+                model_parallel: copy(&streams.model_parallel),
+            })),
+            seed: self.seed,
+            tp_rank: self.tp_rank,
+        }
+    }
+
     /// A fresh seed from `region`'s stream, for a dropout whose mask a kernel derives from it
     /// (`burn_megatron_kernels::bias_dropout_add`): the same on every TP rank for
     /// [`RngRegion::Default`], different for [`RngRegion::TensorModelParallel`].

@@ -7,6 +7,7 @@ mod generate;
 mod hf;
 mod parity;
 mod pipeline;
+mod recompute;
 
 /// The error type the rank closures return.
 type Error = Box<dyn std::error::Error + Send + Sync>;

@@ -202,12 +202,14 @@ impl Shared {
 }
 
 impl GradSink for Shared {
-    fn hook(&self, id: ParamId) -> bool {
+    fn hook(&self, id: ParamId, count: bool) -> bool {
         let mut state = self.lock();
         if !state.slots.contains_key(&id) {
             return false;
         }
-        *state.uses.entry(id).or_insert(0) += 1;
+        if count {
+            *state.uses.entry(id).or_insert(0) += 1;
+        }
         if state.last {
             state.hooked.insert(id);
         }

@@ -3,6 +3,7 @@
 
 use super::{Gpt, GptEmbedding, GptHead};
 use crate::models::attention::{AttentionInputs, LayerKvCache};
+use crate::models::transformer::forward_layers;
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -130,9 +131,13 @@ impl Gpt {
                 .layers
                 .resize_with(self.layers.len(), LayerKvCache::default);
         }
-        for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward_with_cache(x, &inputs, rng, layer_cache);
+        match cache {
+            Some(cache) => {
+                for (layer, layer_cache) in self.layers.iter().zip(&mut cache.layers) {
+                    x = layer.forward_with_cache(x, &inputs, rng, Some(layer_cache));
+                }
+            }
+            None => x = forward_layers(&self.layers, x, &inputs, rng, &self.recompute),
         }
         match &self.head {
             None => Ok(GptStageOutput::Hidden(x)),

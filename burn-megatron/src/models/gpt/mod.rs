@@ -32,6 +32,7 @@ use super::transformer::{
     ActivationFunc, LayerNormPosition, Norm, NormKind, TransformerLayer, TransformerLayerConfig,
 };
 use crate::comm::Comm;
+use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, TpError,
     VocabParallelEmbedding, VocabParallelEmbeddingConfig, derive_seed, host_param,
@@ -130,6 +131,9 @@ pub struct GptConfig {
     /// Seed of all weights.
     #[config(default = 1234)]
     pub seed: u64,
+    /// Activation recomputation (Megatron's `--recompute-*` flags).
+    #[config(default = "RecomputeConfig::new()")]
+    pub recompute: RecomputeConfig,
 }
 
 /// The first pipeline stage's part: word embeddings (split by vocabulary rows) and, with
@@ -185,6 +189,8 @@ pub struct Gpt {
     /// The global index of this chunk's first layer.
     #[module(skip)]
     first_layer: usize,
+    #[module(skip)]
+    recompute: RecomputeConfig,
 }
 
 impl GptConfig {
@@ -226,6 +232,7 @@ impl GptConfig {
         .with_initializer(self.normal())
         .with_output_initializer(Some(scaled))
         .with_seed(derive_seed(self.seed, &format!("layers.{index}")))
+        .with_recompute(self.recompute.clone())
     }
 
     fn normal(&self) -> MasterInit {
@@ -280,6 +287,9 @@ impl GptConfig {
         }
         self.rotary()?;
         self.normal().check()?;
+        self.recompute
+            .check(self.num_layers)
+            .map_err(|e| TpError::Invalid(e.0))?;
         super::check_dropout(&[
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
@@ -375,6 +385,7 @@ impl GptConfig {
             vocab_size: self.vocab_size(),
             max_position_embeddings: self.max_position_embeddings,
             first_layer,
+            recompute: self.recompute.clone(),
         };
         gpt.state_attrs();
         Ok(gpt)
