@@ -94,3 +94,49 @@ fn bad_probabilities_are_refused() {
         );
     }
 }
+
+/// Flex's native loops (dropout, and bias + dropout + residual) give the reference's bits,
+/// over several chunks of the parallel split, with and without bias.
+#[test]
+fn flex_native_loops_equal_the_reference_bit_for_bit() {
+    use burn::backend::Dispatch;
+    use burn_megatron_kernels::{bias_dropout_add, reference_bias_dropout_add, reference_dropout};
+    let device = Device::flex();
+    let shape = [3, 70_001];
+    let n = 3 * 70_001;
+    let t = |seed| Tensor::<2>::from_data(TensorData::new(values(n, seed, 10.0), shape), &device);
+    let bias = Tensor::<1>::from_data(TensorData::new(values(70_001, 9, 1.0), [70_001]), &device);
+    for (prob, seed) in [(0.0f32, 3u64), (0.1, 0xABCD_EF01_2345), (0.7, u64::MAX)] {
+        let reference = Tensor::<2>::from_dispatch(reference_dropout::<Dispatch>(
+            t(1).into_dispatch(),
+            prob,
+            seed,
+        ));
+        assert_eq!(
+            to_vec(dropout(t(1), prob, seed).unwrap()),
+            to_vec(reference),
+            "dropout p {prob}"
+        );
+        for with_bias in [false, true] {
+            let b = if with_bias {
+                bias.clone()
+            } else {
+                t(1).reshape([-1]).narrow(0, 0, 70_001)
+            };
+            let reference = Tensor::<2>::from_dispatch(reference_bias_dropout_add::<Dispatch>(
+                t(1).into_dispatch(),
+                b.clone().into_dispatch(),
+                with_bias,
+                t(2).into_dispatch(),
+                prob,
+                seed,
+            ));
+            let native = bias_dropout_add(t(1), with_bias.then_some(b), t(2), prob, seed).unwrap();
+            assert_eq!(
+                to_vec(native),
+                to_vec(reference),
+                "bias_dropout_add p {prob} bias {with_bias}"
+            );
+        }
+    }
+}

@@ -8,5 +8,6 @@ pub fn median(mut samples: Vec<f64>) -> f64 {
 
 mod alloc;
 pub mod checkpoint_tool;
+pub mod memory;
 pub mod phases;
 pub mod pretrain;

@@ -21,6 +21,7 @@
 mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
+mod flex;
 
 use crate::KernelError;
 use burn::backend::tensor::FloatTensor;
@@ -39,9 +40,19 @@ pub(crate) const fn fmix32(mut h: u32) -> u32 {
 
 /// The dropout hash of flat index `index` under `seed` (see the module docs for the formula).
 pub fn dropout_hash(seed: u64, index: u32) -> u32 {
+    hash_with_keys(dropout_keys(seed), index)
+}
+
+/// `(k1, k2)` of `seed`: the part of the hash that does not depend on the index.
+pub(crate) fn dropout_keys(seed: u64) -> (u32, u32) {
     let (lo, hi) = (seed as u32, (seed >> 32) as u32);
     let k1 = fmix32(lo ^ fmix32(hi ^ 0x9E37_79B9));
-    let k2 = fmix32(k1.wrapping_add(0x7F4A_7C15));
+    (k1, fmix32(k1.wrapping_add(0x7F4A_7C15)))
+}
+
+/// The hash of `index` under the keys of [`dropout_keys`].
+#[inline(always)]
+pub(crate) fn hash_with_keys((k1, k2): (u32, u32), index: u32) -> u32 {
     fmix32(fmix32(index ^ k1).wrapping_add(k2))
 }
 
@@ -145,11 +156,11 @@ impl BiasDropoutAddOps for Flex {
         prob: f32,
         seed: u64,
     ) -> FloatTensor<Self> {
-        reference_bias_dropout_add::<Self>(x, bias, has_bias, residual, prob, seed)
+        flex::bias_dropout_add(x, bias, has_bias, residual, prob, seed)
     }
 
     fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
-        reference_dropout::<Self>(v, prob, seed)
+        flex::dropout(v, prob, seed)
     }
 }
 
