@@ -67,6 +67,76 @@ pub fn mib(bytes: i64) -> String {
     format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
+/// One rank's memory over a training run, told apart by when it was counted: the weights
+/// (held after the model is built), the optimizer's state (what stays after the steps,
+/// master weights included), the gradients (held when backward and the reduction are done),
+/// and the step's peak above what the rank held before it (activations and the gradients
+/// as they accumulate).
+#[derive(Debug, Clone, Default)]
+pub struct RankMemory {
+    rank: usize,
+    start: i64,
+    weights: i64,
+    before_step: i64,
+    gradients: i64,
+    step_peak: i64,
+    peak: i64,
+}
+
+impl RankMemory {
+    /// Tags this thread with `rank` and starts counting.
+    pub fn start(rank: usize) -> Self {
+        set_rank(rank);
+        Self {
+            rank,
+            start: live_bytes(Some(rank)),
+            ..Self::default()
+        }
+    }
+
+    fn live(&self) -> i64 {
+        live_bytes(Some(self.rank)) - self.start
+    }
+
+    /// The model is built.
+    pub fn weights_built(&mut self) {
+        self.weights = self.live();
+    }
+
+    /// A step starts.
+    pub fn step_starts(&mut self) {
+        reset_peak(Some(self.rank));
+        self.before_step = self.live();
+    }
+
+    /// Backward and the gradient reduction are done.
+    pub fn gradients_ready(&mut self) {
+        self.gradients = self.gradients.max(self.live() - self.before_step);
+    }
+
+    /// The step is done.
+    pub fn step_done(&mut self) {
+        self.step_peak = self
+            .step_peak
+            .max(peak_bytes(Some(self.rank)) - self.start - self.before_step);
+        self.peak = self.peak.max(peak_bytes(Some(self.rank)) - self.start);
+    }
+
+    /// The report line, after the last step.
+    pub fn report(&self) -> String {
+        let optimizer = (self.live() - self.weights).max(0);
+        format!(
+            " memory of rank {}: weights {} | optimizer state {} | gradients {} | step peak above them {} (activations and gradients) | peak {}",
+            self.rank,
+            mib(self.weights),
+            mib(optimizer),
+            mib(self.gradients),
+            mib(self.step_peak),
+            mib(self.peak)
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

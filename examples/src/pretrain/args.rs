@@ -6,6 +6,9 @@ use burn_megatron::data::BatchLayout;
 use burn_megatron::launch::DistributedBackend;
 use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
 use burn_megatron::pipeline::PipelineSchedule;
+use burn_megatron::recompute::{
+    RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule,
+};
 use burn_megatron::topology::ParallelConfig;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
@@ -32,6 +35,24 @@ impl From<DecayStyle> for LrDecayStyle {
             DecayStyle::InverseSquareRoot => LrDecayStyle::InverseSquareRoot,
         }
     }
+}
+
+/// Megatron's `--recompute-granularity`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Granularity {
+    /// Whole layers.
+    Full,
+    /// Sub-modules of each layer.
+    Selective,
+}
+
+/// Megatron's `--recompute-method`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Method {
+    /// Every layer, in regions of `--recompute-num-layers`.
+    Uniform,
+    /// The first `--recompute-num-layers` layers of each pipeline chunk.
+    Block,
 }
 
 /// Weight-decay increment style, as Megatron's `--weight-decay-incr-style`.
@@ -102,6 +123,20 @@ pub struct TrainArgs {
     /// Position-embedding table size (default: the sequence length).
     #[arg(long)]
     pub max_position_embeddings: Option<usize>,
+    /// Activation recomputation: `full` recomputes whole layers (see
+    /// --recompute-method), `selective` the --recompute-modules inside each layer.
+    #[arg(long, value_enum)]
+    pub recompute_granularity: Option<Granularity>,
+    /// With `full`: `uniform` recomputes every layer in regions of --recompute-num-layers,
+    /// `block` the first --recompute-num-layers layers of each pipeline chunk.
+    #[arg(long, value_enum)]
+    pub recompute_method: Option<Method>,
+    /// With `full`: layers per region (`uniform`) or recomputed layers per chunk (`block`).
+    #[arg(long)]
+    pub recompute_num_layers: Option<usize>,
+    /// With `selective`: which sub-modules (core_attn, mlp), space- or comma-separated.
+    #[arg(long, num_args = 1.., value_delimiter = ',', default_value = "core_attn")]
+    pub recompute_modules: Vec<RecomputeModule>,
     /// Samples per forward/backward on one data-parallel rank.
     #[arg(long, default_value_t = 8)]
     pub micro_batch_size: usize,
@@ -316,6 +351,21 @@ impl TrainArgs {
         Ok(())
     }
 
+    /// The recomputation the `--recompute-*` flags ask for.
+    pub fn recompute(&self) -> RecomputeConfig {
+        RecomputeConfig::new()
+            .with_granularity(self.recompute_granularity.map(|g| match g {
+                Granularity::Full => RecomputeGranularity::Full,
+                Granularity::Selective => RecomputeGranularity::Selective,
+            }))
+            .with_method(self.recompute_method.map(|m| match m {
+                Method::Uniform => RecomputeMethod::Uniform,
+                Method::Block => RecomputeMethod::Block,
+            }))
+            .with_num_layers(self.recompute_num_layers)
+            .with_modules(self.recompute_modules.clone())
+    }
+
     /// The pipeline flags' own checks, before the layout is built.
     fn validate_pipeline(&self) -> Result<(), String> {
         let (pp, layers) = (self.pipeline_model_parallel_size, self.num_layers);
@@ -371,6 +421,9 @@ impl TrainArgs {
         }
         self.validate_pipeline()?;
         self.validate_backend()?;
+        // Megatron checks --recompute-num-layers against the layers of a pipeline rank.
+        let per_rank = self.num_layers / self.pipeline_model_parallel_size;
+        self.recompute().check(per_rank).map_err(|e| e.0)?;
         self.parallel_config()?;
         let tp = self.tensor_model_parallel_size;
         if self.sequence_parallel && !self.seq_length.is_multiple_of(tp) {

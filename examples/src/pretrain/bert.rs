@@ -197,6 +197,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     .with_hidden_dropout(a.hidden_dropout)
     .with_attention_dropout(a.attention_dropout)
     .with_sequence_parallel(a.sequence_parallel)
+    .with_recompute(a.recompute())
     .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
     .with_init_method_std(a.init_method_std)
     .with_seed(a.seed);

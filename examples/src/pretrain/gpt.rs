@@ -164,6 +164,7 @@ impl GptArgs {
             .with_hidden_dropout(a.hidden_dropout)
             .with_attention_dropout(a.attention_dropout)
             .with_sequence_parallel(a.sequence_parallel)
+            .with_recompute(a.recompute())
             .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
             .with_seed(a.seed))
     }

@@ -4,6 +4,7 @@
 //! validation and checkpoints.
 
 use super::{Eval, Family, IterationLog, Shared, Split, TrainArgs};
+use crate::memory::RankMemory;
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::DType;
@@ -146,6 +147,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     let args = &shared.args;
     let tp_rank = ctx.state.tensor_model_parallel_rank();
     let leader = ctx.state.global_rank() == 0;
+    let mut memory = RankMemory::start(ctx.state.global_rank());
     let model: Vec<F::Chunk> = (0..args.num_model_chunks())
         .map(|c| {
             shared
@@ -154,6 +156,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         })
         .collect::<Result<_, _>>()?;
     let model = cast_params(model, dtype(args));
+    memory.weights_built();
     let fused_adam = args
         .use_fused_adam
         .then(|| FusedAdamConfig::new().init())
@@ -253,6 +256,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     let (mut log, mut evals, mut spans) = (Vec::new(), Vec::new(), Vec::new());
     for iteration in start..args.train_iters {
         let t0 = Instant::now();
+        memory.step_starts();
         // Dropout masks are a function of (seed, iteration): nothing to checkpoint.
         let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
         let mut fb = ForwardBackwardConfig::new(schedule);
@@ -274,6 +278,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         training
             .finalize(&model, &mut grads)
             .map_err(|e| e.to_string())?;
+        memory.gradients_ready();
         let losses = share_losses(&ctx, losses, shared.family.has_sop())?;
         let lr = scheduler.lr_at(iteration);
         optim
@@ -281,6 +286,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
             .map_err(|e| e.to_string())?;
         let (m, report) = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
         model = m;
+        memory.step_done();
         skipped += usize::from(!report.updated);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let entry = IterationLog {
@@ -320,6 +326,9 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     // saves, at its own layout: how a checkpoint is resharded without training.
     if start == args.train_iters && start > 0 {
         save(start, &model, &optim, skipped)?;
+    }
+    if start < args.train_iters {
+        shared.println(memory.report());
     }
     shared.family.finish(&ctx, &model)?;
     Ok((log, evals, spans))
