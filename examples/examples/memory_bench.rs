@@ -26,7 +26,7 @@ use burn_megatron::recompute::{
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron_examples::median;
-use burn_megatron_examples::memory::{live_bytes, mib, peak_bytes, reset_peak, set_rank};
+use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
 use std::sync::Arc;
 use std::time::Instant;
@@ -69,6 +69,7 @@ fn measure(
     args: &Args,
     recompute: RecomputeConfig,
 ) -> Result<Measured, Box<dyn std::error::Error>> {
+    let counter = Counter::claim();
     let device = Device::flex().autodiff();
     let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0)?);
     let ffn = (args.hidden * 8 / 3).div_ceil(64) * 64;
@@ -97,15 +98,15 @@ fn measure(
     let mask = Tensor::<2>::ones([b, s], &device);
     let (mut kept, mut peak, mut secs) = (0, 0, Vec::new());
     for step in 0..=args.steps {
-        let before = live_bytes(Some(0));
-        reset_peak(Some(0));
+        let before = counter.live();
+        counter.reset_peak();
         let t = Instant::now();
         let logits = model.forward_stage(Some(ids.clone()), None, Some(&rng))?;
         let burn_megatron::models::GptStageOutput::Logits(logits) = logits else {
             unreachable!("one stage holds the head");
         };
         let loss = model.loss(logits, labels.clone(), mask.clone())?;
-        let held = live_bytes(Some(0)) - before;
+        let held = counter.live() - before;
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(1e-4, model, grads)?.0;
         let _ = model.layers[0].input_layernorm.gamma().val().into_data();
@@ -114,7 +115,7 @@ fn measure(
         if step > 0 {
             secs.push(elapsed);
             kept = kept.max(held);
-            peak = peak.max(peak_bytes(Some(0)) - before);
+            peak = peak.max(counter.peak() - before);
         }
     }
     Ok(Measured {
@@ -127,7 +128,6 @@ fn measure(
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    set_rank(0);
     let full = RecomputeConfig::new()
         .with_granularity(Some(RecomputeGranularity::Full))
         .with_method(Some(RecomputeMethod::Uniform))

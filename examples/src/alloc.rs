@@ -10,10 +10,10 @@
 //! A library leaves this choice to the binary.
 //!
 //! It also counts the bytes it holds, per rank ([`memory`](crate::memory)): each block
-//! carries a 16-byte header with the tag of the thread that allocated it (the rank a
-//! training thread set with [`memory::set_rank`](crate::memory::set_rank); 0 for
-//! untagged threads), so that a block freed on another thread is still taken off its
-//! owner's count.
+//! carries a 16-byte header with the counter of the thread that allocated it (one a
+//! training thread claimed with [`Counter::claim`](crate::memory::Counter::claim); 0 for
+//! the others), so that a block freed on another thread is still taken off its owner's
+//! count.
 
 use crate::memory::{TAG, account};
 use std::alloc::{GlobalAlloc, Layout};

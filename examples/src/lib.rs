@@ -10,4 +10,5 @@ mod alloc;
 pub mod checkpoint_tool;
 pub mod memory;
 pub mod phases;
+pub mod plan;
 pub mod pretrain;

@@ -2,22 +2,20 @@
 //! measured memory, which `memory_bench`, `bert_pretrain` and `gpt_pretrain` report and
 //! `plan` is checked against.
 //!
-//! A training thread tags itself with its rank ([`set_rank`]); every block it allocates is
-//! counted against that rank until it is freed, on whichever thread. Threads nobody tagged
-//! (Burn's worker pool, the reducers' and communicators' workers) count as untagged
-//! ([`UNTAGGED`]); their blocks are short-lived scratch, except a reducer's buckets.
+//! A training thread takes a counter of its own ([`Counter::claim`]); every block it
+//! allocates is counted there until it is freed, on whichever thread. Threads that took no
+//! counter (Burn's worker pool, the reducers' and communicators' workers) share the
+//! untagged one; their blocks are short-lived scratch, except a reducer's buckets. Counters
+//! are handed out in turn, so that two runs in one process (tests) count apart.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 
-/// Ranks that get a count of their own; higher ranks share the last one.
-const TAGS: usize = 257;
-
-/// The pseudo-rank of untagged threads.
-pub const UNTAGGED: Option<usize> = None;
+/// Counters: 0 is the untagged threads', the others are handed out in turn (wrapping).
+const TAGS: usize = 1024;
 
 thread_local! {
-    /// This thread's tag: 0 untagged, else rank + 1.
+    /// This thread's counter (0: untagged).
     pub(crate) static TAG: Cell<usize> = const { Cell::new(0) };
 }
 
@@ -30,36 +28,48 @@ static PEAK: [AtomicI64; TAGS] = [ZERO; TAGS];
 /// nothing.
 #[inline]
 pub(crate) fn account(tag: usize, bytes: i64) {
-    let tag = tag.min(TAGS - 1);
+    let tag = tag % TAGS;
     let live = LIVE[tag].fetch_add(bytes, Ordering::Relaxed) + bytes;
     if bytes > 0 {
         PEAK[tag].fetch_max(live, Ordering::Relaxed);
     }
 }
 
-fn tag(rank: Option<usize>) -> usize {
-    rank.map_or(0, |r| (r + 1).min(TAGS - 1))
-}
+static NEXT: AtomicUsize = AtomicUsize::new(1);
 
-/// Counts what this thread allocates from now on against `rank`.
-pub fn set_rank(rank: usize) {
-    TAG.with(|t| t.set(tag(Some(rank))));
-}
+/// One thread's count of the bytes it holds (with what it allocated and freed elsewhere).
+#[derive(Debug, Clone, Copy)]
+pub struct Counter(usize);
 
-/// Bytes `rank` holds now (`None`: untagged threads).
-pub fn live_bytes(rank: Option<usize>) -> i64 {
-    LIVE[tag(rank)].load(Ordering::Relaxed)
-}
+impl Counter {
+    /// A fresh counter, from now on this thread's.
+    pub fn claim() -> Self {
+        let tag = loop {
+            let t = NEXT.fetch_add(1, Ordering::Relaxed) % TAGS;
+            if t != 0 {
+                break t;
+            }
+        };
+        LIVE[tag].store(0, Ordering::Relaxed);
+        PEAK[tag].store(0, Ordering::Relaxed);
+        TAG.with(|t| t.set(tag));
+        Self(tag)
+    }
 
-/// The most bytes `rank` held at once since the last [`reset_peak`].
-pub fn peak_bytes(rank: Option<usize>) -> i64 {
-    PEAK[tag(rank)].load(Ordering::Relaxed)
-}
+    /// Bytes held now.
+    pub fn live(self) -> i64 {
+        LIVE[self.0].load(Ordering::Relaxed)
+    }
 
-/// Starts a new peak from what `rank` holds now.
-pub fn reset_peak(rank: Option<usize>) {
-    let t = tag(rank);
-    PEAK[t].store(LIVE[t].load(Ordering::Relaxed), Ordering::Relaxed);
+    /// The most bytes held at once since the last [`reset_peak`](Self::reset_peak).
+    pub fn peak(self) -> i64 {
+        PEAK[self.0].load(Ordering::Relaxed)
+    }
+
+    /// Starts a new peak from what is held now.
+    pub fn reset_peak(self) {
+        PEAK[self.0].store(self.live(), Ordering::Relaxed);
+    }
 }
 
 /// `bytes` as MiB with two decimals.
@@ -72,9 +82,10 @@ pub fn mib(bytes: i64) -> String {
 /// master weights included), the gradients (held when backward and the reduction are done),
 /// and the step's peak above what the rank held before it (activations and the gradients
 /// as they accumulate).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RankMemory {
     rank: usize,
+    counter: Counter,
     start: i64,
     weights: i64,
     before_step: i64,
@@ -84,18 +95,28 @@ pub struct RankMemory {
 }
 
 impl RankMemory {
-    /// Tags this thread with `rank` and starts counting.
+    /// Counts what this thread (rank `rank`) allocates from now on.
     pub fn start(rank: usize) -> Self {
-        set_rank(rank);
+        let counter = Counter::claim();
         Self {
             rank,
-            start: live_bytes(Some(rank)),
-            ..Self::default()
+            counter,
+            start: counter.live(),
+            weights: 0,
+            before_step: 0,
+            gradients: 0,
+            step_peak: 0,
+            peak: 0,
         }
     }
 
     fn live(&self) -> i64 {
-        live_bytes(Some(self.rank)) - self.start
+        self.counter.live() - self.start
+    }
+
+    /// The highest count of the run.
+    pub fn peak(&self) -> i64 {
+        self.peak
     }
 
     /// The model is built.
@@ -105,7 +126,7 @@ impl RankMemory {
 
     /// A step starts.
     pub fn step_starts(&mut self) {
-        reset_peak(Some(self.rank));
+        self.counter.reset_peak();
         self.before_step = self.live();
     }
 
@@ -116,10 +137,9 @@ impl RankMemory {
 
     /// The step is done.
     pub fn step_done(&mut self) {
-        self.step_peak = self
-            .step_peak
-            .max(peak_bytes(Some(self.rank)) - self.start - self.before_step);
-        self.peak = self.peak.max(peak_bytes(Some(self.rank)) - self.start);
+        let peak = self.counter.peak() - self.start;
+        self.step_peak = self.step_peak.max(peak - self.before_step);
+        self.peak = self.peak.max(peak);
     }
 
     /// The report line, after the last step.
@@ -143,28 +163,19 @@ mod tests {
 
     #[test]
     fn a_block_counts_against_its_owner_wherever_it_is_freed() {
-        let rank = Some(200);
-        std::thread::scope(|s| {
-            let block = s
-                .spawn(|| {
-                    set_rank(200);
-                    reset_peak(rank);
-                    let before = live_bytes(rank);
-                    let block = vec![7u8; 1 << 20];
-                    assert_eq!(live_bytes(rank) - before, 1 << 20);
-                    (block, before)
-                })
-                .join()
-                .unwrap();
-            let (block, before) = block;
-            // Grown on another (untagged) thread: the header moves with it.
-            let mut block = block;
-            block.reserve_exact(1 << 20);
-            let grown = live_bytes(rank) + live_bytes(UNTAGGED);
-            drop(block);
-            assert!(peak_bytes(rank) - before >= 1 << 20);
-            assert_eq!(live_bytes(rank), before);
-            assert!(grown > 0);
-        });
+        let (counter, block) = std::thread::spawn(|| {
+            let counter = Counter::claim();
+            let block = vec![7u8; 1 << 20];
+            assert_eq!(counter.live(), 1 << 20);
+            (counter, block)
+        })
+        .join()
+        .unwrap();
+        // Freed on this thread, which took no counter: off the owner's count.
+        drop(block);
+        assert_eq!(counter.live(), 0);
+        assert_eq!(counter.peak(), 1 << 20);
+        counter.reset_peak();
+        assert_eq!(counter.peak(), 0);
     }
 }

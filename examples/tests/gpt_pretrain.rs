@@ -250,3 +250,91 @@ fn the_swapped_plain_burn_llama_matches_the_plain_one() {
     assert_eq!(steps.len(), 3, "{stdout}");
     assert!(steps.iter().all(|d| *d <= 1e-5), "{stdout}");
 }
+
+/// `plan`'s predicted peak per pipeline rank against the peak each rank's counter measured
+/// in `gpt_pretrain`, within 15%, at layouts that exercise each term: TP with SP, the 1F1B
+/// pipeline's in-flight microbatches, DP with the overlapped reducer's buckets and the
+/// distributed optimizer, and full recomputation's replay. (The README's table has more.)
+#[test]
+fn the_plan_predicts_each_ranks_measured_peak() {
+    use burn_megatron_examples::plan::Setup;
+    let dir = tmp("plan-vs-measured");
+    let model = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "256",
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        "704",
+        "--seq-length",
+        "256",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--vocab-size",
+        "591",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--train-iters",
+        "2",
+        "--eval-interval",
+        "0",
+        "--generate-tokens",
+        "0",
+    ];
+    let full = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ];
+    let layouts: [&[&str]; 3] = [
+        &[
+            "--tensor-model-parallel-size",
+            "2",
+            "--world-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        &[
+            "--tensor-model-parallel-size",
+            "1",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--world-size",
+            "2",
+        ],
+        &[
+            "--tensor-model-parallel-size",
+            "1",
+            "--world-size",
+            "2",
+            "--overlap-grad-reduce",
+            "--use-distributed-optimizer",
+        ],
+    ];
+    for layout in layouts {
+        for recompute in [&[][..], &full[..]] {
+            let args = args(&[&model[..], layout, recompute].concat(), &dir);
+            let stages = Setup::new(&args, 591).unwrap().plan().unwrap();
+            let summary = run_gpt(&args).unwrap();
+            assert_eq!(summary.peaks.len(), 2, "{layout:?}: every rank's peak");
+            for (rank, stage, measured) in summary.peaks {
+                let predicted = stages[stage].total_bytes as f64;
+                let error = predicted / measured as f64 - 1.0;
+                assert!(
+                    error.abs() <= 0.15,
+                    "{layout:?} {recompute:?} rank {rank}: predicted {predicted} bytes, measured {measured} ({:+.1}%)",
+                    100.0 * error
+                );
+            }
+        }
+    }
+}

@@ -13,7 +13,7 @@ mod plot;
 mod spans;
 mod train;
 
-pub use args::{DecayStyle, TrainArgs, WdIncr};
+pub use args::{DecayStyle, Granularity, Method, TrainArgs, WdIncr};
 pub use bert::{Args, run};
 pub use gpt::{GptArgs, PositionEmbedding, run_gpt};
 pub use train::scheduler;
@@ -71,6 +71,9 @@ pub struct Summary {
     pub evals: Vec<Eval>,
     /// Wall time, data preparation included.
     pub wall: Duration,
+    /// Each rank's measured memory peak, (global rank, pipeline rank, bytes): every rank's
+    /// with threads, this process's with one process per rank.
+    pub peaks: Vec<train::RankPeak>,
 }
 
 /// Which samples a microbatch reads.
@@ -351,7 +354,7 @@ fn train_family<F: Family>(
     let options = LaunchOptions::default()
         .with_backend(args.distributed_backend)
         .with_timeout(args.distributed_timeout());
-    let (log, evals, _) = match args.distributed_backend {
+    let (log, evals, peaks) = match args.distributed_backend {
         DistributedBackend::Threads => {
             let train = |ctx| train::train_rank(ctx, &shared);
             let outputs = threads(&parallel, options, train).map_err(|e| e.to_string())?;
@@ -359,7 +362,9 @@ fn train_family<F: Family>(
                 let ranks: Vec<Vec<Span>> = outputs.iter().map(|o| o.2.clone()).collect();
                 write_timeline(path, &ranks)?;
             }
-            outputs.into_iter().next().expect("a layout has ranks")
+            let peaks = outputs.iter().map(|o| o.3).collect();
+            let (log, evals, ..) = outputs.into_iter().next().expect("a layout has ranks");
+            (log, evals, peaks)
         }
         _ => from_env(&parallel, options, |ctx| {
             let world = ctx.groups.world.clone();
@@ -373,6 +378,7 @@ fn train_family<F: Family>(
             }
             Ok::<_, String>(out)
         })
+        .map(|(log, evals, _, peak)| (log, evals, vec![peak]))
         .map_err(|e| e.to_string())?,
     };
     shared.progress.finish_and_clear();
@@ -396,5 +402,6 @@ fn train_family<F: Family>(
         log,
         evals,
         wall: start.elapsed(),
+        peaks,
     })
 }

@@ -138,9 +138,12 @@ fn evaluate<F: Family>(
     Ok((sums[0] / n, sop.then_some(sums[1] / n)))
 }
 
-/// What a rank hands back: its log (identical on every rank), validation losses, and the
-/// last iteration's pipeline timeline when asked for.
-pub type RankOutput = (Vec<IterationLog>, Vec<Eval>, Vec<Span>);
+/// What a rank hands back: its log (identical on every rank), validation losses, the
+/// last iteration's pipeline timeline when asked for, and its memory peak.
+pub type RankOutput = (Vec<IterationLog>, Vec<Eval>, Vec<Span>, RankPeak);
+
+/// A rank's measured peak: (global rank, pipeline rank, bytes).
+pub type RankPeak = (usize, usize, i64);
 
 /// Trains this rank's part of the model: its model chunks of its pipeline stage.
 pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<RankOutput, String> {
@@ -331,5 +334,10 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         shared.println(memory.report());
     }
     shared.family.finish(&ctx, &model)?;
-    Ok((log, evals, spans))
+    let peak = (
+        ctx.state.global_rank(),
+        ctx.state.pipeline_model_parallel_rank(),
+        memory.peak(),
+    );
+    Ok((log, evals, spans, peak))
 }

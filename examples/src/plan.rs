@@ -1,0 +1,382 @@
+//! `plan`: what each pipeline rank of a GPT-family run will hold, before launching. Pure
+//! arithmetic over `gpt_pretrain`'s flags; see `examples/plan.rs` for what is reported.
+//!
+//! Weights, gradients and optimizer state follow Megatron-LM's `report_theoretical_memory`
+//! (parameters per stage, then bytes per parameter), adapted to this library: fp32 runs
+//! keep no master copy, an overlapped reduction keeps FP32 main-gradient buckets beside the
+//! gradients, and the output layer is counted on the last stage even when tied (its copy).
+//!
+//! Activations are an inventory of the tensors this implementation keeps for backward,
+//! per layer, in the spirit of Korthikanti et al.'s Table 2 but for these kernels: the
+//! fused RMSNorm keeps its input, Burn's LayerNorm three `[s, b, h]` tensors, each linear
+//! layer its (sequence-gathered) input, attention the queries, keys and values, its
+//! `[b, heads, s, s]` probabilities (and their dropout, whose mask is never kept), the MLP
+//! its up/gate outputs and activation. The microbatches alive at once come from walking the
+//! schedule's op order, as `forward_backward_func` runs it.
+
+use crate::pretrain::GptArgs;
+use burn_megatron::models::{NormKind, PositionEmbeddingType};
+use burn_megatron::pipeline::{Pass, PipelineSchedule};
+use burn_megatron::recompute::{RecomputeConfig, RecomputeGranularity, RecomputeModule};
+use burn_megatron::tensor_parallel::padded_vocab_size;
+
+/// A run's shape and layout, read from the flags.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    layers: usize,
+    h: usize,
+    heads: usize,
+    groups: usize,
+    hn: usize,
+    ffn: usize,
+    gated: bool,
+    bias: bool,
+    qkv_bias: bool,
+    layer_norm: bool,
+    learned_positions: bool,
+    max_positions: usize,
+    tied: bool,
+    vocab: usize,
+    seq: usize,
+    micro_batch: usize,
+    attention_dropout: bool,
+    tp: usize,
+    pp: usize,
+    vp: usize,
+    dp: usize,
+    sp: bool,
+    zero: bool,
+    overlap: bool,
+    recompute: RecomputeConfig,
+    /// Bytes per weight, gradient and activation element (4 in fp32, 2 in bf16/fp16).
+    elem: u64,
+    schedule: PipelineSchedule,
+}
+
+/// What one pipeline rank holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagePlan {
+    /// Pipeline rank.
+    pub stage: usize,
+    /// Parameters held by each of its TP ranks.
+    pub parameters: u64,
+    /// Bytes of weights.
+    pub weight_bytes: u64,
+    /// Bytes of gradients (and the overlapped reduction's FP32 buckets).
+    pub gradient_bytes: u64,
+    /// Bytes of optimizer state (master weights under bf16/fp16, Adam's moments), ÷ DP with
+    /// the distributed optimizer.
+    pub optimizer_bytes: u64,
+    /// Activation bytes one microbatch keeps for backward, summed over this rank's chunks.
+    pub activation_bytes: u64,
+    /// The same without recomputation and sequence parallelism (for comparison).
+    pub activation_bytes_plain: u64,
+    /// Chunk-microbatches whose activations are alive at once (the schedule's peak).
+    pub in_flight_microbatches: usize,
+    /// Backward's largest transient: the replayed region or the vocabulary gradient.
+    pub transient_bytes: u64,
+    /// The predicted peak.
+    pub total_bytes: u64,
+    /// Bytes this rank sends per step: tensor-, pipeline- and data-parallel.
+    pub sent_bytes: [u64; 3],
+}
+
+impl Setup {
+    /// The setup `args` describe (after `args.validate()`), for a real vocabulary of
+    /// `vocab_size` entries.
+    pub fn new(args: &GptArgs, vocab_size: usize) -> Result<Self, String> {
+        let layout = args.validate()?;
+        let c = args.model_config(vocab_size)?;
+        let a = &args.train;
+        let heads = c.num_attention_heads;
+        Ok(Self {
+            layers: c.num_layers,
+            h: c.hidden_size,
+            heads,
+            groups: c.num_query_groups.unwrap_or(heads),
+            hn: c.kv_channels.unwrap_or(c.hidden_size / heads),
+            ffn: c.ffn_hidden_size,
+            gated: c.gated_linear_unit,
+            bias: c.add_bias_linear,
+            qkv_bias: c.add_bias_linear || c.add_qkv_bias,
+            layer_norm: c.normalization == NormKind::LayerNorm,
+            learned_positions: c.position_embedding_type == PositionEmbeddingType::LearnedAbsolute,
+            max_positions: c.max_position_embeddings,
+            tied: !c.untie_embeddings_and_output_weights,
+            vocab: padded_vocab_size(
+                vocab_size,
+                a.make_vocab_size_divisible_by,
+                a.tensor_model_parallel_size,
+            ),
+            seq: a.seq_length,
+            micro_batch: a.micro_batch_size,
+            attention_dropout: c.attention_dropout > 0.0,
+            tp: a.tensor_model_parallel_size,
+            pp: a.pipeline_model_parallel_size,
+            vp: a.num_model_chunks(),
+            dp: a.data_parallel_size(),
+            sp: a.sequence_parallel,
+            zero: a.use_distributed_optimizer,
+            overlap: a.overlap_grad_reduce,
+            recompute: c.recompute,
+            elem: if a.bf16 || a.fp16 { 2 } else { 4 },
+            schedule: a.schedule(&layout),
+        })
+    }
+
+    /// Whether the run trains in bf16/fp16 (FP32 master weights in the optimizer).
+    fn mixed(&self) -> bool {
+        self.elem == 2
+    }
+
+    fn layer_params(&self) -> u64 {
+        let (h, t) = (self.h as u64, self.tp as u64);
+        let qkv = ((self.heads + 2 * self.groups) * self.hn) as u64;
+        let dense = (self.heads * self.hn) as u64;
+        let up = if self.gated { 2 } else { 1 } * self.ffn as u64;
+        let split = h * qkv + dense * h + up * h + self.ffn as u64 * h;
+        let split_bias = u64::from(self.qkv_bias) * qkv + u64::from(self.bias) * up;
+        let norms = 2 * h * if self.layer_norm { 2 } else { 1 };
+        let dup_bias = u64::from(self.bias) * 2 * h;
+        (split + split_bias) / t + norms + dup_bias
+    }
+
+    /// Elements one layer keeps for backward for one microbatch, and how many of them a
+    /// `full` region keeps instead (its input).
+    fn layer_activations(&self) -> (u64, u64) {
+        let (h, t) = (self.h as u64, self.tp as u64);
+        let tokens = (self.seq * self.micro_batch) as u64;
+        // Activations between the tensor-parallel regions, split under SP.
+        let local = if self.sp { tokens / t } else { tokens };
+        let norm = if self.layer_norm { 3 } else { 1 } * local * h;
+        let qkv = tokens * ((self.heads + 2 * self.groups) * self.hn) as u64 / t;
+        let probs = (self.micro_batch * self.heads / self.tp * self.seq * self.seq) as u64
+            * if self.attention_dropout { 2 } else { 1 };
+        let context = tokens * (self.heads * self.hn) as u64 / t;
+        let mlp = tokens * self.ffn as u64 / t * if self.gated { 3 } else { 2 };
+        // Two norms, each with the linear input it feeds (gathered to the whole sequence).
+        let mut kept = 2 * (norm + tokens * h) + qkv + context;
+        if !self.recompute.selects(RecomputeModule::CoreAttn) {
+            kept += probs;
+        }
+        if !self.recompute.selects(RecomputeModule::Mlp) {
+            kept += mlp;
+        }
+        (kept, local * h)
+    }
+
+    /// Elements one microbatch of a chunk of `layers` layers keeps, and the largest region
+    /// its backward replays.
+    fn chunk_activations(&self, layers: usize, last: bool) -> (u64, u64) {
+        let (layer, input) = self.layer_activations();
+        let full = self.recompute.granularity == Some(RecomputeGranularity::Full);
+        let (mut kept, mut replay) = (layers as u64 * layer, 0);
+        if full {
+            kept = 0;
+            for (range, recomputed) in self.recompute.layer_regions(layers) {
+                let n = range.len() as u64;
+                if recomputed {
+                    kept += input;
+                    replay = replay.max(n * layer);
+                } else {
+                    kept += n * layer;
+                }
+            }
+        }
+        if last {
+            let tokens = (self.seq * self.micro_batch) as u64;
+            let local = if self.sp {
+                tokens / self.tp as u64
+            } else {
+                tokens
+            };
+            let norm = if self.layer_norm { 3 } else { 1 } * local * self.h as u64;
+            // The final norm, the output layer's gathered input, the logits.
+            kept += norm + tokens * self.h as u64 + tokens * (self.vocab / self.tp) as u64;
+        }
+        (kept, replay)
+    }
+
+    /// The plan of every pipeline rank.
+    pub fn plan(&self) -> Result<Vec<StagePlan>, String> {
+        (0..self.pp).map(|p| self.stage(p)).collect()
+    }
+
+    fn stage(&self, p: usize) -> Result<StagePlan, String> {
+        let (h, v) = (self.h as u64, self.vp);
+        let per_chunk = self.layers / (self.pp * v);
+        let stages = self.pp * v;
+        let vocab_rows = (self.vocab / self.tp) as u64 * h;
+        let mut params = 0;
+        let mut per_mb = Vec::new();
+        // Backward's transients on top of the kept activations: a replayed region (its
+        // backward forms the microbatch's gradients meanwhile), or the logits' gradient.
+        let (mut replay_max, mut logits_grad) = (0u64, 0u64);
+        let tokens = (self.seq * self.micro_batch) as u64;
+        for c in 0..v {
+            let vs = c * self.pp + p;
+            let (first, last) = (vs == 0, vs + 1 == stages);
+            params += per_chunk as u64 * self.layer_params();
+            if first {
+                params +=
+                    vocab_rows + u64::from(self.learned_positions) * self.max_positions as u64 * h;
+            }
+            if last {
+                params += h * if self.layer_norm { 2 } else { 1 };
+                if !self.tied || !first {
+                    params += vocab_rows;
+                }
+            }
+            let (kept, replay) = self.chunk_activations(per_chunk, last);
+            per_mb.push(kept);
+            replay_max = replay_max.max(replay);
+            if last {
+                logits_grad = tokens * (self.vocab / self.tp) as u64;
+            }
+        }
+        // The schedule's op order on this rank: the chunk-microbatches alive at its peak.
+        let ops = self.schedule.ops(p).map_err(|e| e.to_string())?;
+        let (mut live, mut peak_elems, mut peak_count, mut count) = (0u64, 0u64, 0usize, 0usize);
+        let chunk_forwards = ops.len() / 2;
+        for op in ops {
+            match op.pass {
+                Pass::Forward => {
+                    live += per_mb[op.chunk];
+                    count += 1;
+                }
+                Pass::Backward => {
+                    live -= per_mb[op.chunk];
+                    count -= 1;
+                }
+            }
+            if live > peak_elems {
+                peak_elems = live;
+            }
+            peak_count = peak_count.max(count);
+        }
+        let e = self.elem;
+        let weight_bytes = params * e;
+        let buckets = if self.overlap { 4 * params } else { 0 };
+        let gradient_bytes = params * e + buckets;
+        // Adam's two moments, and FP32 master weights under bf16/fp16; the distributed
+        // optimizer keeps an FP32 master shard whatever the dtype.
+        let optimizer_bytes = if self.zero {
+            params * 12 / self.dp as u64
+        } else {
+            params * if self.mixed() { 12 } else { 8 }
+        };
+        let activation_bytes = per_mb.iter().sum::<u64>() * e;
+        let plain = Setup {
+            recompute: RecomputeConfig::new(),
+            sp: false,
+            ..self.clone()
+        };
+        let activation_bytes_plain = (0..v)
+            .map(|c| {
+                plain
+                    .chunk_activations(per_chunk, c * self.pp + p + 1 == stages)
+                    .0
+            })
+            .sum::<u64>()
+            * e;
+        // Gradients of earlier microbatches are summed and kept while later ones run
+        // (unless every microbatch is in flight at the peak), and a backward forms the next
+        // microbatch's beside them: at the activations' peak the sum is alive, and a
+        // replayed region's backward adds the new ones. The last step's gradients were
+        // consumed by the optimizer before this step began.
+        let grads = params * e;
+        let accumulated = if chunk_forwards > peak_count {
+            grads
+        } else {
+            0
+        };
+        let transient = (logits_grad * e).max(if replay_max > 0 {
+            replay_max * e + grads
+        } else {
+            0
+        });
+        let total_bytes = weight_bytes
+            + buckets
+            + optimizer_bytes
+            + (peak_elems * e + accumulated + transient).max(2 * grads);
+        Ok(StagePlan {
+            stage: p,
+            parameters: params,
+            weight_bytes,
+            gradient_bytes,
+            optimizer_bytes,
+            activation_bytes,
+            activation_bytes_plain,
+            in_flight_microbatches: peak_count,
+            transient_bytes: transient,
+            total_bytes,
+            sent_bytes: self.sent(p, params),
+        })
+    }
+
+    /// Bytes rank `p` sends per step, ring collectives (`2(n−1)/n` of the buffer for an
+    /// all-reduce, `(n−1)/n` for an all-gather or a reduce-scatter).
+    fn sent(&self, _p: usize, params: u64) -> [u64; 3] {
+        let e = self.elem;
+        let m = self.schedule.num_microbatches as u64;
+        let (t, d) = (self.tp as u64, self.dp as u64);
+        let tokens = (self.seq * self.micro_batch) as u64;
+        let hidden = tokens * self.h as u64 * e;
+        let layers = (self.layers / self.pp) as u64;
+        // Per layer and microbatch: two all-reduces forward and two backward (or their
+        // all-gather/reduce-scatter halves under SP), plus the forward's again when the
+        // layer is replayed in full.
+        let replayed = self.recompute.granularity == Some(RecomputeGranularity::Full);
+        let per_layer = (4 + if replayed { 2 } else { 0 }) * 2 * (t - 1) * hidden / t;
+        let tp = layers * m * per_layer;
+        // One activation forward and one gradient back per chunk and microbatch.
+        let act = if self.sp { hidden / t } else { hidden };
+        let pp = if self.pp > 1 {
+            2 * m * self.vp as u64 * act
+        } else {
+            0
+        };
+        // FP32 gradients all-reduced, or reduce-scattered and the weights all-gathered.
+        let dp = if self.zero {
+            (d - 1) * params * (4 + e) / d
+        } else {
+            2 * (d - 1) * params * 4 / d
+        };
+        [tp, pp, dp]
+    }
+
+    /// Megatron's pipeline bubble: `(P − 1) / (V · M)` of the ideal step.
+    pub fn bubble(&self) -> f64 {
+        (self.pp - 1) as f64 / (self.vp * self.schedule.num_microbatches) as f64
+    }
+
+    /// Forward + backward FLOPs of one step on one rank (3× the forward's multiply-adds ×
+    /// 2), with the forward again for what is recomputed.
+    pub fn flops_per_rank(&self) -> f64 {
+        let (h, s) = (self.h as f64, self.seq as f64);
+        let tokens = (self.seq * self.micro_batch * self.schedule.num_microbatches) as f64;
+        let qkv = ((self.heads + 2 * self.groups) * self.hn) as f64;
+        let dense = (self.heads * self.hn) as f64;
+        let mlp = (if self.gated { 3.0 } else { 2.0 }) * self.ffn as f64;
+        let linear = h * (qkv + dense + mlp);
+        let attention = 2.0 * s * dense;
+        let layer = 2.0 * tokens * (linear + attention);
+        let recomputed = match self.recompute.granularity {
+            Some(RecomputeGranularity::Full) => layer,
+            Some(RecomputeGranularity::Selective) => {
+                let mut f = 0.0;
+                if self.recompute.selects(RecomputeModule::CoreAttn) {
+                    f += 2.0 * tokens * attention;
+                }
+                if self.recompute.selects(RecomputeModule::Mlp) {
+                    f += 2.0 * tokens * h * mlp;
+                }
+                f
+            }
+            None => 0.0,
+        };
+        let head = 2.0 * tokens * h * self.vocab as f64;
+        let layers = (self.layers / self.pp) as f64;
+        (layers * (3.0 * layer + recomputed) + 3.0 * head / self.pp as f64) / self.tp as f64
+    }
+}
