@@ -1,10 +1,10 @@
-//! What each rank of a GPT-family run will hold, before launching: `gpt_pretrain`'s flags
-//! (validated by the same code, so a refused layout is refused with the same message), the
-//! vocabulary taken from `--vocab-size` as Megatron does; nothing is built, no tokenizer
-//! trained.
+//! What each rank of a run will hold, before launching: `plan gpt` takes `gpt_pretrain`'s
+//! flags, `plan bert` `bert_pretrain`'s (validated by the same code, so a refused layout is
+//! refused with the same message), the vocabulary taken from `--vocab-size` as Megatron
+//! does; nothing is built, no tokenizer trained.
 //!
 //! ```text
-//! cargo run --release -p burn-megatron-examples --example plan -- \
+//! cargo run --release -p burn-megatron-examples --example plan -- gpt \
 //!     --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 \
 //!     --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 --vocab-size 32000 \
 //!     --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --world-size 64 \
@@ -19,14 +19,36 @@
 
 use burn_megatron::recompute::RecomputeModule;
 use burn_megatron_examples::plan::{Setup, StagePlan};
-use burn_megatron_examples::pretrain::{GptArgs, Granularity, Method};
-use clap::Parser;
+use burn_megatron_examples::pretrain::{Args as BertArgs, GptArgs, Granularity, Method, TrainArgs};
+use clap::{Parser, Subcommand};
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "plan", args_override_self = true)]
-struct PlanArgs {
-    #[command(flatten)]
-    gpt: GptArgs,
+#[command(name = "plan")]
+struct Cli {
+    #[command(subcommand)]
+    model: Model,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+enum Model {
+    /// A GPT-family run: `gpt_pretrain`'s flags.
+    Gpt {
+        #[command(flatten)]
+        args: GptArgs,
+        #[command(flatten)]
+        opts: Opts,
+    },
+    /// A BERT run: `bert_pretrain`'s flags.
+    Bert {
+        #[command(flatten)]
+        args: BertArgs,
+        #[command(flatten)]
+        opts: Opts,
+    },
+}
+
+#[derive(Debug, Clone, clap::Args)]
+struct Opts {
     /// Memory of one device, e.g. `80GiB`, `512MiB`, or bytes.
     #[arg(long, value_parser = parse_bytes)]
     device_memory: Option<u64>,
@@ -138,10 +160,13 @@ fn print_table(setup: &Setup, stages: &[StagePlan], device: Option<u64>) {
     }
 }
 
+/// Builds a setup from the run's flags with its `TrainArgs` replaced.
+type Make<'a> = &'a dyn Fn(TrainArgs) -> Result<Setup, String>;
+
 /// Every layout of `world` ranks the flags allow, each with its plan.
-fn search(args: &PlanArgs) -> Vec<(String, Setup, Vec<StagePlan>)> {
-    let world = args.gpt.train.world_size;
-    let layers = args.gpt.train.num_layers;
+fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePlan>)> {
+    let world = train.world_size;
+    let layers = train.num_layers;
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
     for tp in divisors(world) {
@@ -162,8 +187,7 @@ fn search(args: &PlanArgs) -> Vec<(String, Setup, Vec<StagePlan>)> {
                     (Some(Granularity::Full), "full"),
                 ] {
                     for zero in [false, true] {
-                        let mut a = args.gpt.clone();
-                        let t = &mut a.train;
+                        let mut t = train.clone();
                         t.tensor_model_parallel_size = tp;
                         t.pipeline_model_parallel_size = pp;
                         t.num_layers_per_virtual_pipeline_stage = layers_per_chunk;
@@ -177,8 +201,8 @@ fn search(args: &PlanArgs) -> Vec<(String, Setup, Vec<StagePlan>)> {
                         if zero && world / (tp * pp) == 1 {
                             continue;
                         }
-                        // The same validation as gpt_pretrain: refused layouts are skipped.
-                        let Ok(setup) = Setup::new(&a, a.train.vocab_size) else {
+                        // The same validation as the example's: refused layouts are skipped.
+                        let Ok(setup) = make(t) else {
                             continue;
                         };
                         let Ok(plan) = setup.plan() else {
@@ -200,11 +224,33 @@ fn search(args: &PlanArgs) -> Vec<(String, Setup, Vec<StagePlan>)> {
 }
 
 fn main() -> std::process::ExitCode {
-    let args = PlanArgs::parse();
-    let result = if args.search {
-        run_search(&args)
-    } else {
-        run_one(&args)
+    let result = match Cli::parse().model {
+        Model::Gpt { args, opts } => {
+            let make = |train: TrainArgs| {
+                let vocab = train.vocab_size;
+                Setup::new(
+                    &GptArgs {
+                        train,
+                        ..args.clone()
+                    },
+                    vocab,
+                )
+            };
+            run(&args.train, &make, &opts)
+        }
+        Model::Bert { args, opts } => {
+            let make = |train: TrainArgs| {
+                let vocab = train.vocab_size;
+                Setup::new_bert(
+                    &BertArgs {
+                        train,
+                        ..args.clone()
+                    },
+                    vocab,
+                )
+            };
+            run(&args.train, &make, &opts)
+        }
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -215,9 +261,13 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run_one(args: &PlanArgs) -> Result<(), String> {
-    let setup = Setup::new(&args.gpt, args.gpt.train.vocab_size)?;
+fn run(train: &TrainArgs, make: Make<'_>, opts: &Opts) -> Result<(), String> {
+    if opts.search {
+        return run_search(train, make, opts);
+    }
+    let setup = make(train.clone())?;
     let stages = setup.plan()?;
+    let args = opts;
     if args.json {
         let json = serde_json::json!({
             "stages": stages.iter().map(stage_json).collect::<Vec<_>>(),
@@ -232,11 +282,11 @@ fn run_one(args: &PlanArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn run_search(args: &PlanArgs) -> Result<(), String> {
+fn run_search(train: &TrainArgs, make: Make<'_>, args: &Opts) -> Result<(), String> {
     let Some(device) = args.device_memory else {
         return Err("--search needs --device-memory".into());
     };
-    let mut fits: Vec<(f64, String, u64)> = search(args)
+    let mut fits: Vec<(f64, String, u64)> = search(train, make)
         .into_iter()
         .filter_map(|(label, setup, plan)| {
             let worst = plan.iter().map(|s| s.total_bytes).max()?;
@@ -252,14 +302,14 @@ fn run_search(args: &PlanArgs) -> Result<(), String> {
     if fits.is_empty() {
         return Err(format!(
             "no layout of {} ranks fits {} per device",
-            args.gpt.train.world_size,
+            train.world_size,
             gib(device)
         ));
     }
     fits.sort_by(|a, b| a.0.total_cmp(&b.0));
     println!(
         "layouts of {} ranks that fit {} (estimated step = FLOPs/rank ÷ {:.0e} FLOP/s × (1 + bubble) + bytes sent/rank ÷ {:.0e} B/s):",
-        args.gpt.train.world_size,
+        train.world_size,
         gib(device),
         args.device_flops,
         args.link_bandwidth

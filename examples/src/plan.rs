@@ -1,5 +1,6 @@
-//! `plan`: what each pipeline rank of a GPT-family run will hold, before launching. Pure
-//! arithmetic over `gpt_pretrain`'s flags; see `examples/plan.rs` for what is reported.
+//! `plan`: what each pipeline rank of a GPT-family or BERT run will hold, before launching.
+//! Pure arithmetic over `gpt_pretrain`'s or `bert_pretrain`'s flags; see `examples/plan.rs`
+//! for what is reported.
 //!
 //! Weights, gradients and optimizer state follow Megatron-LM's `report_theoretical_memory`
 //! (parameters per stage, then bytes per parameter), adapted to this library: fp32 runs
@@ -14,15 +15,26 @@
 //! its up/gate outputs and activation. The microbatches alive at once come from walking the
 //! schedule's op order, as `forward_backward_func` runs it.
 
-use crate::pretrain::GptArgs;
+use crate::pretrain::{Args as BertArgs, GptArgs, TrainArgs};
 use burn_megatron::models::{NormKind, PositionEmbeddingType};
 use burn_megatron::pipeline::{Pass, PipelineSchedule};
 use burn_megatron::recompute::{RecomputeConfig, RecomputeGranularity, RecomputeModule};
 use burn_megatron::tensor_parallel::padded_vocab_size;
 
+/// Which model's ends the stages hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Model {
+    /// GPT: embeddings (maybe learned positions), final norm and output layer.
+    Gpt,
+    /// BERT: embeddings with token types and their LayerNorm; the MLM head on `rows`
+    /// positions per microbatch (the masked ones, or all), the pooler and binary head.
+    Bert { rows: usize },
+}
+
 /// A run's shape and layout, read from the flags.
 #[derive(Debug, Clone)]
 pub struct Setup {
+    model: Model,
     layers: usize,
     h: usize,
     heads: usize,
@@ -90,6 +102,7 @@ impl Setup {
         let a = &args.train;
         let heads = c.num_attention_heads;
         Ok(Self {
+            model: Model::Gpt,
             layers: c.num_layers,
             h: c.hidden_size,
             heads,
@@ -119,6 +132,55 @@ impl Setup {
             zero: a.use_distributed_optimizer,
             overlap: a.overlap_grad_reduce,
             recompute: c.recompute,
+            elem: if a.bf16 || a.fp16 { 2 } else { 4 },
+            schedule: a.schedule(&layout),
+        })
+    }
+
+    /// The setup of `bert_pretrain`'s `args` (after `args.validate()`), for a vocabulary of
+    /// `vocab_size` entries: post-LayerNorm encoder layers with biases and GeLU, the MLM head
+    /// on the masked positions (Megatron's 15%, rounded up per sample) unless
+    /// `--mlm-head-all-positions`.
+    pub fn new_bert(args: &BertArgs, vocab_size: usize) -> Result<Self, String> {
+        let layout = args.validate()?;
+        let a: &TrainArgs = &args.train;
+        let (b, s) = (a.micro_batch_size, a.seq_length);
+        let rows = if args.mlm_head_all_positions {
+            b * s
+        } else {
+            b * (s * 15).div_ceil(100)
+        };
+        Ok(Self {
+            model: Model::Bert { rows },
+            layers: a.num_layers,
+            h: a.hidden_size,
+            heads: a.num_attention_heads,
+            groups: a.num_attention_heads,
+            hn: a.hidden_size / a.num_attention_heads,
+            ffn: a.ffn_hidden_size.unwrap_or(4 * a.hidden_size),
+            gated: false,
+            bias: true,
+            qkv_bias: true,
+            layer_norm: true,
+            learned_positions: true,
+            max_positions: a.max_position_embeddings.unwrap_or(s),
+            tied: true,
+            vocab: padded_vocab_size(
+                vocab_size,
+                a.make_vocab_size_divisible_by,
+                a.tensor_model_parallel_size,
+            ),
+            seq: s,
+            micro_batch: b,
+            attention_dropout: a.attention_dropout > 0.0,
+            tp: a.tensor_model_parallel_size,
+            pp: a.pipeline_model_parallel_size,
+            vp: a.num_model_chunks(),
+            dp: a.data_parallel_size(),
+            sp: a.sequence_parallel,
+            zero: a.use_distributed_optimizer,
+            overlap: a.overlap_grad_reduce,
+            recompute: a.recompute(),
             elem: if a.bf16 || a.fp16 { 2 } else { 4 },
             schedule: a.schedule(&layout),
         })
@@ -167,10 +229,14 @@ impl Setup {
 
     /// Elements one microbatch of a chunk of `layers` layers keeps, and the largest region
     /// its backward replays.
-    fn chunk_activations(&self, layers: usize, last: bool) -> (u64, u64) {
+    fn chunk_activations(&self, layers: usize, first: bool, last: bool) -> (u64, u64) {
         let (layer, input) = self.layer_activations();
         let full = self.recompute.granularity == Some(RecomputeGranularity::Full);
         let (mut kept, mut replay) = (layers as u64 * layer, 0);
+        if first && matches!(self.model, Model::Bert { .. }) {
+            // The embeddings' LayerNorm, over the whole sequence.
+            kept += 3 * (self.seq * self.micro_batch * self.h) as u64;
+        }
         if full {
             kept = 0;
             for (range, recomputed) in self.recompute.layer_regions(layers) {
@@ -220,18 +286,36 @@ impl Setup {
             if first {
                 params +=
                     vocab_rows + u64::from(self.learned_positions) * self.max_positions as u64 * h;
+                if let Model::Bert { .. } = self.model {
+                    // Two token types and the embeddings' LayerNorm.
+                    params += 2 * h + 2 * h;
+                }
             }
             if last {
-                params += h * if self.layer_norm { 2 } else { 1 };
+                params += match self.model {
+                    Model::Gpt => h * if self.layer_norm { 2 } else { 1 },
+                    // MLM dense + LayerNorm + bias, pooler, binary head.
+                    Model::Bert { .. } => {
+                        (h * h + h)
+                            + 2 * h
+                            + (self.vocab / self.tp) as u64
+                            + (h * h + h)
+                            + (2 * h + 2)
+                    }
+                };
                 if !self.tied || !first {
                     params += vocab_rows;
                 }
             }
-            let (kept, replay) = self.chunk_activations(per_chunk, last);
+            let (kept, replay) = self.chunk_activations(per_chunk, first, last);
             per_mb.push(kept);
             replay_max = replay_max.max(replay);
             if last {
-                logits_grad = tokens * (self.vocab / self.tp) as u64;
+                let rows = match self.model {
+                    Model::Gpt => tokens,
+                    Model::Bert { rows } => rows as u64,
+                };
+                logits_grad = rows * (self.vocab / self.tp) as u64;
             }
         }
         // The schedule's op order on this rank: the chunk-microbatches alive at its peak.
@@ -274,7 +358,11 @@ impl Setup {
         let activation_bytes_plain = (0..v)
             .map(|c| {
                 plain
-                    .chunk_activations(per_chunk, c * self.pp + p + 1 == stages)
+                    .chunk_activations(
+                        per_chunk,
+                        c * self.pp + p == 0,
+                        c * self.pp + p + 1 == stages,
+                    )
                     .0
             })
             .sum::<u64>()

@@ -326,15 +326,65 @@ fn the_plan_predicts_each_ranks_measured_peak() {
             let stages = Setup::new(&args, 591).unwrap().plan().unwrap();
             let summary = run_gpt(&args).unwrap();
             assert_eq!(summary.peaks.len(), 2, "{layout:?}: every rank's peak");
-            for (rank, stage, measured) in summary.peaks {
-                let predicted = stages[stage].total_bytes as f64;
-                let error = predicted / measured as f64 - 1.0;
-                assert!(
-                    error.abs() <= 0.15,
-                    "{layout:?} {recompute:?} rank {rank}: predicted {predicted} bytes, measured {measured} ({:+.1}%)",
-                    100.0 * error
-                );
-            }
+            check_peaks(&format!("{layout:?} {recompute:?}"), &stages, summary.peaks);
         }
+    }
+    // BERT (post-LayerNorm, the MLM head on the masked positions) on a pipeline.
+    let bert = common::args(
+        &[
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "256",
+            "--seq-length",
+            "128",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "16",
+            "--vocab-size",
+            "191",
+            "--tensor-model-parallel-size",
+            "1",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--world-size",
+            "2",
+            "--train-iters",
+            "2",
+            "--eval-interval",
+            "0",
+        ],
+        &dir,
+    );
+    let stages = Setup::new_bert(&bert, 191).unwrap().plan().unwrap();
+    let summary = burn_megatron_examples::pretrain::run(&bert).unwrap();
+    check_peaks("bert PP 2", &stages, summary.peaks);
+    // A refused layout is refused by both, with one message.
+    let bad = args(
+        &["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        &dir,
+    );
+    assert_eq!(
+        Setup::new(&bad, 591).unwrap_err(),
+        run_gpt(&bad).unwrap_err()
+    );
+}
+
+/// Each rank's measured peak within 15% of its stage's predicted one.
+fn check_peaks(
+    what: &str,
+    stages: &[burn_megatron_examples::plan::StagePlan],
+    peaks: Vec<(usize, usize, i64)>,
+) {
+    assert!(!peaks.is_empty(), "{what}: every rank's peak");
+    for (rank, stage, measured) in peaks {
+        let predicted = stages[stage].total_bytes as f64;
+        let error = predicted / measured as f64 - 1.0;
+        assert!(
+            error.abs() <= 0.15,
+            "{what} rank {rank}: predicted {predicted} bytes, measured {measured} ({:+.1}%)",
+            100.0 * error
+        );
     }
 }
