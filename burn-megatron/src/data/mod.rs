@@ -1,6 +1,7 @@
 //! Pretraining data: a corpus (procedural by default, or a text / JSONL file); for BERT a
 //! WordPiece tokenizer and sentence-pair samples with masking, for GPT a byte-level BPE and
 //! causal-LM windows; and the split of each global batch over data-parallel ranks.
+//! [`megatron`] reads Megatron-Core's own datasets and samples them as Megatron does.
 //!
 //! ```
 //! use burn_megatron::data::*;
@@ -17,6 +18,7 @@
 mod bert_dataset;
 mod corpus;
 mod gpt_dataset;
+pub mod megatron;
 mod tokenizer;
 
 pub use bert_dataset::{BatchLayout, BertBatch, BertDataset, BertDatasetConfig, BertSample};
