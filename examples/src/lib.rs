@@ -8,7 +8,9 @@ pub fn median(mut samples: Vec<f64>) -> f64 {
 
 mod alloc;
 pub mod checkpoint_tool;
+pub mod dataset_tool;
 pub mod memory;
 pub mod phases;
 pub mod plan;
+pub mod preprocess;
 pub mod pretrain;

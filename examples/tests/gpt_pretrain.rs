@@ -388,3 +388,153 @@ fn check_peaks(
         );
     }
 }
+
+/// Megatron data end to end: `preprocess_data` writes a JSONL corpus as an indexed dataset
+/// (every document's tokens are its text's, with the end-of-document token), `dataset
+/// samples` prints what a run reads, `gpt_pretrain --data-path PREFIX` trains on it with a
+/// falling loss, `bert_pretrain` trains on a sentence-split one, and a truncated `.bin` is
+/// refused naming the file.
+#[test]
+fn megatron_datasets_are_written_inspected_and_trained_on() {
+    use burn_megatron::data::megatron::IndexedDataset;
+    use burn_megatron::data::{
+        BertTokenizer, GptTokenizer, synthetic_corpus, synthetic_vocabulary,
+    };
+    use burn_megatron_examples::dataset_tool::{DatasetCli, DatasetCommand, samples};
+    use burn_megatron_examples::preprocess::{PreprocessArgs, preprocess};
+    use clap::Parser;
+
+    let dir = tmp("megatron-data");
+    let docs = synthetic_corpus(300, 5);
+    let texts: Vec<String> = docs.iter().map(|d| d.join(" ")).collect();
+    let jsonl: String = texts
+        .iter()
+        .map(|t| format!("{}\n", serde_json::json!({ "text": t, "id": 1 })))
+        .collect();
+    std::fs::write(dir.join("corpus.jsonl"), jsonl).unwrap();
+    let tokenizer = GptTokenizer::train(&docs, 600).unwrap();
+    let tok = dir.join("tokenizer.json");
+    tokenizer.save(&tok).unwrap();
+    let (input, prefix) = (dir.join("corpus.jsonl"), dir.join("corpus"));
+    let pre = |extra: &[&str], tok: &Path| {
+        let mut argv = vec!["preprocess_data", "--input", input.to_str().unwrap()];
+        argv.extend(["--tokenizer-model", tok.to_str().unwrap(), "--quiet"]);
+        argv.extend([
+            "--output-prefix",
+            prefix.to_str().unwrap(),
+            "--workers",
+            "2",
+        ]);
+        argv.extend(extra);
+        preprocess(&PreprocessArgs::try_parse_from(argv).unwrap()).unwrap()
+    };
+    let written = pre(&["--append-eod"], &tok);
+    assert_eq!((written[0].documents, &written[0].key[..]), (300, "text"));
+    let gpt_prefix = format!("{}_text_document", prefix.display());
+    let data = IndexedDataset::open(&gpt_prefix).unwrap();
+    assert_eq!((data.num_documents(), data.len()), (300, 300));
+    for (d, text) in texts.iter().enumerate() {
+        let mut want: Vec<i64> = tokenizer
+            .encode(text)
+            .unwrap()
+            .into_iter()
+            .map(i64::from)
+            .collect();
+        want.push(i64::from(tokenizer.eod));
+        assert_eq!(data.get(d, 0, None).unwrap(), want, "document {d}");
+    }
+    let cache = dir.join("cache");
+    let cli = DatasetCli::try_parse_from([
+        "dataset",
+        "samples",
+        "--data-path",
+        &gpt_prefix,
+        "--seq-length",
+        "32",
+        "--train-samples",
+        "16",
+        "--valid-samples",
+        "4",
+        "--json",
+        "--data-cache-path",
+        cache.to_str().unwrap(),
+    ])
+    .unwrap();
+    let DatasetCommand::Samples(a) = &cli.command else {
+        unreachable!()
+    };
+    let printed: serde_json::Value = serde_json::from_str(&samples(a).unwrap()).unwrap();
+    assert_eq!(printed["train"].as_array().unwrap().len(), 16);
+    assert!(
+        printed["valid"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s.as_array().unwrap().len() == 33)
+    );
+
+    let flags = [
+        "--data-path",
+        &gpt_prefix,
+        "--tokenizer-model",
+        tok.to_str().unwrap(),
+        "--data-cache-path",
+        cache.to_str().unwrap(),
+        "--generate-tokens",
+        "0",
+    ];
+    let log = run_gpt(&args(&flags, &dir)).unwrap().log;
+    let (first, last) = (
+        mean(log[..5].iter().map(|e| e.lm_loss)),
+        mean(log[35..].iter().map(|e| e.lm_loss)),
+    );
+    assert!(
+        last < first - 1.0,
+        "lm loss must fall on Megatron data: {first} → {last}"
+    );
+
+    // BERT: sentences as sequences, documents as documents.
+    let vocab = dir.join("bert.json");
+    BertTokenizer::from_vocab(synthetic_vocabulary())
+        .unwrap()
+        .save(&vocab)
+        .unwrap();
+    pre(
+        &[
+            "--split-sentences",
+            "--tokenizer-type",
+            "BertWordPieceLowerCase",
+        ],
+        &vocab,
+    );
+    let bert_prefix = format!("{}_text_sentence", prefix.display());
+    let sentences = IndexedDataset::open(&bert_prefix).unwrap();
+    assert_eq!(sentences.num_documents(), 300);
+    assert!(sentences.len() > 3 * 300, "{} sentences", sentences.len());
+    let bert = common::args(
+        &[
+            "--data-path",
+            &bert_prefix,
+            "--vocab-file",
+            vocab.to_str().unwrap(),
+            "--train-iters",
+            "20",
+        ],
+        &dir,
+    );
+    let log = burn_megatron_examples::pretrain::run(&bert).unwrap().log;
+    assert!(
+        log.last().unwrap().lm_loss < log[0].lm_loss - 0.5,
+        "BERT lm loss must fall"
+    );
+
+    let bin = format!("{gpt_prefix}.bin");
+    let bytes = std::fs::read(&bin).unwrap();
+    std::fs::write(&bin, &bytes[..bytes.len() - 10]).unwrap();
+    let err = run_gpt(&args(&flags, &dir)).unwrap_err();
+    assert!(
+        err.contains("corpus_text_document.bin") && err.contains("truncated"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

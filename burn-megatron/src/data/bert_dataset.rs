@@ -93,6 +93,34 @@ impl BertDataset {
             .iter()
             .map(|d| d.iter().map(|s| tokenizer.encode(s)).collect())
             .collect::<Result<Vec<Vec<Vec<u32>>>, _>>()?;
+        Self::from_token_documents(docs, tokenizer, config)
+    }
+
+    /// Segments over already tokenized documents (sentences of token ids, e.g. Megatron's
+    /// BERT-format indexed datasets: sentences as sequences, documents as documents).
+    pub fn from_token_documents(
+        docs: Vec<Vec<Vec<u32>>>,
+        tokenizer: &BertTokenizer,
+        config: BertDatasetConfig,
+    ) -> Result<Self, DataError> {
+        if config.seq_length < 8 {
+            return Err(DataError::Config(format!(
+                "seq_length {} is too short for a sentence pair (at least 8)",
+                config.seq_length
+            )));
+        }
+        let vocab = tokenizer.vocab_size();
+        if let Some(t) = docs
+            .iter()
+            .flatten()
+            .flatten()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(DataError::Config(format!(
+                "token id {t} is outside the tokenizer's {vocab} tokens: was the data made \
+                 with another tokenizer?"
+            )));
+        }
         let max_tokens = config.seq_length - 3;
         let mut segments = Vec::new();
         for (doc, sentences) in docs.iter().enumerate() {

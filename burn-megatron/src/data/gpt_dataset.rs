@@ -218,22 +218,28 @@ pub struct GptBatch {
     pub ids: Tensor<2, Int>,
     /// `[b, s]` next tokens.
     pub labels: Tensor<2, Int>,
-    /// `[b, s]` ones: every position counts.
+    /// `[b, s]` 1 where the label counts, 0 where it is ignored.
     pub loss_mask: Tensor<2>,
 }
 
 impl GptBatch {
-    /// Stacks `samples` (all of one length) on `device`.
+    /// Stacks `samples` (all of one length) on `device`. A negative label (padding past
+    /// the end of the data, Megatron's `-1`) is ignored: its loss mask is 0 and its label 0.
     pub fn new(samples: &[GptSample], device: &Device) -> Self {
         let (b, s) = (samples.len(), samples.first().map_or(0, |x| x.ids.len()));
-        let ints = |f: fn(&GptSample) -> &Vec<i64>| {
-            let v: Vec<i64> = samples.iter().flat_map(|x| f(x).iter().copied()).collect();
-            Tensor::<2, Int>::from_data(TensorData::new(v, [b, s]), device)
+        let flat = |f: fn(&GptSample) -> &Vec<i64>| -> Vec<i64> {
+            samples.iter().flat_map(|x| f(x).iter().copied()).collect()
         };
+        let ints = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [b, s]), device);
+        let labels = flat(|x| &x.labels);
+        let mask: Vec<f32> = labels
+            .iter()
+            .map(|&l| f32::from(u8::from(l >= 0)))
+            .collect();
         Self {
-            ids: ints(|x| &x.ids),
-            labels: ints(|x| &x.labels),
-            loss_mask: Tensor::ones([b, s], device),
+            ids: ints(flat(|x| &x.ids)),
+            labels: ints(labels.into_iter().map(|l| l.max(0)).collect()),
+            loss_mask: Tensor::from_data(TensorData::new(mask, [b, s]), device),
         }
     }
 }

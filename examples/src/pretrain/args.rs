@@ -211,10 +211,18 @@ pub struct TrainArgs {
     /// Seed of weights, data and dropout.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
-    /// Corpus: `.jsonl` ({"text": ...} per line) or plain text (blank-line separated
-    /// documents). Default: the built-in generator.
+    /// The data: Megatron's `PREFIX` of `PREFIX.bin`/`.idx` (as `preprocess_data` writes
+    /// them), or weighted prefixes `W1 P1 W2 P2 …`; or a corpus file, `.jsonl` ({"text": …}
+    /// per line) or plain text (blank-line separated documents). Default: the built-in
+    /// generator.
+    #[arg(long, num_args = 1..)]
+    pub data_path: Vec<String>,
+    /// The train, validation and test proportions of a Megatron dataset's documents.
+    #[arg(long, default_value = "969,30,1")]
+    pub split: String,
+    /// Where a Megatron dataset's sample indices are cached (default: beside the data).
     #[arg(long)]
-    pub data_path: Option<PathBuf>,
+    pub data_cache_path: Option<PathBuf>,
     /// Documents the built-in generator writes.
     #[arg(long, default_value_t = 20_000)]
     pub synthetic_documents: usize,
@@ -341,7 +349,7 @@ impl TrainArgs {
             .load
             .as_ref()
             .is_some_and(|d| d.join("tokenizer.json").is_file());
-        if self.data_path.is_some() && self.vocab_file.is_none() && !saved {
+        if !self.data_path.is_empty() && self.vocab_file.is_none() && !saved {
             return Err(format!(
                 "--distributed-backend {} with --data-path needs --vocab-file: a tokenizer \
                  trained in each process could differ between them",
@@ -451,16 +459,10 @@ impl TrainArgs {
                 layout.num_micro_batches()
             )
         })?;
-        for (flag, path) in [
-            ("--data-path", &self.data_path),
-            ("--vocab-file", &self.vocab_file),
-        ] {
-            if let Some(p) = path
-                && !p.is_file()
-            {
-                return Err(format!("{flag} {}: no such file", p.display()));
-            }
+        if let Some(p) = self.vocab_file.as_ref().filter(|p| !p.is_file()) {
+            return Err(format!("--vocab-file {}: no such file", p.display()));
         }
+        self.data_source()?;
         if let Some(dir) = &self.load {
             self.check_saved_layout(dir)?;
         }

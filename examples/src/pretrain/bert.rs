@@ -1,6 +1,7 @@
 //! `bert_pretrain`: BERT's command line, data and microbatch step for the shared loop.
 
 use super::args::TrainArgs;
+use super::data::{DataSource, megatron_documents};
 use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
 use burn::config::Config;
 use burn::tensor::{Device, Tensor};
@@ -67,10 +68,10 @@ fn tokenizer(args: &TrainArgs, docs: &[Document], leader: bool) -> Result<BertTo
         .as_ref()
         .map(|d| d.join("tokenizer.json"))
         .filter(|p| p.is_file());
-    let tokenizer = match (&args.vocab_file, &saved, &args.data_path) {
+    let tokenizer = match (&args.vocab_file, &saved, args.data_path.is_empty()) {
         (Some(p), _, _) | (None, Some(p), _) => BertTokenizer::from_file(p.as_path()),
-        (None, None, None) => BertTokenizer::from_vocab(synthetic_vocabulary()),
-        (None, None, Some(_)) => BertTokenizer::train(docs, args.vocab_size),
+        (None, None, true) => BertTokenizer::from_vocab(synthetic_vocabulary()),
+        (None, None, false) => BertTokenizer::train(docs, args.vocab_size),
     }
     .map_err(|e| e.to_string())?;
     if let Some(dir) = args.save.as_ref().filter(|_| leader) {
@@ -177,14 +178,21 @@ pub fn run(args: &Args) -> Result<Summary, String> {
     let (docs, valid_docs) = corpus(a)?;
     let tokenizer = tokenizer(a, &docs, leader)?;
     let data_config = BertDatasetConfig::new(a.seq_length).with_seed(a.seed);
-    let train =
-        BertDataset::new(&docs, &tokenizer, data_config.clone()).map_err(|e| e.to_string())?;
-    let valid = BertDataset::new(
-        &valid_docs,
-        &tokenizer,
-        data_config.with_seed(a.seed.wrapping_add(1)),
-    )
-    .map_err(|e| e.to_string())?;
+    let valid_config = data_config.clone().with_seed(a.seed.wrapping_add(1));
+    let (train, valid) = match a.data_source()? {
+        DataSource::Megatron(blend) => {
+            let [train, valid] = megatron_documents(a, &blend)?;
+            let dataset = |docs, config| {
+                BertDataset::from_token_documents(docs, &tokenizer, config)
+                    .map_err(|e| format!("--data-path: {e}"))
+            };
+            (dataset(train, data_config)?, dataset(valid, valid_config)?)
+        }
+        _ => (
+            BertDataset::new(&docs, &tokenizer, data_config).map_err(|e| e.to_string())?,
+            BertDataset::new(&valid_docs, &tokenizer, valid_config).map_err(|e| e.to_string())?,
+        ),
+    };
     let tp = a.tensor_model_parallel_size;
     let config = BertConfig::new(
         a.num_layers,

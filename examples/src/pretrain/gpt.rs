@@ -3,11 +3,13 @@
 //! Face fine-tuning and export, and a few generated samples at the end.
 
 use super::args::TrainArgs;
+use super::data::{DataSource, GptData};
 use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
 use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::Device;
 use burn::tensor::TensorData;
+use burn_megatron::data::megatron::{MegatronSplit, build_gpt_datasets};
 use burn_megatron::data::{
     BatchLayout, Document, GptBatch, GptDataset, GptDatasetConfig, GptSample, GptTokenizer,
 };
@@ -251,8 +253,8 @@ struct GptFamily {
     args: GptArgs,
     config: GptConfig,
     tokenizer: GptTokenizer,
-    train: GptDataset,
-    valid: GptDataset,
+    train: GptData,
+    valid: GptData,
     /// The checkpoint of `--load-hf`, read once for every rank.
     hf: Option<(HfGptConfig, HashMap<String, TensorData>)>,
     prompts: Vec<Vec<u32>>,
@@ -307,7 +309,10 @@ impl Family for GptFamily {
             Split::Train => &self.train,
             Split::Valid => &self.valid,
         };
-        let samples: Vec<GptSample> = samples.map(|i| data.sample(i)).collect();
+        let samples = samples
+            .map(|i| data.sample(i))
+            .collect::<Result<Vec<GptSample>, String>>()
+            .map_err(StageError::from)?;
         let b = GptBatch::new(&samples, device);
         let ids = s.input.is_none().then_some(b.ids);
         Ok(match s.model.forward_stage(ids, s.input, rng)? {
@@ -403,8 +408,32 @@ pub fn run_gpt(args: &GptArgs) -> Result<Summary, String> {
         )
         .map_err(|e| e.to_string())
     };
-    let train = data(&docs, a.seed)?;
-    let valid = data(&valid_docs, a.seed.wrapping_add(1))?;
+    let (train, valid, valid_prompts) = match a.data_source()? {
+        DataSource::Megatron(blend) => {
+            let [train, valid, _] =
+                build_gpt_datasets(&blend, &a.megatron_config(), a.megatron_sizes())
+                    .map_err(|e| format!("--data-path: {e}"))?;
+            let vocab_size = tokenizer.vocab_size();
+            let split = |s: Option<MegatronSplit>, name: &str| {
+                s.map(|data| GptData::Megatron { data, vocab_size })
+                    .ok_or_else(|| format!("--split {}: the {name} split is empty", a.split))
+            };
+            let valid = split(valid, "validation")?;
+            // Prompts: the first tokens of three validation samples.
+            let prompts = (0..3.min(valid.len()))
+                .map(|i| {
+                    let ids = valid.sample(i)?.ids.into_iter().take(6);
+                    Ok(ids.map(|t| t as u32).collect())
+                })
+                .collect::<Result<Vec<Vec<u32>>, String>>()?;
+            (split(train, "training")?, valid, Some(prompts))
+        }
+        _ => (
+            GptData::Stream(data(&docs, a.seed)?),
+            GptData::Stream(data(&valid_docs, a.seed.wrapping_add(1))?),
+            None,
+        ),
+    };
     if let Some(dir) = a.save.as_ref().filter(|_| leader) {
         let path = dir.join("gpt_config.json");
         config
@@ -412,16 +441,19 @@ pub fn run_gpt(args: &GptArgs) -> Result<Summary, String> {
             .map_err(|e| format!("--save {}: {e}", path.display()))?;
     }
     // The first words of three validation documents.
-    let prompts = valid_docs
-        .iter()
-        .take(3)
-        .map(|d| {
-            tokenizer
-                .encode(&d.join(" "))
-                .map(|ids| ids.into_iter().take(6).collect())
-        })
-        .collect::<Result<Vec<Vec<u32>>, _>>()
-        .map_err(|e| e.to_string())?;
+    let prompts = match valid_prompts {
+        Some(p) => p,
+        None => valid_docs
+            .iter()
+            .take(3)
+            .map(|d| {
+                tokenizer
+                    .encode(&d.join(" "))
+                    .map(|ids| ids.into_iter().take(6).collect())
+            })
+            .collect::<Result<Vec<Vec<u32>>, _>>()
+            .map_err(|e| e.to_string())?,
+    };
     let kind = match (config.position_embedding_type, config.gated_linear_unit) {
         (PositionEmbeddingType::Rope, true) => "Llama-style",
         _ => "GPT-2-style",

@@ -8,6 +8,7 @@
 
 mod args;
 mod bert;
+mod data;
 mod gpt;
 mod plot;
 mod spans;
@@ -29,6 +30,7 @@ use burn_megatron::pipeline::{
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
+use data::DataSource;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::ops::Range;
 use std::path::PathBuf;
@@ -179,12 +181,13 @@ pub fn log_line(e: &IterationLog, args: &TrainArgs) -> String {
     )
 }
 
-/// The training and validation documents: the last ~3 % (at least one) validate, as
-/// Megatron's split.
+/// The training and validation documents of a corpus (none for Megatron datasets): the
+/// last ~3 % (at least one) validate, as Megatron's split.
 fn corpus(args: &TrainArgs) -> Result<(Vec<Document>, Vec<Document>), String> {
-    let mut docs = match &args.data_path {
-        Some(p) => load_corpus(p).map_err(|e| e.to_string())?,
-        None => synthetic_corpus(args.synthetic_documents, args.seed),
+    let mut docs = match args.data_source()? {
+        DataSource::Corpus(p) => load_corpus(&p).map_err(|e| e.to_string())?,
+        DataSource::Synthetic => synthetic_corpus(args.synthetic_documents, args.seed),
+        DataSource::Megatron(_) => return Ok((Vec::new(), Vec::new())),
     };
     let n_valid = (docs.len() * 3 / 100)
         .max(1)

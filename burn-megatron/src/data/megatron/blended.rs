@@ -210,7 +210,8 @@ fn size_per_dataset(weights: &[f64], size: usize, surplus: f64) -> Vec<usize> {
 
 /// Megatron's `BlendedMegatronDatasetBuilder(GPTDataset, sizes, …).build()`: the train,
 /// valid and test datasets of `blend` under `config.split`, each with at least `sizes[i]`
-/// samples (`None`: one epoch). A split of zero width is `None`.
+/// samples (`None`: one epoch). A split of zero width, or (for one unweighted prefix) with
+/// no document, is `None`.
 ///
 /// ```no_run
 /// use burn_megatron::data::megatron::{build_gpt_datasets, Blend, GPTDatasetConfig};
@@ -247,6 +248,11 @@ pub fn build_gpt_datasets(
             };
             let n = low_level[d].len() as f64;
             let range = (beg * n).round_ties_even() as usize..(end * n).round_ties_even() as usize;
+            // A proportion too small to hold a document leaves the split empty (Megatron-Core
+            // 0.16 would loop forever counting epochs of zero tokens).
+            if range.is_empty() && blend.weights.is_none() {
+                return Ok(None);
+            }
             GPTDataset::build(low_level[d].clone(), range, size, Split::ALL[i], config)
                 .map(|g| Some(Arc::new(g)))
         };
