@@ -16,6 +16,7 @@ use burn_megatron::tensor_parallel::{RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
 use clap::Parser;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// BERT pretraining with tensor, pipeline and data parallelism (ranks run as threads of
@@ -237,5 +238,6 @@ pub fn run(args: &Args) -> Result<Summary, String> {
         all_positions: args.mlm_head_all_positions,
         header,
     };
-    train_family(a, layout, family, leader, start)
+    let rank = |ctx, shared: &Arc<_>| super::train::train_rank(ctx, shared);
+    train_family(a, layout, family, leader, start, &rank)
 }

@@ -4,6 +4,7 @@
 
 use super::args::TrainArgs;
 use super::data::{DataSource, GptData};
+use super::learner::LearnerOptions;
 use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
 use burn::config::Config;
 use burn::module::Module;
@@ -25,6 +26,7 @@ use clap::{Parser, ValueEnum};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// `--position-embedding-type`.
@@ -249,7 +251,7 @@ fn tokenizer(args: &GptArgs, docs: &[Document], leader: bool) -> Result<GptToken
 }
 
 /// GPT for the shared loop.
-struct GptFamily {
+pub(super) struct GptFamily {
     args: GptArgs,
     config: GptConfig,
     tokenizer: GptTokenizer,
@@ -377,6 +379,15 @@ impl Family for GptFamily {
 
 /// Validates `args`, prepares the data and trains; returns the log of global rank 0.
 pub fn run_gpt(args: &GptArgs) -> Result<Summary, String> {
+    run_gpt_with(args, None)
+}
+
+/// [`run_gpt`], each rank driven by burn-train's `Learner` with `learner`'s options.
+pub fn run_gpt_learner(args: &GptArgs, learner: &LearnerOptions) -> Result<Summary, String> {
+    run_gpt_with(args, Some(learner))
+}
+
+fn run_gpt_with(args: &GptArgs, learner: Option<&LearnerOptions>) -> Result<Summary, String> {
     let start = Instant::now();
     let layout = args.validate()?;
     let a = &args.train;
@@ -484,5 +495,14 @@ pub fn run_gpt(args: &GptArgs) -> Result<Summary, String> {
         prompts,
         header,
     };
-    train_family(a, layout, family, leader, start)
+    match learner {
+        None => {
+            let rank = |ctx, shared: &Arc<_>| super::train::train_rank(ctx, shared);
+            train_family(a, layout, family, leader, start, &rank)
+        }
+        Some(options) => {
+            let rank = |ctx, shared: &Arc<_>| super::learner::learner_rank(ctx, shared, options);
+            train_family(a, layout, family, leader, start, &rank)
+        }
+    }
 }

@@ -10,13 +10,15 @@ mod args;
 mod bert;
 mod data;
 mod gpt;
+mod learner;
 mod plot;
 mod spans;
 mod train;
 
 pub use args::{DecayStyle, Granularity, Method, TrainArgs, WdIncr};
 pub use bert::{Args, run};
-pub use gpt::{GptArgs, PositionEmbedding, run_gpt};
+pub use gpt::{GptArgs, PositionEmbedding, run_gpt, run_gpt_learner};
+pub use learner::{LearnerOptions, Renderer};
 pub use train::scheduler;
 
 use burn::module::Module;
@@ -34,7 +36,9 @@ use data::DataSource;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use train::RankOutput;
 
 /// One iteration, as logged.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,7 +92,7 @@ pub enum Split {
 }
 
 /// A model family the shared loop trains: BERT or GPT.
-pub trait Family: Sync {
+pub trait Family: Send + Sync + 'static {
     /// One pipeline model chunk.
     type Chunk: Module + Clone + Send + Sync + std::fmt::Debug + 'static;
 
@@ -317,12 +321,17 @@ pub fn read_log_json(path: &std::path::Path) -> Result<Vec<IterationLog>, String
 
 /// Trains `family` under `args` (already validated into `layout`) and returns the log of
 /// global rank 0: the part of a run both examples share.
+/// How one rank trains: our loop ([`train::train_rank`]) or burn-train's Learner.
+type RankFn<'a, F> =
+    &'a (dyn Fn(RankContext, &Arc<Shared<F>>) -> Result<RankOutput, String> + Sync);
+
 fn train_family<F: Family>(
     args: &TrainArgs,
     layout: BatchLayout,
     family: F,
     leader: bool,
     start: Instant,
+    rank: RankFn<'_, F>,
 ) -> Result<Summary, String> {
     let parallel = args.parallel_config()?;
     if leader {
@@ -347,19 +356,19 @@ fn train_family<F: Family>(
         .loss_plot
         .clone()
         .unwrap_or_else(|| PathBuf::from(format!("{}_loss.png", family.example())));
-    let shared = Shared {
+    let shared = Arc::new(Shared {
         args: args.clone(),
         layout,
         family,
         progress,
         epoch: Instant::now(),
-    };
+    });
     let options = LaunchOptions::default()
         .with_backend(args.distributed_backend)
         .with_timeout(args.distributed_timeout());
     let (log, evals, peaks) = match args.distributed_backend {
         DistributedBackend::Threads => {
-            let train = |ctx| train::train_rank(ctx, &shared);
+            let train = |ctx| rank(ctx, &shared);
             let outputs = threads(&parallel, options, train).map_err(|e| e.to_string())?;
             if let Some(path) = &args.timeline {
                 let ranks: Vec<Vec<Span>> = outputs.iter().map(|o| o.2.clone()).collect();
@@ -371,7 +380,7 @@ fn train_family<F: Family>(
         }
         _ => from_env(&parallel, options, |ctx| {
             let world = ctx.groups.world.clone();
-            let out = train::train_rank(ctx, &shared)?;
+            let out = rank(ctx, &shared)?;
             // Every process's spans to rank 0, while the communicators still exist.
             if let Some(path) = &args.timeline {
                 let ranks = spans::gather(&world, &out.2, shared.epoch)?;

@@ -6,7 +6,7 @@
 use super::{Eval, Family, IterationLog, Shared, Split, TrainArgs};
 use crate::memory::RankMemory;
 use burn::module::Module;
-use burn::optim::AdamWConfig;
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::DType;
 use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
 use burn_megatron::launch::RankContext;
@@ -15,7 +15,7 @@ use burn_megatron::optimizer::{
     OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
 };
 use burn_megatron::pipeline::{
-    ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, P2pShapes, Span,
+    ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync, P2pShapes, Span,
     forward_backward_func,
 };
 use burn_megatron::tensor_parallel::RngTracker;
@@ -57,6 +57,9 @@ pub fn scheduler(args: &TrainArgs) -> Result<OptimizerParamScheduler, String> {
 
 /// This rank's mean losses over its microbatches (lm, and sop for BERT), on last stages.
 type Losses = Option<(f64, Option<f64>)>;
+
+/// The losses every rank logs: lm, and sop for BERT.
+pub(super) type SharedLosses = (f64, Option<f64>);
 
 /// Runs the pipeline schedule over `chunks` on `split`'s microbatches of `iteration`:
 /// backward when `rng` is given (training), forward only otherwise. Returns this rank's mean
@@ -118,23 +121,24 @@ fn share_losses(ctx: &RankContext, local: Losses, sop: bool) -> Result<(f64, Opt
     Ok((f64::from(v[0]), sop.then_some(f64::from(v[1]))))
 }
 
-/// The mean validation losses over `eval_iters` global batches.
-fn evaluate<F: Family>(
+/// The mean validation losses over the global batches `batches`.
+pub(super) fn evaluate<F: Family>(
     ctx: &RankContext,
     shared: &Shared<F>,
     chunks: &[F::Chunk],
+    batches: std::ops::Range<usize>,
 ) -> Result<(f64, Option<f64>), String> {
     let schedule = shared.args.schedule(&shared.layout).with_forward_only(true);
     let sop = shared.family.has_sop();
     let mut sums = [0.0f64; 2];
-    for k in 0..shared.args.eval_iters {
+    let n = batches.len().max(1) as f64;
+    for k in batches {
         let fb = ForwardBackwardConfig::new(schedule);
         let (local, _) = run_schedule(ctx, shared, chunks, Split::Valid, k, None, fb)?;
         let (lm, s) = share_losses(ctx, local, sop)?;
         sums[0] += lm;
         sums[1] += s.unwrap_or(0.0);
     }
-    let n = shared.args.eval_iters.max(1) as f64;
     Ok((sums[0] / n, sop.then_some(sums[1] / n)))
 }
 
@@ -145,17 +149,32 @@ pub type RankOutput = (Vec<IterationLog>, Vec<Eval>, Vec<Span>, RankPeak);
 /// A rank's measured peak: (global rank, pipeline rank, bytes).
 pub type RankPeak = (usize, usize, i64);
 
-/// Trains this rank's part of the model: its model chunks of its pipeline stage.
-pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<RankOutput, String> {
+/// What a rank trains with: its model chunks (loaded when resuming), the one object for
+/// its reducers and checkpoints, the optimizer and the schedule, where it starts.
+pub(super) struct RankSetup<F: Family> {
+    pub model: Vec<F::Chunk>,
+    pub training: ParallelTraining,
+    pub optim: MegatronOptimizer<Vec<F::Chunk>>,
+    pub scheduler: OptimizerParamScheduler,
+    pub start: usize,
+    pub skipped: usize,
+    pub memory: RankMemory,
+}
+
+/// Builds this rank's part of the model (its model chunks of its pipeline stage), its
+/// optimizer, and loads `--load`.
+pub(super) fn setup_rank<F: Family>(
+    ctx: &RankContext,
+    shared: &Shared<F>,
+) -> Result<RankSetup<F>, String> {
     let args = &shared.args;
-    let tp_rank = ctx.state.tensor_model_parallel_rank();
     let leader = ctx.state.global_rank() == 0;
     let mut memory = RankMemory::start(ctx.state.global_rank());
     let model: Vec<F::Chunk> = (0..args.num_model_chunks())
         .map(|c| {
             shared
                 .family
-                .init_chunk(&ctx, PipelinePosition::of(&ctx.state, c))
+                .init_chunk(ctx, PipelinePosition::of(&ctx.state, c))
         })
         .collect::<Result<_, _>>()?;
     let model = cast_params(model, dtype(args));
@@ -172,7 +191,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     let mut training = ParallelTrainingConfig::new()
         .with_overlap_grad_reduce(args.overlap_grad_reduce)
         .with_use_distributed_optimizer(args.use_distributed_optimizer)
-        .init(&ctx, &model, names)
+        .init(ctx, &model, names)
         .map_err(|e| e.to_string())?;
     let layout = training.checkpoint_rank().layout;
     // The weight decay is the scheduler's, set every step; no decay on biases and norms.
@@ -193,7 +212,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         })
     };
     let scheduler = scheduler(args)?;
-    let (mut model, mut optim, start, mut skipped) = match &args.load {
+    let (model, optim, start, skipped) = match &args.load {
         None => {
             let optim = make_optimizer(&training, &model).map_err(|e| e.to_string())?;
             (model, optim, 0, 0usize)
@@ -233,6 +252,115 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
             4.0 * state as f64 / params.max(1) as f64
         ));
     }
+    Ok(RankSetup {
+        model,
+        training,
+        optim,
+        scheduler,
+        start,
+        skipped,
+        memory,
+    })
+}
+
+/// One training iteration's two halves, shared by this loop and burn-train's
+/// (`learner`): the schedule's forward and backward with the gradient reductions, then
+/// the optimizer step with its log line.
+pub(super) struct Step<'a, F: Family> {
+    pub ctx: &'a RankContext,
+    pub shared: &'a Shared<F>,
+    pub training: &'a ParallelTraining,
+    pub hooks: Option<&'a [&'a dyn GradSync]>,
+}
+
+impl<F: Family> Step<'_, F> {
+    /// The microbatches of `iteration` through the schedule, gradients reduced over DP
+    /// (and SP, tied embeddings), and the losses every rank logs.
+    #[allow(clippy::ptr_arg)] // `finalize` takes the model as the `Vec` it is
+    pub fn forward_backward(
+        &self,
+        model: &Vec<F::Chunk>,
+        optim: &MegatronOptimizer<Vec<F::Chunk>>,
+        iteration: usize,
+        timeline: Option<Instant>,
+    ) -> Result<(GradientsParams, SharedLosses, Vec<Span>), String> {
+        let args = &self.shared.args;
+        let tp_rank = self.ctx.state.tensor_model_parallel_rank();
+        // Dropout masks are a function of (seed, iteration): nothing to checkpoint.
+        let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
+        let mut fb = ForwardBackwardConfig::new(args.schedule(&self.shared.layout));
+        fb.grad_scale = optim.loss_scale();
+        fb.grad_sync = self.hooks;
+        fb.timeline = timeline;
+        let (losses, out) = run_schedule(
+            self.ctx,
+            self.shared,
+            model,
+            Split::Train,
+            iteration,
+            Some(&rng),
+            fb,
+        )?;
+        let mut grads = out.grads;
+        self.training
+            .finalize(model, &mut grads)
+            .map_err(|e| e.to_string())?;
+        let losses = share_losses(self.ctx, losses, self.shared.family.has_sop())?;
+        Ok((grads, losses, out.spans))
+    }
+
+    /// The optimizer step of `iteration` at the schedule's learning rate and weight
+    /// decay, and its log entry.
+    #[allow(clippy::too_many_arguments)]
+    pub fn optimizer_step(
+        &self,
+        scheduler: &OptimizerParamScheduler,
+        optim: &mut MegatronOptimizer<Vec<F::Chunk>>,
+        model: Vec<F::Chunk>,
+        grads: GradientsParams,
+        iteration: usize,
+        losses: (f64, Option<f64>),
+        skipped: &mut usize,
+        t0: Instant,
+    ) -> Result<(Vec<F::Chunk>, IterationLog), String> {
+        let args = &self.shared.args;
+        let lr = scheduler.lr_at(iteration);
+        optim
+            .set_weight_decay(scheduler.wd_at(iteration))
+            .map_err(|e| e.to_string())?;
+        let (model, report) = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
+        *skipped += usize::from(!report.updated);
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let tokens_per_iter = (args.global_batch_size * args.seq_length) as f64;
+        let entry = IterationLog {
+            iteration: iteration + 1,
+            consumed_samples: (iteration + 1) * args.global_batch_size,
+            lr,
+            lm_loss: losses.0,
+            sop_loss: losses.1,
+            grad_norm: report.grad_norm,
+            loss_scale: report.loss_scale,
+            skipped_iterations: *skipped,
+            ms_per_iter: ms,
+            tokens_per_s: tokens_per_iter / (ms / 1e3),
+        };
+        Ok((model, entry))
+    }
+}
+
+/// Trains this rank's part of the model: its model chunks of its pipeline stage.
+pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<RankOutput, String> {
+    let args = &shared.args;
+    let leader = ctx.state.global_rank() == 0;
+    let RankSetup {
+        mut model,
+        training,
+        mut optim,
+        scheduler,
+        start,
+        mut skipped,
+        mut memory,
+    } = setup_rank(&ctx, shared)?;
     let save = |done: usize,
                 model: &Vec<F::Chunk>,
                 optim: &MegatronOptimizer<Vec<F::Chunk>>,
@@ -254,63 +382,40 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         Ok(())
     };
     let hooks = training.grad_sync();
-    let schedule = args.schedule(&shared.layout);
-    let tokens_per_iter = (args.global_batch_size * args.seq_length) as f64;
     let (mut log, mut evals, mut spans) = (Vec::new(), Vec::new(), Vec::new());
     for iteration in start..args.train_iters {
         let t0 = Instant::now();
         memory.step_starts();
-        // Dropout masks are a function of (seed, iteration): nothing to checkpoint.
-        let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
-        let mut fb = ForwardBackwardConfig::new(schedule);
-        fb.grad_scale = optim.loss_scale();
-        fb.grad_sync = hooks.as_deref();
-        fb.timeline =
+        let timeline =
             (args.timeline.is_some() && iteration + 1 == args.train_iters).then_some(shared.epoch);
-        let (losses, out) = run_schedule(
-            &ctx,
+        let step = Step {
+            ctx: &ctx,
             shared,
-            &model,
-            Split::Train,
-            iteration,
-            Some(&rng),
-            fb,
-        )?;
-        spans = out.spans;
-        let mut grads = out.grads;
-        training
-            .finalize(&model, &mut grads)
-            .map_err(|e| e.to_string())?;
+            training: &training,
+            hooks: hooks.as_deref(),
+        };
+        let (grads, losses, s) = step.forward_backward(&model, &optim, iteration, timeline)?;
+        spans = s;
         memory.gradients_ready();
-        let losses = share_losses(&ctx, losses, shared.family.has_sop())?;
-        let lr = scheduler.lr_at(iteration);
-        optim
-            .set_weight_decay(scheduler.wd_at(iteration))
-            .map_err(|e| e.to_string())?;
-        let (m, report) = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
+        let (m, entry) = step.optimizer_step(
+            &scheduler,
+            &mut optim,
+            model,
+            grads,
+            iteration,
+            losses,
+            &mut skipped,
+            t0,
+        )?;
         model = m;
         memory.step_done();
-        skipped += usize::from(!report.updated);
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let entry = IterationLog {
-            iteration: iteration + 1,
-            consumed_samples: (iteration + 1) * args.global_batch_size,
-            lr,
-            lm_loss: losses.0,
-            sop_loss: losses.1,
-            grad_norm: report.grad_norm,
-            loss_scale: report.loss_scale,
-            skipped_iterations: skipped,
-            ms_per_iter: ms,
-            tokens_per_s: tokens_per_iter / (ms / 1e3),
-        };
         if leader {
             shared.report(&entry);
         }
         log.push(entry);
         let done = iteration + 1;
         if args.eval_interval > 0 && (done % args.eval_interval == 0 || done == args.train_iters) {
-            let (lm, sop) = evaluate(&ctx, shared, &model)?;
+            let (lm, sop) = evaluate(&ctx, shared, &model, 0..args.eval_iters)?;
             if leader {
                 let sop_part = sop.map_or(String::new(), |s| format!(" sop loss: {s:.6E} |"));
                 shared.println(format!(
