@@ -170,7 +170,7 @@ fn map(path: &Path) -> Result<Mmap, DataError> {
 /// A memory-mapped Megatron indexed dataset (`IndexedDataset` in Megatron-Core).
 ///
 /// ```no_run
-/// use burn_megatron::data::IndexedDataset;
+/// use burn_megatron::data::megatron::IndexedDataset;
 ///
 /// let data = IndexedDataset::open("corpus_text_document").unwrap();
 /// let first = data.get(0, 0, None).unwrap(); // every token of sequence 0
