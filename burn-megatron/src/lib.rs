@@ -13,6 +13,8 @@
 //!   (FP32 master weights, overflow skipping, global-norm clipping).
 //! - [`pipeline`]: schedules (1F1B, interleaved), p2p between stages and
 //!   `forward_backward_func` over any model's chunks.
+//! - [`context_parallel`]: one sequence split over the context-parallel group (the
+//!   load-balanced split, K/V all-gathered over it, masks by global position).
 //! - [`recompute`]: activation recomputation: regions that keep only their input and run
 //!   again in backward (Megatron's `--recompute-granularity`).
 //! - [`models`]: tensor-parallel attention, MLP, transformer layer and BERT, with Hugging
@@ -32,6 +34,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
 mod grad_hooks;

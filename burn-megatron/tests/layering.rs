@@ -18,6 +18,7 @@ const LEVELS: &[&[&str]] = &[
     &["comm"],
     &["param_grads"],
     &["tensor_parallel"],
+    &["context_parallel"],
     &["recompute"],
     &["models"],
     &["data_parallel", "data"],

@@ -19,6 +19,8 @@ pub struct RankGroups {
     pub dp: Comm,
     /// Data-parallel group including context-parallel ranks.
     pub dp_cp: Comm,
+    /// Context-parallel group: the ranks that split one sequence.
+    pub cp: Comm,
     /// Model-parallel group (tensor × pipeline).
     pub mp: Comm,
     /// Tensor × data parallel group.
@@ -94,6 +96,7 @@ impl RankContext {
             )?,
             dp: comm(GroupKind::DataParallel)?,
             dp_cp: comm(GroupKind::DataParallelWithCp)?,
+            cp: comm(GroupKind::ContextParallel)?,
             mp: comm(GroupKind::ModelParallel)?,
             tp_dp: comm(GroupKind::TensorAndDataParallel)?,
             embedding: member(GroupKind::Embedding)

@@ -4,6 +4,7 @@
 
 use super::rotary::RotaryTables;
 use crate::comm::Comm;
+use crate::context_parallel::ContextParallel;
 use crate::recompute::recompute_fn;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, RngRegion, RngTracker,
@@ -77,10 +78,24 @@ pub struct ParallelAttentionConfig {
 /// the rotary tables.
 #[derive(Debug, Clone, Default)]
 pub struct AttentionInputs {
-    /// `[b, sk]`, true at padded keys (with a cache, over the cached keys and the new ones).
+    /// `[b, sk]`, true at padded keys (with a cache, over the cached keys and the new ones;
+    /// under context parallelism, over the gathered keys).
     pub padding: Option<Tensor<2, Bool>>,
     /// Rotary cos/sin tables of the new tokens' positions.
     pub rotary: Option<RotaryTables>,
+    /// The sequence is split over a context-parallel group.
+    pub context_parallel: Option<CpAttention>,
+}
+
+/// Attention over a sequence split by context parallelism: keys and values are
+/// all-gathered over the group, and `mask` (`[local queries, gathered keys]`, true where
+/// masked) is the causal mask by global position (`None` for bidirectional attention).
+#[derive(Debug, Clone)]
+pub struct CpAttention {
+    /// The group and this rank's positions.
+    pub cp: ContextParallel,
+    /// The causal mask over the gathered keys.
+    pub mask: Option<Tensor<2, Bool>>,
 }
 
 impl AttentionInputs {
@@ -88,7 +103,7 @@ impl AttentionInputs {
     pub fn padding(padding: Tensor<2, Bool>) -> Self {
         Self {
             padding: Some(padding),
-            rotary: None,
+            ..Self::default()
         }
     }
 }
@@ -303,10 +318,17 @@ impl CoreAttention {
                 .narrow(3, start, per_group)
                 .reshape([s, b, ng * per_group, hn])
         };
-        let (mut q, mut k, v) = (part(0, qpg), part(qpg, 1), part(qpg + 1, 1));
+        let (mut q, mut k, mut v) = (part(0, qpg), part(qpg, 1), part(qpg + 1, 1));
         if let Some(rotary) = &inputs.rotary {
             q = rotary.apply(q);
             k = rotary.apply(k);
+        }
+        let cp = inputs.context_parallel.as_ref();
+        if let Some(c) = cp {
+            // Every key and value of the sequence, in one collective (keys already rotated
+            // at their own positions).
+            let kv = c.cp.gather_sequence(Tensor::cat(vec![k, v], 2));
+            (k, v) = (kv.clone().narrow(2, 0, ng), kv.narrow(2, ng, ng));
         }
         // [b, heads, s, hn].
         let (q, mut k, mut v) = (
@@ -331,8 +353,11 @@ impl CoreAttention {
         // Scaled, masked keys filled with Megatron's -10000 (fully masked rows stay finite),
         // softmax: one fused kernel on GPUs.
         let scale = 1.0 / (hn as f32).sqrt();
-        let mut probs = scaled_masked_softmax(scores, inputs.padding.clone(), scale, self.causal)
-            .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction");
+        let mut probs = match cp {
+            None => scaled_masked_softmax(scores, inputs.padding.clone(), scale, self.causal)
+                .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction"),
+            Some(c) => cp_softmax(scores, c, inputs.padding.clone(), scale),
+        };
         if let Some(rng) = rng {
             // This rank's heads: a mask of its own (the model-parallel stream), drawn from a
             // seed as one kernel, no mask uploaded.
@@ -351,4 +376,31 @@ impl CoreAttention {
             .permute([2, 0, 1, 3])
             .reshape([s, b, np * hn])
     }
+}
+
+/// The masked softmax over gathered keys: the causal mask is by global position, not by
+/// index, so it is a mask tensor here rather than the fused kernel's causal mode. The same
+/// arithmetic as the kernel's reference (scale, fill with −10000, softmax).
+fn cp_softmax(
+    scores: Tensor<4>,
+    c: &CpAttention,
+    padding: Option<Tensor<2, Bool>>,
+    scale: f32,
+) -> Tensor<4> {
+    let [b, np, s, sk] = scores.dims();
+    let causal = c
+        .mask
+        .clone()
+        .map(|m| m.reshape([1, 1, s, sk]).expand([b, np, s, sk]));
+    let padding = padding.map(|p| p.reshape([b, 1, 1, sk]).expand([b, np, s, sk]));
+    let mask = match (causal, padding) {
+        (Some(m), Some(p)) => Some(m.bool_or(p)),
+        (m, p) => m.or(p),
+    };
+    let scaled = scores.mul_scalar(scale);
+    let filled = match mask {
+        Some(m) => scaled.mask_fill(m, -10_000.0),
+        None => scaled,
+    };
+    burn::tensor::activation::softmax(filled, 3)
 }

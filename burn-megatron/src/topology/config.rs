@@ -137,13 +137,6 @@ impl ParallelConfig {
             return Err(TopologyError::ZeroSize { what });
         }
 
-        if cp > 1 {
-            return Err(TopologyError::Unsupported {
-                feature: "context parallelism",
-                token: ParallelDim::Context.token(),
-                size: cp,
-            });
-        }
         if ep > 1 {
             return Err(TopologyError::Unsupported {
                 feature: "expert parallelism",

@@ -34,11 +34,13 @@ pub enum GroupKind {
     Embedding,
     /// First pipeline stage only, which holds position embeddings.
     PositionEmbedding,
+    /// Ranks that split one sequence (`cp`).
+    ContextParallel,
 }
 
 impl GroupKind {
     /// Every kind, in declaration order.
-    pub const ALL: [GroupKind; 8] = [
+    pub const ALL: [GroupKind; 9] = [
         GroupKind::TensorModelParallel,
         GroupKind::PipelineModelParallel,
         GroupKind::DataParallel,
@@ -47,10 +49,11 @@ impl GroupKind {
         GroupKind::TensorAndDataParallel,
         GroupKind::Embedding,
         GroupKind::PositionEmbedding,
+        GroupKind::ContextParallel,
     ];
 
-    /// Short name: `"tp"`, `"pp"`, `"dp"`, `"dp-cp"`, `"mp"`, `"tp-dp"`, `"embd"` or
-    /// `"pos-embd"`.
+    /// Short name: `"tp"`, `"pp"`, `"dp"`, `"dp-cp"`, `"mp"`, `"tp-dp"`, `"embd"`,
+    /// `"pos-embd"` or `"cp"`.
     pub fn name(self) -> &'static str {
         match self {
             GroupKind::TensorModelParallel => "tp",
@@ -61,6 +64,7 @@ impl GroupKind {
             GroupKind::TensorAndDataParallel => "tp-dp",
             GroupKind::Embedding => "embd",
             GroupKind::PositionEmbedding => "pos-embd",
+            GroupKind::ContextParallel => "cp",
         }
     }
 
@@ -75,6 +79,7 @@ impl GroupKind {
             GroupKind::DataParallelWithCp => "dp-cp",
             GroupKind::ModelParallel => "tp-pp",
             GroupKind::TensorAndDataParallel => "tp-dp",
+            GroupKind::ContextParallel => "cp",
         }
     }
 

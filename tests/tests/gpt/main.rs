@@ -2,6 +2,7 @@
 //! with one rank, Hugging Face fixtures, generation, and refused configurations. One test
 //! binary (each links Burn).
 
+mod context_parallel;
 mod errors;
 mod generate;
 mod hf;

@@ -2,7 +2,8 @@
 //! parallel logits (Megatron's `parallel_lm_logits` when tied), and the causal-LM loss.
 
 use super::{Gpt, GptEmbedding, GptHead};
-use crate::models::attention::{AttentionInputs, LayerKvCache};
+use crate::context_parallel::ContextParallel;
+use crate::models::attention::{AttentionInputs, CpAttention, LayerKvCache};
 use crate::models::transformer::forward_layers;
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
@@ -101,7 +102,41 @@ impl Gpt {
         positions: &Positions,
         padding: Option<Tensor<2, Bool>>,
         rng: Option<&RngTracker>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<GptStageOutput, TpError> {
+        self.forward_impl(ids, hidden, positions, padding, rng, cache, None)
+    }
+
+    /// [`forward_stage`](Self::forward_stage) on this rank's share of sequences split over
+    /// a context-parallel group: `ids` (`[b, s / cp]`, or the previous stage's hidden
+    /// states) are the tokens at `cp.positions()` (split with [`ContextParallel::split`]),
+    /// and attention sees every token of the sequence.
+    pub fn forward_stage_cp(
+        &self,
+        ids: Option<Tensor<2, Int>>,
+        hidden: Option<Tensor<3>>,
+        rng: Option<&RngTracker>,
+        cp: &ContextParallel,
+    ) -> Result<GptStageOutput, TpError> {
+        let b = match (&ids, &hidden) {
+            (Some(ids), _) => ids.dims()[0],
+            (None, Some(h)) => h.dims()[1],
+            (None, None) => 0,
+        };
+        let positions = Positions::PerSample(vec![cp.positions().to_vec(); b]);
+        self.forward_impl(ids, hidden, &positions, None, rng, None, Some(cp))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_impl(
+        &self,
+        ids: Option<Tensor<2, Int>>,
+        hidden: Option<Tensor<3>>,
+        positions: &Positions,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
         mut cache: Option<&mut KvCache>,
+        cp: Option<&ContextParallel>,
     ) -> Result<GptStageOutput, TpError> {
         self.state_attrs();
         let mut x = match (&self.embedding, ids, hidden) {
@@ -125,7 +160,15 @@ impl Gpt {
             Positions::Offset(o) => r.tables(s, *o, &x.device()),
             Positions::PerSample(rows) => r.tables_for(rows, &x.device()),
         });
-        let inputs = AttentionInputs { padding, rotary };
+        let context_parallel = cp.map(|cp| CpAttention {
+            cp: cp.clone(),
+            mask: Some(cp.causal_mask(&x.device())),
+        });
+        let inputs = AttentionInputs {
+            padding,
+            rotary,
+            context_parallel,
+        };
         if let Some(cache) = cache.as_deref_mut() {
             cache
                 .layers
@@ -279,5 +322,26 @@ impl Gpt {
         let losses =
             vocab_parallel_cross_entropy(logits.reshape([s * b, v]), labels, 0.0, &self.tp)?;
         Ok((losses.cast(DType::F32) * mask).sum() / denominator)
+    }
+
+    /// [`loss`](Self::loss) of this rank's share of sequences split over `cp`: its tokens'
+    /// losses over the token count of the whole sequences, so that the CP ranks' losses
+    /// sum to the unsplit loss and their gradients sum to its gradients (reduce them with
+    /// a sum over CP; Megatron scales the loss by CP and averages over DP × CP).
+    pub fn loss_cp(
+        &self,
+        logits: Tensor<3>,
+        labels: Tensor<2, Int>,
+        loss_mask: Tensor<2>,
+        cp: &ContextParallel,
+    ) -> Result<Tensor<1>, TpError> {
+        let local: f32 = loss_mask.clone().sum().into_scalar();
+        let tokens = cp.sum(local)?.max(1.0);
+        let [s, b, v] = logits.dims();
+        let labels = labels.swap_dims(0, 1).reshape([s * b]);
+        let mask = loss_mask.swap_dims(0, 1).reshape([s * b]).cast(DType::F32);
+        let losses =
+            vocab_parallel_cross_entropy(logits.reshape([s * b, v]), labels, 0.0, &self.tp)?;
+        Ok((losses.cast(DType::F32) * mask).sum() / tokens)
     }
 }

@@ -1,6 +1,6 @@
 //! `ParallelConfig` validation: every error, with the numbers in its message.
 
-use crate::topology::{ParallelConfig, TopologyError, ValidatedConfig};
+use crate::topology::{GroupKind, ParallelConfig, TopologyError, ValidatedConfig};
 
 #[test]
 fn defaults_and_derived_sizes() {
@@ -192,13 +192,19 @@ fn virtual_pipeline_requires_pipeline() {
 
 #[test]
 fn context_and_expert_parallel_unsupported() {
-    let err = ParallelConfig::new(8, 2, 1)
+    // Context parallelism is laid out as Megatron does (tp-cp-ep-dp-pp): the CP groups
+    // pair ranks two apart at TP 2.
+    let config = ParallelConfig::new(8, 2, 1)
         .with_context_parallel(2)
         .validate()
-        .unwrap_err();
+        .unwrap();
     assert_eq!(
-        err.to_string(),
-        "context parallelism (cp = 2) is not supported yet"
+        config.all_groups(GroupKind::ContextParallel),
+        [vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]
+    );
+    assert_eq!(
+        config.all_groups(GroupKind::DataParallelWithCp),
+        [vec![0, 2, 4, 6], vec![1, 3, 5, 7]]
     );
     let err = ParallelConfig::new(8, 2, 1)
         .with_expert_parallel(4)

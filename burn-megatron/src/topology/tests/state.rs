@@ -240,7 +240,9 @@ fn group_kind_names() {
     let names: Vec<&str> = GroupKind::ALL.iter().map(|kind| kind.name()).collect();
     assert_eq!(
         names,
-        ["tp", "pp", "dp", "dp-cp", "mp", "tp-dp", "embd", "pos-embd"]
+        [
+            "tp", "pp", "dp", "dp-cp", "mp", "tp-dp", "embd", "pos-embd", "cp"
+        ]
     );
     assert_eq!(GroupKind::PositionEmbedding.to_string(), "pos-embd");
 }

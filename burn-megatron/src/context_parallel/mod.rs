@@ -1,0 +1,166 @@
+//! Context parallelism: one sequence split over the context-parallel (CP) group.
+//!
+//! Causal attention makes later tokens cost more, so the sequence is cut into `2·CP`
+//! chunks and rank `r` holds chunks `r` and `2·CP − 1 − r` (Megatron's
+//! `get_batch_on_this_cp_rank`): every rank gets the same work. Each token keeps its global
+//! position (rotary tables, learned positions, the causal mask).
+//!
+//! Attention needs every key: with `all_gather` (Megatron's `--cp-comm-type all_gather`)
+//! each layer all-gathers K and V over CP ([`ContextParallel::gather_sequence`], a
+//! differentiable mapping whose backward reduce-scatters their gradients) and masks keys by
+//! global position. The loss of a rank is its tokens' loss over the whole sequence's token
+//! count, so the CP ranks' losses sum to the unsplit loss and their gradients sum to its
+//! gradients.
+//!
+//! ```
+//! use burn_megatron::context_parallel::cp_positions;
+//!
+//! // 8 tokens over CP 2: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+//! assert_eq!(cp_positions(8, 2, 0).unwrap(), [0, 1, 6, 7]);
+//! assert_eq!(cp_positions(8, 2, 1).unwrap(), [2, 3, 4, 5]);
+//! ```
+
+use crate::comm::{Comm, CommunicatorExt, ReduceOp};
+use crate::tensor_parallel::TpError;
+use crate::tensor_parallel::mappings::gather_from_sequence_parallel_region;
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+
+/// The global positions rank `rank` of a CP group of `cp` holds of a sequence of
+/// `seq_length` tokens: chunks `rank` and `2·cp − 1 − rank` of `2·cp`.
+pub fn cp_positions(seq_length: usize, cp: usize, rank: usize) -> Result<Vec<usize>, TpError> {
+    if cp == 0 || rank >= cp {
+        return Err(TpError::Invalid(format!(
+            "rank {rank} of a context-parallel group of {cp}"
+        )));
+    }
+    if !seq_length.is_multiple_of(2 * cp) {
+        return Err(TpError::Invalid(format!(
+            "--seq-length {seq_length} must be divisible by 2 × --context-parallel-size ({})",
+            2 * cp
+        )));
+    }
+    let chunk = seq_length / (2 * cp);
+    let first = rank * chunk;
+    let second = (2 * cp - 1 - rank) * chunk;
+    Ok((first..first + chunk)
+        .chain(second..second + chunk)
+        .collect())
+}
+
+/// One rank's view of a sequence split over its CP group.
+#[derive(Debug, Clone)]
+pub struct ContextParallel {
+    comm: Comm,
+    seq_length: usize,
+    positions: Vec<usize>,
+    key_positions: Vec<usize>,
+}
+
+impl ContextParallel {
+    /// This rank's share of sequences of `seq_length` tokens over `comm` (the CP group).
+    /// Errors unless `seq_length` is divisible by `2 · comm.size()`.
+    pub fn new(comm: Comm, seq_length: usize) -> Result<Self, TpError> {
+        let (cp, rank) = (comm.group().size(), comm.group().rank());
+        let positions = cp_positions(seq_length, cp, rank)?;
+        let key_positions = (0..cp)
+            .map(|r| cp_positions(seq_length, cp, r))
+            .collect::<Result<Vec<_>, _>>()?
+            .concat();
+        Ok(Self {
+            comm,
+            seq_length,
+            positions,
+            key_positions,
+        })
+    }
+
+    /// The CP group.
+    pub fn comm(&self) -> &Comm {
+        &self.comm
+    }
+
+    /// The group's size.
+    pub fn size(&self) -> usize {
+        self.comm.group().size()
+    }
+
+    /// The whole sequence's length.
+    pub fn seq_length(&self) -> usize {
+        self.seq_length
+    }
+
+    /// The global positions of this rank's tokens, in the order it holds them.
+    pub fn positions(&self) -> &[usize] {
+        &self.positions
+    }
+
+    /// The global positions of the keys after [`gather_sequence`](Self::gather_sequence):
+    /// each rank's tokens, rank after rank.
+    pub fn key_positions(&self) -> &[usize] {
+        &self.key_positions
+    }
+
+    /// This rank's tokens of one full-sequence row (`get_batch_on_this_cp_rank`).
+    pub fn split<T: Clone>(&self, row: &[T]) -> Result<Vec<T>, TpError> {
+        if row.len() != self.seq_length {
+            return Err(TpError::Invalid(format!(
+                "a row of {} tokens for a context-parallel split of {}",
+                row.len(),
+                self.seq_length
+            )));
+        }
+        Ok(self.positions.iter().map(|&p| row[p].clone()).collect())
+    }
+
+    /// All-gathers dim 0 (the sequence) over CP; backward reduce-scatters the gradient,
+    /// since every rank's queries contribute to every key's gradient.
+    pub fn gather_sequence<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        gather_from_sequence_parallel_region(x, &self.comm, true)
+    }
+
+    /// `[local, global]`, true where the gathered key comes after the query (causal).
+    pub fn causal_mask(&self, device: &Device) -> Tensor<2, Bool> {
+        let (s, k) = (self.positions.len(), self.key_positions.len());
+        let values: Vec<bool> = self
+            .positions
+            .iter()
+            .flat_map(|&q| self.key_positions.iter().map(move |&key| key > q))
+            .collect();
+        Tensor::from_data(TensorData::new(values, [s, k]), device)
+    }
+
+    /// A full-sequence key padding (`[b, seq_length]`, true at padded keys) reordered as the
+    /// gathered keys are.
+    pub fn gathered_padding(
+        &self,
+        padding: &[Vec<bool>],
+        device: &Device,
+    ) -> Result<Tensor<2, Bool>, TpError> {
+        let b = padding.len();
+        let mut values = Vec::with_capacity(b * self.key_positions.len());
+        for row in padding {
+            if row.len() != self.seq_length {
+                return Err(TpError::Invalid(format!(
+                    "a padding row of {} for sequences of {}",
+                    row.len(),
+                    self.seq_length
+                )));
+            }
+            values.extend(self.key_positions.iter().map(|&p| row[p]));
+        }
+        Ok(Tensor::from_data(
+            TensorData::new(values, [b, self.key_positions.len()]),
+            device,
+        ))
+    }
+
+    /// The sum of `value` over the CP group (a host value: token counts, losses to report).
+    pub fn sum(&self, value: f32) -> Result<f32, TpError> {
+        let mut v = vec![value];
+        self.comm.all_reduce_vec(&mut v, ReduceOp::Sum)?;
+        Ok(v[0])
+    }
+}
+
+#[cfg(test)]
+mod tests;
