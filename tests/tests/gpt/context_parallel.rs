@@ -55,7 +55,6 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool) -> Vec<Trace> {
         )
         .with_clip_grad(1.0, NormType::L2);
         let split_cp = ContextParallel::new(ctx.groups.cp.clone(), SEQ)?;
-        eprintln!("DEBUG rank {} cp size {} positions {:?}", ctx.state.global_rank(), split_cp.size(), split_cp.positions());
         let rows = gpt_rows(0, BATCH, SEQ, d);
         let local = SEQ / cp;
         let ints = |t: &Tensor<2, Int>| {
@@ -68,12 +67,19 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool) -> Vec<Trace> {
             Tensor::<2>::from_data(TensorData::new(split(&mask, &split_cp), [BATCH, local]), d);
         let (mut losses, mut first_grads) = (Vec::new(), None);
         for _ in 0..STEPS {
-            let GptStageOutput::Logits(logits) =
-                model.forward_stage_cp(Some(ids.clone()), None, None, &split_cp)?
-            else {
-                unreachable!("one stage ends in logits")
+            // The reference is the model's own causal path (the fused kernel's causal mode),
+            // not the CP path at CP 1.
+            let loss = if cp == 1 {
+                let logits = model.forward(ids.clone())?;
+                model.loss(logits, labels.clone(), mask.clone())?
+            } else {
+                let GptStageOutput::Logits(logits) =
+                    model.forward_stage_cp(Some(ids.clone()), None, None, &split_cp)?
+                else {
+                    unreachable!("one stage ends in logits")
+                };
+                model.loss_cp(logits, labels.clone(), mask.clone(), &split_cp)?
             };
-            let loss = model.loss_cp(logits, labels.clone(), mask.clone(), &split_cp)?;
             let reported = split_cp.sum(values(loss.clone().inner())[0])?;
             let mut grads = GradientsParams::from_grads((loss * cp as f32).backward(), &model);
             finalize_model_grads(
