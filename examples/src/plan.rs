@@ -98,6 +98,13 @@ impl Setup {
     /// `vocab_size` entries.
     pub fn new(args: &GptArgs, vocab_size: usize) -> Result<Self, String> {
         let layout = args.validate()?;
+        if args.train.context_parallel_size > 1 {
+            return Err(format!(
+                "plan: --context-parallel-size {} is not modelled yet (activations ÷ CP, \
+                 the K/V all-gathers)",
+                args.train.context_parallel_size
+            ));
+        }
         let c = args.model_config(vocab_size)?;
         let a = &args.train;
         let heads = c.num_attention_heads;

@@ -47,7 +47,8 @@ pub struct RankContext {
 }
 
 impl RankContext {
-    /// One communicator per model chunk over this rank's data-parallel group, each a
+    /// One communicator per model chunk over this rank's data-parallel group (with its
+    /// context-parallel ranks: gradients are reduced over both), each a
     /// channel of its own (same ranks, separate traffic): what overlapped reducers need,
     /// as their workers issue collectives while the caller may issue its own on
     /// [`RankGroups::dp`], and the reducers of several chunks run at the same time.
@@ -58,7 +59,7 @@ impl RankContext {
             .map(|c| {
                 self.world.new_group(
                     &format!("dp-grad-chunk-{c}"),
-                    self.state.data_parallel_group().to_vec(),
+                    self.state.group(GroupKind::DataParallelWithCp).to_vec(),
                     self.state.global_rank(),
                 )
             })

@@ -120,7 +120,10 @@ impl ParallelTrainingConfig {
         let mut training = ParallelTraining {
             config: self.clone(),
             tp: ctx.groups.tp.clone(),
-            dp: ctx.groups.dp.clone(),
+            // Gradients are reduced, and the distributed optimizer sharded, over data ×
+            // context parallelism (Megatron's dp-cp group): CP ranks hold the same weights
+            // and each computes part of every gradient.
+            dp: ctx.groups.dp_cp.clone(),
             mp: ctx.groups.mp.clone(),
             world: ctx.groups.world.clone(),
             tied: embedding.as_ref().is_some_and(|e| e.group().size() > 1),
@@ -128,13 +131,14 @@ impl ParallelTrainingConfig {
             chunk_dp,
             tp_rank: state.tensor_model_parallel_rank(),
             pp_rank: state.pipeline_model_parallel_rank(),
-            dp_rank: state.data_parallel_rank(),
-            dp_size: state.data_parallel_size(),
+            dp_rank: state.data_parallel_rank_with_cp(),
+            dp_size: state.data_parallel_size() * state.context_parallel_size(),
             layout: SavedLayout {
                 tensor_model_parallel_size: state.tensor_model_parallel_size(),
                 pipeline_model_parallel_size: state.pipeline_model_parallel_size(),
                 virtual_pipeline_model_parallel_size: chunks.len(),
-                data_parallel_size: state.data_parallel_size(),
+                // The optimizer's shards: a CP 2 × DP 1 checkpoint is sharded as DP 2.
+                data_parallel_size: state.data_parallel_size() * state.context_parallel_size(),
                 distributed_optimizer: self.use_distributed_optimizer,
             },
             names,

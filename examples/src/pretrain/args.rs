@@ -38,6 +38,18 @@ impl From<DecayStyle> for LrDecayStyle {
 }
 
 /// Megatron's `--recompute-granularity`.
+/// Megatron's `--cp-comm-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CpCommType {
+    /// K and V all-gathered over CP in each layer.
+    #[value(name = "all_gather")]
+    AllGather,
+    /// Ring attention (not implemented yet: refused).
+    P2p,
+    /// Ulysses all-to-all over heads (not implemented yet: refused).
+    A2a,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Granularity {
     /// Whole layers.
@@ -87,6 +99,13 @@ pub struct TrainArgs {
     /// Split LayerNorm and dropout activations along the sequence across TP ranks.
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Context-parallel size: each sequence split over this many ranks (rank r holds
+    /// chunks r and 2·CP − 1 − r of 2·CP, so causal attention's work is balanced).
+    #[arg(long, default_value_t = 1)]
+    pub context_parallel_size: usize,
+    /// How attention reaches the other CP ranks' keys and values.
+    #[arg(long, value_enum, default_value = "all_gather")]
+    pub cp_comm_type: CpCommType,
     /// Form the parallel linear layers' weight gradients in f32 with the fused kernel
     /// (Megatron's flag of the same name), also under --bf16 / --fp16.
     #[arg(long)]
@@ -290,7 +309,9 @@ pub struct TrainArgs {
 impl TrainArgs {
     /// Data-parallel size.
     pub fn data_parallel_size(&self) -> usize {
-        let mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size;
+        let mp = self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size;
         self.world_size / mp.max(1)
     }
 
@@ -312,11 +333,12 @@ impl TrainArgs {
             self.pipeline_model_parallel_size,
         )
         .with_sequence_parallel(self.sequence_parallel)
+        .with_context_parallel(self.context_parallel_size)
         .with_virtual_pipeline((self.num_layers_per_virtual_pipeline_stage.is_some()).then_some(v));
         config.clone().validate().map_err(|e| {
             format!(
-                "--world-size {} with --tensor-model-parallel-size {} and --pipeline-model-parallel-size {}: {e}",
-                self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+                "--world-size {} with --tensor-model-parallel-size {}, --pipeline-model-parallel-size {} and --context-parallel-size {}: {e}",
+                self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
             )
         })?;
         Ok(config)
@@ -335,6 +357,38 @@ impl TrainArgs {
     /// The collective timeout of `--distributed-timeout-minutes`.
     pub fn distributed_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.distributed_timeout_minutes.saturating_mul(60))
+    }
+
+    /// Megatron's checks of `--context-parallel-size` against the sequence.
+    fn validate_context_parallel(&self) -> Result<(), String> {
+        let (cp, tp, s) = (
+            self.context_parallel_size,
+            self.tensor_model_parallel_size,
+            self.seq_length,
+        );
+        if cp == 1 {
+            return Ok(());
+        }
+        if self.cp_comm_type != CpCommType::AllGather {
+            return Err(format!(
+                "--cp-comm-type {:?}: only all_gather is implemented",
+                self.cp_comm_type
+            ));
+        }
+        if !s.is_multiple_of(2 * cp) {
+            return Err(format!(
+                "--seq-length ({s}) must be divisible by 2 × --context-parallel-size ({})",
+                2 * cp
+            ));
+        }
+        if self.sequence_parallel && !(s / cp).is_multiple_of(tp) {
+            return Err(format!(
+                "--seq-length / --context-parallel-size ({}) must be divisible by \
+                 --tensor-model-parallel-size ({tp}) with --sequence-parallel",
+                s / cp
+            ));
+        }
+        Ok(())
     }
 
     /// What one process per rank cannot do, refused before any work.
@@ -433,6 +487,7 @@ impl TrainArgs {
         let per_rank = self.num_layers / self.pipeline_model_parallel_size;
         self.recompute().check(per_rank).map_err(|e| e.0)?;
         self.parallel_config()?;
+        self.validate_context_parallel()?;
         let tp = self.tensor_model_parallel_size;
         if self.sequence_parallel && !self.seq_length.is_multiple_of(tp) {
             return Err(format!(

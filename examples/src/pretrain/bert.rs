@@ -5,6 +5,7 @@ use super::data::{DataSource, megatron_documents};
 use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
 use burn::config::Config;
 use burn::tensor::{Device, Tensor};
+use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::data::{
     BertBatch, BertDataset, BertDatasetConfig, BertSample, BertTokenizer, Document,
     synthetic_vocabulary,
@@ -40,6 +41,13 @@ impl Args {
     pub fn validate(&self) -> Result<burn_megatron::data::BatchLayout, String> {
         let a = &self.train;
         let layout = a.validate()?;
+        if a.context_parallel_size > 1 {
+            return Err(format!(
+                "--context-parallel-size {}: BERT's bidirectional attention does not support \
+                 context parallelism yet (the GPT family does)",
+                a.context_parallel_size
+            ));
+        }
         let tp = a.tensor_model_parallel_size;
         if !a.num_attention_heads.is_multiple_of(tp) {
             return Err(format!(
@@ -135,6 +143,7 @@ impl Family for BertFamily {
         split: Split,
         samples: Range<usize>,
         rng: Option<&RngTracker>,
+        _cp: Option<&ContextParallel>,
         device: &Device,
     ) -> Result<ChunkOutput<3>, StageError> {
         let data = match split {

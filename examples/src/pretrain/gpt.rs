@@ -10,6 +10,7 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::Device;
 use burn::tensor::TensorData;
+use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::data::megatron::{MegatronSplit, build_gpt_datasets};
 use burn_megatron::data::{
     BatchLayout, Document, GptBatch, GptDataset, GptDatasetConfig, GptSample, GptTokenizer,
@@ -305,22 +306,41 @@ impl Family for GptFamily {
         split: Split,
         samples: Range<usize>,
         rng: Option<&RngTracker>,
+        cp: Option<&ContextParallel>,
         device: &Device,
     ) -> Result<ChunkOutput<3>, StageError> {
         let data = match split {
             Split::Train => &self.train,
             Split::Valid => &self.valid,
         };
-        let samples = samples
+        let mut samples = samples
             .map(|i| data.sample(i))
             .collect::<Result<Vec<GptSample>, String>>()
             .map_err(StageError::from)?;
+        if let Some(cp) = cp {
+            // This rank's tokens of each sample (Megatron's `get_batch_on_this_cp_rank`).
+            for sample in &mut samples {
+                sample.ids = cp.split(&sample.ids)?;
+                sample.labels = cp.split(&sample.labels)?;
+            }
+        }
         let b = GptBatch::new(&samples, device);
         let ids = s.input.is_none().then_some(b.ids);
-        Ok(match s.model.forward_stage(ids, s.input, rng)? {
+        let out = match cp {
+            None => s.model.forward_stage(ids, s.input, rng)?,
+            Some(cp) => s.model.forward_stage_cp(ids, s.input, rng, cp)?,
+        };
+        Ok(match out {
             GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
             GptStageOutput::Logits(logits) => {
-                let loss = s.model.loss(logits, b.labels, b.loss_mask)?;
+                let loss = match cp {
+                    None => s.model.loss(logits, b.labels, b.loss_mask)?,
+                    // Megatron's scaling: × CP here, averaged over DP × CP with the
+                    // gradients, so the CP ranks' shares add up.
+                    Some(cp) => {
+                        s.model.loss_cp(logits, b.labels, b.loss_mask, cp)? * cp.size() as f32
+                    }
+                };
                 let report = vec![f64::from(loss.clone().into_scalar::<f32>())];
                 ChunkOutput::Loss { loss, report }
             }

@@ -15,7 +15,7 @@ mod plot;
 mod spans;
 mod train;
 
-pub use args::{DecayStyle, Granularity, Method, TrainArgs, WdIncr};
+pub use args::{CpCommType, DecayStyle, Granularity, Method, TrainArgs, WdIncr};
 pub use bert::{Args, run};
 pub use gpt::{GptArgs, PositionEmbedding, run_gpt, run_gpt_learner};
 pub use learner::{LearnerOptions, Renderer};
@@ -23,6 +23,7 @@ pub use train::scheduler;
 
 use burn::module::Module;
 use burn::tensor::Device;
+use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::data::{BatchLayout, Document, load_corpus, synthetic_corpus};
 use burn_megatron::launch::{
     DistributedBackend, LaunchEnv, LaunchOptions, RankContext, from_env, threads,
@@ -114,12 +115,14 @@ pub trait Family: Send + Sync + 'static {
     fn global_name(first: &[usize], path: &str) -> String;
     /// One microbatch (samples `samples` of `split`) through `step.model`: its activation,
     /// or on the last stage its loss and reported values (lm, and sop for BERT).
+    #[allow(clippy::too_many_arguments)]
     fn forward_step(
         &self,
         step: ForwardStep<'_, Self::Chunk, 3>,
         split: Split,
         samples: Range<usize>,
         rng: Option<&RngTracker>,
+        cp: Option<&ContextParallel>,
         device: &Device,
     ) -> Result<ChunkOutput<3>, StageError>;
     /// After the last iteration, on every rank, with its trained chunks (e.g. print
@@ -225,12 +228,16 @@ fn is_leader(args: &TrainArgs) -> Result<bool, String> {
 /// The layout part of the header: `TP 2 × PP 1 × DP 1 + SP`.
 fn layout_line(args: &TrainArgs) -> String {
     format!(
-        "TP {} × PP {}{} × DP {}{}",
+        "TP {} × PP {}{}{} × DP {}{}",
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
         match args.num_model_chunks() {
             1 => String::new(),
             v => format!(" (V {v})"),
+        },
+        match args.context_parallel_size {
+            1 => String::new(),
+            cp => format!(" × CP {cp}"),
         },
         args.data_parallel_size(),
         if args.sequence_parallel { " + SP" } else { "" },

@@ -9,6 +9,7 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::DType;
 use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
+use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::launch::RankContext;
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
@@ -76,12 +77,16 @@ fn run_schedule<F: Family>(
 ) -> Result<(Losses, ForwardBackwardOutput), String> {
     let dp_rank = ctx.state.data_parallel_rank();
     let p2p = ctx.p2p(P2pShapes::Variable);
+    let cp = (ctx.state.context_parallel_size() > 1)
+        .then(|| ContextParallel::new(ctx.groups.cp.clone(), shared.args.seq_length))
+        .transpose()
+        .map_err(|e| e.to_string())?;
     let out = forward_backward_func(
         |s: ForwardStep<'_, F::Chunk, 3>| {
             let samples = shared.layout.micro_batch(iteration, dp_rank, s.microbatch);
             shared
                 .family
-                .forward_step(s, split, samples, rng, &ctx.device)
+                .forward_step(s, split, samples, rng, cp.as_ref(), &ctx.device)
         },
         chunks,
         &p2p,
@@ -97,7 +102,8 @@ fn run_schedule<F: Family>(
     Ok((local, out))
 }
 
-/// The last stage's mean losses averaged over data-parallel ranks and sent to every stage,
+/// The last stage's mean losses averaged over data- and context-parallel ranks (a CP
+/// rank reports its share × CP) and sent to every stage,
 /// so that every rank logs the same line. Call it after the gradient reduction: an
 /// overlapped reducer's worker uses the data-parallel communicator until it finishes.
 fn share_losses(ctx: &RankContext, local: Losses, sop: bool) -> Result<(f64, Option<f64>), String> {
@@ -105,7 +111,7 @@ fn share_losses(ctx: &RankContext, local: Losses, sop: bool) -> Result<(f64, Opt
     if let Some((lm, s)) = local {
         v = vec![lm as f32, s.unwrap_or(0.0) as f32];
         ctx.groups
-            .dp
+            .dp_cp
             .all_reduce_vec(&mut v, ReduceOp::Avg)
             .map_err(|e| e.to_string())?;
     }
