@@ -567,7 +567,8 @@ fn the_burn_train_learner_trains_to_our_loops_losses() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `gpt_pretrain --context-parallel-size`: CP 2, TP 2 × CP 2 with SP, CP 2 × PP 2
+/// `gpt_pretrain --context-parallel-size`: CP 2 (also with full and selective
+/// recomputation, whose replay gathers K and V again), TP 2 × CP 2 with SP, CP 2 × PP 2
 /// (1F1B) and CP 2 × DP 2 with the distributed optimizer and the overlapped reducer train
 /// as the unsplit run does (dropout off): every iteration's loss and grad norm within
 /// 1e-5 relative of TP 1 × CP 1. A checkpoint saved at CP 2 resumes at CP 1; bad CP flags
@@ -597,7 +598,27 @@ fn context_parallel_training_matches_the_unsplit_run() {
             .log
     };
     let one = run(&[]);
-    let layouts: [&[&str]; 4] = [
+    let layouts: [&[&str]; 6] = [
+        &[
+            "--world-size",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+        &[
+            "--world-size",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--recompute-granularity",
+            "selective",
+        ],
         &["--world-size", "2", "--context-parallel-size", "2"],
         &[
             "--world-size",

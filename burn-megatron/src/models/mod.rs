@@ -10,7 +10,8 @@ mod rotary;
 mod transformer;
 
 pub use attention::{
-    AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
+    AttentionInputs, AttnMaskType, CpAttention, LayerKvCache, ParallelAttention,
+    ParallelAttentionConfig,
 };
 pub use bert::{
     Bert, BertConfig, BertEmbeddings, BertHead, BertOutput, BertStageOutput, MaskedPositions,

@@ -163,3 +163,98 @@ fn a_sequence_not_divisible_by_twice_cp_is_refused() {
         errors[0]
     );
 }
+
+/// Bidirectional attention (BERT's layer: padding mask, no causal mask) under CP 2 and 4:
+/// each rank's outputs and input gradients are the unsplit layer's at its positions, and
+/// the parameter gradients summed over CP are the unsplit ones (keys padded at the end of
+/// one sample, so the gathered padding must follow the gathered keys' order).
+#[test]
+fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
+    use burn::tensor::{Bool, Device};
+    use burn_megatron::comm::{CommunicatorExt, ReduceOp};
+    use burn_megatron::models::{AttentionInputs, CpAttention, TransformerLayerConfig};
+    const S: usize = 16;
+    const B: usize = 2;
+    const H: usize = 32;
+    let host = |n: usize, k: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * k + 7) % 101) as f32 / 101.0 - 0.5)
+            .collect()
+    };
+    let padded: Vec<Vec<bool>> = (0..B)
+        .map(|b| (0..S).map(|j| b == 1 && j >= S - 3).collect())
+        .collect();
+    // Rows of `[S, B, H]` host values at `positions` (dim 0).
+    let rows = |v: &[f32], positions: &[usize]| -> Vec<f32> {
+        positions
+            .iter()
+            .flat_map(|&p| v[p * B * H..(p + 1) * B * H].to_vec())
+            .collect()
+    };
+    for cp in [2, 4] {
+        let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
+        let out = threads(&layout, LaunchOptions::default(), |ctx| {
+            let d: &Device = &ctx.device;
+            let layer = TransformerLayerConfig::new(H, 4, 64)
+                .with_hidden_dropout(0.0)
+                .with_attention_dropout(0.0)
+                .init(&ctx.groups.tp, d)?;
+            let (x, w) = (host(S * B * H, 37), host(S * B * H, 53));
+            let run = |x: Vec<f32>, w: Vec<f32>, s: usize, inputs: &AttentionInputs| {
+                let x = Tensor::<3>::from_data(TensorData::new(x, [s, B, H]), d).require_grad();
+                let w = Tensor::<3>::from_data(TensorData::new(w, [s, B, H]), d);
+                let y = layer.forward(x.clone(), inputs, None);
+                let grads = (y.clone() * w).sum().backward();
+                let gx: Vec<f32> = x.grad(&grads).unwrap().into_data().try_to_vec().unwrap();
+                let gp = gathered(
+                    &layer,
+                    Some(&GradientsParams::from_grads(grads, &layer)),
+                    &ctx.groups.tp,
+                );
+                (values(y.inner()), gx, gp)
+            };
+            let flat: Vec<bool> = padded.concat();
+            let full_pad = Tensor::<2, Bool>::from_data(TensorData::new(flat, [B, S]), d);
+            let (y1, gx1, gp1) = run(x.clone(), w.clone(), S, &AttentionInputs::padding(full_pad));
+            let split = ContextParallel::new(ctx.groups.cp.clone(), S)?;
+            let inputs = AttentionInputs {
+                padding: Some(split.gathered_padding(&padded, d)?),
+                rotary: None,
+                context_parallel: Some(CpAttention {
+                    cp: split.clone(),
+                    mask: None,
+                }),
+            };
+            let pos = split.positions().to_vec();
+            let (y, gx, mut gp) = run(rows(&x, &pos), rows(&w, &pos), pos.len(), &inputs);
+            for v in gp.values_mut() {
+                ctx.groups.cp.all_reduce_vec(v, ReduceOp::Sum)?;
+            }
+            Ok::<_, Error>((y, rows(&y1, &pos), gx, rows(&gx1, &pos), gp, gp1))
+        })
+        .unwrap();
+        for (rank, (y, y1, gx, gx1, gp, gp1)) in out.into_iter().enumerate() {
+            let close = |a: &[f32], b: &[f32]| {
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
+                    .fold(0.0f32, f32::max)
+            };
+            assert!(
+                close(&y, &y1) <= 1e-5,
+                "cp {cp} rank {rank}: outputs differ by {}",
+                close(&y, &y1)
+            );
+            assert!(
+                close(&gx, &gx1) <= 1e-4,
+                "cp {cp} rank {rank}: input gradients differ by {}",
+                close(&gx, &gx1)
+            );
+            let (g, at) = max_rel_diff(&gp, &gp1, 1e-6);
+            assert!(
+                g <= 1e-5,
+                "cp {cp} rank {rank}: gradient of {at} differs by {g}"
+            );
+        }
+    }
+}
