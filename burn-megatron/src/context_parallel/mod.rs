@@ -7,8 +7,10 @@
 //!
 //! Attention needs every key: with `all_gather` (Megatron's `--cp-comm-type all_gather`)
 //! each layer all-gathers K and V over CP ([`ContextParallel::gather_sequence`], a
-//! differentiable mapping whose backward reduce-scatters their gradients) and masks keys by
-//! global position. The loss of a rank is its tokens' loss over the whole sequence's token
+//! differentiable mapping whose backward reduce-scatters their gradients). Causal attention
+//! then runs per local chunk against the keys up to that chunk's end in sequence order
+//! ([`ContextParallel::global_order`]): the fused kernel's causal mode masks the last
+//! block, and fully masked blocks are never computed. The loss of a rank is its tokens' loss over the whole sequence's token
 //! count, so the CP ranks' losses sum to the unsplit loss and their gradients sum to its
 //! gradients.
 //!
@@ -23,7 +25,7 @@
 use crate::comm::{Comm, CommunicatorExt, ReduceOp};
 use crate::tensor_parallel::TpError;
 use crate::tensor_parallel::mappings::gather_from_sequence_parallel_region;
-use burn::tensor::{Bool, Device, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 /// The global positions rank `rank` of a CP group of `cp` holds of a sequence of
 /// `seq_length` tokens: chunks `rank` and `2·cp − 1 − rank` of `2·cp`.
@@ -100,6 +102,27 @@ impl ContextParallel {
         &self.key_positions
     }
 
+    /// Tokens per chunk: the sequence is cut into `2 · CP` chunks.
+    pub fn chunk_length(&self) -> usize {
+        self.seq_length / (2 * self.size())
+    }
+
+    /// The global indices of this rank's two chunks, in the order it holds them.
+    pub fn chunks(&self) -> [usize; 2] {
+        let (cp, r) = (self.size(), self.comm.group().rank());
+        [r, 2 * cp - 1 - r]
+    }
+
+    /// For each global position, where the gathered keys hold it: `select`ing the
+    /// gathered keys with it puts them in sequence order.
+    pub fn global_order(&self, device: &Device) -> Tensor<1, Int> {
+        let mut order = vec![0i64; self.seq_length];
+        for (gathered, &p) in self.key_positions.iter().enumerate() {
+            order[p] = gathered as i64;
+        }
+        Tensor::from_data(TensorData::new(order, [self.seq_length]), device)
+    }
+
     /// This rank's tokens of one full-sequence row (`get_batch_on_this_cp_rank`).
     pub fn split<T: Clone>(&self, row: &[T]) -> Result<Vec<T>, TpError> {
         if row.len() != self.seq_length {
@@ -116,17 +139,6 @@ impl ContextParallel {
     /// since every rank's queries contribute to every key's gradient.
     pub fn gather_sequence<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         gather_from_sequence_parallel_region(x, &self.comm, true)
-    }
-
-    /// `[local, global]`, true where the gathered key comes after the query (causal).
-    pub fn causal_mask(&self, device: &Device) -> Tensor<2, Bool> {
-        let (s, k) = (self.positions.len(), self.key_positions.len());
-        let values: Vec<bool> = self
-            .positions
-            .iter()
-            .flat_map(|&q| self.key_positions.iter().map(move |&key| key > q))
-            .collect();
-        Tensor::from_data(TensorData::new(values, [s, k]), device)
     }
 
     /// A full-sequence key padding (`[b, seq_length]`, true at padded keys) reordered as the

@@ -88,14 +88,13 @@ pub struct AttentionInputs {
 }
 
 /// Attention over a sequence split by context parallelism: keys and values are
-/// all-gathered over the group, and `mask` (`[local queries, gathered keys]`, true where
-/// masked) is the causal mask by global position (`None` for bidirectional attention).
+/// all-gathered over the group; `causal` masks keys after each query's global position.
 #[derive(Debug, Clone)]
 pub struct CpAttention {
     /// The group and this rank's positions.
     pub cp: ContextParallel,
-    /// The causal mask over the gathered keys.
-    pub mask: Option<Tensor<2, Bool>>,
+    /// Causal (GPT) rather than bidirectional (BERT) attention.
+    pub causal: bool,
 }
 
 impl AttentionInputs {
@@ -310,7 +309,6 @@ impl CoreAttention {
     ) -> Tensor<3> {
         let [s, b, _] = qkv.dims();
         let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
-        let np = ng * qpg;
         // [s, b, ng, qpg + 2, hn]: each group's queries, then its key and value.
         let qkv = qkv.reshape([s, b, ng, qpg + 2, hn]);
         let part = |start: usize, per_group: usize| {
@@ -318,24 +316,16 @@ impl CoreAttention {
                 .narrow(3, start, per_group)
                 .reshape([s, b, ng * per_group, hn])
         };
-        let (mut q, mut k, mut v) = (part(0, qpg), part(qpg, 1), part(qpg + 1, 1));
+        let (mut q, mut k, v) = (part(0, qpg), part(qpg, 1), part(qpg + 1, 1));
         if let Some(rotary) = &inputs.rotary {
             q = rotary.apply(q);
             k = rotary.apply(k);
         }
-        let cp = inputs.context_parallel.as_ref();
-        if let Some(c) = cp {
-            // Every key and value of the sequence, in one collective (keys already rotated
-            // at their own positions).
-            let kv = c.cp.gather_sequence(Tensor::cat(vec![k, v], 2));
-            (k, v) = (kv.clone().narrow(2, 0, ng), kv.narrow(2, ng, ng));
+        if let Some(c) = &inputs.context_parallel {
+            return self.forward_cp(q, k, v, c, inputs.padding.clone(), rng);
         }
         // [b, heads, s, hn].
-        let (q, mut k, mut v) = (
-            q.permute([1, 2, 0, 3]),
-            k.permute([1, 2, 0, 3]),
-            v.permute([1, 2, 0, 3]),
-        );
+        let (mut k, mut v) = (k.permute([1, 2, 0, 3]), v.permute([1, 2, 0, 3]));
         if let Some(cache) = cache {
             if let Some((k0, v0)) = cache.kv.take() {
                 k = Tensor::cat(vec![k0, k], 2);
@@ -343,6 +333,61 @@ impl CoreAttention {
             }
             cache.kv = Some((k.clone(), v.clone()));
         }
+        self.attend(q, k, v, inputs.padding.clone(), self.causal, rng)
+    }
+
+    /// Context parallelism: every key and value of the sequence, all-gathered in one
+    /// collective (keys already rotated at their own positions). Causal attention then runs
+    /// per local chunk against the keys up to that chunk's end, in global order, so the
+    /// fused kernel's causal mode applies and fully masked key blocks are never computed;
+    /// bidirectional attention sees every gathered key (the padding follows their order).
+    fn forward_cp(
+        self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        c: &CpAttention,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let ng = self.groups_per_rank;
+        let kv = c.cp.gather_sequence(Tensor::cat(vec![k, v], 2));
+        let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
+        if !c.causal {
+            let (k, v) = (kv.clone().narrow(2, 0, ng), kv.narrow(2, ng, ng));
+            return self.attend(q, to_heads(k), to_heads(v), padding, false, rng);
+        }
+        let order = c.cp.global_order(&kv.device());
+        let kv = kv.select(0, order.clone());
+        let padding = padding.map(|p| p.select(1, order));
+        let len = c.cp.chunk_length();
+        let halves = c.cp.chunks().into_iter().enumerate().map(|(half, chunk)| {
+            let keys = (chunk + 1) * len;
+            let kv = kv.clone().narrow(0, 0, keys);
+            let (k, v) = (kv.clone().narrow(2, 0, ng), kv.narrow(2, ng, ng));
+            let pad = padding.clone().map(|p| p.narrow(1, 0, keys));
+            let q = q.clone().narrow(0, half * len, len);
+            self.attend(q, to_heads(k), to_heads(v), pad, true, rng)
+        });
+        Tensor::cat(halves.collect(), 0)
+    }
+
+    /// `q` (`[s, b, heads, hn]`) over `k`, `v` (`[b, groups, sk, hn]`): scores, the fused
+    /// masked softmax (causal: bottom-right aligned, so queries are the last `s` of `sk`
+    /// positions), dropout, weighted values → `[s, b, heads·hn]`.
+    fn attend(
+        self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        padding: Option<Tensor<2, Bool>>,
+        causal: bool,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let [s, b, _, _] = q.dims();
+        let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
+        let np = ng * qpg;
+        let q = q.permute([1, 2, 0, 3]);
         let sk = k.dims()[2];
         // The heads of a group share its key: one [qpg·s, hn] × [hn, sk] product per group,
         // no copy of the key per head.
@@ -353,11 +398,8 @@ impl CoreAttention {
         // Scaled, masked keys filled with Megatron's -10000 (fully masked rows stay finite),
         // softmax: one fused kernel on GPUs.
         let scale = 1.0 / (hn as f32).sqrt();
-        let mut probs = match cp {
-            None => scaled_masked_softmax(scores, inputs.padding.clone(), scale, self.causal)
-                .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction"),
-            Some(c) => cp_softmax(scores, c, inputs.padding.clone(), scale),
-        };
+        let mut probs = scaled_masked_softmax(scores, padding, scale, causal)
+            .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction");
         if let Some(rng) = rng {
             // This rank's heads: a mask of its own (the model-parallel stream), drawn from a
             // seed as one kernel, no mask uploaded.
@@ -376,31 +418,4 @@ impl CoreAttention {
             .permute([2, 0, 1, 3])
             .reshape([s, b, np * hn])
     }
-}
-
-/// The masked softmax over gathered keys: the causal mask is by global position, not by
-/// index, so it is a mask tensor here rather than the fused kernel's causal mode. The same
-/// arithmetic as the kernel's reference (scale, fill with −10000, softmax).
-fn cp_softmax(
-    scores: Tensor<4>,
-    c: &CpAttention,
-    padding: Option<Tensor<2, Bool>>,
-    scale: f32,
-) -> Tensor<4> {
-    let [b, np, s, sk] = scores.dims();
-    let causal = c
-        .mask
-        .clone()
-        .map(|m| m.reshape([1, 1, s, sk]).expand([b, np, s, sk]));
-    let padding = padding.map(|p| p.reshape([b, 1, 1, sk]).expand([b, np, s, sk]));
-    let mask = match (causal, padding) {
-        (Some(m), Some(p)) => Some(m.bool_or(p)),
-        (m, p) => m.or(p),
-    };
-    let scaled = scores.mul_scalar(scale);
-    let filled = match mask {
-        Some(m) => scaled.mask_fill(m, -10_000.0),
-        None => scaled,
-    };
-    burn::tensor::activation::softmax(filled, 3)
 }

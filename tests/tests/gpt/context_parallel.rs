@@ -222,7 +222,7 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
                 rotary: None,
                 context_parallel: Some(CpAttention {
                     cp: split.clone(),
-                    mask: None,
+                    causal: false,
                 }),
             };
             let pos = split.positions().to_vec();

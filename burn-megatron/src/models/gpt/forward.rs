@@ -162,7 +162,7 @@ impl Gpt {
         });
         let context_parallel = cp.map(|cp| CpAttention {
             cp: cp.clone(),
-            mask: Some(cp.causal_mask(&x.device())),
+            causal: true,
         });
         let inputs = AttentionInputs {
             padding,
