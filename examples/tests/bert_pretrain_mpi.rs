@@ -217,40 +217,45 @@ fn a_llama_style_gpt_pipeline_under_mpirun_is_the_threaded_run() {
     assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
 }
 
-/// Context parallelism under mpirun: TP 2 × CP 2 with sequence parallelism (K and V
-/// all-gathered over the CP group between processes) is the threaded run, bit for bit.
+/// Context parallelism under mpirun: TP 2 × CP 2 with sequence parallelism, K and V
+/// all-gathered (`all_gather`) or passed around the ring (`p2p`, send/recv between
+/// processes), is the threaded run, bit for bit.
 #[test]
 fn a_context_parallel_gpt_under_mpirun_is_the_threaded_run() {
-    let dir = tmp("mpi-gpt-cp");
-    let log = dir.join("gpt.jsonl");
-    let layout = [
-        "--world-size",
-        "4",
-        "--context-parallel-size",
-        "2",
-        "--sequence-parallel",
-        "--train-iters",
-        "4",
-        "--eval-interval",
-        "0",
-        "--generate-tokens",
-        "0",
-    ];
-    let threaded = run_gpt(&gpt_args(&layout, &dir)).unwrap().log;
-    let mut argv = gpt_argv(
-        &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
-        &dir,
-    );
-    argv.remove(0);
-    let out = command(Path::new("mpirun"))
-        .args(["-np", "4"])
-        .arg(example_binary("gpt_pretrain"))
-        .args(argv)
-        .args(["--distributed-backend", "mpi"])
-        .output()
-        .expect("mpirun runs (Debian: openmpi-bin)");
-    succeeded(&out);
-    assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
+    for comm_type in ["all_gather", "p2p"] {
+        let dir = tmp(&format!("mpi-gpt-cp-{comm_type}"));
+        let log = dir.join("gpt.jsonl");
+        let layout = [
+            "--world-size",
+            "4",
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            comm_type,
+            "--sequence-parallel",
+            "--train-iters",
+            "4",
+            "--eval-interval",
+            "0",
+            "--generate-tokens",
+            "0",
+        ];
+        let threaded = run_gpt(&gpt_args(&layout, &dir)).unwrap().log;
+        let mut argv = gpt_argv(
+            &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
+            &dir,
+        );
+        argv.remove(0);
+        let out = command(Path::new("mpirun"))
+            .args(["-np", "4"])
+            .arg(example_binary("gpt_pretrain"))
+            .args(argv)
+            .args(["--distributed-backend", "mpi"])
+            .output()
+            .expect("mpirun runs (Debian: openmpi-bin)");
+        succeeded(&out);
+        assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
+    }
 }
 
 #[test]

@@ -24,7 +24,7 @@
 
 use crate::comm::{Comm, CommunicatorExt, ReduceOp};
 use crate::tensor_parallel::TpError;
-use crate::tensor_parallel::mappings::gather_from_sequence_parallel_region;
+use crate::tensor_parallel::mappings::{Mapping, apply, gather_from_sequence_parallel_region};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 /// The global positions rank `rank` of a CP group of `cp` holds of a sequence of
@@ -49,6 +49,17 @@ pub fn cp_positions(seq_length: usize, cp: usize, rank: usize) -> Result<Vec<usi
         .collect())
 }
 
+/// How attention reaches the other ranks' keys and values (Megatron's `--cp-comm-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpCommType {
+    /// Every layer all-gathers K and V over CP.
+    #[default]
+    AllGather,
+    /// Ring attention: K/V blocks passed around the ring, partial results merged by their
+    /// log-sum-exp.
+    P2p,
+}
+
 /// One rank's view of a sequence split over its CP group.
 #[derive(Debug, Clone)]
 pub struct ContextParallel {
@@ -56,6 +67,7 @@ pub struct ContextParallel {
     seq_length: usize,
     positions: Vec<usize>,
     key_positions: Vec<usize>,
+    comm_type: CpCommType,
 }
 
 impl ContextParallel {
@@ -73,7 +85,30 @@ impl ContextParallel {
             seq_length,
             positions,
             key_positions,
+            comm_type: CpCommType::AllGather,
         })
+    }
+
+    /// With attention reaching the other ranks through `comm_type`.
+    pub fn with_comm_type(mut self, comm_type: CpCommType) -> Self {
+        self.comm_type = comm_type;
+        self
+    }
+
+    /// How attention reaches the other ranks' keys and values.
+    pub fn comm_type(&self) -> CpCommType {
+        self.comm_type
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.comm.group().rank()
+    }
+
+    /// Sends `x` to the next rank of the ring and returns the previous rank's (a
+    /// differentiable mapping: backward sends the gradient back).
+    pub fn ring_shift<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        apply(x, Mapping::RingShift { forward: true }, &self.comm)
     }
 
     /// The CP group.

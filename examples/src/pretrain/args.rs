@@ -44,7 +44,7 @@ pub enum CpCommType {
     /// K and V all-gathered over CP in each layer.
     #[value(name = "all_gather")]
     AllGather,
-    /// Ring attention (not implemented yet: refused).
+    /// Ring attention: K/V blocks passed around the CP ring, merged by log-sum-exp.
     P2p,
     /// Ulysses all-to-all over heads (not implemented yet: refused).
     A2a,
@@ -369,11 +369,12 @@ impl TrainArgs {
         if cp == 1 {
             return Ok(());
         }
-        if self.cp_comm_type != CpCommType::AllGather {
-            return Err(format!(
-                "--cp-comm-type {:?}: only all_gather is implemented",
-                self.cp_comm_type
-            ));
+        if self.cp_comm_type == CpCommType::A2a {
+            return Err(
+                "--cp-comm-type a2a: Ulysses all-to-all is not implemented (the communicators \
+                 have no all-to-all); use all_gather or p2p"
+                    .into(),
+            );
         }
         if !s.is_multiple_of(2 * cp) {
             return Err(format!(

@@ -77,10 +77,15 @@ fn run_schedule<F: Family>(
 ) -> Result<(Losses, ForwardBackwardOutput), String> {
     let dp_rank = ctx.state.data_parallel_rank();
     let p2p = ctx.p2p(P2pShapes::Variable);
+    let comm_type = match shared.args.cp_comm_type {
+        super::CpCommType::P2p => burn_megatron::context_parallel::CpCommType::P2p,
+        _ => burn_megatron::context_parallel::CpCommType::AllGather,
+    };
     let cp = (ctx.state.context_parallel_size() > 1)
         .then(|| ContextParallel::new(ctx.groups.cp.clone(), shared.args.seq_length))
         .transpose()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())?
+        .map(|cp| cp.with_comm_type(comm_type));
     let out = forward_backward_func(
         |s: ForwardStep<'_, F::Chunk, 3>| {
             let samples = shared.layout.micro_batch(iteration, dp_rank, s.microbatch);

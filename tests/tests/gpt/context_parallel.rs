@@ -8,7 +8,7 @@
 use super::Error;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::context_parallel::ContextParallel;
+use burn_megatron::context_parallel::{ContextParallel, CpCommType};
 use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{GptConfig, GptStageOutput};
@@ -38,7 +38,7 @@ fn split<T: Clone>(values: &[T], cp: &ContextParallel) -> Vec<T> {
         .collect()
 }
 
-fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool) -> Vec<Trace> {
+fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, ring: bool) -> Vec<Trace> {
     let layout = ParallelConfig::new(tp * cp, tp, 1)
         .with_context_parallel(cp)
         .with_sequence_parallel(sp);
@@ -54,7 +54,12 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool) -> Vec<Trace> {
             tp_rank,
         )
         .with_clip_grad(1.0, NormType::L2);
-        let split_cp = ContextParallel::new(ctx.groups.cp.clone(), SEQ)?;
+        let comm_type = if ring {
+            CpCommType::P2p
+        } else {
+            CpCommType::AllGather
+        };
+        let split_cp = ContextParallel::new(ctx.groups.cp.clone(), SEQ)?.with_comm_type(comm_type);
         let rows = gpt_rows(0, BATCH, SEQ, d);
         let local = SEQ / cp;
         let ints = |t: &Tensor<2, Int>| {
@@ -106,15 +111,15 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool) -> Vec<Trace> {
 }
 
 fn check(name: &str, config: &GptConfig, layouts: &[(usize, usize, bool)]) {
-    let one = run(config, 1, 1, false).remove(0);
+    let one = run(config, 1, 1, false, false).remove(0);
     assert!(
         one.losses[STEPS - 1] < one.losses[0] - 0.1,
         "{name}: {:?}",
         one.losses
     );
-    for &(tp, cp, sp) in layouts {
-        for (rank, t) in run(config, tp, cp, sp).into_iter().enumerate() {
-            let what = format!("{name} tp {tp} cp {cp} sp {sp} rank {rank}");
+    for (&(tp, cp, sp), ring) in layouts.iter().flat_map(|l| [(l, false), (l, true)]) {
+        for (rank, t) in run(config, tp, cp, sp, ring).into_iter().enumerate() {
+            let what = format!("{name} tp {tp} cp {cp} sp {sp} ring {ring} rank {rank}");
             for (step, (a, b)) in t.losses.iter().zip(&one.losses).enumerate() {
                 assert!((a - b).abs() <= 1e-5, "{what} step {step}: loss {a} vs {b}");
             }
@@ -191,7 +196,7 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             .flat_map(|&p| v[p * B * H..(p + 1) * B * H].to_vec())
             .collect()
     };
-    for cp in [2, 4] {
+    for (cp, ring) in [(2, false), (4, false), (2, true), (4, true)] {
         let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
         let out = threads(&layout, LaunchOptions::default(), |ctx| {
             let d: &Device = &ctx.device;
@@ -216,7 +221,12 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             let flat: Vec<bool> = padded.concat();
             let full_pad = Tensor::<2, Bool>::from_data(TensorData::new(flat, [B, S]), d);
             let (y1, gx1, gp1) = run(x.clone(), w.clone(), S, &AttentionInputs::padding(full_pad));
-            let split = ContextParallel::new(ctx.groups.cp.clone(), S)?;
+            let comm_type = if ring {
+                CpCommType::P2p
+            } else {
+                CpCommType::AllGather
+            };
+            let split = ContextParallel::new(ctx.groups.cp.clone(), S)?.with_comm_type(comm_type);
             let inputs = AttentionInputs {
                 padding: Some(split.gathered_padding(&padded, d)?),
                 rotary: None,
@@ -242,7 +252,7 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             };
             assert!(
                 close(&y, &y1) <= 1e-5,
-                "cp {cp} rank {rank}: outputs differ by {}",
+                "cp {cp} ring {ring} rank {rank}: outputs differ by {}",
                 close(&y, &y1)
             );
             assert!(

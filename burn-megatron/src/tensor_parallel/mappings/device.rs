@@ -84,6 +84,13 @@ fn run(
             let side_by_side = into_contiguous(CubeBackend::float_swap_dims(blocks, 0, 1));
             CubeBackend::float_reshape(side_by_side, with(last, cols * n))
         }
+        Mapping::RingShift { .. } => {
+            return Err(CommError::InvalidArgument {
+                group: comm.group().to_string(),
+                op: mapping.name(),
+                reason: "ring shifts go through host memory (no device send/recv)".into(),
+            });
+        }
     })
 }
 

@@ -95,6 +95,17 @@ fn exchange(
             dims[0] = part;
             (out, dims)
         }
+        Mapping::RingShift { forward } => {
+            let (next, previous) = ((me + 1) % n, (me + n - 1) % n);
+            let (to, from) = if forward {
+                (next, previous)
+            } else {
+                (previous, next)
+            };
+            let mut out = Buffer::zeros(buf.dtype(), buf.len());
+            comm.send_recv(buf, to, &mut out, from)?;
+            (out, dims)
+        }
     })
 }
 
