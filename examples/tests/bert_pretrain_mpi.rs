@@ -181,29 +181,14 @@ fn interleaved_pipeline_under_mpirun_is_the_threaded_run() {
     assert_eq!(&std::fs::read(dir.join("trace.png")).unwrap()[1..4], b"PNG");
 }
 
-/// A Llama-style GPT at TP 2 × PP 2 with sequence parallelism: each process trains the same
-/// byte-level BPE on the built-in corpus, and the run is the threaded one, bit for bit.
-#[test]
-fn a_llama_style_gpt_pipeline_under_mpirun_is_the_threaded_run() {
-    let dir = tmp("mpi-gpt");
+/// `gpt_pretrain` with `layout` under `mpirun -np 4`, against the threaded run: every
+/// iteration equal.
+fn gpt_under_mpirun_is_the_threaded_run(layout: &[&str], dir: &Path) {
     let log = dir.join("gpt.jsonl");
-    let layout = [
-        "--world-size",
-        "4",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--sequence-parallel",
-        "--train-iters",
-        "4",
-        "--eval-interval",
-        "0",
-        "--generate-tokens",
-        "0",
-    ];
-    let threaded = run_gpt(&gpt_args(&layout, &dir)).unwrap().log;
+    let threaded = run_gpt(&gpt_args(layout, dir)).unwrap().log;
     let mut argv = gpt_argv(
-        &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
-        &dir,
+        &[layout, &["--log-json", log.to_str().unwrap()]].concat(),
+        dir,
     );
     argv.remove(0);
     let out = command(Path::new("mpirun"))
@@ -217,6 +202,27 @@ fn a_llama_style_gpt_pipeline_under_mpirun_is_the_threaded_run() {
     assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
 }
 
+/// A Llama-style GPT at TP 2 × PP 2 with sequence parallelism: each process trains the same
+/// byte-level BPE on the built-in corpus, and the run is the threaded one, bit for bit.
+#[test]
+fn a_llama_style_gpt_pipeline_under_mpirun_is_the_threaded_run() {
+    let dir = tmp("mpi-gpt");
+    let layout = [
+        "--world-size",
+        "4",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--train-iters",
+        "4",
+        "--eval-interval",
+        "0",
+        "--generate-tokens",
+        "0",
+    ];
+    gpt_under_mpirun_is_the_threaded_run(&layout, &dir);
+}
+
 /// Context parallelism under mpirun: TP 2 × CP 2 with sequence parallelism, K and V
 /// all-gathered (`all_gather`) or passed around the ring (`p2p`, send/recv between
 /// processes), is the threaded run, bit for bit.
@@ -224,7 +230,6 @@ fn a_llama_style_gpt_pipeline_under_mpirun_is_the_threaded_run() {
 fn a_context_parallel_gpt_under_mpirun_is_the_threaded_run() {
     for comm_type in ["all_gather", "p2p"] {
         let dir = tmp(&format!("mpi-gpt-cp-{comm_type}"));
-        let log = dir.join("gpt.jsonl");
         let layout = [
             "--world-size",
             "4",
@@ -240,21 +245,7 @@ fn a_context_parallel_gpt_under_mpirun_is_the_threaded_run() {
             "--generate-tokens",
             "0",
         ];
-        let threaded = run_gpt(&gpt_args(&layout, &dir)).unwrap().log;
-        let mut argv = gpt_argv(
-            &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
-            &dir,
-        );
-        argv.remove(0);
-        let out = command(Path::new("mpirun"))
-            .args(["-np", "4"])
-            .arg(example_binary("gpt_pretrain"))
-            .args(argv)
-            .args(["--distributed-backend", "mpi"])
-            .output()
-            .expect("mpirun runs (Debian: openmpi-bin)");
-        succeeded(&out);
-        assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
+        gpt_under_mpirun_is_the_threaded_run(&layout, &dir);
     }
 }
 

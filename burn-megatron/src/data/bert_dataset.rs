@@ -83,12 +83,6 @@ impl BertDataset {
         tokenizer: &BertTokenizer,
         config: BertDatasetConfig,
     ) -> Result<Self, DataError> {
-        if config.seq_length < 8 {
-            return Err(DataError::Config(format!(
-                "seq_length {} is too short for a sentence pair (at least 8)",
-                config.seq_length
-            )));
-        }
         let docs = docs
             .iter()
             .map(|d| d.iter().map(|s| tokenizer.encode(s)).collect())

@@ -447,11 +447,7 @@ impl CoreAttention {
             v.permute([1, 2, 0, 3]),
         );
         let scale = 1.0 / (hn as f32).sqrt();
-        let mut scores = q
-            .reshape([b, ng, qpg * len, hn])
-            .matmul(k.swap_dims(2, 3))
-            .reshape([b, np, len, len])
-            .mul_scalar(scale);
+        let mut scores = self.scores(q, k).mul_scalar(scale);
         let device = scores.device();
         if diagonal {
             let above: Vec<bool> = (0..len * len).map(|i| i % len > i / len).collect();
@@ -471,51 +467,31 @@ impl CoreAttention {
         let e = (scores - max.clone()).exp();
         let sum = e.clone().sum_dim(3);
         let lse = max + sum.clone().log();
-        let mut probs = e / sum;
-        if let Some(rng) = rng {
-            probs = rng
-                .dropout(
-                    probs,
-                    self.attention_dropout,
-                    RngRegion::TensorModelParallel,
-                )
-                .expect("attention_dropout is checked to lie in [0, 1) at init");
-        }
-        let out = probs
-            .reshape([b, ng, qpg * len, len])
-            .matmul(v)
-            .reshape([b, np, len, hn]);
-        (out, lse)
+        (self.weighted_values(e / sum, v, rng), lse)
     }
 
-    /// `q` (`[s, b, heads, hn]`) over `k`, `v` (`[b, groups, sk, hn]`): scores, the fused
-    /// masked softmax (causal: bottom-right aligned, so queries are the last `s` of `sk`
-    /// positions), dropout, weighted values → `[s, b, heads·hn]`.
-    fn attend(
-        self,
-        q: Tensor<4>,
-        k: Tensor<4>,
-        v: Tensor<4>,
-        padding: Option<Tensor<2, Bool>>,
-        causal: bool,
-        rng: Option<&RngTracker>,
-    ) -> Tensor<3> {
-        let [s, b, _, _] = q.dims();
-        let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
-        let np = ng * qpg;
-        let q = q.permute([1, 2, 0, 3]);
+    /// `q` (`[b, heads, s, hn]`) against `k` (`[b, groups, sk, hn]`) → `[b, heads, s, sk]`.
+    /// The heads of a group share its key: one `[qpg·s, hn] × [hn, sk]` product per group,
+    /// no copy of the key per head.
+    fn scores(self, q: Tensor<4>, k: Tensor<4>) -> Tensor<4> {
+        let [b, np, s, hn] = q.dims();
         let sk = k.dims()[2];
-        // The heads of a group share its key: one [qpg·s, hn] × [hn, sk] product per group,
-        // no copy of the key per head.
-        let scores = q
-            .reshape([b, ng, qpg * s, hn])
+        let (ng, qpg) = (self.groups_per_rank, self.heads_per_group);
+        q.reshape([b, ng, qpg * s, hn])
             .matmul(k.swap_dims(2, 3))
-            .reshape([b, np, s, sk]);
-        // Scaled, masked keys filled with Megatron's -10000 (fully masked rows stay finite),
-        // softmax: one fused kernel on GPUs.
-        let scale = 1.0 / (hn as f32).sqrt();
-        let mut probs = scaled_masked_softmax(scores, padding, scale, causal)
-            .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction");
+            .reshape([b, np, s, sk])
+    }
+
+    /// Attention dropout on `probs` (`[b, heads, s, sk]`) when training, then the weighted
+    /// values of `v` (`[b, groups, sk, hn]`) → `[b, heads, s, hn]`.
+    fn weighted_values(
+        self,
+        mut probs: Tensor<4>,
+        v: Tensor<4>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<4> {
+        let [b, np, s, sk] = probs.dims();
+        let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
         if let Some(rng) = rng {
             // This rank's heads: a mask of its own (the model-parallel stream), drawn from a
             // seed as one kernel, no mask uploaded.
@@ -531,6 +507,28 @@ impl CoreAttention {
             .reshape([b, ng, qpg * s, sk])
             .matmul(v)
             .reshape([b, np, s, hn])
+    }
+
+    /// `q` (`[s, b, heads, hn]`) over `k`, `v` (`[b, groups, sk, hn]`): scores, the fused
+    /// masked softmax (causal: bottom-right aligned, so queries are the last `s` of `sk`
+    /// positions), dropout, weighted values → `[s, b, heads·hn]`.
+    fn attend(
+        self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        padding: Option<Tensor<2, Bool>>,
+        causal: bool,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let [s, b, np, hn] = q.dims();
+        let scores = self.scores(q.permute([1, 2, 0, 3]), k);
+        // Scaled, masked keys filled with Megatron's -10000 (fully masked rows stay finite),
+        // softmax: one fused kernel on GPUs.
+        let scale = 1.0 / (hn as f32).sqrt();
+        let probs = scaled_masked_softmax(scores, padding, scale, causal)
+            .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction");
+        self.weighted_values(probs, v, rng)
             .permute([2, 0, 1, 3])
             .reshape([s, b, np * hn])
     }
