@@ -4,7 +4,7 @@
 
 use super::args::TrainArgs;
 use burn_megatron::data::megatron::{Blend, GPTDatasetConfig, MegatronSplit, PAD_TOKEN_ID};
-use burn_megatron::data::megatron::{IndexedDataset, dataset_paths, split_matrix};
+use burn_megatron::data::megatron::{IndexedDataset, dataset_paths, split_matrix, split_range};
 use burn_megatron::data::{GptDataset, GptSample};
 use std::path::{Path, PathBuf};
 
@@ -146,13 +146,11 @@ pub fn megatron_documents(
     let mut out = [Vec::new(), Vec::new()];
     for prefix in &blend.prefixes {
         let data = IndexedDataset::open(prefix).map_err(|e| e.to_string())?;
-        let n = data.num_documents() as f64;
         for (split, docs) in out.iter_mut().enumerate() {
-            let Some((beg, end)) = matrix[split] else {
+            let Some(bounds) = matrix[split] else {
                 continue;
             };
-            let range = (beg * n).round_ties_even() as usize..(end * n).round_ties_even() as usize;
-            for d in range {
+            for d in split_range(bounds, data.num_documents()) {
                 let sentences = data
                     .document(d)
                     .map(|s| {

@@ -2,7 +2,7 @@
 //! turns `--data-path [w1] p1 [w2] p2 …` and `--split` into train / valid / test datasets.
 
 use super::gpt::{GPTDataset, open_shared};
-use super::{GPTDatasetConfig, Split, numpy_sum, split_matrix};
+use super::{GPTDatasetConfig, Split, numpy_sum, split_matrix, split_range};
 use crate::data::DataError;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -243,11 +243,10 @@ pub fn build_gpt_datasets(
         .collect::<Result<Vec<_>, _>>()?;
     let build_one =
         |d: usize, i: usize, size: Option<usize>| -> Result<Option<Arc<GPTDataset>>, DataError> {
-            let Some((beg, end)) = matrix[i] else {
+            let Some(bounds) = matrix[i] else {
                 return Ok(None);
             };
-            let n = low_level[d].len() as f64;
-            let range = (beg * n).round_ties_even() as usize..(end * n).round_ties_even() as usize;
+            let range = split_range(bounds, low_level[d].len());
             // A proportion too small to hold a document leaves the split empty (Megatron-Core
             // 0.16 would loop forever counting epochs of zero tokens).
             if range.is_empty() && blend.weights.is_none() {

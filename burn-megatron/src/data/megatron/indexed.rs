@@ -403,10 +403,11 @@ impl IndexedDataset {
         length: Option<usize>,
         out: &mut Vec<i64>,
     ) -> Result<(), DataError> {
-        let (idx_path, _) = dataset_paths(&self.prefix);
+        // The path is built only for an error: this runs for every sample read.
+        let idx_path = || dataset_paths(&self.prefix).0;
         if index >= self.sequences {
             return Err(format_err(
-                &idx_path,
+                &idx_path(),
                 format!("sequence {index} of {}", self.sequences),
             ));
         }
@@ -414,7 +415,7 @@ impl IndexedDataset {
         let length = length.unwrap_or(total.saturating_sub(offset));
         if offset.checked_add(length).is_none_or(|end| end > total) {
             return Err(format_err(
-                &idx_path,
+                &idx_path(),
                 format!(
                     "tokens {offset}..{offset}+{length} of sequence {index}, which has {total}"
                 ),

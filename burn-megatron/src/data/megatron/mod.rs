@@ -129,5 +129,12 @@ pub fn split_matrix(split: &str) -> Result<[Option<(f64, f64)>; 3], DataError> {
     Ok(matrix)
 }
 
+/// The elements `[begin, end)` of `n` that a split's fractions (a [`split_matrix`] row)
+/// take, rounded as Python's `round` (half to even), as Megatron's builder does.
+pub fn split_range((begin, end): (f64, f64), n: usize) -> std::ops::Range<usize> {
+    let n = n as f64;
+    (begin * n).round_ties_even() as usize..(end * n).round_ties_even() as usize
+}
+
 #[cfg(test)]
 mod tests;

@@ -307,6 +307,18 @@ impl Gpt {
         labels: Tensor<2, Int>,
         loss_mask: Tensor<2>,
     ) -> Result<Tensor<1>, TpError> {
+        let (sum, tokens) = self.masked_loss_sum(logits, labels, loss_mask)?;
+        Ok(sum / tokens.clamp_min(1.0))
+    }
+
+    /// The vocabulary-parallel cross-entropy summed over the positions `loss_mask` keeps,
+    /// and their count.
+    fn masked_loss_sum(
+        &self,
+        logits: Tensor<3>,
+        labels: Tensor<2, Int>,
+        loss_mask: Tensor<2>,
+    ) -> Result<(Tensor<1>, Tensor<1>), TpError> {
         let _span = tracing::debug_span!("gpt.loss").entered();
         let [s, b, v] = logits.dims();
         if labels.dims() != [b, s] || loss_mask.dims() != [b, s] {
@@ -318,10 +330,10 @@ impl Gpt {
         }
         let labels = labels.swap_dims(0, 1).reshape([s * b]);
         let mask = loss_mask.swap_dims(0, 1).reshape([s * b]).cast(DType::F32);
-        let denominator = mask.clone().sum().clamp_min(1.0);
+        let tokens = mask.clone().sum();
         let losses =
             vocab_parallel_cross_entropy(logits.reshape([s * b, v]), labels, 0.0, &self.tp)?;
-        Ok((losses.cast(DType::F32) * mask).sum() / denominator)
+        Ok(((losses.cast(DType::F32) * mask).sum(), tokens))
     }
 
     /// [`loss`](Self::loss) of this rank's share of sequences split over `cp`: its tokens'
@@ -335,13 +347,8 @@ impl Gpt {
         loss_mask: Tensor<2>,
         cp: &ContextParallel,
     ) -> Result<Tensor<1>, TpError> {
-        let local: f32 = loss_mask.clone().sum().into_scalar();
-        let tokens = cp.sum(local)?.max(1.0);
-        let [s, b, v] = logits.dims();
-        let labels = labels.swap_dims(0, 1).reshape([s * b]);
-        let mask = loss_mask.swap_dims(0, 1).reshape([s * b]).cast(DType::F32);
-        let losses =
-            vocab_parallel_cross_entropy(logits.reshape([s * b, v]), labels, 0.0, &self.tp)?;
-        Ok((losses.cast(DType::F32) * mask).sum() / tokens)
+        let (sum, local) = self.masked_loss_sum(logits, labels, loss_mask)?;
+        let tokens = cp.sum(local.into_scalar())?.max(1.0);
+        Ok(sum / tokens)
     }
 }
