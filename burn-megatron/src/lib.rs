@@ -32,6 +32,8 @@
 //! parallel layers and the overlapped reduction share sit below both, with the other
 //! crate-private helpers.
 
+mod activation;
+pub mod aux_loss;
 pub mod checkpoint;
 pub mod comm;
 pub mod context_parallel;
@@ -41,6 +43,7 @@ mod grad_hooks;
 pub mod launch;
 pub mod models;
 mod module_path;
+pub mod moe;
 pub mod optimizer;
 mod param_grads;
 pub mod pipeline;

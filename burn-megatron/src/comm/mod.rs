@@ -14,6 +14,7 @@
 //!
 //! Tensor-level helpers on Burn tensors live in [`tensor`].
 
+mod all_to_all;
 mod buffer;
 mod device;
 mod group;
@@ -53,6 +54,16 @@ use std::time::{Duration, Instant};
 /// the state it leaves is consistent because no user code runs under the backends' locks.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A group of this rank alone, for a layer built without the group it could be split over
+/// (its collectives return at once).
+pub(crate) fn solo_group(name: &str) -> Comm {
+    Arc::new(
+        LocalWorld::new(1)
+            .communicator(name, vec![0], 0)
+            .expect("rank 0 of a fresh world of one is a member, unclaimed"),
+    )
 }
 
 /// The timeout of every call unless configured otherwise (the examples'
@@ -207,6 +218,42 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     ) -> Result<(), CommError> {
         self.send(send, to)?;
         self.recv(recv, from)
+    }
+
+    /// Sends `send_counts[j]` consecutive elements of `input` to member `j`, in group
+    /// order, and returns what the members sent this one, concatenated in group order:
+    /// `recv_counts[i]` elements from member `i` (NCCL's and MPI's `all_to_all_v`, which
+    /// mixture-of-experts token dispatch needs). Every member's counts and dtype are
+    /// checked against the others' before any data moves: a count that does not match its
+    /// peer's is an error on every member, naming both ranks.
+    ///
+    /// ```
+    /// use burn_megatron::comm::{Buffer, Communicator, LocalWorld};
+    /// let world = LocalWorld::new(2);
+    /// let handles: Vec<_> = (0..2)
+    ///     .map(|rank| {
+    ///         let world = world.clone();
+    ///         std::thread::spawn(move || {
+    ///             let comm = world.communicator("ep", vec![0, 1], rank).unwrap();
+    ///             // Rank 0 keeps one element and sends two; rank 1 sends one, keeps none.
+    ///             let (input, send, recv) = match rank {
+    ///                 0 => (vec![1.0f32, 2.0, 3.0], [1, 2], [1, 1]),
+    ///                 _ => (vec![4.0f32], [1, 0], [2, 0]),
+    ///             };
+    ///             comm.all_to_all_v(Buffer::from(input), &send, &recv).unwrap()
+    ///         })
+    ///     })
+    ///     .collect();
+    /// let out: Vec<Buffer> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    /// assert_eq!(out, [Buffer::from(vec![1.0f32, 4.0]), Buffer::from(vec![2.0f32, 3.0])]);
+    /// ```
+    fn all_to_all_v(
+        &self,
+        input: Buffer,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<Buffer, CommError> {
+        all_to_all::all_to_all_v(self, input, send_counts, recv_counts)
     }
 
     /// Waits until every member has reached the barrier.

@@ -24,6 +24,7 @@ mod tests;
 
 pub use crate::grad_hooks::{ActiveGuard, GradHookOps, Hook, hook_param};
 pub use overlap::OverlapReducer;
+
 pub use shard::{Piece, PlannedBucket, PlannedParam, ShardPlan};
 pub use sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
 
@@ -188,7 +189,55 @@ pub fn all_reduce_gradients<M: Module>(
     } else {
         ReduceOp::Sum
     };
-    reduce_in_buckets(&float_params(module), grads, dp, config, op)
+    reduce_in_buckets(&dense_params(module), grads, dp, config, op)
+}
+
+/// The parameters the dense data-parallel group reduces: all but the experts'.
+pub(crate) fn dense_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
+    float_params(module)
+        .into_iter()
+        .filter(|&(id, _)| !parallel_attrs(id).expert)
+        .collect()
+}
+
+/// Reduces the gradients of `module`'s expert parameters over the expert data-parallel group
+/// `expert_dp` (Megatron's `expt_dp_group`). Each expert saw the tokens of every dense
+/// data-parallel replica of its expert-parallel group, so the sum over `expert_dp` is scaled
+/// by `1 / data_parallel_size` (the dense DP × CP size) when `config.average`, as
+/// Megatron-Core's `expert_gradient_scaling_factor`: the result is the gradient of the
+/// replicas' mean loss, as the dense parameters' average is.
+///
+/// [`finalize_model_grads`] and its variants reduce only the dense parameters; a model with
+/// experts calls this too (as [`ParallelTraining::finalize`](crate::training::ParallelTraining::finalize)
+/// does).
+pub fn finalize_expert_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    expert_dp: &Comm,
+    data_parallel_size: usize,
+    config: &DataParallelConfig,
+) -> Result<(), CommError> {
+    let experts: Vec<(ParamId, usize)> = float_params(module)
+        .into_iter()
+        .filter(|&(id, _)| parallel_attrs(id).expert)
+        .collect();
+    if experts.is_empty() {
+        return Ok(());
+    }
+    if expert_dp.group().size() > 1 {
+        reduce_in_buckets(&experts, grads, expert_dp, config, ReduceOp::Sum)?;
+    }
+    let scale = if config.average {
+        1.0 / data_parallel_size.max(1) as f64
+    } else {
+        1.0
+    };
+    if scale != 1.0 {
+        for &(id, rank) in &experts {
+            crate::param_grads::update_flat(grads, id, rank, |g| Ok::<_, CommError>(g * scale))?;
+        }
+    }
+    Ok(())
 }
 
 /// Megatron's `finalize_model_grads`: data-parallel reduction, then the tensor-parallel
@@ -233,7 +282,7 @@ fn finalize_non_dp<M: Module>(
 ) -> Result<(), CommError> {
     allreduce_sequence_parallel_grads(module, grads, tp)?;
     if let Some(embd) = embedding.filter(|c| c.group().size() > 1) {
-        let shared: Vec<(ParamId, usize)> = float_params(module)
+        let shared: Vec<(ParamId, usize)> = dense_params(module)
             .into_iter()
             .filter(|&(id, _)| parallel_attrs(id).shared_embedding)
             .collect();

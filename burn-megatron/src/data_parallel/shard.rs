@@ -15,7 +15,6 @@
 
 use super::{DataParallelConfig, bucket_layout};
 use crate::comm::{CommError, ProcessGroup};
-use crate::param_grads::float_params;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
@@ -249,7 +248,7 @@ fn param_info<M: Module>(module: &M) -> Vec<(ParamId, usize, Vec<usize>, DType, 
     }
     let mut info = Info(Vec::new());
     module.visit(&mut info);
-    float_params(module)
+    crate::data_parallel::dense_params(module)
         .into_iter()
         .zip(info.0)
         .map(|((id, rank), (dims, dtype, trainable))| (id, rank, dims, dtype, trainable))

@@ -25,6 +25,15 @@ pub struct RankGroups {
     pub mp: Comm,
     /// Tensor × data parallel group.
     pub tp_dp: Comm,
+    /// Expert model parallel group: the ranks each MoE layer's experts are split over, which
+    /// exchange tokens.
+    pub ep: Comm,
+    /// Expert data parallel group: the replicas of this rank's experts, which reduce their
+    /// gradients (the dense parameters' are reduced over [`RankGroups::dp_cp`]).
+    pub expert_dp: Comm,
+    /// Expert tensor × expert × pipeline group: the expert parameters' share of the
+    /// gradient norm is summed over it.
+    pub expert_mp: Comm,
     /// Embedding group (first and last stage); `None` on middle stages.
     pub embedding: Option<Comm>,
     /// Position-embedding group (first stage); `None` on other stages.
@@ -100,6 +109,9 @@ impl RankContext {
             cp: comm(GroupKind::ContextParallel)?,
             mp: comm(GroupKind::ModelParallel)?,
             tp_dp: comm(GroupKind::TensorAndDataParallel)?,
+            ep: comm(GroupKind::ExpertModelParallel)?,
+            expert_dp: comm(GroupKind::ExpertDataParallel)?,
+            expert_mp: comm(GroupKind::ExpertTensorModelPipelineParallel)?,
             embedding: member(GroupKind::Embedding)
                 .then(|| comm(GroupKind::Embedding))
                 .transpose()?,

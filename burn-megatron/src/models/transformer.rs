@@ -5,7 +5,9 @@
 use super::attention::{
     AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
 };
+pub use crate::activation::ActivationFunc;
 use crate::comm::Comm;
+use crate::moe::{MoeConfig, MoeLayer, MoeLayerShape};
 use crate::recompute::{RecomputeConfig, RecomputeModule, recompute};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs,
@@ -15,34 +17,8 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::module::Param;
 use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::{gelu, gelu_approximate, silu};
 use burn::tensor::{Device, Tensor};
-use burn_megatron_kernels::{Gelu, bias_dropout_add, bias_gelu, rms_norm, swiglu};
-
-/// The MLP's activation (Megatron's `activation_func`).
-#[derive(Config, Debug, Copy, PartialEq, Eq)]
-pub enum ActivationFunc {
-    /// GeLU, erf form (`F.gelu`; BERT, Megatron's default).
-    Gelu,
-    /// GeLU, tanh approximation (Megatron's `--openai-gelu`; GPT-2's `gelu_new`).
-    GeluTanh,
-    /// SiLU (with `gated_linear_unit`: SwiGLU, Megatron's `--swiglu`).
-    Silu,
-}
-
-impl ActivationFunc {
-    fn apply(self, x: Tensor<3>, bias: Option<Tensor<1>>) -> Tensor<3> {
-        match (self, bias) {
-            // One fused kernel on GPUs.
-            (Self::Gelu, Some(b)) => bias_gelu(x, b, Gelu::Erf),
-            (Self::GeluTanh, Some(b)) => bias_gelu(x, b, Gelu::Tanh),
-            (Self::Silu, Some(b)) => silu(x + b.unsqueeze()),
-            (Self::Gelu, None) => gelu(x),
-            (Self::GeluTanh, None) => gelu_approximate(x),
-            (Self::Silu, None) => silu(x),
-        }
-    }
-}
+use burn_megatron_kernels::{bias_dropout_add, rms_norm, swiglu};
 
 /// Column → activation → Row; with a gated linear unit, `act(gate(x)) ⊙ up(x)` → Row.
 #[derive(Module, Debug)]
@@ -249,6 +225,9 @@ pub struct TransformerLayerConfig {
     pub seed: u64,
     /// Activation recomputation; the layer applies the `selective` modules (the block of
     /// layers applies `full`, see [`forward_layers`]).
+    /// A mixture of experts in place of the dense MLP.
+    #[config(default = "None")]
+    pub moe: Option<MoeConfig>,
     #[config(default = "RecomputeConfig::new()")]
     pub recompute: RecomputeConfig,
 }
@@ -259,7 +238,10 @@ pub struct TransformerLayer {
     /// Self-attention.
     pub attention: ParallelAttention,
     /// Feed-forward block.
-    pub mlp: ParallelMlp,
+    /// The dense MLP; `None` in a mixture-of-experts layer.
+    pub mlp: Option<ParallelMlp>,
+    /// The mixture-of-experts MLP of an MoE layer (`moe` in the config).
+    pub moe: Option<MoeLayer>,
     /// Norm of the attention block (after it when post-LN, before it when pre-LN).
     pub input_layernorm: Norm,
     /// Norm of the MLP block.
@@ -298,6 +280,17 @@ impl TransformerLayerConfig {
 
     /// Initialises this rank's part of the layer.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<TransformerLayer, TpError> {
+        self.init_with_experts(tp, None, device)
+    }
+
+    /// [`init`](Self::init) with the expert-parallel group an MoE layer splits its experts
+    /// over (`None`: all of them on this rank).
+    pub fn init_with_experts(
+        &self,
+        tp: &Comm,
+        ep: Option<&Comm>,
+        device: &Device,
+    ) -> Result<TransformerLayer, TpError> {
         super::check_dropout(&[
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
@@ -314,26 +307,60 @@ impl TransformerLayerConfig {
                 .with_skip_bias_add(true)
                 .init(tp, device)
         };
-        let mlp = ParallelMlp {
-            dense_h_to_4h: column("mlp.dense_h_to_4h")?,
-            dense_h_to_4h_gate: self
-                .gated_linear_unit
-                .then(|| column("mlp.dense_h_to_4h_gate"))
-                .transpose()?,
-            dense_4h_to_h: RowParallelLinearConfig::new(self.ffn_hidden_size, h)
-                .with_bias(self.add_bias_linear)
-                .with_sequence_parallel(self.sequence_parallel)
-                .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-                .with_initializer(self.output_initializer.unwrap_or(self.initializer))
-                .with_seed(derive_seed(self.seed, "mlp.dense_4h_to_h"))
-                .with_skip_bias_add(true)
-                .init(tp, device)?,
-            activation: self.activation_func,
+        let dense = || -> Result<ParallelMlp, TpError> {
+            Ok(ParallelMlp {
+                dense_h_to_4h: column("mlp.dense_h_to_4h")?,
+                dense_h_to_4h_gate: self
+                    .gated_linear_unit
+                    .then(|| column("mlp.dense_h_to_4h_gate"))
+                    .transpose()?,
+                dense_4h_to_h: RowParallelLinearConfig::new(self.ffn_hidden_size, h)
+                    .with_bias(self.add_bias_linear)
+                    .with_sequence_parallel(self.sequence_parallel)
+                    .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
+                    .with_initializer(self.output_initializer.unwrap_or(self.initializer))
+                    .with_seed(derive_seed(self.seed, "mlp.dense_4h_to_h"))
+                    .with_skip_bias_add(true)
+                    .init(tp, device)?,
+                activation: self.activation_func,
+            })
+        };
+        let (mlp, moe) = match &self.moe {
+            None => (Some(dense()?), None),
+            Some(moe) => {
+                let solo;
+                let ep = match ep {
+                    Some(ep) => ep,
+                    None => {
+                        solo = crate::comm::solo_group("ep");
+                        &solo
+                    }
+                };
+                if self.add_bias_linear {
+                    return Err(TpError::Invalid(
+                        "mixture-of-experts layers have no biases: set add_bias_linear to false \
+                         (--disable-bias-linear)"
+                            .into(),
+                    ));
+                }
+                let shape = MoeLayerShape {
+                    hidden_size: h,
+                    ffn_hidden_size: self.ffn_hidden_size,
+                    gated_linear_unit: self.gated_linear_unit,
+                    activation: self.activation_func,
+                    initializer: self.initializer,
+                    output_initializer: self.output_initializer.unwrap_or(self.initializer),
+                    sequence_parallel: self.sequence_parallel,
+                    seed: derive_seed(self.seed, "mlp"),
+                };
+                (None, Some(moe.init(shape, tp, ep, device)?))
+            }
         };
         let norm = || Norm::new(self.normalization, h, self.layernorm_epsilon, device);
         let layer = TransformerLayer {
             attention,
             mlp,
+            moe,
             input_layernorm: norm(),
             post_attention_layernorm: norm(),
             position: self.layernorm_position,
@@ -387,13 +414,19 @@ impl TransformerLayer {
     /// The MLP's output and its unadded bias; recomputed (bias added inside, as the fused
     /// add would add it) under selective `mlp` recomputation.
     fn mlp_forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
-        if self.recompute_mlp {
-            (
-                recompute(&self.mlp, x, None, |mlp, x, _| mlp.forward(x)),
+        match (&self.mlp, &self.moe) {
+            (Some(mlp), _) if self.recompute_mlp => {
+                (recompute(mlp, x, None, |mlp, x, _| mlp.forward(x)), None)
+            }
+            (Some(mlp), _) => mlp.forward_with_bias(x),
+            // Inside the graph there is no error channel: a failed exchange panics with its
+            // error, as the tensor-parallel mappings do.
+            (None, Some(moe)) => (
+                moe.forward(x)
+                    .unwrap_or_else(|e| panic!("mixture-of-experts layer: {e}")),
                 None,
-            )
-        } else {
-            self.mlp.forward_with_bias(x)
+            ),
+            (None, None) => unreachable!("a layer has a dense or an expert MLP by construction"),
         }
     }
 

@@ -12,4 +12,7 @@ pub enum OptimizerError {
     /// The fused step refused its inputs (e.g. a negative or non-finite learning rate).
     #[error("fused optimizer step: {0}")]
     Kernel(#[from] KernelError),
+    /// A combination this optimizer cannot step yet.
+    #[error("not supported yet: {0}")]
+    Unsupported(String),
 }

@@ -45,6 +45,8 @@ pub struct MegatronOptimizer<M: Module> {
     clip_grad: f64,
     norm_type: NormType,
     model_parallel: Comm,
+    /// The group the expert parameters' share of the norm is summed over, once set.
+    expert_model_parallel: Option<Comm>,
     tp_rank: usize,
     /// The scheduled weight decay, once [`MegatronOptimizer::set_weight_decay`] was called.
     weight_decay: Option<f64>,
@@ -169,9 +171,21 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             clip_grad: 0.0,
             norm_type: NormType::L2,
             model_parallel,
+            expert_model_parallel: None,
             tp_rank,
             weight_decay: None,
         }
+    }
+
+    /// Sums the expert parameters' share of the gradient norm and overflow check over
+    /// `expert_model_parallel` (the expert tensor × expert × pipeline group,
+    /// [`RankGroups::expert_mp`](crate::launch::RankGroups::expert_mp)) instead of the dense
+    /// model-parallel group, so that each expert counts once (Megatron's expert grad-stats
+    /// group). Supported with a burn-optim optimizer; the fused and distributed steps refuse
+    /// a model with experts.
+    pub fn with_expert_model_parallel(mut self, expert_model_parallel: Comm) -> Self {
+        self.expert_model_parallel = Some(expert_model_parallel);
+        self
     }
 
     /// [`MegatronOptimizer::fused_adam`] as Megatron's distributed optimizer (ZeRO-1,
@@ -408,6 +422,18 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             clip_coeff: 1.0,
             loss_scale,
         };
+        if self.expert_model_parallel.is_some() && !matches!(self.inner, Stepper::Burn(_)) {
+            let has_experts = float_params(&model)
+                .iter()
+                .any(|&(id, _)| crate::tensor_parallel::parallel_attrs(id).expert);
+            if has_experts {
+                return Err(OptimizerError::Unsupported(
+                    "mixture-of-experts parameters with the fused or distributed optimizer \
+                     step; use a burn-optim optimizer (InnerOptimizer::burn)"
+                        .into(),
+                ));
+            }
+        }
         let inner = match &mut self.inner {
             Stepper::Burn(inner) => inner,
             Stepper::Sharded(sharded) => {
@@ -469,10 +495,31 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         };
         let params = float_params(&model);
         let mut grads = unscale(grads, &params, 1.0 / loss_scale);
+        let is_expert = |id: ParamId| crate::tensor_parallel::parallel_attrs(id).expert;
+        let (experts, dense): (Vec<_>, Vec<_>) = match &self.expert_model_parallel {
+            Some(_) => params.iter().partition(|&&(id, _)| is_expert(id)),
+            None => (Vec::new(), params.clone()),
+        };
         // One sum-of-squares pass gives overflow and norm; one collective agrees on both.
-        let stats = local_norm_stats(&params, &grads, self.tp_rank, self.norm_type, true);
+        let stats = local_norm_stats(&dense, &grads, self.tp_rank, self.norm_type, true);
+        let (mut flag, mut part) = (stats.non_finite, stats.norm_part);
+        if let Some(expert_mp) = &self.expert_model_parallel {
+            let stats = local_norm_stats(&experts, &grads, self.tp_rank, self.norm_type, true);
+            let mut v = vec![
+                f32::from(u8::from(stats.non_finite)),
+                stats.norm_part as f32,
+            ];
+            expert_mp.all_reduce_vec(&mut v, self.norm_type.reduce_op())?;
+            // Every rank now holds the experts' whole share (expert data-parallel replicas
+            // agree after finalize); the dense group's reduction below must add it once.
+            flag |= v[0] > 0.0 || !v[1].is_finite();
+            let experts = f64::from(v[1]);
+            part = match self.norm_type {
+                NormType::L2 => part + experts / self.model_parallel.group().size() as f64,
+                NormType::Inf => part.max(experts),
+            };
+        }
         let scaler = self.scaler.as_mut();
-        let (flag, part) = (stats.non_finite, stats.norm_part);
         let Some(norm) = agree_norm(
             flag,
             part,

@@ -222,6 +222,9 @@ where
         )));
     }
     let ops = schedule.ops(rank)?;
+    // Auxiliary losses (MoE load balancing) inside the chunks are scaled as each
+    // micro-batch's loss is, through the recomputed forwards of backward too.
+    let _aux_scale = crate::aux_loss::scale_aux_losses((config.grad_scale / m as f64) as f32);
     let stages = p * v;
     let train = !schedule.forward_only;
     let mut recorder = Recorder::new(config.timeline);

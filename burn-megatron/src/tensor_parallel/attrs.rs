@@ -39,6 +39,11 @@ pub struct ParallelAttrs {
     /// The last stage's copy of a tied weight (Megatron's `shared`): the first stage's copy
     /// already counts it in the global gradient norm, so this one never does.
     pub shared: bool,
+    /// A mixture-of-experts expert's weight (Megatron's `allreduce = False`): each
+    /// expert-parallel rank holds different experts, so its gradient is reduced over the
+    /// expert data-parallel group, and its share of the gradient norm summed over the
+    /// expert model-parallel group, instead of the dense groups.
+    pub expert: bool,
 }
 
 impl ParallelAttrs {
@@ -51,7 +56,15 @@ impl ParallelAttrs {
         }
     }
 
-    /// A duplicated parameter whose gradient is partial under sequence parallelism.
+    /// An expert's weight (not split over tensor parallelism: expert TP is 1).
+    pub fn expert() -> Self {
+        Self {
+            expert: true,
+            ..Self::default()
+        }
+    }
+
+    /// Duplicated on every tensor-parallel rank, with a sequence-parallel gradient.
     pub fn sequence_parallel() -> Self {
         Self {
             sequence_parallel: true,
@@ -84,10 +97,10 @@ impl ParallelAttrs {
     }
 
     /// Whether this rank's copy contributes to the global gradient norm on a rank with the
-    /// given tensor-parallel rank: shards always, duplicates only on TP rank 0, the second
-    /// copy of a tied weight never.
+    /// given tensor-parallel rank: shards and experts always, duplicates only on TP rank 0,
+    /// the second copy of a tied weight never.
     pub fn counts_in_grad_norm(&self, tp_rank: usize) -> bool {
-        !self.shared && (self.tensor_model_parallel || tp_rank == 0)
+        !self.shared && (self.tensor_model_parallel || self.expert || tp_rank == 0)
     }
 
     /// These attributes with the layout (`tensor_model_parallel`, `partition_dim`,

@@ -33,8 +33,12 @@ pub struct ParallelConfig {
     pub virtual_pipeline_model_parallel_size: Option<usize>,
     /// Ranks that split the sequence dimension in attention (`cp`); only 1 is supported.
     pub context_parallel_size: usize,
-    /// Ranks that split the experts of mixture-of-experts layers (`ep`); only 1 is supported.
+    /// Ranks that split the experts of mixture-of-experts layers (`ep`), laid out by a
+    /// second rank generator as Megatron-Core's (see [`GroupKind::ExpertModelParallel`]).
     pub expert_model_parallel_size: usize,
+    /// Ranks that split each expert's weights (`--expert-tensor-parallel-size`); only 1 is
+    /// supported, and it is the default here (Megatron defaults to the dense TP size).
+    pub expert_tensor_parallel_size: usize,
     /// Whether activations outside tensor-parallel regions are split along the sequence.
     pub sequence_parallel: bool,
     /// `-`-joined dimension order, fastest-varying first; `pp` must come last when pp > 1.
@@ -53,6 +57,7 @@ impl ParallelConfig {
             virtual_pipeline_model_parallel_size: None,
             context_parallel_size: 1,
             expert_model_parallel_size: 1,
+            expert_tensor_parallel_size: 1,
             sequence_parallel: false,
             order: DEFAULT_ORDER.to_string(),
         }
@@ -87,10 +92,17 @@ impl ParallelConfig {
         self
     }
 
-    /// Sets the expert parallel size (validation rejects values above 1 for now).
+    /// Sets the expert parallel size (`--expert-model-parallel-size`).
     #[must_use]
     pub fn with_expert_parallel(mut self, ep: usize) -> ParallelConfig {
         self.expert_model_parallel_size = ep;
+        self
+    }
+
+    /// Sets the expert tensor parallel size (validation rejects values above 1 for now).
+    #[must_use]
+    pub fn with_expert_tensor_parallel(mut self, etp: usize) -> ParallelConfig {
+        self.expert_tensor_parallel_size = etp;
         self
     }
 
@@ -110,8 +122,9 @@ impl ParallelConfig {
     ///
     /// # Errors
     ///
-    /// A size of 0 (including a virtual pipeline size of 0); context or expert parallelism
-    /// above 1 (not supported yet); a world size that tp · pp · cp does not divide; an
+    /// A size of 0 (including a virtual pipeline size of 0); expert tensor parallelism
+    /// above 1 (not supported yet); a world size that tp · pp · cp or etp · ep · pp does not
+    /// divide; an
     /// unknown or repeated order token, or a dimension of size > 1 missing from the order;
     /// `pp` not last in the order when pp > 1; a virtual pipeline size with pp = 1.
     pub fn validate(self) -> Result<ValidatedConfig, TopologyError> {
@@ -129,6 +142,10 @@ impl ParallelConfig {
             (cp, "context parallel (cp)"),
             (ep, "expert model parallel (ep)"),
             (
+                config.expert_tensor_parallel_size,
+                "expert tensor parallel (etp)",
+            ),
+            (
                 config.virtual_pipeline_model_parallel_size.unwrap_or(1),
                 "virtual pipeline model parallel",
             ),
@@ -137,11 +154,12 @@ impl ParallelConfig {
             return Err(TopologyError::ZeroSize { what });
         }
 
-        if ep > 1 {
+        let etp = config.expert_tensor_parallel_size;
+        if etp > 1 {
             return Err(TopologyError::Unsupported {
-                feature: "expert parallelism",
-                token: ParallelDim::Expert.token(),
-                size: ep,
+                feature: "expert tensor parallelism",
+                token: "etp",
+                size: etp,
             });
         }
 
@@ -162,7 +180,26 @@ impl ParallelConfig {
         }
         let dp = world / product;
 
-        let generator = RankGenerator::new(tp, ep, dp, pp, cp, &config.order)?;
+        // Megatron-Core's two generators: the dense layers' has no expert dimension, the
+        // experts' no context dimension; both end in pp, so their pipelines coincide.
+        let generator = RankGenerator::new(tp, 1, dp, pp, cp, &config.order)?;
+        let expert_product = etp
+            .checked_mul(ep)
+            .and_then(|product| product.checked_mul(pp))
+            .ok_or_else(|| TopologyError::SizeOverflow {
+                sizes: format!("etp = {etp}, ep = {ep}, pp = {pp}"),
+            })?;
+        if !world.is_multiple_of(expert_product) {
+            return Err(TopologyError::ExpertWorldSizeNotDivisible {
+                world_size: world,
+                etp,
+                ep,
+                pp,
+                product: expert_product,
+            });
+        }
+        let expert_generator =
+            RankGenerator::new(etp, ep, world / expert_product, pp, 1, &config.order)?;
         if pp > 1 && parse_tokens(&config.order)?.last() != Some(&ParallelDim::Pipeline) {
             return Err(TopologyError::PipelineNotLast {
                 pp,
@@ -188,6 +225,7 @@ impl ParallelConfig {
             config,
             data_parallel_size: dp,
             generator,
+            expert_generator,
         })
     }
 }
@@ -208,6 +246,7 @@ pub struct ValidatedConfig {
     config: ParallelConfig,
     data_parallel_size: usize,
     generator: RankGenerator,
+    expert_generator: RankGenerator,
 }
 
 impl ValidatedConfig {
@@ -219,6 +258,12 @@ impl ValidatedConfig {
     /// The rank layout.
     pub fn rank_generator(&self) -> &RankGenerator {
         &self.generator
+    }
+
+    /// The layout of the experts' groups (Megatron-Core's second rank generator: `tp` is
+    /// expert tensor parallelism, `dp` expert data parallelism, no `cp`).
+    pub fn expert_rank_generator(&self) -> &RankGenerator {
+        &self.expert_generator
     }
 
     /// Total number of ranks.
@@ -249,6 +294,17 @@ impl ValidatedConfig {
     /// Expert model parallel size.
     pub fn expert_model_parallel_size(&self) -> usize {
         self.config.expert_model_parallel_size
+    }
+
+    /// Expert tensor parallel size.
+    pub fn expert_tensor_parallel_size(&self) -> usize {
+        self.config.expert_tensor_parallel_size
+    }
+
+    /// Expert data parallel size: `world_size / (etp · ep · pp)`, the replicas of each
+    /// expert that reduce its gradients.
+    pub fn expert_data_parallel_size(&self) -> usize {
+        self.expert_generator.size(ParallelDim::Data)
     }
 
     /// Data parallel size: `world_size / (tp · pp · cp)`, exact.

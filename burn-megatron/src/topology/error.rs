@@ -97,6 +97,23 @@ pub enum TopologyError {
         product: usize,
     },
 
+    /// The world size is not a multiple of expert tensor × expert × pipeline parallel sizes.
+    #[error(
+        "world size {world_size} is not divisible by expert tensor ({etp}) × expert ({ep}) × pipeline ({pp}) = {product}"
+    )]
+    ExpertWorldSizeNotDivisible {
+        /// The world size.
+        world_size: usize,
+        /// Expert tensor parallel size.
+        etp: usize,
+        /// Expert model parallel size.
+        ep: usize,
+        /// Pipeline model parallel size.
+        pp: usize,
+        /// `etp * ep * pp`.
+        product: usize,
+    },
+
     /// Pipeline parallelism is used but `pp` is not the last token of the order.
     #[error(
         "pipeline parallelism (pp = {pp}) requires \"pp\" to be the last token of the order, got \"{order}\""

@@ -36,11 +36,23 @@ pub enum GroupKind {
     PositionEmbedding,
     /// Ranks that split one sequence (`cp`).
     ContextParallel,
+    /// Ranks that split the experts of each MoE layer (`ep`, of the experts' generator):
+    /// the group tokens are exchanged over.
+    ExpertModelParallel,
+    /// Ranks that split each expert's weights (`etp`).
+    ExpertTensorParallel,
+    /// Expert tensor × expert parallel ranks (`etp-ep`).
+    ExpertTensorAndModelParallel,
+    /// Expert tensor × expert × pipeline ranks (`etp-ep-pp`): what the gradient norm of
+    /// expert parameters is summed over, as the dense ones' over `mp`.
+    ExpertTensorModelPipelineParallel,
+    /// Replicas of the same experts, which reduce their gradients (`edp`).
+    ExpertDataParallel,
 }
 
 impl GroupKind {
     /// Every kind, in declaration order.
-    pub const ALL: [GroupKind; 9] = [
+    pub const ALL: [GroupKind; 14] = [
         GroupKind::TensorModelParallel,
         GroupKind::PipelineModelParallel,
         GroupKind::DataParallel,
@@ -50,10 +62,15 @@ impl GroupKind {
         GroupKind::Embedding,
         GroupKind::PositionEmbedding,
         GroupKind::ContextParallel,
+        GroupKind::ExpertModelParallel,
+        GroupKind::ExpertTensorParallel,
+        GroupKind::ExpertTensorAndModelParallel,
+        GroupKind::ExpertTensorModelPipelineParallel,
+        GroupKind::ExpertDataParallel,
     ];
 
     /// Short name: `"tp"`, `"pp"`, `"dp"`, `"dp-cp"`, `"mp"`, `"tp-dp"`, `"embd"`,
-    /// `"pos-embd"` or `"cp"`.
+    /// `"pos-embd"`, `"cp"`, `"ep"`, `"etp"`, `"etp-ep"`, `"etp-ep-pp"` or `"edp"`.
     pub fn name(self) -> &'static str {
         match self {
             GroupKind::TensorModelParallel => "tp",
@@ -65,7 +82,24 @@ impl GroupKind {
             GroupKind::Embedding => "embd",
             GroupKind::PositionEmbedding => "pos-embd",
             GroupKind::ContextParallel => "cp",
+            GroupKind::ExpertModelParallel => "ep",
+            GroupKind::ExpertTensorParallel => "etp",
+            GroupKind::ExpertTensorAndModelParallel => "etp-ep",
+            GroupKind::ExpertTensorModelPipelineParallel => "etp-ep-pp",
+            GroupKind::ExpertDataParallel => "edp",
         }
+    }
+
+    /// Whether the experts' rank generator lays this kind out.
+    pub fn is_expert(self) -> bool {
+        matches!(
+            self,
+            GroupKind::ExpertModelParallel
+                | GroupKind::ExpertTensorParallel
+                | GroupKind::ExpertTensorAndModelParallel
+                | GroupKind::ExpertTensorModelPipelineParallel
+                | GroupKind::ExpertDataParallel
+        )
     }
 
     /// The rank-generator token whose groups this kind is (or is derived from).
@@ -80,6 +114,11 @@ impl GroupKind {
             GroupKind::ModelParallel => "tp-pp",
             GroupKind::TensorAndDataParallel => "tp-dp",
             GroupKind::ContextParallel => "cp",
+            GroupKind::ExpertModelParallel => "ep",
+            GroupKind::ExpertTensorParallel => "tp",
+            GroupKind::ExpertTensorAndModelParallel => "tp-ep",
+            GroupKind::ExpertTensorModelPipelineParallel => "tp-ep-pp",
+            GroupKind::ExpertDataParallel => "dp",
         }
     }
 
@@ -117,7 +156,7 @@ impl ValidatedConfig {
     /// Embedding groups are `[first, last]` of each pipeline group (`[first]` when
     /// pp = 1); position embedding groups are `[first]`.
     pub fn all_groups(&self, kind: GroupKind) -> Vec<Vec<usize>> {
-        self.rank_generator()
+        self.generator_of(kind)
             .get_ranks(kind.generator_token())
             .expect("group kinds use valid generator tokens")
             .into_iter()
@@ -135,8 +174,16 @@ impl ValidatedConfig {
     /// [`TopologyError::RankOutOfRange`] when `rank >= world_size()`.
     pub fn group_of(&self, kind: GroupKind, rank: usize) -> Result<Vec<usize>, TopologyError> {
         let group = self
-            .rank_generator()
+            .generator_of(kind)
             .group_of(kind.generator_token(), rank)?;
         Ok(kind.narrow(group))
+    }
+
+    fn generator_of(&self, kind: GroupKind) -> &super::RankGenerator {
+        if kind.is_expert() {
+            self.expert_rank_generator()
+        } else {
+            self.rank_generator()
+        }
     }
 }

@@ -124,6 +124,18 @@ impl ParallelState {
         self.config.context_parallel_size()
     }
 
+    /// Expert model parallel size.
+    pub fn expert_model_parallel_size(&self) -> usize {
+        self.config.expert_model_parallel_size()
+    }
+
+    /// Index inside the expert model parallel group: which share of each MoE layer's
+    /// experts this rank holds.
+    pub fn expert_model_parallel_rank(&self) -> usize {
+        self.index_in_group(GroupKind::ExpertModelParallel)
+            .expect("a rank always belongs to its own ep group")
+    }
+
     /// Whether sequence parallelism is on.
     pub fn sequence_parallel(&self) -> bool {
         self.config.sequence_parallel()

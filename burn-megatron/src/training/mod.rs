@@ -25,7 +25,7 @@ use crate::checkpoint::{
 };
 use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::data_parallel::{
-    DataParallelConfig, OverlapReducer, ShardPlan, finalize_model_grads,
+    DataParallelConfig, OverlapReducer, ShardPlan, finalize_expert_grads, finalize_model_grads,
     finalize_model_grads_distributed, finalize_model_grads_overlapped,
 };
 use crate::launch::RankContext;
@@ -85,6 +85,8 @@ pub struct ParallelTraining {
     tp: Comm,
     dp: Comm,
     mp: Comm,
+    expert_dp: Comm,
+    expert_mp: Comm,
     world: Comm,
     embedding: Option<Comm>,
     /// One data-parallel channel per chunk, for the overlapped reducers.
@@ -125,6 +127,8 @@ impl ParallelTrainingConfig {
             // and each computes part of every gradient.
             dp: ctx.groups.dp_cp.clone(),
             mp: ctx.groups.mp.clone(),
+            expert_dp: ctx.groups.expert_dp.clone(),
+            expert_mp: ctx.groups.expert_mp.clone(),
             world: ctx.groups.world.clone(),
             tied: embedding.as_ref().is_some_and(|e| e.group().size() > 1),
             embedding,
@@ -215,7 +219,7 @@ impl ParallelTraining {
         let (mp, tp_rank) = (self.mp.clone(), self.tp_rank);
         let zero = self.config.use_distributed_optimizer;
         let plans = || self.plans_for(chunks);
-        Ok(match inner.into() {
+        let optimizer = match inner.into() {
             InnerOptimizer::FusedAdam(adam) if zero => MegatronOptimizer::distributed_fused_adam(
                 adam,
                 chunks,
@@ -231,7 +235,8 @@ impl ParallelTraining {
                 MegatronOptimizer::distributed(o, chunks, plans(), self.dp.clone(), mp, tp_rank)?
             }
             InnerOptimizer::Burn(o) => MegatronOptimizer::new(o, chunks, mp, tp_rank),
-        })
+        };
+        Ok(optimizer.with_expert_model_parallel(self.expert_mp.clone()))
     }
 
     /// The hooks that overlap the data-parallel reduction with backward, for
@@ -258,13 +263,16 @@ impl ParallelTraining {
             &self.config.data_parallel,
         );
         if self.config.overlap_grad_reduce {
-            finalize_model_grads_overlapped(&self.reducers, model, grads, tp, embedding, config)
+            finalize_model_grads_overlapped(&self.reducers, model, grads, tp, embedding, config)?;
         } else if self.config.use_distributed_optimizer {
             let dp = &self.dp;
-            finalize_model_grads_distributed(&self.plans, model, grads, dp, tp, embedding, config)
+            finalize_model_grads_distributed(&self.plans, model, grads, dp, tp, embedding, config)?;
         } else {
-            finalize_model_grads(model, grads, &self.dp, tp, embedding, config)
+            finalize_model_grads(model, grads, &self.dp, tp, embedding, config)?;
         }
+        // Expert parameters are reduced over their own replicas (none of the paths above
+        // touches them).
+        finalize_expert_grads(model, grads, &self.expert_dp, self.dp_size, config)
     }
 
     /// Saves iteration `iteration` under `root`, collectively over the world: every rank

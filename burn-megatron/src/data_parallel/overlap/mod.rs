@@ -36,7 +36,7 @@ use crate::comm::tensor::buffer_to_tensor;
 use crate::comm::{Buffer, Comm, CommError, Deadline, ReduceOp};
 use crate::grad_hooks::{ActiveGuard, Claim, GradSink, GradSync, activate, claim};
 use crate::module_path::{PathVisitor, visit_paths};
-use crate::param_grads::{float_params, put_flat, take_flat};
+use crate::param_grads::{put_flat, take_flat};
 use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
@@ -282,7 +282,7 @@ impl OverlapReducer {
         config: &DataParallelConfig,
         plan: Option<ShardPlan>,
     ) -> Self {
-        let order = float_params(module);
+        let order = crate::data_parallel::dense_params(module);
         let sized: Vec<(ParamId, usize)> = order.iter().map(|o| o.0).zip(numels(module)).collect();
         let bucket_size = config.bucket_elements(dp.group().size());
         let mut state = State::default();

@@ -78,7 +78,7 @@ impl Net {
 }
 
 fn grads_of(model: &Net, grads: &GradientsParams) -> Vec<Vec<f32>> {
-    float_params(model)
+    crate::param_grads::float_params(model)
         .into_iter()
         .map(|(id, rank)| {
             crate::param_grads::with_flat(grads, id, rank, |g| {

@@ -180,7 +180,11 @@ pub(super) fn entries(model: &mut Bert) -> Result<Vec<Entry<'_>>, HfError> {
             &format!("{p}.attention.output.LayerNorm"),
             &mut layer.input_layernorm,
         )?;
-        let up = &mut layer.mlp.dense_h_to_4h;
+        let mlp = layer
+            .mlp
+            .as_mut()
+            .expect("BERT layers are dense: BertConfig sets no experts");
+        let up = &mut mlp.dense_h_to_4h;
         linear(
             &mut out,
             &format!("{p}.intermediate.dense"),
@@ -188,7 +192,7 @@ pub(super) fn entries(model: &mut Bert) -> Result<Vec<Entry<'_>>, HfError> {
             &mut up.weight,
             up.bias.as_mut(),
         );
-        let down = &mut layer.mlp.dense_4h_to_h;
+        let down = &mut mlp.dense_4h_to_h;
         linear(
             &mut out,
             &format!("{p}.output.dense"),

@@ -32,6 +32,7 @@ use super::transformer::{
     ActivationFunc, LayerNormPosition, Norm, NormKind, TransformerLayer, TransformerLayerConfig,
 };
 use crate::comm::Comm;
+use crate::moe::MoeConfig;
 use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, TpError,
@@ -134,6 +135,14 @@ pub struct GptConfig {
     /// Activation recomputation (Megatron's `--recompute-*` flags).
     #[config(default = "RecomputeConfig::new()")]
     pub recompute: RecomputeConfig,
+    /// Mixture of experts in place of the dense MLP (`--num-experts` and the `--moe-*`
+    /// flags), in the layers `moe_layer_freq` picks.
+    #[config(default = "None")]
+    pub moe: Option<MoeConfig>,
+    /// Every `moe_layer_freq`-th layer, from layer 0, is an MoE layer
+    /// (`--moe-layer-freq N`); the others are dense.
+    #[config(default = 1)]
+    pub moe_layer_freq: usize,
 }
 
 /// The first pipeline stage's part: word embeddings (split by vocabulary rows) and, with
@@ -233,6 +242,16 @@ impl GptConfig {
         .with_output_initializer(Some(scaled))
         .with_seed(derive_seed(self.seed, &format!("layers.{index}")))
         .with_recompute(self.recompute.clone())
+        .with_moe(
+            self.moe
+                .clone()
+                .filter(|_| index.is_multiple_of(self.moe_layer_freq.max(1))),
+        )
+    }
+
+    /// Whether layer `index` (global) is a mixture-of-experts layer.
+    pub fn is_moe_layer(&self, index: usize) -> bool {
+        self.layer_config(index).moe.is_some()
     }
 
     fn normal(&self) -> MasterInit {
@@ -287,6 +306,12 @@ impl GptConfig {
         }
         self.rotary()?;
         self.normal().check()?;
+        if let Some(moe) = &self.moe {
+            if self.moe_layer_freq == 0 {
+                return bad("--moe-layer-freq must be at least 1".into());
+            }
+            moe.validate(1)?;
+        }
         self.recompute
             .check(self.num_layers)
             .map_err(|e| TpError::Invalid(e.0))?;
@@ -313,7 +338,23 @@ impl GptConfig {
         position: PipelinePosition,
         device: &Device,
     ) -> Result<Gpt, TpError> {
+        self.init_stage_with_experts(tp, None, position, device)
+    }
+
+    /// [`init_stage`](Self::init_stage) with the expert-parallel group the MoE layers split
+    /// their experts over ([`RankGroups::ep`](crate::launch::RankGroups::ep); `None`: every
+    /// expert on this rank).
+    pub fn init_stage_with_experts(
+        &self,
+        tp: &Comm,
+        ep: Option<&Comm>,
+        position: PipelinePosition,
+        device: &Device,
+    ) -> Result<Gpt, TpError> {
         self.check(tp.group().size())?;
+        if let (Some(moe), Some(ep)) = (&self.moe, ep) {
+            moe.validate(ep.group().size())?;
+        }
         let layer_range = position
             .layer_range(self.num_layers)
             .map_err(|e| TpError::Invalid(e.to_string()))?;
@@ -344,7 +385,7 @@ impl GptConfig {
             .transpose()?;
         let first_layer = layer_range.start;
         let layers = layer_range
-            .map(|i| self.layer_config(i).init(tp, device))
+            .map(|i| self.layer_config(i).init_with_experts(tp, ep, device))
             .collect::<Result<Vec<_>, _>>()?;
         let untied = self.untie_embeddings_and_output_weights;
         let head = last

@@ -109,6 +109,26 @@ fn exchange(
     })
 }
 
+/// Sends `send[j]` rows (dim 0) of `x` to member `j` and returns the rows received,
+/// `recv[i]` from member `i`, in group order.
+pub(crate) fn all_to_all_rows<B: Backend>(
+    x: FloatTensor<B>,
+    send: &[usize],
+    recv: &[usize],
+    comm: &Comm,
+) -> FloatTensor<B> {
+    let device = x.device();
+    let mut dims = x.shape().to_vec();
+    let row: usize = dims[1..].iter().product();
+    let elements = |rows: &[usize]| rows.iter().map(|&r| r * row).collect::<Vec<_>>();
+    let buf = read_to_host::<B>(x, "all_to_all", comm);
+    let out = comm
+        .all_to_all_v(buf, &elements(send), &elements(recv))
+        .unwrap_or_else(|e| panic!("expert-parallel all_to_all failed: {e}"));
+    dims[0] = recv.iter().sum();
+    B::float_from_data(crate::comm::tensor::buffer_to_data(out, dims), &device)
+}
+
 /// Each member's part of `dims[dim]` split over `comm`'s group, or the error naming it.
 pub(super) fn split_size(
     mapping: Mapping,

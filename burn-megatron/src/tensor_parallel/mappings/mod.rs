@@ -9,6 +9,7 @@
 //! | [`scatter_to_sequence_parallel_region`] | split dim 0 | all-gather dim 0 |
 //! | [`gather_from_sequence_parallel_region`] | all-gather dim 0 | reduce-scatter dim 0 (or split) |
 //! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter dim 0 | all-gather dim 0 |
+//! | [`all_to_all`] | rows of dim 0 to each member | the reverse exchange |
 //!
 //! On a group of one every function returns its input untouched: no op is recorded, no data
 //! moves. Every rank of the group must call the same mappings in the same order, with tensors
@@ -28,6 +29,7 @@ mod tests;
 pub use ops::TensorParallelOps;
 
 use crate::comm::Comm;
+use crate::tensor_parallel::TpError;
 use burn::backend::Dispatch;
 use burn::tensor::Tensor;
 
@@ -167,4 +169,46 @@ pub fn reduce_scatter_to_sequence_parallel_region<const D: usize>(
     tp: &Comm,
 ) -> Tensor<D> {
     apply(x, Mapping::ReduceScatterToSp, tp)
+}
+
+/// Sends `input_splits[j]` rows (dim 0) of `x` to member `j` of `comm`'s group and returns
+/// the rows the members sent this one, `output_splits[i]` from member `i`, in group order
+/// (Megatron's `all_to_all(group, input, output_split_sizes, input_split_sizes)`). Backward
+/// sends each row's gradient back. Every member's splits are checked against its peers'
+/// before any data moves.
+///
+/// # Errors
+/// Splits that do not have one entry per member, or input splits that do not add up to
+/// `x`'s rows.
+pub fn all_to_all<const D: usize>(
+    x: Tensor<D>,
+    input_splits: &[usize],
+    output_splits: &[usize],
+    comm: &Comm,
+) -> Result<Tensor<D>, TpError> {
+    let n = comm.group().size();
+    let rows = x.dims()[0];
+    if input_splits.len() != n || output_splits.len() != n {
+        return Err(TpError::Invalid(format!(
+            "all_to_all over {}: {} input and {} output splits for {n} members",
+            comm.group(),
+            input_splits.len(),
+            output_splits.len()
+        )));
+    }
+    if input_splits.iter().sum::<usize>() != rows {
+        return Err(TpError::Invalid(format!(
+            "all_to_all over {}: input splits {input_splits:?} for {rows} rows",
+            comm.group()
+        )));
+    }
+    if n == 1 {
+        return Ok(x);
+    }
+    Ok(Tensor::from_dispatch(Dispatch::all_to_all(
+        x.into_dispatch(),
+        input_splits.to_vec(),
+        output_splits.to_vec(),
+        comm.clone(),
+    )))
 }

@@ -2,7 +2,7 @@
 //! and the `Autodiff` implementation records the conjugate op as its backward.
 
 use super::Mapping;
-use super::host::forward;
+use super::host::{all_to_all_rows, forward};
 use crate::comm::Comm;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -24,6 +24,16 @@ pub trait TensorParallelOps: Backend {
         mapping: Mapping,
         comm: Comm,
     ) -> FloatTensor<Self>;
+
+    /// Sends `send[j]` rows (dim 0) of `x` to member `j` of `comm`'s group and returns the
+    /// `recv[i]` rows each member `i` sent, in group order (expert parallelism's token
+    /// exchange); on `Autodiff` its backward is the reverse exchange.
+    fn all_to_all(
+        x: FloatTensor<Self>,
+        send: Vec<usize>,
+        recv: Vec<usize>,
+        comm: Comm,
+    ) -> FloatTensor<Self>;
 }
 
 impl TensorParallelOps for Flex {
@@ -33,6 +43,15 @@ impl TensorParallelOps for Flex {
         comm: Comm,
     ) -> FloatTensor<Self> {
         forward::<Self>(mapping, x, &comm)
+    }
+
+    fn all_to_all(
+        x: FloatTensor<Self>,
+        send: Vec<usize>,
+        recv: Vec<usize>,
+        comm: Comm,
+    ) -> FloatTensor<Self> {
+        all_to_all_rows::<Self>(x, &send, &recv, &comm)
     }
 }
 
@@ -54,6 +73,16 @@ impl TensorParallelOps for burn::backend::Cube {
         }
         forward::<Self>(mapping, x, &comm)
     }
+
+    // Through host memory: the device collectives have no all-to-all yet.
+    fn all_to_all(
+        x: FloatTensor<Self>,
+        send: Vec<usize>,
+        recv: Vec<usize>,
+        comm: Comm,
+    ) -> FloatTensor<Self> {
+        all_to_all_rows::<Self>(x, &send, &recv, &comm)
+    }
 }
 
 #[derive(Debug)]
@@ -69,6 +98,23 @@ impl<B: TensorParallelOps> Backward<B, 1> for MappingBackward {
         if let Some(parent) = parent {
             let grad = B::tensor_parallel_mapping(grad, mapping.conjugate(), comm);
             grads.register::<B>(parent.id, grad);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct AllToAllBackward;
+
+impl<B: TensorParallelOps> Backward<B, 1> for AllToAllBackward {
+    type State = (Vec<usize>, Vec<usize>, Comm);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (send, recv, comm) = ops.state;
+        if let Some(parent) = parent {
+            // Each row's gradient goes back where the row came from.
+            grads.register::<B>(parent.id, B::all_to_all(grad, recv, send, comm));
         }
     }
 }
@@ -94,6 +140,26 @@ impl<B: TensorParallelOps, C: CheckpointStrategy> TensorParallelOps for Autodiff
             OpsKind::UnTracked(prep) => {
                 prep.finish(B::tensor_parallel_mapping(primitive, mapping, comm))
             }
+        }
+    }
+
+    fn all_to_all(
+        x: FloatTensor<Self>,
+        send: Vec<usize>,
+        recv: Vec<usize>,
+        comm: Comm,
+    ) -> FloatTensor<Self> {
+        let (primitive, node) = x.into_parts();
+        match AllToAllBackward
+            .prepare::<C>([node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::all_to_all(primitive, send.clone(), recv.clone(), comm.clone());
+                prep.finish((send, recv, comm), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::all_to_all(primitive, send, recv, comm)),
         }
     }
 }

@@ -191,7 +191,7 @@ fn virtual_pipeline_requires_pipeline() {
 }
 
 #[test]
-fn context_and_expert_parallel_unsupported() {
+fn context_parallel_groups_follow_megatron() {
     // Context parallelism is laid out as Megatron does (tp-cp-ep-dp-pp): the CP groups
     // pair ranks two apart at TP 2.
     let config = ParallelConfig::new(8, 2, 1)
@@ -206,21 +206,80 @@ fn context_and_expert_parallel_unsupported() {
         config.all_groups(GroupKind::DataParallelWithCp),
         [vec![0, 2, 4, 6], vec![1, 3, 5, 7]]
     );
-    let err = ParallelConfig::new(8, 2, 1)
+}
+
+/// The expert groups of megatron-core 0.16.1's second `RankGenerator` (printed by
+/// `RankGenerator(tp=etp, ep=ep, dp=world // (etp·ep·pp), pp=pp, cp=1,
+/// order="tp-cp-ep-dp-pp").get_ranks(token)`), and the dense groups unchanged by EP.
+#[test]
+fn expert_groups_follow_megatron_core() {
+    let groups = |world, tp, pp, ep| {
+        let config = ParallelConfig::new(world, tp, pp)
+            .with_expert_parallel(ep)
+            .validate()
+            .unwrap();
+        let dense = ParallelConfig::new(world, tp, pp).validate().unwrap();
+        assert_eq!(
+            config.all_groups(GroupKind::DataParallel),
+            dense.all_groups(GroupKind::DataParallel)
+        );
+        [
+            GroupKind::ExpertModelParallel,
+            GroupKind::ExpertTensorModelPipelineParallel,
+            GroupKind::ExpertDataParallel,
+        ]
+        .map(|k| config.all_groups(k))
+    };
+    let [ep, emp, edp] = groups(8, 2, 2, 2);
+    assert_eq!(ep, [vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
+    assert_eq!(emp, [vec![0, 1, 4, 5], vec![2, 3, 6, 7]]);
+    assert_eq!(edp, [vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]);
+    let [ep, emp, edp] = groups(8, 1, 1, 4);
+    assert_eq!(ep, [vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+    assert_eq!(emp, ep);
+    assert_eq!(edp, [vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+    let [ep, emp, edp] = groups(16, 2, 2, 4);
+    assert_eq!(ep[2], [8, 9, 10, 11]);
+    assert_eq!(
+        emp,
+        [
+            vec![0, 1, 2, 3, 8, 9, 10, 11],
+            vec![4, 5, 6, 7, 12, 13, 14, 15]
+        ]
+    );
+    assert_eq!(edp[4], [8, 12]);
+    let config = ParallelConfig::new(8, 2, 1)
+        .with_expert_parallel(2)
+        .validate()
+        .unwrap();
+    assert_eq!(config.expert_data_parallel_size(), 4);
+    assert_eq!(
+        config.all_groups(GroupKind::ExpertTensorParallel),
+        (0..8).map(|r| vec![r]).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn expert_layouts_that_do_not_fit_are_refused() {
+    let err = ParallelConfig::new(6, 1, 1)
         .with_expert_parallel(4)
+        .validate()
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "world size 6 is not divisible by expert tensor (1) × expert (4) × pipeline (1) = 4"
+    );
+    let err = ParallelConfig::new(8, 2, 1)
+        .with_expert_tensor_parallel(2)
         .validate()
         .unwrap_err();
     assert_eq!(
         err,
         TopologyError::Unsupported {
-            feature: "expert parallelism",
-            token: "ep",
-            size: 4
+            feature: "expert tensor parallelism",
+            token: "etp",
+            size: 2
         }
-    );
-    assert_eq!(
-        err.to_string(),
-        "expert parallelism (ep = 4) is not supported yet"
     );
 }
 

@@ -241,7 +241,20 @@ fn group_kind_names() {
     assert_eq!(
         names,
         [
-            "tp", "pp", "dp", "dp-cp", "mp", "tp-dp", "embd", "pos-embd", "cp"
+            "tp",
+            "pp",
+            "dp",
+            "dp-cp",
+            "mp",
+            "tp-dp",
+            "embd",
+            "pos-embd",
+            "cp",
+            "ep",
+            "etp",
+            "etp-ep",
+            "etp-ep-pp",
+            "edp"
         ]
     );
     assert_eq!(GroupKind::PositionEmbedding.to_string(), "pos-embd");

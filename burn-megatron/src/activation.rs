@@ -1,0 +1,31 @@
+//! The MLP activations, shared by the dense MLP (`models`) and the experts (`moe`).
+
+use burn::config::Config;
+use burn::tensor::Tensor;
+use burn::tensor::activation::{gelu, gelu_approximate, silu};
+use burn_megatron_kernels::{Gelu, bias_gelu};
+
+/// The MLP's activation (Megatron's `activation_func`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum ActivationFunc {
+    /// GeLU, erf form (`F.gelu`; BERT, Megatron's default).
+    Gelu,
+    /// GeLU, tanh approximation (Megatron's `--openai-gelu`; GPT-2's `gelu_new`).
+    GeluTanh,
+    /// SiLU (with `gated_linear_unit`: SwiGLU, Megatron's `--swiglu`).
+    Silu,
+}
+
+impl ActivationFunc {
+    pub(crate) fn apply<const D: usize>(self, x: Tensor<D>, bias: Option<Tensor<1>>) -> Tensor<D> {
+        match (self, bias) {
+            // One fused kernel on GPUs.
+            (Self::Gelu, Some(b)) => bias_gelu(x, b, Gelu::Erf),
+            (Self::GeluTanh, Some(b)) => bias_gelu(x, b, Gelu::Tanh),
+            (Self::Silu, Some(b)) => silu(x + b.unsqueeze()),
+            (Self::Gelu, None) => gelu(x),
+            (Self::GeluTanh, None) => gelu_approximate(x),
+            (Self::Silu, None) => silu(x),
+        }
+    }
+}

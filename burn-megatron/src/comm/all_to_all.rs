@@ -1,0 +1,199 @@
+//! The variable-size all-to-all (`all_to_all_v`) that mixture-of-experts token dispatch
+//! needs, on any backend: the members first agree on the whole count matrix with one
+//! all-gather (so a count one member got wrong is an error on every member, naming both),
+//! then each piece travels as one point-to-point message. Sends never block on the
+//! receiver, so every member can send all its pieces before receiving.
+
+use super::buffer::{Buffer, CommDType};
+use super::group::CommError;
+use super::{Communicator, CommunicatorExt};
+
+/// [`Communicator::all_to_all_v`] over `comm`'s collectives and point-to-point calls.
+pub(crate) fn all_to_all_v<C: Communicator + ?Sized>(
+    comm: &C,
+    input: Buffer,
+    send_counts: &[usize],
+    recv_counts: &[usize],
+) -> Result<Buffer, CommError> {
+    let group = comm.group();
+    let (n, me) = (group.size(), group.rank());
+    let invalid = |reason: String| CommError::InvalidArgument {
+        group: group.to_string(),
+        op: "all_to_all_v",
+        reason,
+    };
+    if send_counts.len() != n || recv_counts.len() != n {
+        return Err(invalid(format!(
+            "{} send and {} receive counts for a group of {n}",
+            send_counts.len(),
+            recv_counts.len()
+        )));
+    }
+    let total: usize = send_counts.iter().sum();
+    if total != input.len() {
+        return Err(invalid(format!(
+            "send counts {send_counts:?} add up to {total}, the input holds {}",
+            input.len()
+        )));
+    }
+    let dtype = input.dtype();
+    if n == 1 {
+        return Ok(input);
+    }
+    // Header: dtype, then this member's send and receive counts.
+    let dtype_code = CommDType::ALL.iter().position(|&d| d == dtype).unwrap_or(0) as i64;
+    let header: Vec<i64> = std::iter::once(dtype_code)
+        .chain(send_counts.iter().chain(recv_counts).map(|&c| c as i64))
+        .collect();
+    let all = comm.all_gather_vec(header)?;
+    let row = |i: usize| &all[i * (2 * n + 1)..(i + 1) * (2 * n + 1)];
+    for i in 0..n {
+        if row(i)[0] != dtype_code {
+            return Err(mismatch(
+                comm,
+                format!(
+                    "global rank {} sends {:?}, global rank {} sends {dtype}",
+                    group.global_rank_of(i),
+                    usize::try_from(row(i)[0])
+                        .ok()
+                        .and_then(|c| CommDType::ALL.get(c)),
+                    group.global_rank(),
+                ),
+            ));
+        }
+        for j in 0..n {
+            let (sent, expected) = (row(i)[1 + j], row(j)[1 + n + i]);
+            if sent != expected {
+                return Err(mismatch(
+                    comm,
+                    format!(
+                        "global rank {} sends {sent} elements to global rank {}, which expects {expected}",
+                        group.global_rank_of(i),
+                        group.global_rank_of(j),
+                    ),
+                ));
+            }
+        }
+    }
+    let mut starts = Vec::with_capacity(n);
+    let mut at = 0;
+    for &c in send_counts {
+        starts.push(at);
+        at += c;
+    }
+    for j in (0..n).filter(|&j| j != me) {
+        comm.send(input.slice(starts[j]..starts[j] + send_counts[j]), j)?;
+    }
+    let mut pieces = Vec::with_capacity(n);
+    for (i, &count) in recv_counts.iter().enumerate() {
+        if i == me {
+            pieces.push(input.slice(starts[me]..starts[me] + count));
+        } else {
+            let mut piece = Buffer::zeros(dtype, count);
+            comm.recv(&mut piece, i)?;
+            pieces.push(piece);
+        }
+    }
+    Ok(Buffer::concat(dtype, &pieces))
+}
+
+fn mismatch<C: Communicator + ?Sized>(comm: &C, detail: String) -> CommError {
+    CommError::Mismatch {
+        group: comm.group().to_string(),
+        seq: 0,
+        detail: format!("all_to_all_v: {detail}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::comm::{Buffer, Communicator, LocalWorld};
+    use std::time::Duration;
+
+    fn run<T: Send + 'static>(
+        n: usize,
+        f: impl Fn(usize, LocalWorld) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let world = LocalWorld::with_timeout(n, Duration::from_secs(5));
+        let f = std::sync::Arc::new(f);
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (world, f) = (world.clone(), f.clone());
+                std::thread::spawn(move || f(rank, world))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// Member `i` sends `i + j` elements (valued 100·i + j) to member `j`.
+    #[test]
+    fn each_member_receives_its_pieces_in_group_order() {
+        for n in [1, 2, 3, 4] {
+            let out = run(n, move |rank, world| {
+                let comm = world.communicator("ep", (0..n).collect(), rank).unwrap();
+                let send: Vec<usize> = (0..n).map(|j| rank + j).collect();
+                let recv: Vec<usize> = (0..n).map(|i| i + rank).collect();
+                let input: Vec<f32> = (0..n)
+                    .flat_map(|j| std::iter::repeat_n((100 * rank + j) as f32, rank + j))
+                    .collect();
+                comm.all_to_all_v(Buffer::from(input), &send, &recv)
+                    .unwrap()
+            });
+            for (rank, got) in out.into_iter().enumerate() {
+                let expected: Vec<f32> = (0..n)
+                    .flat_map(|i| std::iter::repeat_n((100 * i + rank) as f32, i + rank))
+                    .collect();
+                assert_eq!(got, Buffer::from(expected), "rank {rank} of {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn disagreeing_counts_and_dtypes_fail_on_every_member() {
+        let out = run(2, |rank, world| {
+            let comm = world.communicator("ep", vec![0, 1], rank).unwrap();
+            // Rank 0 sends 2 to rank 1, which expects 3.
+            let (input, recv) = if rank == 0 { (3, [1, 1]) } else { (2, [3, 1]) };
+            let send = if rank == 0 { [1, 2] } else { [1, 1] };
+            comm.all_to_all_v(Buffer::from(vec![0.0f32; input]), &send, &recv)
+                .map(|_| ())
+        });
+        for r in &out {
+            let msg = r.as_ref().unwrap_err().to_string();
+            assert!(
+                msg.contains("global rank 0 sends 2 elements to global rank 1, which expects 3"),
+                "{msg}"
+            );
+        }
+        let out = run(2, |rank, world| {
+            let comm = world.communicator("ep", vec![0, 1], rank).unwrap();
+            let input = if rank == 0 {
+                Buffer::from(vec![0.0f32; 2])
+            } else {
+                Buffer::from(vec![0i64; 2])
+            };
+            comm.all_to_all_v(input, &[1, 1], &[1, 1]).map(|_| ())
+        });
+        assert!(
+            out.iter()
+                .all(|r| r.as_ref().unwrap_err().to_string().contains("sends"))
+        );
+        let solo = LocalWorld::new(1);
+        let comm = solo.communicator("ep", vec![0], 0).unwrap();
+        let err = comm
+            .all_to_all_v(Buffer::from(vec![0.0f32; 3]), &[2], &[2])
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("add up to 2, the input holds 3"),
+            "{err}"
+        );
+        let err = comm
+            .all_to_all_v(Buffer::from(vec![0.0f32; 3]), &[3, 0], &[3])
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("2 send and 1 receive counts for a group of 1"),
+            "{err}"
+        );
+    }
+}

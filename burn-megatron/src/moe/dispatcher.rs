@@ -1,0 +1,234 @@
+//! Token dispatch over the expert-parallel group (Megatron's `--moe-token-dispatcher-type`):
+//! every rank routes its own tokens, the experts live on one rank each, and the tokens
+//! travel to their experts and back.
+//!
+//! - `alltoall`: each rank sorts its tokens by expert (`permute`), sends each rank the
+//!   tokens of its experts with one variable-size all-to-all, regroups what it received by
+//!   local expert, runs the experts, and sends the results back the same way; `unpermute`
+//!   adds each token's expert outputs.
+//! - `allgather`: every rank all-gathers the group's tokens and weights, runs its experts on
+//!   the tokens routed to them, and reduce-scatters the partial outputs back.
+//!
+//! Both are differentiable: the all-to-all's backward is the reverse exchange, the
+//! all-gather's a reduce-scatter.
+
+use super::experts::ExpertMlp;
+use super::router::Routing;
+use crate::comm::{Comm, CommunicatorExt};
+use crate::tensor_parallel::TpError;
+use crate::tensor_parallel::mappings::{
+    all_to_all, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+};
+use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
+
+fn index(v: Vec<i64>, device: &Device) -> Tensor<1, Int> {
+    let n = v.len();
+    Tensor::from_data(TensorData::new(v, [n]), device)
+}
+
+/// The routing weights with a zero appended at index `T · k`, where padding tokens point.
+fn weights_with_zero(routing: &Routing) -> Tensor<1> {
+    let device = routing.probs.device();
+    Tensor::cat(vec![routing.probs.clone(), Tensor::zeros([1], &device)], 0)
+}
+
+/// Runs `experts` (this rank's, experts `first..first + experts.len()` of the layer) on
+/// `rows` grouped by expert: `counts[i]` consecutive rows for local expert `i`, each with its
+/// weight in `weights` (`[rows, 1]`). Experts without rows add zero so that their
+/// gradients exist; that zero is returned separately.
+fn run_experts(
+    experts: &[ExpertMlp],
+    rows: Tensor<2>,
+    weights: Tensor<2>,
+    counts: &[usize],
+) -> (Option<Tensor<2>>, Option<Tensor<1>>) {
+    let mut outs = Vec::new();
+    let mut zero: Option<Tensor<1>> = None;
+    let mut at = 0;
+    for (expert, &n) in experts.iter().zip(counts) {
+        if n == 0 {
+            let z = expert.zero_touch();
+            zero = Some(match zero {
+                Some(acc) => acc + z,
+                None => z,
+            });
+            continue;
+        }
+        let x = rows.clone().narrow(0, at, n);
+        let w = weights.clone().narrow(0, at, n);
+        outs.push(expert.forward(x, w));
+        at += n;
+    }
+    ((!outs.is_empty()).then(|| Tensor::cat(outs, 0)), zero)
+}
+
+/// The `alltoall` dispatcher: `tokens` (`[T, H]`) through this rank's `experts`
+/// (layer experts `ep_rank · L .. (ep_rank + 1) · L`) and back, `[T, H]`.
+pub(crate) fn alltoall(
+    tokens: Tensor<2>,
+    routing: &Routing,
+    experts: &[ExpertMlp],
+    ep: &Comm,
+) -> Result<Tensor<2>, TpError> {
+    let device = tokens.device();
+    let [t, h] = tokens.dims();
+    let (n, me, local) = (ep.group().size(), ep.group().rank(), experts.len());
+    let e = routing.num_experts;
+    // permute: expert-major, token order within an expert.
+    let (mut token_idx, mut weight_idx) = (Vec::new(), Vec::new());
+    let padding = (routing.num_tokens * routing.topk) as i64;
+    for list in &routing.assignments {
+        for &(token, slot) in list {
+            token_idx.push(token as i64);
+            weight_idx.push(slot.map_or(padding, |s| s as i64));
+        }
+    }
+    let counts: Vec<i64> = routing.assignments.iter().map(|l| l.len() as i64).collect();
+    let all = ep.all_gather_vec(counts)?;
+    let count = |rank: usize, expert: usize| all[rank * e + expert] as usize;
+    let input_splits: Vec<usize> = (0..n)
+        .map(|r| (r * local..(r + 1) * local).map(|x| count(me, x)).sum())
+        .collect();
+    let output_splits: Vec<usize> = (0..n)
+        .map(|r| (me * local..(me + 1) * local).map(|x| count(r, x)).sum())
+        .collect();
+    let token_idx = index(token_idx, &device);
+    let permuted = tokens.select(0, token_idx.clone());
+    let weights = weights_with_zero(routing)
+        .select(0, index(weight_idx, &device))
+        .unsqueeze_dim::<2>(1);
+    let received = all_to_all(permuted, &input_splits, &output_splits, ep)?;
+    let received_weights = all_to_all(weights, &input_splits, &output_splits, ep)?;
+
+    // What arrived is ordered by source rank, then local expert: regroup by local expert
+    // (Megatron's `sort_chunks_by_idxs`), and back after the experts.
+    let mut starts = vec![vec![0usize; local]; n];
+    let mut at = 0;
+    for (r, row) in starts.iter_mut().enumerate() {
+        for (l, start) in row.iter_mut().enumerate() {
+            *start = at;
+            at += count(r, me * local + l);
+        }
+    }
+    let mut by_expert = Vec::with_capacity(at);
+    let mut per_expert = vec![0usize; local];
+    for (l, total) in per_expert.iter_mut().enumerate() {
+        for (r, row) in starts.iter().enumerate() {
+            let c = count(r, me * local + l);
+            by_expert.extend((row[l]..row[l] + c).map(|i| i as i64));
+            *total += c;
+        }
+    }
+    let mut inverse = vec![0i64; by_expert.len()];
+    for (pos, &i) in by_expert.iter().enumerate() {
+        inverse[i as usize] = pos as i64;
+    }
+    let (outputs, zero) = if by_expert.is_empty() {
+        (None, None)
+    } else {
+        let sorted = index(by_expert, &device);
+        run_experts(
+            experts,
+            received.clone().select(0, sorted.clone()),
+            received_weights.select(0, sorted),
+            &per_expert,
+        )
+    };
+    let outputs = match outputs {
+        Some(out) => out.select(0, index(inverse, &device)),
+        // Nothing arrived: the (empty) exchange back still takes part.
+        None => received,
+    };
+    let back = all_to_all(outputs, &output_splits, &input_splits, ep)?;
+    // unpermute: each token's outputs summed in place.
+    let out = Tensor::<2>::zeros([t, h], &device).select_assign(
+        0,
+        token_idx,
+        back,
+        IndexingUpdateOp::Add,
+    );
+    Ok(match zero {
+        Some(z) => out + z.unsqueeze(),
+        None => out,
+    })
+}
+
+/// The `allgather` dispatcher: the group's tokens gathered, this rank's experts run on
+/// theirs, the outputs reduce-scattered back to their ranks.
+pub(crate) fn allgather(
+    tokens: Tensor<2>,
+    routing: &Routing,
+    experts: &[ExpertMlp],
+    ep: &Comm,
+) -> Result<Tensor<2>, TpError> {
+    let device = tokens.device();
+    let [t, h] = tokens.dims();
+    let (n, me, local) = (ep.group().size(), ep.group().rank(), experts.len());
+    let tk = routing.num_tokens * routing.topk;
+    // Every rank's assignments to this rank's experts, as (token, weight index) in the
+    // gathered tensors. Lists are length-prefixed, then padded to one length to gather.
+    let mut mine = Vec::new();
+    for list in &routing.assignments {
+        mine.push(list.len() as i64);
+        for &(token, slot) in list {
+            mine.push(token as i64);
+            mine.push(slot.map_or(-1, |s| s as i64));
+        }
+    }
+    let longest = ep.all_gather_vec(vec![mine.len() as i64])?;
+    let width = longest.into_iter().max().unwrap_or(0) as usize;
+    mine.resize(width, 0);
+    let all = ep.all_gather_vec(mine)?;
+    let padding = (n * (tk + 1) - 1) as i64;
+    let (mut rows, mut weight_rows, mut per_expert) = (Vec::new(), Vec::new(), vec![0; local]);
+    for (l, total) in per_expert.iter_mut().enumerate() {
+        let expert = me * local + l;
+        for r in 0..n {
+            let list = &all[r * width..(r + 1) * width];
+            let mut at = 0;
+            for x in 0..=expert {
+                let len = list[at] as usize;
+                if x == expert {
+                    for p in 0..len {
+                        let (token, slot) = (list[at + 1 + 2 * p], list[at + 2 + 2 * p]);
+                        rows.push((r * t) as i64 + token);
+                        weight_rows.push(if slot < 0 {
+                            padding
+                        } else {
+                            (r * (tk + 1)) as i64 + slot
+                        });
+                    }
+                    *total += len;
+                }
+                at += 1 + 2 * len;
+            }
+        }
+    }
+    let gathered = gather_from_sequence_parallel_region(tokens, ep, true);
+    let weights = gather_from_sequence_parallel_region(
+        weights_with_zero(routing).unsqueeze_dim::<2>(1),
+        ep,
+        true,
+    );
+    let (outputs, zero) = if rows.is_empty() {
+        (None, None)
+    } else {
+        let rows_index = index(rows.clone(), &device);
+        run_experts(
+            experts,
+            gathered.select(0, rows_index),
+            weights.select(0, index(weight_rows, &device)),
+            &per_expert,
+        )
+    };
+    let partial = Tensor::<2>::zeros([n * t, h], &device);
+    let partial = match outputs {
+        Some(out) => partial.select_assign(0, index(rows, &device), out, IndexingUpdateOp::Add),
+        None => partial,
+    };
+    let out = reduce_scatter_to_sequence_parallel_region(partial, ep);
+    Ok(match zero {
+        Some(z) => out + z.unsqueeze(),
+        None => out,
+    })
+}

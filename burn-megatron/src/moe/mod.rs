@@ -1,0 +1,344 @@
+//! Mixture of experts with expert parallelism (Megatron-Core's `MoELayer`): a router picks
+//! `k` experts per token, a token dispatcher sends each token to the expert-parallel rank
+//! that holds its experts and brings the results back, and the experts are MLPs.
+//!
+//! - [`route`]: Megatron's `TopKRouter` (softmax before or after the top-k, or sigmoid;
+//!   capacity dropping and padding; the load-balancing and z losses), logits in FP32.
+//! - `dispatcher`: `alltoall` and `allgather` over the expert-parallel group
+//!   ([`GroupKind::ExpertModelParallel`](crate::topology::GroupKind)), differentiable.
+//! - [`ExpertMlp`]: the experts, run one after the other (Megatron's `SequentialMLP`).
+//!
+//! Each rank holds `num_experts / EP` experts, initialised from their global index, so a
+//! model split over any EP starts from the same weights. The auxiliary losses enter
+//! backward through [`attach_aux_loss`](crate::aux_loss::attach_aux_loss) on whichever
+//! pipeline stage the layer runs.
+
+mod dispatcher;
+mod experts;
+mod router;
+#[cfg(test)]
+mod tests;
+
+pub use experts::ExpertMlp;
+pub use router::{Assignments, RouterOutput, Routing, expert_capacity, route};
+
+use crate::activation::ActivationFunc;
+use crate::aux_loss::attach_aux_loss;
+use crate::comm::Comm;
+use crate::tensor_parallel::{
+    LayoutOwner, MasterInit, ParallelAttrs, TpError, derive_seed, host_param,
+};
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::tensor::{DType, Device, Tensor};
+use experts::ExpertShape;
+use std::sync::{Arc, Mutex};
+
+/// How router scores are computed (`--moe-router-score-function`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum ScoreFunction {
+    /// Softmax over the experts (before the top-k with `moe_router_pre_softmax`, else over
+    /// the `k` chosen logits).
+    Softmax,
+    /// Sigmoid per expert, the `k` chosen normalised to sum to 1 when `k > 1`.
+    Sigmoid,
+}
+
+/// Which tokens an expert over its capacity keeps (`--moe-token-drop-policy`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum DropPolicy {
+    /// Those with the highest routing weight.
+    Probs,
+    /// The earliest in the sequence.
+    Position,
+}
+
+/// How tokens reach their experts (`--moe-token-dispatcher-type`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum TokenDispatcherType {
+    /// A variable-size all-to-all over the expert-parallel group.
+    AllToAll,
+    /// All-gather the group's tokens, reduce-scatter the outputs.
+    AllGather,
+}
+
+/// A mixture-of-experts MLP, with Megatron's flag names and defaults.
+///
+/// ```
+/// use burn_megatron::moe::MoeConfig;
+/// let moe = MoeConfig::new(8).with_moe_router_topk(2).with_moe_aux_loss_coeff(1e-2);
+/// assert!(moe.validate(1).is_ok());
+/// assert!(moe.validate(3).unwrap_err().to_string().contains("8 experts over 3"));
+/// ```
+#[derive(Config, Debug)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`--num-experts`).
+    pub num_experts: usize,
+    /// Experts per token (`--moe-router-topk`).
+    #[config(default = 2)]
+    pub moe_router_topk: usize,
+    /// Each expert's hidden size (`--moe-ffn-hidden-size`); the dense FFN size when unset.
+    #[config(default = "None")]
+    pub moe_ffn_hidden_size: Option<usize>,
+    /// `--moe-router-score-function`.
+    #[config(default = "ScoreFunction::Softmax")]
+    pub moe_router_score_function: ScoreFunction,
+    /// Softmax before the top-k (`--moe-router-pre-softmax`).
+    #[config(default = false)]
+    pub moe_router_pre_softmax: bool,
+    /// Multiplies the routing weights (`--moe-router-topk-scaling-factor`).
+    #[config(default = "None")]
+    pub moe_router_topk_scaling_factor: Option<f64>,
+    /// Weight of the Switch-style load-balancing loss (`--moe-aux-loss-coeff`).
+    #[config(default = 0.0)]
+    pub moe_aux_loss_coeff: f64,
+    /// Weight of the router z-loss (`--moe-z-loss-coeff`).
+    #[config(default = "None")]
+    pub moe_z_loss_coeff: Option<f64>,
+    /// Tokens an expert takes at most, as a multiple of an even share
+    /// (`--moe-expert-capacity-factor`); no limit when unset.
+    #[config(default = "None")]
+    pub moe_expert_capacity_factor: Option<f64>,
+    /// Fill every expert up to its capacity (`--moe-pad-expert-input-to-capacity`).
+    #[config(default = false)]
+    pub moe_pad_expert_input_to_capacity: bool,
+    /// `--moe-token-drop-policy`.
+    #[config(default = "DropPolicy::Probs")]
+    pub moe_token_drop_policy: DropPolicy,
+    /// `--moe-token-dispatcher-type`.
+    #[config(default = "TokenDispatcherType::AllToAll")]
+    pub moe_token_dispatcher_type: TokenDispatcherType,
+}
+
+impl MoeConfig {
+    /// Checks the settings against an expert-parallel size `ep`, naming the numbers.
+    pub fn validate(&self, ep: usize) -> Result<(), TpError> {
+        let (e, k) = (self.num_experts, self.moe_router_topk);
+        let invalid = |m: String| Err(TpError::Invalid(m));
+        if e == 0 || k == 0 {
+            return invalid(format!(
+                "--num-experts {e} and --moe-router-topk {k} must be ≥ 1"
+            ));
+        }
+        if k > e {
+            return invalid(format!(
+                "--moe-router-topk {k} is greater than --num-experts {e}"
+            ));
+        }
+        if ep == 0 || !e.is_multiple_of(ep) {
+            return invalid(format!(
+                "{e} experts over {ep} expert-parallel ranks: --num-experts must be divisible \
+                 by --expert-model-parallel-size"
+            ));
+        }
+        if let Some(f) = self.moe_expert_capacity_factor
+            && !(f > 0.0 && f.is_finite())
+        {
+            return invalid(format!(
+                "--moe-expert-capacity-factor must be positive, got {f}"
+            ));
+        }
+        if self.moe_pad_expert_input_to_capacity && self.moe_expert_capacity_factor.is_none() {
+            return invalid(
+                "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor".into(),
+            );
+        }
+        if self.moe_router_score_function == ScoreFunction::Softmax
+            && k == 1
+            && !self.moe_router_pre_softmax
+        {
+            return invalid(
+                "--moe-router-topk 1 with softmax after the top-k gives every token weight 1; \
+                 use --moe-router-pre-softmax"
+                    .into(),
+            );
+        }
+        let coeffs = [
+            ("--moe-aux-loss-coeff", Some(self.moe_aux_loss_coeff)),
+            ("--moe-z-loss-coeff", self.moe_z_loss_coeff),
+            (
+                "--moe-router-topk-scaling-factor",
+                self.moe_router_topk_scaling_factor,
+            ),
+        ];
+        for (name, value) in coeffs {
+            if let Some(v) = value.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return invalid(format!("{name} must be finite and ≥ 0, got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What one MoE layer saw in its last forward: for the log line.
+#[derive(Debug, Clone, Default)]
+pub struct MoeLayerStats {
+    /// The load-balancing loss (before its coefficient's scaling is undone: as added to
+    /// the training loss), if enabled.
+    pub aux_loss: Option<f32>,
+    /// Tokens routed to each expert (before dropping), summed over the sequence-parallel
+    /// ranks.
+    pub tokens_per_expert: Vec<usize>,
+}
+
+/// A mixture-of-experts MLP: router, token dispatch over the expert-parallel group, and
+/// this rank's experts.
+#[derive(Module, Debug)]
+pub struct MoeLayer {
+    /// The router's weight, `[num_experts, hidden]`, FP32 logits.
+    pub router: Param<Tensor<2>>,
+    /// This rank's experts: global experts `ep_rank · L .. (ep_rank + 1) · L`.
+    pub local_experts: Vec<ExpertMlp>,
+    #[module(skip)]
+    config: MoeConfig,
+    #[module(skip)]
+    ep: Comm,
+    #[module(skip)]
+    tp: Comm,
+    #[module(skip)]
+    sequence_parallel: bool,
+    #[module(skip)]
+    stats: Arc<Mutex<MoeLayerStats>>,
+    #[module(skip)]
+    layout: LayoutOwner,
+}
+
+/// The dense layer's settings an MoE layer takes over.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeLayerShape {
+    /// Model width.
+    pub hidden_size: usize,
+    /// Dense FFN width (each expert's unless `moe_ffn_hidden_size`).
+    pub ffn_hidden_size: usize,
+    /// SwiGLU-style experts.
+    pub gated_linear_unit: bool,
+    /// The experts' activation.
+    pub activation: ActivationFunc,
+    /// Weight initialisation.
+    pub initializer: MasterInit,
+    /// The down projections' initialisation.
+    pub output_initializer: MasterInit,
+    /// Whether the layer's activations are split along the sequence over `tp`.
+    pub sequence_parallel: bool,
+    /// The layer's seed.
+    pub seed: u64,
+}
+
+impl MoeConfig {
+    /// This rank's MoE layer: its share of the experts over `ep`; `tp` is the tensor-parallel
+    /// group the layer's tokens are split over (sequence parallelism, required when TP > 1).
+    pub fn init(
+        &self,
+        shape: MoeLayerShape,
+        tp: &Comm,
+        ep: &Comm,
+        device: &Device,
+    ) -> Result<MoeLayer, TpError> {
+        let n = ep.group().size();
+        self.validate(n)?;
+        if tp.group().size() > 1 && !shape.sequence_parallel {
+            return Err(TpError::Invalid(format!(
+                "mixture of experts with tensor parallelism ({}) needs --sequence-parallel, as \
+                 in Megatron-Core",
+                tp.group().size()
+            )));
+        }
+        let local = self.num_experts / n;
+        let first = ep.group().rank() * local;
+        let experts = ExpertShape {
+            hidden: shape.hidden_size,
+            ffn: self.moe_ffn_hidden_size.unwrap_or(shape.ffn_hidden_size),
+            gated: shape.gated_linear_unit,
+            activation: shape.activation,
+            initializer: shape.initializer,
+            output_initializer: shape.output_initializer,
+            seed: shape.seed,
+        };
+        let local_experts = (first..first + local)
+            .map(|g| experts.init(g, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (e, h) = (self.num_experts, shape.hidden_size);
+        let values = shape
+            .initializer
+            .values(e * h, h, derive_seed(shape.seed, "router"));
+        let layer = MoeLayer {
+            router: host_param(values, [e, h], device),
+            local_experts,
+            config: self.clone(),
+            ep: ep.clone(),
+            tp: tp.clone(),
+            sequence_parallel: shape.sequence_parallel,
+            stats: Arc::default(),
+            layout: LayoutOwner::default(),
+        };
+        layer.state_attrs();
+        Ok(layer)
+    }
+}
+
+impl MoeLayer {
+    fn state_attrs(&self) {
+        // Each TP rank routes its own part of the sequence: the router's gradient is summed
+        // over TP, as a sequence-parallel LayerNorm's.
+        let attrs = if self.sequence_parallel && self.tp.group().size() > 1 {
+            ParallelAttrs::sequence_parallel()
+        } else {
+            ParallelAttrs::default()
+        };
+        self.layout.state(self.router.id, attrs);
+    }
+
+    /// The layer's settings.
+    pub fn config(&self) -> &MoeConfig {
+        &self.config
+    }
+
+    /// The global index of this rank's first expert.
+    pub fn first_expert(&self) -> usize {
+        self.ep.group().rank() * self.local_experts.len()
+    }
+
+    /// What the last forward saw.
+    pub fn stats(&self) -> MoeLayerStats {
+        crate::comm::lock(&self.stats).clone()
+    }
+
+    /// Router logits (`[T, E]`, FP32) of `tokens` (`[T, hidden]`).
+    pub fn router_logits(&self, tokens: Tensor<2>) -> Tensor<2> {
+        tokens
+            .cast(DType::F32)
+            .matmul(self.router.val().cast(DType::F32).transpose())
+    }
+
+    /// `x` (`[s, b, hidden]`, this rank's tokens) through the experts the router picks.
+    pub fn forward(&self, x: Tensor<3>) -> Result<Tensor<3>, TpError> {
+        self.state_attrs();
+        let _span = tracing::debug_span!("moe").entered();
+        let [s, b, h] = x.dims();
+        let dtype = x.dtype();
+        let tokens = x.reshape([s * b, h]);
+        let routed = route(&self.config, self.router_logits(tokens.clone()), &self.tp)?;
+        let routing = &routed.routing;
+        let out = match self.config.moe_token_dispatcher_type {
+            TokenDispatcherType::AllToAll => {
+                dispatcher::alltoall(tokens, routing, &self.local_experts, &self.ep)?
+            }
+            TokenDispatcherType::AllGather => {
+                dispatcher::allgather(tokens, routing, &self.local_experts, &self.ep)?
+            }
+        };
+        let mut out = out.cast(dtype);
+        let aux_value = routed
+            .aux_loss
+            .as_ref()
+            .map(|a| a.clone().detach().into_scalar::<f32>());
+        for loss in [routed.aux_loss, routed.z_loss].into_iter().flatten() {
+            out = attach_aux_loss(out, loss);
+        }
+        *crate::comm::lock(&self.stats) = MoeLayerStats {
+            aux_loss: aux_value,
+            tokens_per_expert: routed.routing.tokens_per_expert.clone(),
+        };
+        Ok(out.reshape([s, b, h]))
+    }
+}
