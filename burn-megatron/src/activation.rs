@@ -3,7 +3,7 @@
 use burn::config::Config;
 use burn::tensor::Tensor;
 use burn::tensor::activation::{gelu, gelu_approximate, silu};
-use burn_megatron_kernels::{Gelu, bias_gelu};
+use burn_megatron_kernels::{Gelu, bias_gelu, swiglu};
 
 /// The MLP's activation (Megatron's `activation_func`).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -26,6 +26,15 @@ impl ActivationFunc {
             (Self::Gelu, None) => gelu(x),
             (Self::GeluTanh, None) => gelu_approximate(x),
             (Self::Silu, None) => silu(x),
+        }
+    }
+
+    /// `act(gate) · up`, a gated linear unit: SwiGLU in one fused pass.
+    pub(crate) fn glu<const D: usize>(self, gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+        match self {
+            Self::Silu => swiglu(gate, up)
+                .expect("gate and up project one input to the same features: one shape and dtype"),
+            act => act.apply(gate, None) * up,
         }
     }
 }

@@ -14,11 +14,18 @@ use std::path::{Path, PathBuf};
 /// the optimizer and the pipeline, and at the top what assembles a rank (its launch
 /// context, with its pipeline channels) and checkpoints.
 const LEVELS: &[&[&str]] = &[
-    &["topology", "module_path", "safetensors_io", "grad_hooks"],
+    &[
+        "topology",
+        "module_path",
+        "safetensors_io",
+        "grad_hooks",
+        "activation",
+        "aux_loss",
+    ],
     &["comm"],
     &["param_grads"],
     &["tensor_parallel"],
-    &["context_parallel"],
+    &["context_parallel", "moe"],
     &["recompute"],
     &["models"],
     &["data_parallel", "data"],

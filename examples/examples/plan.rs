@@ -34,14 +34,14 @@ enum Model {
     /// A GPT-family run: `gpt_pretrain`'s flags.
     Gpt {
         #[command(flatten)]
-        args: GptArgs,
+        args: Box<GptArgs>,
         #[command(flatten)]
         opts: Opts,
     },
     /// A BERT run: `bert_pretrain`'s flags.
     Bert {
         #[command(flatten)]
-        args: BertArgs,
+        args: Box<BertArgs>,
         #[command(flatten)]
         opts: Opts,
     },
@@ -231,7 +231,7 @@ fn main() -> std::process::ExitCode {
                 Setup::new(
                     &GptArgs {
                         train,
-                        ..args.clone()
+                        ..(*args).clone()
                     },
                     vocab,
                 )
@@ -244,7 +244,7 @@ fn main() -> std::process::ExitCode {
                 Setup::new_bert(
                     &BertArgs {
                         train,
-                        ..args.clone()
+                        ..(*args).clone()
                     },
                     vocab,
                 )

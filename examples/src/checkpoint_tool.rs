@@ -166,9 +166,12 @@ pub fn load_rank<M: WholeModel>(
             virtual_pipeline_model_parallel_size: 1,
             data_parallel_size: state.data_parallel_size(),
             distributed_optimizer: false,
+            expert_model_parallel_size: 1,
         },
         tensor_model_parallel_rank: state.tensor_model_parallel_rank(),
         pipeline_model_parallel_rank: 0,
+        expert_model_parallel_rank: 0,
+        share: burn_megatron::checkpoint::SaveShare::ALL,
         names: &M::global_name,
     };
     let (mp, tp_rank) = (ctx.groups.mp.clone(), state.tensor_model_parallel_rank());

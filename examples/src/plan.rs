@@ -105,6 +105,12 @@ impl Setup {
                 args.train.context_parallel_size
             ));
         }
+        if let Some(e) = args.moe.num_experts {
+            return Err(format!(
+                "plan: --num-experts {e} is not modelled yet (the experts' weights over EP, \
+                 the tokens they receive, the all-to-all)"
+            ));
+        }
         let c = args.model_config(vocab_size)?;
         let a = &args.train;
         let heads = c.num_attention_heads;

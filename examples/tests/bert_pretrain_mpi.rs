@@ -249,6 +249,36 @@ fn a_context_parallel_gpt_under_mpirun_is_the_threaded_run() {
     }
 }
 
+/// Mixture of experts under mpirun: TP 2 × EP 2 × DP 2 with sequence parallelism, tokens
+/// exchanged between processes by the variable-size all-to-all (`alltoall`) or gathered
+/// (`allgather`), is the threaded run, bit for bit.
+#[test]
+fn an_expert_parallel_gpt_under_mpirun_is_the_threaded_run() {
+    for dispatcher in ["alltoall", "allgather"] {
+        let dir = tmp(&format!("mpi-gpt-moe-{dispatcher}"));
+        let layout = [
+            "--world-size",
+            "4",
+            "--num-experts",
+            "4",
+            "--expert-model-parallel-size",
+            "2",
+            "--moe-aux-loss-coeff",
+            "1e-2",
+            "--moe-token-dispatcher-type",
+            dispatcher,
+            "--sequence-parallel",
+            "--train-iters",
+            "4",
+            "--eval-interval",
+            "0",
+            "--generate-tokens",
+            "0",
+        ];
+        gpt_under_mpirun_is_the_threaded_run(&layout, &dir);
+    }
+}
+
 #[test]
 fn bad_launch_environments_stop_before_any_work() {
     let dir = tmp("mpi-env");

@@ -7,6 +7,8 @@
 mod common;
 #[path = "gpt_pretrain/ecosystem.rs"]
 mod ecosystem;
+#[path = "gpt_pretrain/moe.rs"]
+mod moe;
 
 use burn_megatron_examples::pretrain::{IterationLog, Summary, run_gpt};
 use common::{assert_same_iterations, example_binary, gpt_args as args, tmp};

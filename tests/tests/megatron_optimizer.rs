@@ -63,9 +63,12 @@ fn snapshot(model: &TpMlp, optim: &MegatronOptimizer<TpMlp>, tag: &str) -> Vec<(
             virtual_pipeline_model_parallel_size: 1,
             data_parallel_size: 1,
             distributed_optimizer: false,
+            expert_model_parallel_size: 1,
         },
         tensor_model_parallel_rank: 0,
         pipeline_model_parallel_rank: 0,
+        expert_model_parallel_rank: 0,
+        share: burn_megatron::checkpoint::SaveShare::ALL,
         names: &|p: &str| p.to_string(),
     };
     begin_checkpoint(&root, 0).unwrap();

@@ -70,6 +70,7 @@ pub(super) fn save<M: Module>(
     model: &M,
     names: &dyn Fn(&str) -> String,
     tp: (usize, usize),
+    share: super::SaveShare,
 ) -> Result<(Vec<TensorEntry>, BTreeMap<String, Scalars>), CheckpointError> {
     let path = dir.join(FILE);
     let bytes = record
@@ -81,7 +82,7 @@ pub(super) fn save<M: Module>(
     let owned = |id: u64| -> Option<(String, Vec<usize>)> {
         let id = ParamId::from(id);
         let (path, dims, _) = by_id.get(&id)?;
-        written_here(id, tp.0).then(|| (names(path), dims.clone()))
+        written_here(id, tp.0, share).then(|| (names(path), dims.clone()))
     };
     let mut scalars: BTreeMap<String, Scalars> = BTreeMap::new();
     for (key, value) in reader.scalars() {

@@ -8,12 +8,18 @@ use super::{CheckpointError, io};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// The directory name of model-parallel rank `(tp_rank, pp_rank)` when the pipeline has
-/// `pp` stages (Megatron's: no stage suffix without pipelining).
-pub(super) fn rank_dir_name(tp_rank: usize, pp_rank: usize, pp: usize) -> String {
-    match pp {
-        1 => format!("mp_rank_{tp_rank:02}"),
-        _ => format!("mp_rank_{tp_rank:02}_{pp_rank:03}"),
+/// The directory name of model-parallel rank `(tp_rank, pp_rank, ep_rank)` when the
+/// pipeline has `pp` stages and the experts are split over `ep` ranks (Megatron's: no stage
+/// suffix without pipelining, an expert suffix with expert parallelism).
+pub(super) fn rank_dir_name(
+    (tp_rank, pp_rank, ep_rank): (usize, usize, usize),
+    pp: usize,
+    ep: usize,
+) -> String {
+    match (pp, ep) {
+        (1, 1) => format!("mp_rank_{tp_rank:02}"),
+        (_, 1) => format!("mp_rank_{tp_rank:02}_{pp_rank:03}"),
+        _ => format!("mp_rank_{tp_rank:02}_{pp_rank:03}_{ep_rank:03}"),
     }
 }
 
@@ -32,13 +38,15 @@ pub(super) fn ranks(dir: &Path, ranks: &[(PathBuf, RankIndex)]) -> Result<(), Ch
             format!("saved at {}, the other ranks at {layout}", other.layout),
         ));
     }
-    let (tp, pp) = (
+    let (tp, pp, ep) = (
         layout.tensor_model_parallel_size,
         layout.pipeline_model_parallel_size,
+        layout.expert_model_parallel_size,
     );
     let sizes = [
         tp,
         pp,
+        ep,
         layout.virtual_pipeline_model_parallel_size,
         layout.data_parallel_size,
     ];
@@ -46,29 +54,34 @@ pub(super) fn ranks(dir: &Path, ranks: &[(PathBuf, RankIndex)]) -> Result<(), Ch
     let Some(count) = count else {
         return Err(io(first_dir, format!("an impossible layout: {layout}")));
     };
-    let mut seen = BTreeSet::new();
+    // With experts, the experts' writers (one per EP rank and stage) need not be the dense
+    // weights' (one per TP rank and stage): both sets must be complete.
+    let (mut seen, mut experts_seen) = (BTreeSet::new(), BTreeSet::new());
     for (d, r) in ranks {
         let at = (r.tensor_model_parallel_rank, r.pipeline_model_parallel_rank);
-        if at.0 >= tp || at.1 >= pp {
+        let ep_rank = r.expert_model_parallel_rank;
+        if at.0 >= tp || at.1 >= pp || ep_rank >= ep {
             return Err(io(
                 d,
                 format!(
-                    "the index of TP rank {} × PP rank {}, outside its layout {layout}",
+                    "the index of TP rank {} × PP rank {} × EP rank {ep_rank}, outside its layout \
+                     {layout}",
                     at.0, at.1
                 ),
             ));
         }
-        let expected = rank_dir_name(at.0, at.1, pp);
+        let expected = rank_dir_name((at.0, at.1, ep_rank), pp, ep);
         if name_of(d) != expected {
             return Err(io(
                 d,
                 format!(
-                    "holds the index of {expected} (TP rank {}, PP rank {})",
+                    "holds the index of {expected} (TP rank {}, PP rank {}, EP rank {ep_rank})",
                     at.0, at.1
                 ),
             ));
         }
         seen.insert(at);
+        experts_seen.insert((ep_rank, at.1));
         if r.state != first.state {
             return Err(io(
                 d,
@@ -88,7 +101,7 @@ pub(super) fn ranks(dir: &Path, ranks: &[(PathBuf, RankIndex)]) -> Result<(), Ch
             .flat_map(|p| (0..tp).map(move |t| (t, p)))
             .filter(|at| !seen.contains(at))
             .take(3)
-            .map(|(t, p)| rank_dir_name(t, p, pp))
+            .map(|(t, p)| rank_dir_name((t, p, 0), pp, 1))
             .collect();
         return Err(io(
             dir,
@@ -97,6 +110,17 @@ pub(super) fn ranks(dir: &Path, ranks: &[(PathBuf, RankIndex)]) -> Result<(), Ch
                  ({} missing): a shard is missing",
                 seen.len(),
                 missing.join(", ")
+            ),
+        ));
+    }
+    if ep > 1 && experts_seen.len() != ep * pp {
+        return Err(io(
+            dir,
+            format!(
+                "the experts of {} of the {} (EP rank, PP rank) pairs of {layout}: a shard is \
+                 missing",
+                experts_seen.len(),
+                ep * pp
             ),
         ));
     }

@@ -12,6 +12,8 @@ fn rank(tp_rank: usize) -> CheckpointRank<'static> {
         layout: super::tests::layout(2),
         tensor_model_parallel_rank: tp_rank,
         pipeline_model_parallel_rank: 0,
+        expert_model_parallel_rank: 0,
+        share: super::SaveShare::ALL,
         names: &|p: &str| p.to_string(),
     }
 }

@@ -52,6 +52,8 @@ impl Fixture {
             layout: super::tests::layout(tp),
             tensor_model_parallel_rank: r,
             pipeline_model_parallel_rank: 0,
+            expert_model_parallel_rank: 0,
+            share: super::SaveShare::ALL,
             names: &|p: &str| p.to_string(),
         };
         if tp == 1 {

@@ -23,17 +23,28 @@ pub struct SavedLayout {
     pub data_parallel_size: usize,
     /// Whether the optimizer state was sharded over data-parallel ranks.
     pub distributed_optimizer: bool,
+    /// Expert-parallel size (1 in checkpoints from before experts).
+    #[serde(default = "one")]
+    pub expert_model_parallel_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl std::fmt::Display for SavedLayout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "TP {} × PP {} (V {}) × DP {}{}",
+            "TP {} × PP {} (V {}) × DP {}{}{}",
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
             self.virtual_pipeline_model_parallel_size,
             self.data_parallel_size,
+            match self.expert_model_parallel_size {
+                1 => String::new(),
+                ep => format!(" × EP {ep}"),
+            },
             if self.distributed_optimizer {
                 ", distributed optimizer"
             } else {
@@ -94,6 +105,9 @@ pub struct RankIndex {
     pub tensor_model_parallel_rank: usize,
     /// The pipeline stage that wrote it.
     pub pipeline_model_parallel_rank: usize,
+    /// The expert-parallel rank that wrote it (0 without experts).
+    #[serde(default)]
+    pub expert_model_parallel_rank: usize,
     /// The training state.
     pub state: TrainingState,
     /// Every shard written.
@@ -318,10 +332,16 @@ impl CheckpointIndex {
         (sets, scalars)
     }
 
-    /// The index of the rank directory of `(tp_rank, pp_rank)`, if the checkpoint has it.
-    pub(super) fn rank(&self, tp_rank: usize, pp_rank: usize) -> Option<&(PathBuf, RankIndex)> {
+    /// The index of the rank directory of `(tp_rank, pp_rank, ep_rank)`, if the checkpoint
+    /// has it.
+    pub(super) fn rank(&self, at: (usize, usize, usize)) -> Option<&(PathBuf, RankIndex)> {
         self.ranks.iter().find(|(_, r)| {
-            (r.tensor_model_parallel_rank, r.pipeline_model_parallel_rank) == (tp_rank, pp_rank)
+            let ep = r.expert_model_parallel_rank;
+            (
+                r.tensor_model_parallel_rank,
+                r.pipeline_model_parallel_rank,
+                ep,
+            ) == at
         })
     }
 

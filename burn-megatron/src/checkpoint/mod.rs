@@ -85,6 +85,24 @@ fn io(path: &Path, message: impl ToString) -> CheckpointError {
     }
 }
 
+/// Which of its parameters a rank writes: with expert parallelism the experts' writers (one
+/// per expert data-parallel group) are not the dense weights' (one per data-parallel group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SaveShare {
+    /// The dense parameters (all but the experts').
+    pub dense: bool,
+    /// The experts' parameters.
+    pub experts: bool,
+}
+
+impl SaveShare {
+    /// Every parameter: a rank of a model without expert parallelism.
+    pub const ALL: SaveShare = SaveShare {
+        dense: true,
+        experts: true,
+    };
+}
+
 /// Where this rank sits, and how its modules' paths are named globally.
 pub struct CheckpointRank<'a> {
     /// The layout of this run.
@@ -93,6 +111,10 @@ pub struct CheckpointRank<'a> {
     pub tensor_model_parallel_rank: usize,
     /// This rank's pipeline stage.
     pub pipeline_model_parallel_rank: usize,
+    /// This rank's expert-parallel rank (0 without experts).
+    pub expert_model_parallel_rank: usize,
+    /// What this rank writes when it saves.
+    pub share: SaveShare,
     /// The global name of the parameter at a local module path (the identity for a model on
     /// one stage; `Bert::global_param_name` for BERT chunks).
     pub names: &'a dyn Fn(&str) -> String,
@@ -108,9 +130,17 @@ impl CheckpointRank<'_> {
 
     fn dir_name(&self) -> String {
         check::rank_dir_name(
+            self.at(),
+            self.layout.pipeline_model_parallel_size,
+            self.layout.expert_model_parallel_size,
+        )
+    }
+
+    fn at(&self) -> (usize, usize, usize) {
+        (
             self.tensor_model_parallel_rank,
             self.pipeline_model_parallel_rank,
-            self.layout.pipeline_model_parallel_size,
+            self.expert_model_parallel_rank,
         )
     }
 }
@@ -140,24 +170,28 @@ pub fn save_checkpoint<M: Module + Clone>(
     if optimizer.data_parallel_rank().is_some_and(|r| r != 0) {
         return Ok(());
     }
-    layout::check_tensor_parallel_layout(model, rank, optimizer.model_parallel())?;
+    // Collective over the model-parallel group, all of whose members write the dense
+    // weights when one does (experts are not compared: they differ per rank).
+    if rank.share.dense {
+        layout::check_tensor_parallel_layout(model, rank, optimizer.model_parallel())?;
+    }
     let dir = staging_dir(root, iteration).join(rank.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-    let (names, tp) = (rank.names, rank.tp());
-    let mut entries = write_set(&dir, "model", &collect(model, names, tp, false))?;
+    let (names, tp, share) = (rank.names, rank.tp(), rank.share);
+    let mut entries = write_set(&dir, "model", &collect(model, names, tp, share, false))?;
     commit::crash_point("shard", iteration);
     let (record, master) = burn_state.unzip();
     if let Some(master) = master.flatten() {
-        let tensors = collect(&master, names, tp, true);
+        let tensors = collect(&master, names, tp, share, true);
         entries.extend(write_set(&dir, "master", &tensors)?);
     }
     for (stem, module) in &flat_state {
-        let tensors = collect(module, names, tp, true);
+        let tensors = collect(module, names, tp, share, true);
         entries.extend(write_set(&dir, stem, &tensors)?);
     }
     let mut optimizer_scalars = BTreeMap::new();
     if let Some(record) = record {
-        let (state, scalars) = burn_optim::save(&dir, record, model, names, tp)?;
+        let (state, scalars) = burn_optim::save(&dir, record, model, names, tp, share)?;
         entries.extend(state);
         optimizer_scalars = scalars;
     }
@@ -172,6 +206,7 @@ pub fn save_checkpoint<M: Module + Clone>(
         layout: rank.layout,
         tensor_model_parallel_rank: rank.tensor_model_parallel_rank,
         pipeline_model_parallel_rank: rank.pipeline_model_parallel_rank,
+        expert_model_parallel_rank: rank.expert_model_parallel_rank,
         state: TrainingState {
             iteration,
             grad_scaler: optimizer.grad_scaler().map(|s| s.state()),
@@ -226,10 +261,12 @@ pub fn load_checkpoint<M: Module + Clone>(
         saved.tensor_model_parallel_size,
         saved.pipeline_model_parallel_size,
         saved.virtual_pipeline_model_parallel_size,
+        saved.expert_model_parallel_size,
     ) == (
         rank.layout.tensor_model_parallel_size,
         rank.layout.pipeline_model_parallel_size,
         rank.layout.virtual_pipeline_model_parallel_size,
+        rank.layout.expert_model_parallel_size,
     );
     let own = rank
         .rank(&index)
@@ -335,10 +372,7 @@ fn master_set(
 
 impl CheckpointRank<'_> {
     fn rank<'i>(&self, index: &'i CheckpointIndex) -> Option<&'i (PathBuf, RankIndex)> {
-        index.rank(
-            self.tensor_model_parallel_rank,
-            self.pipeline_model_parallel_rank,
-        )
+        index.rank(self.at())
     }
 }
 

@@ -31,10 +31,15 @@ pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) 
 }
 
 /// Whether this rank writes parameter `id`'s tensors: each is written once, a tied weight by
-/// its first copy, a duplicated one by TP rank 0.
-pub(super) fn written_here(id: ParamId, tp_rank: usize) -> bool {
+/// its first copy, a duplicated one by TP rank 0, an expert's by every rank whose `share`
+/// has the experts (their TP ranks hold different experts), the rest where it has the
+/// dense ones.
+pub(super) fn written_here(id: ParamId, tp_rank: usize, share: super::SaveShare) -> bool {
     let attrs = parallel_attrs(id);
-    !attrs.shared && (attrs.tensor_model_parallel || tp_rank == 0)
+    if attrs.expert {
+        return share.experts && !attrs.shared;
+    }
+    share.dense && !attrs.shared && (attrs.tensor_model_parallel || tp_rank == 0)
 }
 
 /// One tensor to write: its global name, data and placement.
@@ -47,6 +52,7 @@ pub(super) struct Collected {
 struct Collect<'a> {
     names: &'a dyn Fn(&str) -> String,
     tp: (usize, usize),
+    share: super::SaveShare,
     trainable_only: bool,
     out: Vec<Collected>,
 }
@@ -54,7 +60,8 @@ struct Collect<'a> {
 impl PathVisitor for Collect<'_> {
     fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
         let value = p.val();
-        if !written_here(p.id, self.tp.0) || (self.trainable_only && !value.is_require_grad()) {
+        let skip = self.trainable_only && !value.is_require_grad();
+        if !written_here(p.id, self.tp.0, self.share) || skip {
             return;
         }
         let placement = placement(p.id, &value.dims(), self.tp.0, self.tp.1);
@@ -72,11 +79,13 @@ pub(super) fn collect<M: Module>(
     module: &M,
     names: &dyn Fn(&str) -> String,
     tp: (usize, usize),
+    share: super::SaveShare,
     trainable_only: bool,
 ) -> Vec<Collected> {
     let mut c = Collect {
         names,
         tp,
+        share,
         trainable_only,
         out: Vec::new(),
     };

@@ -61,6 +61,8 @@ pub(super) fn solo() -> CheckpointRank<'static> {
         layout: layout(1),
         tensor_model_parallel_rank: 0,
         pipeline_model_parallel_rank: 0,
+        expert_model_parallel_rank: 0,
+        share: super::SaveShare::ALL,
         names: &|p: &str| p.to_string(),
     }
 }
@@ -72,6 +74,7 @@ pub(super) fn layout(tp: usize) -> SavedLayout {
         virtual_pipeline_model_parallel_size: 1,
         data_parallel_size: 1,
         distributed_optimizer: false,
+        expert_model_parallel_size: 1,
     }
 }
 
@@ -315,6 +318,8 @@ fn a_save_that_fails_on_one_rank_leaves_the_previous_checkpoint_latest() {
         layout: layout(2),
         tensor_model_parallel_rank: tp_rank,
         pipeline_model_parallel_rank: 0,
+        expert_model_parallel_rank: 0,
+        share: super::SaveShare::ALL,
         names: &|p: &str| p.to_string(),
     };
     for (iteration, ranks) in [(1, 2), (2, 1)] {

@@ -24,8 +24,9 @@ pub use gpt::{
     GptStageOutput, KvCache, PositionEmbeddingType, Positions, Sampling, generate,
 };
 pub use gpt_hf::{
-    HfArchitecture, HfGptConfig, hf_gpt_state_dict, load_hf_gpt, load_hf_gpt as load_hf_llama,
-    load_hf_gpt_weights, read_hf_tensors, save_hf_gpt, save_hf_gpt as save_hf_llama,
+    HfArchitecture, HfExperts, HfGptConfig, hf_gpt_state_dict, load_hf_gpt,
+    load_hf_gpt as load_hf_llama, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
+    save_hf_gpt as save_hf_llama,
 };
 pub use rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig, RotaryTables};
 pub use transformer::{

@@ -19,7 +19,7 @@ use crate::tensor_parallel::TpError;
 use crate::tensor_parallel::mappings::{
     all_to_all, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
-use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorCreationOptions, TensorData};
 
 fn index(v: Vec<i64>, device: &Device) -> Tensor<1, Int> {
     let n = v.len();
@@ -42,6 +42,7 @@ fn run_experts(
     weights: Tensor<2>,
     counts: &[usize],
 ) -> (Option<Tensor<2>>, Option<Tensor<1>>) {
+    let _span = tracing::debug_span!("moe.experts").entered();
     let mut outs = Vec::new();
     let mut zero: Option<Tensor<1>> = None;
     let mut at = 0;
@@ -72,6 +73,7 @@ pub(crate) fn alltoall(
 ) -> Result<Tensor<2>, TpError> {
     let device = tokens.device();
     let [t, h] = tokens.dims();
+    let zeros = TensorCreationOptions::new(device.clone()).with_dtype(tokens.dtype());
     let (n, me, local) = (ep.group().size(), ep.group().rank(), experts.len());
     let e = routing.num_experts;
     // permute: expert-major, token order within an expert.
@@ -141,12 +143,8 @@ pub(crate) fn alltoall(
     };
     let back = all_to_all(outputs, &output_splits, &input_splits, ep)?;
     // unpermute: each token's outputs summed in place.
-    let out = Tensor::<2>::zeros([t, h], &device).select_assign(
-        0,
-        token_idx,
-        back,
-        IndexingUpdateOp::Add,
-    );
+    let out =
+        Tensor::<2>::zeros([t, h], zeros).select_assign(0, token_idx, back, IndexingUpdateOp::Add);
     Ok(match zero {
         Some(z) => out + z.unsqueeze(),
         None => out,
@@ -163,6 +161,7 @@ pub(crate) fn allgather(
 ) -> Result<Tensor<2>, TpError> {
     let device = tokens.device();
     let [t, h] = tokens.dims();
+    let zeros = TensorCreationOptions::new(device.clone()).with_dtype(tokens.dtype());
     let (n, me, local) = (ep.group().size(), ep.group().rank(), experts.len());
     let tk = routing.num_tokens * routing.topk;
     // Every rank's assignments to this rank's experts, as (token, weight index) in the
@@ -221,7 +220,7 @@ pub(crate) fn allgather(
             &per_expert,
         )
     };
-    let partial = Tensor::<2>::zeros([n * t, h], &device);
+    let partial = Tensor::<2>::zeros([n * t, h], zeros);
     let partial = match outputs {
         Some(out) => partial.select_assign(0, index(rows, &device), out, IndexingUpdateOp::Add),
         None => partial,

@@ -6,7 +6,6 @@ use crate::activation::ActivationFunc;
 use crate::tensor_parallel::{LayoutOwner, MasterInit, ParallelAttrs, TpError, derive_seed};
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_megatron_kernels::swiglu;
 
 /// One expert: `linear_fc1` (`[hidden, ffn]`, or `[hidden, 2·ffn]` with the gate's
 /// columns first for a gated linear unit) and `linear_fc2` (`[ffn, hidden]`), no biases.
@@ -79,11 +78,7 @@ impl ExpertMlp {
                 .chunk(2, 1)
                 .try_into()
                 .expect("two halves of an even width");
-            match self.activation {
-                ActivationFunc::Silu => swiglu(gate, up)
-                    .expect("gate and up are halves of one tensor: one shape and dtype"),
-                act => act.apply(gate, None) * up,
-            }
+            self.activation.glu(gate, up)
         } else {
             self.activation.apply(h, None)
         };

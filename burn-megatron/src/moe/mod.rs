@@ -16,15 +16,20 @@
 mod dispatcher;
 mod experts;
 mod router;
+mod shared;
 #[cfg(test)]
 mod tests;
 
 pub use experts::ExpertMlp;
 pub use router::{Assignments, RouterOutput, Routing, expert_capacity, route};
+pub use shared::SharedExpert;
 
 use crate::activation::ActivationFunc;
 use crate::aux_loss::attach_aux_loss;
 use crate::comm::Comm;
+use crate::tensor_parallel::mappings::{
+    gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
+};
 use crate::tensor_parallel::{
     LayoutOwner, MasterInit, ParallelAttrs, TpError, derive_seed, host_param,
 };
@@ -108,6 +113,14 @@ pub struct MoeConfig {
     /// `--moe-token-dispatcher-type`.
     #[config(default = "TokenDispatcherType::AllToAll")]
     pub moe_token_dispatcher_type: TokenDispatcherType,
+    /// The inner size of a shared expert every token also goes through
+    /// (`--moe-shared-expert-intermediate-size`); none when unset.
+    #[config(default = "None")]
+    pub moe_shared_expert_intermediate_size: Option<usize>,
+    /// Scale the shared expert's output per token by `sigmoid(x · w)` (Qwen2-MoE's
+    /// `shared_expert_gate`; `--moe-shared-expert-gate`).
+    #[config(default = false)]
+    pub moe_shared_expert_gate: bool,
 }
 
 impl MoeConfig {
@@ -137,6 +150,15 @@ impl MoeConfig {
             return invalid(format!(
                 "--moe-expert-capacity-factor must be positive, got {f}"
             ));
+        }
+        if self.moe_shared_expert_intermediate_size == Some(0)
+            || self.moe_shared_expert_gate && self.moe_shared_expert_intermediate_size.is_none()
+        {
+            return invalid(
+                "--moe-shared-expert-intermediate-size must be ≥ 1, and is needed by \
+                 --moe-shared-expert-gate"
+                    .into(),
+            );
         }
         if self.moe_pad_expert_input_to_capacity && self.moe_expert_capacity_factor.is_none() {
             return invalid(
@@ -170,14 +192,45 @@ impl MoeConfig {
     }
 }
 
-/// What one MoE layer saw in its last forward: for the log line.
-#[derive(Debug, Clone, Default)]
+/// The layout-independent name of a parameter named `name` on a rank whose first expert is
+/// `first_expert`: each local expert `moe.local_experts.{i}` becomes
+/// `moe.experts.{first_expert + i}`, so that checkpoints key experts by their global index
+/// and a run saved at one expert-parallel size loads at another.
+///
+/// ```
+/// use burn_megatron::moe::global_expert_name;
+/// assert_eq!(
+///     global_expert_name("layers.3.moe.local_experts.1.linear_fc1", 4),
+///     "layers.3.moe.experts.5.linear_fc1"
+/// );
+/// assert_eq!(global_expert_name("layers.3.moe.router", 4), "layers.3.moe.router");
+/// ```
+pub fn global_expert_name(name: &str, first_expert: usize) -> String {
+    const LOCAL: &str = "moe.local_experts.";
+    let Some((head, tail)) = name.split_once(LOCAL) else {
+        return name.to_string();
+    };
+    match tail
+        .split_once('.')
+        .and_then(|(i, rest)| Some((i.parse::<usize>().ok()?, rest)))
+    {
+        Some((i, rest)) => format!("{head}moe.experts.{}.{rest}", first_expert + i),
+        None => name.to_string(),
+    }
+}
+
+/// What one MoE layer saw in its forwards since its stats were last taken: for the log
+/// line ([`MoeLayer::take_stats`]).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct MoeLayerStats {
-    /// The load-balancing loss (before its coefficient's scaling is undone: as added to
-    /// the training loss), if enabled.
-    pub aux_loss: Option<f32>,
-    /// Tokens routed to each expert (before dropping), summed over the sequence-parallel
-    /// ranks.
+    /// Forwards counted.
+    pub forwards: usize,
+    /// The sum over those forwards of the load-balancing loss without its coefficient
+    /// (Megatron logs it so: about 1 when the experts are balanced), this rank's part when
+    /// the tokens are split over TP; 0 when the loss is off.
+    pub load_balancing_loss: f64,
+    /// Tokens routed to each expert (before dropping) over those forwards, summed over the
+    /// ranks the layer's tokens are split over.
     pub tokens_per_expert: Vec<usize>,
 }
 
@@ -189,6 +242,8 @@ pub struct MoeLayer {
     pub router: Param<Tensor<2>>,
     /// This rank's experts: global experts `ep_rank · L .. (ep_rank + 1) · L`.
     pub local_experts: Vec<ExpertMlp>,
+    /// The shared expert, when configured.
+    pub shared_expert: Option<SharedExpert>,
     #[module(skip)]
     config: MoeConfig,
     #[module(skip)]
@@ -226,7 +281,9 @@ pub struct MoeLayerShape {
 
 impl MoeConfig {
     /// This rank's MoE layer: its share of the experts over `ep`; `tp` is the tensor-parallel
-    /// group the layer's tokens are split over (sequence parallelism, required when TP > 1).
+    /// group the layer's tokens are split over (by sequence parallelism, or inside the layer
+    /// when it is off: each TP rank routes its part of the sequence, as Megatron-Core's
+    /// sequence-parallel MoE does).
     pub fn init(
         &self,
         shape: MoeLayerShape,
@@ -236,13 +293,6 @@ impl MoeConfig {
     ) -> Result<MoeLayer, TpError> {
         let n = ep.group().size();
         self.validate(n)?;
-        if tp.group().size() > 1 && !shape.sequence_parallel {
-            return Err(TpError::Invalid(format!(
-                "mixture of experts with tensor parallelism ({}) needs --sequence-parallel, as \
-                 in Megatron-Core",
-                tp.group().size()
-            )));
-        }
         let local = self.num_experts / n;
         let first = ep.group().rank() * local;
         let experts = ExpertShape {
@@ -257,6 +307,14 @@ impl MoeConfig {
         let local_experts = (first..first + local)
             .map(|g| experts.init(g, device))
             .collect::<Result<Vec<_>, _>>()?;
+        let shared_expert = self
+            .moe_shared_expert_intermediate_size
+            .map(|ffn| {
+                let shared = ExpertShape { ffn, ..experts };
+                let gate = self.moe_shared_expert_gate;
+                SharedExpert::init(shared, gate, shape.sequence_parallel, tp, device)
+            })
+            .transpose()?;
         let (e, h) = (self.num_experts, shape.hidden_size);
         let values = shape
             .initializer
@@ -264,6 +322,7 @@ impl MoeConfig {
         let layer = MoeLayer {
             router: host_param(values, [e, h], device),
             local_experts,
+            shared_expert,
             config: self.clone(),
             ep: ep.clone(),
             tp: tp.clone(),
@@ -280,7 +339,7 @@ impl MoeLayer {
     fn state_attrs(&self) {
         // Each TP rank routes its own part of the sequence: the router's gradient is summed
         // over TP, as a sequence-parallel LayerNorm's.
-        let attrs = if self.sequence_parallel && self.tp.group().size() > 1 {
+        let attrs = if self.tp.group().size() > 1 {
             ParallelAttrs::sequence_parallel()
         } else {
             ParallelAttrs::default()
@@ -298,9 +357,31 @@ impl MoeLayer {
         self.ep.group().rank() * self.local_experts.len()
     }
 
-    /// What the last forward saw.
-    pub fn stats(&self) -> MoeLayerStats {
-        crate::comm::lock(&self.stats).clone()
+    /// What the forwards since the last call saw (and starts counting afresh).
+    pub fn take_stats(&self) -> MoeLayerStats {
+        std::mem::take(&mut *crate::comm::lock(&self.stats))
+    }
+
+    /// Every expert of the layer, gathered over the expert-parallel group, by global index:
+    /// `(linear_fc1, linear_fc2)`, detached (for an export). Collective over the group.
+    pub fn gather_experts(&self) -> Result<Vec<(Tensor<2>, Tensor<2>)>, TpError> {
+        let (n, local) = (self.ep.group().size(), self.local_experts.len());
+        let gather = |p: &Param<Tensor<2>>| -> Result<Vec<Tensor<2>>, TpError> {
+            let all: Tensor<3> =
+                crate::comm::tensor::all_gather(&*self.ep, p.val().detach().unsqueeze(), 0)?;
+            Ok((0..n)
+                .map(|r| all.clone().narrow(0, r, 1).squeeze_dim::<2>(0))
+                .collect())
+        };
+        let mut by_rank: Vec<Vec<(Tensor<2>, Tensor<2>)>> = vec![Vec::new(); n];
+        for e in &self.local_experts {
+            let (fc1, fc2) = (gather(&e.linear_fc1)?, gather(&e.linear_fc2)?);
+            for (r, pair) in fc1.into_iter().zip(fc2).enumerate() {
+                by_rank[r].push(pair);
+            }
+        }
+        debug_assert!(by_rank.iter().all(|v| v.len() == local));
+        Ok(by_rank.into_iter().flatten().collect())
     }
 
     /// Router logits (`[T, E]`, FP32) of `tokens` (`[T, hidden]`).
@@ -314,10 +395,35 @@ impl MoeLayer {
     pub fn forward(&self, x: Tensor<3>) -> Result<Tensor<3>, TpError> {
         self.state_attrs();
         let _span = tracing::debug_span!("moe").entered();
-        let [s, b, h] = x.dims();
         let dtype = x.dtype();
+        let shared = self.shared_expert.as_ref().map(|e| e.forward(x.clone()));
+        // Without sequence parallelism every TP rank holds the whole sequence: each routes
+        // its part, and the outputs are gathered back.
+        let tp = self.tp.group().size();
+        let whole = tp > 1 && !self.sequence_parallel;
+        let divisible = x.dims()[0].is_multiple_of(tp);
+        // A sequence that does not split (a decoding step) is routed whole on every rank:
+        // the outputs are right, but an expert shared by TP ranks would see its tokens
+        // twice in backward, so only untracked activations may take that path.
+        if whole && !divisible && x.is_tracked() {
+            return Err(TpError::Invalid(format!(
+                "a mixture-of-experts layer splits the sequence over tensor parallelism: \
+                 {} tokens do not split over {tp} ranks (train with a sequence length \
+                 divisible by the TP size, or run inference on an untracked model)",
+                x.dims()[0]
+            )));
+        }
+        let split = whole && divisible;
+        let x = if split {
+            scatter_to_sequence_parallel_region(x, &self.tp)
+        } else {
+            x
+        };
+        let [s, b, h] = x.dims();
         let tokens = x.reshape([s * b, h]);
+        let span = tracing::debug_span!("moe.router").entered();
         let routed = route(&self.config, self.router_logits(tokens.clone()), &self.tp)?;
+        drop(span);
         let routing = &routed.routing;
         let out = match self.config.moe_token_dispatcher_type {
             TokenDispatcherType::AllToAll => {
@@ -328,17 +434,31 @@ impl MoeLayer {
             }
         };
         let mut out = out.cast(dtype);
-        let aux_value = routed
-            .aux_loss
-            .as_ref()
-            .map(|a| a.clone().detach().into_scalar::<f32>());
+        let coeff = self.config.moe_aux_loss_coeff;
+        let aux_value = routed.aux_loss.as_ref().map_or(0.0, |a| {
+            f64::from(a.clone().detach().into_scalar::<f32>()) / coeff
+        });
         for loss in [routed.aux_loss, routed.z_loss].into_iter().flatten() {
             out = attach_aux_loss(out, loss);
         }
-        *crate::comm::lock(&self.stats) = MoeLayerStats {
-            aux_loss: aux_value,
-            tokens_per_expert: routed.routing.tokens_per_expert.clone(),
+        let mut stats = crate::comm::lock(&self.stats);
+        stats.forwards += 1;
+        stats.load_balancing_loss += aux_value;
+        let counts = &routed.routing.tokens_per_expert;
+        stats.tokens_per_expert.resize(counts.len(), 0);
+        for (total, c) in stats.tokens_per_expert.iter_mut().zip(counts) {
+            *total += c;
+        }
+        drop(stats);
+        let out = out.reshape([s, b, h]);
+        let out = if split {
+            gather_from_sequence_parallel_region(out, &self.tp, false)
+        } else {
+            out
         };
-        Ok(out.reshape([s, b, h]))
+        Ok(match shared {
+            Some(shared) => out + shared,
+            None => out,
+        })
     }
 }

@@ -20,8 +20,8 @@
 //! interleaving), as Megatron's list of model chunks.
 
 use crate::checkpoint::{
-    CheckpointError, CheckpointRank, Restored, SavedLayout, begin_checkpoint, commit_checkpoint,
-    latest_loadable_checkpoint, load_checkpoint, save_checkpoint,
+    CheckpointError, CheckpointRank, Restored, SaveShare, SavedLayout, begin_checkpoint,
+    commit_checkpoint, latest_loadable_checkpoint, load_checkpoint, save_checkpoint,
 };
 use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::data_parallel::{
@@ -31,6 +31,7 @@ use crate::data_parallel::{
 use crate::launch::RankContext;
 use crate::optimizer::{FusedAdam, MegatronOptimizer, OptimizerError};
 use crate::pipeline::GradSync;
+use crate::topology::GroupKind;
 use burn::config::Config;
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -94,6 +95,9 @@ pub struct ParallelTraining {
     tied: bool,
     tp_rank: usize,
     pp_rank: usize,
+    ep_rank: usize,
+    /// This rank's index among the replicas of its experts.
+    expert_dp_rank: usize,
     dp_rank: usize,
     dp_size: usize,
     layout: SavedLayout,
@@ -135,6 +139,10 @@ impl ParallelTrainingConfig {
             chunk_dp,
             tp_rank: state.tensor_model_parallel_rank(),
             pp_rank: state.pipeline_model_parallel_rank(),
+            ep_rank: state.expert_model_parallel_rank(),
+            expert_dp_rank: state
+                .index_in_group(GroupKind::ExpertDataParallel)
+                .expect("a rank always belongs to its own edp group"),
             dp_rank: state.data_parallel_rank_with_cp(),
             dp_size: state.data_parallel_size() * state.context_parallel_size(),
             layout: SavedLayout {
@@ -144,6 +152,7 @@ impl ParallelTrainingConfig {
                 // The optimizer's shards: a CP 2 × DP 1 checkpoint is sharded as DP 2.
                 data_parallel_size: state.data_parallel_size() * state.context_parallel_size(),
                 distributed_optimizer: self.use_distributed_optimizer,
+                expert_model_parallel_size: state.expert_model_parallel_size(),
             },
             names,
             plans: Vec::new(),
@@ -204,6 +213,14 @@ impl ParallelTraining {
             layout: self.layout,
             tensor_model_parallel_rank: self.tp_rank,
             pipeline_model_parallel_rank: self.pp_rank,
+            expert_model_parallel_rank: self.ep_rank,
+            // The dense weights are written by data-parallel rank 0 (every rank with the
+            // distributed optimizer, whose step gathers to it), the experts by their
+            // expert data-parallel rank 0.
+            share: SaveShare {
+                dense: self.dp_rank == 0 || self.config.use_distributed_optimizer,
+                experts: self.expert_dp_rank == 0,
+            },
             names: &*self.names,
         }
     }
@@ -291,7 +308,8 @@ impl ParallelTraining {
         extra: serde_json::Value,
     ) -> Result<(), CheckpointError> {
         let leader = self.world.group().rank() == 0;
-        let writes = self.dp_rank == 0 || self.config.use_distributed_optimizer;
+        let share = self.checkpoint_rank().share;
+        let writes = share.dense || share.experts;
         self.phase(
             "clearing",
             leader.then(|| begin_checkpoint(root, iteration)),

@@ -106,6 +106,10 @@ pub struct TrainArgs {
     /// How attention reaches the other CP ranks' keys and values.
     #[arg(long, value_enum, default_value = "all_gather")]
     pub cp_comm_type: CpCommType,
+    /// Expert-parallel size: each MoE layer's experts split over this many ranks, which
+    /// exchange tokens (laid out as Megatron-Core's expert groups; expert TP is 1).
+    #[arg(long, default_value_t = 1)]
+    pub expert_model_parallel_size: usize,
     /// Form the parallel linear layers' weight gradients in f32 with the fused kernel
     /// (Megatron's flag of the same name), also under --bf16 / --fp16.
     #[arg(long)]
@@ -334,11 +338,12 @@ impl TrainArgs {
         )
         .with_sequence_parallel(self.sequence_parallel)
         .with_context_parallel(self.context_parallel_size)
+        .with_expert_parallel(self.expert_model_parallel_size)
         .with_virtual_pipeline((self.num_layers_per_virtual_pipeline_stage.is_some()).then_some(v));
         config.clone().validate().map_err(|e| {
             format!(
-                "--world-size {} with --tensor-model-parallel-size {}, --pipeline-model-parallel-size {} and --context-parallel-size {}: {e}",
-                self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+                "--world-size {} with --tensor-model-parallel-size {}, --pipeline-model-parallel-size {}, --context-parallel-size {} and --expert-model-parallel-size {}: {e}",
+                self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size, self.expert_model_parallel_size
             )
         })?;
         Ok(config)

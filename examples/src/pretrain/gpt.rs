@@ -5,6 +5,7 @@
 use super::args::TrainArgs;
 use super::data::{DataSource, GptData};
 use super::learner::LearnerOptions;
+use super::moe_args::MoeArgs;
 use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
 use burn::config::Config;
 use burn::module::Module;
@@ -20,6 +21,7 @@ use burn_megatron::models::{
     ActivationFunc, GenerateConfig, Gpt, GptConfig, GptStageOutput, HfGptConfig, NormKind,
     PositionEmbeddingType, generate, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
 };
+use burn_megatron::moe::{MoeConfig, MoeLayerStats};
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
 use burn_megatron::tensor_parallel::{RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
@@ -114,6 +116,9 @@ pub struct GptArgs {
     /// Tokens generated for each of the samples printed at the end (0: none).
     #[arg(long, default_value_t = 32)]
     pub generate_tokens: usize,
+    /// Mixture of experts.
+    #[command(flatten)]
+    pub moe: MoeArgs,
 }
 
 impl GptArgs {
@@ -171,6 +176,8 @@ impl GptArgs {
             .with_sequence_parallel(a.sequence_parallel)
             .with_recompute(a.recompute())
             .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
+            .with_moe(self.moe.config())
+            .with_moe_layer_freq(self.moe.moe_layer_freq)
             .with_seed(a.seed))
     }
 
@@ -208,6 +215,13 @@ impl GptArgs {
                     a.hidden_size
                 ));
             }
+        }
+        self.moe
+            .validate(a.expert_model_parallel_size, tp, a.seq_length)?;
+        if self.moe.num_experts.is_some() && !self.disable_bias_linear && self.load_hf.is_none() {
+            return Err(
+                "--num-experts needs --disable-bias-linear: the experts have no biases".into(),
+            );
         }
         let config = self.model_config(1)?;
         if config.position_embedding_type == PositionEmbeddingType::LearnedAbsolute
@@ -282,7 +296,7 @@ impl Family for GptFamily {
     fn init_chunk(&self, ctx: &RankContext, position: PipelinePosition) -> Result<Gpt, String> {
         let chunk = self
             .config
-            .init_stage(&ctx.groups.tp, position, &ctx.device)
+            .init_stage_with_experts(&ctx.groups.tp, Some(&ctx.groups.ep), position, &ctx.device)
             .map_err(|e| e.to_string())?;
         match &self.hf {
             Some((hf, tensors)) => {
@@ -294,6 +308,22 @@ impl Family for GptFamily {
 
     fn first_layer(chunk: &Gpt) -> usize {
         chunk.first_layer()
+    }
+
+    fn first_expert(chunk: &Gpt) -> usize {
+        chunk.first_expert()
+    }
+
+    fn moe(&self) -> Option<&MoeConfig> {
+        self.config.moe.as_ref()
+    }
+
+    fn take_moe_stats(chunks: &[Gpt]) -> Vec<MoeLayerStats> {
+        chunks
+            .iter()
+            .flat_map(|c| &c.layers)
+            .filter_map(|l| l.moe.as_ref().map(|m| m.take_stats()))
+            .collect()
     }
 
     fn global_name(first: &[usize], path: &str) -> String {
@@ -360,8 +390,9 @@ impl Family for GptFamily {
         // rebuilt without it, with the same weights.
         let model = if self.config.sequence_parallel {
             let plain = self.config.clone().with_sequence_parallel(false);
+            let (g, whole) = (&ctx.groups, PipelinePosition::whole());
             plain
-                .init(&ctx.groups.tp, &ctx.device)
+                .init_stage_with_experts(&g.tp, Some(&g.ep), whole, &ctx.device)
                 .map_err(|e| e.to_string())?
                 .load_record(model.clone().into_record())
         } else {
@@ -370,7 +401,10 @@ impl Family for GptFamily {
         if self.args.generate_tokens > 0 && !self.prompts.is_empty() {
             let config = GenerateConfig::new(self.args.generate_tokens)
                 .with_eos_token_id(Some(self.tokenizer.eod));
-            let out = generate(&model, &self.prompts, &config).map_err(|e| e.to_string())?;
+            // Untracked: nothing is trained here (and an MoE layer may then route a decoding
+            // step's single token whole on every TP rank).
+            let untracked = model.clone().no_grad();
+            let out = generate(&untracked, &self.prompts, &config).map_err(|e| e.to_string())?;
             for (prompt, new) in self.prompts.iter().zip(&out.tokens) {
                 let text = |ids: &[u32]| self.tokenizer.decode(ids).map_err(|e| e.to_string());
                 if leader {

@@ -11,6 +11,7 @@ mod bert;
 mod data;
 mod gpt;
 mod learner;
+mod moe_args;
 mod plot;
 mod spans;
 mod train;
@@ -19,6 +20,7 @@ pub use args::{CpCommType, DecayStyle, Granularity, Method, TrainArgs, WdIncr};
 pub use bert::{Args, run};
 pub use gpt::{GptArgs, PositionEmbedding, run_gpt, run_gpt_learner};
 pub use learner::{LearnerOptions, Renderer};
+pub use moe_args::{Dispatcher, MoeArgs, RouterScore, TokenDrop};
 pub use train::scheduler;
 
 use burn::module::Module;
@@ -64,6 +66,30 @@ pub struct IterationLog {
     pub ms_per_iter: f64,
     /// Training tokens per second.
     pub tokens_per_s: f64,
+    /// Mixture of experts: what the MoE layers saw this iteration.
+    pub moe: Option<MoeLog>,
+}
+
+/// What a model's MoE layers saw in one iteration, over all layers, micro-batches and
+/// data-parallel replicas.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeLog {
+    /// The mean load-balancing loss without its coefficient (about 1 when balanced; `None`
+    /// when `--moe-aux-loss-coeff` is 0).
+    pub load_balancing_loss: Option<f64>,
+    /// Each expert's share of the routed tokens.
+    pub expert_token_share: Vec<f64>,
+}
+
+impl MoeLog {
+    /// Tokens of the busiest expert over the mean: 1 when balanced.
+    pub fn max_over_mean(&self) -> f64 {
+        let n = self.expert_token_share.len().max(1) as f64;
+        self.expert_token_share
+            .iter()
+            .fold(0.0f64, |m, &s| m.max(s))
+            * n
+    }
 }
 
 /// One validation: iteration, lm loss and (BERT) sentence-order loss.
@@ -111,6 +137,18 @@ pub trait Family: Send + Sync + 'static {
     ) -> Result<Self::Chunk, String>;
     /// The global index of a chunk's first layer.
     fn first_layer(chunk: &Self::Chunk) -> usize;
+    /// The global index of this rank's first expert in each MoE layer (0 without experts).
+    fn first_expert(_chunk: &Self::Chunk) -> usize {
+        0
+    }
+    /// The model's mixture-of-experts settings (`None`: a dense model).
+    fn moe(&self) -> Option<&burn_megatron::moe::MoeConfig> {
+        None
+    }
+    /// Each MoE layer's stats since they were last taken (and counting afresh).
+    fn take_moe_stats(_chunks: &[Self::Chunk]) -> Vec<burn_megatron::moe::MoeLayerStats> {
+        Vec::new()
+    }
     /// The global name of the parameter at `path` of chunks whose first layers are `first`.
     fn global_name(first: &[usize], path: &str) -> String;
     /// One microbatch (samples `samples` of `split`) through `step.model`: its activation,
@@ -171,10 +209,25 @@ pub fn log_line(e: &IterationLog, args: &TrainArgs) -> String {
     let sop = e
         .sop_loss
         .map_or(String::new(), |s| format!(" sop loss: {s:.6E} |"));
+    let moe = e.moe.as_ref().map_or(String::new(), |m| {
+        let lb = m.load_balancing_loss.map_or(String::new(), |l| {
+            format!(" load balancing loss: {l:.6E} |")
+        });
+        let shares: Vec<String> = m
+            .expert_token_share
+            .iter()
+            .map(|s| format!("{:.1}", 100.0 * s))
+            .collect();
+        format!(
+            "{lb} expert token share (%): {} | expert tokens max/mean: {:.3} |",
+            shares.join(" "),
+            m.max_over_mean()
+        )
+    });
     format!(
         " iteration {:>8}/{:>8} | consumed samples: {:>10} | elapsed time per iteration (ms): {:.1} | \
          learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} |{sop} \
-         loss scale: {:.1} | grad norm: {norm} | number of skipped iterations: {:>3} | tokens/s: {:.0} |",
+         loss scale: {:.1} | grad norm: {norm} | number of skipped iterations: {:>3} | tokens/s: {:.0} |{moe}",
         e.iteration,
         args.train_iters,
         e.consumed_samples,
@@ -290,6 +343,8 @@ fn write_log_json(path: &std::path::Path, log: &[IterationLog]) -> Result<(), St
                 "skipped_iterations": e.skipped_iterations,
                 "ms_per_iter": e.ms_per_iter,
                 "tokens_per_s": e.tokens_per_s,
+                "load_balancing_loss": e.moe.as_ref().and_then(|m| m.load_balancing_loss),
+                "expert_token_share": e.moe.as_ref().map(|m| m.expert_token_share.clone()),
             })
             .to_string()
         })
@@ -321,6 +376,10 @@ pub fn read_log_json(path: &std::path::Path) -> Result<Vec<IterationLog>, String
                 skipped_iterations: u("skipped_iterations")?,
                 ms_per_iter: f("ms_per_iter")?,
                 tokens_per_s: f("tokens_per_s")?,
+                moe: v["expert_token_share"].as_array().map(|shares| MoeLog {
+                    load_balancing_loss: v["load_balancing_loss"].as_f64(),
+                    expert_token_share: shares.iter().filter_map(|s| s.as_f64()).collect(),
+                }),
             })
         })
         .collect()

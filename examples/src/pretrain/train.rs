@@ -3,7 +3,7 @@
 //! sequence-parallel and tied-embedding gradient reductions, the Megatron optimizer step,
 //! validation and checkpoints.
 
-use super::{Eval, Family, IterationLog, Shared, Split, TrainArgs};
+use super::{Eval, Family, IterationLog, MoeLog, Shared, Split, TrainArgs};
 use crate::memory::RankMemory;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
@@ -11,6 +11,7 @@ use burn::tensor::DType;
 use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
 use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::launch::RankContext;
+use burn_megatron::moe::global_expert_name;
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
     OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
@@ -198,7 +199,11 @@ pub(super) fn setup_rank<F: Family>(
     // One object for the data-parallel reducers, the distributed optimizer's plans and the
     // checkpoints; keys tensors by global name, so any layout loads any other's.
     let first_layers: Vec<usize> = model.iter().map(F::first_layer).collect();
-    let names = Arc::new(move |path: &str| F::global_name(&first_layers, path));
+    // Experts go by their global index, so a checkpoint loads at any expert-parallel size.
+    let first_expert = model.first().map_or(0, F::first_expert);
+    let names = Arc::new(move |path: &str| {
+        global_expert_name(&F::global_name(&first_layers, path), first_expert)
+    });
     let mut training = ParallelTrainingConfig::new()
         .with_overlap_grad_reduce(args.overlap_grad_reduce)
         .with_use_distributed_optimizer(args.use_distributed_optimizer)
@@ -297,6 +302,8 @@ impl<F: Family> Step<'_, F> {
     ) -> Result<(GradientsParams, SharedLosses, Vec<Span>), String> {
         let args = &self.shared.args;
         let tp_rank = self.ctx.state.tensor_model_parallel_rank();
+        // Forwards since the last step (validation's) are not this iteration's.
+        F::take_moe_stats(model);
         // Dropout masks are a function of (seed, iteration): nothing to checkpoint.
         let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
         let mut fb = ForwardBackwardConfig::new(args.schedule(&self.shared.layout));
@@ -335,6 +342,7 @@ impl<F: Family> Step<'_, F> {
         t0: Instant,
     ) -> Result<(Vec<F::Chunk>, IterationLog), String> {
         let args = &self.shared.args;
+        let moe = self.moe_log(&model)?;
         let lr = scheduler.lr_at(iteration);
         optim
             .set_weight_decay(scheduler.wd_at(iteration))
@@ -354,8 +362,44 @@ impl<F: Family> Step<'_, F> {
             skipped_iterations: *skipped,
             ms_per_iter: ms,
             tokens_per_s: tokens_per_iter / (ms / 1e3),
+            moe,
         };
         Ok((model, entry))
+    }
+
+    /// What the MoE layers saw this iteration, over every layer, micro-batch and rank
+    /// (collective over the world when the model has experts).
+    fn moe_log(&self, model: &[F::Chunk]) -> Result<Option<MoeLog>, String> {
+        let Some(moe) = self.shared.family.moe() else {
+            return Ok(None);
+        };
+        let e = moe.num_experts;
+        // Counts are already summed over the TP ranks that split the tokens; the loss is
+        // each TP rank's part of it.
+        let tp0 = self.ctx.state.tensor_model_parallel_rank() == 0;
+        let (mut aux, mut counts) = (vec![0.0f32], vec![0i64; e + 1]);
+        for s in F::take_moe_stats(model) {
+            aux[0] += s.load_balancing_loss as f32;
+            if tp0 {
+                counts[0] += s.forwards as i64;
+                for (c, &t) in counts[1..].iter_mut().zip(&s.tokens_per_expert) {
+                    *c += t as i64;
+                }
+            }
+        }
+        let world = &self.ctx.groups.world;
+        world
+            .all_reduce_vec(&mut aux, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        world
+            .all_reduce_vec(&mut counts, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        let total = counts[1..].iter().sum::<i64>().max(1) as f64;
+        Ok(Some(MoeLog {
+            load_balancing_loss: (moe.moe_aux_loss_coeff > 0.0)
+                .then(|| f64::from(aux[0]) / counts[0].max(1) as f64),
+            expert_token_share: counts[1..].iter().map(|&c| c as f64 / total).collect(),
+        }))
     }
 }
 

@@ -95,6 +95,12 @@ fn suite(world: &dyn World, rank: usize) -> Result<Results, CommError> {
                 comm.send_recv(values(dtype, rank, 6, step), next, &mut got, prev)?;
                 out.push((format!("{name} send_recv step {step} {dtype}"), got));
             }
+            // Member i sends i + j + 1 elements to member j: every count differs.
+            let send: Vec<usize> = (0..g).map(|j| me + j + 1).collect();
+            let recv: Vec<usize> = (0..g).map(|i| i + me + 1).collect();
+            let input = values(dtype, rank, send.iter().sum(), 5);
+            let exchanged = comm.all_to_all_v(input, &send, &recv)?;
+            out.push((format!("{name} all_to_all_v {dtype}"), exchanged));
             comm.barrier()?;
         }
         // Empty buffers and a group of one rank are fine too.

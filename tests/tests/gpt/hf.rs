@@ -26,7 +26,7 @@ pub(super) fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-type Fixture = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
+pub(super) type Fixture = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
 
 fn ints(
     f: &Fixture,
@@ -40,12 +40,12 @@ fn ints(
 }
 
 /// What one rank computes on a fixture's batch.
-struct Outputs {
+pub(super) struct Outputs {
     /// `[b, s, V]`, the padding of the vocabulary cut off.
-    logits: Vec<f64>,
-    loss: f64,
+    pub(super) logits: Vec<f64>,
+    pub(super) loss: f64,
     /// Every gradient under its Hugging Face name.
-    grads: Vec<(String, Vec<f64>)>,
+    pub(super) grads: Vec<(String, Vec<f64>)>,
 }
 
 /// Our causal-LM loss of `transformers`' batch: labels shifted (position j predicts label
@@ -56,6 +56,18 @@ fn forward(
     hf: &HfGptConfig,
     f: &Fixture,
     device: &burn::tensor::Device,
+) -> Result<Outputs, Error> {
+    forward_then(model, hf, f, device, |_| Ok(()))
+}
+
+/// [`forward`] with `finalize` applied to the gradients before they are compared (the
+/// reductions of a layout whose ranks hold the same batch).
+pub(super) fn forward_then(
+    model: &Gpt,
+    hf: &HfGptConfig,
+    f: &Fixture,
+    device: &burn::tensor::Device,
+    finalize: impl Fn(&mut GradientsParams) -> Result<(), Error>,
 ) -> Result<Outputs, Error> {
     let ids = ints(f, "input_ids", |x| x as i64, device);
     let [b, s] = ids.dims();
@@ -91,7 +103,8 @@ fn forward(
         .swap_dims(0, 1)
         .narrow(2, 0, hf.vocab_size);
     let value = f64::from(loss.clone().into_scalar::<f32>());
-    let grads = GradientsParams::from_grads(loss.backward(), model);
+    let mut grads = GradientsParams::from_grads(loss.backward(), model);
+    finalize(&mut grads)?;
     let grads = hf_gpt_state_dict(&as_gradients(model, &grads), hf)?
         .into_iter()
         .map(|(n, d)| (n, d.iter::<f32>().map(f64::from).collect()))

@@ -6,6 +6,7 @@ mod context_parallel;
 mod errors;
 mod generate;
 mod hf;
+mod hf_moe;
 mod moe;
 mod parity;
 mod pipeline;

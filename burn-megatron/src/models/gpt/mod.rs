@@ -32,7 +32,7 @@ use super::transformer::{
     ActivationFunc, LayerNormPosition, Norm, NormKind, TransformerLayer, TransformerLayerConfig,
 };
 use crate::comm::Comm;
-use crate::moe::MoeConfig;
+use crate::moe::{MoeConfig, MoeLayer, global_expert_name};
 use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, TpError,
@@ -455,10 +455,21 @@ impl Gpt {
         )
     }
 
-    /// [`Gpt::global_param_name_at`] with each chunk's first layer read from `chunks`.
+    /// [`Gpt::global_param_name_at`] with each chunk's first layer read from `chunks`, and
+    /// local experts named by their global index ([`global_expert_name`]).
     pub fn global_param_name(chunks: &[Gpt], path: &str) -> String {
         let first: Vec<usize> = chunks.iter().map(Gpt::first_layer).collect();
-        Self::global_param_name_at(&first, path)
+        let first_expert = chunks.first().map_or(0, Gpt::first_expert);
+        global_expert_name(&Self::global_param_name_at(&first, path), first_expert)
+    }
+
+    /// The global index of this rank's first expert in every MoE layer (0 without experts
+    /// or expert parallelism).
+    pub fn first_expert(&self) -> usize {
+        self.layers
+            .iter()
+            .find_map(|l| l.moe.as_ref().map(MoeLayer::first_expert))
+            .unwrap_or(0)
     }
 
     /// The global index of this chunk's first layer.

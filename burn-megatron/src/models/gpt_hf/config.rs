@@ -1,9 +1,10 @@
 //! Hugging Face `config.json` of the causal-LM families a [`Gpt`](crate::models::Gpt)
-//! represents: Llama, Mistral, Qwen2 and GPT-2, read in both of transformers' styles (rope
+//! represents: Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE and GPT-2, read in both of transformers' styles (rope
 //! settings at the top level, or in transformers 5's `rope_parameters`).
 
 use super::super::hf_host::HfError;
 use super::super::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType, RopeScaling};
+use super::experts::HfExperts;
 use crate::tensor_parallel::padded_vocab_size;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -19,6 +20,11 @@ pub enum HfArchitecture {
     Qwen2,
     /// `GPT2LMHeadModel`: learned positions, LayerNorm, GeLU, biases, Conv1D weights.
     Gpt2,
+    /// `MixtralForCausalLM`: Mistral's layout with a mixture of experts in every layer.
+    Mixtral,
+    /// `Qwen2MoeForCausalLM`: Qwen2's layout with a mixture of experts and a gated shared
+    /// expert in every layer.
+    Qwen2Moe,
 }
 
 impl HfArchitecture {
@@ -28,9 +34,11 @@ impl HfArchitecture {
             "mistral" => Self::Mistral,
             "qwen2" => Self::Qwen2,
             "gpt2" => Self::Gpt2,
+            "mixtral" => Self::Mixtral,
+            "qwen2_moe" => Self::Qwen2Moe,
             other => {
                 return Err(HfError::Unsupported(format!(
-                    "model_type {other:?} (a GPT reads llama, mistral, qwen2 and gpt2)"
+                    "model_type {other:?} (a GPT reads llama, mistral, mixtral, qwen2, qwen2_moe and gpt2)"
                 )));
             }
         })
@@ -43,6 +51,8 @@ impl HfArchitecture {
             Self::Mistral => ("mistral", "MistralForCausalLM"),
             Self::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
             Self::Gpt2 => ("gpt2", "GPT2LMHeadModel"),
+            Self::Mixtral => ("mixtral", "MixtralForCausalLM"),
+            Self::Qwen2Moe => ("qwen2_moe", "Qwen2MoeForCausalLM"),
         }
     }
 }
@@ -87,6 +97,8 @@ pub struct HfGptConfig {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens.
     pub eos_token_id: Vec<u32>,
+    /// The experts of a mixture-of-experts family (Mixtral, Qwen2-MoE).
+    pub experts: Option<HfExperts>,
 }
 
 fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
@@ -203,7 +215,7 @@ impl HfGptConfig {
             return unsupported(format!("sliding-window attention (sliding_window {w})"));
         }
         let (add_bias_linear, add_qkv_bias) = match architecture {
-            HfArchitecture::Qwen2 => (false, true),
+            HfArchitecture::Qwen2 | HfArchitecture::Qwen2Moe => (false, true),
             _ => {
                 let attention = bool_of(v, "attention_bias", false)?;
                 let mlp = bool_of(v, "mlp_bias", false)?;
@@ -223,6 +235,7 @@ impl HfGptConfig {
             usize_of(v, "num_attention_heads")?,
         );
         let (rope_theta, rope_scaling) = rope(v)?;
+        let experts = HfExperts::read(architecture, v)?;
         Ok(Self {
             architecture,
             vocab_size: usize_of(v, "vocab_size")?,
@@ -244,6 +257,7 @@ impl HfGptConfig {
             activation: ActivationFunc::Silu,
             bos_token_id: token_ids(v, "bos_token_id").first().copied(),
             eos_token_id: token_ids(v, "eos_token_id"),
+            experts,
         })
     }
 
@@ -283,6 +297,7 @@ impl HfGptConfig {
             activation,
             bos_token_id: token_ids(v, "bos_token_id").first().copied(),
             eos_token_id: token_ids(v, "eos_token_id"),
+            experts: None,
         })
     }
 
@@ -322,6 +337,7 @@ impl HfGptConfig {
         .with_untie_embeddings_and_output_weights(!self.tie_word_embeddings)
         .with_hidden_dropout(0.0)
         .with_attention_dropout(0.0)
+        .with_moe(self.experts.map(|e| e.moe_config()))
     }
 
     /// The Hugging Face config of `config` (real vocabulary `vocab_size`): Llama, Qwen2 (QKV
@@ -367,6 +383,10 @@ impl HfGptConfig {
                 HfArchitecture::Gpt2
             }
         };
+        let (architecture, experts) = match HfExperts::of(config)? {
+            Some((family, experts)) => (family, Some(experts)),
+            None => (architecture, None),
+        };
         Ok(Self {
             architecture,
             vocab_size,
@@ -386,6 +406,7 @@ impl HfGptConfig {
             activation: config.activation_func,
             bos_token_id: None,
             eos_token_id: Vec::new(),
+            experts,
         })
     }
 
@@ -437,7 +458,13 @@ impl HfGptConfig {
                 "hidden_act": "silu",
                 "attention_dropout": 0.0,
             });
-            if self.architecture == HfArchitecture::Qwen2 {
+            if let Some(experts) = &self.experts {
+                experts.write(self.architecture, &mut v);
+            }
+            if matches!(
+                self.architecture,
+                HfArchitecture::Qwen2 | HfArchitecture::Qwen2Moe
+            ) {
                 v["use_sliding_window"] = json!(false);
             } else {
                 v["attention_bias"] = json!(self.add_bias_linear);

@@ -1,5 +1,6 @@
-//! Hugging Face causal-LM checkpoints (Llama, Mistral, Qwen2, GPT-2) in and out of a
-//! [`Gpt`] at any tensor-parallel size.
+//! Hugging Face causal-LM checkpoints (Llama, Mistral, Qwen2, GPT-2, and the
+//! mixture-of-experts Mixtral and Qwen2-MoE) in and out of a [`Gpt`] at any tensor- and
+//! expert-parallel size.
 //!
 //! The interop is a name map plus the few layout transforms between a Hugging Face tensor
 //! and the model's *global* tensor (the one a checkpoint saves): `[out, in]` linear weights
@@ -9,14 +10,17 @@
 //! same map serves every TP size and pipeline stage.
 
 mod config;
+mod experts;
 mod names;
 
 pub use config::{HfArchitecture, HfGptConfig};
+pub use experts::HfExperts;
 
 use super::Gpt;
 use super::hf_host::{HfError, Host, host_of};
 use crate::comm::{Comm, tensor::all_gather};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
+use crate::moe::global_expert_name;
 use crate::safetensors_io;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::Param;
@@ -102,11 +106,13 @@ pub fn load_hf_gpt_weights(
     hf: &HfGptConfig,
     tensors: &HashMap<String, TensorData>,
 ) -> Result<Gpt, HfError> {
-    let first = chunk.first_layer();
+    let (first, first_expert) = (chunk.first_layer(), chunk.first_expert());
     let mut loader = Loader {
         hf,
         tensors,
-        names: Box::new(move |p| Gpt::global_param_name_at(&[first], p)),
+        names: Box::new(move |p| {
+            global_expert_name(&Gpt::global_param_name_at(&[first], p), first_expert)
+        }),
         tp: (chunk.tp().group().rank(), chunk.tp().group().size()),
         used: Vec::new(),
         error: None,
@@ -115,11 +121,13 @@ pub fn load_hf_gpt_weights(
     if let Some(e) = loader.error {
         return Err(e);
     }
-    // A whole model must use every tensor; a pipeline chunk only its own.
+    // A whole model must use every tensor; a pipeline chunk only its own, an expert-parallel
+    // rank only its experts.
     if chunk.embedding.is_some() && chunk.head.is_some() {
+        let others = other_ranks_experts(&chunk, hf);
         let mut left: Vec<&String> = tensors
             .keys()
-            .filter(|k| !loader.used.contains(k) && !names::ignored(hf, k))
+            .filter(|k| !loader.used.contains(k) && !names::ignored(hf, k) && !others.contains(*k))
             .collect();
         left.sort();
         if !left.is_empty() {
@@ -129,6 +137,27 @@ pub fn load_hf_gpt_weights(
         }
     }
     Ok(chunk)
+}
+
+/// The Hugging Face names of the experts other expert-parallel ranks hold.
+fn other_ranks_experts(chunk: &Gpt, hf: &HfGptConfig) -> std::collections::HashSet<String> {
+    let mut out = std::collections::HashSet::new();
+    for (l, layer) in chunk.layers.iter().enumerate() {
+        let Some(moe) = &layer.moe else { continue };
+        let mine = moe.first_expert()..moe.first_expert() + moe.local_experts.len();
+        for e in (0..moe.config().num_experts).filter(|e| !mine.contains(e)) {
+            for linear in ["linear_fc1", "linear_fc2"] {
+                let ours = format!(
+                    "layers.{}.moe.experts.{e}.{linear}",
+                    chunk.first_layer() + l
+                );
+                if let Ok(spec) = names::spec_of(hf, &ours) {
+                    out.extend(spec.hf);
+                }
+            }
+        }
+    }
+    out
 }
 
 struct Loader<'a> {
@@ -224,6 +253,10 @@ fn gather_global(model: &Gpt) -> Result<BTreeMap<String, Host>, HfError> {
     impl PathVisitor for Gather<'_> {
         fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
             let attrs = parallel_attrs(p.id);
+            // Experts are gathered over their own group, below.
+            if attrs.expert {
+                return;
+            }
             let value = p.val().detach();
             // Every rank gathers the same parameters in the same order, errors or not.
             let full = match attrs.split_dim() {
@@ -258,10 +291,25 @@ fn gather_global(model: &Gpt) -> Result<BTreeMap<String, Host>, HfError> {
         error: None,
     };
     visit_paths(model, &mut g);
-    match g.error {
-        Some(e) => Err(e),
-        None => Ok(g.out),
+    if let Some(e) = g.error {
+        return Err(e);
     }
+    let mut out = g.out;
+    for (l, layer) in model.layers.iter().enumerate() {
+        let Some(moe) = &layer.moe else { continue };
+        let experts = moe
+            .gather_experts()
+            .map_err(|e| HfError::Unsupported(e.to_string()))?;
+        for (e, (fc1, fc2)) in experts.into_iter().enumerate() {
+            for (name, t) in [("linear_fc1", fc1), ("linear_fc2", fc2)] {
+                let [rows, cols] = t.dims();
+                let values: Vec<f32> = t.into_data().iter::<f32>().collect();
+                let key = format!("layers.{}.moe.experts.{e}.{name}", model.first_layer() + l);
+                out.insert(key, Host { values, rows, cols });
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The Hugging Face tensors of a whole `model`, vocabulary trimmed to `hf.vocab_size`.

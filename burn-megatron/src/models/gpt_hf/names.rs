@@ -19,6 +19,9 @@ pub(super) enum Transform {
     VocabRows,
     /// The output layer: vocabulary rows padded, then transposed to `[h, V]`.
     VocabLinear,
+    /// An expert's up projection: the gate's `[f, h]` rows, then the up projection's,
+    /// transposed to `[h, 2f]` (gate columns first, as the experts split it).
+    GateUp,
 }
 
 /// The Hugging Face tensors of one global tensor.
@@ -58,6 +61,9 @@ pub(super) fn spec_of(hf: &HfGptConfig, ours: &str) -> Result<Spec, HfError> {
     if let Some(rest) = name.strip_prefix("layers.") {
         let (i, rest) = rest.split_once('.').ok_or_else(unknown)?;
         let p = format!("{layer}.{i}");
+        if let Some(moe) = rest.strip_prefix("moe.") {
+            return moe_spec(hf, &p, moe).ok_or_else(unknown);
+        }
         let (module, tail) = rest.rsplit_once('.').ok_or_else(unknown)?;
         let bias = tail == "bias";
         return Ok(match (module, gpt2) {
@@ -133,6 +139,57 @@ pub(super) fn spec_of(hf: &HfGptConfig, ours: &str) -> Result<Spec, HfError> {
     })
 }
 
+/// A mixture-of-experts layer's tensor `name` (after `moe.`) in layer `p`: the router, an
+/// expert under its global index, or Qwen2-MoE's shared expert and its gate.
+fn moe_spec(hf: &HfGptConfig, p: &str, name: &str) -> Option<Spec> {
+    let (moe, experts, [gate, up, down]) = match hf.architecture {
+        HfArchitecture::Mixtral => (
+            format!("{p}.block_sparse_moe"),
+            "experts",
+            ["w1", "w3", "w2"],
+        ),
+        HfArchitecture::Qwen2Moe => (
+            format!("{p}.mlp"),
+            "experts",
+            ["gate_proj", "up_proj", "down_proj"],
+        ),
+        _ => return None,
+    };
+    let linear = Transform::Linear { conv1d: false };
+    if name == "router" {
+        return Some(spec(
+            vec![format!("{moe}.gate.weight")],
+            Transform::Same,
+            false,
+        ));
+    }
+    if name == "shared_expert.gate_weight" {
+        return Some(spec(
+            vec![format!("{moe}.shared_expert_gate.weight")],
+            Transform::Same,
+            false,
+        ));
+    }
+    if let Some(shared) = name.strip_prefix("shared_expert.") {
+        let hf_linear = match shared {
+            "dense_h_to_4h.weight" => "up_proj",
+            "dense_h_to_4h_gate.weight" => "gate_proj",
+            "dense_4h_to_h.weight" => "down_proj",
+            _ => return None,
+        };
+        let hf_name = format!("{moe}.shared_expert.{hf_linear}.weight");
+        return Some(spec(vec![hf_name], linear, false));
+    }
+    let (e, ours) = name.strip_prefix("experts.")?.split_once('.')?;
+    let e: usize = e.parse().ok()?;
+    let w = |n: &str| format!("{moe}.{experts}.{e}.{n}.weight");
+    Some(match ours {
+        "linear_fc1" => spec(vec![w(gate), w(up)], Transform::GateUp, false),
+        "linear_fc2" => spec(vec![w(down)], linear, false),
+        _ => return None,
+    })
+}
+
 /// Hugging Face tensors a model does not take: buffers older checkpoints carry, and the
 /// output layer's copy of tied embeddings.
 pub(super) fn ignored(hf: &HfGptConfig, name: &str) -> bool {
@@ -174,6 +231,20 @@ pub(super) fn to_global(
         Transform::Linear { conv1d: false } => first.transpose(),
         Transform::VocabRows => pad_rows(first, target[0])?,
         Transform::VocabLinear => pad_rows(first, target[1])?.transpose(),
+        Transform::GateUp => {
+            let mut rows = first;
+            for h in hosts {
+                if (h.rows, h.cols) != (rows.rows, rows.cols) {
+                    return Err(HfError::Checkpoint(format!(
+                        "{}: gate and up projections of shapes [{}, {}] and [{}, {}]",
+                        spec.hf[0], rows.rows, rows.cols, h.rows, h.cols
+                    )));
+                }
+                rows.values.extend(h.values);
+                rows.rows += h.rows;
+            }
+            rows.transpose()
+        }
         Transform::Qkv { conv1d, bias } => {
             let stacked = if conv1d && !bias {
                 first.transpose()
@@ -227,6 +298,14 @@ pub(super) fn from_global(
         Transform::VocabLinear => {
             let t = full.transpose();
             one(t.rows(0..vocab.min(t.rows)))
+        }
+        Transform::GateUp => {
+            let t = full.transpose();
+            let f = t.rows / 2;
+            Ok(vec![
+                (spec.hf[0].clone(), t.rows(0..f), false),
+                (spec.hf[1].clone(), t.rows(f..2 * f), false),
+            ])
         }
         Transform::Qkv { conv1d, bias } => {
             let rows = if bias { full.clone() } else { full.transpose() };

@@ -117,6 +117,8 @@ pub(crate) fn all_to_all_rows<B: Backend>(
     recv: &[usize],
     comm: &Comm,
 ) -> FloatTensor<B> {
+    // Named for profiles (moe_bench's all-to-all share), forward and backward alike.
+    let _span = tracing::debug_span!("moe.all_to_all").entered();
     let device = x.device();
     let mut dims = x.shape().to_vec();
     let row: usize = dims[1..].iter().product();

@@ -1,0 +1,141 @@
+//! `gpt_pretrain` with mixture-of-experts layers: it trains at EP 2 and logs its experts'
+//! token shares and load-balancing loss; its checkpoints (experts saved under their global
+//! index) resume exactly at EP 2 and, resharded, at EP 1, TP 2 × EP 2 and TP 2 × EP 4 (the
+//! same micro-batches, so the same load-balancing losses); bad MoE flags are refused before
+//! any work.
+
+use super::common::{gpt_args as args, tmp};
+use super::resume;
+use burn_megatron_examples::pretrain::run_gpt;
+
+/// Four experts, top-2, on 2 ranks; f32 without dropout, so another layout differs only in
+/// the order of sums.
+const MOE: [&str; 24] = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "48",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+    "--tensor-model-parallel-size",
+    "1",
+    "--world-size",
+    "2",
+    "--train-iters",
+    "12",
+    "--eval-interval",
+    "0",
+    "--generate-tokens",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+];
+
+#[test]
+fn an_moe_model_trains_logs_its_experts_and_resumes_at_other_expert_layouts() {
+    let dir = tmp("gpt-moe");
+    let save = dir.join("ckpt");
+    let s = save.to_str().unwrap();
+    let ep2 = [&MOE[..], &["--expert-model-parallel-size", "2"]].concat();
+    let full = run_gpt(&args(
+        &[&ep2[..], &["--save", s, "--save-interval", "6"]].concat(),
+        &dir,
+    ))
+    .unwrap();
+    let log = &full.log;
+    assert!(log[11].lm_loss < log[0].lm_loss - 0.3, "the loss must fall");
+    for e in log {
+        let moe = e.moe.as_ref().expect("an MoE model logs its experts");
+        assert_eq!(moe.expert_token_share.len(), 4);
+        let total: f64 = moe.expert_token_share.iter().sum();
+        assert!((total - 1.0).abs() < 1e-9, "shares sum to 1: {total}");
+        // E · Σ fᵢ·Pᵢ: 1 when balanced, at most E.
+        let lb = moe
+            .load_balancing_loss
+            .expect("--moe-aux-loss-coeff is set");
+        assert!((0.9..4.0).contains(&lb), "load balancing loss {lb}");
+        assert!(moe.max_over_mean() >= 1.0);
+    }
+    // The same layout continues bit for bit.
+    let same = resume(&save, 6, &ep2, &dir);
+    assert_eq!(same.len(), 6);
+    for (a, b) in same.iter().zip(&log[6..]) {
+        assert_eq!((a.lm_loss, a.grad_norm), (b.lm_loss, b.grad_norm));
+        assert_eq!(a.moe, b.moe, "iteration {}", a.iteration);
+    }
+    // Every expert on each rank (EP 1), and TP 2 × EP 2 with sequence parallelism: the
+    // experts are found under their global names.
+    let tp2 = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "2",
+    ];
+    // EP 4 over TP 2 × DP 2: one expert per rank.
+    let ep4 = [
+        "--world-size",
+        "4",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "4",
+    ];
+    for other in [
+        &["--expert-model-parallel-size", "1"][..],
+        &tp2[..],
+        &ep4[..],
+    ] {
+        let resumed = resume(&save, 6, &[&MOE[..], other].concat(), &dir);
+        assert_eq!(resumed.len(), 6, "{other:?}");
+        for (a, b) in resumed.iter().zip(&log[6..]) {
+            let d = (a.lm_loss - b.lm_loss).abs() / b.lm_loss;
+            assert!(
+                d < 1e-5,
+                "{other:?} iteration {}: {} vs {}",
+                a.iteration,
+                a.lm_loss,
+                b.lm_loss
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_moe_flags_are_refused_before_any_work_naming_the_numbers() {
+    let dir = tmp("gpt-moe-flags");
+    let refused = |extra: &[&str]| run_gpt(&args(&[&MOE[..], extra].concat(), &dir)).unwrap_err();
+    for (extra, want) in [
+        (
+            &["--num-experts", "3", "--expert-model-parallel-size", "2"][..],
+            "3 experts over 2 expert-parallel ranks",
+        ),
+        (
+            &["--moe-router-topk", "5"][..],
+            "--moe-router-topk 5 is greater than --num-experts 4",
+        ),
+        (
+            &["--expert-model-parallel-size", "4"][..],
+            "world size 2 is not divisible by expert tensor (1) × expert (4) × pipeline (1) = 4",
+        ),
+        (
+            &["--moe-expert-capacity-factor", "0"][..],
+            "--moe-expert-capacity-factor must be positive, got 0",
+        ),
+    ] {
+        let e = refused(extra);
+        assert!(e.contains(want), "{extra:?}: {e}");
+    }
+    let e = run_gpt(&args(&["--expert-model-parallel-size", "2"], &dir)).unwrap_err();
+    assert!(e.contains("without --num-experts"), "{e}");
+    assert!(!dir.join("loss.png").exists(), "nothing ran");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
