@@ -376,8 +376,8 @@ impl TrainArgs {
         }
         if self.cp_comm_type == CpCommType::A2a {
             return Err(
-                "--cp-comm-type a2a: Ulysses all-to-all is not implemented (the communicators \
-                 have no all-to-all); use all_gather or p2p"
+                "--cp-comm-type a2a: Ulysses all-to-all is not implemented yet; use all_gather \
+                 or p2p"
                     .into(),
             );
         }
