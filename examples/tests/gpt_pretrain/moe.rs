@@ -1,5 +1,5 @@
 //! `gpt_pretrain` with mixture-of-experts layers: it trains at EP 2 and logs its experts'
-//! token shares and load-balancing loss; its checkpoints (experts saved under their global
+//! token shares and load-balancing loss, the same with full recomputation; its checkpoints (experts saved under their global
 //! index) resume exactly at EP 2 and, resharded, at EP 1, TP 2 × EP 2 and TP 2 × EP 4 (the
 //! same micro-batches, so the same load-balancing losses); bad MoE flags are refused before
 //! any work.
@@ -61,6 +61,24 @@ fn an_moe_model_trains_logs_its_experts_and_resumes_at_other_expert_layouts() {
             .expect("--moe-aux-loss-coeff is set");
         assert!((0.9..4.0).contains(&lb), "load balancing loss {lb}");
         assert!(moe.max_over_mean() >= 1.0);
+    }
+    // Full recomputation re-runs each layer's routing and token exchange in backward:
+    // the same run, bit for bit.
+    let recompute = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ];
+    let recomputed = run_gpt(&args(&[&ep2[..], &recompute].concat(), &dir)).unwrap();
+    for (a, b) in recomputed.log.iter().zip(log) {
+        assert_eq!(
+            (a.lm_loss, a.grad_norm),
+            (b.lm_loss, b.grad_norm),
+            "recomputed"
+        );
     }
     // The same layout continues bit for bit.
     let same = resume(&save, 6, &ep2, &dir);
