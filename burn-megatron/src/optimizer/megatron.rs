@@ -4,10 +4,13 @@
 use super::cast::{Cast, cast_params, map_value, to_model_dtype};
 use super::error::OptimizerError;
 use super::fused_adam::{FlatAdam, FusedAdam};
-use super::grad_norm::{NormType, clip_coefficient, clip_grads_of, local_norm_stats};
+use super::grad_norm::{
+    NormGroups, NormType, agree_norm, clip_coefficient, clip_grads_of, local_norm_stats,
+    with_experts,
+};
 use super::grad_scaler::{GradScaler, GradScalerState};
 use super::sharded_burn::ShardedBurn;
-use crate::comm::{Comm, CommError, CommunicatorExt};
+use crate::comm::{Comm, CommError};
 use crate::param_grads::{float_params, update_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
@@ -181,8 +184,8 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// `expert_model_parallel` (the expert tensor × expert × pipeline group,
     /// [`RankGroups::expert_mp`](crate::launch::RankGroups::expert_mp)) instead of the dense
     /// model-parallel group, so that each expert counts once (Megatron's expert grad-stats
-    /// group). Supported with a burn-optim optimizer; the fused and distributed steps refuse
-    /// a model with experts.
+    /// group). Supported with a burn-optim optimizer and the fused Adam; the distributed
+    /// optimizer refuses a model with experts (its shards do not cover them yet).
     pub fn with_expert_model_parallel(mut self, expert_model_parallel: Comm) -> Self {
         self.expert_model_parallel = Some(expert_model_parallel);
         self
@@ -422,18 +425,28 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             clip_coeff: 1.0,
             loss_scale,
         };
-        if self.expert_model_parallel.is_some() && !matches!(self.inner, Stepper::Burn(_)) {
+        let sharded = match &self.inner {
+            Stepper::Burn(_) => false,
+            Stepper::Fused(flat) => flat.dp().is_some(),
+            Stepper::Sharded(_) => true,
+        };
+        if self.expert_model_parallel.is_some() && sharded {
             let has_experts = float_params(&model)
                 .iter()
                 .any(|&(id, _)| crate::tensor_parallel::parallel_attrs(id).expert);
             if has_experts {
                 return Err(OptimizerError::Unsupported(
-                    "mixture-of-experts parameters with the fused or distributed optimizer \
-                     step; use a burn-optim optimizer (InnerOptimizer::burn)"
+                    "mixture-of-experts parameters with the distributed optimizer (its shards \
+                     do not cover the experts yet); leave --use-distributed-optimizer off"
                         .into(),
                 ));
             }
         }
+        let groups = NormGroups {
+            model_parallel: &self.model_parallel,
+            experts: self.expert_model_parallel.as_ref(),
+            norm_type: self.norm_type,
+        };
         let inner = match &mut self.inner {
             Stepper::Burn(inner) => inner,
             Stepper::Sharded(sharded) => {
@@ -465,8 +478,13 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             Stepper::Fused(flat) => {
                 let inv_scale = 1.0 / loss_scale;
                 let stats = flat.local_stats(&grads, self.tp_rank, self.norm_type, inv_scale)?;
+                let (dense, experts) = (stats.norm_part, stats.expert_norm_part);
+                // The flag covers every local gradient, experts' included.
+                let (flag, part) = match self.expert_model_parallel {
+                    Some(_) => with_experts(groups, stats.non_finite, dense, false, experts)?,
+                    None => (stats.non_finite, self.norm_type.combine(dense, experts)),
+                };
                 let scaler = self.scaler.as_mut();
-                let (flag, part) = (stats.non_finite, stats.norm_part);
                 let Some(norm) = agree_norm(
                     flag,
                     part,
@@ -503,21 +521,9 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         // One sum-of-squares pass gives overflow and norm; one collective agrees on both.
         let stats = local_norm_stats(&dense, &grads, self.tp_rank, self.norm_type, true);
         let (mut flag, mut part) = (stats.non_finite, stats.norm_part);
-        if let Some(expert_mp) = &self.expert_model_parallel {
+        if self.expert_model_parallel.is_some() {
             let stats = local_norm_stats(&experts, &grads, self.tp_rank, self.norm_type, true);
-            let mut v = vec![
-                f32::from(u8::from(stats.non_finite)),
-                stats.norm_part as f32,
-            ];
-            expert_mp.all_reduce_vec(&mut v, self.norm_type.reduce_op())?;
-            // Every rank now holds the experts' whole share (expert data-parallel replicas
-            // agree after finalize); the dense group's reduction below must add it once.
-            flag |= v[0] > 0.0 || !v[1].is_finite();
-            let experts = f64::from(v[1]);
-            part = match self.norm_type {
-                NormType::L2 => part + experts / self.model_parallel.group().size() as f64,
-                NormType::Inf => part.max(experts),
-            };
+            (flag, part) = with_experts(groups, flag, part, stats.non_finite, stats.norm_part)?;
         }
         let scaler = self.scaler.as_mut();
         let Some(norm) = agree_norm(
@@ -561,39 +567,6 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         };
         Ok((model, report))
     }
-}
-
-/// Overflow and the gradient norm agreed by every rank holding a part of them, the scaler
-/// updated with the verdict; the norm, or `None` when some rank saw inf or NaN.
-///
-/// A distributed optimizer's parts are first combined over its data-parallel group `dp`, in
-/// f64 and in rank order, so that the norm is rounded to f32 once, as it is without one. Then
-/// overflow and norm go over the model-parallel group in one collective: a flag sums (or
-/// maxes) to non-zero iff any rank saw one, and the norm reduces by the same operation.
-fn agree_norm(
-    mut non_finite: bool,
-    mut norm_part: f64,
-    dp: Option<&Comm>,
-    model_parallel: &Comm,
-    norm_type: NormType,
-    scaler: Option<&mut Box<dyn GradScaler>>,
-) -> Result<Option<f64>, CommError> {
-    if let Some(dp) = dp {
-        let all = dp.all_gather_vec(vec![i64::from(non_finite), norm_part.to_bits() as i64])?;
-        non_finite = all.chunks(2).any(|c| c[0] != 0);
-        let parts = all.chunks(2).map(|c| f64::from_bits(c[1] as u64));
-        norm_part = match norm_type {
-            NormType::L2 => parts.sum(),
-            NormType::Inf => parts.fold(0.0, f64::max),
-        };
-    }
-    let mut v = vec![f32::from(u8::from(non_finite)), norm_part as f32];
-    model_parallel.all_reduce_vec(&mut v, norm_type.reduce_op())?;
-    let found_inf = v[0] > 0.0 || !v[1].is_finite();
-    if let Some(s) = scaler {
-        s.update(found_inf);
-    }
-    Ok((!found_inf).then(|| norm_type.finish(f64::from(v[1]))))
 }
 
 /// Gradients cast to f32 and multiplied by `factor`.

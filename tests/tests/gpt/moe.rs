@@ -16,7 +16,7 @@ use burn_megatron::data_parallel::{
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::GptConfig;
 use burn_megatron::moe::{MoeConfig, TokenDispatcherType};
-use burn_megatron::optimizer::{MegatronOptimizer, NormType};
+use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::gpt::{gathered, gpt_rows, llama, max_rel_diff};
 use burn_megatron_tests::values;
@@ -71,7 +71,12 @@ fn merged(traces: &[(Trace, usize)], pick: impl Fn(&Trace) -> &Tensors) -> Tenso
     out
 }
 
-fn run(config: &GptConfig, world: usize, tp: usize, ep: usize, sp: bool) -> Vec<(Trace, usize)> {
+/// `fused`: the fused flat-buffer Adam instead of burn-optim's AdamW.
+fn run(
+    config: &GptConfig,
+    (world, tp, ep, sp): (usize, usize, usize, bool),
+    fused: bool,
+) -> Vec<(Trace, usize)> {
     let layout = ParallelConfig::new(world, tp, 1)
         .with_expert_parallel(ep)
         .with_sequence_parallel(sp);
@@ -85,14 +90,18 @@ fn run(config: &GptConfig, world: usize, tp: usize, ep: usize, sp: bool) -> Vec<
             .as_ref()
             .expect("layer 0 is MoE")
             .first_expert();
-        let mut optim = MegatronOptimizer::new(
-            AdamWConfig::new().init(),
-            &model,
+        let (mp, tp_rank) = (
             ctx.groups.mp.clone(),
             ctx.state.tensor_model_parallel_rank(),
-        )
-        .with_expert_model_parallel(ctx.groups.expert_mp.clone())
-        .with_clip_grad(1.0, NormType::L2);
+        );
+        let optim = if fused {
+            MegatronOptimizer::fused_adam(FusedAdamConfig::new().init()?, &model, mp, tp_rank)
+        } else {
+            MegatronOptimizer::new(AdamWConfig::new().init(), &model, mp, tp_rank)
+        };
+        let mut optim = optim
+            .with_expert_model_parallel(ctx.groups.expert_mp.clone())
+            .with_clip_grad(1.0, NormType::L2);
         let dp = ctx.state.data_parallel_size();
         let local = GLOBAL_BATCH / dp;
         let b = gpt_rows(ctx.state.data_parallel_rank() * local, local, SEQ, d);
@@ -155,13 +164,13 @@ fn expert_parallel_matches_ep1_for_both_dispatchers() {
     ] {
         let config = moe_llama(dispatcher);
         for world in [2, 4] {
-            let reference = run(&config, world, 1, 1, false);
+            let reference = run(&config, (world, 1, 1, false), false);
             let losses = &reference[0].0.losses;
             assert!(
                 losses[STEPS - 1] < losses[0] - 0.1,
                 "the loss must fall: {losses:?}"
             );
-            let got = run(&config, world, 1, world, false);
+            let got = run(&config, (world, 1, world, false), false);
             check(&format!("{dispatcher:?} EP {world}"), &got, &reference);
         }
     }
@@ -170,13 +179,22 @@ fn expert_parallel_matches_ep1_for_both_dispatchers() {
 #[test]
 fn tensor_and_expert_parallel_match_one_rank() {
     let config = moe_llama(TokenDispatcherType::AllToAll);
-    let one = run(&config, 1, 1, 1, false);
+    let one = run(&config, (1, 1, 1, false), false);
     // Without sequence parallelism each TP rank routes its half of the sequence inside the
     // layer; at EP 1 the TP ranks hold the same experts (expert data parallelism over TP).
     for (tp, ep, sp) in [(2, 2, true), (2, 2, false), (2, 1, false)] {
-        let got = run(&config, 2, tp, ep, sp);
+        let got = run(&config, (2, tp, ep, sp), false);
         check(&format!("TP {tp} × EP {ep}, SP {sp}"), &got, &one);
     }
+}
+
+/// The fused Adam step counts the experts' gradient norm once over EP too.
+#[test]
+fn the_fused_adam_step_matches_ep1_with_experts() {
+    let config = moe_llama(TokenDispatcherType::AllToAll);
+    let reference = run(&config, (2, 1, 1, false), true);
+    let got = run(&config, (2, 1, 2, false), true);
+    check("fused Adam EP 2", &got, &reference);
 }
 
 /// EP 2 × PP 2 × DP 2 through `forward_backward_func` (2 micro-batches per rank) against one

@@ -138,8 +138,10 @@ pub(crate) struct LocalStats {
     /// Whether any gradient element is inf or NaN (or so large its square overflows f32).
     pub non_finite: bool,
     /// This rank's part of the unscaled norm: the sum of squares (L2) or the largest |g| (Inf)
-    /// over the parameters it counts.
+    /// over the dense parameters it counts.
     pub norm_part: f64,
+    /// The same over its experts' parameters (summed over another group).
+    pub expert_norm_part: f64,
 }
 
 /// The flat state of [`FusedAdam`] for one model.
@@ -256,6 +258,7 @@ impl FlatAdam {
                 pieces,
                 non_finite: false,
                 norm_part: 0.0,
+                expert_norm_part: 0.0,
             });
         }
         // One read-back for every group: per-parameter sums of squares, then (Inf norm) the
@@ -276,27 +279,33 @@ impl FlatAdam {
         let slots: Vec<&Slot> = self.groups.iter().flat_map(|g| &g.slots).collect();
         let (sums, maxes) = values.split_at(slots.len());
         let non_finite = sums.iter().any(|s| !s.is_finite());
-        let counted = |i: &usize| parallel_attrs(slots[*i].id).counts_in_grad_norm(tp_rank);
-        let norm_part = match norm_type {
-            NormType::L2 => {
-                let sum: f64 = (0..slots.len())
-                    .filter(counted)
-                    .map(|i| f64::from(sums[i]))
-                    .sum();
-                sum * inv_scale * inv_scale
-            }
-            NormType::Inf => {
-                let max = (0..slots.len())
-                    .filter(counted)
-                    .map(|i| f64::from(maxes[i]))
-                    .fold(0.0, f64::max);
-                max * inv_scale
+        let part = |experts: bool| {
+            let counted = |i: &usize| {
+                let attrs = parallel_attrs(slots[*i].id);
+                attrs.expert == experts && attrs.counts_in_grad_norm(tp_rank)
+            };
+            match norm_type {
+                NormType::L2 => {
+                    let sum: f64 = (0..slots.len())
+                        .filter(counted)
+                        .map(|i| f64::from(sums[i]))
+                        .sum();
+                    sum * inv_scale * inv_scale
+                }
+                NormType::Inf => {
+                    let max = (0..slots.len())
+                        .filter(counted)
+                        .map(|i| f64::from(maxes[i]))
+                        .fold(0.0, f64::max);
+                    max * inv_scale
+                }
             }
         };
         Ok(LocalStats {
             pieces,
             non_finite,
-            norm_part,
+            norm_part: part(false),
+            expert_norm_part: part(true),
         })
     }
 

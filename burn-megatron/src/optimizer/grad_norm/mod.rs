@@ -5,9 +5,12 @@
 //! rank 0, and the second copy of a shared embedding never. The local sums are then reduced
 //! over the model-parallel group (tp × pp), as Megatron's `get_grad_norm_fp32` does.
 
+mod agree;
+
 use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::param_grads::{float_params, update_flat, with_flat};
 use crate::tensor_parallel::parallel_attrs;
+pub(crate) use agree::{NormGroups, agree_norm, with_experts};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
@@ -28,6 +31,14 @@ impl NormType {
         match self {
             NormType::L2 => ReduceOp::Sum,
             NormType::Inf => ReduceOp::Max,
+        }
+    }
+
+    /// Two parts of a norm as one: their sum (L2's sums of squares) or larger (Inf).
+    pub(crate) fn combine(self, a: f64, b: f64) -> f64 {
+        match self {
+            NormType::L2 => a + b,
+            NormType::Inf => a.max(b),
         }
     }
 
