@@ -174,8 +174,16 @@ pub(crate) fn allgather(
             mine.push(slot.map_or(-1, |s| s as i64));
         }
     }
-    let longest = ep.all_gather_vec(vec![mine.len() as i64])?;
-    let width = longest.into_iter().max().unwrap_or(0) as usize;
+    // Lengths, and token counts: the gathers below need the same count on every rank.
+    let sizes = ep.all_gather_vec(vec![mine.len() as i64, t as i64])?;
+    if let Some(other) = sizes.chunks(2).map(|c| c[1]).find(|&c| c != t as i64) {
+        return Err(TpError::Invalid(format!(
+            "the allgather dispatcher needs the same tokens on every expert-parallel rank: \
+             {t} here, {other} on another rank of {}",
+            ep.group()
+        )));
+    }
+    let width = sizes.chunks(2).map(|c| c[0]).max().unwrap_or(0) as usize;
     mine.resize(width, 0);
     let all = ep.all_gather_vec(mine)?;
     let padding = (n * (tk + 1) - 1) as i64;
