@@ -116,6 +116,49 @@ pub(super) fn forward_then(
     })
 }
 
+/// `o`'s logits within 1e-4, its loss within 1e-5 and each of `grads` (by Hugging Face
+/// name) within 1e-5 (the difference's norm over the gradient's) of the fixture's, every
+/// reference gradient covered; prints the margins.
+pub(super) fn check_against(
+    what: &str,
+    o: &Outputs,
+    grads: &[(String, Vec<f64>)],
+    expected: &Fixture,
+) {
+    let d = o
+        .logits
+        .iter()
+        .zip(&expected["logits"].1)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(d <= 1e-4, "{what}: logits differ by {d}");
+    let want = expected["loss"].1[0];
+    assert!(
+        (o.loss - want).abs() <= 1e-5,
+        "{what}: loss {} vs {want}",
+        o.loss
+    );
+    let references = expected.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(
+        grads.len(),
+        references,
+        "{what}: every parameter has a reference"
+    );
+    let mut worst = 0.0f64;
+    for (param, got) in grads {
+        let want = &expected[&format!("grad.{param}")].1;
+        assert_eq!(got.len(), want.len(), "{what} {param}");
+        let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+        let diff = norm(&mut got.iter().zip(want).map(|(a, b)| a - b));
+        let scale = norm(&mut want.iter().copied());
+        worst = worst.max(diff / scale.max(1e-12));
+        assert!(
+            diff <= 1e-5 * scale,
+            "{what} {param}: ‖Δ‖ {diff:.3e} vs ‖grad‖ {scale:.3e}"
+        );
+    }
+    println!("{what}: logits within {d:.1e}, worst relative gradient error {worst:.2e}");
+}
+
 #[test]
 fn transformers_logits_loss_and_gradients_are_reproduced_at_tp1_and_tp2() {
     for name in FIXTURES {
@@ -133,41 +176,7 @@ fn transformers_logits_loss_and_gradients_are_reproduced_at_tp1_and_tp2() {
             .unwrap();
             for (rank, o) in out.iter().enumerate() {
                 let what = format!("{name} tp {tp} rank {rank}");
-                let want = &expected["logits"].1;
-                let d = o
-                    .logits
-                    .iter()
-                    .zip(want)
-                    .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
-                assert!(d <= 1e-4, "{what}: logits differ by {d}");
-                let want = expected["loss"].1[0];
-                assert!(
-                    (o.loss - want).abs() <= 1e-5,
-                    "{what}: loss {} vs {want}",
-                    o.loss
-                );
-                let references = expected.keys().filter(|k| k.starts_with("grad.")).count();
-                assert_eq!(
-                    o.grads.len(),
-                    references,
-                    "{what}: every parameter has a reference"
-                );
-                let mut worst = 0.0f64;
-                for (param, got) in &o.grads {
-                    let want = &expected[&format!("grad.{param}")].1;
-                    let norm =
-                        |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
-                    let diff = norm(&mut got.iter().zip(want).map(|(a, b)| a - b));
-                    let scale = norm(&mut want.iter().copied());
-                    worst = worst.max(diff / scale.max(1e-12));
-                    assert!(
-                        diff <= 1e-5 * scale,
-                        "{what} {param}: ‖Δ‖ {diff:.3e} vs ‖grad‖ {scale:.3e}"
-                    );
-                }
-                println!(
-                    "{what}: logits within {d:.1e}, worst relative gradient error {worst:.2e}"
-                );
+                check_against(&what, o, &o.grads, &expected);
             }
         }
     }
