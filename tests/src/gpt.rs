@@ -6,7 +6,10 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::models::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType};
+use burn_megatron::models::{
+    ActivationFunc, Gpt, GptConfig, GptStageOutput, NormKind, PositionEmbeddingType,
+};
+use burn_megatron::pipeline::{ChunkOutput, ForwardStep};
 use burn_megatron::tensor_parallel::parallel_attrs;
 use std::collections::BTreeMap;
 
@@ -145,4 +148,24 @@ pub fn max_rel_diff(
         }
     }
     worst
+}
+
+/// One micro-batch through a pipeline chunk: [`gpt_rows`] row `first + s.microbatch` of
+/// `seq` tokens, its activation, or on the last stage its loss (reported too).
+pub fn causal_lm_step(
+    s: ForwardStep<'_, Gpt, 3>,
+    first: usize,
+    seq: usize,
+    device: &Device,
+) -> Result<ChunkOutput<3>, Box<dyn std::error::Error + Send + Sync>> {
+    let b = gpt_rows(first + s.microbatch, 1, seq, device);
+    let ids = s.input.is_none().then_some(b.ids);
+    Ok(match s.model.forward_stage(ids, s.input, None)? {
+        GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
+        GptStageOutput::Logits(logits) => {
+            let loss = s.model.loss(logits, b.labels, b.mask)?;
+            let report = vec![f64::from(crate::values(loss.clone())[0])];
+            ChunkOutput::Loss { loss, report }
+        }
+    })
 }

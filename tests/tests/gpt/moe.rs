@@ -18,7 +18,7 @@ use burn_megatron::models::GptConfig;
 use burn_megatron::moe::{MoeConfig, TokenDispatcherType};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
-use burn_megatron_tests::gpt::{gathered, gpt_rows, llama, max_rel_diff};
+use burn_megatron_tests::gpt::{causal_lm_step, gathered, gpt_rows, llama, max_rel_diff};
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
 
@@ -207,10 +207,9 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
     use burn::tensor::DType;
     use burn_megatron::aux_loss::scale_aux_losses;
     use burn_megatron::comm::CommunicatorExt;
-    use burn_megatron::models::{Gpt, GptStageOutput};
+    use burn_megatron::models::Gpt;
     use burn_megatron::pipeline::{
-        ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
-        forward_backward_func,
+        ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
     };
     const SAMPLES: usize = 4;
     const STEPS: usize = 6;
@@ -273,18 +272,7 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
         for _ in 0..STEPS {
             let fb = ForwardBackwardConfig::new(PipelineSchedule::new(2, local));
             let out = forward_backward_func(
-                |s: ForwardStep<'_, Gpt, 3>| -> Result<ChunkOutput<3>, Error> {
-                    let b = gpt_rows(first + s.microbatch, 1, SEQ, d);
-                    let ids = s.input.is_none().then_some(b.ids);
-                    Ok(match s.model.forward_stage(ids, s.input, None)? {
-                        GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
-                        GptStageOutput::Logits(logits) => {
-                            let loss = s.model.loss(logits, b.labels, b.mask)?;
-                            let report = vec![f64::from(values(loss.clone())[0])];
-                            ChunkOutput::Loss { loss, report }
-                        }
-                    })
-                },
+                |s: ForwardStep<'_, Gpt, 3>| causal_lm_step(s, first, SEQ, d),
                 &chunks,
                 &p2p,
                 fb,

@@ -11,14 +11,14 @@ use burn_megatron::data_parallel::{
     DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
 };
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{Gpt, GptConfig, GptStageOutput};
+use burn_megatron::models::{Gpt, GptConfig};
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
 use burn_megatron::pipeline::{
-    ChunkOutput, ForwardBackwardConfig, ForwardStep, GradSync, P2pShapes, PipelineSchedule,
+    ForwardBackwardConfig, ForwardStep, GradSync, P2pShapes, PipelineSchedule,
     forward_backward_func,
 };
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
-use burn_megatron_tests::gpt::{gathered, gpt_rows, gpt2, llama, max_rel_diff};
+use burn_megatron_tests::gpt::{causal_lm_step, gathered, gpt_rows, gpt2, llama, max_rel_diff};
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -121,18 +121,7 @@ fn pipelined(config: &GptConfig, l: Layout) -> Vec<(Option<Vec<f32>>, Vec<f32>, 
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for _ in 0..STEPS {
             let out = forward_backward_func(
-                |s: ForwardStep<'_, Gpt, 3>| -> Result<ChunkOutput<3>, Error> {
-                    let b = gpt_rows(first + s.microbatch, 1, SEQ, device);
-                    let ids = s.input.is_none().then_some(b.ids);
-                    Ok(match s.model.forward_stage(ids, s.input, None)? {
-                        GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
-                        GptStageOutput::Logits(logits) => {
-                            let loss = s.model.loss(logits, b.labels, b.mask)?;
-                            let report = vec![f64::from(values(loss.clone())[0])];
-                            ChunkOutput::Loss { loss, report }
-                        }
-                    })
-                },
+                |s: ForwardStep<'_, Gpt, 3>| causal_lm_step(s, first, SEQ, device),
                 &chunks,
                 &p2p,
                 fb,
