@@ -132,6 +132,22 @@ pub fn assert_same_iterations(a: &[IterationLog], b: &[IterationLog]) {
     }
 }
 
+/// Two runs that must agree up to the order of sums: the same iterations, each lm loss
+/// within `tol` of the other's (relative).
+pub fn assert_close_losses(what: &str, a: &[IterationLog], b: &[IterationLog], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{what}: iteration counts differ");
+    for (x, y) in a.iter().zip(b) {
+        let d = (x.lm_loss - y.lm_loss).abs() / y.lm_loss;
+        assert!(
+            d < tol,
+            "{what} iteration {}: {} vs {}",
+            x.iteration,
+            x.lm_loss,
+            y.lm_loss
+        );
+    }
+}
+
 /// The example binary, built by `cargo test --workspace` (or `-p burn-megatron-examples`)
 /// with this crate's features.
 pub fn binary() -> PathBuf {
