@@ -148,9 +148,9 @@ impl CheckpointRank<'_> {
 /// Writes this rank's part of iteration `iteration` under `root` (staged until
 /// [`commit_checkpoint`]), with `extra` kept in the index (data position, counters).
 ///
-/// With a distributed optimizer call it on every data-parallel rank: the state of every
-/// rank's shards is gathered into whole parameters and data-parallel rank 0 writes.
-/// Otherwise call it on one rank of each data-parallel group.
+/// With a distributed optimizer call it on every rank: the state of every rank's shards is
+/// gathered into whole parameters, which data-parallel rank 0 writes (expert data-parallel
+/// rank 0 the experts'). Otherwise call it on the ranks whose `rank.share` has something.
 pub fn save_checkpoint<M: Module + Clone>(
     root: &Path,
     iteration: usize,
@@ -167,17 +167,27 @@ pub fn save_checkpoint<M: Module + Clone>(
             flat_state.push((buffer.file_stem(), flat.state_module(buffer, model)?));
         }
     }
-    if optimizer.data_parallel_rank().is_some_and(|r| r != 0) {
+    // A distributed optimizer gathered its state to (expert) data-parallel rank 0, which
+    // writes it; the other ranks took part in the gathers only.
+    let first = |r: Option<usize>| r.is_none_or(|r| r == 0);
+    let has_experts = crate::param_grads::float_params(model)
+        .iter()
+        .any(|&(id, _)| crate::tensor_parallel::parallel_attrs(id).expert);
+    let share = SaveShare {
+        dense: rank.share.dense && first(optimizer.data_parallel_rank()),
+        experts: rank.share.experts && has_experts && first(optimizer.expert_data_parallel_rank()),
+    };
+    if !share.dense && !share.experts {
         return Ok(());
     }
     // Collective over the model-parallel group, all of whose members write the dense
     // weights when one does (experts are not compared: they differ per rank).
-    if rank.share.dense {
+    if share.dense {
         layout::check_tensor_parallel_layout(model, rank, optimizer.model_parallel())?;
     }
     let dir = staging_dir(root, iteration).join(rank.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-    let (names, tp, share) = (rank.names, rank.tp(), rank.share);
+    let (names, tp) = (rank.names, rank.tp());
     let mut entries = write_set(&dir, "model", &collect(model, names, tp, share, false))?;
     commit::crash_point("shard", iteration);
     let (record, master) = burn_state.unzip();

@@ -25,7 +25,7 @@ mod tests;
 pub use crate::grad_hooks::{ActiveGuard, GradHookOps, Hook, hook_param};
 pub use overlap::OverlapReducer;
 
-pub use shard::{Piece, PlannedBucket, PlannedParam, ShardPlan};
+pub use shard::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
 pub use sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
 
 /// How gradients are reduced over the data-parallel group.
@@ -217,25 +217,52 @@ pub fn finalize_expert_grads<M: Module>(
     data_parallel_size: usize,
     config: &DataParallelConfig,
 ) -> Result<(), CommError> {
-    let experts: Vec<(ParamId, usize)> = float_params(module)
-        .into_iter()
-        .filter(|&(id, _)| parallel_attrs(id).expert)
-        .collect();
-    if experts.is_empty() {
-        return Ok(());
-    }
-    if expert_dp.group().size() > 1 {
+    let experts = expert_params(module);
+    if !experts.is_empty() && expert_dp.group().size() > 1 {
         reduce_in_buckets(&experts, grads, expert_dp, config, ReduceOp::Sum)?;
     }
-    let scale = if config.average {
-        1.0 / data_parallel_size.max(1) as f64
-    } else {
-        1.0
-    };
-    if scale != 1.0 {
-        for &(id, rank) in &experts {
-            crate::param_grads::update_flat(grads, id, rank, |g| Ok::<_, CommError>(g * scale))?;
-        }
+    scale_expert_grads(&experts, grads, data_parallel_size, config)
+}
+
+/// [`finalize_expert_grads`] for the distributed optimizer: each model chunk's expert plan
+/// ([`ShardPlan::experts`], made for `expert_dp`) reduce-scattered, so that this rank holds
+/// the reduced gradients of the expert elements it owns (zeros elsewhere), as
+/// [`reduce_scatter_gradients`] leaves the dense ones.
+pub fn finalize_expert_grads_distributed<M: Module>(
+    plans: &[ShardPlan],
+    module: &M,
+    grads: &mut GradientsParams,
+    expert_dp: &Comm,
+    data_parallel_size: usize,
+    config: &DataParallelConfig,
+) -> Result<(), CommError> {
+    for plan in plans {
+        sharded::reduce_scatter_with(plan, grads, expert_dp, config, ReduceOp::Sum)?;
+    }
+    scale_expert_grads(&expert_params(module), grads, data_parallel_size, config)
+}
+
+fn expert_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
+    float_params(module)
+        .into_iter()
+        .filter(|&(id, _)| parallel_attrs(id).expert)
+        .collect()
+}
+
+/// The experts' gradients summed over their replicas, × `1 / data_parallel_size` when
+/// `config.average` (see [`finalize_expert_grads`]).
+fn scale_expert_grads(
+    experts: &[(ParamId, usize)],
+    grads: &mut GradientsParams,
+    data_parallel_size: usize,
+    config: &DataParallelConfig,
+) -> Result<(), CommError> {
+    if !config.average || data_parallel_size <= 1 {
+        return Ok(());
+    }
+    let scale = 1.0 / data_parallel_size as f64;
+    for &(id, rank) in experts {
+        crate::param_grads::update_flat(grads, id, rank, |g| Ok::<_, CommError>(g * scale))?;
     }
     Ok(())
 }

@@ -14,7 +14,7 @@
 //! all-reduced, so every element is reduced wherever the other stage has it.
 
 use super::{DataParallelConfig, bucket_layout};
-use crate::comm::{CommError, ProcessGroup};
+use crate::comm::{Comm, CommError, ProcessGroup};
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
@@ -108,8 +108,36 @@ impl ShardPlan {
         config: &DataParallelConfig,
         tied_across_stages: bool,
     ) -> Self {
+        Self::of(
+            param_info(module, false),
+            size,
+            rank,
+            config,
+            tied_across_stages,
+        )
+    }
+
+    /// The plan of `module`'s expert parameters for rank `rank` of an expert data-parallel
+    /// group of `size` (Megatron's `expt_dp_group`): the distributed optimizer shards the
+    /// experts over their own replicas, as [`ShardPlan::new`] shards the dense parameters
+    /// (which it leaves out) over the data-parallel group.
+    pub fn experts<M: Module>(
+        module: &M,
+        size: usize,
+        rank: usize,
+        config: &DataParallelConfig,
+    ) -> Self {
+        Self::of(param_info(module, true), size, rank, config, false)
+    }
+
+    fn of(
+        info: Vec<ParamInfo>,
+        size: usize,
+        rank: usize,
+        config: &DataParallelConfig,
+        tied_across_stages: bool,
+    ) -> Self {
         let size = size.max(1);
-        let info = param_info(module);
         let bucket_size = config.bucket_elements(size);
         let (tied, rest): (Vec<_>, Vec<_>) = info
             .into_iter()
@@ -236,21 +264,94 @@ impl ShardPlan {
     }
 }
 
-/// (id, rank, dims, dtype, trainable) of each float parameter, in module order.
-fn param_info<M: Module>(module: &M) -> Vec<(ParamId, usize, Vec<usize>, DType, bool)> {
-    struct Info(Vec<(Vec<usize>, DType, bool)>);
+/// (id, rank, dims, dtype, trainable) of a float parameter.
+type ParamInfo = (ParamId, usize, Vec<usize>, DType, bool);
+
+/// The expert (`experts`) or dense float parameters, in module order.
+fn param_info<M: Module>(module: &M, experts: bool) -> Vec<ParamInfo> {
+    struct Info(Vec<ParamInfo>, bool);
     impl ModuleVisitor for Info {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            let v = p.val();
-            self.0
-                .push((v.dims().to_vec(), v.dtype(), v.is_require_grad()));
+            if parallel_attrs(p.id).expert == self.1 {
+                let v = p.val();
+                let (dims, dtype) = (v.dims().to_vec(), v.dtype());
+                self.0.push((p.id, D, dims, dtype, v.is_require_grad()));
+            }
         }
     }
-    let mut info = Info(Vec::new());
+    let mut info = Info(Vec::new(), experts);
     module.visit(&mut info);
-    crate::data_parallel::dense_params(module)
-        .into_iter()
-        .zip(info.0)
-        .map(|((id, rank), (dims, dtype, trainable))| (id, rank, dims, dtype, trainable))
-        .collect()
+    info.0
+}
+
+/// What the distributed optimizer shards its state over: the dense parameters' plans (one
+/// per model chunk, [`ShardPlan::new`]) over the data-parallel group, and with experts their
+/// plans ([`ShardPlan::experts`]) over the expert data-parallel group.
+///
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn::tensor::Device;
+/// use burn_megatron::comm::LocalWorld;
+/// use burn_megatron::data_parallel::{DataParallelConfig, OptimizerShards, ShardPlan};
+/// use std::sync::Arc;
+/// let model = LinearConfig::new(3, 2).init(&Device::flex().autodiff());
+/// let dp = Arc::new(LocalWorld::new(1).communicator("dp", vec![0], 0).unwrap());
+/// let plan = ShardPlan::new(&model, 1, 0, &DataParallelConfig::default(), false);
+/// let shards = OptimizerShards::new(vec![plan], dp);
+/// assert_eq!(shards.plans().count(), 1);
+/// ```
+#[derive(Debug, Clone)]
+pub struct OptimizerShards {
+    dense: Vec<ShardPlan>,
+    dp: Comm,
+    experts: Option<(Vec<ShardPlan>, Comm)>,
+}
+
+impl OptimizerShards {
+    /// The dense parameters' `plans` (one per model chunk), made for `dp`.
+    pub fn new(plans: Vec<ShardPlan>, dp: Comm) -> Self {
+        Self {
+            dense: plans,
+            dp,
+            experts: None,
+        }
+    }
+
+    /// With the expert parameters' `plans` (one per model chunk), made for `expert_dp`.
+    pub fn with_experts(mut self, plans: Vec<ShardPlan>, expert_dp: Comm) -> Self {
+        self.experts = Some((plans, expert_dp));
+        self
+    }
+
+    /// The dense parameters' plans.
+    pub fn dense(&self) -> &[ShardPlan] {
+        &self.dense
+    }
+
+    /// The data-parallel group.
+    pub fn dp(&self) -> &Comm {
+        &self.dp
+    }
+
+    /// The expert data-parallel group, when the experts are sharded.
+    pub fn expert_dp(&self) -> Option<&Comm> {
+        self.experts.as_ref().map(|(_, c)| c)
+    }
+
+    /// Every plan with the group it shards over: the dense ones, then the experts'. A
+    /// piece's plan index counts in this order.
+    pub fn plans(&self) -> impl Iterator<Item = (&ShardPlan, &Comm)> {
+        let dense = self.dense.iter().map(|p| (p, &self.dp));
+        let experts = self
+            .experts
+            .iter()
+            .flat_map(|(plans, c)| plans.iter().map(move |p| (p, c)));
+        dense.chain(experts)
+    }
+
+    /// Refuses a plan made for another group than the one it is paired with.
+    pub fn check(&self, op: &'static str) -> Result<(), CommError> {
+        self.plans()
+            .try_for_each(|(p, c)| p.check_group(c.group(), op))
+    }
 }

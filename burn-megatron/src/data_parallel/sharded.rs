@@ -24,6 +24,22 @@ pub fn reduce_scatter_gradients(
     dp: &Comm,
     config: &DataParallelConfig,
 ) -> Result<usize, CommError> {
+    let op = if config.average {
+        ReduceOp::Avg
+    } else {
+        ReduceOp::Sum
+    };
+    reduce_scatter_with(plan, grads, dp, config, op)
+}
+
+/// [`reduce_scatter_gradients`] with reduction `op`.
+pub(super) fn reduce_scatter_with(
+    plan: &ShardPlan,
+    grads: &mut GradientsParams,
+    dp: &Comm,
+    config: &DataParallelConfig,
+    op: ReduceOp,
+) -> Result<usize, CommError> {
     let invalid = |reason: String| CommError::InvalidArgument {
         group: dp.group().to_string(),
         op: "reduce_scatter",
@@ -33,11 +49,6 @@ pub fn reduce_scatter_gradients(
     if plan.size() == 1 {
         return Ok(0);
     }
-    let op = if config.average {
-        ReduceOp::Avg
-    } else {
-        ReduceOp::Sum
-    };
     let mut issued = 0;
     for (b, bucket) in plan.buckets().iter().enumerate() {
         let dtype = if config.reduce_in_fp32 {

@@ -5,7 +5,7 @@
 use super::{FusedAdamConfig, MegatronOptimizer, NormType, cast_params};
 use crate::comm::{Comm, CommunicatorExt};
 use crate::data_parallel::{
-    DataParallelConfig, ShardPlan, all_reduce_gradients, reduce_scatter_gradients,
+    DataParallelConfig, OptimizerShards, ShardPlan, all_reduce_gradients, reduce_scatter_gradients,
 };
 use crate::launch::{self, LaunchOptions};
 use crate::topology::ParallelConfig;
@@ -108,25 +108,17 @@ fn train(dp: usize, distributed: bool, fused: bool, dtype: DType) -> Vec<(Vec<u3
                 .init()
                 .unwrap();
             let plan = ShardPlan::new(&m, size, rank, &config, false);
-            let (mp, plans) = (ctx.groups.mp.clone(), vec![plan.clone()]);
+            let mp = ctx.groups.mp.clone();
+            let shards = OptimizerShards::new(vec![plan.clone()], dp_comm.clone());
             let adamw = burn::optim::AdamWConfig::new()
                 .with_weight_decay(0.0)
                 .init();
             let mut optim = match (distributed, fused) {
-                (true, true) => MegatronOptimizer::distributed_fused_adam(
-                    adam,
-                    &m,
-                    plans,
-                    dp_comm.clone(),
-                    mp,
-                    0,
-                )
-                .unwrap(),
-                (false, true) => MegatronOptimizer::fused_adam(adam, &m, mp, 0),
-                (true, false) => {
-                    MegatronOptimizer::distributed(adamw, &m, plans, dp_comm.clone(), mp, 0)
-                        .unwrap()
+                (true, true) => {
+                    MegatronOptimizer::distributed_fused_adam(adam, &m, shards, mp, 0).unwrap()
                 }
+                (false, true) => MegatronOptimizer::fused_adam(adam, &m, mp, 0),
+                (true, false) => MegatronOptimizer::distributed(adamw, &m, shards, mp, 0).unwrap(),
                 (false, false) => MegatronOptimizer::new(adamw, &m, mp, 0),
             }
             .with_clip_grad(0.3, NormType::L2);
@@ -215,8 +207,7 @@ fn a_plan_for_another_group_is_refused() {
             let e = MegatronOptimizer::distributed_fused_adam(
                 adam,
                 &m,
-                vec![wrong.clone()],
-                ctx.groups.dp.clone(),
+                OptimizerShards::new(vec![wrong.clone()], ctx.groups.dp.clone()),
                 ctx.groups.mp.clone(),
                 0,
             )

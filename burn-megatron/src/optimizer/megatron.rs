@@ -5,12 +5,12 @@ use super::cast::{Cast, cast_params, map_value, to_model_dtype};
 use super::error::OptimizerError;
 use super::fused_adam::{FlatAdam, FusedAdam};
 use super::grad_norm::{
-    NormGroups, NormType, agree_norm, clip_coefficient, clip_grads_of, local_norm_stats,
-    with_experts,
+    LocalParts, NormGroups, NormType, agree_norm, clip_coefficient, clip_grads_of, local_norm_stats,
 };
 use super::grad_scaler::{GradScaler, GradScalerState};
 use super::sharded_burn::ShardedBurn;
 use crate::comm::{Comm, CommError};
+use crate::data_parallel::OptimizerShards;
 use crate::param_grads::{float_params, update_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
@@ -184,8 +184,7 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// `expert_model_parallel` (the expert tensor × expert × pipeline group,
     /// [`RankGroups::expert_mp`](crate::launch::RankGroups::expert_mp)) instead of the dense
     /// model-parallel group, so that each expert counts once (Megatron's expert grad-stats
-    /// group). Supported with a burn-optim optimizer and the fused Adam; the distributed
-    /// optimizer refuses a model with experts (its shards do not cover them yet).
+    /// group).
     pub fn with_expert_model_parallel(mut self, expert_model_parallel: Comm) -> Self {
         self.expert_model_parallel = Some(expert_model_parallel);
         self
@@ -193,23 +192,27 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
 
     /// [`MegatronOptimizer::fused_adam`] as Megatron's distributed optimizer (ZeRO-1,
     /// `--use-distributed-optimizer`): this data-parallel rank keeps FP32 master weights and
-    /// Adam moments only for the elements `plans` (one per model chunk, for `dp`) give it,
-    /// 12 bytes per parameter over `dp`'s size instead of 12. Its gradients must come from
-    /// the plans' reduction ([`finalize_model_grads_distributed`] or
-    /// [`OverlapReducer::distributed`]); a step measures its shards (overflow and norm summed
-    /// over `dp` too), steps them, and all-gathers the updated weights bucket by bucket.
+    /// Adam moments only for the elements `shards`' plans give it, 12 bytes per parameter
+    /// over the data-parallel size instead of 12 (the experts' over the expert data-parallel
+    /// size). Its gradients must come from the plans' reduction
+    /// ([`finalize_model_grads_distributed`] or [`OverlapReducer::distributed`], and
+    /// [`finalize_expert_grads_distributed`] for experts); a step measures its shards
+    /// (overflow and norm summed over the data-parallel groups too), steps them, and
+    /// all-gathers the updated weights bucket by bucket. A model with experts needs expert
+    /// plans ([`OptimizerShards::with_experts`]).
     ///
     /// [`finalize_model_grads_distributed`]: crate::data_parallel::finalize_model_grads_distributed
+    /// [`finalize_expert_grads_distributed`]: crate::data_parallel::finalize_expert_grads_distributed
     /// [`OverlapReducer::distributed`]: crate::data_parallel::OverlapReducer::distributed
+    /// [`OptimizerShards::with_experts`]: crate::data_parallel::OptimizerShards::with_experts
     pub fn distributed_fused_adam(
         adam: FusedAdam,
         model: &M,
-        plans: Vec<crate::data_parallel::ShardPlan>,
-        dp: Comm,
+        shards: OptimizerShards,
         model_parallel: Comm,
         tp_rank: usize,
     ) -> Result<Self, CommError> {
-        let flat = Stepper::Fused(FlatAdam::distributed(&adam, model, plans, dp)?);
+        let flat = Stepper::Fused(FlatAdam::distributed(&adam, model, shards)?);
         Ok(Self::with_stepper(
             flat,
             None,
@@ -220,8 +223,8 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     }
 
     /// [`MegatronOptimizer::new`] as Megatron's distributed optimizer (ZeRO-1): `inner`
-    /// steps only this data-parallel rank's pieces of the parameters (those `plans` give it,
-    /// as FP32 master weights), so its state is 1/DP of the model's; the updated weights are
+    /// steps only this data-parallel rank's pieces of the parameters (those `shards`' plans
+    /// give it, as FP32 master weights), so its state is 1/DP of the model's; the updated weights are
     /// all-gathered. Gradients as for [`MegatronOptimizer::distributed_fused_adam`]. Build
     /// `inner` without weight decay (see [`MegatronOptimizer::set_weight_decay`]) and without
     /// id-based parameter groups (the pieces are parameters of their own). Checkpoints gather
@@ -229,12 +232,11 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     pub fn distributed(
         inner: impl Into<ModuleOptimizer>,
         model: &M,
-        plans: Vec<crate::data_parallel::ShardPlan>,
-        dp: Comm,
+        shards: OptimizerShards,
         model_parallel: Comm,
         tp_rank: usize,
     ) -> Result<Self, CommError> {
-        let sharded = Stepper::Sharded(ShardedBurn::new(inner.into(), model, plans, dp)?);
+        let sharded = Stepper::Sharded(ShardedBurn::new(inner.into(), model, shards)?);
         Ok(Self::with_stepper(
             sharded,
             None,
@@ -283,9 +285,21 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// This rank's index in the data-parallel group of a distributed optimizer
     /// ([`MegatronOptimizer::distributed_fused_adam`]); `None` for the others.
     pub fn data_parallel_rank(&self) -> Option<usize> {
+        self.shards().map(|s| s.dp().group().rank())
+    }
+
+    /// This rank's index in the expert data-parallel group of a distributed optimizer that
+    /// shards experts; `None` for the others.
+    pub fn expert_data_parallel_rank(&self) -> Option<usize> {
+        self.shards()
+            .and_then(|s| s.expert_dp())
+            .map(|c| c.group().rank())
+    }
+
+    fn shards(&self) -> Option<&OptimizerShards> {
         match &self.inner {
-            Stepper::Fused(f) => f.dp().map(|dp| dp.group().rank()),
-            Stepper::Sharded(s) => Some(s.dp().group().rank()),
+            Stepper::Fused(f) => f.shards(),
+            Stepper::Sharded(s) => Some(s.shards()),
             Stepper::Burn(_) => None,
         }
     }
@@ -425,26 +439,15 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             clip_coeff: 1.0,
             loss_scale,
         };
-        let sharded = match &self.inner {
-            Stepper::Burn(_) => false,
-            Stepper::Fused(flat) => flat.dp().is_some(),
-            Stepper::Sharded(_) => true,
+        let (dp, expert_dp) = match self.shards() {
+            Some(s) => (Some(s.dp().clone()), s.expert_dp().cloned()),
+            None => (None, None),
         };
-        if self.expert_model_parallel.is_some() && sharded {
-            let has_experts = float_params(&model)
-                .iter()
-                .any(|&(id, _)| crate::tensor_parallel::parallel_attrs(id).expert);
-            if has_experts {
-                return Err(OptimizerError::Unsupported(
-                    "mixture-of-experts parameters with the distributed optimizer (its shards \
-                     do not cover the experts yet); leave --use-distributed-optimizer off"
-                        .into(),
-                ));
-            }
-        }
         let groups = NormGroups {
             model_parallel: &self.model_parallel,
             experts: self.expert_model_parallel.as_ref(),
+            dp: dp.as_ref(),
+            expert_dp: expert_dp.as_ref(),
             norm_type: self.norm_type,
         };
         let inner = match &mut self.inner {
@@ -452,12 +455,12 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             Stepper::Sharded(sharded) => {
                 let measured =
                     sharded.measure(&grads, self.tp_rank, self.norm_type, 1.0 / loss_scale);
-                let scaler = self.scaler.as_mut();
-                let (flag, part) = (measured.non_finite, measured.norm_part);
-                let dp = Some(sharded.dp());
-                let Some(norm) =
-                    agree_norm(flag, part, dp, &self.model_parallel, self.norm_type, scaler)?
-                else {
+                let parts = LocalParts {
+                    non_finite: measured.non_finite,
+                    dense: measured.norm_part,
+                    experts: measured.expert_norm_part,
+                };
+                let Some(norm) = agree_norm(parts, groups, self.scaler.as_mut())? else {
                     return Ok((model, skipped));
                 };
                 // AdamW's decoupled decay on the master pieces, as `Decay` on whole tensors.
@@ -478,22 +481,12 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
             Stepper::Fused(flat) => {
                 let inv_scale = 1.0 / loss_scale;
                 let stats = flat.local_stats(&grads, self.tp_rank, self.norm_type, inv_scale)?;
-                let (dense, experts) = (stats.norm_part, stats.expert_norm_part);
-                // The flag covers every local gradient, experts' included.
-                let (flag, part) = match self.expert_model_parallel {
-                    Some(_) => with_experts(groups, stats.non_finite, dense, false, experts)?,
-                    None => (stats.non_finite, self.norm_type.combine(dense, experts)),
+                let parts = LocalParts {
+                    non_finite: stats.non_finite,
+                    dense: stats.norm_part,
+                    experts: stats.expert_norm_part,
                 };
-                let scaler = self.scaler.as_mut();
-                let Some(norm) = agree_norm(
-                    flag,
-                    part,
-                    flat.dp(),
-                    &self.model_parallel,
-                    self.norm_type,
-                    scaler,
-                )?
-                else {
+                let Some(norm) = agree_norm(parts, groups, self.scaler.as_mut())? else {
                     return Ok((model, skipped));
                 };
                 let clip_coeff = clip_coefficient(self.clip_grad, norm);
@@ -520,21 +513,13 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         };
         // One sum-of-squares pass gives overflow and norm; one collective agrees on both.
         let stats = local_norm_stats(&dense, &grads, self.tp_rank, self.norm_type, true);
-        let (mut flag, mut part) = (stats.non_finite, stats.norm_part);
-        if self.expert_model_parallel.is_some() {
-            let stats = local_norm_stats(&experts, &grads, self.tp_rank, self.norm_type, true);
-            (flag, part) = with_experts(groups, flag, part, stats.non_finite, stats.norm_part)?;
-        }
-        let scaler = self.scaler.as_mut();
-        let Some(norm) = agree_norm(
-            flag,
-            part,
-            None,
-            &self.model_parallel,
-            self.norm_type,
-            scaler,
-        )?
-        else {
+        let expert_stats = local_norm_stats(&experts, &grads, self.tp_rank, self.norm_type, true);
+        let parts = LocalParts {
+            non_finite: stats.non_finite || expert_stats.non_finite,
+            dense: stats.norm_part,
+            experts: expert_stats.norm_part,
+        };
+        let Some(norm) = agree_norm(parts, groups, self.scaler.as_mut())? else {
             return Ok((model, skipped));
         };
         let clip_coeff = clip_grads_of(&params, &mut grads, self.clip_grad, norm);

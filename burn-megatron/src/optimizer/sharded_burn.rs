@@ -5,10 +5,9 @@
 
 use super::cast::to_model_dtype;
 use super::error::OptimizerError;
-use super::fused_adam::{Place, Replace, Sharding, gather_pieces};
+use super::fused_adam::{Place, Replace, Sharding, check_covers_experts, gather_pieces};
 use super::grad_norm::{NormType, clip_coefficient};
-use crate::comm::{Comm, CommError};
-use crate::data_parallel::ShardPlan;
+use crate::comm::CommError;
 use crate::param_grads::with_flat;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -38,7 +37,10 @@ pub(crate) struct Pieces {
 pub(crate) struct Measured {
     grads: Vec<Tensor<1>>,
     pub(crate) non_finite: bool,
+    /// Over the dense parameters' pieces.
     pub(crate) norm_part: f64,
+    /// Over the experts' pieces.
+    pub(crate) expert_norm_part: f64,
 }
 
 pub(crate) struct ShardedBurn {
@@ -52,16 +54,14 @@ impl ShardedBurn {
     pub(crate) fn new<M: Module>(
         inner: ModuleOptimizer,
         model: &M,
-        plans: Vec<ShardPlan>,
-        dp: Comm,
+        shards: Sharding,
     ) -> Result<Self, CommError> {
-        for plan in &plans {
-            plan.check_group(dp.group(), "distributed optimizer")?;
-        }
+        shards.check("distributed optimizer")?;
+        check_covers_experts(model, &shards)?;
         let values = flat_values(model);
         let mut pieces = Vec::new();
         let mut parts = Vec::new();
-        for (plan, shard) in plans.iter().enumerate() {
+        for (plan, (shard, _)) in shards.plans().enumerate() {
             for p in shard.pieces() {
                 let Some(v) = values.get(&p.id) else { continue };
                 let part = v.clone().cast(DType::F32).narrow(0, p.start, p.len);
@@ -84,7 +84,7 @@ impl ShardedBurn {
             inner,
             pieces,
             master: Some(Pieces { parts }),
-            sharding: Sharding { plans, dp },
+            sharding: shards,
         })
     }
 
@@ -93,8 +93,9 @@ impl ShardedBurn {
         self.pieces.iter().map(|p| p.len).sum()
     }
 
-    /// This rank's unscaled gradient pieces, with their overflow flag and norm part (pieces
-    /// of duplicated parameters counted on TP rank 0 only, as without sharding).
+    /// This rank's unscaled gradient pieces, with their overflow flag and the dense and the
+    /// experts' norm parts (pieces of duplicated parameters counted on TP rank 0 only, as
+    /// without sharding).
     pub(crate) fn measure(
         &self,
         grads: &GradientsParams,
@@ -117,31 +118,37 @@ impl ShardedBurn {
             let finite: Tensor<1> = g.clone().is_finite().float();
             g.dims()[0] > 0 && finite.min().into_scalar::<f32>() < 1.0
         });
-        let counted: Vec<Tensor<1>> = self
-            .pieces
-            .iter()
-            .zip(&grads)
-            .filter(|(p, _)| parallel_attrs(p.param).counts_in_grad_norm(tp_rank))
-            .map(|(_, g)| g.clone())
-            .collect();
-        let norm_part = match norm_type {
-            NormType::L2 if counted.is_empty() => 0.0,
-            NormType::L2 => multi_tensor_sum_of_squares(&counted)
-                .expect("the gradients of one module share a device")
-                .into_data()
-                .iter::<f32>()
-                .map(f64::from)
-                .sum(),
-            NormType::Inf => counted
+        let part = |experts: bool| {
+            let counted: Vec<Tensor<1>> = self
+                .pieces
                 .iter()
-                .filter(|g| g.dims()[0] > 0)
-                .map(|g| f64::from(g.clone().abs().max().into_scalar::<f32>()))
-                .fold(0.0, f64::max),
+                .zip(&grads)
+                .filter(|(p, _)| {
+                    let attrs = parallel_attrs(p.param);
+                    attrs.expert == experts && attrs.counts_in_grad_norm(tp_rank)
+                })
+                .map(|(_, g)| g.clone())
+                .collect();
+            match norm_type {
+                NormType::L2 if counted.is_empty() => 0.0,
+                NormType::L2 => multi_tensor_sum_of_squares(&counted)
+                    .expect("the gradients of one module share a device")
+                    .into_data()
+                    .iter::<f32>()
+                    .map(f64::from)
+                    .sum(),
+                NormType::Inf => counted
+                    .iter()
+                    .filter(|g| g.dims()[0] > 0)
+                    .map(|g| f64::from(g.clone().abs().max().into_scalar::<f32>()))
+                    .fold(0.0, f64::max),
+            }
         };
         Measured {
-            grads,
             non_finite,
-            norm_part,
+            norm_part: part(false),
+            expert_norm_part: part(true),
+            grads,
         }
     }
 
@@ -194,9 +201,9 @@ impl ShardedBurn {
             .map_or_else(burn::tensor::Device::flex, |p| p.val().device())
     }
 
-    /// The data-parallel group.
-    pub(crate) fn dp(&self) -> &Comm {
-        &self.sharding.dp
+    /// The shards and their groups.
+    pub(crate) fn shards(&self) -> &Sharding {
+        &self.sharding
     }
 }
 
@@ -277,7 +284,7 @@ const RANK_KEY: &str = "__rank";
 impl ShardedBurn {
     fn invalid(&self, reason: String) -> OptimizerError {
         OptimizerError::Comm(CommError::InvalidArgument {
-            group: self.sharding.dp.group().to_string(),
+            group: self.sharding.dp().group().to_string(),
             op: "distributed optimizer state",
             reason,
         })
@@ -290,8 +297,9 @@ impl ShardedBurn {
         &self,
         model: &M,
     ) -> Result<(OptimizerRecord, M), OptimizerError> {
-        let (size, plans) = (self.sharding.dp.group().size(), &self.sharding.plans);
-        // Every rank must hold a piece to know the state's fields; they can all tell.
+        let (size, plans) = (self.sharding.dp().group().size(), self.sharding.dense());
+        // Every rank must hold a piece to know the state's fields; they can all tell. (A dense
+        // piece on every data-parallel rank is one on every rank.)
         if let Some(r) =
             (0..size).find(|&r| plans.iter().all(|p| p.for_rank(r).pieces().is_empty()))
         {

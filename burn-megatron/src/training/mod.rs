@@ -25,8 +25,9 @@ use crate::checkpoint::{
 };
 use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::data_parallel::{
-    DataParallelConfig, OverlapReducer, ShardPlan, finalize_expert_grads, finalize_model_grads,
-    finalize_model_grads_distributed, finalize_model_grads_overlapped,
+    DataParallelConfig, OptimizerShards, OverlapReducer, ShardPlan, finalize_expert_grads,
+    finalize_expert_grads_distributed, finalize_model_grads, finalize_model_grads_distributed,
+    finalize_model_grads_overlapped,
 };
 use crate::launch::RankContext;
 use crate::optimizer::{FusedAdam, MegatronOptimizer, OptimizerError};
@@ -103,6 +104,8 @@ pub struct ParallelTraining {
     layout: SavedLayout,
     names: GlobalNames,
     plans: Vec<ShardPlan>,
+    /// The experts' plans over the expert data-parallel group (none without experts).
+    expert_plans: Vec<ShardPlan>,
     reducers: Vec<OverlapReducer>,
 }
 
@@ -156,6 +159,7 @@ impl ParallelTrainingConfig {
             },
             names,
             plans: Vec::new(),
+            expert_plans: Vec::new(),
             reducers: Vec::new(),
         };
         training.attach(chunks);
@@ -168,7 +172,7 @@ impl ParallelTraining {
     fn attach<C: Module>(&mut self, chunks: &[C]) {
         // The old reducers' hooks must be gone before new ones are installed.
         self.reducers.clear();
-        self.plans = self.plans_for(chunks);
+        (self.plans, self.expert_plans) = self.plans_for(chunks);
         if self.config.overlap_grad_reduce {
             self.reducers = chunks
                 .iter()
@@ -184,22 +188,41 @@ impl ParallelTraining {
         }
     }
 
-    fn plans_for<C: Module>(&self, chunks: &[C]) -> Vec<ShardPlan> {
+    /// The distributed optimizer's plans of `chunks`: the dense ones, and the experts' when
+    /// the chunks have experts.
+    fn plans_for<C: Module>(&self, chunks: &[C]) -> (Vec<ShardPlan>, Vec<ShardPlan>) {
         if !self.config.use_distributed_optimizer {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
-        chunks
+        let config = &self.config.data_parallel;
+        let dense = chunks
             .iter()
-            .map(|c| {
-                ShardPlan::new(
-                    c,
-                    self.dp_size,
-                    self.dp_rank,
-                    &self.config.data_parallel,
-                    self.tied,
-                )
-            })
-            .collect()
+            .map(|c| ShardPlan::new(c, self.dp_size, self.dp_rank, config, self.tied))
+            .collect();
+        let has_experts = chunks.iter().any(|c| {
+            crate::param_grads::float_params(c)
+                .iter()
+                .any(|&(id, _)| crate::tensor_parallel::parallel_attrs(id).expert)
+        });
+        let experts = match has_experts {
+            true => {
+                let (size, rank) = (self.expert_dp.group().size(), self.expert_dp_rank);
+                let plan = |c| ShardPlan::experts(c, size, rank, config);
+                chunks.iter().map(plan).collect()
+            }
+            false => Vec::new(),
+        };
+        (dense, experts)
+    }
+
+    /// The distributed optimizer's shards of `chunks` and the groups they shard over.
+    fn shards_for<C: Module>(&self, chunks: &[C]) -> OptimizerShards {
+        let (dense, experts) = self.plans_for(chunks);
+        let shards = OptimizerShards::new(dense, self.dp.clone());
+        match experts.is_empty() {
+            true => shards,
+            false => shards.with_experts(experts, self.expert_dp.clone()),
+        }
     }
 
     /// The configuration this was built with.
@@ -214,12 +237,12 @@ impl ParallelTraining {
             tensor_model_parallel_rank: self.tp_rank,
             pipeline_model_parallel_rank: self.pp_rank,
             expert_model_parallel_rank: self.ep_rank,
-            // The dense weights are written by data-parallel rank 0 (every rank with the
-            // distributed optimizer, whose step gathers to it), the experts by their
-            // expert data-parallel rank 0.
+            // The dense weights are written by data-parallel rank 0, the experts by their
+            // expert data-parallel rank 0. With the distributed optimizer every rank takes
+            // part, since the state is gathered to those ranks (and only they write).
             share: SaveShare {
                 dense: self.dp_rank == 0 || self.config.use_distributed_optimizer,
-                experts: self.expert_dp_rank == 0,
+                experts: self.expert_dp_rank == 0 || self.config.use_distributed_optimizer,
             },
             names: &*self.names,
         }
@@ -235,21 +258,16 @@ impl ParallelTraining {
     ) -> Result<MegatronOptimizer<Vec<C>>, CommError> {
         let (mp, tp_rank) = (self.mp.clone(), self.tp_rank);
         let zero = self.config.use_distributed_optimizer;
-        let plans = || self.plans_for(chunks);
+        let shards = || self.shards_for(chunks);
         let optimizer = match inner.into() {
-            InnerOptimizer::FusedAdam(adam) if zero => MegatronOptimizer::distributed_fused_adam(
-                adam,
-                chunks,
-                plans(),
-                self.dp.clone(),
-                mp,
-                tp_rank,
-            )?,
+            InnerOptimizer::FusedAdam(adam) if zero => {
+                MegatronOptimizer::distributed_fused_adam(adam, chunks, shards(), mp, tp_rank)?
+            }
             InnerOptimizer::FusedAdam(adam) => {
                 MegatronOptimizer::fused_adam(adam, chunks, mp, tp_rank)
             }
             InnerOptimizer::Burn(o) if zero => {
-                MegatronOptimizer::distributed(o, chunks, plans(), self.dp.clone(), mp, tp_rank)?
+                MegatronOptimizer::distributed(o, chunks, shards(), mp, tp_rank)?
             }
             InnerOptimizer::Burn(o) => MegatronOptimizer::new(o, chunks, mp, tp_rank),
         };
@@ -288,8 +306,15 @@ impl ParallelTraining {
             finalize_model_grads(model, grads, &self.dp, tp, embedding, config)?;
         }
         // Expert parameters are reduced over their own replicas (none of the paths above
-        // touches them).
-        finalize_expert_grads(model, grads, &self.expert_dp, self.dp_size, config)
+        // touches them), reduce-scattered for the distributed optimizer.
+        let (expert_dp, dp_size) = (&self.expert_dp, self.dp_size);
+        match self.config.use_distributed_optimizer {
+            true => {
+                let plans = &self.expert_plans;
+                finalize_expert_grads_distributed(plans, model, grads, expert_dp, dp_size, config)
+            }
+            false => finalize_expert_grads(model, grads, expert_dp, dp_size, config),
+        }
     }
 
     /// Saves iteration `iteration` under `root`, collectively over the world: every rank

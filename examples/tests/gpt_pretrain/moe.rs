@@ -1,10 +1,11 @@
 //! `gpt_pretrain` with mixture-of-experts layers: it trains at EP 2 and logs its experts'
 //! token shares and load-balancing loss, the same with full recomputation; its checkpoints (experts saved under their global
 //! index) resume exactly at EP 2 and, resharded, at EP 1, TP 2 × EP 2 and TP 2 × EP 4 (the
-//! same micro-batches, so the same load-balancing losses); bad MoE flags are refused before
-//! any work.
+//! same micro-batches, so the same load-balancing losses); with the distributed optimizer
+//! sharding the experts over expert-DP it trains as without, and its checkpoints resume
+//! exactly and reshard; bad MoE flags are refused before any work.
 
-use super::common::{assert_close_losses, gpt_args as args, tmp};
+use super::common::{assert_close_losses, assert_same_iterations, gpt_args as args, tmp};
 use super::resume;
 use burn_megatron_examples::pretrain::run_gpt;
 
@@ -113,6 +114,44 @@ fn an_moe_model_trains_logs_its_experts_and_resumes_at_other_expert_layouts() {
     ] {
         let resumed = resume(&save, 6, &[&MOE[..], other].concat(), &dir);
         assert_close_losses(&format!("{other:?}"), &resumed, &log[6..], 1e-5);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// EP 2 on 4 ranks: every expert has 2 replicas (expert-DP 2), over which the distributed
+/// optimizer shards the experts' state while it shards the dense state over DP 4.
+#[test]
+fn the_distributed_optimizer_shards_the_experts_and_its_checkpoints_reshard() {
+    let dir = tmp("gpt-moe-zero");
+    let save = dir.join("ckpt");
+    let s = save.to_str().unwrap();
+    let on_4 = |ep: &'static str| {
+        let flags = ["--world-size", "4", "--micro-batch-size", "2"];
+        [&MOE[..], &flags, &["--expert-model-parallel-size", ep]].concat()
+    };
+    // The fused Adam's flat shards, and burn-optim's AdamW on its pieces.
+    for inner in [&["--use-fused-adam"][..], &[]] {
+        let ep2 = [&on_4("2")[..], inner].concat();
+        let zero = [&ep2[..], &["--use-distributed-optimizer"]].concat();
+        let saving = [&zero[..], &["--save", s, "--save-interval", "6"]].concat();
+        let sharded = run_gpt(&args(&saving, &dir)).unwrap().log;
+        let plain = run_gpt(&args(&ep2, &dir)).unwrap().log;
+        assert_close_losses(&format!("ZeRO-1 {inner:?}"), &sharded, &plain, 1e-5);
+        for (a, b) in sharded.iter().zip(&plain) {
+            let (x, y) = (a.grad_norm.unwrap(), b.grad_norm.unwrap());
+            assert!((x - y).abs() / y < 1e-5, "{inner:?}: grad norm {x} vs {y}");
+        }
+        // The state gathered to (expert) data-parallel rank 0 and read back into the shards.
+        assert_same_iterations(&resume(&save, 6, &zero, &dir), &sharded[6..]);
+        // Resharded: EP 4 (one replica per expert), and DP 2 without the distributed
+        // optimizer (two micro-batches per rank: the same ones).
+        let ep4 = [&on_4("4")[..], inner, &["--use-distributed-optimizer"]].concat();
+        let dp2 = [&MOE[..], &["--micro-batch-size", "2"], inner].concat();
+        for other in [ep4, dp2] {
+            let resumed = resume(&save, 6, &other, &dir);
+            assert_close_losses(&format!("{other:?}"), &resumed, &sharded[6..], 1e-5);
+        }
+        std::fs::remove_dir_all(&save).unwrap();
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

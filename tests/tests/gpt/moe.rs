@@ -3,13 +3,16 @@
 //! token dispatchers and at TP 2 × EP ∈ {1, 2} with and without sequence parallelism, against the same layout
 //! at EP 1 (each rank holding every expert): every step's loss, the first step's gradients
 //! (dense ones gathered over TP, experts under their global index) and the final weights.
-//! And EP 2 × PP 2 × DP 2 through the pipeline executor against a plain accumulation loop.
+//! The distributed optimizer sharding the experts over expert-DP (through `ParallelTraining`)
+//! against EP 1 without it. And EP 2 × PP 2 × DP 2 through the pipeline executor against a
+//! plain accumulation loop.
 
 use super::Error;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Tensor;
-use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
+use burn_megatron::comm::{Comm, ReduceOp};
 use burn_megatron::data_parallel::{
     DataParallelConfig, finalize_expert_grads, finalize_model_grads,
 };
@@ -17,10 +20,13 @@ use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::GptConfig;
 use burn_megatron::moe::{MoeConfig, TokenDispatcherType};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
+use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron::training::{InnerOptimizer, ParallelTrainingConfig};
 use burn_megatron_tests::gpt::{causal_lm_step, gathered, gpt_rows, llama, max_rel_diff};
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 const GLOBAL_BATCH: usize = 4;
 const SEQ: usize = 8;
@@ -30,6 +36,8 @@ type Tensors = BTreeMap<String, Vec<f32>>;
 
 struct Trace {
     losses: Vec<f32>,
+    /// Each step's global gradient norm.
+    norms: Vec<f64>,
     grads: Tensors,
     weights: Tensors,
 }
@@ -106,7 +114,7 @@ fn run(
         let local = GLOBAL_BATCH / dp;
         let b = gpt_rows(ctx.state.data_parallel_rank() * local, local, SEQ, d);
         let mask = Tensor::ones(b.mask.dims(), d);
-        let (mut losses, mut first_grads) = (Vec::new(), None);
+        let (mut losses, mut norms, mut first_grads) = (Vec::new(), Vec::new(), None);
         let ddp = DataParallelConfig::default();
         for _ in 0..STEPS {
             let logits = model.forward(b.ids.clone())?;
@@ -117,12 +125,15 @@ fn run(
             if first_grads.is_none() {
                 first_grads = Some(gathered(&model, Some(&grads), g));
             }
-            model = optim.step(1e-3, model, grads)?.0;
+            let report;
+            (model, report) = optim.step(1e-3, model, grads)?;
+            norms.extend(report.grad_norm);
             losses.push(values(all_reduce(&*ctx.groups.dp, loss.inner(), ReduceOp::Avg)?)[0]);
         }
         Ok::<_, Error>((
             Trace {
                 losses,
+                norms,
                 grads: first_grads.unwrap_or_default(),
                 weights: gathered(&model, None, g),
             },
@@ -135,6 +146,22 @@ fn run(
 fn check(what: &str, got: &[(Trace, usize)], want: &[(Trace, usize)]) {
     for (step, (a, b)) in got[0].0.losses.iter().zip(&want[0].0.losses).enumerate() {
         assert!((a - b).abs() <= 1e-5, "{what} step {step}: loss {a} vs {b}");
+    }
+    // Every expert counted once: the norms (which clipping scales by) agree on every rank.
+    assert_eq!(want[0].0.norms.len(), STEPS);
+    for (rank, (t, _)) in got.iter().enumerate() {
+        for (step, (a, b)) in t.norms.iter().zip(&want[0].0.norms).enumerate() {
+            let rel = (a - b).abs() / b;
+            assert!(
+                rel <= 1e-5,
+                "{what} rank {rank} step {step}: grad norm {a} vs {b}"
+            );
+        }
+        assert_eq!(
+            t.norms.len(),
+            STEPS,
+            "{what} rank {rank}: a step was skipped"
+        );
     }
     let (g, at) = max_rel_diff(
         &merged(got, |t| &t.grads),
@@ -197,7 +224,8 @@ fn the_fused_adam_step_matches_ep1_with_experts() {
     check("fused Adam EP 2", &got, &reference);
 }
 
-/// EP 2 × PP 2 × DP 2 through `forward_backward_func` (2 micro-batches per rank) against one
+/// EP 2 × PP 2 × DP 2 through `forward_backward_func` (2 micro-batches per rank), with and
+/// without the distributed optimizer, both through `ParallelTraining`, against one
 /// rank running the 4 samples as micro-batches in a plain accumulation loop, its auxiliary
 /// losses scaled by 1/4 as the executor scales each micro-batch's (grad_scale / M): losses
 /// and every weight under its global name after 6 clipped AdamW steps.
@@ -251,59 +279,210 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
     .unwrap()
     .remove(0);
     let layout = ParallelConfig::new(4, 1, 2).with_expert_parallel(2);
-    let ranks = threads(&layout, LaunchOptions::default(), |ctx| {
-        let (g, d) = (&ctx.groups.tp, &ctx.device);
-        let position = PipelinePosition::of(&ctx.state, 0);
-        let mut chunks =
-            vec![config.init_stage_with_experts(g, Some(&ctx.groups.ep), position, d)?];
-        let mut optim =
-            MegatronOptimizer::new(AdamWConfig::new().init(), &chunks, ctx.groups.mp.clone(), 0)
-                .with_expert_model_parallel(ctx.groups.expert_mp.clone())
+    for distributed in [false, true] {
+        let ranks = threads(&layout, LaunchOptions::default(), |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let position = PipelinePosition::of(&ctx.state, 0);
+            let mut chunks =
+                vec![config.init_stage_with_experts(g, Some(&ctx.groups.ep), position, d)?];
+            let training = ParallelTrainingConfig::new()
+                .with_use_distributed_optimizer(distributed)
+                .init(&ctx, &chunks, Arc::new(|s: &str| s.to_string()))?;
+            // AdamW's decay by the wrapper (the distributed optimizer's pieces are not the
+            // model's parameters), AdamW's default as the reference's.
+            let adamw = AdamWConfig::new().with_weight_decay(0.0).init();
+            let mut optim = training
+                .optimizer(InnerOptimizer::burn(adamw), &chunks)?
                 .with_clip_grad(1.0, NormType::L2);
-        let p2p = ctx.p2p(P2pShapes::Fixed {
-            dims: vec![SEQ, 1, 32],
-            dtype: DType::F32,
-        });
-        let dp = ctx.state.data_parallel_size();
-        let local = SAMPLES / dp;
-        let first = ctx.state.data_parallel_rank() * local;
-        let ddp = DataParallelConfig::default();
-        let mut losses = Vec::new();
-        for _ in 0..STEPS {
-            let fb = ForwardBackwardConfig::new(PipelineSchedule::new(2, local));
-            let out = forward_backward_func(
-                |s: ForwardStep<'_, Gpt, 3>| causal_lm_step(s, first, SEQ, d),
-                &chunks,
-                &p2p,
-                fb,
-            )?;
-            let mut grads = out.grads;
-            let emb = ctx.groups.embedding.as_ref();
-            finalize_model_grads(&chunks, &mut grads, &ctx.groups.dp, g, emb, &ddp)?;
-            finalize_expert_grads(&chunks, &mut grads, &ctx.groups.expert_dp, dp, &ddp)?;
-            chunks = optim.step(1e-3, chunks, grads)?.0;
-            if !out.losses.is_empty() {
-                let mut v =
-                    vec![out.losses.iter().map(|m| m.report[0] as f32).sum::<f32>() / local as f32];
-                ctx.groups.dp.all_reduce_vec(&mut v, ReduceOp::Avg)?;
-                losses.push(v[0]);
+            optim.set_weight_decay(1e-4)?;
+            let p2p = ctx.p2p(P2pShapes::Fixed {
+                dims: vec![SEQ, 1, 32],
+                dtype: DType::F32,
+            });
+            let dp = ctx.state.data_parallel_size();
+            let local = SAMPLES / dp;
+            let first = ctx.state.data_parallel_rank() * local;
+            let mut losses = Vec::new();
+            for _ in 0..STEPS {
+                let fb = ForwardBackwardConfig::new(PipelineSchedule::new(2, local));
+                let out = forward_backward_func(
+                    |s: ForwardStep<'_, Gpt, 3>| causal_lm_step(s, first, SEQ, d),
+                    &chunks,
+                    &p2p,
+                    fb,
+                )?;
+                let mut grads = out.grads;
+                training.finalize(&chunks, &mut grads)?;
+                chunks = optim.step(1e-3, chunks, grads)?.0;
+                if !out.losses.is_empty() {
+                    let mut v = vec![
+                        out.losses.iter().map(|m| m.report[0] as f32).sum::<f32>() / local as f32,
+                    ];
+                    ctx.groups.dp.all_reduce_vec(&mut v, ReduceOp::Avg)?;
+                    losses.push(v[0]);
+                }
+            }
+            let weights = names(&chunks, gathered(&chunks, None, g));
+            Ok::<_, Error>((losses, weights))
+        })
+        .unwrap();
+        let (want_losses, want_weights) = &reference;
+        let mut held = Tensors::new();
+        for (rank, (losses, weights)) in ranks.into_iter().enumerate() {
+            for (step, (a, b)) in losses.iter().zip(want_losses).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "distributed {distributed} rank {rank} step {step}: loss {a} vs {b}"
+                );
+            }
+            held.extend(weights);
+        }
+        let (w, at) = max_rel_diff(&held, want_weights, 1e-6);
+        assert!(
+            w <= 1e-5,
+            "distributed {distributed}: weight {at} differs by {w} after {STEPS} steps"
+        );
+    }
+}
+
+/// The gradients of a distributed optimizer's reduction made whole again: each rank holds
+/// the reduced values of the elements it owns and zeros elsewhere, so the sum over the
+/// data-parallel group (the expert data-parallel group for experts) is the whole gradient.
+fn unsharded<M: Module>(
+    model: &M,
+    grads: &GradientsParams,
+    dp: &Comm,
+    edp: &Comm,
+) -> GradientsParams {
+    struct Sum<'a>(&'a GradientsParams, GradientsParams, &'a Comm, &'a Comm);
+    impl ModuleVisitor for Sum<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(p.id) {
+                let group = if parallel_attrs(p.id).expert {
+                    self.3
+                } else {
+                    self.2
+                };
+                let whole = all_reduce(&**group, g, ReduceOp::Sum).expect("sum over the shards");
+                self.1.register(p.id, whole);
             }
         }
-        let weights = names(&chunks, gathered(&chunks, None, g));
-        Ok::<_, Error>((losses, weights))
-    })
-    .unwrap();
-    let (want_losses, want_weights) = reference;
-    let mut held = Tensors::new();
-    for (rank, (losses, weights)) in ranks.into_iter().enumerate() {
-        for (step, (a, b)) in losses.iter().zip(&want_losses).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-5,
-                "rank {rank} step {step}: loss {a} vs {b}"
-            );
-        }
-        held.extend(weights);
     }
-    let (w, at) = max_rel_diff(&held, &want_weights, 1e-6);
-    assert!(w <= 1e-5, "weight {at} differs by {w} after {STEPS} steps");
+    let mut sum = Sum(grads, GradientsParams::new(), dp, edp);
+    model.visit(&mut sum);
+    sum.1
+}
+
+/// `run` with the distributed optimizer, through `ParallelTraining` (which plans the experts'
+/// shards over expert-DP, reduce-scatters their gradients and shards their state).
+fn run_distributed(
+    config: &GptConfig,
+    (world, tp, ep): (usize, usize, usize),
+    fused: bool,
+) -> Vec<(Trace, usize)> {
+    let layout = ParallelConfig::new(world, tp, 1).with_expert_parallel(ep);
+    threads(&layout, LaunchOptions::default(), |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let whole = PipelinePosition::whole();
+        let chunks = vec![config.init_stage_with_experts(g, Some(&ctx.groups.ep), whole, d)?];
+        let first = chunks[0].layers[0]
+            .moe
+            .as_ref()
+            .expect("layer 0 is MoE")
+            .first_expert();
+        let training = ParallelTrainingConfig::new()
+            .with_use_distributed_optimizer(true)
+            .init(&ctx, &chunks, Arc::new(|s: &str| s.to_string()))?;
+        let inner = match fused {
+            true => InnerOptimizer::from(FusedAdamConfig::new().init()?),
+            // AdamW's decay by the wrapper, on the master pieces.
+            false => InnerOptimizer::burn(AdamWConfig::new().with_weight_decay(0.0).init()),
+        };
+        let mut optim = training
+            .optimizer(inner, &chunks)?
+            .with_clip_grad(1.0, NormType::L2);
+        if !fused {
+            optim.set_weight_decay(1e-4)?; // AdamW's default, as the reference's
+        }
+        // This rank's master weights (and each moment): 1/DP of its dense elements and
+        // 1/EDP of its experts', give or take each bucket's padding.
+        let held = optim.state_elements().expect("a distributed optimizer") / 3;
+        let (dense, experts) = local_elements(&chunks);
+        let (dp, edp) = (
+            ctx.groups.dp.group().size(),
+            ctx.groups.expert_dp.group().size(),
+        );
+        let share = dense / dp + experts / edp;
+        assert!(
+            edp == 2 && held.abs_diff(share) <= 2 * dp,
+            "{held} elements held, {share} expected"
+        );
+        let dp = ctx.state.data_parallel_size();
+        let local = GLOBAL_BATCH / dp;
+        let b = gpt_rows(ctx.state.data_parallel_rank() * local, local, SEQ, d);
+        let mask = Tensor::ones(b.mask.dims(), d);
+        let (mut chunks, mut losses, mut norms, mut first_grads) =
+            (chunks, Vec::new(), Vec::new(), None);
+        for _ in 0..STEPS {
+            let logits = chunks[0].forward(b.ids.clone())?;
+            let loss = chunks[0].loss(logits, b.labels.clone(), mask.clone())?;
+            let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
+            training.finalize(&chunks, &mut grads)?;
+            if first_grads.is_none() {
+                let whole = unsharded(&chunks, &grads, &ctx.groups.dp, &ctx.groups.expert_dp);
+                first_grads = Some(gathered(&chunks[0], Some(&whole), g));
+            }
+            let report;
+            (chunks, report) = optim.step(1e-3, chunks, grads)?;
+            norms.extend(report.grad_norm);
+            losses.push(values(all_reduce(&*ctx.groups.dp, loss.inner(), ReduceOp::Avg)?)[0]);
+        }
+        Ok::<_, Error>((
+            Trace {
+                losses,
+                norms,
+                grads: first_grads.unwrap_or_default(),
+                weights: gathered(&chunks[0], None, g),
+            },
+            first,
+        ))
+    })
+    .unwrap()
+}
+
+/// The trained elements of `model`: dense, experts'.
+fn local_elements<M: Module>(model: &M) -> (usize, usize) {
+    struct Count(usize, usize);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let n = p.val().shape().num_elements();
+            match parallel_attrs(p.id).expert {
+                true => self.1 += n,
+                false => self.0 += n,
+            }
+        }
+    }
+    let mut c = Count(0, 0);
+    model.visit(&mut c);
+    (c.0, c.1)
+}
+
+/// The distributed optimizer shards the experts over their replicas (expert-DP 2 at EP 2 on
+/// 4 ranks, and at TP 2 × EP 2): the same losses, gradients and weights as EP 1 without it.
+#[test]
+fn the_distributed_optimizer_shards_experts_over_expert_data_parallel() {
+    let config = moe_llama(TokenDispatcherType::AllToAll);
+    let reference = run(&config, (4, 1, 1, false), false);
+    for fused in [false, true] {
+        let got = run_distributed(&config, (4, 1, 2), fused);
+        check(
+            &format!("distributed (fused {fused}) EP 2 × EDP 2"),
+            &got,
+            &reference,
+        );
+    }
+    // DP 2 as the reference's: the load-balancing loss is each replica's own.
+    let dp2 = run(&config, (2, 1, 1, false), false);
+    let got = run_distributed(&config, (4, 2, 2), true);
+    check("distributed fused TP 2 × EP 2 × EDP 2", &got, &dp2);
 }

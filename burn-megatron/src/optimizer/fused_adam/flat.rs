@@ -157,12 +157,8 @@ pub(crate) struct FlatAdam {
 }
 
 /// What a distributed (ZeRO-1) optimizer needs beyond its pieces: the plans they come from
-/// (one per model chunk) and the data-parallel group to gather over.
-#[derive(Debug)]
-pub(crate) struct Sharding {
-    pub(crate) plans: Vec<crate::data_parallel::ShardPlan>,
-    pub(crate) dp: crate::comm::Comm,
-}
+/// and the groups to gather over.
+pub(crate) type Sharding = crate::data_parallel::OptimizerShards;
 
 impl FlatAdam {
     /// Flat buffers for `model`'s trainable parameters (cast to f32), grouped by

@@ -17,4 +17,4 @@ mod sharded;
 pub use config::{FusedAdam, FusedAdamConfig};
 pub(crate) use flat::{Buffer, FlatAdam, Place, Sharding};
 pub(crate) use mappers::Replace;
-pub(crate) use sharded::gather_pieces;
+pub(crate) use sharded::{check_covers_experts, gather_pieces};

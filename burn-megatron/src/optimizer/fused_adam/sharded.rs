@@ -1,5 +1,5 @@
 //! The distributed optimizer's side of the flat state (ZeRO-1): each data-parallel rank holds
-//! the master weights and moments of the elements its [`ShardPlan`]s give it, and rebuilds
+//! the master weights and moments of the elements its [`ShardPlan`](crate::data_parallel::ShardPlan)s give it, and rebuilds
 //! whole parameters (weights after a step, state for a checkpoint) by all-gathering every
 //! bucket's shards.
 
@@ -7,8 +7,7 @@ use super::config::FusedAdam;
 use super::flat::{Buffer, FlatAdam, Place, Sharding, Slot};
 use super::mappers::{Replace, walk};
 use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
-use crate::comm::{Buffer as CommBuffer, Comm, CommDType, CommError, comm_dtype};
-use crate::data_parallel::ShardPlan;
+use crate::comm::{Buffer as CommBuffer, CommDType, CommError, comm_dtype};
 use crate::optimizer::error::OptimizerError;
 use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
@@ -16,21 +15,19 @@ use std::collections::HashMap;
 
 impl FlatAdam {
     /// Flat buffers for this rank's pieces of `model`'s trainable parameters: those of
-    /// `plans` (one per model chunk, made for `dp`), grouped as [`FlatAdam::new`] groups.
+    /// `shards`' plans, grouped as [`FlatAdam::new`] groups.
     pub(crate) fn distributed<M: Module>(
         adam: &FusedAdam,
         model: &M,
-        plans: Vec<ShardPlan>,
-        dp: Comm,
+        shards: Sharding,
     ) -> Result<Self, CommError> {
         let invalid = |reason: String| CommError::InvalidArgument {
-            group: dp.group().to_string(),
+            group: shards.dp().group().to_string(),
             op: "distributed optimizer",
             reason,
         };
-        for plan in &plans {
-            plan.check_group(dp.group(), "distributed optimizer")?;
-        }
+        shards.check("distributed optimizer")?;
+        check_covers_experts(model, &shards)?;
         let mut params = HashMap::new();
         walk(model, |path, id, dims, flat, trainable| {
             if trainable {
@@ -38,7 +35,7 @@ impl FlatAdam {
             }
         });
         let mut entries = Vec::new();
-        for (plan_index, plan) in plans.iter().enumerate() {
+        for (plan_index, (plan, _)) in shards.plans().enumerate() {
             for piece in plan.pieces() {
                 let Some((path, dims, flat)) = params.get(&piece.id) else {
                     return Err(invalid(format!(
@@ -63,16 +60,16 @@ impl FlatAdam {
                 entries.push((slot, adam.options(&piece.id, path, *dims), values));
             }
         }
-        Ok(Self::grouped(adam, entries, Some(Sharding { plans, dp })))
+        Ok(Self::grouped(adam, entries, Some(shards)))
     }
 
     fn device(&self) -> burn::tensor::Device {
         self.groups[0].state.param.device()
     }
 
-    /// The data-parallel group of a distributed optimizer.
-    pub(crate) fn dp(&self) -> Option<&Comm> {
-        self.sharding.as_ref().map(|s| &s.dp)
+    /// The shards of a distributed optimizer.
+    pub(crate) fn shards(&self) -> Option<&Sharding> {
+        self.sharding.as_ref()
     }
 
     /// Elements of master weights this rank holds (each moment holds as many).
@@ -130,7 +127,8 @@ fn placed(pieces: Vec<(Slot, Tensor<1>)>) -> Vec<(Place, Tensor<1>)> {
 
 /// Whole parameters from every data-parallel rank's pieces (`pieces`: this rank's, with
 /// their places): each bucket all-gathered in `dtype` of its parameters' dtype, onto
-/// `device`. Collective over the data-parallel group; every rank gathers every bucket.
+/// `device`. Collective over the data-parallel group (the expert data-parallel group for
+/// the experts' plans); every rank gathers every bucket.
 pub(crate) fn gather_pieces(
     sharding: &Sharding,
     device: &burn::tensor::Device,
@@ -144,26 +142,26 @@ pub(crate) fn gather_pieces(
             .or_default()
             .push((place.at, values));
     }
-    let comm_error = |reason: String| CommError::InvalidArgument {
-        group: sharding.dp.group().to_string(),
-        op: "all_gather",
-        reason,
-    };
     let mut out = HashMap::new();
-    for (p, plan) in sharding.plans.iter().enumerate() {
+    for (p, (plan, group)) in sharding.plans().enumerate() {
+        let comm_error = |reason: String| CommError::InvalidArgument {
+            group: group.group().to_string(),
+            op: "all_gather",
+            reason,
+        };
         for (b, bucket) in plan.buckets().iter().enumerate() {
             let d = dtype(bucket.dtype);
             let cd = comm_dtype(d).unwrap_or(CommDType::F32);
             // This rank's pieces written into its shard of the whole bucket, which is then
             // gathered in place.
             let shard = bucket.len / plan.size();
-            let mine = sharding.dp.group().rank() * shard;
+            let mine = group.group().rank() * shard;
             let mut full = CommBuffer::zeros(cd, bucket.len);
             for (at, values) in by_bucket.remove(&(p, b)).unwrap_or_default() {
                 let data = values.cast(d).into_data();
                 full.write_at(mine + at, &data_to_buffer(data).map_err(comm_error)?);
             }
-            sharding.dp.all_gather_in_place(&mut full)?;
+            group.all_gather_in_place(&mut full)?;
             for param in bucket.params.iter().filter(|p| p.trainable) {
                 let values = full.slice(param.offset..param.offset + param.numel);
                 let t: Tensor<1> = buffer_to_tensor(values, [param.numel], device);
@@ -172,4 +170,33 @@ pub(crate) fn gather_pieces(
         }
     }
     Ok(out)
+}
+
+/// Refuses shards that leave `model`'s trained expert parameters out: no step would update
+/// them.
+pub(crate) fn check_covers_experts<M: Module>(
+    model: &M,
+    shards: &Sharding,
+) -> Result<(), CommError> {
+    if shards.expert_dp().is_some() {
+        return Ok(());
+    }
+    let mut experts = 0;
+    walk(model, |_, id, _, _, trainable| {
+        if trainable && crate::tensor_parallel::parallel_attrs(id).expert {
+            experts += 1;
+        }
+    });
+    if experts == 0 {
+        return Ok(());
+    }
+    Err(CommError::InvalidArgument {
+        group: shards.dp().group().to_string(),
+        op: "distributed optimizer",
+        reason: format!(
+            "the model has {experts} expert parameters and the shards no expert plans: add \
+             them with OptimizerShards::with_experts (ShardPlan::experts over the expert \
+             data-parallel group)"
+        ),
+    })
 }

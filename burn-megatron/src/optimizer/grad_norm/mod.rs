@@ -10,7 +10,7 @@ mod agree;
 use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::param_grads::{float_params, update_flat, with_flat};
 use crate::tensor_parallel::parallel_attrs;
-pub(crate) use agree::{NormGroups, agree_norm, with_experts};
+pub(crate) use agree::{LocalParts, NormGroups, agree_norm};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
