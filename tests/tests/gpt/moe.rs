@@ -486,3 +486,27 @@ fn the_distributed_optimizer_shards_experts_over_expert_data_parallel() {
     let got = run_distributed(&config, (4, 2, 2), true);
     check("distributed fused TP 2 × EP 2 × EDP 2", &got, &dp2);
 }
+
+/// Shards without the experts' plans would leave the experts unstepped: refused up front.
+#[test]
+fn a_distributed_optimizer_without_expert_plans_is_refused() {
+    use burn_megatron::data_parallel::{OptimizerShards, ShardPlan};
+    let config = moe_llama(TokenDispatcherType::AllToAll);
+    let layout = ParallelConfig::new(2, 1, 1).with_expert_parallel(2);
+    threads(&layout, LaunchOptions::default(), |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let whole = PipelinePosition::whole();
+        let model = config.init_stage_with_experts(g, Some(&ctx.groups.ep), whole, d)?;
+        let dp = ctx.groups.dp.clone();
+        let (size, rank) = (dp.group().size(), dp.group().rank());
+        let plan = ShardPlan::new(&model, size, rank, &DataParallelConfig::default(), false);
+        let (mp, adam) = (ctx.groups.mp.clone(), FusedAdamConfig::new().init()?);
+        let shards = OptimizerShards::new(vec![plan], dp);
+        let e = MegatronOptimizer::distributed_fused_adam(adam, &model, shards, mp, 0)
+            .expect_err("no expert plans");
+        assert!(e.to_string().contains("expert parameters"), "{e}");
+        assert!(e.to_string().contains("with_experts"), "{e}");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
