@@ -37,6 +37,8 @@ pub mod aux_loss;
 pub mod checkpoint;
 pub mod comm;
 pub mod context_parallel;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod data_parallel;
 mod grad_hooks;

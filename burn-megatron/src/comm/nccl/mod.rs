@@ -152,6 +152,13 @@ impl NcclWorld {
         if rank >= size {
             return Err(engine(format!("rank {rank} is outside a world of {size}")));
         }
+        // The bindings panic on a library they cannot load: look first.
+        let libraries = crate::cuda::cuda_libraries();
+        if !(libraries.driver && libraries.nccl) {
+            return Err(engine(format!(
+                "the nccl backend needs libcuda and libnccl: {libraries}"
+            )));
+        }
         let version = result::get_nccl_version()
             .map_err(|e| engine(format!("libnccl could not be loaded or queried: {e:?}")))?;
         let ctx = CudaContext::new(ordinal)

@@ -1,0 +1,119 @@
+//! CUDA at run time: which of its libraries this machine has, and a CUDA device that is an
+//! error rather than a panic when it has none.
+//!
+//! The `cuda` feature links none of CUDA: the driver (`libcuda`), NVRTC (`libnvrtc`, which
+//! compiles the CubeCL kernels from CUDA C++) and NCCL (`libnccl`) are loaded when first
+//! used, and a library that is missing then panics inside the bindings. [`cuda_device`]
+//! checks first.
+//!
+//! ```no_run
+//! let libraries = burn_megatron::cuda::cuda_libraries();
+//! println!("{libraries}");
+//! match burn_megatron::cuda::cuda_device(0) {
+//!     Ok(device) => println!("training on {device:?}"),
+//!     Err(why) => println!("no CUDA: {why}"),
+//! }
+//! ```
+
+use burn::tensor::Device;
+
+/// Which CUDA libraries can be loaded here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaLibraries {
+    /// The driver, `libcuda` (comes with the NVIDIA driver).
+    pub driver: bool,
+    /// NVRTC, `libnvrtc` (the CUDA toolkit, or the `nvidia-cuda-nvrtc` wheel).
+    pub nvrtc: bool,
+    /// NCCL, `libnccl` (for the `nccl` launch backend).
+    pub nccl: bool,
+}
+
+impl std::fmt::Display for CudaLibraries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let found = |b: bool| if b { "found" } else { "not found" };
+        write!(
+            f,
+            "libcuda {}, libnvrtc {}, libnccl {}",
+            found(self.driver),
+            found(self.nvrtc),
+            found(self.nccl)
+        )
+    }
+}
+
+/// Looks for the CUDA libraries on the loader's path (as the bindings will load them).
+pub fn cuda_libraries() -> CudaLibraries {
+    // SAFETY: each probe loads the library and unloads it; the CUDA libraries' load-time
+    // initialisers have no preconditions.
+    unsafe {
+        CudaLibraries {
+            driver: cudarc::driver::sys::is_culib_present(),
+            nvrtc: cudarc::nvrtc::sys::is_culib_present(),
+            nccl: cudarc::nccl::sys::is_culib_present(),
+        }
+    }
+}
+
+/// Why there is no CUDA device.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CudaUnavailable {
+    /// No `libcuda`: no NVIDIA driver on this machine.
+    #[error("no CUDA driver: libcuda could not be loaded (is the NVIDIA driver installed?)")]
+    NoDriver,
+    /// The driver failed to start.
+    #[error("the CUDA driver failed to initialise: {0}")]
+    Driver(String),
+    /// Fewer devices than the ordinal asked for.
+    #[error("CUDA device {ordinal} asked for, the driver sees {count}")]
+    NoSuchDevice {
+        /// The device asked for.
+        ordinal: usize,
+        /// The devices the driver sees.
+        count: usize,
+    },
+    /// No `libnvrtc`, which compiles the kernels.
+    #[error(
+        "no NVRTC: libnvrtc could not be loaded, and the CubeCL kernels compile through it \
+         (install the CUDA toolkit or the nvidia-cuda-nvrtc wheel, and put its lib directory \
+         on LD_LIBRARY_PATH)"
+    )]
+    NoNvrtc,
+}
+
+/// CUDA device `ordinal` (with autodiff), once the driver is loaded and started, sees the
+/// device, and NVRTC is there to compile kernels.
+pub fn cuda_device(ordinal: usize) -> Result<Device, CudaUnavailable> {
+    let libraries = cuda_libraries();
+    if !libraries.driver {
+        return Err(CudaUnavailable::NoDriver);
+    }
+    cudarc::driver::result::init().map_err(|e| CudaUnavailable::Driver(format!("{e:?}")))?;
+    let count = cudarc::driver::result::device::get_count()
+        .map_err(|e| CudaUnavailable::Driver(format!("{e:?}")))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if ordinal >= count {
+        return Err(CudaUnavailable::NoSuchDevice { ordinal, count });
+    }
+    if !libraries.nvrtc {
+        return Err(CudaUnavailable::NoNvrtc);
+    }
+    Ok(Device::cuda(ordinal).autodiff())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whatever this machine has, asking for a device is an answer, never a panic; on a
+    /// machine without the driver (CI) it is `NoDriver`.
+    #[test]
+    fn a_missing_driver_is_an_error() {
+        let libraries = cuda_libraries();
+        let got = cuda_device(0);
+        if !libraries.driver {
+            assert_eq!(got.unwrap_err(), CudaUnavailable::NoDriver);
+        }
+        let far = cuda_device(1 << 20).expect_err("no machine has a millionth GPU");
+        assert!(!far.to_string().is_empty());
+    }
+}
