@@ -31,3 +31,38 @@ pub fn wgpu_cpu_device() -> Result<Device, String> {
     #[cfg(not(feature = "wgpu"))]
     Err("built without the `wgpu` feature".into())
 }
+
+/// A GPU-kind Vulkan wgpu device (discrete, else integrated), or why there is none. Cached,
+/// as [`wgpu_cpu_device`].
+pub fn wgpu_gpu_device() -> Result<Device, String> {
+    #[cfg(feature = "wgpu")]
+    {
+        use burn::tensor::DeviceKind;
+        use std::sync::OnceLock;
+        static DEVICE: OnceLock<Result<Device, String>> = OnceLock::new();
+        DEVICE
+            .get_or_init(|| {
+                let open = |kind| {
+                    Device::wgpu_options()
+                        .device_kind(kind)
+                        .graphics_api(burn::tensor::wgpu::WgpuBackend::Vulkan)
+                        .init()
+                        .map_err(|e| format!("{e:?}"))
+                };
+                open(DeviceKind::DiscreteGpu(0))
+                    .or_else(|_| open(DeviceKind::IntegratedGpu(0)))
+                    .map_err(|e| format!("no Vulkan GPU: {e}"))
+            })
+            .clone()
+    }
+    #[cfg(not(feature = "wgpu"))]
+    Err("built without the `wgpu` feature".into())
+}
+
+/// CUDA device 0, or why there is none ([`crate::cuda::cuda_device`]).
+pub fn cuda_device() -> Result<Device, String> {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::cuda_device(0).map_err(|e| e.to_string());
+    #[cfg(not(feature = "cuda"))]
+    Err("built without the `cuda` feature".into())
+}

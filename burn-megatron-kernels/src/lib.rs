@@ -19,6 +19,8 @@ mod cpu_rows;
 mod cross_entropy;
 #[cfg(feature = "cube")]
 mod cube_sum;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 mod error;
 mod grad_accum;

@@ -38,7 +38,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod context_parallel;
 #[cfg(feature = "cuda")]
-pub mod cuda;
+pub use burn_megatron_kernels::cuda;
 pub mod data;
 pub mod data_parallel;
 mod grad_hooks;

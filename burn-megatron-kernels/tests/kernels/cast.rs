@@ -1,9 +1,9 @@
 //! FP32 master → bf16 / f16: bit-exact against `half` on special values (normals, ties,
 //! subnormals, inf, NaN, overflow) and ~1e5 random bit patterns, widened to f32
 //! (`round_to`) and native (`master_to_model`, where the device holds the dtype), on Flex
-//! (reference path) and, with feature `wgpu`, the CubeCL kernel on wgpu (lavapipe).
+//! (reference path) and, with a Cube feature (`wgpu` or `cuda`), the CubeCL kernel on the Cube device.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 use burn::tensor::{bf16, f16};
@@ -225,9 +225,9 @@ fn segments_are_views_of_one_cast() {
     assert_eq!(first_mismatch(&bits, &got, want), None);
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_is_bit_exact_with_half_on_wgpu() {
-    let device = common::wgpu_device("cast");
-    check(&device, "wgpu");
+fn kernel_is_bit_exact_with_half_on_cube() {
+    let device = common::cube_device("cast");
+    check(&device, "cube");
 }

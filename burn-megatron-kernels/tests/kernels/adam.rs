@@ -2,9 +2,9 @@
 //! against the Burn-op reference on the same device, and (Flex) against burn-optim's own
 //! `AdamW` / `Adam`; with loss-scale unscaling, a clipping coefficient, weight decay off /
 //! decoupled / L2, inf and NaN gradients (flag), sizes 0, 1, 3, 1000, 100003 (not multiples
-//! of a cube), on Flex (reference path) and, with feature `wgpu`, the kernel on lavapipe.
+//! of a cube), on Flex (reference path) and, with a Cube feature (`wgpu` or `cuda`), the kernel on the Cube device.
 
-mod common;
+use crate::common;
 
 use burn::module::Param;
 use burn::optim::decay::WeightDecayConfig;
@@ -263,11 +263,11 @@ fn bad_inputs_are_refused_before_any_launch() {
     assert!(matches!(e, KernelError::Argument(_)), "{e}");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_matches_exact_adam_and_reference_on_wgpu() {
-    let device = common::wgpu_device("adam");
-    check(&device, "wgpu");
+fn kernel_matches_exact_adam_and_reference_on_cube() {
+    let device = common::cube_device("adam");
+    check(&device, "cube");
 }
 
 /// The gradient in pieces (one an f16 tensor, one empty, one a strided view) steps the
@@ -341,8 +341,8 @@ fn gradient_pieces_step_as_the_flat_gradient_on_flex() {
     pieces_step_as_the_flat_gradient(&Device::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn gradient_pieces_step_as_the_flat_gradient_on_wgpu() {
-    pieces_step_as_the_flat_gradient(&common::wgpu_device("adam"), "wgpu");
+fn gradient_pieces_step_as_the_flat_gradient_on_cube() {
+    pieces_step_as_the_flat_gradient(&common::cube_device("adam"), "cube");
 }

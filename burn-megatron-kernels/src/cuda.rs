@@ -7,9 +7,9 @@
 //! checks first.
 //!
 //! ```no_run
-//! let libraries = burn_megatron::cuda::cuda_libraries();
+//! let libraries = burn_megatron_kernels::cuda::cuda_libraries();
 //! println!("{libraries}");
-//! match burn_megatron::cuda::cuda_device(0) {
+//! match burn_megatron_kernels::cuda::cuda_device(0) {
 //!     Ok(device) => println!("training on {device:?}"),
 //!     Err(why) => println!("no CUDA: {why}"),
 //! }
@@ -80,8 +80,8 @@ pub enum CudaUnavailable {
     NoNvrtc,
 }
 
-/// CUDA device `ordinal` (with autodiff), once the driver is loaded and started, sees the
-/// device, and NVRTC is there to compile kernels.
+/// CUDA device `ordinal` (add `.autodiff()` to train on it), once the driver is loaded and
+/// started, sees the device, and NVRTC is there to compile kernels.
 pub fn cuda_device(ordinal: usize) -> Result<Device, CudaUnavailable> {
     let libraries = cuda_libraries();
     if !libraries.driver {
@@ -97,7 +97,7 @@ pub fn cuda_device(ordinal: usize) -> Result<Device, CudaUnavailable> {
     if !libraries.nvrtc {
         return Err(CudaUnavailable::NoNvrtc);
     }
-    Ok(Device::cuda(ordinal).autodiff())
+    Ok(Device::cuda(ordinal))
 }
 
 #[cfg(test)]

@@ -1,11 +1,11 @@
 //! Scaled masked softmax against an exact f64 host softmax (forward) and the exact host
 //! gradient formula (backward), against the attention layer's composition of Burn ops, with
 //! padding, causal (sq = sk and sq ≠ sk), all-masked rows, large magnitudes and empty shapes;
-//! on Flex (its native row loops) and, with feature `wgpu`, the row-per-cube kernels on
+//! on Flex (its native row loops) and, with a Cube feature (`wgpu` or `cuda`), the row-per-cube kernels on
 //! lavapipe. Flex's loops also against the reference composed of Burn ops, forward, Burn's
 //! autodiff of it and the reference backward, in f32 and bf16.
 
-mod common;
+use crate::common;
 
 use burn::backend::Dispatch;
 use burn::tensor::activation::softmax;
@@ -225,11 +225,11 @@ fn strided_scores_match_contiguous_on_flex() {
     strided_scores_match_contiguous(&common::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_strided_scores_match_contiguous_on_wgpu() {
-    let device = common::wgpu_device("softmax strided");
-    strided_scores_match_contiguous(&device, "wgpu");
+fn kernel_strided_scores_match_contiguous_on_cube() {
+    let device = common::cube_device("softmax strided");
+    strided_scores_match_contiguous(&device, "cube");
 }
 
 /// Unmasked scores at the masked value's level: the masked keys' probabilities are not
@@ -259,10 +259,10 @@ fn masked_keys_count_in_the_backward_sum_on_flex() {
     masked_keys_count_in_the_backward_sum(&common::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_masked_keys_count_in_the_backward_sum_on_wgpu() {
-    masked_keys_count_in_the_backward_sum(&common::wgpu_device("softmax masked sum"), "wgpu");
+fn kernel_masked_keys_count_in_the_backward_sum_on_cube() {
+    masked_keys_count_in_the_backward_sum(&common::cube_device("softmax masked sum"), "cube");
 }
 
 #[test]
@@ -278,18 +278,18 @@ fn bad_arguments_are_refused_before_any_launch() {
     }
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_matches_exact_values_on_wgpu() {
-    let device = common::wgpu_device("softmax");
-    check(&device, "wgpu");
+fn kernel_matches_exact_values_on_cube() {
+    let device = common::cube_device("softmax");
+    check(&device, "cube");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_all_masked_rows_are_uniform_on_wgpu() {
-    let device = common::wgpu_device("softmax all-masked");
-    all_masked_rows_are_uniform(&device, "wgpu");
+fn kernel_all_masked_rows_are_uniform_on_cube() {
+    let device = common::cube_device("softmax all-masked");
+    all_masked_rows_are_uniform(&device, "cube");
 }
 
 /// [b, heads, sq, sk] for Flex's loops against the reference: causal with sq = sk, sq < sk

@@ -1,9 +1,9 @@
 //! The local cross-entropy ops (the one-pass row statistics, and the backward) against
 //! exact f64 host values and against the reference composition on the same device, on Flex
 //! (its native loops: every float dtype for the row statistics, f32 for the backward, the
-//! reference for its f16/bf16) and, with feature `wgpu`, the kernels on lavapipe.
+//! reference for its f16/bf16) and, with a Cube feature (`wgpu` or `cuda`), the kernels on the Cube device.
 
-mod common;
+use crate::common;
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
@@ -186,15 +186,17 @@ fn flex_backward_matches_exact_values_and_the_reference() {
     }
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn backward_kernel_matches_exact_values_and_the_reference_on_wgpu() {
-    let dev = common::wgpu_device("cross_entropy");
-    check(&dev, "wgpu", DType::F32);
+fn backward_kernel_matches_exact_values_and_the_reference_on_cube() {
+    let dev = common::cube_device("cross_entropy");
+    check(&dev, "cube", DType::F32);
     if dev.supports_dtype(DType::F16) {
-        check(&dev, "wgpu", DType::F16);
+        check(&dev, "cube", DType::F16);
     } else {
-        eprintln!("\n!!! wgpu adapter has no f16: f16 logits NOT tested on wgpu !!!\n");
+        eprintln!(
+            "\n!!! the Cube device has no f16: f16 logits NOT tested on the Cube device !!!\n"
+        );
     }
 }
 
@@ -297,16 +299,18 @@ fn row_stats_match_exact_values_and_the_reference_on_flex() {
     }
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn row_stats_kernel_matches_exact_values_and_the_reference_on_wgpu() {
-    let dev = common::wgpu_device("cross_entropy row stats");
-    check_stats(&dev, "wgpu", DType::F32);
+fn row_stats_kernel_matches_exact_values_and_the_reference_on_cube() {
+    let dev = common::cube_device("cross_entropy row stats");
+    check_stats(&dev, "cube", DType::F32);
     for dt in [DType::F16, DType::BF16] {
         if dev.supports_dtype(dt) {
-            check_stats(&dev, "wgpu", dt);
+            check_stats(&dev, "cube", dt);
         } else {
-            eprintln!("\n!!! wgpu adapter has no {dt:?}: {dt:?} logits NOT tested on wgpu !!!\n");
+            eprintln!(
+                "\n!!! the Cube device has no {dt:?}: {dt:?} logits NOT tested on the Cube device !!!\n"
+            );
         }
     }
 }
@@ -360,10 +364,10 @@ fn row_stats_of_slices_combine_into_the_whole_row_on_flex() {
     check_slices_combine(&common::flex());
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn row_stats_of_slices_combine_into_the_whole_row_on_wgpu() {
-    check_slices_combine(&common::wgpu_device("cross_entropy row stats of slices"));
+fn row_stats_of_slices_combine_into_the_whole_row_on_cube() {
+    check_slices_combine(&common::cube_device("cross_entropy row stats of slices"));
 }
 
 /// Rows with −∞ (a slice masked with −∞): an all −∞ row has max −∞ and a sum of exps of 0,
@@ -393,18 +397,18 @@ fn row_stats_of_infinite_rows_are_not_nan_on_flex() {
     check_infinite_rows(&common::flex());
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn row_stats_of_infinite_rows_are_not_nan_on_wgpu() {
-    check_infinite_rows(&common::wgpu_device("cross_entropy row stats of −∞"));
+fn row_stats_of_infinite_rows_are_not_nan_on_cube() {
+    check_infinite_rows(&common::cube_device("cross_entropy row stats of −∞"));
 }
 
 /// Garbage targets where `in_range` is 0 (negative, past the slice) must not be read by
 /// the kernel: the target logit is 0 there.
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn row_stats_kernel_ignores_out_of_range_targets_on_wgpu() {
-    let dev = common::wgpu_device("cross_entropy row stats out-of-range targets");
+fn row_stats_kernel_ignores_out_of_range_targets_on_cube() {
+    let dev = common::cube_device("cross_entropy row stats out-of-range targets");
     let logits = Tensor::<2>::from_data(TensorData::new(values(3 * 5, 4, 2.0), [3, 5]), &dev);
     let target = Tensor::<1, Int>::from_data(TensorData::new(vec![-3i64, 7, 1_000_000], [3]), &dev);
     let in_range = Tensor::<1>::zeros([3], &dev);

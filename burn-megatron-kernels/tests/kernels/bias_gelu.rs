@@ -1,8 +1,8 @@
 //! Bias + GeLU (erf and tanh forms) against exact f64 values (forward, input and bias
 //! gradients) and against Burn's own composition (forward), on Flex (reference path) and,
-//! with feature `wgpu`, the CubeCL kernel on wgpu (lavapipe).
+//! with a Cube feature (`wgpu` or `cuda`), the CubeCL kernel on the Cube device.
 
-mod common;
+use crate::common;
 
 use burn::tensor::activation::{gelu, gelu_approximate};
 use burn::tensor::{Device, Tensor, TensorData};
@@ -107,9 +107,9 @@ fn reference_path_matches_exact_values_on_flex() {
     check(&common::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_matches_exact_values_and_burns_composition_on_wgpu() {
-    let device = common::wgpu_device("bias_gelu");
-    check(&device, "wgpu");
+fn kernel_matches_exact_values_and_burns_composition_on_cube() {
+    let device = common::cube_device("bias_gelu");
+    check(&device, "cube");
 }

@@ -287,15 +287,17 @@ fn rotary_flex_matches_exact_values_and_the_reference() {
     check(&dev, "flex", DType::F16);
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn rotary_kernel_matches_exact_values_and_the_reference_on_wgpu() {
-    let dev = crate::common::wgpu_device("rotary");
-    check(&dev, "wgpu", DType::F32);
+fn rotary_kernel_matches_exact_values_and_the_reference_on_cube() {
+    let dev = crate::common::cube_device("rotary");
+    check(&dev, "cube", DType::F32);
     if dev.supports_dtype(DType::F16) {
-        check(&dev, "wgpu", DType::F16);
+        check(&dev, "cube", DType::F16);
     } else {
-        eprintln!("\n!!! wgpu adapter has no f16: f16 rotary NOT tested on wgpu !!!\n");
+        eprintln!(
+            "\n!!! the Cube device has no f16: f16 rotary NOT tested on the Cube device !!!\n"
+        );
     }
 }
 
@@ -342,10 +344,10 @@ fn rotary_strided_inputs_match_contiguous_on_flex() {
     strided_inputs_match_contiguous(&crate::common::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn rotary_kernel_strided_inputs_match_contiguous_on_wgpu() {
-    strided_inputs_match_contiguous(&crate::common::wgpu_device("rotary strided"), "wgpu");
+fn rotary_kernel_strided_inputs_match_contiguous_on_cube() {
+    strided_inputs_match_contiguous(&crate::common::cube_device("rotary strided"), "cube");
 }
 
 #[test]

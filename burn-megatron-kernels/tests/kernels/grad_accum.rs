@@ -1,8 +1,8 @@
 //! Weight-gradient accumulation `main_grad + xᵀ·dy` against exact f64 host values and the
-//! reference composition, on Flex (reference path) and, with feature `wgpu`, cubek's
-//! f32-output matmul on lavapipe; plus why the f32 accumulation matters for low-precision inputs.
+//! reference composition, on Flex (reference path) and, with a Cube feature (`wgpu` or `cuda`), cubek's
+//! f32-output matmul on the Cube device; plus why the f32 accumulation matters for low-precision inputs.
 
-mod common;
+use crate::common;
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
@@ -126,23 +126,25 @@ fn reference_path_matches_exact_values_on_flex() {
     }
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_matches_exact_values_and_the_reference_on_wgpu() {
-    let dev = common::wgpu_device("grad_accum");
-    check(&dev, "wgpu", DType::F32, TOL);
+fn kernel_matches_exact_values_and_the_reference_on_cube() {
+    let dev = common::cube_device("grad_accum");
+    check(&dev, "cube", DType::F32, TOL);
     if dev.supports_dtype(DType::F16) {
-        check(&dev, "wgpu", DType::F16, TOL);
+        check(&dev, "cube", DType::F16, TOL);
     } else {
-        eprintln!("\n!!! wgpu adapter has no f16: f16 inputs NOT tested on wgpu !!!\n");
+        eprintln!(
+            "\n!!! the Cube device has no f16: f16 inputs NOT tested on the Cube device !!!\n"
+        );
     }
 }
 
 /// A `main_grad` that another tensor still holds is not overwritten (the kernel copies it).
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn shared_main_grad_is_left_untouched_on_wgpu() {
-    let dev = common::wgpu_device("grad_accum aliasing");
+fn shared_main_grad_is_left_untouched_on_cube() {
+    let dev = common::cube_device("grad_accum aliasing");
     let g = tensor(values(33 * 3, 5, 1.0), [33, 3], &dev, DType::F32);
     let before = to_vec(g.clone());
     let x = tensor(values(37 * 33, 6, 1.0), [37, 33], &dev, DType::F32);

@@ -155,15 +155,17 @@ fn rms_norm_flex_matches_the_reference_and_burns_rms_norm() {
     }
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn rms_norm_kernels_match_the_reference_on_wgpu() {
-    let dev = crate::common::wgpu_device("rms_norm");
-    check(&dev, "wgpu", DType::F32);
+fn rms_norm_kernels_match_the_reference_on_cube() {
+    let dev = crate::common::cube_device("rms_norm");
+    check(&dev, "cube", DType::F32);
     if dev.supports_dtype(DType::F16) {
-        check(&dev, "wgpu", DType::F16);
+        check(&dev, "cube", DType::F16);
     } else {
-        eprintln!("\n!!! wgpu adapter has no f16: f16 RMSNorm NOT tested on wgpu !!!\n");
+        eprintln!(
+            "\n!!! the Cube device has no f16: f16 RMSNorm NOT tested on the Cube device !!!\n"
+        );
     }
 }
 

@@ -1,8 +1,8 @@
 //! Plain dropout (`dropout`): the forward is exactly `keep ? x / (1 − p) : 0` with the host
 //! mask of `dropout_keep`, the gradient exactly the same dropout of the incoming gradient, on
-//! Flex (the reference path) and on the wgpu kernel; bad arguments are errors.
+//! Flex (the reference path) and on the Cube kernel; bad arguments are errors.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron_kernels::{KernelError, dropout, dropout_keep};
@@ -77,11 +77,11 @@ fn reference_is_exact_on_flex() {
     check_all(&common::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_is_exact_on_wgpu() {
-    let device = common::wgpu_device("kernel_is_exact_on_wgpu");
-    check_all(&device, "wgpu");
+fn kernel_is_exact_on_cube() {
+    let device = common::cube_device("kernel_is_exact_on_cube");
+    check_all(&device, "cube");
 }
 
 #[test]

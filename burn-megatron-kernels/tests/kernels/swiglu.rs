@@ -152,15 +152,17 @@ fn swiglu_flex_matches_burns_silu_times_up() {
     }
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn swiglu_kernels_match_exact_values_and_the_reference_on_wgpu() {
-    let dev = crate::common::wgpu_device("swiglu");
-    check(&dev, "wgpu", DType::F32);
+fn swiglu_kernels_match_exact_values_and_the_reference_on_cube() {
+    let dev = crate::common::cube_device("swiglu");
+    check(&dev, "cube", DType::F32);
     if dev.supports_dtype(DType::F16) {
-        check(&dev, "wgpu", DType::F16);
+        check(&dev, "cube", DType::F16);
     } else {
-        eprintln!("\n!!! wgpu adapter has no f16: f16 SwiGLU NOT tested on wgpu !!!\n");
+        eprintln!(
+            "\n!!! the Cube device has no f16: f16 SwiGLU NOT tested on the Cube device !!!\n"
+        );
     }
 }
 

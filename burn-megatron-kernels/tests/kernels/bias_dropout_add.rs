@@ -1,9 +1,9 @@
 //! Bias + dropout + residual: the host hash (keep rate, seed independence, pinned values), the
 //! fused op against exact f64 values (forward, x / bias / residual gradients) and against
 //! Burn's composition with the host mask, the kernel's mask bit for bit against the host's,
-//! and argument checks; on Flex (reference path) and, with feature `wgpu`, on lavapipe.
+//! and argument checks; on Flex (reference path) and, with a Cube feature (`wgpu` or `cuda`), on the Cube device.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron_kernels::{
@@ -283,11 +283,11 @@ fn strided_input_matches_contiguous_on_flex() {
     strided_input_matches_contiguous(&common::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_strided_input_matches_contiguous_on_wgpu() {
-    let device = common::wgpu_device("bias_dropout_add strided");
-    strided_input_matches_contiguous(&device, "wgpu");
+fn kernel_strided_input_matches_contiguous_on_cube() {
+    let device = common::cube_device("bias_dropout_add strided");
+    strided_input_matches_contiguous(&device, "cube");
 }
 
 #[test]
@@ -295,16 +295,16 @@ fn reference_mask_is_the_host_mask_on_flex() {
     mask_is_the_host_mask(&common::flex(), "flex");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_matches_exact_values_on_wgpu() {
-    let device = common::wgpu_device("bias_dropout_add");
-    check(&device, "wgpu");
+fn kernel_matches_exact_values_on_cube() {
+    let device = common::cube_device("bias_dropout_add");
+    check(&device, "cube");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernel_mask_is_the_host_mask_bit_for_bit_on_wgpu() {
-    let device = common::wgpu_device("bias_dropout_add mask");
-    mask_is_the_host_mask(&device, "wgpu");
+fn kernel_mask_is_the_host_mask_bit_for_bit_on_cube() {
+    let device = common::cube_device("bias_dropout_add mask");
+    mask_is_the_host_mask(&device, "cube");
 }

@@ -1,8 +1,8 @@
 //! `linear_with_grad_accumulation`: the forward and the input gradient are a plain linear
 //! layer's (bit for bit), the weight gradient is f32 and within f32 rounding of the exact
-//! `xᵀ·dy` even for bf16/f16 activations, on Flex and on the wgpu kernel.
+//! `xᵀ·dy` even for bf16/f16 activations, on Flex and on the Cube kernel.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use burn_megatron_kernels::{KernelError, linear_with_grad_accumulation};
@@ -96,12 +96,12 @@ fn matches_a_plain_linear_with_an_f32_weight_gradient_on_flex() {
     );
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn matches_a_plain_linear_with_an_f32_weight_gradient_on_wgpu() {
+fn matches_a_plain_linear_with_an_f32_weight_gradient_on_cube() {
     // lavapipe has no bf16.
-    let dev = common::wgpu_device("linear_with_grad_accumulation on wgpu");
-    check(&dev, "wgpu", &[DType::F32, DType::F16]);
+    let dev = common::cube_device("linear_with_grad_accumulation");
+    check(&dev, "cube", &[DType::F32, DType::F16]);
 }
 
 #[test]

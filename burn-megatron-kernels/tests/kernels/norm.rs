@@ -1,9 +1,9 @@
 //! Sums of squares of many tensors: against exact f64 host sums over sizes that are not
 //! multiples of a cube or a chunk (0, 1, 3, 37, 1000, 4097, 70001), large magnitudes,
-//! non-finite inputs and f16 inputs, on Flex (reference path) and, with feature `wgpu`,
-//! the CubeCL kernels on wgpu (lavapipe).
+//! non-finite inputs and f16 inputs, on Flex (reference path) and, with a Cube feature (`wgpu` or `cuda`),
+//! the CubeCL kernels on the Cube device.
 
-mod common;
+use crate::common;
 
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorCreationOptions, TensorData};
 use burn_megatron_kernels::{KernelError, multi_tensor_sum_of_squares, segment_sum_of_squares};
@@ -130,11 +130,11 @@ fn bad_inputs_are_refused_before_any_launch() {
     assert!(matches!(e, KernelError::Shape(_)), "{e}");
 }
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 #[test]
-fn kernels_match_exact_sums_on_wgpu() {
-    let device = common::wgpu_device("norm");
-    check(&device, "wgpu");
+fn kernels_match_exact_sums_on_cube() {
+    let device = common::cube_device("norm");
+    check(&device, "cube");
     let other = tensor(&common::flex(), &[1.0]);
     let here = tensor(&device, &[1.0]);
     let e = multi_tensor_sum_of_squares(&[here, other]).unwrap_err();

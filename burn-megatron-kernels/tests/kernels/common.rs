@@ -1,0 +1,66 @@
+//! Shared by the kernel tests: deterministic data, differences, and the Cube device.
+#![allow(dead_code)] // each test file uses its own subset
+
+use burn::tensor::{Device, Tensor};
+
+/// Deterministic values in [-scale, scale].
+pub fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// The tensor's values as f32.
+pub fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().iter::<f32>().collect()
+}
+
+/// max |a − b| over equal-length slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The Cube device the kernels are tested on, with autodiff: `KERNEL_TEST_DEVICE` picks it,
+/// `wgpu` (the CPU adapter, lavapipe: the default with the `wgpu` feature), `wgpu-gpu` (a
+/// GPU adapter) or `cuda` (device 0: the default with `cuda` alone). These tests exist only
+/// with a Cube feature, and a missing device fails them: nothing is skipped behind the
+/// runner's back.
+#[cfg(feature = "cube")]
+pub fn cube_device(test: &str) -> Device {
+    use burn_megatron_kernels::device::{cuda_device, wgpu_cpu_device, wgpu_gpu_device};
+    let default = if cfg!(feature = "wgpu") {
+        "wgpu"
+    } else {
+        "cuda"
+    };
+    let which = std::env::var("KERNEL_TEST_DEVICE").unwrap_or_else(|_| default.to_string());
+    let device = match which.as_str() {
+        "wgpu" => wgpu_cpu_device(),
+        "wgpu-gpu" => wgpu_gpu_device(),
+        "cuda" => cuda_device(),
+        other => Err(format!(
+            "KERNEL_TEST_DEVICE={other}: expected wgpu, wgpu-gpu or cuda"
+        )),
+    };
+    match device {
+        Ok(device) => device.autodiff(),
+        Err(e) => panic!("{test}: no {which} device ({e})"),
+    }
+}
+
+/// The Flex device with autodiff (the reference path).
+pub fn flex() -> Device {
+    Device::flex().autodiff()
+}
