@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The NCCL backend on a CUDA machine: the collective suite and the TP-parity run of
-# bert_pretrain, one process per GPU. CI cannot run this (no GPU there; it type-checks the
-# `cuda` feature instead). Needs the CUDA toolkit, libnccl, python3, and two GPUs or more:
+# bert_pretrain, one process per GPU. CI cannot run this (no GPU there; it builds the
+# `cuda` feature instead). Needs the NVIDIA driver, NVRTC, libnccl, python3, and two GPUs or more:
 # NCCL refuses two ranks of one communicator on the same GPU.
 #
 #   scripts/nccl_check.sh            # all GPUs

@@ -49,9 +49,13 @@ pub fn wgpu_gpu_device() -> Result<Device, String> {
                         .init()
                         .map_err(|e| format!("{e:?}"))
                 };
+                // wgpu's error lists every adapter: the first line of it says enough.
                 open(DeviceKind::DiscreteGpu(0))
                     .or_else(|_| open(DeviceKind::IntegratedGpu(0)))
-                    .map_err(|e| format!("no Vulkan GPU: {e}"))
+                    .map_err(|e| {
+                        let e: String = e.chars().take(120).collect();
+                        format!("no Vulkan GPU (no discrete or integrated adapter): {e}…")
+                    })
             })
             .clone()
     }

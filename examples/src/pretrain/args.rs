@@ -1,6 +1,7 @@
 //! The pretraining command line that `bert_pretrain` and `gpt_pretrain` share (Megatron's
 //! flag names), checked before any work starts; each example adds its model's flags.
 
+use super::device::TrainDevice;
 use burn_megatron::checkpoint::{CheckpointIndex, committed_dir, latest_loadable_checkpoint};
 use burn_megatron::data::BatchLayout;
 use burn_megatron::launch::DistributedBackend;
@@ -303,6 +304,10 @@ pub struct TrainArgs {
     /// mpirun (build with `--features cuda`).
     #[arg(long, default_value = "threads")]
     pub distributed_backend: DistributedBackend,
+    /// Where the ranks compute under `threads` and `mpi` (under `nccl` each rank is on its
+    /// local GPU): `cpu`, `cuda` (GPU 0) or `wgpu` (a Vulkan GPU).
+    #[arg(long, value_enum, default_value_t = TrainDevice::Cpu)]
+    pub device: TrainDevice,
     /// The bound on every collective, in minutes, as Megatron's flag: a rank that waits
     /// longer for its peers fails, naming the ranks it waited for. The default is the
     /// library's (5; Megatron's is 10). Checkpoint barriers have their own, longer bound.

@@ -9,6 +9,7 @@
 mod args;
 mod bert;
 mod data;
+mod device;
 mod gpt;
 mod learner;
 mod moe_args;
@@ -36,6 +37,7 @@ use burn_megatron::pipeline::{
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
 use data::DataSource;
+pub use device::TrainDevice;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::ops::Range;
 use std::path::PathBuf;
@@ -429,9 +431,13 @@ fn train_family<F: Family>(
         progress,
         epoch: Instant::now(),
     });
-    let options = LaunchOptions::default()
+    let mut options = LaunchOptions::default()
         .with_backend(args.distributed_backend)
         .with_timeout(args.distributed_timeout());
+    if args.device != TrainDevice::Cpu && args.distributed_backend != DistributedBackend::Nccl {
+        let device = args.device.resolve()?;
+        options = options.with_device(move |_| device.clone());
+    }
     let (log, evals, peaks) = match args.distributed_backend {
         DistributedBackend::Threads => {
             let train = |ctx| rank(ctx, &shared);

@@ -1,0 +1,131 @@
+//! The GPU check: everything a lent GPU machine should confirm, in one binary that
+//! `scripts/gpu_check.sh` runs (with the kernel test binary) in a few minutes. Each check
+//! prints one line, `PASS`, `FAIL` or `SKIP` (with why), and the numbers:
+//!
+//! - `libraries`: libcuda, libnvrtc, libnccl; Vulkan GPU through wgpu.
+//! - `models`: BERT and the GPT model (Llama-style) for `--iters` iterations on each GPU
+//!   device against the same run on the CPU, every iteration's loss within 1e-3 (relative,
+//!   f32, no dropout). The CPU runs always happen.
+//! - `bf16`: one bf16 training step of a BERT-large-sized model (24 layers, hidden 1024,
+//!   seq 512) on CUDA: TFLOP/s and the fraction of the H200's dense bf16 peak; on the CPU a
+//!   small model's bf16 step, so that the path runs here too.
+//! - `nccl`: a one-rank NCCL world: its collectives against their closed forms.
+//!
+//! ```text
+//! cargo build --release -p burn-megatron-examples --features cuda,wgpu --example gpu_check
+//! target/release/examples/gpu_check                  # every check
+//! target/release/examples/gpu_check models bf16      # some
+//! ```
+//!
+//! The exit status is 1 when any check failed (a skipped one is not a failure).
+
+mod models;
+mod nccl;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+struct Args {
+    /// Checks to run (default: all): libraries, models, bf16, nccl.
+    checks: Vec<String>,
+    /// Iterations of each model run.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Where the runs write their loss plots.
+    #[arg(long, default_value = "target/gpu_check")]
+    out: std::path::PathBuf,
+}
+
+/// The lines printed so far, and whether any failed.
+#[derive(Default)]
+pub struct Report {
+    failed: usize,
+}
+
+impl Report {
+    fn line(&mut self, verdict: &str, name: &str, detail: &str) {
+        println!("{verdict} {name}: {detail}");
+    }
+
+    /// A check that held.
+    pub fn pass(&mut self, name: &str, detail: impl AsRef<str>) {
+        self.line("PASS", name, detail.as_ref());
+    }
+
+    /// A check that did not.
+    pub fn fail(&mut self, name: &str, detail: impl AsRef<str>) {
+        self.failed += 1;
+        self.line("FAIL", name, detail.as_ref());
+    }
+
+    /// A check this machine cannot run, and why.
+    pub fn skip(&mut self, name: &str, why: impl AsRef<str>) {
+        self.line("SKIP", name, why.as_ref());
+    }
+
+    /// `pass` or `fail` by `ok`.
+    pub fn check(&mut self, name: &str, ok: bool, detail: impl AsRef<str>) {
+        if ok {
+            self.pass(name, detail)
+        } else {
+            self.fail(name, detail)
+        }
+    }
+}
+
+/// The GPU devices this build and machine have, by name, or why each is missing.
+pub fn gpu_devices() -> Vec<(&'static str, Result<(), String>)> {
+    use burn_megatron_kernels::device::{cuda_device, wgpu_gpu_device};
+    vec![
+        ("cuda", cuda_device().map(|_| ())),
+        ("wgpu", wgpu_gpu_device().map(|_| ())),
+    ]
+}
+
+fn libraries(report: &mut Report) {
+    #[cfg(feature = "cuda")]
+    report.pass(
+        "libraries",
+        burn_megatron::cuda::cuda_libraries().to_string(),
+    );
+    #[cfg(not(feature = "cuda"))]
+    report.skip("libraries", "built without the `cuda` feature");
+    for (name, device) in gpu_devices() {
+        match device {
+            Ok(()) => report.pass(&format!("device {name}"), "opened"),
+            Err(why) => report.skip(&format!("device {name}"), why),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let all = ["libraries", "models", "bf16", "nccl"];
+    let checks: Vec<&str> = if args.checks.is_empty() {
+        all.to_vec()
+    } else {
+        args.checks.iter().map(String::as_str).collect()
+    };
+    if let Some(bad) = checks.iter().find(|c| !all.contains(c)) {
+        eprintln!("gpu_check: unknown check {bad}; the checks are {all:?}");
+        return ExitCode::from(2);
+    }
+    let _ = std::fs::create_dir_all(&args.out);
+    let mut report = Report::default();
+    for check in checks {
+        let start = std::time::Instant::now();
+        match check {
+            "libraries" => libraries(&mut report),
+            "models" => models::parity(&mut report, args.iters, &args.out),
+            "bf16" => models::bf16_step(&mut report, &args.out),
+            _ => nccl::one_rank(&mut report),
+        }
+        println!("      ({check}: {:.1} s)", start.elapsed().as_secs_f64());
+    }
+    if report.failed > 0 {
+        println!("gpu_check: {} check(s) failed", report.failed);
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}

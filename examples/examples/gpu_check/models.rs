@@ -1,0 +1,204 @@
+//! The model checks: BERT and the GPT model on each GPU device against the CPU, and a bf16
+//! training step's achieved FLOP/s.
+
+use super::{Report, gpu_devices};
+use burn_megatron_examples::pretrain::{Args, GptArgs, IterationLog, run, run_gpt};
+use clap::Parser;
+use std::path::Path;
+
+/// The dense bf16 peak of one H200 (SXM), TFLOP/s.
+const H200_BF16_PEAK: f64 = 989.0;
+
+/// Flags every run shares: one rank, no dropout (its masks are drawn per device), no
+/// validation, quiet.
+fn common(device: &str, iters: usize, plot: &Path) -> Vec<String> {
+    let flags = [
+        "--world-size",
+        "1",
+        "--tensor-model-parallel-size",
+        "1",
+        "--train-iters",
+        &iters.to_string(),
+        "--lr",
+        "3e-3",
+        "--synthetic-documents",
+        "600",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--eval-interval",
+        "0",
+        "--log-interval",
+        "1000000",
+        "--no-progress",
+        "--device",
+        device,
+        "--loss-plot",
+        &plot.display().to_string(),
+    ];
+    flags.iter().map(|s| s.to_string()).collect()
+}
+
+/// `model`'s flags: (layers, hidden, heads, seq, micro-batch).
+fn shape(layers: usize, hidden: usize, heads: usize, seq: usize, micro: usize) -> Vec<String> {
+    [
+        ("--num-layers", layers),
+        ("--hidden-size", hidden),
+        ("--num-attention-heads", heads),
+        ("--seq-length", seq),
+        ("--micro-batch-size", micro),
+        ("--global-batch-size", micro * 2),
+    ]
+    .iter()
+    .flat_map(|(k, v)| [k.to_string(), v.to_string()])
+    .collect()
+}
+
+/// A Llama-style GPT: GQA, RoPE, RMSNorm, SwiGLU, no biases, untied.
+const LLAMA: [&str; 12] = [
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--generate-tokens",
+    "0",
+];
+
+fn train(family: &str, device: &str, iters: usize, out: &Path) -> Result<Vec<f64>, String> {
+    let plot = out.join(format!("{family}-{device}.png"));
+    let mut argv = vec![format!("{family}_pretrain")];
+    argv.extend(common(device, iters, &plot));
+    argv.extend(shape(2, 64, 4, 64, 4));
+    let log: Vec<IterationLog> = if family == "gpt" {
+        argv.extend(LLAMA.iter().map(|s| s.to_string()));
+        argv.extend(["--vocab-size".into(), "400".into()]);
+        run_gpt(&GptArgs::try_parse_from(argv).map_err(|e| e.to_string())?)?.log
+    } else {
+        run(&Args::try_parse_from(argv).map_err(|e| e.to_string())?)?.log
+    };
+    Ok(log.iter().map(|e| e.lm_loss).collect())
+}
+
+/// Each model on the CPU, then on every GPU device there is, every iteration's loss within
+/// 1e-3 of the CPU's (relative).
+pub fn parity(report: &mut Report, iters: usize, out: &Path) {
+    let devices = gpu_devices();
+    for family in ["bert", "gpt"] {
+        let name = format!("models {family} cpu");
+        let cpu = match train(family, "cpu", iters, out) {
+            Ok(cpu) => cpu,
+            Err(e) => {
+                report.fail(&name, e);
+                continue;
+            }
+        };
+        let (first, last) = (cpu[0], cpu[cpu.len() - 1]);
+        report.check(
+            &name,
+            cpu.len() == iters && last < first,
+            format!("{} iterations, lm loss {first:.4} → {last:.4}", cpu.len()),
+        );
+        for (device, available) in &devices {
+            let name = format!("models {family} {device} vs cpu");
+            if let Err(why) = available {
+                report.skip(&name, why);
+                continue;
+            }
+            match train(family, device, iters, out) {
+                Ok(gpu) if gpu.len() == cpu.len() => {
+                    let worst = gpu
+                        .iter()
+                        .zip(&cpu)
+                        .map(|(g, c)| (g - c).abs() / c.abs())
+                        .fold(0.0, f64::max);
+                    let detail = format!(
+                        "{} iterations, largest relative difference {worst:.2e} (limit 1e-3)",
+                        gpu.len()
+                    );
+                    report.check(&name, worst <= 1e-3, detail);
+                }
+                Ok(gpu) => report.fail(&name, format!("{} iterations, not {iters}", gpu.len())),
+                Err(e) => report.fail(&name, e),
+            }
+        }
+    }
+}
+
+/// Forward + backward FLOPs of one BERT step: 6 per parameter of the matmuls per token
+/// (12·h² per layer and the h·V head), and the attention's two matmuls (12·b·s²·h per
+/// layer over forward and backward).
+fn bert_flops(layers: f64, hidden: f64, seq: f64, batch: f64, vocab: f64) -> f64 {
+    let tokens = batch * seq;
+    6.0 * tokens * (layers * 12.0 * hidden * hidden + hidden * vocab)
+        + 12.0 * layers * batch * seq * seq * hidden
+}
+
+/// One bf16 step of BERT-large (24 × 1024, 16 heads, seq 512, micro-batch 8) on CUDA, timed
+/// after two warm-up steps (which compile the kernels); on the CPU a small model's, so that
+/// the bf16 path runs here too.
+pub fn bf16_step(report: &mut Report, out: &Path) {
+    let cuda = gpu_devices().into_iter().find(|d| d.0 == "cuda");
+    let (device, layers, hidden, heads, seq, micro) = match cuda {
+        Some((_, Ok(()))) => ("cuda", 24, 1024, 16, 512, 8),
+        Some((_, Err(why))) => {
+            report.skip("bf16 BERT-large step on cuda", why);
+            ("cpu", 2, 64, 4, 64, 4)
+        }
+        None => unreachable!("gpu_devices lists cuda"),
+    };
+    let name = format!("bf16 BERT {layers}×{hidden} seq {seq} step on {device}");
+    let plot = out.join(format!("bf16-{device}.png"));
+    let mut argv = vec!["bert_pretrain".to_string()];
+    argv.extend(common(device, 3, &plot));
+    argv.extend(shape(layers, hidden, heads, seq, micro));
+    argv.extend(
+        [
+            "--bf16",
+            "--use-fused-adam",
+            "--global-batch-size",
+            &micro.to_string(),
+        ]
+        .map(String::from),
+    );
+    // The built-in generator's vocabulary, padded as the model pads it.
+    let vocab = burn_megatron::tensor_parallel::padded_vocab_size(
+        burn_megatron::data::synthetic_vocabulary().len(),
+        128,
+        1,
+    );
+    let log = Args::try_parse_from(argv)
+        .map_err(|e| e.to_string())
+        .and_then(|a| run(&a).map(|s| (s.log, vocab)));
+    match log {
+        Ok((log, vocab)) if log.len() == 3 => {
+            let ms = log[1..]
+                .iter()
+                .map(|e| e.ms_per_iter)
+                .fold(f64::MAX, f64::min);
+            let flops = bert_flops(
+                layers as f64,
+                hidden as f64,
+                seq as f64,
+                micro as f64,
+                vocab as f64,
+            );
+            let tflops = flops / (ms / 1e3) / 1e12;
+            let detail = format!(
+                "{ms:.1} ms, {tflops:.2} TFLOP/s = {:.2}% of the H200's dense bf16 peak \
+                 ({H200_BF16_PEAK} TFLOP/s); lm loss {:.4}",
+                100.0 * tflops / H200_BF16_PEAK,
+                log[2].lm_loss
+            );
+            report.check(&name, log[2].lm_loss.is_finite(), detail);
+        }
+        Ok((log, _)) => report.fail(&name, format!("{} iterations, not 3", log.len())),
+        Err(e) => report.fail(&name, e),
+    }
+}
