@@ -170,9 +170,7 @@ pub fn save_checkpoint<M: Module + Clone>(
     // A distributed optimizer gathered its state to (expert) data-parallel rank 0, which
     // writes it; the other ranks took part in the gathers only.
     let first = |r: Option<usize>| r.is_none_or(|r| r == 0);
-    let has_experts = crate::param_grads::float_params(model)
-        .iter()
-        .any(|&(id, _)| crate::tensor_parallel::parallel_attrs(id).expert);
+    let has_experts = !crate::data_parallel::expert_params(model).is_empty();
     let share = SaveShare {
         dense: rank.share.dense && first(optimizer.data_parallel_rank()),
         experts: rank.share.experts && has_experts && first(optimizer.expert_data_parallel_rank()),

@@ -242,7 +242,9 @@ pub fn finalize_expert_grads_distributed<M: Module>(
     scale_expert_grads(&expert_params(module), grads, data_parallel_size, config)
 }
 
-fn expert_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
+/// The expert parameters of `module` (id, tensor rank), which [`finalize_expert_grads`]
+/// reduces and the dense reductions leave alone.
+pub(crate) fn expert_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
     float_params(module)
         .into_iter()
         .filter(|&(id, _)| parallel_attrs(id).expert)

@@ -25,9 +25,9 @@ use crate::checkpoint::{
 };
 use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::data_parallel::{
-    DataParallelConfig, OptimizerShards, OverlapReducer, ShardPlan, finalize_expert_grads,
-    finalize_expert_grads_distributed, finalize_model_grads, finalize_model_grads_distributed,
-    finalize_model_grads_overlapped,
+    DataParallelConfig, OptimizerShards, OverlapReducer, ShardPlan, expert_params,
+    finalize_expert_grads, finalize_expert_grads_distributed, finalize_model_grads,
+    finalize_model_grads_distributed, finalize_model_grads_overlapped,
 };
 use crate::launch::RankContext;
 use crate::optimizer::{FusedAdam, MegatronOptimizer, OptimizerError};
@@ -199,11 +199,7 @@ impl ParallelTraining {
             .iter()
             .map(|c| ShardPlan::new(c, self.dp_size, self.dp_rank, config, self.tied))
             .collect();
-        let has_experts = chunks.iter().any(|c| {
-            crate::param_grads::float_params(c)
-                .iter()
-                .any(|&(id, _)| crate::tensor_parallel::parallel_attrs(id).expert)
-        });
+        let has_experts = chunks.iter().any(|c| !expert_params(c).is_empty());
         let experts = match has_experts {
             true => {
                 let (size, rank) = (self.expert_dp.group().size(), self.expert_dp_rank);
