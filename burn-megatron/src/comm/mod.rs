@@ -56,6 +56,17 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Prints a dying rank's last line to stderr in one `write`, so that launchers which merge
+/// the ranks' streams (`mpirun`) never interleave two ranks' lines mid-sentence, as
+/// `eprintln!` (one `write` per formatted piece) lets them.
+pub(crate) fn last_words(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut text = line.to_string();
+    text.push('\n');
+    // Nothing is left to do with an error: the process ends next.
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
 /// A group of this rank alone, for a layer built without the group it could be split over
 /// (its collectives return at once).
 pub(crate) fn solo_group(name: &str) -> Comm {

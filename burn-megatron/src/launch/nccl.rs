@@ -97,7 +97,9 @@ pub(crate) fn run_nccl<T, E: std::fmt::Display>(
     let shared: Arc<dyn World> = Arc::new(world);
     // Once communicators exist a failing rank must end the job: its peers would wait for it.
     let fatal = |reason: String| -> ! {
-        eprintln!("burn-megatron: global rank {rank}: {reason}; ending the job");
+        crate::comm::last_words(format_args!(
+            "burn-megatron: global rank {rank}: {reason}; ending the job"
+        ));
         #[cfg(feature = "mpi")]
         if let Some(world) = &mpi {
             world.abort(&reason);

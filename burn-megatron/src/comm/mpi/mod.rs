@@ -57,10 +57,10 @@ pub(crate) struct Inner {
 
 impl Inner {
     pub(crate) fn fatal(&self, reason: &dyn std::fmt::Display) -> ! {
-        eprintln!(
+        crate::comm::last_words(format_args!(
             "burn-megatron: global rank {}: {reason}; aborting the MPI job",
             self.rank
-        );
+        ));
         self.world.0.abort(ABORT_CODE)
     }
 
