@@ -59,6 +59,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Prints a dying rank's last line to stderr in one `write`, so that launchers which merge
 /// the ranks' streams (`mpirun`) never interleave two ranks' lines mid-sentence, as
 /// `eprintln!` (one `write` per formatted piece) lets them.
+#[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
 pub(crate) fn last_words(line: std::fmt::Arguments<'_>) {
     use std::io::Write;
     let mut text = line.to_string();

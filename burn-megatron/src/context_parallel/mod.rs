@@ -58,6 +58,11 @@ pub enum CpCommType {
     /// Ring attention: K/V blocks passed around the ring, partial results merged by their
     /// log-sum-exp.
     P2p,
+    /// Ulysses (DeepSpeed's sequence parallelism): an all-to-all trades this rank's share of
+    /// the sequence for a share of the heads, attention runs over the whole sequence for
+    /// those heads, and a second all-to-all trades back. Needs the heads each
+    /// tensor-parallel rank holds to be divisible by CP.
+    A2a,
 }
 
 /// One rank's view of a sequence split over its CP group.
@@ -155,6 +160,14 @@ impl ContextParallel {
         for (gathered, &p) in self.key_positions.iter().enumerate() {
             order[p] = gathered as i64;
         }
+        Tensor::from_data(TensorData::new(order, [self.seq_length]), device)
+    }
+
+    /// The inverse of [`global_order`](Self::global_order): for each gathered row, its
+    /// global position. `select`ing rows in sequence order with it puts them in gathered
+    /// (rank) order again.
+    pub fn gathered_order(&self, device: &Device) -> Tensor<1, Int> {
+        let order: Vec<i64> = self.key_positions.iter().map(|&p| p as i64).collect();
         Tensor::from_data(TensorData::new(order, [self.seq_length]), device)
     }
 

@@ -6,6 +6,7 @@ use super::rotary::RotaryTables;
 use crate::comm::Comm;
 use crate::context_parallel::{ContextParallel, CpCommType};
 use crate::recompute::recompute_fn;
+use crate::tensor_parallel::mappings::all_to_all;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, RngRegion, RngTracker,
     RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
@@ -351,8 +352,12 @@ impl CoreAttention {
         rng: Option<&RngTracker>,
     ) -> Tensor<3> {
         let ng = self.groups_per_rank;
-        if c.cp.comm_type() == CpCommType::P2p {
-            return self.forward_ring(q, Tensor::cat(vec![k, v], 2), c, padding, rng);
+        match c.cp.comm_type() {
+            CpCommType::P2p => {
+                return self.forward_ring(q, Tensor::cat(vec![k, v], 2), c, padding, rng);
+            }
+            CpCommType::A2a => return self.forward_ulysses(q, k, v, c, padding, rng),
+            CpCommType::AllGather => {}
         }
         let kv = c.cp.gather_sequence(Tensor::cat(vec![k, v], 2));
         let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
@@ -373,6 +378,76 @@ impl CoreAttention {
             self.attend(q, to_heads(k), to_heads(v), pad, true, rng)
         });
         Tensor::cat(halves.collect(), 0)
+    }
+
+    /// Ulysses (`--cp-comm-type a2a`): one all-to-all sends each CP peer its share of this
+    /// rank's heads for this rank's tokens, so every rank then holds the whole sequence for
+    /// `1/CP` of the heads and attends as the unsplit model does (causal: in sequence
+    /// order); a second all-to-all sends the context back. Query groups that do not split
+    /// over CP are first repeated to one key per head. [`Gpt`](crate::models::Gpt) checks
+    /// that the heads split before any work.
+    fn forward_ulysses(
+        self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        c: &CpAttention,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let (n, comm) = (c.cp.size(), c.cp.comm());
+        let [len, b, np, hn] = q.dims();
+        let (mut ng, mut qpg) = (self.groups_per_rank, self.heads_per_group);
+        let (k, v) = if ng.is_multiple_of(n) {
+            (k, v)
+        } else {
+            let shape = [len, b, ng, qpg, hn];
+            let per_head = |x: Tensor<4>| {
+                x.unsqueeze_dim::<5>(3)
+                    .expand(shape)
+                    .reshape([len, b, np, hn])
+            };
+            (ng, qpg) = (np, 1);
+            (per_head(k), per_head(v))
+        };
+        // [len, b, n, heads/n, hn] → peer-major rows, one block of `len` per peer.
+        let by_peer = |x: Tensor<4>, heads: usize| x.reshape([len, b, n, heads / n, hn]);
+        let (npl, ngl) = (np / n, ng / n);
+        let qkv = Tensor::cat(vec![by_peer(q, np), by_peer(k, ng), by_peer(v, ng)], 3)
+            .permute([2, 0, 1, 3, 4])
+            .reshape([n * len, b, npl + 2 * ngl, hn]);
+        let splits = vec![len; n];
+        let by_construction = "equal splits of n · len rows over the n members";
+        // Every rank's tokens (gathered order) for this rank's heads.
+        let mut qkv = all_to_all(qkv, &splits, &splits, comm).expect(by_construction);
+        let mut padding = padding;
+        let device = qkv.device();
+        if c.causal {
+            let order = c.cp.global_order(&device);
+            qkv = qkv.select(0, order.clone());
+            padding = padding.map(|p| p.select(1, order));
+        }
+        let core = CoreAttention {
+            groups_per_rank: ngl,
+            heads_per_group: qpg,
+            ..self
+        };
+        let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
+        let (q, k, v) = (
+            qkv.clone().narrow(2, 0, npl),
+            to_heads(qkv.clone().narrow(2, npl, ngl)),
+            to_heads(qkv.narrow(2, npl + ngl, ngl)),
+        );
+        let mut context = core.attend(q, k, v, padding, c.causal, rng);
+        if c.causal {
+            context = context.select(0, c.cp.gathered_order(&device));
+        }
+        // Back: this rank's tokens, every peer's heads in peer (= head) order.
+        all_to_all(context, &splits, &splits, comm)
+            .expect(by_construction)
+            .reshape([n, len, b, npl * hn])
+            .permute([1, 2, 0, 3])
+            .reshape([len, b, np * hn])
     }
 
     /// Ring attention (`--cp-comm-type p2p`): this rank's K/V block (`kv`, `[s, b,

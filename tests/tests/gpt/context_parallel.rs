@@ -1,6 +1,7 @@
-//! Context parallelism (`all_gather`): a sequence split over CP ∈ {2, 4} (with TP 2 and SP
-//! too) trains as the unsplit sequence does. Each rank holds chunks r and 2·CP−1−r, K and V
-//! are all-gathered over CP, the loss counts the whole sequence's tokens, and gradients are
+//! Context parallelism (`all_gather`, `p2p` and `a2a`): a sequence split over CP ∈ {2, 4}
+//! (with TP 2 and SP too) trains as the unsplit sequence does. Each rank holds chunks r and
+//! 2·CP−1−r; K and V are all-gathered over CP, passed around the ring, or traded for heads
+//! (Ulysses, with query groups repeated per head where they do not split over CP); the loss counts the whole sequence's tokens, and gradients are
 //! reduced as Megatron reduces them (loss × CP, averaged over DP × CP): 10 AdamW steps'
 //! losses, the first step's gathered gradients and the final weights equal one rank's
 //! within 1e-5, for a Llama-style (rotary) and a GPT-2-style (learned positions) model.
@@ -38,7 +39,9 @@ fn split<T: Clone>(values: &[T], cp: &ContextParallel) -> Vec<T> {
         .collect()
 }
 
-fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, ring: bool) -> Vec<Trace> {
+const COMM_TYPES: [CpCommType; 3] = [CpCommType::AllGather, CpCommType::P2p, CpCommType::A2a];
+
+fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, comm_type: CpCommType) -> Vec<Trace> {
     let layout = ParallelConfig::new(tp * cp, tp, 1)
         .with_context_parallel(cp)
         .with_sequence_parallel(sp);
@@ -54,11 +57,6 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, ring: bool) -> Vec<Tr
             tp_rank,
         )
         .with_clip_grad(1.0, NormType::L2);
-        let comm_type = if ring {
-            CpCommType::P2p
-        } else {
-            CpCommType::AllGather
-        };
         let split_cp = ContextParallel::new(ctx.groups.cp.clone(), SEQ)?.with_comm_type(comm_type);
         let rows = gpt_rows(0, BATCH, SEQ, d);
         let local = SEQ / cp;
@@ -111,15 +109,15 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, ring: bool) -> Vec<Tr
 }
 
 fn check(name: &str, config: &GptConfig, layouts: &[(usize, usize, bool)]) {
-    let one = run(config, 1, 1, false, false).remove(0);
+    let one = run(config, 1, 1, false, CpCommType::AllGather).remove(0);
     assert!(
         one.losses[STEPS - 1] < one.losses[0] - 0.1,
         "{name}: {:?}",
         one.losses
     );
-    for (&(tp, cp, sp), ring) in layouts.iter().flat_map(|l| [(l, false), (l, true)]) {
-        for (rank, t) in run(config, tp, cp, sp, ring).into_iter().enumerate() {
-            let what = format!("{name} tp {tp} cp {cp} sp {sp} ring {ring} rank {rank}");
+    for (&(tp, cp, sp), comm) in layouts.iter().flat_map(|l| COMM_TYPES.map(|c| (l, c))) {
+        for (rank, t) in run(config, tp, cp, sp, comm).into_iter().enumerate() {
+            let what = format!("{name} tp {tp} cp {cp} sp {sp} {comm:?} rank {rank}");
             for (step, (a, b)) in t.losses.iter().zip(&one.losses).enumerate() {
                 assert!((a - b).abs() <= 1e-5, "{what} step {step}: loss {a} vs {b}");
             }
@@ -169,6 +167,33 @@ fn a_sequence_not_divisible_by_twice_cp_is_refused() {
     );
 }
 
+/// Ulysses trades sequence for heads: heads that do not split over CP are refused by the
+/// model's forward, naming both numbers, before any collective.
+#[test]
+fn a2a_with_heads_not_divisible_by_cp_is_refused() {
+    let layout = ParallelConfig::new(3, 1, 1).with_context_parallel(3);
+    let config = gpt2(1, 12);
+    let errors = threads(&layout, LaunchOptions::default(), |ctx| {
+        let model = config.init(&ctx.groups.tp, &ctx.device)?;
+        let cp = ContextParallel::new(ctx.groups.cp.clone(), 12)?.with_comm_type(CpCommType::A2a);
+        let ids = Tensor::<2, Int>::zeros([1, 4], &ctx.device);
+        Ok::<_, Error>(
+            model
+                .forward_stage_cp(Some(ids), None, None, &cp)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default(),
+        )
+    })
+    .unwrap();
+    for e in errors {
+        assert!(
+            e.contains("the 4 heads") && e.contains("--context-parallel-size 3"),
+            "{e}"
+        );
+    }
+}
+
 /// Bidirectional attention (BERT's layer: padding mask, no causal mask) under CP 2 and 4:
 /// each rank's outputs and input gradients are the unsplit layer's at its positions, and
 /// the parameter gradients summed over CP are the unsplit ones (keys padded at the end of
@@ -196,7 +221,10 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             .flat_map(|&p| v[p * B * H..(p + 1) * B * H].to_vec())
             .collect()
     };
-    for (cp, ring) in [(2, false), (4, false), (2, true), (4, true)] {
+    for (cp, comm_type) in [2, 4]
+        .into_iter()
+        .flat_map(|cp| COMM_TYPES.map(|c| (cp, c)))
+    {
         let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
         let out = threads(&layout, LaunchOptions::default(), |ctx| {
             let d: &Device = &ctx.device;
@@ -221,11 +249,6 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             let flat: Vec<bool> = padded.concat();
             let full_pad = Tensor::<2, Bool>::from_data(TensorData::new(flat, [B, S]), d);
             let (y1, gx1, gp1) = run(x.clone(), w.clone(), S, &AttentionInputs::padding(full_pad));
-            let comm_type = if ring {
-                CpCommType::P2p
-            } else {
-                CpCommType::AllGather
-            };
             let split = ContextParallel::new(ctx.groups.cp.clone(), S)?.with_comm_type(comm_type);
             let inputs = AttentionInputs {
                 padding: Some(split.gathered_padding(&padded, d)?),
@@ -252,7 +275,7 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             };
             assert!(
                 close(&y, &y1) <= 1e-5,
-                "cp {cp} ring {ring} rank {rank}: outputs differ by {}",
+                "cp {cp} {comm_type:?} rank {rank}: outputs differ by {}",
                 close(&y, &y1)
             );
             assert!(
