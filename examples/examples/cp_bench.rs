@@ -1,6 +1,7 @@
 //! Context parallelism's memory and step time: a Llama-style GPT (2 layers, hidden 256, 4
-//! heads, seq 4096, micro-batch 1, fp32, no dropout) at CP 1, 2 and 4, with `all_gather`
-//! and with ring attention (`p2p`), each rank a thread. Memory comes from the counting allocator, per rank, above what it held
+//! heads, seq 4096, micro-batch 1, fp32, no dropout) at CP 1, 2 and 4, with `all_gather`,
+//! ring attention (`p2p`) and Ulysses (`a2a`), each rank a thread. Memory comes from the
+//! counting allocator, per rank, above what it held
 //! before the step: "kept" is what the forward left alive for backward (the activations CP
 //! splits), "peak" the step's highest point. Step time is the median of the timed steps;
 //! on this 2-core machine the CP ranks share the cores, so the time column shows the cost
@@ -128,7 +129,7 @@ fn main() -> Result<(), Error> {
         let types: &[CpCommType] = if cp == 1 {
             &[CpCommType::AllGather]
         } else {
-            &[CpCommType::AllGather, CpCommType::P2p]
+            &[CpCommType::AllGather, CpCommType::P2p, CpCommType::A2a]
         };
         for &comm_type in types {
             let ranks = measure(&args, cp, comm_type)?;

@@ -224,11 +224,11 @@ fn a_llama_style_gpt_pipeline_under_mpirun_is_the_threaded_run() {
 }
 
 /// Context parallelism under mpirun: TP 2 × CP 2 with sequence parallelism, K and V
-/// all-gathered (`all_gather`) or passed around the ring (`p2p`, send/recv between
-/// processes), is the threaded run, bit for bit.
+/// all-gathered (`all_gather`), passed around the ring (`p2p`, send/recv between
+/// processes) or traded for heads (`a2a`, all-to-alls), is the threaded run, bit for bit.
 #[test]
 fn a_context_parallel_gpt_under_mpirun_is_the_threaded_run() {
-    for comm_type in ["all_gather", "p2p"] {
+    for comm_type in ["all_gather", "p2p", "a2a"] {
         let dir = tmp(&format!("mpi-gpt-cp-{comm_type}"));
         let layout = [
             "--world-size",

@@ -88,8 +88,9 @@ pub struct AttentionInputs {
     pub context_parallel: Option<CpAttention>,
 }
 
-/// Attention over a sequence split by context parallelism: keys and values are
-/// all-gathered over the group; `causal` masks keys after each query's global position.
+/// Attention over a sequence split by context parallelism: keys and values reach every
+/// rank as `cp`'s comm type says (all-gather, ring or Ulysses all-to-all); `causal` masks
+/// keys after each query's global position.
 #[derive(Debug, Clone)]
 pub struct CpAttention {
     /// The group and this rank's positions.

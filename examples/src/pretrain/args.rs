@@ -47,7 +47,7 @@ pub enum CpCommType {
     AllGather,
     /// Ring attention: K/V blocks passed around the CP ring, merged by log-sum-exp.
     P2p,
-    /// Ulysses all-to-all over heads (not implemented yet: refused).
+    /// Ulysses: all-to-alls trade tokens for heads, attention sees the whole sequence.
     A2a,
 }
 
@@ -379,12 +379,13 @@ impl TrainArgs {
         if cp == 1 {
             return Ok(());
         }
-        if self.cp_comm_type == CpCommType::A2a {
-            return Err(
-                "--cp-comm-type a2a: Ulysses all-to-all is not implemented yet; use all_gather \
-                 or p2p"
-                    .into(),
-            );
+        let heads = self.num_attention_heads;
+        if self.cp_comm_type == CpCommType::A2a && !(heads / tp).is_multiple_of(cp) {
+            return Err(format!(
+                "--cp-comm-type a2a splits the attention heads over context parallelism: \
+                 --num-attention-heads ({heads}) / --tensor-model-parallel-size ({tp}) is not \
+                 divisible by --context-parallel-size ({cp})"
+            ));
         }
         if !s.is_multiple_of(2 * cp) {
             return Err(format!(

@@ -79,8 +79,9 @@ fn run_schedule<F: Family>(
     let dp_rank = ctx.state.data_parallel_rank();
     let p2p = ctx.p2p(P2pShapes::Variable);
     let comm_type = match shared.args.cp_comm_type {
+        super::CpCommType::AllGather => burn_megatron::context_parallel::CpCommType::AllGather,
         super::CpCommType::P2p => burn_megatron::context_parallel::CpCommType::P2p,
-        _ => burn_megatron::context_parallel::CpCommType::AllGather,
+        super::CpCommType::A2a => burn_megatron::context_parallel::CpCommType::A2a,
     };
     let cp = (ctx.state.context_parallel_size() > 1)
         .then(|| ContextParallel::new(ctx.groups.cp.clone(), shared.args.seq_length))

@@ -216,7 +216,7 @@ fn context_parallel_training_matches_the_unsplit_run() {
             .log
     };
     let one = run(&[]);
-    let layouts: [&[&str]; 8] = [
+    let layouts: [&[&str]; 9] = [
         &[
             "--world-size",
             "2",
@@ -256,6 +256,18 @@ fn context_parallel_training_matches_the_unsplit_run() {
             "selective",
         ],
         &["--world-size", "2", "--context-parallel-size", "2"],
+        // Ulysses with one query group per TP rank: repeated per head over CP.
+        &[
+            "--world-size",
+            "4",
+            "--tensor-model-parallel-size",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--cp-comm-type",
+            "a2a",
+        ],
         &[
             "--world-size",
             "4",
@@ -341,12 +353,17 @@ fn context_parallel_training_matches_the_unsplit_run() {
     assert!(e.contains("--context-parallel-size 2"), "{e}");
     let e = refused(&[
         "--world-size",
-        "2",
+        "3",
         "--context-parallel-size",
-        "2",
+        "3",
+        "--seq-length",
+        "36",
         "--cp-comm-type",
         "a2a",
     ]);
-    assert!(e.contains("--cp-comm-type a2a"), "{e}");
+    assert!(
+        e.contains("--num-attention-heads (4)") && e.contains("--context-parallel-size (3)"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
