@@ -1,0 +1,231 @@
+//! Attention over a sequence split by context parallelism: K/V all-gathered, passed around
+//! the ring, or traded for heads (Ulysses), as the group's comm type says.
+
+use super::{CoreAttention, CpAttention};
+use crate::context_parallel::CpCommType;
+use crate::tensor_parallel::RngTracker;
+use crate::tensor_parallel::mappings::all_to_all;
+use burn::tensor::{Bool, Tensor, TensorData};
+
+impl CoreAttention {
+    /// Context parallelism: every key and value of the sequence, all-gathered in one
+    /// collective (keys already rotated at their own positions). Causal attention then runs
+    /// per local chunk against the keys up to that chunk's end, in global order, so the
+    /// fused kernel's causal mode applies and fully masked key blocks are never computed;
+    /// bidirectional attention sees every gathered key (the padding follows their order).
+    pub(super) fn forward_cp(
+        self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        c: &CpAttention,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let ng = self.groups_per_rank;
+        match c.cp.comm_type() {
+            CpCommType::P2p => {
+                return self.forward_ring(q, Tensor::cat(vec![k, v], 2), c, padding, rng);
+            }
+            CpCommType::A2a => return self.forward_ulysses(q, k, v, c, padding, rng),
+            CpCommType::AllGather => {}
+        }
+        let kv = c.cp.gather_sequence(Tensor::cat(vec![k, v], 2));
+        let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
+        if !c.causal {
+            let (k, v) = (kv.clone().narrow(2, 0, ng), kv.narrow(2, ng, ng));
+            return self.attend(q, to_heads(k), to_heads(v), padding, false, rng);
+        }
+        let order = c.cp.global_order(&kv.device());
+        let kv = kv.select(0, order.clone());
+        let padding = padding.map(|p| p.select(1, order));
+        let len = c.cp.chunk_length();
+        let halves = c.cp.chunks().into_iter().enumerate().map(|(half, chunk)| {
+            let keys = (chunk + 1) * len;
+            let kv = kv.clone().narrow(0, 0, keys);
+            let (k, v) = (kv.clone().narrow(2, 0, ng), kv.narrow(2, ng, ng));
+            let pad = padding.clone().map(|p| p.narrow(1, 0, keys));
+            let q = q.clone().narrow(0, half * len, len);
+            self.attend(q, to_heads(k), to_heads(v), pad, true, rng)
+        });
+        Tensor::cat(halves.collect(), 0)
+    }
+
+    /// Ulysses (`--cp-comm-type a2a`): one all-to-all sends each CP peer its share of this
+    /// rank's heads for this rank's tokens, so every rank then holds the whole sequence for
+    /// `1/CP` of the heads and attends as the unsplit model does (causal: in sequence
+    /// order); a second all-to-all sends the context back. Query groups that do not split
+    /// over CP are first repeated to one key per head. [`Gpt`](crate::models::Gpt) checks
+    /// that the heads split before any work.
+    fn forward_ulysses(
+        self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        c: &CpAttention,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let (n, comm) = (c.cp.size(), c.cp.comm());
+        let [len, b, np, hn] = q.dims();
+        let (mut ng, mut qpg) = (self.groups_per_rank, self.heads_per_group);
+        let (k, v) = if ng.is_multiple_of(n) {
+            (k, v)
+        } else {
+            let shape = [len, b, ng, qpg, hn];
+            let per_head = |x: Tensor<4>| {
+                x.unsqueeze_dim::<5>(3)
+                    .expand(shape)
+                    .reshape([len, b, np, hn])
+            };
+            (ng, qpg) = (np, 1);
+            (per_head(k), per_head(v))
+        };
+        // [len, b, n, heads/n, hn] → peer-major rows, one block of `len` per peer.
+        let by_peer = |x: Tensor<4>, heads: usize| x.reshape([len, b, n, heads / n, hn]);
+        let (npl, ngl) = (np / n, ng / n);
+        let qkv = Tensor::cat(vec![by_peer(q, np), by_peer(k, ng), by_peer(v, ng)], 3)
+            .permute([2, 0, 1, 3, 4])
+            .reshape([n * len, b, npl + 2 * ngl, hn]);
+        let splits = vec![len; n];
+        let by_construction = "equal splits of n · len rows over the n members";
+        // Every rank's tokens (gathered order) for this rank's heads.
+        let mut qkv = all_to_all(qkv, &splits, &splits, comm).expect(by_construction);
+        let mut padding = padding;
+        let device = qkv.device();
+        if c.causal {
+            let order = c.cp.global_order(&device);
+            qkv = qkv.select(0, order.clone());
+            padding = padding.map(|p| p.select(1, order));
+        }
+        let core = CoreAttention {
+            groups_per_rank: ngl,
+            heads_per_group: qpg,
+            ..self
+        };
+        let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
+        let (q, k, v) = (
+            qkv.clone().narrow(2, 0, npl),
+            to_heads(qkv.clone().narrow(2, npl, ngl)),
+            to_heads(qkv.narrow(2, npl + ngl, ngl)),
+        );
+        let mut context = core.attend(q, k, v, padding, c.causal, rng);
+        if c.causal {
+            context = context.select(0, c.cp.gathered_order(&device));
+        }
+        // Back: this rank's tokens, every peer's heads in peer (= head) order.
+        all_to_all(context, &splits, &splits, comm)
+            .expect(by_construction)
+            .reshape([n, len, b, npl * hn])
+            .permute([1, 2, 0, 3])
+            .reshape([len, b, np * hn])
+    }
+
+    /// Ring attention (`--cp-comm-type p2p`): this rank's K/V block (`kv`, `[s, b,
+    /// 2·groups, hn]`: its two chunks) travels around the CP ring; at each step every
+    /// (query chunk, key chunk) pair a causal mask leaves visible is attended, and the
+    /// partial results are merged by their log-sum-exp (online softmax), so the output is
+    /// the softmax over all keys. Blocks above the diagonal are skipped.
+    fn forward_ring(
+        self,
+        q: Tensor<4>,
+        mut kv: Tensor<4>,
+        c: &CpAttention,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let (cp, me, len) = (c.cp.size(), c.cp.rank(), c.cp.chunk_length());
+        let ng = self.groups_per_rank;
+        let [_, b, np, hn] = q.dims();
+        let q_chunks = c.cp.chunks();
+        let mut merged: [Option<(Tensor<4>, Tensor<4>)>; 2] = [None, None];
+        for step in 0..cp {
+            // After `step` shifts this rank holds rank `source`'s chunks.
+            let source = (me + cp - step) % cp;
+            let k_chunks = [source, 2 * cp - 1 - source];
+            for (qh, &qc) in q_chunks.iter().enumerate() {
+                for (kh, &kc) in k_chunks.iter().enumerate() {
+                    if c.causal && kc > qc {
+                        continue;
+                    }
+                    let block = kv.clone().narrow(0, kh * len, len);
+                    let (k, v) = (block.clone().narrow(2, 0, ng), block.narrow(2, ng, ng));
+                    let start = source * 2 * len + kh * len;
+                    let pad = padding.clone().map(|p| p.narrow(1, start, len));
+                    let part = q.clone().narrow(0, qh * len, len);
+                    let out = self.block(part, k, v, c.causal && kc == qc, pad, rng);
+                    merged[qh] = Some(match merged[qh].take() {
+                        None => out,
+                        Some(acc) => merge(acc, out),
+                    });
+                }
+            }
+            if step + 1 < cp {
+                kv = c.cp.ring_shift(kv);
+            }
+        }
+        // Every query chunk sees at least its own diagonal block, so both halves are there.
+        let halves = merged
+            .into_iter()
+            .flatten()
+            .map(|(o, _)| o.permute([2, 0, 1, 3]).reshape([len, b, np * hn]));
+        Tensor::cat(halves.collect(), 0)
+    }
+
+    /// One block of ring attention: `q` (`[len, b, heads, hn]`) over `k`, `v` (`[len, b,
+    /// groups, hn]`) → the block's softmax-weighted values (`[b, heads, len, hn]`) and each
+    /// query's log-sum-exp over the block (`[b, heads, len, 1]`).
+    fn block(
+        self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        diagonal: bool,
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let [len, b, _, _] = q.dims();
+        let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
+        let np = ng * qpg;
+        let (q, k, v) = (
+            q.permute([1, 2, 0, 3]),
+            k.permute([1, 2, 0, 3]),
+            v.permute([1, 2, 0, 3]),
+        );
+        let scale = 1.0 / (hn as f32).sqrt();
+        let mut scores = self.scores(q, k).mul_scalar(scale);
+        let device = scores.device();
+        if diagonal {
+            let above: Vec<bool> = (0..len * len).map(|i| i % len > i / len).collect();
+            let mask = Tensor::<2, Bool>::from_data(TensorData::new(above, [len, len]), &device);
+            scores = scores.mask_fill(
+                mask.reshape([1, 1, len, len]).expand([b, np, len, len]),
+                -10_000.0,
+            );
+        }
+        if let Some(p) = padding {
+            scores = scores.mask_fill(
+                p.reshape([b, 1, 1, len]).expand([b, np, len, len]),
+                -10_000.0,
+            );
+        }
+        let max = scores.clone().max_dim(3).detach();
+        let e = (scores - max.clone()).exp();
+        let sum = e.clone().sum_dim(3);
+        let lse = max + sum.clone().log();
+        (self.weighted_values(e / sum, v, rng), lse)
+    }
+}
+
+/// Two partial attention results over disjoint key sets, each `(values, log-sum-exp)`,
+/// merged into the result over both keys sets (online softmax).
+fn merge(a: (Tensor<4>, Tensor<4>), b: (Tensor<4>, Tensor<4>)) -> (Tensor<4>, Tensor<4>) {
+    let (oa, la) = a;
+    let (ob, lb) = b;
+    let max = la.clone().max_pair(lb.clone()).detach();
+    let (wa, wb) = ((la - max.clone()).exp(), (lb - max.clone()).exp());
+    let total = wa.clone() + wb.clone();
+    let lse = max + total.clone().log();
+    let o = oa * (wa / total.clone()) + ob * (wb / total);
+    (o, lse)
+}
