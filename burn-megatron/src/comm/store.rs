@@ -66,7 +66,7 @@ struct Table {
     changed: Condvar,
 }
 
-/// A client of the store (see the [module docs](self)); [`serve`](Self::serve) also starts
+/// A client of the store (see the module docs); [`serve`](Self::serve) also starts
 /// the server in this process.
 #[derive(Debug)]
 pub struct TcpStore {

@@ -77,7 +77,7 @@ pub struct Piece {
     pub numel: usize,
 }
 
-/// A module's buckets and this rank's shard of each. See the [module docs](self).
+/// A module's buckets and this rank's shard of each. See the module docs.
 ///
 /// ```
 /// use burn::nn::LinearConfig;

@@ -10,7 +10,7 @@
 //!
 //! Each rank holds `num_experts / EP` experts, initialised from their global index, so a
 //! model split over any EP starts from the same weights. The auxiliary losses enter
-//! backward through [`attach_aux_loss`](crate::aux_loss::attach_aux_loss) on whichever
+//! backward through [`crate::aux_loss::attach_aux_loss`] on whichever
 //! pipeline stage the layer runs.
 
 mod dispatcher;

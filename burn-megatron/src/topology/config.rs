@@ -34,7 +34,7 @@ pub struct ParallelConfig {
     /// Ranks that split the sequence dimension in attention (`cp`); only 1 is supported.
     pub context_parallel_size: usize,
     /// Ranks that split the experts of mixture-of-experts layers (`ep`), laid out by a
-    /// second rank generator as Megatron-Core's (see [`GroupKind::ExpertModelParallel`]).
+    /// second rank generator as Megatron-Core's (see [`GroupKind::ExpertModelParallel`](crate::topology::GroupKind::ExpertModelParallel)).
     pub expert_model_parallel_size: usize,
     /// Ranks that split each expert's weights (`--expert-tensor-parallel-size`); only 1 is
     /// supported, and it is the default here (Megatron defaults to the dense TP size).
