@@ -229,8 +229,18 @@ impl Setup {
             * if self.attention_dropout { 2 } else { 1 };
         let context = tokens * (self.heads * self.hn) as u64 / t;
         let mlp = tokens * self.ffn as u64 / t * if self.gated { 3 } else { 2 };
-        // Two norms, each with the linear input it feeds (gathered to the whole sequence).
-        let mut kept = 2 * (norm + tokens * h) + qkv + context;
+        // Two norms, each with the linear input it feeds (gathered to the whole sequence);
+        // recomputed (`layernorm`), a norm's region keeps only its local input. The MLP's
+        // norm is not recomputed where `mlp` recomputes the whole MLP.
+        let plain_norm = norm + tokens * h;
+        let norms = self.recompute.selects(RecomputeModule::Layernorm);
+        let attention_norm = if norms { local * h } else { plain_norm };
+        let mlp_norm = if norms && !self.recompute.selects(RecomputeModule::Mlp) {
+            local * h
+        } else {
+            plain_norm
+        };
+        let mut kept = attention_norm + mlp_norm + qkv + context;
         if !self.recompute.selects(RecomputeModule::CoreAttn) {
             kept += probs;
         }

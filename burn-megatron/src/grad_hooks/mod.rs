@@ -233,6 +233,35 @@ pub fn hook_param<const D: usize, const E: usize>(
     ))
 }
 
+/// Delivers `grad`, the gradient of `param` that a recomputed region's replay formed itself
+/// (a product, not a hooked value's backward), to the sink that would have hooked it: the
+/// use was counted in the region's first forward, as [`hook_param`] counts it.
+pub(crate) fn deliver_formed<const D: usize>(param: &Param<Tensor<D>>, grad: &Tensor<D>) {
+    if !param.is_require_grad() {
+        return;
+    }
+    let target = match ACTIVE.with(|a| a.borrow().clone()) {
+        Some(sink) => {
+            if !sink.hook(param.id, false) {
+                return;
+            }
+            Target::Active(sink)
+        }
+        None => {
+            let sinks = claimants(param.id);
+            if sinks.is_empty() {
+                return;
+            }
+            Target::Inactive(sinks)
+        }
+    };
+    let hook = Hook {
+        target,
+        id: param.id,
+    };
+    hook.deliver(|| grad.clone().into_data().iter::<f32>().collect());
+}
+
 /// Keeps a sink active on this thread; dropping it deactivates.
 #[derive(Debug)]
 pub struct ActiveGuard(());

@@ -8,7 +8,7 @@ use super::attention::{
 pub use crate::activation::ActivationFunc;
 use crate::comm::Comm;
 use crate::moe::{MoeConfig, MoeLayer, MoeLayerShape};
-use crate::recompute::{RecomputeConfig, RecomputeModule, recompute};
+use crate::recompute::{RecomputeConfig, RecomputeModule, recompute, recompute_linear_input};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs,
     RngRegion, RngTracker, RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
@@ -49,17 +49,35 @@ impl ParallelMlp {
     /// adding it when that layer was built with `skip_bias_add` (as
     /// [`TransformerLayerConfig::init`] does), for the fused bias + dropout + residual add.
     pub fn forward_with_bias(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
+        let gate = self
+            .dense_h_to_4h_gate
+            .as_ref()
+            .map(|gate| gate.forward_with_bias(x.clone()));
+        self.forward_from_projections(self.dense_h_to_4h.forward_with_bias(x), gate)
+    }
+
+    /// The first layers: the gate (when gated), then `dense_h_to_4h`.
+    pub(crate) fn first_layers(&self) -> Vec<&ColumnParallelLinear> {
+        self.dense_h_to_4h_gate
+            .iter()
+            .chain([&self.dense_h_to_4h])
+            .collect()
+    }
+
+    /// [`forward_with_bias`](Self::forward_with_bias) from the first layers' outputs, each
+    /// with its unadded bias (a caller that forms them itself: `layernorm` recomputation).
+    pub(crate) fn forward_from_projections(
+        &self,
+        (h, bias): (Tensor<3>, Option<Tensor<1>>),
+        gate: Option<(Tensor<3>, Option<Tensor<1>>)>,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
         // Built with `skip_bias_add`, the first layer hands its bias to the activation.
-        let up = match &self.dense_h_to_4h_gate {
-            None => {
-                let (h, bias) = self.dense_h_to_4h.forward_with_bias(x);
-                self.activation.apply(h, bias)
-            }
-            Some(gate) => {
-                let (g, gate_bias) = gate.forward_with_bias(x.clone());
-                let up = match self.dense_h_to_4h.forward_with_bias(x) {
-                    (u, Some(b)) => u + b.unsqueeze(),
-                    (u, None) => u,
+        let up = match gate {
+            None => self.activation.apply(h, bias),
+            Some((g, gate_bias)) => {
+                let up = match bias {
+                    Some(b) => h + b.unsqueeze(),
+                    None => h,
                 };
                 match self.activation {
                     // SwiGLU: one fused pass each way (Flex's native loops, a kernel on GPUs).
@@ -255,6 +273,9 @@ pub struct TransformerLayer {
     /// Selective recomputation of the MLP.
     #[module(skip)]
     recompute_mlp: bool,
+    /// Selective recomputation of the norms (pre-norm layers).
+    #[module(skip)]
+    recompute_layernorm: bool,
     /// Holds the norms' attributes.
     #[module(skip)]
     layout: LayoutOwner,
@@ -356,6 +377,15 @@ impl TransformerLayerConfig {
                 (None, Some(moe.init(shape, tp, ep, device)?))
             }
         };
+        if self.recompute.selects(RecomputeModule::Layernorm)
+            && self.layernorm_position == LayerNormPosition::Post
+        {
+            return Err(TpError::Invalid(
+                "--recompute-modules layernorm needs pre-norm layers: a post-norm layer's \
+                 (BERT's) norm output is the residual stream, which the next layer keeps anyway"
+                    .into(),
+            ));
+        }
         let norm = || Norm::new(self.normalization, h, self.layernorm_epsilon, device);
         let layer = TransformerLayer {
             attention,
@@ -367,6 +397,7 @@ impl TransformerLayerConfig {
             hidden_dropout: self.hidden_dropout,
             sequence_parallel: self.sequence_parallel,
             recompute_mlp: self.recompute.selects(RecomputeModule::Mlp),
+            recompute_layernorm: self.recompute.selects(RecomputeModule::Layernorm),
             layout: LayoutOwner::default(),
         };
         layer.state_attrs();
@@ -469,12 +500,37 @@ impl TransformerLayer {
             }
             LayerNormPosition::Pre => {
                 let span = tracing::debug_span!("layer.attention").entered();
-                let normed = self.input_layernorm.forward(x.clone());
-                let a = self.attention.forward_with_bias(normed, inputs, rng, cache);
+                let a = if self.recompute_layernorm && cache.is_none() {
+                    let qkv = &self.attention.query_key_value;
+                    let (qkv, _) = recompute_linear_input(
+                        &self.input_layernorm,
+                        x.clone(),
+                        |norm, x| norm.forward(x),
+                        &[qkv],
+                    )
+                    .remove(0);
+                    self.attention
+                        .forward_with_bias_from_qkv(qkv, inputs, rng, cache)
+                } else {
+                    let normed = self.input_layernorm.forward(x.clone());
+                    self.attention.forward_with_bias(normed, inputs, rng, cache)
+                };
                 let x = self.bias_dropout_add(a, x, rng);
                 drop(span);
                 let _span = tracing::debug_span!("layer.mlp").entered();
-                let m = self.mlp_forward(self.post_attention_layernorm.forward(x.clone()));
+                let m = match &self.mlp {
+                    Some(mlp) if self.recompute_layernorm && !self.recompute_mlp => {
+                        let mut outs = recompute_linear_input(
+                            &self.post_attention_layernorm,
+                            x.clone(),
+                            |norm, x| norm.forward(x),
+                            &mlp.first_layers(),
+                        );
+                        let up = outs.pop().expect("one output per first layer");
+                        mlp.forward_from_projections(up, outs.pop())
+                    }
+                    _ => self.mlp_forward(self.post_attention_layernorm.forward(x.clone())),
+                };
                 self.bias_dropout_add(m, x, rng)
             }
         }

@@ -32,7 +32,11 @@ pub enum RecomputeModule {
     CoreAttn,
     /// The MLP: its `ffn`-wide activations.
     Mlp,
-    /// The norms: refused here (see [`RecomputeConfig::check`]).
+    /// The pre-norm layers' norms: their outputs, and under sequence parallelism the
+    /// gathered copies the next linear layers keep (see [`recompute_linear_input`]). The MLP's
+    /// norm is left alone where `mlp` recomputes the MLP, or in an MoE layer.
+    ///
+    /// [`recompute_linear_input`]: super::recompute_linear_input
     Layernorm,
 }
 
@@ -116,13 +120,6 @@ impl RecomputeConfig {
                 }
                 if self.modules.is_empty() {
                     return err("--recompute-granularity selective needs at least one --recompute-modules entry".into());
-                }
-                if self.modules.contains(&RecomputeModule::Layernorm) {
-                    // Megatron frees the norm's output after the next linear layer's forward
-                    // and rebuilds it before that layer's backward; a Burn op keeps its
-                    // inputs for its backward, so a region around the norm alone frees
-                    // nothing, and one around norm and linear would run the linear twice.
-                    return err("--recompute-modules layernorm is not supported: the linear layer after a norm keeps the norm's output for its own backward, so recomputing the norm alone frees nothing (use core_attn and/or mlp)".into());
                 }
                 Ok(())
             }

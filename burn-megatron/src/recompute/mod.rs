@@ -18,6 +18,10 @@
 //! - the data-parallel reducer's gradient hooks: the first forward counts each parameter's
 //!   use, the replay delivers it (see `OverlapReducer`).
 //!
+//! [`recompute_linear_input`] is the narrower region Megatron's `layernorm` module needs: a
+//! norm's output feeding linear layers is dropped after their products, and rebuilt in
+//! backward for their weight gradients, without running the products again.
+//!
 //! The models apply it from a [`RecomputeConfig`] (Megatron's `--recompute-granularity`,
 //! `--recompute-method`, `--recompute-num-layers`, `--recompute-modules`).
 //!
@@ -45,6 +49,7 @@
 //! outer one.
 
 mod config;
+mod linear_input;
 mod ops;
 #[cfg(test)]
 mod tests;
@@ -52,6 +57,7 @@ mod tests;
 pub use config::{
     RecomputeConfig, RecomputeError, RecomputeGranularity, RecomputeMethod, RecomputeModule,
 };
+pub use linear_input::recompute_linear_input;
 pub use ops::{RecomputeOps, Region, Replayed};
 
 use crate::grad_hooks::{Phase, enter_phase, in_discard};

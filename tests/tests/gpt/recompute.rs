@@ -177,6 +177,10 @@ fn cases() -> Vec<(&'static str, RecomputeConfig)> {
             "selective core_attn,mlp",
             selective(vec![RecomputeModule::CoreAttn, RecomputeModule::Mlp]),
         ),
+        (
+            "selective core_attn,layernorm",
+            selective(vec![RecomputeModule::CoreAttn, RecomputeModule::Layernorm]),
+        ),
     ]
 }
 
@@ -203,11 +207,20 @@ fn recomputation_changes_nothing_but_memory() {
         for l in layouts {
             let base = train(&config, l);
             for (case, recompute) in cases() {
-                let run = train(&config.clone().with_recompute(recompute), l);
+                let run = train(&config.clone().with_recompute(recompute.clone()), l);
                 let (d, at) = max_difference(&base, &run);
                 println!("{model} {case} {l:?}: max relative difference {d:e} ({at})");
+                // LayerNorm (composite ops) with `layernorm` recomputed: the norm's input
+                // gradient reaches the outer graph as one sum, so its addition to the
+                // residual's gradient is associated differently (RMSNorm, one fused op, stays
+                // bit for bit).
+                let bound = if model == "gpt2" && recompute.selects(RecomputeModule::Layernorm) {
+                    3e-6
+                } else {
+                    1e-6
+                };
                 assert!(
-                    d <= 1e-6,
+                    d <= bound,
                     "{model} {case} {l:?}: {at} differs by {d:e} (relative)"
                 );
             }
@@ -251,7 +264,11 @@ fn bert_recomputes_too() {
         .unwrap()
     };
     let base = run(RecomputeConfig::new());
-    for (case, recompute) in cases() {
+    // BERT's layers are post-norm: `layernorm` is refused (below).
+    let post_norm = cases()
+        .into_iter()
+        .filter(|(_, r)| !r.selects(RecomputeModule::Layernorm));
+    for (case, recompute) in post_norm {
         for (rank, (a, b)) in run(recompute).iter().zip(&base).enumerate() {
             let (d, at) = max_rel_diff(a, b, 1e-6);
             assert!(
@@ -260,4 +277,25 @@ fn bert_recomputes_too() {
             );
         }
     }
+}
+
+/// `layernorm` recomputation rebuilds a pre-norm layer's norm output; a post-norm layer
+/// (BERT) is refused at init, naming the module.
+#[test]
+fn layernorm_recomputation_needs_pre_norm_layers() {
+    use burn_megatron::comm::{Comm, LocalWorld};
+    use burn_megatron::models::BertConfig;
+    let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
+    let recompute = RecomputeConfig::new()
+        .with_granularity(Some(RecomputeGranularity::Selective))
+        .with_modules(vec![RecomputeModule::Layernorm]);
+    let e = BertConfig::new(1, 32, 4, 64, 16, 128)
+        .with_recompute(recompute)
+        .init(&tp, &burn::tensor::Device::flex().autodiff())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--recompute-modules layernorm needs pre-norm layers"),
+        "{e}"
+    );
 }

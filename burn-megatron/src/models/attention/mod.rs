@@ -287,6 +287,18 @@ impl ParallelAttention {
         cache: Option<&mut LayerKvCache>,
     ) -> (Tensor<3>, Option<Tensor<1>>) {
         let qkv = self.query_key_value.forward(x);
+        self.forward_with_bias_from_qkv(qkv, inputs, rng, cache)
+    }
+
+    /// [`forward_with_bias`](Self::forward_with_bias) from the QKV projection's output (a
+    /// caller that forms it itself: `layernorm` recomputation).
+    pub(crate) fn forward_with_bias_from_qkv(
+        &self,
+        qkv: Tensor<3>,
+        inputs: &AttentionInputs,
+        rng: Option<&RngTracker>,
+        cache: Option<&mut LayerKvCache>,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
         let core = self.core;
         let context = match cache {
             None if self.recompute_core_attn => {
