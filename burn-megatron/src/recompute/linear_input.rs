@@ -78,7 +78,7 @@ where
         .or(products_train)
         .unwrap_or_else(|| input.clone().into_dispatch());
     let saved = input.clone().set_require_grad(false);
-    let product = {
+    let (product, shapes) = {
         let _phase = enter_phase(Phase::Discard(trained));
         let untracked = module.clone().map(&mut Leaves { track: false });
         let n = f(&untracked, saved.clone());
@@ -96,8 +96,13 @@ where
                 });
                 linear(n, l.weight.val().set_require_grad(false), bias)
             })
-            .collect();
-        Tensor::cat(products, 2).set_require_grad(false)
+            .collect::<Vec<Tensor<3>>>();
+        let shapes: Vec<[usize; 3]> = products.iter().map(|p| p.dims()).collect();
+        // One output for the region: the products flattened end to end, so that each
+        // layer's part is a contiguous block again (a cut along the feature dim would
+        // leave strided views, which the next ops read slowly).
+        let flat = products.into_iter().map(|p| p.reshape([-1])).collect();
+        (Tensor::cat(flat, 0).set_require_grad(false), shapes)
     };
     let owned: Vec<ColumnParallelLinear> = linears.iter().map(|l| (*l).clone()).collect();
     let module = module.clone();
@@ -131,7 +136,7 @@ where
         });
         Replayed { input_grad, params }
     };
-    let out = Tensor::<3>::from_dispatch(Dispatch::recompute_region(
+    let out = Tensor::<1>::from_dispatch(Dispatch::recompute_region(
         product.into_dispatch(),
         input.clone().into_dispatch(),
         anchor,
@@ -140,10 +145,11 @@ where
     let mut start = 0;
     linears
         .iter()
-        .map(|l| {
-            let o = l.weight.dims()[1];
-            let part = out.clone().narrow(2, start, o);
-            start += o;
+        .zip(shapes)
+        .map(|(l, shape)| {
+            let len = shape.iter().product::<usize>();
+            let part = out.clone().narrow(0, start, len).reshape(shape);
+            start += len;
             l.finish(part, &input)
         })
         .collect()
@@ -160,7 +166,7 @@ fn linear_grads(
     n: Tensor<3>,
     grad: DispatchTensor,
 ) -> (Option<Tensor<1>>, Vec<(DispatchTensor, DispatchTensor)>) {
-    let grad = Tensor::<3>::from_dispatch(grad);
+    let grad = Tensor::<1>::from_dispatch(grad);
     let tracked = n.is_tracked();
     let mut surrogate: Option<Tensor<1>> = None;
     let mut params = Vec::new();
@@ -169,8 +175,8 @@ fn linear_grads(
         let mapped = l.parallel_input(n.clone());
         let [s, b, i] = mapped.dims();
         let o = l.weight.dims()[1];
-        let dy = grad.clone().narrow(2, start, o);
-        start += o;
+        let dy = grad.clone().narrow(0, start, s * b * o).reshape([s, b, o]);
+        start += s * b * o;
         if l.weight.is_require_grad() {
             let x = mapped.clone().detach().reshape([s * b, i]).transpose();
             let dy = dy.clone().reshape([s * b, o]);
