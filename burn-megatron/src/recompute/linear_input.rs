@@ -10,13 +10,12 @@
 //!
 //! [`recompute`]: super::recompute
 
-use super::ops::{RecomputeOps, Region, Replayed};
-use super::{Leaves, Pair, trained_params};
+use super::ops::{RecomputeOps, Region};
+use super::{Leaves, replayed, trained_params};
 use crate::grad_hooks::{Phase, deliver_formed, enter_phase, hook_param, in_discard};
 use crate::tensor_parallel::ColumnParallelLinear;
 use burn::backend::Dispatch;
 use burn::module::Module;
-use burn::optim::GradientsParams;
 use burn::tensor::module::linear;
 use burn::tensor::{DType, DispatchTensor, Tensor};
 
@@ -115,26 +114,8 @@ where
             saved
         };
         let n = f(&fresh, x.clone());
-        let (surrogate, mut params) = linear_grads(&owned, n, grad);
-        let zeros = || x.clone().inner().zeros_like();
-        let Some(surrogate) = surrogate else {
-            return Replayed {
-                input_grad: input_tracked.then(|| zeros().into_dispatch()),
-                params,
-            };
-        };
-        let mut grads = surrogate.backward();
-        let input_grad = input_tracked.then(|| {
-            x.grad_remove(&mut grads)
-                .unwrap_or_else(zeros)
-                .into_dispatch()
-        });
-        let mut by_id = GradientsParams::from_grads(grads, &fresh);
-        module.visit(&mut Pair {
-            grads: &mut by_id,
-            out: &mut params,
-        });
-        Replayed { input_grad, params }
+        let (surrogate, params) = linear_grads(&owned, n, grad);
+        replayed(surrogate, x, input_tracked, &fresh, &module, params)
     };
     let out = Tensor::<1>::from_dispatch(Dispatch::recompute_region(
         product.into_dispatch(),

@@ -111,27 +111,10 @@ where
             saved
         };
         let y = f(&fresh, x.clone(), replay_rng.as_ref());
-        // A tracked input's producer expects a gradient even when the region ignores it.
-        let zeros = || x.clone().inner().zeros_like();
-        if !y.is_tracked() {
-            return Replayed {
-                input_grad: input_tracked.then(|| zeros().into_dispatch()),
-                params: Vec::new(),
-            };
-        }
-        let mut grads = (y * Tensor::<E>::from_dispatch(grad)).sum().backward();
-        let input_grad = input_tracked.then(|| {
-            x.grad_remove(&mut grads)
-                .unwrap_or_else(zeros)
-                .into_dispatch()
-        });
-        let mut by_id = GradientsParams::from_grads(grads, &fresh);
-        let mut params = Vec::new();
-        module.visit(&mut Pair {
-            grads: &mut by_id,
-            out: &mut params,
-        });
-        Replayed { input_grad, params }
+        let scalar = y
+            .is_tracked()
+            .then(|| (y * Tensor::<E>::from_dispatch(grad)).sum());
+        replayed(scalar, x, input_tracked, &fresh, &module, Vec::new())
     };
     Tensor::from_dispatch(Dispatch::recompute_region(
         output.into_dispatch(),
@@ -139,6 +122,40 @@ where
         anchor,
         Region::new(Box::new(replay)),
     ))
+}
+
+/// The end of a replay: backward from `scalar` (the incoming gradient's product with the
+/// replayed output; `None` when the replay is untracked) to the gradient of `x`, the
+/// replayed input (zeros when the region ignores it: a tracked input's producer expects
+/// one), and to each of `fresh`'s parameters, paired with `module`'s original leaf after
+/// `params` (gradients the replay formed itself).
+fn replayed<M: Module, const D: usize>(
+    scalar: Option<Tensor<1>>,
+    x: Tensor<D>,
+    input_tracked: bool,
+    fresh: &M,
+    module: &M,
+    mut params: Vec<(DispatchTensor, DispatchTensor)>,
+) -> Replayed {
+    let zeros = || x.clone().inner().zeros_like();
+    let Some(scalar) = scalar else {
+        return Replayed {
+            input_grad: input_tracked.then(|| zeros().into_dispatch()),
+            params,
+        };
+    };
+    let mut grads = scalar.backward();
+    let input_grad = input_tracked.then(|| {
+        x.grad_remove(&mut grads)
+            .unwrap_or_else(zeros)
+            .into_dispatch()
+    });
+    let mut by_id = GradientsParams::from_grads(grads, fresh);
+    module.visit(&mut Pair {
+        grads: &mut by_id,
+        out: &mut params,
+    });
+    Replayed { input_grad, params }
 }
 
 /// [`recompute`] of a function without parameters (e.g. attention's core: scores, softmax,
