@@ -2,7 +2,7 @@
 
 use burn::config::Config;
 use burn::tensor::Tensor;
-use burn::tensor::activation::{gelu, gelu_approximate, silu};
+use burn::tensor::activation::silu;
 use burn_megatron_kernels::{Gelu, bias_gelu, swiglu};
 
 /// The MLP's activation (Megatron's `activation_func`).
@@ -23,8 +23,18 @@ impl ActivationFunc {
             (Self::Gelu, Some(b)) => bias_gelu(x, b, Gelu::Erf),
             (Self::GeluTanh, Some(b)) => bias_gelu(x, b, Gelu::Tanh),
             (Self::Silu, Some(b)) => silu(x + b.unsqueeze()),
-            (Self::Gelu, None) => gelu(x),
-            (Self::GeluTanh, None) => gelu_approximate(x),
+            // Burn 0.22.1's `gelu` differentiates the tanh approximation: the fused kernel
+            // with a zero bias has each form's own derivative, and the values the biased
+            // layers compute (the bias added as the kernel adds it).
+            (Self::Gelu | Self::GeluTanh, None) => {
+                let zero = Tensor::<1>::zeros([x.dims()[D - 1]], &x.device()).cast(x.dtype());
+                let form = if self == Self::Gelu {
+                    Gelu::Erf
+                } else {
+                    Gelu::Tanh
+                };
+                bias_gelu(x, zero, form)
+            }
             (Self::Silu, None) => silu(x),
         }
     }

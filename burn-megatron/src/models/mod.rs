@@ -6,6 +6,7 @@ mod bert_hf;
 mod gpt;
 mod gpt_hf;
 mod hf_host;
+mod mlp;
 mod rotary;
 mod transformer;
 
@@ -28,10 +29,11 @@ pub use gpt_hf::{
     load_hf_gpt as load_hf_llama, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
     save_hf_gpt as save_hf_llama,
 };
+pub use mlp::ParallelMlp;
 pub use rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig, RotaryTables};
 pub use transformer::{
-    ActivationFunc, LayerNormPosition, Norm, NormKind, ParallelMlp, TransformerLayer,
-    TransformerLayerConfig, forward_layers,
+    ActivationFunc, LayerNormPosition, Norm, NormKind, TransformerLayer, TransformerLayerConfig,
+    forward_layers,
 };
 
 use crate::tensor_parallel::{LayoutOwner, TpError, VocabParallelEmbedding};

@@ -1,103 +1,27 @@
-//! `ParallelMlp` and `TransformerLayer` (post- or pre-LayerNorm): the one transformer core
-//! that BERT and the GPT family share, told apart by config switches as Megatron-Core's
-//! `TransformerConfig` does.
+//! `TransformerLayer` (post- or pre-LayerNorm, a dense [`ParallelMlp`] or experts): the one
+//! transformer core that BERT and the GPT family share, told apart by config switches as
+//! Megatron-Core's `TransformerConfig` does.
 
 use super::attention::{
     AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
 };
+use super::mlp::ParallelMlp;
 pub use crate::activation::ActivationFunc;
 use crate::comm::Comm;
 use crate::moe::{MoeConfig, MoeLayer, MoeLayerShape};
-use crate::recompute::{RecomputeConfig, RecomputeModule, recompute, recompute_linear_input};
+use crate::recompute::{
+    Products, RecomputeConfig, RecomputeModule, linear_products, recompute, recompute_linear_input,
+};
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs,
-    RngRegion, RngTracker, RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
+    ColumnParallelLinearConfig, LayoutOwner, LinearShard, MasterInit, ParallelAttrs, RngRegion,
+    RngTracker, RowParallelLinearConfig, TpError, derive_seed,
 };
 use burn::config::Config;
 use burn::module::Module;
 use burn::module::Param;
 use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::{Device, Tensor};
-use burn_megatron_kernels::{bias_dropout_add, rms_norm, swiglu};
-
-/// Column → activation → Row; with a gated linear unit, `act(gate(x)) ⊙ up(x)` → Row.
-#[derive(Module, Debug)]
-pub struct ParallelMlp {
-    /// `h → ffn`, split by output features (the "up" projection under a gated unit).
-    pub dense_h_to_4h: ColumnParallelLinear,
-    /// The gate, `h → ffn`, split like `dense_h_to_4h` (Megatron's `gated_linear_unit`).
-    /// Kept as its own layer rather than fused into `dense_h_to_4h`, so that each rank's
-    /// shard is a contiguous slice of the global weight at every TP size.
-    pub dense_h_to_4h_gate: Option<ColumnParallelLinear>,
-    /// `ffn → h`, split by input features.
-    pub dense_4h_to_h: RowParallelLinear,
-    /// The activation (of the gate under a gated unit).
-    #[module(skip)]
-    pub activation: ActivationFunc,
-}
-
-impl ParallelMlp {
-    /// `[s, b, h]` → `[s, b, h]`.
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        match self.forward_with_bias(x) {
-            (out, Some(bias)) => out + bias.unsqueeze(),
-            (out, None) => out,
-        }
-    }
-
-    /// Like [`forward`](Self::forward), but returns the second layer's bias instead of
-    /// adding it when that layer was built with `skip_bias_add` (as
-    /// [`TransformerLayerConfig::init`] does), for the fused bias + dropout + residual add.
-    pub fn forward_with_bias(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
-        let gate = self
-            .dense_h_to_4h_gate
-            .as_ref()
-            .map(|gate| gate.forward_with_bias(x.clone()));
-        self.forward_from_projections(self.dense_h_to_4h.forward_with_bias(x), gate)
-    }
-
-    /// The first layers: the gate (when gated), then `dense_h_to_4h`.
-    pub(crate) fn first_layers(&self) -> Vec<&ColumnParallelLinear> {
-        self.dense_h_to_4h_gate
-            .iter()
-            .chain([&self.dense_h_to_4h])
-            .collect()
-    }
-
-    /// [`forward_with_bias`](Self::forward_with_bias) from the first layers' outputs, each
-    /// with its unadded bias (a caller that forms them itself: `layernorm` recomputation).
-    pub(crate) fn forward_from_projections(
-        &self,
-        (h, bias): (Tensor<3>, Option<Tensor<1>>),
-        gate: Option<(Tensor<3>, Option<Tensor<1>>)>,
-    ) -> (Tensor<3>, Option<Tensor<1>>) {
-        // Built with `skip_bias_add`, the first layer hands its bias to the activation.
-        let up = match gate {
-            None => self.activation.apply(h, bias),
-            Some((g, gate_bias)) => {
-                let up = match bias {
-                    Some(b) => h + b.unsqueeze(),
-                    None => h,
-                };
-                match self.activation {
-                    // SwiGLU: one fused pass each way (Flex's native loops, a kernel on GPUs).
-                    ActivationFunc::Silu => {
-                        let g = match gate_bias {
-                            Some(b) => g + b.unsqueeze(),
-                            None => g,
-                        };
-                        swiglu(g, up).expect(
-                            "gate and up project one input to the same features: one shape \
-                             and dtype by construction",
-                        )
-                    }
-                    act => act.apply(g, gate_bias) * up,
-                }
-            }
-        };
-        self.dense_4h_to_h.forward_with_bias(up)
-    }
-}
+use burn_megatron_kernels::{bias_dropout_add, rms_norm};
 
 /// Where the LayerNorms sit.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -344,6 +268,8 @@ impl TransformerLayerConfig {
                     .with_skip_bias_add(true)
                     .init(tp, device)?,
                 activation: self.activation_func,
+                recompute_act: self.recompute.selects(RecomputeModule::MlpAct)
+                    && !self.recompute.selects(RecomputeModule::Mlp),
             })
         };
         let (mlp, moe) = match &self.moe {
@@ -520,14 +446,30 @@ impl TransformerLayer {
                 let _span = tracing::debug_span!("layer.mlp").entered();
                 let m = match &self.mlp {
                     Some(mlp) if self.recompute_layernorm && !self.recompute_mlp => {
-                        let mut outs = recompute_linear_input(
+                        let first = mlp.first_layers();
+                        let products = linear_products(
                             &self.post_attention_layernorm,
                             x.clone(),
-                            |norm, x| norm.forward(x),
-                            &mlp.first_layers(),
+                            1,
+                            |norm, mut x| norm.forward(x.remove(0)),
+                            &first,
                         );
-                        let up = outs.pop().expect("one output per first layer");
-                        mlp.forward_from_projections(up, outs.pop())
+                        match products {
+                            // The region's output is already the activation region's input.
+                            Products::Packed(flat, shapes)
+                                if mlp.recompute_act
+                                    && first.iter().all(|l| l.finishes_as_is()) =>
+                            {
+                                first.iter().for_each(|l| l.state_layout());
+                                let [s, b, f] = shapes[0];
+                                mlp.forward_packed((*flat).reshape([shapes.len() * s, b, f]))
+                            }
+                            products => {
+                                let mut outs = products.finish(&first, &x);
+                                let up = outs.pop().expect("one output per first layer");
+                                mlp.forward_from_projections(up, outs.pop())
+                            }
+                        }
                     }
                     _ => self.mlp_forward(self.post_attention_layernorm.forward(x.clone())),
                 };

@@ -38,15 +38,25 @@ pub enum RecomputeModule {
     ///
     /// [`recompute_linear_input`]: super::recompute_linear_input
     Layernorm,
+    /// The dense MLP's activation output (the second layer's input): backward forms it
+    /// again from the first layers' outputs, which the activation kept anyway (see
+    /// [`recompute_row_linear_input`]). Megatron-Core's `moe_act` does this for experts;
+    /// this is it for a dense MLP (MindSpeed's `--recompute-activation-function`). Left
+    /// alone where `mlp` recomputes the MLP, or in an MoE layer.
+    ///
+    /// [`recompute_row_linear_input`]: super::recompute_row_linear_input
+    MlpAct,
 }
 
 impl RecomputeModule {
-    /// Megatron's name (`core_attn`, `mlp`, `layernorm`).
+    /// The name in `--recompute-modules` (Megatron's `core_attn`, `mlp`, `layernorm`; and
+    /// `mlp_act`).
     pub fn name(self) -> &'static str {
         match self {
             Self::CoreAttn => "core_attn",
             Self::Mlp => "mlp",
             Self::Layernorm => "layernorm",
+            Self::MlpAct => "mlp_act",
         }
     }
 }
@@ -55,12 +65,12 @@ impl std::str::FromStr for RecomputeModule {
     type Err = RecomputeError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        [Self::CoreAttn, Self::Mlp, Self::Layernorm]
+        [Self::CoreAttn, Self::Mlp, Self::Layernorm, Self::MlpAct]
             .into_iter()
             .find(|m| m.name() == s)
             .ok_or_else(|| {
                 RecomputeError(format!(
-                    "unknown --recompute-modules entry {s:?} (known: core_attn, mlp, layernorm)"
+                    "unknown --recompute-modules entry {s:?} (known: core_attn, mlp, layernorm, mlp_act)"
                 ))
             })
     }

@@ -1,19 +1,20 @@
-//! Megatron's `layernorm` recomputation (its `CheckpointWithoutOutput`): a cheap op (a
-//! norm) feeds column-parallel linear layers, and its output is not kept. Backward runs the
-//! op again to rebuild that output for the layers' weight gradients, and forms their
-//! gradients from it by hand, so the layers' products are not run again (as a [`recompute`]
-//! region around op and layers would run them).
+//! Megatron's `CheckpointWithoutOutput`: a cheap op feeds parallel linear layers, and its
+//! output is not kept. Backward runs the op again to rebuild that output for the layers'
+//! weight gradients, and forms their gradients from it by hand, so the layers' products
+//! are not run again (as a [`recompute`] region around op and layers would run them).
+//! Megatron's `layernorm` module is a norm before column-parallel layers; `mlp_act` is the
+//! MLP's activation before its row-parallel second layer.
 //!
-//! The region keeps its input, which the norm kept anyway for its own backward. Under
-//! sequence parallelism it also frees the all-gathered copy that the layers would
-//! keep: the replay gathers again, as Megatron's linear layers do in backward.
+//! The region keeps its input, which the op kept anyway for its own backward. Under
+//! sequence parallelism a norm's region also frees the all-gathered copy that the layers
+//! would keep: the replay gathers again, as Megatron's linear layers do in backward.
 //!
 //! [`recompute`]: super::recompute
 
 use super::ops::{RecomputeOps, Region};
-use super::{Leaves, replayed, trained_params};
+use super::{Leaves, RecomputeError, replayed, sink, trained_params};
 use crate::grad_hooks::{Phase, deliver_formed, enter_phase, hook_param, in_discard};
-use crate::tensor_parallel::ColumnParallelLinear;
+use crate::tensor_parallel::{ColumnParallelLinear, LinearShard, RowParallelLinear};
 use burn::backend::Dispatch;
 use burn::module::Module;
 use burn::tensor::module::linear;
@@ -56,21 +57,129 @@ where
     M: Module + 'static,
     F: Fn(&M, Tensor<3>) -> Tensor<3> + Send + 'static,
 {
+    let g = move |m: &M, mut parts: Vec<Tensor<3>>| f(m, parts.remove(0));
+    linear_products(module, input.clone(), 1, g, linears).finish(linears, &input)
+}
+
+/// [`recompute_linear_input`] before a row-parallel layer: runs
+/// `linear.forward_with_bias(f(module, parts))`, where `parts` are `input` cut into `parts`
+/// equal pieces along dim 0 (so that a function of several tensors, a gated unit's gate and
+/// up projections, takes them stacked as one input), without keeping `f`'s output: backward
+/// runs `f` again and forms the layer's gradients from it. Errors when dim 0 of `input` does
+/// not split into `parts`.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn::tensor::activation::silu;
+/// use burn_megatron::comm::{Comm, LocalWorld};
+/// use burn_megatron::recompute::recompute_row_linear_input;
+/// use burn_megatron::tensor_parallel::RowParallelLinearConfig;
+/// use std::sync::Arc;
+///
+/// let device = Device::flex().autodiff();
+/// let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
+/// let fc2 = RowParallelLinearConfig::new(16, 8).init(&tp, &device).unwrap();
+/// // Gate and up projections, [4, 2, 16] each, stacked along dim 0.
+/// let gate_up = Tensor::<3>::ones([8, 2, 16], &device).require_grad();
+/// // silu(gate) · up, [4, 2, 16], is not kept; backward forms it again.
+/// let none: Option<burn::module::Param<Tensor<1>>> = None;
+/// let (y, _) = recompute_row_linear_input(&none, gate_up.clone(), 2, |_, p| {
+///     silu(p[0].clone()) * p[1].clone()
+/// }, &fc2).unwrap();
+/// let grads = y.sum().backward();
+/// assert!(fc2.weight.grad(&grads).is_some() && gate_up.grad(&grads).is_some());
+/// ```
+pub fn recompute_row_linear_input<M, F>(
+    module: &M,
+    input: Tensor<3>,
+    parts: usize,
+    f: F,
+    linear: &RowParallelLinear,
+) -> Result<(Tensor<3>, Option<Tensor<1>>), RecomputeError>
+where
+    M: Module + 'static,
+    F: Fn(&M, Vec<Tensor<3>>) -> Tensor<3> + Send + 'static,
+{
+    let rows = input.dims()[0];
+    if parts == 0 || !rows.is_multiple_of(parts) {
+        return Err(RecomputeError(format!(
+            "recompute_row_linear_input: dim 0 of the input ({rows}) does not split into \
+             {parts} equal parts"
+        )));
+    }
+    Ok(linear_products(module, input.clone(), parts, f, &[linear])
+        .finish(&[linear], &input)
+        .remove(0))
+}
+
+/// What [`linear_products`] gives: the region's output (the products flattened end to end)
+/// with each product's shape, or, where no region was needed, the layers' finished outputs.
+pub(crate) enum Products {
+    /// The region's output, one product after another, and their shapes.
+    Packed(Box<Tensor<1>>, Vec<[usize; 3]>),
+    /// The plain layers' outputs (untracked, or inside another region).
+    Finished(Vec<(Tensor<3>, Option<Tensor<1>>)>),
+}
+
+impl Products {
+    /// Each layer's output as its `forward_with_bias` gives it (`anchor`: the region input,
+    /// where skipped biases are hooked).
+    pub(crate) fn finish<L: LinearShard>(
+        self,
+        linears: &[&L],
+        anchor: &Tensor<3>,
+    ) -> Vec<(Tensor<3>, Option<Tensor<1>>)> {
+        let (out, shapes) = match self {
+            Products::Finished(outs) => return outs,
+            Products::Packed(out, shapes) => (*out, shapes),
+        };
+        let mut start = 0;
+        let whole = shapes.len() == 1;
+        linears
+            .iter()
+            .zip(shapes)
+            .map(|(l, shape)| {
+                let len = shape.iter().product::<usize>();
+                // A cut's backward pads its gradient with zeros to the whole output's size:
+                // a single product needs no cut.
+                let part = if whole {
+                    out.clone().reshape(shape)
+                } else {
+                    out.clone().narrow(0, start, len).reshape(shape)
+                };
+                start += len;
+                l.finish(part, anchor)
+            })
+            .collect()
+    }
+}
+
+/// The region of [`recompute_linear_input`] and [`recompute_row_linear_input`] over any
+/// parallel linear layers sharing one group and one input mapping.
+pub(crate) fn linear_products<M, F, L>(
+    module: &M,
+    input: Tensor<3>,
+    parts: usize,
+    f: F,
+    linears: &[&L],
+) -> Products
+where
+    M: Module + 'static,
+    F: Fn(&M, Vec<Tensor<3>>) -> Tensor<3> + Send + 'static,
+    L: LinearShard,
+{
     let (mut trained, anchor) = trained_params(module);
     let mut products_train = None;
     for l in linears {
-        let weight = Some(&l.weight).filter(|w| w.is_require_grad());
+        let weight = Some(l.weight()).filter(|w| w.is_require_grad());
         let bias = l.added_bias().filter(|b| b.is_require_grad());
         trained.extend(weight.map(|w| w.id).into_iter().chain(bias.map(|b| b.id)));
         products_train = products_train.or(weight.map(|w| w.val().into_dispatch()));
     }
     let input_tracked = input.is_tracked();
     if in_discard() || linears.is_empty() || (!input_tracked && trained.is_empty()) {
-        let n = f(module, input);
-        return linears
-            .iter()
-            .map(|l| l.forward_with_bias(n.clone()))
-            .collect();
+        let n = f(module, input.clone().chunk(parts, 0));
+        return Products::Finished(linears.iter().map(|l| l.forward_plain(n.clone())).collect());
     }
     // A parent that trains, so that the region is tracked even when its input is not.
     let anchor = anchor
@@ -80,7 +189,7 @@ where
     let (product, shapes) = {
         let _phase = enter_phase(Phase::Discard(trained));
         let untracked = module.clone().map(&mut Leaves { track: false });
-        let n = f(&untracked, saved.clone());
+        let n = f(&untracked, saved.clone().chunk(parts, 0));
         // Each layer maps its input itself, as its forward does, so that backward's
         // collectives and sums are the plain layers' (bit for bit).
         let products = linears
@@ -88,12 +197,12 @@ where
             .map(|l| {
                 let n = l.parallel_input(n.clone());
                 // Count the uses with an active reducer; the replay delivers them.
-                let _ = hook_param(&l.weight, &n);
+                let _ = hook_param(l.weight(), &n);
                 let bias = l.added_bias().map(|b| {
                     let _ = hook_param(b, &n);
                     b.val().set_require_grad(false)
                 });
-                linear(n, l.weight.val().set_require_grad(false), bias)
+                linear(n, l.weight().val().set_require_grad(false), bias)
             })
             .collect::<Vec<Tensor<3>>>();
         let shapes: Vec<[usize; 3]> = products.iter().map(|p| p.dims()).collect();
@@ -103,47 +212,38 @@ where
         let flat = products.into_iter().map(|p| p.reshape([-1])).collect();
         (Tensor::cat(flat, 0).set_require_grad(false), shapes)
     };
-    let owned: Vec<ColumnParallelLinear> = linears.iter().map(|l| (*l).clone()).collect();
+    let owned: Vec<L> = linears.iter().map(|l| (*l).clone()).collect();
     let module = module.clone();
     let replay = move |grad: DispatchTensor| {
         let _phase = enter_phase(Phase::Replay);
         let fresh = module.clone().map(&mut Leaves { track: true });
-        let x = if input_tracked {
-            saved.require_grad()
-        } else {
-            saved
-        };
-        let n = f(&fresh, x.clone());
+        // One leaf per part, so that each part's gradient is formed on its own (a cut of
+        // one tracked input would add a zero-padded copy per part).
+        let xs: Vec<Tensor<3>> = saved
+            .chunk(parts, 0)
+            .into_iter()
+            .map(|x| if input_tracked { x.require_grad() } else { x })
+            .collect();
+        let n = f(&fresh, xs.clone());
         let (surrogate, params) = linear_grads(&owned, n, grad);
-        replayed(surrogate, x, input_tracked, &fresh, &module, params)
+        replayed(surrogate, &xs, input_tracked, &fresh, &module, params)
     };
     let out = Tensor::<1>::from_dispatch(Dispatch::recompute_region(
         product.into_dispatch(),
-        input.clone().into_dispatch(),
+        input.into_dispatch(),
         anchor,
         Region::new(Box::new(replay)),
     ));
-    let mut start = 0;
-    linears
-        .iter()
-        .zip(shapes)
-        .map(|(l, shape)| {
-            let len = shape.iter().product::<usize>();
-            let part = out.clone().narrow(0, start, len).reshape(shape);
-            start += len;
-            l.finish(part, &input)
-        })
-        .collect()
+    Products::Packed(Box::new(out), shapes)
 }
-
 /// Backward of the layers' products, formed as Burn's linear backward forms it, from the
 /// gradient of their concatenation (`grad`) and their rebuilt input `n`: each trained
 /// weight's `nᵀ·dy` (in f32 with gradient accumulation fusion) and added bias's `Σ dy`,
-/// delivered to the reducer and paired with the parameter for the outer backward; and the
-/// scalar `Σ ⟨mapped n, dy·Wᵀ⟩` whose backward takes `dy·Wᵀ` through each layer's input
-/// mapping and `f` (`None` when `n` is not tracked).
-fn linear_grads(
-    linears: &[ColumnParallelLinear],
+/// delivered to the reducer and paired with the parameter for the outer backward; and a
+/// scalar whose backward takes each layer's `dy·Wᵀ` through its input mapping and `f`, as
+/// the gradient of the mapped `n` (`None` when `n` is not tracked).
+fn linear_grads<L: LinearShard>(
+    linears: &[L],
     n: Tensor<3>,
     grad: DispatchTensor,
 ) -> (Option<Tensor<1>>, Vec<(DispatchTensor, DispatchTensor)>) {
@@ -155,10 +255,10 @@ fn linear_grads(
     for l in linears {
         let mapped = l.parallel_input(n.clone());
         let [s, b, i] = mapped.dims();
-        let o = l.weight.dims()[1];
+        let o = l.weight().dims()[1];
         let dy = grad.clone().narrow(0, start, s * b * o).reshape([s, b, o]);
         start += s * b * o;
-        if l.weight.is_require_grad() {
+        if l.weight().is_require_grad() {
             let x = mapped.clone().detach().reshape([s * b, i]).transpose();
             let dy = dy.clone().reshape([s * b, o]);
             let dw = if l.accumulates_in_f32() {
@@ -166,8 +266,8 @@ fn linear_grads(
             } else {
                 x.matmul(dy)
             };
-            deliver_formed(&l.weight, &dw);
-            params.push((l.weight.val().into_dispatch(), dw.inner().into_dispatch()));
+            deliver_formed(l.weight(), &dw);
+            params.push((l.weight().val().into_dispatch(), dw.inner().into_dispatch()));
         }
         if let Some(bias) = l.added_bias().filter(|b| b.is_require_grad()) {
             let db = dy.clone().reshape([s * b, o]).sum_dim(0).reshape([o]);
@@ -175,9 +275,9 @@ fn linear_grads(
             params.push((bias.val().into_dispatch(), db.inner().into_dispatch()));
         }
         if tracked {
-            let w = l.weight.val().set_require_grad(false).transpose();
+            let w = l.weight().val().set_require_grad(false).transpose();
             let dn = linear(dy, w, None);
-            let term = (mapped * dn).sum();
+            let term = sink(mapped, dn);
             surrogate = Some(match surrogate {
                 Some(acc) => acc + term,
                 None => term,

@@ -57,7 +57,8 @@ mod tests;
 pub use config::{
     RecomputeConfig, RecomputeError, RecomputeGranularity, RecomputeMethod, RecomputeModule,
 };
-pub use linear_input::recompute_linear_input;
+pub(crate) use linear_input::{Products, linear_products};
+pub use linear_input::{recompute_linear_input, recompute_row_linear_input};
 pub use ops::{RecomputeOps, Region, Replayed};
 
 use crate::grad_hooks::{Phase, enter_phase, in_discard};
@@ -113,8 +114,8 @@ where
         let y = f(&fresh, x.clone(), replay_rng.as_ref());
         let scalar = y
             .is_tracked()
-            .then(|| (y * Tensor::<E>::from_dispatch(grad)).sum());
-        replayed(scalar, x, input_tracked, &fresh, &module, Vec::new())
+            .then(|| sink(y, Tensor::<E>::from_dispatch(grad)));
+        replayed(scalar, &[x], input_tracked, &fresh, &module, Vec::new())
     };
     Tensor::from_dispatch(Dispatch::recompute_region(
         output.into_dispatch(),
@@ -124,37 +125,52 @@ where
     ))
 }
 
+/// A zero scalar whose backward gives `y` the gradient `grad` (Burn has no backward from a
+/// tensor with a given gradient; `Σ y ⊙ grad` would form a product and its gradient, two
+/// more tensors of `y`'s size).
+pub(crate) fn sink<const D: usize>(y: Tensor<D>, grad: Tensor<D>) -> Tensor<1> {
+    Tensor::from_dispatch(Dispatch::gradient_sink(
+        y.into_dispatch(),
+        grad.into_dispatch(),
+    ))
+}
+
 /// The end of a replay: backward from `scalar` (the incoming gradient's product with the
-/// replayed output; `None` when the replay is untracked) to the gradient of `x`, the
-/// replayed input (zeros when the region ignores it: a tracked input's producer expects
-/// one), and to each of `fresh`'s parameters, paired with `module`'s original leaf after
+/// replayed output; `None` when the replay is untracked) to the gradient of the replayed
+/// input, given as its parts `xs` along dim 0 (zeros for a part the region ignores: a
+/// tracked input's producer expects a gradient), and to each of `fresh`'s parameters, paired with `module`'s original leaf after
 /// `params` (gradients the replay formed itself).
 fn replayed<M: Module, const D: usize>(
     scalar: Option<Tensor<1>>,
-    x: Tensor<D>,
+    xs: &[Tensor<D>],
     input_tracked: bool,
     fresh: &M,
     module: &M,
     mut params: Vec<(DispatchTensor, DispatchTensor)>,
 ) -> Replayed {
-    let zeros = || x.clone().inner().zeros_like();
-    let Some(scalar) = scalar else {
-        return Replayed {
-            input_grad: input_tracked.then(|| zeros().into_dispatch()),
-            params,
-        };
-    };
-    let mut grads = scalar.backward();
+    let mut grads = scalar.map(|s| s.backward());
     let input_grad = input_tracked.then(|| {
-        x.grad_remove(&mut grads)
-            .unwrap_or_else(zeros)
-            .into_dispatch()
+        let mut parts: Vec<Tensor<D>> = xs
+            .iter()
+            .map(|x| {
+                let grad = grads.as_mut().and_then(|g| x.grad_remove(g));
+                grad.unwrap_or_else(|| x.clone().inner().zeros_like())
+            })
+            .collect();
+        let grad = if parts.len() == 1 {
+            parts.remove(0)
+        } else {
+            Tensor::cat(parts, 0)
+        };
+        grad.into_dispatch()
     });
-    let mut by_id = GradientsParams::from_grads(grads, fresh);
-    module.visit(&mut Pair {
-        grads: &mut by_id,
-        out: &mut params,
-    });
+    if let Some(grads) = grads {
+        let mut by_id = GradientsParams::from_grads(grads, fresh);
+        module.visit(&mut Pair {
+            grads: &mut by_id,
+            out: &mut params,
+        });
+    }
     Replayed { input_grad, params }
 }
 

@@ -13,7 +13,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, AutodiffBackend, Backend, Flex, backend_extension};
+use burn::backend::{Autodiff, AutodiffBackend, Backend, Flex, TensorMetadata, backend_extension};
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -66,9 +66,24 @@ pub trait RecomputeOps: Backend {
         anchor: FloatTensor<Self>,
         region: Region,
     ) -> FloatTensor<Self>;
+
+    /// A zero scalar (`[1]`) whose backward hands `grad` to `tensor` as its gradient:
+    /// backward from it is backward from `tensor` with the incoming gradient `grad` (as
+    /// PyTorch's `tensor.backward(grad)`), without forming `Σ tensor ⊙ grad` and its
+    /// gradient. `grad` has `tensor`'s shape and dtype.
+    fn gradient_sink(tensor: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+/// The sink's forward value on a plain backend.
+fn zero_scalar<B: Backend>(tensor: &FloatTensor<B>) -> FloatTensor<B> {
+    B::float_zeros([1].into(), &tensor.device(), tensor.dtype().into())
 }
 
 impl RecomputeOps for Flex {
+    fn gradient_sink(tensor: FloatTensor<Self>, _: FloatTensor<Self>) -> FloatTensor<Self> {
+        zero_scalar::<Self>(&tensor)
+    }
+
     fn recompute_region(
         output: FloatTensor<Self>,
         _: FloatTensor<Self>,
@@ -81,6 +96,10 @@ impl RecomputeOps for Flex {
 
 #[cfg(feature = "cube")]
 impl RecomputeOps for burn::backend::Cube {
+    fn gradient_sink(tensor: FloatTensor<Self>, _: FloatTensor<Self>) -> FloatTensor<Self> {
+        zero_scalar::<Self>(&tensor)
+    }
+
     fn recompute_region(
         output: FloatTensor<Self>,
         _: FloatTensor<Self>,
@@ -139,10 +158,35 @@ where
     }
 }
 
+#[derive(Debug)]
+struct SinkBackward;
+
+impl<B: Backend> Backward<B, 1> for SinkBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        // The incoming gradient (ones) is dropped: `state` is the tensor's gradient.
+        let _ = grads.consume::<B>(&ops.node);
+        if let [Some(tensor)] = ops.parents {
+            grads.register::<B>(tensor.id, ops.state);
+        }
+    }
+}
+
 impl<B: RecomputeOps, C: CheckpointStrategy> RecomputeOps for Autodiff<B, C>
 where
     DispatchTensor: DispatchKindConversion<B> + DispatchKindConversion<Autodiff<B, C>>,
 {
+    fn gradient_sink(tensor: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let grad = grad.into_primitive();
+        let (_, node) = tensor.clone().into_parts();
+        let out = zero_scalar::<B>(&tensor.into_primitive());
+        match SinkBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(grad, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn recompute_region(
         output: FloatTensor<Self>,
         input: FloatTensor<Self>,

@@ -175,6 +175,10 @@ fn the_configuration_is_checked_as_megatron_checks_it() {
             .0
             .contains("only to --recompute-granularity full")
     );
+    assert_eq!(
+        "mlp_act".parse::<RecomputeModule>(),
+        Ok(RecomputeModule::MlpAct)
+    );
     assert!("attn".parse::<RecomputeModule>().is_err());
     assert_eq!("mlp".parse::<RecomputeModule>(), Ok(RecomputeModule::Mlp));
 }
@@ -195,4 +199,45 @@ fn the_region_runs_again_in_backward_and_only_then() {
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the first forward");
     let _ = y.sum().backward();
     assert_eq!(calls.load(Ordering::SeqCst), 2, "the replay in backward");
+}
+
+/// `recompute_row_linear_input` (a gated unit's activation before a row-parallel layer with
+/// its bias): the loss and the gradients of the stacked input, the weight and the bias are
+/// the plain layer's, bit for bit; an input that does not split into the parts is refused.
+#[test]
+fn a_row_layer_input_region_gives_the_plain_gradients() {
+    use crate::comm::{Comm, LocalWorld};
+    use crate::tensor_parallel::RowParallelLinearConfig;
+    use burn::tensor::activation::silu;
+    use std::sync::Arc;
+    let d = device();
+    let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
+    let fc2 = RowParallelLinearConfig::new(16, 8)
+        .with_bias_initializer(crate::tensor_parallel::MasterInit::KaimingUniform)
+        .init(&tp, &d)
+        .unwrap();
+    let act = |p: Vec<Tensor<3>>| silu(p[0].clone()) * p[1].clone();
+    let x = Tensor::<3>::random([6, 2, 16], Distribution::Normal(0.0, 1.0), &d).require_grad();
+    let none: Option<Param<Tensor<1>>> = None;
+    let run = |on: bool| {
+        let y = if on {
+            recompute_row_linear_input(&none, x.clone(), 2, move |_, p| act(p), &fc2)
+                .unwrap()
+                .0
+        } else {
+            fc2.forward(act(x.clone().chunk(2, 0)))
+        };
+        let loss = y.powi_scalar(2).sum();
+        let grads = loss.backward();
+        vec![
+            values(Some(loss.inner())),
+            values(x.grad(&grads)),
+            values(fc2.weight.grad(&grads)),
+            values(fc2.bias.as_ref().unwrap().grad(&grads)),
+        ]
+    };
+    assert_eq!(run(true), run(false));
+    let odd = Tensor::<3>::ones([5, 2, 16], &d).require_grad();
+    let e = recompute_row_linear_input(&none, odd, 2, move |_, p| act(p), &fc2).unwrap_err();
+    assert!(e.0.contains("(5) does not split into 2 equal parts"), "{e}");
 }

@@ -6,6 +6,10 @@
 //! Under sequence parallelism, activations outside these layers are split along dim 0 (the
 //! sequence, Megatron's `[s, b, h]` layout).
 
+mod shard;
+
+pub(crate) use shard::LinearShard;
+
 use super::attrs::{LayoutOwner, ParallelAttrs};
 use super::init::{MasterInit, slice_cols, slice_rows};
 use super::mappings::{
@@ -229,50 +233,6 @@ impl ColumnParallelLinear {
             out
         };
         (out, skipped)
-    }
-
-    /// The input as this rank's product sees it: all-gathered from the sequence-parallel
-    /// region, or entering the tensor-parallel region (identity forward, all-reduce
-    /// backward). [`forward_with_bias`](Self::forward_with_bias) is `parallel_input`, the
-    /// product, then [`finish`](Self::finish); a region that forms the product itself
-    /// (`recompute::recompute_linear_input`) uses the pieces around it.
-    pub(crate) fn parallel_input<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        if self.sequence_parallel {
-            gather_from_sequence_parallel_region(input, &self.tp, true)
-        } else {
-            copy_to_tensor_model_parallel_region(input, &self.tp)
-        }
-    }
-
-    /// The bias the product adds (none with `skip_bias_add`).
-    pub(crate) fn added_bias(&self) -> Option<&Param<Tensor<1>>> {
-        self.bias.as_ref().filter(|_| !self.skip_bias_add)
-    }
-
-    /// This rank's product (bias added as [`added_bias`](Self::added_bias) says) finished as
-    /// [`forward_with_bias`](Self::forward_with_bias) finishes it: all-gathered with
-    /// `gather_output`, and the bias returned with `skip_bias_add` (hooked at `anchor`).
-    pub(crate) fn finish<const D: usize>(
-        &self,
-        product: Tensor<D>,
-        anchor: &Tensor<D>,
-    ) -> (Tensor<D>, Option<Tensor<1>>) {
-        self.state_attrs();
-        let skipped = match &self.bias {
-            Some(b) if self.skip_bias_add => Some(hook_param(b, anchor)),
-            _ => None,
-        };
-        let out = if self.gather_output {
-            gather_from_tensor_model_parallel_region(product, &self.tp)
-        } else {
-            product
-        };
-        (out, skipped)
-    }
-
-    /// Whether the weight gradient is accumulated in f32 (`gradient_accumulation_fusion`).
-    pub(crate) fn accumulates_in_f32(&self) -> bool {
-        self.gradient_accumulation_fusion
     }
 
     /// Gathers the shards of every rank back into the full plain Burn `Linear` (a

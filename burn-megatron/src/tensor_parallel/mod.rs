@@ -27,6 +27,7 @@ pub(crate) use embedding::check_index_range;
 pub use embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
 pub use grads::allreduce_sequence_parallel_grads;
 pub use init::{MasterInit, derive_seed};
+pub(crate) use layers::LinearShard;
 pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };

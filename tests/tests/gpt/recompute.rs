@@ -181,6 +181,14 @@ fn cases() -> Vec<(&'static str, RecomputeConfig)> {
             "selective core_attn,layernorm",
             selective(vec![RecomputeModule::CoreAttn, RecomputeModule::Layernorm]),
         ),
+        (
+            "selective mlp_act",
+            selective(vec![RecomputeModule::MlpAct]),
+        ),
+        (
+            "selective layernorm,mlp_act",
+            selective(vec![RecomputeModule::Layernorm, RecomputeModule::MlpAct]),
+        ),
     ]
 }
 

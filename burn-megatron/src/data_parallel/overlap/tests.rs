@@ -28,6 +28,7 @@ fn net(tp: &Comm, device: &Device) -> Result<Net, TpError> {
                     .with_seed(20 + i)
                     .init(tp, device)?,
                 activation: ActivationFunc::Gelu,
+                recompute_act: false,
             })
         })
         .collect::<Result<_, TpError>>()?;
