@@ -106,7 +106,12 @@ fn stage_json(s: &StagePlan) -> serde_json::Value {
         "in_flight_microbatches": s.in_flight_microbatches,
         "transient_bytes": s.transient_bytes,
         "total_bytes": s.total_bytes,
-        "sent_bytes": {"tensor_parallel": s.sent_bytes[0], "pipeline_parallel": s.sent_bytes[1], "data_parallel": s.sent_bytes[2]},
+        "sent_bytes": {
+            "tensor_parallel": s.sent_bytes[0],
+            "pipeline_parallel": s.sent_bytes[1],
+            "data_parallel": s.sent_bytes[2],
+            "context_parallel": s.sent_bytes[3],
+        },
     })
 }
 
@@ -140,13 +145,14 @@ fn print_table(setup: &Setup, stages: &[StagePlan], device: Option<u64>) {
         );
     }
     for s in stages {
-        let [tp, pp, dp] = s.sent_bytes;
+        let [tp, pp, dp, cp] = s.sent_bytes;
         println!(
-            " stage {}: sends per step TP {} | PP {} | DP {}",
+            " stage {}: sends per step TP {} | PP {} | DP {} | CP {}",
             s.stage,
             gib(tp),
             gib(pp),
-            gib(dp)
+            gib(dp),
+            gib(cp)
         );
     }
     println!(
@@ -165,7 +171,9 @@ type Make<'a> = &'a dyn Fn(TrainArgs) -> Result<Setup, String>;
 
 /// Every layout of `world` ranks the flags allow, each with its plan.
 fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePlan>)> {
-    let world = train.world_size;
+    // Context parallelism stays as the flags set it; the rest of the world is searched.
+    let cp = train.context_parallel_size;
+    let world = train.world_size / cp;
     let layers = train.num_layers;
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
@@ -198,7 +206,7 @@ fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePla
                             (recompute == Some(Granularity::Full)).then_some(1);
                         t.recompute_modules = vec![RecomputeModule::CoreAttn];
                         t.use_distributed_optimizer = zero;
-                        if zero && world / (tp * pp) == 1 {
+                        if zero && cp * world / (tp * pp) == 1 {
                             continue;
                         }
                         // The same validation as the example's: refused layouts are skipped.
@@ -210,7 +218,12 @@ fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePla
                         };
                         let vp = layers_per_chunk.map_or(1, |n| per_stage / n);
                         let label = format!(
-                            "TP {tp} PP {pp} VP {vp} DP {} recompute {name}{}",
+                            "TP {tp} PP {pp} VP {vp}{} DP {} recompute {name}{}",
+                            if cp > 1 {
+                                format!(" CP {cp}")
+                            } else {
+                                String::new()
+                            },
                             world / (tp * pp),
                             if zero { " distributed-optimizer" } else { "" }
                         );

@@ -13,9 +13,10 @@
 //! layer its (sequence-gathered) input, attention the queries, keys and values, its
 //! `[b, heads, s, s]` probabilities (and their dropout, whose mask is never kept), the MLP
 //! its up/gate outputs and activation. The microbatches alive at once come from walking the
-//! schedule's op order, as `forward_backward_func` runs it.
+//! schedule's op order, as `forward_backward_func` runs it. Under context parallelism a rank
+//! holds `1/CP` of the tokens, and attention what its comm type keeps (`attention_kept`).
 
-use crate::pretrain::{Args as BertArgs, GptArgs, TrainArgs};
+use crate::pretrain::{Args as BertArgs, CpCommType, GptArgs, TrainArgs};
 use burn_megatron::models::{NormKind, PositionEmbeddingType};
 use burn_megatron::pipeline::{Pass, PipelineSchedule};
 use burn_megatron::recompute::{RecomputeConfig, RecomputeGranularity, RecomputeModule};
@@ -56,6 +57,9 @@ pub struct Setup {
     pp: usize,
     vp: usize,
     dp: usize,
+    /// Context-parallel size and how K/V travel (causal attention: the GPT family).
+    cp: usize,
+    cp_comm: CpCommType,
     sp: bool,
     zero: bool,
     overlap: bool,
@@ -89,8 +93,8 @@ pub struct StagePlan {
     pub transient_bytes: u64,
     /// The predicted peak.
     pub total_bytes: u64,
-    /// Bytes this rank sends per step: tensor-, pipeline- and data-parallel.
-    pub sent_bytes: [u64; 3],
+    /// Bytes this rank sends per step: tensor-, pipeline-, data- and context-parallel.
+    pub sent_bytes: [u64; 4],
 }
 
 impl Setup {
@@ -98,13 +102,6 @@ impl Setup {
     /// `vocab_size` entries.
     pub fn new(args: &GptArgs, vocab_size: usize) -> Result<Self, String> {
         let layout = args.validate()?;
-        if args.train.context_parallel_size > 1 {
-            return Err(format!(
-                "plan: --context-parallel-size {} is not modelled yet (activations ÷ CP, \
-                 the K/V all-gathers)",
-                args.train.context_parallel_size
-            ));
-        }
         if let Some(e) = args.moe.num_experts {
             return Err(format!(
                 "plan: --num-experts {e} is not modelled yet (the experts' weights over EP, \
@@ -141,6 +138,8 @@ impl Setup {
             pp: a.pipeline_model_parallel_size,
             vp: a.num_model_chunks(),
             dp: a.data_parallel_size(),
+            cp: a.context_parallel_size,
+            cp_comm: a.cp_comm_type,
             sp: a.sequence_parallel,
             zero: a.use_distributed_optimizer,
             overlap: a.overlap_grad_reduce,
@@ -190,6 +189,8 @@ impl Setup {
             pp: a.pipeline_model_parallel_size,
             vp: a.num_model_chunks(),
             dp: a.data_parallel_size(),
+            cp: a.context_parallel_size,
+            cp_comm: a.cp_comm_type,
             sp: a.sequence_parallel,
             zero: a.use_distributed_optimizer,
             overlap: a.overlap_grad_reduce,
@@ -220,13 +221,20 @@ impl Setup {
     /// `full` region keeps instead (its input).
     fn layer_activations(&self) -> (u64, u64) {
         let (h, t) = (self.h as u64, self.tp as u64);
-        let tokens = (self.seq * self.micro_batch) as u64;
+        // This rank's tokens: 1/CP of the sequence.
+        let tokens = (self.seq * self.micro_batch / self.cp) as u64;
         // Activations between the tensor-parallel regions, split under SP.
         let local = if self.sp { tokens / t } else { tokens };
         let norm = if self.layer_norm { 3 } else { 1 } * local * h;
-        let qkv = tokens * ((self.heads + 2 * self.groups) * self.hn) as u64 / t;
-        let probs = (self.micro_batch * self.heads / self.tp * self.seq * self.seq) as u64
-            * if self.attention_dropout { 2 } else { 1 };
+        let (queries, kv, scores) = self.attention_kept();
+        let (qkv, probs) = if self.recompute.selects(RecomputeModule::CoreAttn) {
+            // The region keeps its input, this rank's projections.
+            let heads = ((self.heads + 2 * self.groups) * self.hn) as u64 / t;
+            (tokens * heads, 0)
+        } else {
+            let dropout = if self.attention_dropout { 2 } else { 1 };
+            (queries + kv, scores * dropout)
+        };
         let context = tokens * (self.heads * self.hn) as u64 / t;
         let mlp = tokens * self.ffn as u64 / t * if self.gated { 3 } else { 2 };
         // Two norms, each with the linear input it feeds (gathered to the whole sequence);
@@ -240,14 +248,61 @@ impl Setup {
         } else {
             plain_norm
         };
-        let mut kept = attention_norm + mlp_norm + qkv + context;
-        if !self.recompute.selects(RecomputeModule::CoreAttn) {
-            kept += probs;
-        }
+        let mut kept = attention_norm + mlp_norm + qkv + context + probs;
         if !self.recompute.selects(RecomputeModule::Mlp) {
             kept += mlp;
+            // `mlp_act`: the activation's output (the second layer's input) is not kept.
+            if self.recompute.selects(RecomputeModule::MlpAct) {
+                kept -= tokens * self.ffn as u64 / t;
+            }
         }
         (kept, local * h)
+    }
+
+    /// What one layer's attention keeps per microbatch without `core_attn` recomputation:
+    /// the queries, the keys and values, and the softmax's `[b, heads, q, k]` scores. Under
+    /// context parallelism (causal, load-balanced chunks of `L = s / 2CP`):
+    /// - `all_gather`: every rank's K/V (in sequence order), and for its two query chunks
+    ///   the keys up to each chunk's end, `(2CP + 1)·L²` scores per head;
+    /// - `p2p`: the K/V blocks that passed around the ring, and the same visible blocks,
+    ///   each keeping its exponentials and its normalised probabilities (two copies; the
+    ///   fused kernel keeps one) plus the diagonal blocks' masks, measured as three;
+    /// - `a2a`: the exchanged Q/K/V (the whole sequence for `1/CP` of the heads; groups
+    ///   that do not split are repeated per head), and `1/CP` of the heads' `s²` scores.
+    fn attention_kept(&self) -> (u64, u64, u64) {
+        let t = self.tp as u64;
+        let (b, s, c, hn) = (
+            self.micro_batch as u64,
+            self.seq as u64,
+            self.cp as u64,
+            self.hn as u64,
+        );
+        let (np, ng) = (self.heads as u64 / t, self.groups as u64 / t);
+        let tokens = b * s / c;
+        let l = s / (2 * c);
+        if c == 1 {
+            return (tokens * np * hn, tokens * 2 * ng * hn, b * np * s * s);
+        }
+        match self.cp_comm {
+            CpCommType::AllGather => (
+                tokens * np * hn,
+                b * s * 2 * ng * hn,
+                b * np * (2 * c + 1) * l * l,
+            ),
+            CpCommType::P2p => (
+                tokens * np * hn,
+                b * s * 2 * ng * hn,
+                3 * b * np * (2 * c + 1) * l * l,
+            ),
+            CpCommType::A2a => {
+                let kv_heads = if ng.is_multiple_of(c) { ng } else { np };
+                (
+                    tokens * np * hn,
+                    tokens * 2 * kv_heads * hn,
+                    b * np / c * s * s,
+                )
+            }
+        }
     }
 
     /// Elements one microbatch of a chunk of `layers` layers keeps, and the largest region
@@ -273,7 +328,7 @@ impl Setup {
             }
         }
         if last {
-            let tokens = (self.seq * self.micro_batch) as u64;
+            let tokens = (self.seq * self.micro_batch / self.cp) as u64;
             let local = if self.sp {
                 tokens / self.tp as u64
             } else {
@@ -301,7 +356,7 @@ impl Setup {
         // Backward's transients on top of the kept activations: a replayed region (its
         // backward forms the microbatch's gradients meanwhile), or the logits' gradient.
         let (mut replay_max, mut logits_grad) = (0u64, 0u64);
-        let tokens = (self.seq * self.micro_batch) as u64;
+        let tokens = (self.seq * self.micro_batch / self.cp) as u64;
         for c in 0..v {
             let vs = c * self.pp + p;
             let (first, last) = (vs == 0, vs + 1 == stages);
@@ -368,7 +423,8 @@ impl Setup {
         // Adam's two moments, and FP32 master weights under bf16/fp16; the distributed
         // optimizer keeps an FP32 master shard whatever the dtype.
         let optimizer_bytes = if self.zero {
-            params * 12 / self.dp as u64
+            // Sharded over the data- and context-parallel ranks (Megatron's `dp-cp` group).
+            params * 12 / (self.dp * self.cp) as u64
         } else {
             params * if self.mixed() { 12 } else { 8 }
         };
@@ -426,12 +482,14 @@ impl Setup {
     }
 
     /// Bytes rank `p` sends per step, ring collectives (`2(n−1)/n` of the buffer for an
-    /// all-reduce, `(n−1)/n` for an all-gather or a reduce-scatter).
-    fn sent(&self, _p: usize, params: u64) -> [u64; 3] {
+    /// all-reduce, `(n−1)/n` for an all-gather or a reduce-scatter): tensor-, pipeline-,
+    /// data- and context-parallel.
+    fn sent(&self, _p: usize, params: u64) -> [u64; 4] {
         let e = self.elem;
         let m = self.schedule.num_microbatches as u64;
-        let (t, d) = (self.tp as u64, self.dp as u64);
-        let tokens = (self.seq * self.micro_batch) as u64;
+        // Gradients are reduced over the data- and context-parallel ranks together.
+        let (t, d, c) = (self.tp as u64, (self.dp * self.cp) as u64, self.cp as u64);
+        let tokens = (self.seq * self.micro_batch / self.cp) as u64;
         let hidden = tokens * self.h as u64 * e;
         let layers = (self.layers / self.pp) as u64;
         // Per layer and microbatch: two all-reduces forward and two backward (or their
@@ -453,7 +511,26 @@ impl Setup {
         } else {
             2 * (d - 1) * params * 4 / d
         };
-        [tp, pp, dp]
+        // Per layer and microbatch, what K/V cost over CP: all_gather gathers them forward
+        // and reduce-scatters their gradients; p2p passes this rank's block CP − 1 times
+        // forward, and blocks and their gradients as many times backward; a2a exchanges
+        // (CP − 1)/CP of the Q/K/V and of the context, twice each way. A replayed layer
+        // (full recomputation, or core_attn, whose region holds the exchange) does its
+        // forward's again.
+        let kv = tokens * (2 * self.groups * self.hn) as u64 / t * e;
+        let qkv = tokens * ((self.heads + 2 * self.groups) * self.hn) as u64 / t * e;
+        let context = tokens * (self.heads * self.hn) as u64 / t * e;
+        let (forward, backward) = match self.cp_comm {
+            CpCommType::AllGather => ((c - 1) * kv, (c - 1) * kv),
+            CpCommType::P2p => ((c - 1) * kv, 2 * (c - 1) * kv),
+            CpCommType::A2a => {
+                let once = (c - 1) * (qkv + context) / c;
+                (once, once)
+            }
+        };
+        let again = replayed || self.recompute.selects(RecomputeModule::CoreAttn);
+        let cp = layers * m * (forward * if again { 2 } else { 1 } + backward);
+        [tp, pp, dp, cp]
     }
 
     /// Megatron's pipeline bubble: `(P − 1) / (V · M)` of the ideal step.
@@ -465,7 +542,8 @@ impl Setup {
     /// 2), with the forward again for what is recomputed.
     pub fn flops_per_rank(&self) -> f64 {
         let (h, s) = (self.h as f64, self.seq as f64);
-        let tokens = (self.seq * self.micro_batch * self.schedule.num_microbatches) as f64;
+        let tokens =
+            (self.seq * self.micro_batch * self.schedule.num_microbatches / self.cp) as f64;
         let qkv = ((self.heads + 2 * self.groups) * self.hn) as f64;
         let dense = (self.heads * self.hn) as f64;
         let mlp = (if self.gated { 3.0 } else { 2.0 }) * self.ffn as f64;
