@@ -158,7 +158,8 @@ pub struct TrainArgs {
     /// With `full`: layers per region (`uniform`) or recomputed layers per chunk (`block`).
     #[arg(long)]
     pub recompute_num_layers: Option<usize>,
-    /// With `selective`: which sub-modules (core_attn, mlp), space- or comma-separated.
+    /// With `selective`: which sub-modules (core_attn, mlp, layernorm, mlp_act), space- or
+    /// comma-separated.
     #[arg(long, num_args = 1.., value_delimiter = ',', default_value = "core_attn")]
     pub recompute_modules: Vec<RecomputeModule>,
     /// Samples per forward/backward on one data-parallel rank.
