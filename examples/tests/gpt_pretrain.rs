@@ -381,6 +381,19 @@ fn the_plan_predicts_each_ranks_measured_peak() {
         Setup::new(&bad, 591).unwrap_err(),
         run_gpt(&bad).unwrap_err()
     );
+    // So is `layernorm` recomputation of BERT's post-norm layers.
+    let bad = common::args(
+        &[
+            "--recompute-granularity",
+            "selective",
+            "--recompute-modules",
+            "layernorm",
+        ],
+        &dir,
+    );
+    let e = Setup::new_bert(&bad, 191).unwrap_err();
+    assert!(e.contains("layernorm needs pre-norm layers"), "{e}");
+    assert_eq!(e, burn_megatron_examples::pretrain::run(&bad).unwrap_err());
 }
 
 /// Each rank's measured peak within 15% of its stage's predicted one.

@@ -32,6 +32,23 @@ pub enum LayerNormPosition {
     Pre,
 }
 
+impl LayerNormPosition {
+    /// Refuses the recomputation a layer with its norms here cannot do: `layernorm` needs
+    /// pre-norm layers, since a post-norm layer's norm output is the residual stream, which
+    /// the next layer keeps anyway. Layer init and the pretraining examples' flag validation
+    /// both call it, so `plan` and the run refuse with one message.
+    pub fn check_recompute(self, recompute: &RecomputeConfig) -> Result<(), TpError> {
+        if recompute.selects(RecomputeModule::Layernorm) && self == LayerNormPosition::Post {
+            return Err(TpError::Invalid(
+                "--recompute-modules layernorm needs pre-norm layers: a post-norm layer's \
+                 (BERT's) norm output is the residual stream, which the next layer keeps anyway"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Which normalisation a layer uses.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum NormKind {
@@ -240,6 +257,7 @@ impl TransformerLayerConfig {
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
         ])?;
+        self.layernorm_position.check_recompute(&self.recompute)?;
         let h = self.hidden_size;
         let attention = self.attention_config().init(tp, device)?;
         let column = |name: &str| {
@@ -303,15 +321,6 @@ impl TransformerLayerConfig {
                 (None, Some(moe.init(shape, tp, ep, device)?))
             }
         };
-        if self.recompute.selects(RecomputeModule::Layernorm)
-            && self.layernorm_position == LayerNormPosition::Post
-        {
-            return Err(TpError::Invalid(
-                "--recompute-modules layernorm needs pre-norm layers: a post-norm layer's \
-                 (BERT's) norm output is the residual stream, which the next layer keeps anyway"
-                    .into(),
-            ));
-        }
         let norm = || Norm::new(self.normalization, h, self.layernorm_epsilon, device);
         let layer = TransformerLayer {
             attention,

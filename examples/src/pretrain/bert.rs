@@ -11,7 +11,9 @@ use burn_megatron::data::{
     synthetic_vocabulary,
 };
 use burn_megatron::launch::RankContext;
-use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
+use burn_megatron::models::{
+    Bert, BertConfig, BertStageOutput, LayerNormPosition, MaskedPositions,
+};
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
 use burn_megatron::tensor_parallel::{RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
@@ -48,6 +50,10 @@ impl Args {
                 a.context_parallel_size
             ));
         }
+        // bert_pretrain's encoder layers are post-norm (BertConfig's default).
+        LayerNormPosition::Post
+            .check_recompute(&a.recompute())
+            .map_err(|e| e.to_string())?;
         let tp = a.tensor_model_parallel_size;
         if !a.num_attention_heads.is_multiple_of(tp) {
             return Err(format!(
