@@ -10,11 +10,11 @@ pub use crate::activation::ActivationFunc;
 use crate::comm::Comm;
 use crate::moe::{MoeConfig, MoeLayer, MoeLayerShape};
 use crate::recompute::{
-    Products, RecomputeConfig, RecomputeModule, linear_products, recompute, recompute_linear_input,
+    RecomputeConfig, RecomputeModule, linear_products, recompute, recompute_linear_input,
 };
 use crate::tensor_parallel::{
-    ColumnParallelLinearConfig, LayoutOwner, LinearShard, MasterInit, ParallelAttrs, RngRegion,
-    RngTracker, RowParallelLinearConfig, TpError, derive_seed,
+    ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs, RngRegion, RngTracker,
+    RowParallelLinearConfig, TpError, derive_seed,
 };
 use burn::config::Config;
 use burn::module::Module;
@@ -463,17 +463,16 @@ impl TransformerLayer {
                             |norm, mut x| norm.forward(x.remove(0)),
                             &first,
                         );
-                        match products {
-                            // The region's output is already the activation region's input.
-                            Products::Packed(flat, shapes)
-                                if mlp.recompute_act
-                                    && first.iter().all(|l| l.finishes_as_is()) =>
-                            {
-                                first.iter().for_each(|l| l.state_layout());
-                                let [s, b, f] = shapes[0];
-                                mlp.forward_packed((*flat).reshape([shapes.len() * s, b, f]))
-                            }
-                            products => {
+                        // With `mlp_act`, the region's output is already the activation
+                        // region's input.
+                        let stacked = if mlp.recompute_act {
+                            products.stacked(&first)
+                        } else {
+                            Err(products)
+                        };
+                        match stacked {
+                            Ok(gate_up) => mlp.forward_packed(gate_up),
+                            Err(products) => {
                                 let mut outs = products.finish(&first, &x);
                                 let up = outs.pop().expect("one output per first layer");
                                 mlp.forward_from_projections(up, outs.pop())

@@ -154,6 +154,25 @@ impl Products {
     }
 }
 
+impl Products {
+    /// The products as one `[n·s, b, f]` tensor, stacked along dim 0, where the region
+    /// formed them, they share one shape, and every layer hands its product on as it is (no
+    /// gather, no returned bias); otherwise `self`, for [`finish`](Self::finish).
+    pub(crate) fn stacked<L: LinearShard>(self, linears: &[&L]) -> Result<Tensor<3>, Self> {
+        match self {
+            Products::Packed(out, shapes)
+                if shapes.iter().all(|s| *s == shapes[0])
+                    && linears.iter().all(|l| l.finishes_as_is()) =>
+            {
+                linears.iter().for_each(|l| l.state_layout());
+                let [s, b, f] = shapes[0];
+                Ok((*out).reshape([shapes.len() * s, b, f]))
+            }
+            other => Err(other),
+        }
+    }
+}
+
 /// The region of [`recompute_linear_input`] and [`recompute_row_linear_input`] over any
 /// parallel linear layers sharing one group and one input mapping.
 pub(crate) fn linear_products<M, F, L>(

@@ -57,7 +57,7 @@ mod tests;
 pub use config::{
     RecomputeConfig, RecomputeError, RecomputeGranularity, RecomputeMethod, RecomputeModule,
 };
-pub(crate) use linear_input::{Products, linear_products};
+pub(crate) use linear_input::linear_products;
 pub use linear_input::{recompute_linear_input, recompute_row_linear_input};
 pub use ops::{RecomputeOps, Region, Replayed};
 
@@ -135,11 +135,12 @@ pub(crate) fn sink<const D: usize>(y: Tensor<D>, grad: Tensor<D>) -> Tensor<1> {
     ))
 }
 
-/// The end of a replay: backward from `scalar` (the incoming gradient's product with the
+/// The end of a replay: backward from `scalar` (the incoming gradient sunk into the
 /// replayed output; `None` when the replay is untracked) to the gradient of the replayed
 /// input, given as its parts `xs` along dim 0 (zeros for a part the region ignores: a
-/// tracked input's producer expects a gradient), and to each of `fresh`'s parameters, paired with `module`'s original leaf after
-/// `params` (gradients the replay formed itself).
+/// tracked input's producer expects a gradient), and to each of `fresh`'s parameters,
+/// paired with `module`'s original leaf after `params` (gradients the replay formed
+/// itself).
 fn replayed<M: Module, const D: usize>(
     scalar: Option<Tensor<1>>,
     xs: &[Tensor<D>],

@@ -449,6 +449,17 @@ impl RowParallelLinear {
         let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
         let weight = hook_param(&self.weight, &input);
         let partial = matmul_bias(input, weight, None, self.gradient_accumulation_fusion);
+        self.reduce(partial, bias)
+    }
+
+    /// This rank's partial product summed over the group (reduce-scattered along dim 0
+    /// under sequence parallelism), and `bias` (the hooked full bias) added, or returned
+    /// with `skip_bias_add`.
+    fn reduce<const D: usize>(
+        &self,
+        partial: Tensor<D>,
+        bias: Option<Tensor<1>>,
+    ) -> (Tensor<D>, Option<Tensor<1>>) {
         let out = if self.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(partial, &self.tp)
         } else {

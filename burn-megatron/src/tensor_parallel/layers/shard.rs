@@ -5,8 +5,7 @@ use super::{ColumnParallelLinear, RowParallelLinear};
 use crate::grad_hooks::hook_param;
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region,
 };
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
@@ -110,15 +109,7 @@ impl LinearShard for RowParallelLinear {
     fn finish(&self, product: Tensor<3>, anchor: &Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
         self.state_attrs();
         let bias = self.bias.as_ref().map(|b| hook_param(b, anchor));
-        let out = if self.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(product, &self.tp)
-        } else {
-            reduce_from_tensor_model_parallel_region(product, &self.tp)
-        };
-        match (bias, self.skip_bias_add) {
-            (Some(b), false) => (out + b.unsqueeze(), None),
-            (b, _) => (out, b),
-        }
+        self.reduce(product, bias)
     }
 
     fn accumulates_in_f32(&self) -> bool {
