@@ -4,10 +4,42 @@
 //! (pulp's runtime dispatch), as [`crate::cpu::for_rows`] does for one f32 input.
 
 use crate::cpu_elem::Elem;
+use burn::backend::flex::FlexTensor;
 use rayon::prelude::*;
 
 /// Output elements per rayon task: below this, splitting costs more than it saves.
 const MIN_ELEMENTS_PER_TASK: usize = 1 << 14;
+/// Most blocks of a norm's backward, so that their partial parameter gradients stay small.
+const MAX_BLOCKS: usize = 64;
+
+/// Rows of width `n` per rayon task.
+pub(crate) fn rows_per_task(n: usize) -> usize {
+    MIN_ELEMENTS_PER_TASK.div_ceil(n).max(1)
+}
+
+/// Rows per block of a norm's backward: a function of the shape only, never of the thread
+/// count, so that partial sums added in block order give the same bits on any pool.
+pub(crate) fn rows_per_block(rows: usize, n: usize) -> usize {
+    rows_per_task(n).max(rows.div_ceil(MAX_BLOCKS))
+}
+
+/// The blocks' partial sums (each of `len` values) added in block order, whatever order
+/// the blocks ran in.
+pub(crate) fn sum_in_block_order(partials: &[Vec<f32>], len: usize) -> Vec<f32> {
+    let mut sum = vec![0.0f32; len];
+    for partial in partials {
+        for (s, p) in sum.iter_mut().zip(partial) {
+            *s += p;
+        }
+    }
+    sum
+}
+
+/// A `[n]` parameter's values widened to f32, if it holds `n` values of type `E`.
+pub(crate) fn vector_f32<E: Elem>(t: &FlexTensor, n: usize) -> Option<Vec<f32>> {
+    let v = E::values(t)?;
+    (v.len() == n).then(|| v.iter().map(|v| v.to_f32()).collect())
+}
 
 /// Writes the rows of an `[N, len]` output. Implementations mark `row` `#[inline(always)]`,
 /// so that it is compiled inside [`fill_rows`]' SIMD dispatch.
@@ -23,7 +55,7 @@ pub(crate) fn fill_rows<E: Elem, K: RowFill<E>>(rows: usize, len: usize, op: &K)
     if out.is_empty() {
         return out;
     }
-    let per_task = MIN_ELEMENTS_PER_TASK.div_ceil(len).max(1);
+    let per_task = rows_per_task(len);
     out.par_chunks_mut(per_task * len)
         .enumerate()
         .for_each(|(t, out)| {

@@ -26,6 +26,7 @@ mod error;
 mod grad_accum;
 #[cfg(feature = "cube")]
 mod launch;
+mod layer_norm;
 mod norm;
 mod ops;
 mod rms_norm;
@@ -55,6 +56,9 @@ pub use error::KernelError;
 pub use grad_accum::{
     GradAccumOps, accumulate_weight_grad, linear_with_grad_accumulation,
     reference_accumulate_weight_grad,
+};
+pub use layer_norm::{
+    LayerNormOps, layer_norm, reference_layer_norm_backward, reference_layer_norm_forward,
 };
 pub use norm::{
     SumOfSquaresOps, multi_tensor_sum_of_squares, reference_segment_sum_of_squares,

@@ -9,7 +9,7 @@
 //!
 //! Activations are an inventory of the tensors this implementation keeps for backward,
 //! per layer, in the spirit of Korthikanti et al.'s Table 2 but for these kernels: the
-//! fused RMSNorm keeps its input, Burn's LayerNorm three `[s, b, h]` tensors, each linear
+//! fused norms (LayerNorm and RMSNorm) keep their input, each linear
 //! layer its (sequence-gathered) input, attention the queries, keys and values, its
 //! `[b, heads, s, s]` probabilities (and their dropout, whose mask is never kept), the MLP
 //! its up/gate outputs and activation. The microbatches alive at once come from walking the
@@ -225,7 +225,7 @@ impl Setup {
         let tokens = (self.seq * self.micro_batch / self.cp) as u64;
         // Activations between the tensor-parallel regions, split under SP.
         let local = if self.sp { tokens / t } else { tokens };
-        let norm = if self.layer_norm { 3 } else { 1 } * local * h;
+        let norm = local * h;
         let (queries, kv, scores) = self.attention_kept();
         let (qkv, probs) = if self.recompute.selects(RecomputeModule::CoreAttn) {
             // The region keeps its input, this rank's projections.
@@ -312,8 +312,8 @@ impl Setup {
         let full = self.recompute.granularity == Some(RecomputeGranularity::Full);
         let (mut kept, mut replay) = (layers as u64 * layer, 0);
         if first && matches!(self.model, Model::Bert { .. }) {
-            // The embeddings' LayerNorm, over the whole sequence.
-            kept += 3 * (self.seq * self.micro_batch * self.h) as u64;
+            // The embeddings' LayerNorm's input, over the whole sequence.
+            kept += (self.seq * self.micro_batch * self.h) as u64;
         }
         if full {
             kept = 0;
@@ -334,7 +334,7 @@ impl Setup {
             } else {
                 tokens
             };
-            let norm = if self.layer_norm { 3 } else { 1 } * local * self.h as u64;
+            let norm = local * self.h as u64;
             // The final norm, the output layer's gathered input, the logits.
             kept += norm + tokens * self.h as u64 + tokens * (self.vocab / self.tp) as u64;
         }

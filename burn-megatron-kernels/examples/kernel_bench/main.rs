@@ -1,5 +1,5 @@
 //! Each fused kernel against the composition of Burn ops it replaces, on the same wgpu
-//! device (lavapipe on a CPU machine): median time of each and their ratio, forward and
+//! device (lavapipe on a CPU machine; LayerNorm on Flex too): median time of each and their ratio, forward and
 //! forward + backward. Ratios below 1 mean the fused kernel is faster.
 //!
 //! ```text
@@ -13,6 +13,7 @@ mod bias_dropout_add;
 mod bias_gelu;
 mod cross_entropy;
 mod grad_accum;
+mod layer_norm;
 mod optim;
 mod softmax;
 
@@ -75,12 +76,13 @@ fn main() {
     };
     println!("fused kernel vs Burn composition on {device:?}");
     let filters: Vec<String> = std::env::args().skip(1).collect();
-    let benches: [(&str, Bench); 6] = [
+    let benches: [(&str, Bench); 7] = [
         ("bias_gelu", bias_gelu::bench),
         ("cross_entropy", cross_entropy::bench),
         ("grad_accum", grad_accum::bench),
         ("bias_dropout_add", bias_dropout_add::bench),
         ("softmax", softmax::bench),
+        ("layer_norm", layer_norm::bench),
         ("optim", optim::bench),
     ];
     for (name, bench) in benches {

@@ -4,7 +4,7 @@
 
 use super::kernels::{backward_kernel, row_stats_kernel};
 use super::{CrossEntropyOps, LabelSmoothing};
-use crate::launch::elementwise_geometry;
+use crate::launch::{elementwise_geometry, row_block_size, row_cube_count};
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, TensorMetadata};
@@ -14,21 +14,6 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-
-/// Units per row cube: a power of two (the tree needs it), no more than the row needs
-/// (short rows are common in the tests, long ones in training) nor the hardware allows.
-fn block_size(tensor: &CubeTensor, cols: usize) -> usize {
-    let hw = tensor.client.properties().hardware.max_cube_dim.0 as usize;
-    let hw = 1 << hw.ilog2();
-    cols.next_power_of_two().clamp(32, 256).min(hw)
-}
-
-/// One cube per row, the rows folded into a 2-D grid past the hardware's x limit.
-fn row_count(tensor: &CubeTensor, rows: usize) -> CubeCount {
-    let max_x = tensor.client.properties().hardware.max_cube_count.0 as usize;
-    let x = rows.min(max_x);
-    CubeCount::Static(x as u32, rows.div_ceil(x) as u32, 1)
-}
 
 /// `t` as a contiguous f32 tensor (the per-row inputs may come in any float dtype).
 fn f32_contiguous(t: CubeTensor) -> CubeTensor {
@@ -60,14 +45,14 @@ impl CrossEntropyOps for CubeBackend {
         }
         let logits = into_contiguous(logits);
         let target = into_contiguous(target);
-        let block = block_size(&logits, cols);
+        let block = row_block_size(&logits, cols);
         let dtypes = [
             dtype_to_storage_type(logits.dtype),
             dtype_to_storage_type(target.dtype),
         ];
         row_stats_kernel::launch(
             &logits.client.clone(),
-            row_count(&logits, rows),
+            row_cube_count(&logits, rows),
             CubeDim::new_1d(block as u32),
             logits.into_tensor_arg(),
             target.into_tensor_arg(),

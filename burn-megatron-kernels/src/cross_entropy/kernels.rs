@@ -2,14 +2,8 @@
 //! strides over the row, then a shared-memory tree; no plane ops, which lavapipe lacks),
 //! and one unit per element for the backward. Per-row inputs are read as f32.
 
+use crate::launch::cube_row;
 use cubecl::prelude::*;
-
-/// The row this cube reduces; the grid is 2-D when there are more rows than one grid
-/// dimension holds (65535 on wgpu).
-#[cube]
-fn cube_row() -> usize {
-    CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize
-}
 
 /// Reduces `shared[0..CUBE_DIM_X]` (a power of two) to `shared[0]`, by max or by sum; every
 /// unit must call it (it holds barriers).

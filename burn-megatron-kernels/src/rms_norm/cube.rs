@@ -5,39 +5,17 @@
 
 use super::RmsNormOps;
 use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward, rows_and_width};
-use crate::launch::elementwise_geometry;
+use crate::launch::{
+    cast, cube_row, elementwise_geometry, empty_like, row_block_size, row_cube_count, tree_sum,
+    zeros_like,
+};
+use burn::backend::TensorMetadata;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
-use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-
-/// The row of this cube; the grid is 2-D past the hardware's x limit.
-#[cube]
-fn cube_row() -> usize {
-    CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize
-}
-
-/// Sums `shared[0..CUBE_DIM_X]` (a power of two); every unit must call it (barriers).
-#[cube]
-fn tree_sum(shared: &mut Shared<[f32]>) -> f32 {
-    sync_cube();
-    let unit = UNIT_POS_X as usize;
-    let mut active = CUBE_DIM_X as usize / 2;
-    while active > 0 {
-        if unit < active {
-            let other = shared[unit + active];
-            shared[unit] += other;
-        }
-        sync_cube();
-        active /= 2;
-    }
-    shared[0]
-}
 
 #[cube(launch)]
 fn forward_kernel<F: Float>(
@@ -143,39 +121,6 @@ fn dgamma_kernel<F: Float>(
     dgamma[c] = sum;
 }
 
-/// Units per row cube: a power of two (the tree needs it), no more than the row needs nor
-/// the hardware allows.
-fn block_size(tensor: &CubeTensor, cols: usize) -> usize {
-    let hw = tensor.client.properties().hardware.max_cube_dim.0 as usize;
-    let hw = 1 << hw.max(1).ilog2();
-    cols.next_power_of_two().clamp(32, 256).min(hw)
-}
-
-/// One cube per row, the rows folded into a 2-D grid past the hardware's x limit.
-fn row_count(tensor: &CubeTensor, rows: usize) -> CubeCount {
-    let max_x = tensor.client.properties().hardware.max_cube_count.0 as usize;
-    let x = rows.clamp(1, max_x.max(1));
-    CubeCount::Static(x as u32, rows.div_ceil(x) as u32, 1)
-}
-
-fn empty_like(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
-    empty_device_dtype(like.client.clone(), like.device.clone(), shape, dtype)
-}
-
-/// Zeros shaped and typed like `t`.
-fn zeros_like<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
-    B::float_zeros(t.shape(), &t.device(), FloatDType::from(t.dtype()))
-}
-
-/// `t` in `dtype` (a no-op when it is already).
-fn cast<B: Backend>(t: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
-    if t.dtype() == DType::from(dtype) {
-        t
-    } else {
-        B::float_cast(t, dtype)
-    }
-}
-
 impl RmsNormOps for CubeBackend {
     fn rms_norm_forward(
         x: FloatTensor<Self>,
@@ -195,10 +140,10 @@ impl RmsNormOps for CubeBackend {
         let (x, gamma) = (into_contiguous(x), into_contiguous(gamma));
         let y = empty_like(&x, x.shape(), x.dtype);
         let inv_rms = empty_like(&x, Shape::from([rows]), DType::F32);
-        let block = block_size(&x, n);
+        let block = row_block_size(&x, n);
         forward_kernel::launch(
             &x.client.clone(),
-            row_count(&x, rows),
+            row_cube_count(&x, rows),
             CubeDim::new_1d(block as u32),
             x.clone().into_tensor_arg(),
             gamma.into_tensor_arg(),
@@ -234,10 +179,10 @@ impl RmsNormOps for CubeBackend {
         let dtype = dtype_to_storage_type(x.dtype);
         let client = x.client.clone();
         let dx = empty_like(&x, x.shape(), x.dtype);
-        let block = block_size(&x, n);
+        let block = row_block_size(&x, n);
         backward_dx_kernel::launch(
             &client,
-            row_count(&x, rows),
+            row_cube_count(&x, rows),
             CubeDim::new_1d(block as u32),
             x.clone().into_tensor_arg(),
             gamma.clone().into_tensor_arg(),

@@ -15,26 +15,11 @@ use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward, 
 use crate::cpu::lane_sum;
 use crate::cpu::{f32_tensor, f32_values};
 use crate::cpu_elem::Elem;
+use crate::cpu_rows::{rows_per_block, rows_per_task, sum_in_block_order, vector_f32};
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{DType, bf16, f16};
 use rayon::prelude::*;
-
-/// Elements per rayon task (forward) and least per block of rows (backward): below this,
-/// splitting costs more than it saves.
-const MIN_ELEMENTS_PER_TASK: usize = 1 << 14;
-/// Most blocks of the backward, so that their partial `dγ`s stay small.
-const MAX_BLOCKS: usize = 64;
-
-/// Rows per forward task.
-fn rows_per_task(n: usize) -> usize {
-    MIN_ELEMENTS_PER_TASK.div_ceil(n).max(1)
-}
-
-/// Rows per backward block: a function of the shape only, never of the thread count.
-fn rows_per_block(rows: usize, n: usize) -> usize {
-    rows_per_task(n).max(rows.div_ceil(MAX_BLOCKS))
-}
 
 pub(super) fn forward(x: FlexTensor, gamma: FlexTensor, epsilon: f64) -> (FlexTensor, FlexTensor) {
     let native = match (x.dtype(), gamma.dtype()) {
@@ -61,12 +46,6 @@ pub(super) fn backward(
     native.unwrap_or_else(|| reference_rms_norm_backward::<Flex>(x, gamma, inv_rms, grad))
 }
 
-/// `gamma` widened to f32 if it has `n` values of type `E`.
-fn gamma_f32<E: Elem>(gamma: &FlexTensor, n: usize) -> Option<Vec<f32>> {
-    let g = E::values(gamma)?;
-    (g.len() == n).then(|| g.iter().map(|v| v.to_f32()).collect())
-}
-
 fn forward_as<E: Elem>(
     x: &FlexTensor,
     gamma: &FlexTensor,
@@ -75,7 +54,7 @@ fn forward_as<E: Elem>(
     let shape = x.shape();
     let (rows, n) = rows_and_width(&shape);
     let xs = E::values(x)?;
-    let gamma = gamma_f32::<E>(gamma, n).filter(|_| n > 0)?;
+    let gamma = vector_f32::<E>(gamma, n).filter(|_| n > 0)?;
     let mut y = vec![E::from_f32(0.0); rows * n];
     let mut inv_rms = vec![0.0f32; rows];
     let op = Forward {
@@ -107,7 +86,7 @@ fn backward_as<E: Elem>(
     let shape = x.shape();
     let (rows, n) = rows_and_width(&shape);
     let (xs, dy, r) = (E::values(x)?, E::values(grad)?, f32_values(inv_rms)?);
-    let gamma = gamma_f32::<E>(gamma, n).filter(|_| n > 0)?;
+    let gamma = vector_f32::<E>(gamma, n).filter(|_| n > 0)?;
     if dy.len() != xs.len() || r.len() != rows {
         return None;
     }
@@ -128,14 +107,10 @@ fn backward_as<E: Elem>(
             })
         })
         .collect();
-    // In block order, whatever order the blocks ran in.
-    let mut dgamma = vec![0.0f32; n];
-    for partial in &partials {
-        for (d, p) in dgamma.iter_mut().zip(partial) {
-            *d += p;
-        }
-    }
-    let dgamma = dgamma.into_iter().map(E::from_f32).collect();
+    let dgamma = sum_in_block_order(&partials, n)
+        .into_iter()
+        .map(E::from_f32)
+        .collect();
     Some((E::tensor(dx, &shape), E::tensor(dgamma, &[n])))
 }
 

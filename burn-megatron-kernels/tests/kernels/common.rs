@@ -1,7 +1,7 @@
 //! Shared by the kernel tests: deterministic data, differences, and the Cube device.
 #![allow(dead_code)] // each test file uses its own subset
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 
 /// Deterministic values in [-scale, scale].
 pub fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -63,4 +63,23 @@ pub fn cube_device(test: &str) -> Device {
 /// The Flex device with autodiff (the reference path).
 pub fn flex() -> Device {
     Device::flex().autodiff()
+}
+
+/// A tensor of `dims` holding `v` in dtype `dt` on `dev`, and its values as stored.
+pub fn tensor<const D: usize>(
+    dev: &Device,
+    v: Vec<f32>,
+    dims: [usize; D],
+    dt: DType,
+) -> (Tensor<D>, Vec<f32>) {
+    let options = TensorCreationOptions::new(dev.clone()).with_dtype(dt);
+    let t = Tensor::<D>::from_data(TensorData::new(v, dims), options);
+    let stored = to_vec(t.clone());
+    (t, stored)
+}
+
+/// max |a − b| over max |b| (over 1 when `b` is all zeros or empty).
+pub fn relative(a: &[f32], b: &[f32]) -> f32 {
+    let magnitude = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    max_abs_diff(a, b) / if magnitude > 0.0 { magnitude } else { 1.0 }
 }

@@ -12,6 +12,7 @@ mod cast;
 mod cross_entropy;
 mod dropout;
 mod grad_accum;
+mod layer_norm;
 mod linear_grad_accum;
 mod norm;
 mod rms_norm;

@@ -5,11 +5,11 @@
 //! rows that do not fill the backward's blocks, widths that are not multiples of 16, no
 //! rows, and 3-d and 4-d inputs.
 
-use crate::common::{max_abs_diff, to_vec, values};
+use crate::common::{relative, tensor, to_vec, values};
 use burn::backend::Dispatch;
 use burn::module::Param;
 use burn::nn::RmsNormConfig;
-use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 use burn_megatron_kernels::{KernelError, reference_rms_norm_forward, rms_norm};
 
 const EPS: f64 = 1e-5;
@@ -27,19 +27,6 @@ const SHAPES: [[usize; 2]; 8] = [
     [4, 1000],
     [0, 8],
 ];
-
-/// A tensor of `dims` holding `v` in dtype `dt` on `dev`, and its values as stored.
-fn tensor<const D: usize>(
-    dev: &Device,
-    v: Vec<f32>,
-    dims: [usize; D],
-    dt: DType,
-) -> (Tensor<D>, Vec<f32>) {
-    let options = TensorCreationOptions::new(dev.clone()).with_dtype(dt);
-    let t = Tensor::<D>::from_data(TensorData::new(v, dims), options);
-    let stored = to_vec(t.clone());
-    (t, stored)
-}
 
 /// `(y, dx, dgamma)` of `norm`, the gradients those of `Σ y·dy` through `.backward()`.
 fn run<const D: usize>(
@@ -64,12 +51,6 @@ fn reference<const D: usize>(x: Tensor<D>, gamma: Tensor<1>) -> Tensor<D> {
     let (y, _inv_rms) =
         reference_rms_norm_forward::<Dispatch>(x.into_dispatch(), gamma.into_dispatch(), EPS);
     Tensor::from_dispatch(y)
-}
-
-/// max |a − b| over max |b| (over 1 when `b` is all zeros or empty).
-fn relative(a: &[f32], b: &[f32]) -> f32 {
-    let magnitude = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    max_abs_diff(a, b) / if magnitude > 0.0 { magnitude } else { 1.0 }
 }
 
 /// The op on `dev` with inputs of dtype `dt`: relative errors of `[y, dx, dgamma]` against

@@ -7,8 +7,9 @@ mod head;
 pub use head::MaskedPositions;
 
 use super::attention::AttentionInputs;
+use super::norm::{FusedLayerNorm, NormKind};
 use super::transformer::{
-    LayerNormPosition, NormKind, TransformerLayer, TransformerLayerConfig, forward_layers,
+    LayerNormPosition, TransformerLayer, TransformerLayerConfig, forward_layers,
 };
 use crate::comm::Comm;
 use crate::recompute::RecomputeConfig;
@@ -22,7 +23,7 @@ use crate::tensor_parallel::{
 use crate::topology::PipelinePosition;
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
+use burn::nn::{Embedding, Linear};
 use burn::tensor::{Bool, Device, Int, Tensor};
 
 /// BERT's shape, named as Megatron's arguments.
@@ -88,7 +89,7 @@ pub struct BertEmbeddings {
     /// Token types (duplicated).
     pub tokentype_embeddings: Embedding,
     /// LayerNorm after the embedding sum.
-    pub embedding_layernorm: LayerNorm,
+    pub embedding_layernorm: FusedLayerNorm,
 }
 
 /// The MLM head and the pooler with its binary head: the last pipeline stage's part
@@ -98,7 +99,7 @@ pub struct BertHead {
     /// MLM head transform.
     pub lm_dense: Linear,
     /// MLM head LayerNorm.
-    pub lm_layernorm: LayerNorm,
+    pub lm_layernorm: FusedLayerNorm,
     /// MLM output bias, split like the vocabulary.
     pub lm_bias: Param<Tensor<1>>,
     /// Pooler on the first token.
@@ -211,11 +212,7 @@ impl BertConfig {
             ),
             bias: Some(host_param(vec![0.0; d_out], [d_out], device)),
         };
-        let ln = || {
-            LayerNormConfig::new(h)
-                .with_epsilon(self.layernorm_epsilon)
-                .init(device)
-        };
+        let ln = || FusedLayerNorm::new(h, self.layernorm_epsilon, device);
         let word_embeddings = || {
             VocabParallelEmbeddingConfig::new(self.padded_vocab_size, h)
                 .with_initializer(normal)

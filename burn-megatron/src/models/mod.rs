@@ -7,6 +7,7 @@ mod gpt;
 mod gpt_hf;
 mod hf_host;
 mod mlp;
+mod norm;
 mod rotary;
 mod transformer;
 
@@ -30,10 +31,10 @@ pub use gpt_hf::{
     save_hf_gpt as save_hf_llama,
 };
 pub use mlp::ParallelMlp;
+pub use norm::{FusedLayerNorm, Norm, NormKind};
 pub use rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig, RotaryTables};
 pub use transformer::{
-    ActivationFunc, LayerNormPosition, Norm, NormKind, TransformerLayer, TransformerLayerConfig,
-    forward_layers,
+    ActivationFunc, LayerNormPosition, TransformerLayer, TransformerLayerConfig, forward_layers,
 };
 
 use crate::tensor_parallel::{LayoutOwner, TpError, VocabParallelEmbedding};

@@ -6,6 +6,7 @@ use super::attention::{
     AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
 };
 use super::mlp::ParallelMlp;
+use super::norm::{Norm, NormKind};
 pub use crate::activation::ActivationFunc;
 use crate::comm::Comm;
 use crate::moe::{MoeConfig, MoeLayer, MoeLayerShape};
@@ -13,15 +14,13 @@ use crate::recompute::{
     RecomputeConfig, RecomputeModule, linear_products, recompute, recompute_linear_input,
 };
 use crate::tensor_parallel::{
-    ColumnParallelLinearConfig, LayoutOwner, MasterInit, ParallelAttrs, RngRegion, RngTracker,
+    ColumnParallelLinearConfig, LayoutOwner, MasterInit, RngRegion, RngTracker,
     RowParallelLinearConfig, TpError, derive_seed,
 };
 use burn::config::Config;
 use burn::module::Module;
-use burn::module::Param;
-use burn::nn::{LayerNorm, LayerNormConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::{Device, Tensor};
-use burn_megatron_kernels::{bias_dropout_add, rms_norm};
+use burn_megatron_kernels::bias_dropout_add;
 
 /// Where the LayerNorms sit.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -46,76 +45,6 @@ impl LayerNormPosition {
             ));
         }
         Ok(())
-    }
-}
-
-/// Which normalisation a layer uses.
-#[derive(Config, Debug, Copy, PartialEq, Eq)]
-pub enum NormKind {
-    /// LayerNorm (BERT, GPT).
-    LayerNorm,
-    /// RMSNorm (no mean subtraction, no bias).
-    RmsNorm,
-}
-
-/// A LayerNorm or an RMSNorm.
-#[derive(Module, Debug)]
-pub enum Norm {
-    /// LayerNorm.
-    LayerNorm(LayerNorm),
-    /// RMSNorm.
-    RmsNorm(RmsNorm),
-}
-
-impl Norm {
-    pub(crate) fn new(kind: NormKind, size: usize, epsilon: f64, device: &Device) -> Self {
-        match kind {
-            NormKind::LayerNorm => Norm::LayerNorm(
-                LayerNormConfig::new(size)
-                    .with_epsilon(epsilon)
-                    .init(device),
-            ),
-            NormKind::RmsNorm => {
-                Norm::RmsNorm(RmsNormConfig::new(size).with_epsilon(epsilon).init(device))
-            }
-        }
-    }
-
-    /// Under sequence parallelism each rank normalises only its part of the sequence, so
-    /// the gradients of the scale and the shift are partial.
-    pub(crate) fn state_attrs(&self, owner: &LayoutOwner, sequence_parallel: bool) {
-        let attrs = if sequence_parallel {
-            ParallelAttrs::sequence_parallel()
-        } else {
-            ParallelAttrs::default()
-        };
-        owner.state(self.gamma().id, attrs);
-        if let Norm::LayerNorm(LayerNorm {
-            beta: Some(beta), ..
-        }) = self
-        {
-            owner.state(beta.id, attrs);
-        }
-    }
-
-    /// Normalises the last dimension.
-    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        match self {
-            Norm::LayerNorm(n) => n.forward(x),
-            // Burn's `RmsNorm::forward`, fused (one pass each way on Flex, kernels on GPUs).
-            Norm::RmsNorm(n) => rms_norm(x, n.gamma.val(), n.epsilon).expect(
-                "gamma has the normalised size by construction and RmsNormConfig::init checks \
-                 that epsilon is positive",
-            ),
-        }
-    }
-
-    /// The scale parameter.
-    pub fn gamma(&self) -> &Param<Tensor<1>> {
-        match self {
-            Norm::LayerNorm(n) => &n.gamma,
-            Norm::RmsNorm(n) => &n.gamma,
-        }
     }
 }
 

@@ -27,9 +27,10 @@ pub use forward::{GptStageOutput, KvCache, Positions};
 pub use generate::{GenerateConfig, GenerateError, Generated, Sampling, generate};
 
 use super::attention::AttnMaskType;
+use super::norm::{Norm, NormKind};
 use super::rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig};
 use super::transformer::{
-    ActivationFunc, LayerNormPosition, Norm, NormKind, TransformerLayer, TransformerLayerConfig,
+    ActivationFunc, LayerNormPosition, TransformerLayer, TransformerLayerConfig,
 };
 use crate::comm::Comm;
 use crate::moe::{MoeConfig, MoeLayer, global_expert_name};
