@@ -294,12 +294,14 @@ impl Setup {
                 b * s * 2 * ng * hn,
                 3 * b * np * (2 * c + 1) * l * l,
             ),
+            // The whole sequence for `np/c` heads, its 2c chunks each against the keys up to
+            // its end: `b·(np/c)·Σ_{i≤2c} i·l² = b·np·(2c+1)·l²`, as all_gather keeps.
             CpCommType::A2a => {
                 let kv_heads = if ng.is_multiple_of(c) { ng } else { np };
                 (
                     tokens * np * hn,
                     tokens * 2 * kv_heads * hn,
-                    b * np / c * s * s,
+                    b * np * (2 * c + 1) * l * l,
                 )
             }
         }

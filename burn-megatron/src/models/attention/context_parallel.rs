@@ -39,22 +39,43 @@ impl CoreAttention {
         let order = c.cp.global_order(&kv.device());
         let kv = kv.select(0, order.clone());
         let padding = padding.map(|p| p.select(1, order));
-        let len = c.cp.chunk_length();
-        let halves = c.cp.chunks().into_iter().enumerate().map(|(half, chunk)| {
+        let chunks = c.cp.chunks().map(|chunk| (chunk, c.cp.chunk_length()));
+        self.attend_causal_chunks(q, kv, &chunks, padding, rng)
+    }
+
+    /// Causal attention of query chunks over keys and values in sequence order (`kv`,
+    /// `[s, b, 2·groups, hn]`, keys then values): `q` holds the chunks `(index, length)`
+    /// one after the other, and each attends only to the keys up to its own end, so the
+    /// fused kernel's causal mode applies and the key blocks above the diagonal are never
+    /// computed (nor their scores kept).
+    fn attend_causal_chunks(
+        self,
+        q: Tensor<4>,
+        kv: Tensor<4>,
+        chunks: &[(usize, usize)],
+        padding: Option<Tensor<2, Bool>>,
+        rng: Option<&RngTracker>,
+    ) -> Tensor<3> {
+        let ng = self.groups_per_rank;
+        let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
+        let mut start = 0;
+        let parts = chunks.iter().map(|&(chunk, len)| {
             let keys = (chunk + 1) * len;
             let kv = kv.clone().narrow(0, 0, keys);
             let (k, v) = (kv.clone().narrow(2, 0, ng), kv.narrow(2, ng, ng));
             let pad = padding.clone().map(|p| p.narrow(1, 0, keys));
-            let q = q.clone().narrow(0, half * len, len);
-            self.attend(q, to_heads(k), to_heads(v), pad, true, rng)
+            let part = q.clone().narrow(0, start, len);
+            start += len;
+            self.attend(part, to_heads(k), to_heads(v), pad, true, rng)
         });
-        Tensor::cat(halves.collect(), 0)
+        Tensor::cat(parts.collect(), 0)
     }
 
     /// Ulysses (`--cp-comm-type a2a`): one all-to-all sends each CP peer its share of this
     /// rank's heads for this rank's tokens, so every rank then holds the whole sequence for
     /// `1/CP` of the heads and attends as the unsplit model does (causal: in sequence
-    /// order); a second all-to-all sends the context back. Query groups that do not split
+    /// order, each of the 2·CP chunks against the keys up to its end, as the all-gather path
+    /// attends); a second all-to-all sends the context back. Query groups that do not split
     /// over CP are first repeated to one key per head. [`Gpt`](crate::models::Gpt) checks
     /// that the heads split before any work.
     fn forward_ulysses(
@@ -103,16 +124,19 @@ impl CoreAttention {
             heads_per_group: qpg,
             ..self
         };
-        let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
-        let (q, k, v) = (
-            qkv.clone().narrow(2, 0, npl),
-            to_heads(qkv.clone().narrow(2, npl, ngl)),
-            to_heads(qkv.narrow(2, npl + ngl, ngl)),
-        );
-        let mut context = core.attend(q, k, v, padding, c.causal, rng);
-        if c.causal {
-            context = context.select(0, c.cp.gathered_order(&device));
-        }
+        let q = qkv.clone().narrow(2, 0, npl);
+        let kv = qkv.narrow(2, npl, 2 * ngl);
+        let context = if c.causal {
+            // The whole sequence, cut into the 2·CP chunks of the causal split.
+            let len = c.cp.chunk_length();
+            let chunks: Vec<_> = (0..2 * n).map(|chunk| (chunk, len)).collect();
+            let context = core.attend_causal_chunks(q, kv, &chunks, padding, rng);
+            context.select(0, c.cp.gathered_order(&device))
+        } else {
+            let to_heads = |x: Tensor<4>| x.permute([1, 2, 0, 3]);
+            let (k, v) = (kv.clone().narrow(2, 0, ngl), kv.narrow(2, ngl, ngl));
+            core.attend(q, to_heads(k), to_heads(v), padding, false, rng)
+        };
         // Back: this rank's tokens, every peer's heads in peer (= head) order.
         all_to_all(context, &splits, &splits, comm)
             .expect(by_construction)
