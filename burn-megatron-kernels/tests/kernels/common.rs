@@ -83,3 +83,46 @@ pub fn relative(a: &[f32], b: &[f32]) -> f32 {
     let magnitude = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     max_abs_diff(a, b) / if magnitude > 0.0 { magnitude } else { 1.0 }
 }
+
+/// The worst relative errors of one op's cases, each held to its tolerance as it is
+/// recorded; `report` prints them.
+pub struct Worst<const N: usize> {
+    what: String,
+    names: &'static str,
+    tol: [f32; N],
+    worst: [f32; N],
+}
+
+impl<const N: usize> Worst<N> {
+    /// `what` names the op, device and dtype; `names` the errors, e.g. `"[y, dx]"`.
+    pub fn new(what: String, names: &'static str, tol: [f32; N]) -> Self {
+        Self {
+            what,
+            names,
+            tol,
+            worst: [0.0; N],
+        }
+    }
+
+    /// Asserts `errors` of `case` are within the tolerances.
+    pub fn record(&mut self, case: &str, errors: [f32; N]) {
+        for (w, e) in self.worst.iter_mut().zip(errors) {
+            *w = w.max(e);
+        }
+        assert!(
+            errors.iter().zip(&self.tol).all(|(e, t)| e <= t),
+            "{} {case}: relative errors {} {errors:?} > {:?}",
+            self.what,
+            self.names,
+            self.tol
+        );
+    }
+
+    /// Prints the worst errors seen.
+    pub fn report(&self) {
+        eprintln!(
+            "{}: worst relative {} {:?}",
+            self.what, self.names, self.worst
+        );
+    }
+}

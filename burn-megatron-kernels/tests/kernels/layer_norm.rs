@@ -5,7 +5,7 @@
 //! five scales. Shapes as the RMSNorm tests': one row, blocks of the backward that do not
 //! fill, widths that are not multiples of 16, no rows, 3-d and 4-d inputs.
 
-use crate::common::{relative, tensor, to_vec, values};
+use crate::common::{Worst, relative, tensor, to_vec, values};
 use burn::backend::Dispatch;
 use burn::module::Param;
 use burn::nn::LayerNormConfig;
@@ -123,28 +123,16 @@ fn tolerances(dt: DType) -> [f32; 5] {
 }
 
 fn check(dev: &Device, what: &str, dt: DType) {
-    let tol = tolerances(dt);
-    let mut worst = [0.0f32; 5];
-    let mut record = |shape: &str, e: [f32; 5]| {
-        for i in 0..5 {
-            worst[i] = worst[i].max(e[i]);
-        }
-        assert!(
-            (0..5).all(|i| e[i] <= tol[i]),
-            "{what} {dt:?} {shape}: relative errors [y, dx, dgamma, dbeta, y vs Burn] {e:?} \
-             > {tol:?}"
-        );
-    };
+    let names = "[y, dx, dgamma, dbeta, y vs Burn]";
+    let mut worst = Worst::new(format!("layer_norm {what} {dt:?}"), names, tolerances(dt));
     for shift in [true, false] {
         for dims in SHAPES {
-            record(&format!("{dims:?} {shift}"), errors(dev, dims, dt, shift));
+            worst.record(&format!("{dims:?} {shift}"), errors(dev, dims, dt, shift));
         }
-        record("[2, 3, 17]", errors(dev, [2, 3, 17], dt, shift));
-        record("[2, 3, 4, 40]", errors(dev, [2, 3, 4, 40], dt, shift));
+        worst.record("[2, 3, 17]", errors(dev, [2, 3, 17], dt, shift));
+        worst.record("[2, 3, 4, 40]", errors(dev, [2, 3, 4, 40], dt, shift));
     }
-    eprintln!(
-        "layer_norm {what} {dt:?}: worst relative [y, dx, dgamma, dbeta, y vs Burn] {worst:?}"
-    );
+    worst.report();
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! rows that do not fill the backward's blocks, widths that are not multiples of 16, no
 //! rows, and 3-d and 4-d inputs.
 
-use crate::common::{relative, tensor, to_vec, values};
+use crate::common::{Worst, relative, tensor, to_vec, values};
 use burn::backend::Dispatch;
 use burn::module::Param;
 use burn::nn::RmsNormConfig;
@@ -110,23 +110,14 @@ fn tolerances(dt: DType) -> [f32; 4] {
 }
 
 fn check(dev: &Device, what: &str, dt: DType) {
-    let tol = tolerances(dt);
-    let mut worst = [0.0f32; 4];
-    let mut record = |shape: &str, e: [f32; 4]| {
-        for i in 0..4 {
-            worst[i] = worst[i].max(e[i]);
-        }
-        assert!(
-            (0..4).all(|i| e[i] <= tol[i]),
-            "{what} {dt:?} {shape}: relative errors [y, dx, dgamma, y vs Burn] {e:?} > {tol:?}"
-        );
-    };
+    let names = "[y, dx, dgamma, y vs Burn]";
+    let mut worst = Worst::new(format!("rms_norm {what} {dt:?}"), names, tolerances(dt));
     for dims in SHAPES {
-        record(&format!("{dims:?}"), errors(dev, dims, dt));
+        worst.record(&format!("{dims:?}"), errors(dev, dims, dt));
     }
-    record("[2, 3, 17]", errors(dev, [2, 3, 17], dt));
-    record("[2, 3, 4, 40]", errors(dev, [2, 3, 4, 40], dt));
-    eprintln!("rms_norm {what} {dt:?}: worst relative [y, dx, dgamma, y vs Burn] {worst:?}");
+    worst.record("[2, 3, 17]", errors(dev, [2, 3, 17], dt));
+    worst.record("[2, 3, 4, 40]", errors(dev, [2, 3, 4, 40], dt));
+    worst.report();
 }
 
 #[test]

@@ -3,26 +3,13 @@
 //! on the inputs as stored). Shapes with one element, sizes that are not multiples of 16 or
 //! of a cube, no elements, more than one rayon task (70 × 300), and 3-d and 4-d inputs.
 
-use crate::common::{max_abs_diff, to_vec, values};
+use crate::common::{relative, tensor, to_vec, values};
 use burn::backend::Dispatch;
 use burn::tensor::activation::silu;
-use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions};
 use burn_megatron_kernels::{KernelError, reference_swiglu, swiglu};
 
 const SHAPES: [[usize; 2]; 6] = [[1, 1], [3, 5], [37, 33], [0, 4], [4, 1000], [70, 300]];
-
-/// A tensor of `dims` holding `v` in dtype `dt` on `dev`, and its values as stored.
-fn tensor<const D: usize>(
-    dev: &Device,
-    v: Vec<f32>,
-    dims: [usize; D],
-    dt: DType,
-) -> (Tensor<D>, Vec<f32>) {
-    let options = TensorCreationOptions::new(dev.clone()).with_dtype(dt);
-    let t = Tensor::<D>::from_data(TensorData::new(v, dims), options);
-    let stored = to_vec(t.clone());
-    (t, stored)
-}
 
 /// `(out, d_gate, d_up)` of `f`, the gradients those of `Σ out·dy` through `.backward()`.
 fn run<const D: usize>(
@@ -61,12 +48,6 @@ fn reference<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
         gate.into_dispatch(),
         up.into_dispatch(),
     ))
-}
-
-/// max |a − b| over max |b| (over 1 when `b` is all zeros or empty).
-fn relative(a: &[f32], b: &[f32]) -> f32 {
-    let magnitude = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    max_abs_diff(a, b) / if magnitude > 0.0 { magnitude } else { 1.0 }
 }
 
 /// The op on `dev` with inputs of dtype `dt` and magnitude `scale`: relative errors of
