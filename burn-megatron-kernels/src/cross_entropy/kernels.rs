@@ -5,28 +5,6 @@
 use crate::launch::cube_row;
 use cubecl::prelude::*;
 
-/// Reduces `shared[0..CUBE_DIM_X]` (a power of two) to `shared[0]`, by max or by sum; every
-/// unit must call it (it holds barriers).
-#[cube]
-fn tree_reduce(shared: &mut Shared<[f32]>, #[comptime] by_max: bool) -> f32 {
-    sync_cube();
-    let unit = UNIT_POS_X as usize;
-    let mut active = CUBE_DIM_X as usize / 2;
-    while active > 0 {
-        if unit < active {
-            let other = shared[unit + active];
-            if by_max {
-                shared[unit] = f32::max(shared[unit], other);
-            } else {
-                shared[unit] += other;
-            }
-        }
-        sync_cube();
-        active /= 2;
-    }
-    shared[0]
-}
-
 /// `exp(m − to)·s`, the sum `s` of exps shifted by `m` re-shifted by `to ≥ m`: `s` itself
 /// where `m = to` (so that `m = to = −∞` gives `s`, not NaN).
 #[cube]
