@@ -1,8 +1,15 @@
-//! Small compositions of Burn primitive ops shared by the reference implementations.
+//! Small compositions of Burn primitive ops, and shape arithmetic, shared by the kernels
+//! and their references.
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::Shape;
+
+/// `(rows, n)` of `x` (`[.., n]`).
+pub(crate) fn rows_and_width(shape: &Shape) -> (usize, usize) {
+    let n = shape[shape.num_dims() - 1];
+    (shape.num_elements().checked_div(n).unwrap_or(0), n)
+}
 
 /// `x + bias` with `bias` (`[n]`) broadcast over the last dimension of `x` (`[.., n]`).
 pub(crate) fn add_last_dim<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {

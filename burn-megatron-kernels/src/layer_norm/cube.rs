@@ -9,7 +9,7 @@ use crate::launch::{
     cast, cube_row, elementwise_geometry, empty_like, row_block_size, row_cube_count, tree_sum,
     zeros_like,
 };
-use crate::rms_norm::rows_and_width;
+use crate::ops::rows_and_width;
 use burn::backend::TensorMetadata;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;

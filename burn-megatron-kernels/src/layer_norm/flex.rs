@@ -14,7 +14,7 @@ use super::reference::{reference_layer_norm_backward, reference_layer_norm_forwa
 use crate::cpu::{f32_tensor, f32_values, lane_sum};
 use crate::cpu_elem::Elem;
 use crate::cpu_rows::{rows_per_block, rows_per_task, sum_in_block_order, vector_f32};
-use crate::rms_norm::rows_and_width;
+use crate::ops::rows_and_width;
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{DType, bf16, f16};

@@ -1,7 +1,7 @@
 //! LayerNorm composed of Burn ops, in f32: the ground truth of the native loops and the
 //! kernels, and what backends without either run.
 
-use crate::rms_norm::rows_and_width;
+use crate::ops::rows_and_width;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Scalar, TensorMetadata};
 use burn::tensor::{FloatDType, Shape};

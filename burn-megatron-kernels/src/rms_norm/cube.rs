@@ -4,11 +4,12 @@
 //! float atomics, which WGSL lacks). Statistics and gradients accumulate in f32.
 
 use super::RmsNormOps;
-use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward, rows_and_width};
+use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward};
 use crate::launch::{
     cast, cube_row, elementwise_geometry, empty_like, row_block_size, row_cube_count, tree_sum,
     zeros_like,
 };
+use crate::ops::rows_and_width;
 use burn::backend::TensorMetadata;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;

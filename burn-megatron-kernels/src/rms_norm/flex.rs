@@ -11,11 +11,12 @@
 //!
 //! Mixed dtypes (`x` and `gamma` differ) and other dtypes go through the reference.
 
-use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward, rows_and_width};
+use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward};
 use crate::cpu::lane_sum;
 use crate::cpu::{f32_tensor, f32_values};
 use crate::cpu_elem::Elem;
 use crate::cpu_rows::{rows_per_block, rows_per_task, sum_in_block_order, vector_f32};
+use crate::ops::rows_and_width;
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{DType, bf16, f16};

@@ -18,7 +18,6 @@ mod cube;
 mod flex;
 mod reference;
 
-pub(crate) use reference::rows_and_width;
 pub use reference::{reference_rms_norm_backward, reference_rms_norm_forward};
 
 use crate::KernelError;

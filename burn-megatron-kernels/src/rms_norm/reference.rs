@@ -1,15 +1,10 @@
 //! RMSNorm composed of Burn ops: the ground truth of the native loops and the kernels, and
 //! what backends without either run. The forward is Burn's `nn::RmsNorm::forward`, op for op.
 
+use crate::ops::rows_and_width;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Scalar, TensorMetadata};
 use burn::tensor::{FloatDType, Shape};
-
-/// `(rows, n)` of `x` (`[.., n]`).
-pub(crate) fn rows_and_width(shape: &Shape) -> (usize, usize) {
-    let n = shape[shape.num_dims() - 1];
-    (shape.num_elements().checked_div(n).unwrap_or(0), n)
-}
 
 fn widen<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     B::float_cast(t, FloatDType::F32)
