@@ -57,7 +57,8 @@ pub struct Setup {
     pp: usize,
     vp: usize,
     dp: usize,
-    /// Context-parallel size and how K/V travel (causal attention: the GPT family).
+    /// Context-parallel size and how K/V travel (causal attention in the GPT family,
+    /// bidirectional in BERT).
     cp: usize,
     cp_comm: CpCommType,
     sp: bool,
@@ -156,11 +157,12 @@ impl Setup {
     pub fn new_bert(args: &BertArgs, vocab_size: usize) -> Result<Self, String> {
         let layout = args.validate()?;
         let a: &TrainArgs = &args.train;
-        let (b, s) = (a.micro_batch_size, a.seq_length);
+        let (b, s, cp) = (a.micro_batch_size, a.seq_length, a.context_parallel_size);
+        // Per CP rank: its share of the sequence's (masked) positions.
         let rows = if args.mlm_head_all_positions {
-            b * s
+            b * s / cp
         } else {
-            b * (s * 15).div_ceil(100)
+            (b * (s * 15).div_ceil(100)).div_ceil(cp)
         };
         Ok(Self {
             model: Model::Bert { rows },
@@ -261,14 +263,16 @@ impl Setup {
 
     /// What one layer's attention keeps per microbatch without `core_attn` recomputation:
     /// the queries, the keys and values, and the softmax's `[b, heads, q, k]` scores. Under
-    /// context parallelism (causal, load-balanced chunks of `L = s / 2CP`):
-    /// - `all_gather`: every rank's K/V (in sequence order), and for its two query chunks
-    ///   the keys up to each chunk's end, `(2CP + 1)·L²` scores per head;
+    /// context parallelism (load-balanced chunks of `L = s / 2CP`) the visible scores per
+    /// head are, causal, for its two query chunks the keys up to each chunk's end,
+    /// `(2CP + 1)·L²`, and bidirectional (BERT) every key, `s²/CP`:
+    /// - `all_gather`: every rank's K/V (in sequence order), and the visible scores;
     /// - `p2p`: the K/V blocks that passed around the ring, and the same visible blocks,
     ///   each keeping its exponentials and its normalised probabilities (two copies; the
     ///   fused kernel keeps one) plus the diagonal blocks' masks, measured as three;
     /// - `a2a`: the exchanged Q/K/V (the whole sequence for `1/CP` of the heads; groups
-    ///   that do not split are repeated per head), and `1/CP` of the heads' `s²` scores.
+    ///   that do not split are repeated per head), and the visible scores of those heads
+    ///   over the whole sequence, the same count.
     fn attention_kept(&self) -> (u64, u64, u64) {
         let t = self.tp as u64;
         let (b, s, c, hn) = (
@@ -283,26 +287,18 @@ impl Setup {
         if c == 1 {
             return (tokens * np * hn, tokens * 2 * ng * hn, b * np * s * s);
         }
+        // a2a: the whole sequence for `np/c` heads, causal in its 2c chunks each against
+        // the keys up to its end, `b·(np/c)·Σ_{i≤2c} i·l² = b·np·(2c+1)·l²`, as all_gather.
+        let visible = match self.model {
+            Model::Gpt => b * np * (2 * c + 1) * l * l,
+            Model::Bert { .. } => b * np * s * s / c,
+        };
         match self.cp_comm {
-            CpCommType::AllGather => (
-                tokens * np * hn,
-                b * s * 2 * ng * hn,
-                b * np * (2 * c + 1) * l * l,
-            ),
-            CpCommType::P2p => (
-                tokens * np * hn,
-                b * s * 2 * ng * hn,
-                3 * b * np * (2 * c + 1) * l * l,
-            ),
-            // The whole sequence for `np/c` heads, its 2c chunks each against the keys up to
-            // its end: `b·(np/c)·Σ_{i≤2c} i·l² = b·np·(2c+1)·l²`, as all_gather keeps.
+            CpCommType::AllGather => (tokens * np * hn, b * s * 2 * ng * hn, visible),
+            CpCommType::P2p => (tokens * np * hn, b * s * 2 * ng * hn, 3 * visible),
             CpCommType::A2a => {
                 let kv_heads = if ng.is_multiple_of(c) { ng } else { np };
-                (
-                    tokens * np * hn,
-                    tokens * 2 * kv_heads * hn,
-                    b * np * (2 * c + 1) * l * l,
-                )
+                (tokens * np * hn, tokens * 2 * kv_heads * hn, visible)
             }
         }
     }
@@ -314,8 +310,8 @@ impl Setup {
         let full = self.recompute.granularity == Some(RecomputeGranularity::Full);
         let (mut kept, mut replay) = (layers as u64 * layer, 0);
         if first && matches!(self.model, Model::Bert { .. }) {
-            // The embeddings' LayerNorm's input, over the whole sequence.
-            kept += (self.seq * self.micro_batch * self.h) as u64;
+            // The embeddings' LayerNorm's input, over the rank's whole share of the sequence.
+            kept += (self.seq * self.micro_batch * self.h / self.cp) as u64;
         }
         if full {
             kept = 0;

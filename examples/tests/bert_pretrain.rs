@@ -2,6 +2,8 @@
 //! rejects bad arguments before any work.
 
 mod common;
+#[path = "bert_pretrain/context_parallel.rs"]
+mod context_parallel;
 
 use burn_megatron_examples::pretrain::{IterationLog, Summary, run};
 use common::{args, assert_same_iterations, binary, sop, tmp};

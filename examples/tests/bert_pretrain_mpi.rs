@@ -181,6 +181,38 @@ fn interleaved_pipeline_under_mpirun_is_the_threaded_run() {
     assert_eq!(&std::fs::read(dir.join("trace.png")).unwrap()[1..4], b"PNG");
 }
 
+/// BERT under context parallelism between processes: TP 2 × CP 2 with sequence
+/// parallelism, bidirectional attention over K/V passed around the ring (`p2p`) or
+/// all-gathered, is the threaded run, bit for bit.
+#[test]
+fn a_context_parallel_bert_under_mpirun_is_the_threaded_run() {
+    for comm_type in ["p2p", "all_gather"] {
+        let dir = tmp(&format!("mpi-bert-cp-{comm_type}"));
+        let log = dir.join("cp.jsonl");
+        let layout = [
+            "--world-size",
+            "4",
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            comm_type,
+            "--sequence-parallel",
+            "--train-iters",
+            "4",
+            "--eval-interval",
+            "0",
+        ];
+        let threaded = run(&args(&layout, &dir)).unwrap().log;
+        let out = mpirun(
+            4,
+            &[&layout[..], &["--log-json", log.to_str().unwrap()]].concat(),
+            &dir,
+        );
+        succeeded(&out);
+        assert_same_iterations(&threaded, &read_log_json(&log).unwrap());
+    }
+}
+
 /// `gpt_pretrain` with `layout` under `mpirun -np 4`, against the threaded run: every
 /// iteration equal.
 fn gpt_under_mpirun_is_the_threaded_run(layout: &[&str], dir: &Path) {

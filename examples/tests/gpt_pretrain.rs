@@ -342,36 +342,51 @@ fn the_plan_predicts_each_ranks_measured_peak() {
         check_peaks(&format!("CP 2 {comm}"), &stages, summary.peaks);
     }
     // BERT (post-LayerNorm, the MLM head on the masked positions) on a pipeline.
-    let bert = common::args(
-        &[
-            "--num-layers",
-            "4",
-            "--hidden-size",
-            "256",
-            "--seq-length",
-            "128",
-            "--micro-batch-size",
-            "4",
-            "--global-batch-size",
-            "16",
-            "--vocab-size",
-            "191",
-            "--tensor-model-parallel-size",
-            "1",
-            "--pipeline-model-parallel-size",
-            "2",
-            "--world-size",
-            "2",
-            "--train-iters",
-            "2",
-            "--eval-interval",
-            "0",
-        ],
-        &dir,
-    );
+    let bert_flags = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "256",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "16",
+        "--vocab-size",
+        "191",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--world-size",
+        "2",
+        "--train-iters",
+        "2",
+        "--eval-interval",
+        "0",
+    ];
+    let bert = common::args(&bert_flags, &dir);
     let stages = Setup::new_bert(&bert, 191).unwrap().plan().unwrap();
     let summary = burn_megatron_examples::pretrain::run(&bert).unwrap();
     check_peaks("bert PP 2", &stages, summary.peaks);
+    // BERT under CP 2: bidirectional attention keeps every key's scores for its queries.
+    for comm in ["all_gather", "p2p", "a2a"] {
+        let layout = [
+            "--seq-length",
+            "256",
+            "--pipeline-model-parallel-size",
+            "1",
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            comm,
+        ];
+        let cp = common::args(&[&bert_flags[..], &layout[..]].concat(), &dir);
+        let stages = Setup::new_bert(&cp, 191).unwrap().plan().unwrap();
+        let summary = burn_megatron_examples::pretrain::run(&cp).unwrap();
+        check_peaks(&format!("bert CP 2 {comm}"), &stages, summary.peaks);
+    }
     // A refused layout is refused by both, with one message.
     let bad = args(
         &["--num-layers", "3", "--pipeline-model-parallel-size", "2"],

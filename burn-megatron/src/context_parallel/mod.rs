@@ -30,6 +30,7 @@
 use crate::comm::{Comm, CommunicatorExt, ReduceOp};
 use crate::tensor_parallel::TpError;
 use crate::tensor_parallel::mappings::{Mapping, apply, gather_from_sequence_parallel_region};
+use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 /// The global positions rank `rank` of a CP group of `cp` holds of a sequence of
@@ -186,6 +187,40 @@ impl ContextParallel {
             )));
         }
         Ok(self.positions.iter().map(|&p| row[p].clone()).collect())
+    }
+
+    /// This rank's tokens of full-sequence rows along `dim` (`get_batch_on_this_cp_rank` on
+    /// tensors: token ids, labels, loss masks, `[b, s]`). Errors unless `dim` has the
+    /// sequence's length.
+    pub fn split_tensor<const D: usize, K: Basic>(
+        &self,
+        x: Tensor<D, K>,
+        dim: usize,
+    ) -> Result<Tensor<D, K>, TpError> {
+        let dims = x.dims();
+        if dim >= D || dims[dim] != self.seq_length {
+            return Err(TpError::Invalid(format!(
+                "dim {dim} of a tensor of dims {dims:?} for a context-parallel split of {}",
+                self.seq_length
+            )));
+        }
+        let index: Vec<i64> = self.positions.iter().map(|&p| p as i64).collect();
+        let index = Tensor::from_data(TensorData::new(index, [self.positions.len()]), &x.device());
+        Ok(x.select(dim, index))
+    }
+
+    /// Refuses `--cp-comm-type a2a` when the `heads` a tensor-parallel rank holds do not
+    /// split over the group (Ulysses trades tokens for heads), naming both numbers.
+    pub fn check_heads(&self, heads: usize) -> Result<(), TpError> {
+        if self.comm_type == CpCommType::A2a && !heads.is_multiple_of(self.size()) {
+            return Err(TpError::Invalid(format!(
+                "--cp-comm-type a2a splits the attention heads over context parallelism: \
+                 the {heads} heads of a tensor-parallel rank are not divisible by \
+                 --context-parallel-size {}",
+                self.size()
+            )));
+        }
+        Ok(())
     }
 
     /// All-gathers dim 0 (the sequence) over CP; backward reduce-scatters the gradient,

@@ -6,12 +6,13 @@ mod head;
 
 pub use head::MaskedPositions;
 
-use super::attention::AttentionInputs;
+use super::attention::{AttentionInputs, CpAttention};
 use super::norm::{FusedLayerNorm, NormKind};
 use super::transformer::{
     LayerNormPosition, TransformerLayer, TransformerLayerConfig, forward_layers,
 };
 use crate::comm::Comm;
+use crate::context_parallel::ContextParallel;
 use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
@@ -24,7 +25,7 @@ use crate::topology::PipelinePosition;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 /// BERT's shape, named as Megatron's arguments.
 #[derive(Config, Debug)]
@@ -283,8 +284,18 @@ fn check_inputs(
     e: &BertEmbeddings,
     ids: &Tensor<2, Int>,
     types: &Tensor<2, Int>,
+    cp: Option<&ContextParallel>,
 ) -> Result<(), TpError> {
-    let (s, max_pos) = (ids.dims()[1], e.position_embeddings.weight.dims()[0]);
+    let s = cp.map_or(ids.dims()[1], ContextParallel::seq_length);
+    if let Some(cp) = cp.filter(|cp| cp.positions().len() != ids.dims()[1]) {
+        return Err(TpError::Invalid(format!(
+            "token ids of dims {:?} on a context-parallel rank that holds {} of {} tokens",
+            ids.dims(),
+            cp.positions().len(),
+            cp.seq_length()
+        )));
+    }
+    let max_pos = e.position_embeddings.weight.dims()[0];
     if s > max_pos {
         return Err(TpError::Invalid(format!(
             "sequence length {s} exceeds max_position_embeddings {max_pos}"
@@ -403,11 +414,44 @@ impl Bert {
         rng: Option<&RngTracker>,
         lm_positions: Option<&MaskedPositions>,
     ) -> Result<BertStageOutput, TpError> {
+        self.forward_impl(tokens, hidden, padding, rng, lm_positions, None)
+    }
+
+    /// [`Bert::forward_stage_with_positions`] on this rank's share of sequences split over
+    /// a context-parallel group: `tokens` (`[b, s / cp]`) are the tokens at
+    /// `cp.positions()` (split with [`ContextParallel::split_tensor`]), `padding` covers
+    /// the whole sequences (`[b, s]`), and attention sees every token. The [CLS] token
+    /// (position 0) is CP rank 0's first: the binary head runs on every rank's first token,
+    /// and [`Bert::loss_cp`] counts rank 0's only.
+    pub fn forward_stage_cp(
+        &self,
+        tokens: Option<(Tensor<2, Int>, Tensor<2, Int>)>,
+        hidden: Option<Tensor<3>>,
+        padding: Tensor<2, Bool>,
+        rng: Option<&RngTracker>,
+        lm_positions: Option<&MaskedPositions>,
+        cp: &ContextParallel,
+    ) -> Result<BertStageOutput, TpError> {
+        if let Some(layer) = self.layers.first() {
+            cp.check_heads(layer.attention.heads_per_rank())?;
+        }
+        self.forward_impl(tokens, hidden, padding, rng, lm_positions, Some(cp))
+    }
+
+    fn forward_impl(
+        &self,
+        tokens: Option<(Tensor<2, Int>, Tensor<2, Int>)>,
+        hidden: Option<Tensor<3>>,
+        padding: Tensor<2, Bool>,
+        rng: Option<&RngTracker>,
+        lm_positions: Option<&MaskedPositions>,
+        cp: Option<&ContextParallel>,
+    ) -> Result<BertStageOutput, TpError> {
         self.state_attrs();
         let mut x = match (&self.embeddings, tokens, hidden) {
             (Some(e), Some((ids, types)), None) => {
-                check_inputs(e, &ids, &types)?;
-                self.embed(e, ids, types, rng)
+                check_inputs(e, &ids, &types, cp)?;
+                self.embed(e, ids, types, rng, cp)
             }
             (None, None, Some(x)) => x,
             (e, t, x) => {
@@ -418,7 +462,28 @@ impl Bert {
                 ));
             }
         };
-        let inputs = AttentionInputs::padding(padding);
+        let inputs = match cp {
+            None => AttentionInputs::padding(padding),
+            Some(cp) => {
+                let [b, s] = padding.dims();
+                if s != cp.seq_length() {
+                    return Err(TpError::Invalid(format!(
+                        "a padding mask of dims [{b}, {s}] for context-parallel sequences of {}",
+                        cp.seq_length()
+                    )));
+                }
+                // The keys reach attention in gathered (rank) order; so must their padding.
+                let order = cp.gathered_order(&padding.device());
+                AttentionInputs {
+                    padding: Some(padding.select(1, order)),
+                    rotary: None,
+                    context_parallel: Some(CpAttention {
+                        cp: cp.clone(),
+                        causal: false,
+                    }),
+                }
+            }
+        };
         x = forward_layers(&self.layers, x, &inputs, rng, &self.recompute);
         let Some(head) = &self.head else {
             return Ok(BertStageOutput::Hidden(x));
@@ -454,13 +519,20 @@ impl Bert {
         ids: Tensor<2, Int>,
         token_types: Tensor<2, Int>,
         rng: Option<&RngTracker>,
+        cp: Option<&ContextParallel>,
     ) -> Tensor<3> {
         let _span = tracing::debug_span!("bert.embeddings").entered();
         let [b, s] = ids.dims();
         let device = ids.device();
-        let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
-            .unsqueeze::<2>()
-            .repeat_dim(0, b);
+        // Each token at its global position, under context parallelism too.
+        let positions = match cp {
+            None => Tensor::<1, Int>::arange(0..s as i64, &device),
+            Some(cp) => {
+                let p: Vec<i64> = cp.positions().iter().map(|&p| p as i64).collect();
+                Tensor::from_data(TensorData::new(p, [s]), &device)
+            }
+        };
+        let positions = positions.unsqueeze::<2>().repeat_dim(0, b);
         let x = e.word_embeddings.forward(ids)
             + e.position_embeddings.forward(positions)
             + e.tokentype_embeddings.forward(token_types);

@@ -38,7 +38,6 @@ impl From<DecayStyle> for LrDecayStyle {
     }
 }
 
-/// Megatron's `--recompute-granularity`.
 /// Megatron's `--cp-comm-type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CpCommType {
@@ -51,6 +50,7 @@ pub enum CpCommType {
     A2a,
 }
 
+/// Megatron's `--recompute-granularity`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Granularity {
     /// Whole layers.

@@ -43,13 +43,6 @@ impl Args {
     pub fn validate(&self) -> Result<burn_megatron::data::BatchLayout, String> {
         let a = &self.train;
         let layout = a.validate()?;
-        if a.context_parallel_size > 1 {
-            return Err(format!(
-                "--context-parallel-size {}: BERT's bidirectional attention does not support \
-                 context parallelism yet (the GPT family does)",
-                a.context_parallel_size
-            ));
-        }
         // bert_pretrain's encoder layers are post-norm (BertConfig's default).
         LayerNormPosition::Post
             .check_recompute(&a.recompute())
@@ -149,7 +142,7 @@ impl Family for BertFamily {
         split: Split,
         samples: Range<usize>,
         rng: Option<&RngTracker>,
-        _cp: Option<&ContextParallel>,
+        cp: Option<&ContextParallel>,
         device: &Device,
     ) -> Result<ChunkOutput<3>, StageError> {
         let data = match split {
@@ -157,31 +150,45 @@ impl Family for BertFamily {
             Split::Valid => &self.valid,
         };
         let samples: Vec<BertSample> = samples.map(|i| data.sample(i)).collect();
-        let b = BertBatch::new(&samples, device);
+        let mut b = BertBatch::new(&samples, device);
+        if let Some(cp) = cp {
+            // This rank's tokens (Megatron's `get_batch_on_this_cp_rank`); the padding
+            // stays whole, since attention sees every key.
+            b.ids = cp.split_tensor(b.ids, 1)?;
+            b.types = cp.split_tensor(b.types, 1)?;
+            b.labels = cp.split_tensor(b.labels, 1)?;
+            b.loss_mask = cp.split_tensor(b.loss_mask, 1)?;
+        }
         let tokens = s.input.is_none().then_some((b.ids, b.types));
         let last = s.model.head.is_some();
         let positions = (last && !self.all_positions)
             .then(|| MaskedPositions::from_loss_mask(&b.loss_mask))
             .transpose()?;
-        Ok(
-            match s.model.forward_stage_with_positions(
-                tokens,
-                s.input,
-                b.padding,
-                rng,
-                positions.as_ref(),
-            )? {
-                BertStageOutput::Hidden(h) => ChunkOutput::Activation(h),
-                BertStageOutput::Output(o) => {
-                    let (lm, sop) = s.model.loss(o, b.labels, b.loss_mask, b.is_random)?;
-                    let report = vec![scalar(lm.clone()), scalar(sop.clone())];
-                    ChunkOutput::Loss {
-                        loss: lm + sop,
-                        report,
+        let (model, positions) = (s.model, positions.as_ref());
+        let out = match cp {
+            None => model.forward_stage_with_positions(tokens, s.input, b.padding, rng, positions),
+            Some(cp) => model.forward_stage_cp(tokens, s.input, b.padding, rng, positions, cp),
+        }?;
+        Ok(match out {
+            BertStageOutput::Hidden(h) => ChunkOutput::Activation(h),
+            BertStageOutput::Output(o) => {
+                let (lm, sop) = match cp {
+                    None => model.loss(o, b.labels, b.loss_mask, b.is_random)?,
+                    // Megatron's scaling: × CP here, averaged over DP × CP with the
+                    // gradients, so the CP ranks' shares add up.
+                    Some(cp) => {
+                        let (lm, sop) = model.loss_cp(o, b.labels, b.loss_mask, b.is_random, cp)?;
+                        let n = cp.size() as f32;
+                        (lm * n, sop * n)
                     }
+                };
+                let report = vec![scalar(lm.clone()), scalar(sop.clone())];
+                ChunkOutput::Loss {
+                    loss: lm + sop,
+                    report,
                 }
-            },
-        )
+            }
+        })
     }
 }
 

@@ -4,6 +4,7 @@
 //! matmuls and cross-entropy), with the same loss and gradients.
 
 use super::{Bert, BertHead, BertOutput};
+use crate::context_parallel::ContextParallel;
 use crate::tensor_parallel::mappings::copy_to_tensor_model_parallel_region;
 use crate::tensor_parallel::{TpError, VocabParallelEmbedding, vocab_parallel_cross_entropy};
 use burn::tensor::activation::{gelu, log_softmax};
@@ -117,6 +118,40 @@ impl Bert {
         loss_mask: Tensor<2>,
         binary_labels: Tensor<1, Int>,
     ) -> Result<(Tensor<1>, Tensor<1>), TpError> {
+        let (lm_sum, tokens, binary_loss) =
+            self.loss_parts(output, lm_labels, loss_mask, binary_labels)?;
+        Ok((lm_sum / tokens.clamp_min(1.0), binary_loss))
+    }
+
+    /// [`loss`](Self::loss) of this rank's share of sequences split over `cp` (outputs of
+    /// [`Bert::forward_stage_cp`], `lm_labels` and `loss_mask` split as the tokens): its
+    /// masked tokens' losses over the masked-token count of the whole sequences, and the
+    /// binary loss on CP rank 0 (which holds [CLS]), 0 elsewhere. The CP ranks' losses sum
+    /// to the unsplit ones and their gradients to its gradients (reduce them with a sum
+    /// over CP; Megatron scales the loss by CP and averages over DP × CP).
+    pub fn loss_cp(
+        &self,
+        output: BertOutput,
+        lm_labels: Tensor<2, Int>,
+        loss_mask: Tensor<2>,
+        binary_labels: Tensor<1, Int>,
+        cp: &ContextParallel,
+    ) -> Result<(Tensor<1>, Tensor<1>), TpError> {
+        let (lm_sum, tokens, binary_loss) =
+            self.loss_parts(output, lm_labels, loss_mask, binary_labels)?;
+        let tokens = cp.sum(tokens.into_scalar())?.max(1.0);
+        let cls = if cp.rank() == 0 { 1.0 } else { 0.0 };
+        Ok((lm_sum / tokens, binary_loss * cls))
+    }
+
+    /// (the MLM losses summed over `loss_mask`, the mask's sum, the binary loss), in f32.
+    fn loss_parts(
+        &self,
+        output: BertOutput,
+        lm_labels: Tensor<2, Int>,
+        loss_mask: Tensor<2>,
+        binary_labels: Tensor<1, Int>,
+    ) -> Result<(Tensor<1>, Tensor<1>, Tensor<1>), TpError> {
         let _span = tracing::debug_span!("bert.loss").entered();
         let [b, s] = loss_mask.dims();
         if lm_labels.dims() != [b, s] {
@@ -130,7 +165,7 @@ impl Bert {
         let mut labels = lm_labels.swap_dims(0, 1).reshape([s * b]);
         // Losses in f32 whatever the model's dtype, as Megatron.
         let mask = loss_mask.swap_dims(0, 1).reshape([s * b]).cast(DType::F32);
-        let denominator = mask.clone().sum().clamp_min(1.0);
+        let tokens = mask.clone().sum();
         let mut weights = mask;
         if let Some(p) = &output.lm_positions {
             if p.dims != [b, s] {
@@ -150,9 +185,9 @@ impl Bert {
             0.0,
             &self.tp,
         )?;
-        let lm_loss = (losses.cast(DType::F32) * weights).sum() / denominator;
+        let lm_sum = (losses.cast(DType::F32) * weights).sum();
         let logp = log_softmax(output.binary_logits.cast(DType::F32), 1);
         let binary_loss = logp.gather(1, binary_labels.unsqueeze_dim(1)).neg().mean();
-        Ok((lm_loss, binary_loss))
+        Ok((lm_sum, tokens, binary_loss))
     }
 }

@@ -2,7 +2,7 @@
 //! parallel logits (Megatron's `parallel_lm_logits` when tied), and the causal-LM loss.
 
 use super::{Gpt, GptEmbedding, GptHead};
-use crate::context_parallel::{ContextParallel, CpCommType};
+use crate::context_parallel::ContextParallel;
 use crate::models::attention::{AttentionInputs, CpAttention, LayerKvCache};
 use crate::models::transformer::forward_layers;
 use crate::tensor_parallel::mappings::{
@@ -123,18 +123,8 @@ impl Gpt {
             (None, Some(h)) => h.dims()[1],
             (None, None) => 0,
         };
-        if cp.comm_type() == CpCommType::A2a
-            && let Some(layer) = self.layers.first()
-        {
-            let heads = layer.attention.heads_per_rank();
-            if !heads.is_multiple_of(cp.size()) {
-                return Err(TpError::Invalid(format!(
-                    "--cp-comm-type a2a splits the attention heads over context parallelism: \
-                     the {heads} heads of a tensor-parallel rank are not divisible by \
-                     --context-parallel-size {}",
-                    cp.size()
-                )));
-            }
+        if let Some(layer) = self.layers.first() {
+            cp.check_heads(layer.attention.heads_per_rank())?;
         }
         let positions = Positions::PerSample(vec![cp.positions().to_vec(); b]);
         self.forward_impl(ids, hidden, &positions, None, rng, None, Some(cp))
