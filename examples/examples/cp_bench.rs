@@ -5,9 +5,14 @@
 //! before the step: "kept" is what the forward left alive for backward (the activations CP
 //! splits), "peak" the step's highest point. Step time is the median of the timed steps;
 //! on this 2-core machine the CP ranks share the cores, so the time column shows the cost
-//! of the extra collectives and masking, not a speed-up. The ring's sends are not overlapped
-//! with compute: the thread and MPI communicators' send/recv are blocking, so none of the
-//! ring's communication time is hidden here.
+//! of the extra collectives and masking, not a speed-up.
+//!
+//! Ring attention posts each block's send before the step's compute and receives after it.
+//! For `p2p` the bench reports the communication hidden behind compute: the same exchanges
+//! (count and sizes) timed alone on the same ranks right after the steps, against the
+//! communication the steps were still exposed to: the time in sends, and in each receive
+//! the wait after the previous rank had posted the block ([`RingStats`]; waiting before
+//! that is waiting for the peer's compute). Hidden = 1 − exposed / alone.
 //!
 //! ```text
 //! cargo run --release -p burn-megatron-examples --example cp_bench
@@ -15,7 +20,8 @@
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::context_parallel::{ContextParallel, CpCommType};
+use burn_megatron::comm::{Buffer, CommDType};
+use burn_megatron::context_parallel::{ContextParallel, CpCommType, RingStats};
 use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{
@@ -48,8 +54,57 @@ struct Args {
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// Per rank: kept and peak bytes, median step seconds.
-fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<(i64, i64, f64)>, Error> {
+/// One rank's measurements.
+struct Measured {
+    kept: i64,
+    peak: i64,
+    /// Median step seconds.
+    step: f64,
+    /// The ring's sends and receives in the timed steps.
+    ring: RingStats,
+    /// The same exchanges alone: seconds.
+    alone: f64,
+}
+
+/// The ring's exchanges of `stats` (each of the average size) done alone, one after the
+/// other as the steps do them: seconds.
+fn exchanges_alone(cp: &ContextParallel, stats: &RingStats) -> Result<f64, Error> {
+    let n = cp.size();
+    let (next, previous) = ((cp.rank() + 1) % n, (cp.rank() + n - 1) % n);
+    let len = (stats.bytes / stats.sends.max(1) as u64 / 4) as usize;
+    cp.comm().barrier()?;
+    let t = Instant::now();
+    for _ in 0..stats.sends {
+        cp.comm().send(Buffer::zeros(CommDType::F32, len), next)?;
+        let mut buf = Buffer::zeros(CommDType::F32, len);
+        cp.comm().recv(&mut buf, previous)?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Seconds of ring communication each rank was exposed to: its time in sends, and in each
+/// receive the wait after the previous rank had posted the block (waiting before that is
+/// waiting for the peer's compute, not for communication).
+fn exposed(ranks: &[Measured]) -> Vec<f64> {
+    let n = ranks.len();
+    (0..n)
+        .map(|r| {
+            let posted = &ranks[(r + n - 1) % n].ring.posted;
+            let waits: f64 = ranks[r]
+                .ring
+                .received
+                .iter()
+                .zip(posted)
+                .map(|(&(start, end), &sent)| end.saturating_duration_since(start.max(sent)))
+                .map(|d| d.as_secs_f64())
+                .sum();
+            ranks[r].ring.send_time.as_secs_f64() + waits
+        })
+        .collect()
+}
+
+/// Per rank: kept and peak bytes, step time, and the ring's exposed and alone times.
+fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured>, Error> {
     let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
     let vocab = 4096;
     let config = GptConfig::new(
@@ -111,9 +166,19 @@ fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<(i64, i6
                 secs.push(elapsed);
                 kept = kept.max(held);
                 peak = peak.max(counter.peak() - before);
+            } else {
+                split.take_ring_stats();
             }
         }
-        Ok::<_, Error>((kept, peak, median(secs)))
+        let ring = split.take_ring_stats();
+        let alone = exchanges_alone(&split, &ring)?;
+        Ok::<_, Error>(Measured {
+            kept,
+            peak,
+            step: median(secs),
+            ring,
+            alone,
+        })
     })?;
     Ok(out)
 }
@@ -133,12 +198,24 @@ fn main() -> Result<(), Error> {
         };
         for &comm_type in types {
             let ranks = measure(&args, cp, comm_type)?;
-            let kept = ranks.iter().map(|r| r.0).max().unwrap_or(0);
-            let peak = ranks.iter().map(|r| r.1).max().unwrap_or(0);
-            let step = ranks.iter().map(|r| r.2).fold(0.0, f64::max);
+            let kept = ranks.iter().map(|r| r.kept).max().unwrap_or(0);
+            let peak = ranks.iter().map(|r| r.peak).max().unwrap_or(0);
+            let step = ranks.iter().map(|r| r.step).fold(0.0, f64::max);
+            let exposed: f64 = exposed(&ranks).iter().sum();
+            let alone: f64 = ranks.iter().map(|r| r.alone).sum();
+            let hidden = if comm_type == CpCommType::P2p && alone > 0.0 {
+                format!(
+                    " | ring: {:.2} ms exposed of {:.2} ms alone per rank, {:.0}% hidden",
+                    1e3 * exposed / ranks.len() as f64,
+                    1e3 * alone / ranks.len() as f64,
+                    100.0 * (1.0 - exposed / alone)
+                )
+            } else {
+                String::new()
+            };
             let (k1, s1) = *base.get_or_insert((kept, step));
             println!(
-                "CP {cp} {comm_type:?}: kept {} per rank ({:.2}× less than CP 1, ideal {cp}×) | peak {} | step {:.2} s ({:.2}× CP 1's)",
+                "CP {cp} {comm_type:?}: kept {} per rank ({:.2}× less than CP 1, ideal {cp}×) | peak {} | step {:.2} s ({:.2}× CP 1's){hidden}",
                 mib(kept),
                 k1 as f64 / kept.max(1) as f64,
                 mib(peak),

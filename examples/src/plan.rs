@@ -267,9 +267,8 @@ impl Setup {
     /// head are, causal, for its two query chunks the keys up to each chunk's end,
     /// `(2CP + 1)·L²`, and bidirectional (BERT) every key, `s²/CP`:
     /// - `all_gather`: every rank's K/V (in sequence order), and the visible scores;
-    /// - `p2p`: the K/V blocks that passed around the ring, and the same visible blocks,
-    ///   each keeping its exponentials and its normalised probabilities (two copies; the
-    ///   fused kernel keeps one) plus the diagonal blocks' masks, measured as three;
+    /// - `p2p`: one op with a recomputing backward keeps its input (the queries and this
+    ///   rank's own K/V block) and each query's log-sum-exp, no scores;
     /// - `a2a`: the exchanged Q/K/V (the whole sequence for `1/CP` of the heads; groups
     ///   that do not split are repeated per head), and the visible scores of those heads
     ///   over the whole sequence, the same count.
@@ -295,7 +294,7 @@ impl Setup {
         };
         match self.cp_comm {
             CpCommType::AllGather => (tokens * np * hn, b * s * 2 * ng * hn, visible),
-            CpCommType::P2p => (tokens * np * hn, b * s * 2 * ng * hn, 3 * visible),
+            CpCommType::P2p => (tokens * np * hn, tokens * 2 * ng * hn, tokens * np),
             CpCommType::A2a => {
                 let kv_heads = if ng.is_multiple_of(c) { ng } else { np };
                 (tokens * np * hn, tokens * 2 * kv_heads * hn, visible)
@@ -511,7 +510,8 @@ impl Setup {
         };
         // Per layer and microbatch, what K/V cost over CP: all_gather gathers them forward
         // and reduce-scatters their gradients; p2p passes this rank's block CP − 1 times
-        // forward, and blocks and their gradients as many times backward; a2a exchanges
+        // forward, and backward the blocks CP − 1 times again and their gradients CP times
+        // (the last shift brings them home); a2a exchanges
         // (CP − 1)/CP of the Q/K/V and of the context, twice each way. A replayed layer
         // (full recomputation, or core_attn, whose region holds the exchange) does its
         // forward's again.
@@ -520,7 +520,7 @@ impl Setup {
         let context = tokens * (self.heads * self.hn) as u64 / t * e;
         let (forward, backward) = match self.cp_comm {
             CpCommType::AllGather => ((c - 1) * kv, (c - 1) * kv),
-            CpCommType::P2p => ((c - 1) * kv, 2 * (c - 1) * kv),
+            CpCommType::P2p => ((c - 1) * kv, (2 * c - 1) * kv),
             CpCommType::A2a => {
                 let once = (c - 1) * (qkv + context) / c;
                 (once, once)

@@ -32,6 +32,8 @@ use crate::tensor_parallel::TpError;
 use crate::tensor_parallel::mappings::{Mapping, apply, gather_from_sequence_parallel_region};
 use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// The global positions rank `rank` of a CP group of `cp` holds of a sequence of
 /// `seq_length` tokens: chunks `rank` and `2·cp − 1 − rank` of `2·cp`.
@@ -71,6 +73,24 @@ pub enum CpCommType {
     A2a,
 }
 
+/// What the ring (`p2p`) exchanges of a [`ContextParallel`] and its clones did since they
+/// were last taken ([`ContextParallel::take_ring_stats`]): enough to tell the communication
+/// a rank waited for from the compute its peer had not finished (`cp_bench` pairs each
+/// receive with the previous rank's send, in order: ranks as threads share one clock).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RingStats {
+    /// Blocks sent (K/V, and their gradients in backward), and their bytes.
+    pub sends: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Time inside the send calls (queueing the block; a send never waits for the peer).
+    pub send_time: Duration,
+    /// When each send returned: the block was on its way.
+    pub posted: Vec<Instant>,
+    /// When each receive started and returned.
+    pub received: Vec<(Instant, Instant)>,
+}
+
 /// One rank's view of a sequence split over its CP group.
 #[derive(Debug, Clone)]
 pub struct ContextParallel {
@@ -79,6 +99,7 @@ pub struct ContextParallel {
     positions: Vec<usize>,
     key_positions: Vec<usize>,
     comm_type: CpCommType,
+    ring_stats: Arc<Mutex<RingStats>>,
 }
 
 impl ContextParallel {
@@ -97,6 +118,7 @@ impl ContextParallel {
             positions,
             key_positions,
             comm_type: CpCommType::AllGather,
+            ring_stats: Arc::default(),
         })
     }
 
@@ -252,6 +274,27 @@ impl ContextParallel {
             TensorData::new(values, [b, self.key_positions.len()]),
             device,
         ))
+    }
+
+    /// The ring exchanges' cost since the last call, and counting afresh.
+    pub fn take_ring_stats(&self) -> RingStats {
+        std::mem::take(&mut *crate::comm::lock(&self.ring_stats))
+    }
+
+    pub(crate) fn record_ring_send(&self, started: Instant, bytes: usize) {
+        let now = Instant::now();
+        let mut stats = crate::comm::lock(&self.ring_stats);
+        stats.sends += 1;
+        stats.bytes += bytes as u64;
+        stats.send_time += now - started;
+        stats.posted.push(now);
+    }
+
+    pub(crate) fn record_ring_receive(&self, started: Instant) {
+        let now = Instant::now();
+        crate::comm::lock(&self.ring_stats)
+            .received
+            .push((started, now));
     }
 
     /// The sum of `value` over the CP group (a host value: token counts, losses to report).

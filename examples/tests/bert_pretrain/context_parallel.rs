@@ -6,7 +6,7 @@ use super::common::{args, sop, tmp};
 use burn_megatron_examples::pretrain::run;
 
 /// CP 2 (`p2p`, `a2a`), CP 4 (`all_gather`), TP 2 × CP 2 with SP, CP 2 × PP 2 (1F1B), CP 2
-/// × DP 2 with the distributed optimizer and the overlapped reducer, and CP 2 with
+/// × DP 2 with the distributed optimizer and the overlapped reducer, and CP 2 `p2p` with
 /// selective recomputation train as the unsplit run does (dropout off): every iteration's
 /// MLM and SOP losses and grad norm within 1e-5 relative of CP 1. A checkpoint saved at
 /// CP 2 × DP 2 resumes at CP 1; bad CP flags are refused naming the numbers.
@@ -52,7 +52,16 @@ fn context_parallel_training_matches_the_unsplit_run() {
             &["--use-distributed-optimizer", "--overlap-grad-reduce"],
         ]
         .concat(),
-        &[&cp2[..], &["--recompute-granularity", "selective"]].concat(),
+        &[
+            &cp2[..],
+            &[
+                "--recompute-granularity",
+                "selective",
+                "--cp-comm-type",
+                "p2p",
+            ],
+        ]
+        .concat(),
     ];
     let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * y.abs().max(1.0);
     for layout in layouts {

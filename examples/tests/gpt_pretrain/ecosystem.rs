@@ -254,6 +254,8 @@ fn context_parallel_training_matches_the_unsplit_run() {
             "2",
             "--recompute-granularity",
             "selective",
+            "--cp-comm-type",
+            "p2p",
         ],
         &["--world-size", "2", "--context-parallel-size", "2"],
         // Ulysses with one query group per TP rank: repeated per head over CP.

@@ -5,7 +5,7 @@ use super::{CoreAttention, CpAttention};
 use crate::context_parallel::CpCommType;
 use crate::tensor_parallel::RngTracker;
 use crate::tensor_parallel::mappings::all_to_all;
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::{Bool, Tensor};
 
 impl CoreAttention {
     /// Context parallelism: every key and value of the sequence, all-gathered in one
@@ -25,7 +25,8 @@ impl CoreAttention {
         let ng = self.groups_per_rank;
         match c.cp.comm_type() {
             CpCommType::P2p => {
-                return self.forward_ring(q, Tensor::cat(vec![k, v], 2), c, padding, rng);
+                let kv = Tensor::cat(vec![k, v], 2);
+                return self.forward_ring(q, kv, &c.cp, c.causal, padding, rng);
             }
             CpCommType::A2a => return self.forward_ulysses(q, k, v, c, padding, rng),
             CpCommType::AllGather => {}
@@ -144,112 +145,4 @@ impl CoreAttention {
             .permute([1, 2, 0, 3])
             .reshape([len, b, np * hn])
     }
-
-    /// Ring attention (`--cp-comm-type p2p`): this rank's K/V block (`kv`, `[s, b,
-    /// 2·groups, hn]`: its two chunks) travels around the CP ring; at each step every
-    /// (query chunk, key chunk) pair a causal mask leaves visible is attended, and the
-    /// partial results are merged by their log-sum-exp (online softmax), so the output is
-    /// the softmax over all keys. Blocks above the diagonal are skipped.
-    fn forward_ring(
-        self,
-        q: Tensor<4>,
-        mut kv: Tensor<4>,
-        c: &CpAttention,
-        padding: Option<Tensor<2, Bool>>,
-        rng: Option<&RngTracker>,
-    ) -> Tensor<3> {
-        let (cp, me, len) = (c.cp.size(), c.cp.rank(), c.cp.chunk_length());
-        let ng = self.groups_per_rank;
-        let [_, b, np, hn] = q.dims();
-        let q_chunks = c.cp.chunks();
-        let mut merged: [Option<(Tensor<4>, Tensor<4>)>; 2] = [None, None];
-        for step in 0..cp {
-            // After `step` shifts this rank holds rank `source`'s chunks.
-            let source = (me + cp - step) % cp;
-            let k_chunks = [source, 2 * cp - 1 - source];
-            for (qh, &qc) in q_chunks.iter().enumerate() {
-                for (kh, &kc) in k_chunks.iter().enumerate() {
-                    if c.causal && kc > qc {
-                        continue;
-                    }
-                    let block = kv.clone().narrow(0, kh * len, len);
-                    let (k, v) = (block.clone().narrow(2, 0, ng), block.narrow(2, ng, ng));
-                    let start = source * 2 * len + kh * len;
-                    let pad = padding.clone().map(|p| p.narrow(1, start, len));
-                    let part = q.clone().narrow(0, qh * len, len);
-                    let out = self.block(part, k, v, c.causal && kc == qc, pad, rng);
-                    merged[qh] = Some(match merged[qh].take() {
-                        None => out,
-                        Some(acc) => merge(acc, out),
-                    });
-                }
-            }
-            if step + 1 < cp {
-                kv = c.cp.ring_shift(kv);
-            }
-        }
-        // Every query chunk sees at least its own diagonal block, so both halves are there.
-        let halves = merged
-            .into_iter()
-            .flatten()
-            .map(|(o, _)| o.permute([2, 0, 1, 3]).reshape([len, b, np * hn]));
-        Tensor::cat(halves.collect(), 0)
-    }
-
-    /// One block of ring attention: `q` (`[len, b, heads, hn]`) over `k`, `v` (`[len, b,
-    /// groups, hn]`) → the block's softmax-weighted values (`[b, heads, len, hn]`) and each
-    /// query's log-sum-exp over the block (`[b, heads, len, 1]`).
-    fn block(
-        self,
-        q: Tensor<4>,
-        k: Tensor<4>,
-        v: Tensor<4>,
-        diagonal: bool,
-        padding: Option<Tensor<2, Bool>>,
-        rng: Option<&RngTracker>,
-    ) -> (Tensor<4>, Tensor<4>) {
-        let [len, b, _, _] = q.dims();
-        let (ng, qpg, hn) = (self.groups_per_rank, self.heads_per_group, self.head_dim);
-        let np = ng * qpg;
-        let (q, k, v) = (
-            q.permute([1, 2, 0, 3]),
-            k.permute([1, 2, 0, 3]),
-            v.permute([1, 2, 0, 3]),
-        );
-        let scale = 1.0 / (hn as f32).sqrt();
-        let mut scores = self.scores(q, k).mul_scalar(scale);
-        let device = scores.device();
-        if diagonal {
-            let above: Vec<bool> = (0..len * len).map(|i| i % len > i / len).collect();
-            let mask = Tensor::<2, Bool>::from_data(TensorData::new(above, [len, len]), &device);
-            scores = scores.mask_fill(
-                mask.reshape([1, 1, len, len]).expand([b, np, len, len]),
-                -10_000.0,
-            );
-        }
-        if let Some(p) = padding {
-            scores = scores.mask_fill(
-                p.reshape([b, 1, 1, len]).expand([b, np, len, len]),
-                -10_000.0,
-            );
-        }
-        let max = scores.clone().max_dim(3).detach();
-        let e = (scores - max.clone()).exp();
-        let sum = e.clone().sum_dim(3);
-        let lse = max + sum.clone().log();
-        (self.weighted_values(e / sum, v, rng), lse)
-    }
-}
-
-/// Two partial attention results over disjoint key sets, each `(values, log-sum-exp)`,
-/// merged into the result over both keys sets (online softmax).
-fn merge(a: (Tensor<4>, Tensor<4>), b: (Tensor<4>, Tensor<4>)) -> (Tensor<4>, Tensor<4>) {
-    let (oa, la) = a;
-    let (ob, lb) = b;
-    let max = la.clone().max_pair(lb.clone()).detach();
-    let (wa, wb) = ((la - max.clone()).exp(), (lb - max.clone()).exp());
-    let total = wa.clone() + wb.clone();
-    let lse = max + total.clone().log();
-    let o = oa * (wa / total.clone()) + ob * (wb / total);
-    (o, lse)
 }

@@ -16,6 +16,7 @@ use burn::tensor::{Bool, Device, Tensor};
 use burn_megatron_kernels::scaled_masked_softmax;
 
 mod context_parallel;
+mod ring;
 
 /// Which keys a query sees (Megatron's `AttnMaskType`).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
