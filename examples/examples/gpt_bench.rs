@@ -9,7 +9,12 @@
 //! cargo run --release -p burn-megatron-examples --example gpt_bench -- --torch
 //! ```
 //!
-//! `--torch` runs `../shared/bench/torch_gpt_ref.py` (PyTorch from pip; dev-only).
+//! `--torch` runs `../shared/bench/torch_gpt_ref.py` (PyTorch from pip; dev-only) twice per
+//! attention kind: as PyTorch runs by default on a CPU, with glibc's malloc, which returns
+//! every freed block above 32 MiB to the kernel (so each step faults the logits' pages in
+//! again), and with glibc told to keep freed memory (`GLIBC_TUNABLES`, the `⁺` columns),
+//! as our examples' allocator does (`alloc.rs`: mimalloc, purging off). The second is the
+//! like-for-like comparison.
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -132,8 +137,15 @@ fn ours(shape: Shape, args: &Args, times: &PhaseTimes) -> Result<Run, Box<dyn st
     })
 }
 
-fn torch(args: &Args, s: Shape, sdpa: bool) -> Result<f64, String> {
+/// glibc's malloc serving every size from its heap and never trimming it: freed memory is
+/// kept for the next step.
+const KEEP_MEMORY: &str = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184";
+
+fn torch(args: &Args, s: Shape, sdpa: bool, keep: bool) -> Result<f64, String> {
     let mut cmd = Command::new("python3");
+    if keep {
+        cmd.env("GLIBC_TUNABLES", KEEP_MEMORY);
+    }
     cmd.arg(&args.torch_script).args(
         [
             s.layers,
@@ -227,21 +239,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         peak / 1e9
     );
     println!(
-        "{:>22} {:>9} {:>9} {:>9} {:>10} {:>8} {:>8} {:>9} {:>8}",
+        "{:>22} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>7} {:>7} {:>7} {:>7} {:>9} {:>8}",
         "model",
         "eager ms",
         "sdpa ms",
+        "eager⁺ ms",
+        "sdpa⁺ ms",
         "ours ms",
         "tokens/s",
         "eager×",
         "sdpa×",
+        "eager⁺×",
+        "sdpa⁺×",
         "GFLOP/s",
         "of limit"
     );
     let mut breakdown = Vec::new();
     for &s in &models {
-        let eager = args.torch.then(|| torch(&args, s, false)).transpose()?;
-        let sdpa = args.torch.then(|| torch(&args, s, true)).transpose()?;
+        let reference = |sdpa, keep| args.torch.then(|| torch(&args, s, sdpa, keep)).transpose();
+        let (eager, sdpa) = (reference(false, false)?, reference(true, false)?);
+        let (eager_kept, sdpa_kept) = (reference(false, true)?, reference(true, true)?);
         let run = ours(s, &args, &times)?;
         let ms = |t: Option<f64>| t.map_or("-".into(), |t| format!("{:.1}", t * 1e3));
         let ratio = |t: Option<f64>| t.map_or("-".into(), |t| format!("{:.2}", t / run.step));
@@ -251,13 +268,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             s.layers, s.hidden, s.heads, s.groups, s.ffn
         );
         println!(
-            "{name:>22} {:>9} {:>9} {:>9.1} {:>10.0} {:>8} {:>8} {:>9.1} {:>7.0}%",
+            "{name:>22} {:>9} {:>9} {:>9} {:>9} {:>9.1} {:>10.0} {:>7} {:>7} {:>7} {:>7} {:>9.1} {:>7.0}%",
             ms(eager),
             ms(sdpa),
+            ms(eager_kept),
+            ms(sdpa_kept),
             run.step * 1e3,
             (MICRO_BATCH * SEQ) as f64 / run.step,
             ratio(eager),
             ratio(sdpa),
+            ratio(eager_kept),
+            ratio(sdpa_kept),
             achieved / 1e9,
             100.0 * achieved / peak,
         );
