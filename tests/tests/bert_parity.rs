@@ -204,6 +204,20 @@ fn impossible_initialisers_are_refused_at_init() {
             .to_string();
         assert!(e.contains(&format!("std: {std}")), "{e}");
     }
+    // A norm epsilon the norms cannot use: an error naming it, not a panic in forward.
+    for eps in [-1e-5, 0.0, f64::INFINITY] {
+        let e = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
+            .with_layernorm_epsilon(eps)
+            .init(&tp, &d)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!(
+                "layernorm_epsilon must be finite and positive, got {eps}"
+            )),
+            "{e}"
+        );
+    }
     let e = ColumnParallelLinearConfig::new(4, 4)
         .with_initializer(MasterInit::Uniform {
             low: 1.0,

@@ -185,6 +185,7 @@ impl BertConfig {
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
         ])?;
+        super::check_epsilon(self.layernorm_epsilon)?;
         self.recompute
             .check(self.num_layers)
             .map_err(|e| TpError::Invalid(e.0))?;

@@ -51,6 +51,17 @@ pub(crate) fn check_dropout(probs: &[(&str, f64)]) -> Result<(), TpError> {
     Ok(())
 }
 
+/// Refuses a norm epsilon that is not finite and positive at init (`RmsNormConfig::init`
+/// would panic on it, and the fused norms' forward would).
+pub(crate) fn check_epsilon(epsilon: f64) -> Result<(), TpError> {
+    if !(epsilon.is_finite() && epsilon > 0.0) {
+        return Err(TpError::Invalid(format!(
+            "layernorm_epsilon must be finite and positive, got {epsilon}"
+        )));
+    }
+    Ok(())
+}
+
 /// Marks a copy of the word embeddings tied across the first and last stage.
 fn tie(owner: &LayoutOwner, embedding: &VocabParallelEmbedding, second_copy: bool) {
     owner.update(embedding.weight.id, |a| a.tied_embedding(second_copy));

@@ -187,6 +187,7 @@ impl TransformerLayerConfig {
             ("attention_dropout", self.attention_dropout),
         ])?;
         self.layernorm_position.check_recompute(&self.recompute)?;
+        super::check_epsilon(self.layernorm_epsilon)?;
         let h = self.hidden_size;
         let attention = self.attention_config().init(tp, device)?;
         let column = |name: &str| {

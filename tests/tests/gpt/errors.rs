@@ -54,6 +54,14 @@ fn head_group_and_tp_arithmetic_is_refused_naming_both_numbers() {
     let scaling = RopeScaling::Linear { factor: 0.5 };
     let e = refused_at(&llama(2, 8).with_rope_scaling(Some(scaling)), 1);
     assert!(e.contains("0.5"), "{e}");
+    // A norm epsilon neither RMSNorm nor LayerNorm can use.
+    for config in [llama(2, 8), gpt2(2, 8)] {
+        let e = refused_at(&config.with_layernorm_epsilon(-1e-6), 1);
+        assert!(
+            e.contains("layernorm_epsilon must be finite and positive, got -0.000001"),
+            "{e}"
+        );
+    }
 }
 
 #[test]

@@ -319,7 +319,8 @@ impl GptConfig {
         super::check_dropout(&[
             ("hidden_dropout", self.hidden_dropout),
             ("attention_dropout", self.attention_dropout),
-        ])
+        ])?;
+        super::check_epsilon(self.layernorm_epsilon)
     }
 
     /// Initialises this rank's part of the whole model; identical weights at every TP size
