@@ -12,7 +12,9 @@
 //! ([`ContextParallel::global_order`]): the fused kernel's causal mode masks the last
 //! block, and fully masked blocks are never computed. With `p2p` (ring attention) the K/V
 //! blocks travel around the CP ring instead, and partial results are merged by their
-//! log-sum-exp. With `a2a` (Ulysses) an all-to-all trades this rank's tokens for `1/CP` of
+//! log-sum-exp: one op with a handwritten backward that recomputes each block's scores,
+//! its exchanges posted before each step's compute and received after it (timed in
+//! [`RingStats`]). With `a2a` (Ulysses) an all-to-all trades this rank's tokens for `1/CP` of
 //! its heads, attention runs over the whole sequence for those heads, and a second
 //! all-to-all trades back: two exchanges of `(CP − 1)/CP` of the activations per layer,
 //! independent of how many ranks there are, where `all_gather` moves `CP − 1` shares of K/V. The loss of a rank is its tokens' loss over the whole sequence's token
