@@ -13,6 +13,7 @@ mod cross_entropy;
 mod dropout;
 mod grad_accum;
 mod layer_norm;
+mod linear;
 mod linear_grad_accum;
 mod norm;
 mod rms_norm;

@@ -14,10 +14,10 @@
 use super::ops::{RecomputeOps, Region};
 use super::{Leaves, RecomputeError, replayed, sink, trained_params};
 use crate::grad_hooks::{Phase, deliver_formed, enter_phase, hook_param, in_discard};
+use crate::tensor_parallel::product;
 use crate::tensor_parallel::{ColumnParallelLinear, LinearShard, RowParallelLinear};
 use burn::backend::Dispatch;
 use burn::module::Module;
-use burn::tensor::module::linear;
 use burn::tensor::{DType, DispatchTensor, Tensor};
 
 /// Runs `f(module, input)` (a norm, say) and each of `linears` on its output, as
@@ -221,7 +221,11 @@ where
                     let _ = hook_param(b, &n);
                     b.val().set_require_grad(false)
                 });
-                linear(n, l.weight().val().set_require_grad(false), bias)
+                let y = product(n, l.weight().val().set_require_grad(false));
+                match bias {
+                    Some(b) => y + b.unsqueeze(),
+                    None => y,
+                }
             })
             .collect::<Vec<Tensor<3>>>();
         let shapes: Vec<[usize; 3]> = products.iter().map(|p| p.dims()).collect();
@@ -255,7 +259,7 @@ where
     ));
     Products::Packed(Box::new(out), shapes)
 }
-/// Backward of the layers' products, formed as Burn's linear backward forms it, from the
+/// Backward of the layers' products, formed as the layers' linear backward forms it, from the
 /// gradient of their concatenation (`grad`) and their rebuilt input `n`: each trained
 /// weight's `nᵀ·dy` (in f32 with gradient accumulation fusion) and added bias's `Σ dy`,
 /// delivered to the reducer and paired with the parameter for the outer backward; and a
@@ -283,7 +287,7 @@ fn linear_grads<L: LinearShard>(
             let dw = if l.accumulates_in_f32() {
                 x.cast(DType::F32).matmul(dy.cast(DType::F32))
             } else {
-                x.matmul(dy)
+                product(x, dy)
             };
             deliver_formed(l.weight(), &dw);
             params.push((l.weight().val().into_dispatch(), dw.inner().into_dispatch()));
@@ -295,7 +299,7 @@ fn linear_grads<L: LinearShard>(
         }
         if tracked {
             let w = l.weight().val().set_require_grad(false).transpose();
-            let dn = linear(dy, w, None);
+            let dn = product(dy, w);
             let term = sink(mapped, dn);
             surrogate = Some(match surrogate {
                 Some(acc) => acc + term,

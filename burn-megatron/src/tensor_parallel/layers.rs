@@ -23,7 +23,6 @@ use crate::grad_hooks::hook_param;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::module::linear;
 use burn::tensor::{Device, Tensor};
 use burn_megatron_kernels::linear_with_grad_accumulation;
 
@@ -486,23 +485,37 @@ impl RowParallelLinear {
     }
 }
 
-/// `input·weight + bias`: Burn's `linear`, or with `fusion` the product whose weight
-/// gradient is accumulated in f32.
+/// `input·weight + bias`: [`product`], or with `fusion` the product whose weight gradient
+/// is accumulated in f32.
 fn matmul_bias<const D: usize>(
     input: Tensor<D>,
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
     fusion: bool,
 ) -> Tensor<D> {
-    if !fusion {
-        return linear(input, weight, bias);
-    }
-    let out = linear_with_grad_accumulation(input, weight)
-        .unwrap_or_else(|e| panic!("parallel linear layer: {e}"));
+    let out = if fusion {
+        linear_with_grad_accumulation(input, weight)
+            .unwrap_or_else(|e| panic!("parallel linear layer: {e}"))
+    } else {
+        product(input, weight)
+    };
     match bias {
         Some(b) => out + b.unsqueeze(),
         None => out,
     }
+}
+
+/// `a·b` (`a` `[..., k]`, `b` `[k, n]`, a weight or a view of one) through the kernels'
+/// `linear`, whose forward and backward products are written once on Flex. Input that does
+/// not fit goes to Burn's `linear`, which panics naming both shapes.
+pub(crate) fn product<const D: usize>(a: Tensor<D>, b: Tensor<2>) -> Tensor<D> {
+    if a.dims()[D - 1] == b.dims()[0]
+        && a.dtype() == b.dtype()
+        && let Ok(y) = burn_megatron_kernels::linear(a.clone(), b.clone())
+    {
+        return y;
+    }
+    burn::tensor::module::linear(a, b, None)
 }
 
 /// `total / tp`, or an error naming what does not divide.

@@ -14,6 +14,7 @@ mod embedding;
 mod grads;
 mod init;
 mod layers;
+pub(crate) use layers::product;
 pub mod mappings;
 pub mod random;
 mod vocab;

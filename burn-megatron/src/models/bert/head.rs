@@ -6,7 +6,9 @@
 use super::{Bert, BertHead, BertOutput};
 use crate::context_parallel::ContextParallel;
 use crate::tensor_parallel::mappings::copy_to_tensor_model_parallel_region;
-use crate::tensor_parallel::{TpError, VocabParallelEmbedding, vocab_parallel_cross_entropy};
+use crate::tensor_parallel::{
+    TpError, VocabParallelEmbedding, product, vocab_parallel_cross_entropy,
+};
 use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 
@@ -95,7 +97,7 @@ impl Bert {
         // A 2-d matmul: a broadcast [1, h, V] weight would make backward materialise one
         // [h, V] gradient per sequence position before summing them.
         let w = word_embeddings.weight.val().transpose();
-        let logits = t.matmul(w) + head.lm_bias.val().unsqueeze::<2>();
+        let logits = product(t, w) + head.lm_bias.val().unsqueeze::<2>();
         let lm_logits = match positions {
             Some(_) => logits.unsqueeze_dim(1),
             None => logits.reshape([s as i32, b as i32, -1]),

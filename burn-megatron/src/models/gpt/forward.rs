@@ -9,7 +9,9 @@ use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 };
-use crate::tensor_parallel::{RngRegion, RngTracker, TpError, vocab_parallel_cross_entropy};
+use crate::tensor_parallel::{
+    RngRegion, RngTracker, TpError, product, vocab_parallel_cross_entropy,
+};
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 
 /// The score given to the logits of vocabulary padding, as BERT's MLM bias on those rows.
@@ -264,12 +266,9 @@ impl Gpt {
                 } else {
                     copy_to_tensor_model_parallel_region(x, &self.tp)
                 };
-                let [s, b, h] = x.dims();
-                // A 2-d matmul: a broadcast [1, h, V] weight would make backward
-                // materialise one [h, V] gradient per position before summing them.
-                x.reshape([s * b, h])
-                    .matmul(w.weight.val().transpose())
-                    .reshape([s as i32, b as i32, -1])
+                // A 2-d product over all positions: a broadcast [1, h, V] weight would make
+                // backward materialise one [h, V] gradient per position before summing them.
+                product(x, w.weight.val().transpose())
             }
             (None, None, None) => {
                 return Err(TpError::Invalid(
