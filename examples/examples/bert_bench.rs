@@ -7,7 +7,10 @@
 //! cargo run --release -p burn-megatron-examples --example bert_bench -- --torch
 //! ```
 //!
-//! `--torch` runs `../shared/bench/torch_bert_ref.py` (PyTorch from pip; dev-only).
+//! `--torch` runs `../shared/bench/torch_bert_ref.py` (PyTorch from pip; dev-only) twice: as
+//! PyTorch runs by default on a CPU, and with glibc's malloc keeping freed memory as our
+//! examples' allocator does (the `⁺` columns, the like-for-like comparison; see
+//! `burn_megatron_examples::torch_ref`).
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -16,9 +19,9 @@ use burn_megatron::models::{BertConfig, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron_examples::median;
 use burn_megatron_examples::phases::{PhaseTimes, Run, print_breakdown};
+use burn_megatron_examples::torch_ref;
 use clap::Parser;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -132,27 +135,10 @@ fn ours(
     })
 }
 
-fn torch(args: &Args, (l, h, a): (usize, usize, usize)) -> Result<f64, String> {
-    let out = Command::new("python3")
-        .arg(&args.torch_script)
-        .args([l, h, a, SEQ, MICRO_BATCH, VOCAB, args.steps].map(|v| v.to_string()))
-        .output()
-        .map_err(|e| format!("python3 {}: {e}", args.torch_script.display()))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(format!(
-            "the PyTorch reference failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let field = text
-        .split_whitespace()
-        .skip_while(|w| *w != "step_s")
-        .nth(1);
-    field
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("no step_s in the reference's output: {text}"))
+/// PyTorch's step on the model, with glibc keeping freed memory when `keep`.
+fn torch(args: &Args, (l, h, a): (usize, usize, usize), keep: bool) -> Result<f64, String> {
+    let argv = [l, h, a, SEQ, MICRO_BATCH, VOCAB, args.steps].map(|v| v.to_string());
+    torch_ref::step_seconds(&args.torch_script, &argv, keep)
 }
 
 fn parse_model(s: &str) -> Result<(usize, usize, usize), String> {
@@ -186,30 +172,43 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (times, _guard) = PhaseTimes::install();
     let mut breakdown = Vec::new();
     println!(
-        "{:>7} {:>7} {:>6} {:>9} {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "{:>7} {:>7} {:>6} {:>9} {:>9} {:>10} {:>10} {:>10} {:>7} {:>8} {:>7} {:>8}",
         "layers",
         "hidden",
         "heads",
         "torch ms",
+        "torch⁺ ms",
         "all ms",
         "masked ms",
         "tokens/s",
         "all×",
-        "masked×"
+        "masked×",
+        "all⁺×",
+        "masked⁺×"
     );
     for &(l, h, a) in &models {
-        let reference = args.torch.then(|| torch(&args, (l, h, a))).transpose()?;
+        let reference = |keep| {
+            args.torch
+                .then(|| torch(&args, (l, h, a), keep))
+                .transpose()
+        };
+        let (default, kept) = (reference(false)?, reference(true)?);
         let all = ours((l, h, a), false, &args, &times)?;
         let masked = ours((l, h, a), true, &args, &times)?;
-        let ratio = |r: &Run| reference.map_or("-".into(), |t| format!("{:.2}", t / r.step));
+        let ms = |t: Option<f64>| t.map_or("-".into(), |t| format!("{:.1}", t * 1e3));
+        let ratio =
+            |t: Option<f64>, r: &Run| t.map_or("-".into(), |t| format!("{:.2}", t / r.step));
         println!(
-            "{l:>7} {h:>7} {a:>6} {:>9} {:>10.1} {:>10.1} {:>10.0} {:>8} {:>8}",
-            reference.map_or("-".into(), |t| format!("{:.1}", t * 1e3)),
+            "{l:>7} {h:>7} {a:>6} {:>9} {:>9} {:>10.1} {:>10.1} {:>10.0} {:>7} {:>8} {:>7} {:>8}",
+            ms(default),
+            ms(kept),
             all.step * 1e3,
             masked.step * 1e3,
             (MICRO_BATCH * SEQ) as f64 / masked.step,
-            ratio(&all),
-            ratio(&masked),
+            ratio(default, &all),
+            ratio(default, &masked),
+            ratio(kept, &all),
+            ratio(kept, &masked),
         );
         breakdown.push((format!("{l}x{h}x{a} all"), all));
         breakdown.push((format!("{l}x{h}x{a} masked"), masked));

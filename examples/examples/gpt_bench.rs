@@ -10,11 +10,9 @@
 //! ```
 //!
 //! `--torch` runs `../shared/bench/torch_gpt_ref.py` (PyTorch from pip; dev-only) twice per
-//! attention kind: as PyTorch runs by default on a CPU, with glibc's malloc, which returns
-//! every freed block above 32 MiB to the kernel (so each step faults the logits' pages in
-//! again), and with glibc told to keep freed memory (`GLIBC_TUNABLES`, the `⁺` columns),
-//! as our examples' allocator does (`alloc.rs`: mimalloc, purging off). The second is the
-//! like-for-like comparison.
+//! attention kind: as PyTorch runs by default on a CPU, and with glibc's malloc keeping
+//! freed memory as our examples' allocator does (the `⁺` columns, the like-for-like
+//! comparison; see `burn_megatron_examples::torch_ref`).
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -23,9 +21,9 @@ use burn_megatron::models::{ActivationFunc, GptConfig, NormKind, PositionEmbeddi
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron_examples::median;
 use burn_megatron_examples::phases::{PhaseTimes, Run, print_breakdown};
+use burn_megatron_examples::torch_ref;
 use clap::Parser;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -137,48 +135,24 @@ fn ours(shape: Shape, args: &Args, times: &PhaseTimes) -> Result<Run, Box<dyn st
     })
 }
 
-/// glibc's malloc serving every size from its heap and never trimming it: freed memory is
-/// kept for the next step.
-const KEEP_MEMORY: &str = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184";
-
 fn torch(args: &Args, s: Shape, sdpa: bool, keep: bool) -> Result<f64, String> {
-    let mut cmd = Command::new("python3");
-    if keep {
-        cmd.env("GLIBC_TUNABLES", KEEP_MEMORY);
-    }
-    cmd.arg(&args.torch_script).args(
-        [
-            s.layers,
-            s.hidden,
-            s.heads,
-            s.groups,
-            s.ffn,
-            SEQ,
-            MICRO_BATCH,
-            VOCAB,
-            args.steps,
-        ]
-        .map(|v| v.to_string()),
-    );
+    let mut argv: Vec<String> = [
+        s.layers,
+        s.hidden,
+        s.heads,
+        s.groups,
+        s.ffn,
+        SEQ,
+        MICRO_BATCH,
+        VOCAB,
+        args.steps,
+    ]
+    .map(|v| v.to_string())
+    .into();
     if sdpa {
-        cmd.arg("--sdpa");
+        argv.push("--sdpa".into());
     }
-    let out = cmd
-        .output()
-        .map_err(|e| format!("python3 {}: {e}", args.torch_script.display()))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(format!(
-            "the PyTorch reference failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    text.split_whitespace()
-        .skip_while(|w| *w != "step_s")
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("no step_s in the reference's output: {text}"))
+    torch_ref::step_seconds(&args.torch_script, &argv, keep)
 }
 
 /// FLOP/s of one `[n, n] × [n, n]` f32 matmul on Flex, the median of a few.

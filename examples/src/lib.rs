@@ -14,3 +14,4 @@ pub mod phases;
 pub mod plan;
 pub mod preprocess;
 pub mod pretrain;
+pub mod torch_ref;
