@@ -142,26 +142,5 @@ pub fn linear_with_grad_accumulation<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
 ) -> Result<Tensor<D>, KernelError> {
-    let (dims, [fan_in, fan_out]) = (x.dims(), weight.dims());
-    if D == 0 || dims[D - 1] != fan_in {
-        return Err(KernelError::Shape(format!(
-            "x {dims:?} must end in the weight's input features ({fan_in}); weight [{fan_in}, {fan_out}]"
-        )));
-    }
-    if x.dtype() != weight.dtype() || !x.dtype().is_float() {
-        return Err(KernelError::Argument(format!(
-            "x and weight must share one float dtype, got {:?} and {:?}",
-            x.dtype(),
-            weight.dtype()
-        )));
-    }
-    let tokens = dims[..D - 1].iter().product::<usize>();
-    let x = x.reshape([tokens, fan_in]);
-    let y = Tensor::<2>::from_dispatch(Dispatch::linear_fp32_weight_grad(
-        x.into_dispatch(),
-        weight.into_dispatch(),
-    ));
-    let mut out = dims;
-    out[D - 1] = fan_out;
-    Ok(y.reshape(out))
+    crate::linear::fold_tokens(x, weight, Dispatch::linear_fp32_weight_grad)
 }

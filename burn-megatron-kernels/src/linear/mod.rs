@@ -67,6 +67,17 @@ impl LinearOps for burn_cubecl::CubeBackend {
 /// assert_eq!(gw.into_data().iter::<f32>().collect::<Vec<_>>(), vec![6.0; 20]);
 /// ```
 pub fn linear<const D: usize>(x: Tensor<D>, weight: Tensor<2>) -> Result<Tensor<D>, KernelError> {
+    fold_tokens(x, weight, Dispatch::linear_2d)
+}
+
+/// `product(x, weight)` for `x` `[..., in]` and `weight` `[in, out]`, the leading dims of
+/// `x` folded into one for a 2-d `product` and restored after it; an error unless `x` ends
+/// in `weight`'s input features and shares its float dtype.
+pub(crate) fn fold_tokens<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    product: fn(FloatTensor<Dispatch>, FloatTensor<Dispatch>) -> FloatTensor<Dispatch>,
+) -> Result<Tensor<D>, KernelError> {
     let (dims, [fan_in, fan_out]) = (x.dims(), weight.dims());
     if D == 0 || dims[D - 1] != fan_in {
         return Err(KernelError::Shape(format!(
@@ -81,10 +92,7 @@ pub fn linear<const D: usize>(x: Tensor<D>, weight: Tensor<2>) -> Result<Tensor<
         )));
     }
     let product = |x: Tensor<2>| {
-        Tensor::<2>::from_dispatch(Dispatch::linear_2d(
-            x.into_dispatch(),
-            weight.into_dispatch(),
-        ))
+        Tensor::<2>::from_dispatch(product(x.into_dispatch(), weight.into_dispatch()))
     };
     // A 2-d `x` goes in as it is: a reshape would copy a strided view (a transpose) into a
     // contiguous tensor, and the gemm's sums then follow another order than Burn's matmul.
