@@ -2,8 +2,8 @@
 //!
 //! Flex's matmul allocates each output through `FlexTensor::empty`: a zeroed `Vec<u8>`,
 //! which Burn's `Bytes` then copies into a 16-byte-aligned buffer, so every product's output
-//! is written three times before the gemm fills it (for a `[1024, 32000]` logits tensor, a
-//! 131 MB memset and a 131 MB copy on one thread, about as long as half the gemm). Here the
+//! is written twice before the gemm fills it (for a `[1024, 32000]` logits tensor, a 131 MB
+//! memset and a 131 MB copy on one thread, about as long as half the gemm). Here the
 //! same `gemm` kernels fill an uninitialised f32 buffer that becomes the tensor as it is.
 //! Other dtypes and backends run Burn's own matmul.
 

@@ -14,8 +14,8 @@
 use super::ops::{RecomputeOps, Region};
 use super::{Leaves, RecomputeError, replayed, sink, trained_params};
 use crate::grad_hooks::{Phase, deliver_formed, enter_phase, hook_param, in_discard};
-use crate::tensor_parallel::product;
 use crate::tensor_parallel::{ColumnParallelLinear, LinearShard, RowParallelLinear};
+use crate::tensor_parallel::{matmul_bias, product};
 use burn::backend::Dispatch;
 use burn::module::Module;
 use burn::tensor::{DType, DispatchTensor, Tensor};
@@ -221,11 +221,9 @@ where
                     let _ = hook_param(b, &n);
                     b.val().set_require_grad(false)
                 });
-                let y = product(n, l.weight().val().set_require_grad(false));
-                match bias {
-                    Some(b) => y + b.unsqueeze(),
-                    None => y,
-                }
+                // The plain layer's product (not the f32-accumulating one: this region
+                // forms the weight gradients itself).
+                matmul_bias(n, l.weight().val().set_require_grad(false), bias, false)
             })
             .collect::<Vec<Tensor<3>>>();
         let shapes: Vec<[usize; 3]> = products.iter().map(|p| p.dims()).collect();

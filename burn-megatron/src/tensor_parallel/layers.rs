@@ -487,7 +487,7 @@ impl RowParallelLinear {
 
 /// `input·weight + bias`: [`product`], or with `fusion` the product whose weight gradient
 /// is accumulated in f32.
-fn matmul_bias<const D: usize>(
+pub(crate) fn matmul_bias<const D: usize>(
     input: Tensor<D>,
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
@@ -509,13 +509,8 @@ fn matmul_bias<const D: usize>(
 /// `linear`, whose forward and backward products are written once on Flex. Input that does
 /// not fit goes to Burn's `linear`, which panics naming both shapes.
 pub(crate) fn product<const D: usize>(a: Tensor<D>, b: Tensor<2>) -> Tensor<D> {
-    if a.dims()[D - 1] == b.dims()[0]
-        && a.dtype() == b.dtype()
-        && let Ok(y) = burn_megatron_kernels::linear(a.clone(), b.clone())
-    {
-        return y;
-    }
-    burn::tensor::module::linear(a, b, None)
+    burn_megatron_kernels::linear(a.clone(), b.clone())
+        .unwrap_or_else(|_| burn::tensor::module::linear(a, b, None))
 }
 
 /// `total / tp`, or an error naming what does not divide.

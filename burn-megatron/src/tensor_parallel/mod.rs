@@ -14,7 +14,7 @@ mod embedding;
 mod grads;
 mod init;
 mod layers;
-pub(crate) use layers::product;
+pub(crate) use layers::{matmul_bias, product};
 pub mod mappings;
 pub mod random;
 mod vocab;
