@@ -8,11 +8,21 @@
 #
 # The payload is target/gpu_check_payload/ (ignored by git, so carry it: the device tool's
 # `run` with carry=["target/gpu_check_payload"]): an xz tarball (stripped, the binaries are
-# about 150 MiB; packed, about a sixth) of two binaries built with `--features cuda,wgpu`: `gpu_check` (the libraries, BERT and GPT against the CPU, a bf16
-# BERT-large step's TFLOP/s, NCCL on one rank) and `kernels` (every CubeCL kernel against
-# its reference). CUDA, NVRTC, NCCL and Vulkan are loaded at run time, so the binaries start
-# anywhere; what the machine lacks is reported and skipped, the rest runs. One line per
-# check: PASS, FAIL or SKIP, with the numbers. The exit status is 1 if anything failed.
+# about 150 MiB; packed, about a sixth) of two binaries built with `--features cuda,wgpu`:
+# `gpu_check` (the libraries, BERT and GPT against the CPU, a bf16 BERT-large step's
+# TFLOP/s, NCCL on one rank) and `kernels` (every CubeCL kernel against its reference), with
+# the shared libraries they link beyond glibc (fontconfig, freetype and theirs: the lent
+# H200 machine has none of them). CUDA, NVRTC, NCCL and Vulkan are loaded at run time, so the
+# binaries start anywhere; what the machine lacks is reported and skipped, the rest runs.
+# One line per check: PASS, FAIL or SKIP, with the numbers. The exit status is 1 if
+# anything failed.
+#
+# The bindings (cudarc) dlopen `libnvrtc.so.13` or `libnvrtc.so`, and `libnccl.so`: a
+# machine may hold NVRTC only in the CUDA toolkit's or a pip wheel's lib directory, and NCCL
+# only as the runtime's `libnccl.so.2`. The run links what it finds there into
+# target/gpu_check_libs, on LD_LIBRARY_PATH. For a machine with no NVRTC at all, build with
+# GPU_CHECK_NVRTC=/path/to/libnvrtc.so.13 (e.g. torch's nvidia/cu13/lib): the payload then
+# carries it and its builtins, used only when the machine has none.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 payload=${GPU_CHECK_PAYLOAD:-target/gpu_check_payload}
@@ -38,9 +48,20 @@ build() {
   cp "$example" "$staging/gpu_check"
   cp "$kernels" "$staging/kernels"
   strip "$staging/gpu_check" "$staging/kernels"
+  # The shared libraries the binaries need beyond glibc (fontconfig and freetype, for the
+  # loss plots), which a bare GPU machine lacks: carried, used when the machine has none.
+  mkdir -p "$staging/lib"
+  ldd "$staging/gpu_check" "$staging/kernels" | awk '/=> \// {print $3}' | sort -u |
+    grep -v -E '/(libc|libm|libgcc_s|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
+    xargs -r cp -L -t "$staging/lib"
   echo "stripped: $(du -cb "$staging"/* | tail -1 | cut -f1) bytes"
-  tar -C "$staging" -cf - gpu_check kernels | xz -T0 -6 >"$payload/payload.tar.xz"
+  tar -C "$staging" -cf - gpu_check kernels lib | xz -T0 -6 >"$payload/payload.tar.xz"
   rm -rf "$staging"
+  if [ -n "${GPU_CHECK_NVRTC:-}" ]; then
+    (cd "$(dirname "$GPU_CHECK_NVRTC")" &&
+      tar -cf - "$(basename "$GPU_CHECK_NVRTC")" libnvrtc-builtins.so.*) |
+      xz -T0 -9 >"$payload/nvrtc.tar.xz"
+  fi
   local bytes
   bytes=$(du -cb "$payload"/* | tail -1 | cut -f1)
   echo "payload: $payload, $((bytes / 1048576)) MiB ($profile profile):"
@@ -59,8 +80,42 @@ line() {
   if [ "$1" = FAIL ]; then failed=$((failed + 1)); fi
 }
 
-# Every step is bounded (60 + 2 × 120 + 300 s at most), so the whole run fits the device
-# tool's 600 s.
+# NVRTC and NCCL under the names the bindings load, linked into $libs (on LD_LIBRARY_PATH)
+# from wherever this machine keeps them, or NVRTC from the payload as a last resort.
+libs=target/gpu_check_libs
+find_libraries() {
+  rm -rf "$libs" && mkdir -p "$libs"
+  export LD_LIBRARY_PATH="$PWD/$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  local roots=(/usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/lib/x86_64-linux-gnu
+    /usr/lib64 /opt)
+  local site
+  for site in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+    roots+=("$site/nvidia")
+  done
+  local existing=() r found b
+  for r in "${roots[@]}"; do [ -d "$r" ] && existing+=("$r"); done
+  if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
+    found=$(find "${existing[@]}" -maxdepth 4 -name 'libnvrtc.so.1[2-9]*' 2>/dev/null | sort | tail -1)
+    if [ -z "$found" ] && [ -f "$payload/nvrtc.tar.xz" ]; then
+      mkdir -p "$libs/carried" && xz -dc "$payload/nvrtc.tar.xz" | tar -C "$libs/carried" -xf -
+      found=$(ls "$libs"/carried/libnvrtc.so.* 2>/dev/null | head -1)
+      [ -n "$found" ] && echo "libnvrtc: none on this machine; the payload's is used"
+    fi
+    if [ -n "$found" ]; then
+      ln -sf "$(readlink -f "$found")" "$libs/libnvrtc.so"
+      for b in "$(dirname "$found")"/libnvrtc-builtins.so*; do
+        [ -e "$b" ] && ln -sf "$(readlink -f "$b")" "$libs/$(basename "$b")"
+      done
+    fi
+  fi
+  if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+    found=$(find "${existing[@]}" -maxdepth 4 -name 'libnccl.so*' 2>/dev/null | sort | tail -1)
+    [ -n "$found" ] && ln -sf "$(readlink -f "$found")" "$libs/libnccl.so"
+  fi
+}
+
+# Every step is bounded (30 + 180 + 120 + 150 + 90 + 30 s at most), so the whole run fits the device
+# tool's 600 s. Each step's whole output is kept in $logs (GPU_CHECK_LOGS).
 run_checks() {
   # The Vulkan loader complains on every probe without one.
   if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
@@ -69,13 +124,25 @@ run_checks() {
   [ -f "$payload/payload.tar.xz" ] ||
     { echo "gpu_check: no $payload/payload.tar.xz: run 'scripts/gpu_check.sh build' first" >&2; exit 2; }
   local bin=target/gpu_check_bin
+  logs=${GPU_CHECK_LOGS:-target/gpu_check}
+  mkdir -p "$logs"
   rm -rf "$bin" && mkdir -p "$bin"
   xz -dc "$payload/payload.tar.xz" | tar -C "$bin" -xf - ||
     { echo "gpu_check: the payload does not unpack" >&2; exit 2; }
+  # The carried libraries only where the machine lacks one of them (the loader then fails
+  # before main: exit 127).
+  if ! "$bin/gpu_check" --help >/dev/null 2>&1; then
+    echo "the binaries do not start with this machine's libraries; adding the carried ones"
+    export LD_LIBRARY_PATH="$PWD/$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
   echo "== machine"
   nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
+  nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader 2>/dev/null
+  find_libraries
   for lib in libcuda.so libnvrtc.so libnccl.so; do
     found=$(ldconfig -p 2>/dev/null | grep -m1 "$lib" | awk '{print $NF}')
+    linked=$(ls "$libs/$lib" 2>/dev/null)
+    [ -n "$linked" ] && found="$(readlink -f "$linked") (linked into $libs)"
     echo "$lib: ${found:-not on the loader path (LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-})}"
   done
   icds=$(ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json 2>/dev/null | tr '\n' ' ')
@@ -83,21 +150,27 @@ run_checks() {
   echo "payload: $(du -sh "$payload" | cut -f1) packed, $(du -sh "$bin" | cut -f1) unpacked"
 
   echo "== libraries and devices"
-  devices=$(timeout 60 "$bin/gpu_check" libraries)
+  devices=$(timeout 30 "$bin/gpu_check" libraries)
   echo "$devices"
 
   echo "== kernels"
-  for dev in cuda wgpu; do
+  local dev limit
+  for dev in cuda:180 wgpu:120; do
+    limit=${dev#*:}
+    dev=${dev%:*}
     name="kernels on $dev"
     if ! grep -q "^PASS device $dev:" <<<"$devices"; then
-      line SKIP "$name" "$(grep "device $dev:" <<<"$devices" | cut -d: -f2- | sed 's/^ //')"
+      why=$(grep "device $dev:" <<<"$devices" | cut -d: -f2- | sed 's/^ //')
+      line SKIP "$name" "${why:-the libraries check printed nothing for $dev}"
       continue
     fi
     kind=$dev
     [ "$dev" = wgpu ] && kind=wgpu-gpu
     start=$SECONDS
-    out=$(KERNEL_TEST_DEVICE=$kind timeout 120 "$bin/kernels" on_cube 2>&1)
+    # CUDA compiles every kernel variant through NVRTC on first use: 90 s on an H200.
+    out=$(KERNEL_TEST_DEVICE=$kind timeout "$limit" "$bin/kernels" on_cube 2>&1)
     status=$?
+    echo "$out" >"$logs/kernels-$dev.log"
     result=$(grep -m1 "^test result" <<<"$out")
     if [ $status -eq 0 ]; then
       line PASS "$name" "${result#test result: }; $((SECONDS - start)) s"
@@ -107,16 +180,24 @@ run_checks() {
     fi
   done
 
-  echo "== models, bf16 step, NCCL"
-  checks=$(timeout 300 "$bin/gpu_check" models bf16 nccl 2>&1)
-  status=$?
-  # The runs' own logs, then the verdicts.
-  grep -v -E "^(PASS|FAIL|SKIP) " <<<"$checks" | grep -E "^>|error|panicked" | head -40
-  grep -E "^(PASS|FAIL|SKIP) " <<<"$checks"
-  failed=$((failed + $(grep -c "^FAIL " <<<"$checks")))
-  if [ $status -ne 0 ] && ! grep -q "^FAIL " <<<"$checks"; then
-    line FAIL "gpu_check" "exit $status (124: over its time limit)"
-  fi
+  # One process per check, so that a crash in one (a kernel the driver refuses, say) still
+  # leaves the others' lines.
+  local check
+  for check in models:150 bf16:90 nccl:30; do
+    limit=${check#*:}
+    check=${check%:*}
+    echo "== $check"
+    checks=$(timeout "$limit" "$bin/gpu_check" "$check" --out "$logs" 2>&1)
+    status=$?
+    echo "$checks" >"$logs/$check.log"
+    # The run's own logs, then the verdicts.
+    grep -v -E "^(PASS|FAIL|SKIP) " <<<"$checks" | grep -E "^>|error|panicked" | head -40
+    grep -E "^(PASS|FAIL|SKIP) " <<<"$checks"
+    failed=$((failed + $(grep -c "^FAIL " <<<"$checks")))
+    if [ $status -ne 0 ] && ! grep -q "^FAIL " <<<"$checks"; then
+      line FAIL "gpu_check $check" "exit $status (124: over its $limit s)"
+    fi
+  done
 
   echo "== $failed failure(s)"
   [ $failed -eq 0 ]

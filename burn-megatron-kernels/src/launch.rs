@@ -4,7 +4,7 @@
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{DType, FloatDType, Shape};
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
@@ -24,7 +24,7 @@ pub(crate) fn elementwise_geometry(like: &CubeTensor, n: usize) -> Option<(CubeD
 /// A contiguous, uninitialised output shaped and typed like `like`, and the element-wise
 /// geometry for it (see [`elementwise_geometry`]).
 pub(crate) fn elementwise_launch(like: &CubeTensor) -> (CubeTensor, Option<(CubeDim, CubeCount)>) {
-    let out = empty_device_dtype(
+    let out = empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         like.shape(),
@@ -73,9 +73,15 @@ pub(crate) fn tree_sum(shared: &mut Shared<[f32]>) -> f32 {
     shared[0]
 }
 
-/// An uninitialised tensor of `shape` and `dtype` on `like`'s device.
+/// An uninitialised, contiguous tensor of `shape` and `dtype` on `like`'s device.
+///
+/// Contiguous, not Burn's default layout: on CUDA that pads each row to an aligned pitch
+/// (a `[3, 5]` f32 tensor gets rows 128 floats apart), and every kernel here indexes its
+/// outputs as packed rows. The first GPU run found it: 16 of the 27 Cube kernel tests wrote
+/// into the padding. Every kernel output in this crate is allocated here or with the same
+/// `empty_device_contiguous_dtype`.
 pub(crate) fn empty_like(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
-    empty_device_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
 /// Zeros shaped and typed like `t`.

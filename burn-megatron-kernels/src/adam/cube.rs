@@ -10,7 +10,7 @@ use burn::backend::{DType, TensorMetadata};
 use burn::tensor::{FloatDType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// Elements per unit: a cube covers `BLOCK · PER_UNIT` elements, so the per-cube counts are
@@ -134,7 +134,7 @@ fn whole(
     );
     let cubes = n.div_ceil(BLOCK * PER_UNIT);
     let empty = |shape: Shape| {
-        empty_device_dtype(
+        empty_device_contiguous_dtype(
             param.client.clone(),
             param.device.clone(),
             shape,

@@ -9,7 +9,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, FloatDType};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// The bf16 bits (low 16) nearest to the f32 with `bits`, ties to even; NaN stays NaN,
@@ -102,7 +102,7 @@ impl MasterCastOps for CubeBackend {
     ) -> FloatTensor<Self> {
         let master = into_contiguous(master);
         let out_dtype = if widened { DType::F32 } else { dtype.into() };
-        let out = empty_device_dtype(
+        let out = empty_device_contiguous_dtype(
             master.client.clone(),
             master.device.clone(),
             master.shape(),

@@ -11,7 +11,7 @@ use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -29,7 +29,7 @@ fn cast_f32<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
 }
 
 fn empty_f32(like: &CubeTensor, shape: Shape) -> CubeTensor {
-    empty_device_dtype(like.client.clone(), like.device.clone(), shape, DType::F32)
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, DType::F32)
 }
 
 impl CrossEntropyOps for CubeBackend {
@@ -74,7 +74,7 @@ impl CrossEntropyOps for CubeBackend {
         smoothing: LabelSmoothing,
     ) -> FloatTensor<Self> {
         let logits = into_contiguous(logits);
-        let out = empty_device_dtype(
+        let out = empty_device_contiguous_dtype(
             logits.client.clone(),
             logits.device.clone(),
             logits.shape(),

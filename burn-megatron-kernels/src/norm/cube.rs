@@ -8,7 +8,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// Elements per chunk (one cube): 16 per unit keeps the partials ~n/4096 while every unit
@@ -77,7 +77,7 @@ impl SumOfSquaresOps for CubeBackend {
     fn segment_sum_of_squares(flat: FloatTensor<Self>, lengths: Vec<usize>) -> FloatTensor<Self> {
         let flat = into_contiguous(flat);
         let empty = |len: usize| {
-            empty_device_dtype(
+            empty_device_contiguous_dtype(
                 flat.client.clone(),
                 flat.device.clone(),
                 Shape::from([len]),

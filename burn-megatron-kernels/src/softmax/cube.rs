@@ -7,7 +7,7 @@ use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -202,7 +202,7 @@ impl ScaledMaskedSoftmaxOps for CubeBackend {
             return scores; // empty rows or no rows: no launch
         }
         let cols = shape.dims::<4>()[3];
-        let out = empty_device_dtype(
+        let out = empty_device_contiguous_dtype(
             scores.client.clone(),
             scores.device.clone(),
             shape,
@@ -246,7 +246,7 @@ impl ScaledMaskedSoftmaxOps for CubeBackend {
             return grad;
         }
         let cols = shape.dims::<4>()[3];
-        let dx = empty_device_dtype(
+        let dx = empty_device_contiguous_dtype(
             output.client.clone(),
             output.device.clone(),
             shape,

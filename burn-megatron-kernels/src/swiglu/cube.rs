@@ -8,7 +8,7 @@ use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// `σ(x)` in its stable form (both branches from `e^-|x|`).
@@ -93,7 +93,7 @@ impl SwigluOps for CubeBackend {
         let (d_gate, Some((cube_dim, count))) = elementwise_launch(&gate) else {
             return (gate, up); // empty: the inputs have the gradients' shapes
         };
-        let d_up = empty_device_dtype(
+        let d_up = empty_device_contiguous_dtype(
             gate.client.clone(),
             gate.device.clone(),
             d_gate.shape(),

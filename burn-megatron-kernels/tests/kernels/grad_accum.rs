@@ -85,8 +85,8 @@ fn check(dev: &Device, what: &str, dt: DType, tol: f64) -> (f64, f64) {
                 };
                 let e = rel(&fused);
                 // Burn's own kernels panic on empty Cube tensors: no composition when empty.
-                let r = if tokens == 0 {
-                    0.0
+                let (r, device) = if tokens == 0 {
+                    (0.0, 0.0)
                 } else {
                     let g = tensor(gv.clone(), [fan_in, fan_out], dev, DType::F32);
                     let reference = reference_accumulate_weight_grad::<Dispatch>(
@@ -94,14 +94,18 @@ fn check(dev: &Device, what: &str, dt: DType, tol: f64) -> (f64, f64) {
                         x.into_dispatch(),
                         dy.into_dispatch(),
                     );
-                    f64::from(max_abs_diff(
-                        &fused,
-                        &to_vec(Tensor::<2>::from_dispatch(reference)),
-                    )) / size.iter().copied().fold(1e-30, f64::max)
+                    let reference = to_vec(Tensor::<2>::from_dispatch(reference));
+                    let r = f64::from(max_abs_diff(&fused, &reference))
+                        / size.iter().copied().fold(1e-30, f64::max);
+                    (r, rel(&reference))
                 };
+                // Against exact values, no worse than the device's own matmul: CUDA's f32
+                // matmul (cubek on tensor cores) rounds its inputs below f32, ~1e-5 relative.
+                let bound = tol.max(device);
                 assert!(
-                    e <= tol && r <= tol,
-                    "{what} {dt:?} tokens {tokens} [{fan_in}, {fan_out}]: vs exact {e:e} vs reference {r:e}"
+                    e <= bound && r <= tol,
+                    "{what} {dt:?} tokens {tokens} [{fan_in}, {fan_out}]: vs exact {e:e} \
+                     (bound {bound:e}) vs reference {r:e}"
                 );
                 (worst_exact, worst_ref) = (worst_exact.max(e), worst_ref.max(r));
             }

@@ -73,10 +73,16 @@ fn check(dev: &Device, what: &str, dtypes: &[DType]) {
                 .fold(0.0, f64::max)
         };
         let (fused_err, plain_err) = (rel(to_vec(dw)), rel(to_vec(dw_ref)));
-        // f32 sums of `tokens` products: a few f32 ulps of Σ|x·dy|.
+        // f32 sums of `tokens` products: a few f32 ulps of Σ|x·dy|, or no worse than the
+        // device's own f32 matmul where that rounds below f32 (CUDA's tensor cores).
+        let bound = if dt == DType::F32 {
+            1e-6f64.max(plain_err)
+        } else {
+            1e-6
+        };
         assert!(
-            fused_err <= 1e-6,
-            "{at}: weight gradient off by {fused_err:e}"
+            fused_err <= bound,
+            "{at}: weight gradient off by {fused_err:e} (bound {bound:e})"
         );
         if dt != DType::F32 {
             assert!(
