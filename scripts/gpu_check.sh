@@ -114,7 +114,7 @@ find_libraries() {
   fi
 }
 
-# Every step is bounded (30 + 180 + 120 + 150 + 90 + 30 s at most), so the whole run fits the device
+# Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 s at most), so the whole run fits the device
 # tool's 600 s. Each step's whole output is kept in $logs (GPU_CHECK_LOGS).
 run_checks() {
   # The Vulkan loader complains on every probe without one.
@@ -155,7 +155,7 @@ run_checks() {
 
   echo "== kernels"
   local dev limit
-  for dev in cuda:180 wgpu:120; do
+  for dev in cuda:180 wgpu:90; do
     limit=${dev#*:}
     dev=${dev%:*}
     name="kernels on $dev"
@@ -183,7 +183,7 @@ run_checks() {
   # One process per check, so that a crash in one (a kernel the driver refuses, say) still
   # leaves the others' lines.
   local check
-  for check in models:150 bf16:90 nccl:30; do
+  for check in models:150 bf16:120 nccl:30; do
     limit=${check#*:}
     check=${check%:*}
     echo "== $check"

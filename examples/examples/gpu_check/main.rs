@@ -7,8 +7,9 @@
 //!   device against the same run on the CPU, every iteration's loss within 1e-3 (relative,
 //!   f32, no dropout). The CPU runs always happen.
 //! - `bf16`: one bf16 training step of a BERT-large-sized model (24 layers, hidden 1024,
-//!   seq 512) on CUDA: TFLOP/s and the fraction of the H200's dense bf16 peak; on the CPU a
-//!   small model's bf16 step, so that the path runs here too.
+//!   seq 512) and of a Llama-style GPT (12 layers, hidden 2048, GQA, SwiGLU) on CUDA:
+//!   TFLOP/s and the fraction of the H200's dense bf16 peak; on the CPU small models' bf16
+//!   steps, so that the paths run here too.
 //! - `nccl`: a one-rank NCCL world: its collectives against their closed forms.
 //!
 //! ```text

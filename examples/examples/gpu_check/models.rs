@@ -131,74 +131,131 @@ pub fn parity(report: &mut Report, iters: usize, out: &Path) {
     }
 }
 
-/// Forward + backward FLOPs of one BERT step: 6 per parameter of the matmuls per token
-/// (12·h² per layer and the h·V head), and the attention's two matmuls (12·b·s²·h per
-/// layer over forward and backward).
-fn bert_flops(layers: f64, hidden: f64, seq: f64, batch: f64, vocab: f64) -> f64 {
+/// Forward + backward FLOPs of one step: 6 per weight of the matmuls per token (`per_layer`
+/// weights in each layer, and the `h·V` output layer), and the attention's two matmuls over
+/// all `s²` pairs (12·b·s²·h per layer over forward and backward).
+fn step_flops(layers: f64, per_layer: f64, hidden: f64, seq: f64, batch: f64, vocab: f64) -> f64 {
     let tokens = batch * seq;
-    6.0 * tokens * (layers * 12.0 * hidden * hidden + hidden * vocab)
+    6.0 * tokens * (layers * per_layer + hidden * vocab)
         + 12.0 * layers * batch * seq * seq * hidden
 }
 
-/// One bf16 step of BERT-large (24 × 1024, 16 heads, seq 512, micro-batch 8) on CUDA, timed
-/// after two warm-up steps (which compile the kernels); on the CPU a small model's, so that
-/// the bf16 path runs here too.
-pub fn bf16_step(report: &mut Report, out: &Path) {
-    let cuda = gpu_devices().into_iter().find(|d| d.0 == "cuda");
-    let (device, layers, hidden, heads, seq, micro) = match cuda {
-        Some((_, Ok(()))) => ("cuda", 24, 1024, 16, 512, 8),
-        Some((_, Err(why))) => {
-            report.skip("bf16 BERT-large step on cuda", why);
-            ("cpu", 2, 64, 4, 64, 4)
-        }
-        None => unreachable!("gpu_devices lists cuda"),
-    };
-    let name = format!("bf16 BERT {layers}×{hidden} seq {seq} step on {device}");
-    let plot = out.join(format!("bf16-{device}.png"));
-    let mut argv = vec!["bert_pretrain".to_string()];
-    argv.extend(common(device, 3, &plot));
-    argv.extend(shape(layers, hidden, heads, seq, micro));
-    argv.extend(
-        [
-            "--bf16",
-            "--use-fused-adam",
-            "--global-batch-size",
-            &micro.to_string(),
-        ]
-        .map(String::from),
-    );
-    // The built-in generator's vocabulary, padded as the model pads it.
-    let vocab = burn_megatron::tensor_parallel::padded_vocab_size(
+/// A bf16 step's model: family, (layers, hidden, heads, seq, micro-batch), extra flags, and
+/// the matmul weights per layer.
+struct Bf16Model {
+    family: &'static str,
+    shape: [usize; 5],
+    flags: Vec<String>,
+    per_layer: f64,
+    vocab: usize,
+}
+
+/// The bf16 steps: BERT-large (24 × 1024, 16 heads, seq 512, micro-batch 8) and a
+/// Llama-style GPT (12 × 2048, 16 heads / 4 query groups, SwiGLU 5632, seq 512,
+/// micro-batch 16: the corpus's ~48k tokens make 94 samples) on CUDA; on the CPU small ones, so that the bf16 paths run here too.
+fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
+    let bert_vocab = burn_megatron::tensor_parallel::padded_vocab_size(
         burn_megatron::data::synthetic_vocabulary().len(),
         128,
         1,
     );
-    let log = Args::try_parse_from(argv)
-        .map_err(|e| e.to_string())
-        .and_then(|a| run(&a).map(|s| (s.log, vocab)));
-    match log {
-        Ok((log, vocab)) if log.len() == 3 => {
-            let ms = log[1..]
-                .iter()
-                .map(|e| e.ms_per_iter)
-                .fold(f64::MAX, f64::min);
-            let flops = bert_flops(
-                layers as f64,
-                hidden as f64,
-                seq as f64,
-                micro as f64,
-                vocab as f64,
-            );
-            let tflops = flops / (ms / 1e3) / 1e12;
-            let detail = format!(
-                "{ms:.1} ms, {tflops:.2} TFLOP/s = {:.2}% of the H200's dense bf16 peak \
-                 ({H200_BF16_PEAK} TFLOP/s); lm loss {:.4}",
-                100.0 * tflops / H200_BF16_PEAK,
-                log[2].lm_loss
-            );
-            report.check(&name, log[2].lm_loss.is_finite(), detail);
+    let (bert, gpt, ffn) = if cuda {
+        ([24, 1024, 16, 512, 8], [12, 2048, 16, 512, 16], 5632)
+    } else {
+        ([2, 64, 4, 64, 4], [2, 64, 4, 64, 4], 176)
+    };
+    let (h, groups) = (gpt[1] as f64, 4.0);
+    let kv = 2.0 * h * (h / gpt[2] as f64) * groups;
+    let mut llama: Vec<String> = LLAMA.iter().map(|s| s.to_string()).collect();
+    llama[2] = "4".into(); // --num-query-groups
+    llama.extend(["--ffn-hidden-size".into(), ffn.to_string()]);
+    llama.extend(["--vocab-size".into(), "400".into()]);
+    vec![
+        Bf16Model {
+            family: "bert",
+            shape: bert,
+            flags: vec![],
+            per_layer: 12.0 * (bert[1] as f64).powi(2),
+            vocab: bert_vocab,
+        },
+        Bf16Model {
+            family: "gpt",
+            shape: gpt,
+            flags: llama,
+            per_layer: 2.0 * h * h + kv + 3.0 * h * ffn as f64,
+            // The corpus's 400-token vocabulary, padded to 128.
+            vocab: 512,
+        },
+    ]
+}
+
+/// One bf16 training step of each [`bf16_models`] on CUDA (on the CPU when there is none),
+/// timed after two warm-up steps (which compile the kernels): TFLOP/s and the fraction of
+/// the H200's dense bf16 peak.
+pub fn bf16_step(report: &mut Report, out: &Path) {
+    let cuda = gpu_devices().into_iter().find(|d| d.0 == "cuda");
+    let device = match cuda {
+        Some((_, Ok(()))) => "cuda",
+        Some((_, Err(why))) => {
+            report.skip("bf16 steps on cuda", why);
+            "cpu"
         }
-        Ok((log, _)) => report.fail(&name, format!("{} iterations, not 3", log.len())),
-        Err(e) => report.fail(&name, e),
+        None => unreachable!("gpu_devices lists cuda"),
+    };
+    for m in bf16_models(device == "cuda") {
+        let [layers, hidden, heads, seq, micro] = m.shape;
+        let name = format!(
+            "bf16 {} {layers}×{hidden} seq {seq} step on {device}",
+            m.family.to_uppercase()
+        );
+        let plot = out.join(format!("bf16-{}-{device}.png", m.family));
+        let mut argv = vec![format!("{}_pretrain", m.family)];
+        argv.extend(common(device, 3, &plot));
+        argv.extend(shape(layers, hidden, heads, seq, micro));
+        argv.extend(m.flags.iter().cloned());
+        argv.extend(
+            [
+                "--bf16",
+                "--use-fused-adam",
+                "--global-batch-size",
+                &micro.to_string(),
+            ]
+            .map(String::from),
+        );
+        let log = if m.family == "gpt" {
+            GptArgs::try_parse_from(argv)
+                .map_err(|e| e.to_string())
+                .and_then(|a| run_gpt(&a).map(|s| s.log))
+        } else {
+            Args::try_parse_from(argv)
+                .map_err(|e| e.to_string())
+                .and_then(|a| run(&a).map(|s| s.log))
+        };
+        match log {
+            Ok(log) if log.len() == 3 => {
+                let ms = log[1..]
+                    .iter()
+                    .map(|e| e.ms_per_iter)
+                    .fold(f64::MAX, f64::min);
+                let flops = step_flops(
+                    layers as f64,
+                    m.per_layer,
+                    hidden as f64,
+                    seq as f64,
+                    micro as f64,
+                    m.vocab as f64,
+                );
+                let tflops = flops / (ms / 1e3) / 1e12;
+                let detail = format!(
+                    "{ms:.1} ms, {tflops:.2} TFLOP/s = {:.2}% of the H200's dense bf16 peak \
+                     ({H200_BF16_PEAK} TFLOP/s); lm loss {:.4}",
+                    100.0 * tflops / H200_BF16_PEAK,
+                    log[2].lm_loss
+                );
+                report.check(&name, log[2].lm_loss.is_finite(), detail);
+            }
+            Ok(log) => report.fail(&name, format!("{} iterations, not 3", log.len())),
+            Err(e) => report.fail(&name, e),
+        }
     }
 }
