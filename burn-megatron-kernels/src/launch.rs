@@ -24,12 +24,7 @@ pub(crate) fn elementwise_geometry(like: &CubeTensor, n: usize) -> Option<(CubeD
 /// A contiguous, uninitialised output shaped and typed like `like`, and the element-wise
 /// geometry for it (see [`elementwise_geometry`]).
 pub(crate) fn elementwise_launch(like: &CubeTensor) -> (CubeTensor, Option<(CubeDim, CubeCount)>) {
-    let out = empty_device_contiguous_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        like.shape(),
-        like.dtype,
-    );
+    let out = empty_like(like, like.shape(), like.dtype);
     let geometry = elementwise_geometry(like, out.shape().num_elements());
     (out, geometry)
 }
@@ -78,8 +73,7 @@ pub(crate) fn tree_sum(shared: &mut Shared<[f32]>) -> f32 {
 /// Contiguous, not Burn's default layout: on CUDA that pads each row to an aligned pitch
 /// (a `[3, 5]` f32 tensor gets rows 128 floats apart), and every kernel here indexes its
 /// outputs as packed rows. The first GPU run found it: 16 of the 27 Cube kernel tests wrote
-/// into the padding. Every kernel output in this crate is allocated here or with the same
-/// `empty_device_contiguous_dtype`.
+/// into the padding. Every kernel output in this crate is allocated here.
 pub(crate) fn empty_like(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
 }

@@ -3,6 +3,7 @@
 
 use super::{AdamHyper, FusedAdamOps, ranged};
 use crate::cube_sum::{BLOCK, cube_grid, cube_sum};
+use crate::launch::empty_like;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
@@ -10,7 +11,6 @@ use burn::backend::{DType, TensorMetadata};
 use burn::tensor::{FloatDType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// Elements per unit: a cube covers `BLOCK · PER_UNIT` elements, so the per-cube counts are
@@ -133,14 +133,7 @@ fn whole(
         &param.device,
     );
     let cubes = n.div_ceil(BLOCK * PER_UNIT);
-    let empty = |shape: Shape| {
-        empty_device_contiguous_dtype(
-            param.client.clone(),
-            param.device.clone(),
-            shape,
-            DType::F32,
-        )
-    };
+    let empty = |shape: Shape| empty_like(&param, shape, DType::F32);
     let outs = [(); 3].map(|_| empty(param.shape()));
     let flags = empty(Shape::from([cubes]));
     let dtypes = [

@@ -2,14 +2,13 @@
 //! no bf16, and the hardware's own conversion is not trusted to round ties to even).
 
 use super::MasterCastOps;
-use crate::launch::elementwise_geometry;
+use crate::launch::{elementwise_geometry, empty_like};
 use burn::backend::TensorMetadata;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, FloatDType};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// The bf16 bits (low 16) nearest to the f32 with `bits`, ties to even; NaN stays NaN,
@@ -102,12 +101,7 @@ impl MasterCastOps for CubeBackend {
     ) -> FloatTensor<Self> {
         let master = into_contiguous(master);
         let out_dtype = if widened { DType::F32 } else { dtype.into() };
-        let out = empty_device_contiguous_dtype(
-            master.client.clone(),
-            master.device.clone(),
-            master.shape(),
-            out_dtype,
-        );
+        let out = empty_like(&master, master.shape(), out_dtype);
         let Some((cube_dim, count)) = elementwise_geometry(&master, out.shape().num_elements())
         else {
             return out;

@@ -4,14 +4,13 @@
 
 use super::kernels::{backward_kernel, row_stats_kernel};
 use super::{CrossEntropyOps, LabelSmoothing};
-use crate::launch::{elementwise_geometry, row_block_size, row_cube_count};
+use crate::launch::{elementwise_geometry, empty_like, row_block_size, row_cube_count};
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -29,7 +28,7 @@ fn cast_f32<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
 }
 
 fn empty_f32(like: &CubeTensor, shape: Shape) -> CubeTensor {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, DType::F32)
+    empty_like(like, shape, DType::F32)
 }
 
 impl CrossEntropyOps for CubeBackend {
@@ -74,12 +73,7 @@ impl CrossEntropyOps for CubeBackend {
         smoothing: LabelSmoothing,
     ) -> FloatTensor<Self> {
         let logits = into_contiguous(logits);
-        let out = empty_device_contiguous_dtype(
-            logits.client.clone(),
-            logits.device.clone(),
-            logits.shape(),
-            logits.dtype,
-        );
+        let out = empty_like(&logits, logits.shape(), logits.dtype);
         let Some((cube_dim, count)) = elementwise_geometry(&logits, out.shape().num_elements())
         else {
             return out;

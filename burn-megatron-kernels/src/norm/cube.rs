@@ -2,13 +2,12 @@
 
 use super::SumOfSquaresOps;
 use crate::cube_sum::{BLOCK, cube_grid, cube_sum, upload_u32};
-use crate::launch::elementwise_geometry;
+use crate::launch::{elementwise_geometry, empty_like};
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// Elements per chunk (one cube): 16 per unit keeps the partials ~n/4096 while every unit
@@ -76,14 +75,7 @@ fn chunk_tables(lengths: &[usize]) -> (Vec<u32>, Vec<u32>) {
 impl SumOfSquaresOps for CubeBackend {
     fn segment_sum_of_squares(flat: FloatTensor<Self>, lengths: Vec<usize>) -> FloatTensor<Self> {
         let flat = into_contiguous(flat);
-        let empty = |len: usize| {
-            empty_device_contiguous_dtype(
-                flat.client.clone(),
-                flat.device.clone(),
-                Shape::from([len]),
-                DType::F32,
-            )
-        };
+        let empty = |len: usize| empty_like(&flat, Shape::from([len]), DType::F32);
         let out = empty(lengths.len());
         let Some((unit_dim, unit_count)) = elementwise_geometry(&flat, lengths.len()) else {
             return out;

@@ -2,12 +2,12 @@
 //! over the row, and shared-memory tree reductions (lavapipe has no plane ops).
 
 use super::{MASKED_SCORE, ScaledMaskedSoftmaxOps};
+use crate::launch::empty_like;
 use burn::backend::TensorMetadata;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -202,12 +202,7 @@ impl ScaledMaskedSoftmaxOps for CubeBackend {
             return scores; // empty rows or no rows: no launch
         }
         let cols = shape.dims::<4>()[3];
-        let out = empty_device_contiguous_dtype(
-            scores.client.clone(),
-            scores.device.clone(),
-            shape,
-            scores.dtype,
-        );
+        let out = empty_like(&scores, shape, scores.dtype);
         let (block, count) = row_geometry(&scores, n / cols, cols);
         let pad = into_contiguous(key_padding);
         let dtypes = [
@@ -246,12 +241,7 @@ impl ScaledMaskedSoftmaxOps for CubeBackend {
             return grad;
         }
         let cols = shape.dims::<4>()[3];
-        let dx = empty_device_contiguous_dtype(
-            output.client.clone(),
-            output.device.clone(),
-            shape,
-            output.dtype,
-        );
+        let dx = empty_like(&output, shape, output.dtype);
         let (block, count) = row_geometry(&output, n / cols, cols);
         let pad = into_contiguous(key_padding);
         let dtypes = [

@@ -2,13 +2,12 @@
 //! CUDA): one unit per element, computing in f32 whatever the dtype.
 
 use super::{SwigluOps, reference_swiglu, reference_swiglu_backward};
-use crate::launch::elementwise_launch;
+use crate::launch::{elementwise_launch, empty_like};
 use burn::backend::TensorMetadata;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::prelude::*;
 
 /// `σ(x)` in its stable form (both branches from `e^-|x|`).
@@ -93,12 +92,7 @@ impl SwigluOps for CubeBackend {
         let (d_gate, Some((cube_dim, count))) = elementwise_launch(&gate) else {
             return (gate, up); // empty: the inputs have the gradients' shapes
         };
-        let d_up = empty_device_contiguous_dtype(
-            gate.client.clone(),
-            gate.device.clone(),
-            d_gate.shape(),
-            gate.dtype,
-        );
+        let d_up = empty_like(&gate, d_gate.shape(), gate.dtype);
         let dtype = dtype_to_storage_type(gate.dtype);
         swiglu_backward_kernel::launch(
             &gate.client.clone(),

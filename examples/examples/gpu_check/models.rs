@@ -55,21 +55,29 @@ fn shape(layers: usize, hidden: usize, heads: usize, seq: usize, micro: usize) -
     .collect()
 }
 
-/// A Llama-style GPT: GQA, RoPE, RMSNorm, SwiGLU, no biases, untied.
-const LLAMA: [&str; 12] = [
-    "--group-query-attention",
-    "--num-query-groups",
-    "2",
-    "--position-embedding-type",
-    "rope",
-    "--normalization",
-    "RMSNorm",
-    "--swiglu",
-    "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights",
-    "--generate-tokens",
-    "0",
-];
+/// A Llama-style GPT's flags: GQA with `groups` query groups, RoPE, RMSNorm, SwiGLU, no
+/// biases, untied, and the corpus's 400-token vocabulary (512 padded).
+fn llama(groups: usize) -> Vec<String> {
+    let groups = groups.to_string();
+    [
+        "--group-query-attention",
+        "--num-query-groups",
+        &groups,
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--generate-tokens",
+        "0",
+        "--vocab-size",
+        "400",
+    ]
+    .map(String::from)
+    .into()
+}
 
 fn train(family: &str, device: &str, iters: usize, out: &Path) -> Result<Vec<f64>, String> {
     let plot = out.join(format!("{family}-{device}.png"));
@@ -77,8 +85,7 @@ fn train(family: &str, device: &str, iters: usize, out: &Path) -> Result<Vec<f64
     argv.extend(common(device, iters, &plot));
     argv.extend(shape(2, 64, 4, 64, 4));
     let log: Vec<IterationLog> = if family == "gpt" {
-        argv.extend(LLAMA.iter().map(|s| s.to_string()));
-        argv.extend(["--vocab-size".into(), "400".into()]);
+        argv.extend(llama(2));
         run_gpt(&GptArgs::try_parse_from(argv).map_err(|e| e.to_string())?)?.log
     } else {
         run(&Args::try_parse_from(argv).map_err(|e| e.to_string())?)?.log
@@ -164,12 +171,10 @@ fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
     } else {
         ([2, 64, 4, 64, 4], [2, 64, 4, 64, 4], 176)
     };
-    let (h, groups) = (gpt[1] as f64, 4.0);
-    let kv = 2.0 * h * (h / gpt[2] as f64) * groups;
-    let mut llama: Vec<String> = LLAMA.iter().map(|s| s.to_string()).collect();
-    llama[2] = "4".into(); // --num-query-groups
-    llama.extend(["--ffn-hidden-size".into(), ffn.to_string()]);
-    llama.extend(["--vocab-size".into(), "400".into()]);
+    let (h, groups) = (gpt[1] as f64, 4);
+    let kv = 2.0 * h * (h / gpt[2] as f64) * groups as f64;
+    let mut flags = llama(groups);
+    flags.extend(["--ffn-hidden-size".into(), ffn.to_string()]);
     vec![
         Bf16Model {
             family: "bert",
@@ -181,7 +186,7 @@ fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
         Bf16Model {
             family: "gpt",
             shape: gpt,
-            flags: llama,
+            flags,
             per_layer: 2.0 * h * h + kv + 3.0 * h * ffn as f64,
             // The corpus's 400-token vocabulary, padded to 128.
             vocab: 512,
