@@ -9,7 +9,7 @@
 # The payload is target/gpu_check_payload/ (ignored by git, so carry it: the device tool's
 # `run` with carry=["target/gpu_check_payload"]): an xz tarball (stripped, the binaries are
 # about 150 MiB; packed, about a sixth) of two binaries built with `--features cuda,wgpu`:
-# `gpu_check` (the libraries, BERT and GPT against the CPU, a bf16 BERT-large step's
+# `gpu_check` (the libraries, BERT and GPT against the CPU, bf16 BERT-large and GPT steps'
 # TFLOP/s, NCCL on one rank) and `kernels` (every CubeCL kernel against its reference), with
 # the shared libraries they link beyond glibc (fontconfig, freetype and theirs: the lent
 # H200 machine has none of them). CUDA, NVRTC, NCCL and Vulkan are loaded at run time, so the
@@ -114,8 +114,8 @@ find_libraries() {
   fi
 }
 
-# Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 s at most), so the whole run fits the device
-# tool's 600 s. Each step's whole output is kept in $logs (GPU_CHECK_LOGS).
+# Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 s at most), so the whole run fits
+# the device tool's 600 s. Each step's whole output is kept in $logs (GPU_CHECK_LOGS).
 run_checks() {
   # The Vulkan loader complains on every probe without one.
   if [ -z "${XDG_RUNTIME_DIR:-}" ]; then

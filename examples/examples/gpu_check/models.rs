@@ -159,7 +159,8 @@ struct Bf16Model {
 
 /// The bf16 steps: BERT-large (24 × 1024, 16 heads, seq 512, micro-batch 8) and a
 /// Llama-style GPT (12 × 2048, 16 heads / 4 query groups, SwiGLU 5632, seq 512,
-/// micro-batch 16: the corpus's ~48k tokens make 94 samples) on CUDA; on the CPU small ones, so that the bf16 paths run here too.
+/// micro-batch 16: the corpus's ~48k tokens make 94 samples) on CUDA; on the CPU small
+/// ones, so that the bf16 paths run here too.
 fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
     let bert_vocab = burn_megatron::tensor_parallel::padded_vocab_size(
         burn_megatron::data::synthetic_vocabulary().len(),
