@@ -105,7 +105,9 @@ fn exposed(ranks: &[Measured]) -> Vec<f64> {
 
 /// Per rank: kept and peak bytes, step time, and the ring's exposed and alone times.
 fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured>, Error> {
+    // ANCHOR: cp_layout
     let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
+    // ANCHOR_END: cp_layout
     let vocab = 4096;
     let config = GptConfig::new(
         args.layers,
@@ -127,6 +129,7 @@ fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured
         let counter = Counter::claim();
         let d = &ctx.device;
         let model = config.init(&ctx.groups.tp, d)?;
+        // ANCHOR: cp_split
         let split =
             ContextParallel::new(ctx.groups.cp.clone(), args.seq)?.with_comm_type(comm_type);
         let local = split.positions().len();
@@ -137,11 +140,13 @@ fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured
         let ids = ints(split.split(&row[..args.seq])?);
         let labels = ints(split.split(&row[1..])?);
         let mask = Tensor::<2>::ones([1, local], d);
+        // ANCHOR_END: cp_split
         let (mut kept, mut peak, mut secs) = (0, 0, Vec::new());
         for step in 0..=args.steps {
             let before = counter.live();
             counter.reset_peak();
             let t = Instant::now();
+            // ANCHOR: cp_forward
             let GptStageOutput::Logits(logits) = (if cp == 1 {
                 model.forward_stage(Some(ids.clone()), None, None)?
             } else {
@@ -150,6 +155,7 @@ fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured
                 unreachable!("one stage holds the head")
             };
             let loss = model.loss_cp(logits, labels.clone(), mask.clone(), &split)? * cp as f32;
+            // ANCHOR_END: cp_forward
             let held = counter.live() - before;
             let mut grads = GradientsParams::from_grads(loss.backward(), &model);
             finalize_model_grads(

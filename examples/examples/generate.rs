@@ -132,11 +132,13 @@ fn run(cli: &Cli) -> Result<(), String> {
     } else {
         Sampling::Greedy
     };
+    // ANCHOR: generate_config
     let config = GenerateConfig::new(cli.max_new_tokens)
         .with_sampling(sampling)
         .with_seed(cli.seed)
         .with_eos_token_id(eos)
         .with_use_cache(!cli.no_cache);
+    // ANCHOR_END: generate_config
     // A checkpoint: its config and iteration once, then each rank reads its own shard.
     let checkpoint = match &cli.load {
         Some(root) => Some((
@@ -150,6 +152,7 @@ fn run(cli: &Cli) -> Result<(), String> {
     let tp = cli.tensor_model_parallel_size;
     let options = LaunchOptions::default().with_device(|_| Device::flex());
     let start = Instant::now();
+    // ANCHOR: generate
     let out = launch::threads(&ParallelConfig::new(tp, tp, 1), options, |ctx| {
         let model: Gpt = match &checkpoint {
             Some((root, c, iteration)) => load_rank(root, *iteration, c, &ctx)?,
@@ -168,6 +171,7 @@ fn run(cli: &Cli) -> Result<(), String> {
         LaunchError::Failed { error, .. } => error,
         other => other.to_string(),
     })?;
+    // ANCHOR_END: generate
     let (generated, loaded, took, params) = &out[0];
 
     println!(

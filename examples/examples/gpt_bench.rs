@@ -75,6 +75,7 @@ impl Shape {
     }
 
     fn config(&self) -> GptConfig {
+        // ANCHOR: llama_config
         GptConfig::new(self.layers, self.hidden, self.heads, self.ffn, SEQ, VOCAB)
             .with_num_query_groups(Some(self.groups))
             .with_position_embedding_type(PositionEmbeddingType::Rope)
@@ -85,6 +86,7 @@ impl Shape {
             .with_untie_embeddings_and_output_weights(true)
             .with_hidden_dropout(0.0)
             .with_attention_dropout(0.0)
+        // ANCHOR_END: llama_config
     }
 }
 

@@ -135,6 +135,7 @@ fn step(
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    // ANCHOR: recompute_config
     let full = RecomputeConfig::new()
         .with_granularity(Some(RecomputeGranularity::Full))
         .with_method(Some(RecomputeMethod::Uniform))
@@ -144,6 +145,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .with_granularity(Some(RecomputeGranularity::Selective))
             .with_modules(modules)
     };
+    // ANCHOR_END: recompute_config
     let settings = [
         ("none", RecomputeConfig::new()),
         (

@@ -63,6 +63,7 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 const VOCAB: usize = 512;
 
 fn config(args: &Args, hidden: usize, aux: f64) -> GptConfig {
+    // ANCHOR: moe_config
     GptConfig::new(args.layers, hidden, 4, hidden * 2, args.seq, VOCAB)
         .with_position_embedding_type(PositionEmbeddingType::Rope)
         .with_normalization(NormKind::RmsNorm)
@@ -77,6 +78,7 @@ fn config(args: &Args, hidden: usize, aux: f64) -> GptConfig {
                 .with_moe_router_topk(2)
                 .with_moe_aux_loss_coeff(aux),
         ))
+    // ANCHOR_END: moe_config
 }
 
 /// `n` rows of `seq + 1` skewed tokens from sample `start` on: a few frequent tokens and a
@@ -124,6 +126,7 @@ fn step(
 
 fn build(ctx: &RankContext, config: &GptConfig) -> Result<(Gpt, MegatronOptimizer<Gpt>), Error> {
     let g = &ctx.groups;
+    // ANCHOR: moe_build
     let model = config.init_stage_with_experts(
         &g.tp,
         Some(&g.ep),
@@ -133,6 +136,7 @@ fn build(ctx: &RankContext, config: &GptConfig) -> Result<(Gpt, MegatronOptimize
     let optim = MegatronOptimizer::new(AdamWConfig::new().init(), &model, g.mp.clone(), 0)
         .with_expert_model_parallel(g.expert_mp.clone())
         .with_clip_grad(1.0, NormType::L2);
+    // ANCHOR_END: moe_build
     Ok((model, optim))
 }
 

@@ -196,6 +196,7 @@ mod parallel {
     use burn_megatron::tensor_parallel::{ColumnParallelLinear, RowParallelLinear, TpError};
     use burn_megatron::tensor_parallel::{VocabParallelEmbedding, vocab_parallel_cross_entropy};
 
+    // ANCHOR: parallel_attention
     #[derive(Module, Debug)]
     pub struct Attention {
         pub q_proj: ColumnParallelLinear,
@@ -228,6 +229,7 @@ mod parallel {
             self.o_proj.forward(out)
         }
     }
+    // ANCHOR_END: parallel_attention
 
     #[derive(Module, Debug)]
     pub struct Mlp {
@@ -272,6 +274,7 @@ mod parallel {
     }
 
     impl Llama {
+        // ANCHOR: parallel_split
         /// This rank's shard of `p` (the same plain model on every rank of `tp`).
         pub fn split(p: &plain::Llama, tp: &Comm) -> Result<Self, TpError> {
             let (column, row) = (ColumnParallelLinear::split, RowParallelLinear::split);
@@ -306,6 +309,7 @@ mod parallel {
                 tp: tp.clone(),
             })
         }
+        // ANCHOR_END: parallel_split
 
         /// `[b, s]` token ids → `[b, s, vocab / tp]` logits (this rank's vocabulary slice).
         pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
@@ -316,6 +320,7 @@ mod parallel {
             self.lm_head.forward(self.norm.forward(x))
         }
 
+        // ANCHOR: parallel_loss
         /// Mean next-token cross-entropy; `labels[i, t]` is `tokens[i, t + 1]`.
         pub fn loss(
             &self,
@@ -328,6 +333,7 @@ mod parallel {
             let loss = vocab_parallel_cross_entropy(logits, labels, 0.0, &self.tp)?;
             Ok(loss.mean())
         }
+        // ANCHOR_END: parallel_loss
     }
 }
 

@@ -36,6 +36,7 @@ const D: usize = 32;
 const FFN: usize = 128;
 const TOKENS: usize = 64;
 
+// ANCHOR: models
 /// The user's model, in plain Burn.
 #[derive(Module, Debug)]
 struct Mlp {
@@ -49,6 +50,7 @@ struct ParallelMlp {
     fc1: ColumnParallelLinear,
     fc2: RowParallelLinear,
 }
+// ANCHOR_END: models
 
 /// Plain weight data of a `Linear`: safe to share between rank threads.
 type LinearData = (TensorData, TensorData);
@@ -92,6 +94,7 @@ fn train(
                 fc1: linear_from(&weights.0, &ctx.device),
                 fc2: linear_from(&weights.1, &ctx.device),
             };
+            // ANCHOR: swap
             // The swap: each parallel layer takes this rank's shard of the plain one.
             let mut model = ParallelMlp {
                 fc1: ColumnParallelLinear::from_linear(
@@ -115,6 +118,7 @@ fn train(
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(1e-2, model, grads);
             }
+            // ANCHOR_END: swap
             Ok::<_, TpError>(losses)
         },
     )?;

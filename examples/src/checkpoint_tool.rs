@@ -220,6 +220,7 @@ pub fn load_whole<M: WholeModel>(
 /// whichever its shape is, with its `tokenizer.json`), else a BERT's
 /// (`BertForPreTraining`). Returns the architecture written.
 pub fn to_hf(root: &Path, iteration: Option<usize>, out: &Path) -> Result<String, String> {
+    // ANCHOR: to_hf
     let tokenizer_path = root.join("tokenizer.json");
     if !root.join(Gpt::CONFIG_FILE).is_file() {
         let vocab = BertTokenizer::from_file(&tokenizer_path)
@@ -243,6 +244,7 @@ pub fn to_hf(root: &Path, iteration: Option<usize>, out: &Path) -> Result<String
         save_hf_gpt(&model, &hf, out).map_err(|e| e.to_string())?;
         Ok(hf.architecture.names().1.to_string())
     })?;
+    // ANCHOR_END: to_hf
     let copy = out.join("tokenizer.json");
     std::fs::copy(&tokenizer_path, &copy).map_err(|e| format!("{}: {e}", copy.display()))?;
     Ok(architecture)

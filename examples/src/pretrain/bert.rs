@@ -149,6 +149,7 @@ impl Family for BertFamily {
             Split::Train => &self.train,
             Split::Valid => &self.valid,
         };
+        // ANCHOR: bert_step
         let samples: Vec<BertSample> = samples.map(|i| data.sample(i)).collect();
         let mut b = BertBatch::new(&samples, device);
         if let Some(cp) = cp {
@@ -189,6 +190,7 @@ impl Family for BertFamily {
                 }
             }
         })
+        // ANCHOR_END: bert_step
     }
 }
 

@@ -438,6 +438,7 @@ fn train_family<F: Family>(
         let device = args.device.resolve()?;
         options = options.with_device(move |_| device.clone());
     }
+    // ANCHOR: launch
     let (log, evals, peaks) = match args.distributed_backend {
         DistributedBackend::Threads => {
             let train = |ctx| rank(ctx, &shared);
@@ -465,6 +466,7 @@ fn train_family<F: Family>(
         .map(|(log, evals, _, peak)| (log, evals, vec![peak]))
         .map_err(|e| e.to_string())?,
     };
+    // ANCHOR_END: launch
     shared.progress.finish_and_clear();
     if let Some(path) = args.log_json.as_ref().filter(|_| leader) {
         write_log_json(path, &log)?;

@@ -83,11 +83,14 @@ fn run_schedule<F: Family>(
         super::CpCommType::P2p => burn_megatron::context_parallel::CpCommType::P2p,
         super::CpCommType::A2a => burn_megatron::context_parallel::CpCommType::A2a,
     };
+    // ANCHOR: context_parallel
     let cp = (ctx.state.context_parallel_size() > 1)
         .then(|| ContextParallel::new(ctx.groups.cp.clone(), shared.args.seq_length))
         .transpose()
         .map_err(|e| e.to_string())?
         .map(|cp| cp.with_comm_type(comm_type));
+    // ANCHOR_END: context_parallel
+    // ANCHOR: schedule
     let out = forward_backward_func(
         |s: ForwardStep<'_, F::Chunk, 3>| {
             let samples = shared.layout.micro_batch(iteration, dp_rank, s.microbatch);
@@ -100,6 +103,7 @@ fn run_schedule<F: Family>(
         fb,
     )
     .map_err(|e| e.to_string())?;
+    // ANCHOR_END: schedule
     let n = out.losses.len() as f64;
     let local = (!out.losses.is_empty()).then(|| {
         let sum = |i: usize| out.losses.iter().map(|l| l.report[i]).sum::<f64>();
@@ -199,6 +203,7 @@ pub(super) fn setup_rank<F: Family>(
         .map_err(|e| e.to_string())?;
     // One object for the data-parallel reducers, the distributed optimizer's plans and the
     // checkpoints; keys tensors by global name, so any layout loads any other's.
+    // ANCHOR: parallel_training
     let first_layers: Vec<usize> = model.iter().map(F::first_layer).collect();
     // Experts go by their global index, so a checkpoint loads at any expert-parallel size.
     let first_expert = model.first().map_or(0, F::first_expert);
@@ -210,7 +215,9 @@ pub(super) fn setup_rank<F: Family>(
         .with_use_distributed_optimizer(args.use_distributed_optimizer)
         .init(ctx, &model, names)
         .map_err(|e| e.to_string())?;
+    // ANCHOR_END: parallel_training
     let layout = training.checkpoint_rank().layout;
+    // ANCHOR: make_optimizer
     // The weight decay is the scheduler's, set every step; no decay on biases and norms.
     let make_optimizer = |training: &ParallelTraining,
                           model: &Vec<F::Chunk>|
@@ -228,7 +235,9 @@ pub(super) fn setup_rank<F: Family>(
             (true, None) => optim.with_grad_scaler(DynamicGradScaler::default()),
         })
     };
+    // ANCHOR_END: make_optimizer
     let scheduler = scheduler(args)?;
+    // ANCHOR: load
     let (model, optim, start, skipped) = match &args.load {
         None => {
             let optim = make_optimizer(&training, &model).map_err(|e| e.to_string())?;
@@ -261,6 +270,7 @@ pub(super) fn setup_rank<F: Family>(
             (r.model, r.optimizer, r.iteration, skipped)
         }
     };
+    // ANCHOR_END: load
     if let Some(state) = optim.state_elements().filter(|_| leader) {
         // The distributed optimizer's point: 12 bytes of state per parameter, over DP.
         let params = model.num_params();
@@ -306,6 +316,7 @@ impl<F: Family> Step<'_, F> {
         // Forwards since the last step (validation's) are not this iteration's.
         F::take_moe_stats(model);
         // Dropout masks are a function of (seed, iteration): nothing to checkpoint.
+        // ANCHOR: forward_backward
         let rng = RngTracker::new(args.seed ^ ((iteration as u64 + 1) << 20), tp_rank);
         let mut fb = ForwardBackwardConfig::new(args.schedule(&self.shared.layout));
         fb.grad_scale = optim.loss_scale();
@@ -325,6 +336,7 @@ impl<F: Family> Step<'_, F> {
             .finalize(model, &mut grads)
             .map_err(|e| e.to_string())?;
         let losses = share_losses(self.ctx, losses, self.shared.family.has_sop())?;
+        // ANCHOR_END: forward_backward
         Ok((grads, losses, out.spans))
     }
 
@@ -344,11 +356,13 @@ impl<F: Family> Step<'_, F> {
     ) -> Result<(Vec<F::Chunk>, IterationLog), String> {
         let args = &self.shared.args;
         let moe = self.moe_log(&model)?;
+        // ANCHOR: optimizer_step
         let lr = scheduler.lr_at(iteration);
         optim
             .set_weight_decay(scheduler.wd_at(iteration))
             .map_err(|e| e.to_string())?;
         let (model, report) = optim.step(lr, model, grads).map_err(|e| e.to_string())?;
+        // ANCHOR_END: optimizer_step
         *skipped += usize::from(!report.updated);
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let tokens_per_iter = (args.global_batch_size * args.seq_length) as f64;
@@ -425,10 +439,12 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         let Some(root) = &args.save else {
             return Ok(());
         };
+        // ANCHOR: save
         let extra = serde_json::json!({ "skipped_iterations": skipped });
         training
             .save(root, done, model, optim, extra)
             .map_err(|e| e.to_string())?;
+        // ANCHOR_END: save
         if leader {
             shared.println(format!(
                 " saved checkpoint at iteration {done} to {}",
