@@ -143,6 +143,7 @@ enum Outcome<T, E> {
 /// The layout is validated before any thread starts.
 ///
 /// ```
+/// # // ANCHOR: first_look
 /// use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 /// use burn_megatron::launch::{self, LaunchOptions};
 /// use burn_megatron::topology::ParallelConfig;
@@ -155,6 +156,7 @@ enum Outcome<T, E> {
 /// })
 /// .unwrap();
 /// assert_eq!(out, vec![1, 1, 1, 1]);
+/// # // ANCHOR_END: first_look
 /// ```
 pub fn threads<T, E, F>(
     config: &ParallelConfig,
