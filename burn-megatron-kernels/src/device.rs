@@ -63,7 +63,8 @@ pub fn wgpu_gpu_device() -> Result<Device, String> {
     Err("built without the `wgpu` feature".into())
 }
 
-/// CUDA device 0, or why there is none ([`crate::cuda::cuda_device`]).
+/// CUDA device 0, or why there is none (built without the `cuda` feature, or no driver or
+/// device).
 pub fn cuda_device() -> Result<Device, String> {
     #[cfg(feature = "cuda")]
     return crate::cuda::cuda_device(0).map_err(|e| e.to_string());

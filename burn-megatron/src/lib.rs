@@ -1,36 +1,84 @@
 //! Megatron-LM-style model parallelism for [Burn](https://burn.dev).
 //!
-//! The crate is organised bottom-up, one module per layer of the system:
+//! A training loop touches one object per concept: a layout ([`topology::ParallelConfig`]),
+//! ranks launched with their groups ([`launch::threads`], [`launch::from_env`]), a model
+//! built per pipeline stage ([`models::GptConfig`], [`models::BertConfig`], or a Burn
+//! model with its layers swapped for [`tensor_parallel`]'s), and [`training::ParallelTraining`]
+//! for everything between backward and the next forward: the gradient reductions
+//! (`finalize`), the optimizer (`optimizer`) and checkpoints (`save`, `load`). A step is
+//! [`pipeline::forward_backward_func`] → `finalize` → the optimizer's `step`; the
+//! `train_minimal` example is that loop in one screen.
 //!
-//! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data- and
-//!   context-parallel groups (Megatron-Core's exact rank arithmetic).
-//! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout.
+//! # Module map
+//!
+//! The modules, bottom up: no module imports one listed after it, except that the models
+//! sit below data parallelism, the optimizer and the pipeline (none of which imports them);
+//! `tests/layering.rs` holds the exact table and checks it.
+//!
+//! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data-, context-
+//!   and expert-parallel groups (Megatron-Core's exact rank arithmetic).
+//! - [`aux_loss`]: losses computed inside the model (MoE load balancing) whose gradient
+//!   enters backward directly.
+//! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout; the
+//!   thread, MPI and NCCL backends.
 //! - [`tensor_parallel`]: differentiable mappings, parallel layers, vocab-parallel
 //!   cross-entropy, initialisation and dropout RNG independent of the TP size.
+//! - [`context_parallel`]: one sequence split over the context-parallel group.
+//! - [`moe`]: mixture of experts: router, token dispatch over the expert-parallel group,
+//!   experts.
+//! - [`recompute`]: activation recomputation (Megatron's `--recompute-granularity`).
+//! - [`models`]: one transformer core (attention, MLP, layer) and the GPT / Llama family
+//!   and BERT over it, with Hugging Face import and export and generation.
 //! - [`data_parallel`]: gradient reduction over the data-parallel group in buckets, after
-//!   backward or overlapped with it.
+//!   backward or overlapped with it, and the distributed optimizer's shard plans.
+//! - [`data`]: pretraining data: corpora, tokenizers, BERT and GPT samples, Megatron's
+//!   indexed datasets.
 //! - [`optimizer`]: Megatron's LR / WD scheduler, loss scalers, and the optimizer wrapper
-//!   (FP32 master weights, overflow skipping, global-norm clipping).
+//!   (FP32 master weights, overflow skipping, global-norm clipping, ZeRO-1).
 //! - [`pipeline`]: schedules (1F1B, interleaved), p2p between stages and
 //!   `forward_backward_func` over any model's chunks.
-//! - [`context_parallel`]: one sequence split over the context-parallel group (the
-//!   load-balanced split, K/V all-gathered over it, masks by global position).
-//! - [`recompute`]: activation recomputation: regions that keep only their input and run
-//!   again in backward (Megatron's `--recompute-granularity`).
-//! - [`models`]: tensor-parallel attention, MLP, transformer layer and BERT, with Hugging
-//!   Face checkpoint import/export.
-//! - [`data`]: BERT pretraining data: corpus, WordPiece tokenizer, masked sentence pairs.
 //! - [`launch`]: run one closure per rank (threads of this process, or processes), each
 //!   handed its groups, device and pipeline channels.
-//! - [`checkpoint`]: training checkpoints (weights, master weights, optimizer state).
-//! - [`training`]: one rank's side of training in one object: the data-parallel
-//!   reducers and shard plans, `finalize`, and collective checkpoint `save` / `load`.
+//! - [`checkpoint`]: training checkpoints (weights, master weights, optimizer state) that
+//!   load at any layout.
+//! - [`training`]: one rank's side of training in one object.
+//! - `cuda` (feature `cuda`): the CUDA device and its libraries, from
+//!   `burn_megatron_kernels`.
 //!
-//! No module imports one listed after it, except that the models sit below data
-//! parallelism, the optimizer and the pipeline (none of which imports them);
-//! `tests/layering.rs` holds the exact table and checks it. The gradient-ready hooks the
-//! parallel layers and the overlapped reduction share sit below both, with the other
-//! crate-private helpers.
+//! Crate-private helpers, at the bottom: `activation` (activation functions by name),
+//! `grad_hooks` (where a parameter's gradient is handed to the overlapped reduction),
+//! `module_path` (parameters by their path in a module), `param_grads` (gradients by
+//! parameter id, any tensor rank) and `safetensors_io`.
+//!
+//! # Lower-level ways in
+//!
+//! Where [`training::ParallelTraining`] assembles lower-level pieces, those live in an
+//! `advanced` module beside their concept, for a loop that holds them itself:
+//! [`data_parallel::advanced`] (the `finalize_model_grads` family, reducers, shard plans)
+//! and [`checkpoint::advanced`] (one rank's save and load, and the commit protocol).
+//!
+//! # Global state
+//!
+//! Three things are process-wide, because Burn gives a parameter no place to carry them and
+//! the code that needs them runs inside Burn's backward, where no argument reaches:
+//!
+//! - the parameter attributes (tensor-parallel? partition dim? sequence-parallel? shared
+//!   embedding? expert?), a registry keyed by `ParamId` ([`tensor_parallel::parallel_attrs`]).
+//!   Megatron sets them as attributes of the torch parameter; layers state them here at init
+//!   and at every forward, and a [`tensor_parallel::LayoutOwner`] field of the layer removes
+//!   them when the layer is dropped.
+//! - the gradient-hook claims and the active reducer (`grad_hooks`): which parameters an
+//!   overlapped data-parallel reducer waits for, and, per thread, the reducer a backward now
+//!   delivers to and the recomputation phase. The pipeline executor activates a chunk's
+//!   reducer around its forward and backward.
+//! - the auxiliary-loss scale, per thread ([`aux_loss::scale_aux_losses`]): the gradient an
+//!   MoE layer's load-balancing loss receives, set by the pipeline executor for its
+//!   micro-batches (Megatron's `MoEAuxLossAutoScaler`).
+//!
+//! Beside them, caches that cannot go stale: `param_grads`' accessors per tensor rank, the
+//! kernels' wgpu device (opened once per process), a counter for unique temporary names in
+//! the dataset index cache. Ranks as threads share all of these; each entry is keyed by
+//! parameter id or thread, so ranks do not see each other's.
 
 mod activation;
 pub mod aux_loss;

@@ -1,10 +1,14 @@
-//! The crate's modules import downwards only, and the optimizer's files form no cycle.
+//! The crate's modules import downwards only, the optimizer's files form no cycle, and the
+//! public API has one way in per item ([`public_api`]).
 //!
 //! This reads the sources (the compiler does not forbid a cycle between modules of one
 //! crate): every `crate::…` and `super::…` path outside test code is resolved to the
 //! top-level module it names, and each top-level module may only name modules on a lower
 //! level of [`LEVELS`]. Inside `optimizer/`, a path is resolved to the file that defines
 //! the item it names, and the graph of those file references must be acyclic.
+
+#[path = "layering/public_api.rs"]
+mod public_api;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -7,7 +7,7 @@
 //! cargo run --release -p burn-megatron-examples --example bert_bench -- --torch
 //! ```
 //!
-//! `--torch` runs `../shared/bench/torch_bert_ref.py` (PyTorch from pip; dev-only) twice: as
+//! `--torch` runs `scripts/torch_ref/torch_bert_ref.py` (PyTorch from pip; dev-only) twice: as
 //! PyTorch runs by default on a CPU, and with glibc's malloc keeping freed memory as our
 //! examples' allocator does (the `⁺` columns, the like-for-like comparison; see
 //! `burn_megatron_examples::torch_ref`).
@@ -40,10 +40,11 @@ struct Args {
     #[arg(long)]
     torch: bool,
     /// The PyTorch reference script.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/bench/torch_bert_ref.py"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/torch_ref/torch_bert_ref.py"))]
     torch_script: PathBuf,
-    /// `fused`: `MegatronOptimizer::fused_adam` (AdamW over flat buffers, one native pass
-    /// on Flex); `adamw`: `MegatronOptimizer` around burn-optim's `AdamW`. The same update.
+    /// `fused`: `MegatronOptimizer::new` with a `FusedAdam` (AdamW over flat buffers, one
+    /// native pass on Flex); `adamw`: `MegatronOptimizer` around burn-optim's `AdamW`. The
+    /// same update.
     #[arg(long, value_enum, default_value_t = Optim::Fused)]
     optimizer: Optim,
     /// Models as LAYERSxHIDDENxHEADS.
@@ -74,7 +75,7 @@ fn ours(
     let mut optim = match args.optimizer {
         Optim::Fused => {
             let adam = FusedAdamConfig::new().with_no_weight_decay_on_1d(false);
-            MegatronOptimizer::fused_adam(adam.init()?, &model, tp.clone(), 0)
+            MegatronOptimizer::new(adam.init()?, &model, tp.clone(), 0)
         }
         Optim::Adamw => MegatronOptimizer::new(AdamWConfig::new().init(), &model, tp.clone(), 0),
     };

@@ -4,6 +4,9 @@
 //! cargo run --release -p burn-megatron-examples --example bert_pretrain
 //! cargo run --release -p burn-megatron-examples --example bert_pretrain -- --help
 //! ```
+//!
+//! The loop itself is `train_minimal`'s (`examples/examples/train_minimal.rs`, one screen)
+//! with every flag: read that first. Here it lives in `examples/src/pretrain/train.rs`.
 
 use burn_megatron_examples::pretrain::{Args, run};
 use clap::Parser;

@@ -211,7 +211,7 @@ fn time_local(op: Op, n: usize, mib: usize) -> Vec<Sample> {
 /// batch.
 #[cfg(feature = "mpi")]
 fn mpi_worker(max_mib: usize) {
-    let world = burn_megatron::comm::MpiWorld::init(Duration::from_secs(600)).unwrap();
+    let world = burn_megatron::comm::mpi::MpiWorld::init(Duration::from_secs(600)).unwrap();
     let n = world.size();
     world.barrier();
     let comm = world

@@ -22,7 +22,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::comm::{Buffer, CommDType};
 use burn_megatron::context_parallel::{ContextParallel, CpCommType, RingStats};
-use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
+use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{
     ActivationFunc, GptConfig, GptStageOutput, NormKind, PositionEmbeddingType,

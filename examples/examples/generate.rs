@@ -14,7 +14,7 @@ use burn::module::Module;
 use burn::tensor::Device;
 use burn_megatron::data::GptTokenizer;
 use burn_megatron::launch::{self, LaunchError, LaunchOptions};
-use burn_megatron::models::{GenerateConfig, Gpt, HfGptConfig, Sampling, generate, load_hf_llama};
+use burn_megatron::models::{GenerateConfig, Gpt, HfGptConfig, Sampling, generate, load_hf_gpt};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_examples::checkpoint_tool::{load_rank, read_config, resolve_iteration};
 use clap::Parser;
@@ -157,7 +157,7 @@ fn run(cli: &Cli) -> Result<(), String> {
         let model: Gpt = match &checkpoint {
             Some((root, c, iteration)) => load_rank(root, *iteration, c, &ctx)?,
             None => {
-                load_hf_llama(dir, &ctx.groups.tp, &ctx.device)
+                load_hf_gpt(dir, &ctx.groups.tp, &ctx.device)
                     .map_err(|e| e.to_string())?
                     .0
             }

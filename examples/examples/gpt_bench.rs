@@ -9,7 +9,7 @@
 //! cargo run --release -p burn-megatron-examples --example gpt_bench -- --torch
 //! ```
 //!
-//! `--torch` runs `../shared/bench/torch_gpt_ref.py` (PyTorch from pip; dev-only) twice per
+//! `--torch` runs `scripts/torch_ref/torch_gpt_ref.py` (PyTorch from pip; dev-only) twice per
 //! attention kind: as PyTorch runs by default on a CPU, and with glibc's malloc keeping
 //! freed memory as our examples' allocator does (the `⁺` columns, the like-for-like
 //! comparison; see `burn_megatron_examples::torch_ref`).
@@ -36,7 +36,7 @@ struct Args {
     #[arg(long)]
     torch: bool,
     /// The PyTorch reference script.
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/bench/torch_gpt_ref.py"))]
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/torch_ref/torch_gpt_ref.py"))]
     torch_script: PathBuf,
     /// Models as LAYERSxHIDDENxHEADSxKV_HEADSxFFN.
     #[arg(
@@ -97,7 +97,7 @@ fn ours(shape: Shape, args: &Args, times: &PhaseTimes) -> Result<Run, Box<dyn st
     let adam = FusedAdamConfig::new()
         .with_weight_decay(0.01)
         .with_no_weight_decay_on_1d(false);
-    let mut optim = MegatronOptimizer::fused_adam(adam.init()?, &model, tp.clone(), 0);
+    let mut optim = MegatronOptimizer::new(adam.init()?, &model, tp.clone(), 0);
     let ints = |f: &dyn Fn(usize) -> i64| {
         let v: Vec<i64> = (0..MICRO_BATCH * SEQ).map(f).collect();
         Tensor::<2, Int>::from_data(TensorData::new(v, [MICRO_BATCH, SEQ]), &device)

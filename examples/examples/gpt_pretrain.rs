@@ -5,6 +5,9 @@
 //! cargo run --release -p burn-megatron-examples --example gpt_pretrain
 //! cargo run --release -p burn-megatron-examples --example gpt_pretrain -- --help
 //! ```
+//!
+//! The loop itself is `train_minimal`'s (`examples/examples/train_minimal.rs`, one screen)
+//! with every flag: read that first. Here it lives in `examples/src/pretrain/train.rs`.
 
 use burn_megatron_examples::pretrain::{GptArgs, run_gpt};
 use clap::Parser;

@@ -90,7 +90,7 @@ fn setting(
     let model = config.init(&tp, device)?;
     let params = burn::module::Module::num_params(&model) as i64;
     let adam = FusedAdamConfig::new().init()?;
-    let optim = MegatronOptimizer::fused_adam(adam, &model, tp, 0);
+    let optim = MegatronOptimizer::new(adam, &model, tp, 0);
     Ok(Setting {
         name,
         model,

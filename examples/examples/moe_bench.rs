@@ -18,7 +18,8 @@
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::data_parallel::{
-    DataParallelConfig, finalize_expert_grads, finalize_model_grads,
+    DataParallelConfig,
+    advanced::{finalize_expert_grads, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, RankContext, threads};
 use burn_megatron::models::{ActivationFunc, Gpt, GptConfig, NormKind, PositionEmbeddingType};

@@ -7,7 +7,7 @@
 //! - **wrapped, clipping**: threshold 1, below the norm, so every gradient is also scaled,
 //!   against AdamW clipping each gradient by its own norm (burn-optim's
 //!   `GradientClippingConfig::Norm(1.0)`, the nearest it has to the same work);
-//! - **fused**: the flat-buffer Adam (`MegatronOptimizer::fused_adam`, clipping at 1), whose
+//! - **fused**: the flat-buffer Adam (`MegatronOptimizer::new` with a `FusedAdam`, clipping at 1), whose
 //!   one pass per parameter unscales, clips, checks and updates, against plain AdamW.
 //!
 //! ```text
@@ -103,7 +103,7 @@ fn main() {
                 .with_clip_grad(1.0, NormType::L2);
         let adam = FusedAdamConfig::new().with_no_weight_decay_on_1d(false);
         let mut fused =
-            MegatronOptimizer::fused_adam(adam.init().expect("valid"), &models[4], tp.clone(), 0)
+            MegatronOptimizer::new(adam.init().expect("valid"), &models[4], tp.clone(), 0)
                 .with_clip_grad(1.0, NormType::L2);
         let mut models = models.map(Some);
         let mut times: [Vec<f64>; 5] = Default::default();

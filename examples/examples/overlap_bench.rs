@@ -11,7 +11,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{Buffer, Comm, CommError, Communicator, ProcessGroup, ReduceOp};
 use burn_megatron::data_parallel::{
-    DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
+    DataParallelConfig,
+    advanced::{OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::BertConfig;

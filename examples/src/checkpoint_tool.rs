@@ -8,8 +8,8 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_megatron::checkpoint::{
-    CheckpointIndex, CheckpointRank, SavedLayout, committed_dir, latest_loadable_checkpoint,
-    load_checkpoint,
+    CheckpointIndex, CheckpointRank, SavedLayout, advanced::load_checkpoint, committed_dir,
+    latest_loadable_checkpoint,
 };
 use burn_megatron::comm::Comm;
 use burn_megatron::data::{BertTokenizer, GptTokenizer};

@@ -1,12 +1,10 @@
 //! The `bert_pretrain` example end to end: it trains (loss falls), resumes exactly, and
 //! rejects bad arguments before any work.
 
-mod common;
-#[path = "bert_pretrain/context_parallel.rs"]
 mod context_parallel;
 
+use crate::common::{args, assert_same_iterations, binary, sop, tmp};
 use burn_megatron_examples::pretrain::{IterationLog, Summary, run};
-use common::{args, assert_same_iterations, binary, sop, tmp};
 
 /// Six iterations at TP 2 × DP 2, no evaluation: for comparing two runs step by step.
 const SHORT_TP2_DP2: [&str; 6] = [
@@ -369,6 +367,10 @@ fn error_of(extra: &[&str]) -> String {
 fn assert_refused(cases: &[(&[&str], &[&str])]) {
     for (flags, phrases) in cases {
         let e = error_of(flags);
+        // `--lr=-1` once named only the weight-decay flags.
+        if flags.iter().any(|f| f.starts_with("--lr")) {
+            assert!(!e.contains("weight-decay"), "{flags:?}: {e}");
+        }
         for phrase in *phrases {
             assert!(
                 e.contains(phrase),
@@ -409,9 +411,35 @@ fn bad_arguments_are_rejected_with_clear_messages() {
         (&["--load", "/nonexistent/ckpt"], &["no checkpoint"]),
         (
             &["--init-method-std=-0.5"],
-            &["--init-method-std must be a finite value ≥ 0, got -0.5"],
+            &["--init-method-std must be a finite number ≥ 0, got -0.5"],
         ),
         (&["--init-method-std", "NaN"], &["--init-method-std", "NaN"]),
+        // Every float flag: NaN, infinities and values out of range, naming the flag.
+        (
+            &["--lr", "nan"],
+            &["--lr must be a finite number ≥ 0, got NaN"],
+        ),
+        (&["--lr=-1"], &["--lr must be a finite number ≥ 0, got -1"]),
+        (
+            &["--lr", "inf"],
+            &["--lr must be a finite number ≥ 0, got inf"],
+        ),
+        (
+            &["--lr", "0.001", "--min-lr", "0.01"],
+            &["--min-lr (0.01) must not exceed --lr (0.001)"],
+        ),
+        (
+            &["--hidden-dropout", "1"],
+            &["--hidden-dropout", "in [0, 1), got 1"],
+        ),
+        (&["--attention-dropout=-0.1"], &["--attention-dropout"]),
+        (&["--clip-grad", "NaN"], &["--clip-grad"]),
+        (&["--weight-decay=-0.01"], &["--weight-decay must be"]),
+        (&["--lr-warmup-fraction", "1"], &["--lr-warmup-fraction"]),
+        (
+            &["--fp16", "--loss-scale", "0"],
+            &["--loss-scale must be a finite number > 0"],
+        ),
         // A constant weight decay cannot move from 0 to 0.1.
         (
             &["--start-weight-decay", "0", "--end-weight-decay", "0.1"],

@@ -1,11 +1,11 @@
 //! `bert_pretrain` (and `gpt_pretrain`) under `mpirun`, one process per rank: the same run as
 //! the threaded one, checkpoints per rank, an exact resume, and launch errors before any
-//! work. Built only with the `mpi` feature (`required-features`); it then needs `mpirun`.
+//! work. Compiled only with the `mpi` feature; it then needs `mpirun`.
 
-mod common;
-
+use crate::common::{
+    args, argv, assert_same_iterations, binary, example_binary, gpt_args, gpt_argv, tmp,
+};
 use burn_megatron_examples::pretrain::{read_log_json, run, run_gpt};
-use common::{args, argv, assert_same_iterations, binary, example_binary, gpt_args, gpt_argv, tmp};
 use std::path::Path;
 use std::process::{Command, Output};
 

@@ -3,16 +3,14 @@
 //! converted to `LlamaForCausalLM` / `GPT2LMHeadModel`. Each Hugging Face model (read back by
 //! the importers that are tested against `transformers`) computes the checkpoint's logits.
 
-mod common;
-
+use crate::common::{args, tmp};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::comm::LocalWorld;
 use burn_megatron::data::GptTokenizer;
-use burn_megatron::models::{Bert, Gpt, load_hf_bert, load_hf_llama};
+use burn_megatron::models::{Bert, Gpt, load_hf_bert, load_hf_gpt};
 use burn_megatron_examples::checkpoint_tool::{inspect, load_whole, to_hf};
 use burn_megatron_examples::pretrain::{GptArgs, run, run_gpt};
 use clap::Parser;
-use common::{args, tmp};
 use std::sync::Arc;
 
 #[test]
@@ -101,7 +99,7 @@ fn a_checkpoint_is_inspected_and_converted_to_hugging_face() {
 
 /// Trains a tiny GPT with `gpt_pretrain` (`flags` on top of a small shape), converts its
 /// checkpoint with `to-hf`, and checks that the Hugging Face directory, read back by
-/// `load_hf_llama` at TP 1, computes the logits of the checkpoint's whole model.
+/// `load_hf_gpt` at TP 1, computes the logits of the checkpoint's whole model.
 fn gpt_round_trip(name: &str, flags: &[&str], architecture: &str) {
     let dir = tmp(name);
     let save = dir.join("ckpt");
@@ -147,7 +145,7 @@ fn gpt_round_trip(name: &str, flags: &[&str], architecture: &str) {
     let (ours, config) = load_whole::<Gpt>(&save, None).unwrap();
     let device = Device::flex();
     let solo = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
-    let (theirs, hf_config) = load_hf_llama(&hf, &(solo as _), &device).unwrap();
+    let (theirs, hf_config) = load_hf_gpt(&hf, &(solo as _), &device).unwrap();
     assert_eq!(hf_config.num_hidden_layers, config.num_layers);
     assert_eq!(hf_config.eos_token_id, vec![tokenizer.eod]);
     assert_eq!(hf_config.bos_token_id, Some(tokenizer.eod));

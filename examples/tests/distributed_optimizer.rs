@@ -2,10 +2,8 @@
 //! with clipping and a cosine schedule, in f32 and in bf16 with master weights, around the
 //! fused Adam and around burn-optim's AdamW.
 
-mod common;
-
+use crate::common::{args, assert_same_iterations, sop, tmp};
 use burn_megatron_examples::pretrain::{IterationLog, run};
-use common::{args, assert_same_iterations, sop, tmp};
 
 fn log(
     dir: &std::path::Path,

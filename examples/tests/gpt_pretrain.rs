@@ -4,14 +4,13 @@
 //! `tp_llama_dropin` example: a plain Burn Llama and its layer-swapped tensor-parallel copy
 //! train to the same losses and gradients.
 
-mod common;
-#[path = "gpt_pretrain/ecosystem.rs"]
 mod ecosystem;
-#[path = "gpt_pretrain/moe.rs"]
 mod moe;
 
+use crate::common::{
+    assert_close_losses, assert_same_iterations, example_binary, gpt_args as args, tmp,
+};
 use burn_megatron_examples::pretrain::{IterationLog, Summary, run_gpt};
-use common::{assert_close_losses, assert_same_iterations, example_binary, gpt_args as args, tmp};
 use std::path::Path;
 
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
@@ -204,6 +203,23 @@ fn bad_flags_are_refused_before_any_work_naming_them() {
         ),
         (&["--kv-channels", "7"][..], "rotated channels"),
         (&["--rotary-base", "0.5"][..], "rotary_base"),
+        (
+            &["--rotary-base", "nan"][..],
+            "--rotary-base must be a finite number > 0",
+        ),
+        (
+            &["--rotary-percent", "0"][..],
+            "--rotary-percent must be a finite number in (0, 1]",
+        ),
+        (
+            &["--norm-epsilon", "inf"][..],
+            "--norm-epsilon must be a finite number > 0",
+        ),
+        // A byte-level BPE cannot be smaller; it once trained 257 tokens silently.
+        (
+            &["--vocab-size", "1"][..],
+            "--vocab-size (1) must be at least 257",
+        ),
     ] {
         let e = refused(extra);
         assert!(e.contains(want), "{extra:?}: {e}");
@@ -366,7 +382,7 @@ fn the_plan_predicts_each_ranks_measured_peak() {
         "--eval-interval",
         "0",
     ];
-    let bert = common::args(&bert_flags, &dir);
+    let bert = crate::common::args(&bert_flags, &dir);
     let stages = Setup::new_bert(&bert, 191).unwrap().plan().unwrap();
     let summary = burn_megatron_examples::pretrain::run(&bert).unwrap();
     check_peaks("bert PP 2", &stages, summary.peaks);
@@ -382,7 +398,7 @@ fn the_plan_predicts_each_ranks_measured_peak() {
             "--cp-comm-type",
             comm,
         ];
-        let cp = common::args(&[&bert_flags[..], &layout[..]].concat(), &dir);
+        let cp = crate::common::args(&[&bert_flags[..], &layout[..]].concat(), &dir);
         let stages = Setup::new_bert(&cp, 191).unwrap().plan().unwrap();
         let summary = burn_megatron_examples::pretrain::run(&cp).unwrap();
         check_peaks(&format!("bert CP 2 {comm}"), &stages, summary.peaks);
@@ -397,7 +413,7 @@ fn the_plan_predicts_each_ranks_measured_peak() {
         run_gpt(&bad).unwrap_err()
     );
     // So is `layernorm` recomputation of BERT's post-norm layers.
-    let bad = common::args(
+    let bad = crate::common::args(
         &[
             "--recompute-granularity",
             "selective",

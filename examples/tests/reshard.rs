@@ -4,13 +4,11 @@
 //! and continues the uninterrupted run's losses; and a run killed at any step of a save
 //! resumes the last complete checkpoint exactly.
 
-mod common;
-
+use crate::common::{args, argv, assert_same_iterations, binary, sop, tmp};
 use burn_megatron::checkpoint::{
     CRASH_AT, CheckpointIndex, iteration_dir, read_latest, verify_checkpoint,
 };
 use burn_megatron_examples::pretrain::{IterationLog, read_log_json, run};
-use common::{args, argv, assert_same_iterations, binary, sop, tmp};
 use std::path::Path;
 
 /// Four layers and four heads (so TP 4 and PP 4 fit), dropout off, a vocabulary padded to

@@ -8,7 +8,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{DType, Device, Tensor};
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::comm::{Comm, LocalWorld, ReduceOp};
-use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
+use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::*;
 use burn_megatron::tensor_parallel::*;
@@ -128,7 +128,7 @@ pub fn optimizer(kind: Kind, model: &TpMlp, mp: Comm, tp_rank: usize) -> Megatro
         Kind::Burn => MegatronOptimizer::new(AdamWConfig::new().init(), model, mp, tp_rank),
         Kind::Fused => {
             let adam = FusedAdamConfig::new().with_no_weight_decay_on_1d(false);
-            MegatronOptimizer::fused_adam(adam.init().unwrap(), model, mp, tp_rank)
+            MegatronOptimizer::new(adam.init().unwrap(), model, mp, tp_rank)
         }
     }
 }

@@ -6,7 +6,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor};
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
-use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
+use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
@@ -23,7 +23,7 @@ fn run(tp: usize, dp: usize, sp: bool) -> Vec<Vec<(f32, f32)>> {
     run_on(tp, dp, sp, false, LaunchOptions::default())
 }
 
-/// `fused`: `MegatronOptimizer::fused_adam` (flat buffers, fused kernels) instead of
+/// `fused`: `MegatronOptimizer` around the fused Adam (flat buffers, fused kernels) instead of
 /// burn-optim's `AdamW`, same hyper-parameters.
 fn run_on(
     tp: usize,
@@ -44,7 +44,7 @@ fn run_on(
         let mp = ctx.groups.mp.clone();
         let mut optim = if fused {
             let adam = FusedAdamConfig::new().with_no_weight_decay_on_1d(false);
-            MegatronOptimizer::fused_adam(adam.init()?, &model, mp, tp_rank)
+            MegatronOptimizer::new(adam.init()?, &model, mp, tp_rank)
         } else {
             MegatronOptimizer::new(AdamWConfig::new().init(), &model, mp, tp_rank)
         }

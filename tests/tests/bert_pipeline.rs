@@ -8,7 +8,8 @@ use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, Tensor};
 use burn_megatron::comm::{Comm, CommunicatorExt, ReduceOp};
 use burn_megatron::data_parallel::{
-    DataParallelConfig, OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped,
+    DataParallelConfig,
+    advanced::{OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{Bert, BertConfig, BertStageOutput};

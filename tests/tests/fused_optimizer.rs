@@ -1,4 +1,4 @@
-//! `MegatronOptimizer::fused_adam` (flat FP32 buffers, one fused kernel per parameter group)
+//! `MegatronOptimizer` around the fused Adam (flat FP32 buffers, one fused kernel per parameter group)
 //! against burn-optim's `AdamW` behind the same wrapper: TP × DP traces and weights, bf16
 //! master weights, Megatron's parameter groups, and parameters it must leave alone.
 
@@ -102,7 +102,7 @@ fn megatron_param_groups_decay_matrices_only_as_burn_groups_do() {
         .with_weight_decay(0.5)
         .init()
         .unwrap();
-    let mut fused = MegatronOptimizer::fused_adam(adam, &model, solo(), 0);
+    let mut fused = MegatronOptimizer::new(adam, &model, solo(), 0);
     let (w, b) = linear_values(&step_linear(&mut fused, model, true));
     assert!(w.iter().all(|&v| (v - 0.95).abs() < 1e-6), "{w:?}");
     assert_eq!(b, vec![1.0, 1.0]);
@@ -120,7 +120,7 @@ fn megatron_param_groups_decay_matrices_only_as_burn_groups_do() {
         .with_weight_decay(0.5)
         .init()
         .unwrap();
-    let mut fused = MegatronOptimizer::fused_adam(adam, &b, solo(), 0);
+    let mut fused = MegatronOptimizer::new(adam, &b, solo(), 0);
     for _ in 0..3 {
         a = step_linear(&mut burn, a, false);
         b = step_linear(&mut fused, b, false);
@@ -139,7 +139,7 @@ fn frozen_and_zero_lr_groups_stay_put_while_the_rest_trains() {
         .with_weight_decay(0.1)
         .init()
         .unwrap();
-    let mut optim = MegatronOptimizer::fused_adam(
+    let mut optim = MegatronOptimizer::new(
         adam.with_param_group(frozen_weight, 0.1, 0.0),
         &model,
         solo(),
@@ -155,7 +155,7 @@ fn frozen_and_zero_lr_groups_stay_put_while_the_rest_trains() {
         .with_weight_decay(0.1)
         .init()
         .unwrap();
-    let mut optim = MegatronOptimizer::fused_adam(adam, &model, solo(), 0);
+    let mut optim = MegatronOptimizer::new(adam, &model, solo(), 0);
     let moved = step_linear(&mut optim, model, false);
     assert_ne!(linear_values(&moved).0, before.0);
 }
@@ -172,7 +172,7 @@ fn bad_hyper_parameters_are_errors_not_panics() {
     let device = Device::flex().autodiff();
     let model = linear(&device);
     let adam = FusedAdamConfig::new().init().unwrap();
-    let mut optim = MegatronOptimizer::fused_adam(adam, &model, solo(), 0);
+    let mut optim = MegatronOptimizer::new(adam, &model, solo(), 0);
     let l = model.forward(Tensor::<2>::ones([1, 3], &device)).sum();
     let grads = GradientsParams::from_grads(l.backward(), &model);
     let Err(e) = optim.step(-1.0, model, grads) else {

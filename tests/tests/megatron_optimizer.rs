@@ -54,6 +54,7 @@ fn bf16_with_fp32_master_weights_tracks_the_fp32_run() {
 /// checksums): the weights and the whole optimizer state, whichever optimizer kind wrote
 /// them, safetensors files by their tensors.
 fn snapshot(model: &TpMlp, optim: &MegatronOptimizer<TpMlp>, tag: &str) -> Vec<(String, Vec<u8>)> {
+    use burn_megatron::checkpoint::advanced::*;
     use burn_megatron::checkpoint::*;
     let root = std::env::temp_dir().join(format!("bm-snapshot-{}-{tag}", std::process::id()));
     let rank = CheckpointRank {
@@ -160,7 +161,7 @@ fn accumulating_micro_batches_then_one_reduction_equals_the_full_batch() {
                 acc.accumulate(&model, GradientsParams::from_grads(l.backward(), &model));
             }
             let mut grads = acc.grads();
-            let n = burn_megatron::data_parallel::all_reduce_gradients(
+            let n = burn_megatron::data_parallel::advanced::all_reduce_gradients(
                 &model,
                 &mut grads,
                 &ctx.groups.dp,
@@ -237,7 +238,7 @@ fn master_weights_keep_updates_that_bf16_rounds_away() {
                     .with_weight_decay(0.0)
                     .init()
                     .unwrap();
-                MegatronOptimizer::fused_adam(adam, &model, solo(), 0)
+                MegatronOptimizer::new(adam, &model, solo(), 0)
             }
         };
         for _ in 0..20 {
@@ -290,7 +291,7 @@ fn the_weight_decay_schedule_is_applied_every_step() {
             }
             Kind::Fused => {
                 let adam = FusedAdamConfig::new().init().unwrap();
-                MegatronOptimizer::fused_adam(adam, &model, solo(), 0)
+                MegatronOptimizer::new(adam, &model, solo(), 0)
             }
         };
         let mut expected = 1.0f32;

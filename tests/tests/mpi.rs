@@ -1,7 +1,6 @@
 //! The MPI backend under `mpirun`, one process per rank: the collective suite at 2, 3 and 4
 //! processes, and the failures that must end the whole job quickly with a message naming
-//! the group and the op. Built only with the `mpi` feature (`required-features`); it then
-//! needs `mpirun`.
+//! the group and the op. Compiled only with the `mpi` feature; it then needs `mpirun`.
 
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};

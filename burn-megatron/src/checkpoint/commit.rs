@@ -71,19 +71,21 @@ pub(super) fn write_atomic(
     synced(path.parent().unwrap_or(Path::new(".")))
 }
 
-/// The environment variable of the crash-injection test hook.
+/// The environment variable of the crash-injection test hook (feature `test-hooks`).
+#[cfg(feature = "test-hooks")]
 pub const CRASH_AT: &str = "BURN_MEGATRON_CRASH_AT";
 
-/// A test hook, always compiled (a check of one environment variable per step of a save):
-/// with `BURN_MEGATRON_CRASH_AT=<point>` or `<point>@<iteration>` the process kills itself
-/// (SIGKILL: no destructor, no flush) when the save of that iteration reaches `point`.
-/// The points, in order: `shard` (a rank has written its first file), `saved` (every rank
-/// has written, the commit begins), `sealed` (`metadata.json` written), `aside` (a
-/// previous copy of the iteration renamed to `.old`), `renamed` (the new directory in),
-/// `latest` (the new `latest` written under its temporary name, not yet renamed) and
-/// `committed` (before the previous copy is deleted). Tests use it to show that a crash at
-/// any of them leaves a checkpoint that resumes exactly.
-pub fn crash_point(point: &str, iteration: usize) {
+/// The crash-injection test hook, compiled with the feature `test-hooks` only (the examples'
+/// tests turn it on): with `BURN_MEGATRON_CRASH_AT=<point>` or `<point>@<iteration>` the
+/// process kills itself (SIGKILL: no destructor, no flush) when the save of that iteration
+/// reaches `point`. The points, in order: `shard` (a rank has written its first file),
+/// `saved` (every rank has written, the commit begins), `sealed` (`metadata.json` written),
+/// `aside` (a previous copy of the iteration renamed to `.old`), `renamed` (the new
+/// directory in), `latest` (the new `latest` written under its temporary name, not yet
+/// renamed) and `committed` (before the previous copy is deleted). Tests use it to show
+/// that a crash at any of them leaves a checkpoint that resumes exactly.
+#[cfg(feature = "test-hooks")]
+pub(crate) fn crash_point(point: &str, iteration: usize) {
     let Ok(wanted) = std::env::var(CRASH_AT) else {
         return;
     };
@@ -96,7 +98,11 @@ pub fn crash_point(point: &str, iteration: usize) {
     }
 }
 
-#[cfg(unix)]
+/// Without the feature `test-hooks`, a save has no crash points.
+#[cfg(not(feature = "test-hooks"))]
+pub(crate) fn crash_point(_point: &str, _iteration: usize) {}
+
+#[cfg(all(unix, feature = "test-hooks"))]
 fn kill_self() {
     // SAFETY: kill(2) on our own pid with a valid signal number touches no memory.
     unsafe {
@@ -105,7 +111,7 @@ fn kill_self() {
     std::process::abort();
 }
 
-#[cfg(not(unix))]
+#[cfg(all(not(unix), feature = "test-hooks"))]
 fn kill_self() {
     std::process::abort();
 }

@@ -6,9 +6,9 @@
 //! early makes the call fail on every member, naming the group, the operation and the ranks.
 //!
 //! A [`World`] makes communicators; the rest of the library sees only [`Comm`]s. Backends:
-//! - [`local`]: ranks are threads of this process ([`LocalWorld`]).
-//! - `mpi` (feature `mpi`): one process per rank over MPI (`MpiWorld`).
-//! - `nccl` (feature `cuda`): one process per GPU over NCCL (`NcclWorld`), bootstrapped
+//! - ranks as threads of this process ([`LocalWorld`]), the default;
+//! - `mpi` (feature `mpi`): one process per rank over MPI (`mpi::MpiWorld`);
+//! - `nccl` (feature `cuda`): one process per GPU over NCCL (`nccl::NcclWorld`), bootstrapped
 //!   through a [`TcpStore`] or MPI; its communicators also work on device memory
 //!   ([`DeviceCollectives`]).
 //!
@@ -21,7 +21,7 @@ mod group;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod header;
 mod lend;
-pub mod local;
+mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "cuda")]
@@ -31,8 +31,6 @@ mod store;
 pub mod tensor;
 
 #[cfg(test)]
-mod tensor_tests;
-#[cfg(test)]
 mod tests;
 
 pub use buffer::{Buffer, CommDType, CommElement};
@@ -40,10 +38,6 @@ pub(crate) use buffer::{comm_dtype, map_vec};
 pub use device::{DeviceCollectives, DeviceSlice};
 pub use group::{CommError, ProcessGroup};
 pub use local::{LocalCommunicator, LocalWorld};
-#[cfg(feature = "mpi")]
-pub use mpi::{MpiCommunicator, MpiWorld};
-#[cfg(feature = "cuda")]
-pub use nccl::{NcclCommunicator, NcclWorld};
 pub use reduce::{ReduceOp, has_non_finite};
 pub use store::{StoreError, TcpStore};
 

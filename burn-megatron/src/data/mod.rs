@@ -24,7 +24,7 @@ mod tokenizer;
 pub use bert_dataset::{BatchLayout, BertBatch, BertDataset, BertDatasetConfig, BertSample};
 pub use corpus::{Document, load_corpus, synthetic_corpus, synthetic_vocabulary};
 pub use gpt_dataset::{
-    END_OF_TEXT, GptBatch, GptDataset, GptDatasetConfig, GptSample, GptTokenizer,
+    END_OF_TEXT, GptBatch, GptCorpusDataset, GptCorpusDatasetConfig, GptSample, GptTokenizer,
 };
 pub use tokenizer::{BertTokenizer, SPECIAL_TOKENS};
 

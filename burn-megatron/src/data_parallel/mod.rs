@@ -1,32 +1,43 @@
 //! Data parallelism: gradients reduced over the data-parallel group only, a few large
-//! collectives at a time (contiguous buckets), and `finalize_model_grads`.
+//! collectives at a time (contiguous buckets), and Megatron's `finalize_model_grads`.
 //!
-//! [`finalize_model_grads`] reduces after backward, once per optimizer step, so gradient
-//! accumulation over micro-batches (sum the micro-batch `GradientsParams`, then finalize)
-//! costs one reduction. [`OverlapReducer`] instead starts each bucket's reduction during the
-//! last micro-batch's backward, as soon as its gradients are in. With the distributed
-//! optimizer a [`ShardPlan`] decides which elements each rank owns, and the buckets are
-//! reduce-scattered ([`finalize_model_grads_distributed`]).
+//! A training loop configures it in [`ParallelTrainingConfig`](crate::training::ParallelTrainingConfig)
+//! (`overlap_grad_reduce`, `use_distributed_optimizer`, this module's [`DataParallelConfig`])
+//! and calls [`ParallelTraining::finalize`](crate::training::ParallelTraining::finalize)
+//! after each step's backward. What that does:
+//!
+//! - [`advanced::finalize_model_grads`] reduces after backward, once per optimizer step, so
+//!   gradient accumulation over micro-batches (sum the micro-batch `GradientsParams`, then
+//!   finalize) costs one reduction.
+//! - [`advanced::OverlapReducer`] instead starts each bucket's reduction during the last
+//!   micro-batch's backward, as soon as its gradients are in.
+//! - With the distributed optimizer an [`advanced::ShardPlan`] decides which elements each
+//!   rank owns, and the buckets are reduce-scattered
+//!   ([`advanced::finalize_model_grads_distributed`]).
 
-use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
-use crate::comm::{Buffer, Comm, CommError, ReduceOp};
-use crate::param_grads::{float_params, put_flat, take_flat};
-use crate::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
-use burn::module::{Module, ParamId};
-use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor};
-
+mod finalize;
 mod overlap;
 mod shard;
 mod sharded;
 #[cfg(test)]
 mod tests;
 
-pub use crate::grad_hooks::{ActiveGuard, GradHookOps, Hook, hook_param};
-pub use overlap::OverlapReducer;
+pub(crate) use finalize::{dense_params, expert_params};
 
-pub use shard::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
-pub use sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
+/// The pieces [`ParallelTraining`](crate::training::ParallelTraining) assembles, for a loop
+/// that holds its reducers and shard plans itself: `ParallelTraining::finalize` is one of the
+/// three `finalize_model_grads*` (after backward, overlapped with it, or reduce-scattered for
+/// the distributed optimizer) and, for a model with experts, one of the two
+/// `finalize_expert_grads*`.
+pub mod advanced {
+    pub use super::finalize::{
+        all_reduce_gradients, bucket_layout, finalize_expert_grads,
+        finalize_expert_grads_distributed, finalize_model_grads, finalize_model_grads_overlapped,
+    };
+    pub use super::overlap::OverlapReducer;
+    pub use super::shard::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
+    pub use super::sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
+}
 
 /// How gradients are reduced over the data-parallel group.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -55,267 +66,4 @@ impl DataParallelConfig {
         self.bucket_size
             .unwrap_or_else(|| (40_000_000usize).max(1_000_000 * dp))
     }
-}
-
-/// Groups parameters (with their element counts, in module order) into buckets: in reverse
-/// order, as gradients become ready in backward, a bucket closing once it holds at least
-/// `bucket_size` elements. Returns indices into `numels`.
-///
-/// ```
-/// use burn_megatron::data_parallel::bucket_layout;
-/// assert_eq!(bucket_layout(&[10, 20, 30, 5], 25), vec![vec![3, 2], vec![1, 0]]);
-/// ```
-pub fn bucket_layout(numels: &[usize], bucket_size: usize) -> Vec<Vec<usize>> {
-    let mut buckets = Vec::new();
-    let (mut current, mut filled) = (Vec::new(), 0);
-    for i in (0..numels.len()).rev() {
-        current.push(i);
-        filled += numels[i];
-        if filled >= bucket_size {
-            buckets.push(std::mem::take(&mut current));
-            filled = 0;
-        }
-    }
-    if !current.is_empty() {
-        buckets.push(current);
-    }
-    buckets
-}
-
-struct Grad {
-    id: ParamId,
-    dims: Vec<usize>,
-    dtype: DType,
-    device: burn::tensor::Device,
-    buf: Buffer,
-}
-
-fn take_grad(
-    grads: &mut GradientsParams,
-    id: ParamId,
-    rank: usize,
-    comm: &Comm,
-    fp32: bool,
-) -> Result<Option<Grad>, CommError> {
-    let Some((g, dims)) = take_flat(grads, id, rank) else {
-        return Ok(None);
-    };
-    let (dtype, device) = (g.dtype(), g.device());
-    let g = if fp32 { g.cast(DType::F32) } else { g };
-    let buf = data_to_buffer(g.into_data()).map_err(|reason| CommError::InvalidArgument {
-        group: comm.group().to_string(),
-        op: "all_reduce",
-        reason,
-    })?;
-    Ok(Some(Grad {
-        id,
-        dims,
-        dtype,
-        device,
-        buf,
-    }))
-}
-
-fn put_grad(grads: &mut GradientsParams, g: Grad, buf: Buffer) {
-    let flat: Tensor<1> = buffer_to_tensor(buf, [g.dims.iter().product()], &g.device);
-    put_flat(grads, g.id, flat.cast(g.dtype), &g.dims);
-}
-
-/// Reduces the gradients of `params` over `comm` in contiguous buckets; returns the number of
-/// collectives issued.
-fn reduce_in_buckets(
-    params: &[(ParamId, usize)],
-    grads: &mut GradientsParams,
-    comm: &Comm,
-    config: &DataParallelConfig,
-    op: ReduceOp,
-) -> Result<usize, CommError> {
-    let mut ready = Vec::new();
-    for &(id, rank) in params {
-        if let Some(g) = take_grad(grads, id, rank, comm, config.reduce_in_fp32)? {
-            ready.push(g);
-        }
-    }
-    let numels: Vec<usize> = ready.iter().map(|g| g.buf.len()).collect();
-    let mut issued = 0;
-    let mut slots: Vec<Option<Grad>> = ready.into_iter().map(Some).collect();
-    for bucket in bucket_layout(&numels, config.bucket_elements(comm.group().size())) {
-        // One bucket may mix dtypes only when not reducing in fp32: split it by dtype.
-        let mut by_dtype: Vec<Vec<usize>> = Vec::new();
-        for &i in &bucket {
-            let d = slots[i].as_ref().map(|g| g.buf.dtype());
-            match by_dtype
-                .iter_mut()
-                .find(|b| slots[b[0]].as_ref().map(|g| g.buf.dtype()) == d)
-            {
-                Some(b) => b.push(i),
-                None => by_dtype.push(vec![i]),
-            }
-        }
-        for part in by_dtype {
-            let dtype = slots[part[0]].as_ref().expect("present").buf.dtype();
-            let mut flat = Buffer::concat(
-                dtype,
-                part.iter()
-                    .map(|&i| &slots[i].as_ref().expect("present").buf),
-            );
-            comm.all_reduce(&mut flat, op)?;
-            issued += 1;
-            let mut at = 0;
-            for &i in &part {
-                let g = slots[i].take().expect("present");
-                let len = g.buf.len();
-                put_grad(grads, g, flat.slice(at..at + len));
-                at += len;
-            }
-        }
-    }
-    Ok(issued)
-}
-
-/// All-reduces every gradient of `module` over the data-parallel group `dp` (averaged by
-/// default), in buckets. Returns the number of collectives issued.
-pub fn all_reduce_gradients<M: Module>(
-    module: &M,
-    grads: &mut GradientsParams,
-    dp: &Comm,
-    config: &DataParallelConfig,
-) -> Result<usize, CommError> {
-    if dp.group().size() == 1 {
-        return Ok(0);
-    }
-    let op = if config.average {
-        ReduceOp::Avg
-    } else {
-        ReduceOp::Sum
-    };
-    reduce_in_buckets(&dense_params(module), grads, dp, config, op)
-}
-
-/// The parameters the dense data-parallel group reduces: all but the experts'.
-pub(crate) fn dense_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
-    float_params(module)
-        .into_iter()
-        .filter(|&(id, _)| !parallel_attrs(id).expert)
-        .collect()
-}
-
-/// Reduces the gradients of `module`'s expert parameters over the expert data-parallel group
-/// `expert_dp` (Megatron's `expt_dp_group`). Each expert saw the tokens of every dense
-/// data-parallel replica of its expert-parallel group, so the sum over `expert_dp` is scaled
-/// by `1 / data_parallel_size` (the dense DP × CP size) when `config.average`, as
-/// Megatron-Core's `expert_gradient_scaling_factor`: the result is the gradient of the
-/// replicas' mean loss, as the dense parameters' average is.
-///
-/// [`finalize_model_grads`] and its variants reduce only the dense parameters; a model with
-/// experts calls this too (as [`ParallelTraining::finalize`](crate::training::ParallelTraining::finalize)
-/// does).
-pub fn finalize_expert_grads<M: Module>(
-    module: &M,
-    grads: &mut GradientsParams,
-    expert_dp: &Comm,
-    data_parallel_size: usize,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    let experts = expert_params(module);
-    if !experts.is_empty() && expert_dp.group().size() > 1 {
-        reduce_in_buckets(&experts, grads, expert_dp, config, ReduceOp::Sum)?;
-    }
-    scale_expert_grads(&experts, grads, data_parallel_size, config)
-}
-
-/// [`finalize_expert_grads`] for the distributed optimizer: each model chunk's expert plan
-/// ([`ShardPlan::experts`], made for `expert_dp`) reduce-scattered, so that this rank holds
-/// the reduced gradients of the expert elements it owns (zeros elsewhere), as
-/// [`reduce_scatter_gradients`] leaves the dense ones.
-pub fn finalize_expert_grads_distributed<M: Module>(
-    plans: &[ShardPlan],
-    module: &M,
-    grads: &mut GradientsParams,
-    expert_dp: &Comm,
-    data_parallel_size: usize,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    for plan in plans {
-        sharded::reduce_scatter_with(plan, grads, expert_dp, config, ReduceOp::Sum)?;
-    }
-    scale_expert_grads(&expert_params(module), grads, data_parallel_size, config)
-}
-
-/// The expert parameters of `module` (id, tensor rank), which [`finalize_expert_grads`]
-/// reduces and the dense reductions leave alone.
-pub(crate) fn expert_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
-    float_params(module)
-        .into_iter()
-        .filter(|&(id, _)| parallel_attrs(id).expert)
-        .collect()
-}
-
-/// The experts' gradients summed over their replicas, × `1 / data_parallel_size` when
-/// `config.average` (see [`finalize_expert_grads`]).
-fn scale_expert_grads(
-    experts: &[(ParamId, usize)],
-    grads: &mut GradientsParams,
-    data_parallel_size: usize,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    if !config.average || data_parallel_size <= 1 {
-        return Ok(());
-    }
-    let scale = 1.0 / data_parallel_size as f64;
-    for &(id, rank) in experts {
-        crate::param_grads::update_flat(grads, id, rank, |g| Ok::<_, CommError>(g * scale))?;
-    }
-    Ok(())
-}
-
-/// Megatron's `finalize_model_grads`: data-parallel reduction, then the tensor-parallel
-/// all-reduce of sequence-parallel parameters' gradients, then the embedding-group
-/// all-reduce of shared-embedding gradients (tied word embeddings across pipeline stages;
-/// pass `None` without pipelines).
-pub fn finalize_model_grads<M: Module>(
-    module: &M,
-    grads: &mut GradientsParams,
-    dp: &Comm,
-    tp: &Comm,
-    embedding: Option<&Comm>,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    all_reduce_gradients(module, grads, dp, config)?;
-    finalize_non_dp(module, grads, tp, embedding, config)
-}
-
-/// [`finalize_model_grads`] after a step whose data-parallel reduction overlapped with
-/// backward: waits for each of `reducers` (one per model chunk of a pipeline stage, or just
-/// one), then the sequence-parallel and embedding reductions of `module`.
-pub fn finalize_model_grads_overlapped<M: Module>(
-    reducers: &[OverlapReducer],
-    module: &M,
-    grads: &mut GradientsParams,
-    tp: &Comm,
-    embedding: Option<&Comm>,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    for reducer in reducers {
-        reducer.finish(grads)?;
-    }
-    finalize_non_dp(module, grads, tp, embedding, config)
-}
-
-fn finalize_non_dp<M: Module>(
-    module: &M,
-    grads: &mut GradientsParams,
-    tp: &Comm,
-    embedding: Option<&Comm>,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    allreduce_sequence_parallel_grads(module, grads, tp)?;
-    if let Some(embd) = embedding.filter(|c| c.group().size() > 1) {
-        let shared: Vec<(ParamId, usize)> = dense_params(module)
-            .into_iter()
-            .filter(|&(id, _)| parallel_attrs(id).shared_embedding)
-            .collect();
-        reduce_in_buckets(&shared, grads, embd, config, ReduceOp::Sum)?;
-    }
-    Ok(())
 }

@@ -13,7 +13,8 @@
 //! lay out their buckets differently: those parameters get buckets of their own, which are
 //! all-reduced, so every element is reduced wherever the other stage has it.
 
-use super::{DataParallelConfig, bucket_layout};
+use super::DataParallelConfig;
+use super::finalize::bucket_layout;
 use crate::comm::{Comm, CommError, ProcessGroup};
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -82,7 +83,7 @@ pub struct Piece {
 /// ```
 /// use burn::nn::LinearConfig;
 /// use burn::tensor::Device;
-/// use burn_megatron::data_parallel::{DataParallelConfig, ShardPlan};
+/// use burn_megatron::data_parallel::{advanced::{ShardPlan}, DataParallelConfig};
 /// let model = LinearConfig::new(3, 2).init(&Device::flex().autodiff()); // 6 + 2 elements
 /// let plan = ShardPlan::new(&model, 3, 1, &DataParallelConfig::default(), false);
 /// assert_eq!(plan.buckets()[0].len, 9); // padded to a multiple of 3
@@ -292,7 +293,7 @@ fn param_info<M: Module>(module: &M, experts: bool) -> Vec<ParamInfo> {
 /// use burn::nn::LinearConfig;
 /// use burn::tensor::Device;
 /// use burn_megatron::comm::LocalWorld;
-/// use burn_megatron::data_parallel::{DataParallelConfig, OptimizerShards, ShardPlan};
+/// use burn_megatron::data_parallel::{advanced::{OptimizerShards, ShardPlan}, DataParallelConfig};
 /// use std::sync::Arc;
 /// let model = LinearConfig::new(3, 2).init(&Device::flex().autodiff());
 /// let dp = Arc::new(LocalWorld::new(1).communicator("dp", vec![0], 0).unwrap());

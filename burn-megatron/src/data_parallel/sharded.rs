@@ -7,8 +7,9 @@
 //! sequence-parallel gradients that follows keeps that meaning, since every tensor-parallel
 //! peer owns the same elements (their modules have the same shapes, so the same plan).
 
+use super::DataParallelConfig;
+use super::finalize::finalize_non_dp;
 use super::shard::ShardPlan;
-use super::{DataParallelConfig, finalize_non_dp};
 use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
 use crate::comm::{Buffer, Comm, CommDType, CommError, ReduceOp, comm_dtype};
 use crate::param_grads::{put_flat, take_flat};
@@ -96,7 +97,7 @@ pub(super) fn reduce_scatter_with(
     Ok(issued)
 }
 
-/// [`finalize_model_grads`](super::finalize_model_grads) for the distributed optimizer:
+/// [`finalize_model_grads`](super::advanced::finalize_model_grads) for the distributed optimizer:
 /// each model chunk's plan reduced over `dp` ([`reduce_scatter_gradients`]), then the
 /// sequence-parallel and embedding reductions of `module` (all chunks).
 pub fn finalize_model_grads_distributed<M: Module>(

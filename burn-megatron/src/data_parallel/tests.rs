@@ -1,10 +1,14 @@
+use super::advanced::*;
 use super::*;
 use crate::comm::CommunicatorExt;
+use crate::comm::{CommError, ReduceOp};
 use crate::launch::{LaunchOptions, threads};
 use crate::topology::ParallelConfig;
 use burn::module::Param;
 use burn::nn::Linear;
+use burn::optim::GradientsParams;
 use burn::tensor::TensorData;
+use burn::tensor::{DType, Tensor};
 
 #[test]
 fn buckets_fill_in_reverse_order_and_close_at_the_size() {

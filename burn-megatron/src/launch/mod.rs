@@ -252,6 +252,4 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 #[cfg(test)]
-mod env_tests;
-#[cfg(test)]
 mod tests;

@@ -122,7 +122,8 @@ fn run_mpi<T, E: fmt::Display>(
     f: impl FnOnce(RankContext) -> Result<T, E>,
 ) -> Result<T, LaunchError<E>> {
     use super::panic_message;
-    use crate::comm::{MpiWorld, World};
+    use crate::comm::World;
+    use crate::comm::mpi::MpiWorld;
     use std::panic::{AssertUnwindSafe, catch_unwind};
     let world = MpiWorld::init(options.timeout).map_err(|source| LaunchError::Comm {
         rank: env.rank,

@@ -421,7 +421,7 @@ impl Bert {
     /// [`Bert::forward_stage_with_positions`] on this rank's share of sequences split over
     /// a context-parallel group: `tokens` (`[b, s / cp]`) are the tokens at
     /// `cp.positions()` (split with [`ContextParallel::split_tensor`]), `padding` covers
-    /// the whole sequences (`[b, s]`), and attention sees every token. The [CLS] token
+    /// the whole sequences (`[b, s]`), and attention sees every token. The `[CLS]` token
     /// (position 0) is CP rank 0's first: the binary head runs on every rank's first token,
     /// and [`Bert::loss_cp`] counts rank 0's only.
     pub fn forward_stage_cp(

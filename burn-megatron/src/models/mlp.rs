@@ -37,7 +37,7 @@ impl ParallelMlp {
 
     /// Like [`forward`](Self::forward), but returns the second layer's bias instead of
     /// adding it when that layer was built with `skip_bias_add` (as
-    /// [`TransformerLayerConfig::init`] does), for the fused bias + dropout + residual add.
+    /// [`TransformerLayerConfig::init`](super::TransformerLayerConfig::init) does), for the fused bias + dropout + residual add.
     pub fn forward_with_bias(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
         let gate = self
             .dense_h_to_4h_gate

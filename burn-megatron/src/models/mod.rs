@@ -26,9 +26,8 @@ pub use gpt::{
     GptStageOutput, KvCache, PositionEmbeddingType, Positions, Sampling, generate,
 };
 pub use gpt_hf::{
-    HfArchitecture, HfExperts, HfGptConfig, hf_gpt_state_dict, load_hf_gpt,
-    load_hf_gpt as load_hf_llama, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
-    save_hf_gpt as save_hf_llama,
+    HfArchitecture, HfExperts, HfGptConfig, hf_gpt_state_dict, load_hf_gpt, load_hf_gpt_weights,
+    read_hf_tensors, save_hf_gpt,
 };
 pub use mlp::ParallelMlp;
 pub use norm::{FusedLayerNorm, Norm, NormKind};

@@ -10,7 +10,7 @@ use super::grad_norm::{
 use super::grad_scaler::{GradScaler, GradScalerState};
 use super::sharded_burn::ShardedBurn;
 use crate::comm::{Comm, CommError};
-use crate::data_parallel::OptimizerShards;
+use crate::data_parallel::advanced::OptimizerShards;
 use crate::param_grads::{float_params, update_flat};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
@@ -38,8 +38,9 @@ pub struct StepReport {
 /// step on the FP32 master weights → copy back to the model's dtype. FP32 models are stepped
 /// directly (no master copy).
 ///
-/// [`MegatronOptimizer::fused_adam`] instead keeps flat FP32 buffers and steps each parameter
-/// group in one fused kernel (Apex's `FusedAdam` with Megatron's `main_param` buffers).
+/// Around [`InnerOptimizer::FusedAdam`] it instead keeps flat FP32 buffers and steps each
+/// parameter group in one fused kernel (Apex's `FusedAdam` with Megatron's `main_param`
+/// buffers).
 pub struct MegatronOptimizer<M: Module> {
     inner: Stepper,
     master: Option<M>,
@@ -111,34 +112,42 @@ fn model_dtype<M: Module>(model: &M) -> DType {
     first.0.unwrap_or(DType::F32)
 }
 
+/// What [`MegatronOptimizer`] steps: the fused flat-buffer Adam, or any burn-optim optimizer
+/// (`AdamWConfig::new().init()` and the like convert into it).
+pub enum InnerOptimizer {
+    /// The fused Adam / AdamW: the trainable parameters become segments of flat FP32
+    /// buffers (one per parameter group, whatever the model's dtype), and a step is one
+    /// read-back of per-parameter sums of squares (overflow check and norm), one collective,
+    /// and one fused kernel per group. A trainable parameter without a gradient in a step is
+    /// stepped with a zero gradient (Megatron's zeroed `main_grad`), where burn-optim would
+    /// leave it alone.
+    FusedAdam(FusedAdam),
+    /// A burn-optim optimizer, per parameter, on FP32 master weights when the model is not
+    /// f32.
+    Burn(ModuleOptimizer),
+}
+
+impl From<FusedAdam> for InnerOptimizer {
+    fn from(adam: FusedAdam) -> Self {
+        Self::FusedAdam(adam)
+    }
+}
+
+impl From<ModuleOptimizer> for InnerOptimizer {
+    fn from(optimizer: ModuleOptimizer) -> Self {
+        Self::Burn(optimizer)
+    }
+}
+
 impl<M: Module + Clone> MegatronOptimizer<M> {
     /// Wraps `inner` for `model` (whose dtype decides whether FP32 master weights are kept).
     /// `model_parallel` is the tp × pp group over which the overflow check and the grad norm
     /// are reduced; `tp_rank` decides which duplicated parameters count in the norm.
-    pub fn new(
-        inner: impl Into<ModuleOptimizer>,
-        model: &M,
-        model_parallel: Comm,
-        tp_rank: usize,
-    ) -> Self {
-        let master =
-            (model_dtype(model) != DType::F32).then(|| model.clone().map(&mut Cast(DType::F32)));
-        Self::with_stepper(
-            Stepper::Burn(inner.into()),
-            master,
-            model,
-            model_parallel,
-            tp_rank,
-        )
-    }
-
-    /// Wraps fused Adam / AdamW for `model`: its trainable parameters become segments of flat
-    /// FP32 buffers (one per parameter group, whatever the model's dtype), and a step is one
-    /// read-back of per-parameter sums of squares (overflow check and norm), one collective,
-    /// and one fused kernel per group. Arguments as [`MegatronOptimizer::new`].
     ///
-    /// A trainable parameter without a gradient in a step is stepped with a zero gradient
-    /// (Megatron's zeroed `main_grad`), where burn-optim would leave it alone.
+    /// A training loop gets its optimizer from
+    /// [`ParallelTraining::optimizer`](crate::training::ParallelTraining::optimizer), which
+    /// passes these arguments (and shards it with the distributed optimizer); this is for a
+    /// model driven without it.
     ///
     /// ```
     /// use burn::nn::LinearConfig;
@@ -149,12 +158,24 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// let model = LinearConfig::new(4, 4).init(&Device::flex().autodiff());
     /// let solo = Arc::new(LocalWorld::new(1).communicator("mp", vec![0], 0).unwrap());
     /// let adam = FusedAdamConfig::new().with_weight_decay(0.01).init().unwrap();
-    /// let optim = MegatronOptimizer::fused_adam(adam, &model, solo, 0);
+    /// let optim = MegatronOptimizer::new(adam, &model, solo, 0);
     /// assert!(optim.is_fused());
     /// ```
-    pub fn fused_adam(adam: FusedAdam, model: &M, model_parallel: Comm, tp_rank: usize) -> Self {
-        let flat = Stepper::Fused(FlatAdam::new(&adam, model));
-        Self::with_stepper(flat, None, model, model_parallel, tp_rank)
+    pub fn new(
+        inner: impl Into<InnerOptimizer>,
+        model: &M,
+        model_parallel: Comm,
+        tp_rank: usize,
+    ) -> Self {
+        let (stepper, master) = match inner.into() {
+            InnerOptimizer::FusedAdam(adam) => (Stepper::Fused(FlatAdam::new(&adam, model)), None),
+            InnerOptimizer::Burn(inner) => {
+                let f32_master = model_dtype(model) != DType::F32;
+                let master = f32_master.then(|| model.clone().map(&mut Cast(DType::F32)));
+                (Stepper::Burn(inner), master)
+            }
+        };
+        Self::with_stepper(stepper, master, model, model_parallel, tp_rank)
     }
 
     /// The wrapper around `inner` (with `master`, the FP32 master weights it keeps beside
@@ -190,55 +211,45 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         self
     }
 
-    /// [`MegatronOptimizer::fused_adam`] as Megatron's distributed optimizer (ZeRO-1,
+    /// [`MegatronOptimizer::new`] as Megatron's distributed optimizer (ZeRO-1,
     /// `--use-distributed-optimizer`): this data-parallel rank keeps FP32 master weights and
-    /// Adam moments only for the elements `shards`' plans give it, 12 bytes per parameter
-    /// over the data-parallel size instead of 12 (the experts' over the expert data-parallel
-    /// size). Its gradients must come from the plans' reduction
+    /// the optimizer's state only for the elements `shards`' plans give it, 12 bytes per
+    /// parameter for Adam over the data-parallel size instead of 12 (the experts' over the
+    /// expert data-parallel size). Its gradients must come from the plans' reduction
     /// ([`finalize_model_grads_distributed`] or [`OverlapReducer::distributed`], and
     /// [`finalize_expert_grads_distributed`] for experts); a step measures its shards
     /// (overflow and norm summed over the data-parallel groups too), steps them, and
     /// all-gathers the updated weights bucket by bucket. A model with experts needs expert
     /// plans ([`OptimizerShards::with_experts`]).
     ///
-    /// [`finalize_model_grads_distributed`]: crate::data_parallel::finalize_model_grads_distributed
-    /// [`finalize_expert_grads_distributed`]: crate::data_parallel::finalize_expert_grads_distributed
-    /// [`OverlapReducer::distributed`]: crate::data_parallel::OverlapReducer::distributed
-    /// [`OptimizerShards::with_experts`]: crate::data_parallel::OptimizerShards::with_experts
-    pub fn distributed_fused_adam(
-        adam: FusedAdam,
-        model: &M,
-        shards: OptimizerShards,
-        model_parallel: Comm,
-        tp_rank: usize,
-    ) -> Result<Self, CommError> {
-        let flat = Stepper::Fused(FlatAdam::distributed(&adam, model, shards)?);
-        Ok(Self::with_stepper(
-            flat,
-            None,
-            model,
-            model_parallel,
-            tp_rank,
-        ))
-    }
-
-    /// [`MegatronOptimizer::new`] as Megatron's distributed optimizer (ZeRO-1): `inner`
-    /// steps only this data-parallel rank's pieces of the parameters (those `shards`' plans
-    /// give it, as FP32 master weights), so its state is 1/DP of the model's; the updated weights are
-    /// all-gathered. Gradients as for [`MegatronOptimizer::distributed_fused_adam`]. Build
-    /// `inner` without weight decay (see [`MegatronOptimizer::set_weight_decay`]) and without
-    /// id-based parameter groups (the pieces are parameters of their own). Checkpoints gather
-    /// its state into whole parameters, as for the unsharded optimizer.
+    /// A burn-optim `inner` steps this rank's pieces of the parameters as parameters of
+    /// their own: build it without weight decay (see
+    /// [`MegatronOptimizer::set_weight_decay`]) and without id-based parameter groups.
+    /// Checkpoints gather the state into whole parameters, as for the unsharded optimizer.
+    /// [`ParallelTraining::optimizer`](crate::training::ParallelTraining::optimizer) builds
+    /// this when configured with `use_distributed_optimizer`.
+    ///
+    /// [`finalize_model_grads_distributed`]: crate::data_parallel::advanced::finalize_model_grads_distributed
+    /// [`finalize_expert_grads_distributed`]: crate::data_parallel::advanced::finalize_expert_grads_distributed
+    /// [`OverlapReducer::distributed`]: crate::data_parallel::advanced::OverlapReducer::distributed
+    /// [`OptimizerShards::with_experts`]: crate::data_parallel::advanced::OptimizerShards::with_experts
     pub fn distributed(
-        inner: impl Into<ModuleOptimizer>,
+        inner: impl Into<InnerOptimizer>,
         model: &M,
         shards: OptimizerShards,
         model_parallel: Comm,
         tp_rank: usize,
     ) -> Result<Self, CommError> {
-        let sharded = Stepper::Sharded(ShardedBurn::new(inner.into(), model, shards)?);
+        let stepper = match inner.into() {
+            InnerOptimizer::FusedAdam(adam) => {
+                Stepper::Fused(FlatAdam::distributed(&adam, model, shards)?)
+            }
+            InnerOptimizer::Burn(inner) => {
+                Stepper::Sharded(ShardedBurn::new(inner, model, shards)?)
+            }
+        };
         Ok(Self::with_stepper(
-            sharded,
+            stepper,
             None,
             model,
             model_parallel,
@@ -277,13 +288,13 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
         &self.model_parallel
     }
 
-    /// Whether this is the fused optimizer ([`MegatronOptimizer::fused_adam`]).
+    /// Whether it steps the fused Adam ([`InnerOptimizer::FusedAdam`]).
     pub fn is_fused(&self) -> bool {
         matches!(self.inner, Stepper::Fused(_))
     }
 
     /// This rank's index in the data-parallel group of a distributed optimizer
-    /// ([`MegatronOptimizer::distributed_fused_adam`]); `None` for the others.
+    /// ([`MegatronOptimizer::distributed`]); `None` for the others.
     pub fn data_parallel_rank(&self) -> Option<usize> {
         self.shards().map(|s| s.dp().group().rank())
     }

@@ -16,8 +16,6 @@ mod scheduler;
 mod sharded_burn;
 
 #[cfg(test)]
-mod distributed_tests;
-#[cfg(test)]
 mod tests;
 
 pub use cast::cast_params;
@@ -26,7 +24,7 @@ pub(crate) use fused_adam::Buffer;
 pub use fused_adam::{FusedAdam, FusedAdamConfig};
 pub use grad_norm::{NormType, clip_grads_by_total_norm, global_grad_norm};
 pub use grad_scaler::{ConstantGradScaler, DynamicGradScaler, GradScaler, GradScalerState};
-pub use megatron::{MegatronOptimizer, StepReport};
+pub use megatron::{InnerOptimizer, MegatronOptimizer, StepReport};
 pub use param_groups::{LrMultScheduler, megatron_param_groups, one_dimensional_params};
 pub use scheduler::{
     LrDecayStyle, OptimizerParamScheduler, OptimizerParamSchedulerConfig, ParamGroupSchedule,

@@ -1,29 +1,28 @@
 //! Pipeline parallelism: the model's layers split into stages on different ranks,
 //! microbatches flowing through them.
 //!
-//! - [`schedule`]: pure arithmetic — [`schedule_table`], [`num_warmup_microbatches`] and
+//! - schedules: pure arithmetic — [`schedule_table`], [`num_warmup_microbatches`] and
 //!   each rank's [`PipelineOp`] order for no pipelining, 1F1B and interleaved 1F1B
 //!   ([`PipelineSchedule`]), validated before any work.
-//! - [`p2p`]: activations to the next stage, gradients to the previous one
+//! - p2p: activations to the next stage, gradients to the previous one
 //!   ([`P2pCommunicator`]), with Megatron's shape exchange for variable sequence lengths.
 //! - [`forward_backward_func`]: runs a schedule over this rank's model chunks, any model:
 //!   a closure runs one chunk on one microbatch.
-//! - [`timeline`]: forward / backward / send / receive spans as a Chrome trace.
+//! - the timeline: forward / backward / send / receive spans as a Chrome trace.
 //!
 //! A rank builds only its own chunks. With V chunks per stage (interleaving), chunk `v` of
 //! pipeline rank `r` is virtual stage `v·P + r` and holds layers
-//! [`layer_offset`]`..+L/(P·V)`; the first virtual stage embeds, the last computes the loss.
+//! [`layer_offset`](crate::topology::layer_offset)`..+L/(P·V)`; the first virtual stage embeds, the last computes the loss.
 
 mod executor;
-pub mod p2p;
-pub mod schedule;
-pub mod timeline;
+mod p2p;
+mod schedule;
+mod timeline;
 
 #[cfg(test)]
 mod tests;
 
 pub use crate::grad_hooks::GradSync;
-pub use crate::topology::{PipelinePosition, layer_offset, layers_per_chunk};
 pub use executor::{
     ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, MicrobatchLoss,
     PipelineError, StageError, forward_backward_func,

@@ -240,17 +240,17 @@ pub fn copy_parallel_attrs(from: ParamId, to: ParamId) {
     }
 }
 
+/// How many entries the table holds, dead ones not yet swept included.
+#[cfg(test)]
+pub(crate) fn parallel_attrs_entries() -> usize {
+    read().entries.len()
+}
+
 /// Changes the attributes of `id` in place (an id never registered starts as duplicated);
 /// takes the write lock only when `update` changed something, so layers can call it at every
 /// forward.
 pub fn update_parallel_attrs(id: ParamId, update: impl FnOnce(ParallelAttrs) -> ParallelAttrs) {
     update_entry(id, None, update);
-}
-
-/// How many entries the table holds, dead ones not yet swept included.
-#[doc(hidden)]
-pub fn parallel_attrs_entries() -> usize {
-    read().entries.len()
 }
 
 /// Records the layout part of `layout` for `id` and keeps its tie flags: what a layer states
@@ -283,34 +283,4 @@ pub fn parallel_attrs(id: ParamId) -> ParallelAttrs {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Layers built and dropped over and over (a sweep, a test suite) leave the table no
-    /// bigger than twice what is alive.
-    #[test]
-    fn entries_of_dropped_layers_are_freed() {
-        let kept = LayoutOwner::default();
-        let kept_id = ParamId::new();
-        kept.state(kept_id, ParallelAttrs::sharded(1));
-        for _ in 0..20_000 {
-            let owner = LayoutOwner::default();
-            for _ in 0..3 {
-                owner.state(ParamId::new(), ParallelAttrs::sharded(0));
-            }
-        }
-        let n = parallel_attrs_entries();
-        // Other tests of this process state theirs meanwhile; far fewer than 60,000.
-        assert!(n < 20_000, "{n} entries for one live layer");
-        assert_eq!(parallel_attrs(kept_id), ParallelAttrs::sharded(1));
-        let clone = kept.clone();
-        drop(kept);
-        assert_eq!(
-            parallel_attrs(kept_id),
-            ParallelAttrs::sharded(1),
-            "a clone holds it"
-        );
-        drop(clone);
-        assert_eq!(parallel_attrs(kept_id), ParallelAttrs::default());
-    }
-}
+mod tests;

@@ -16,12 +16,12 @@ mod init;
 mod layers;
 pub(crate) use layers::{matmul_bias, product};
 pub mod mappings;
-pub mod random;
+mod random;
 mod vocab;
 
 pub use attrs::{
-    LayoutOwner, ParallelAttrs, copy_parallel_attrs, parallel_attrs, parallel_attrs_entries,
-    set_layout_attrs, set_parallel_attrs, update_parallel_attrs,
+    LayoutOwner, ParallelAttrs, copy_parallel_attrs, parallel_attrs, set_layout_attrs,
+    set_parallel_attrs, update_parallel_attrs,
 };
 pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
 pub(crate) use embedding::check_index_range;
@@ -32,7 +32,7 @@ pub(crate) use layers::LinearShard;
 pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
-pub use random::{RngRegion, RngTracker};
+pub use random::{MODEL_PARALLEL_SEED_OFFSET, RngRegion, RngTracker};
 pub use vocab::{DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size, vocab_range};
 
 use crate::comm::CommError;

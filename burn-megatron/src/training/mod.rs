@@ -20,22 +20,27 @@
 //! interleaving), as Megatron's list of model chunks.
 
 use crate::checkpoint::{
-    CheckpointError, CheckpointRank, Restored, SaveShare, SavedLayout, begin_checkpoint,
-    commit_checkpoint, latest_loadable_checkpoint, load_checkpoint, save_checkpoint,
+    CheckpointError, CheckpointRank, Restored, SaveShare, SavedLayout,
+    advanced::{begin_checkpoint, commit_checkpoint, load_checkpoint, save_checkpoint},
+    latest_loadable_checkpoint,
 };
 use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::data_parallel::{
-    DataParallelConfig, OptimizerShards, OverlapReducer, ShardPlan, expert_params,
-    finalize_expert_grads, finalize_expert_grads_distributed, finalize_model_grads,
-    finalize_model_grads_distributed, finalize_model_grads_overlapped,
+    DataParallelConfig,
+    advanced::{
+        OptimizerShards, OverlapReducer, ShardPlan, finalize_expert_grads,
+        finalize_expert_grads_distributed, finalize_model_grads, finalize_model_grads_distributed,
+        finalize_model_grads_overlapped,
+    },
+    expert_params,
 };
 use crate::launch::RankContext;
-use crate::optimizer::{FusedAdam, MegatronOptimizer, OptimizerError};
+use crate::optimizer::{InnerOptimizer, MegatronOptimizer, OptimizerError};
 use crate::pipeline::GradSync;
 use crate::topology::GroupKind;
 use burn::config::Config;
 use burn::module::Module;
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::GradientsParams;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -53,27 +58,6 @@ pub struct ParallelTrainingConfig {
     /// Bucket size, averaging, and the dtype gradients are reduced in.
     #[config(default = "DataParallelConfig::default()")]
     pub data_parallel: DataParallelConfig,
-}
-
-/// What the wrapper steps: the fused flat-buffer Adam, or any burn-optim optimizer.
-pub enum InnerOptimizer {
-    /// [`MegatronOptimizer::fused_adam`] (or its distributed form).
-    FusedAdam(FusedAdam),
-    /// [`MegatronOptimizer::new`] (or [`MegatronOptimizer::distributed`]).
-    Burn(ModuleOptimizer),
-}
-
-impl From<FusedAdam> for InnerOptimizer {
-    fn from(adam: FusedAdam) -> Self {
-        Self::FusedAdam(adam)
-    }
-}
-
-impl InnerOptimizer {
-    /// A burn-optim optimizer (AdamW, SGD, parameter groups, …).
-    pub fn burn(optimizer: impl Into<ModuleOptimizer>) -> Self {
-        Self::Burn(optimizer.into())
-    }
 }
 
 /// The global name of a parameter at a local module path of the chunks (layers by global
@@ -253,19 +237,11 @@ impl ParallelTraining {
         chunks: &Vec<C>,
     ) -> Result<MegatronOptimizer<Vec<C>>, CommError> {
         let (mp, tp_rank) = (self.mp.clone(), self.tp_rank);
-        let zero = self.config.use_distributed_optimizer;
-        let shards = || self.shards_for(chunks);
-        let optimizer = match inner.into() {
-            InnerOptimizer::FusedAdam(adam) if zero => {
-                MegatronOptimizer::distributed_fused_adam(adam, chunks, shards(), mp, tp_rank)?
+        let optimizer = match self.config.use_distributed_optimizer {
+            true => {
+                MegatronOptimizer::distributed(inner, chunks, self.shards_for(chunks), mp, tp_rank)?
             }
-            InnerOptimizer::FusedAdam(adam) => {
-                MegatronOptimizer::fused_adam(adam, chunks, mp, tp_rank)
-            }
-            InnerOptimizer::Burn(o) if zero => {
-                MegatronOptimizer::distributed(o, chunks, shards(), mp, tp_rank)?
-            }
-            InnerOptimizer::Burn(o) => MegatronOptimizer::new(o, chunks, mp, tp_rank),
+            false => MegatronOptimizer::new(inner, chunks, mp, tp_rank),
         };
         Ok(optimizer.with_expert_model_parallel(self.expert_mp.clone()))
     }

@@ -24,7 +24,7 @@ fn save_with(root: impl Fn(usize) -> std::path::PathBuf + Sync) -> Vec<Result<()
                 .init(&ctx, &chunks, names())
                 .map_err(|e| e.to_string())?;
             let optim = training
-                .optimizer(InnerOptimizer::burn(SgdConfig::new().init()), &chunks)
+                .optimizer(InnerOptimizer::from(SgdConfig::new().init()), &chunks)
                 .map_err(|e| e.to_string())?;
             let root = root(ctx.state.global_rank());
             Ok::<_, String>(

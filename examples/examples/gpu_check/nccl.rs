@@ -25,7 +25,8 @@ pub fn one_rank(report: &mut Report) {
 #[cfg(feature = "cuda")]
 fn collectives() -> Result<String, String> {
     use burn_megatron::comm::nccl::Bootstrap;
-    use burn_megatron::comm::{Buffer, CommunicatorExt, NcclWorld, ReduceOp, TcpStore, World};
+    use burn_megatron::comm::nccl::NcclWorld;
+    use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp, TcpStore, World};
     use std::time::Duration;
     let err = |e: burn_megatron::comm::CommError| e.to_string();
     let store = TcpStore::serve(([127, 0, 0, 1], 0).into()).map_err(|e| e.to_string())?;

@@ -14,6 +14,46 @@ use burn_megatron::topology::ParallelConfig;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
+/// The values a float flag may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Domain {
+    /// Zero or more.
+    NonNegative,
+    /// More than zero.
+    Positive,
+    /// In [0, 1): a dropout probability, a fraction of the run.
+    Fraction,
+    /// In (0, 1]: a share of something that must keep a part.
+    Share,
+}
+
+/// `value` of `flag`, refused when it is NaN, infinite or outside `domain`, with a message
+/// naming the flag: clap parses `nan` and `inf` as floats, and a NaN learning rate would
+/// make every loss after the first step NaN (and a `--save` write NaN weights).
+///
+/// ```
+/// use burn_megatron_examples::pretrain::{Domain, check_float};
+/// assert!(check_float("--lr", 3e-4, Domain::NonNegative).is_ok());
+/// assert_eq!(
+///     check_float("--lr", f64::NAN, Domain::NonNegative).unwrap_err(),
+///     "--lr must be a finite number ≥ 0, got NaN"
+/// );
+/// ```
+pub fn check_float(flag: &str, value: f64, domain: Domain) -> Result<(), String> {
+    let (ok, range) = match domain {
+        Domain::NonNegative => (value >= 0.0, "≥ 0"),
+        Domain::Positive => (value > 0.0, "> 0"),
+        Domain::Fraction => ((0.0..1.0).contains(&value), "in [0, 1)"),
+        Domain::Share => (value > 0.0 && value <= 1.0, "in (0, 1]"),
+    };
+    match value.is_finite() && ok {
+        true => Ok(()),
+        false => Err(format!(
+            "{flag} must be a finite number {range}, got {value}"
+        )),
+    }
+}
+
 /// Learning-rate decay style, as Megatron's `--lr-decay-style`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DecayStyle {
@@ -481,8 +521,47 @@ impl TrainArgs {
         Ok(())
     }
 
+    /// Every float flag in its domain, and the learning rates in order.
+    fn validate_floats(&self) -> Result<(), String> {
+        use Domain::*;
+        let flags = [
+            ("--lr", Some(self.lr), NonNegative),
+            ("--min-lr", Some(self.min_lr), NonNegative),
+            (
+                "--lr-warmup-fraction",
+                Some(self.lr_warmup_fraction),
+                Fraction,
+            ),
+            ("--weight-decay", Some(self.weight_decay), NonNegative),
+            ("--start-weight-decay", self.start_weight_decay, NonNegative),
+            ("--end-weight-decay", self.end_weight_decay, NonNegative),
+            ("--clip-grad", Some(self.clip_grad), NonNegative),
+            ("--loss-scale", self.loss_scale, Positive),
+            ("--hidden-dropout", Some(self.hidden_dropout), Fraction),
+            (
+                "--attention-dropout",
+                Some(self.attention_dropout),
+                Fraction,
+            ),
+            ("--init-method-std", Some(self.init_method_std), NonNegative),
+        ];
+        for (flag, value, domain) in flags {
+            if let Some(value) = value {
+                check_float(flag, value, domain)?;
+            }
+        }
+        if self.min_lr > self.lr {
+            return Err(format!(
+                "--min-lr ({}) must not exceed --lr ({})",
+                self.min_lr, self.lr
+            ));
+        }
+        Ok(())
+    }
+
     /// Every check that can fail before training starts, with a message naming the flags.
     pub fn validate(&self) -> Result<BatchLayout, String> {
+        self.validate_floats()?;
         for (flag, value) in [
             ("--num-layers", self.num_layers),
             ("--hidden-size", self.hidden_size),
@@ -537,16 +616,7 @@ impl TrainArgs {
         if self.train_iters == 0 || self.log_interval == 0 {
             return Err("--train-iters and --log-interval must be positive".into());
         }
-        if !(0.0..1.0).contains(&self.lr_warmup_fraction) {
-            return Err("--lr-warmup-fraction must be in [0, 1)".into());
-        }
         super::train::scheduler(self)?;
-        if !(self.init_method_std.is_finite() && self.init_method_std >= 0.0) {
-            return Err(format!(
-                "--init-method-std must be a finite value ≥ 0, got {}",
-                self.init_method_std
-            ));
-        }
         if self.loss_scale.is_some() && !self.fp16 {
             return Err("--loss-scale needs --fp16".into());
         }
@@ -603,30 +673,4 @@ impl TrainArgs {
 }
 
 #[cfg(test)]
-mod timeout_tests {
-    use clap::Parser;
-
-    #[test]
-    fn distributed_timeout_minutes_sets_the_collective_timeout() {
-        let args = |extra: &[&str]| {
-            crate::pretrain::Args::try_parse_from(
-                std::iter::once("pretrain").chain(extra.iter().copied()),
-            )
-            .unwrap()
-            .train
-        };
-        assert_eq!(
-            args(&[]).distributed_timeout(),
-            burn_megatron::comm::DEFAULT_TIMEOUT
-        );
-        let long = args(&["--distributed-timeout-minutes", "30"]);
-        assert_eq!(long.distributed_timeout().as_secs(), 1800);
-        assert!(long.validate().is_ok());
-        let huge = args(&["--distributed-timeout-minutes", &u64::MAX.to_string()]);
-        assert_eq!(huge.distributed_timeout().as_secs(), u64::MAX);
-        let err = args(&["--distributed-timeout-minutes", "0"])
-            .validate()
-            .unwrap_err();
-        assert!(err.contains("--distributed-timeout-minutes"), "{err}");
-    }
-}
+mod tests;

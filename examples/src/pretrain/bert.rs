@@ -82,6 +82,16 @@ fn tokenizer(args: &TrainArgs, docs: &[Document], leader: bool) -> Result<BertTo
         (None, None, false) => BertTokenizer::train(docs, args.vocab_size),
     }
     .map_err(|e| e.to_string())?;
+    let trained = args.vocab_file.is_none() && saved.is_none() && !args.data_path.is_empty();
+    if trained && leader && tokenizer.vocab_size() > args.vocab_size {
+        // WordPiece keeps every character of the corpus and the special tokens.
+        println!(
+            "> --vocab-size {} is below the corpus's characters and the special tokens: the \
+             trained vocabulary has {}",
+            args.vocab_size,
+            tokenizer.vocab_size()
+        );
+    }
     if let Some(dir) = args.save.as_ref().filter(|_| leader) {
         std::fs::create_dir_all(dir).map_err(|e| format!("--save {}: {e}", dir.display()))?;
         tokenizer

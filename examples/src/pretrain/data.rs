@@ -5,7 +5,7 @@
 use super::args::TrainArgs;
 use burn_megatron::data::megatron::{Blend, GPTDatasetConfig, MegatronSplit, PAD_TOKEN_ID};
 use burn_megatron::data::megatron::{IndexedDataset, dataset_paths, split_matrix, split_range};
-use burn_megatron::data::{GptDataset, GptSample};
+use burn_megatron::data::{GptCorpusDataset, GptSample};
 use std::path::{Path, PathBuf};
 
 /// What `--data-path` names.
@@ -91,7 +91,7 @@ impl TrainArgs {
 #[derive(Debug)]
 pub enum GptData {
     /// Cut from a tokenized corpus.
-    Stream(GptDataset),
+    Stream(GptCorpusDataset),
     /// Megatron's, for a vocabulary of `vocab_size` tokens.
     Megatron {
         /// The split.

@@ -2,7 +2,7 @@
 //! (a byte-level BPE trained on the spot, or a `tokenizer.json`), microbatch step, Hugging
 //! Face fine-tuning and export, and a few generated samples at the end.
 
-use super::args::TrainArgs;
+use super::args::{Domain, TrainArgs, check_float};
 use super::data::{DataSource, GptData};
 use super::learner::LearnerOptions;
 use super::moe_args::MoeArgs;
@@ -14,7 +14,8 @@ use burn::tensor::TensorData;
 use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::data::megatron::{MegatronSplit, build_gpt_datasets};
 use burn_megatron::data::{
-    BatchLayout, Document, GptBatch, GptDataset, GptDatasetConfig, GptSample, GptTokenizer,
+    BatchLayout, Document, GptBatch, GptCorpusDataset, GptCorpusDatasetConfig, GptSample,
+    GptTokenizer,
 };
 use burn_megatron::launch::RankContext;
 use burn_megatron::models::{
@@ -31,6 +32,9 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// The smallest byte-level BPE: the 256 bytes and `<|endoftext|>`.
+const MIN_BPE_VOCAB: usize = 257;
 
 /// `--position-embedding-type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -186,6 +190,18 @@ impl GptArgs {
     pub fn validate(&self) -> Result<BatchLayout, String> {
         let a = &self.train;
         let layout = a.validate()?;
+        check_float("--rotary-base", self.rotary_base, Domain::Positive)?;
+        check_float("--rotary-percent", self.rotary_percent, Domain::Share)?;
+        check_float("--norm-epsilon", self.norm_epsilon, Domain::Positive)?;
+        let saved = (a.load.as_ref()).is_some_and(|d| d.join("tokenizer.json").is_file());
+        let trains_tokenizer = a.vocab_file.is_none() && self.load_hf.is_none() && !saved;
+        if trains_tokenizer && a.vocab_size < MIN_BPE_VOCAB {
+            return Err(format!(
+                "--vocab-size ({}) must be at least {MIN_BPE_VOCAB}: the byte-level BPE trained \
+                 on the corpus holds the 256 bytes and its end-of-text token",
+                a.vocab_size
+            ));
+        }
         let tp = a.tensor_model_parallel_size;
         let heads = a.num_attention_heads;
         if self.load_hf.is_none() {
@@ -466,10 +482,10 @@ fn run_gpt_with(args: &GptArgs, learner: Option<&LearnerOptions>) -> Result<Summ
     };
     let config = args.model_config(tokenizer.vocab_size())?;
     let data = |docs: &[Document], seed: u64| {
-        GptDataset::new(
+        GptCorpusDataset::new(
             docs,
             &tokenizer,
-            GptDatasetConfig::new(a.seq_length).with_seed(seed),
+            GptCorpusDatasetConfig::new(a.seq_length).with_seed(seed),
         )
         .map_err(|e| e.to_string())
     };

@@ -4,7 +4,8 @@
 //! Both share one training loop ([`train`]): a model family ([`Family`]) says how to build
 //! a pipeline chunk, how to name its parameters globally, and how one microbatch runs and
 //! is scored; everything else — the layout, the schedule, the optimizer, checkpoints,
-//! validation, the log — is the loop's.
+//! validation, the log — is the loop's. The `train_minimal` example is the same loop in one
+//! screen, without flags.
 
 mod args;
 mod bert;
@@ -17,7 +18,9 @@ mod plot;
 mod spans;
 mod train;
 
-pub use args::{CpCommType, DecayStyle, Granularity, Method, TrainArgs, WdIncr};
+pub use args::{
+    CpCommType, DecayStyle, Domain, Granularity, Method, TrainArgs, WdIncr, check_float,
+};
 pub use bert::{Args, run};
 pub use gpt::{GptArgs, PositionEmbedding, run_gpt, run_gpt_learner};
 pub use learner::{LearnerOptions, Renderer};

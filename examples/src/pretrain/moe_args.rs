@@ -1,5 +1,6 @@
 //! `gpt_pretrain`'s mixture-of-experts flags (Megatron's names and defaults).
 
+use super::args::{Domain, check_float};
 use burn_megatron::moe::{DropPolicy, MoeConfig, ScoreFunction, TokenDispatcherType};
 use clap::{Args, ValueEnum};
 
@@ -116,6 +117,33 @@ impl MoeArgs {
     /// The checks that need the layout: experts over `ep` ranks, sequences of `seq` tokens
     /// at TP `tp` (an MoE layer splits the sequence over TP).
     pub fn validate(&self, ep: usize, tp: usize, seq: usize) -> Result<(), String> {
+        let floats = [
+            (
+                "--moe-router-topk-scaling-factor",
+                self.moe_router_topk_scaling_factor,
+                Domain::Positive,
+            ),
+            (
+                "--moe-aux-loss-coeff",
+                Some(self.moe_aux_loss_coeff),
+                Domain::NonNegative,
+            ),
+            (
+                "--moe-z-loss-coeff",
+                self.moe_z_loss_coeff,
+                Domain::NonNegative,
+            ),
+            (
+                "--moe-expert-capacity-factor",
+                self.moe_expert_capacity_factor,
+                Domain::Positive,
+            ),
+        ];
+        for (flag, value, domain) in floats {
+            if let Some(value) = value {
+                check_float(flag, value, domain)?;
+            }
+        }
         let Some(config) = self.config() else {
             if ep > 1 {
                 return Err(format!(

@@ -12,6 +12,7 @@ use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
 use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::launch::RankContext;
 use burn_megatron::moe::global_expert_name;
+use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::optimizer::{
     ConstantGradScaler, DynamicGradScaler, FusedAdamConfig, MegatronOptimizer, NormType,
     OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
@@ -22,7 +23,7 @@ use burn_megatron::pipeline::{
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
-use burn_megatron::training::{InnerOptimizer, ParallelTraining, ParallelTrainingConfig};
+use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -54,7 +55,7 @@ pub fn scheduler(args: &TrainArgs) -> Result<OptimizerParamScheduler, String> {
         wd_incr_steps: args.train_iters,
         wd_incr_style: args.weight_decay_incr_style.into(),
     })
-    .map_err(|e| format!("--weight-decay / --start-weight-decay / --end-weight-decay / --weight-decay-incr-style: {e}"))
+    .map_err(|e| format!("the learning-rate / weight-decay schedule (--lr, --min-lr, --lr-warmup-fraction, --train-iters, --weight-decay, --start-weight-decay, --end-weight-decay, --weight-decay-incr-style): {e}"))
 }
 
 /// This rank's mean losses over its microbatches (lm, and sop for BERT), on last stages.
@@ -224,7 +225,7 @@ pub(super) fn setup_rank<F: Family>(
      -> Result<MegatronOptimizer<Vec<F::Chunk>>, OptimizerError> {
         let inner = match &fused_adam {
             Some(adam) => InnerOptimizer::FusedAdam(adam.clone()),
-            None => InnerOptimizer::burn(AdamWConfig::new().with_weight_decay(0.0).init()),
+            None => InnerOptimizer::from(AdamWConfig::new().with_weight_decay(0.0).init()),
         };
         let optim = training
             .optimizer(inner, model)?

@@ -2,7 +2,7 @@
 //! sequence, attention is bidirectional over the whole padded sequence, the MLM loss counts
 //! the whole sequences' masked tokens and the SOP head CP rank 0's [CLS].
 
-use super::common::{args, sop, tmp};
+use crate::common::{args, sop, tmp};
 use burn_megatron_examples::pretrain::run;
 
 /// CP 2 (`p2p`, `a2a`), CP 4 (`all_gather`), TP 2 × CP 2 with SP, CP 2 × PP 2 (1F1B), CP 2

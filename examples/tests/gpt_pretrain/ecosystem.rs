@@ -2,8 +2,8 @@
 //! inspected and trained on; burn-train's Learner driving the same training; context
 //! parallelism against the unsplit run.
 
-use super::common::{assert_same_iterations, gpt_args as args, tmp};
 use super::mean;
+use crate::common::{assert_same_iterations, gpt_args as args, tmp};
 use burn_megatron_examples::pretrain::run_gpt;
 use std::path::Path;
 
@@ -129,7 +129,7 @@ fn megatron_datasets_are_written_inspected_and_trained_on() {
     let sentences = IndexedDataset::open(&bert_prefix).unwrap();
     assert_eq!(sentences.num_documents(), 300);
     assert!(sentences.len() > 3 * 300, "{} sentences", sentences.len());
-    let bert = super::common::args(
+    let bert = crate::common::args(
         &[
             "--data-path",
             &bert_prefix,

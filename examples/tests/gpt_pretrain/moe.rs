@@ -5,8 +5,8 @@
 //! sharding the experts over expert-DP it trains as without, and its checkpoints resume
 //! exactly and reshard; bad MoE flags are refused before any work.
 
-use super::common::{assert_close_losses, assert_same_iterations, gpt_args as args, tmp};
 use super::resume;
+use crate::common::{assert_close_losses, assert_same_iterations, gpt_args as args, tmp};
 use burn_megatron_examples::pretrain::run_gpt;
 
 /// Four experts, top-2, on 2 ranks; f32 without dropout, so another layout differs only in
@@ -175,7 +175,11 @@ fn bad_moe_flags_are_refused_before_any_work_naming_the_numbers() {
         ),
         (
             &["--moe-expert-capacity-factor", "0"][..],
-            "--moe-expert-capacity-factor must be positive, got 0",
+            "--moe-expert-capacity-factor must be a finite number > 0, got 0",
+        ),
+        (
+            &["--moe-aux-loss-coeff", "nan"][..],
+            "--moe-aux-loss-coeff must be a finite number ≥ 0, got NaN",
         ),
     ] {
         let e = refused(extra);

@@ -10,7 +10,7 @@ use super::Error;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::context_parallel::{ContextParallel, CpCommType};
-use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
+use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{GptConfig, GptStageOutput};
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};

@@ -5,7 +5,7 @@
 use super::Error;
 use super::hf::{FIXTURES, fixture};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{GenerateConfig, Sampling, generate, load_hf_llama};
+use burn_megatron::models::{GenerateConfig, Sampling, generate, load_hf_gpt};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::read_safetensors;
 
@@ -52,7 +52,7 @@ fn greedy_tokens_equal_transformers_at_tp1_and_tp2_with_and_without_the_cache() 
                 &ParallelConfig::new(tp, tp, 1),
                 LaunchOptions::default(),
                 |ctx| {
-                    let (model, _) = load_hf_llama(&fixture(name), &ctx.groups.tp, &ctx.device)?;
+                    let (model, _) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &ctx.device)?;
                     let config = GenerateConfig::new(10);
                     let cached = generate(&model, &prompts, &config)?.tokens;
                     let uncached =
@@ -83,7 +83,7 @@ fn sampling_is_seeded_the_same_on_every_rank_and_with_or_without_the_cache() {
         &ParallelConfig::new(2, 2, 1),
         LaunchOptions::default(),
         |ctx| {
-            let (model, _) = load_hf_llama(&fixture("hf_llama_tiny"), &ctx.groups.tp, &ctx.device)?;
+            let (model, _) = load_hf_gpt(&fixture("hf_llama_tiny"), &ctx.groups.tp, &ctx.device)?;
             let prompts = vec![vec![5, 6, 7], vec![9]];
             let sampling = Sampling::Sample {
                 temperature: 0.8,

@@ -11,7 +11,7 @@ use burn::tensor::{Bool, Int, Tensor, TensorData};
 use burn_megatron::comm::tensor::all_gather;
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{
-    Gpt, GptStageOutput, HfGptConfig, Positions, hf_gpt_state_dict, load_hf_llama, save_hf_llama,
+    Gpt, GptStageOutput, HfGptConfig, Positions, hf_gpt_state_dict, load_hf_gpt, save_hf_gpt,
 };
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::{as_gradients, read_safetensors};
@@ -169,7 +169,7 @@ fn transformers_logits_loss_and_gradients_are_reproduced_at_tp1_and_tp2() {
                 LaunchOptions::default(),
                 |ctx| {
                     let device = ctx.device.clone().autodiff();
-                    let (model, hf) = load_hf_llama(&fixture(name), &ctx.groups.tp, &device)?;
+                    let (model, hf) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &device)?;
                     forward(&model, &hf, &expected, &device)
                 },
             )
@@ -193,8 +193,8 @@ fn export_gives_the_checkpoints_tensors_and_config_back() {
             &ParallelConfig::new(2, 2, 1),
             LaunchOptions::default(),
             |ctx| {
-                let (model, hf) = load_hf_llama(&fixture(name), &ctx.groups.tp, &ctx.device)?;
-                save_hf_llama(&model, &hf, &dir)?;
+                let (model, hf) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &ctx.device)?;
+                save_hf_gpt(&model, &hf, &dir)?;
                 Ok::<_, Error>(())
             },
         )
@@ -245,7 +245,7 @@ fn load_error(dir: &Path, tp: usize) -> String {
         LaunchOptions::default(),
         |ctx| {
             Ok::<_, Error>(
-                load_hf_llama(dir, &ctx.groups.tp, &ctx.device)
+                load_hf_gpt(dir, &ctx.groups.tp, &ctx.device)
                     .err()
                     .map(|e| e.to_string()),
             )

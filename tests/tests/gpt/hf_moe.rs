@@ -8,7 +8,8 @@
 use super::Error;
 use super::hf::{Fixture, check_against, fixture, forward_then};
 use burn_megatron::data_parallel::{
-    DataParallelConfig, finalize_expert_grads, finalize_model_grads,
+    DataParallelConfig,
+    advanced::{finalize_expert_grads, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{HfGptConfig, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt};

@@ -14,15 +14,17 @@ use burn::tensor::Tensor;
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::comm::{Comm, ReduceOp};
 use burn_megatron::data_parallel::{
-    DataParallelConfig, finalize_expert_grads, finalize_model_grads,
+    DataParallelConfig,
+    advanced::{finalize_expert_grads, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::GptConfig;
 use burn_megatron::moe::{MoeConfig, TokenDispatcherType};
+use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
-use burn_megatron::training::{InnerOptimizer, ParallelTrainingConfig};
+use burn_megatron::training::ParallelTrainingConfig;
 use burn_megatron_tests::gpt::{causal_lm_step, gathered, gpt_rows, llama, max_rel_diff};
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
@@ -103,7 +105,7 @@ fn run(
             ctx.state.tensor_model_parallel_rank(),
         );
         let optim = if fused {
-            MegatronOptimizer::fused_adam(FusedAdamConfig::new().init()?, &model, mp, tp_rank)
+            MegatronOptimizer::new(FusedAdamConfig::new().init()?, &model, mp, tp_rank)
         } else {
             MegatronOptimizer::new(AdamWConfig::new().init(), &model, mp, tp_rank)
         };
@@ -292,7 +294,7 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
             // model's parameters), AdamW's default as the reference's.
             let adamw = AdamWConfig::new().with_weight_decay(0.0).init();
             let mut optim = training
-                .optimizer(InnerOptimizer::burn(adamw), &chunks)?
+                .optimizer(InnerOptimizer::from(adamw), &chunks)?
                 .with_clip_grad(1.0, NormType::L2);
             optim.set_weight_decay(1e-4)?;
             let p2p = ctx.p2p(P2pShapes::Fixed {
@@ -396,7 +398,7 @@ fn run_distributed(
         let inner = match fused {
             true => InnerOptimizer::from(FusedAdamConfig::new().init()?),
             // AdamW's decay by the wrapper, on the master pieces.
-            false => InnerOptimizer::burn(AdamWConfig::new().with_weight_decay(0.0).init()),
+            false => InnerOptimizer::from(AdamWConfig::new().with_weight_decay(0.0).init()),
         };
         let mut optim = training
             .optimizer(inner, &chunks)?
@@ -490,7 +492,7 @@ fn the_distributed_optimizer_shards_experts_over_expert_data_parallel() {
 /// Shards without the experts' plans would leave the experts unstepped: refused up front.
 #[test]
 fn a_distributed_optimizer_without_expert_plans_is_refused() {
-    use burn_megatron::data_parallel::{OptimizerShards, ShardPlan};
+    use burn_megatron::data_parallel::advanced::{OptimizerShards, ShardPlan};
     let config = moe_llama(TokenDispatcherType::AllToAll);
     let layout = ParallelConfig::new(2, 1, 1).with_expert_parallel(2);
     threads(&layout, LaunchOptions::default(), |ctx| {
@@ -502,7 +504,7 @@ fn a_distributed_optimizer_without_expert_plans_is_refused() {
         let plan = ShardPlan::new(&model, size, rank, &DataParallelConfig::default(), false);
         let (mp, adam) = (ctx.groups.mp.clone(), FusedAdamConfig::new().init()?);
         let shards = OptimizerShards::new(vec![plan], dp);
-        let e = MegatronOptimizer::distributed_fused_adam(adam, &model, shards, mp, 0)
+        let e = MegatronOptimizer::distributed(adam, &model, shards, mp, 0)
             .expect_err("no expert plans");
         assert!(e.to_string().contains("expert parameters"), "{e}");
         assert!(e.to_string().contains("with_experts"), "{e}");

@@ -7,7 +7,7 @@ use super::Error;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
-use burn_megatron::data_parallel::{DataParallelConfig, finalize_model_grads};
+use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::GptConfig;
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};

@@ -10,6 +10,7 @@ use burn::tensor::DType;
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{Gpt, GptConfig, GptStageOutput};
+use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::optimizer::NormType;
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
@@ -20,7 +21,7 @@ use burn_megatron::recompute::{
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
-use burn_megatron::training::{InnerOptimizer, ParallelTrainingConfig};
+use burn_megatron::training::ParallelTrainingConfig;
 use burn_megatron_tests::gpt::{gathered, gpt_rows, gpt2, llama, max_rel_diff};
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
@@ -65,7 +66,7 @@ fn train(config: &GptConfig, l: Layout) -> Trace {
                 Arc::new(move |p: &str| Gpt::global_param_name_at(&firsts, p)),
             )?;
         let mut optim = training
-            .optimizer(InnerOptimizer::burn(AdamWConfig::new().init()), &chunks)?
+            .optimizer(InnerOptimizer::from(AdamWConfig::new().init()), &chunks)?
             .with_clip_grad(1.0, NormType::L2);
         // Megatron's seeds: one per pipeline stage, the model-parallel stream per TP rank.
         let pp_rank = ctx.state.pipeline_model_parallel_rank();

@@ -35,7 +35,7 @@ struct PendingSend {
     peer: usize,
 }
 
-/// One process's handle on one group of an [`MpiWorld`].
+/// One process's handle on one group of an [`MpiWorld`](super::MpiWorld).
 pub struct MpiCommunicator {
     /// Freed at drop unless MPI is finalised by then.
     comm: std::mem::ManuallyDrop<Raw<SimpleCommunicator>>,

@@ -187,7 +187,8 @@ impl<'a> Watch<'a> {
 /// This process's place in an MPI job: makes one communicator per group.
 ///
 /// ```no_run
-/// use burn_megatron::comm::{CommunicatorExt, MpiWorld, ReduceOp, World};
+/// use burn_megatron::comm::mpi::MpiWorld;
+/// use burn_megatron::comm::{CommunicatorExt, ReduceOp, World};
 /// // Under `mpirun -np 2`:
 /// let world = MpiWorld::init(std::time::Duration::from_secs(60)).unwrap();
 /// let all = world.new_group("world", vec![0, 1], world.rank()).unwrap();

@@ -27,11 +27,11 @@
 //! [`RankGroups::dp`]: crate::launch::RankGroups::dp
 
 #[cfg(test)]
-mod join_tests;
-#[cfg(test)]
 mod tests;
 
-use super::{DataParallelConfig, ShardPlan, bucket_layout};
+use super::DataParallelConfig;
+use super::finalize::bucket_layout;
+use super::shard::ShardPlan;
 use crate::comm::tensor::buffer_to_tensor;
 use crate::comm::{Buffer, Comm, CommError, Deadline, ReduceOp};
 use crate::grad_hooks::{ActiveGuard, Claim, GradSink, GradSync, activate, claim};

@@ -128,7 +128,7 @@ impl Bert {
     /// [`loss`](Self::loss) of this rank's share of sequences split over `cp` (outputs of
     /// [`Bert::forward_stage_cp`], `lm_labels` and `loss_mask` split as the tokens): its
     /// masked tokens' losses over the masked-token count of the whole sequences, and the
-    /// binary loss on CP rank 0 (which holds [CLS]), 0 elsewhere. The CP ranks' losses sum
+    /// binary loss on CP rank 0 (which holds `[CLS]`), 0 elsewhere. The CP ranks' losses sum
     /// to the unsplit ones and their gradients to its gradients (reduce them with a sum
     /// over CP; Megatron scales the loss by CP and averages over DP × CP).
     pub fn loss_cp(

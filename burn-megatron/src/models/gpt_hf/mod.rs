@@ -80,13 +80,14 @@ pub fn read_hf_tensors(dir: &Path) -> Result<HashMap<String, TensorData>, HfErro
 /// it and keeps its shard.
 ///
 /// ```no_run
-/// # use burn_megatron::models::{load_hf_llama, save_hf_llama};
+/// # use burn_megatron::models::{load_hf_gpt, save_hf_gpt};
 /// # fn f(ctx: &burn_megatron::launch::RankContext) -> Result<(), Box<dyn std::error::Error>> {
-/// let (model, hf) = load_hf_llama("Llama-3.2-1B".as_ref(), &ctx.groups.tp, &ctx.device)?;
+/// let (model, hf) = load_hf_gpt("Llama-3.2-1B".as_ref(), &ctx.groups.tp, &ctx.device)?;
 /// // ... fine-tune ...
-/// save_hf_llama(&model, &hf, "out".as_ref())?; // gathers over TP; TP rank 0 writes
+/// save_hf_gpt(&model, &hf, "out".as_ref())?; // gathers over TP; TP rank 0 writes
 /// # Ok(()) }
 /// ```
+#[doc(alias = "load_hf_llama")]
 pub fn load_hf_gpt(dir: &Path, tp: &Comm, device: &Device) -> Result<(Gpt, HfGptConfig), HfError> {
     let hf = HfGptConfig::from_file(&dir.join("config.json"))?;
     let config = hf.to_gpt_config(tp.group().size());
@@ -342,6 +343,7 @@ pub fn hf_gpt_state_dict(
 
 /// Writes `dir/config.json` and `dir/model.safetensors` (f32, Hugging Face names) from TP
 /// rank 0. Collective: every rank of the model's TP group calls it.
+#[doc(alias = "save_hf_llama")]
 pub fn save_hf_gpt(model: &Gpt, hf: &HfGptConfig, dir: &Path) -> Result<(), HfError> {
     let tensors = hf_gpt_state_dict(model, hf)?;
     if model.tp().group().rank() != 0 {

@@ -57,7 +57,7 @@ impl FusedAdamConfig {
 }
 
 /// Fused Adam / AdamW with Megatron's parameter groups; hand it to
-/// [`MegatronOptimizer::fused_adam`](crate::optimizer::MegatronOptimizer::fused_adam).
+/// [`MegatronOptimizer::new`](crate::optimizer::MegatronOptimizer::new).
 #[derive(Debug, Clone)]
 pub struct FusedAdam {
     pub(super) config: FusedAdamConfig,

@@ -158,7 +158,7 @@ pub(crate) struct FlatAdam {
 
 /// What a distributed (ZeRO-1) optimizer needs beyond its pieces: the plans they come from
 /// and the groups to gather over.
-pub(crate) type Sharding = crate::data_parallel::OptimizerShards;
+pub(crate) type Sharding = crate::data_parallel::advanced::OptimizerShards;
 
 impl FlatAdam {
     /// Flat buffers for `model`'s trainable parameters (cast to f32), grouped by

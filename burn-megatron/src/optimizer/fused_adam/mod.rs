@@ -1,5 +1,5 @@
 //! Fused Adam / AdamW over flat FP32 buffers, one per parameter group: the optimizer behind
-//! [`MegatronOptimizer::fused_adam`](super::MegatronOptimizer::fused_adam).
+//! [`MegatronOptimizer::new`](super::MegatronOptimizer::new).
 //!
 //! Every trainable parameter is a segment of its group's flat master buffer (f32, as
 //! Megatron's distributed optimizer keeps `main_param` buffers). A step gathers the

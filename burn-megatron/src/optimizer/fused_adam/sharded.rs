@@ -1,5 +1,5 @@
 //! The distributed optimizer's side of the flat state (ZeRO-1): each data-parallel rank holds
-//! the master weights and moments of the elements its [`ShardPlan`](crate::data_parallel::ShardPlan)s give it, and rebuilds
+//! the master weights and moments of the elements its [`ShardPlan`](crate::data_parallel::advanced::ShardPlan)s give it, and rebuilds
 //! whole parameters (weights after a step, state for a checkpoint) by all-gathering every
 //! bucket's shards.
 

@@ -5,7 +5,7 @@
 use crate::launch::{LaunchOptions, threads};
 use crate::pipeline::*;
 use crate::tensor_parallel::MasterInit;
-use crate::topology::ParallelConfig;
+use crate::topology::{ParallelConfig, layer_offset, layers_per_chunk};
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};

@@ -1,0 +1,14 @@
+use super::*;
+
+/// Whatever this machine has, asking for a device is an answer, never a panic; on a
+/// machine without the driver (CI) it is `NoDriver`.
+#[test]
+fn a_missing_driver_is_an_error() {
+    let libraries = cuda_libraries();
+    let got = cuda_device(0);
+    if !libraries.driver {
+        assert_eq!(got.unwrap_err(), CudaUnavailable::NoDriver);
+    }
+    let far = cuda_device(1 << 20).expect_err("no machine has a millionth GPU");
+    assert!(!far.to_string().is_empty());
+}
