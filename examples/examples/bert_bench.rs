@@ -15,7 +15,10 @@
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
-use burn_megatron::models::{BertConfig, BertStageOutput, MaskedPositions};
+use burn_megatron::models::{
+    BertConfig, BertStageOutput, MaskedPositions, ParallelAttentionConfig, ParallelMlpConfig,
+    TransformerLayerConfig,
+};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron_examples::median;
 use burn_megatron_examples::phases::{PhaseTimes, Run, print_breakdown};
@@ -56,6 +59,16 @@ const SEQ: usize = 128;
 const MICRO_BATCH: usize = 8;
 const VOCAB: usize = 30592;
 
+/// A BERT layer of width `hidden` with `heads` heads, an MLP of `4·hidden` and the other
+/// switches at their defaults.
+fn bert_layer(hidden: usize, heads: usize) -> TransformerLayerConfig {
+    let (attention, mlp) = (
+        ParallelAttentionConfig::new(heads),
+        ParallelMlpConfig::new(4 * hidden),
+    );
+    TransformerLayerConfig::new(hidden, attention, mlp).with_seed(1234)
+}
+
 fn ints(f: impl Fn(usize) -> i64, device: &Device) -> Tensor<2, Int> {
     let v: Vec<i64> = (0..MICRO_BATCH * SEQ).map(f).collect();
     Tensor::from_data(TensorData::new(v, [MICRO_BATCH, SEQ]), device)
@@ -70,7 +83,7 @@ fn ours(
     let device = Device::flex().autodiff();
     let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0)?);
     let mut model =
-        BertConfig::new(layers, hidden, heads, 4 * hidden, SEQ, VOCAB).init(&tp, &device)?;
+        BertConfig::new(layers, SEQ, VOCAB, bert_layer(hidden, heads)).init(&tp, &device)?;
     let steps = args.steps;
     let mut optim = match args.optimizer {
         Optim::Fused => {

@@ -24,10 +24,9 @@ use burn_megatron::comm::{Buffer, CommDType};
 use burn_megatron::context_parallel::{ContextParallel, CpCommType, RingStats};
 use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{
-    ActivationFunc, GptConfig, GptStageOutput, NormKind, PositionEmbeddingType,
-};
+use burn_megatron::models::GptStageOutput;
 use burn_megatron::topology::ParallelConfig;
+use burn_megatron_examples::llama;
 use burn_megatron_examples::median;
 use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
@@ -109,22 +108,8 @@ fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured
     let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
     // ANCHOR_END: cp_layout
     let vocab = 4096;
-    let config = GptConfig::new(
-        args.layers,
-        args.hidden,
-        4,
-        args.hidden * 8 / 3 / 64 * 64,
-        args.seq,
-        vocab,
-    )
-    .with_position_embedding_type(PositionEmbeddingType::Rope)
-    .with_normalization(NormKind::RmsNorm)
-    .with_gated_linear_unit(true)
-    .with_activation_func(ActivationFunc::Silu)
-    .with_add_bias_linear(false)
-    .with_untie_embeddings_and_output_weights(true)
-    .with_hidden_dropout(0.0)
-    .with_attention_dropout(0.0);
+    let ffn = args.hidden * 8 / 3 / 64 * 64;
+    let config = llama(args.layers, args.hidden, (4, 4), ffn, args.seq, vocab);
     let out = threads(&layout, LaunchOptions::default(), |ctx| {
         let counter = Counter::claim();
         let d = &ctx.device;

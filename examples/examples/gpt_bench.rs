@@ -17,7 +17,7 @@
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
-use burn_megatron::models::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType};
+use burn_megatron::models::GptConfig;
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron_examples::median;
 use burn_megatron_examples::phases::{PhaseTimes, Run, print_breakdown};
@@ -75,18 +75,8 @@ impl Shape {
     }
 
     fn config(&self) -> GptConfig {
-        // ANCHOR: llama_config
-        GptConfig::new(self.layers, self.hidden, self.heads, self.ffn, SEQ, VOCAB)
-            .with_num_query_groups(Some(self.groups))
-            .with_position_embedding_type(PositionEmbeddingType::Rope)
-            .with_normalization(NormKind::RmsNorm)
-            .with_gated_linear_unit(true)
-            .with_activation_func(ActivationFunc::Silu)
-            .with_add_bias_linear(false)
-            .with_untie_embeddings_and_output_weights(true)
-            .with_hidden_dropout(0.0)
-            .with_attention_dropout(0.0)
-        // ANCHOR_END: llama_config
+        let heads = (self.heads, self.groups);
+        burn_megatron_examples::llama(self.layers, self.hidden, heads, self.ffn, SEQ, VOCAB)
     }
 }
 

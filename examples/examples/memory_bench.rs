@@ -20,12 +20,12 @@
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
-use burn_megatron::models::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer};
 use burn_megatron::recompute::{
     RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule,
 };
 use burn_megatron::tensor_parallel::RngTracker;
+use burn_megatron_examples::llama;
 use burn_megatron_examples::median;
 use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
@@ -77,16 +77,10 @@ fn setting(
 ) -> Result<Setting, Box<dyn std::error::Error>> {
     let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0)?);
     let ffn = (args.hidden * 8 / 3).div_ceil(64) * 64;
-    let config = GptConfig::new(args.layers, args.hidden, 8, ffn, args.seq, args.vocab)
-        .with_position_embedding_type(PositionEmbeddingType::Rope)
-        .with_normalization(NormKind::RmsNorm)
-        .with_gated_linear_unit(true)
-        .with_activation_func(ActivationFunc::Silu)
-        .with_add_bias_linear(false)
-        .with_untie_embeddings_and_output_weights(true)
-        .with_hidden_dropout(args.dropout)
-        .with_attention_dropout(args.dropout)
-        .with_recompute(recompute);
+    let mut config = llama(args.layers, args.hidden, (8, 8), ffn, args.seq, args.vocab);
+    let layer = &mut config.transformer;
+    (layer.hidden_dropout, layer.attention.attention_dropout) = (args.dropout, args.dropout);
+    layer.recompute = recompute;
     let model = config.init(&tp, device)?;
     let params = burn::module::Module::num_params(&model) as i64;
     let adam = FusedAdamConfig::new().init()?;

@@ -22,10 +22,11 @@ use burn_megatron::data_parallel::{
     advanced::{finalize_expert_grads, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, RankContext, threads};
-use burn_megatron::models::{ActivationFunc, Gpt, GptConfig, NormKind, PositionEmbeddingType};
+use burn_megatron::models::{Gpt, GptConfig};
 use burn_megatron::moe::MoeConfig;
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron_examples::llama;
 use burn_megatron_examples::median;
 use burn_megatron_examples::phases::PhaseTimes;
 use clap::Parser;
@@ -64,22 +65,15 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 const VOCAB: usize = 512;
 
 fn config(args: &Args, hidden: usize, aux: f64) -> GptConfig {
+    let mut config = llama(args.layers, hidden, (4, 4), hidden * 2, args.seq, VOCAB);
     // ANCHOR: moe_config
-    GptConfig::new(args.layers, hidden, 4, hidden * 2, args.seq, VOCAB)
-        .with_position_embedding_type(PositionEmbeddingType::Rope)
-        .with_normalization(NormKind::RmsNorm)
-        .with_gated_linear_unit(true)
-        .with_activation_func(ActivationFunc::Silu)
-        .with_add_bias_linear(false)
-        .with_untie_embeddings_and_output_weights(true)
-        .with_hidden_dropout(0.0)
-        .with_attention_dropout(0.0)
-        .with_moe(Some(
-            MoeConfig::new(args.experts)
-                .with_moe_router_topk(2)
-                .with_moe_aux_loss_coeff(aux),
-        ))
+    // Every layer's MLP becomes 8 experts (by default), each token routed to 2 of them.
+    let experts = MoeConfig::new(args.experts)
+        .with_moe_router_topk(2)
+        .with_moe_aux_loss_coeff(aux);
+    config.transformer.moe = Some(experts);
     // ANCHOR_END: moe_config
+    config
 }
 
 /// `n` rows of `seq + 1` skewed tokens from sample `start` on: a few frequent tokens and a

@@ -15,7 +15,9 @@ use burn_megatron::data_parallel::{
     advanced::{OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::BertConfig;
+use burn_megatron::models::{
+    BertConfig, ParallelAttentionConfig, ParallelMlpConfig, TransformerLayerConfig,
+};
 use burn_megatron::optimizer::MegatronOptimizer;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_examples::median;
@@ -90,10 +92,14 @@ fn step_ms(mode: Mode, bytes_per_s: f64) -> f64 {
             latency: Duration::from_micros(200),
             bytes_per_s,
         });
-        let mut model = BertConfig::new(2, 256, 4, 1024, SEQ, VOCAB)
-            .with_hidden_dropout(0.0)
-            .with_attention_dropout(0.0)
-            .init(tp, d)?;
+        let mut layer = TransformerLayerConfig::new(
+            256,
+            ParallelAttentionConfig::new(4).with_attention_dropout(0.0),
+            ParallelMlpConfig::new(1024),
+        )
+        .with_hidden_dropout(0.0);
+        layer.seed = 1234;
+        let mut model = BertConfig::new(2, SEQ, VOCAB, layer).init(tp, d)?;
         let mut optim =
             MegatronOptimizer::new(AdamWConfig::new().init(), &model, ctx.groups.mp.clone(), 0);
         let dp_config = DataParallelConfig {

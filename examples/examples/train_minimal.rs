@@ -17,7 +17,8 @@ use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BatchLayout, GptBatch, GptCorpusDataset, GptCorpusDatasetConfig};
 use burn_megatron::launch::{self, LaunchOptions, RankContext};
 use burn_megatron::models::{
-    ActivationFunc, Gpt, GptConfig, GptStageOutput, NormKind, PositionEmbeddingType,
+    ActivationFunc, AttnMaskType, Gpt, GptConfig, GptStageOutput, LayerNormPosition, NormKind,
+    ParallelAttentionConfig, ParallelMlpConfig, PositionEmbeddingType, TransformerLayerConfig,
 };
 use burn_megatron::optimizer::NormType;
 use burn_megatron::pipeline::{
@@ -44,13 +45,20 @@ const LR: f64 = 3e-3;
 /// The model: 4 layers of width 64, 4 heads sharing 2 key/value groups, rotary positions,
 /// RMSNorm, SwiGLU, no biases, an untied output layer; its vocabulary is bytes.
 fn model_config() -> GptConfig {
-    GptConfig::new(4, 64, 4, 176, SEQ_LENGTH, 256)
+    let attention = ParallelAttentionConfig::new(4)
         .with_num_query_groups(Some(2))
-        .with_position_embedding_type(PositionEmbeddingType::Rope)
-        .with_normalization(NormKind::RmsNorm)
+        .with_attn_mask_type(AttnMaskType::Causal);
+    let mlp = ParallelMlpConfig::new(176)
         .with_gated_linear_unit(true)
-        .with_activation_func(ActivationFunc::Silu)
+        .with_activation_func(ActivationFunc::Silu);
+    let layer = TransformerLayerConfig::new(64, attention, mlp)
+        .with_layernorm_position(LayerNormPosition::Pre)
+        .with_normalization(NormKind::RmsNorm)
+        .with_layernorm_epsilon(1e-5)
         .with_add_bias_linear(false)
+        .with_seed(1234);
+    GptConfig::new(4, SEQ_LENGTH, 256, layer)
+        .with_position_embedding_type(PositionEmbeddingType::Rope)
         .with_untie_embeddings_and_output_weights(true)
 }
 

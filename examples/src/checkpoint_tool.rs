@@ -110,6 +110,8 @@ pub trait WholeModel: Module + Clone + Send {
     fn build(config: &Self::Config, tp: &Comm, device: &Device) -> Result<Self, String>;
     /// The global name of the parameter at module path `path`.
     fn global_name(path: &str) -> String;
+    /// The config at `path`, as a checkpoint of any age saved it.
+    fn load_config(path: &Path) -> Result<Self::Config, burn::config::ConfigError>;
 }
 
 impl WholeModel for Bert {
@@ -117,11 +119,14 @@ impl WholeModel for Bert {
     const CONFIG_FILE: &'static str = "bert_config.json";
     const EXAMPLE: &'static str = "bert_pretrain";
     fn build(config: &BertConfig, tp: &Comm, device: &Device) -> Result<Self, String> {
-        let config = config.clone().with_sequence_parallel(false);
+        let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(false));
         config.init(tp, device).map_err(|e| e.to_string())
     }
     fn global_name(path: &str) -> String {
         Bert::global_param_name_at(&[0], path)
+    }
+    fn load_config(path: &Path) -> Result<BertConfig, burn::config::ConfigError> {
+        BertConfig::load_saved(path)
     }
 }
 
@@ -130,18 +135,21 @@ impl WholeModel for Gpt {
     const CONFIG_FILE: &'static str = "gpt_config.json";
     const EXAMPLE: &'static str = "gpt_pretrain";
     fn build(config: &GptConfig, tp: &Comm, device: &Device) -> Result<Self, String> {
-        let config = config.clone().with_sequence_parallel(false);
+        let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(false));
         config.init(tp, device).map_err(|e| e.to_string())
     }
     fn global_name(path: &str) -> String {
         Gpt::global_param_name_at(&[0], path)
+    }
+    fn load_config(path: &Path) -> Result<GptConfig, burn::config::ConfigError> {
+        GptConfig::load_saved(path)
     }
 }
 
 /// The model config saved beside the checkpoints under `root`.
 pub fn read_config<M: WholeModel>(root: &Path) -> Result<M::Config, String> {
     let path = root.join(M::CONFIG_FILE);
-    M::Config::load(&path)
+    M::load_config(&path)
         .map_err(|e| format!("{}: {e} (written by {} --save)", path.display(), M::EXAMPLE))
 }
 

@@ -111,19 +111,20 @@ impl Setup {
         }
         let c = args.model_config(vocab_size)?;
         let a = &args.train;
-        let heads = c.num_attention_heads;
+        let t = &c.transformer;
+        let heads = t.attention.num_attention_heads;
         Ok(Self {
             model: Model::Gpt,
             layers: c.num_layers,
-            h: c.hidden_size,
+            h: t.hidden_size,
             heads,
-            groups: c.num_query_groups.unwrap_or(heads),
-            hn: c.kv_channels.unwrap_or(c.hidden_size / heads),
-            ffn: c.ffn_hidden_size,
-            gated: c.gated_linear_unit,
-            bias: c.add_bias_linear,
-            qkv_bias: c.add_bias_linear || c.add_qkv_bias,
-            layer_norm: c.normalization == NormKind::LayerNorm,
+            groups: t.attention.query_groups(),
+            hn: t.attention.head_dim(t.hidden_size),
+            ffn: t.mlp.ffn_hidden_size,
+            gated: t.mlp.gated_linear_unit,
+            bias: t.add_bias_linear,
+            qkv_bias: t.add_bias_linear || t.attention.add_qkv_bias,
+            layer_norm: t.normalization == NormKind::LayerNorm,
             learned_positions: c.position_embedding_type == PositionEmbeddingType::LearnedAbsolute,
             max_positions: c.max_position_embeddings,
             tied: !c.untie_embeddings_and_output_weights,
@@ -134,7 +135,7 @@ impl Setup {
             ),
             seq: a.seq_length,
             micro_batch: a.micro_batch_size,
-            attention_dropout: c.attention_dropout > 0.0,
+            attention_dropout: t.attention.attention_dropout > 0.0,
             tp: a.tensor_model_parallel_size,
             pp: a.pipeline_model_parallel_size,
             vp: a.num_model_chunks(),
@@ -144,7 +145,7 @@ impl Setup {
             sp: a.sequence_parallel,
             zero: a.use_distributed_optimizer,
             overlap: a.overlap_grad_reduce,
-            recompute: c.recompute,
+            recompute: t.recompute.clone(),
             elem: if a.bf16 || a.fp16 { 2 } else { 4 },
             schedule: a.schedule(&layout),
         })

@@ -13,5 +13,6 @@ mod bert_pretrain_mpi;
 mod checkpoint_tool;
 mod distributed_optimizer;
 mod gpt_pretrain;
+mod legacy_configs;
 mod reshard;
 mod train_minimal;

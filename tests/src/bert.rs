@@ -2,6 +2,35 @@
 //! length, so every layout and every rank builds the same rows.
 
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_megatron::models::{
+    BertConfig, ParallelAttentionConfig, ParallelMlpConfig, TransformerLayerConfig,
+};
+
+/// A layer of width `hidden` with `heads` heads and an MLP of `ffn`, every other switch at
+/// its default (post-norm, GeLU, biases, dropout 0.1).
+pub fn layer(hidden: usize, heads: usize, ffn: usize) -> TransformerLayerConfig {
+    TransformerLayerConfig::new(
+        hidden,
+        ParallelAttentionConfig::new(heads),
+        ParallelMlpConfig::new(ffn),
+    )
+}
+
+/// A BERT of `layers` such layers, `seq` positions and a padded vocabulary of `vocab`, seed
+/// 1234.
+pub fn bert(
+    layers: usize,
+    (hidden, heads, ffn): (usize, usize, usize),
+    seq: usize,
+    vocab: usize,
+) -> BertConfig {
+    BertConfig::new(
+        layers,
+        seq,
+        vocab,
+        layer(hidden, heads, ffn).with_seed(1234),
+    )
+}
 
 /// Rows of BERT inputs and targets, `[b, s]` (`sop`: `[b]`).
 pub struct BertRows {

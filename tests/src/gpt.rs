@@ -7,7 +7,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
 use burn_megatron::models::{
-    ActivationFunc, Gpt, GptConfig, GptStageOutput, NormKind, PositionEmbeddingType,
+    ActivationFunc, AttnMaskType, Gpt, GptConfig, GptStageOutput, LayerNormPosition, NormKind,
+    ParallelAttentionConfig, ParallelMlpConfig, PositionEmbeddingType, TransformerLayerConfig,
 };
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep};
 use burn_megatron::tensor_parallel::parallel_attrs;
@@ -19,27 +20,39 @@ pub const VOCAB: usize = 60;
 /// A tiny Llama-style model: RoPE, RMSNorm, SwiGLU, 4 heads in 2 query groups, no biases,
 /// untied output layer, dropout off.
 pub fn llama(layers: usize, seq: usize) -> GptConfig {
-    GptConfig::new(layers, 32, 4, 48, seq, 64)
-        .with_vocab_size(Some(VOCAB))
+    let attention = ParallelAttentionConfig::new(4)
+        .with_attn_mask_type(AttnMaskType::Causal)
         .with_num_query_groups(Some(2))
-        .with_position_embedding_type(PositionEmbeddingType::Rope)
-        .with_normalization(NormKind::RmsNorm)
+        .with_attention_dropout(0.0);
+    let mlp = ParallelMlpConfig::new(48)
         .with_gated_linear_unit(true)
-        .with_activation_func(ActivationFunc::Silu)
+        .with_activation_func(ActivationFunc::Silu);
+    let layer = TransformerLayerConfig::new(32, attention, mlp)
+        .with_layernorm_position(LayerNormPosition::Pre)
+        .with_normalization(NormKind::RmsNorm)
+        .with_layernorm_epsilon(1e-5)
         .with_add_bias_linear(false)
-        .with_untie_embeddings_and_output_weights(true)
         .with_hidden_dropout(0.0)
-        .with_attention_dropout(0.0)
+        .with_seed(1234);
+    GptConfig::new(layers, seq, 64, layer)
+        .with_vocab_size(Some(VOCAB))
+        .with_position_embedding_type(PositionEmbeddingType::Rope)
+        .with_untie_embeddings_and_output_weights(true)
 }
 
 /// A tiny GPT-2-style model: learned positions, LayerNorm, GeLU (tanh), biases, tied
 /// embeddings, 4 heads, dropout off.
 pub fn gpt2(layers: usize, seq: usize) -> GptConfig {
-    GptConfig::new(layers, 32, 4, 64, seq, 64)
-        .with_vocab_size(Some(VOCAB))
-        .with_activation_func(ActivationFunc::GeluTanh)
+    let attention = ParallelAttentionConfig::new(4)
+        .with_attn_mask_type(AttnMaskType::Causal)
+        .with_attention_dropout(0.0);
+    let mlp = ParallelMlpConfig::new(64).with_activation_func(ActivationFunc::GeluTanh);
+    let layer = TransformerLayerConfig::new(32, attention, mlp)
+        .with_layernorm_position(LayerNormPosition::Pre)
+        .with_layernorm_epsilon(1e-5)
         .with_hidden_dropout(0.0)
-        .with_attention_dropout(0.0)
+        .with_seed(1234);
+    GptConfig::new(layers, seq, 64, layer).with_vocab_size(Some(VOCAB))
 }
 
 /// Token ids, next-token labels and the loss mask of a causal-LM batch, `[b, s]`.

@@ -3,11 +3,19 @@
 use burn::module::Param;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_megatron::models::TransformerLayerConfig;
 use burn_megatron::tensor_parallel::MasterInit;
 
 pub mod bert;
 pub mod gpt;
 pub mod mlp;
+
+/// `layer` without dropout (hidden and attention), for comparisons that must be exact.
+pub fn no_dropout(layer: TransformerLayerConfig) -> TransformerLayerConfig {
+    let mut layer = layer.with_hidden_dropout(0.0);
+    layer.attention.attention_dropout = 0.0;
+    layer
+}
 
 /// A plain Burn `Linear` whose weight and bias are drawn from `seed` on the host (the same
 /// on every rank and in every process).

@@ -8,10 +8,10 @@ use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{Bert, BertConfig, BertStageOutput, MaskedPositions};
+use burn_megatron::models::{AttnMaskType, Bert, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::ParallelConfig;
-use burn_megatron_tests::bert::{BertRows, bert_rows};
+use burn_megatron_tests::bert::{BertRows, bert, bert_rows};
 use burn_megatron_tests::*;
 
 const GLOBAL_BATCH: usize = 4;
@@ -35,10 +35,9 @@ fn run_on(
     let config = ParallelConfig::new(tp * dp, tp, 1).with_sequence_parallel(sp);
     threads(&config, options, |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
-        let mut model = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
-            .with_hidden_dropout(0.0)
-            .with_attention_dropout(0.0)
-            .with_sequence_parallel(sp)
+        let mut model = bert(2, (16, 4, 32), SEQ, VOCAB)
+            .map_transformer(no_dropout)
+            .map_transformer(|t| t.with_sequence_parallel(sp))
             .init(g, d)?;
         let tp_rank = ctx.state.tensor_model_parallel_rank();
         let mp = ctx.groups.mp.clone();
@@ -146,7 +145,7 @@ fn inputs_outside_the_embeddings_are_refused_alike_at_every_tp_size() {
         let config = ParallelConfig::new(tp, tp, 1);
         threads(&config, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let model = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB).init(g, d)?;
+            let model = bert(2, (16, 4, 32), SEQ, VOCAB).init(g, d)?;
             let try_with = |edit: &dyn Fn(&mut BertRows)| {
                 let mut b = bert_rows(0, 2, SEQ, d);
                 edit(&mut b);
@@ -197,17 +196,22 @@ fn impossible_initialisers_are_refused_at_init() {
         std::sync::Arc::new(world.communicator("tp", vec![0], 0).unwrap());
     let d = burn::tensor::Device::flex();
     for std in [-0.02, f64::NAN] {
-        let e = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
-            .with_init_method_std(std)
+        let e = bert(2, (16, 4, 32), SEQ, VOCAB)
+            .map_transformer(|t| t.with_initializer(MasterInit::Normal { mean: 0.0, std }))
             .init(&tp, &d)
             .unwrap_err()
             .to_string();
         assert!(e.contains(&format!("std: {std}")), "{e}");
     }
+    // A causal mask in BERT's bidirectional encoder.
+    let mut causal = bert(2, (16, 4, 32), SEQ, VOCAB);
+    causal.transformer.attention.attn_mask_type = AttnMaskType::Causal;
+    let e = causal.init(&tp, &d).unwrap_err().to_string();
+    assert!(e.contains("bidirectional"), "{e}");
     // A norm epsilon the norms cannot use: an error naming it, not a panic in forward.
     for eps in [-1e-5, 0.0, f64::INFINITY] {
-        let e = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
-            .with_layernorm_epsilon(eps)
+        let e = bert(2, (16, 4, 32), SEQ, VOCAB)
+            .map_transformer(|t| t.with_layernorm_epsilon(eps))
             .init(&tp, &d)
             .unwrap_err()
             .to_string();
@@ -242,15 +246,16 @@ fn a_model_reloaded_through_burn_records_keeps_its_parallel_attributes() {
         let config = ParallelConfig::new(tp, tp, 1).with_sequence_parallel(tp > 1);
         threads(&config, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let bert = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
-                .with_hidden_dropout(0.0)
-                .with_attention_dropout(0.0)
-                .with_sequence_parallel(tp > 1);
+            let bert = bert(2, (16, 4, 32), SEQ, VOCAB)
+                .map_transformer(no_dropout)
+                .map_transformer(|t| t.with_sequence_parallel(tp > 1));
             let tp_rank = ctx.state.tensor_model_parallel_rank();
             // Another seed for the model loaded into: the values must come from the file.
             let model = reload_as_another_process(
                 bert.init(g, d)?,
-                bert.clone().with_seed(99).init(g, d)?,
+                (bert.clone())
+                    .map_transformer(|t| t.with_seed(99))
+                    .init(g, d)?,
                 &std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
                     .join(format!("reload-tp{tp}-rank{tp_rank}.bpk")),
             );
@@ -307,10 +312,9 @@ fn the_masked_position_head_gives_the_all_position_loss_and_gradients() {
         let config = ParallelConfig::new(tp, tp, 1).with_sequence_parallel(sp);
         let per_rank = threads(&config, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let model = BertConfig::new(2, 16, 4, 32, SEQ, VOCAB)
-                .with_hidden_dropout(0.0)
-                .with_attention_dropout(0.0)
-                .with_sequence_parallel(sp)
+            let model = bert(2, (16, 4, 32), SEQ, VOCAB)
+                .map_transformer(no_dropout)
+                .map_transformer(|t| t.with_sequence_parallel(sp))
                 .init(g, d)?;
             let b = bert_rows(0, GLOBAL_BATCH, SEQ, d);
             let run = |mask: &Tensor<2>, positions: Option<&MaskedPositions>| {
@@ -383,10 +387,9 @@ fn bert_with_context_parallelism_matches_one_rank() {
             .with_sequence_parallel(sp);
         threads(&layout, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let mut model = BertConfig::new(2, 16, 4, 32, CP_SEQ, VOCAB)
-                .with_hidden_dropout(0.0)
-                .with_attention_dropout(0.0)
-                .with_sequence_parallel(sp)
+            let mut model = bert(2, (16, 4, 32), CP_SEQ, VOCAB)
+                .map_transformer(no_dropout)
+                .map_transformer(|t| t.with_sequence_parallel(sp))
                 .init(g, d)?;
             let tp_rank = ctx.state.tensor_model_parallel_rank();
             let mp = ctx.groups.mp.clone();
@@ -510,7 +513,7 @@ fn context_parallel_inputs_are_refused_before_any_collective() {
     let layout = ParallelConfig::new(2, 1, 1).with_context_parallel(2);
     let errors = threads(&layout, LaunchOptions::default(), |ctx| {
         let d = &ctx.device;
-        let config = BertConfig::new(1, 12, 3, 24, 16, VOCAB);
+        let config = bert(1, (12, 3, 24), 16, VOCAB);
         let model = config.init(&ctx.groups.tp, d)?;
         let cp = ContextParallel::new(ctx.groups.cp.clone(), 16)?;
         let tokens =

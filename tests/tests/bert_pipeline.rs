@@ -21,7 +21,7 @@ use burn_megatron::pipeline::{
 use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::bert::{BertRows, bert_sample};
-use burn_megatron_tests::{reload_as_another_process, values};
+use burn_megatron_tests::{no_dropout, reload_as_another_process, values};
 use std::sync::Arc;
 
 // Eight samples: at DP 2 each replica has 4 microbatches, as many as interleaving over 4
@@ -35,10 +35,8 @@ const STEPS: usize = 10;
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 fn bert(sp: bool) -> BertConfig {
-    BertConfig::new(LAYERS, 16, 4, 32, SEQ, VOCAB)
-        .with_hidden_dropout(0.0)
-        .with_attention_dropout(0.0)
-        .with_sequence_parallel(sp)
+    burn_megatron_tests::bert::bert(LAYERS, (16, 4, 32), SEQ, VOCAB)
+        .map_transformer(|t| no_dropout(t).with_sequence_parallel(sp))
 }
 
 fn seq_len(g: usize, variable: bool) -> usize {

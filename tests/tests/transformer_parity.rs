@@ -6,12 +6,13 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_megatron::comm::tensor::all_gather;
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{AttentionInputs, LayerNormPosition, NormKind, TransformerLayerConfig};
+use burn_megatron::models::{AttentionInputs, LayerNormPosition, NormKind};
 use burn_megatron::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
 use burn_megatron::tensor_parallel::{TpError, allreduce_sequence_parallel_grads};
 use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::bert::layer;
 use burn_megatron_tests::*;
 
 const S: usize = 4;
@@ -39,14 +40,12 @@ fn run(tp: usize, sp: bool, position: LayerNormPosition, norm: NormKind) -> Vec<
         LaunchOptions::default(),
         |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let mut layer = TransformerLayerConfig::new(H, HEADS, FFN)
+            let layer = layer(H, HEADS, FFN)
                 .with_layernorm_position(position)
                 .with_normalization(norm)
                 .with_sequence_parallel(sp)
-                .with_hidden_dropout(0.0)
-                .with_attention_dropout(0.0)
-                .with_seed(9)
-                .init(g, d)?;
+                .with_seed(9);
+            let mut layer = no_dropout(layer).init(g, d)?;
             let mut optim = SgdConfig::new().init();
             let (mut losses, mut qkv, mut gamma) = (Vec::new(), Vec::new(), Vec::new());
             for step in 0..3 {
@@ -108,7 +107,7 @@ fn heads_not_divisible_by_tp_is_an_error() {
         &ParallelConfig::new(4, 4, 1),
         LaunchOptions::default(),
         |ctx| {
-            TransformerLayerConfig::new(H, 6, FFN)
+            layer(H, 6, FFN)
                 .init(&ctx.groups.tp, &ctx.device)
                 .map(|_| ())
         },
@@ -130,7 +129,7 @@ fn zero_heads_or_hidden_size_is_an_error() {
             &ParallelConfig::new(1, 1, 1),
             LaunchOptions::default(),
             |ctx| {
-                TransformerLayerConfig::new(hidden, heads, FFN)
+                layer(hidden, heads, FFN)
                     .init(&ctx.groups.tp, &ctx.device)
                     .map(|_| ())
             },

@@ -3,14 +3,13 @@
 //! of it (embeddings on the first virtual stage, heads on the last).
 
 mod head;
+mod legacy;
 
 pub use head::MaskedPositions;
 
-use super::attention::{AttentionInputs, CpAttention};
-use super::norm::{FusedLayerNorm, NormKind};
-use super::transformer::{
-    LayerNormPosition, TransformerLayer, TransformerLayerConfig, forward_layers,
-};
+use super::attention::{AttentionInputs, AttnMaskType, CpAttention};
+use super::norm::FusedLayerNorm;
+use super::transformer::{TransformerLayer, TransformerLayerConfig, forward_layers};
 use crate::comm::Comm;
 use crate::context_parallel::ContextParallel;
 use crate::recompute::RecomputeConfig;
@@ -18,7 +17,7 @@ use crate::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
 use crate::tensor_parallel::{
-    LayoutOwner, MasterInit, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
+    LayoutOwner, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
     VocabParallelEmbeddingConfig, check_index_range, derive_seed, host_param,
 };
 use crate::topology::PipelinePosition;
@@ -27,55 +26,36 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
-/// BERT's shape, named as Megatron's arguments.
+/// BERT's shape, named as Megatron's arguments: the model's own fields (layers, vocabulary,
+/// positions, token types) around one [`TransformerLayerConfig`] for all its layers, whose
+/// `initializer` draws the embeddings and heads too and whose `seed` is the model's. BERT's
+/// attention is bidirectional: `transformer.attention.attn_mask_type` must be `Padding` (the
+/// default).
+///
+/// ```
+/// use burn_megatron::models::{
+///     BertConfig, ParallelAttentionConfig, ParallelMlpConfig, TransformerLayerConfig,
+/// };
+/// // BERT-base's encoder: 12 layers of width 768, 12 heads, an MLP of 3072, post-norm.
+/// let layer = TransformerLayerConfig::new(768, ParallelAttentionConfig::new(12), ParallelMlpConfig::new(3072));
+/// let bert = BertConfig::new(12, 512, 30592, layer);
+/// assert_eq!(bert.transformer.attention.head_dim(768), 64);
+/// ```
 #[derive(Config, Debug)]
 pub struct BertConfig {
     /// Transformer layers.
     pub num_layers: usize,
-    /// Hidden size.
-    pub hidden_size: usize,
-    /// Attention heads (divisible by the TP size).
-    pub num_attention_heads: usize,
-    /// MLP inner size.
-    pub ffn_hidden_size: usize,
     /// Longest sequence.
     pub max_position_embeddings: usize,
     /// Vocabulary size padded to a multiple of 128 × TP.
     pub padded_vocab_size: usize,
+    /// Every encoder layer's shape and switches (Megatron-Core's `TransformerConfig`; its
+    /// `normalization` applies to the encoder layers, the embedding and MLM-head norms are
+    /// LayerNorm with its `layernorm_epsilon`).
+    pub transformer: TransformerLayerConfig,
     /// Token types (segments).
     #[config(default = 2)]
     pub num_tokentypes: usize,
-    /// Hidden dropout.
-    #[config(default = 0.1)]
-    pub hidden_dropout: f64,
-    /// Attention dropout.
-    #[config(default = 0.1)]
-    pub attention_dropout: f64,
-    /// Normalisation in the encoder layers (the embedding and MLM-head norms are LayerNorm).
-    #[config(default = "NormKind::LayerNorm")]
-    pub normalization: NormKind,
-    /// LayerNorm epsilon.
-    #[config(default = 1e-12)]
-    pub layernorm_epsilon: f64,
-    /// Post-LayerNorm (original BERT) or pre-LayerNorm.
-    #[config(default = "LayerNormPosition::Post")]
-    pub layernorm_position: LayerNormPosition,
-    /// Sequence parallelism inside the encoder.
-    #[config(default = false)]
-    pub sequence_parallel: bool,
-    /// Megatron's `gradient_accumulation_fusion` in every parallel linear layer: weight
-    /// gradients summed and returned in f32 (see `ColumnParallelLinearConfig`).
-    #[config(default = false)]
-    pub gradient_accumulation_fusion: bool,
-    /// Standard deviation of the normal initialisation.
-    #[config(default = 0.02)]
-    pub init_method_std: f64,
-    /// Seed of all weights.
-    #[config(default = 1234)]
-    pub seed: u64,
-    /// Activation recomputation (Megatron's `--recompute-*` flags).
-    #[config(default = "RecomputeConfig::new()")]
-    pub recompute: RecomputeConfig,
 }
 
 /// Word, position and token-type embeddings with their LayerNorm: the first pipeline stage's
@@ -164,6 +144,24 @@ pub enum BertStageOutput {
 }
 
 impl BertConfig {
+    /// This config with `f` applied to its layers' config, for builder chains:
+    /// `config.map_transformer(|t| t.with_sequence_parallel(true))`.
+    pub fn map_transformer(
+        mut self,
+        f: impl FnOnce(TransformerLayerConfig) -> TransformerLayerConfig,
+    ) -> Self {
+        self.transformer = f(self.transformer);
+        self
+    }
+
+    /// The configuration of layer `index` (global), as this model builds it: with a seed of
+    /// its own.
+    pub fn layer_config(&self, index: usize) -> TransformerLayerConfig {
+        let mut layer = self.transformer.clone();
+        layer.seed = derive_seed(self.transformer.seed, &format!("layers.{index}"));
+        layer
+    }
+
     /// Initialises this rank's part of the whole model; identical weights at every TP size
     /// for one seed.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<Bert, TpError> {
@@ -181,23 +179,28 @@ impl BertConfig {
         position: PipelinePosition,
         device: &Device,
     ) -> Result<Bert, TpError> {
+        let t = &self.transformer;
+        if t.attention.attn_mask_type != AttnMaskType::Padding {
+            return Err(TpError::Invalid(
+                "BERT's attention is bidirectional: set transformer.attention.attn_mask_type to \
+                 Padding"
+                    .into(),
+            ));
+        }
         super::check_dropout(&[
-            ("hidden_dropout", self.hidden_dropout),
-            ("attention_dropout", self.attention_dropout),
+            ("hidden_dropout", t.hidden_dropout),
+            ("attention_dropout", t.attention.attention_dropout),
         ])?;
-        super::check_epsilon(self.layernorm_epsilon)?;
-        self.recompute
+        super::check_epsilon(t.layernorm_epsilon)?;
+        t.recompute
             .check(self.num_layers)
             .map_err(|e| TpError::Invalid(e.0))?;
         let layer_range = position
             .layer_range(self.num_layers)
             .map_err(|e| TpError::Invalid(e.to_string()))?;
-        let (h, seed) = (self.hidden_size, self.seed);
+        let (h, seed) = (t.hidden_size, t.seed);
         let first_layer = layer_range.start;
-        let normal = MasterInit::Normal {
-            mean: 0.0,
-            std: self.init_method_std,
-        };
+        let normal = t.initializer;
         normal.check()?;
         let table = |rows: usize, name: &str| Embedding {
             weight: host_param(
@@ -214,7 +217,7 @@ impl BertConfig {
             ),
             bias: Some(host_param(vec![0.0; d_out], [d_out], device)),
         };
-        let ln = || FusedLayerNorm::new(h, self.layernorm_epsilon, device);
+        let ln = || FusedLayerNorm::new(h, t.layernorm_epsilon, device);
         let word_embeddings = || {
             VocabParallelEmbeddingConfig::new(self.padded_vocab_size, h)
                 .with_initializer(normal)
@@ -233,20 +236,7 @@ impl BertConfig {
             })
             .transpose()?;
         let layers = layer_range
-            .map(|i| {
-                TransformerLayerConfig::new(h, self.num_attention_heads, self.ffn_hidden_size)
-                    .with_layernorm_position(self.layernorm_position)
-                    .with_normalization(self.normalization)
-                    .with_layernorm_epsilon(self.layernorm_epsilon)
-                    .with_hidden_dropout(self.hidden_dropout)
-                    .with_attention_dropout(self.attention_dropout)
-                    .with_sequence_parallel(self.sequence_parallel)
-                    .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-                    .with_initializer(normal)
-                    .with_seed(derive_seed(seed, &format!("layers.{i}")))
-                    .with_recompute(self.recompute.clone())
-                    .init(tp, device)
-            })
+            .map(|i| self.layer_config(i).init(tp, device))
             .collect::<Result<Vec<_>, _>>()?;
         let head = last
             .then(|| -> Result<_, TpError> {
@@ -269,10 +259,10 @@ impl BertConfig {
             head,
             tp: tp.clone(),
             layout: LayoutOwner::default(),
-            sequence_parallel: self.sequence_parallel,
-            hidden_dropout: self.hidden_dropout,
+            sequence_parallel: t.sequence_parallel,
+            hidden_dropout: t.hidden_dropout,
             first_layer,
-            recompute: self.recompute.clone(),
+            recompute: t.recompute.clone(),
         };
         bert.state_attrs();
         Ok(bert)

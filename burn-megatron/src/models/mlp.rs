@@ -1,10 +1,71 @@
 //! `ParallelMlp`: column-parallel layer(s), the activation, a row-parallel layer.
 
+use super::TransformerLayerConfig;
 use crate::activation::ActivationFunc;
-use crate::recompute::recompute_row_linear_input;
-use crate::tensor_parallel::{ColumnParallelLinear, RowParallelLinear};
+use crate::comm::Comm;
+use crate::recompute::{RecomputeModule, recompute_row_linear_input};
+use crate::tensor_parallel::{
+    ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+    TpError, derive_seed,
+};
+use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
+
+/// The MLP's own part of a [`TransformerLayerConfig`], which holds what the MLP shares with
+/// the attention (hidden size, biases, sequence parallelism, initialisation, seed) and
+/// builds the [`ParallelMlp`] (or, with `moe`, the experts from the same shape).
+#[derive(Config, Debug)]
+pub struct ParallelMlpConfig {
+    /// The inner size (Megatron's `ffn_hidden_size`).
+    pub ffn_hidden_size: usize,
+    /// A gated MLP, `act(gate(x)) ⊙ up(x)` (Megatron's `gated_linear_unit`).
+    #[config(default = false)]
+    pub gated_linear_unit: bool,
+    /// The activation (of the gate under a gated unit).
+    #[config(default = "ActivationFunc::Gelu")]
+    pub activation_func: ActivationFunc,
+}
+
+impl ParallelMlpConfig {
+    /// This rank's part of `layer`'s dense MLP (this config is `layer.mlp`).
+    pub(crate) fn init(
+        &self,
+        layer: &TransformerLayerConfig,
+        tp: &Comm,
+        device: &Device,
+    ) -> Result<ParallelMlp, TpError> {
+        let (h, ffn) = (layer.hidden_size, self.ffn_hidden_size);
+        let column = |name: &str| {
+            ColumnParallelLinearConfig::new(h, ffn)
+                .with_bias(layer.add_bias_linear)
+                .with_sequence_parallel(layer.sequence_parallel)
+                .with_gradient_accumulation_fusion(layer.gradient_accumulation_fusion)
+                .with_initializer(layer.initializer)
+                .with_seed(derive_seed(layer.seed, name))
+                .with_skip_bias_add(true)
+                .init(tp, device)
+        };
+        let recompute = &layer.recompute;
+        Ok(ParallelMlp {
+            dense_h_to_4h: column("mlp.dense_h_to_4h")?,
+            dense_h_to_4h_gate: (self.gated_linear_unit)
+                .then(|| column("mlp.dense_h_to_4h_gate"))
+                .transpose()?,
+            dense_4h_to_h: RowParallelLinearConfig::new(ffn, h)
+                .with_bias(layer.add_bias_linear)
+                .with_sequence_parallel(layer.sequence_parallel)
+                .with_gradient_accumulation_fusion(layer.gradient_accumulation_fusion)
+                .with_initializer(layer.output_initializer.unwrap_or(layer.initializer))
+                .with_seed(derive_seed(layer.seed, "mlp.dense_4h_to_h"))
+                .with_skip_bias_add(true)
+                .init(tp, device)?,
+            activation: self.activation_func,
+            recompute_act: recompute.selects(RecomputeModule::MlpAct)
+                && !recompute.selects(RecomputeModule::Mlp),
+        })
+    }
+}
 
 /// Column → activation → Row; with a gated linear unit, `act(gate(x)) ⊙ up(x)` → Row.
 #[derive(Module, Debug)]

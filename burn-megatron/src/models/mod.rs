@@ -29,7 +29,7 @@ pub use gpt_hf::{
     HfArchitecture, HfExperts, HfGptConfig, hf_gpt_state_dict, load_hf_gpt, load_hf_gpt_weights,
     read_hf_tensors, save_hf_gpt,
 };
-pub use mlp::ParallelMlp;
+pub use mlp::{ParallelMlp, ParallelMlpConfig};
 pub use norm::{FusedLayerNorm, Norm, NormKind};
 pub use rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig, RotaryTables};
 pub use transformer::{
@@ -37,6 +37,27 @@ pub use transformer::{
 };
 
 use crate::tensor_parallel::{LayoutOwner, TpError, VocabParallelEmbedding};
+use burn::config::{Config, ConfigError};
+
+/// A model config a checkpoint saved at `path`: the composed layout (with a `transformer`
+/// field), or the flat `Flat` one that checkpoints saved before 2026-12-04 hold.
+pub(crate) fn load_saved_config<C, Flat>(path: &std::path::Path) -> Result<C, ConfigError>
+where
+    C: Config + From<Flat>,
+    Flat: serde::de::DeserializeOwned,
+{
+    let invalid =
+        |e: serde_json::Error| ConfigError::InvalidFormat(format!("{}: {e}", path.display()));
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::FileNotFound(format!("{}: {e}", path.display())))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(invalid)?;
+    match value.get("transformer") {
+        Some(_) => C::load(path),
+        None => serde_json::from_value::<Flat>(value)
+            .map(C::from)
+            .map_err(invalid),
+    }
+}
 
 /// Refuses dropout probabilities outside `[0, 1)` at init, so a forward never meets one.
 pub(crate) fn check_dropout(probs: &[(&str, f64)]) -> Result<(), TpError> {

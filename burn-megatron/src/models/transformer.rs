@@ -2,10 +2,8 @@
 //! transformer core that BERT and the GPT family share, told apart by config switches as
 //! Megatron-Core's `TransformerConfig` does.
 
-use super::attention::{
-    AttentionInputs, AttnMaskType, LayerKvCache, ParallelAttention, ParallelAttentionConfig,
-};
-use super::mlp::ParallelMlp;
+use super::attention::{AttentionInputs, LayerKvCache, ParallelAttention, ParallelAttentionConfig};
+use super::mlp::{ParallelMlp, ParallelMlpConfig};
 use super::norm::{Norm, NormKind};
 pub use crate::activation::ActivationFunc;
 use crate::comm::Comm;
@@ -14,8 +12,7 @@ use crate::recompute::{
     RecomputeConfig, RecomputeModule, linear_products, recompute, recompute_linear_input,
 };
 use crate::tensor_parallel::{
-    ColumnParallelLinearConfig, LayoutOwner, MasterInit, RngRegion, RngTracker,
-    RowParallelLinearConfig, TpError, derive_seed,
+    LayoutOwner, MasterInit, RngRegion, RngTracker, TpError, derive_seed,
 };
 use burn::config::Config;
 use burn::module::Module;
@@ -48,37 +45,41 @@ impl LayerNormPosition {
     }
 }
 
-/// Configuration of a [`TransformerLayer`].
+/// Configuration of a [`TransformerLayer`], Megatron-Core's `TransformerConfig`: the one
+/// place a layer's shape and switches are set. It holds the attention's own settings
+/// ([`ParallelAttentionConfig`]) and the MLP's ([`ParallelMlpConfig`]) beside what they
+/// share; [`GptConfig`](super::GptConfig) and [`BertConfig`](super::BertConfig) hold one for
+/// all their layers.
+///
+/// ```
+/// use burn_megatron::models::{
+///     ActivationFunc, NormKind, ParallelAttentionConfig, ParallelMlpConfig,
+///     TransformerLayerConfig,
+/// };
+/// // A Llama-style layer: 8 heads sharing 2 key/value groups, a SwiGLU MLP, no biases.
+/// let layer = TransformerLayerConfig::new(
+///     512,
+///     ParallelAttentionConfig::new(8).with_num_query_groups(Some(2)),
+///     ParallelMlpConfig::new(1408)
+///         .with_gated_linear_unit(true)
+///         .with_activation_func(ActivationFunc::Silu),
+/// )
+/// .with_normalization(NormKind::RmsNorm)
+/// .with_add_bias_linear(false);
+/// assert_eq!(layer.attention.head_dim(layer.hidden_size), 64);
+/// ```
 #[derive(Config, Debug)]
 pub struct TransformerLayerConfig {
     /// Hidden size.
     pub hidden_size: usize,
-    /// Attention heads.
-    pub num_attention_heads: usize,
-    /// MLP inner size.
-    pub ffn_hidden_size: usize,
-    /// Key/value heads (`--num-query-groups`); `None`: one per head.
-    #[config(default = "None")]
-    pub num_query_groups: Option<usize>,
-    /// Channels per head; `None`: `hidden_size / num_attention_heads`.
-    #[config(default = "None")]
-    pub kv_channels: Option<usize>,
-    /// Padding (BERT) or causal (GPT) attention.
-    #[config(default = "AttnMaskType::Padding")]
-    pub attn_mask_type: AttnMaskType,
+    /// The attention's heads, query groups, mask and dropout.
+    pub attention: ParallelAttentionConfig,
+    /// The MLP's inner size, gating and activation.
+    pub mlp: ParallelMlpConfig,
     /// Biases in every linear layer (Megatron's `add_bias_linear`; `--disable-bias-linear`
     /// turns it off).
     #[config(default = true)]
     pub add_bias_linear: bool,
-    /// A QKV bias even without `add_bias_linear` (Qwen2).
-    #[config(default = false)]
-    pub add_qkv_bias: bool,
-    /// A gated MLP, `act(gate(x)) ⊙ up(x)` (Megatron's `gated_linear_unit`).
-    #[config(default = false)]
-    pub gated_linear_unit: bool,
-    /// The MLP's activation.
-    #[config(default = "ActivationFunc::Gelu")]
-    pub activation_func: ActivationFunc,
     /// Post-LayerNorm (BERT) or pre-LayerNorm.
     #[config(default = "LayerNormPosition::Post")]
     pub layernorm_position: LayerNormPosition,
@@ -91,9 +92,6 @@ pub struct TransformerLayerConfig {
     /// Dropout after attention and MLP, before the residual add.
     #[config(default = 0.1)]
     pub hidden_dropout: f64,
-    /// Dropout on attention probabilities.
-    #[config(default = 0.1)]
-    pub attention_dropout: f64,
     /// Sequence parallelism (activations split along dim 0 between sub-layers).
     #[config(default = false)]
     pub sequence_parallel: bool,
@@ -101,21 +99,21 @@ pub struct TransformerLayerConfig {
     /// gradients summed and returned in f32 (see `ColumnParallelLinearConfig`).
     #[config(default = false)]
     pub gradient_accumulation_fusion: bool,
-    /// Weight initialisation.
+    /// Weight initialisation (Megatron's `init_method`).
     #[config(default = "MasterInit::Normal { mean: 0.0, std: 0.02 }")]
     pub initializer: MasterInit,
     /// Initialisation of the two output projections (attention's `dense`, the MLP's
     /// `dense_4h_to_h`); `None`: `initializer`. Megatron scales GPT's by `1/√(2·layers)`.
     #[config(default = "None")]
     pub output_initializer: Option<MasterInit>,
-    /// Seed of this layer's weights.
+    /// Seed of this layer's weights (a model's config: of the model's).
     #[config(default = 0)]
     pub seed: u64,
-    /// Activation recomputation; the layer applies the `selective` modules (the block of
-    /// layers applies `full`, see [`forward_layers`]).
-    /// A mixture of experts in place of the dense MLP.
+    /// A mixture of experts in place of the dense MLP, of the MLP's shape.
     #[config(default = "None")]
     pub moe: Option<MoeConfig>,
+    /// Activation recomputation; the layer applies the `selective` modules (the block of
+    /// layers applies `full`, see [`forward_layers`]).
     #[config(default = "RecomputeConfig::new()")]
     pub recompute: RecomputeConfig,
 }
@@ -152,21 +150,10 @@ pub struct TransformerLayer {
 }
 
 impl TransformerLayerConfig {
-    /// The attention part of this layer's configuration.
-    pub fn attention_config(&self) -> ParallelAttentionConfig {
-        ParallelAttentionConfig::new(self.hidden_size, self.num_attention_heads)
-            .with_num_query_groups(self.num_query_groups)
-            .with_kv_channels(self.kv_channels)
-            .with_attn_mask_type(self.attn_mask_type)
-            .with_add_bias_linear(self.add_bias_linear)
-            .with_add_qkv_bias(self.add_qkv_bias)
-            .with_attention_dropout(self.attention_dropout)
-            .with_sequence_parallel(self.sequence_parallel)
-            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-            .with_initializer(self.initializer)
-            .with_output_initializer(self.output_initializer)
-            .with_seed(derive_seed(self.seed, "attention"))
-            .with_recompute_core_attn(self.recompute.selects(RecomputeModule::CoreAttn))
+    /// Checks the heads and query groups against the width and `tp` ranks (see
+    /// [`ParallelAttentionConfig::check`]).
+    pub fn check(&self, tp: usize) -> Result<(), TpError> {
+        self.attention.check(self.hidden_size, tp)
     }
 
     /// Initialises this rank's part of the layer.
@@ -182,46 +169,13 @@ impl TransformerLayerConfig {
         ep: Option<&Comm>,
         device: &Device,
     ) -> Result<TransformerLayer, TpError> {
-        super::check_dropout(&[
-            ("hidden_dropout", self.hidden_dropout),
-            ("attention_dropout", self.attention_dropout),
-        ])?;
+        super::check_dropout(&[("hidden_dropout", self.hidden_dropout)])?;
         self.layernorm_position.check_recompute(&self.recompute)?;
         super::check_epsilon(self.layernorm_epsilon)?;
         let h = self.hidden_size;
-        let attention = self.attention_config().init(tp, device)?;
-        let column = |name: &str| {
-            ColumnParallelLinearConfig::new(h, self.ffn_hidden_size)
-                .with_bias(self.add_bias_linear)
-                .with_sequence_parallel(self.sequence_parallel)
-                .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-                .with_initializer(self.initializer)
-                .with_seed(derive_seed(self.seed, name))
-                .with_skip_bias_add(true)
-                .init(tp, device)
-        };
-        let dense = || -> Result<ParallelMlp, TpError> {
-            Ok(ParallelMlp {
-                dense_h_to_4h: column("mlp.dense_h_to_4h")?,
-                dense_h_to_4h_gate: self
-                    .gated_linear_unit
-                    .then(|| column("mlp.dense_h_to_4h_gate"))
-                    .transpose()?,
-                dense_4h_to_h: RowParallelLinearConfig::new(self.ffn_hidden_size, h)
-                    .with_bias(self.add_bias_linear)
-                    .with_sequence_parallel(self.sequence_parallel)
-                    .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-                    .with_initializer(self.output_initializer.unwrap_or(self.initializer))
-                    .with_seed(derive_seed(self.seed, "mlp.dense_4h_to_h"))
-                    .with_skip_bias_add(true)
-                    .init(tp, device)?,
-                activation: self.activation_func,
-                recompute_act: self.recompute.selects(RecomputeModule::MlpAct)
-                    && !self.recompute.selects(RecomputeModule::Mlp),
-            })
-        };
+        let attention = self.attention.init(self, tp, device)?;
         let (mlp, moe) = match &self.moe {
-            None => (Some(dense()?), None),
+            None => (Some(self.mlp.init(self, tp, device)?), None),
             Some(moe) => {
                 let solo;
                 let ep = match ep {
@@ -240,9 +194,9 @@ impl TransformerLayerConfig {
                 }
                 let shape = MoeLayerShape {
                     hidden_size: h,
-                    ffn_hidden_size: self.ffn_hidden_size,
-                    gated_linear_unit: self.gated_linear_unit,
-                    activation: self.activation_func,
+                    ffn_hidden_size: self.mlp.ffn_hidden_size,
+                    gated_linear_unit: self.mlp.gated_linear_unit,
+                    activation: self.mlp.activation_func,
                     initializer: self.initializer,
                     output_initializer: self.output_initializer.unwrap_or(self.initializer),
                     sequence_parallel: self.sequence_parallel,

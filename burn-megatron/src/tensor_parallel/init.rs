@@ -36,6 +36,26 @@ impl MasterInit {
     /// Zeros (biases).
     pub const ZEROS: MasterInit = MasterInit::Constant(0.0);
 
+    /// Megatron's `scaled_init_method_normal`, for the layers' output projections of a
+    /// model of `num_layers`: a normal's standard deviation divided by `√(2·num_layers)`.
+    /// Megatron scales nothing else, so any other kind is returned as it is.
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::MasterInit;
+    /// let init = MasterInit::Normal { mean: 0.0, std: 0.02 }.scaled_for_layers(2);
+    /// assert_eq!(init, MasterInit::Normal { mean: 0.0, std: 0.01 });
+    /// assert_eq!(MasterInit::KaimingUniform.scaled_for_layers(2), MasterInit::KaimingUniform);
+    /// ```
+    pub fn scaled_for_layers(self, num_layers: usize) -> MasterInit {
+        match self {
+            MasterInit::Normal { mean, std } => MasterInit::Normal {
+                mean,
+                std: std / (2.0 * num_layers.max(1) as f64).sqrt(),
+            },
+            other => other,
+        }
+    }
+
     /// Refuses a distribution that cannot be drawn from (a negative or non-finite standard
     /// deviation, an empty or inverted uniform range, a non-finite value), naming it. Every
     /// layer config checks its initialisers at `init`, before drawing.

@@ -12,10 +12,11 @@ use burn_megatron::data::{
 };
 use burn_megatron::launch::RankContext;
 use burn_megatron::models::{
-    Bert, BertConfig, BertStageOutput, LayerNormPosition, MaskedPositions,
+    Bert, BertConfig, BertStageOutput, LayerNormPosition, MaskedPositions, ParallelAttentionConfig,
+    ParallelMlpConfig, TransformerLayerConfig,
 };
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
-use burn_megatron::tensor_parallel::{RngTracker, padded_vocab_size};
+use burn_megatron::tensor_parallel::{MasterInit, RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
 use clap::Parser;
 use std::ops::Range;
@@ -39,6 +40,31 @@ pub struct Args {
 }
 
 impl Args {
+    /// The model these flags describe, for a vocabulary of `vocab_size` real entries.
+    pub fn model_config(&self, vocab_size: usize) -> BertConfig {
+        let a = &self.train;
+        let attention = ParallelAttentionConfig::new(a.num_attention_heads)
+            .with_attention_dropout(a.attention_dropout);
+        let mlp = ParallelMlpConfig::new(a.ffn_hidden_size.unwrap_or(4 * a.hidden_size));
+        let transformer = TransformerLayerConfig::new(a.hidden_size, attention, mlp)
+            .with_hidden_dropout(a.hidden_dropout)
+            .with_sequence_parallel(a.sequence_parallel)
+            .with_recompute(a.recompute())
+            .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
+            .with_initializer(MasterInit::Normal {
+                mean: 0.0,
+                std: a.init_method_std,
+            })
+            .with_seed(a.seed);
+        let tp = a.tensor_model_parallel_size;
+        BertConfig::new(
+            a.num_layers,
+            a.max_position_embeddings.unwrap_or(a.seq_length),
+            padded_vocab_size(vocab_size, a.make_vocab_size_divisible_by, tp),
+            transformer,
+        )
+    }
+
     /// Every check that can fail before training starts, with a message naming the flags.
     pub fn validate(&self) -> Result<burn_megatron::data::BatchLayout, String> {
         let a = &self.train;
@@ -228,22 +254,7 @@ pub fn run(args: &Args) -> Result<Summary, String> {
             BertDataset::new(&valid_docs, &tokenizer, valid_config).map_err(|e| e.to_string())?,
         ),
     };
-    let tp = a.tensor_model_parallel_size;
-    let config = BertConfig::new(
-        a.num_layers,
-        a.hidden_size,
-        a.num_attention_heads,
-        a.ffn_hidden_size.unwrap_or(4 * a.hidden_size),
-        a.max_position_embeddings.unwrap_or(a.seq_length),
-        padded_vocab_size(tokenizer.vocab_size(), a.make_vocab_size_divisible_by, tp),
-    )
-    .with_hidden_dropout(a.hidden_dropout)
-    .with_attention_dropout(a.attention_dropout)
-    .with_sequence_parallel(a.sequence_parallel)
-    .with_recompute(a.recompute())
-    .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
-    .with_init_method_std(a.init_method_std)
-    .with_seed(a.seed);
+    let config = args.model_config(tokenizer.vocab_size());
     // Beside the checkpoints, what the `checkpoint` tool needs to rebuild the model.
     if let Some(dir) = a.save.as_ref().filter(|_| leader) {
         let path = dir.join("bert_config.json");

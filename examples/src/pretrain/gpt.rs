@@ -19,12 +19,13 @@ use burn_megatron::data::{
 };
 use burn_megatron::launch::RankContext;
 use burn_megatron::models::{
-    ActivationFunc, GenerateConfig, Gpt, GptConfig, GptStageOutput, HfGptConfig, NormKind,
-    PositionEmbeddingType, generate, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
+    ActivationFunc, AttnMaskType, GenerateConfig, Gpt, GptConfig, GptStageOutput, HfGptConfig,
+    LayerNormPosition, NormKind, ParallelAttentionConfig, ParallelMlpConfig, PositionEmbeddingType,
+    TransformerLayerConfig, generate, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
 };
 use burn_megatron::moe::{MoeConfig, MoeLayerStats};
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
-use burn_megatron::tensor_parallel::{RngTracker, padded_vocab_size};
+use burn_megatron::tensor_parallel::{MasterInit, RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
 use clap::{Parser, ValueEnum};
 use std::collections::HashMap;
@@ -135,21 +136,43 @@ impl GptArgs {
                 .to_gpt_config(a.tensor_model_parallel_size),
             None => {
                 let rope = self.position_embedding_type == PositionEmbedding::Rope;
+                let attention = ParallelAttentionConfig::new(a.num_attention_heads)
+                    .with_attn_mask_type(AttnMaskType::Causal)
+                    .with_num_query_groups(
+                        self.group_query_attention.then_some(self.num_query_groups),
+                    )
+                    .with_kv_channels(self.kv_channels)
+                    .with_add_qkv_bias(self.add_qkv_bias);
+                let mlp = ParallelMlpConfig::new(a.ffn_hidden_size.unwrap_or(4 * a.hidden_size))
+                    .with_gated_linear_unit(self.swiglu)
+                    .with_activation_func(match (self.swiglu, self.openai_gelu) {
+                        (true, _) => ActivationFunc::Silu,
+                        (false, true) => ActivationFunc::GeluTanh,
+                        (false, false) => ActivationFunc::Gelu,
+                    });
+                let transformer = TransformerLayerConfig::new(a.hidden_size, attention, mlp)
+                    .with_layernorm_position(LayerNormPosition::Pre)
+                    .with_normalization(match self.normalization {
+                        Normalization::LayerNorm => NormKind::LayerNorm,
+                        Normalization::RmsNorm => NormKind::RmsNorm,
+                    })
+                    .with_layernorm_epsilon(self.norm_epsilon)
+                    .with_add_bias_linear(!self.disable_bias_linear)
+                    .with_initializer(MasterInit::Normal {
+                        mean: 0.0,
+                        std: a.init_method_std,
+                    });
                 GptConfig::new(
                     a.num_layers,
-                    a.hidden_size,
-                    a.num_attention_heads,
-                    a.ffn_hidden_size.unwrap_or(4 * a.hidden_size),
                     a.max_position_embeddings.unwrap_or(a.seq_length),
                     padded_vocab_size(
                         vocab_size,
                         a.make_vocab_size_divisible_by,
                         a.tensor_model_parallel_size,
                     ),
+                    transformer,
                 )
                 .with_vocab_size(Some(vocab_size))
-                .with_num_query_groups(self.group_query_attention.then_some(self.num_query_groups))
-                .with_kv_channels(self.kv_channels)
                 .with_position_embedding_type(if rope {
                     PositionEmbeddingType::Rope
                 } else {
@@ -157,32 +180,20 @@ impl GptArgs {
                 })
                 .with_rotary_base(self.rotary_base)
                 .with_rotary_percent(self.rotary_percent)
-                .with_normalization(match self.normalization {
-                    Normalization::LayerNorm => NormKind::LayerNorm,
-                    Normalization::RmsNorm => NormKind::RmsNorm,
-                })
-                .with_layernorm_epsilon(self.norm_epsilon)
-                .with_gated_linear_unit(self.swiglu)
-                .with_activation_func(match (self.swiglu, self.openai_gelu) {
-                    (true, _) => ActivationFunc::Silu,
-                    (false, true) => ActivationFunc::GeluTanh,
-                    (false, false) => ActivationFunc::Gelu,
-                })
-                .with_add_bias_linear(!self.disable_bias_linear)
-                .with_add_qkv_bias(self.add_qkv_bias)
                 .with_untie_embeddings_and_output_weights(self.untie_embeddings_and_output_weights)
-                .with_init_method_std(a.init_method_std)
             }
         };
         Ok(base
-            .with_hidden_dropout(a.hidden_dropout)
-            .with_attention_dropout(a.attention_dropout)
-            .with_sequence_parallel(a.sequence_parallel)
-            .with_recompute(a.recompute())
-            .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
-            .with_moe(self.moe.config())
-            .with_moe_layer_freq(self.moe.moe_layer_freq)
-            .with_seed(a.seed))
+            .map_transformer(|mut t| {
+                t.attention.attention_dropout = a.attention_dropout;
+                t.with_hidden_dropout(a.hidden_dropout)
+                    .with_sequence_parallel(a.sequence_parallel)
+                    .with_recompute(a.recompute())
+                    .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
+                    .with_moe(self.moe.config())
+                    .with_seed(a.seed)
+            })
+            .with_moe_layer_freq(self.moe.moe_layer_freq))
     }
 
     /// Every check that can fail before training starts, with a message naming the flags
@@ -331,7 +342,7 @@ impl Family for GptFamily {
     }
 
     fn moe(&self) -> Option<&MoeConfig> {
-        self.config.moe.as_ref()
+        self.config.transformer.moe.as_ref()
     }
 
     fn take_moe_stats(chunks: &[Gpt]) -> Vec<MoeLayerStats> {
@@ -404,8 +415,8 @@ impl Family for GptFamily {
         };
         // Generation runs the sequence whole: a model trained with sequence parallelism is
         // rebuilt without it, with the same weights.
-        let model = if self.config.sequence_parallel {
-            let plain = self.config.clone().with_sequence_parallel(false);
+        let model = if self.config.transformer.sequence_parallel {
+            let plain = (self.config.clone()).map_transformer(|t| t.with_sequence_parallel(false));
             let (g, whole) = (&ctx.groups, PipelinePosition::whole());
             plain
                 .init_stage_with_experts(&g.tp, Some(&g.ep), whole, &ctx.device)
@@ -535,7 +546,8 @@ fn run_gpt_with(args: &GptArgs, learner: Option<&LearnerOptions>) -> Result<Summ
             .collect::<Result<Vec<Vec<u32>>, _>>()
             .map_err(|e| e.to_string())?,
     };
-    let kind = match (config.position_embedding_type, config.gated_linear_unit) {
+    let t = &config.transformer;
+    let kind = match (config.position_embedding_type, t.mlp.gated_linear_unit) {
         (PositionEmbeddingType::Rope, true) => "Llama-style",
         _ => "GPT-2-style",
     };
@@ -543,8 +555,8 @@ fn run_gpt_with(args: &GptArgs, learner: Option<&LearnerOptions>) -> Result<Summ
         "> GPT ({kind}) {} layers, hidden {}, {} heads / {} query groups, seq {} | {} | vocab {} (padded {}) | \
          {} train / {} validation samples of {} tokens | {}",
         config.num_layers,
-        config.hidden_size,
-        config.num_attention_heads,
+        t.hidden_size,
+        t.attention.num_attention_heads,
         config.query_groups(),
         a.seq_length,
         layout_line(a),

@@ -15,8 +15,9 @@ use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{GptConfig, GptStageOutput};
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
 use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::bert::layer;
 use burn_megatron_tests::gpt::{gathered, gpt_rows, gpt2, llama, max_rel_diff};
-use burn_megatron_tests::values;
+use burn_megatron_tests::{no_dropout, values};
 use std::collections::BTreeMap;
 
 const BATCH: usize = 2;
@@ -45,7 +46,7 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, comm_type: CpCommType
     let layout = ParallelConfig::new(tp * cp, tp, 1)
         .with_context_parallel(cp)
         .with_sequence_parallel(sp);
-    let config = config.clone().with_sequence_parallel(sp);
+    let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(sp));
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let mut model = config.init(g, d)?;
@@ -202,7 +203,7 @@ fn a2a_with_heads_not_divisible_by_cp_is_refused() {
 fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
     use burn::tensor::{Bool, Device};
     use burn_megatron::comm::{CommunicatorExt, ReduceOp};
-    use burn_megatron::models::{AttentionInputs, CpAttention, TransformerLayerConfig};
+    use burn_megatron::models::{AttentionInputs, CpAttention};
     const S: usize = 16;
     const B: usize = 2;
     const H: usize = 32;
@@ -228,10 +229,7 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
         let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
         let out = threads(&layout, LaunchOptions::default(), |ctx| {
             let d: &Device = &ctx.device;
-            let layer = TransformerLayerConfig::new(H, 4, 64)
-                .with_hidden_dropout(0.0)
-                .with_attention_dropout(0.0)
-                .init(&ctx.groups.tp, d)?;
+            let layer = no_dropout(layer(H, 4, 64)).init(&ctx.groups.tp, d)?;
             let (x, w) = (host(S * B * H, 37), host(S * B * H, 53));
             let run = |x: Vec<f32>, w: Vec<f32>, s: usize, inputs: &AttentionInputs| {
                 let x = Tensor::<3>::from_data(TensorData::new(x, [s, B, H]), d).require_grad();
@@ -303,7 +301,7 @@ fn ring_attention_with_dropout_has_the_gradient_of_its_forward() {
     use burn::module::Param;
     use burn::tensor::Device;
     use burn_megatron::context_parallel::RingStats;
-    use burn_megatron::models::{AttentionInputs, CpAttention, TransformerLayerConfig};
+    use burn_megatron::models::{AttentionInputs, CpAttention};
     use burn_megatron::tensor_parallel::RngTracker;
     const S: usize = 16;
     const B: usize = 2;
@@ -311,10 +309,9 @@ fn ring_attention_with_dropout_has_the_gradient_of_its_forward() {
     let layout = ParallelConfig::new(2, 1, 1).with_context_parallel(2);
     let out = threads(&layout, LaunchOptions::default(), |ctx| {
         let d: &Device = &ctx.device;
-        let layer = TransformerLayerConfig::new(H, 4, 64)
-            .with_hidden_dropout(0.0)
-            .with_attention_dropout(0.3)
-            .init(&ctx.groups.tp, d)?;
+        let mut layer = layer(H, 4, 64).with_hidden_dropout(0.0);
+        layer.attention.attention_dropout = 0.3;
+        let layer = layer.init(&ctx.groups.tp, d)?;
         let cp = ContextParallel::new(ctx.groups.cp.clone(), S)?.with_comm_type(CpCommType::P2p);
         let inputs = AttentionInputs {
             context_parallel: Some(CpAttention {

@@ -3,7 +3,9 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{GptConfig, PositionEmbeddingType, RopeScaling};
+use burn_megatron::models::{
+    AttnMaskType, GptConfig, LayerNormPosition, PositionEmbeddingType, RopeScaling,
+};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::{gpt2, llama};
 
@@ -33,14 +35,17 @@ fn head_group_and_tp_arithmetic_is_refused_naming_both_numbers() {
         "{e}"
     );
     // 4 heads in 3 groups.
-    let e = refused_at(&llama(2, 8).with_num_query_groups(Some(3)), 1);
+    let mut three_groups = llama(2, 8);
+    three_groups.transformer.attention.num_query_groups = Some(3);
+    let e = refused_at(&three_groups, 1);
     assert!(
         e.contains("attention heads (4)") && e.contains("query groups (3)"),
         "{e}"
     );
     // 6 heads over 4 ranks.
     let mut six_heads = gpt2(2, 8);
-    (six_heads.num_attention_heads, six_heads.hidden_size) = (6, 36);
+    let t = &mut six_heads.transformer;
+    (t.attention.num_attention_heads, t.hidden_size) = (6, 36);
     let e = refused_at(&six_heads, 4);
     assert!(
         e.contains("attention heads (6)") && e.contains("tensor-parallel size (4)"),
@@ -49,19 +54,36 @@ fn head_group_and_tp_arithmetic_is_refused_naming_both_numbers() {
     // A vocabulary larger than its padding, a rotary head of odd width, a bad scaling.
     let e = refused_at(&llama(2, 8).with_vocab_size(Some(65)), 1);
     assert!(e.contains("65") && e.contains("64"), "{e}");
-    let e = refused_at(&llama(2, 8).with_kv_channels(Some(7)), 1);
+    let mut odd_head = llama(2, 8);
+    odd_head.transformer.attention.kv_channels = Some(7);
+    let e = refused_at(&odd_head, 1);
     assert!(e.contains("7"), "{e}");
     let scaling = RopeScaling::Linear { factor: 0.5 };
     let e = refused_at(&llama(2, 8).with_rope_scaling(Some(scaling)), 1);
     assert!(e.contains("0.5"), "{e}");
     // A norm epsilon neither RMSNorm nor LayerNorm can use.
     for config in [llama(2, 8), gpt2(2, 8)] {
-        let e = refused_at(&config.with_layernorm_epsilon(-1e-6), 1);
+        let e = refused_at(
+            &config.map_transformer(|t| t.with_layernorm_epsilon(-1e-6)),
+            1,
+        );
         assert!(
             e.contains("layernorm_epsilon must be finite and positive, got -0.000001"),
             "{e}"
         );
     }
+    // A GPT whose layer config asks for bidirectional or post-norm layers: refused, not
+    // quietly built causal and pre-norm.
+    let mut bidirectional = llama(2, 8);
+    bidirectional.transformer.attention.attn_mask_type = AttnMaskType::Padding;
+    let e = refused_at(&bidirectional, 1);
+    assert!(
+        e.contains("causal and pre-norm") && e.contains("Padding"),
+        "{e}"
+    );
+    let post = gpt2(2, 8).map_transformer(|t| t.with_layernorm_position(LayerNormPosition::Post));
+    let e = refused_at(&post, 1);
+    assert!(e.contains("layernorm_position to Pre (it is Post)"), "{e}");
 }
 
 #[test]

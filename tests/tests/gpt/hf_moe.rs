@@ -73,7 +73,7 @@ fn reproduced(name: &str) {
         let layout = ParallelConfig::new(world, tp, 1)
             .with_expert_parallel(ep)
             .with_sequence_parallel(sp);
-        let config = hf.to_gpt_config(tp).with_sequence_parallel(sp);
+        let config = (hf.to_gpt_config(tp)).map_transformer(|t| t.with_sequence_parallel(sp));
         let out = threads(&layout, LaunchOptions::default(), |ctx| {
             let device = ctx.device.clone().autodiff();
             let (g, whole) = (&ctx.groups.tp, PipelinePosition::whole());

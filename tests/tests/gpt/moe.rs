@@ -45,14 +45,13 @@ struct Trace {
 }
 
 fn moe_llama(dispatcher: TokenDispatcherType) -> GptConfig {
-    llama(2, SEQ).with_moe(Some(
-        MoeConfig::new(4)
-            .with_moe_router_topk(2)
-            .with_moe_ffn_hidden_size(Some(24))
-            .with_moe_aux_loss_coeff(1e-2)
-            .with_moe_z_loss_coeff(Some(1e-3))
-            .with_moe_token_dispatcher_type(dispatcher),
-    ))
+    let experts = MoeConfig::new(4)
+        .with_moe_router_topk(2)
+        .with_moe_ffn_hidden_size(Some(24))
+        .with_moe_aux_loss_coeff(1e-2)
+        .with_moe_z_loss_coeff(Some(1e-3))
+        .with_moe_token_dispatcher_type(dispatcher);
+    llama(2, SEQ).map_transformer(|t| t.with_moe(Some(experts)))
 }
 
 /// `moe.local_experts.{i}` of a rank whose first expert is `first` → `moe.experts.{first+i}`.
@@ -90,7 +89,7 @@ fn run(
     let layout = ParallelConfig::new(world, tp, 1)
         .with_expert_parallel(ep)
         .with_sequence_parallel(sp);
-    let config = config.clone().with_sequence_parallel(sp);
+    let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(sp));
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let whole = PipelinePosition::whole();

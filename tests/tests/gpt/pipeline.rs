@@ -83,7 +83,7 @@ fn pipelined(config: &GptConfig, l: Layout) -> Vec<(Option<Vec<f32>>, Vec<f32>, 
     let parallel = ParallelConfig::new(l.tp * l.pp * l.dp, l.tp, l.pp)
         .with_sequence_parallel(l.sp)
         .with_virtual_pipeline((l.vp > 1).then_some(l.vp));
-    let config = config.clone().with_sequence_parallel(l.sp);
+    let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(l.sp));
     threads(&parallel, LaunchOptions::default(), |ctx| {
         let (tp, device) = (&ctx.groups.tp, &ctx.device);
         let mut chunks: Vec<Gpt> = (0..l.vp)

@@ -50,7 +50,7 @@ fn train(config: &GptConfig, l: Layout) -> Trace {
     let parallel = ParallelConfig::new(l.tp * l.pp * l.dp, l.tp, l.pp)
         .with_sequence_parallel(l.sp)
         .with_virtual_pipeline((l.vp > 1).then_some(l.vp));
-    let config = config.clone().with_sequence_parallel(l.sp);
+    let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(l.sp));
     threads(&parallel, LaunchOptions::default(), |ctx| {
         let (tp, device) = (&ctx.groups.tp, &ctx.device);
         let mut chunks: Vec<Gpt> = (0..l.vp)
@@ -208,7 +208,12 @@ fn recomputation_changes_nothing_but_memory() {
         layout(2, 2, 2, 1, false, false),
         layout(1, 2, 1, 2, false, true),
     ];
-    let with_dropout = |c: GptConfig| c.with_hidden_dropout(0.1).with_attention_dropout(0.1);
+    let with_dropout = |c: GptConfig| {
+        c.map_transformer(|mut t| {
+            t.attention.attention_dropout = 0.1;
+            t.with_hidden_dropout(0.1)
+        })
+    };
     for (model, config) in [
         ("llama", with_dropout(llama(LAYERS, SEQ))),
         ("gpt2", with_dropout(gpt2(LAYERS, SEQ))),
@@ -216,7 +221,10 @@ fn recomputation_changes_nothing_but_memory() {
         for l in layouts {
             let base = train(&config, l);
             for (case, recompute) in cases() {
-                let run = train(&config.clone().with_recompute(recompute.clone()), l);
+                let run = train(
+                    &(config.clone()).map_transformer(|t| t.with_recompute(recompute.clone())),
+                    l,
+                );
                 let (d, at) = max_difference(&base, &run);
                 println!("{model} {case} {l:?}: max relative difference {d:e} ({at})");
                 // Bit for bit where the run says 0. LayerNorm and RMSNorm are fused ops, so a
@@ -235,12 +243,11 @@ fn recomputation_changes_nothing_but_memory() {
 /// gathered gradients of three steps' models, each recomputation against none.
 #[test]
 fn bert_recomputes_too() {
-    use burn_megatron::models::BertConfig;
-    use burn_megatron_tests::bert::bert_rows;
-    let config = BertConfig::new(2, 32, 4, 64, 16, 128).with_sequence_parallel(true);
+    use burn_megatron_tests::bert::{bert, bert_rows};
+    let config = bert(2, (32, 4, 64), 16, 128).map_transformer(|t| t.with_sequence_parallel(true));
     let run = |recompute: RecomputeConfig| {
         let parallel = ParallelConfig::new(2, 2, 1).with_sequence_parallel(true);
-        let config = config.clone().with_recompute(recompute);
+        let config = (config.clone()).map_transformer(|t| t.with_recompute(recompute));
         threads(&parallel, LaunchOptions::default(), |ctx| {
             let (tp, device) = (&ctx.groups.tp, &ctx.device);
             let mut model = config.init(tp, device)?;
@@ -287,13 +294,14 @@ fn bert_recomputes_too() {
 #[test]
 fn layernorm_recomputation_needs_pre_norm_layers() {
     use burn_megatron::comm::{Comm, LocalWorld};
-    use burn_megatron::models::BertConfig;
+    use burn_megatron_tests::bert::bert;
+
     let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
     let recompute = RecomputeConfig::new()
         .with_granularity(Some(RecomputeGranularity::Selective))
         .with_modules(vec![RecomputeModule::Layernorm]);
-    let e = BertConfig::new(1, 32, 4, 64, 16, 128)
-        .with_recompute(recompute)
+    let e = bert(1, (32, 4, 64), 16, 128)
+        .map_transformer(|t| t.with_recompute(recompute))
         .init(&tp, &burn::tensor::Device::flex().autodiff())
         .unwrap_err()
         .to_string();

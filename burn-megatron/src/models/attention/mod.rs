@@ -2,13 +2,14 @@
 //! multi-head or grouped-query (`num_query_groups`), with a padding or causal mask, rotary
 //! positions, and a key/value cache for decoding.
 
+use super::TransformerLayerConfig;
 use super::rotary::RotaryTables;
 use crate::comm::Comm;
 use crate::context_parallel::ContextParallel;
-use crate::recompute::recompute_fn;
+use crate::recompute::{RecomputeModule, recompute_fn};
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, MasterInit, RngRegion, RngTracker,
-    RowParallelLinear, RowParallelLinearConfig, TpError, derive_seed,
+    ColumnParallelLinear, ColumnParallelLinearConfig, RngRegion, RngTracker, RowParallelLinear,
+    RowParallelLinearConfig, TpError, derive_seed,
 };
 use burn::config::Config;
 use burn::module::Module;
@@ -27,11 +28,11 @@ pub enum AttnMaskType {
     Causal,
 }
 
-/// Configuration of a [`ParallelAttention`].
+/// The attention's own part of a [`TransformerLayerConfig`](super::TransformerLayerConfig),
+/// which holds what the attention shares with the MLP (hidden size, biases, sequence
+/// parallelism, initialisation, seed) and builds the [`ParallelAttention`].
 #[derive(Config, Debug)]
 pub struct ParallelAttentionConfig {
-    /// Hidden size `h`.
-    pub hidden_size: usize,
     /// Attention (query) heads, divisible by the query groups and the tensor-parallel size.
     pub num_attention_heads: usize,
     /// Key/value heads (Megatron's `--num-query-groups`; grouped-query attention when fewer
@@ -45,36 +46,12 @@ pub struct ParallelAttentionConfig {
     /// Padding (BERT) or causal (GPT) masking.
     #[config(default = "AttnMaskType::Padding")]
     pub attn_mask_type: AttnMaskType,
-    /// Biases on the QKV and output projections (Megatron's `add_bias_linear`).
-    #[config(default = true)]
-    pub add_bias_linear: bool,
-    /// A bias on the QKV projection even without `add_bias_linear` (Qwen2).
+    /// A bias on the QKV projection even without the layer's `add_bias_linear` (Qwen2).
     #[config(default = false)]
     pub add_qkv_bias: bool,
     /// Dropout on the attention probabilities (drawn per TP rank: each holds other heads).
     #[config(default = 0.1)]
     pub attention_dropout: f64,
-    /// Activations are split along the sequence (dim 0) outside the layer.
-    #[config(default = false)]
-    pub sequence_parallel: bool,
-    /// Megatron's `gradient_accumulation_fusion` in every parallel linear layer: weight
-    /// gradients summed and returned in f32 (see `ColumnParallelLinearConfig`).
-    #[config(default = false)]
-    pub gradient_accumulation_fusion: bool,
-    /// Weight initialisation.
-    #[config(default = "MasterInit::Normal { mean: 0.0, std: 0.02 }")]
-    pub initializer: MasterInit,
-    /// Initialisation of the output projection (Megatron scales it by `1/√(2·layers)` for
-    /// GPT); `None`: `initializer`.
-    #[config(default = "None")]
-    pub output_initializer: Option<MasterInit>,
-    /// Seed of this layer's weights.
-    #[config(default = 0)]
-    pub seed: u64,
-    /// Recompute the core attention in backward instead of keeping its `[b, heads, s, s]`
-    /// scores and probabilities (Megatron's selective `core_attn` recomputation).
-    #[config(default = false)]
-    pub recompute_core_attn: bool,
 }
 
 /// What every layer of one forward shares besides the hidden states: the padding mask and
@@ -166,19 +143,16 @@ impl ParallelAttentionConfig {
         self.num_query_groups.unwrap_or(self.num_attention_heads)
     }
 
-    /// Channels per head.
-    pub fn head_dim(&self) -> usize {
+    /// Channels per head in a layer of width `hidden_size`.
+    pub fn head_dim(&self, hidden_size: usize) -> usize {
         self.kv_channels
-            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+            .unwrap_or(hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// Checks that the heads split into groups and over `tp` ranks, naming the numbers.
-    pub fn check(&self, tp: usize) -> Result<(), TpError> {
-        let (h, heads, groups) = (
-            self.hidden_size,
-            self.num_attention_heads,
-            self.query_groups(),
-        );
+    /// Checks that the heads split into groups and over `tp` ranks, and a layer of width
+    /// `hidden_size` over the heads, naming the numbers.
+    pub fn check(&self, hidden_size: usize, tp: usize) -> Result<(), TpError> {
+        let (h, heads, groups) = (hidden_size, self.num_attention_heads, self.query_groups());
         if h == 0 || heads == 0 || groups == 0 || self.kv_channels == Some(0) {
             return Err(TpError::Invalid(format!(
                 "hidden size ({h}), attention heads ({heads}), query groups ({groups}) and kv channels must all be at least 1"
@@ -207,27 +181,35 @@ impl ParallelAttentionConfig {
         Ok(())
     }
 
-    /// Initialises this rank's query groups. Fails when the heads do not split into the
-    /// groups, the groups over the TP group, or the hidden size over the heads.
-    pub fn init(&self, tp: &Comm, device: &Device) -> Result<ParallelAttention, TpError> {
+    /// Initialises this rank's query groups of `layer`'s attention (this config is
+    /// `layer.attention`). Fails when the heads do not split into the groups, the groups over
+    /// the TP group, or the hidden size over the heads.
+    pub(crate) fn init(
+        &self,
+        layer: &TransformerLayerConfig,
+        tp: &Comm,
+        device: &Device,
+    ) -> Result<ParallelAttention, TpError> {
         super::check_dropout(&[("attention_dropout", self.attention_dropout)])?;
         let size = tp.group().size();
-        self.check(size)?;
-        let (h, hn) = (self.hidden_size, self.head_dim());
+        let h = layer.hidden_size;
+        self.check(h, size)?;
+        let hn = self.head_dim(h);
         let (heads, groups) = (self.num_attention_heads, self.query_groups());
+        let seed = derive_seed(layer.seed, "attention");
         let query_key_value = ColumnParallelLinearConfig::new(h, (heads + 2 * groups) * hn)
-            .with_bias(self.add_bias_linear || self.add_qkv_bias)
-            .with_sequence_parallel(self.sequence_parallel)
-            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-            .with_initializer(self.initializer)
-            .with_seed(derive_seed(self.seed, "query_key_value"))
+            .with_bias(layer.add_bias_linear || self.add_qkv_bias)
+            .with_sequence_parallel(layer.sequence_parallel)
+            .with_gradient_accumulation_fusion(layer.gradient_accumulation_fusion)
+            .with_initializer(layer.initializer)
+            .with_seed(derive_seed(seed, "query_key_value"))
             .init(tp, device)?;
         let dense = RowParallelLinearConfig::new(heads * hn, h)
-            .with_bias(self.add_bias_linear)
-            .with_sequence_parallel(self.sequence_parallel)
-            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-            .with_initializer(self.output_initializer.unwrap_or(self.initializer))
-            .with_seed(derive_seed(self.seed, "dense"))
+            .with_bias(layer.add_bias_linear)
+            .with_sequence_parallel(layer.sequence_parallel)
+            .with_gradient_accumulation_fusion(layer.gradient_accumulation_fusion)
+            .with_initializer(layer.output_initializer.unwrap_or(layer.initializer))
+            .with_seed(derive_seed(seed, "dense"))
             .with_skip_bias_add(true)
             .init(tp, device)?;
         Ok(ParallelAttention {
@@ -240,7 +222,7 @@ impl ParallelAttentionConfig {
                 causal: self.attn_mask_type == AttnMaskType::Causal,
                 attention_dropout: self.attention_dropout,
             },
-            recompute_core_attn: self.recompute_core_attn,
+            recompute_core_attn: layer.recompute.selects(RecomputeModule::CoreAttn),
         })
     }
 }
@@ -277,7 +259,7 @@ impl ParallelAttention {
 
     /// Like [`forward`](Self::forward), but returns the output projection's bias instead of
     /// adding it (when the projection was built with `skip_bias_add`, as
-    /// [`ParallelAttentionConfig::init`] does), so the caller fuses it with dropout and the
+    /// [`TransformerLayerConfig::init`] does), so the caller fuses it with dropout and the
     /// residual add. With a `cache`, the new keys and values are appended to it and the
     /// queries (the last `s` positions) attend to everything it holds.
     pub fn forward_with_bias(

@@ -11,7 +11,7 @@ mod entries;
 mod host;
 
 use super::hf_host::{Host, host_of, permute_rows, qkv_permutation, set_param};
-use super::{Bert, BertConfig};
+use super::{Bert, BertConfig, ParallelAttentionConfig, ParallelMlpConfig, TransformerLayerConfig};
 use crate::comm::{Comm, tensor::all_gather};
 use crate::safetensors_io;
 use crate::tensor_parallel::padded_vocab_size;
@@ -80,31 +80,36 @@ impl HfBertConfig {
                 self.hidden_act
             )));
         }
+        let attention =
+            ParallelAttentionConfig::new(self.num_attention_heads).with_attention_dropout(0.0);
+        let transformer = TransformerLayerConfig::new(
+            self.hidden_size,
+            attention,
+            ParallelMlpConfig::new(self.intermediate_size),
+        )
+        .with_layernorm_epsilon(self.layer_norm_eps)
+        .with_hidden_dropout(0.0);
         Ok(BertConfig::new(
             self.num_hidden_layers,
-            self.hidden_size,
-            self.num_attention_heads,
-            self.intermediate_size,
             self.max_position_embeddings,
             padded_vocab_size(self.vocab_size, 128, tp),
+            transformer,
         )
-        .with_num_tokentypes(self.type_vocab_size)
-        .with_layernorm_epsilon(self.layer_norm_eps)
-        .with_hidden_dropout(0.0)
-        .with_attention_dropout(0.0))
+        .with_num_tokentypes(self.type_vocab_size))
     }
 
     /// The HF config of `config`, whose real vocabulary has `vocab_size` entries.
     pub fn from_bert_config(config: &BertConfig, vocab_size: usize) -> Self {
+        let t = &config.transformer;
         Self {
             vocab_size,
-            hidden_size: config.hidden_size,
+            hidden_size: t.hidden_size,
             num_hidden_layers: config.num_layers,
-            num_attention_heads: config.num_attention_heads,
-            intermediate_size: config.ffn_hidden_size,
+            num_attention_heads: t.attention.num_attention_heads,
+            intermediate_size: t.mlp.ffn_hidden_size,
             max_position_embeddings: config.max_position_embeddings,
             type_vocab_size: config.num_tokentypes,
-            layer_norm_eps: config.layernorm_epsilon,
+            layer_norm_eps: t.layernorm_epsilon,
             hidden_act: gelu(),
         }
     }

@@ -5,15 +5,26 @@
 //! embeddings or its own), whole or one pipeline chunk of it.
 //!
 //! ```
-//! use burn_megatron::models::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType};
+//! use burn_megatron::models::{
+//!     ActivationFunc, AttnMaskType, GptConfig, LayerNormPosition, NormKind,
+//!     ParallelAttentionConfig, ParallelMlpConfig, PositionEmbeddingType, TransformerLayerConfig,
+//! };
 //! // A Llama-style shape: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.
-//! let llama = GptConfig::new(2, 64, 4, 96, 128, 128)
-//!     .with_num_query_groups(Some(2))
+//! let layer = TransformerLayerConfig::new(
+//!     64,
+//!     ParallelAttentionConfig::new(4)
+//!         .with_num_query_groups(Some(2))
+//!         .with_attn_mask_type(AttnMaskType::Causal),
+//!     ParallelMlpConfig::new(96)
+//!         .with_gated_linear_unit(true)
+//!         .with_activation_func(ActivationFunc::Silu),
+//! )
+//! .with_layernorm_position(LayerNormPosition::Pre)
+//! .with_normalization(NormKind::RmsNorm)
+//! .with_layernorm_epsilon(1e-5)
+//! .with_add_bias_linear(false);
+//! let llama = GptConfig::new(2, 128, 128, layer)
 //!     .with_position_embedding_type(PositionEmbeddingType::Rope)
-//!     .with_normalization(NormKind::RmsNorm)
-//!     .with_gated_linear_unit(true)
-//!     .with_activation_func(ActivationFunc::Silu)
-//!     .with_add_bias_linear(false)
 //!     .with_untie_embeddings_and_output_weights(true);
 //! assert!(llama.check(2).is_ok());
 //! // Two query groups do not split over four tensor-parallel ranks.
@@ -22,22 +33,21 @@
 
 mod forward;
 mod generate;
+mod legacy;
 
 pub use forward::{GptStageOutput, KvCache, Positions};
 pub use generate::{GenerateConfig, GenerateError, Generated, Sampling, generate};
 
 use super::attention::AttnMaskType;
-use super::norm::{Norm, NormKind};
+use super::norm::Norm;
 use super::rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig};
-use super::transformer::{
-    ActivationFunc, LayerNormPosition, TransformerLayer, TransformerLayerConfig,
-};
+use super::transformer::{LayerNormPosition, TransformerLayer, TransformerLayerConfig};
 use crate::comm::Comm;
-use crate::moe::{MoeConfig, MoeLayer, global_expert_name};
+use crate::moe::{MoeLayer, global_expert_name};
 use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, MasterInit, TpError,
-    VocabParallelEmbedding, VocabParallelEmbeddingConfig, derive_seed, host_param,
+    ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, TpError, VocabParallelEmbedding,
+    VocabParallelEmbeddingConfig, derive_seed, host_param,
 };
 use crate::topology::PipelinePosition;
 use burn::config::Config;
@@ -54,32 +64,30 @@ pub enum PositionEmbeddingType {
     Rope,
 }
 
-/// The shape of a GPT-family model, named as Megatron's arguments.
+/// The shape of a GPT-family model, named as Megatron's arguments: the model's own fields
+/// (layers, vocabulary, positions, the output layer) around one [`TransformerLayerConfig`]
+/// for all its layers. A GPT's layers are causal and pre-norm: `transformer` must say so
+/// (`attention.attn_mask_type` `Causal`, `layernorm_position` `Pre`; [`GptConfig::check`]
+/// refuses anything else), and [`GptConfig::layer_config`] derives each layer's seed from
+/// its global index.
 #[derive(Config, Debug)]
 pub struct GptConfig {
     /// Transformer layers.
     pub num_layers: usize,
-    /// Hidden size.
-    pub hidden_size: usize,
-    /// Attention heads.
-    pub num_attention_heads: usize,
-    /// MLP inner size (of each half under a gated unit).
-    pub ffn_hidden_size: usize,
     /// Longest sequence: the learned position table's size, and the context generation
     /// refuses to exceed.
     pub max_position_embeddings: usize,
     /// Vocabulary size padded to a multiple of `--make-vocab-size-divisible-by` × TP.
     pub padded_vocab_size: usize,
+    /// Every layer's shape and switches (Megatron-Core's `TransformerConfig`). Its
+    /// `initializer` draws the embeddings too, its `seed` is the model's, and the layers'
+    /// output projections default to `initializer` scaled by `1/√(2·layers)` (Megatron's
+    /// `scaled_init_method_normal`).
+    pub transformer: TransformerLayerConfig,
     /// The real vocabulary (`None`: all of `padded_vocab_size`). Logits of the padding rows
     /// are masked out (−10⁴), so the loss and sampling are the unpadded model's.
     #[config(default = "None")]
     pub vocab_size: Option<usize>,
-    /// Key/value heads (`--group-query-attention --num-query-groups`); `None`: one per head.
-    #[config(default = "None")]
-    pub num_query_groups: Option<usize>,
-    /// Channels per head (`--kv-channels`); `None`: hidden / heads.
-    #[config(default = "None")]
-    pub kv_channels: Option<usize>,
     /// Learned absolute positions or rotary embeddings.
     #[config(default = "PositionEmbeddingType::LearnedAbsolute")]
     pub position_embedding_type: PositionEmbeddingType,
@@ -92,56 +100,12 @@ pub struct GptConfig {
     /// Rotary frequency scaling (Llama 3's, from a checkpoint's `rope_scaling`).
     #[config(default = "None")]
     pub rope_scaling: Option<RopeScaling>,
-    /// `--normalization`.
-    #[config(default = "NormKind::LayerNorm")]
-    pub normalization: NormKind,
-    /// `--layernorm-epsilon`.
-    #[config(default = 1e-5)]
-    pub layernorm_epsilon: f64,
-    /// A gated MLP (`--swiglu` sets it with SiLU).
-    #[config(default = false)]
-    pub gated_linear_unit: bool,
-    /// The MLP's activation.
-    #[config(default = "ActivationFunc::Gelu")]
-    pub activation_func: ActivationFunc,
-    /// Biases in the linear layers (`--disable-bias-linear` clears it).
-    #[config(default = true)]
-    pub add_bias_linear: bool,
-    /// A QKV bias even without `add_bias_linear` (`--add-qkv-bias`, Qwen2).
-    #[config(default = false)]
-    pub add_qkv_bias: bool,
     /// An output layer of its own instead of the word embeddings
     /// (`--untie-embeddings-and-output-weights`).
     #[config(default = false)]
     pub untie_embeddings_and_output_weights: bool,
-    /// Hidden dropout.
-    #[config(default = 0.1)]
-    pub hidden_dropout: f64,
-    /// Attention dropout.
-    #[config(default = 0.1)]
-    pub attention_dropout: f64,
-    /// Sequence parallelism inside the decoder.
-    #[config(default = false)]
-    pub sequence_parallel: bool,
-    /// Megatron's `gradient_accumulation_fusion` in every parallel linear layer.
-    #[config(default = false)]
-    pub gradient_accumulation_fusion: bool,
-    /// Standard deviation of the normal initialisation; the two output projections of each
-    /// layer use `std / √(2·layers)`, as Megatron's `scaled_init_method_normal`.
-    #[config(default = 0.02)]
-    pub init_method_std: f64,
-    /// Seed of all weights.
-    #[config(default = 1234)]
-    pub seed: u64,
-    /// Activation recomputation (Megatron's `--recompute-*` flags).
-    #[config(default = "RecomputeConfig::new()")]
-    pub recompute: RecomputeConfig,
-    /// Mixture of experts in place of the dense MLP (`--num-experts` and the `--moe-*`
-    /// flags), in the layers `moe_layer_freq` picks.
-    #[config(default = "None")]
-    pub moe: Option<MoeConfig>,
-    /// Every `moe_layer_freq`-th layer, from layer 0, is an MoE layer
-    /// (`--moe-layer-freq N`); the others are dense.
+    /// Every `moe_layer_freq`-th layer, from layer 0, is an MoE layer when `transformer`
+    /// has `moe` (`--moe-layer-freq N`); the others are dense.
     #[config(default = 1)]
     pub moe_layer_freq: usize,
 }
@@ -204,9 +168,19 @@ pub struct Gpt {
 }
 
 impl GptConfig {
+    /// This config with `f` applied to its layers' config, for builder chains:
+    /// `config.map_transformer(|t| t.with_sequence_parallel(true))`.
+    pub fn map_transformer(
+        mut self,
+        f: impl FnOnce(TransformerLayerConfig) -> TransformerLayerConfig,
+    ) -> Self {
+        self.transformer = f(self.transformer);
+        self
+    }
+
     /// The query groups (one per head when not set).
     pub fn query_groups(&self) -> usize {
-        self.layer_config(0).attention_config().query_groups()
+        self.transformer.attention.query_groups()
     }
 
     /// The real vocabulary size.
@@ -214,40 +188,21 @@ impl GptConfig {
         self.vocab_size.unwrap_or(self.padded_vocab_size)
     }
 
-    /// The configuration of layer `index` (global), as this model builds it.
+    /// The configuration of layer `index` (global), as this model builds it: the scaled
+    /// output initialisation, a seed of its own, and experts when `moe_layer_freq` picks it.
     pub fn layer_config(&self, index: usize) -> TransformerLayerConfig {
-        let scaled = MasterInit::Normal {
-            mean: 0.0,
-            std: self.init_method_std / (2.0 * self.num_layers.max(1) as f64).sqrt(),
-        };
-        TransformerLayerConfig::new(
-            self.hidden_size,
-            self.num_attention_heads,
-            self.ffn_hidden_size,
-        )
-        .with_num_query_groups(self.num_query_groups)
-        .with_kv_channels(self.kv_channels)
-        .with_attn_mask_type(AttnMaskType::Causal)
-        .with_add_bias_linear(self.add_bias_linear)
-        .with_add_qkv_bias(self.add_qkv_bias)
-        .with_gated_linear_unit(self.gated_linear_unit)
-        .with_activation_func(self.activation_func)
-        .with_layernorm_position(LayerNormPosition::Pre)
-        .with_normalization(self.normalization)
-        .with_layernorm_epsilon(self.layernorm_epsilon)
-        .with_hidden_dropout(self.hidden_dropout)
-        .with_attention_dropout(self.attention_dropout)
-        .with_sequence_parallel(self.sequence_parallel)
-        .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
-        .with_initializer(self.normal())
-        .with_output_initializer(Some(scaled))
-        .with_seed(derive_seed(self.seed, &format!("layers.{index}")))
-        .with_recompute(self.recompute.clone())
-        .with_moe(
-            self.moe
-                .clone()
-                .filter(|_| index.is_multiple_of(self.moe_layer_freq.max(1))),
-        )
+        let t = &self.transformer;
+        let mut layer = t.clone();
+        layer.output_initializer = Some(
+            (t.output_initializer)
+                .unwrap_or_else(|| t.initializer.scaled_for_layers(self.num_layers)),
+        );
+        layer.seed = derive_seed(t.seed, &format!("layers.{index}"));
+        layer.moe = t
+            .moe
+            .clone()
+            .filter(|_| index.is_multiple_of(self.moe_layer_freq.max(1)));
+        layer
     }
 
     /// Whether layer `index` (global) is a mixture-of-experts layer.
@@ -255,16 +210,10 @@ impl GptConfig {
         self.layer_config(index).moe.is_some()
     }
 
-    fn normal(&self) -> MasterInit {
-        MasterInit::Normal {
-            mean: 0.0,
-            std: self.init_method_std,
-        }
-    }
-
     /// Channels per head.
     pub(crate) fn head_dim(&self) -> usize {
-        self.layer_config(0).attention_config().head_dim()
+        let t = &self.transformer;
+        t.attention.head_dim(t.hidden_size)
     }
 
     /// The rotary embedding this config asks for (`None` with learned positions).
@@ -285,13 +234,23 @@ impl GptConfig {
     /// vocabulary, the rotary shape and the dropouts.
     pub fn check(&self, tp: usize) -> Result<(), TpError> {
         let bad = |m: String| Err(TpError::Invalid(m));
-        if self.num_layers == 0 || self.ffn_hidden_size == 0 || self.max_position_embeddings == 0 {
+        let t = &self.transformer;
+        let ffn = t.mlp.ffn_hidden_size;
+        if self.num_layers == 0 || ffn == 0 || self.max_position_embeddings == 0 {
             return bad(format!(
-                "layers ({}), ffn hidden size ({}) and max position embeddings ({}) must all be at least 1",
-                self.num_layers, self.ffn_hidden_size, self.max_position_embeddings
+                "layers ({}), ffn hidden size ({ffn}) and max position embeddings ({}) must all be at least 1",
+                self.num_layers, self.max_position_embeddings
             ));
         }
-        self.layer_config(0).attention_config().check(tp)?;
+        t.check(tp)?;
+        let (mask, position) = (t.attention.attn_mask_type, t.layernorm_position);
+        if mask != AttnMaskType::Causal || position != LayerNormPosition::Pre {
+            return bad(format!(
+                "a GPT's layers are causal and pre-norm: set transformer.attention.attn_mask_type \
+                 to Causal (it is {mask:?}) and transformer.layernorm_position to Pre (it is \
+                 {position:?})"
+            ));
+        }
         if self.vocab_size() == 0 || self.vocab_size() > self.padded_vocab_size {
             return bad(format!(
                 "vocabulary size {} must be in [1, padded vocabulary size {}]",
@@ -306,21 +265,21 @@ impl GptConfig {
             )));
         }
         self.rotary()?;
-        self.normal().check()?;
-        if let Some(moe) = &self.moe {
+        t.initializer.check()?;
+        if let Some(moe) = &t.moe {
             if self.moe_layer_freq == 0 {
                 return bad("--moe-layer-freq must be at least 1".into());
             }
             moe.validate(1)?;
         }
-        self.recompute
+        t.recompute
             .check(self.num_layers)
             .map_err(|e| TpError::Invalid(e.0))?;
         super::check_dropout(&[
-            ("hidden_dropout", self.hidden_dropout),
-            ("attention_dropout", self.attention_dropout),
+            ("hidden_dropout", t.hidden_dropout),
+            ("attention_dropout", t.attention.attention_dropout),
         ])?;
-        super::check_epsilon(self.layernorm_epsilon)
+        super::check_epsilon(t.layernorm_epsilon)
     }
 
     /// Initialises this rank's part of the whole model; identical weights at every TP size
@@ -354,13 +313,14 @@ impl GptConfig {
         device: &Device,
     ) -> Result<Gpt, TpError> {
         self.check(tp.group().size())?;
-        if let (Some(moe), Some(ep)) = (&self.moe, ep) {
+        let t = &self.transformer;
+        if let (Some(moe), Some(ep)) = (&t.moe, ep) {
             moe.validate(ep.group().size())?;
         }
         let layer_range = position
             .layer_range(self.num_layers)
             .map_err(|e| TpError::Invalid(e.to_string()))?;
-        let (h, seed, normal) = (self.hidden_size, self.seed, self.normal());
+        let (h, seed, normal) = (t.hidden_size, t.seed, t.initializer);
         let word_embeddings = || {
             VocabParallelEmbeddingConfig::new(self.padded_vocab_size, h)
                 .with_initializer(normal)
@@ -396,20 +356,15 @@ impl GptConfig {
                     .then(|| {
                         ColumnParallelLinearConfig::new(h, self.padded_vocab_size)
                             .with_bias(false)
-                            .with_sequence_parallel(self.sequence_parallel)
-                            .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion)
+                            .with_sequence_parallel(t.sequence_parallel)
+                            .with_gradient_accumulation_fusion(t.gradient_accumulation_fusion)
                             .with_initializer(normal)
                             .with_seed(derive_seed(seed, "output_layer"))
                             .init(tp, device)
                     })
                     .transpose()?;
                 Ok(GptHead {
-                    final_layernorm: Norm::new(
-                        self.normalization,
-                        h,
-                        self.layernorm_epsilon,
-                        device,
-                    ),
+                    final_layernorm: Norm::new(t.normalization, h, t.layernorm_epsilon, device),
                     output_layer,
                     word_embeddings: (!untied && !first).then(word_embeddings).transpose()?,
                 })
@@ -423,12 +378,12 @@ impl GptConfig {
             layout: LayoutOwner::default(),
             rotary: self.rotary()?,
             tied: !untied,
-            sequence_parallel: self.sequence_parallel,
-            hidden_dropout: self.hidden_dropout,
+            sequence_parallel: t.sequence_parallel,
+            hidden_dropout: t.hidden_dropout,
             vocab_size: self.vocab_size(),
             max_position_embeddings: self.max_position_embeddings,
             first_layer,
-            recompute: self.recompute.clone(),
+            recompute: t.recompute.clone(),
         };
         gpt.state_attrs();
         Ok(gpt)

@@ -3,7 +3,10 @@
 //! settings at the top level, or in transformers 5's `rope_parameters`).
 
 use super::super::hf_host::HfError;
-use super::super::{ActivationFunc, GptConfig, NormKind, PositionEmbeddingType, RopeScaling};
+use super::super::{
+    ActivationFunc, AttnMaskType, GptConfig, LayerNormPosition, NormKind, ParallelAttentionConfig,
+    ParallelMlpConfig, PositionEmbeddingType, RopeScaling, TransformerLayerConfig,
+};
 use super::experts::HfExperts;
 use crate::tensor_parallel::padded_vocab_size;
 use serde_json::{Value, json};
@@ -306,17 +309,33 @@ impl HfGptConfig {
     /// training).
     pub fn to_gpt_config(&self, tp: usize) -> GptConfig {
         let gpt2 = self.architecture == HfArchitecture::Gpt2;
+        let attention = ParallelAttentionConfig::new(self.num_attention_heads)
+            .with_attn_mask_type(AttnMaskType::Causal)
+            .with_num_query_groups(Some(self.num_key_value_heads))
+            .with_kv_channels(Some(self.head_dim))
+            .with_add_qkv_bias(self.add_qkv_bias)
+            .with_attention_dropout(0.0);
+        let mlp = ParallelMlpConfig::new(self.intermediate_size)
+            .with_gated_linear_unit(!gpt2)
+            .with_activation_func(self.activation);
+        let transformer = TransformerLayerConfig::new(self.hidden_size, attention, mlp)
+            .with_layernorm_position(LayerNormPosition::Pre)
+            .with_normalization(if gpt2 {
+                NormKind::LayerNorm
+            } else {
+                NormKind::RmsNorm
+            })
+            .with_layernorm_epsilon(self.norm_eps)
+            .with_add_bias_linear(self.add_bias_linear)
+            .with_hidden_dropout(0.0)
+            .with_moe(self.experts.map(|e| e.moe_config()));
         GptConfig::new(
             self.num_hidden_layers,
-            self.hidden_size,
-            self.num_attention_heads,
-            self.intermediate_size,
             self.max_position_embeddings,
             padded_vocab_size(self.vocab_size, 128, tp),
+            transformer,
         )
         .with_vocab_size(Some(self.vocab_size))
-        .with_num_query_groups(Some(self.num_key_value_heads))
-        .with_kv_channels(Some(self.head_dim))
         .with_position_embedding_type(if gpt2 {
             PositionEmbeddingType::LearnedAbsolute
         } else {
@@ -324,20 +343,7 @@ impl HfGptConfig {
         })
         .with_rotary_base(self.rope_theta)
         .with_rope_scaling(self.rope_scaling)
-        .with_normalization(if gpt2 {
-            NormKind::LayerNorm
-        } else {
-            NormKind::RmsNorm
-        })
-        .with_layernorm_epsilon(self.norm_eps)
-        .with_gated_linear_unit(!gpt2)
-        .with_activation_func(self.activation)
-        .with_add_bias_linear(self.add_bias_linear)
-        .with_add_qkv_bias(self.add_qkv_bias)
         .with_untie_embeddings_and_output_weights(!self.tie_word_embeddings)
-        .with_hidden_dropout(0.0)
-        .with_attention_dropout(0.0)
-        .with_moe(self.experts.map(|e| e.moe_config()))
     }
 
     /// The Hugging Face config of `config` (real vocabulary `vocab_size`): Llama, Qwen2 (QKV
@@ -349,32 +355,34 @@ impl HfGptConfig {
                 "{m} has no Hugging Face equivalent here"
             )))
         };
-        let heads = config.num_attention_heads;
+        let t = &config.transformer;
+        let (attention, mlp) = (&t.attention, &t.mlp);
+        let heads = attention.num_attention_heads;
         let head_dim = config.head_dim();
         let architecture = match config.position_embedding_type {
             PositionEmbeddingType::Rope => {
-                if config.normalization != NormKind::RmsNorm
-                    || !config.gated_linear_unit
-                    || config.activation_func != ActivationFunc::Silu
+                if t.normalization != NormKind::RmsNorm
+                    || !mlp.gated_linear_unit
+                    || mlp.activation_func != ActivationFunc::Silu
                 {
                     return unsupported("RoPE without RMSNorm and SwiGLU");
                 }
                 if config.rotary_percent != 1.0 {
                     return unsupported("a rotary_percent other than 1");
                 }
-                if config.add_qkv_bias && !config.add_bias_linear {
+                if attention.add_qkv_bias && !t.add_bias_linear {
                     HfArchitecture::Qwen2
                 } else {
                     HfArchitecture::Llama
                 }
             }
             PositionEmbeddingType::LearnedAbsolute => {
-                if config.normalization != NormKind::LayerNorm
-                    || config.gated_linear_unit
-                    || config.activation_func == ActivationFunc::Silu
-                    || !config.add_bias_linear
+                if t.normalization != NormKind::LayerNorm
+                    || mlp.gated_linear_unit
+                    || mlp.activation_func == ActivationFunc::Silu
+                    || !t.add_bias_linear
                     || config.query_groups() != heads
-                    || head_dim * heads != config.hidden_size
+                    || head_dim * heads != t.hidden_size
                 {
                     return unsupported(
                         "learned positions without GPT-2's LayerNorm, GeLU, biases and one key/value head per head",
@@ -390,20 +398,20 @@ impl HfGptConfig {
         Ok(Self {
             architecture,
             vocab_size,
-            hidden_size: config.hidden_size,
-            intermediate_size: config.ffn_hidden_size,
+            hidden_size: t.hidden_size,
+            intermediate_size: mlp.ffn_hidden_size,
             num_hidden_layers: config.num_layers,
             num_attention_heads: heads,
             num_key_value_heads: config.query_groups(),
             head_dim,
             max_position_embeddings: config.max_position_embeddings,
-            norm_eps: config.layernorm_epsilon,
+            norm_eps: t.layernorm_epsilon,
             rope_theta: config.rotary_base,
             rope_scaling: config.rope_scaling,
             tie_word_embeddings: !config.untie_embeddings_and_output_weights,
-            add_bias_linear: config.add_bias_linear,
-            add_qkv_bias: config.add_qkv_bias,
-            activation: config.activation_func,
+            add_bias_linear: t.add_bias_linear,
+            add_qkv_bias: attention.add_qkv_bias,
+            activation: mlp.activation_func,
             bos_token_id: None,
             eos_token_id: Vec::new(),
             experts,

@@ -95,7 +95,7 @@ impl HfExperts {
     /// The Hugging Face family and experts of `config`'s mixture of experts, or an error
     /// naming why neither Mixtral nor Qwen2-MoE represents it.
     pub(super) fn of(config: &GptConfig) -> Result<Option<(HfArchitecture, Self)>, HfError> {
-        let Some(moe) = &config.moe else {
+        let Some(moe) = &config.transformer.moe else {
             return Ok(None);
         };
         let unsupported = |m: &str| {
@@ -116,11 +116,14 @@ impl HfExperts {
         let experts = Self {
             num_experts: moe.num_experts,
             top_k: moe.moe_router_topk,
-            ffn: moe.moe_ffn_hidden_size.unwrap_or(config.ffn_hidden_size),
+            ffn: moe
+                .moe_ffn_hidden_size
+                .unwrap_or(config.transformer.mlp.ffn_hidden_size),
             shared_ffn: moe.moe_shared_expert_intermediate_size,
             norm_topk_prob: !moe.moe_router_pre_softmax,
         };
-        let qwen = config.add_qkv_bias && !config.add_bias_linear;
+        let t = &config.transformer;
+        let qwen = t.attention.add_qkv_bias && !t.add_bias_linear;
         Ok(Some(
             match (qwen, experts.shared_ffn, moe.moe_shared_expert_gate) {
                 (false, None, _) if experts.norm_topk_prob => (HfArchitecture::Mixtral, experts),
