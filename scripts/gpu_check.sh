@@ -26,7 +26,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 payload=${GPU_CHECK_PAYLOAD:-target/gpu_check_payload}
-features=cuda,wgpu
+# The payload's features. CI builds it with the test step's features
+# (GPU_CHECK_FEATURES=cuda,wgpu,mpi), so that cargo reuses that build instead of compiling Burn
+# a second time; a payload for the GPU machine leaves out mpi, which it has no library for.
+features=${GPU_CHECK_FEATURES:-cuda,wgpu}
 
 build() {
   set -e
@@ -36,8 +39,12 @@ build() {
   # Burn is compiled once (two invocations compiled it twice: ~6 min in the dev profile).
   # The binaries' paths are in cargo's JSON messages.
   local messages
+  # cubecl-llvm (our stand-in, a workspace member) is selected too: a workspace-wide build turns
+  # on its default features, and without them here cargo would compile Burn's CUDA half again
+  # instead of reusing CI's test build.
   messages=$(cargo build --profile "$profile" -p burn-megatron-examples -p burn-megatron-kernels \
-    --features "$features" --example gpu_check --test kernels --message-format=json-render-diagnostics)
+    -p cubecl-llvm --features "$features" --example gpu_check --test kernels \
+    --message-format=json-render-diagnostics)
   local example kernels
   example=$(grep -o '"executable":"[^"]*/gpu_check[^"/]*"' <<<"$messages" | tail -1 | cut -d'"' -f4)
   kernels=$(grep -o '"executable":"[^"]*/kernels-[^"/]*"' <<<"$messages" | tail -1 | cut -d'"' -f4)

@@ -49,7 +49,7 @@ pub fn scale_aux_losses(scale: f32) -> AuxLossScaleGuard {
 /// use burn::backend::Autodiff;
 /// use burn::tensor::{Device, Tensor};
 /// use burn_megatron::aux_loss::attach_aux_loss;
-/// let device = Device::default().autodiff();
+/// let device = Device::flex().autodiff();
 /// let w = Tensor::<1>::from_floats([2.0], &device).require_grad();
 /// let x = Tensor::<1>::from_floats([1.0], &device).require_grad();
 /// let aux = w.clone() * w.clone(); // d aux / d w = 2w = 4

@@ -1,7 +1,7 @@
 //! `bert_pretrain` and `gpt_pretrain` as a library, so tests can run them in-process: parse
 //! [`Args`] (BERT) or [`GptArgs`], then [`run`] or [`run_gpt`].
 //!
-//! Both share one training loop ([`train`]): a model family ([`Family`]) says how to build
+//! Both share one training loop (`train.rs`): a model family ([`Family`]) says how to build
 //! a pipeline chunk, how to name its parameters globally, and how one microbatch runs and
 //! is scored; everything else — the layout, the schedule, the optimizer, checkpoints,
 //! validation, the log — is the loop's. The `train_minimal` example is the same loop in one
@@ -358,7 +358,7 @@ fn write_log_json(path: &std::path::Path, log: &[IterationLog]) -> Result<(), St
         .map_err(|e| format!("--log-json {}: {e}", path.display()))
 }
 
-/// Reads what [`write_log_json`] wrote (`--log-json`).
+/// Reads the log a run wrote with `--log-json`.
 pub fn read_log_json(path: &std::path::Path) -> Result<Vec<IterationLog>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     text.lines()
