@@ -4,6 +4,7 @@
 
 mod bert_parity;
 mod bert_pipeline;
+mod dropin;
 mod fused_optimizer;
 mod gpt;
 mod grad_accum_fusion;

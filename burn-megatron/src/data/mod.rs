@@ -15,13 +15,15 @@
 //! assert_eq!(sample.ids.len(), 32);
 //! ```
 
+mod batch;
 mod bert_dataset;
 mod corpus;
 mod gpt_dataset;
 pub mod megatron;
 mod tokenizer;
 
-pub use bert_dataset::{BatchLayout, BertBatch, BertDataset, BertDatasetConfig, BertSample};
+pub use batch::BatchLayout;
+pub use bert_dataset::{BertBatch, BertDataset, BertDatasetConfig, BertSample};
 pub use corpus::{Document, load_corpus, synthetic_corpus, synthetic_vocabulary};
 pub use gpt_dataset::{
     END_OF_TEXT, GptBatch, GptCorpusDataset, GptCorpusDatasetConfig, GptSample, GptTokenizer,

@@ -122,17 +122,36 @@ impl ParallelAttrs {
     }
 }
 
-/// One parameter's attributes, and the layer that stated them: the entry lives as long as
-/// some clone of that layer does (`None`: stated by hand, kept for the process).
+/// One parameter's attributes, and the layers that stated them: the entry lives as long as
+/// some clone of one of them does (`None`: stated by hand, kept for the process). Several
+/// layers hold one id when ranks of one process share parameter ids: the data-parallel
+/// replicas of a model loaded from one checkpoint take the ids it was saved with.
 #[derive(Debug, Clone)]
 struct Entry {
     attrs: ParallelAttrs,
-    owner: Option<Weak<()>>,
+    owners: Option<Vec<Weak<()>>>,
 }
 
 impl Entry {
     fn alive(&self) -> bool {
-        self.owner.as_ref().is_none_or(|w| w.strong_count() > 0)
+        (self.owners.as_ref()).is_none_or(|o| o.iter().any(|w| w.strong_count() > 0))
+    }
+
+    /// Whether `owner` is among the layers holding this entry.
+    fn held_by(&self, owner: &LayoutOwner) -> bool {
+        let me = Arc::downgrade(&owner.0);
+        (self.owners.iter().flatten()).any(|w| Weak::ptr_eq(w, &me))
+    }
+
+    /// Adds `owners`' live ones to this entry's (an entry stated by hand becomes owned).
+    fn add_owners(&mut self, owners: impl IntoIterator<Item = Weak<()>>) {
+        let list = self.owners.get_or_insert_with(Vec::new);
+        list.retain(|w| w.strong_count() > 0);
+        for w in owners {
+            if w.strong_count() > 0 && !list.iter().any(|o| Weak::ptr_eq(o, &w)) {
+                list.push(w);
+            }
+        }
     }
 }
 
@@ -175,8 +194,7 @@ fn write() -> std::sync::RwLockWriteGuard<'static, Registry> {
 }
 
 /// Applies `update` to the attributes of `id`; writes only when they change, or when
-/// `owner` states them and no live owner holds them yet (an owner already holding them
-/// keeps them).
+/// `owner` states them and is not yet among the live layers holding them.
 fn update_entry(
     id: ParamId,
     owner: Option<&LayoutOwner>,
@@ -185,12 +203,23 @@ fn update_entry(
     let old = read().get(id).cloned();
     let current = old.as_ref().map(|e| e.attrs).unwrap_or_default();
     let attrs = update(current);
-    let held = old.and_then(|e| e.owner);
-    if attrs == current && (held.is_some() || owner.is_none()) {
+    let held = match (&old, owner) {
+        (Some(e), Some(o)) => e.held_by(o),
+        (_, None) => true,
+        (None, Some(_)) => false,
+    };
+    if attrs == current && held {
         return;
     }
-    let owner = held.or_else(|| owner.map(|o| Arc::downgrade(&o.0)));
-    write().insert(id, Entry { attrs, owner });
+    let mut entry = old.unwrap_or(Entry {
+        attrs,
+        owners: None,
+    });
+    entry.attrs = attrs;
+    if let Some(o) = owner {
+        entry.add_owners([Arc::downgrade(&o.0)]);
+    }
+    write().insert(id, entry);
 }
 
 /// What a parallel layer holds (`#[module(skip)]`) so that the attributes it states live
@@ -223,21 +252,35 @@ impl LayoutOwner {
     }
 }
 
-/// Records the attributes of parameter `id` (replacing earlier ones; an owner that stated
-/// them is kept).
+/// Records the attributes of parameter `id` (replacing earlier ones; the layers that stated
+/// them keep holding them).
 pub fn set_parallel_attrs(id: ParamId, attrs: ParallelAttrs) {
     let mut r = write();
-    let owner = r.get(id).and_then(|e| e.owner.clone());
-    r.insert(id, Entry { attrs, owner });
+    let owners = r.get(id).and_then(|e| e.owners.clone());
+    r.insert(id, Entry { attrs, owners });
 }
 
-/// Gives parameter `to` the attributes of `from`, and the same owner: a parameter whose id
-/// changed (a checkpoint restores the saved ids) lives as long as the layer holding it.
+/// Gives parameter `to` the attributes of `from`, and its owners: a parameter whose id
+/// changed (a checkpoint restores the saved ids) lives as long as the layer holding it. When
+/// another live layer already holds `to` (another rank of this process restored the same
+/// id), both hold it.
 pub fn copy_parallel_attrs(from: ParamId, to: ParamId) {
     let mut r = write();
-    if let Some(e) = r.get(from).cloned() {
-        r.insert(to, e);
-    }
+    let Some(source) = r.get(from).cloned() else {
+        return;
+    };
+    let entry = match r.get(to).cloned() {
+        Some(mut held) => {
+            held.attrs = source.attrs;
+            match source.owners {
+                Some(owners) => held.add_owners(owners),
+                None => held.owners = None,
+            }
+            held
+        }
+        None => source,
+    };
+    r.insert(to, entry);
 }
 
 /// How many entries the table holds, dead ones not yet swept included.

@@ -86,7 +86,7 @@ impl VocabParallelEmbedding {
             .val()
             .narrow(0, tp.group().rank() * part, part);
         let layer = Self {
-            weight: Param::from_tensor(rows.detach().require_grad()),
+            weight: super::shard_param(rows),
             tp: tp.clone(),
             layout: super::LayoutOwner::default(),
             sequence_parallel,

@@ -137,11 +137,11 @@ impl ColumnParallelLinear {
         let part = partition(d_output, size, "output features")?;
         let start = tp.group().rank() * part;
         let weight = linear.weight.val().narrow(1, start, part);
-        let weight = Param::from_tensor(weight.detach().require_grad());
+        let weight = super::shard_param(weight);
         let bias = linear
             .bias
             .as_ref()
-            .map(|b| Param::from_tensor(b.val().narrow(0, start, part).detach().require_grad()));
+            .map(|b| super::shard_param(b.val().narrow(0, start, part)));
         let layer = Self {
             weight,
             bias,
@@ -361,11 +361,8 @@ impl RowParallelLinear {
             .weight
             .val()
             .narrow(0, tp.group().rank() * part, part);
-        let weight = Param::from_tensor(weight.detach().require_grad());
-        let bias = linear
-            .bias
-            .as_ref()
-            .map(|b| Param::from_tensor(b.val().detach().require_grad()));
+        let weight = super::shard_param(weight);
+        let bias = linear.bias.as_ref().map(|b| super::shard_param(b.val()));
         let layer = Self {
             weight,
             bias,

@@ -7,9 +7,12 @@
 //! - [`VocabParallelEmbedding`], [`vocab_parallel_cross_entropy`]: the vocabulary split by rows.
 //! - [`RngTracker`]: dropout masks shared or distinct across TP ranks, as the region needs.
 //! - [`ParallelAttrs`]: per-parameter parallel attributes, queryable by `ParamId`.
+//! - [`dropin`]: Burn's composite layers (`nn::SwiGlu`, `nn::transformer::TransformerEncoder`)
+//!   with the same field names and record paths, tensor-parallel.
 
 mod attrs;
 mod cross_entropy;
+pub mod dropin;
 mod embedding;
 mod grads;
 mod init;
@@ -51,6 +54,16 @@ pub enum TpError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+}
+
+/// A shard cut from a plain layer's parameter, as a parameter of its own: detached from the
+/// plain layer's graph, and trainable where the device can train (a plain device cannot).
+pub(crate) fn shard_param<const D: usize>(shard: Tensor<D>) -> Param<Tensor<D>> {
+    let shard = shard.detach();
+    Param::from_tensor(match shard.is_autodiff() {
+        true => shard.require_grad(),
+        false => shard,
+    })
 }
 
 /// A trainable parameter of `shape` from host values (its layer states its attributes).
