@@ -48,7 +48,8 @@
 //! Crate-private helpers, at the bottom: `activation` (activation functions by name),
 //! `grad_hooks` (where a parameter's gradient is handed to the overlapped reduction),
 //! `module_path` (parameters by their path in a module), `param_grads` (gradients by
-//! parameter id, any tensor rank) and `safetensors_io`.
+//! parameter id, any tensor rank), `safetensors_io` and `shards` (a box of a tensor cut out
+//! of, or put together from, pieces).
 //!
 //! # Lower-level ways in
 //!
@@ -99,6 +100,7 @@ mod param_grads;
 pub mod pipeline;
 pub mod recompute;
 mod safetensors_io;
+mod shards;
 pub mod tensor_parallel;
 pub mod topology;
 pub mod training;

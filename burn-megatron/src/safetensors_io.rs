@@ -24,6 +24,23 @@ pub(crate) fn to_data(view: &TensorView<'_>) -> Result<TensorData, String> {
     Ok(data)
 }
 
+/// Burn's dtype for a safetensors dtype.
+pub(crate) fn burn_dtype(d: Dtype) -> Result<DType, String> {
+    Ok(match d {
+        Dtype::F64 => DType::F64,
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::I64 => DType::I64,
+        Dtype::I32 => DType::I32,
+        Dtype::I16 => DType::I16,
+        Dtype::I8 => DType::I8,
+        Dtype::U8 => DType::U8,
+        Dtype::BOOL => DType::Bool(burn::tensor::BoolStore::Native),
+        other => return Err(format!("unsupported dtype {other:?}")),
+    })
+}
+
 fn dtype(d: DType) -> Result<Dtype, String> {
     Ok(match d {
         DType::F32 => Dtype::F32,

@@ -22,6 +22,7 @@ const LEVELS: &[&[&str]] = &[
         "topology",
         "module_path",
         "safetensors_io",
+        "shards",
         "grad_hooks",
         "activation",
         "aux_loss",

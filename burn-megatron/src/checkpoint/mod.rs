@@ -32,7 +32,6 @@ mod find;
 mod index;
 mod layout;
 mod read;
-mod shards;
 mod tensors;
 
 mod save_load;

@@ -3,10 +3,10 @@
 
 use super::check::set_file;
 use super::index::{CheckpointIndex, TensorEntry};
-use super::shards::{Piece, assemble};
 use super::{CheckpointError, io};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
 use crate::safetensors_io;
+use crate::shards::{Piece, assemble};
 use crate::tensor_parallel::{copy_parallel_attrs, parallel_attrs};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};

@@ -24,6 +24,7 @@
 mod encoder;
 mod heads;
 mod init;
+mod load;
 mod mha;
 mod swiglu;
 
@@ -33,5 +34,6 @@ pub use encoder::{
 };
 pub use heads::{AttentionSplit, attention_split};
 pub use init::master_init;
+pub use load::{LoadOptions, LoadReport, RecordSource, load_sharded};
 pub use mha::{ParallelMhaInput, ParallelMhaOutput, ParallelMultiHeadAttention};
 pub use swiglu::ParallelSwiGlu;

@@ -21,6 +21,8 @@ use burn_megatron_tests::{data, seeded_linear};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+mod load;
+
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 const B: usize = 2;

@@ -1,11 +1,12 @@
-//! A rank's slice of a global tensor from whatever saved shards overlap it: the part of
-//! loading that does not care which layout wrote the checkpoint.
+//! A box of a global tensor put together from whatever pieces of it overlap the box: how a
+//! checkpoint restores a rank's slice from shards saved at another layout, and how a
+//! whole-model record is cut into this rank's shard on load.
 
 /// A box `[offset, offset + shape)` of a row-major global tensor, with its bytes.
-pub(super) struct Piece<'a> {
-    pub(super) offset: &'a [usize],
-    pub(super) shape: &'a [usize],
-    pub(super) bytes: &'a [u8],
+pub(crate) struct Piece<'a> {
+    pub(crate) offset: &'a [usize],
+    pub(crate) shape: &'a [usize],
+    pub(crate) bytes: &'a [u8],
 }
 
 fn volume(shape: &[usize]) -> Option<usize> {
@@ -92,7 +93,7 @@ fn copy_overlap(
 /// tensor, `elem` bytes per element), or why it cannot be: pieces that overlap within the
 /// box are refused, so the count of elements copied is the box's only when every element
 /// came from a piece.
-pub(super) fn assemble(
+pub(crate) fn assemble(
     offset: &[usize],
     shape: &[usize],
     pieces: &[Piece<'_>],

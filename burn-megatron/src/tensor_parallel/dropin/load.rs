@@ -1,0 +1,393 @@
+//! Shard-on-load: a record written by the plain model, read straight into this rank's shards.
+//!
+//! Burn refuses a record whose shapes differ from the module's, so without this every rank
+//! would build and load the whole model and then split it: for an 8B model, 16 GB per rank
+//! before the split. Here each parameter of the tensor-parallel model finds its tensor in the
+//! file by module path, reads the part this rank holds (its place comes from the layer's
+//! [`ParallelAttrs`](crate::tensor_parallel::ParallelAttrs)) and replaces the parameter with
+//! it, one at a time, so a rank holds its shards plus at most one whole tensor.
+//!
+//! A shard that is a run of whole rows (row-parallel weights, vocabulary rows, biases, any
+//! duplicated tensor) is read alone: from a burnpack file, only its bytes are read; from a
+//! safetensors file, only its pages are touched through the memory map. A column shard needs
+//! its whole tensor once (burnpack) or is copied row by row out of the map (safetensors).
+
+use super::super::{TpError, parallel_attrs};
+use crate::comm::Comm;
+use crate::module_path::{PathMapper, map_paths};
+use crate::safetensors_io;
+use crate::shards::{Piece, assemble};
+use burn::module::{Module, Param};
+use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};
+use regex::Regex;
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A whole-model record on disk, in a format Burn 0.22 writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordSource {
+    /// A burnpack file (`.bpk`): what `Module::save_file` and burn-store's `BurnpackStore`
+    /// write.
+    Burnpack(PathBuf),
+    /// A safetensors file: burn-store's `SafetensorsStore`, or Hugging Face's.
+    Safetensors(PathBuf),
+}
+
+impl RecordSource {
+    /// The source for `path`, by its extension (`.safetensors`, else burnpack).
+    pub fn from_path(path: impl AsRef<Path>) -> Self {
+        let path = path.as_ref().to_path_buf();
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("safetensors") => Self::Safetensors(path),
+            _ => Self::Burnpack(path),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Self::Burnpack(p) | Self::Safetensors(p) => p,
+        }
+    }
+}
+
+/// How record names meet module paths, and what a mismatch may be.
+///
+/// ```
+/// use burn_megatron::tensor_parallel::dropin::LoadOptions;
+/// // Hugging Face names onto a Burn model's paths, with PyTorch's `[out, in]` linears.
+/// let options = LoadOptions::default()
+///     .with_key_remap(r"^model\.layers\.(\d+)\.", "layers.$1.").unwrap()
+///     .with_transposed(r"\.(q|k|v|o)_proj\.weight$").unwrap();
+/// assert!(LoadOptions::default().with_key_remap("(", "x").is_err());
+/// # drop(options);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    remaps: Vec<(Regex, String)>,
+    transposed: Vec<Regex>,
+    allow_missing: bool,
+    allow_unused: bool,
+}
+
+impl LoadOptions {
+    /// Rename record keys before they are matched with module paths: every key goes through
+    /// each `(pattern, replacement)` in order (`regex` syntax, `$1` for groups), as
+    /// burn-store's `KeyRemapper` does.
+    pub fn with_key_remap(mut self, pattern: &str, replacement: &str) -> Result<Self, TpError> {
+        self.remaps.push((regex(pattern)?, replacement.to_string()));
+        Ok(self)
+    }
+
+    /// Module paths (after renaming) whose 2-D tensors are stored transposed, `[out, in]`
+    /// as PyTorch's `nn.Linear` stores them, where Burn's `Linear` holds `[in, out]`.
+    pub fn with_transposed(mut self, pattern: &str) -> Result<Self, TpError> {
+        self.transposed.push(regex(pattern)?);
+        Ok(self)
+    }
+
+    /// Leave parameters the record does not hold as they are (listed in the report) instead
+    /// of failing.
+    pub fn with_allow_missing(mut self, allow: bool) -> Self {
+        self.allow_missing = allow;
+        self
+    }
+
+    /// Ignore record tensors no parameter takes (listed in the report) instead of failing.
+    pub fn with_allow_unused(mut self, allow: bool) -> Self {
+        self.allow_unused = allow;
+        self
+    }
+}
+
+fn regex(pattern: &str) -> Result<Regex, TpError> {
+    Regex::new(pattern).map_err(|e| TpError::Invalid(format!("pattern `{pattern}`: {e}")))
+}
+
+/// What a sharded load did, and the memory it needed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Parameters loaded, by module path.
+    pub loaded: Vec<String>,
+    /// Parameters the record does not hold (only with `with_allow_missing`).
+    pub missing: Vec<String>,
+    /// Record tensors no parameter took, by record key (only with `with_allow_unused`).
+    pub unused: Vec<String>,
+    /// Bytes of this rank's shards, as read from the file.
+    pub shard_bytes: u64,
+    /// The largest whole tensor read to cut a shard out of it (0 when every shard was read
+    /// alone).
+    pub largest_whole_tensor_bytes: u64,
+}
+
+/// `model` with every float parameter replaced by this rank's part of the tensor the record
+/// at `source` holds under the parameter's module path: its split from the layer's parallel
+/// attributes (a duplicated parameter is read whole), its dtype, device, id and
+/// `require_grad` the model's. Nothing is communicated; every rank reads the file.
+///
+/// Errors, naming the path and the numbers: a tensor missing or unused (unless allowed), a
+/// shape other than the parameter's global one, an unreadable file or dtype.
+///
+/// The model's parameters may be lazy (not yet initialised): they are never initialised.
+pub fn load_sharded<M: Module>(
+    model: M,
+    source: &RecordSource,
+    tp: &Comm,
+    options: &LoadOptions,
+) -> Result<(M, LoadReport), TpError> {
+    let file = |e: String| TpError::Invalid(format!("{}: {e}", source.path().display()));
+    let (tp_rank, tp_size) = (tp.group().rank(), tp.group().size());
+    match source {
+        RecordSource::Burnpack(path) => {
+            let reader = burn_pack::Reader::from_file(path).map_err(|e| file(format!("{e}")))?;
+            let tensors = reader.into_tensors().map_err(|e| file(format!("{e}")))?;
+            let stored = tensors
+                .into_iter()
+                .map(|t| {
+                    let dims = t.shape.to_vec();
+                    let bytes = t.to_bytes().map_err(|e| file(format!("{e}")))?;
+                    Ok((
+                        t.name,
+                        Stored {
+                            dtype: t.dtype,
+                            dims,
+                            bytes: Bytes::Pack(bytes),
+                        },
+                    ))
+                })
+                .collect::<Result<Vec<_>, TpError>>()?;
+            load(model, stored, (tp_rank, tp_size), options)
+        }
+        RecordSource::Safetensors(path) => {
+            let handle = std::fs::File::open(path).map_err(|e| file(e.to_string()))?;
+            // SAFETY: the map is read only, and only while this function runs; a file changed
+            // underneath it meanwhile gives wrong values, not undefined behaviour in Rust.
+            let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| file(e.to_string()))?;
+            let st =
+                safetensors::SafeTensors::deserialize(&map).map_err(|e| file(e.to_string()))?;
+            let stored = st
+                .tensors()
+                .into_iter()
+                .map(|(name, view)| {
+                    let dtype = safetensors_io::burn_dtype(view.dtype()).map_err(&file)?;
+                    let dims = view.shape().to_vec();
+                    Ok((
+                        name,
+                        Stored {
+                            dtype,
+                            dims,
+                            bytes: Bytes::Mapped(view.data()),
+                        },
+                    ))
+                })
+                .collect::<Result<Vec<_>, TpError>>()?;
+            load(model, stored, (tp_rank, tp_size), options)
+        }
+    }
+}
+
+enum Bytes<'a> {
+    /// A file-backed window of a burnpack file: read on first access.
+    Pack(burn::tensor::Bytes),
+    Mapped(&'a [u8]),
+}
+
+struct Stored<'a> {
+    dtype: DType,
+    dims: Vec<usize>,
+    bytes: Bytes<'a>,
+}
+
+impl Stored<'_> {
+    /// Bytes `[start, end)` of the tensor, reading no more of a burnpack file than that.
+    fn range(&self, start: usize, end: usize) -> Result<Cow<'_, [u8]>, String> {
+        match &self.bytes {
+            Bytes::Mapped(b) => Ok(Cow::Borrowed(&b[start..end])),
+            Bytes::Pack(b) => {
+                let view = b.view(start, end).map_err(|e| format!("{e:?}"))?;
+                Ok(Cow::Owned(view.to_vec()))
+            }
+        }
+    }
+
+    fn whole(&self) -> &[u8] {
+        match &self.bytes {
+            Bytes::Mapped(b) => b,
+            Bytes::Pack(b) => b,
+        }
+    }
+}
+
+fn load<M: Module>(
+    model: M,
+    stored: Vec<(String, Stored<'_>)>,
+    tp: (usize, usize),
+    options: &LoadOptions,
+) -> Result<(M, LoadReport), TpError> {
+    let mut by_path: BTreeMap<String, (String, Stored<'_>)> = BTreeMap::new();
+    for (key, tensor) in stored {
+        let path = options.remaps.iter().fold(key.clone(), |k, (re, to)| {
+            re.replace_all(&k, to.as_str()).into_owned()
+        });
+        if let Some((other, _)) = by_path.get(&path) {
+            return Err(TpError::Invalid(format!(
+                "record tensors `{other}` and `{key}` both map to the module path `{path}`"
+            )));
+        }
+        by_path.insert(path, (key, tensor));
+    }
+    let mut loader = Loader {
+        by_path,
+        tp,
+        options,
+        report: LoadReport::default(),
+        error: None,
+    };
+    let model = map_paths(model, &mut loader);
+    if let Some(e) = loader.error {
+        return Err(e);
+    }
+    let mut report = loader.report;
+    report.unused = loader.by_path.into_values().map(|(key, _)| key).collect();
+    if !report.unused.is_empty() && !options.allow_unused {
+        return Err(TpError::Invalid(format!(
+            "the record holds tensors no parameter takes: {} (rename them with \
+             `with_key_remap`, or allow them with `with_allow_unused`)",
+            report.unused.join(", ")
+        )));
+    }
+    Ok((model, report))
+}
+
+struct Loader<'a, 'o> {
+    by_path: BTreeMap<String, (String, Stored<'a>)>,
+    tp: (usize, usize),
+    options: &'o LoadOptions,
+    report: LoadReport,
+    error: Option<TpError>,
+}
+
+impl PathMapper for Loader<'_, '_> {
+    fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.error.is_some() {
+            return p;
+        }
+        let Some((_, stored)) = self.by_path.remove(path) else {
+            match self.options.allow_missing {
+                true => self.report.missing.push(path.to_string()),
+                false => {
+                    self.error = Some(TpError::Invalid(format!(
+                        "{path}: not in the record (rename record keys with `with_key_remap`, \
+                         or allow it with `with_allow_missing`)"
+                    )))
+                }
+            }
+            return p;
+        };
+        let transposed = self.options.transposed.iter().any(|re| re.is_match(path));
+        match self.shard(&p, &stored, transposed) {
+            Ok(data) => {
+                self.report.loaded.push(path.to_string());
+                self.report.shard_bytes += data.as_bytes().len() as u64;
+                // A lazy parameter takes the device's float dtype, as its initialiser would.
+                let options = TensorCreationOptions::new(p.lazy_device());
+                let tensor = match p.is_initialized() {
+                    true => {
+                        let dtype = p.val().dtype();
+                        Tensor::<D>::from_data(data.convert_dtype(dtype), options.with_dtype(dtype))
+                    }
+                    false => Tensor::<D>::from_data(data, options),
+                };
+                let id = p.id;
+                p.transform_for_load(tensor, id)
+            }
+            Err(e) => {
+                self.error = Some(TpError::Invalid(format!("{path}: {e}")));
+                p
+            }
+        }
+    }
+}
+
+impl Loader<'_, '_> {
+    /// This rank's box of `stored`, as the parameter `p` holds it.
+    fn shard<const D: usize>(
+        &mut self,
+        p: &Param<Tensor<D>>,
+        stored: &Stored<'_>,
+        transposed: bool,
+    ) -> Result<TensorData, String> {
+        let local = p.lazy_shape().to_vec();
+        let (global, offset) = parallel_attrs(p.id).placement(&local, self.tp.0, self.tp.1);
+        if transposed && D != 2 {
+            return Err(format!(
+                "matches `with_transposed` but has {D} dimensions, not 2"
+            ));
+        }
+        // The box in the stored tensor's own order of dimensions.
+        let flip = |v: &[usize]| {
+            if transposed {
+                vec![v[1], v[0]]
+            } else {
+                v.to_vec()
+            }
+        };
+        let (want, at, size) = (flip(&global), flip(&offset), flip(&local));
+        if stored.dims != want {
+            let layout = if transposed {
+                " (stored transposed)"
+            } else {
+                ""
+            };
+            return Err(format!(
+                "the record holds shape {:?}, the model's global shape is {want:?}{layout} \
+                 (this rank holds {local:?})",
+                stored.dims
+            ));
+        }
+        let elem = stored.dtype.size();
+        let row: usize = want.iter().skip(1).product::<usize>() * elem;
+        let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d]);
+        let bytes = match rows_only || want.is_empty() {
+            true => {
+                let (start, end) = match want.is_empty() {
+                    true => (0, elem),
+                    false => (at[0] * row, (at[0] + size[0]) * row),
+                };
+                stored.range(start, end)?.into_owned()
+            }
+            false => {
+                let whole = stored.whole();
+                if matches!(stored.bytes, Bytes::Pack(_)) {
+                    let read = whole.len() as u64;
+                    let largest = &mut self.report.largest_whole_tensor_bytes;
+                    *largest = (*largest).max(read);
+                }
+                let zeros = vec![0; want.len()];
+                let piece = Piece {
+                    offset: &zeros,
+                    shape: &want,
+                    bytes: whole,
+                };
+                assemble(&at, &size, &[piece], elem)?
+            }
+        };
+        let bytes = match transposed {
+            true => transpose(&bytes, size[0], size[1], elem),
+            false => bytes,
+        };
+        Ok(TensorData::from_bytes_vec(bytes, local, stored.dtype))
+    }
+}
+
+/// The `rows × cols` row-major matrix of `elem`-byte elements, transposed.
+fn transpose(bytes: &[u8], rows: usize, cols: usize, elem: usize) -> Vec<u8> {
+    let mut out = vec![0u8; bytes.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            let (s, t) = ((r * cols + c) * elem, (c * rows + r) * elem);
+            out[t..t + elem].copy_from_slice(&bytes[s..s + elem]);
+        }
+    }
+    out
+}

@@ -1,0 +1,250 @@
+//! Shard-on-load: a record the plain encoder saved (burnpack through `save_file`, safetensors
+//! with PyTorch's names and `[out, in]` linears) loads into each rank's shards of a
+//! tensor-parallel encoder drawn from another seed; the gathered weights are the plain ones
+//! bit for bit and the output is the plain output. Records that do not fit are errors naming
+//! the path.
+
+use super::{B, D_MODEL, Error, S, config, padding, plain_encoder, solo};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
+use burn::tensor::{Device, Tensor};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::tensor_parallel::RngTracker;
+use burn_megatron::tensor_parallel::dropin::{
+    LoadOptions, ParallelTransformerEncoder, ParallelTransformerEncoderInput, RecordSource,
+    load_sharded,
+};
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::data;
+use burn_megatron_tests::gpt::gathered;
+use std::path::{Path, PathBuf};
+
+/// Each float parameter: its path, shape and values.
+fn params<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    struct All(Vec<String>, Vec<(String, Vec<usize>, Vec<f32>)>);
+    impl ModuleVisitor for All {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let t = p.val();
+            let values = burn_megatron_tests::values(t.clone());
+            self.1.push((self.0.join("."), t.dims().to_vec(), values));
+        }
+    }
+    let mut all = All(Vec::new(), Vec::new());
+    module.visit(&mut all);
+    all.1
+}
+
+/// Writes `tensors` (name, shape, f32 values) as a safetensors file.
+fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b);
+            (name.clone(), view.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// `[rows, cols]` row-major values, transposed.
+fn transposed(shape: &[usize], v: &[f32]) -> Vec<f32> {
+    let (r, c) = (shape[0], shape[1]);
+    (0..c * r).map(|i| v[(i % r) * c + i / r]).collect()
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bm-dropin-load-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The plain encoder saved twice: as Burn writes it, and as a PyTorch port would (`encoder.`
+/// prefix, `layer` for `layers`, linear weights `[out, in]`). Returns both sources with the
+/// options that read them.
+fn records(config: &TransformerEncoderConfig, dir: &Path) -> Vec<(RecordSource, LoadOptions)> {
+    let plain = plain_encoder(config, &Device::flex());
+    let bpk = dir.join("encoder.bpk");
+    plain.clone().save_file(&bpk).unwrap();
+    let torch: Vec<_> = params(&plain)
+        .into_iter()
+        .map(|(path, shape, v)| {
+            let name = format!("encoder.{}", path.replace("layers.", "layer."));
+            match shape.len() == 2 && path.ends_with(".weight") {
+                true => (name, vec![shape[1], shape[0]], transposed(&shape, &v)),
+                false => (name, shape, v),
+            }
+        })
+        .collect();
+    let st = dir.join("encoder.safetensors");
+    write_safetensors(&st, &torch);
+    let torch_options = LoadOptions::default()
+        .with_key_remap(r"^encoder\.layer\.", "layers.")
+        .unwrap()
+        .with_transposed(r"\.weight$")
+        .unwrap();
+    vec![
+        (RecordSource::from_path(&bpk), LoadOptions::default()),
+        (RecordSource::from_path(&st), torch_options),
+    ]
+}
+
+#[test]
+fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
+    let config = config(true, 0.0);
+    let dir = scratch("parity");
+    let sources = records(&config, &dir);
+    let device = Device::flex();
+    let whole = gathered(&plain_encoder(&config, &device), None, &solo());
+    let x = |d: &Device| data([B, S, D_MODEL], 0, 1, d);
+    let plain = plain_encoder(&config, &device);
+    let y_plain = burn_megatron_tests::values(
+        plain.forward(TransformerEncoderInput::new(x(&device)).mask_pad(padding(&device))),
+    );
+    for tp in [2, 4] {
+        let out = threads(
+            &ParallelConfig::new(tp, tp, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let rng = RngTracker::new(5, ctx.state.tensor_model_parallel_rank());
+                // Another seed: every value must come from the record.
+                let fresh = ParallelTransformerEncoder::new(&config, g, 99, &rng, d)?;
+                let ids: Vec<_> = params_ids(&fresh);
+                let local: u64 = params(&fresh).iter().map(|p| 4 * p.2.len() as u64).sum();
+                let mut runs = Vec::new();
+                for (source, options) in &sources {
+                    let (encoder, report) = load_sharded(fresh.clone(), source, g, options)?;
+                    assert_eq!(params_ids(&encoder), ids, "the parameters keep their ids");
+                    assert_eq!(report.shard_bytes, local, "{source:?}");
+                    assert!(report.missing.is_empty() && report.unused.is_empty());
+                    let input = ParallelTransformerEncoderInput::new(x(d)).mask_pad(padding(d));
+                    let y = burn_megatron_tests::values(encoder.forward(input));
+                    runs.push((gathered(&encoder, None, g), y, report));
+                }
+                Ok::<_, Error>(runs)
+            },
+        )?;
+        for (rank, runs) in out.iter().enumerate() {
+            for (i, (weights, y, report)) in runs.iter().enumerate() {
+                let what = format!("TP {tp}, rank {rank}, {:?}", sources[i].0);
+                assert_eq!(
+                    weights, &whole,
+                    "{what}: the gathered weights are the plain ones"
+                );
+                let dy = y
+                    .iter()
+                    .zip(&y_plain)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(dy < 1e-5, "{what}: output off by {dy}");
+                // Column shards of a burnpack need their whole tensor once (the widest is
+                // the feed-forward's [16, 32]); the map of a safetensors file needs none;
+                // row shards never do.
+                let largest = match i {
+                    0 => (D_MODEL * super::D_FF * 4) as u64,
+                    _ => 0,
+                };
+                assert_eq!(report.largest_whole_tensor_bytes, largest, "{what}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+fn params_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
+    struct Ids(Vec<burn::module::ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.push(p.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+#[test]
+fn a_record_that_does_not_fit_is_an_error_naming_the_path() -> Result<(), Error> {
+    let dir = scratch("errors");
+    let d = Device::flex();
+    let rng = RngTracker::new(5, 0);
+    let two = config(true, 0.0);
+    let one = TransformerEncoderConfig::new(D_MODEL, super::D_FF, super::HEADS, 1);
+    let wide = TransformerEncoderConfig::new(D_MODEL, 2 * super::D_FF, super::HEADS, 2);
+    let save = |config: &TransformerEncoderConfig, name: &str| {
+        let path = dir.join(name);
+        plain_encoder(config, &d).save_file(&path).unwrap();
+        RecordSource::from_path(path)
+    };
+    let (two_rec, one_rec, wide_rec) = (
+        save(&two, "two.bpk"),
+        save(&one, "one.bpk"),
+        save(&wide, "wide.bpk"),
+    );
+    let model = |config| ParallelTransformerEncoder::new(config, &solo(), 1, &rng, &d).unwrap();
+    let load = |config, source: &RecordSource, options: &LoadOptions| {
+        load_sharded(model(config), source, &solo(), options).map(|(_, report)| report)
+    };
+    let strict = LoadOptions::default();
+    // Two layers wanted, one saved.
+    let e = load(&two, &one_rec, &strict).unwrap_err().to_string();
+    assert!(
+        e.contains("layers.1.") && e.contains("not in the record"),
+        "{e}"
+    );
+    let report = load(&two, &one_rec, &strict.clone().with_allow_missing(true))?;
+    assert!(report.missing.iter().all(|p| p.starts_with("layers.1.")));
+    assert_eq!(report.missing.len(), report.loaded.len());
+    // One layer wanted, two saved.
+    let e = load(&one, &two_rec, &strict).unwrap_err().to_string();
+    assert!(
+        e.contains("no parameter takes") && e.contains("layers.1.mha.query.weight"),
+        "{e}"
+    );
+    let report = load(&one, &two_rec, &strict.clone().with_allow_unused(true))?;
+    assert_eq!(report.unused.len(), report.loaded.len());
+    // The feed-forward saved twice as wide.
+    let e = load(&two, &wide_rec, &strict).unwrap_err().to_string();
+    assert!(
+        e.contains("layers.0.pwff.linear_inner.weight")
+            && e.contains("[16, 64]")
+            && e.contains("[16, 32]"),
+        "{e}"
+    );
+    // Renames that send two tensors to one path; a rule that is not a pattern.
+    let clash = strict
+        .clone()
+        .with_key_remap(r"\.(gamma|beta)$", ".gamma")?;
+    let e = load(&two, &two_rec, &clash).unwrap_err().to_string();
+    assert!(
+        e.contains("both map to the module path") && e.contains("norm_1.gamma"),
+        "{e}"
+    );
+    assert!(LoadOptions::default().with_transposed("[").is_err());
+    // Transposing a 1-D tensor is refused, naming it.
+    let e = load(&two, &two_rec, &strict.clone().with_transposed("gamma")?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("norm_1.gamma") && e.contains("not 2"), "{e}");
+    let e = load(
+        &two,
+        &RecordSource::from_path(dir.join("absent.bpk")),
+        &strict,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("absent.bpk"), "{e}");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
