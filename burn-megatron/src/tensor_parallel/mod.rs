@@ -5,6 +5,8 @@
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`]: split linear layers.
 //! - [`MasterInit`], [`derive_seed`]: initialisation independent of the TP size.
 //! - [`VocabParallelEmbedding`], [`vocab_parallel_cross_entropy`]: the vocabulary split by rows.
+//! - [`VocabParallelSampler`], [`vocab_parallel_argmax`], [`vocab_parallel_accuracy`]: tokens
+//!   chosen from split logits without gathering the vocabulary.
 //! - [`RngTracker`]: dropout masks shared or distinct across TP ranks, as the region needs.
 //! - [`ParallelAttrs`]: per-parameter parallel attributes, queryable by `ParamId`.
 //! - [`dropin`]: Burn's composite layers (`nn::SwiGlu`, `nn::transformer::TransformerEncoder`)
@@ -20,6 +22,7 @@ mod layers;
 pub(crate) use layers::{matmul_bias, product};
 pub mod mappings;
 mod random;
+mod sampling;
 mod vocab;
 
 pub use attrs::{
@@ -36,6 +39,9 @@ pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
 pub use random::{MODEL_PARALLEL_SEED_OFFSET, RngRegion, RngTracker};
+pub use sampling::{
+    Sampling, VocabParallelSampler, vocab_parallel_accuracy, vocab_parallel_argmax,
+};
 pub use vocab::{DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size, vocab_range};
 
 use crate::comm::CommError;

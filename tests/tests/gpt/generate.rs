@@ -5,7 +5,8 @@
 use super::Error;
 use super::hf::{FIXTURES, fixture};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{GenerateConfig, Sampling, generate, load_hf_gpt};
+use burn_megatron::models::{GenerateConfig, generate, load_hf_gpt};
+use burn_megatron::tensor_parallel::Sampling;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::read_safetensors;
 

@@ -3,42 +3,22 @@
 //! different lengths (left-padded, each at its own positions, as `transformers` does), and a
 //! stop at EOS or after `max_new_tokens`.
 //!
-//! Each step gathers the last position's vocabulary-parallel logits once over the
-//! tensor-parallel group (`[b, V]`), so every rank draws the same token from the same seed.
+//! Each step chooses from the last position's vocabulary-parallel logits without gathering
+//! the vocabulary ([`VocabParallelSampler`]): every rank draws the same token from the same
+//! seed, and ranks fed other prompts fail together.
 
 use super::{Gpt, GptStageOutput, KvCache, Positions};
 use crate::comm::CommError;
-use crate::comm::tensor::all_gather;
-use crate::tensor_parallel::TpError;
+use crate::tensor_parallel::{Sampling, TpError, VocabParallelSampler};
 use burn::config::Config;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
-use rand::rngs::ChaCha8Rng;
-use rand::{RngExt, SeedableRng};
-
-/// How the next token is chosen.
-#[derive(Config, Debug, Copy, PartialEq)]
-pub enum Sampling {
-    /// The most likely token (the first of equals, as `torch.argmax`).
-    Greedy,
-    /// A draw from `softmax(logits / temperature)`, restricted to the `top_k` most likely
-    /// tokens and then to the smallest set whose probability reaches `top_p`.
-    Sample {
-        /// Above 0; 1 leaves the distribution as it is.
-        temperature: f64,
-        /// Keep this many tokens (`None`: all).
-        top_k: Option<usize>,
-        /// Keep the most likely tokens up to this cumulative probability, in `(0, 1]`
-        /// (`None`: all).
-        top_p: Option<f64>,
-    },
-}
 
 /// How [`generate`] runs.
 #[derive(Config, Debug)]
 pub struct GenerateConfig {
     /// Tokens to add to each prompt at most.
     pub max_new_tokens: usize,
-    /// Greedy or sampled.
+    /// Greedy or sampled ([`Sampling`], in `tensor_parallel`).
     #[config(default = "Sampling::Greedy")]
     pub sampling: Sampling,
     /// Seed of the draws.
@@ -72,7 +52,7 @@ pub enum GenerateError {
     /// The model refused its input.
     #[error(transparent)]
     Model(#[from] TpError),
-    /// Gathering the logits failed.
+    /// Agreeing on the tokens across the ranks failed.
     #[error(transparent)]
     Comm(#[from] CommError),
 }
@@ -111,7 +91,10 @@ pub fn generate(
     let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
     let mut done = vec![false; b];
     let mut out = vec![Vec::new(); b];
-    let mut rng = ChaCha8Rng::seed_from_u64(config.seed);
+    let tp = model.tp();
+    let mut sampler =
+        VocabParallelSampler::new(config.sampling, config.seed, model.vocab_size(), tp)?;
+    sampler.check_prompts(prompts)?;
     let mut cache = config.use_cache.then(KvCache::default);
     for step in 0..config.max_new_tokens {
         // With the cache, only the newest token after the first step.
@@ -151,19 +134,17 @@ pub fn generate(
             GptStageOutput::Hidden(_) => unreachable!("checked: the model has its head"),
         };
         let last = logits.narrow(0, s - 1, 1).reshape([b as i32, -1]);
-        let full = all_gather(&**model.tp(), last, 1)?;
-        let values: Vec<f32> = full
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec()
-            .map_err(|e| GenerateError::Invalid(format!("logits cannot be read: {e:?}")))?;
-        let v = values.len() / b;
+        // Rows still generating, in order: a finished row draws nothing (the seed's draws go
+        // to the rows that use them).
+        let live: Vec<i64> = (0..b).filter(|&i| !done[i]).map(|i| i as i64).collect();
+        let live_rows =
+            Tensor::<1, Int>::from_data(TensorData::new(live.clone(), [live.len()]), &device);
+        let mut chosen = sampler.sample(last.select(0, live_rows))?.into_iter();
         for i in 0..b {
             let token = if done[i] {
                 config.pad_token_id
             } else {
-                let row = &values[i * v..i * v + model.vocab_size()];
-                let t = choose(row, &config.sampling, &mut rng);
+                let t = chosen.next().expect("one token per live row");
                 out[i].push(t);
                 done[i] = Some(t) == config.eos_token_id;
                 t
@@ -217,80 +198,6 @@ fn check(model: &Gpt, prompts: &[Vec<u32>], config: &GenerateConfig) -> Result<(
             ));
         }
     }
-    if let Sampling::Sample {
-        temperature,
-        top_k,
-        top_p,
-    } = config.sampling
-    {
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return bad(format!("temperature must be above 0, got {temperature}"));
-        }
-        if top_k == Some(0) {
-            return bad("top_k must be at least 1".into());
-        }
-        if let Some(p) = top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            return bad(format!("top_p must be in (0, 1], got {p}"));
-        }
-    }
+    (config.sampling.check()).map_err(|e| GenerateError::Invalid(e.to_string()))?;
     Ok(())
 }
-
-/// The next token from one row of logits over the real vocabulary.
-fn choose(logits: &[f32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> u32 {
-    let argmax = |xs: &[f32]| {
-        let mut best = 0;
-        for (i, &x) in xs.iter().enumerate() {
-            if x > xs[best] {
-                best = i;
-            }
-        }
-        best as u32
-    };
-    let Sampling::Sample {
-        temperature,
-        top_k,
-        top_p,
-    } = *sampling
-    else {
-        return argmax(logits);
-    };
-    // Candidates by decreasing logit (ties by id), cut to top-k.
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    order.truncate(top_k.unwrap_or(order.len()).min(order.len()));
-    let max = f64::from(logits[order[0]]);
-    let mut probs: Vec<f64> = order
-        .iter()
-        .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
-        .collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
-    if let Some(top_p) = top_p {
-        // The smallest prefix whose mass reaches top_p (at least one token).
-        let mut mass = 0.0;
-        let keep = probs
-            .iter()
-            .position(|p| {
-                mass += p;
-                mass >= top_p
-            })
-            .map_or(probs.len(), |i| i + 1);
-        probs.truncate(keep);
-        order.truncate(keep);
-    }
-    let total: f64 = probs.iter().sum();
-    let mut draw = rng.random::<f64>() * total;
-    for (p, &i) in probs.iter().zip(&order) {
-        draw -= p;
-        if draw < 0.0 {
-            return i as u32;
-        }
-    }
-    order[order.len() - 1] as u32
-}
-
-#[cfg(test)]
-mod tests;
