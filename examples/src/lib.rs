@@ -46,6 +46,7 @@ pub fn llama(
 mod alloc;
 pub mod checkpoint_tool;
 pub mod dataset_tool;
+pub mod dropin;
 pub mod memory;
 pub mod phases;
 pub mod plan;

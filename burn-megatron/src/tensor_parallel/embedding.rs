@@ -6,7 +6,7 @@ use super::layers::partition;
 use super::mappings::{
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
-use super::{TpError, host_param};
+use super::{TpError, lazy_host_param};
 use crate::comm::Comm;
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -55,14 +55,14 @@ impl VocabParallelEmbeddingConfig {
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<VocabParallelEmbedding, TpError> {
         let part = partition(self.num_embeddings, tp.group().size(), "vocabulary entries")?;
         self.initializer.check()?;
-        let full = self.initializer.values(
-            self.num_embeddings * self.embedding_dim,
-            self.embedding_dim,
-            self.seed,
-        );
-        let rows = slice_rows(&full, self.embedding_dim, tp.group().rank() * part, part);
+        let (init, rank, seed) = (self.initializer, tp.group().rank(), self.seed);
+        let (n, dim) = (self.num_embeddings, self.embedding_dim);
+        let weight = lazy_host_param([part, dim], device, move || {
+            let full = init.values(n * dim, dim, seed);
+            slice_rows(&full, dim, rank * part, part)
+        });
         let layer = VocabParallelEmbedding {
-            weight: host_param(rows, [part, self.embedding_dim], device),
+            weight,
             tp: tp.clone(),
             layout: super::LayoutOwner::default(),
             sequence_parallel: self.sequence_parallel,

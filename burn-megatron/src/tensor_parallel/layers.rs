@@ -17,7 +17,7 @@ use super::mappings::{
     gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
 };
-use super::{TpError, host_param};
+use super::{TpError, lazy_host_param};
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
 use burn::config::Config;
@@ -93,22 +93,17 @@ impl ColumnParallelLinearConfig {
         let part = partition(self.d_output, size, "output features")?;
         self.initializer.check()?;
         self.bias_initializer.check()?;
-        let full = self
-            .initializer
-            .values(self.d_input * self.d_output, self.d_input, self.seed);
-        let w = slice_cols(&full, self.d_output, rank * part, part);
-        let weight = host_param(w, [self.d_input, part], device);
+        let (init, bias_init) = (self.initializer, self.bias_initializer);
+        let (d_input, d_output, seed) = (self.d_input, self.d_output, self.seed);
+        let weight = lazy_host_param([d_input, part], device, move || {
+            let full = init.values(d_input * d_output, d_input, seed);
+            slice_cols(&full, d_output, rank * part, part)
+        });
         let bias = self.bias.then(|| {
-            let full = self.bias_initializer.values(
-                self.d_output,
-                self.d_input,
-                self.seed.wrapping_add(1),
-            );
-            host_param(
-                full[rank * part..(rank + 1) * part].to_vec(),
-                [part],
-                device,
-            )
+            lazy_host_param([part], device, move || {
+                let full = bias_init.values(d_output, d_input, seed.wrapping_add(1));
+                full[rank * part..(rank + 1) * part].to_vec()
+            })
         });
         let layer = ColumnParallelLinear {
             weight,
@@ -320,18 +315,16 @@ impl RowParallelLinearConfig {
         let part = partition(self.d_input, size, "input features")?;
         self.initializer.check()?;
         self.bias_initializer.check()?;
-        let full = self
-            .initializer
-            .values(self.d_input * self.d_output, self.d_input, self.seed);
-        let w = slice_rows(&full, self.d_output, rank * part, part);
-        let weight = host_param(w, [part, self.d_output], device);
+        let (init, bias_init) = (self.initializer, self.bias_initializer);
+        let (d_input, d_output, seed) = (self.d_input, self.d_output, self.seed);
+        let weight = lazy_host_param([part, d_output], device, move || {
+            let full = init.values(d_input * d_output, d_input, seed);
+            slice_rows(&full, d_output, rank * part, part)
+        });
         let bias = self.bias.then(|| {
-            let b = self.bias_initializer.values(
-                self.d_output,
-                self.d_input,
-                self.seed.wrapping_add(1),
-            );
-            host_param(b, [self.d_output], device)
+            lazy_host_param([d_output], device, move || {
+                bias_init.values(d_output, d_input, seed.wrapping_add(1))
+            })
         });
         let layer = RowParallelLinear {
             weight,

@@ -45,8 +45,8 @@ pub use sampling::{
 pub use vocab::{DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size, vocab_range};
 
 use crate::comm::CommError;
-use burn::module::Param;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::module::{Param, ParamId};
+use burn::tensor::{Device, Shape, Tensor, TensorData};
 
 /// Why a tensor-parallel layer could not be built or gathered.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +70,27 @@ pub(crate) fn shard_param<const D: usize>(shard: Tensor<D>) -> Param<Tensor<D>> 
         true => shard.require_grad(),
         false => shard,
     })
+}
+
+/// A trainable parameter of `shape` whose host values `values` draws on first use: a layer
+/// built and then loaded (from a record by [`dropin::load_sharded`], or a checkpoint) never
+/// draws them or holds them (its layer states its attributes).
+pub(crate) fn lazy_host_param<const D: usize>(
+    shape: [usize; D],
+    device: &Device,
+    values: impl FnOnce() -> Vec<f32> + Send + Sync + 'static,
+) -> Param<Tensor<D>> {
+    let init = move |device: &Device, require_grad: bool| {
+        Tensor::<D>::from_data(TensorData::new(values(), shape), device)
+            .set_require_grad(require_grad)
+    };
+    Param::uninitialized(
+        ParamId::new(),
+        init,
+        device.clone(),
+        true,
+        Shape::from(shape),
+    )
 }
 
 /// A trainable parameter of `shape` from host values (its layer states its attributes).

@@ -20,7 +20,6 @@ use crate::shards::{Piece, assemble};
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};
 use regex::Regex;
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -199,14 +198,11 @@ struct Stored<'a> {
 }
 
 impl Stored<'_> {
-    /// Bytes `[start, end)` of the tensor, reading no more of a burnpack file than that.
-    fn range(&self, start: usize, end: usize) -> Result<Cow<'_, [u8]>, String> {
+    /// Bytes `[start, end)` of the tensor; from a burnpack file, a window read when used.
+    fn range(&self, start: usize, end: usize) -> Result<burn::tensor::Bytes, String> {
         match &self.bytes {
-            Bytes::Mapped(b) => Ok(Cow::Borrowed(&b[start..end])),
-            Bytes::Pack(b) => {
-                let view = b.view(start, end).map_err(|e| format!("{e:?}"))?;
-                Ok(Cow::Owned(view.to_vec()))
-            }
+            Bytes::Mapped(b) => Ok(burn::tensor::Bytes::from_bytes_vec(b[start..end].to_vec())),
+            Bytes::Pack(b) => b.view(start, end).map_err(|e| format!("{e:?}")),
         }
     }
 
@@ -285,7 +281,10 @@ impl PathMapper for Loader<'_, '_> {
             return p;
         };
         let transposed = self.options.transposed.iter().any(|re| re.is_match(path));
-        match self.shard(&p, &stored, transposed) {
+        let shard = self.shard(&p, &stored, transposed);
+        // The whole tensor a column shard was cut from goes before the shard is copied in.
+        drop(stored);
+        match shard {
             Ok(data) => {
                 self.report.loaded.push(path.to_string());
                 self.report.shard_bytes += data.as_bytes().len() as u64;
@@ -348,30 +347,32 @@ impl Loader<'_, '_> {
         let elem = stored.dtype.size();
         let row: usize = want.iter().skip(1).product::<usize>() * elem;
         let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d]);
-        let bytes = match rows_only || want.is_empty() {
-            true => {
-                let (start, end) = match want.is_empty() {
-                    true => (0, elem),
-                    false => (at[0] * row, (at[0] + size[0]) * row),
-                };
-                stored.range(start, end)?.into_owned()
-            }
-            false => {
-                let whole = stored.whole();
-                if matches!(stored.bytes, Bytes::Pack(_)) {
-                    let read = whole.len() as u64;
-                    let largest = &mut self.report.largest_whole_tensor_bytes;
-                    *largest = (*largest).max(read);
+        if rows_only || want.is_empty() {
+            let (start, end) = match want.is_empty() {
+                true => (0, elem),
+                false => (at[0] * row, (at[0] + size[0]) * row),
+            };
+            let bytes = stored.range(start, end)?;
+            return Ok(match transposed {
+                true => {
+                    let bytes = transpose(&bytes, size[0], size[1], elem);
+                    TensorData::from_bytes_vec(bytes, local, stored.dtype)
                 }
-                let zeros = vec![0; want.len()];
-                let piece = Piece {
-                    offset: &zeros,
-                    shape: &want,
-                    bytes: whole,
-                };
-                assemble(&at, &size, &[piece], elem)?
-            }
+                false => TensorData::from_bytes(bytes, local, stored.dtype),
+            });
+        }
+        let whole = stored.whole();
+        if matches!(stored.bytes, Bytes::Pack(_)) {
+            let largest = &mut self.report.largest_whole_tensor_bytes;
+            *largest = (*largest).max(whole.len() as u64);
+        }
+        let zeros = vec![0; want.len()];
+        let piece = Piece {
+            offset: &zeros,
+            shape: &want,
+            bytes: whole,
         };
+        let bytes = assemble(&at, &size, &[piece], elem)?;
         let bytes = match transposed {
             true => transpose(&bytes, size[0], size[1], elem),
             false => bytes,

@@ -1,0 +1,187 @@
+//! A Burn user's BERT (on `nn::transformer::TransformerEncoder`) made tensor-parallel by
+//! swapping its encoder, word embeddings and decoder.
+//!
+//! ```text
+//! cargo run -p burn-megatron-examples --example tp_bert_dropin [-- --tp 2 --steps 5]
+//! ```
+//!
+//! `plain.rs` is a small BERT for masked-language modelling written as bert-burn writes one:
+//! private fields, Burn's `TransformerEncoder` built from a full `TransformerEncoderConfig`, a
+//! padding mask, a prediction head whose decoder spans the vocabulary, a saved record.
+//! `parallel.rs` is the same code with `ParallelTransformerEncoder`, a vocabulary-parallel
+//! word embedding and decoder (diff the two). The plain model saves a record once; TP 1 loads
+//! it whole, each rank at `--tp` only its shards. Both train from it and fill the masks: the
+//! losses and the first step's gradients (gathered by path) must agree within 1e-5 and the
+//! predicted tokens must be equal, or the example fails.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_megatron::launch::{self, LaunchOptions};
+use burn_megatron::tensor_parallel::TpError;
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_examples::dropin::{print_losses, solo, train, worst};
+use clap::Parser;
+
+#[derive(Parser)]
+struct Args {
+    /// Tensor-parallel size to compare with TP = 1 (1, 2 or 4: it splits the 4 heads).
+    #[arg(long, default_value_t = 2)]
+    tp: usize,
+    /// Training steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+}
+
+/// The model's sizes, named as Hugging Face's `BertConfig` names them.
+#[derive(Config, Debug)]
+pub struct BertConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    pub max_position_embeddings: usize,
+    pub type_vocab_size: usize,
+}
+
+/// The user's BERT, in plain Burn.
+mod plain;
+
+/// The same BERT, tensor-parallel: diff `parallel.rs` against `plain.rs`.
+mod parallel;
+
+const BATCH: usize = 2;
+const SEQ: usize = 12;
+const PAD: i64 = 0;
+const MASK: i64 = 1;
+const TOLERANCE: f32 = 1e-5;
+
+/// `[b, s, v]` logits at the flat positions `at`: `[n, v]`.
+pub fn masked(logits: Tensor<3>, at: Tensor<1, Int>) -> Tensor<2> {
+    let [b, s, v] = logits.dims();
+    logits.reshape([b * s, v]).select(0, at)
+}
+
+/// A masked-language-modelling batch: tokens with `[MASK]` at some positions, the second
+/// sample padded at its end, the masked positions (flat) and their original tokens.
+struct Batch {
+    tokens: Tensor<2, Int>,
+    pad: Tensor<2, Bool>,
+    at: Tensor<1, Int>,
+    labels: Tensor<1, Int>,
+}
+
+impl Batch {
+    fn new(vocab: usize, device: &Device) -> Self {
+        let (len, mut tokens) = ([SEQ, SEQ - 3], Vec::new());
+        let (mut at, mut labels, mut pad) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, &n) in len.iter().enumerate() {
+            for j in 0..SEQ {
+                let t = 2 + ((i * 31 + j * 7 + j * j) % (vocab - 2)) as i64;
+                let masked = j < n && j % 4 == 1;
+                if masked {
+                    at.push((i * SEQ + j) as i64);
+                    labels.push(t);
+                }
+                tokens.push(if j >= n {
+                    PAD
+                } else if masked {
+                    MASK
+                } else {
+                    t
+                });
+                pad.push(j >= n);
+            }
+        }
+        let n = at.len();
+        Self {
+            tokens: Tensor::from_data(TensorData::new(tokens, [BATCH, SEQ]), device),
+            pad: Tensor::from_data(TensorData::new(pad, [BATCH, SEQ]), device),
+            at: Tensor::from_data(TensorData::new(at, [n]), device),
+            labels: Tensor::from_data(TensorData::new(labels, [n]), device),
+        }
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let config = BertConfig::new(128, 32, 2, 4, 64, 16, 2);
+    if !config.num_attention_heads.is_multiple_of(args.tp) {
+        return Err("--tp must divide the 4 attention heads".into());
+    }
+    // The user's saved weights: a record the plain model writes (burnpack).
+    let dir = std::env::temp_dir().join(format!("tp-bert-dropin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let record = dir.join("bert.bpk");
+    let device = Device::flex();
+    device.seed(7);
+    plain::BertMaskedLm::new(&config, &device).save_file(&record)?;
+
+    // TP 1: the plain model loads the whole record.
+    let b = Batch::new(config.vocab_size, &device);
+    let (filled, right) = plain::BertMaskedLm::load(&config, &record, &device)
+        .fill_mask(b.tokens, b.pad, b.at, b.labels);
+    let ad = Device::flex().autodiff();
+    let b = Batch::new(config.vocab_size, &ad);
+    let model = plain::BertMaskedLm::load(&config, &record, &ad);
+    let (single, plain_grads) = train(model, args.steps, &solo(), |m| {
+        Ok::<_, TpError>(m.loss(
+            b.tokens.clone(),
+            b.pad.clone(),
+            b.at.clone(),
+            b.labels.clone(),
+        ))
+    })?;
+
+    // TP = --tp: each rank reads only its shards of the same record.
+    let ranks = launch::threads(
+        &ParallelConfig::new(args.tp, args.tp, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (tp, d) = (&ctx.groups.tp, &ctx.device);
+            let plain_device = Device::flex();
+            let e = Batch::new(config.vocab_size, &plain_device);
+            let filled = parallel::BertMaskedLm::load(&config, &record, tp, &plain_device)?
+                .fill_mask(e.tokens, e.pad, e.at, e.labels)?;
+            let b = Batch::new(config.vocab_size, d);
+            let model = parallel::BertMaskedLm::load(&config, &record, tp, d)?;
+            let (losses, grads) = train(model, args.steps, tp, |m| {
+                m.loss(
+                    b.tokens.clone(),
+                    b.pad.clone(),
+                    b.at.clone(),
+                    b.labels.clone(),
+                )
+            })?;
+            Ok::<_, TpError>((losses, grads, filled))
+        },
+    )?;
+    std::fs::remove_dir_all(&dir)?;
+    let (parallel, parallel_grads, parallel_filled) = ranks.into_iter().next().expect("a rank");
+
+    println!("masks filled at TP=1:  {filled:?} ({right} right, untrained)");
+    println!(
+        "masks filled at TP={}: {:?} ({} right, untrained)",
+        args.tp, parallel_filled.0, parallel_filled.1
+    );
+    let worst_loss = print_losses(args.tp, &single, &parallel);
+    let (worst_grad, name) = worst(&plain_grads, &parallel_grads);
+    println!("largest relative gradient difference (step 0): {worst_grad:.2e} ({name})");
+    // Written so that a NaN fails too.
+    if !(worst_loss <= TOLERANCE && worst_grad <= TOLERANCE) {
+        return Err(format!(
+            "TP={} differs from TP=1 by more than {TOLERANCE:e}",
+            args.tp
+        )
+        .into());
+    }
+    if (filled, right) != parallel_filled {
+        return Err(format!(
+            "TP={} filled the masks with other tokens than TP=1",
+            args.tp
+        )
+        .into());
+    }
+    Ok(())
+}

@@ -1,0 +1,239 @@
+//! A Burn user's Llama made tensor-parallel by swapping its layers.
+//!
+//! ```text
+//! cargo run -p burn-megatron-examples --example tp_llama_dropin [-- --tp 2 --steps 5]
+//! ```
+//!
+//! `mod plain` is a small Llama written the way Burn's model repositories write one
+//! (llama-burn): private fields, `nn::SwiGlu`, an attention output reshaped to the input's
+//! width, a key/value cache sized from the config, weights loaded from a saved record and
+//! greedy generation. `mod parallel` is the same code with tensor-parallel layers (diff the
+//! two). The plain model saves a record once; TP 1 loads it whole, each rank at `--tp` loads
+//! only its shards from it. Both train from it and generate from it: the losses and the first
+//! step's gradients (gathered by path) must agree within 1e-5 and the generated tokens must be
+//! equal, or the example fails.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_megatron::launch::{self, LaunchOptions};
+use burn_megatron::tensor_parallel::TpError;
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_examples::dropin::{print_losses, solo, train, worst};
+use burn_megatron_examples::memory::{Counter, mib};
+use clap::Parser;
+
+#[derive(Parser)]
+struct Args {
+    /// Tensor-parallel size to compare with TP = 1 (1 or 2: it splits the 2 key/value heads).
+    #[arg(long, default_value_t = 2)]
+    tp: usize,
+    /// Training steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Tokens to generate greedily from the saved weights.
+    #[arg(long, default_value_t = 8)]
+    new_tokens: usize,
+}
+
+/// The model's sizes, as llama-burn's `LlamaConfig`.
+#[derive(Config, Debug)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub hidden_size: usize,
+    pub n_layers: usize,
+    pub max_seq_len: usize,
+}
+
+const SEQ: usize = 16;
+const BATCH: usize = 2;
+const TOLERANCE: f32 = 1e-5;
+
+/// Llama's `repeat_kv`: `[b, kv_heads, s, d]` → `[b, kv_heads · n_rep, s, d]`.
+fn repeat_kv(x: Tensor<4>, n_rep: usize) -> Tensor<4> {
+    let [b, kv_heads, s, d] = x.dims();
+    let x = x.unsqueeze_dim::<5>(2).repeat_dim(2, n_rep);
+    x.reshape([b, kv_heads * n_rep, s, d])
+}
+
+/// `[1, 1, s, t]`, added to the scores of the last `s` of `t` positions: a large negative
+/// number where a key lies after its query.
+fn causal_mask(s: usize, t: usize, device: &Device) -> Tensor<4> {
+    let after = Tensor::<2, Bool>::tril_mask([s, t], (t - s) as i64, device);
+    Tensor::<2>::zeros([s, t], device)
+        .mask_fill(after, -1e9)
+        .unsqueeze()
+}
+
+/// One layer's keys and values so far, `[batch, kv_heads, max_seq_len, head_dim]` (llama-burn's
+/// `cache.rs`, which the conversion does not touch).
+pub struct KeyValueCache {
+    key: Tensor<4>,
+    value: Tensor<4>,
+    len: usize,
+}
+
+impl KeyValueCache {
+    pub fn new(
+        batch: usize,
+        kv_heads: usize,
+        max_seq_len: usize,
+        head_dim: usize,
+        device: &Device,
+    ) -> Self {
+        let empty = || Tensor::zeros([batch, kv_heads, max_seq_len, head_dim], device);
+        Self {
+            key: empty(),
+            value: empty(),
+            len: 0,
+        }
+    }
+
+    /// Appends `[b, kv_heads, s, d]` keys and values; all of them so far.
+    pub fn forward(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
+        let [b, h, s, d] = k.dims();
+        let (at, end) = (self.len, self.len + s);
+        self.key = self
+            .key
+            .clone()
+            .slice_assign([0..b, 0..h, at..end, 0..d], k);
+        self.value = self
+            .value
+            .clone()
+            .slice_assign([0..b, 0..h, at..end, 0..d], v);
+        self.len = end;
+        let so_far = |t: &Tensor<4>| t.clone().slice([0..b, 0..h, 0..end, 0..d]);
+        (so_far(&self.key), so_far(&self.value))
+    }
+}
+
+/// The user's Llama, in plain Burn.
+mod plain;
+
+/// The same Llama, tensor-parallel: diff `parallel.rs` against `plain.rs`.
+mod parallel;
+
+/// The fixed batch both train on: `[BATCH, SEQ]` inputs and the labels one token ahead.
+fn batch(device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let v: Vec<i64> = (0..BATCH * (SEQ + 1))
+        .map(|i| ((i * 5 + i / 3) % 64) as i64)
+        .collect();
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(v, [BATCH, SEQ + 1]), device);
+    (ids.clone().narrow(1, 0, SEQ), ids.narrow(1, 1, SEQ))
+}
+
+/// Each rank's peak while building and loading a larger Llama (vocabulary 8192, width 512,
+/// 4 layers: 82 MB of weights) from its record, against its shards plus one whole tensor.
+fn loading_memory(dir: &std::path::Path, tp: usize) -> Result<String, Box<dyn std::error::Error>> {
+    let config = LlamaConfig::new(8192, 512, 8, 4, 1536, 4, 64);
+    let record = dir.join("larger.bpk");
+    plain::Llama::new(&config, &Device::flex()).save_file(&record)?;
+    let whole = std::fs::metadata(&record)?.len() as i64;
+    let ranks = launch::threads(
+        &ParallelConfig::new(tp, tp, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let counter = Counter::claim();
+            let (model, report) =
+                parallel::Llama::load(&config, &record, &ctx.groups.tp, &Device::flex())?;
+            let peak = counter.peak();
+            drop(model);
+            Ok::<_, TpError>((peak, report))
+        },
+    )?;
+    let (peak, report) = &ranks[0];
+    let (shards, read_whole) = (
+        report.shard_bytes as i64,
+        report.largest_whole_tensor_bytes as i64,
+    );
+    // The largest tensor (the output layer and the embedding, [512, 8192]): one whole one.
+    let bound = shards + 512 * 8192 * 4;
+    let line = format!(
+        "loading a {} record at TP {tp}: rank 0 peaks at {} = {:.2}x (its shards {} + one whole tensor {}); \
+         largest tensor read whole {}",
+        mib(whole),
+        mib(*peak),
+        *peak as f64 / bound as f64,
+        mib(shards),
+        mib(512 * 8192 * 4),
+        mib(read_whole),
+    );
+    Ok(line)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let config = LlamaConfig::new(64, 32, 4, 2, 48, 2, SEQ + args.new_tokens + 8);
+    if !config.n_kv_heads.is_multiple_of(args.tp) {
+        return Err("--tp must divide the 2 key/value heads".into());
+    }
+    // The user's saved weights: a record the plain model writes (burnpack, Burn's own format).
+    let dir = std::env::temp_dir().join(format!("tp-llama-dropin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let record = dir.join("llama.bpk");
+    let device = Device::flex();
+    device.seed(42);
+    plain::Llama::new(&config, &device).save_file(&record)?;
+    let prompt = [1, 7, 3, 12];
+
+    // TP 1: the plain model loads the whole record.
+    let tokens =
+        plain::Llama::load(&config, &record, &device).generate(&config, &prompt, args.new_tokens);
+    let ad = Device::flex().autodiff();
+    let model = plain::Llama::load(&config, &record, &ad);
+    let (x, y) = batch(&ad);
+    let (single, plain_grads) = train(model, args.steps, &solo(), |m| {
+        Ok::<_, TpError>(m.loss(x.clone(), y.clone()))
+    })?;
+
+    // TP = --tp: each rank reads only its shards of the same record.
+    let ranks = launch::threads(
+        &ParallelConfig::new(args.tp, args.tp, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (tp, d) = (&ctx.groups.tp, &ctx.device);
+            let counter = Counter::claim();
+            let (model, report) = parallel::Llama::load(&config, &record, tp, &Device::flex())?;
+            let peak = counter.peak();
+            let tokens = model.generate(&config, &prompt, args.new_tokens)?;
+            drop(model);
+            let (model, _) = parallel::Llama::load(&config, &record, tp, d)?;
+            let (x, y) = batch(d);
+            let (losses, grads) = train(model, args.steps, tp, |m| m.loss(x.clone(), y.clone()))?;
+            Ok::<_, TpError>((losses, grads, tokens, report, peak))
+        },
+    )?;
+    let memory = loading_memory(&dir, args.tp)?;
+    std::fs::remove_dir_all(&dir)?;
+    let (parallel, parallel_grads, parallel_tokens, report, peak) =
+        ranks.into_iter().next().expect("a rank");
+
+    println!(
+        "rank 0 loaded {} tensors: {} of shards, {} at most read whole; peak while loading {}",
+        report.loaded.len(),
+        mib(report.shard_bytes as i64),
+        mib(report.largest_whole_tensor_bytes as i64),
+        mib(peak)
+    );
+    println!("{memory}");
+    println!("greedy tokens TP=1:  {tokens:?}");
+    println!("greedy tokens TP={}: {parallel_tokens:?}", args.tp);
+    let worst_loss = print_losses(args.tp, &single, &parallel);
+    let (worst_grad, name) = worst(&plain_grads, &parallel_grads);
+    println!("largest relative gradient difference (step 0): {worst_grad:.2e} ({name})");
+    // Written so that a NaN fails too.
+    if !(worst_loss <= TOLERANCE && worst_grad <= TOLERANCE) {
+        return Err(format!(
+            "TP={} differs from TP=1 by more than {TOLERANCE:e}",
+            args.tp
+        )
+        .into());
+    }
+    if tokens != parallel_tokens {
+        return Err(format!("TP={} generated other tokens than TP=1", args.tp).into());
+    }
+    Ok(())
+}

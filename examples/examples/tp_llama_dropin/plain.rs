@@ -1,0 +1,173 @@
+//! The user's Llama, in plain Burn, written as llama-burn writes it.
+
+use super::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, SwiGlu, SwiGluConfig};
+use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use std::path::Path;
+
+#[derive(Module, Debug)]
+pub struct Attention {
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+// ANCHOR: attention
+impl Attention {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        cache: Option<&mut KeyValueCache>,
+        rope: &RotaryEncoding,
+    ) -> Tensor<3> {
+        let [b, s, hidden_size] = x.dims();
+        let start = cache.as_ref().map_or(0, |c| c.len);
+        let heads = |t: Tensor<3>, n| t.reshape([b, s, n, self.head_dim]).swap_dims(1, 2);
+        let q = rope.apply(heads(self.wq.forward(x.clone()), self.n_heads), start);
+        let k = rope.apply(heads(self.wk.forward(x.clone()), self.n_kv_heads), start);
+        let v = heads(self.wv.forward(x.clone()), self.n_kv_heads);
+        let (k, v) = match cache {
+            Some(cache) => cache.forward(k, v),
+            None => (k, v),
+        };
+        let n_rep = self.n_heads / self.n_kv_heads;
+        let (k, v) = (repeat_kv(k, n_rep), repeat_kv(v, n_rep));
+        let mask = causal_mask(s, k.dims()[2], &x.device());
+        let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
+        let out = softmax(scores + mask, 3).matmul(v).swap_dims(1, 2);
+        self.wo.forward(out.reshape([b, s, hidden_size]))
+    }
+}
+// ANCHOR_END: attention
+
+#[derive(Module, Debug)]
+pub struct FeedForward {
+    swiglu: SwiGlu,
+    w2: Linear,
+}
+
+#[derive(Module, Debug)]
+pub struct TransformerBlock {
+    attention: Attention,
+    feed_forward: FeedForward,
+    attention_norm: RmsNorm,
+    ffn_norm: RmsNorm,
+}
+
+impl TransformerBlock {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        cache: Option<&mut KeyValueCache>,
+        rope: &RotaryEncoding,
+    ) -> Tensor<3> {
+        let h = x.clone()
+            + self
+                .attention
+                .forward(self.attention_norm.forward(x), cache, rope);
+        let ffn = &self.feed_forward;
+        h.clone() + ffn.w2.forward(ffn.swiglu.forward(self.ffn_norm.forward(h)))
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Llama {
+    tok_embeddings: Embedding,
+    layers: Vec<TransformerBlock>,
+    norm: RmsNorm,
+    output: Linear,
+    rope: RotaryEncoding,
+}
+
+impl Llama {
+    // ANCHOR: new
+    pub fn new(c: &LlamaConfig, device: &Device) -> Self {
+        let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
+        let norm = || RmsNormConfig::new(c.d_model).init(device);
+        let head_dim = c.d_model / c.n_heads;
+        let block = |_| TransformerBlock {
+            attention: Attention {
+                wq: linear(c.d_model, c.n_heads * head_dim),
+                wk: linear(c.d_model, c.n_kv_heads * head_dim),
+                wv: linear(c.d_model, c.n_kv_heads * head_dim),
+                wo: linear(c.n_heads * head_dim, c.d_model),
+                n_heads: c.n_heads,
+                n_kv_heads: c.n_kv_heads,
+                head_dim,
+            },
+            feed_forward: FeedForward {
+                swiglu: SwiGluConfig::new(c.d_model, c.hidden_size).init(device),
+                w2: linear(c.hidden_size, c.d_model),
+            },
+            attention_norm: norm(),
+            ffn_norm: norm(),
+        };
+        Self {
+            tok_embeddings: EmbeddingConfig::new(c.vocab_size, c.d_model).init(device),
+            layers: (0..c.n_layers).map(block).collect(),
+            norm: norm(),
+            output: linear(c.d_model, c.vocab_size),
+            rope: RotaryEncodingConfig::new(c.max_seq_len, head_dim).init(device),
+        }
+    }
+    // ANCHOR_END: new
+
+    // ANCHOR: load
+    /// The model with the weights of the record at `path`.
+    pub fn load(c: &LlamaConfig, path: &Path, device: &Device) -> Self {
+        Self::new(c, device).load_file(path)
+    }
+    // ANCHOR_END: load
+
+    /// `[b, s]` token ids → `[b, s, vocab]` logits, appending to `caches` (one per layer).
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        mut caches: Option<&mut [KeyValueCache]>,
+    ) -> Tensor<3> {
+        let mut x = self.tok_embeddings.forward(tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(x, caches.as_mut().map(|c| &mut c[i]), &self.rope);
+        }
+        self.output.forward(self.norm.forward(x))
+    }
+
+    /// Mean next-token cross-entropy; `labels[i, t]` is `tokens[i, t + 1]`.
+    pub fn loss(&self, tokens: Tensor<2, Int>, labels: Tensor<2, Int>) -> Tensor<1> {
+        let logits = self.forward(tokens, None);
+        let [b, s, v] = logits.dims();
+        let (logits, labels) = (logits.reshape([b * s, v]), labels.reshape([b * s]));
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, labels)
+    }
+
+    // ANCHOR: generate
+    /// `prompt` and `new_tokens` greedy tokens after it, through the key/value cache.
+    pub fn generate(&self, c: &LlamaConfig, prompt: &[i64], new_tokens: usize) -> Vec<i64> {
+        let device = self.output.weight.device();
+        let head_dim = c.d_model / c.n_heads;
+        let cache = |_| KeyValueCache::new(1, c.n_kv_heads, c.max_seq_len, head_dim, &device);
+        let mut caches: Vec<KeyValueCache> = (0..c.n_layers).map(cache).collect();
+        let (mut tokens, mut input) = (prompt.to_vec(), prompt.to_vec());
+        for _ in 0..new_tokens {
+            let ids = TensorData::new(input.clone(), [1, input.len()]);
+            let logits = self.forward(Tensor::from_data(ids, &device), Some(&mut caches));
+            let [_, s, v] = logits.dims();
+            let last = logits.narrow(1, s - 1, 1).reshape([1, v]);
+            let next = last.argmax(1).into_scalar::<i64>();
+            tokens.push(next);
+            input = vec![next];
+        }
+        tokens
+    }
+    // ANCHOR_END: generate
+}
