@@ -155,27 +155,7 @@ impl VocabParallelEmbedding {
     /// [`check_ids`](Self::check_ids).
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.state_attrs();
-        let out = if self.tp.group().size() == 1 {
-            embedding(self.weight.val(), ids)
-        } else {
-            let (start, end) = self.vocab_range();
-            let outside = ids
-                .clone()
-                .lower_elem(start as i64)
-                .bool_or(ids.clone().greater_equal_elem(end as i64));
-            let local = (ids - start as i64).mask_fill(outside.clone(), 0);
-            let keep = outside
-                .bool_not()
-                .float()
-                .cast(self.weight.val().dtype())
-                .unsqueeze_dim::<3>(2);
-            embedding(self.weight.val(), local) * keep
-        };
-        if self.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(out.swap_dims(0, 1), &self.tp)
-        } else {
-            reduce_from_tensor_model_parallel_region(out, &self.tp)
-        }
+        vocab_lookup(&self.weight, ids, &self.tp, self.sequence_parallel)
     }
 
     /// Gathers every rank's rows back into the full plain Burn `Embedding` (a collective).
@@ -209,4 +189,39 @@ pub(crate) fn check_index_range(
         )));
     }
     Ok(())
+}
+
+/// `[b, s]` ids → `[b, s, d]` rows of a table whose rows `weight` holds this rank's share of
+/// (rank `r` of `tp` holds the `r`-th block): ids outside it give zeros, and the ranks' rows
+/// are summed (reduce-scattered along the sequence, `[s / tp, b, d]`, under sequence
+/// parallelism).
+pub(crate) fn vocab_lookup(
+    weight: &Param<Tensor<2>>,
+    ids: Tensor<2, Int>,
+    tp: &Comm,
+    sequence_parallel: bool,
+) -> Tensor<3> {
+    let out = if tp.group().size() == 1 {
+        embedding(weight.val(), ids)
+    } else {
+        let part = weight.dims()[0];
+        let start = tp.group().rank() * part;
+        let end = start + part;
+        let outside = ids
+            .clone()
+            .lower_elem(start as i64)
+            .bool_or(ids.clone().greater_equal_elem(end as i64));
+        let local = (ids - start as i64).mask_fill(outside.clone(), 0);
+        let keep = outside
+            .bool_not()
+            .float()
+            .cast(weight.val().dtype())
+            .unsqueeze_dim::<3>(2);
+        embedding(weight.val(), local) * keep
+    };
+    if sequence_parallel {
+        reduce_scatter_to_sequence_parallel_region(out.swap_dims(0, 1), tp)
+    } else {
+        reduce_from_tensor_model_parallel_region(out, tp)
+    }
 }

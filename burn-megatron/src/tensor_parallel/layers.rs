@@ -120,6 +120,32 @@ impl ColumnParallelLinearConfig {
     }
 }
 
+/// Panics, naming the layer and the numbers, when `input`'s last dimension is not the
+/// width `weight` takes (dim 0 of this rank's `[in, out]` shard): a model written for one
+/// device often reshapes an attention output to the input's full width, which at TP > 1 is
+/// `tp` times what a row-parallel layer's shard takes. Burn's own `Linear` panics on a
+/// mismatch as well; its forward has no room for an error.
+pub(crate) fn check_width<const D: usize>(
+    layer: &str,
+    input: &Tensor<D>,
+    weight: &Param<Tensor<2>>,
+    tp: Option<&Comm>,
+) {
+    let (got, want) = (input.dims()[D - 1], weight.lazy_shape().to_vec()[0]);
+    if got != want {
+        let size = tp.map_or(1, |tp| tp.group().size());
+        let hint = match got == want * size && size > 1 {
+            true => format!(
+                " ({got} is the full width: this rank takes 1/{size} of it; size reshapes from \
+                 this rank's heads, tensor_parallel::dropin::attention_split, not from the \
+                 input's width)"
+            ),
+            false => String::new(),
+        };
+        panic!("{layer}: the input has {got} features, this rank's weight takes {want}{hint}");
+    }
+}
+
 impl ColumnParallelLinear {
     /// Takes this rank's shard of a plain Burn `Linear` (the same full layer on every rank).
     pub fn from_linear(
@@ -207,6 +233,7 @@ impl ColumnParallelLinear {
         input: Tensor<D>,
     ) -> (Tensor<D>, Option<Tensor<1>>) {
         self.state_attrs();
+        check_width("ColumnParallelLinear", &input, &self.weight, Some(&self.tp));
         let input = if self.sequence_parallel {
             gather_from_sequence_parallel_region(input, &self.tp, true)
         } else {
@@ -431,6 +458,7 @@ impl RowParallelLinear {
     ) -> (Tensor<D>, Option<Tensor<1>>) {
         self.state_attrs();
         let input = if self.input_is_parallel {
+            check_width("RowParallelLinear", &input, &self.weight, Some(&self.tp));
             input
         } else {
             scatter_to_tensor_model_parallel_region(input, &self.tp)

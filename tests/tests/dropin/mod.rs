@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 mod load;
+mod plan;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -321,4 +322,25 @@ fn sizes_and_layers_that_do_not_split_are_errors_naming_them() -> Result<(), Err
     let e = master_init(&Initializer::XavierUniform { gain: 1.0 }).unwrap_err();
     assert!(e.to_string().contains("XavierUniform"), "{e}");
     Ok(())
+}
+
+#[test]
+fn a_full_width_input_to_a_row_parallel_layer_is_an_error_naming_the_numbers() {
+    // The attention output reshaped to the input's width (16) where this rank holds 8.
+    let out = threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let wo =
+                RowParallelLinear::split(&seeded_linear(16, 16, 3, &ctx.device), &ctx.groups.tp)?;
+            let y = wo.forward(data([2, 16], 0, 1, &ctx.device));
+            Ok::<_, Error>(burn_megatron_tests::values(y))
+        },
+    );
+    let e = out.unwrap_err().to_string();
+    assert!(
+        e.contains("RowParallelLinear: the input has 16 features, this rank's weight takes 8")
+            && e.contains("attention_split"),
+        "{e}"
+    );
 }

@@ -26,6 +26,8 @@ mod heads;
 mod init;
 mod load;
 mod mha;
+pub mod nn;
+mod plan;
 mod swiglu;
 
 pub use encoder::{
@@ -36,4 +38,5 @@ pub use heads::{AttentionSplit, attention_split};
 pub use init::master_init;
 pub use load::{LoadOptions, LoadReport, RecordSource, load_sharded};
 pub use mha::{ParallelMhaInput, ParallelMhaOutput, ParallelMultiHeadAttention};
+pub use plan::{Split, TpPlan, TpSlot};
 pub use swiglu::ParallelSwiGlu;

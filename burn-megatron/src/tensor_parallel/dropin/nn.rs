@@ -1,0 +1,226 @@
+//! `Linear`, `Embedding` and `SwiGlu` with Burn's names, fields, configs and record paths,
+//! each with a [`TpSlot`] that a [`TpPlan`](super::TpPlan) fills: a model written with
+//! `burn::nn` becomes tensor-parallel by importing these instead and applying a plan, with no
+//! constructor changed. Until a plan assigns a split, each layer computes exactly what
+//! Burn's does.
+
+use super::plan::{Split, TpSlot};
+use crate::grad_hooks::hook_param;
+use crate::tensor_parallel::embedding::vocab_lookup;
+use crate::tensor_parallel::layers::check_width;
+use crate::tensor_parallel::mappings::{
+    copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+};
+use crate::tensor_parallel::matmul_bias;
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::Initializer;
+use burn::tensor::activation::silu;
+use burn::tensor::{Device, Int, Tensor};
+
+/// Burn's `LinearConfig` (row layout).
+#[derive(Config, Debug)]
+pub struct LinearConfig {
+    /// The size of the input features.
+    pub d_input: usize,
+    /// The size of the output features.
+    pub d_output: usize,
+    /// If a bias should be applied during the linear transformation.
+    #[config(default = true)]
+    pub bias: bool,
+    /// The type of function used to initialize neural network parameters (Burn's default).
+    #[config(default = "burn::nn::LinearConfig::new(1, 1).initializer")]
+    pub initializer: Initializer,
+}
+
+impl LinearConfig {
+    /// The layer on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> Linear {
+        let burn::nn::Linear { weight, bias } =
+            burn::nn::LinearConfig::new(self.d_input, self.d_output)
+                .with_bias(self.bias)
+                .with_initializer(self.initializer.clone())
+                .init(device);
+        Linear {
+            weight,
+            bias,
+            tp: TpSlot::default(),
+        }
+    }
+}
+
+/// Burn's `Linear` (`[in, out]` weight), column- or row-parallel once a plan says so.
+#[derive(Module, Debug)]
+pub struct Linear {
+    /// `[d_input, d_output]`, or this rank's shard of it.
+    pub weight: Param<Tensor<2>>,
+    /// `[d_output]`, or this rank's shard of it (column-parallel).
+    pub bias: Option<Param<Tensor<1>>>,
+    tp: TpSlot,
+}
+
+impl Linear {
+    /// `[..., d_input]` → `[..., d_output]`; column-parallel: `[..., d_output / tp]` (the
+    /// input copied into the region); row-parallel: from `[..., d_input / tp]`, summed over
+    /// the ranks.
+    ///
+    /// # Panics
+    ///
+    /// On an input of another width than the weight takes, naming both (as Burn's).
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        let Some(a) = &self.tp.0 else {
+            let bias = self.bias.as_ref().map(|b| b.val());
+            check_width("Linear", &input, &self.weight, None);
+            return matmul_bias(input, self.weight.val(), bias, false);
+        };
+        self.restate(a);
+        match a.split {
+            Split::Row => {
+                check_width("Linear (row-parallel)", &input, &self.weight, Some(&a.tp));
+                let weight = hook_param(&self.weight, &input);
+                let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
+                let out = reduce_from_tensor_model_parallel_region(
+                    matmul_bias(input, weight, None, false),
+                    &a.tp,
+                );
+                match bias {
+                    Some(b) => out + b.unsqueeze(),
+                    None => out,
+                }
+            }
+            _ => {
+                check_width(
+                    "Linear (column-parallel)",
+                    &input,
+                    &self.weight,
+                    Some(&a.tp),
+                );
+                let input = copy_to_tensor_model_parallel_region(input, &a.tp);
+                let weight = hook_param(&self.weight, &input);
+                let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
+                matmul_bias(input, weight, bias, false)
+            }
+        }
+    }
+
+    /// The split a plan assigned, if any.
+    pub fn split(&self) -> Option<Split> {
+        self.tp.split()
+    }
+
+    /// The parameters' attributes again: a record load gives them other ids.
+    fn restate(&self, a: &super::plan::Assigned) {
+        use crate::tensor_parallel::ParallelAttrs;
+        let (w, b) = match a.split {
+            Split::Row => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
+            _ => (ParallelAttrs::sharded(1), ParallelAttrs::sharded(0)),
+        };
+        a.layout.state(self.weight.id, w);
+        if let Some(bias) = &self.bias {
+            a.layout.state(bias.id, b);
+        }
+    }
+}
+
+/// Burn's `EmbeddingConfig`.
+#[derive(Config, Debug)]
+pub struct EmbeddingConfig {
+    /// The number of embedding vectors.
+    pub n_embedding: usize,
+    /// The size of each vector.
+    pub d_model: usize,
+    /// The type of function used to initialize neural network parameters (Burn's default).
+    #[config(default = "burn::nn::EmbeddingConfig::new(1, 1).initializer")]
+    pub initializer: Initializer,
+}
+
+impl EmbeddingConfig {
+    /// The table on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> Embedding {
+        let burn::nn::Embedding { weight } =
+            burn::nn::EmbeddingConfig::new(self.n_embedding, self.d_model)
+                .with_initializer(self.initializer.clone())
+                .init(device);
+        Embedding {
+            weight,
+            tp: TpSlot::default(),
+        }
+    }
+}
+
+/// Burn's `Embedding`, vocabulary-parallel once a plan says so.
+#[derive(Module, Debug)]
+pub struct Embedding {
+    /// `[n_embedding, d_model]`, or this rank's rows of it.
+    pub weight: Param<Tensor<2>>,
+    tp: TpSlot,
+}
+
+impl Embedding {
+    /// `[b, s]` ids → `[b, s, d_model]`; vocabulary-parallel: each rank looks up the ids it
+    /// holds, and the ranks' rows are summed.
+    pub fn forward(&self, input: Tensor<2, Int>) -> Tensor<3> {
+        match &self.tp.0 {
+            None => burn::tensor::module::embedding(self.weight.val(), input),
+            Some(a) => {
+                use crate::tensor_parallel::ParallelAttrs;
+                a.layout.state(self.weight.id, ParallelAttrs::sharded(0));
+                vocab_lookup(&self.weight, input, &a.tp, false)
+            }
+        }
+    }
+
+    /// The split a plan assigned, if any.
+    pub fn split(&self) -> Option<Split> {
+        self.tp.split()
+    }
+}
+
+/// Burn's `SwiGluConfig` (row layout).
+#[derive(Config, Debug)]
+pub struct SwiGluConfig {
+    /// The size of the input features.
+    pub d_input: usize,
+    /// The size of the output features.
+    pub d_output: usize,
+    /// If a bias should be used.
+    #[config(default = false)]
+    pub bias: bool,
+    /// The type of function used to initialize the linear layers' parameters (Burn's
+    /// default).
+    #[config(default = "burn::nn::SwiGluConfig::new(1, 1).initializer")]
+    pub initializer: Initializer,
+}
+
+impl SwiGluConfig {
+    /// The layer on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> SwiGlu {
+        let linear = || {
+            LinearConfig::new(self.d_input, self.d_output)
+                .with_bias(self.bias)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        SwiGlu {
+            linear_inner: linear(),
+            linear_outer: linear(),
+        }
+    }
+}
+
+/// Burn's `SwiGlu`: `silu(linear_inner(x)) · linear_outer(x)`; a column rule on it splits
+/// both.
+#[derive(Module, Debug)]
+pub struct SwiGlu {
+    /// The gate.
+    pub linear_inner: Linear,
+    /// The value.
+    pub linear_outer: Linear,
+}
+
+impl SwiGlu {
+    /// `[..., d_input]` → `[..., d_output]` (column-parallel: `[..., d_output / tp]`).
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        silu(self.linear_inner.forward(input.clone())) * self.linear_outer.forward(input)
+    }
+}
