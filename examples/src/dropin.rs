@@ -137,3 +137,17 @@ pub fn print_losses(tp: usize, single: &[f32], parallel: &[f32]) -> f32 {
     println!("largest loss difference: {worst:.2e}");
     worst
 }
+
+/// The bytes of `model`'s float parameters on this rank (its shards, for a split model).
+pub fn param_bytes<M: Module>(model: &M) -> u64 {
+    struct Bytes(u64);
+    impl ModuleVisitor for Bytes {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let t = p.val();
+            self.0 += (t.shape().num_elements() * t.dtype().size()) as u64;
+        }
+    }
+    let mut bytes = Bytes(0);
+    model.visit(&mut bytes);
+    bytes.0
+}

@@ -185,13 +185,25 @@ fn gather(shard: &Shard, i: usize, m: usize, tp: &Comm) -> Result<Merged, TpErro
 }
 
 /// Row by row, the id of the largest of this rank's `[b, V/tp]` logits over the ranks (the
-/// lowest id among equals), below `real_vocab`. A collective over `tp`; every rank gets the
-/// same ids, and only one candidate per rank and row is sent.
+/// lowest id among equals), below `real_vocab`: `[b]` ids on the logits' device, as Burn's
+/// `argmax(1)` gives them for the whole row (flattened). A collective over `tp`; every rank
+/// gets the same ids, and only one candidate per rank and row is sent.
 pub fn vocab_parallel_argmax(
     logits: Tensor<2>,
     real_vocab: usize,
     tp: &Comm,
-) -> Result<Vec<u32>, TpError> {
+) -> Result<Tensor<1, Int>, TpError> {
+    let device = logits.device();
+    let ids = argmax_ids(logits, real_vocab, tp)?;
+    let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
+    let n = ids.len();
+    Ok(Tensor::from_data(
+        burn::tensor::TensorData::new(ids, [n]),
+        &device,
+    ))
+}
+
+fn argmax_ids(logits: Tensor<2>, real_vocab: usize, tp: &Comm) -> Result<Vec<u32>, TpError> {
     let shard = Shard::read(logits, real_vocab, tp)?;
     (0..shard.rows.len())
         .map(|i| Ok(gather(&shard, i, 1, tp)?.candidates[0].id))
@@ -215,7 +227,7 @@ pub fn vocab_parallel_accuracy(
             targets.dims()[0]
         )));
     }
-    let predicted = vocab_parallel_argmax(logits, real_vocab, tp)?;
+    let predicted = argmax_ids(logits, real_vocab, tp)?;
     let targets = targets.into_data().convert::<i64>().try_to_vec::<i64>();
     let targets = targets.map_err(|e| TpError::Invalid(format!("targets unreadable: {e:?}")))?;
     let counted = targets

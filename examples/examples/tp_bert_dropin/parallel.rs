@@ -1,19 +1,17 @@
-//! The same BERT, tensor-parallel: diff this file against `plain.rs`.
-
 use super::{BertConfig, masked};
 use burn::module::Module;
 use burn::nn::transformer::TransformerEncoderConfig;
-use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig};
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::{Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Bool, Device, Int, Tensor};
 use burn_megatron::comm::Comm;
-use burn_megatron::tensor_parallel::{dropin::*, *};
+use burn_megatron::tensor_parallel::{dropin::nn::*, dropin::*, *};
 use std::path::Path;
+type Result<T> = std::result::Result<T, TpError>;
 
 #[derive(Module, Debug)]
 pub struct BertEmbeddings {
-    word_embeddings: VocabParallelEmbedding,
+    word_embeddings: Embedding,
     position_embeddings: Embedding,
     token_type_embeddings: Embedding,
     layer_norm: LayerNorm,
@@ -23,7 +21,7 @@ pub struct BertEmbeddings {
 pub struct BertLmHead {
     dense: Linear,
     layer_norm: LayerNorm,
-    decoder: ColumnParallelLinear,
+    decoder: Linear,
 }
 
 #[derive(Module, Debug)]
@@ -31,13 +29,11 @@ pub struct BertMaskedLm {
     embeddings: BertEmbeddings,
     encoder: ParallelTransformerEncoder,
     lm_head: BertLmHead,
-    #[module(skip)]
-    tp: Comm,
 }
 
 impl BertMaskedLm {
     // ANCHOR: new
-    pub fn new(c: &BertConfig, tp: &Comm, device: &Device) -> Result<Self, TpError> {
+    pub fn new(c: &BertConfig, tp: &Comm, device: &Device) -> Result<Self> {
         let embedding = |n| EmbeddingConfig::new(n, c.hidden_size).init(device);
         let norm = || {
             LayerNormConfig::new(c.hidden_size)
@@ -59,43 +55,32 @@ impl BertMaskedLm {
             activation: burn::nn::activation::ActivationConfig::Gelu,
             layer_norm_eps: 1e-12,
         };
+        let rng = RngTracker::new(0, tp.group().rank());
         Ok(Self {
             embeddings: BertEmbeddings {
-                word_embeddings: VocabParallelEmbeddingConfig::new(c.vocab_size, c.hidden_size)
-                    .init(tp, device)?,
+                word_embeddings: embedding(c.vocab_size),
                 position_embeddings: embedding(c.max_position_embeddings),
                 token_type_embeddings: embedding(c.type_vocab_size),
                 layer_norm: norm(),
             },
-            encoder: ParallelTransformerEncoder::new(
-                &encoder,
-                tp,
-                0,
-                &RngTracker::new(0, tp.group().rank()),
-                device,
-            )?,
+            encoder: ParallelTransformerEncoder::new(&encoder, tp, 0, &rng, device)?,
             lm_head: BertLmHead {
                 dense: LinearConfig::new(c.hidden_size, c.hidden_size).init(device),
                 layer_norm: norm(),
-                decoder: ColumnParallelLinearConfig::new(c.hidden_size, c.vocab_size)
-                    .init(tp, device)?,
+                decoder: LinearConfig::new(c.hidden_size, c.vocab_size).init(device),
             },
-            tp: tp.clone(),
         })
     }
     // ANCHOR_END: new
 
     // ANCHOR: load
     /// The model with the weights of the record at `path`.
-    pub fn load(c: &BertConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self, TpError> {
-        let source = RecordSource::from_path(path);
-        Ok(load_sharded(
-            Self::new(c, tp, device)?,
-            &source,
-            tp,
-            &LoadOptions::default(),
-        )?
-        .0)
+    pub fn load(c: &BertConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self> {
+        let plan = TpPlan::new().vocab(&["*.word_embeddings"])?;
+        let plan = plan.column(&["*.decoder"])?;
+        let model = plan.apply(Self::new(c, tp, device)?, tp)?;
+        let (source, options) = (RecordSource::from_path(path), LoadOptions::default());
+        Ok(load_sharded(model, &source, tp, &options)?.0)
     }
     // ANCHOR_END: load
 
@@ -125,9 +110,10 @@ impl BertMaskedLm {
         pad: Tensor<2, Bool>,
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
-    ) -> Result<Tensor<1>, TpError> {
+    ) -> Result<Tensor<1>> {
         let logits = masked(self.forward(tokens, pad), at);
-        Ok(vocab_parallel_cross_entropy(logits, labels, 0.0, &self.tp)?.mean())
+        let group = self.lm_head.decoder.group();
+        Ok(vocab_parallel_cross_entropy(logits, labels, 0.0, &group)?.mean())
     }
 
     /// The most likely token at each masked position, and how many of them are `labels`.
@@ -137,13 +123,11 @@ impl BertMaskedLm {
         pad: Tensor<2, Bool>,
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
-    ) -> Result<(Vec<i64>, usize), TpError> {
+    ) -> Result<(Vec<i64>, usize)> {
         let logits = masked(self.forward(tokens, pad), at);
         let vocab = self.embeddings.word_embeddings.num_embeddings();
-        let best: Vec<i64> = vocab_parallel_argmax(logits, vocab, &self.tp)?
-            .into_iter()
-            .map(i64::from)
-            .collect();
+        let best = vocab_parallel_argmax(logits, vocab, &self.lm_head.decoder.group())?;
+        let best: Vec<i64> = best.into_data().iter::<i64>().collect();
         let labels: Vec<i64> = labels.into_data().iter::<i64>().collect();
         let right = best.iter().zip(&labels).filter(|(b, l)| b == l).count();
         Ok((best, right))

@@ -1,5 +1,3 @@
-//! The user's BERT for masked-language modelling, in plain Burn (bert-burn's layout).
-
 use super::{BertConfig, masked};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;

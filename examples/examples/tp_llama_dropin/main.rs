@@ -19,7 +19,7 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::tensor_parallel::TpError;
 use burn_megatron::topology::ParallelConfig;
-use burn_megatron_examples::dropin::{print_losses, solo, train, worst};
+use burn_megatron_examples::dropin::{param_bytes, print_losses, solo, train, worst};
 use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
 
@@ -137,29 +137,21 @@ fn loading_memory(dir: &std::path::Path, tp: usize) -> Result<String, Box<dyn st
         LaunchOptions::default(),
         |ctx| {
             let counter = Counter::claim();
-            let (model, report) =
-                parallel::Llama::load(&config, &record, &ctx.groups.tp, &Device::flex())?;
+            let model = parallel::Llama::load(&config, &record, &ctx.groups.tp, &Device::flex())?;
             let peak = counter.peak();
-            drop(model);
-            Ok::<_, TpError>((peak, report))
+            Ok::<_, TpError>((peak, param_bytes(&model) as i64))
         },
     )?;
-    let (peak, report) = &ranks[0];
-    let (shards, read_whole) = (
-        report.shard_bytes as i64,
-        report.largest_whole_tensor_bytes as i64,
-    );
+    let (peak, shards) = ranks[0];
     // The largest tensor (the output layer and the embedding, [512, 8192]): one whole one.
     let bound = shards + 512 * 8192 * 4;
     let line = format!(
-        "loading a {} record at TP {tp}: rank 0 peaks at {} = {:.2}x (its shards {} + one whole tensor {}); \
-         largest tensor read whole {}",
+        "loading a {} record at TP {tp}: rank 0 peaks at {} = {:.2}x (its shards {} + one whole tensor {})",
         mib(whole),
-        mib(*peak),
-        *peak as f64 / bound as f64,
+        mib(peak),
+        peak as f64 / bound as f64,
         mib(shards),
         mib(512 * 8192 * 4),
-        mib(read_whole),
     );
     Ok(line)
 }
@@ -195,29 +187,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         LaunchOptions::default(),
         |ctx| {
             let (tp, d) = (&ctx.groups.tp, &ctx.device);
-            let counter = Counter::claim();
-            let (model, report) = parallel::Llama::load(&config, &record, tp, &Device::flex())?;
-            let peak = counter.peak();
+            let model = parallel::Llama::load(&config, &record, tp, &Device::flex())?;
             let tokens = model.generate(&config, &prompt, args.new_tokens)?;
-            drop(model);
-            let (model, _) = parallel::Llama::load(&config, &record, tp, d)?;
+            let model = parallel::Llama::load(&config, &record, tp, d)?;
             let (x, y) = batch(d);
             let (losses, grads) = train(model, args.steps, tp, |m| m.loss(x.clone(), y.clone()))?;
-            Ok::<_, TpError>((losses, grads, tokens, report, peak))
+            Ok::<_, TpError>((losses, grads, tokens))
         },
     )?;
     let memory = loading_memory(&dir, args.tp)?;
     std::fs::remove_dir_all(&dir)?;
-    let (parallel, parallel_grads, parallel_tokens, report, peak) =
-        ranks.into_iter().next().expect("a rank");
+    let (parallel, parallel_grads, parallel_tokens) = ranks.into_iter().next().expect("a rank");
 
-    println!(
-        "rank 0 loaded {} tensors: {} of shards, {} at most read whole; peak while loading {}",
-        report.loaded.len(),
-        mib(report.shard_bytes as i64),
-        mib(report.largest_whole_tensor_bytes as i64),
-        mib(peak)
-    );
     println!("{memory}");
     println!("greedy tokens TP=1:  {tokens:?}");
     println!("greedy tokens TP={}: {parallel_tokens:?}", args.tp);

@@ -1,21 +1,19 @@
-//! The same Llama, tensor-parallel: diff this file against `plain.rs`.
-
 use super::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 use burn::module::Module;
-use burn::nn::SwiGluConfig;
 use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
-use burn_megatron::tensor_parallel::{dropin::*, *};
+use burn_megatron::tensor_parallel::{dropin::nn::*, dropin::*, *};
 use std::path::Path;
+type Result<T> = std::result::Result<T, TpError>;
 
 #[derive(Module, Debug)]
 pub struct Attention {
-    wq: ColumnParallelLinear,
-    wk: ColumnParallelLinear,
-    wv: ColumnParallelLinear,
-    wo: RowParallelLinear,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -30,11 +28,14 @@ impl Attention {
         rope: &RotaryEncoding,
     ) -> Tensor<3> {
         let [b, s, _] = x.dims();
+        let tp = self.wq.tp_size();
+        let (n_heads, n_kv_heads) = (self.n_heads / tp, self.n_kv_heads / tp);
+        let hidden_size = n_heads * self.head_dim;
         let start = cache.as_ref().map_or(0, |c| c.len);
         let heads = |t: Tensor<3>, n| t.reshape([b, s, n, self.head_dim]).swap_dims(1, 2);
-        let q = rope.apply(heads(self.wq.forward(x.clone()), self.n_heads), start);
-        let k = rope.apply(heads(self.wk.forward(x.clone()), self.n_kv_heads), start);
-        let v = heads(self.wv.forward(x.clone()), self.n_kv_heads);
+        let q = rope.apply(heads(self.wq.forward(x.clone()), n_heads), start);
+        let k = rope.apply(heads(self.wk.forward(x.clone()), n_kv_heads), start);
+        let v = heads(self.wv.forward(x.clone()), n_kv_heads);
         let (k, v) = match cache {
             Some(cache) => cache.forward(k, v),
             None => (k, v),
@@ -44,16 +45,15 @@ impl Attention {
         let mask = causal_mask(s, k.dims()[2], &x.device());
         let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
         let out = softmax(scores + mask, 3).matmul(v).swap_dims(1, 2);
-        self.wo
-            .forward(out.reshape([b, s, self.n_heads * self.head_dim]))
+        self.wo.forward(out.reshape([b, s, hidden_size]))
     }
 }
 // ANCHOR_END: attention
 
 #[derive(Module, Debug)]
 pub struct FeedForward {
-    swiglu: ParallelSwiGlu,
-    w2: RowParallelLinear,
+    swiglu: SwiGlu,
+    w2: Linear,
 }
 
 #[derive(Module, Debug)]
@@ -82,87 +82,54 @@ impl TransformerBlock {
 
 #[derive(Module, Debug)]
 pub struct Llama {
-    tok_embeddings: VocabParallelEmbedding,
+    tok_embeddings: Embedding,
     layers: Vec<TransformerBlock>,
     norm: RmsNorm,
-    output: ColumnParallelLinear,
+    output: Linear,
     rope: RotaryEncoding,
-    #[module(skip)]
-    tp: Comm,
 }
 
 impl Llama {
     // ANCHOR: new
-    pub fn new(c: &LlamaConfig, tp: &Comm, device: &Device) -> Result<Self, TpError> {
-        let column = |i, o| {
-            ColumnParallelLinearConfig::new(i, o)
-                .with_bias(false)
-                .init(tp, device)
-        };
-        let row = |i, o| {
-            RowParallelLinearConfig::new(i, o)
-                .with_bias(false)
-                .init(tp, device)
-        };
+    pub fn new(c: &LlamaConfig, device: &Device) -> Self {
+        let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
         let norm = || RmsNormConfig::new(c.d_model).init(device);
         let head_dim = c.d_model / c.n_heads;
-        let split = attention_split(
-            "attention",
-            c.d_model,
-            c.n_heads,
-            c.n_kv_heads,
-            tp.group().size(),
-        )?;
-        let block = |_| -> Result<_, TpError> {
-            Ok(TransformerBlock {
-                attention: Attention {
-                    wq: column(c.d_model, c.n_heads * head_dim)?,
-                    wk: column(c.d_model, c.n_kv_heads * head_dim)?,
-                    wv: column(c.d_model, c.n_kv_heads * head_dim)?,
-                    wo: row(c.n_heads * head_dim, c.d_model)?,
-                    n_heads: split.heads,
-                    n_kv_heads: split.kv_heads,
-                    head_dim,
-                },
-                feed_forward: FeedForward {
-                    swiglu: ParallelSwiGlu::new(
-                        &SwiGluConfig::new(c.d_model, c.hidden_size),
-                        tp,
-                        0,
-                        device,
-                    )?,
-                    w2: row(c.hidden_size, c.d_model)?,
-                },
-                attention_norm: norm(),
-                ffn_norm: norm(),
-            })
+        let block = |_| TransformerBlock {
+            attention: Attention {
+                wq: linear(c.d_model, c.n_heads * head_dim),
+                wk: linear(c.d_model, c.n_kv_heads * head_dim),
+                wv: linear(c.d_model, c.n_kv_heads * head_dim),
+                wo: linear(c.n_heads * head_dim, c.d_model),
+                n_heads: c.n_heads,
+                n_kv_heads: c.n_kv_heads,
+                head_dim,
+            },
+            feed_forward: FeedForward {
+                swiglu: SwiGluConfig::new(c.d_model, c.hidden_size).init(device),
+                w2: linear(c.hidden_size, c.d_model),
+            },
+            attention_norm: norm(),
+            ffn_norm: norm(),
         };
-        Ok(Self {
-            tok_embeddings: VocabParallelEmbeddingConfig::new(c.vocab_size, c.d_model)
-                .init(tp, device)?,
-            layers: (0..c.n_layers).map(block).collect::<Result<_, _>>()?,
+        Self {
+            tok_embeddings: EmbeddingConfig::new(c.vocab_size, c.d_model).init(device),
+            layers: (0..c.n_layers).map(block).collect(),
             norm: norm(),
-            output: column(c.d_model, c.vocab_size)?,
+            output: linear(c.d_model, c.vocab_size),
             rope: RotaryEncodingConfig::new(c.max_seq_len, head_dim).init(device),
-            tp: tp.clone(),
-        })
+        }
     }
     // ANCHOR_END: new
 
     // ANCHOR: load
     /// The model with the weights of the record at `path`.
-    pub fn load(
-        c: &LlamaConfig,
-        path: &Path,
-        tp: &Comm,
-        device: &Device,
-    ) -> Result<(Self, LoadReport), TpError> {
-        load_sharded(
-            Self::new(c, tp, device)?,
-            &RecordSource::from_path(path),
-            tp,
-            &LoadOptions::default(),
-        )
+    pub fn load(c: &LlamaConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self> {
+        let plan = TpPlan::new().column(&["*.wq", "*.wk", "*.wv", "*.swiglu", "output"])?;
+        let plan = plan.row(&["*.wo", "*.w2"])?.vocab(&["tok_embeddings"])?;
+        let model = plan.apply(Self::new(c, device), tp)?;
+        let (source, options) = (RecordSource::from_path(path), LoadOptions::default());
+        Ok(load_sharded(model, &source, tp, &options)?.0)
     }
     // ANCHOR_END: load
 
@@ -180,32 +147,24 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy; `labels[i, t]` is `tokens[i, t + 1]`.
-    pub fn loss(
-        &self,
-        tokens: Tensor<2, Int>,
-        labels: Tensor<2, Int>,
-    ) -> Result<Tensor<1>, TpError> {
+    pub fn loss(&self, tokens: Tensor<2, Int>, labels: Tensor<2, Int>) -> Result<Tensor<1>> {
         let logits = self.forward(tokens, None);
         let [b, s, v] = logits.dims();
         let (logits, labels) = (logits.reshape([b * s, v]), labels.reshape([b * s]));
-        Ok(vocab_parallel_cross_entropy(logits, labels, 0.0, &self.tp)?.mean())
+        Ok(vocab_parallel_cross_entropy(logits, labels, 0.0, &self.output.group())?.mean())
     }
 
     // ANCHOR: generate
     /// `prompt` and `new_tokens` greedy tokens after it, through the key/value cache.
-    pub fn generate(
-        &self,
-        c: &LlamaConfig,
-        prompt: &[i64],
-        new_tokens: usize,
-    ) -> Result<Vec<i64>, TpError> {
+    pub fn generate(&self, c: &LlamaConfig, prompt: &[i64], new_tokens: usize) -> Result<Vec<i64>> {
         let device = self.output.weight.device();
         let head_dim = c.d_model / c.n_heads;
-        let kv_heads = c.n_kv_heads / self.tp.group().size();
+        let kv_heads = c.n_kv_heads / self.output.tp_size();
         let cache = |_| KeyValueCache::new(1, kv_heads, c.max_seq_len, head_dim, &device);
         let mut caches: Vec<KeyValueCache> = (0..c.n_layers).map(cache).collect();
         let (mut tokens, mut input) = (prompt.to_vec(), prompt.to_vec());
-        let mut sampler = VocabParallelSampler::new(Sampling::Greedy, 0, c.vocab_size, &self.tp)?;
+        let mut sampler =
+            VocabParallelSampler::new(Sampling::Greedy, 0, c.vocab_size, &self.output.group())?;
         for _ in 0..new_tokens {
             let ids = TensorData::new(input.clone(), [1, input.len()]);
             let logits = self.forward(Tensor::from_data(ids, &device), Some(&mut caches));

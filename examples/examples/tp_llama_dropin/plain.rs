@@ -1,5 +1,3 @@
-//! The user's Llama, in plain Burn, written as llama-burn writes it.
-
 use super::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;

@@ -148,13 +148,10 @@ fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
                     .zip(&y_plain)
                     .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 assert!(dy < 1e-5, "{what}: output off by {dy}");
-                // Column shards of a burnpack need their whole tensor once (the widest is
-                // the feed-forward's [16, 32]); the map of a safetensors file needs none;
-                // row shards never do.
-                let largest = match i {
-                    0 => (D_MODEL * super::D_FF * 4) as u64,
-                    _ => 0,
-                };
+                // A shard that is not a run of rows reads its whole tensor's pages: the widest
+                // is the feed-forward's [16, 32] (Burn's column shard of linear_inner; in the
+                // transposed file, the row shard of linear_outer).
+                let largest = (D_MODEL * super::D_FF * 4) as u64;
                 assert_eq!(report.largest_whole_tensor_bytes, largest, "{what}");
             }
         }

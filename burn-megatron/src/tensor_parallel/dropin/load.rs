@@ -7,10 +7,11 @@
 //! [`ParallelAttrs`](crate::tensor_parallel::ParallelAttrs)) and replaces the parameter with
 //! it, one at a time, so a rank holds its shards plus at most one whole tensor.
 //!
-//! A shard that is a run of whole rows (row-parallel weights, vocabulary rows, biases, any
-//! duplicated tensor) is read alone: from a burnpack file, only its bytes are read; from a
-//! safetensors file, only its pages are touched through the memory map. A column shard needs
-//! its whole tensor once (burnpack) or is copied row by row out of the map (safetensors).
+//! Both formats are read through a memory map: a shard is copied out of the file's pages,
+//! which are the kernel's page cache, not the rank's memory. A shard that is a run of whole
+//! rows (row-parallel weights, vocabulary rows, biases, duplicated tensors) touches only its
+//! own pages; a column shard touches its whole tensor's. The file must not change while it
+//! loads.
 
 use super::super::{TpError, parallel_attrs};
 use crate::comm::Comm;
@@ -18,7 +19,7 @@ use crate::module_path::{PathMapper, map_paths};
 use crate::safetensors_io;
 use crate::shards::{Piece, assemble};
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use regex::Regex;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -114,8 +115,8 @@ pub struct LoadReport {
     pub unused: Vec<String>,
     /// Bytes of this rank's shards, as read from the file.
     pub shard_bytes: u64,
-    /// The largest whole tensor read to cut a shard out of it (0 when every shard was read
-    /// alone).
+    /// The largest tensor whose every page was read to cut a column shard out of it (0 when
+    /// every shard was a run of rows).
     pub largest_whole_tensor_bytes: u64,
 }
 
@@ -128,6 +129,7 @@ pub struct LoadReport {
 /// shape other than the parameter's global one, an unreadable file or dtype.
 ///
 /// The model's parameters may be lazy (not yet initialised): they are never initialised.
+/// The file is memory-mapped; it must not change while it loads.
 pub fn load_sharded<M: Module>(
     model: M,
     source: &RecordSource,
@@ -136,32 +138,38 @@ pub fn load_sharded<M: Module>(
 ) -> Result<(M, LoadReport), TpError> {
     let file = |e: String| TpError::Invalid(format!("{}: {e}", source.path().display()));
     let (tp_rank, tp_size) = (tp.group().rank(), tp.group().size());
+    let handle = std::fs::File::open(source.path()).map_err(|e| file(e.to_string()))?;
+    // SAFETY: the file must not change while it is mapped (as for every reader of a mapped
+    // checkpoint, safetensors' and burn-store's among them); the map lives while this
+    // function runs, and what is loaded is copied out of it.
+    let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| file(e.to_string()))?;
     match source {
-        RecordSource::Burnpack(path) => {
-            let reader = burn_pack::Reader::from_file(path).map_err(|e| file(format!("{e}")))?;
+        RecordSource::Burnpack(_) => {
+            // The pack over the map, not Burn's file reader: that one reads a tensor into a
+            // buffer and copies it into an aligned one, twice its size for a moment.
+            let shared = bytes::Bytes::from_owner(map);
+            let pack = burn::tensor::Bytes::from_shared(shared, AllocationProperty::File);
+            let reader = burn_pack::Reader::from_bytes(pack).map_err(|e| file(format!("{e}")))?;
             let tensors = reader.into_tensors().map_err(|e| file(format!("{e}")))?;
             let stored = tensors
                 .into_iter()
                 .map(|t| {
                     let dims = t.shape.to_vec();
                     let bytes = t.to_bytes().map_err(|e| file(format!("{e}")))?;
+                    let bytes = Bytes::Pack(bytes);
                     Ok((
                         t.name,
                         Stored {
                             dtype: t.dtype,
                             dims,
-                            bytes: Bytes::Pack(bytes),
+                            bytes,
                         },
                     ))
                 })
                 .collect::<Result<Vec<_>, TpError>>()?;
             load(model, stored, (tp_rank, tp_size), options)
         }
-        RecordSource::Safetensors(path) => {
-            let handle = std::fs::File::open(path).map_err(|e| file(e.to_string()))?;
-            // SAFETY: the map is read only, and only while this function runs; a file changed
-            // underneath it meanwhile gives wrong values, not undefined behaviour in Rust.
-            let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| file(e.to_string()))?;
+        RecordSource::Safetensors(_) => {
             let st =
                 safetensors::SafeTensors::deserialize(&map).map_err(|e| file(e.to_string()))?;
             let stored = st
@@ -169,15 +177,8 @@ pub fn load_sharded<M: Module>(
                 .into_iter()
                 .map(|(name, view)| {
                     let dtype = safetensors_io::burn_dtype(view.dtype()).map_err(&file)?;
-                    let dims = view.shape().to_vec();
-                    Ok((
-                        name,
-                        Stored {
-                            dtype,
-                            dims,
-                            bytes: Bytes::Mapped(view.data()),
-                        },
-                    ))
+                    let (dims, bytes) = (view.shape().to_vec(), Bytes::Mapped(view.data()));
+                    Ok((name, Stored { dtype, dims, bytes }))
                 })
                 .collect::<Result<Vec<_>, TpError>>()?;
             load(model, stored, (tp_rank, tp_size), options)
@@ -185,8 +186,9 @@ pub fn load_sharded<M: Module>(
     }
 }
 
+/// A tensor's bytes in the mapped file.
 enum Bytes<'a> {
-    /// A file-backed window of a burnpack file: read on first access.
+    /// A window of the pack over the map.
     Pack(burn::tensor::Bytes),
     Mapped(&'a [u8]),
 }
@@ -198,12 +200,9 @@ struct Stored<'a> {
 }
 
 impl Stored<'_> {
-    /// Bytes `[start, end)` of the tensor; from a burnpack file, a window read when used.
-    fn range(&self, start: usize, end: usize) -> Result<burn::tensor::Bytes, String> {
-        match &self.bytes {
-            Bytes::Mapped(b) => Ok(burn::tensor::Bytes::from_bytes_vec(b[start..end].to_vec())),
-            Bytes::Pack(b) => b.view(start, end).map_err(|e| format!("{e:?}")),
-        }
+    /// Bytes `[start, end)` of the tensor, copied out of the map.
+    fn range(&self, start: usize, end: usize) -> Vec<u8> {
+        self.whole()[start..end].to_vec()
     }
 
     fn whole(&self) -> &[u8] {
@@ -352,20 +351,16 @@ impl Loader<'_, '_> {
                 true => (0, elem),
                 false => (at[0] * row, (at[0] + size[0]) * row),
             };
-            let bytes = stored.range(start, end)?;
-            return Ok(match transposed {
-                true => {
-                    let bytes = transpose(&bytes, size[0], size[1], elem);
-                    TensorData::from_bytes_vec(bytes, local, stored.dtype)
-                }
-                false => TensorData::from_bytes(bytes, local, stored.dtype),
-            });
+            let bytes = stored.range(start, end);
+            let bytes = match transposed {
+                true => transpose(&bytes, size[0], size[1], elem),
+                false => bytes,
+            };
+            return Ok(TensorData::from_bytes_vec(bytes, local, stored.dtype));
         }
         let whole = stored.whole();
-        if matches!(stored.bytes, Bytes::Pack(_)) {
-            let largest = &mut self.report.largest_whole_tensor_bytes;
-            *largest = (*largest).max(whole.len() as u64);
-        }
+        let largest = &mut self.report.largest_whole_tensor_bytes;
+        *largest = (*largest).max(whole.len() as u64);
         let zeros = vec![0; want.len()];
         let piece = Piece {
             offset: &zeros,

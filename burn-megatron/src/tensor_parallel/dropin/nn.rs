@@ -5,6 +5,7 @@
 //! Burn's does.
 
 use super::plan::{Split, TpSlot};
+use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
 use crate::tensor_parallel::embedding::vocab_lookup;
 use crate::tensor_parallel::layers::check_width;
@@ -108,6 +109,18 @@ impl Linear {
         self.tp.split()
     }
 
+    /// The tensor-parallel group the layer is split over (a group of one until a plan
+    /// splits it): what a vocabulary-parallel loss or sampler over its output takes.
+    pub fn group(&self) -> Comm {
+        self.tp.group()
+    }
+
+    /// The ranks the layer is split over (1 until a plan splits it): the divisor of a head
+    /// count that becomes per rank.
+    pub fn tp_size(&self) -> usize {
+        self.tp.0.as_ref().map_or(1, |a| a.tp.group().size())
+    }
+
     /// The parameters' attributes again: a record load gives them other ids.
     fn restate(&self, a: &super::plan::Assigned) {
         use crate::tensor_parallel::ParallelAttrs;
@@ -173,6 +186,12 @@ impl Embedding {
     /// The split a plan assigned, if any.
     pub fn split(&self) -> Option<Split> {
         self.tp.split()
+    }
+
+    /// The rows of the whole table (over every rank).
+    pub fn num_embeddings(&self) -> usize {
+        let ranks = self.tp.0.as_ref().map_or(1, |a| a.tp.group().size());
+        self.weight.lazy_shape().to_vec()[0] * ranks
     }
 }
 

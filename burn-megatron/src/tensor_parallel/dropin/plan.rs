@@ -58,6 +58,18 @@ impl TpSlot {
     pub fn split(&self) -> Option<Split> {
         self.0.as_ref().map(|a| a.split)
     }
+
+    /// The group the layer is split over, or a group of one.
+    pub(super) fn group(&self) -> Comm {
+        match &self.0 {
+            Some(a) => a.tp.clone(),
+            None => std::sync::Arc::new(
+                crate::comm::LocalWorld::new(1)
+                    .communicator("tp", vec![0], 0)
+                    .expect("a group of one rank always forms"),
+            ),
+        }
+    }
 }
 
 impl Module for TpSlot {

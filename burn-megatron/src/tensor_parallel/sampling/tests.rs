@@ -81,6 +81,10 @@ fn slice(rows: &[Vec<f32>], r: usize, n: usize) -> Tensor<2> {
     Tensor::from_data(TensorData::new(v, [rows.len(), per]), &Device::flex())
 }
 
+fn ids(t: Tensor<1, Int>) -> Vec<i64> {
+    t.into_data().iter::<i64>().collect()
+}
+
 /// `b` rows of `v` logits, peaked enough that top-p needs a few hundred tokens at most.
 fn rows(b: usize, v: usize, seed: u64) -> Vec<Vec<f32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -150,11 +154,11 @@ fn ties_go_to_the_lowest_id_across_ranks_and_padding_is_never_chosen() {
     // vocabulary (real size 6) and hold the largest logits.
     let row = vec![vec![0.0, 1.0, 0.5, 2.0, 2.0, 1.0, 9.0, 9.0]];
     let got = ranks(2, |r, tp| {
-        vocab_parallel_argmax(slice(&row, r, 2), 6, tp).unwrap()
+        ids(vocab_parallel_argmax(slice(&row, r, 2), 6, tp).unwrap())
     });
     assert_eq!(got, vec![vec![3], vec![3]]);
     let got = ranks(4, |r, tp| {
-        vocab_parallel_argmax(slice(&row, r, 4), 8, tp).unwrap()
+        ids(vocab_parallel_argmax(slice(&row, r, 4), 8, tp).unwrap())
     });
     assert_eq!(got, vec![vec![6]; 4]);
     let e = ranks(2, |r, tp| {
