@@ -5,6 +5,9 @@
 #   scripts/gpu_check.sh build          # here: release binaries, stripped, in the payload
 #   scripts/gpu_check.sh build --dev    # the same in the dev profile (CI; quicker to build)
 #   scripts/gpu_check.sh                # there (or here): run every check on the payload
+#   GPU_CHECK_NCCL=1 scripts/gpu_check.sh build   # here: also comm_suite and bert_pretrain
+#   scripts/gpu_check.sh nccl           # there: scripts/nccl_check.sh on the payload's binaries
+#                                       # (ranks sharing one GPU: see nccl_check.sh)
 #
 # The payload is target/gpu_check_payload/ (ignored by git, so carry it: the device tool's
 # `run` with carry=["target/gpu_check_payload"]): an xz tarball (stripped, the binaries are
@@ -42,8 +45,13 @@ build() {
   # cubecl-llvm (our stand-in, a workspace member) is selected too: a workspace-wide build turns
   # on its default features, and without them here cargo would compile Burn's CUDA half again
   # instead of reusing CI's test build.
+  # With GPU_CHECK_NCCL=1, NCCL's multi-rank check's binaries too (in the same invocation).
+  local extra=()
+  if [ -n "${GPU_CHECK_NCCL:-}" ]; then
+    extra=(-p burn-megatron-tests --bin comm_suite --example bert_pretrain)
+  fi
   messages=$(cargo build --profile "$profile" -p burn-megatron-examples -p burn-megatron-kernels \
-    -p cubecl-llvm --features "$features" --example gpu_check --test kernels \
+    -p cubecl-llvm --features "$features" --example gpu_check --test kernels "${extra[@]}" \
     --message-format=json-render-diagnostics)
   local example kernels
   example=$(grep -o '"executable":"[^"]*/gpu_check[^"/]*"' <<<"$messages" | tail -1 | cut -d'"' -f4)
@@ -54,15 +62,24 @@ build() {
   rm -rf "$payload" "$staging" && mkdir -p "$payload" "$staging"
   cp "$example" "$staging/gpu_check"
   cp "$kernels" "$staging/kernels"
-  strip "$staging/gpu_check" "$staging/kernels"
+  local binaries=(gpu_check kernels) name path
+  if [ -n "${GPU_CHECK_NCCL:-}" ]; then
+    for name in comm_suite bert_pretrain; do
+      path=$(grep -o "\"executable\":\"[^\"]*/$name\"" <<<"$messages" | tail -1 | cut -d'"' -f4)
+      [ -x "$path" ] || { echo "gpu_check: $name was not built" >&2; exit 1; }
+      cp "$path" "$staging/$name"
+      binaries+=("$name")
+    done
+  fi
+  (cd "$staging" && strip "${binaries[@]}")
   # The shared libraries the binaries need beyond glibc (fontconfig and freetype, for the
   # loss plots), which a bare GPU machine lacks: carried, used when the machine has none.
   mkdir -p "$staging/lib"
-  ldd "$staging/gpu_check" "$staging/kernels" | awk '/=> \// {print $3}' | sort -u |
+  (cd "$staging" && ldd "${binaries[@]}") | awk '/=> \// {print $3}' | sort -u |
     grep -v -E '/(libc|libm|libgcc_s|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
     xargs -r cp -L -t "$staging/lib"
   echo "stripped: $(du -cb "$staging"/* | tail -1 | cut -f1) bytes"
-  tar -C "$staging" -cf - gpu_check kernels lib | xz -T0 -6 >"$payload/payload.tar.xz"
+  tar -C "$staging" -cf - "${binaries[@]}" lib | xz -T0 -6 >"$payload/payload.tar.xz"
   rm -rf "$staging"
   if [ -n "${GPU_CHECK_NVRTC:-}" ]; then
     (cd "$(dirname "$GPU_CHECK_NVRTC")" &&
@@ -123,16 +140,15 @@ find_libraries() {
 
 # Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 s at most), so the whole run fits
 # the device tool's 600 s. Each step's whole output is kept in $logs (GPU_CHECK_LOGS).
-run_checks() {
+bin=target/gpu_check_bin
+# Unpacks the payload into $bin and puts the libraries the binaries need on the loader path.
+unpack() {
   # The Vulkan loader complains on every probe without one.
   if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
     export XDG_RUNTIME_DIR=$(mktemp -d)
   fi
   [ -f "$payload/payload.tar.xz" ] ||
     { echo "gpu_check: no $payload/payload.tar.xz: run 'scripts/gpu_check.sh build' first" >&2; exit 2; }
-  local bin=target/gpu_check_bin
-  logs=${GPU_CHECK_LOGS:-target/gpu_check}
-  mkdir -p "$logs"
   rm -rf "$bin" && mkdir -p "$bin"
   xz -dc "$payload/payload.tar.xz" | tar -C "$bin" -xf - ||
     { echo "gpu_check: the payload does not unpack" >&2; exit 2; }
@@ -142,6 +158,22 @@ run_checks() {
     echo "the binaries do not start with this machine's libraries; adding the carried ones"
     export LD_LIBRARY_PATH="$PWD/$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   fi
+}
+
+# NCCL at 2 and 4 ranks (on one GPU, ranks share it; see scripts/nccl_check.sh), bounded to
+# 540 s.
+run_nccl() {
+  unpack
+  [ -x "$bin/comm_suite" ] && [ -x "$bin/bert_pretrain" ] ||
+    { echo "gpu_check: the payload has no NCCL binaries: build it with GPU_CHECK_NCCL=1" >&2; exit 2; }
+  find_libraries
+  NCCL_CHECK_BIN=$bin timeout 540 scripts/nccl_check.sh
+}
+
+run_checks() {
+  unpack
+  logs=${GPU_CHECK_LOGS:-target/gpu_check}
+  mkdir -p "$logs"
   echo "== machine"
   nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
   nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader 2>/dev/null
@@ -212,6 +244,7 @@ run_checks() {
 
 case "${1:-}" in
   build) shift; build "$@" ;;
+  nccl) run_nccl ;;
   "") run_checks ;;
-  *) echo "usage: scripts/gpu_check.sh [build [--dev]]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_check.sh [build [--dev] | nccl]" >&2; exit 2 ;;
 esac
