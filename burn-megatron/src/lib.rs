@@ -76,6 +76,10 @@
 //!   MoE layer's load-balancing loss receives, set by the pipeline executor for its
 //!   micro-batches (Megatron's `MoEAuxLossAutoScaler`).
 //!
+//! One more lives only during a call: while [`tensor_parallel::dropin::TpPlan::apply`] walks
+//! a model, a thread-local hands each layer's slot its split (Burn's traversal gives a mapper
+//! parameters, not fields); it is empty before and after.
+//!
 //! Beside them, caches that cannot go stale: `param_grads`' accessors per tensor rank, the
 //! kernels' wgpu device (opened once per process), a counter for unique temporary names in
 //! the dataset index cache. Ranks as threads share all of these; each entry is keyed by
