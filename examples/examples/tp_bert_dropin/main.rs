@@ -1,5 +1,5 @@
 //! A Burn user's BERT (on `nn::transformer::TransformerEncoder`) made tensor-parallel by
-//! swapping its encoder, word embeddings and decoder.
+//! importing Burn-named layers and applying one plan.
 //!
 //! ```text
 //! cargo run -p burn-megatron-examples --example tp_bert_dropin [-- --tp 2 --steps 5]
@@ -8,11 +8,14 @@
 //! `plain.rs` is a small BERT for masked-language modelling written as bert-burn writes one:
 //! private fields, Burn's `TransformerEncoder` built from a full `TransformerEncoderConfig`, a
 //! padding mask, a prediction head whose decoder spans the vocabulary, a saved record.
-//! `parallel.rs` is the same code with `ParallelTransformerEncoder`, a vocabulary-parallel
-//! word embedding and decoder (diff the two). The plain model saves a record once; TP 1 loads
-//! it whole, each rank at `--tp` only its shards. Both train from it and fill the masks: the
-//! losses and the first step's gradients (gathered by path) must agree within 1e-5 and the
-//! predicted tokens must be equal, or the example fails.
+//! `parallel.rs` is the same code importing `dropin::nn`'s encoder, embedding and linear
+//! layers, whose `load` splits them by a plan (the encoder as Megatron splits a layer, the
+//! word embeddings by vocabulary, the decoder column-parallel with its output gathered, so
+//! the loss and the argmax stay Burn's) and reads only this rank's shards of the record (diff
+//! the two). The plain model saves a record once; TP 1 loads it whole, each rank at `--tp`
+//! only its shards. Both train from it and fill the masks: the losses and the first step's
+//! gradients (gathered by path) must agree within 1e-5 and the predicted tokens must be
+//! equal, or the example fails.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -143,16 +146,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let plain_device = Device::flex();
             let e = Batch::new(config.vocab_size, &plain_device);
             let filled = parallel::BertMaskedLm::load(&config, &record, tp, &plain_device)?
-                .fill_mask(e.tokens, e.pad, e.at, e.labels)?;
+                .fill_mask(e.tokens, e.pad, e.at, e.labels);
             let b = Batch::new(config.vocab_size, d);
             let model = parallel::BertMaskedLm::load(&config, &record, tp, d)?;
             let (losses, grads) = train(model, args.steps, tp, |m| {
-                m.loss(
+                let (t, p, a, l) = (
                     b.tokens.clone(),
                     b.pad.clone(),
                     b.at.clone(),
                     b.labels.clone(),
-                )
+                );
+                Ok::<_, TpError>(m.loss(t, p, a, l))
             })?;
             Ok::<_, TpError>((losses, grads, filled))
         },

@@ -1,13 +1,12 @@
 use super::{BertConfig, masked};
 use burn::module::Module;
-use burn::nn::transformer::TransformerEncoderConfig;
+use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Bool, Device, Int, Tensor};
-use burn_megatron::comm::Comm;
-use burn_megatron::tensor_parallel::{dropin::nn::*, dropin::*, *};
+use burn_megatron::tensor_parallel::dropin::{nn::transformer::*, nn::*, *};
+use burn_megatron::{comm::Comm, tensor_parallel::TpError};
 use std::path::Path;
-type Result<T> = std::result::Result<T, TpError>;
 
 #[derive(Module, Debug)]
 pub struct BertEmbeddings {
@@ -27,13 +26,13 @@ pub struct BertLmHead {
 #[derive(Module, Debug)]
 pub struct BertMaskedLm {
     embeddings: BertEmbeddings,
-    encoder: ParallelTransformerEncoder,
+    encoder: TransformerEncoder,
     lm_head: BertLmHead,
 }
 
 impl BertMaskedLm {
     // ANCHOR: new
-    pub fn new(c: &BertConfig, tp: &Comm, device: &Device) -> Result<Self> {
+    pub fn new(c: &BertConfig, device: &Device) -> Self {
         let embedding = |n| EmbeddingConfig::new(n, c.hidden_size).init(device);
         let norm = || {
             LayerNormConfig::new(c.hidden_size)
@@ -55,30 +54,30 @@ impl BertMaskedLm {
             activation: burn::nn::activation::ActivationConfig::Gelu,
             layer_norm_eps: 1e-12,
         };
-        let rng = RngTracker::new(0, tp.group().rank());
-        Ok(Self {
+        Self {
             embeddings: BertEmbeddings {
                 word_embeddings: embedding(c.vocab_size),
                 position_embeddings: embedding(c.max_position_embeddings),
                 token_type_embeddings: embedding(c.type_vocab_size),
                 layer_norm: norm(),
             },
-            encoder: ParallelTransformerEncoder::new(&encoder, tp, 0, &rng, device)?,
+            encoder: encoder.init(device),
             lm_head: BertLmHead {
                 dense: LinearConfig::new(c.hidden_size, c.hidden_size).init(device),
                 layer_norm: norm(),
                 decoder: LinearConfig::new(c.hidden_size, c.vocab_size).init(device),
             },
-        })
+        }
     }
     // ANCHOR_END: new
 
     // ANCHOR: load
     /// The model with the weights of the record at `path`.
-    pub fn load(c: &BertConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self> {
-        let plan = TpPlan::new().vocab(&["*.word_embeddings"])?;
-        let plan = plan.column(&["*.decoder"])?;
-        let model = plan.apply(Self::new(c, tp, device)?, tp)?;
+    pub fn load(c: &BertConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self, TpError> {
+        let plan = TpPlan::new().encoder(&["encoder"])?;
+        let plan = plan.vocab(&["*.word_embeddings"])?;
+        let plan = plan.gathered_column(&["*.decoder"])?;
+        let model = plan.apply(Self::new(c, device), tp)?;
         let (source, options) = (RecordSource::from_path(path), LoadOptions::default());
         Ok(load_sharded(model, &source, tp, &options)?.0)
     }
@@ -94,8 +93,7 @@ impl BertMaskedLm {
         let x = e.word_embeddings.forward(tokens.clone())
             + e.position_embeddings.forward(positions)
             + e.token_type_embeddings.forward(tokens.zeros_like());
-        let input =
-            ParallelTransformerEncoderInput::new(e.layer_norm.forward(x)).mask_pad(mask_pad);
+        let input = TransformerEncoderInput::new(e.layer_norm.forward(x)).mask_pad(mask_pad);
         let h = self.encoder.forward(input);
         let head = &self.lm_head;
         head.decoder
@@ -110,10 +108,11 @@ impl BertMaskedLm {
         pad: Tensor<2, Bool>,
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
-    ) -> Result<Tensor<1>> {
+    ) -> Tensor<1> {
         let logits = masked(self.forward(tokens, pad), at);
-        let group = self.lm_head.decoder.group();
-        Ok(vocab_parallel_cross_entropy(logits, labels, 0.0, &group)?.mean())
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, labels)
     }
 
     /// The most likely token at each masked position, and how many of them are `labels`.
@@ -123,13 +122,11 @@ impl BertMaskedLm {
         pad: Tensor<2, Bool>,
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
-    ) -> Result<(Vec<i64>, usize)> {
+    ) -> (Vec<i64>, usize) {
         let logits = masked(self.forward(tokens, pad), at);
-        let vocab = self.embeddings.word_embeddings.num_embeddings();
-        let best = vocab_parallel_argmax(logits, vocab, &self.lm_head.decoder.group())?;
-        let best: Vec<i64> = best.into_data().iter::<i64>().collect();
+        let best: Vec<i64> = logits.argmax(1).into_data().iter::<i64>().collect();
         let labels: Vec<i64> = labels.into_data().iter::<i64>().collect();
         let right = best.iter().zip(&labels).filter(|(b, l)| b == l).count();
-        Ok((best, right))
+        (best, right)
     }
 }

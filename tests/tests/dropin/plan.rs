@@ -207,3 +207,134 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
         three[0]
     );
 }
+
+/// A model holding `dropin::nn::transformer`'s encoder, as a BERT holds Burn's.
+#[derive(Module, Debug)]
+struct WithEncoder {
+    encoder: burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoder,
+}
+
+#[test]
+fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() -> Result<(), Error>
+{
+    use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+        TransformerEncoderConfig, TransformerEncoderInput,
+    };
+    use burn_megatron_tests::data;
+    let dir = std::env::temp_dir().join(format!("bm-dropin-encoder-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for norm_first in [false, true] {
+        let config = super::config(norm_first, 0.0);
+        let (y_plain, g_plain) = super::plain_run(&config);
+        // Burn's encoder saves the record; Burn's struct literal builds the Burn-named one.
+        let record = dir.join(format!("encoder-{norm_first}.bpk"));
+        super::plain_encoder(&config, &Device::flex()).save_file(&record)?;
+        let ours = TransformerEncoderConfig {
+            d_model: config.d_model,
+            d_ff: config.d_ff,
+            n_heads: config.n_heads,
+            n_layers: config.n_layers,
+            dropout: config.dropout,
+            norm_first: config.norm_first,
+            quiet_softmax: config.quiet_softmax,
+            initializer: config.initializer.clone(),
+            activation: config.activation.clone(),
+            layer_norm_eps: config.layer_norm_eps,
+        };
+        let options = LoadOptions::default().with_key_remap("^", "encoder.")?;
+        let source = RecordSource::from_path(&record);
+        for tp in [1, 2, 4] {
+            let out = threads(
+                &ParallelConfig::new(tp, tp, 1),
+                LaunchOptions::default(),
+                |ctx| {
+                    let (g, d) = (&ctx.groups.tp, &ctx.device);
+                    let net = WithEncoder {
+                        encoder: ours.init(d),
+                    };
+                    let net = TpPlan::new().encoder(&["encoder"])?.apply(net, g)?;
+                    let (net, _) = load_sharded(net, &source, g, &options)?;
+                    let input =
+                        TransformerEncoderInput::new(data([super::B, super::S, D], 0, 1, d))
+                            .mask_pad(super::padding(d));
+                    let y = net.encoder.forward(input);
+                    let w = data([super::B, super::S, D], 0, 2, d);
+                    let grads = (y.clone() * w).sum().backward();
+                    let grads = burn::optim::GradientsParams::from_grads(grads, &net);
+                    let grads: super::Values = gathered(&net, Some(&grads), g)
+                        .into_iter()
+                        .map(|(k, v)| (k.trim_start_matches("encoder.").to_string(), v))
+                        .collect();
+                    Ok::<_, Error>((burn_megatron_tests::values(y), grads))
+                },
+            )?;
+            for (rank, (y, grads)) in out.iter().enumerate() {
+                let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
+                let dy = y
+                    .iter()
+                    .zip(&y_plain)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(dy < 1e-5, "{what}: output off by {dy}");
+                let (worst, name) = max_rel_diff(grads, &g_plain, super::GRAD_FLOOR);
+                assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+#[test]
+fn a_split_encoders_dropout_agrees_where_the_stream_is_whole() -> Result<(), Error> {
+    use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+        TransformerEncoderConfig, TransformerEncoderInput,
+    };
+    let out = threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let config = TransformerEncoderConfig::new(D, 32, 4, 2).with_dropout(0.3);
+            let net = WithEncoder {
+                encoder: config.init(d),
+            };
+            let net = TpPlan::new()
+                .encoder(&["encoder"])?
+                .with_seed(9)
+                .apply(net, g)?;
+            let x = burn_megatron_tests::data([2, 5, D], 0, 1, d).require_grad();
+            let y = net.encoder.forward(TransformerEncoderInput::new(x.clone()));
+            let eval = net
+                .encoder
+                .valid()
+                .forward(TransformerEncoderInput::new(x.inner()));
+            Ok::<_, Error>((
+                burn_megatron_tests::values(y),
+                burn_megatron_tests::values(eval),
+            ))
+        },
+    )?;
+    assert_eq!(
+        out[0].0, out[1].0,
+        "the residual stream is dropped alike on both ranks"
+    );
+    assert_ne!(out[0].0, out[0].1, "dropout applied in training");
+    assert_eq!(out[0].1, out[1].1);
+    // A rule on an encoder's part it cannot split is an error naming it.
+    let e = TpPlan::new()
+        .column(&["encoder"])
+        .unwrap()
+        .apply(
+            WithEncoder {
+                encoder: TransformerEncoderConfig::new(D, 32, 4, 1).init(&Device::flex()),
+            },
+            &super::solo(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("encoder.layers.0") && e.contains("`encoder`"),
+        "{e}"
+    );
+    Ok(())
+}

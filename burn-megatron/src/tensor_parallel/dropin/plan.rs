@@ -12,7 +12,7 @@
 
 use super::super::attrs::{LayoutOwner, ParallelAttrs};
 use super::super::init::{MasterInit, slice_cols, slice_rows};
-use super::super::{TpError, derive_seed, lazy_host_param, shard_param};
+use super::super::{RngTracker, TpError, derive_seed, lazy_host_param, shard_param};
 use super::master_init;
 use crate::comm::Comm;
 use burn::module::{
@@ -28,11 +28,19 @@ pub enum Split {
     /// Output features split (Megatron's `ColumnParallelLinear`, no gather): weight `[in,
     /// out / tp]`, bias `[out / tp]`.
     Column,
+    /// Output features split, then gathered (`ColumnParallelLinear` with `gather_output`):
+    /// every rank gets the whole output, for code that needs it whole (a loss or an argmax
+    /// over the vocabulary), at the cost of an all-gather.
+    GatheredColumn,
     /// Input features split (`RowParallelLinear`, input already split): weight `[in / tp,
     /// out]`, the bias whole, the outputs summed over the ranks.
     Row,
     /// Vocabulary rows split (`VocabParallelEmbedding`): table `[vocab / tp, d]`.
     Vocab,
+    /// [`nn::transformer`](super::nn::transformer)'s encoder split as Megatron splits a
+    /// transformer layer: `query`, `key`, `value` and `linear_inner` column-parallel,
+    /// `output` and `linear_outer` row-parallel, the norms whole, dropout from a tracker.
+    Encoder,
 }
 
 /// What a slot holds once a plan assigned its layer.
@@ -41,6 +49,8 @@ pub(super) struct Assigned {
     pub(super) split: Split,
     pub(super) tp: Comm,
     pub(super) layout: LayoutOwner,
+    /// The plan's dropout streams, for a split encoder's attention, feed-forward and layer.
+    pub(super) rng: Option<RngTracker>,
 }
 
 thread_local! {
@@ -57,6 +67,11 @@ impl TpSlot {
     /// The split, if a plan assigned one.
     pub fn split(&self) -> Option<Split> {
         self.0.as_ref().map(|a| a.split)
+    }
+
+    /// The dropout streams a plan gave a split encoder's part.
+    pub(super) fn rng(&self) -> Option<&RngTracker> {
+        self.0.as_ref().and_then(|a| a.rng.as_ref())
     }
 
     /// The group the layer is split over, or a group of one.
@@ -140,6 +155,11 @@ impl TpPlan {
         self.rule(patterns, Split::Column)
     }
 
+    /// Layers whose output features split and are gathered again after the product.
+    pub fn gathered_column(self, patterns: &[&str]) -> Result<Self, TpError> {
+        self.rule(patterns, Split::GatheredColumn)
+    }
+
     /// Layers whose input features split; their input is a column layer's split output.
     pub fn row(self, patterns: &[&str]) -> Result<Self, TpError> {
         self.rule(patterns, Split::Row)
@@ -148,6 +168,13 @@ impl TpPlan {
     /// Embeddings whose vocabulary rows split.
     pub fn vocab(self, patterns: &[&str]) -> Result<Self, TpError> {
         self.rule(patterns, Split::Vocab)
+    }
+
+    /// [`nn::transformer::TransformerEncoder`](super::nn::transformer::TransformerEncoder)s
+    /// split as Megatron splits a transformer layer ([`Split::Encoder`]); their dropout draws
+    /// from streams seeded by [`with_seed`](Self::with_seed).
+    pub fn encoder(self, patterns: &[&str]) -> Result<Self, TpError> {
+        self.rule(patterns, Split::Encoder)
     }
 
     /// The seed of the weights a plan draws: a split layer not yet initialised (Burn draws
@@ -177,6 +204,7 @@ impl TpPlan {
         let mut mapper = PlanMapper {
             plan: self,
             tp,
+            rng: RngTracker::new(self.seed, tp.group().rank()),
             path: Vec::new(),
             types: Vec::new(),
             active: None,
@@ -215,6 +243,8 @@ struct Active {
 struct PlanMapper<'a> {
     plan: &'a TpPlan,
     tp: &'a Comm,
+    /// One set of dropout streams for every encoder part this plan splits on this rank.
+    rng: RngTracker,
     path: Vec<String>,
     /// The container type each entered name was entered from (its parent's struct).
     types: Vec<String>,
@@ -242,11 +272,31 @@ impl ModuleMapper for PlanMapper<'_> {
         if name == "tp" && container_type_is_dropin(container_type) {
             if let Some(active) = &mut self.active {
                 active.slots += 1;
+                let layer = self.path.iter().rev().nth(1).cloned().unwrap_or_default();
+                let split = match (active.split, container_type) {
+                    (Split::Encoder, "Struct:Linear") => encoder_split(&layer),
+                    (Split::Encoder, _) => Some(Split::Encoder),
+                    (split, "Struct:Linear" | "Struct:Embedding") => Some(split),
+                    _ => None,
+                };
+                let Some(split) = split else {
+                    let e = format!(
+                        "{path}: a {:?} rule does not split a {}; an encoder takes `encoder`, \
+                         and of an encoder's linears only query, key, value, output, \
+                         linear_inner and linear_outer split",
+                        active.split,
+                        container_type.trim_start_matches("Struct:")
+                    );
+                    self.fail(e);
+                    return;
+                };
                 let owner = self.owner.take().unwrap_or_default();
+                let rng = (split == Split::Encoder).then(|| self.rng.clone());
                 let assigned = Assigned {
-                    split: active.split,
+                    split,
                     tp: self.tp.clone(),
                     layout: owner,
+                    rng,
                 };
                 PENDING.with(|p| *p.borrow_mut() = Some(assigned));
             }
@@ -296,13 +346,30 @@ impl ModuleMapper for PlanMapper<'_> {
         let Some(active) = &self.active else {
             return param;
         };
-        let split = active.split;
         let layer = self.types.last().cloned().unwrap_or_default();
         let field = self.path.last().cloned().unwrap_or_default();
         let path = self.path.join(".");
+        let split = match active.split {
+            // An encoder's norms stay whole; its linears split by their role.
+            Split::Encoder if layer != "Struct:Linear" => return param,
+            Split::Encoder => {
+                let linear = self.path.iter().rev().nth(1).cloned().unwrap_or_default();
+                match encoder_split(&linear) {
+                    Some(split) => split,
+                    None => {
+                        self.fail(format!(
+                            "{path}: an encoder rule splits only query, key, value, output, \
+                             linear_inner and linear_outer"
+                        ));
+                        return param;
+                    }
+                }
+            }
+            split => split,
+        };
         let dim = match (layer.as_str(), field.as_str(), split) {
-            ("Struct:Linear", "weight", Split::Column) => Some(1),
-            ("Struct:Linear", "bias", Split::Column) => Some(0),
+            ("Struct:Linear", "weight", Split::Column | Split::GatheredColumn) => Some(1),
+            ("Struct:Linear", "bias", Split::Column | Split::GatheredColumn) => Some(0),
             ("Struct:Linear", "weight", Split::Row) => Some(0),
             ("Struct:Linear", "bias", Split::Row) => None,
             ("Struct:Embedding", "weight", Split::Vocab) => Some(0),
@@ -347,7 +414,23 @@ impl ModuleMapper for PlanMapper<'_> {
 }
 
 fn container_type_is_dropin(container_type: &str) -> bool {
-    matches!(container_type, "Struct:Linear" | "Struct:Embedding")
+    matches!(
+        container_type,
+        "Struct:Linear"
+            | "Struct:Embedding"
+            | "Struct:MultiHeadAttention"
+            | "Struct:PositionWiseFeedForward"
+            | "Struct:TransformerEncoderLayer"
+    )
+}
+
+/// How an encoder splits the linear layer named `name`.
+fn encoder_split(name: &str) -> Option<Split> {
+    match name {
+        "query" | "key" | "value" | "linear_inner" => Some(Split::Column),
+        "output" | "linear_outer" => Some(Split::Row),
+        _ => None,
+    }
 }
 
 /// Where a parameter of a split layer goes, and how it is drawn if it has no values yet.

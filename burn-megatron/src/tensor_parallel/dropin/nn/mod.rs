@@ -1,16 +1,19 @@
-//! `Linear`, `Embedding` and `SwiGlu` with Burn's names, fields, configs and record paths,
-//! each with a [`TpSlot`] that a [`TpPlan`](super::TpPlan) fills: a model written with
-//! `burn::nn` becomes tensor-parallel by importing these instead and applying a plan, with no
-//! constructor changed. Until a plan assigns a split, each layer computes exactly what
-//! Burn's does.
+//! `Linear`, `Embedding`, `SwiGlu` and (in [`transformer`]) `TransformerEncoder` with Burn's
+//! names, fields, configs and record paths, each with a [`TpSlot`] that a
+//! [`TpPlan`](super::TpPlan) fills: a model written with `burn::nn` becomes tensor-parallel by
+//! importing these instead and applying a plan, with no constructor changed. Until a plan
+//! assigns a split, each layer computes exactly what Burn's does.
 
 use super::plan::{Split, TpSlot};
+
+pub mod transformer;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
 use crate::tensor_parallel::embedding::vocab_lookup;
 use crate::tensor_parallel::layers::check_width;
 use crate::tensor_parallel::mappings::{
-    copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+    copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
 };
 use crate::tensor_parallel::matmul_bias;
 use burn::config::Config;
@@ -62,7 +65,7 @@ pub struct Linear {
 
 impl Linear {
     /// `[..., d_input]` → `[..., d_output]`; column-parallel: `[..., d_output / tp]` (the
-    /// input copied into the region); row-parallel: from `[..., d_input / tp]`, summed over
+    /// input copied into the region; gathered column: the whole output again); row-parallel: from `[..., d_input / tp]`, summed over
     /// the ranks.
     ///
     /// # Panics
@@ -99,7 +102,11 @@ impl Linear {
                 let input = copy_to_tensor_model_parallel_region(input, &a.tp);
                 let weight = hook_param(&self.weight, &input);
                 let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
-                matmul_bias(input, weight, bias, false)
+                let out = matmul_bias(input, weight, bias, false);
+                match a.split {
+                    Split::GatheredColumn => gather_from_tensor_model_parallel_region(out, &a.tp),
+                    _ => out,
+                }
             }
         }
     }

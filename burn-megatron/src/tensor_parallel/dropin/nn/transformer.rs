@@ -1,0 +1,358 @@
+//! Burn's `nn::transformer::TransformerEncoder`, with its config fields, builders and record
+//! paths, built from [`Linear`]s a plan can split. `TpPlan::encoder(&["encoder"])` makes the
+//! attention's query, key and value and the first feed-forward layer column-parallel, the
+//! attention output and the second feed-forward layer row-parallel (Megatron's split: one
+//! all-reduce per block in each direction), keeps the norms whole, and gives dropout a
+//! [`RngTracker`](crate::tensor_parallel::RngTracker): the same mask on every rank for the
+//! residual stream, which every rank holds whole, and each rank its own for its heads and its
+//! slice of the inner width. Unsplit, it computes what Burn's computes, with Burn's dropout.
+
+use super::super::mha::dropout as tracked_dropout;
+use super::super::plan::TpSlot;
+use super::{Linear, LinearConfig};
+use crate::tensor_parallel::RngRegion;
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::activation::{Activation, ActivationConfig};
+use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer, LayerNorm, LayerNormConfig};
+use burn::tensor::activation::{quiet_softmax, softmax};
+use burn::tensor::{Bool, Device, Tensor};
+
+/// Burn's `TransformerEncoderConfig`, field for field (a struct literal of Burn's compiles
+/// against this one).
+#[derive(Config, Debug)]
+pub struct TransformerEncoderConfig {
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the position-wise feed-forward network.
+    pub d_ff: usize,
+    /// The number of attention heads.
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate.
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// Layer norm before the attention and the feed-forward network instead of after.
+    #[config(default = false)]
+    pub norm_first: bool,
+    /// "Quiet softmax" instead of the regular one.
+    #[config(default = false)]
+    pub quiet_softmax: bool,
+    /// The initializer of the linear layers (Burn's default).
+    #[config(
+        default = "burn::nn::transformer::TransformerEncoderConfig::new(1, 1, 1, 1).initializer"
+    )]
+    pub initializer: Initializer,
+    /// The feed-forward network's activation (elementwise ones split).
+    #[config(default = "ActivationConfig::Gelu")]
+    pub activation: ActivationConfig,
+    /// The layer norms' epsilon.
+    #[config(default = 1e-5)]
+    pub layer_norm_eps: f64,
+}
+
+impl TransformerEncoderConfig {
+    /// The encoder on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> TransformerEncoder {
+        let linear = |i, o| {
+            LinearConfig::new(i, o)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        let norm = || {
+            LayerNormConfig::new(self.d_model)
+                .with_epsilon(self.layer_norm_eps)
+                .init(device)
+        };
+        let dropout = || DropoutConfig::new(self.dropout).init();
+        let d = self.d_model;
+        let layer = |_| TransformerEncoderLayer {
+            mha: MultiHeadAttention {
+                query: linear(d, d),
+                key: linear(d, d),
+                value: linear(d, d),
+                output: linear(d, d),
+                dropout: dropout(),
+                activation: Gelu::new(),
+                d_model: d,
+                n_heads: self.n_heads,
+                d_k: d / self.n_heads.max(1),
+                min_float: -1.0e4,
+                quiet_softmax: self.quiet_softmax,
+                tp: TpSlot::default(),
+            },
+            pwff: PositionWiseFeedForward {
+                linear_inner: linear(d, self.d_ff),
+                linear_outer: linear(self.d_ff, d),
+                dropout: dropout(),
+                activation: self.activation.init(device),
+                tp: TpSlot::default(),
+            },
+            norm_1: norm(),
+            norm_2: norm(),
+            dropout: dropout(),
+            norm_first: self.norm_first,
+            tp: TpSlot::default(),
+        };
+        TransformerEncoder {
+            layers: (0..self.n_layers).map(layer).collect(),
+            d_model: d,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            dropout: self.dropout,
+            norm_first: self.norm_first,
+            quiet_softmax: self.quiet_softmax,
+        }
+    }
+}
+
+/// Burn's `TransformerEncoder`.
+#[derive(Module, Debug)]
+pub struct TransformerEncoder {
+    /// The layers.
+    pub layers: Vec<TransformerEncoderLayer>,
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the feed-forward network.
+    pub d_ff: usize,
+    /// The attention heads (all ranks').
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate.
+    pub dropout: f64,
+    /// Pre-norm (`true`) or post-norm.
+    pub norm_first: bool,
+    /// Quiet softmax.
+    pub quiet_softmax: bool,
+}
+
+impl TransformerEncoder {
+    /// `[b, s, d_model]` → `[b, s, d_model]`, every rank the whole output.
+    pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
+        let mut x = input.tensor;
+        for layer in &self.layers {
+            x = layer.forward(x, input.mask_pad.clone(), input.mask_attn.clone());
+        }
+        x
+    }
+}
+
+/// Burn's `TransformerEncoderInput`, whose fields Burn keeps private: the same builder.
+#[derive(Debug, Clone)]
+pub struct TransformerEncoderInput {
+    tensor: Tensor<3>,
+    mask_pad: Option<Tensor<2, Bool>>,
+    mask_attn: Option<Tensor<3, Bool>>,
+}
+
+impl TransformerEncoderInput {
+    /// The input `[b, s, d_model]`.
+    pub fn new(tensor: Tensor<3>) -> Self {
+        Self {
+            tensor,
+            mask_pad: None,
+            mask_attn: None,
+        }
+    }
+
+    /// Keys to ignore, `[b, s]` (true: padding).
+    pub fn mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
+        self.mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Query-key pairs to ignore, `[b, s, s]`.
+    pub fn mask_attn(mut self, mask_attn: Tensor<3, Bool>) -> Self {
+        self.mask_attn = Some(mask_attn);
+        self
+    }
+}
+
+/// Burn's `TransformerEncoderLayer`.
+#[derive(Module, Debug)]
+pub struct TransformerEncoderLayer {
+    /// The self-attention.
+    pub mha: MultiHeadAttention,
+    /// The feed-forward network.
+    pub pwff: PositionWiseFeedForward,
+    /// The norm after (or, pre-norm, before) the feed-forward network's residual.
+    pub norm_1: LayerNorm,
+    /// The norm after (or, pre-norm, before) the attention's residual.
+    pub norm_2: LayerNorm,
+    /// The residual branches' dropout.
+    pub dropout: Dropout,
+    /// Pre-norm.
+    pub norm_first: bool,
+    tp: TpSlot,
+}
+
+impl TransformerEncoderLayer {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+    ) -> Tensor<3> {
+        // The residual stream is whole on every rank: its masks must agree.
+        let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
+        // Burn's roles: pre-norm uses norm_2 before attention and norm_1 before the
+        // feed-forward network; post-norm applies norm_1 after attention, norm_2 after it.
+        let attn_in = match self.norm_first {
+            true => self.norm_2.forward(x.clone()),
+            false => x.clone(),
+        };
+        let mut x = x + residual(self.mha.forward(attn_in, mask_pad, mask_attn));
+        if !self.norm_first {
+            x = self.norm_1.forward(x);
+        }
+        let ffn_in = match self.norm_first {
+            true => self.norm_1.forward(x.clone()),
+            false => x.clone(),
+        };
+        let x = x + residual(self.pwff.forward(ffn_in));
+        match self.norm_first {
+            true => x,
+            false => self.norm_2.forward(x),
+        }
+    }
+}
+
+/// Burn's `MultiHeadAttention` as the encoder uses it (self-attention); split, each rank
+/// holds `n_heads / tp` heads.
+#[derive(Module, Debug)]
+pub struct MultiHeadAttention {
+    /// Query projection.
+    pub query: Linear,
+    /// Key projection.
+    pub key: Linear,
+    /// Value projection.
+    pub value: Linear,
+    /// Output projection.
+    pub output: Linear,
+    /// The attention probabilities' dropout.
+    pub dropout: Dropout,
+    /// Unused in the forward pass, as in Burn's.
+    pub activation: Gelu,
+    /// The size of the model.
+    pub d_model: usize,
+    /// The attention heads (all ranks').
+    pub n_heads: usize,
+    /// Channels per head.
+    pub d_k: usize,
+    /// The score masked positions get.
+    pub min_float: f64,
+    /// Quiet softmax.
+    pub quiet_softmax: bool,
+    tp: TpSlot,
+}
+
+impl MultiHeadAttention {
+    /// Self-attention over `x` `[b, s, d_model]`.
+    ///
+    /// # Panics
+    ///
+    /// When the heads do not split over the ranks the layers were split over (Burn's forward
+    /// has no room for an error; a plan's sizes already split the width).
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+    ) -> Tensor<3> {
+        let [b, s, _] = x.dims();
+        let tp = self.query.tp_size();
+        assert!(
+            self.n_heads.is_multiple_of(tp),
+            "MultiHeadAttention: {} heads do not split over {tp} tensor-parallel ranks",
+            self.n_heads
+        );
+        let heads = self.n_heads / tp;
+        let split = |l: &Linear| {
+            l.forward(x.clone())
+                .reshape([b, s, heads, self.d_k])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (split(&self.query), split(&self.key), split(&self.value));
+        let mut scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
+        if let Some(mask) = mask_pad {
+            let [b, s] = mask.dims();
+            scores = scores.mask_fill(mask.reshape([b, 1, 1, s]), self.min_float);
+        }
+        if let Some(mask) = mask_attn {
+            let [b, s_q, s_k] = mask.dims();
+            scores = scores.mask_fill(mask.reshape([b, 1, s_q, s_k]), self.min_float);
+        }
+        let weights = match self.quiet_softmax {
+            true => quiet_softmax(scores, 3),
+            false => softmax(scores, 3),
+        };
+        // Each rank holds other heads: their masks differ.
+        let weights = drop(
+            &self.dropout,
+            &self.tp,
+            weights,
+            RngRegion::TensorModelParallel,
+        );
+        let context = weights
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s, heads * self.d_k]);
+        self.output.forward(context)
+    }
+}
+
+/// Burn's `PositionWiseFeedForward`.
+#[derive(Module, Debug)]
+pub struct PositionWiseFeedForward {
+    /// `d_model` → `d_ff`.
+    pub linear_inner: Linear,
+    /// `d_ff` → `d_model`.
+    pub linear_outer: Linear,
+    /// The dropout after the activation.
+    pub dropout: Dropout,
+    /// The activation (not a module of the record, as in Burn's).
+    #[module(skip)]
+    pub activation: Activation,
+    tp: TpSlot,
+}
+
+impl PositionWiseFeedForward {
+    /// `linear_outer(dropout(activation(linear_inner(x))))`.
+    ///
+    /// # Panics
+    ///
+    /// Split, with an activation that does not act elementwise (SwiGlu, PRelu): it cannot run
+    /// on a slice of the inner width.
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        assert!(
+            self.linear_inner.tp_size() == 1
+                || !matches!(
+                    self.activation,
+                    Activation::SwiGlu(_) | Activation::PRelu(_)
+                ),
+            "PositionWiseFeedForward: the activation {:?} does not act elementwise, so it cannot \
+             run on the tensor-parallel ranks' slices of the inner width",
+            self.activation
+        );
+        let x = self.activation.forward(self.linear_inner.forward(input));
+        // The inner activations are split: each rank draws its own mask.
+        let x = drop(&self.dropout, &self.tp, x, RngRegion::TensorModelParallel);
+        self.linear_outer.forward(x)
+    }
+}
+
+/// Burn's dropout, or, once a plan split the layer, a mask from the plan's tracker's `region`.
+fn drop<const D: usize>(
+    dropout: &Dropout,
+    slot: &TpSlot,
+    x: Tensor<D>,
+    region: RngRegion,
+) -> Tensor<D> {
+    match slot.rng() {
+        Some(rng) => tracked_dropout(dropout, rng, x, region),
+        None => dropout.forward(x),
+    }
+}
