@@ -10,9 +10,9 @@ use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
 use burn::tensor::{Device, Tensor};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::RngTracker;
+use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput as TpInput;
 use burn_megatron::tensor_parallel::dropin::{
-    LoadOptions, ParallelTransformerEncoder, ParallelTransformerEncoderInput, RecordSource,
-    load_sharded,
+    LoadOptions, ParallelTransformerEncoder, RecordSource, load_sharded,
 };
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::data;
@@ -129,7 +129,7 @@ fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
                     assert_eq!(params_ids(&encoder), ids, "the parameters keep their ids");
                     assert_eq!(report.shard_bytes, local, "{source:?}");
                     assert!(report.missing.is_empty() && report.unused.is_empty());
-                    let input = ParallelTransformerEncoderInput::new(x(d)).mask_pad(padding(d));
+                    let input = TpInput::new(x(d)).mask_pad(padding(d));
                     let y = burn_megatron_tests::values(encoder.forward(input));
                     runs.push((gathered(&encoder, None, g), y, report));
                 }

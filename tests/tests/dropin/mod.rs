@@ -11,8 +11,9 @@ use burn::nn::{Initializer, LinearLayout, SwiGlu, SwiGluConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
 use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput as TpInput;
 use burn_megatron::tensor_parallel::dropin::{
-    ParallelSwiGlu, ParallelTransformerEncoder, ParallelTransformerEncoderInput, master_init,
+    ParallelSwiGlu, ParallelTransformerEncoder, master_init,
 };
 use burn_megatron::tensor_parallel::{RngTracker, RowParallelLinear, TpError};
 use burn_megatron::topology::ParallelConfig;
@@ -134,9 +135,7 @@ fn a_transformer_encoder_at_tp_2_and_4_is_the_plain_one() -> Result<(), Error> {
                         gathered(&encoder, None, &ctx.groups.tp),
                     );
                     assert_eq!(a, b, "drawn at TP {tp} vs converted");
-                    let input =
-                        ParallelTransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, d))
-                            .mask_pad(padding(d));
+                    let input = TpInput::new(data([B, S, D_MODEL], 0, 1, d)).mask_pad(padding(d));
                     let y = encoder.forward(input);
                     let grads = (y.clone() * data([B, S, D_MODEL], 0, 2, d))
                         .sum()
@@ -181,17 +180,11 @@ fn dropout_masks_agree_across_ranks_where_activations_are_whole() -> Result<(), 
             let d = &ctx.device;
             let rng = RngTracker::new(9, ctx.state.tensor_model_parallel_rank());
             let encoder = ParallelTransformerEncoder::new(&config, &ctx.groups.tp, 1234, &rng, d)?;
-            let input =
-                ParallelTransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, d).require_grad());
+            let input = TpInput::new(data([B, S, D_MODEL], 0, 1, d).require_grad());
             let y = burn_megatron_tests::values(encoder.forward(input));
             // Off the autodiff device, or in evaluation, there is no dropout.
             let eval = encoder.valid();
-            let z = eval.forward(ParallelTransformerEncoderInput::new(data(
-                [B, S, D_MODEL],
-                0,
-                1,
-                &Device::flex(),
-            )));
+            let z = eval.forward(TpInput::new(data([B, S, D_MODEL], 0, 1, &Device::flex())));
             Ok::<_, Error>((y, burn_megatron_tests::values(z)))
         },
     )?;

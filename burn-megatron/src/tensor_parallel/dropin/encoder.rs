@@ -7,6 +7,7 @@ use super::super::{
 use super::heads::split_features;
 use super::init::master_init;
 use super::mha::{ParallelMhaInput, ParallelMultiHeadAttention, dropout};
+use super::nn::transformer::TransformerEncoderInput;
 use crate::comm::Comm;
 use burn::module::Module;
 use burn::nn::activation::Activation;
@@ -150,63 +151,54 @@ impl ParallelTransformerEncoderLayer {
     ) -> Tensor<3> {
         // The residual stream is whole on every rank: its dropout masks must agree.
         let residual_dropout = |x| dropout(&self.dropout, &self.rng, x, RngRegion::Default);
-        let x = input;
-        let attn_in = match self.norm_first {
-            true => self.norm_2.forward(x.clone()),
-            false => x.clone(),
-        };
-        let mut mha_input = ParallelMhaInput::self_attn(attn_in);
-        if let Some(mask) = mask_pad {
-            mha_input = mha_input.mask_pad(mask);
-        }
-        if let Some(mask) = mask_attn {
-            mha_input = mha_input.mask_attn(mask);
-        }
-        let mut x = x + residual_dropout(self.mha.forward(mha_input).context);
-        let ffn_in = match self.norm_first {
-            true => self.norm_1.forward(x.clone()),
-            false => {
-                x = self.norm_1.forward(x);
-                x.clone()
+        let attention = |x| {
+            let mut mha_input = ParallelMhaInput::self_attn(x);
+            if let Some(mask) = mask_pad {
+                mha_input = mha_input.mask_pad(mask);
             }
+            if let Some(mask) = mask_attn {
+                mha_input = mha_input.mask_attn(mask);
+            }
+            self.mha.forward(mha_input).context
         };
-        let x = x + residual_dropout(self.pwff.forward(ffn_in));
-        match self.norm_first {
-            true => x,
-            false => self.norm_2.forward(x),
-        }
+        let norms = (&self.norm_1, &self.norm_2, self.norm_first);
+        encoder_block(
+            input,
+            norms,
+            attention,
+            |x| self.pwff.forward(x),
+            residual_dropout,
+        )
     }
 }
 
-/// The input of [`ParallelTransformerEncoder::forward`], built as Burn's
-/// `TransformerEncoderInput`.
-#[derive(Debug, Clone)]
-pub struct ParallelTransformerEncoderInput {
-    tensor: Tensor<3>,
-    mask_pad: Option<Tensor<2, Bool>>,
-    mask_attn: Option<Tensor<3, Bool>>,
-}
-
-impl ParallelTransformerEncoderInput {
-    /// `[b, s, d_model]` hidden states, whole on every rank.
-    pub fn new(tensor: Tensor<3>) -> Self {
-        Self {
-            tensor,
-            mask_pad: None,
-            mask_attn: None,
+/// Burn's encoder layer around `attention` and `feed_forward`, with its roles of the two
+/// norms: pre-norm (`norm_first`) is `x + d(attention(norm_2(x)))`, then
+/// `x + d(feed_forward(norm_1(x)))`; post-norm is `norm_1(x + d(attention(x)))`, then
+/// `norm_2(x + d(feed_forward(x)))`, `d` being the residual dropout.
+pub(super) fn encoder_block(
+    x: Tensor<3>,
+    (norm_1, norm_2, norm_first): (&LayerNorm, &LayerNorm, bool),
+    attention: impl FnOnce(Tensor<3>) -> Tensor<3>,
+    feed_forward: impl FnOnce(Tensor<3>) -> Tensor<3>,
+    residual_dropout: impl Fn(Tensor<3>) -> Tensor<3>,
+) -> Tensor<3> {
+    let attn_in = match norm_first {
+        true => norm_2.forward(x.clone()),
+        false => x.clone(),
+    };
+    let mut x = x + residual_dropout(attention(attn_in));
+    let ffn_in = match norm_first {
+        true => norm_1.forward(x.clone()),
+        false => {
+            x = norm_1.forward(x);
+            x.clone()
         }
-    }
-
-    /// `[b, s]`, true at padded positions.
-    pub fn mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
-        self.mask_pad = Some(mask_pad);
-        self
-    }
-
-    /// `[b, s, s]`, true where a position must not see another.
-    pub fn mask_attn(mut self, mask_attn: Tensor<3, Bool>) -> Self {
-        self.mask_attn = Some(mask_attn);
-        self
+    };
+    let x = x + residual_dropout(feed_forward(ffn_in));
+    match norm_first {
+        true => x,
+        false => norm_2.forward(x),
     }
 }
 
@@ -218,16 +210,15 @@ impl ParallelTransformerEncoderInput {
 /// use burn::tensor::{Device, Tensor};
 /// use burn_megatron::comm::{Comm, LocalWorld};
 /// use burn_megatron::tensor_parallel::RngTracker;
-/// use burn_megatron::tensor_parallel::dropin::{
-///     ParallelTransformerEncoder, ParallelTransformerEncoderInput,
-/// };
+/// use burn_megatron::tensor_parallel::dropin::ParallelTransformerEncoder;
+/// use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput;
 /// use std::sync::Arc;
 /// let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
 /// let (device, rng) = (Device::flex(), RngTracker::new(7, 0));
 /// let config = TransformerEncoderConfig::new(16, 32, 4, 2);
 /// let encoder = ParallelTransformerEncoder::new(&config, &tp, 1234, &rng, &device).unwrap();
 /// let x = Tensor::<3>::ones([2, 5, 16], &device);
-/// let y = encoder.forward(ParallelTransformerEncoderInput::new(x));
+/// let y = encoder.forward(TransformerEncoderInput::new(x));
 /// assert_eq!(y.dims(), [2, 5, 16]);
 /// ```
 #[derive(Module, Debug)]
@@ -362,7 +353,7 @@ impl ParallelTransformerEncoder {
     }
 
     /// Burn's encoder's forward: `[b, s, d_model]` → `[b, s, d_model]`, whole on every rank.
-    pub fn forward(&self, input: ParallelTransformerEncoderInput) -> Tensor<3> {
+    pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
         let mut x = input.tensor;
         for layer in &self.layers {
             x = layer.forward(x, input.mask_pad.clone(), input.mask_attn.clone());

@@ -227,22 +227,17 @@ impl ParallelMultiHeadAttention {
 
     fn weights(
         &self,
-        mut scores: Tensor<4>,
+        scores: Tensor<4>,
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<4> {
-        if let Some(mask) = mask_pad {
-            let [b, s] = mask.dims();
-            scores = scores.mask_fill(mask.reshape([b, 1, 1, s]), self.min_float);
-        }
-        if let Some(mask) = mask_attn {
-            let [b, s_q, s_k] = mask.dims();
-            scores = scores.mask_fill(mask.reshape([b, 1, s_q, s_k]), self.min_float);
-        }
-        let weights = match self.quiet_softmax {
-            true => quiet_softmax(scores, 3),
-            false => softmax(scores, 3),
-        };
+        let weights = attention_probs(
+            scores,
+            mask_pad,
+            mask_attn,
+            self.min_float,
+            self.quiet_softmax,
+        );
         // Each rank holds other heads: their masks differ.
         dropout(
             &self.dropout,
@@ -266,4 +261,28 @@ pub(super) fn dropout<const D: usize>(
     }
     rng.dropout(x, dropout.prob, region)
         .expect("Burn's DropoutConfig::init refuses a probability outside [0, 1)")
+}
+
+/// Burn's attention probabilities: `scores` `[b, heads, s_q, s_k]` filled with `min_float`
+/// where `mask_pad` `[b, s_k]` or `mask_attn` `[b, s_q, s_k]` is true, then softmax (or quiet
+/// softmax) over the keys. Heads are independent, so a rank's heads take the whole masks.
+pub(super) fn attention_probs(
+    mut scores: Tensor<4>,
+    mask_pad: Option<Tensor<2, Bool>>,
+    mask_attn: Option<Tensor<3, Bool>>,
+    min_float: f64,
+    quiet: bool,
+) -> Tensor<4> {
+    if let Some(mask) = mask_pad {
+        let [b, s] = mask.dims();
+        scores = scores.mask_fill(mask.reshape([b, 1, 1, s]), min_float);
+    }
+    if let Some(mask) = mask_attn {
+        let [b, s_q, s_k] = mask.dims();
+        scores = scores.mask_fill(mask.reshape([b, 1, s_q, s_k]), min_float);
+    }
+    match quiet {
+        true => quiet_softmax(scores, 3),
+        false => softmax(scores, 3),
+    }
 }

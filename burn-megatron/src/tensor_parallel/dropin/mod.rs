@@ -31,8 +31,7 @@ mod plan;
 mod swiglu;
 
 pub use encoder::{
-    ParallelPositionWiseFeedForward, ParallelTransformerEncoder, ParallelTransformerEncoderInput,
-    ParallelTransformerEncoderLayer,
+    ParallelPositionWiseFeedForward, ParallelTransformerEncoder, ParallelTransformerEncoderLayer,
 };
 pub use heads::{AttentionSplit, attention_split};
 pub use init::master_init;

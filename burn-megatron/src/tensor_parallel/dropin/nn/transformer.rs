@@ -7,7 +7,8 @@
 //! residual stream, which every rank holds whole, and each rank its own for its heads and its
 //! slice of the inner width. Unsplit, it computes what Burn's computes, with Burn's dropout.
 
-use super::super::mha::dropout as tracked_dropout;
+use super::super::encoder::encoder_block;
+use super::super::mha::{attention_probs, dropout as tracked_dropout};
 use super::super::plan::TpSlot;
 use super::{Linear, LinearConfig};
 use crate::tensor_parallel::RngRegion;
@@ -15,7 +16,6 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::{Activation, ActivationConfig};
 use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer, LayerNorm, LayerNormConfig};
-use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Device, Tensor};
 
 /// Burn's `TransformerEncoderConfig`, field for field (a struct literal of Burn's compiles
@@ -143,9 +143,9 @@ impl TransformerEncoder {
 /// Burn's `TransformerEncoderInput`, whose fields Burn keeps private: the same builder.
 #[derive(Debug, Clone)]
 pub struct TransformerEncoderInput {
-    tensor: Tensor<3>,
-    mask_pad: Option<Tensor<2, Bool>>,
-    mask_attn: Option<Tensor<3, Bool>>,
+    pub(in crate::tensor_parallel::dropin) tensor: Tensor<3>,
+    pub(in crate::tensor_parallel::dropin) mask_pad: Option<Tensor<2, Bool>>,
+    pub(in crate::tensor_parallel::dropin) mask_attn: Option<Tensor<3, Bool>>,
 }
 
 impl TransformerEncoderInput {
@@ -198,25 +198,9 @@ impl TransformerEncoderLayer {
     ) -> Tensor<3> {
         // The residual stream is whole on every rank: its masks must agree.
         let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
-        // Burn's roles: pre-norm uses norm_2 before attention and norm_1 before the
-        // feed-forward network; post-norm applies norm_1 after attention, norm_2 after it.
-        let attn_in = match self.norm_first {
-            true => self.norm_2.forward(x.clone()),
-            false => x.clone(),
-        };
-        let mut x = x + residual(self.mha.forward(attn_in, mask_pad, mask_attn));
-        if !self.norm_first {
-            x = self.norm_1.forward(x);
-        }
-        let ffn_in = match self.norm_first {
-            true => self.norm_1.forward(x.clone()),
-            false => x.clone(),
-        };
-        let x = x + residual(self.pwff.forward(ffn_in));
-        match self.norm_first {
-            true => x,
-            false => self.norm_2.forward(x),
-        }
+        let attention = |x| self.mha.forward(x, mask_pad, mask_attn);
+        let norms = (&self.norm_1, &self.norm_2, self.norm_first);
+        encoder_block(x, norms, attention, |x| self.pwff.forward(x), residual)
     }
 }
 
@@ -276,19 +260,14 @@ impl MultiHeadAttention {
                 .swap_dims(1, 2)
         };
         let (q, k, v) = (split(&self.query), split(&self.key), split(&self.value));
-        let mut scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
-        if let Some(mask) = mask_pad {
-            let [b, s] = mask.dims();
-            scores = scores.mask_fill(mask.reshape([b, 1, 1, s]), self.min_float);
-        }
-        if let Some(mask) = mask_attn {
-            let [b, s_q, s_k] = mask.dims();
-            scores = scores.mask_fill(mask.reshape([b, 1, s_q, s_k]), self.min_float);
-        }
-        let weights = match self.quiet_softmax {
-            true => quiet_softmax(scores, 3),
-            false => softmax(scores, 3),
-        };
+        let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
+        let weights = attention_probs(
+            scores,
+            mask_pad,
+            mask_attn,
+            self.min_float,
+            self.quiet_softmax,
+        );
         // Each rank holds other heads: their masks differ.
         let weights = drop(
             &self.dropout,
