@@ -167,7 +167,14 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
                 .unwrap()
                 .apply(plain, g)
                 .unwrap_err();
-            Ok::<_, Error>(vec![nothing, vocab_on_linear, burn_linear.to_string()])
+            let twice = plan().apply(plan().apply(Net::new(&ctx.device), g)?, g);
+            let twice = twice.unwrap_err().to_string();
+            Ok::<_, Error>(vec![
+                nothing,
+                vocab_on_linear,
+                burn_linear.to_string(),
+                twice,
+            ])
         },
     )
     .unwrap();
@@ -187,6 +194,7 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
         "{}",
         e[2]
     );
+    assert!(e[3].contains("split already"), "{}", e[3]);
     // 16 features over 3 ranks.
     let three = threads(
         &ParallelConfig::new(3, 3, 1),

@@ -53,9 +53,20 @@ pub(super) struct Assigned {
     pub(super) rng: Option<RngTracker>,
 }
 
+/// What the plan's mapper offers the slot it is entering, and what became of it.
+#[derive(Debug, Default)]
+enum Offer {
+    #[default]
+    None,
+    /// For the slot being mapped now.
+    Split(Assigned),
+    /// The slot had a split already: a plan applied twice.
+    Refused,
+}
+
 thread_local! {
-    /// The assignment for the slot being mapped now (set and cleared by the plan's mapper).
-    static PENDING: RefCell<Option<Assigned>> = const { RefCell::new(None) };
+    /// The plan's offer to the slot being mapped now (set and cleared by the plan's mapper).
+    static PENDING: RefCell<Offer> = const { RefCell::new(Offer::None) };
 }
 
 /// A layer's tensor-parallel split, empty until a [`TpPlan`] assigns one. A module with no
@@ -108,10 +119,20 @@ impl Module for TpSlot {
     }
     fn visit<V: ModuleVisitor>(&self, _: &mut V) {}
     fn map<M: ModuleMapper>(self, _: &mut M) -> Self {
-        match PENDING.with(|p| p.borrow_mut().take()) {
-            Some(assigned) => Self(Some(assigned)),
-            None => self,
-        }
+        PENDING.with(|p| {
+            let mut offer = p.borrow_mut();
+            match (std::mem::take(&mut *offer), &self.0) {
+                (Offer::Split(_), Some(_)) => {
+                    *offer = Offer::Refused;
+                    self
+                }
+                (Offer::Split(assigned), None) => Self(Some(assigned)),
+                (other, _) => {
+                    *offer = other;
+                    self
+                }
+            }
+        })
     }
 }
 
@@ -214,7 +235,7 @@ impl TpPlan {
             error: None,
         };
         let model = model.map(&mut mapper);
-        PENDING.with(|p| p.borrow_mut().take());
+        PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
         if let Some(e) = mapper.error {
             return Err(e);
         }
@@ -298,7 +319,7 @@ impl ModuleMapper for PlanMapper<'_> {
                     layout: owner,
                     rng,
                 };
-                PENDING.with(|p| *p.borrow_mut() = Some(assigned));
+                PENDING.with(|p| *p.borrow_mut() = Offer::Split(assigned));
             }
             return;
         }
@@ -318,11 +339,18 @@ impl ModuleMapper for PlanMapper<'_> {
     }
 
     fn exit_module(&mut self, name: &str, _: &str) {
-        if name == "tp" && PENDING.with(|p| p.borrow_mut().take()).is_some() {
+        if name == "tp" {
             let path = self.path.join(".");
-            self.fail(format!(
-                "{path}: a field named `tp` that is not a tensor-parallel slot"
-            ));
+            match PENDING.with(|p| std::mem::take(&mut *p.borrow_mut())) {
+                Offer::None => {}
+                Offer::Split(_) => self.fail(format!(
+                    "{path}: a field named `tp` that is not a tensor-parallel slot"
+                )),
+                Offer::Refused => self.fail(format!(
+                    "{path}: the layer is split already (a plan applies once, to a model as \
+                     the plain code builds it)"
+                )),
+            }
         }
         if let Some(active) = &self.active
             && active.depth == self.path.len()
