@@ -1,25 +1,26 @@
-//! Parallel counterparts of Burn's composite layers, with Burn's field names, so that a model
-//! written with `burn::nn` becomes tensor-parallel by swapping types, and its record paths stay
-//! the same:
+//! A model written with `burn::nn` made tensor-parallel, its record paths unchanged. Two ways,
+//! by what the user holds:
 //!
-//! - [`ParallelSwiGlu`] for `nn::SwiGlu`: both projections column-parallel, the output split
-//!   (the next layer is a [`RowParallelLinear`](super::RowParallelLinear), as Llama's `w2`);
-//! - [`ParallelTransformerEncoder`] (with [`ParallelTransformerEncoderLayer`],
-//!   [`ParallelMultiHeadAttention`] and [`ParallelPositionWiseFeedForward`]) for
-//!   `nn::transformer::TransformerEncoder`: query, key, value and the first feed-forward layer
-//!   column-parallel, the attention output and the second feed-forward layer row-parallel, the
-//!   norms duplicated (Megatron's split: one all-reduce per block in each direction).
+//! - **Their model's code.** Import [`nn`]'s `Linear`, `Embedding`, `SwiGlu` and
+//!   `transformer::TransformerEncoder` (Burn's names, fields, configs and record paths) in
+//!   place of `burn::nn`'s, and name the layout once with a [`TpPlan`]: one
+//!   [`apply`](TpPlan::apply) splits the whole module tree.
+//! - **A built Burn layer.** [`ParallelSwiGlu`] (for `nn::SwiGlu`) and
+//!   [`ParallelTransformerEncoder`] (for `nn::transformer::TransformerEncoder`, with its layer,
+//!   [`ParallelMultiHeadAttention`] and [`ParallelPositionWiseFeedForward`]) take this rank's
+//!   shard of a plain layer (`from_*`), gather it back (`to_*`, collective), or draw it from
+//!   Burn's own config as every TP size draws it ([`MasterInit`](super::MasterInit)).
 //!
-//! Each has `from_*`, this rank's shard of the plain layer (its weights sliced, the same at
-//! every TP size), `to_*`, the plain layer gathered from the ranks (collective), and a
-//! constructor from Burn's own config that draws the weights as every TP size draws them
-//! ([`MasterInit`](super::MasterInit)). Sizes that do not split over the ranks are errors
-//! naming the layer and the numbers, at construction and again at the first forward.
+//! Either way the split is Megatron's: query, key, value and the first feed-forward layer
+//! column-parallel, the attention output and the second feed-forward layer row-parallel, norms
+//! whole (one all-reduce per block in each direction); sizes that do not split are errors
+//! naming the layer and the numbers. Dropout comes from a [`RngTracker`](super::RngTracker):
+//! Burn's `Dropout` draws from one process-wide generator, so ranks running as threads would
+//! draw different masks for activations every rank holds whole.
 //!
-//! Dropout comes from a [`RngTracker`](super::RngTracker) the layers hold: Burn's `Dropout`
-//! draws from one process-wide generator, so ranks running as threads would draw different
-//! masks for activations every rank holds whole. The `dropout` fields stay Burn's `Dropout`
-//! (the probability, and the training flag `valid()` and freezing clear).
+//! Then [`load_sharded`] reads the record the plain model saved, each rank only its shards;
+//! [`attention_split`] gives per-rank head counts; the vocabulary-parallel loss, sampler and
+//! argmax are in [`tensor_parallel`](super).
 
 mod encoder;
 mod heads;
