@@ -133,7 +133,7 @@ impl Shard {
     }
 }
 
-/// Every rank's best `m` candidates of row `i`, merged.
+/// Every rank's best `m` candidates of a row, merged.
 struct Merged {
     candidates: Vec<Candidate>,
     /// How many lead in the global order for sure: up to and including the worst one a rank
@@ -143,45 +143,64 @@ struct Merged {
     complete: bool,
 }
 
-fn gather(shard: &Shard, i: usize, m: usize, tp: &Comm) -> Result<Merged, TpError> {
-    let mine = shard.best(i, m);
-    let cut = mine.len() < shard.rows[i].len();
-    let mut logits = vec![f32::NEG_INFINITY; m];
-    let mut ids = vec![-1i64; m + 1];
-    for (j, c) in mine.iter().enumerate() {
-        (logits[j], ids[j]) = (c.logit, i64::from(c.id));
-    }
-    ids[m] = i64::from(cut);
-    let (logits, ids) = (tp.all_gather_vec(logits)?, tp.all_gather_vec(ids)?);
-    let mut merged = Vec::new();
-    let mut bound: Option<Candidate> = None;
-    for (l, id) in logits.chunks(m).zip(ids.chunks(m + 1)) {
-        let sent: Vec<Candidate> = (0..m)
-            .filter(|&j| id[j] >= 0)
-            .map(|j| Candidate {
-                logit: l[j],
-                id: id[j] as u32,
-            })
-            .collect();
-        if id[m] == 1
-            && let Some(&last) = sent.last()
-            && bound.is_none_or(|b| before(&last, &b).is_lt())
-        {
-            bound = Some(last);
+/// Every rank's best `m` candidates of each of `rows`, merged row by row: one pair of
+/// all-gathers for all the rows.
+fn gather(shard: &Shard, rows: &[usize], m: usize, tp: &Comm) -> Result<Vec<Merged>, TpError> {
+    // Per row, `m` logits, and `m` ids (-1: none) then whether the rank had more to send.
+    let mut logits = vec![f32::NEG_INFINITY; rows.len() * m];
+    let mut ids = vec![-1i64; rows.len() * (m + 1)];
+    for (k, &i) in rows.iter().enumerate() {
+        let mine = shard.best(i, m);
+        for (j, c) in mine.iter().enumerate() {
+            (logits[k * m + j], ids[k * (m + 1) + j]) = (c.logit, i64::from(c.id));
         }
-        merged.extend(sent);
+        ids[k * (m + 1) + m] = i64::from(mine.len() < shard.rows[i].len());
     }
-    merged.sort_by(before);
-    let exact = match bound {
-        Some(b) => merged.iter().take_while(|c| before(c, &b).is_le()).count(),
-        None => merged.len(),
+    let (logits, ids) = (tp.all_gather_vec(logits)?, tp.all_gather_vec(ids)?);
+    let per_rank = (rows.len() * m, rows.len() * (m + 1));
+    let merge = |k: usize| {
+        let mut merged = Vec::new();
+        let mut bound: Option<Candidate> = None;
+        let mut complete = true;
+        for (l, id) in logits.chunks(per_rank.0).zip(ids.chunks(per_rank.1)) {
+            let (l, id) = (&l[k * m..(k + 1) * m], &id[k * (m + 1)..(k + 1) * (m + 1)]);
+            let sent: Vec<Candidate> = (0..m)
+                .filter(|&j| id[j] >= 0)
+                .map(|j| Candidate {
+                    logit: l[j],
+                    id: id[j] as u32,
+                })
+                .collect();
+            complete &= id[m] == 0;
+            if id[m] == 1
+                && let Some(&last) = sent.last()
+                && bound.is_none_or(|b| before(&last, &b).is_lt())
+            {
+                bound = Some(last);
+            }
+            merged.extend(sent);
+        }
+        merged.sort_by(before);
+        let exact = match bound {
+            Some(b) => merged.iter().take_while(|c| before(c, &b).is_le()).count(),
+            None => merged.len(),
+        };
+        Merged {
+            candidates: merged,
+            exact,
+            complete,
+        }
     };
-    let complete = ids.chunks(m + 1).all(|id| id[m] == 0);
-    Ok(Merged {
-        candidates: merged,
-        exact,
-        complete,
-    })
+    Ok((0..rows.len()).map(merge).collect())
+}
+
+/// Each row's largest logit's id over the ranks (the lowest id among equals).
+fn best_ids(shard: &Shard, tp: &Comm) -> Result<Vec<u32>, TpError> {
+    let rows: Vec<usize> = (0..shard.rows.len()).collect();
+    Ok(gather(shard, &rows, 1, tp)?
+        .iter()
+        .map(|m| m.candidates[0].id)
+        .collect())
 }
 
 /// Row by row, the id of the largest of this rank's `[b, V/tp]` logits over the ranks (the
@@ -204,10 +223,7 @@ pub fn vocab_parallel_argmax(
 }
 
 fn argmax_ids(logits: Tensor<2>, real_vocab: usize, tp: &Comm) -> Result<Vec<u32>, TpError> {
-    let shard = Shard::read(logits, real_vocab, tp)?;
-    (0..shard.rows.len())
-        .map(|i| Ok(gather(&shard, i, 1, tp)?.candidates[0].id))
-        .collect()
+    best_ids(&Shard::read(logits, real_vocab, tp)?, tp)
 }
 
 /// How many of the rows' argmax ids ([`vocab_parallel_argmax`]) equal their targets, and
@@ -319,9 +335,7 @@ impl VocabParallelSampler {
             top_p,
         } = self.sampling
         else {
-            return (0..b)
-                .map(|i| Ok(gather(&shard, i, 1, &self.tp)?.candidates[0].id))
-                .collect();
+            return best_ids(&shard, &self.tp);
         };
         (0..b)
             .map(|i| {
@@ -378,7 +392,7 @@ fn draw(
             candidates: merged,
             exact,
             complete,
-        } = gather(shard, i, m, tp)?;
+        } = gather(shard, &[i], m, tp)?.remove(0);
         let max = f64::from(merged[0].logit);
         let term = |c: &Candidate| ((f64::from(c.logit) - max) / temperature).exp();
         let (mut order, total) = match top_k {
