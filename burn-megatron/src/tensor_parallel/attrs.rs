@@ -200,17 +200,17 @@ fn update_entry(
     owner: Option<&LayoutOwner>,
     update: impl FnOnce(ParallelAttrs) -> ParallelAttrs,
 ) {
-    let old = read().get(id).cloned();
-    let current = old.as_ref().map(|e| e.attrs).unwrap_or_default();
-    let attrs = update(current);
-    let held = match (&old, owner) {
-        (Some(e), Some(o)) => e.held_by(o),
-        (_, None) => true,
-        (None, Some(_)) => false,
+    // Every layer states its attributes at every forward: the common case, nothing changed,
+    // reads without copying the entry.
+    let (current, held) = match read().get(id) {
+        Some(e) => (e.attrs, owner.is_none_or(|o| e.held_by(o))),
+        None => (ParallelAttrs::default(), owner.is_none()),
     };
+    let attrs = update(current);
     if attrs == current && held {
         return;
     }
+    let old = read().get(id).cloned();
     let mut entry = old.unwrap_or(Entry {
         attrs,
         owners: None,
