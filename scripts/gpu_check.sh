@@ -20,10 +20,11 @@
 # One line per check: PASS, FAIL or SKIP, with the numbers. The exit status is 1 if
 # anything failed.
 #
-# The bindings (cudarc) dlopen `libnvrtc.so.13` or `libnvrtc.so`, and `libnccl.so`: a
-# machine may hold NVRTC only in the CUDA toolkit's or a pip wheel's lib directory, and NCCL
-# only as the runtime's `libnccl.so.2`. The run links what it finds there into
-# target/gpu_check_libs, on LD_LIBRARY_PATH. For a machine with no NVRTC at all, build with
+# The bindings (cudarc) dlopen `libnvrtc.so.13` or `libnvrtc.so`: a machine may hold NVRTC
+# only in the CUDA toolkit's or a pip wheel's lib directory, and the run links what it finds
+# there into target/gpu_check_libs, on LD_LIBRARY_PATH. NCCL is loaded by the library itself
+# as `libnccl.so.2`; the run puts the directory holding it (PyTorch's wheel's, say) on
+# LD_LIBRARY_PATH, with no link. For a machine with no NVRTC at all, build with
 # GPU_CHECK_NVRTC=/path/to/libnvrtc.so.13 (e.g. torch's nvidia/cu13/lib): the payload then
 # carries it and its builtins, used only when the machine has none.
 set -uo pipefail
@@ -132,9 +133,9 @@ find_libraries() {
       done
     fi
   fi
-  if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
-    found=$(find "${existing[@]}" -maxdepth 4 -name 'libnccl.so*' 2>/dev/null | sort | tail -1)
-    [ -n "$found" ] && ln -sf "$(readlink -f "$found")" "$libs/libnccl.so"
+  if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2 '; then
+    found=$(find "${existing[@]}" -maxdepth 4 -name 'libnccl.so.2' 2>/dev/null | sort | tail -1)
+    [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
   fi
 }
 
@@ -178,12 +179,13 @@ run_checks() {
   nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
   nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader 2>/dev/null
   find_libraries
-  for lib in libcuda.so libnvrtc.so libnccl.so; do
+  for lib in libcuda.so libnvrtc.so; do
     found=$(ldconfig -p 2>/dev/null | grep -m1 "$lib" | awk '{print $NF}')
     linked=$(ls "$libs/$lib" 2>/dev/null)
     [ -n "$linked" ] && found="$(readlink -f "$linked") (linked into $libs)"
     echo "$lib: ${found:-not on the loader path (LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-})}"
   done
+  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} (NCCL: see the libraries check)"
   icds=$(ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json 2>/dev/null | tr '\n' ' ')
   echo "Vulkan ICDs: ${icds:-none}"
   echo "payload: $(du -sh "$payload" | cut -f1) packed, $(du -sh "$bin" | cut -f1) unpacked"

@@ -24,7 +24,7 @@ pub struct CudaLibraries {
     pub driver: bool,
     /// NVRTC, `libnvrtc` (the CUDA toolkit, or the `nvidia-cuda-nvrtc` wheel).
     pub nvrtc: bool,
-    /// NCCL, `libnccl` (for the `nccl` launch backend).
+    /// NCCL, `libnccl.so.2` (for the `nccl` launch backend; see [`nccl_library_candidates`]).
     pub nccl: bool,
 }
 
@@ -49,8 +49,29 @@ pub fn cuda_libraries() -> CudaLibraries {
         CudaLibraries {
             driver: cudarc::driver::sys::is_culib_present(),
             nvrtc: cudarc::nvrtc::sys::is_culib_present(),
-            nccl: cudarc::nccl::sys::is_culib_present(),
+            nccl: nccl_library_candidates()
+                .iter()
+                .any(|name| libloading::Library::new(name).is_ok()),
         }
+    }
+}
+
+/// The variable naming the NCCL library to load (a path), instead of the names on the
+/// loader's path.
+pub const NCCL_LIBRARY_VAR: &str = "BURN_MEGATRON_NCCL_LIBRARY";
+
+/// The NCCL libraries to try, in order: the path in [`NCCL_LIBRARY_VAR`] alone when it is
+/// set (a named library that fails to load is an error, not a reason to load another), else
+/// `libnccl.so.2` and `libnccl.so` on the loader's path.
+///
+/// ```
+/// let names = burn_megatron_kernels::cuda::nccl_library_candidates();
+/// assert!(!names.is_empty());
+/// ```
+pub fn nccl_library_candidates() -> Vec<std::ffi::OsString> {
+    match std::env::var_os(NCCL_LIBRARY_VAR) {
+        Some(path) if !path.is_empty() => vec![path],
+        _ => vec!["libnccl.so.2".into(), "libnccl.so".into()],
     }
 }
 

@@ -83,17 +83,13 @@ pub(crate) fn run_nccl<T, E: std::fmt::Display>(
             Bootstrap::Store(store.map_err(|e| LaunchError::Backend(e.to_string()))?)
         }
     };
-    let world = NcclWorld::new(
-        env.local_rank,
-        rank,
-        env.world_size,
-        bootstrap,
-        options.timeout,
-    )
-    .map_err(setup)?;
-    let device = options.device_or(rank, || {
-        burn::tensor::Device::cuda(env.local_rank).autodiff()
-    });
+    let ordinal = device_ordinal(env.local_rank).map_err(LaunchError::Backend)?;
+    let world =
+        NcclWorld::new(ordinal, rank, env.world_size, bootstrap, options.timeout).map_err(setup)?;
+    // More ranks than GPUs (a correctness run on one GPU): NCCL needs them on hosts of their
+    // own. Every rank takes part, before any communicator exists.
+    world.separate_shared_devices().map_err(setup)?;
+    let device = options.device_or(rank, || burn::tensor::Device::cuda(ordinal).autodiff());
     let shared: Arc<dyn World> = Arc::new(world);
     // Once communicators exist a failing rank must end the job: its peers would wait for it.
     let fatal = |reason: String| -> ! {
@@ -118,6 +114,23 @@ pub(crate) fn run_nccl<T, E: std::fmt::Display>(
         }
         Ok(Err(e)) => fatal(format!("failed: {e}")),
         Err(payload) => fatal(format!("panicked: {}", panic_message(payload.as_ref()))),
+    }
+}
+
+/// A rank's CUDA device: its local rank's, or with more local ranks than devices, the local
+/// rank modulo the devices (ranks then share them; see
+/// [`NcclWorld::separate_shared_devices`](crate::comm::nccl::NcclWorld::separate_shared_devices)).
+#[cfg(feature = "cuda")]
+fn device_ordinal(local_rank: usize) -> Result<usize, String> {
+    use cudarc::driver::result;
+    if !crate::cuda::cuda_libraries().driver {
+        return Err("the nccl backend needs the CUDA driver (libcuda), not found here".into());
+    }
+    result::init().map_err(|e| format!("the CUDA driver failed to start: {e:?}"))?;
+    let count = result::device::get_count().map_err(|e| format!("counting CUDA devices: {e:?}"))?;
+    match usize::try_from(count) {
+        Ok(n) if n > 0 => Ok(local_rank % n),
+        _ => Err("the nccl backend needs a CUDA device; the driver sees none".into()),
     }
 }
 

@@ -88,7 +88,11 @@ fn libraries(report: &mut Report) {
     #[cfg(feature = "cuda")]
     report.pass(
         "libraries",
-        burn_megatron::cuda::cuda_libraries().to_string(),
+        format!(
+            "{}; {}",
+            burn_megatron::cuda::cuda_libraries(),
+            burn_megatron::comm::nccl::loaded_library().unwrap_or_else(|e| e)
+        ),
     );
     #[cfg(not(feature = "cuda"))]
     report.skip("libraries", "built without the `cuda` feature");

@@ -5,9 +5,10 @@
 use super::super::group::{CommError, OpDesc, ProcessGroup};
 use super::super::header::{HEADER, code, decode, encode, mismatch};
 use super::super::{Buffer, CommDType, Communicator, DeviceCollectives, ReduceOp, lock};
+use super::library::NcclResult;
 use super::{Inner, RawComm};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use cudarc::nccl::{result, sys};
+use cudarc::nccl::sys;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -80,8 +81,6 @@ pub(super) fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
         ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
     }
 }
-
-pub(super) type NcclResult = Result<result::NcclStatus, result::NcclError>;
 
 const BYTE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
 
@@ -182,15 +181,10 @@ impl NcclCommunicator {
                 Ok(false) => {}
                 Err(e) => return Err(self.engine(op, e)),
             }
-            let mut status = sys::ncclResult_t::ncclSuccess;
             // SAFETY: a live communicator (aborting happens only below, on this thread).
-            unsafe { sys::ncclCommGetAsyncError(link.comm.comm, &mut status) };
-            if !matches!(
-                status,
-                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-            ) {
+            if let Err(e) = unsafe { self.world.nccl.comm_get_async_error(link.comm.comm) } {
                 link.comm.abort();
-                return Err(self.engine(op, format!("NCCL reported {status:?}")));
+                return Err(self.engine(op, e));
             }
             if start.elapsed() >= timeout {
                 link.comm.abort();
@@ -257,7 +251,11 @@ impl NcclCommunicator {
             n * HEADER * 8,
             |s, r, c, st| {
                 // SAFETY: device buffers of the sizes NCCL reads and writes, live until the wait.
-                unsafe { result::all_gather(s as _, r as _, HEADER * 8, BYTE, c, st) }
+                unsafe {
+                    self.world
+                        .nccl
+                        .all_gather(s as _, r as _, HEADER * 8, BYTE, c, st)
+                }
             },
         )?;
         let theirs: Vec<[i64; HEADER]> = bytes_to_i64s(&all)
@@ -395,8 +393,12 @@ impl NcclCommunicator {
         {
             let (p, _p) = dev.device_ptr_mut(&link.stream);
             // SAFETY: a device buffer of `len` bytes, live until the wait below.
-            unsafe { result::recv(p as _, len, BYTE, 0, comm, link.stream.cu_stream() as _) }
-                .map_err(|e| self.engine("recv", e))?;
+            unsafe {
+                self.world
+                    .nccl
+                    .recv(p as _, len, BYTE, 0, comm, link.stream.cu_stream() as _)
+            }
+            .map_err(|e| self.engine("recv", e))?;
         }
         self.wait(link, "recv", 0)?;
         self.to_host("recv", &link.stream, &dev, len)
@@ -437,7 +439,11 @@ impl Communicator for NcclCommunicator {
         let (dtype, len) = (nccl_dtype(buf.dtype()), buf.len());
         let out = self.host_op(desc, buf.bytes(), buf.bytes().len(), |s, r, c, st| {
             // SAFETY: device buffers of `len` elements, live until the wait.
-            unsafe { result::all_reduce(s as _, r as _, len, dtype, nccl_op(op), c, st) }
+            unsafe {
+                self.world
+                    .nccl
+                    .all_reduce(s as _, r as _, len, dtype, nccl_op(op), c, st)
+            }
         })?;
         buf.bytes_mut().copy_from_slice(&out);
         Ok(())
@@ -449,7 +455,11 @@ impl Communicator for NcclCommunicator {
         let desc = OpDesc::data("all_gather", &input);
         let out = self.host_op(desc, bytes, n * bytes.len(), |s, r, c, st| {
             // SAFETY: `len` elements in, `n · len` out, live until the wait.
-            unsafe { result::all_gather(s as _, r as _, len, nccl_dtype(dtype), c, st) }
+            unsafe {
+                self.world
+                    .nccl
+                    .all_gather(s as _, r as _, len, nccl_dtype(dtype), c, st)
+            }
         })?;
         let mut gathered = Buffer::zeros(dtype, n * len);
         gathered.bytes_mut().copy_from_slice(&out);
@@ -466,7 +476,11 @@ impl Communicator for NcclCommunicator {
         let (nd, nop) = (nccl_dtype(dtype), nccl_op(op));
         let out = self.host_op(desc, input.bytes(), m * dtype.size(), |s, r, c, st| {
             // SAFETY: `n · m` elements in, `m` out, live until the wait.
-            unsafe { result::reduce_scatter(s as _, r as _, m, nd, nop, c, st) }
+            unsafe {
+                self.world
+                    .nccl
+                    .reduce_scatter(s as _, r as _, m, nd, nop, c, st)
+            }
         })?;
         let mut mine = Buffer::zeros(dtype, m);
         mine.bytes_mut().copy_from_slice(&out);
@@ -482,7 +496,11 @@ impl Communicator for NcclCommunicator {
         let (dtype, len) = (nccl_dtype(buf.dtype()), buf.len());
         let out = self.host_op(desc, buf.bytes(), buf.bytes().len(), |s, r, c, st| {
             // SAFETY: device buffers of `len` elements, live until the wait.
-            unsafe { result::broadcast(s as _, r as _, len, dtype, root as i32, c, st) }
+            unsafe {
+                self.world
+                    .nccl
+                    .broadcast(s as _, r as _, len, dtype, root as i32, c, st)
+            }
         })?;
         buf.bytes_mut().copy_from_slice(&out);
         Ok(())
@@ -513,13 +531,18 @@ impl Communicator for NcclCommunicator {
             let (h, _h) = header.device_ptr(&link.stream);
             let (p, _p) = payload.device_ptr(&link.stream);
             let st = link.stream.cu_stream() as _;
-            result::group_start().map_err(|e| self.engine("send", e))?;
+            self.world
+                .nccl
+                .group_start()
+                .map_err(|e| self.engine("send", e))?;
             // SAFETY: both device buffers live in the pending entry until the event completes.
             let sent = unsafe {
-                result::send(h as _, 16, BYTE, 1, comm, st)
-                    .and_then(|_| result::send(p as _, nbytes, BYTE, 1, comm, st))
+                self.world
+                    .nccl
+                    .send(h as _, 16, BYTE, 1, comm, st)
+                    .and_then(|_| self.world.nccl.send(p as _, nbytes, BYTE, 1, comm, st))
             };
-            let ended = result::group_end();
+            let ended = self.world.nccl.group_end();
             sent.and(ended).map_err(|e| self.engine("send", e))?;
         }
         let event = link.stream.record_event(None).map_err(cuda)?;

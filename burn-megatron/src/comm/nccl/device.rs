@@ -3,8 +3,9 @@
 
 use super::super::group::{CommError, OpDesc};
 use super::super::{DeviceCollectives, DeviceSlice, ReduceOp};
-use super::communicator::{NcclCommunicator, NcclResult, nccl_dtype, nccl_op};
-use cudarc::nccl::{result, sys};
+use super::communicator::{NcclCommunicator, nccl_dtype, nccl_op};
+use super::library::NcclResult;
+use cudarc::nccl::sys;
 
 impl NcclCommunicator {
     fn check_device(&self, op: &'static str, s: &[DeviceSlice]) -> Result<(), CommError> {
@@ -61,7 +62,7 @@ unsafe impl DeviceCollectives for NcclCommunicator {
         self.device_op(desc, |c, st| {
             // SAFETY: the caller's slices (see the trait).
             unsafe {
-                result::all_reduce(
+                self.world.nccl.all_reduce(
                     send.ptr as _,
                     recv.ptr as _,
                     send.len,
@@ -83,7 +84,7 @@ unsafe impl DeviceCollectives for NcclCommunicator {
         self.device_op(desc, |c, st| {
             // SAFETY: the caller's slices (see the trait).
             unsafe {
-                result::all_gather(
+                self.world.nccl.all_gather(
                     send.ptr as _,
                     recv.ptr as _,
                     send.len,
@@ -113,7 +114,7 @@ unsafe impl DeviceCollectives for NcclCommunicator {
         self.device_op(desc, |c, st| {
             // SAFETY: the caller's slices (see the trait).
             unsafe {
-                result::reduce_scatter(
+                self.world.nccl.reduce_scatter(
                     send.ptr as _,
                     recv.ptr as _,
                     m,

@@ -21,13 +21,16 @@
 
 mod communicator;
 mod device;
+mod library;
+mod seats;
 
 pub use communicator::NcclCommunicator;
 
 use super::group::{CommError, ProcessGroup};
-use super::{Buffer, Comm, TcpStore, World, lock};
+use super::{Buffer, Comm, StoreError, TcpStore, World, lock};
 use cudarc::driver::CudaContext;
-use cudarc::nccl::{result, sys};
+use cudarc::nccl::sys;
+use library::Nccl;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -45,9 +48,31 @@ pub enum Bootstrap {
     World(Arc<dyn World>),
 }
 
+/// The NCCL library this backend loads, and its version (`libnccl.so.2, NCCL 2.28.9`); or
+/// why none loads, with what was tried (see [`crate::cuda::nccl_library_candidates`]).
+///
+/// ```no_run
+/// match burn_megatron::comm::nccl::loaded_library() {
+///     Ok(found) => println!("{found}"),
+///     Err(why) => println!("no NCCL: {why}"),
+/// }
+/// ```
+pub fn loaded_library() -> Result<String, String> {
+    let nccl = library::nccl()?;
+    let v = nccl.version().map_err(|e| e.to_string())?;
+    Ok(format!(
+        "{}, NCCL {}.{}.{}",
+        nccl.name,
+        v / 10000,
+        v % 10000 / 100,
+        v % 100
+    ))
+}
+
 /// An NCCL communicator handle. Destroyed on drop, or aborted when a call on it stalled.
 pub(crate) struct RawComm {
     pub(crate) comm: sys::ncclComm_t,
+    nccl: &'static Nccl,
     aborted: std::sync::atomic::AtomicBool,
     /// The device the communicator lives on, made current for its destruction.
     ctx: Arc<CudaContext>,
@@ -65,7 +90,7 @@ impl RawComm {
     pub(crate) fn abort(&self) {
         if !self.aborted.swap(true, std::sync::atomic::Ordering::SeqCst) {
             // SAFETY: a live communicator, aborted once.
-            let _ = unsafe { result::comm_abort(self.comm) };
+            let _ = unsafe { self.nccl.comm_abort(self.comm) };
         }
     }
 }
@@ -79,7 +104,7 @@ impl Drop for RawComm {
             return;
         }
         let comm = Raw(self.comm);
-        let ctx = self.ctx.clone();
+        let (ctx, nccl) = (self.ctx.clone(), self.nccl);
         let (tx, rx) = std::sync::mpsc::channel();
         let destroy = move || {
             let comm = comm.get();
@@ -87,7 +112,7 @@ impl Drop for RawComm {
             // SAFETY: a live communicator, destroyed once, here; its streams are idle
             // (every call waits for its work, pending sends are waited for by their owner's
             // drop).
-            let _ = unsafe { result::comm_destroy(comm) };
+            let _ = unsafe { nccl.comm_destroy(comm) };
             let _ = tx.send(());
         };
         let spawned = std::thread::Builder::new()
@@ -109,6 +134,7 @@ impl Drop for RawComm {
 
 pub(crate) struct Inner {
     pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) nccl: &'static Nccl,
     bootstrap: Bootstrap,
     rank: usize,
     size: usize,
@@ -152,20 +178,23 @@ impl NcclWorld {
         if rank >= size {
             return Err(engine(format!("rank {rank} is outside a world of {size}")));
         }
-        // The bindings panic on a library they cannot load: look first.
+        // The driver's bindings panic on a library they cannot load: look first.
         let libraries = crate::cuda::cuda_libraries();
-        if !(libraries.driver && libraries.nccl) {
+        if !libraries.driver {
             return Err(engine(format!(
                 "the nccl backend needs libcuda and libnccl: {libraries}"
             )));
         }
-        let version = result::get_nccl_version()
-            .map_err(|e| engine(format!("libnccl could not be loaded or queried: {e:?}")))?;
+        let nccl = library::nccl().map_err(engine)?;
+        let version = nccl
+            .version()
+            .map_err(|e| engine(format!("{} could not be queried: {e}", nccl.name)))?;
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| engine(format!("CUDA device {ordinal} (NCCL {version}): {e:?}")))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 ctx,
+                nccl,
                 bootstrap,
                 rank,
                 size,
@@ -205,12 +234,12 @@ impl Inner {
             reason,
         };
         let id = if index == 0 {
-            Some(result::get_uniqueid().map_err(|e| engine(format!("ncclGetUniqueId: {e:?}")))?)
+            Some(self.nccl.unique_id().map_err(|e| engine(e.to_string()))?)
         } else {
             None
         };
         let id = self.share(label, &key, ranks, id)?;
-        let ctx = self.ctx.clone();
+        let (ctx, nccl) = (self.ctx.clone(), self.nccl);
         let (n, me) = (ranks.len() as i32, index as i32);
         // ncclCommInitRank waits for every member with no deadline: run it aside and stop
         // waiting at ours. A join that never completes leaves that thread behind, and the
@@ -223,13 +252,10 @@ impl Inner {
                     .bind_to_thread()
                     .map_err(|e| format!("{e:?}"))
                     .and_then(|_| {
-                        let mut comm = std::mem::MaybeUninit::uninit();
-                        // SAFETY: `comm` is written by a successful init, read only then.
-                        unsafe {
-                            result::comm_init_rank(comm.as_mut_ptr(), n, id, me)
-                                .map(|_| Raw(comm.assume_init()))
-                                .map_err(|e| format!("ncclCommInitRank: {e:?}"))
-                        }
+                        // SAFETY: the device's context is current on this thread (above).
+                        unsafe { nccl.comm_init_rank(n, id, me) }
+                            .map(Raw)
+                            .map_err(|e| e.to_string())
                     });
                 let _ = tx.send(joined);
             })
@@ -238,6 +264,7 @@ impl Inner {
         match rx.recv_timeout(self.timeout) {
             Ok(Ok(Raw(comm))) => Ok(RawComm {
                 comm,
+                nccl: self.nccl,
                 aborted: false.into(),
                 ctx: self.ctx.clone(),
                 timeout: self.timeout,
