@@ -48,6 +48,23 @@ fn every_op_and_dtype_equals_the_local_backend_at_2_3_and_4_processes() {
     }
 }
 
+/// 64 MiB buffers, the size of a bucket of gradients, at 3 processes (uneven gather parts
+/// would show).
+#[test]
+fn sixty_four_mib_collectives_are_exact() {
+    let (out, _) = mpirun(3, "large", 120);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for rank in 0..3 {
+        assert!(
+            stdout.contains(&format!(
+                "rank {rank}: 64 MiB all_reduce (f32, bf16) and all_gather exact"
+            )),
+            "rank {rank} did not report: {stdout}"
+        );
+    }
+}
+
 #[test]
 fn a_mismatched_collective_ends_the_job_naming_group_and_op() {
     let (out, took) = mpirun(3, "mismatch", 60);

@@ -17,6 +17,10 @@
 //! - `late-group`: the last rank sleeps 20 s while the others create group "late".
 //! - `slow-barrier`: the last rank sleeps 3 s, then every rank calls a barrier bounded by
 //!   30 s (run with a shorter collective timeout: the barrier's own bound holds).
+//! - `large`: 64 MiB all-reduces in f32 and bf16 and a 64 MiB all-gather, against their
+//!   closed forms (small integers: exact in any order of summation), with their time.
+//! - `killed-peer`: after one all-reduce, the last rank sends itself SIGKILL; the others'
+//!   next all-reduce must fail within the collective timeout.
 
 use burn_megatron::comm::{
     Buffer, Comm, CommDType, CommError, CommunicatorExt, LocalWorld, ReduceOp, World,
@@ -103,10 +107,17 @@ fn suite(world: &dyn World, rank: usize) -> Result<Results, CommError> {
             out.push((format!("{name} all_to_all_v {dtype}"), exchanged));
             comm.barrier()?;
         }
-        // Empty buffers and a group of one rank are fine too.
+        // Empty and one-element buffers and a group of one rank are fine too.
         let mut empty = Buffer::zeros(CommDType::F32, 0);
         comm.all_reduce(&mut empty, ReduceOp::Sum)?;
         out.push((format!("{name} empty all_reduce"), empty));
+        for dtype in CommDType::ALL {
+            let mut one = values(dtype, rank, 1, 6);
+            comm.all_reduce(&mut one, ReduceOp::Sum)?;
+            out.push((format!("{name} one-element all_reduce {dtype}"), one));
+            let gathered = comm.all_gather(values(dtype, rank, 1, 6))?;
+            out.push((format!("{name} one-element all_gather {dtype}"), gathered));
+        }
     }
     let solo = world.new_group("solo", vec![rank], rank)?;
     let mut one = values(CommDType::BF16, rank, 3, 4);
@@ -234,6 +245,85 @@ fn collectives(world: &dyn World, rank: usize, exact: bool) -> Result<(), String
     Ok(())
 }
 
+/// 64 MiB collectives against their closed forms (see the module docs).
+fn large(world: &dyn World, rank: usize) -> Result<(), String> {
+    let n = world.size();
+    let err = |e: CommError| e.to_string();
+    let all = world
+        .new_group("large", (0..n).collect(), rank)
+        .map_err(err)?;
+    let len = 64 << 18; // 64 MiB of f32
+    let v = |r: usize, i: usize| ((r * 7 + i) % 13) as f32 - 6.0;
+    let sum = |i: usize| (0..n).map(|r| v(r, i)).sum::<f32>();
+    let mut x: Vec<f32> = (0..len).map(|i| v(rank, i)).collect();
+    let start = std::time::Instant::now();
+    all.all_reduce_vec(&mut x, ReduceOp::Sum).map_err(err)?;
+    let f32_s = start.elapsed().as_secs_f64();
+    if let Some(i) = (0..len).find(|&i| x[i] != sum(i)) {
+        return Err(format!(
+            "f32 all_reduce: element {i} is {}, not {}",
+            x[i],
+            sum(i)
+        ));
+    }
+    let mut y: Vec<bf16> = (0..2 * len).map(|i| bf16::from_f32(v(rank, i))).collect();
+    all.all_reduce_vec(&mut y, ReduceOp::Sum).map_err(err)?;
+    if let Some(i) = (0..2 * len).find(|&i| y[i].to_f32() != sum(i)) {
+        return Err(format!(
+            "bf16 all_reduce: element {i} is {}, not {}",
+            y[i],
+            sum(i)
+        ));
+    }
+    let part = len / n;
+    let start = std::time::Instant::now();
+    let gathered = all
+        .all_gather_vec((0..part).map(|i| v(rank, i)).collect::<Vec<f32>>())
+        .map_err(err)?;
+    let gather_s = start.elapsed().as_secs_f64();
+    if let Some(k) = (0..n * part).find(|&k| gathered[k] != v(k / part, k % part)) {
+        return Err(format!("all_gather: element {k} is {}", gathered[k]));
+    }
+    let gb = (len * 4) as f64 / 1e9;
+    println!(
+        "rank {rank}: 64 MiB all_reduce (f32, bf16) and all_gather exact; f32 all_reduce \
+         {:.0} ms ({:.2} GB/s of buffer), all_gather {:.0} ms",
+        f32_s * 1e3,
+        gb / f32_s,
+        gather_s * 1e3
+    );
+    Ok(())
+}
+
+/// One all-reduce, then the last rank dies by SIGKILL and the others all-reduce again.
+fn killed_peer(world: &dyn World, rank: usize) -> Result<(), String> {
+    let n = world.size();
+    let dp = world
+        .new_group("dp", (0..n).collect(), rank)
+        .map_err(|e| e.to_string())?;
+    let mut v = vec![1i64];
+    dp.all_reduce_vec(&mut v, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    if rank == n - 1 {
+        println!("rank {rank}: killing myself");
+        // SAFETY: signals this process; nothing runs after it.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let start = std::time::Instant::now();
+    let result = dp.all_reduce_vec(&mut v, ReduceOp::Sum);
+    match result {
+        Ok(()) => Err("an all-reduce with a killed member succeeded".into()),
+        Err(e) => {
+            println!(
+                "rank {rank}: the all-reduce failed after {:.1} s: {e}",
+                start.elapsed().as_secs_f64()
+            );
+            Err(e.to_string())
+        }
+    }
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let case = args.next().unwrap_or_default();
@@ -258,6 +348,8 @@ fn main() {
         let world: Arc<dyn World> = ctx.world.clone();
         match case.as_str() {
             "collectives" => collectives(world.as_ref(), rank, exact),
+            "large" => large(world.as_ref(), rank),
+            "killed-peer" => killed_peer(world.as_ref(), rank),
             "mismatch" => {
                 let tp = world
                     .new_group("tp", (0..n).collect(), rank)
@@ -299,8 +391,8 @@ fn main() {
                 Ok(())
             }
             other => Err(format!(
-                "unknown case {other:?}: collectives, mismatch, early-exit, late-group, \
-                 slow-barrier"
+                "unknown case {other:?}: collectives, large, killed-peer, mismatch, early-exit, \
+                 late-group, slow-barrier"
             )),
         }
     });
