@@ -5,17 +5,24 @@
 #   scripts/gpu_check.sh build          # here: release binaries, stripped, in the payload
 #   scripts/gpu_check.sh build --dev    # the same in the dev profile (CI; quicker to build)
 #   scripts/gpu_check.sh                # there (or here): run every check on the payload
-#   GPU_CHECK_NCCL=1 scripts/gpu_check.sh build   # here: also comm_suite and bert_pretrain
+#   GPU_CHECK_NCCL=1 scripts/gpu_check.sh build   # here: also comm_suite, bert_pretrain and
+#                                                 # gpt_pretrain (for `nccl` below)
+#   GPU_CHECK_AUTOTUNE=1 ... build      # here: also gpu_check with Burn's autotune (bf16 A/B)
 #   scripts/gpu_check.sh nccl           # there: scripts/nccl_check.sh on the payload's binaries
-#                                       # (ranks sharing one GPU: see nccl_check.sh)
+#                                       # (ranks sharing one GPU: see nccl_check.sh), ≤ 420 s
+#   scripts/gpu_check.sh bench          # there: our bf16 steps against PyTorch's, with a
+#                                       # per-kernel profile and a table last, ≤ 540 s
 #
 # The payload is target/gpu_check_payload/ (ignored by git, so carry it: the device tool's
-# `run` with carry=["target/gpu_check_payload"]): an xz tarball (stripped, the binaries are
-# about 150 MiB; packed, about a sixth) of two binaries built with `--features cuda,wgpu`:
-# `gpu_check` (the libraries, BERT and GPT against the CPU, bf16 BERT-large and GPT steps'
-# TFLOP/s, NCCL on one rank) and `kernels` (every CubeCL kernel against its reference), with
-# the shared libraries they link beyond glibc (fontconfig, freetype and theirs: the lent
-# H200 machine has none of them). CUDA, NVRTC, NCCL and Vulkan are loaded at run time, so the
+# `run` with the carry `build` prints for each mode): xz tarballs of stripped binaries built
+# with `--features cuda,wgpu` (about 70 MiB each stripped; packed, about a sixth):
+# `base.tar.xz`, `gpu_check` (the libraries, BERT and GPT against the CPU, bf16 BERT-large and
+# GPT steps' TFLOP/s, NCCL on one rank) with the shared libraries the binaries link beyond
+# glibc (fontconfig, freetype and theirs: the lent H200 machine has none of them);
+# `kernels.tar.xz` (every CubeCL kernel against its reference); `nccl.tar.xz` (comm_suite,
+# gpt_pretrain, bert_pretrain) and `autotune.tar.xz` (gpu_check with Burn's autotune) when
+# asked for. A mode carries base plus its own: the checks kernels, nccl nccl, bench autotune.
+# CUDA, NVRTC, NCCL and Vulkan are loaded at run time, so the
 # binaries start anywhere; what the machine lacks is reported and skipped, the rest runs.
 # One line per check: PASS, FAIL or SKIP, with the numbers. The exit status is 1 if
 # anything failed.
@@ -72,6 +79,16 @@ build() {
       binaries+=("$name")
     done
   fi
+  # With GPU_CHECK_AUTOTUNE=1, gpu_check once more with Burn's autotune (a second feature set:
+  # cargo keeps both builds), so that one run times the bf16 steps with and without it.
+  if [ -n "${GPU_CHECK_AUTOTUNE:-}" ]; then
+    messages=$(cargo build --profile "$profile" -p burn-megatron-examples \
+      --features "$features,autotune" --example gpu_check --message-format=json-render-diagnostics)
+    path=$(grep -o '"executable":"[^"]*/gpu_check[^"/]*"' <<<"$messages" | tail -1 | cut -d'"' -f4)
+    [ -x "$path" ] || { echo "gpu_check: the autotune gpu_check was not built" >&2; exit 1; }
+    cp "$path" "$staging/gpu_check_autotune"
+    binaries+=(gpu_check_autotune)
+  fi
   (cd "$staging" && strip "${binaries[@]}")
   # The shared libraries the binaries need beyond glibc (fontconfig and freetype, for the
   # loss plots), which a bare GPU machine lacks: carried, used when the machine has none.
@@ -80,22 +97,41 @@ build() {
     grep -v -E '/(libc|libm|libgcc_s|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
     xargs -r cp -L -t "$staging/lib"
   echo "stripped: $(du -cb "$staging"/* | tail -1 | cut -f1) bytes"
-  tar -C "$staging" -cf - "${binaries[@]}" lib | xz -T0 -6 >"$payload/payload.tar.xz"
+  # One tarball per use, so that a device run carries only what its mode needs (all six
+  # binaries packed are over the 64 MiB a run carries).
+  pack() { # NAME FILES...
+    local name=$1
+    shift
+    tar -C "$staging" -cf - "$@" | xz -T0 -6 >"$payload/$name.tar.xz"
+  }
+  pack base gpu_check lib
+  pack kernels kernels
+  [ -n "${GPU_CHECK_NCCL:-}" ] && pack nccl comm_suite gpt_pretrain bert_pretrain
+  [ -n "${GPU_CHECK_AUTOTUNE:-}" ] && pack autotune gpu_check_autotune
   rm -rf "$staging"
   if [ -n "${GPU_CHECK_NVRTC:-}" ]; then
     (cd "$(dirname "$GPU_CHECK_NVRTC")" &&
       tar -cf - "$(basename "$GPU_CHECK_NVRTC")" libnvrtc-builtins.so.*) |
       xz -T0 -9 >"$payload/nvrtc.tar.xz"
   fi
-  local bytes
-  bytes=$(du -cb "$payload"/* | tail -1 | cut -f1)
-  echo "payload: $payload, $((bytes / 1048576)) MiB ($profile profile):"
+  echo "payload: $payload ($profile profile):"
   ls -la "$payload"
-  if ((bytes > 64 * 1048576)); then
-    echo "gpu_check: the payload is over the 64 MiB a device run carries" >&2
+  # What each mode carries (the NVRTC tarball goes with every one when it was made).
+  local mode files bytes over=0
+  for mode in "checks:base kernels" "nccl:base nccl" "bench:base autotune"; do
+    files=()
+    for f in ${mode#*:} nvrtc; do
+      [ -f "$payload/$f.tar.xz" ] && files+=("$payload/$f.tar.xz")
+    done
+    bytes=$(du -cb "${files[@]}" | tail -1 | cut -f1)
+    echo "${mode%%:*}: $((bytes / 1048576)) MiB; carry=[$(printf '"%s",' "${files[@]}" | sed 's/,$//')]"
+    ((bytes > 64 * 1048576)) && over=1
+  done
+  if ((over)); then
+    echo "gpu_check: a mode's payload is over the 64 MiB a device run carries" >&2
     exit 1
   fi
-  echo "carry it: run(command=\"scripts/gpu_check.sh\", carry=[\"$payload\"], timeout_s=600)"
+  echo "run: scripts/gpu_check.sh [nccl | bench] with that mode's carry, timeout_s=600"
 }
 
 # check NAME STATUS DETAIL: one report line (and the failure count).
@@ -148,11 +184,15 @@ unpack() {
   if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
     export XDG_RUNTIME_DIR=$(mktemp -d)
   fi
-  [ -f "$payload/payload.tar.xz" ] ||
-    { echo "gpu_check: no $payload/payload.tar.xz: run 'scripts/gpu_check.sh build' first" >&2; exit 2; }
+  [ -f "$payload/base.tar.xz" ] ||
+    { echo "gpu_check: no $payload/base.tar.xz: run 'scripts/gpu_check.sh build' first" >&2; exit 2; }
   rm -rf "$bin" && mkdir -p "$bin"
-  xz -dc "$payload/payload.tar.xz" | tar -C "$bin" -xf - ||
-    { echo "gpu_check: the payload does not unpack" >&2; exit 2; }
+  local part
+  for part in base kernels nccl autotune; do
+    [ -f "$payload/$part.tar.xz" ] || continue
+    xz -dc "$payload/$part.tar.xz" | tar -C "$bin" -xf - ||
+      { echo "gpu_check: $payload/$part.tar.xz does not unpack" >&2; exit 2; }
+  done
   # The carried libraries only where the machine lacks one of them (the loader then fails
   # before main: exit 127).
   if ! "$bin/gpu_check" --help >/dev/null 2>&1; then
@@ -169,6 +209,40 @@ run_nccl() {
     { echo "gpu_check: the payload has no NCCL binaries: build it with GPU_CHECK_NCCL=1" >&2; exit 2; }
   find_libraries
   NCCL_CHECK_BIN=$bin timeout 420 scripts/nccl_check.sh
+}
+
+# The speed benchmark: PyTorch's bf16 steps of the same models and cuBLAS's GEMM rate
+# (scripts/torch_ref/torch_gpu_ref.py), our steps with each gpu_check in the payload (plain,
+# and with Burn's autotune when built with GPU_CHECK_AUTOTUNE=1), one CubeCL-profiled run of
+# the GPT per build (GPU_BENCH_PROFILE=0 skips them), and the table (scripts/gpu_bench.py)
+# last. Bounded to 540 s in all (200 + 2 × (120 + 90) + 10 at most).
+run_bench() {
+  unpack
+  find_libraries
+  logs=${GPU_CHECK_LOGS:-target/gpu_bench}
+  rm -rf "$logs" && mkdir -p "$logs"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total \
+    --format=csv,noheader 2>/dev/null
+  echo "== PyTorch (eager) and cuBLAS"
+  timeout 200 python3 scripts/torch_ref/torch_gpu_ref.py >"$logs/torch.log" 2>&1
+  grep -E "^(torch|TORCH)" "$logs/torch.log" ||
+    { echo "PyTorch's run printed no timings:"; tail -3 "$logs/torch.log"; }
+  local variant binary
+  for variant in plain autotune; do
+    binary=$bin/gpu_check
+    [ "$variant" = autotune ] && binary=$bin/gpu_check_autotune
+    [ -x "$binary" ] || continue
+    echo "== ours ($variant)"
+    timeout 120 "$binary" bf16 --out "$logs" >"$logs/ours-$variant.log" 2>&1
+    grep -E "^(PASS|FAIL|SKIP) " "$logs/ours-$variant.log"
+    if [ "${GPU_BENCH_PROFILE:-1}" = 1 ]; then
+      CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG="$logs/ours-$variant-gpt.prof" \
+        timeout 90 "$binary" bf16 --bf16-models gpt --out "$logs" \
+        >"$logs/profiled-$variant-gpt.txt" 2>&1
+    fi
+  done
+  echo "== the table"
+  timeout 10 python3 scripts/gpu_bench.py "$logs"
 }
 
 run_checks() {
@@ -203,6 +277,10 @@ run_checks() {
     if ! grep -q "^PASS device $dev:" <<<"$devices"; then
       why=$(grep "device $dev:" <<<"$devices" | cut -d: -f2- | sed 's/^ //')
       line SKIP "$name" "${why:-the libraries check printed nothing for $dev}"
+      continue
+    fi
+    if [ ! -x "$bin/kernels" ]; then
+      line SKIP "$name" "the payload has no kernels.tar.xz (carried without it)"
       continue
     fi
     kind=$dev
@@ -247,6 +325,7 @@ run_checks() {
 case "${1:-}" in
   build) shift; build "$@" ;;
   nccl) run_nccl ;;
+  bench) run_bench ;;
   "") run_checks ;;
-  *) echo "usage: scripts/gpu_check.sh [build [--dev] | nccl]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_check.sh [build [--dev] | nccl | bench]" >&2; exit 2 ;;
 esac

@@ -121,5 +121,50 @@ pub fn cuda_device(ordinal: usize) -> Result<Device, CudaUnavailable> {
     Ok(Device::cuda(ordinal))
 }
 
+/// A CUDA device's memory as its driver counts it, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// In use, by every process on the device (on a device of one's own: this process's
+    /// context and CubeCL's memory pools, which keep what they reserved).
+    pub used: u64,
+    /// The device's memory.
+    pub total: u64,
+}
+
+impl std::fmt::Display for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        write!(
+            f,
+            "{:.2} GiB of {:.1} GiB in use",
+            gib(self.used),
+            gib(self.total)
+        )
+    }
+}
+
+/// CUDA device `ordinal`'s memory in use and in all (`cuMemGetInfo` in its primary context,
+/// the one Burn's CUDA backend runs in).
+///
+/// ```no_run
+/// match burn_megatron_kernels::cuda::device_memory(0) {
+///     Ok(memory) => println!("device 0: {memory}"),
+///     Err(why) => println!("no CUDA: {why}"),
+/// }
+/// ```
+pub fn device_memory(ordinal: usize) -> Result<DeviceMemory, CudaUnavailable> {
+    if !cuda_libraries().driver {
+        return Err(CudaUnavailable::NoDriver);
+    }
+    let driver = |e: cudarc::driver::DriverError| CudaUnavailable::Driver(format!("{e:?}"));
+    // Retains the primary context and makes it current on this thread.
+    let _context = cudarc::driver::CudaContext::new(ordinal).map_err(driver)?;
+    let (free, total) = cudarc::driver::result::mem_get_info().map_err(driver)?;
+    Ok(DeviceMemory {
+        used: (total - free) as u64,
+        total: total as u64,
+    })
+}
+
 #[cfg(test)]
 mod tests;

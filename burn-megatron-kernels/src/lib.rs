@@ -13,6 +13,8 @@ mod adam;
 mod bias_dropout_add;
 mod bias_gelu;
 mod cast;
+#[cfg(feature = "cube")]
+mod column_sum;
 mod cpu;
 mod cpu_elem;
 mod cpu_rows;

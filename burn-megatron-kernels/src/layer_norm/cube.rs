@@ -1,10 +1,11 @@
 //! The LayerNorm CubeCL kernels, for Burn's Cube backend: one cube per row for the forward
-//! and for `dx` (units stride over the row, then shared-memory trees), and one unit per
-//! column for `dγ` and `dβ`, which walks the rows in order (deterministic, no float atomics,
-//! which WGSL lacks). Statistics and gradients accumulate in f32.
+//! and for `dx` (units stride over the row, then shared-memory trees), and `dγ` and `dβ` in
+//! two passes over fixed blocks of rows ([`column_sum`](crate::column_sum): deterministic, no
+//! float atomics, which WGSL lacks). Statistics and gradients accumulate in f32.
 
 use super::LayerNormOps;
 use super::reference::{reference_layer_norm_backward, reference_layer_norm_forward};
+use crate::column_sum::{column_sums, partials, row_blocks};
 use crate::launch::{
     cast, cube_row, elementwise_geometry, empty_like, row_block_size, row_cube_count, tree_sum,
     zeros_like,
@@ -115,36 +116,40 @@ fn backward_dx_kernel<F: Float>(
     }
 }
 
-/// `dγ[c] = Σ_rows dy·x̂` and `dβ[c] = Σ_rows dy` for column `c = ABSOLUTE_POS`, rows in
-/// order; f32 out.
+/// Unit `k·n + c`: the partial `dγ` (`Σ dy·x̂`) and `dβ` (`Σ dy`) of column `c` over block
+/// `k` of rows, rows in order (see [`column_sum`](crate::column_sum)).
 #[cube(launch)]
-fn dgamma_dbeta_kernel<F: Float>(
+fn dgamma_dbeta_partials_kernel<F: Float>(
     x: &Tensor<F>,
     mean: &Tensor<f32>,
     rstd: &Tensor<f32>,
     dy: &Tensor<F>,
     dgamma: &mut Tensor<f32>,
     dbeta: &mut Tensor<f32>,
+    rows_per_block: u32,
     #[define(F)] _dtype: ElemType,
 ) {
-    let c = ABSOLUTE_POS;
-    let n = dgamma.len();
-    if c >= n {
+    let pos = ABSOLUTE_POS;
+    if pos >= dgamma.len() {
         terminate!();
     }
     let rows = mean.len();
+    let n = x.len() / rows;
+    let per = rows_per_block as usize;
+    let mut row = (pos / n) * per;
+    let end = select(row + per < rows, row + per, rows);
+    let c = pos % n;
     let mut sum_gamma = 0.0f32;
     let mut sum_beta = 0.0f32;
-    let mut row = 0;
-    while row < rows {
+    while row < end {
         let i = row * n + c;
         let d = f32::cast_from(dy[i]);
         sum_gamma += d * ((f32::cast_from(x[i]) - mean[row]) * rstd[row]);
         sum_beta += d;
         row += 1;
     }
-    dgamma[c] = sum_gamma;
-    dbeta[c] = sum_beta;
+    dgamma[pos] = sum_gamma;
+    dbeta[pos] = sum_beta;
 }
 
 impl LayerNormOps for CubeBackend {
@@ -232,10 +237,10 @@ impl LayerNormOps for CubeBackend {
             block,
             dtype,
         );
-        let dgamma = empty_like(&x, Shape::from([n]), DType::F32);
-        let dbeta = empty_like(&x, Shape::from([n]), DType::F32);
-        if let Some((cube_dim, count)) = elementwise_geometry(&x, n) {
-            dgamma_dbeta_kernel::launch(
+        let (per, blocks) = row_blocks(rows);
+        let (dgamma, dbeta) = (partials(&x, blocks, n), partials(&x, blocks, n));
+        if let Some((cube_dim, count)) = elementwise_geometry(&x, blocks * n) {
+            dgamma_dbeta_partials_kernel::launch(
                 &client,
                 count,
                 cube_dim,
@@ -245,9 +250,11 @@ impl LayerNormOps for CubeBackend {
                 dy.into_tensor_arg(),
                 dgamma.clone().into_tensor_arg(),
                 dbeta.clone().into_tensor_arg(),
+                per as u32,
                 dtype,
             );
         }
+        let (dgamma, dbeta) = (column_sums(dgamma, n), column_sums(dbeta, n));
         let to_gamma = |t| cast::<Self>(t, FloatDType::from(gamma.dtype));
         (dx, to_gamma(dgamma), to_gamma(dbeta))
     }

@@ -1,10 +1,12 @@
 //! The RMSNorm CubeCL kernels, for Burn's Cube backend: one cube per row for the forward and
 //! for `dx` (units stride over the row, then a shared-memory tree; lavapipe has no plane
-//! ops), and one unit per column for `dγ`, which walks the rows in order (deterministic, no
-//! float atomics, which WGSL lacks). Statistics and gradients accumulate in f32.
+//! ops), and `dγ` in two passes over fixed blocks of rows ([`column_sum`](crate::column_sum):
+//! deterministic, no float atomics, which WGSL lacks). Statistics and gradients accumulate in
+//! f32.
 
 use super::RmsNormOps;
 use super::reference::{reference_rms_norm_backward, reference_rms_norm_forward};
+use crate::column_sum::{column_sums, partials, row_blocks};
 use crate::launch::{
     cast, cube_row, elementwise_geometry, empty_like, row_block_size, row_cube_count, tree_sum,
     zeros_like,
@@ -97,29 +99,34 @@ fn backward_dx_kernel<F: Float>(
     }
 }
 
-/// `dγ[c] = Σ_rows dy·x̂` for column `c = ABSOLUTE_POS`, rows in order; f32 out.
+/// Unit `k·n + c`: the partial `dγ` of column `c` over block `k` of rows (`Σ dy·x̂`, rows
+/// in order; see [`column_sum`](crate::column_sum)).
 #[cube(launch)]
-fn dgamma_kernel<F: Float>(
+fn dgamma_partials_kernel<F: Float>(
     x: &Tensor<F>,
     inv_rms: &Tensor<f32>,
     dy: &Tensor<F>,
-    dgamma: &mut Tensor<f32>,
+    partials: &mut Tensor<f32>,
+    rows_per_block: u32,
     #[define(F)] _dtype: ElemType,
 ) {
-    let c = ABSOLUTE_POS;
-    let n = dgamma.len();
-    if c >= n {
+    let pos = ABSOLUTE_POS;
+    if pos >= partials.len() {
         terminate!();
     }
     let rows = inv_rms.len();
+    let n = x.len() / rows;
+    let per = rows_per_block as usize;
+    let mut row = (pos / n) * per;
+    let end = select(row + per < rows, row + per, rows);
+    let c = pos % n;
     let mut sum = 0.0f32;
-    let mut row = 0;
-    while row < rows {
+    while row < end {
         let i = row * n + c;
         sum += f32::cast_from(dy[i]) * (f32::cast_from(x[i]) * inv_rms[row]);
         row += 1;
     }
-    dgamma[c] = sum;
+    partials[pos] = sum;
 }
 
 impl RmsNormOps for CubeBackend {
@@ -193,19 +200,22 @@ impl RmsNormOps for CubeBackend {
             block,
             dtype,
         );
-        let dgamma = empty_like(&x, Shape::from([n]), DType::F32);
-        if let Some((cube_dim, count)) = elementwise_geometry(&x, n) {
-            dgamma_kernel::launch(
+        let (per, blocks) = row_blocks(rows);
+        let partials = partials(&x, blocks, n);
+        if let Some((cube_dim, count)) = elementwise_geometry(&x, blocks * n) {
+            dgamma_partials_kernel::launch(
                 &client,
                 count,
                 cube_dim,
                 x.into_tensor_arg(),
                 inv_rms.into_tensor_arg(),
                 dy.into_tensor_arg(),
-                dgamma.clone().into_tensor_arg(),
+                partials.clone().into_tensor_arg(),
+                per as u32,
                 dtype,
             );
         }
+        let dgamma = column_sums(partials, n);
         (dx, cast::<Self>(dgamma, FloatDType::from(gamma.dtype)))
     }
 }

@@ -6,10 +6,11 @@
 //! - `models`: BERT and the GPT model (Llama-style) for `--iters` iterations on each GPU
 //!   device against the same run on the CPU, every iteration's loss within 1e-3 (relative,
 //!   f32, no dropout). The CPU runs always happen.
-//! - `bf16`: one bf16 training step of a BERT-large-sized model (24 layers, hidden 1024,
+//! - `bf16`: bf16 training steps (the median of five after two of warm-up) of a BERT-large-sized model (24 layers, hidden 1024,
 //!   seq 512) and of a Llama-style GPT (12 layers, hidden 2048, GQA, SwiGLU) on CUDA:
-//!   TFLOP/s and the fraction of the H200's dense bf16 peak; on the CPU small models' bf16
-//!   steps, so that the paths run here too.
+//!   TFLOP/s, the fraction of the H200's dense bf16 peak and the device memory in use; on the
+//!   CPU small models' bf16 steps, so that the paths run here too. `--bf16-models gpt` runs
+//!   one.
 //! - `nccl`: a one-rank NCCL world: its collectives against their closed forms.
 //!
 //! ```text
@@ -36,6 +37,10 @@ struct Args {
     /// Where the runs write their loss plots.
     #[arg(long, default_value = "target/gpu_check")]
     out: std::path::PathBuf,
+    /// The bf16 check's models (gpt, bert; default both): one alone for a per-kernel
+    /// profile of its steps.
+    #[arg(long, value_delimiter = ',', default_values_t = ["bert".to_string(), "gpt".to_string()])]
+    bf16_models: Vec<String>,
 }
 
 /// The lines printed so far, and whether any failed.
@@ -123,7 +128,7 @@ fn main() -> ExitCode {
         match check {
             "libraries" => libraries(&mut report),
             "models" => models::parity(&mut report, args.iters, &args.out),
-            "bf16" => models::bf16_step(&mut report, &args.out),
+            "bf16" => models::bf16_step(&mut report, &args.out, &args.bf16_models),
             _ => nccl::one_rank(&mut report),
         }
         println!("      ({check}: {:.1} s)", start.elapsed().as_secs_f64());

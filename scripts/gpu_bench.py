@@ -1,0 +1,141 @@
+"""The GPU benchmark's table: our bf16 steps against PyTorch's, from one run's logs.
+
+  python3 scripts/gpu_bench.py LOGS
+
+LOGS holds what `scripts/gpu_check.sh bench` wrote there:
+  torch.log                  scripts/torch_ref/torch_gpu_ref.py (PyTorch eager, cuBLAS GEMMs)
+  ours-VARIANT.log           `gpu_check bf16` of one build (VARIANT: plain, autotune)
+  ours-VARIANT-FAMILY.prof   CubeCL's per-kernel table (CUBECL_DEBUG_OPTION=profile) of a
+                             separate run of one model (FAMILY: gpt, bert)
+
+Prints, per model: milliseconds per step, TFLOP/s, MFU against the H200's dense bf16 peak
+(989) and against the cuBLAS GEMM rate measured in the same run, device memory, and the
+ratio to PyTorch eager; then each profile's kernel groups. Exits 1 when a log is missing.
+"""
+import glob
+import os
+import re
+import statistics
+import sys
+
+PEAK = 989.0
+# A kernel's group: the first pattern its name matches (case-insensitive).
+GROUPS = [
+    ("collectives", r"nccl|all_?reduce|all_?gather|reduce_?scatter"),
+    ("GEMM", r"matmul|gemm|cmma|mma\b"),
+    ("attention", r"attention|flash|softmax"),
+    ("norms", r"norm|dgamma|rms"),
+    ("optimizer", r"adam|optim"),
+    ("copies/casts", r"copy|cast|contiguous|layout|slice|concat|\bcat\b|gather|scatter|"
+                     r"reshape|permute|transpose|index|select"),
+    ("elementwise", r"."),
+]
+UNITS = {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def read(path):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def torch_runs(text):
+    """{model: (ms, tflops, peak GiB)} of PyTorch eager, and the cuBLAS rates."""
+    runs, gemms = {}, {}
+    for m in re.finditer(r"^TORCH (.+?) eager: median ([\d.]+) ms.*?, ([\d.]+) TFLOP/s, "
+                         r"peak ([\d.]+) GiB", text, re.M):
+        runs[m.group(1)] = (float(m.group(2)), float(m.group(3)), float(m.group(4)))
+    for m in re.finditer(r"^TORCH matmul bf16 (\S+): ([\d.]+) TFLOP/s", text, re.M):
+        gemms[m.group(1)] = float(m.group(2))
+    return runs, gemms
+
+
+def our_runs(text):
+    """{family: (ms, tflops, memory text)} from gpu_check bf16's PASS lines."""
+    runs = {}
+    for m in re.finditer(r"^PASS bf16 (GPT|BERT) .*?: ([\d.]+) ms.*?, ([\d.]+) TFLOP/s.*?"
+                         r"(?:; (device memory [^;\n]*))?$", text, re.M):
+        runs[m.group(1).lower()] = (float(m.group(2)), float(m.group(3)), m.group(4) or "")
+    return runs
+
+
+def duration_ms(text):
+    m = re.match(r"([\d.]+)(ns|µs|us|ms|s)$", text.strip())
+    return float(m.group(1)) * UNITS[m.group(2)] if m else None
+
+
+def profile_groups(text):
+    """[(group, ms, share, top kernel)] from CubeCL's table, largest first."""
+    totals, top = {}, {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or cells[0] in ("Name", "Total"):
+            continue
+        ms = duration_ms(cells[1])
+        if ms is None:
+            continue
+        group = next(g for g, p in GROUPS if re.search(p, cells[0], re.I))
+        totals[group] = totals.get(group, 0.0) + ms
+        if ms > top.get(group, ("", 0.0))[1]:
+            top[group] = (cells[0], ms)
+    whole = sum(totals.values()) or 1.0
+    return sorted(((g, ms, ms / whole, top[g][0]) for g, ms in totals.items()),
+                  key=lambda r: -r[1])
+
+
+def main():
+    logs = sys.argv[1]
+    torch_text = read(os.path.join(logs, "torch.log"))
+    if torch_text is None:
+        print(f"gpu_bench: no {logs}/torch.log")
+        sys.exit(1)
+    torch, gemms = torch_runs(torch_text)
+    # The cuBLAS rate at the step's own GEMM shapes (not 8192^3).
+    step_gemms = [r for shape, r in gemms.items() if shape != "8192x8192x8192"]
+    cublas = statistics.median(step_gemms) if step_gemms else None
+    names = {"gpt": next((k for k in torch if k.startswith("GPT") and k.endswith("vocab 512")), None),
+             "bert": next((k for k in torch if k.startswith("BERT")), None)}
+    variants = sorted(os.path.basename(p)[5:-4] for p in glob.glob(os.path.join(logs, "ours-*.log")))
+    ours = {v: our_runs(read(os.path.join(logs, f"ours-{v}.log")) or "") for v in variants}
+    if not variants:
+        print(f"gpu_bench: no {logs}/ours-*.log")
+        sys.exit(1)
+    rate = f"{cublas:.0f}" if cublas else "?"
+    print(f"cuBLAS bf16 GEMM: {rate} TFLOP/s at the step's shapes (median of "
+          f"{', '.join(f'{s} {r:.0f}' for s, r in gemms.items() if s != '8192x8192x8192')}); "
+          f"{gemms.get('8192x8192x8192', 0):.0f} at 8192^3")
+    print()
+    print(f"| model | run | ms/step | TFLOP/s | MFU of 989 | of cuBLAS {rate} | memory | vs eager |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for family in ("gpt", "bert"):
+        name = names[family]
+        eager = torch.get(name) if name else None
+        label = name or family.upper()
+        of_cublas = (lambda tf: f"{100 * tf / cublas:.1f} %") if cublas else (lambda tf: "?")
+        if eager:
+            ms, tf, mem = eager
+            print(f"| {label} | PyTorch eager | {ms:.1f} | {tf:.0f} | {100 * tf / PEAK:.1f} % "
+                  f"| {of_cublas(tf)} | {mem:.1f} GiB peak allocated | 1.00 |")
+        for v in variants:
+            run = ours[v].get(family)
+            if not run:
+                print(f"| {label} | ours ({v}) | no result | | | | | |")
+                continue
+            ms, tf, mem = run
+            ratio = f"{ms / eager[0]:.2f}x the time" if eager else "?"
+            print(f"| {label} | ours ({v}) | {ms:.1f} | {tf:.1f} | {100 * tf / PEAK:.1f} % "
+                  f"| {of_cublas(tf)} | {mem.replace('device memory ', '')} | {ratio} |")
+    for path in sorted(glob.glob(os.path.join(logs, "ours-*.prof"))):
+        groups = profile_groups(read(path) or "")
+        print()
+        print(f"kernel groups, {os.path.basename(path)[5:-5]} (all profiled steps):")
+        if not groups:
+            print("  (no CubeCL profile table in the log)")
+        for g, ms, share, top in groups:
+            print(f"  {g:<13} {ms:9.1f} ms {100 * share:5.1f} %   largest: {top[:70]}")
+
+
+if __name__ == "__main__":
+    main()
