@@ -173,6 +173,12 @@ find_libraries() {
     found=$(find "${existing[@]}" -maxdepth 4 -name 'libnccl.so.2' 2>/dev/null | sort | tail -1)
     [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
   fi
+  # cuBLASLt (the linear layers' GEMMs) under the name cudarc tries, libcublasLt.so.13 or .12
+  # (PyTorch's wheel's nvidia/cu13/lib, say); without it the GEMMs stay cubek's.
+  if ! ldconfig -p 2>/dev/null | grep -q 'libcublasLt\.so\.1[2-9] '; then
+    found=$(find "${existing[@]}" -maxdepth 4 -name 'libcublasLt.so.1[2-9]' 2>/dev/null | sort | tail -1)
+    [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+  fi
 }
 
 # Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 s at most), so the whole run fits
@@ -213,9 +219,11 @@ run_nccl() {
 
 # The speed benchmark: PyTorch's bf16 steps of the same models and cuBLAS's GEMM rate
 # (scripts/torch_ref/torch_gpu_ref.py), our steps with each gpu_check in the payload (plain,
-# and with Burn's autotune when built with GPU_CHECK_AUTOTUNE=1), one CubeCL-profiled run of
-# the GPT per build (GPU_BENCH_PROFILE=0 skips them), and the table (scripts/gpu_bench.py)
-# last. Bounded to 540 s in all (200 + 2 × (120 + 90) + 10 at most).
+# and with Burn's autotune when built with GPU_CHECK_AUTOTUNE=1), each with its GEMM engines
+# and stream orders in turn (gpu_check's --bf16-variants: cuBLASLt ordered on the device,
+# cuBLASLt ordered by host syncs, cubek), one CubeCL-profiled run of the plain build's GPT
+# (GPU_BENCH_PROFILE=0 skips it), and the table (scripts/gpu_bench.py) last. Bounded to 540 s
+# in all (150 + 180 + 80 + 120 + 10 at most).
 run_bench() {
   unpack
   find_libraries
@@ -224,20 +232,21 @@ run_bench() {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total \
     --format=csv,noheader 2>/dev/null
   echo "== PyTorch (eager) and cuBLAS"
-  timeout 200 python3 scripts/torch_ref/torch_gpu_ref.py >"$logs/torch.log" 2>&1
+  timeout 150 python3 scripts/torch_ref/torch_gpu_ref.py >"$logs/torch.log" 2>&1
   grep -E "^(torch|TORCH)" "$logs/torch.log" ||
     { echo "PyTorch's run printed no timings:"; tail -3 "$logs/torch.log"; }
-  local variant binary
+  local variant binary variants limit
   for variant in plain autotune; do
-    binary=$bin/gpu_check
-    [ "$variant" = autotune ] && binary=$bin/gpu_check_autotune
+    binary=$bin/gpu_check variants=cublaslt,host-order,cubecl limit=180
+    [ "$variant" = autotune ] && binary=$bin/gpu_check_autotune variants=cublaslt,cubecl limit=120
     [ -x "$binary" ] || continue
-    echo "== ours ($variant)"
-    timeout 120 "$binary" bf16 --out "$logs" >"$logs/ours-$variant.log" 2>&1
-    grep -E "^(PASS|FAIL|SKIP) " "$logs/ours-$variant.log"
-    if [ "${GPU_BENCH_PROFILE:-1}" = 1 ]; then
+    echo "== ours ($variant: $variants)"
+    timeout $limit "$binary" bf16 --bf16-variants $variants --out "$logs" \
+      >"$logs/ours-$variant.log" 2>&1
+    grep -E "^(PASS|FAIL|SKIP) |panicked" "$logs/ours-$variant.log"
+    if [ "$variant" = plain ] && [ "${GPU_BENCH_PROFILE:-1}" = 1 ]; then
       CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG="$logs/ours-$variant-gpt.prof" \
-        timeout 90 "$binary" bf16 --bf16-models gpt --out "$logs" \
+        timeout 80 "$binary" bf16 --bf16-models gpt --out "$logs" \
         >"$logs/profiled-$variant-gpt.txt" 2>&1
     fi
   done

@@ -162,7 +162,12 @@ job_layout() { # PORT MODEL NAME WORLD FLAGS...
   line=$(python3 scripts/compare_runs.py "nccl/cuda vs threads/cpu" \
     "$dir/threads.json" "$dir/nccl.json" "$limit")
   local verdict=${line%% *}
-  result "$model $name" "$verdict" "${line#* }; $took s; $(grep -h -o "share CUDA device" "$dir"/nccl.* | wc -l) rank(s) shared a GPU"
+  # Time per step (the median over the iterations after the first two) and how the
+  # point-to-point tensors of rank 0's process travelled.
+  local ms p2p
+  ms=$(python3 -c "import json, statistics, sys; v = [json.loads(l)['ms_per_iter'] for l in open(sys.argv[1]) if l.strip()][2:]; print(f'{statistics.median(v):.1f} ms/step' if v else '? ms/step')" "$dir/nccl.json" 2>/dev/null)
+  p2p=$(grep -h -o "point-to-point tensors of this process: .*" "$dir/nccl.0" | head -1)
+  result "$model $name" "$verdict" "${line#* }; $took s; ${ms:-? ms/step}; ${p2p:-no point-to-point tensors}; $(grep -h -o "share CUDA device" "$dir"/nccl.* | wc -l) rank(s) shared a GPU"
 }
 
 # Saved at TP 2 x PP 2 on CUDA over NCCL after 10 of 20 iterations, loaded at TP 1 on the CPU
@@ -236,6 +241,8 @@ for model in gpt bert; do
   done
   spawn job_layout "$model" tp2xpp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 done
+# The same pipeline with its messages through host memory, for the device path's effect.
+BURN_MEGATRON_P2P=host spawn job_layout gpt pp2-1f1b-p2p-host 2 --pipeline-model-parallel-size 2
 for dispatcher in alltoall allgather; do
   spawn job_layout gpt "ep2-$dispatcher" 2 --expert-model-parallel-size 2 --num-experts 4 \
     --moe-token-dispatcher-type "$dispatcher"

@@ -17,6 +17,11 @@
 
 use burn::tensor::Device;
 
+pub(crate) mod blas;
+pub mod order;
+
+pub use blas::{GEMM_VAR, GemmEngine, GemmStats, TF32_VAR, gemm_engine, gemm_stats, set_cublaslt};
+
 /// Which CUDA libraries can be loaded here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaLibraries {
@@ -26,6 +31,8 @@ pub struct CudaLibraries {
     pub nvrtc: bool,
     /// NCCL, `libnccl.so.2` (for the `nccl` launch backend; see [`nccl_library_candidates`]).
     pub nccl: bool,
+    /// cuBLASLt, `libcublasLt` (the linear layers' GEMMs; see [`gemm_engine`]).
+    pub cublaslt: bool,
 }
 
 impl std::fmt::Display for CudaLibraries {
@@ -33,10 +40,11 @@ impl std::fmt::Display for CudaLibraries {
         let found = |b: bool| if b { "found" } else { "not found" };
         write!(
             f,
-            "libcuda {}, libnvrtc {}, libnccl {}",
+            "libcuda {}, libnvrtc {}, libnccl {}, libcublasLt {}",
             found(self.driver),
             found(self.nvrtc),
-            found(self.nccl)
+            found(self.nccl),
+            found(self.cublaslt)
         )
     }
 }
@@ -52,6 +60,7 @@ pub fn cuda_libraries() -> CudaLibraries {
             nccl: nccl_library_candidates()
                 .iter()
                 .any(|name| libloading::Library::new(name).is_ok()),
+            cublaslt: cudarc::cublaslt::sys::is_culib_present(),
         }
     }
 }

@@ -71,3 +71,37 @@ pub fn cuda_device() -> Result<Device, String> {
     #[cfg(not(feature = "cuda"))]
     Err("built without the `cuda` feature".into())
 }
+
+/// What CubeCL's memory pools of one device hold, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolMemory {
+    /// Held by live tensors (and CubeCL's own buffers), padding excluded.
+    pub in_use: u64,
+    /// Reserved from the device by the pools (they keep what they reserved).
+    pub reserved: u64,
+}
+
+/// The memory of `device`'s CubeCL pools (every stream's), when it is a Cube device (CUDA,
+/// wgpu); `None` elsewhere (Flex, whose tensors are host memory). Host-side bookkeeping: waits
+/// for CubeCL's device thread, not for the GPU.
+///
+/// ```
+/// use burn::tensor::Device;
+/// assert_eq!(burn_megatron_kernels::device::pool_memory(&Device::flex()), None);
+/// ```
+pub fn pool_memory(device: &Device) -> Option<PoolMemory> {
+    #[cfg(feature = "cube")]
+    {
+        let device = device.clone().inner();
+        if let burn::backend::DispatchDevice::Cube(cube) = device.as_dispatch() {
+            let scope = cubecl::MemoryScope::Device;
+            let usage = cube.client().memory_report(scope).usage();
+            return Some(PoolMemory {
+                in_use: usage.bytes_in_use,
+                reserved: usage.bytes_reserved,
+            });
+        }
+    }
+    let _ = device;
+    None
+}

@@ -82,10 +82,18 @@ pub fn mib(bytes: i64) -> String {
 /// master weights included), the gradients (held when backward and the reduction are done),
 /// and the step's peak above what the rank held before it (activations and the gradients
 /// as they accumulate).
+///
+/// On a Cube device (CUDA, wgpu) the counts are CubeCL's pools' bytes in use instead (the
+/// device's memory, which the host allocator never sees), read at the same points; the step
+/// peak is then the largest of those readings (after backward, after the optimizer step), and
+/// the report adds what the pools reserved, an upper bound on the true peak.
 #[derive(Debug, Clone)]
 pub struct RankMemory {
     rank: usize,
     counter: Counter,
+    /// The Cube device whose pools are read, if the rank runs on one.
+    device: Option<burn::tensor::Device>,
+    reserved: u64,
     start: i64,
     weights: i64,
     before_step: i64,
@@ -101,6 +109,8 @@ impl RankMemory {
         Self {
             rank,
             counter,
+            device: None,
+            reserved: 0,
             start: counter.live(),
             weights: 0,
             before_step: 0,
@@ -110,8 +120,34 @@ impl RankMemory {
         }
     }
 
-    fn live(&self) -> i64 {
-        self.counter.live() - self.start
+    /// Counts rank `rank`'s memory on `device`: its CubeCL pools' when it is a Cube device,
+    /// else what this thread allocates on the host (as [`start`](Self::start)).
+    pub fn start_on(rank: usize, device: &burn::tensor::Device) -> Self {
+        let mut memory = Self::start(rank);
+        if burn_megatron_kernels::device::pool_memory(device).is_some() {
+            memory.device = Some(device.clone());
+            memory.start = memory.read();
+        }
+        memory
+    }
+
+    /// The bytes held now: the pools' in use on a Cube device, else this thread's count.
+    fn read(&mut self) -> i64 {
+        let pools = self
+            .device
+            .as_ref()
+            .and_then(burn_megatron_kernels::device::pool_memory);
+        match pools {
+            Some(p) => {
+                self.reserved = self.reserved.max(p.reserved);
+                p.in_use as i64
+            }
+            None => self.counter.live(),
+        }
+    }
+
+    fn live(&mut self) -> i64 {
+        self.read() - self.start
     }
 
     /// The highest count of the run.
@@ -121,6 +157,12 @@ impl RankMemory {
 
     /// The model is built.
     pub fn weights_built(&mut self) {
+        if self.device.is_some() {
+            let live = self.live();
+            self.weights = live;
+            self.peak = self.peak.max(live);
+            return;
+        }
         self.weights = self.live();
     }
 
@@ -132,21 +174,42 @@ impl RankMemory {
 
     /// Backward and the gradient reduction are done.
     pub fn gradients_ready(&mut self) {
-        self.gradients = self.gradients.max(self.live() - self.before_step);
+        let live = self.live();
+        self.gradients = self.gradients.max(live - self.before_step);
+        if self.device.is_some() {
+            self.sampled_peak(live);
+        }
+    }
+
+    fn sampled_peak(&mut self, live: i64) {
+        self.step_peak = self.step_peak.max(live - self.before_step);
+        self.peak = self.peak.max(live);
     }
 
     /// The step is done.
     pub fn step_done(&mut self) {
+        if self.device.is_some() {
+            let live = self.live();
+            self.sampled_peak(live);
+            return;
+        }
         let peak = self.counter.peak() - self.start;
         self.step_peak = self.step_peak.max(peak - self.before_step);
         self.peak = self.peak.max(peak);
     }
 
     /// The report line, after the last step.
-    pub fn report(&self) -> String {
+    pub fn report(&mut self) -> String {
         let optimizer = (self.live() - self.weights).max(0);
+        let (whose, reserved) = match &self.device {
+            Some(device) => (
+                format!(" on {device:?} (CubeCL's pools, bytes in use)"),
+                format!(" | reserved by the pools {}", mib(self.reserved as i64)),
+            ),
+            None => (String::new(), String::new()),
+        };
         format!(
-            " memory of rank {}: weights {} | optimizer state {} | gradients {} | step peak above them {} (activations and gradients) | peak {}",
+            " memory of rank {}{whose}: weights {} | optimizer state {} | gradients {} | step peak above them {} (activations and gradients) | peak {}{reserved}",
             self.rank,
             mib(self.weights),
             mib(optimizer),

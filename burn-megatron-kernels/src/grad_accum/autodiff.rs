@@ -2,6 +2,7 @@
 //! backend, untracked), and for the linear product whose backward calls it.
 
 use super::GradAccumOps;
+use crate::LinearOps;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -14,7 +15,7 @@ use burn::tensor::FloatDType;
 #[derive(Debug)]
 struct LinearBackward;
 
-impl<B: GradAccumOps> Backward<B, 2> for LinearBackward {
+impl<B: GradAccumOps + LinearOps> Backward<B, 2> for LinearBackward {
     /// The forward's `(x [tokens, in], w [in, out])`.
     type State = (FloatTensor<B>, FloatTensor<B>);
 
@@ -28,12 +29,12 @@ impl<B: GradAccumOps> Backward<B, 2> for LinearBackward {
             grads.register::<B>(node.id, B::accumulate_weight_grad(zeros, x, grad.clone()));
         }
         if let Some(node) = node_x {
-            grads.register::<B>(node.id, B::float_matmul(grad, B::float_transpose(w)));
+            grads.register::<B>(node.id, B::matmul_2d(grad, B::float_transpose(w)));
         }
     }
 }
 
-impl<B: GradAccumOps, C: CheckpointStrategy> GradAccumOps for Autodiff<B, C> {
+impl<B: GradAccumOps + LinearOps, C: CheckpointStrategy> GradAccumOps for Autodiff<B, C> {
     fn accumulate_weight_grad(
         main_grad: FloatTensor<Self>,
         x: FloatTensor<Self>,

@@ -3,6 +3,8 @@
 //! cuBLAS's `wgrad_gemm_accum_fp32` does for Megatron), then one element-wise add into
 //! `main_grad`, in place when nothing else holds it.
 //!
+//! On CUDA cuBLASLt does both in one call where it loads (see `crate::cuda::gemm_engine`).
+//!
 //! This replaced a hand-tiled shared-memory kernel (64 × 64 tiles, 4 × 4 accumulators per
 //! unit) that was 3.1× slower than the tuned GEMM on lavapipe; the GEMM is the part worth
 //! tuning, and cubek tunes it per device.
@@ -26,6 +28,11 @@ impl GradAccumOps for CubeBackend {
             return main_grad; // nothing to add (and Burn's copy kernels refuse empty tensors)
         }
         let xt = Self::float_transpose(x.clone());
+        // cuBLASLt adds the product to main_grad in its epilogue (beta = 1, f32 output).
+        #[cfg(feature = "cuda")]
+        if let Some(out) = crate::cuda::blas::try_matmul(&xt, &dy, Some(&main_grad)) {
+            return out;
+        }
         match matmul(xt, dy.clone(), None, MatmulStrategy::default(), DType::F32) {
             Ok(product) => Self::float_add(main_grad, product),
             // A device whose matmul cannot mix these dtypes: cast first.
@@ -37,6 +44,6 @@ impl GradAccumOps for CubeBackend {
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        Self::float_matmul(x, weight)
+        <Self as crate::LinearOps>::matmul_2d(x, weight)
     }
 }

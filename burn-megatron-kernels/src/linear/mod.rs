@@ -5,7 +5,8 @@
 //! is written twice before the gemm fills it (for a `[1024, 32000]` logits tensor, a 131 MB
 //! memset and a 131 MB copy on one thread, about as long as half the gemm). Here the
 //! same `gemm` kernels fill an uninitialised f32 buffer that becomes the tensor as it is.
-//! Other dtypes and backends run Burn's own matmul.
+//! On CUDA the products are cuBLASLt's (see [`crate::cuda::gemm_engine`]); other dtypes and
+//! backends run Burn's own matmul.
 
 mod autodiff;
 mod flex;
@@ -38,9 +39,14 @@ impl LinearOps for Flex {
     }
 }
 
+// On CUDA, cuBLASLt where it loads (see `cuda::gemm_engine`); cubek's matmul elsewhere.
 #[cfg(feature = "cube")]
 impl LinearOps for burn_cubecl::CubeBackend {
     fn matmul_2d(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = crate::cuda::blas::try_matmul(&a, &b, None) {
+            return out;
+        }
         <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(a, b)
     }
 

@@ -60,6 +60,15 @@ pub fn cube_device(test: &str) -> Device {
     }
 }
 
+/// Whether the Cube device of [`cube_device`] is CUDA.
+#[cfg(feature = "cube")]
+pub fn on_cuda() -> bool {
+    match std::env::var("KERNEL_TEST_DEVICE") {
+        Ok(which) => which == "cuda",
+        Err(_) => !cfg!(feature = "wgpu"),
+    }
+}
+
 /// The Flex device with autodiff (the reference path).
 pub fn flex() -> Device {
     Device::flex().autodiff()

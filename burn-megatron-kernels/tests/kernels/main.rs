@@ -11,6 +11,7 @@ mod bias_gelu;
 mod cast;
 mod cross_entropy;
 mod dropout;
+mod gemm;
 mod grad_accum;
 mod layer_norm;
 mod linear;

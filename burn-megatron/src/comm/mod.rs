@@ -16,6 +16,8 @@
 
 mod all_to_all;
 mod buffer;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_tensor;
 mod device;
 mod group;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
@@ -35,6 +37,8 @@ mod tests;
 
 pub use buffer::{Buffer, CommDType, CommElement};
 pub(crate) use buffer::{comm_dtype, map_vec};
+#[cfg(feature = "cuda")]
+pub use cuda_tensor::{P2P_VAR, P2pStats, p2p_stats};
 pub use device::{DeviceCollectives, DeviceSlice};
 pub use group::{CommError, ProcessGroup};
 pub use local::{LocalCommunicator, LocalWorld};

@@ -9,8 +9,9 @@
 //! neighbours: the last rank's "next" is rank 0, which interleaving uses to pass a
 //! microbatch on to the next model chunk.
 //!
-//! Received tensors are fresh leaves built from host data on the receiving rank, so ranks
-//! never share an autodiff graph.
+//! Received tensors are fresh leaves on the receiving rank, so ranks never share an autodiff
+//! graph. CUDA tensors over NCCL travel in device memory (`comm/cuda_tensor.rs`); everything
+//! else through host memory.
 
 use crate::comm::tensor::{buffer_to_tensor, invalid, tensor_to_buffer};
 use crate::comm::{Buffer, Comm, CommDType, CommError};
@@ -114,10 +115,16 @@ impl P2pCommunicator {
         peer: usize,
     ) -> Result<(), CommError> {
         let dims = tensor.dims();
-        let buf = tensor_to_buffer(&**comm, op, tensor)?;
+        let dtype = crate::comm::comm_dtype(tensor.dtype()).ok_or_else(|| {
+            let reason = format!(
+                "dtype {:?} is not supported by the collectives",
+                tensor.dtype()
+            );
+            invalid(&**comm, op, reason)
+        })?;
         match &self.shapes {
             P2pShapes::Variable => {
-                let mut header = vec![code(buf.dtype()), D as i64];
+                let mut header = vec![code(dtype), D as i64];
                 header.extend(dims.iter().map(|&d| d as i64));
                 comm.send(Buffer::I64(header), peer)?;
             }
@@ -132,7 +139,24 @@ impl P2pCommunicator {
             }
             P2pShapes::Fixed { .. } => {}
         }
-        comm.send(buf, peer)
+        // CUDA tensors over NCCL go from device memory (the same message either way).
+        #[cfg(feature = "cuda")]
+        let tensor = match comm
+            .device_collectives()
+            .filter(|_| peer != self.group().rank())
+        {
+            Some(dev) => match crate::comm::cuda_tensor::carried(tensor) {
+                crate::comm::cuda_tensor::Carried::Device(x) => {
+                    let group = comm.group().to_string();
+                    return crate::comm::cuda_tensor::send(dev, group, x, peer);
+                }
+                crate::comm::cuda_tensor::Carried::Host(tensor) => tensor,
+            },
+            None => tensor,
+        };
+        #[cfg(feature = "cuda")]
+        crate::comm::cuda_tensor::count_host();
+        comm.send(tensor_to_buffer(&**comm, op, tensor)?, peer)
     }
 
     fn recv<const D: usize>(
@@ -184,6 +208,21 @@ impl P2pCommunicator {
                 (dtype, dims)
             }
         };
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = comm
+            .device_collectives()
+            .filter(|_| peer != self.group().rank())
+        {
+            let group = comm.group().to_string();
+            let got =
+                crate::comm::cuda_tensor::recv_tensor(dev, group, &self.device, dims, dtype, peer);
+            if let Some(got) = got {
+                let t = got?;
+                return Ok(if require_grad { t.require_grad() } else { t });
+            }
+        }
+        #[cfg(feature = "cuda")]
+        crate::comm::cuda_tensor::count_host();
         let mut buf = Buffer::zeros(dtype, dims.iter().product());
         comm.recv(&mut buf, peer)?;
         let t: Tensor<D> = buffer_to_tensor(buf, dims, &self.device);

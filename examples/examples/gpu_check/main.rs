@@ -10,7 +10,8 @@
 //!   seq 512) and of a Llama-style GPT (12 layers, hidden 2048, GQA, SwiGLU) on CUDA:
 //!   TFLOP/s, the fraction of the H200's dense bf16 peak and the device memory in use; on the
 //!   CPU small models' bf16 steps, so that the paths run here too. `--bf16-models gpt` runs
-//!   one.
+//!   one; `--bf16-variants cublaslt,cubecl,host-order` times each GEMM engine and stream
+//!   order, with the GEMMs and synchronisations per step.
 //! - `nccl`: a one-rank NCCL world: its collectives against their closed forms.
 //!
 //! ```text
@@ -41,6 +42,12 @@ struct Args {
     /// profile of its steps.
     #[arg(long, value_delimiter = ',', default_values_t = ["bert".to_string(), "gpt".to_string()])]
     bf16_models: Vec<String>,
+    /// The bf16 check's GEMM engines and stream orders on CUDA, each timed in turn in this
+    /// process: `default` (as the environment says), `cublaslt` (cuBLASLt, ordered on the
+    /// device), `host-order` (cuBLASLt, ordered by host synchronisations), `cubecl` (cubek's
+    /// matmul, as Burn runs it).
+    #[arg(long, value_delimiter = ',', default_values_t = ["default".to_string()])]
+    bf16_variants: Vec<String>,
 }
 
 /// The lines printed so far, and whether any failed.
@@ -128,7 +135,12 @@ fn main() -> ExitCode {
         match check {
             "libraries" => libraries(&mut report),
             "models" => models::parity(&mut report, args.iters, &args.out),
-            "bf16" => models::bf16_step(&mut report, &args.out, &args.bf16_models),
+            "bf16" => models::bf16_step(
+                &mut report,
+                &args.out,
+                &args.bf16_models,
+                &args.bf16_variants,
+            ),
             _ => nccl::one_rank(&mut report),
         }
         println!("      ({check}: {:.1} s)", start.elapsed().as_secs_f64());

@@ -215,7 +215,78 @@ fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
 /// One bf16 training step of each [`bf16_models`] on CUDA (on the CPU when there is none),
 /// timed after two warm-up steps (which compile the kernels): TFLOP/s and the fraction of
 /// the H200's dense bf16 peak.
-pub fn bf16_step(report: &mut Report, out: &Path, families: &[String]) {
+pub fn bf16_step(report: &mut Report, out: &Path, families: &[String], variants: &[String]) {
+    let known = ["default", "cublaslt", "host-order", "cubecl"];
+    if let Some(bad) = variants.iter().find(|v| !known.contains(&v.as_str())) {
+        report.fail(
+            "bf16 variants",
+            format!("{bad}: the variants are {known:?}"),
+        );
+        return;
+    }
+    for variant in variants {
+        if !set_variant(variant) {
+            report.skip(
+                &format!("bf16 variant {variant}"),
+                "built without the `cuda` feature",
+            );
+            continue;
+        }
+        bf16_variant(report, out, families, variant);
+    }
+    set_variant("default");
+}
+
+/// Sets the GEMM engine and stream order of `variant`; false without CUDA (only `default`
+/// runs there).
+fn set_variant(variant: &str) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use burn_megatron::cuda::order::{StreamOrder, set_stream_order};
+        use burn_megatron::cuda::set_cublaslt;
+        let (gemm, order) = match variant {
+            "cublaslt" => (Some(true), Some(StreamOrder::Device)),
+            "host-order" => (Some(true), Some(StreamOrder::Host)),
+            "cubecl" => (Some(false), None),
+            _ => (None, None),
+        };
+        set_cublaslt(gemm);
+        set_stream_order(order);
+        true
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        variant == "default"
+    }
+}
+
+/// What the GEMMs and the stream ordering did since `before`, per step, and the engine.
+#[cfg(feature = "cuda")]
+fn per_step(
+    before: &(
+        burn_megatron::cuda::GemmStats,
+        burn_megatron::cuda::order::OrderStats,
+    ),
+) -> String {
+    use burn_megatron::cuda::{gemm_engine, gemm_stats, order::order_stats};
+    let (g, o) = (gemm_stats(), order_stats());
+    let n = BF16_STEPS as f64;
+    let per = |a: u64, b: u64| (a - b) as f64 / n;
+    format!(
+        "GEMMs {:?}; per step: {:.0} by cuBLASLt, {:.0} failed over to cubek, {:.0} host syncs, \
+         {:.0} device orderings{}",
+        gemm_engine(),
+        per(g.cublaslt, before.0.cublaslt),
+        per(g.fallbacks, before.0.fallbacks),
+        per(o.host_syncs, before.1.host_syncs),
+        per(o.device_orders, before.1.device_orders),
+        g.first_failure
+            .map(|f| format!(" (first failure: {f})"))
+            .unwrap_or_default()
+    )
+}
+
+fn bf16_variant(report: &mut Report, out: &Path, families: &[String], variant: &str) {
     let cuda = gpu_devices().into_iter().find(|d| d.0 == "cuda");
     let device = match cuda {
         Some((_, Ok(()))) => "cuda",
@@ -242,8 +313,13 @@ pub fn bf16_step(report: &mut Report, out: &Path, families: &[String]) {
     for m in chosen {
         let [layers, hidden, heads, seq, micro] = m.shape;
         let name = format!(
-            "bf16 {} {layers}×{hidden} seq {seq} step on {device}",
+            "bf16 {} {layers}×{hidden} seq {seq} step on {device} ({variant})",
             m.family.to_uppercase()
+        );
+        #[cfg(feature = "cuda")]
+        let before = (
+            burn_megatron::cuda::gemm_stats(),
+            burn_megatron::cuda::order::order_stats(),
         );
         let plot = out.join(format!("bf16-{}-{device}.png", m.family));
         let mut argv = vec![format!("{}_pretrain", m.family)];
@@ -286,13 +362,18 @@ pub fn bf16_step(report: &mut Report, out: &Path, families: &[String]) {
                 );
                 let tflops = flops / (ms / 1e3) / 1e12;
                 let last = log[BF16_STEPS - 1].lm_loss;
-                let detail = format!(
+                #[allow(unused_mut)]
+                let mut detail = format!(
                     "{ms:.1} ms (median of {}), {tflops:.2} TFLOP/s = {:.2}% of the H200's \
                      dense bf16 peak ({H200_BF16_PEAK} TFLOP/s); lm loss {last:.4}; {}",
                     timed.len(),
                     100.0 * tflops / H200_BF16_PEAK,
                     device_memory(device)
                 );
+                #[cfg(feature = "cuda")]
+                if device == "cuda" {
+                    detail = format!("{detail}; {}", per_step(&before));
+                }
                 report.check(&name, last.is_finite(), detail);
             }
             Ok(log) => report.fail(&name, format!("{} iterations, not {BF16_STEPS}", log.len())),

@@ -187,7 +187,7 @@ pub(super) fn setup_rank<F: Family>(
 ) -> Result<RankSetup<F>, String> {
     let args = &shared.args;
     let leader = ctx.state.global_rank() == 0;
-    let mut memory = RankMemory::start(ctx.state.global_rank());
+    let mut memory = RankMemory::start_on(ctx.state.global_rank(), &ctx.device);
     let model: Vec<F::Chunk> = (0..args.num_model_chunks())
         .map(|c| {
             shared
@@ -509,7 +509,19 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         save(start, &model, &optim, skipped)?;
     }
     if start < args.train_iters {
-        shared.println(memory.report());
+        let report = memory.report();
+        shared.println(report);
+        // How pipeline and ring messages travelled (this process's ranks together).
+        #[cfg(feature = "cuda")]
+        {
+            let p2p = burn_megatron::comm::p2p_stats();
+            if p2p.device + p2p.host > 0 {
+                shared.println(format!(
+                    " point-to-point tensors of this process: {} in device memory, {} through host memory",
+                    p2p.device, p2p.host
+                ));
+            }
+        }
     }
     shared.family.finish(&ctx, &model)?;
     let peak = (

@@ -17,23 +17,32 @@ use std::time::{Duration, Instant};
 pub(super) struct Link {
     comm: RawComm,
     pub(super) stream: Arc<CudaStream>,
-    lock: Mutex<()>,
+    pub(super) lock: Mutex<()>,
 }
 
 /// The two communicators between this member and one peer: `out` carries our sends (we are
 /// its NCCL rank 0), `inn` the peer's (NCCL rank 1 is us).
-struct Pair {
+pub(super) struct Pair {
     out: Link,
-    inn: Link,
+    pub(super) inn: Link,
 }
 
-/// A send NCCL is still carrying: its device copies live until the event completes.
-struct Pending {
-    pair: Arc<Pair>,
-    event: CudaEvent,
-    started: Instant,
-    _header: CudaSlice<u8>,
-    _payload: CudaSlice<u8>,
+impl Pair {
+    /// The link our sends to the peer go on.
+    pub(super) fn out(&self) -> &Link {
+        &self.out
+    }
+}
+
+/// A send NCCL is still carrying: its device copies (or the caller's buffer, for a send from
+/// device memory) live until the event completes.
+pub(super) struct Pending {
+    pub(super) pair: Arc<Pair>,
+    pub(super) event: CudaEvent,
+    pub(super) started: Instant,
+    pub(super) _header: CudaSlice<u8>,
+    pub(super) _payload: Option<CudaSlice<u8>>,
+    pub(super) _keep: Option<Box<dyn std::any::Any + Send>>,
 }
 
 struct State {
@@ -49,7 +58,7 @@ pub struct NcclCommunicator {
     pub(super) link: Link,
     state: Mutex<State>,
     pairs: Mutex<HashMap<usize, Arc<Pair>>>,
-    pending: Mutex<Vec<Pending>>,
+    pub(super) pending: Mutex<Vec<Pending>>,
     /// Messages to this member itself, which need no engine.
     to_self: Mutex<std::collections::VecDeque<Buffer>>,
 }
@@ -82,13 +91,13 @@ pub(super) fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-const BYTE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
+pub(super) const BYTE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
 
-fn i64s_to_bytes(v: &[i64]) -> Vec<u8> {
+pub(super) fn i64s_to_bytes(v: &[i64]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn bytes_to_i64s(b: &[u8]) -> Vec<i64> {
+pub(super) fn bytes_to_i64s(b: &[u8]) -> Vec<i64> {
     b.chunks_exact(8)
         .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
         .collect()
@@ -144,7 +153,11 @@ impl NcclCommunicator {
     }
 
     /// The live handle of `link`, or the error of a call on an aborted one.
-    fn handle(&self, link: &Link, op: &'static str) -> Result<sys::ncclComm_t, CommError> {
+    pub(super) fn handle(
+        &self,
+        link: &Link,
+        op: &'static str,
+    ) -> Result<sys::ncclComm_t, CommError> {
         if link.comm.aborted.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(self.engine(op, "the communicator was aborted after an earlier failure"));
         }
@@ -334,7 +347,7 @@ impl NcclCommunicator {
 
     /// The communicators to and from `peer`, made at the pair's first message (both
     /// directions, lower group index's first, so neither side waits for the other's order).
-    fn pair(&self, op: &'static str, peer: usize) -> Result<Arc<Pair>, CommError> {
+    pub(super) fn pair(&self, op: &'static str, peer: usize) -> Result<Arc<Pair>, CommError> {
         self.group.check_peer(op, peer)?;
         let me = self.group.rank();
         let mut pairs = lock(&self.pairs);
@@ -365,7 +378,7 @@ impl NcclCommunicator {
     }
 
     /// Frees finished sends; a send still unfinished past the timeout stalls its link.
-    fn reap(&self) -> Result<(), CommError> {
+    pub(super) fn reap(&self) -> Result<(), CommError> {
         let mut stalled = None;
         lock(&self.pending).retain(|p| {
             if p.event.is_complete() {
@@ -386,7 +399,7 @@ impl NcclCommunicator {
         stalled.map_or(Ok(()), Err)
     }
 
-    fn recv_bytes(&self, link: &Link, len: usize) -> Result<Vec<u8>, CommError> {
+    pub(super) fn recv_bytes(&self, link: &Link, len: usize) -> Result<Vec<u8>, CommError> {
         let comm = self.handle(link, "recv")?;
         let cuda = |e| self.engine("recv", e);
         let mut dev = link.stream.alloc_zeros::<u8>(len.max(1)).map_err(cuda)?;
@@ -551,7 +564,8 @@ impl Communicator for NcclCommunicator {
             event,
             started: Instant::now(),
             _header: header,
-            _payload: payload,
+            _payload: Some(payload),
+            _keep: None,
         });
         Ok(())
     }

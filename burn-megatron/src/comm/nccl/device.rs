@@ -2,10 +2,15 @@
 //! to NCCL, with the same header check and deadline as the host calls.
 
 use super::super::group::{CommError, OpDesc};
-use super::super::{DeviceCollectives, DeviceSlice, ReduceOp};
-use super::communicator::{NcclCommunicator, nccl_dtype, nccl_op};
+use super::super::header::{code, decode};
+use super::super::{CommDType, DeviceCollectives, DeviceSlice, ReduceOp, lock};
+use super::communicator::{
+    BYTE, NcclCommunicator, Pending, bytes_to_i64s, i64s_to_bytes, nccl_dtype, nccl_op,
+};
 use super::library::NcclResult;
+use cudarc::driver::DevicePtr;
 use cudarc::nccl::sys;
+use std::time::Instant;
 
 impl NcclCommunicator {
     fn check_device(&self, op: &'static str, s: &[DeviceSlice]) -> Result<(), CommError> {
@@ -41,11 +46,120 @@ fn device_desc(op: &'static str, send: DeviceSlice, reduce: Option<ReduceOp>) ->
     }
 }
 
-// SAFETY: every call waits for its NCCL work before returning, so `send` is read and `recv`
-// written only during the call.
+// SAFETY: every call queues its NCCL work on the link's stream (`stream`) and waits for it
+// before returning, so `send` is read and `recv` written only during the call.
 unsafe impl DeviceCollectives for NcclCommunicator {
     fn ordinal(&self) -> usize {
         self.world.ctx.ordinal()
+    }
+
+    fn stream(&self) -> usize {
+        self.link.stream.cu_stream() as usize
+    }
+
+    unsafe fn send(
+        &self,
+        send: DeviceSlice,
+        peer: usize,
+        keep: Box<dyn std::any::Any + Send>,
+        order: &dyn Fn(usize) -> Result<(), String>,
+    ) -> Result<(), CommError> {
+        self.reap()?;
+        self.group.check_peer("send", peer)?;
+        if peer == self.group.rank() {
+            return Err(self.invalid("send", "a device send to this member itself".into()));
+        }
+        let pair = self.pair("send", peer)?;
+        let link = pair.out();
+        let _serial = lock(&link.lock);
+        let comm = self.handle(link, "send")?;
+        let cuda = |e| self.engine("send", e);
+        // The header as the host send writes it, so that either kind of receive takes it.
+        let header = i64s_to_bytes(&[code(&CommDType::ALL, Some(&send.dtype)), send.len as i64]);
+        let header = link.stream.clone_htod(&header).map_err(cuda)?;
+        order(link.stream.cu_stream() as usize).map_err(|e| self.engine("send", e))?;
+        let nbytes = send.len * send.dtype.size();
+        {
+            let (h, _h) = header.device_ptr(&link.stream);
+            let st = link.stream.cu_stream() as _;
+            let nccl = |e| self.engine("send", e);
+            self.world.nccl.group_start().map_err(nccl)?;
+            // SAFETY: the header lives in the pending entry and `send` while `keep` does,
+            // until the event completes; an empty payload sends nothing from its address.
+            let sent = unsafe {
+                self.world
+                    .nccl
+                    .send(h as _, 16, BYTE, 1, comm, st)
+                    .and_then(|_| {
+                        self.world
+                            .nccl
+                            .send(send.ptr as _, nbytes, BYTE, 1, comm, st)
+                    })
+            };
+            let ended = self.world.nccl.group_end();
+            sent.and(ended).map_err(nccl)?;
+        }
+        let event = link.stream.record_event(None).map_err(cuda)?;
+        lock(&self.pending).push(Pending {
+            pair: pair.clone(),
+            event,
+            started: Instant::now(),
+            _header: header,
+            _payload: None,
+            _keep: Some(keep),
+        });
+        Ok(())
+    }
+
+    unsafe fn recv(
+        &self,
+        recv: DeviceSlice,
+        peer: usize,
+        order: &dyn Fn(usize) -> Result<(), String>,
+    ) -> Result<(), CommError> {
+        self.reap()?;
+        self.group.check_peer("recv", peer)?;
+        if peer == self.group.rank() {
+            return Err(self.invalid("recv", "a device receive from this member itself".into()));
+        }
+        let pair = self.pair("recv", peer)?;
+        let link = &pair.inn;
+        let _serial = lock(&link.lock);
+        let header = bytes_to_i64s(&self.recv_bytes(link, 16)?);
+        let dtype: Option<CommDType> = decode(&CommDType::ALL, header[0]);
+        let len = usize::try_from(header[1]).unwrap_or(0);
+        if dtype != Some(recv.dtype) || len != recv.len {
+            // Taken into host memory, so that the next message starts where it should.
+            self.recv_bytes(link, len * dtype.map_or(0, |d| d.size()))?;
+            return Err(CommError::Mismatch {
+                group: self.group.to_string(),
+                seq: 0,
+                detail: format!(
+                    "global rank {} sent {} × {len}, global rank {} expects {} × {} (on the device)",
+                    self.group.global_rank_of(peer),
+                    dtype.map_or("?".to_string(), |d| d.to_string()),
+                    self.group.global_rank(),
+                    recv.dtype,
+                    recv.len
+                ),
+            });
+        }
+        let comm = self.handle(link, "recv")?;
+        order(link.stream.cu_stream() as usize).map_err(|e| self.engine("recv", e))?;
+        let nbytes = recv.len * recv.dtype.size();
+        // SAFETY: the caller's slice (see the trait), written only until the wait below.
+        unsafe {
+            self.world.nccl.recv(
+                recv.ptr as _,
+                nbytes,
+                BYTE,
+                0,
+                comm,
+                link.stream.cu_stream() as _,
+            )
+        }
+        .map_err(|e| self.engine("recv", e))?;
+        self.wait(link, "recv", 0)
     }
 
     unsafe fn all_reduce(

@@ -1,13 +1,17 @@
 //! The mappings on Burn's CUDA tensors, on device memory, when the communicator has device
 //! collectives (NCCL): activations and gradients never leave the GPU. Splits are slices on the
-//! device; gathers and reductions hand the tensors' buffers to NCCL.
+//! device; gathers and reductions hand the tensors' buffers to NCCL; ring shifts (context
+//! parallelism's) send and receive them.
 //!
-//! NCCL runs on a stream of its own, so Burn's stream is drained before a collective reads a
-//! tensor, and the collective has finished (the communicator waits) before Burn reads its
-//! output.
+//! NCCL runs on a stream of its own, made to wait on the device for what Burn's stream has
+//! queued (`burn_megatron_kernels::cuda::order`; `BURN_MEGATRON_STREAM_ORDER=host` drains
+//! Burn's stream on the host instead), and the collective has finished (the communicator
+//! waits, with its deadline) before Burn reads its output.
 
 use super::Mapping;
-use crate::comm::{Comm, CommError, DeviceCollectives, DeviceSlice, ReduceOp, comm_dtype};
+use crate::comm::{
+    Comm, CommError, DeviceCollectives, DeviceSlice, ReduceOp, comm_dtype, cuda_tensor,
+};
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{Shape, Slice};
 use burn_cubecl::CubeBackend;
@@ -60,17 +64,17 @@ fn run(
         Mapping::ScatterToSp => narrow(x, 0, me * part(0)?, part(0)?),
         Mapping::ReduceFrom => {
             let shape = Shape::from(dims.clone());
-            collective(&x, shape, comm, |s, r| unsafe {
+            collective(&x, shape, comm, dev, |s, r| unsafe {
                 dev.all_reduce(s, r, ReduceOp::Sum)
             })?
         }
         Mapping::GatherFromSp { .. } => {
             let shape = with(0, dims[0] * n);
-            collective(&x, shape, comm, |s, r| unsafe { dev.all_gather(s, r) })?
+            collective(&x, shape, comm, dev, |s, r| unsafe { dev.all_gather(s, r) })?
         }
         Mapping::ReduceScatterToSp => {
             let shape = with(0, part(0)?);
-            collective(&x, shape, comm, |s, r| unsafe {
+            collective(&x, shape, comm, dev, |s, r| unsafe {
                 dev.reduce_scatter(s, r, ReduceOp::Sum)
             })?
         }
@@ -78,18 +82,23 @@ fn run(
             // Gathered as n blocks of [rows, cols]; the blocks go side by side on the last dim.
             let rows: usize = dims[..last].iter().product();
             let cols = dims[last];
-            let blocks = collective(&x, Shape::from([n, rows, cols]), comm, |s, r| unsafe {
+            let blocks = collective(&x, Shape::from([n, rows, cols]), comm, dev, |s, r| unsafe {
                 dev.all_gather(s, r)
             })?;
             let side_by_side = into_contiguous(CubeBackend::float_swap_dims(blocks, 0, 1));
             CubeBackend::float_reshape(side_by_side, with(last, cols * n))
         }
-        Mapping::RingShift { .. } => {
-            return Err(CommError::InvalidArgument {
-                group: comm.group().to_string(),
-                op: mapping.name(),
-                reason: "ring shifts go through host memory (no device send/recv)".into(),
-            });
+        Mapping::RingShift { forward } => {
+            let (next, previous) = ((me + 1) % n, (me + n - 1) % n);
+            let (to, from) = if forward {
+                (next, previous)
+            } else {
+                (previous, next)
+            };
+            let group = comm.group().to_string();
+            // The send is queued without waiting for the receiver, so the ring cannot lock.
+            cuda_tensor::send(dev, group.clone(), x.clone(), to)?;
+            cuda_tensor::recv(dev, group, &x, &dims, x.dtype, from)?
         }
     })
 }
@@ -112,6 +121,7 @@ fn collective(
     x: &CubeTensor,
     shape: Shape,
     comm: &Comm,
+    dev: &dyn DeviceCollectives,
     op: impl FnOnce(DeviceSlice, DeviceSlice) -> Result<(), CommError>,
 ) -> Result<CubeTensor, CommError> {
     let engine = |reason: String| CommError::Engine {
@@ -122,8 +132,9 @@ fn collective(
     let x = into_contiguous(x.clone());
     let dtype = comm_dtype(x.dtype).expect("checked by the caller");
     let out = empty_device_dtype(x.client.clone(), x.device.clone(), shape.clone(), x.dtype);
-    // NCCL reads `x` on its own stream: everything Burn queued must have run.
-    cubecl::future::block_on(x.client.sync()).map_err(|e| engine(format!("{e:?}")))?;
+    // NCCL reads `x` on its own stream: it starts once everything Burn queued has run.
+    let stream = dev.stream() as cudarc::driver::sys::CUstream;
+    burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream).map_err(engine)?;
     let src = x
         .client
         .get_resource::<CudaServer>(x.handle.clone())

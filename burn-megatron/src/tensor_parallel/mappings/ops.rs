@@ -63,12 +63,8 @@ impl TensorParallelOps for burn::backend::Cube {
         mapping: Mapping,
         comm: Comm,
     ) -> FloatTensor<Self> {
-        // Ring shifts are point-to-point: through host memory (the device collectives have
-        // no send/recv).
         #[cfg(feature = "cuda")]
-        if !matches!(mapping, Mapping::RingShift { .. })
-            && let Some(dev) = super::device::collectives(&x, &comm)
-        {
+        if let Some(dev) = super::device::collectives(&x, &comm) {
             return super::device::forward(mapping, x, &comm, dev);
         }
         forward::<Self>(mapping, x, &comm)

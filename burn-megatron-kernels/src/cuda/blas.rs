@@ -1,0 +1,478 @@
+//! The 2-d GEMMs of the linear layers on Burn's CUDA tensors, by cuBLASLt (through cudarc),
+//! queued between CubeCL's kernels by [`super::order`].
+//!
+//! cubek's matmul ran the GPT step's GEMMs at a ninth of cuBLAS's rate on an H200 (one
+//! strategy for every shape, no Hopper warpgroup MMA). cuBLASLt picks a kernel per shape by
+//! its heuristic, once per shape and layout (the plans are kept per thread).
+//!
+//! Burn's tensors are row-major and cuBLAS's column-major: `c = a·b` is computed as
+//! `cᵀ = bᵀ·aᵀ`, each operand read in place, a transposed view as a transposed operand.
+//! f32 stays IEEE f32 (`CUBLAS_COMPUTE_32F`) unless [`TF32_VAR`] asks for TF32 tensor cores
+//! (inputs rounded to 10 mantissa bits, sums in f32); f16 and bf16 sum in f32.
+
+use super::order::{CudaServer, on_our_stream};
+use burn::tensor::DType;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::RuntimeId;
+use cudarc::cublaslt::{result, sys};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// The variable choosing the GEMM engine on CUDA: `cublaslt` (the default, where the library
+/// loads) or `cubecl` (cubek's matmul, as Burn runs it).
+pub const GEMM_VAR: &str = "BURN_MEGATRON_GEMM";
+/// Set to `1`, f32 GEMMs run on TF32 tensor cores (each input rounded to a 10-bit mantissa,
+/// about 1e-3 relative per product instead of 1e-7), as PyTorch's `allow_tf32` does.
+pub const TF32_VAR: &str = "BURN_MEGATRON_ALLOW_TF32";
+
+/// Whether [`TF32_VAR`] asks for TF32 (read once per process).
+fn tf32() -> bool {
+    static TF32: OnceLock<bool> = OnceLock::new();
+    *TF32.get_or_init(|| std::env::var(TF32_VAR).is_ok_and(|v| v == "1"))
+}
+
+/// Which engine runs the linear layers' GEMMs on CUDA.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GemmEngine {
+    /// cuBLASLt.
+    CublasLt,
+    /// cubek's matmul; the reason cuBLASLt is not used.
+    Cubecl(String),
+}
+
+/// 0: as [`GEMM_VAR`] says; 1: cuBLASLt where it loads; 2: cubek.
+static OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// Overrides [`GEMM_VAR`] for the rest of the process (`None`: back to it), so that a
+/// benchmark compares the engines in one process: `Some(true)` cuBLASLt where it loads,
+/// `Some(false)` cubek.
+pub fn set_cublaslt(choice: Option<bool>) {
+    OVERRIDE.store(
+        match choice {
+            None => 0,
+            Some(true) => 1,
+            Some(false) => 2,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// The engine in use: [`set_cublaslt`]'s choice, else [`GEMM_VAR`]'s (read once), cuBLASLt
+/// only where the library loads.
+pub fn gemm_engine() -> GemmEngine {
+    static LOADS: OnceLock<bool> = OnceLock::new();
+    // SAFETY: loads and unloads the library; its initialisers need nothing.
+    let loads = || *LOADS.get_or_init(|| unsafe { sys::is_culib_present() });
+    let missing = || {
+        GemmEngine::Cubecl(
+            "libcublasLt could not be loaded (put the directory holding libcublasLt.so.13 \
+             or .12 on LD_LIBRARY_PATH)"
+                .into(),
+        )
+    };
+    match OVERRIDE.load(Ordering::Relaxed) {
+        1 if loads() => return GemmEngine::CublasLt,
+        1 => return missing(),
+        2 => return GemmEngine::Cubecl("set_cublaslt(Some(false))".into()),
+        _ => {}
+    }
+    static ENGINE: OnceLock<GemmEngine> = OnceLock::new();
+    ENGINE
+        .get_or_init(|| match std::env::var(GEMM_VAR).as_deref() {
+            Ok("cubecl") => GemmEngine::Cubecl(format!("{GEMM_VAR}=cubecl")),
+            Err(_) | Ok("") | Ok("cublaslt") if loads() => GemmEngine::CublasLt,
+            Err(_) | Ok("") | Ok("cublaslt") => missing(),
+            Ok(other) => {
+                GemmEngine::Cubecl(format!("{GEMM_VAR}={other} is not `cublaslt` or `cubecl`"))
+            }
+        })
+        .clone()
+}
+
+/// GEMMs run by cuBLASLt so far, and those it failed and cubek ran instead.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GemmStats {
+    /// Run by cuBLASLt.
+    pub cublaslt: u64,
+    /// Failed in cuBLASLt and run by cubek.
+    pub fallbacks: u64,
+    /// Why the first fallback happened.
+    pub first_failure: Option<String>,
+}
+
+static RUN: AtomicU64 = AtomicU64::new(0);
+static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+static FIRST_FAILURE: Mutex<Option<String>> = Mutex::new(None);
+
+/// The counts so far in this process.
+pub fn gemm_stats() -> GemmStats {
+    GemmStats {
+        cublaslt: RUN.load(Ordering::Relaxed),
+        fallbacks: FALLBACKS.load(Ordering::Relaxed),
+        first_failure: FIRST_FAILURE.lock().map(|f| f.clone()).unwrap_or(None),
+    }
+}
+
+/// `a·b` (`a` `[m, k]`, `b` `[k, n]`, one of f32, f16, bf16), plus `acc` (f32 `[m, n]`, the
+/// output then f32) by cuBLASLt, when the tensors are CUDA's and the engine is cuBLASLt;
+/// `None` leaves it to the caller's matmul (a failure is counted in [`gemm_stats`]).
+pub(crate) fn try_matmul(
+    a: &CubeTensor,
+    b: &CubeTensor,
+    acc: Option<&CubeTensor>,
+) -> Option<CubeTensor> {
+    let applies = a.device.runtime() == RuntimeId::Cuda
+        && a.dtype == b.dtype
+        && matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16)
+        && acc.is_none_or(|c| c.dtype == DType::F32)
+        && [a, b].iter().all(|t| t.meta.shape().num_dims() == 2)
+        && a.meta.shape().num_elements() > 0
+        && b.meta.shape().num_elements() > 0
+        && gemm_engine() == GemmEngine::CublasLt;
+    if !applies {
+        return None;
+    }
+    match matmul(a, b, acc) {
+        Ok(out) => {
+            RUN.fetch_add(1, Ordering::Relaxed);
+            Some(out)
+        }
+        Err(why) => {
+            FALLBACKS.fetch_add(1, Ordering::Relaxed);
+            if let Ok(mut first) = FIRST_FAILURE.lock() {
+                first.get_or_insert(why);
+            }
+            None
+        }
+    }
+}
+
+/// How cuBLASLt reads a row-major `[r, c]` matrix of Burn's as the column-major operand
+/// `tᵀ` `[c, r]`: a row-major tensor is `tᵀ` as stored (op N), a transposed view is `t`
+/// column-major (op T).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Operand {
+    trans: bool,
+    rows: u64,
+    cols: u64,
+    ld: i64,
+}
+
+fn operand(t: &CubeTensor) -> Option<Operand> {
+    if t.meta.is_tiled() {
+        return None;
+    }
+    let (dims, strides) = (t.meta.shape(), t.meta.strides());
+    let (r, c, s0, s1) = (dims[0], dims[1], strides[0], strides[1]);
+    let op = |trans, rows: usize, cols: usize, ld: usize| Operand {
+        trans,
+        rows: rows as u64,
+        cols: cols as u64,
+        ld: ld as i64,
+    };
+    if (c == 1 || s1 == 1) && (r == 1 || s0 >= c) {
+        return Some(op(false, c, r, if r == 1 { c } else { s0 }));
+    }
+    if (r == 1 || s0 == 1) && (c == 1 || s1 >= r) {
+        return Some(op(true, r, c, if c == 1 { r } else { s1 }));
+    }
+    None
+}
+
+/// `t` as an operand, copied contiguous first when its strides are neither layout.
+fn readable(t: &CubeTensor) -> (CubeTensor, Operand) {
+    if let Some(op) = operand(t) {
+        return (t.clone(), op);
+    }
+    let t = into_contiguous(t.clone());
+    let op = operand(&t).expect("a contiguous 2-d tensor is row-major");
+    (t, op)
+}
+
+fn cuda_type(dtype: DType) -> sys::cudaDataType {
+    match dtype {
+        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+        DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
+        _ => sys::cudaDataType_t::CUDA_R_32F,
+    }
+}
+
+/// The largest power of two up to 256 dividing `ptr` (cuBLASLt's heuristic assumes 256 unless
+/// told, and may pick a kernel whose vector loads need it).
+fn alignment(ptr: u64) -> u32 {
+    1 << ptr.trailing_zeros().min(8)
+}
+
+/// Everything that decides cuBLASLt's plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    inputs: DType,
+    output: DType,
+    a: Operand,
+    b: Operand,
+    c: Option<Operand>,
+    m: u64,
+    n: u64,
+    k: u64,
+    ldd: i64,
+    align: [u32; 4],
+    tf32: bool,
+}
+
+/// A descriptor, its four layouts and the algorithm cuBLASLt's heuristic chose.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 4],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created in `Plan::new`, destroyed once here.
+        unsafe {
+            let _ = result::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = result::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
+fn blas_error(what: &str) -> impl Fn(result::CublasError) -> String + '_ {
+    move |e| format!("cuBLASLt {what}: {e:?}")
+}
+
+impl Plan {
+    fn new(handle: sys::cublasLtHandle_t, key: &Key, workspace: usize) -> Result<Self, String> {
+        let compute = if key.inputs == DType::F32 && key.tf32 {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let desc = result::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
+            .map_err(blas_error("descriptor"))?;
+        let mut plan = Self {
+            desc,
+            layouts: [std::ptr::null_mut(); 4],
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let layout = |dtype, rows, cols, ld| {
+            result::create_matrix_layout(cuda_type(dtype), rows, cols, ld)
+                .map_err(blas_error("layout"))
+        };
+        plan.layouts[0] = layout(key.inputs, key.a.rows, key.a.cols, key.a.ld)?;
+        plan.layouts[1] = layout(key.inputs, key.b.rows, key.b.cols, key.b.ld)?;
+        plan.layouts[3] = layout(key.output, key.m, key.n, key.ldd)?;
+        plan.layouts[2] = match key.c {
+            Some(c) => layout(key.output, key.m, key.n, c.ld)?,
+            None => layout(key.output, key.m, key.n, key.ldd)?,
+        };
+        let pref = result::create_matmul_pref().map_err(blas_error("preference"))?;
+        // SAFETY: live descriptors; each attribute gets a value of its documented type.
+        let chosen = unsafe {
+            let set_desc = |attr, value: i32| {
+                result::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    (&value as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                )
+            };
+            let attrs = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA;
+            set_desc(attrs, i32::from(key.a.trans)).map_err(blas_error("transa"))?;
+            let attrs = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB;
+            set_desc(attrs, i32::from(key.b.trans)).map_err(blas_error("transb"))?;
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            let bytes = workspace as u64;
+            let set_pref = |attr, value: *const std::ffi::c_void, size| {
+                result::set_matmul_pref_attribute(pref, attr, value, size)
+            };
+            let mut status = set_pref(
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&bytes as *const u64).cast(),
+                8,
+            );
+            let aligns = [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ];
+            for (attr, align) in aligns.into_iter().zip(&key.align) {
+                status = status.and_then(|_| set_pref(attr, (align as *const u32).cast(), 4));
+            }
+            let chosen = status.map_err(blas_error("preference")).and_then(|_| {
+                result::get_matmul_algo_heuristic(
+                    handle,
+                    desc,
+                    plan.layouts[0],
+                    plan.layouts[1],
+                    plan.layouts[2],
+                    plan.layouts[3],
+                    pref,
+                )
+                .map_err(blas_error("heuristic (no kernel for this problem)"))
+            });
+            let _ = result::destroy_matmul_pref(pref);
+            chosen?
+        };
+        plan.algo = chosen.algo;
+        Ok(plan)
+    }
+}
+
+/// One thread's cuBLASLt state on one device: the handle, a workspace, the plans.
+struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: u64,
+    workspace_bytes: usize,
+    plans: HashMap<Key, Plan>,
+}
+
+/// Hopper wants 32 MiB (NVIDIA's advice for cuBLASLt); earlier GPUs 4.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Plans kept per thread; past it they are dropped and made again (shapes that vary every
+/// step, say).
+const MAX_PLANS: usize = 4096;
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: made in `with_blas`, released once here.
+        unsafe {
+            let _ = result::destroy_handle(self.handle);
+            let _ = cudarc::driver::result::free_sync(self.workspace);
+        }
+    }
+}
+
+thread_local! {
+    static BLAS: RefCell<HashMap<u16, Blas>> = RefCell::new(HashMap::new());
+}
+
+/// Runs `f` with this thread's cuBLASLt state for `device` (its context current).
+fn with_blas<R>(device: u16, f: impl FnOnce(&mut Blas) -> Result<R, String>) -> Result<R, String> {
+    BLAS.with(|all| {
+        let mut all = all.borrow_mut();
+        if let std::collections::hash_map::Entry::Vacant(e) = all.entry(device) {
+            let handle = result::create_handle().map_err(blas_error("handle"))?;
+            // SAFETY: the device's context is current (see `on_our_stream`).
+            let workspace = unsafe { cudarc::driver::result::malloc_sync(WORKSPACE_BYTES) }
+                .map_err(|e| format!("cuBLASLt workspace: {e:?}"))?;
+            e.insert(Blas {
+                handle,
+                workspace,
+                workspace_bytes: WORKSPACE_BYTES,
+                plans: HashMap::new(),
+            });
+        }
+        f(all.get_mut(&device).expect("inserted above"))
+    })
+}
+
+fn matmul(a: &CubeTensor, b: &CubeTensor, acc: Option<&CubeTensor>) -> Result<CubeTensor, String> {
+    let (m, k) = (a.meta.shape()[0], a.meta.shape()[1]);
+    let n = b.meta.shape()[1];
+    if b.meta.shape()[0] != k || acc.is_some_and(|c| c.meta.shape().to_vec() != [m, n]) {
+        return Err(format!(
+            "shapes do not fit: a {:?}, b {:?}",
+            a.meta.shape(),
+            b.meta.shape()
+        ));
+    }
+    let (a, a_op) = readable(a);
+    let (b, b_op) = readable(b);
+    let acc = acc.map(readable);
+    if acc.as_ref().is_some_and(|(_, op)| op.trans) {
+        return Err("the accumulated matrix is a transposed view".into());
+    }
+    let output = if acc.is_some() { DType::F32 } else { a.dtype };
+    let out =
+        empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), [m, n].into(), output);
+    let resource = |t: &CubeTensor| {
+        t.client
+            .get_resource::<CudaServer>(t.handle.clone())
+            .map_err(|e| format!("device address: {e:?}"))
+    };
+    // Held until the GEMM is queued; CubeCL reuses the memory only for work queued after it.
+    let (ra, rb, rd) = (resource(&a)?, resource(&b)?, resource(&out)?);
+    let rc = acc.as_ref().map(|(c, _)| resource(c)).transpose()?;
+    let (pa, pb, pd) = (ra.resource().ptr, rb.resource().ptr, rd.resource().ptr);
+    let pc = rc.as_ref().map(|r| r.resource().ptr);
+    // cᵀ [n, m] = bᵀ [n, k] · aᵀ [k, m]: cuBLASLt's A is our b, its B our a.
+    let key = Key {
+        inputs: a.dtype,
+        output,
+        a: b_op,
+        b: a_op,
+        c: acc.as_ref().map(|(_, op)| *op),
+        m: n as u64,
+        n: m as u64,
+        k: k as u64,
+        ldd: n as i64,
+        align: [
+            alignment(pb),
+            alignment(pa),
+            alignment(pc.unwrap_or(pd)),
+            alignment(pd),
+        ],
+        tf32: tf32(),
+    };
+    let device = a.device.to_id().index_id;
+    on_our_stream(&a, |stream| {
+        with_blas(device, |blas| {
+            if blas.plans.len() >= MAX_PLANS {
+                blas.plans.clear();
+            }
+            if !blas.plans.contains_key(&key) {
+                let plan = Plan::new(blas.handle, &key, blas.workspace_bytes)?;
+                blas.plans.insert(key, plan);
+            }
+            let plan = &blas.plans[&key];
+            let (alpha, beta) = (1.0f32, if pc.is_some() { 1.0f32 } else { 0.0 });
+            let pc = pc.unwrap_or(pd);
+            // SAFETY: the addresses are live allocations on this device holding the
+            // layouts' elements (held above), ordered after their producers and before
+            // their consumers by `on_our_stream`; the plan was made for these layouts.
+            unsafe {
+                result::matmul(
+                    blas.handle,
+                    plan.desc,
+                    (&alpha as *const f32).cast(),
+                    (&beta as *const f32).cast(),
+                    pb as *const _,
+                    plan.layouts[0],
+                    pa as *const _,
+                    plan.layouts[1],
+                    pc as *const _,
+                    plan.layouts[2],
+                    pd as *mut _,
+                    plan.layouts[3],
+                    &plan.algo,
+                    blas.workspace as *mut _,
+                    blas.workspace_bytes,
+                    stream.cu_stream() as _,
+                )
+                .map_err(blas_error("matmul"))
+            }
+        })
+    })?;
+    drop((ra, rb, rc, rd));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_up_to_256() {
+        assert_eq!(alignment(0x1000), 256);
+        assert_eq!(alignment(0x1002), 2);
+        assert_eq!(alignment(0x1010), 16);
+    }
+}

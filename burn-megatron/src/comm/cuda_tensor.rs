@@ -1,0 +1,205 @@
+//! Burn's CUDA tensors sent and received point to point on the device, for communicators with
+//! device collectives (NCCL): pipeline stages' activations and gradients, and context
+//! parallelism's ring, never pass through host memory. The message format is the host
+//! path's, so a peer may take either path.
+//!
+//! `BURN_MEGATRON_P2P=host` keeps point-to-point messages in host memory (for comparison).
+
+use super::{CommDType, CommError, DeviceCollectives, DeviceSlice, comm_dtype};
+use burn::backend::{BackendTensor, DispatchTensor, DispatchTensorKind};
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::RuntimeId;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
+
+/// The variable that keeps point-to-point messages in host memory when set to `host`.
+pub const P2P_VAR: &str = "BURN_MEGATRON_P2P";
+
+/// Point-to-point tensors sent and received so far in this process, by path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct P2pStats {
+    /// Sent or received in device memory.
+    pub device: u64,
+    /// Copied through host memory (every backend but CUDA over NCCL, or `BURN_MEGATRON_P2P=host`).
+    pub host: u64,
+}
+
+static DEVICE: AtomicU64 = AtomicU64::new(0);
+static HOST: AtomicU64 = AtomicU64::new(0);
+
+/// The counts so far.
+pub fn p2p_stats() -> P2pStats {
+    P2pStats {
+        device: DEVICE.load(Ordering::Relaxed),
+        host: HOST.load(Ordering::Relaxed),
+    }
+}
+
+/// Counts a tensor message that went through host memory.
+pub(crate) fn count_host() {
+    HOST.fetch_add(1, Ordering::Relaxed);
+}
+
+fn device_path_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var(P2P_VAR).map_or(true, |v| v != "host"))
+}
+
+fn engine(group: String, op: &'static str) -> impl Fn(String) -> CommError {
+    move |reason| CommError::Engine {
+        group: group.clone(),
+        op,
+        reason,
+    }
+}
+
+/// Sends CUDA tensor `x` to `peer` over `dev` (on `group`, for errors).
+pub(crate) fn send(
+    dev: &dyn DeviceCollectives,
+    group: String,
+    x: CubeTensor,
+    peer: usize,
+) -> Result<(), CommError> {
+    let fail = engine(group, "send");
+    let x = into_contiguous(x);
+    let dtype = comm_dtype(x.dtype).ok_or_else(|| fail(format!("dtype {:?}", x.dtype)))?;
+    let resource = x
+        .client
+        .get_resource::<CudaServer>(x.handle.clone())
+        .map_err(|e| fail(format!("{e:?}")))?;
+    let slice = DeviceSlice {
+        ptr: resource.resource().ptr,
+        dtype,
+        len: x.meta.shape().num_elements(),
+    };
+    let order =
+        |stream: usize| burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream as _);
+    // SAFETY: the resource and the tensor (which keeps the buffer from being reused) live in
+    // `keep` until NCCL has sent it; the stream waits for the kernels that wrote it.
+    unsafe { dev.send(slice, peer, Box::new((resource, x.clone())), &order) }?;
+    DEVICE.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// A new contiguous CUDA tensor of `dims` and `dtype` like `like`'s device, received from
+/// `peer` over `dev`.
+pub(crate) fn recv(
+    dev: &dyn DeviceCollectives,
+    group: String,
+    like: &CubeTensor,
+    dims: &[usize],
+    dtype: DType,
+    peer: usize,
+) -> Result<CubeTensor, CommError> {
+    let fail = engine(group, "recv");
+    let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        dims.to_vec().into(),
+        dtype,
+    );
+    receive_into(dev, &out, peer, &fail)?;
+    Ok(out)
+}
+
+fn receive_into(
+    dev: &dyn DeviceCollectives,
+    out: &CubeTensor,
+    peer: usize,
+    fail: &dyn Fn(String) -> CommError,
+) -> Result<(), CommError> {
+    let dtype = comm_dtype(out.dtype).ok_or_else(|| fail(format!("dtype {:?}", out.dtype)))?;
+    let resource = out
+        .client
+        .get_resource::<CudaServer>(out.handle.clone())
+        .map_err(|e| fail(format!("{e:?}")))?;
+    let slice = DeviceSlice {
+        ptr: resource.resource().ptr,
+        dtype,
+        len: out.meta.shape().num_elements(),
+    };
+    // The buffer may be memory CubeCL's queued kernels still read: NCCL writes after them.
+    let order =
+        |stream: usize| burn_megatron_kernels::cuda::order::wait_for_cubecl(out, stream as _);
+    // SAFETY: a live contiguous buffer of `len` elements, held until the call returns.
+    unsafe { dev.recv(slice, peer, &order) }?;
+    DEVICE.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Which path a tensor to send takes.
+pub(crate) enum Carried<const D: usize> {
+    /// Its CUDA buffer (the autodiff graph dropped), for the device path.
+    Device(CubeTensor),
+    /// The tensor, for the host path.
+    Host(Tensor<D>),
+}
+
+/// The path `t` takes: the device when it is a CUDA float tensor of a dtype the collectives
+/// carry, not empty, and the device path is allowed; else the host.
+pub(crate) fn carried<const D: usize>(t: Tensor<D>) -> Carried<D> {
+    if !device_path_allowed() || t.shape().num_elements() == 0 {
+        return Carried::Host(t);
+    }
+    let DispatchTensor { kind, autodiff } = t.inner().into_dispatch();
+    match kind {
+        DispatchTensorKind::Cube(BackendTensor::Float(x))
+            if x.device.runtime() == RuntimeId::Cuda && comm_dtype(x.dtype).is_some() =>
+        {
+            Carried::Device(x)
+        }
+        kind => Carried::Host(Tensor::from_dispatch(DispatchTensor { kind, autodiff })),
+    }
+}
+
+/// Receives a tensor of `dims` and `dtype` from `peer` into device memory on `device` when it
+/// is a CUDA device and the device path is allowed; `None` leaves it to the host path.
+pub(crate) fn recv_tensor<const D: usize>(
+    dev: &dyn DeviceCollectives,
+    group: String,
+    device: &Device,
+    dims: [usize; D],
+    dtype: CommDType,
+    peer: usize,
+) -> Option<Result<Tensor<D>, CommError>> {
+    let n: usize = dims.iter().product();
+    let float = matches!(dtype, CommDType::F32 | CommDType::F16 | CommDType::BF16);
+    if !device_path_allowed() || n == 0 || !float {
+        return None;
+    }
+    let dtype = burn_dtype(dtype);
+    // One dim: CUDA pads each row of a 2-d-or-more allocation, and NCCL writes packed rows.
+    let options = TensorCreationOptions::new(device.clone().inner()).with_dtype(dtype);
+    let flat = Tensor::<1>::empty([n], options);
+    let DispatchTensor { kind, autodiff } = flat.into_dispatch();
+    let DispatchTensorKind::Cube(BackendTensor::Float(out)) = kind else {
+        return None;
+    };
+    if out.device.runtime() != RuntimeId::Cuda {
+        return None;
+    }
+    let fail = engine(group, "recv");
+    Some(receive_into(dev, &out, peer, &fail).map(|()| {
+        let kind = DispatchTensorKind::Cube(BackendTensor::Float(out));
+        let flat = Tensor::<1>::from_dispatch(DispatchTensor { kind, autodiff });
+        let t = flat.reshape(dims);
+        if device.is_autodiff() {
+            t.autodiff()
+        } else {
+            t
+        }
+    }))
+}
+
+fn burn_dtype(dtype: CommDType) -> DType {
+    match dtype {
+        CommDType::F16 => DType::F16,
+        CommDType::BF16 => DType::BF16,
+        // The caller takes floats only.
+        _ => DType::F32,
+    }
+}
