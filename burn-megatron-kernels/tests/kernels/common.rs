@@ -61,12 +61,28 @@ pub fn cube_device(test: &str) -> Device {
 }
 
 /// Whether the Cube device of [`cube_device`] is CUDA.
-#[cfg(feature = "cube")]
 pub fn on_cuda() -> bool {
     match std::env::var("KERNEL_TEST_DEVICE") {
         Ok(which) => which == "cuda",
-        Err(_) => !cfg!(feature = "wgpu"),
+        Err(_) => cfg!(feature = "cuda") && !cfg!(feature = "wgpu"),
     }
+}
+
+/// `got` is `want` bit for bit, or, where `cuda` (the products are cuBLASLt's there and Burn's
+/// matmul is cubek's), within a few roundings of `dt` of each other: each engine sums in f32
+/// in its own order, and cubek's f32 rounds its inputs below f32 (about 1e-5 relative).
+pub fn assert_same_products(got: &[f32], want: &[f32], dt: DType, cuda: bool, what: &str) {
+    if !cuda {
+        assert_eq!(got, want, "{what}");
+        return;
+    }
+    let scale = 1.0 + want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let tol = match dt {
+        DType::F32 => 1e-4,
+        _ => 4e-3,
+    } * scale;
+    let diff = max_abs_diff(got, want);
+    assert!(diff <= tol, "{what}: max |Δ| {diff:e} above {tol:e}");
 }
 
 /// The Flex device with autodiff (the reference path).

@@ -101,9 +101,11 @@ fn check(dev: &Device, what: &str, dt: DType, tol: f64) -> (f64, f64) {
                 };
                 // Against exact values, no worse than the device's own matmul: CUDA's f32
                 // matmul (cubek on tensor cores) rounds its inputs below f32, ~1e-5 relative.
+                // Against the reference, the two errors at most (on CUDA the fused op is
+                // cuBLASLt's, IEEE f32, and the reference cubek's).
                 let bound = tol.max(device);
                 assert!(
-                    e <= bound && r <= tol,
+                    e <= bound && r <= tol + device,
                     "{what} {dt:?} tokens {tokens} [{fan_in}, {fan_out}]: vs exact {e:e} \
                      (bound {bound:e}) vs reference {r:e}"
                 );

@@ -1,6 +1,7 @@
 //! The distributed optimizer (ZeRO-1) at the library level: on synthetic gradients that differ
 //! per data-parallel rank, reduce-scatter + sharded fused Adam + all-gather gives the weights
-//! of all-reduce + fused Adam bit for bit, and each rank holds exactly its shard of the state.
+//! of all-reduce + fused Adam (up to the clipping norm's summation order), and each rank holds
+//! exactly its shard of the state.
 
 use crate::comm::{Comm, CommunicatorExt};
 use crate::data_parallel::{
@@ -144,7 +145,7 @@ fn train(dp: usize, distributed: bool, fused: bool, dtype: DType) -> Vec<(Vec<u3
 }
 
 #[test]
-fn zero1_gives_the_all_reduce_weights_bit_for_bit_and_shards_the_state_exactly() {
+fn zero1_gives_the_all_reduce_weights_and_shards_the_state_exactly() {
     for (dtype, fused) in [
         (DType::F32, true),
         (DType::BF16, true),
@@ -155,10 +156,27 @@ fn zero1_gives_the_all_reduce_weights_bit_for_bit_and_shards_the_state_exactly()
             let plain = train(dp, false, fused, dtype);
             let zero = train(dp, true, fused, dtype);
             for (r, ((w, _), (wz, _))) in plain.iter().zip(&zero).enumerate() {
-                assert_eq!(
-                    w, wz,
-                    "{dtype:?} fused {fused} dp {dp} rank {r}: weights differ"
-                );
+                let at = format!("{dtype:?} fused {fused} dp {dp} rank {r}");
+                assert_eq!(w.len(), wz.len(), "{at}");
+                // The gradients, Adam and the all-gather agree bit for bit; the clipping norm
+                // sums f32 partial sums per shard instead of per tensor, which can round
+                // apart by an ulp (seen on an AVX2 machine: one step's norm 1 ulp apart, four
+                // weights 8 ulps apart after five steps), so the weights are held to a few
+                // roundings of their dtype at the weights' scale (a weight near zero is the
+                // difference of two near 0.05): f32 1e-6, bf16 one ulp.
+                let tol = if dtype == DType::F32 {
+                    1e-6
+                } else {
+                    2f32.powi(-8)
+                };
+                let scale = w.iter().fold(0f32, |m, &a| m.max(f32::from_bits(a).abs()));
+                for (i, (&a, &b)) in w.iter().zip(wz).enumerate() {
+                    let (a, b) = (f32::from_bits(a), f32::from_bits(b));
+                    assert!(
+                        (a - b).abs() <= tol * scale,
+                        "{at}: weight {i} {a:e} against {b:e} (scale {scale})"
+                    );
+                }
             }
             // State: master + 2 moments of exactly the owned elements, no element twice.
             let total = 46;
