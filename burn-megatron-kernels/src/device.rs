@@ -105,3 +105,24 @@ pub fn pool_memory(device: &Device) -> Option<PoolMemory> {
     let _ = device;
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Tensor;
+
+    /// A live 4 MiB tensor shows in its Cube device's pools (other tests may hold more).
+    #[test]
+    fn pool_memory_counts_a_live_tensor_on_a_cube_device() {
+        let device = match wgpu_cpu_device() {
+            Ok(device) => device,
+            Err(why) if !cfg!(feature = "wgpu") => return eprintln!("not run: {why}"),
+            Err(why) => panic!("the wgpu feature is on but no device opened: {why}"),
+        };
+        let t = Tensor::<1>::zeros([1 << 20], &device);
+        let held = pool_memory(&device).expect("a wgpu device is a Cube device");
+        assert!(held.in_use >= 4 << 20, "{held:?}");
+        assert!(held.reserved >= held.in_use, "{held:?}");
+        drop(t);
+    }
+}

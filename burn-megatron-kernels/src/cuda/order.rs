@@ -360,6 +360,9 @@ pub fn on_our_stream<R>(
         // One order for both halves, whatever `set_stream_order` does meanwhile.
         let order = link.order()?;
         link.before(stream.cu_stream(), order)?;
+        // `work` calls CUDA libraries that need the device's context on this thread (host
+        // order binds none).
+        link.bind()?;
         let out = work(&stream);
         // Ordered even when `work` failed part-way: whatever it queued is waited for.
         link.after(order)?;
@@ -368,7 +371,7 @@ pub fn on_our_stream<R>(
 }
 
 /// Whether a waiting kernel on this thread's CubeCL stream ever gave up (see
-/// [`POLL_LIMIT`]); reads the flags, so it waits for CubeCL's stream.
+/// 2³⁰ polls); reads the flags, so it waits for CubeCL's stream.
 pub fn check_waits() -> Result<(), String> {
     LINKS.with(|links| {
         for (device, link) in links.borrow().iter() {

@@ -103,9 +103,9 @@ pub(crate) fn host_id_for(me: usize, seats: &[Seat]) -> Result<Option<String>, S
 
 impl NcclWorld {
     /// Gives this process an `NCCL_HOSTID` of its own when another rank sits on its GPU (see
-    /// the [module docs](self)); says so on stderr and returns it. Every rank calls it, before
-    /// its first communicator; a layout NCCL would refuse is an error on every rank that
-    /// shares a device.
+    /// `comm/nccl/seats.rs`); says so on stderr and returns it. Every rank calls it, before its
+    /// first communicator; a layout NCCL would refuse is an error on every rank that shares a
+    /// device.
     pub fn separate_shared_devices(&self) -> Result<Option<String>, CommError> {
         let engine = |reason: String| CommError::Engine {
             group: "world".into(),
