@@ -63,7 +63,7 @@ pub use grad_accum::{
 pub use layer_norm::{
     LayerNormOps, layer_norm, reference_layer_norm_backward, reference_layer_norm_forward,
 };
-pub use linear::{LinearOps, linear};
+pub use linear::{LinearOps, batched_matmul, linear};
 pub use norm::{
     SumOfSquaresOps, multi_tensor_sum_of_squares, reference_segment_sum_of_squares,
     segment_sum_of_squares,

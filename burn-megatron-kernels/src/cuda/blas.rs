@@ -117,9 +117,10 @@ pub fn gemm_stats() -> GemmStats {
     }
 }
 
-/// `a·b` (`a` `[m, k]`, `b` `[k, n]`, one of f32, f16, bf16), plus `acc` (f32 `[m, n]`, the
-/// output then f32) by cuBLASLt, when the tensors are CUDA's and the engine is cuBLASLt;
-/// `None` leaves it to the caller's matmul (a failure is counted in [`gemm_stats`]).
+/// `a·b` (`a` `[..., m, k]`, `b` `[..., k, n]` with the same leading batch dims, one of f32,
+/// f16, bf16), plus `acc` (2-d only: f32 `[m, n]`, the output then f32) by cuBLASLt, when the
+/// tensors are CUDA's and the engine is cuBLASLt; `None` leaves it to the caller's matmul (a
+/// failure is counted in [`gemm_stats`]).
 pub(crate) fn try_matmul(
     a: &CubeTensor,
     b: &CubeTensor,
@@ -128,8 +129,11 @@ pub(crate) fn try_matmul(
     let applies = a.device.runtime() == RuntimeId::Cuda
         && a.dtype == b.dtype
         && matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16)
-        && acc.is_none_or(|c| c.dtype == DType::F32)
-        && [a, b].iter().all(|t| t.meta.shape().num_dims() == 2)
+        && acc.is_none_or(|c| c.dtype == DType::F32 && c.meta.shape().num_dims() == 2)
+        && a.meta.shape().num_dims() >= 2
+        && b.meta.shape().num_dims() == a.meta.shape().num_dims()
+        && batch_dims(a) == batch_dims(b)
+        && (acc.is_none() || a.meta.shape().num_dims() == 2)
         && a.meta.shape().num_elements() > 0
         && b.meta.shape().num_elements() > 0
         && gemm_engine() == GemmEngine::CublasLt;
@@ -153,26 +157,58 @@ pub(crate) fn try_matmul(
 
 /// How cuBLASLt reads a row-major `[r, c]` matrix of Burn's as the column-major operand
 /// `tᵀ` `[c, r]`: a row-major tensor is `tᵀ` as stored (op N), a transposed view is `t`
-/// column-major (op T).
+/// column-major (op T); a batch of them lies `batch_stride` elements apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Operand {
     trans: bool,
     rows: u64,
     cols: u64,
     ld: i64,
+    batch_stride: i64,
+}
+
+/// The leading (batch) dims of `t`: all but the last two.
+fn batch_dims(t: &CubeTensor) -> Vec<usize> {
+    let dims = t.meta.shape();
+    dims[..dims.len().saturating_sub(2)].to_vec()
+}
+
+/// The batch of `t` as one run of matrices `stride` elements apart (its dims flattened in
+/// order), or `None` when its strides do not flatten so.
+fn batch_of(t: &CubeTensor) -> Option<(usize, usize)> {
+    let (dims, strides) = (t.meta.shape(), t.meta.strides());
+    let (mut count, mut stride) = (1usize, None::<usize>);
+    for i in (0..dims.len() - 2).rev() {
+        if dims[i] == 1 {
+            continue;
+        }
+        match stride {
+            None => stride = Some(strides[i]),
+            Some(s) if strides[i] != s * count => return None,
+            Some(_) => {}
+        }
+        count *= dims[i];
+    }
+    match stride {
+        Some(0) if count > 1 => None,
+        s => Some((count, s.unwrap_or(0))),
+    }
 }
 
 fn operand(t: &CubeTensor) -> Option<Operand> {
     if t.meta.is_tiled() {
         return None;
     }
+    let (_, batch_stride) = batch_of(t)?;
     let (dims, strides) = (t.meta.shape(), t.meta.strides());
-    let (r, c, s0, s1) = (dims[0], dims[1], strides[0], strides[1]);
+    let n = dims.len();
+    let (r, c, s0, s1) = (dims[n - 2], dims[n - 1], strides[n - 2], strides[n - 1]);
     let op = |trans, rows: usize, cols: usize, ld: usize| Operand {
         trans,
         rows: rows as u64,
         cols: cols as u64,
         ld: ld as i64,
+        batch_stride: batch_stride as i64,
     };
     if (c == 1 || s1 == 1) && (r == 1 || s0 >= c) {
         return Some(op(false, c, r, if r == 1 { c } else { s0 }));
@@ -189,7 +225,7 @@ fn readable(t: &CubeTensor) -> (CubeTensor, Operand) {
         return (t.clone(), op);
     }
     let t = into_contiguous(t.clone());
-    let op = operand(&t).expect("a contiguous 2-d tensor is row-major");
+    let op = operand(&t).expect("a contiguous tensor is row-major matrices in a run");
     (t, op)
 }
 
@@ -219,6 +255,8 @@ struct Key {
     n: u64,
     k: u64,
     ldd: i64,
+    /// Matrices in the batch (1: a plain product), the output's `m·n` apart.
+    batch: usize,
     align: [u32; 4],
     tf32: bool,
 }
@@ -271,6 +309,37 @@ impl Plan {
             Some(c) => layout(key.output, key.m, key.n, c.ld)?,
             None => layout(key.output, key.m, key.n, key.ldd)?,
         };
+        if key.batch > 1 {
+            let count = i32::try_from(key.batch).map_err(|_| "batch over i32".to_string())?;
+            let output_stride = (key.m * key.n) as i64;
+            let strides = [
+                key.a.batch_stride,
+                key.b.batch_stride,
+                key.c.map_or(output_stride, |c| c.batch_stride),
+                output_stride,
+            ];
+            use sys::cublasLtMatrixLayoutAttribute_t as L;
+            for (layout, stride) in plan.layouts.into_iter().zip(strides) {
+                // SAFETY: live layouts; each attribute gets a value of its documented type.
+                unsafe {
+                    result::set_matrix_layout_attribute(
+                        layout,
+                        L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        (&count as *const i32).cast(),
+                        4,
+                    )
+                    .and_then(|_| {
+                        result::set_matrix_layout_attribute(
+                            layout,
+                            L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                            (&stride as *const i64).cast(),
+                            8,
+                        )
+                    })
+                }
+                .map_err(blas_error("batch"))?;
+            }
+        }
         let pref = result::create_matmul_pref().map_err(blas_error("preference"))?;
         // SAFETY: live descriptors; each attribute gets a value of its documented type.
         let chosen = unsafe {
@@ -375,9 +444,11 @@ fn with_blas<R>(device: u16, f: impl FnOnce(&mut Blas) -> Result<R, String>) -> 
 }
 
 fn matmul(a: &CubeTensor, b: &CubeTensor, acc: Option<&CubeTensor>) -> Result<CubeTensor, String> {
-    let (m, k) = (a.meta.shape()[0], a.meta.shape()[1]);
-    let n = b.meta.shape()[1];
-    if b.meta.shape()[0] != k || acc.is_some_and(|c| c.meta.shape().to_vec() != [m, n]) {
+    let rank = a.meta.shape().num_dims();
+    let (m, k) = (a.meta.shape()[rank - 2], a.meta.shape()[rank - 1]);
+    let n = b.meta.shape()[rank - 1];
+    let batch: usize = batch_dims(a).iter().product();
+    if b.meta.shape()[rank - 2] != k || acc.is_some_and(|c| c.meta.shape().to_vec() != [m, n]) {
         return Err(format!(
             "shapes do not fit: a {:?}, b {:?}",
             a.meta.shape(),
@@ -391,8 +462,10 @@ fn matmul(a: &CubeTensor, b: &CubeTensor, acc: Option<&CubeTensor>) -> Result<Cu
         return Err("the accumulated matrix is a transposed view".into());
     }
     let output = if acc.is_some() { DType::F32 } else { a.dtype };
+    let mut dims = batch_dims(&a);
+    dims.extend([m, n]);
     let out =
-        empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), [m, n].into(), output);
+        empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), dims.into(), output);
     let resource = |t: &CubeTensor| {
         t.client
             .get_resource::<CudaServer>(t.handle.clone())
@@ -414,6 +487,7 @@ fn matmul(a: &CubeTensor, b: &CubeTensor, acc: Option<&CubeTensor>) -> Result<Cu
         n: m as u64,
         k: k as u64,
         ldd: n as i64,
+        batch,
         align: [
             alignment(pb),
             alignment(pa),

@@ -25,6 +25,11 @@ pub trait LinearOps: Backend {
     /// `x·weight` (`x` `[tokens, in]`, `weight` `[in, out]`). Under autodiff its backward
     /// is `dx = dy·weightᵀ` and `dweight = xᵀ·dy`, both through [`Self::matmul_2d`].
     fn linear_2d(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `a·b` over equal leading (batch) dims: `a` `[..., m, k]`, `b` `[..., k, n]`, one float
+    /// dtype, either a strided view. Under autodiff its backward is `da = dc·bᵀ` and
+    /// `db = aᵀ·dc`, both through this op. Shapes are not validated here (see
+    /// [`batched_matmul`]).
+    fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 impl LinearOps for Flex {
@@ -36,6 +41,10 @@ impl LinearOps for Flex {
 
     fn linear_2d(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::matmul_2d(x, weight)
+    }
+
+    fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(a, b)
     }
 }
 
@@ -53,6 +62,43 @@ impl LinearOps for burn_cubecl::CubeBackend {
     fn linear_2d(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::matmul_2d(x, weight)
     }
+
+    fn batched_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = crate::cuda::blas::try_matmul(&a, &b, None) {
+            return out;
+        }
+        <Self as burn::backend::ops::FloatTensorOps<Self>>::float_matmul(a, b)
+    }
+}
+
+/// `a·b` for `a` `[..., m, k]` and `b` `[..., k, n]` as Burn's `Tensor::matmul` computes it
+/// (the same bits on Flex, forward and backward), through [`LinearOps::batched_matmul`]: on
+/// CUDA one strided-batched cuBLASLt GEMM per product, forward and both gradients. Inputs it
+/// does not take (2-d, broadcast batch dims, mixed dtypes) go to `Tensor::matmul`.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron_kernels::batched_matmul;
+/// let device = Device::flex();
+/// let a = Tensor::<3>::ones([2, 3, 4], &device);
+/// let b = Tensor::<3>::ones([2, 4, 5], &device);
+/// assert_eq!(batched_matmul(a, b).dims(), [2, 3, 5]);
+/// ```
+pub fn batched_matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    let (da, db) = (a.dims(), b.dims());
+    let fits = D >= 3
+        && da[..D - 2] == db[..D - 2]
+        && da[D - 1] == db[D - 2]
+        && a.dtype() == b.dtype()
+        && a.dtype().is_float();
+    if !fits {
+        return a.matmul(b);
+    }
+    Tensor::from_dispatch(Dispatch::batched_matmul(
+        a.into_dispatch(),
+        b.into_dispatch(),
+    ))
 }
 
 /// `x·weight` for `x` `[..., in]` and `weight` `[in, out]` (Burn's layout, no bias), as

@@ -5,7 +5,7 @@
 
 use crate::common::{self, to_vec, values};
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
-use burn_megatron_kernels::linear;
+use burn_megatron_kernels::{batched_matmul, linear};
 
 fn tensor(v: Vec<f32>, shape: [usize; 2], dev: &Device, dt: DType) -> Tensor<2> {
     let options = TensorCreationOptions::new(dev.clone()).with_dtype(dt);
@@ -176,5 +176,84 @@ fn gemms_match_exact_products_on_cube() {
             after.first_failure
         );
         burn_megatron_kernels::cuda::order::check_waits().unwrap();
+    }
+}
+
+/// `(c, da, db)` of `c = a·b` under `Σ c·g` for 4-d `a` `[2, 3, m, k]` and `b` `[2, 3, k, n]`
+/// (given as a transposed view of `[2, 3, n, k]` when `b_t`), through `product`.
+fn batched(
+    dev: &Device,
+    dt: DType,
+    [m, k, n]: [usize; 3],
+    b_t: bool,
+    product: &dyn Fn(Tensor<4>, Tensor<4>) -> Tensor<4>,
+) -> [Vec<f32>; 3] {
+    let opts = || TensorCreationOptions::new(dev.clone()).with_dtype(dt);
+    let make = |v: Vec<f32>, d: [usize; 4]| Tensor::<4>::from_data(TensorData::new(v, d), opts());
+    let a = make(values(6 * m * k, 41, 1.0), [2, 3, m, k]).require_grad();
+    let b = if b_t {
+        make(values(6 * k * n, 42, 0.5), [2, 3, n, k]).require_grad()
+    } else {
+        make(values(6 * k * n, 42, 0.5), [2, 3, k, n]).require_grad()
+    };
+    let bs = if b_t {
+        b.clone().swap_dims(2, 3)
+    } else {
+        b.clone()
+    };
+    let g = make(values(6 * m * n, 43, 1.0), [2, 3, m, n]);
+    let c = product(a.clone(), bs);
+    let grads = (c.clone() * g).sum().backward();
+    [
+        to_vec(c),
+        to_vec(a.grad(&grads).unwrap()),
+        to_vec(b.grad(&grads).unwrap()),
+    ]
+}
+
+#[test]
+fn batched_products_are_burns_matmul_bit_for_bit_on_flex() {
+    let dev = common::flex();
+    for b_t in [false, true] {
+        for dt in [DType::F32, DType::BF16] {
+            let ours = batched(&dev, dt, [5, 7, 4], b_t, &|a, b| batched_matmul(a, b));
+            let burn = batched(&dev, dt, [5, 7, 4], b_t, &|a, b| a.matmul(b));
+            assert_eq!(ours, burn, "{dt:?}, b transposed {b_t}");
+        }
+    }
+}
+
+/// Each of the six matrices of the batch against Flex's product, forward and gradients.
+#[cfg(feature = "cube")]
+#[test]
+fn batched_products_match_flex_on_cube() {
+    let dev = common::cube_device("batched gemm");
+    #[cfg(feature = "cuda")]
+    let before = burn_megatron_kernels::cuda::gemm_stats();
+    let [m, k, n] = [5, 7, 4];
+    for b_t in [false, true] {
+        let got = batched(&dev, DType::F32, [m, k, n], b_t, &|a, b| {
+            batched_matmul(a, b)
+        });
+        let want = batched(&common::flex(), DType::F32, [m, k, n], b_t, &|a, b| {
+            a.matmul(b)
+        });
+        // Flex's f32 products of ≤ 7 terms, as the reference: within f32 roundings of Σ|terms|
+        // (the values are at most 1 and 0.5, so Σ|terms| ≤ 7 · 0.5 · 1).
+        for (part, (g, w)) in ["c", "da", "db"].iter().zip(got.iter().zip(&want)) {
+            let diff = common::max_abs_diff(g, w);
+            assert!(diff <= 1e-5, "{part}, b transposed {b_t}: max |Δ| {diff:e}");
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if common::on_cuda() {
+        let after = burn_megatron_kernels::cuda::gemm_stats();
+        assert!(
+            after.cublaslt >= before.cublaslt + 6 && after.fallbacks == before.fallbacks,
+            "cuBLASLt ran {} batched GEMMs and failed {} (first: {:?})",
+            after.cublaslt - before.cublaslt,
+            after.fallbacks - before.fallbacks,
+            after.first_failure
+        );
     }
 }

@@ -14,7 +14,7 @@ use crate::tensor_parallel::{
 use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Tensor};
-use burn_megatron_kernels::scaled_masked_softmax;
+use burn_megatron_kernels::{batched_matmul, scaled_masked_softmax};
 
 mod context_parallel;
 mod ring;
@@ -341,9 +341,8 @@ impl CoreAttention {
         let [b, np, s, hn] = q.dims();
         let sk = k.dims()[2];
         let (ng, qpg) = (self.groups_per_rank, self.heads_per_group);
-        q.reshape([b, ng, qpg * s, hn])
-            .matmul(k.swap_dims(2, 3))
-            .reshape([b, np, s, sk])
+        let q = q.reshape([b, ng, qpg * s, hn]);
+        batched_matmul(q, k.swap_dims(2, 3)).reshape([b, np, s, sk])
     }
 
     /// Attention dropout on `probs` (`[b, heads, s, sk]`) when training, then the weighted
@@ -367,10 +366,7 @@ impl CoreAttention {
                 )
                 .expect("attention_dropout is checked to lie in [0, 1) at init");
         }
-        probs
-            .reshape([b, ng, qpg * s, sk])
-            .matmul(v)
-            .reshape([b, np, s, hn])
+        batched_matmul(probs.reshape([b, ng, qpg * s, sk]), v).reshape([b, np, s, hn])
     }
 
     /// `q` (`[s, b, heads, hn]`) over `k`, `v` (`[b, groups, sk, hn]`): scores, the fused
