@@ -126,6 +126,21 @@ pub(crate) fn try_matmul(
     b: &CubeTensor,
     acc: Option<&CubeTensor>,
 ) -> Option<CubeTensor> {
+    try_gemm(a, b, acc, false)
+}
+
+/// [`try_matmul`] of `a` and `b` into a new f32 output whatever their dtype (a weight
+/// gradient's first micro-batch: no zeros to add to).
+pub(crate) fn try_matmul_f32(a: &CubeTensor, b: &CubeTensor) -> Option<CubeTensor> {
+    try_gemm(a, b, None, true)
+}
+
+fn try_gemm(
+    a: &CubeTensor,
+    b: &CubeTensor,
+    acc: Option<&CubeTensor>,
+    f32_out: bool,
+) -> Option<CubeTensor> {
     let applies = a.device.runtime() == RuntimeId::Cuda
         && a.dtype == b.dtype
         && matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16)
@@ -140,7 +155,7 @@ pub(crate) fn try_matmul(
     if !applies {
         return None;
     }
-    match matmul(a, b, acc) {
+    match matmul(a, b, acc, f32_out) {
         Ok(out) => {
             RUN.fetch_add(1, Ordering::Relaxed);
             Some(out)
@@ -443,7 +458,12 @@ fn with_blas<R>(device: u16, f: impl FnOnce(&mut Blas) -> Result<R, String>) -> 
     })
 }
 
-fn matmul(a: &CubeTensor, b: &CubeTensor, acc: Option<&CubeTensor>) -> Result<CubeTensor, String> {
+fn matmul(
+    a: &CubeTensor,
+    b: &CubeTensor,
+    acc: Option<&CubeTensor>,
+    f32_out: bool,
+) -> Result<CubeTensor, String> {
     let rank = a.meta.shape().num_dims();
     let (m, k) = (a.meta.shape()[rank - 2], a.meta.shape()[rank - 1]);
     let n = b.meta.shape()[rank - 1];
@@ -461,7 +481,11 @@ fn matmul(a: &CubeTensor, b: &CubeTensor, acc: Option<&CubeTensor>) -> Result<Cu
     if acc.as_ref().is_some_and(|(_, op)| op.trans) {
         return Err("the accumulated matrix is a transposed view".into());
     }
-    let output = if acc.is_some() { DType::F32 } else { a.dtype };
+    let output = if acc.is_some() || f32_out {
+        DType::F32
+    } else {
+        a.dtype
+    };
     let mut dims = batch_dims(&a);
     dims.extend([m, n]);
     let out =

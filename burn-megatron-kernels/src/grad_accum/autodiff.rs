@@ -8,10 +8,9 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, AutodiffBackend, TensorMetadata};
-use burn::tensor::FloatDType;
+use burn::backend::{Autodiff, AutodiffBackend};
 
-/// `y = x·w`: `dx = dy·wᵀ`, `dw = 0 + xᵀ·dy` accumulated in f32.
+/// `y = x·w`: `dx = dy·wᵀ`, `dw = xᵀ·dy` summed in f32, an f32 tensor.
 #[derive(Debug)]
 struct LinearBackward;
 
@@ -24,9 +23,7 @@ impl<B: GradAccumOps + LinearOps> Backward<B, 2> for LinearBackward {
         let (x, w) = ops.state;
         let [node_x, node_w] = ops.parents;
         if let Some(node) = node_w {
-            let device = w.device();
-            let zeros = B::float_zeros(w.shape(), &device, FloatDType::F32);
-            grads.register::<B>(node.id, B::accumulate_weight_grad(zeros, x, grad.clone()));
+            grads.register::<B>(node.id, B::weight_grad_f32(x, grad.clone()));
         }
         if let Some(node) = node_x {
             grads.register::<B>(node.id, B::matmul_2d(grad, B::float_transpose(w)));
@@ -45,6 +42,10 @@ impl<B: GradAccumOps + LinearOps, C: CheckpointStrategy> GradAccumOps for Autodi
             x.into_primitive(),
             dy.into_primitive(),
         ))
+    }
+
+    fn weight_grad_f32(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::from_inner(B::weight_grad_f32(x.into_primitive(), dy.into_primitive()))
     }
 
     fn linear_fp32_weight_grad(

@@ -40,6 +40,18 @@ impl GradAccumOps for CubeBackend {
         }
     }
 
+    fn weight_grad_f32(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        let xt = Self::float_transpose(x.clone());
+        #[cfg(feature = "cuda")]
+        if let Some(out) = crate::cuda::blas::try_matmul_f32(&xt, &dy) {
+            return out;
+        }
+        match matmul(xt, dy.clone(), None, MatmulStrategy::default(), DType::F32) {
+            Ok(product) => product,
+            Err(_) => super::reference_weight_grad_f32::<Self>(x, dy),
+        }
+    }
+
     fn linear_fp32_weight_grad(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,

@@ -25,9 +25,13 @@ pub trait GradAccumOps: Backend {
         x: FloatTensor<Self>,
         dy: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
+    /// `xᵀ·dy` as a new f32 `[in, out]` tensor (`x` `[tokens, in]`, `dy` `[tokens, out]` of
+    /// one float dtype, summed in f32): [`Self::accumulate_weight_grad`] with nothing to add
+    /// to, so no zeros are written and read.
+    fn weight_grad_f32(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self>;
     /// `x·weight` (`x` `[tokens, in]`, `weight` `[in, out]`, one float dtype). Under
-    /// autodiff its weight gradient is [`Self::accumulate_weight_grad`] into f32 zeros (so an
-    /// f32 gradient for a bf16/f16 weight) and its input gradient `dy·weightᵀ` as usual.
+    /// autodiff its weight gradient is [`Self::weight_grad_f32`] (so an f32 gradient for a
+    /// bf16/f16 weight) and its input gradient `dy·weightᵀ` as usual.
     fn linear_fp32_weight_grad(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -45,6 +49,16 @@ pub fn reference_accumulate_weight_grad<B: Backend>(
     B::float_add(main_grad, B::float_matmul(B::float_transpose(x), dy))
 }
 
+/// The reference of [`GradAccumOps::weight_grad_f32`]: cast `x` and `dy` to f32, then `xᵀ·dy`.
+pub(crate) fn reference_weight_grad_f32<B: Backend>(
+    x: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let x = B::float_cast(x, FloatDType::F32);
+    let dy = B::float_cast(dy, FloatDType::F32);
+    B::float_matmul(B::float_transpose(x), dy)
+}
+
 impl GradAccumOps for Flex {
     fn accumulate_weight_grad(
         main_grad: FloatTensor<Self>,
@@ -52,6 +66,10 @@ impl GradAccumOps for Flex {
         dy: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         reference_accumulate_weight_grad::<Self>(main_grad, x, dy)
+    }
+
+    fn weight_grad_f32(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference_weight_grad_f32::<Self>(x, dy)
     }
 
     fn linear_fp32_weight_grad(
