@@ -57,6 +57,24 @@ fn engine(group: String, op: &'static str) -> impl Fn(String) -> CommError {
     }
 }
 
+/// `t`'s buffer (contiguous, of a dtype the collectives carry) as a device slice, and what
+/// keeps its allocation in place while the slice is in use.
+pub(crate) fn device_slice(
+    t: &CubeTensor,
+) -> Result<(DeviceSlice, Box<dyn std::any::Any + Send>), String> {
+    let dtype = comm_dtype(t.dtype).ok_or_else(|| format!("dtype {:?}", t.dtype))?;
+    let resource = t
+        .client
+        .get_resource::<CudaServer>(t.handle.clone())
+        .map_err(|e| format!("{e:?}"))?;
+    let slice = DeviceSlice {
+        ptr: resource.resource().ptr,
+        dtype,
+        len: t.meta.shape().num_elements(),
+    };
+    Ok((slice, Box::new(resource)))
+}
+
 /// Sends CUDA tensor `x` to `peer` over `dev` (on `group`, for errors).
 pub(crate) fn send(
     dev: &dyn DeviceCollectives,
@@ -64,18 +82,8 @@ pub(crate) fn send(
     x: CubeTensor,
     peer: usize,
 ) -> Result<(), CommError> {
-    let fail = engine(group, "send");
     let x = into_contiguous(x);
-    let dtype = comm_dtype(x.dtype).ok_or_else(|| fail(format!("dtype {:?}", x.dtype)))?;
-    let resource = x
-        .client
-        .get_resource::<CudaServer>(x.handle.clone())
-        .map_err(|e| fail(format!("{e:?}")))?;
-    let slice = DeviceSlice {
-        ptr: resource.resource().ptr,
-        dtype,
-        len: x.meta.shape().num_elements(),
-    };
+    let (slice, resource) = device_slice(&x).map_err(engine(group, "send"))?;
     let order =
         |stream: usize| burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream as _);
     // SAFETY: the resource and the tensor (which keeps the buffer from being reused) live in
@@ -95,14 +103,13 @@ pub(crate) fn recv(
     dtype: DType,
     peer: usize,
 ) -> Result<CubeTensor, CommError> {
-    let fail = engine(group, "recv");
     let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         dims.to_vec().into(),
         dtype,
     );
-    receive_into(dev, &out, peer, &fail)?;
+    receive_into(dev, &out, peer, &engine(group, "recv"))?;
     Ok(out)
 }
 
@@ -112,16 +119,7 @@ fn receive_into(
     peer: usize,
     fail: &dyn Fn(String) -> CommError,
 ) -> Result<(), CommError> {
-    let dtype = comm_dtype(out.dtype).ok_or_else(|| fail(format!("dtype {:?}", out.dtype)))?;
-    let resource = out
-        .client
-        .get_resource::<CudaServer>(out.handle.clone())
-        .map_err(|e| fail(format!("{e:?}")))?;
-    let slice = DeviceSlice {
-        ptr: resource.resource().ptr,
-        dtype,
-        len: out.meta.shape().num_elements(),
-    };
+    let (slice, _resource) = device_slice(out).map_err(fail)?;
     // The buffer may be memory CubeCL's queued kernels still read: NCCL writes after them.
     let order =
         |stream: usize| burn_megatron_kernels::cuda::order::wait_for_cubecl(out, stream as _);

@@ -3,9 +3,10 @@
 //! communicator per direction.
 
 use super::super::group::{CommError, OpDesc, ProcessGroup};
-use super::super::header::{HEADER, code, decode, encode, mismatch};
+use super::super::header::{HEADER, encode, mismatch};
 use super::super::{Buffer, CommDType, Communicator, DeviceCollectives, ReduceOp, lock};
 use super::library::NcclResult;
+use super::message::Payload;
 use super::{Inner, RawComm};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::sys;
@@ -34,15 +35,13 @@ impl Pair {
     }
 }
 
-/// A send NCCL is still carrying: its device copies (or the caller's buffer, for a send from
-/// device memory) live until the event completes.
+/// A send NCCL is still carrying: its header and payload live until the event completes.
 pub(super) struct Pending {
     pub(super) pair: Arc<Pair>,
     pub(super) event: CudaEvent,
     pub(super) started: Instant,
     pub(super) _header: CudaSlice<u8>,
-    pub(super) _payload: Option<CudaSlice<u8>>,
-    pub(super) _keep: Option<Box<dyn std::any::Any + Send>>,
+    pub(super) _payload: Payload,
 }
 
 struct State {
@@ -526,48 +525,15 @@ impl Communicator for NcclCommunicator {
             lock(&self.to_self).push_back(buf);
             return Ok(());
         }
-        let pair = self.pair("send", peer)?;
-        let link = &pair.out;
-        let _serial = lock(&link.lock);
-        let comm = self.handle(link, "send")?;
-        let cuda = |e| self.engine("send", e);
-        let header = i64s_to_bytes(&[code(&CommDType::ALL, Some(&buf.dtype())), buf.len() as i64]);
-        let header = link.stream.clone_htod(&header).map_err(cuda)?;
-        let payload = if buf.is_empty() {
-            link.stream.alloc_zeros::<u8>(1)
-        } else {
-            link.stream.clone_htod(buf.bytes())
-        }
-        .map_err(cuda)?;
-        let nbytes = buf.bytes().len();
-        {
-            let (h, _h) = header.device_ptr(&link.stream);
-            let (p, _p) = payload.device_ptr(&link.stream);
-            let st = link.stream.cu_stream() as _;
-            self.world
-                .nccl
-                .group_start()
-                .map_err(|e| self.engine("send", e))?;
-            // SAFETY: both device buffers live in the pending entry until the event completes.
-            let sent = unsafe {
-                self.world
-                    .nccl
-                    .send(h as _, 16, BYTE, 1, comm, st)
-                    .and_then(|_| self.world.nccl.send(p as _, nbytes, BYTE, 1, comm, st))
+        self.send_message(peer, buf.dtype(), buf.len(), |stream| {
+            let copy = if buf.is_empty() {
+                stream.alloc_zeros::<u8>(1)
+            } else {
+                stream.clone_htod(buf.bytes())
             };
-            let ended = self.world.nccl.group_end();
-            sent.and(ended).map_err(|e| self.engine("send", e))?;
-        }
-        let event = link.stream.record_event(None).map_err(cuda)?;
-        lock(&self.pending).push(Pending {
-            pair: pair.clone(),
-            event,
-            started: Instant::now(),
-            _header: header,
-            _payload: Some(payload),
-            _keep: None,
-        });
-        Ok(())
+            copy.map(Payload::Copied)
+                .map_err(|e| self.engine("send", e))
+        })
     }
 
     fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
@@ -595,25 +561,8 @@ impl Communicator for NcclCommunicator {
         let pair = self.pair("recv", peer)?;
         let link = &pair.inn;
         let _serial = lock(&link.lock);
-        let header = bytes_to_i64s(&self.recv_bytes(link, 16)?);
-        let dtype: Option<CommDType> = decode(&CommDType::ALL, header[0]);
-        let len = usize::try_from(header[1]).unwrap_or(0);
-        // The payload is taken whatever it is, so the next message starts where it should.
-        let payload = self.recv_bytes(link, len * dtype.map_or(0, |d| d.size()))?;
-        if dtype != Some(buf.dtype()) || len != buf.len() {
-            return Err(CommError::Mismatch {
-                group: self.label.clone(),
-                seq: 0,
-                detail: format!(
-                    "global rank {} sent {} × {len}, global rank {} expects {} × {}",
-                    self.group.global_rank_of(peer),
-                    dtype.map_or("?".to_string(), |d| d.to_string()),
-                    self.group.global_rank(),
-                    buf.dtype(),
-                    buf.len()
-                ),
-            });
-        }
+        self.take_header(link, peer, buf.dtype(), buf.len())?;
+        let payload = self.recv_bytes(link, buf.bytes().len())?;
         buf.bytes_mut().copy_from_slice(&payload);
         Ok(())
     }

@@ -2,15 +2,11 @@
 //! to NCCL, with the same header check and deadline as the host calls.
 
 use super::super::group::{CommError, OpDesc};
-use super::super::header::{code, decode};
-use super::super::{CommDType, DeviceCollectives, DeviceSlice, ReduceOp, lock};
-use super::communicator::{
-    BYTE, NcclCommunicator, Pending, bytes_to_i64s, i64s_to_bytes, nccl_dtype, nccl_op,
-};
+use super::super::{DeviceCollectives, DeviceSlice, ReduceOp, lock};
+use super::communicator::{BYTE, NcclCommunicator, nccl_dtype, nccl_op};
 use super::library::NcclResult;
-use cudarc::driver::DevicePtr;
+use super::message::Payload;
 use cudarc::nccl::sys;
-use std::time::Instant;
 
 impl NcclCommunicator {
     fn check_device(&self, op: &'static str, s: &[DeviceSlice]) -> Result<(), CommError> {
@@ -69,46 +65,14 @@ unsafe impl DeviceCollectives for NcclCommunicator {
         if peer == self.group.rank() {
             return Err(self.invalid("send", "a device send to this member itself".into()));
         }
-        let pair = self.pair("send", peer)?;
-        let link = pair.out();
-        let _serial = lock(&link.lock);
-        let comm = self.handle(link, "send")?;
-        let cuda = |e| self.engine("send", e);
-        // The header as the host send writes it, so that either kind of receive takes it.
-        let header = i64s_to_bytes(&[code(&CommDType::ALL, Some(&send.dtype)), send.len as i64]);
-        let header = link.stream.clone_htod(&header).map_err(cuda)?;
-        order(link.stream.cu_stream() as usize).map_err(|e| self.engine("send", e))?;
-        let nbytes = send.len * send.dtype.size();
-        {
-            let (h, _h) = header.device_ptr(&link.stream);
-            let st = link.stream.cu_stream() as _;
-            let nccl = |e| self.engine("send", e);
-            self.world.nccl.group_start().map_err(nccl)?;
-            // SAFETY: the header lives in the pending entry and `send` while `keep` does,
-            // until the event completes; an empty payload sends nothing from its address.
-            let sent = unsafe {
-                self.world
-                    .nccl
-                    .send(h as _, 16, BYTE, 1, comm, st)
-                    .and_then(|_| {
-                        self.world
-                            .nccl
-                            .send(send.ptr as _, nbytes, BYTE, 1, comm, st)
-                    })
-            };
-            let ended = self.world.nccl.group_end();
-            sent.and(ended).map_err(nccl)?;
-        }
-        let event = link.stream.record_event(None).map_err(cuda)?;
-        lock(&self.pending).push(Pending {
-            pair: pair.clone(),
-            event,
-            started: Instant::now(),
-            _header: header,
-            _payload: None,
-            _keep: Some(keep),
-        });
-        Ok(())
+        self.send_message(peer, send.dtype, send.len, |stream| {
+            order(stream.cu_stream() as usize).map_err(|e| self.engine("send", e))?;
+            // `keep` holds `send` in place until the event completes (see the trait).
+            Ok(Payload::Borrowed {
+                ptr: send.ptr,
+                _keep: keep,
+            })
+        })
     }
 
     unsafe fn recv(
@@ -125,25 +89,7 @@ unsafe impl DeviceCollectives for NcclCommunicator {
         let pair = self.pair("recv", peer)?;
         let link = &pair.inn;
         let _serial = lock(&link.lock);
-        let header = bytes_to_i64s(&self.recv_bytes(link, 16)?);
-        let dtype: Option<CommDType> = decode(&CommDType::ALL, header[0]);
-        let len = usize::try_from(header[1]).unwrap_or(0);
-        if dtype != Some(recv.dtype) || len != recv.len {
-            // Taken into host memory, so that the next message starts where it should.
-            self.recv_bytes(link, len * dtype.map_or(0, |d| d.size()))?;
-            return Err(CommError::Mismatch {
-                group: self.group.to_string(),
-                seq: 0,
-                detail: format!(
-                    "global rank {} sent {} × {len}, global rank {} expects {} × {} (on the device)",
-                    self.group.global_rank_of(peer),
-                    dtype.map_or("?".to_string(), |d| d.to_string()),
-                    self.group.global_rank(),
-                    recv.dtype,
-                    recv.len
-                ),
-            });
-        }
+        self.take_header(link, peer, recv.dtype, recv.len)?;
         let comm = self.handle(link, "recv")?;
         order(link.stream.cu_stream() as usize).map_err(|e| self.engine("recv", e))?;
         let nbytes = recv.len * recv.dtype.size();

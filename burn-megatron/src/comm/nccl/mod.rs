@@ -22,6 +22,7 @@
 mod communicator;
 mod device;
 mod library;
+mod message;
 mod seats;
 
 pub use communicator::NcclCommunicator;

@@ -20,8 +20,6 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::RuntimeId;
 
-type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
-
 /// The communicator's device collectives, when they apply to `x`: a CUDA tensor of a dtype
 /// they carry, not empty, on a group of more than one.
 pub(crate) fn collectives<'a>(x: &CubeTensor, comm: &'a Comm) -> Option<&'a dyn DeviceCollectives> {
@@ -89,12 +87,7 @@ fn run(
             CubeBackend::float_reshape(side_by_side, with(last, cols * n))
         }
         Mapping::RingShift { forward } => {
-            let (next, previous) = ((me + 1) % n, (me + n - 1) % n);
-            let (to, from) = if forward {
-                (next, previous)
-            } else {
-                (previous, next)
-            };
+            let (to, from) = super::host::ring_peers(forward, me, n);
             let group = comm.group().to_string();
             // The send is queued without waiting for the receiver, so the ring cannot lock.
             cuda_tensor::send(dev, group.clone(), x.clone(), to)?;
@@ -130,24 +123,13 @@ fn collective(
         reason,
     };
     let x = into_contiguous(x.clone());
-    let dtype = comm_dtype(x.dtype).expect("checked by the caller");
-    let out = empty_device_dtype(x.client.clone(), x.device.clone(), shape.clone(), x.dtype);
+    let out = empty_device_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
     // NCCL reads `x` on its own stream: it starts once everything Burn queued has run.
     let stream = dev.stream() as cudarc::driver::sys::CUstream;
     burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream).map_err(engine)?;
-    let src = x
-        .client
-        .get_resource::<CudaServer>(x.handle.clone())
-        .map_err(|e| engine(format!("{e:?}")))?;
-    let dst = out
-        .client
-        .get_resource::<CudaServer>(out.handle.clone())
-        .map_err(|e| engine(format!("{e:?}")))?;
-    let slice = |ptr: u64, len: usize| DeviceSlice { ptr, dtype, len };
     // The resources keep both allocations in place until `op` has waited for NCCL.
-    op(
-        slice(src.resource().ptr, x.meta.shape().num_elements()),
-        slice(dst.resource().ptr, shape.num_elements()),
-    )?;
+    let (src, _src) = cuda_tensor::device_slice(&x).map_err(engine)?;
+    let (dst, _dst) = cuda_tensor::device_slice(&out).map_err(engine)?;
+    op(src, dst)?;
     Ok(out)
 }
