@@ -16,7 +16,7 @@ use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{Shape, Slice};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::RuntimeId;
 
@@ -123,7 +123,9 @@ fn collective(
         reason,
     };
     let x = into_contiguous(x.clone());
-    let out = empty_device_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
+    // Contiguous: Burn's default CUDA layout pads each row to an aligned pitch, and NCCL
+    // writes packed rows.
+    let out = empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
     // NCCL reads `x` on its own stream: it starts once everything Burn queued has run.
     let stream = dev.stream() as cudarc::driver::sys::CUstream;
     burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream).map_err(engine)?;
