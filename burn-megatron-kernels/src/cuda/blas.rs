@@ -64,33 +64,43 @@ pub fn set_cublaslt(choice: Option<bool>) {
 /// The engine in use: [`set_cublaslt`]'s choice, else [`GEMM_VAR`]'s (read once), cuBLASLt
 /// only where the library loads.
 pub fn gemm_engine() -> GemmEngine {
+    engine().clone()
+}
+
+/// [`gemm_engine`] without a copy: read on every GEMM.
+fn engine() -> &'static GemmEngine {
     static LOADS: OnceLock<bool> = OnceLock::new();
+    static MISSING: OnceLock<GemmEngine> = OnceLock::new();
+    static OVERRIDDEN: OnceLock<GemmEngine> = OnceLock::new();
+    static FROM_ENV: OnceLock<GemmEngine> = OnceLock::new();
     // SAFETY: loads and unloads the library; its initialisers need nothing.
     let loads = || *LOADS.get_or_init(|| unsafe { sys::is_culib_present() });
     let missing = || {
-        GemmEngine::Cubecl(
-            "libcublasLt could not be loaded (put the directory holding libcublasLt.so.13 \
-             or .12 on LD_LIBRARY_PATH)"
-                .into(),
-        )
+        MISSING.get_or_init(|| {
+            GemmEngine::Cubecl(
+                "libcublasLt could not be loaded (put the directory holding libcublasLt.so.13 \
+                 or .12 on LD_LIBRARY_PATH)"
+                    .into(),
+            )
+        })
     };
     match OVERRIDE.load(Ordering::Relaxed) {
-        1 if loads() => return GemmEngine::CublasLt,
+        1 if loads() => return &GemmEngine::CublasLt,
         1 => return missing(),
-        2 => return GemmEngine::Cubecl("set_cublaslt(Some(false))".into()),
+        2 => {
+            return OVERRIDDEN
+                .get_or_init(|| GemmEngine::Cubecl("set_cublaslt(Some(false))".into()));
+        }
         _ => {}
     }
-    static ENGINE: OnceLock<GemmEngine> = OnceLock::new();
-    ENGINE
-        .get_or_init(|| match std::env::var(GEMM_VAR).as_deref() {
-            Ok("cubecl") => GemmEngine::Cubecl(format!("{GEMM_VAR}=cubecl")),
-            Err(_) | Ok("") | Ok("cublaslt") if loads() => GemmEngine::CublasLt,
-            Err(_) | Ok("") | Ok("cublaslt") => missing(),
-            Ok(other) => {
-                GemmEngine::Cubecl(format!("{GEMM_VAR}={other} is not `cublaslt` or `cubecl`"))
-            }
-        })
-        .clone()
+    FROM_ENV.get_or_init(|| match std::env::var(GEMM_VAR).as_deref() {
+        Ok("cubecl") => GemmEngine::Cubecl(format!("{GEMM_VAR}=cubecl")),
+        Err(_) | Ok("") | Ok("cublaslt") if loads() => GemmEngine::CublasLt,
+        Err(_) | Ok("") | Ok("cublaslt") => missing().clone(),
+        Ok(other) => {
+            GemmEngine::Cubecl(format!("{GEMM_VAR}={other} is not `cublaslt` or `cubecl`"))
+        }
+    })
 }
 
 /// GEMMs run by cuBLASLt so far, and those it failed and cubek ran instead.
@@ -151,7 +161,7 @@ fn try_gemm(
         && (acc.is_none() || a.meta.shape().num_dims() == 2)
         && a.meta.shape().num_elements() > 0
         && b.meta.shape().num_elements() > 0
-        && gemm_engine() == GemmEngine::CublasLt;
+        && *engine() == GemmEngine::CublasLt;
     if !applies {
         return None;
     }
