@@ -10,6 +10,7 @@
 //! them every backend runs the references.
 
 mod adam;
+mod attention;
 mod bias_dropout_add;
 mod bias_gelu;
 mod cast;
@@ -41,9 +42,10 @@ pub use adam::{
     AdamHyper, FlatAdamState, FusedAdamOps, WeightDecay, fused_adam_step,
     multi_tensor_fused_adam_step, reference_adam_step,
 };
+pub use attention::{AttentionParams, ChunkedAttentionOps, chunked_attention};
 pub use bias_dropout_add::{
-    BiasDropoutAddOps, bias_dropout_add, dropout, dropout_hash, dropout_keep, dropout_mask,
-    dropout_threshold, reference_bias_dropout_add, reference_dropout,
+    BiasDropoutAddOps, MaskWindow, bias_dropout_add, dropout, dropout_hash, dropout_keep,
+    dropout_mask, dropout_threshold, reference_bias_dropout_add, reference_dropout,
 };
 pub use bias_gelu::{
     BiasGeluOps, Gelu, bias_gelu, reference_bias_gelu, reference_bias_gelu_backward,

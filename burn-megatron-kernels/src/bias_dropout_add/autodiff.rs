@@ -1,7 +1,7 @@
 //! Autodiff for bias + dropout + residual and for plain dropout: the backward keeps only
 //! (prob, seed, bias size) and regenerates the mask, so no activation-sized tensor is saved.
 
-use super::BiasDropoutAddOps;
+use super::{BiasDropoutAddOps, MaskWindow};
 use crate::ops::sum_to_last_dim;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -25,7 +25,7 @@ impl<B: BiasDropoutAddOps, const N: usize> Backward<B, N> for BiasDropoutAddBack
         let (node_x, node_residual) = (parents.next().flatten(), parents.next().flatten());
         let node_bias = parents.next().flatten();
         if node_x.is_some() || node_bias.is_some() {
-            let grad_x = B::dropout(grad.clone(), prob, seed);
+            let grad_x = B::dropout(grad.clone(), prob, seed, MaskWindow::WHOLE);
             if let Some(node) = node_bias {
                 grads.register::<B>(node.id, sum_to_last_dim::<B>(grad_x.clone(), n));
             }
@@ -44,14 +44,14 @@ impl<B: BiasDropoutAddOps, const N: usize> Backward<B, N> for BiasDropoutAddBack
 struct DropoutBackward;
 
 impl<B: BiasDropoutAddOps> Backward<B, 1> for DropoutBackward {
-    /// (prob, seed).
-    type State = (f32, u64);
+    /// (prob, seed, window).
+    type State = (f32, u64, MaskWindow);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let (prob, seed) = ops.state;
+        let (prob, seed, window) = ops.state;
         if let [Some(node)] = ops.parents {
-            grads.register::<B>(node.id, B::dropout(grad, prob, seed));
+            grads.register::<B>(node.id, B::dropout(grad, prob, seed, window));
         }
     }
 }
@@ -95,15 +95,21 @@ impl<B: BiasDropoutAddOps, C: CheckpointStrategy> BiasDropoutAddOps for Autodiff
         }
     }
 
-    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
+    fn dropout(
+        v: FloatTensor<Self>,
+        prob: f32,
+        seed: u64,
+        window: MaskWindow,
+    ) -> FloatTensor<Self> {
         let (v, node) = v.into_parts();
+        let dropped = B::dropout(v, prob, seed, window);
         match DropoutBackward
             .prepare::<C>([node])
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish((prob, seed), B::dropout(v, prob, seed)),
-            OpsKind::UnTracked(prep) => prep.finish(B::dropout(v, prob, seed)),
+            OpsKind::Tracked(prep) => prep.finish((prob, seed, window), dropped),
+            OpsKind::UnTracked(prep) => prep.finish(dropped),
         }
     }
 }

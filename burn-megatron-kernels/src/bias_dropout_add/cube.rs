@@ -1,7 +1,7 @@
 //! The bias + dropout + residual CubeCL kernels: the mask hash is recomputed per element from
 //! the seed halves, in u32 arithmetic only (WGSL has no u64).
 
-use super::{BiasDropoutAddOps, dropout_threshold, keep_scale};
+use super::{BiasDropoutAddOps, MaskWindow, dropout_threshold, keep_scale};
 use crate::launch::elementwise_launch;
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
@@ -59,7 +59,26 @@ fn bias_dropout_add_kernel<F: Float>(
     out[pos] = residual[pos] + v;
 }
 
+/// A [`MaskWindow`] as kernel scalars (callers check that the larger tensor's indices fit in
+/// u32).
+#[derive(CubeLaunch, CubeType)]
+struct Window {
+    rows: u32,
+    cols: u32,
+    total_rows: u32,
+    total_cols: u32,
+    row0: u32,
+}
+
+/// `MaskWindow::index` of `pos`.
+#[cube]
+fn window_index(pos: u32, w: &Window) -> u32 {
+    let row = pos / w.cols;
+    ((row / w.rows) * w.total_rows + w.row0 + row % w.rows) * w.total_cols + pos % w.cols
+}
+
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn dropout_kernel<F: Float>(
     v: &Tensor<F>,
     out: &mut Tensor<F>,
@@ -67,13 +86,19 @@ fn dropout_kernel<F: Float>(
     seed_hi: u32,
     threshold: u32,
     scale: f32,
+    window: Window,
+    #[comptime] windowed: bool,
     #[define(F)] _dtype: ElemType,
 ) {
     let pos = ABSOLUTE_POS;
     if pos >= out.len() {
         terminate!();
     }
-    let keep = dropout_hash(pos as u32, seed_lo, seed_hi) >= threshold;
+    let mut index = pos as u32;
+    if windowed {
+        index = window_index(index, &window);
+    }
+    let keep = dropout_hash(index, seed_lo, seed_hi) >= threshold;
     out[pos] = select(keep, v[pos] * F::cast_from(scale), F::new(0.0));
 }
 
@@ -113,7 +138,12 @@ impl BiasDropoutAddOps for CubeBackend {
         out
     }
 
-    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
+    fn dropout(
+        v: FloatTensor<Self>,
+        prob: f32,
+        seed: u64,
+        window: MaskWindow,
+    ) -> FloatTensor<Self> {
         if prob == 0.0 {
             return v;
         }
@@ -133,6 +163,14 @@ impl BiasDropoutAddOps for CubeBackend {
             (seed >> 32) as u32,
             dropout_threshold(prob),
             keep_scale(prob),
+            WindowLaunch::new(
+                window.rows as u32,
+                window.cols as u32,
+                window.total_rows as u32,
+                window.total_cols as u32,
+                window.row0 as u32,
+            ),
+            !window.is_whole(),
             dtype,
         );
         out

@@ -5,7 +5,8 @@
 //! other dtypes go through it.
 
 use super::{
-    dropout_keys, hash_with_keys, keep_scale, reference_bias_dropout_add, reference_dropout,
+    MaskWindow, dropout_keys, hash_with_keys, keep_scale, reference_bias_dropout_add,
+    reference_dropout,
 };
 use crate::cpu::f32_values;
 use burn::backend::flex::FlexTensor;
@@ -20,24 +21,30 @@ fn f32_out(values: Vec<f32>, t: &FlexTensor) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, t.shape().to_vec()))
 }
 
-pub(super) fn dropout(v: FlexTensor, prob: f32, seed: u64) -> FlexTensor {
+pub(super) fn dropout(v: FlexTensor, prob: f32, seed: u64, window: MaskWindow) -> FlexTensor {
     if prob == 0.0 || v.dtype() != DType::F32 {
-        return reference_dropout::<Flex>(v, prob, seed);
+        return reference_dropout::<Flex>(v, prob, seed, window);
     }
     let Some(x) = f32_values(&v) else {
-        return reference_dropout::<Flex>(v, prob, seed);
+        return reference_dropout::<Flex>(v, prob, seed, window);
     };
     let (keys, threshold, scale) = (
         dropout_keys(seed),
         super::dropout_threshold(prob),
         keep_scale(prob),
     );
+    // A window's rows are runs of consecutive mask indices: one SIMD pass per run.
+    let run = if window.is_whole() {
+        CHUNK
+    } else {
+        window.cols.max(1)
+    };
     let mut out = vec![0.0f32; x.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(x.par_chunks(CHUNK))
+    out.par_chunks_mut(run)
+        .zip(x.par_chunks(run))
         .enumerate()
         .for_each(|(c, (out, x))| {
-            let start = (c * CHUNK) as u32;
+            let start = window.index((c * run) as u64) as u32;
             pulp::Arch::new().dispatch(Dropout {
                 keys,
                 threshold,

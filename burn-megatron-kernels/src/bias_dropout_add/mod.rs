@@ -77,11 +77,73 @@ pub fn dropout_mask<const D: usize>(
     device: &Device,
 ) -> Tensor<D, Bool> {
     let n = shape.iter().product();
-    Tensor::from_data(TensorData::new(keep_values(seed, n, prob), shape), device)
+    Tensor::from_data(
+        TensorData::new(keep_values(seed, n, prob, MaskWindow::WHOLE), shape),
+        device,
+    )
 }
 
-fn keep_values(seed: u64, n: usize, prob: f32) -> Vec<bool> {
-    (0..n).map(|i| dropout_keep(seed, i as u32, prob)).collect()
+fn keep_values(seed: u64, n: usize, prob: f32, window: MaskWindow) -> Vec<bool> {
+    (0..n)
+        .map(|i| dropout_keep(seed, window.index(i as u64) as u32, prob))
+        .collect()
+}
+
+/// Where a tensor's elements sit in a larger tensor whose dropout mask they take, so that a
+/// computation split into blocks (the chunked attention's query chunks) drops exactly the
+/// elements the whole computation would.
+///
+/// The tensor is read as `[outer, rows, cols]` (its trailing `rows · cols` elements per outer
+/// index), the block at rows `row0..row0 + rows` and columns `0..cols` of a larger
+/// `[outer, total_rows, total_cols]` tensor: element `(o, r, c)` takes the mask of the larger
+/// tensor's flat index `(o · total_rows + row0 + r) · total_cols + c`. [`MaskWindow::WHOLE`]
+/// maps every index to itself.
+///
+/// ```
+/// use burn_megatron_kernels::MaskWindow;
+/// // Rows 2..4, columns 0..3 of a [_, 8, 5] tensor.
+/// let w = MaskWindow { rows: 2, cols: 3, total_rows: 8, total_cols: 5, row0: 2 };
+/// assert_eq!(w.index(0), 10); // (0, 0, 0) → (0, 2, 0)
+/// assert_eq!(w.index(4), 16); // (0, 1, 1) → (0, 3, 1)
+/// assert_eq!(w.index(6), 50); // (1, 0, 0) → (1, 2, 0)
+/// assert_eq!(MaskWindow::WHOLE.index(7), 7);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaskWindow {
+    /// Rows of the block.
+    pub rows: usize,
+    /// Columns of the block (its first `cols` columns of the larger tensor).
+    pub cols: usize,
+    /// Rows of the larger tensor per outer index.
+    pub total_rows: usize,
+    /// Columns of the larger tensor.
+    pub total_cols: usize,
+    /// The block's first row.
+    pub row0: usize,
+}
+
+impl MaskWindow {
+    /// The tensor is the whole of the masked tensor.
+    pub const WHOLE: Self = Self {
+        rows: 1,
+        cols: 1,
+        total_rows: 1,
+        total_cols: 1,
+        row0: 0,
+    };
+
+    /// Whether this is [`MaskWindow::WHOLE`] in effect (every index maps to itself).
+    pub fn is_whole(&self) -> bool {
+        self.row0 == 0 && self.cols == self.total_cols && self.rows == self.total_rows
+    }
+
+    /// The larger tensor's flat index of the block's flat element `t`.
+    pub fn index(&self, t: u64) -> u64 {
+        let (cols, rows) = (self.cols.max(1) as u64, self.rows.max(1) as u64);
+        let (row, c) = (t / cols, t % cols);
+        let (o, r) = (row / rows, row % rows);
+        (o * self.total_rows as u64 + self.row0 as u64 + r) * self.total_cols as u64 + c
+    }
 }
 
 /// Bias + dropout + residual add as backend ops: one kernel on Cube backends, Burn's own ops
@@ -102,10 +164,12 @@ pub trait BiasDropoutAddOps: Backend {
         prob: f32,
         seed: u64,
     ) -> FloatTensor<Self>;
-    /// Plain dropout of `v` with `seed`'s mask. Dropout is linear and self-adjoint, so this is
-    /// also its own backward and the backward of [`Self::bias_dropout_add`] with respect to
+    /// Plain dropout of `v` with `seed`'s mask, each element taking the mask of its index under
+    /// `window` ([`MaskWindow::WHOLE`]: its own). Dropout is linear and self-adjoint, so this
+    /// is also its own backward and the backward of [`Self::bias_dropout_add`] with respect to
     /// `x + bias`.
-    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self>;
+    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64, window: MaskWindow)
+    -> FloatTensor<Self>;
 }
 
 /// `1 / (1 − prob)`, the scale of kept values, in f32 as every backend applies it.
@@ -113,14 +177,19 @@ pub(crate) fn keep_scale(prob: f32) -> f32 {
     1.0 / (1.0 - prob)
 }
 
-/// The reference dropout from Burn ops: the host mask uploaded as a bool tensor, then
-/// `mask_fill(v · scale, dropped, 0)`. `prob == 0` returns `v` unchanged.
-pub fn reference_dropout<B: Backend>(v: FloatTensor<B>, prob: f32, seed: u64) -> FloatTensor<B> {
+/// The reference dropout from Burn ops: the host mask (of `window`'s indices) uploaded as a
+/// bool tensor, then `mask_fill(v · scale, dropped, 0)`. `prob == 0` returns `v` unchanged.
+pub fn reference_dropout<B: Backend>(
+    v: FloatTensor<B>,
+    prob: f32,
+    seed: u64,
+    window: MaskWindow,
+) -> FloatTensor<B> {
     if prob == 0.0 {
         return v;
     }
     let shape = v.shape();
-    let dropped: Vec<bool> = keep_values(seed, shape.num_elements(), prob)
+    let dropped: Vec<bool> = keep_values(seed, shape.num_elements(), prob, window)
         .into_iter()
         .map(|keep| !keep)
         .collect();
@@ -144,7 +213,10 @@ pub fn reference_bias_dropout_add<B: Backend>(
     } else {
         x
     };
-    B::float_add(residual, reference_dropout::<B>(v, prob, seed))
+    B::float_add(
+        residual,
+        reference_dropout::<B>(v, prob, seed, MaskWindow::WHOLE),
+    )
 }
 
 impl BiasDropoutAddOps for Flex {
@@ -159,8 +231,13 @@ impl BiasDropoutAddOps for Flex {
         flex::bias_dropout_add(x, bias, has_bias, residual, prob, seed)
     }
 
-    fn dropout(v: FloatTensor<Self>, prob: f32, seed: u64) -> FloatTensor<Self> {
-        flex::dropout(v, prob, seed)
+    fn dropout(
+        v: FloatTensor<Self>,
+        prob: f32,
+        seed: u64,
+        window: MaskWindow,
+    ) -> FloatTensor<Self> {
+        flex::dropout(v, prob, seed, window)
     }
 }
 
@@ -272,5 +349,6 @@ pub fn dropout<const D: usize>(
         x.into_dispatch(),
         prob,
         seed,
+        MaskWindow::WHOLE,
     )))
 }

@@ -111,6 +111,7 @@ fn flex_native_loops_equal_the_reference_bit_for_bit() {
             t(1).into_dispatch(),
             prob,
             seed,
+            burn_megatron_kernels::MaskWindow::WHOLE,
         ));
         assert_eq!(
             to_vec(dropout(t(1), prob, seed).unwrap()),

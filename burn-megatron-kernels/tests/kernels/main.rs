@@ -6,6 +6,7 @@
 mod common;
 
 mod adam;
+mod attention;
 mod bias_dropout_add;
 mod bias_gelu;
 mod cast;

@@ -12,7 +12,7 @@ mod rotary;
 mod transformer;
 
 pub use attention::{
-    AttentionInputs, AttnMaskType, CpAttention, LayerKvCache, ParallelAttention,
+    AttentionInputs, AttnBackend, AttnMaskType, CpAttention, LayerKvCache, ParallelAttention,
     ParallelAttentionConfig,
 };
 pub use bert::{

@@ -14,7 +14,9 @@ use crate::tensor_parallel::{
 use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Tensor};
-use burn_megatron_kernels::{batched_matmul, scaled_masked_softmax};
+use burn_megatron_kernels::{
+    AttentionParams, batched_matmul, chunked_attention, scaled_masked_softmax,
+};
 
 mod context_parallel;
 mod ring;
@@ -26,6 +28,21 @@ pub enum AttnMaskType {
     Padding,
     /// Keys at or before the query's position, and not padded (GPT).
     Causal,
+}
+
+/// How the core attention runs (Megatron's `--attention-backend`, with the backends this
+/// library has).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum AttnBackend {
+    /// Scores, masked softmax, dropout and weighted values as separate products and
+    /// kernels, the `[b, heads, s, sk]` probabilities kept for backward.
+    Unfused,
+    /// `burn_megatron_kernels::chunked_attention`: the same computation a block of
+    /// `attention_query_chunk` query rows at a time, nothing `[b, heads, s, sk]` kept (the
+    /// backward recomputes each block's probabilities), and under a causal mask the key
+    /// blocks no query of a block sees never multiplied. The same results as `Unfused` (the
+    /// same bits in one block on the CPU), at one more score product per block in backward.
+    Chunked,
 }
 
 /// The attention's own part of a [`TransformerLayerConfig`](super::TransformerLayerConfig),
@@ -52,6 +69,15 @@ pub struct ParallelAttentionConfig {
     /// Dropout on the attention probabilities (drawn per TP rank: each holds other heads).
     #[config(default = 0.1)]
     pub attention_dropout: f64,
+    /// How the core attention runs (`--attention-backend`): in training, decoding, and
+    /// context parallelism's all-gather and Ulysses paths alike; the ring exchange
+    /// (`--cp-comm-type p2p`) merges its blocks itself whatever this says.
+    #[config(default = "AttnBackend::Unfused")]
+    pub attention_backend: AttnBackend,
+    /// Query rows per block of [`AttnBackend::Chunked`]: its transient scores are
+    /// `[b, heads / tp, attention_query_chunk, s]`.
+    #[config(default = 128)]
+    pub attention_query_chunk: usize,
 }
 
 /// What every layer of one forward shares besides the hidden states: the padding mask and
@@ -135,6 +161,8 @@ struct CoreAttention {
     head_dim: usize,
     causal: bool,
     attention_dropout: f64,
+    /// Query rows per block when chunked; `None`: unfused.
+    query_chunk: Option<usize>,
 }
 
 impl ParallelAttentionConfig {
@@ -172,6 +200,11 @@ impl ParallelAttentionConfig {
             return Err(TpError::Indivisible(format!(
                 "query groups ({groups}) are not divisible by the tensor-parallel size ({tp}): each rank keeps whole key/value heads"
             )));
+        }
+        if self.attention_query_chunk == 0 {
+            return Err(TpError::Invalid(
+                "attention_query_chunk must be at least 1 query row".into(),
+            ));
         }
         if self.kv_channels.is_none() && !h.is_multiple_of(heads) {
             return Err(TpError::Indivisible(format!(
@@ -221,6 +254,8 @@ impl ParallelAttentionConfig {
                 head_dim: hn,
                 causal: self.attn_mask_type == AttnMaskType::Causal,
                 attention_dropout: self.attention_dropout,
+                query_chunk: (self.attention_backend == AttnBackend::Chunked)
+                    .then_some(self.attention_query_chunk),
             },
             recompute_core_attn: layer.recompute.selects(RecomputeModule::CoreAttn),
         })
@@ -382,10 +417,33 @@ impl CoreAttention {
         rng: Option<&RngTracker>,
     ) -> Tensor<3> {
         let [s, b, np, hn] = q.dims();
+        let scale = 1.0 / (hn as f32).sqrt();
+        if let Some(query_chunk) = self.query_chunk {
+            // Dropout only in training, as `RngTracker::dropout` decides for the unfused path,
+            // and from one seed of this rank's stream, as it draws.
+            let dropout = match rng {
+                Some(rng) if self.attention_dropout > 0.0 && q.is_autodiff() => Some((
+                    self.attention_dropout as f32,
+                    rng.next_seed(RngRegion::TensorModelParallel),
+                )),
+                _ => None,
+            };
+            let (dropout, seed) = dropout.unwrap_or((0.0, 0));
+            let params = AttentionParams {
+                scale,
+                causal,
+                dropout,
+                seed,
+                query_chunk,
+            };
+            return chunked_attention(q.permute([1, 2, 0, 3]), k, v, padding, params)
+                .expect("shapes, masks and dropout are checked at init and by construction")
+                .permute([2, 0, 1, 3])
+                .reshape([s, b, np * hn]);
+        }
         let scores = self.scores(q.permute([1, 2, 0, 3]), k);
         // Scaled, masked keys filled with Megatron's -10000 (fully masked rows stay finite),
         // softmax: one fused kernel on GPUs.
-        let scale = 1.0 / (hn as f32).sqrt();
         let probs = scaled_masked_softmax(scores, padding, scale, causal)
             .expect("scores are [b, heads, s, sk] and the padding [b, sk] by construction");
         self.weighted_values(probs, v, rng)

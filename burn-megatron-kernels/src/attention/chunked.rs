@@ -1,0 +1,284 @@
+//! The chunked schedule, once for every backend: each block of query rows is a handful of
+//! backend ops (two or five batched products, the fused softmax, dropout), with the keys and
+//! values shared by a group's heads read in place.
+
+use super::{AttentionParams, window};
+use crate::{BiasDropoutAddOps, LinearOps, ScaledMaskedSoftmaxOps};
+use burn::backend::TensorMetadata;
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::tensor::{DType, FloatDType, Shape, Slice};
+
+/// What the schedule needs of a backend.
+pub(super) trait Parts: LinearOps + ScaledMaskedSoftmaxOps + BiasDropoutAddOps {}
+
+impl<B: LinearOps + ScaledMaskedSoftmaxOps + BiasDropoutAddOps> Parts for B {}
+
+/// One block: query rows `row0..row0 + rows` and the keys `0..keys` any of them can see.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    row0: usize,
+    rows: usize,
+    keys: usize,
+}
+
+/// The sizes of one call.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    b: usize,
+    heads: usize,
+    groups: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+}
+
+impl Dims {
+    fn of<B: Parts>(q: &FloatTensor<B>, k: &FloatTensor<B>) -> Self {
+        let ([b, heads, sq, d], [_, groups, sk, _]) =
+            (q.shape().dims::<4>(), k.shape().dims::<4>());
+        Self {
+            b,
+            heads,
+            groups,
+            sq,
+            sk,
+            d,
+        }
+    }
+
+    /// The blocks in order. Under the causal mask (`sq ≤ sk`, queries at the last `sq` key
+    /// positions) a block sees the keys up to its last row's position.
+    fn blocks(self, p: &AttentionParams) -> Vec<Block> {
+        let chunk = p.query_chunk.clamp(1, self.sq.max(1));
+        (0..self.sq)
+            .step_by(chunk)
+            .map(|row0| {
+                let rows = chunk.min(self.sq - row0);
+                let keys = match p.causal {
+                    true => row0 + rows + self.sk - self.sq,
+                    false => self.sk,
+                };
+                Block { row0, rows, keys }
+            })
+            .collect()
+    }
+
+    /// `[b, heads, rows, x]` → `[b, groups, heads/groups · rows, x]`: a group's heads' rows
+    /// stacked, so that one product per group serves them all.
+    fn grouped<B: Parts>(self, t: FloatTensor<B>) -> FloatTensor<B> {
+        let [_, _, rows, x] = t.shape().dims::<4>();
+        let per_group = self.heads / self.groups;
+        B::float_reshape(t, Shape::from([self.b, self.groups, per_group * rows, x]))
+    }
+
+    /// The inverse of [`Dims::grouped`].
+    fn per_head<B: Parts>(self, t: FloatTensor<B>, rows: usize) -> FloatTensor<B> {
+        let x = t.shape().dims::<4>()[3];
+        B::float_reshape(t, Shape::from([self.b, self.heads, rows, x]))
+    }
+}
+
+/// `t[:, :, start..start + len, :]`.
+fn rows<B: Parts>(t: &FloatTensor<B>, start: usize, len: usize) -> FloatTensor<B> {
+    if start == 0 && len == t.shape().dims::<4>()[2] {
+        return t.clone();
+    }
+    let all = || Slice::from(..);
+    B::float_slice(
+        t.clone(),
+        &[all(), all(), Slice::from(start..start + len), all()],
+    )
+}
+
+/// `t`'s last two dims swapped (a view).
+fn transposed<B: Parts>(t: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_swap_dims(t, 2, 3)
+}
+
+/// One block's forward up to the probabilities.
+struct Probs<B: Parts> {
+    /// The block's queries, grouped.
+    q: FloatTensor<B>,
+    /// The keys and values the block sees.
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    /// Their padding.
+    pad: BoolTensor<B>,
+    /// Softmax output `[b, heads, rows, keys]`, before dropout.
+    probs: FloatTensor<B>,
+    /// After dropout (the same tensor without it).
+    dropped: FloatTensor<B>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn probs<B: Parts>(
+    dims: Dims,
+    block: Block,
+    q: &FloatTensor<B>,
+    k: &FloatTensor<B>,
+    v: &FloatTensor<B>,
+    pad: &BoolTensor<B>,
+    padded: bool,
+    p: &AttentionParams,
+) -> Probs<B> {
+    let Block { row0, rows, keys } = block;
+    let q = dims.grouped::<B>(self::rows::<B>(q, row0, rows));
+    let (k, v) = (self::rows::<B>(k, 0, keys), self::rows::<B>(v, 0, keys));
+    let pad = match padded && keys < dims.sk {
+        true => B::bool_slice(pad.clone(), &[Slice::from(..), Slice::from(0..keys)]),
+        false => pad.clone(),
+    };
+    let scores = B::batched_matmul(q.clone(), transposed::<B>(k.clone()));
+    let scores = dims.per_head::<B>(scores, rows);
+    let probs = B::scaled_masked_softmax(scores, pad.clone(), padded, p.scale, p.causal);
+    let dropped = match p.dropout > 0.0 {
+        true => B::dropout(
+            probs.clone(),
+            p.dropout,
+            p.seed,
+            window(row0, rows, keys, dims.sq, dims.sk),
+        ),
+        false => probs.clone(),
+    };
+    Probs {
+        q,
+        k,
+        v,
+        pad,
+        probs,
+        dropped,
+    }
+}
+
+/// The attention output `[b, heads, sq, d]`.
+pub(super) fn forward<B: Parts>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    pad: BoolTensor<B>,
+    padded: bool,
+    p: AttentionParams,
+) -> FloatTensor<B> {
+    let dims = Dims::of::<B>(&q, &k);
+    let mut outs: Vec<_> = dims
+        .blocks(&p)
+        .into_iter()
+        .map(|block| {
+            let Probs { v, dropped, .. } = probs::<B>(dims, block, &q, &k, &v, &pad, padded, &p);
+            let out = B::batched_matmul(dims.grouped::<B>(dropped), v);
+            dims.per_head::<B>(out, block.rows)
+        })
+        .collect();
+    match outs.len() {
+        1 => outs.pop().expect("one block"),
+        _ => B::float_cat(outs, 2),
+    }
+}
+
+/// Sums blocks' key or value gradients `[b, groups, keys, d]` (keys growing under a causal
+/// mask) into one `[b, groups, sk, d]`: a single block's as it is, several in f32 (f64 for
+/// f64).
+struct KeyGrad<B: Parts> {
+    sum: Option<FloatTensor<B>>,
+    blocks: usize,
+}
+
+impl<B: Parts> KeyGrad<B> {
+    fn new(blocks: usize) -> Self {
+        Self { sum: None, blocks }
+    }
+
+    fn add(&mut self, part: FloatTensor<B>, dims: Dims) {
+        if self.blocks == 1 && part.shape().dims::<4>()[2] == dims.sk {
+            self.sum = Some(part);
+            return;
+        }
+        let wide = match part.dtype() {
+            DType::F64 => FloatDType::F64,
+            _ => FloatDType::F32,
+        };
+        let part = match part.dtype() == DType::from(wide) {
+            true => part,
+            false => B::float_cast(part, wide),
+        };
+        let keys = part.shape().dims::<4>()[2];
+        let sum = self.sum.take().unwrap_or_else(|| {
+            let shape = Shape::from([dims.b, dims.groups, dims.sk, dims.d]);
+            B::float_zeros(shape, &part.device(), wide)
+        });
+        self.sum = Some(match keys == dims.sk {
+            true => B::float_add(sum, part),
+            false => {
+                let all = || Slice::from(..);
+                let range = [all(), all(), Slice::from(0..keys), all()];
+                let head = B::float_add(B::float_slice(sum.clone(), &range), part);
+                B::float_slice_assign(sum, &range, head)
+            }
+        });
+    }
+
+    /// The sum in `dtype`.
+    fn finish(self, dtype: DType) -> FloatTensor<B> {
+        let sum = self.sum.expect("at least one block: sq ≥ 1 is checked");
+        match sum.dtype() == dtype {
+            true => sum,
+            false => B::float_cast(sum, FloatDType::from(dtype)),
+        }
+    }
+}
+
+/// `(dq, dk, dv)`: per block, the probabilities again, then the products of the unfused
+/// composition's backward (`dv = Pᵀ·dO`, `dP = dO·vᵀ` through dropout, the softmax's
+/// backward, `dq = dS·k`, `dkᵀ = qᵀ·dS`).
+pub(super) fn backward<B: Parts>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    pad: BoolTensor<B>,
+    padded: bool,
+    grad: FloatTensor<B>,
+    p: AttentionParams,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let dims = Dims::of::<B>(&q, &k);
+    let dtype = k.dtype();
+    let blocks = dims.blocks(&p);
+    let (mut dk, mut dv) = (
+        KeyGrad::<B>::new(blocks.len()),
+        KeyGrad::<B>::new(blocks.len()),
+    );
+    let mut dq = Vec::with_capacity(blocks.len());
+    for block in blocks {
+        let Block { row0, rows, keys } = block;
+        let parts = probs::<B>(dims, block, &q, &k, &v, &pad, padded, &p);
+        let grad = dims.grouped::<B>(self::rows::<B>(&grad, row0, rows));
+        let dropped = dims.grouped::<B>(parts.dropped);
+        dv.add(
+            B::batched_matmul(transposed::<B>(dropped), grad.clone()),
+            dims,
+        );
+        let d_dropped = B::batched_matmul(grad, transposed::<B>(parts.v));
+        let mut d_probs = dims.per_head::<B>(d_dropped, rows);
+        if p.dropout > 0.0 {
+            let window = window(row0, rows, keys, dims.sq, dims.sk);
+            d_probs = B::dropout(d_probs, p.dropout, p.seed, window);
+        }
+        let d_scores = B::scaled_masked_softmax_backward(
+            parts.probs,
+            d_probs,
+            parts.pad,
+            padded,
+            p.scale,
+            p.causal,
+        );
+        let d_scores = dims.grouped::<B>(d_scores);
+        let dq_block = B::batched_matmul(d_scores.clone(), parts.k);
+        dq.push(dims.per_head::<B>(dq_block, rows));
+        let dk_t = B::batched_matmul(transposed::<B>(parts.q), d_scores);
+        dk.add(transposed::<B>(dk_t), dims);
+    }
+    let dq = match dq.len() {
+        1 => dq.pop().expect("one block"),
+        _ => B::float_cat(dq, 2),
+    };
+    (dq, dk.finish(dtype), dv.finish(dtype))
+}
