@@ -219,11 +219,12 @@ run_nccl() {
 
 # The speed benchmark: PyTorch's bf16 steps of the same models and cuBLAS's GEMM rate
 # (scripts/torch_ref/torch_gpu_ref.py), our steps with each gpu_check in the payload (plain,
-# and with Burn's autotune when built with GPU_CHECK_AUTOTUNE=1), each with its GEMM engines
-# and stream orders in turn (gpu_check's --bf16-variants: cuBLASLt ordered on the device,
-# cuBLASLt ordered by host syncs, cubek), one CubeCL-profiled run of the plain build's GPT
+# and with Burn's autotune when built with GPU_CHECK_AUTOTUNE=1), each with its GEMM engines,
+# attention backends and stream orders in turn (gpu_check's --bf16-variants: cuBLASLt ordered
+# on the device, the same with the chunked attention, cuBLASLt ordered by host syncs, cubek;
+# the autotuned build only the first, autotune being cubek's), one CubeCL-profiled run of the plain build's GPT
 # (GPU_BENCH_PROFILE=0 skips it), and the table (scripts/gpu_bench.py) last. Bounded to 540 s
-# in all (150 + 180 + 80 + 120 + 10 at most).
+# in all (150 + 220 + 80 + 80 + 10 at most).
 run_bench() {
   unpack
   find_libraries
@@ -237,8 +238,8 @@ run_bench() {
     { echo "PyTorch's run printed no timings:"; tail -3 "$logs/torch.log"; }
   local variant binary variants limit
   for variant in plain autotune; do
-    binary=$bin/gpu_check variants=cublaslt,host-order,cubecl limit=180
-    [ "$variant" = autotune ] && binary=$bin/gpu_check_autotune variants=cublaslt,cubecl limit=120
+    binary=$bin/gpu_check variants=cublaslt,chunked,host-order,cubecl limit=220
+    [ "$variant" = autotune ] && binary=$bin/gpu_check_autotune variants=cublaslt limit=80
     [ -x "$binary" ] || continue
     echo "== ours ($variant: $variants)"
     timeout $limit "$binary" bf16 --bf16-variants $variants --out "$logs" \

@@ -16,8 +16,8 @@
 //! schedule's op order, as `forward_backward_func` runs it. Under context parallelism a rank
 //! holds `1/CP` of the tokens, and attention what its comm type keeps (`attention_kept`).
 
-use crate::pretrain::{Args as BertArgs, CpCommType, GptArgs, TrainArgs};
-use burn_megatron::models::{NormKind, PositionEmbeddingType};
+use crate::pretrain::{Args as BertArgs, AttentionBackend, CpCommType, GptArgs, TrainArgs};
+use burn_megatron::models::{AttnBackend, NormKind, PositionEmbeddingType};
 use burn_megatron::pipeline::{Pass, PipelineSchedule};
 use burn_megatron::recompute::{RecomputeConfig, RecomputeGranularity, RecomputeModule};
 use burn_megatron::tensor_parallel::padded_vocab_size;
@@ -53,6 +53,9 @@ pub struct Setup {
     seq: usize,
     micro_batch: usize,
     attention_dropout: bool,
+    /// `--attention-backend chunked`: the probabilities are recomputed per query block in
+    /// backward, not kept (the ring's blocks keep what they keep whatever this says).
+    chunked_attention: bool,
     tp: usize,
     pp: usize,
     vp: usize,
@@ -136,6 +139,7 @@ impl Setup {
             seq: a.seq_length,
             micro_batch: a.micro_batch_size,
             attention_dropout: t.attention.attention_dropout > 0.0,
+            chunked_attention: t.attention.attention_backend == AttnBackend::Chunked,
             tp: a.tensor_model_parallel_size,
             pp: a.pipeline_model_parallel_size,
             vp: a.num_model_chunks(),
@@ -188,6 +192,7 @@ impl Setup {
             seq: s,
             micro_batch: b,
             attention_dropout: a.attention_dropout > 0.0,
+            chunked_attention: a.attention_backend == AttentionBackend::Chunked,
             tp: a.tensor_model_parallel_size,
             pp: a.pipeline_model_parallel_size,
             vp: a.num_model_chunks(),
@@ -234,6 +239,9 @@ impl Setup {
             // The region keeps its input, this rank's projections.
             let heads = ((self.heads + 2 * self.groups) * self.hn) as u64 / t;
             (tokens * heads, 0)
+        } else if self.chunked_attention && (self.cp == 1 || self.cp_comm != CpCommType::P2p) {
+            // The op keeps its inputs; a block's scores live only while it runs.
+            (queries + kv, 0)
         } else {
             let dropout = if self.attention_dropout { 2 } else { 1 };
             (queries + kv, scores * dropout)

@@ -211,6 +211,10 @@ fn bad_flags_are_refused_before_any_work_naming_them() {
             &["--norm-epsilon", "inf"][..],
             "--norm-epsilon must be a finite number > 0",
         ),
+        (
+            &["--attention-query-chunk", "0"][..],
+            "--attention-query-chunk must be at least 1",
+        ),
         // A byte-level BPE cannot be smaller; it once trained 257 tokens silently.
         (
             &["--vocab-size", "1"][..],
@@ -320,6 +324,17 @@ fn the_plan_predicts_each_ranks_measured_peak() {
         let summary = run_gpt(&args).unwrap();
         check_peaks(&format!("CP 2 {comm}"), &stages, summary.peaks);
     }
+    // The chunked attention keeps no scores: the TP 2 layout again, in blocks of 64 rows.
+    let chunked = [
+        "--attention-backend",
+        "chunked",
+        "--attention-query-chunk",
+        "64",
+    ];
+    let chunked = args(&[&model[..], layouts[0], &chunked[..]].concat(), &dir);
+    let stages = Setup::new(&chunked, 591).unwrap().plan().unwrap();
+    let summary = run_gpt(&chunked).unwrap();
+    check_peaks("TP 2 chunked attention", &stages, summary.peaks);
     // BERT (post-LayerNorm, the MLM head on the masked positions) on a pipeline.
     let bert_flags = [
         "--num-layers",

@@ -10,8 +10,8 @@
 //!   seq 512) and of a Llama-style GPT (12 layers, hidden 2048, GQA, SwiGLU) on CUDA:
 //!   TFLOP/s, the fraction of the H200's dense bf16 peak and the device memory in use; on the
 //!   CPU small models' bf16 steps, so that the paths run here too. `--bf16-models gpt` runs
-//!   one; `--bf16-variants cublaslt,cubecl,host-order` times each GEMM engine and stream
-//!   order, with the GEMMs and synchronisations per step.
+//!   one; `--bf16-variants cublaslt,chunked,cubecl,host-order` times each GEMM engine,
+//!   attention backend and stream order, with the GEMMs and synchronisations per step.
 //! - `nccl`: a one-rank NCCL world: its collectives against their closed forms.
 //!
 //! ```text
@@ -44,8 +44,8 @@ struct Args {
     bf16_models: Vec<String>,
     /// The bf16 check's GEMM engines and stream orders on CUDA, each timed in turn in this
     /// process: `default` (as the environment says), `cublaslt` (cuBLASLt, ordered on the
-    /// device), `host-order` (cuBLASLt, ordered by host synchronisations), `cubecl` (cubek's
-    /// matmul, as Burn runs it).
+    /// device), `chunked` (that, with `--attention-backend chunked`), `host-order` (cuBLASLt,
+    /// ordered by host synchronisations), `cubecl` (cubek's matmul, as Burn runs it).
     #[arg(long, value_delimiter = ',', default_values_t = ["default".to_string()])]
     bf16_variants: Vec<String>,
 }

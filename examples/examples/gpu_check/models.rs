@@ -216,7 +216,7 @@ fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
 /// timed after two warm-up steps (which compile the kernels): TFLOP/s and the fraction of
 /// the H200's dense bf16 peak.
 pub fn bf16_step(report: &mut Report, out: &Path, families: &[String], variants: &[String]) {
-    let known = ["default", "cublaslt", "host-order", "cubecl"];
+    let known = ["default", "cublaslt", "chunked", "host-order", "cubecl"];
     if let Some(bad) = variants.iter().find(|v| !known.contains(&v.as_str())) {
         report.fail(
             "bf16 variants",
@@ -245,7 +245,7 @@ fn set_variant(variant: &str) -> bool {
         use burn_megatron::cuda::order::{StreamOrder, set_stream_order};
         use burn_megatron::cuda::set_cublaslt;
         let (gemm, order) = match variant {
-            "cublaslt" => (Some(true), Some(StreamOrder::Device)),
+            "cublaslt" | "chunked" => (Some(true), Some(StreamOrder::Device)),
             "host-order" => (Some(true), Some(StreamOrder::Host)),
             "cubecl" => (Some(false), None),
             _ => (None, None),
@@ -326,6 +326,11 @@ fn bf16_variant(report: &mut Report, out: &Path, families: &[String], variant: &
         argv.extend(common(device, BF16_STEPS, &plot));
         argv.extend(shape(layers, hidden, heads, seq, micro));
         argv.extend(m.flags.iter().cloned());
+        if variant == "chunked" {
+            // Blocks of 128 query rows: at seq 512 the causal GPT multiplies 5/8 of the
+            // scores' keys, BERT all of them, and neither keeps its probabilities.
+            argv.extend(["--attention-backend", "chunked"].map(String::from));
+        }
         argv.extend(
             [
                 "--bf16",

@@ -5,6 +5,7 @@ use super::device::TrainDevice;
 use burn_megatron::checkpoint::{CheckpointIndex, committed_dir, latest_loadable_checkpoint};
 use burn_megatron::data::BatchLayout;
 use burn_megatron::launch::DistributedBackend;
+use burn_megatron::models::AttnBackend;
 use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
 use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::recompute::{
@@ -88,6 +89,26 @@ pub enum CpCommType {
     P2p,
     /// Ulysses: all-to-alls trade tokens for heads, attention sees the whole sequence.
     A2a,
+}
+
+/// Megatron's `--attention-backend`, with the backends this library has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionBackend {
+    /// Scores, softmax, dropout and weighted values as separate products and kernels; the
+    /// `[b, heads, s, s]` probabilities kept for backward.
+    Unfused,
+    /// A block of `--attention-query-chunk` query rows at a time, the probabilities
+    /// recomputed in backward: nothing `[b, heads, s, s]` kept.
+    Chunked,
+}
+
+impl From<AttentionBackend> for AttnBackend {
+    fn from(b: AttentionBackend) -> Self {
+        match b {
+            AttentionBackend::Unfused => AttnBackend::Unfused,
+            AttentionBackend::Chunked => AttnBackend::Chunked,
+        }
+    }
 }
 
 /// Megatron's `--recompute-granularity`.
@@ -270,6 +291,13 @@ pub struct TrainArgs {
     /// Attention-probability dropout.
     #[arg(long, default_value_t = 0.1)]
     pub attention_dropout: f64,
+    /// How the core attention runs.
+    #[arg(long, value_enum, default_value_t = AttentionBackend::Unfused)]
+    pub attention_backend: AttentionBackend,
+    /// Query rows per block of `--attention-backend chunked` (its transient scores are
+    /// `[micro-batch, heads / TP, rows, seq]`).
+    #[arg(long, default_value_t = 128)]
+    pub attention_query_chunk: usize,
     /// Standard deviation of the normal weight initialisation.
     #[arg(long, default_value_t = 0.02)]
     pub init_method_std: f64,
@@ -568,6 +596,7 @@ impl TrainArgs {
             ("--num-attention-heads", self.num_attention_heads),
             ("--seq-length", self.seq_length),
             ("--micro-batch-size", self.micro_batch_size),
+            ("--attention-query-chunk", self.attention_query_chunk),
         ] {
             if value == 0 {
                 return Err(format!("{flag} must be at least 1"));

@@ -44,7 +44,9 @@ impl Args {
     pub fn model_config(&self, vocab_size: usize) -> BertConfig {
         let a = &self.train;
         let attention = ParallelAttentionConfig::new(a.num_attention_heads)
-            .with_attention_dropout(a.attention_dropout);
+            .with_attention_dropout(a.attention_dropout)
+            .with_attention_backend(a.attention_backend.into())
+            .with_attention_query_chunk(a.attention_query_chunk);
         let mlp = ParallelMlpConfig::new(a.ffn_hidden_size.unwrap_or(4 * a.hidden_size));
         let transformer = TransformerLayerConfig::new(a.hidden_size, attention, mlp)
             .with_hidden_dropout(a.hidden_dropout)

@@ -186,6 +186,8 @@ impl GptArgs {
         Ok(base
             .map_transformer(|mut t| {
                 t.attention.attention_dropout = a.attention_dropout;
+                t.attention.attention_backend = a.attention_backend.into();
+                t.attention.attention_query_chunk = a.attention_query_chunk;
                 t.with_hidden_dropout(a.hidden_dropout)
                     .with_sequence_parallel(a.sequence_parallel)
                     .with_recompute(a.recompute())

@@ -19,7 +19,8 @@ mod spans;
 mod train;
 
 pub use args::{
-    CpCommType, DecayStyle, Domain, Granularity, Method, TrainArgs, WdIncr, check_float,
+    AttentionBackend, CpCommType, DecayStyle, Domain, Granularity, Method, TrainArgs, WdIncr,
+    check_float,
 };
 pub use bert::{Args, run};
 pub use gpt::{GptArgs, PositionEmbedding, run_gpt, run_gpt_learner};
