@@ -110,7 +110,17 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, comm_type: CpCommType
 }
 
 fn check(name: &str, config: &GptConfig, layouts: &[(usize, usize, bool)]) {
-    let one = run(config, 1, 1, false, CpCommType::AllGather).remove(0);
+    check_against(name, config, config, layouts)
+}
+
+/// `config` at each layout and comm type against `reference` on one rank.
+fn check_against(
+    name: &str,
+    reference: &GptConfig,
+    config: &GptConfig,
+    layouts: &[(usize, usize, bool)],
+) {
+    let one = run(reference, 1, 1, false, CpCommType::AllGather).remove(0);
     assert!(
         one.losses[STEPS - 1] < one.losses[0] - 0.1,
         "{name}: {:?}",
@@ -143,6 +153,19 @@ fn llama_style_gpt_with_context_parallelism_matches_one_rank() {
         &llama(2, SEQ),
         &[(1, 2, false), (1, 4, false), (2, 2, true)],
     );
+}
+
+/// The chunked attention (blocks of 3 rows) in CP's all-gather and Ulysses paths (the ring
+/// keeps its own blocks), against one rank's unfused attention.
+#[test]
+fn chunked_attention_under_context_parallelism_matches_one_unfused_rank() {
+    let unfused = llama(2, SEQ);
+    let chunked = (unfused.clone()).map_transformer(|mut t| {
+        t.attention.attention_backend = burn_megatron::models::AttnBackend::Chunked;
+        t.attention.attention_query_chunk = 3;
+        t
+    });
+    check_against("llama chunked", &unfused, &chunked, &[(1, 2, false)]);
 }
 
 #[test]

@@ -22,6 +22,7 @@ use crate::recompute::{RecomputeOps, Region, Replayed};
 use crate::tensor_parallel::{RngRegion, RngTracker};
 use burn::backend::Dispatch;
 use burn::tensor::{Bool, Device, DispatchTensor, Tensor, TensorData};
+use burn_megatron_kernels::batched_matmul;
 use std::time::Instant;
 
 /// Scores of masked keys, as Megatron fills them (fully masked rows stay finite).
@@ -118,10 +119,7 @@ impl Ring {
 
     /// A block's scaled, masked scores `[b, groups, qpg·L, L]`.
     fn scores(&self, q: &Tensor<4>, k: &Tensor<4>, mask: &Option<Tensor<4, Bool>>) -> Tensor<4> {
-        let s = q
-            .clone()
-            .matmul(k.clone().swap_dims(2, 3))
-            .mul_scalar(self.scale());
+        let s = batched_matmul(q.clone(), k.clone().swap_dims(2, 3)).mul_scalar(self.scale());
         match mask {
             Some(m) => s.mask_fill(m.clone(), MASKED),
             None => s,
@@ -199,7 +197,7 @@ impl Ring {
                     Some(m) => p * m,
                     None => p,
                 };
-                let o = p.matmul(v);
+                let o = batched_matmul(p, v);
                 acc[qh] = Some(match (acc[qh].take(), scale) {
                     (Some((_, l0, o0)), Some(a)) => (max, l0 * a.clone() + sum, o0 * a + o),
                     _ => (max, sum, o),
@@ -258,8 +256,11 @@ impl Ring {
                     Some(m) => p.clone() * m.clone(),
                     None => p.clone(),
                 };
-                add(&mut dv[kh], kept.swap_dims(2, 3).matmul(dout[qh].clone()));
-                let mut dp = dout[qh].clone().matmul(v.swap_dims(2, 3));
+                add(
+                    &mut dv[kh],
+                    batched_matmul(kept.swap_dims(2, 3), dout[qh].clone()),
+                );
+                let mut dp = batched_matmul(dout[qh].clone(), v.swap_dims(2, 3));
                 if let Some(m) = drop {
                     dp = dp * m;
                 }
@@ -268,8 +269,11 @@ impl Ring {
                     ds = ds.mask_fill(m, 0.0);
                 }
                 let ds = ds.mul_scalar(self.scale());
-                add(&mut dq[qh], ds.clone().matmul(k));
-                add(&mut dk[kh], ds.swap_dims(2, 3).matmul(q[qh].clone()));
+                add(&mut dq[qh], batched_matmul(ds.clone(), k));
+                add(
+                    &mut dk[kh],
+                    batched_matmul(ds.swap_dims(2, 3), q[qh].clone()),
+                );
             }
             // This step's share of the gradient of `source`'s block, in its layout.
             let zeros = || Tensor::<4>::zeros([l, b, ng, hn], &self.device);
