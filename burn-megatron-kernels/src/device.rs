@@ -1,7 +1,63 @@
 //! The wgpu device for kernel tests and benchmarks: Vulkan on the CPU adapter (Mesa's
 //! lavapipe where no GPU is present), opened once per process.
 
-use burn::tensor::Device;
+use burn::tensor::kind::Basic;
+use burn::tensor::{Device, Tensor, TensorData};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Host reads of tensors through [`ReadBack`], this process's threads together.
+static HOST_READS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// The same, this thread's alone.
+    static THREAD_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// A tensor read back to the host, counted: on a GPU the host waits for every kernel
+/// queued before the read, so each one inside a training step stalls the launch queue.
+/// The library's reads inside a step all go through here (the loss of each micro-batch,
+/// the index checks, the grad norm and inf/NaN check, and the collectives staged through
+/// host memory), so that [`host_reads`] counts the step's synchronisations.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron_kernels::device::{ReadBack, host_reads};
+/// let before = host_reads();
+/// let data = Tensor::<1>::ones([3], &Device::flex()).read_back();
+/// assert_eq!(data.num_elements(), 3);
+/// assert!(host_reads() > before);
+/// assert_eq!(burn_megatron_kernels::device::thread_host_reads(), 1);
+/// ```
+pub trait ReadBack {
+    /// `into_data`, counted in [`host_reads`].
+    fn read_back(self) -> TensorData;
+}
+
+impl<const D: usize, K: Basic> ReadBack for Tensor<D, K> {
+    fn read_back(self) -> TensorData {
+        count_host_read();
+        self.into_data()
+    }
+}
+
+/// Counts a host read made below the tensor API (a backend tensor read inside an autodiff
+/// op: the tensor-parallel mappings' collectives staged through host memory).
+pub fn count_host_read() {
+    HOST_READS.fetch_add(1, Ordering::Relaxed);
+    THREAD_READS.with(|n| n.set(n.get() + 1));
+}
+
+/// Reads through [`ReadBack`] by this thread so far: one rank's, when ranks are threads
+/// (a rank's step reads on its own thread: its forward, backward and optimizer step).
+pub fn thread_host_reads() -> u64 {
+    THREAD_READS.with(|n| n.get())
+}
+
+/// Reads through [`ReadBack`] so far, over every thread of this process (every rank, when
+/// ranks are threads).
+pub fn host_reads() -> u64 {
+    HOST_READS.load(Ordering::Relaxed)
+}
 
 /// The CPU-kind Vulkan wgpu device, or why there is none: no Vulkan driver, or this build
 /// lacks the `wgpu` feature. Opening a wgpu device twice fails, so the result is cached.

@@ -219,7 +219,9 @@ impl<B: Parts> KeyGrad<B> {
 
     /// The sum in `dtype`.
     fn finish(self, dtype: DType) -> FloatTensor<B> {
-        let sum = self.sum.expect("at least one block: sq ≥ 1 is checked");
+        let sum = self
+            .sum
+            .expect("at least one block: an empty sequence is refused");
         match sum.dtype() == dtype {
             true => sum,
             false => B::float_cast(sum, FloatDType::from(dtype)),

@@ -161,7 +161,7 @@ impl ChunkedAttentionOps for burn_cubecl::CubeBackend {
 ///
 /// [`KernelError::Shape`] when the shapes or dtypes disagree (batch, head dim, groups not
 /// dividing heads, `k` and `v` unequal, padding not `[b, sk]`, or a causal mask with more
-/// queries than keys); [`KernelError::Argument`] for a non-finite scale, a dropout outside
+/// queries than keys) or a dimension is empty; [`KernelError::Argument`] for a non-finite scale, a dropout outside
 /// `[0, 1)` or a zero chunk; [`KernelError::Unsupported`] for dropout over more than 2³²
 /// probabilities (the mask index is 32-bit).
 ///
@@ -216,7 +216,13 @@ fn check(
             shapes()
         )));
     }
-    if groups == 0 || !heads.is_multiple_of(groups) {
+    if [b, heads, sq, d, groups, sk].contains(&0) {
+        return Err(KernelError::Shape(format!(
+            "attention over an empty dimension: {}",
+            shapes()
+        )));
+    }
+    if !heads.is_multiple_of(groups) {
         return Err(KernelError::Shape(format!(
             "the key/value groups must divide the query heads: {}",
             shapes()

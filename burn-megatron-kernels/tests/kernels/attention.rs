@@ -313,6 +313,14 @@ fn bad_inputs_are_refused_before_any_work() {
         attend(t(q), t([2, 2, 3, 8]), t([2, 2, 3, 8]), None, ok),
         "batches differ",
     );
+    shape(
+        attend(t([1, 4, 0, 8]), t(kv), t(kv), None, ok),
+        "no queries",
+    );
+    shape(
+        attend(t(q), t([1, 2, 0, 8]), t([1, 2, 0, 8]), None, ok),
+        "no keys",
+    );
     let pad = Tensor::<2, Bool>::empty([1, 4], &device);
     shape(
         attend(t(q), t(kv), t(kv), Some(pad), ok),

@@ -19,6 +19,7 @@
 use super::{Buffer, CommError, Communicator, ReduceOp, buffer::with_vec};
 use burn::tensor::kind::Basic;
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
+use burn_megatron_kernels::device::ReadBack;
 
 /// An `InvalidArgument` error of `op` on `comm`'s group.
 pub(crate) fn invalid(
@@ -39,7 +40,7 @@ pub fn tensor_to_buffer<const D: usize, K: Basic>(
     op: &'static str,
     tensor: Tensor<D, K>,
 ) -> Result<Buffer, CommError> {
-    data_to_buffer(tensor.into_data()).map_err(|reason| invalid(comm, op, reason))
+    data_to_buffer(tensor.read_back()).map_err(|reason| invalid(comm, op, reason))
 }
 
 /// Converts tensor data to a flat buffer of the same dtype.

@@ -11,6 +11,7 @@ use crate::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 
 /// Groups parameters (with their element counts, in module order) into buckets: in reverse
 /// order, as gradients become ready in backward, a bucket closing once it holds at least
@@ -57,7 +58,7 @@ fn take_grad(
     };
     let (dtype, device) = (g.dtype(), g.device());
     let g = if fp32 { g.cast(DType::F32) } else { g };
-    let buf = data_to_buffer(g.into_data()).map_err(|reason| CommError::InvalidArgument {
+    let buf = data_to_buffer(g.read_back()).map_err(|reason| CommError::InvalidArgument {
         group: comm.group().to_string(),
         op: "all_reduce",
         reason,

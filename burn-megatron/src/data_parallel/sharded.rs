@@ -16,6 +16,7 @@ use crate::param_grads::{put_flat, take_flat};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 
 /// Reduces every bucket of `plan` over `dp` (averaged by default): reduce-scattered, or
 /// all-reduced for tied parameters. Returns the number of collectives issued.
@@ -70,7 +71,7 @@ pub(super) fn reduce_scatter_with(
             } else {
                 g
             };
-            flat.write_at(p.offset, &data_to_buffer(g.into_data()).map_err(invalid)?);
+            flat.write_at(p.offset, &data_to_buffer(g.read_back()).map_err(invalid)?);
         }
         // Every rank reduces every bucket, gradients or not, so the calls match.
         let (reduced, base) = if bucket.all_reduced {

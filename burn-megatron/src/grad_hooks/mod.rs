@@ -15,6 +15,7 @@ pub use ops::GradHookOps;
 use burn::backend::Dispatch;
 use burn::module::{Param, ParamId};
 use burn::tensor::Tensor;
+use burn_megatron_kernels::device::ReadBack;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -259,7 +260,7 @@ pub(crate) fn deliver_formed<const D: usize>(param: &Param<Tensor<D>>, grad: &Te
         target,
         id: param.id,
     };
-    hook.deliver(|| grad.clone().into_data().iter::<f32>().collect());
+    hook.deliver(|| grad.clone().read_back().iter::<f32>().collect());
 }
 
 /// Keeps a sink active on this thread; dropping it deactivates.

@@ -11,6 +11,7 @@ use crate::comm::{Comm, CommunicatorExt, ReduceOp};
 use crate::tensor_parallel::TpError;
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn_megatron_kernels::device::ReadBack;
 
 /// Per expert, its tokens with the index of their weight (`None`: a padding token).
 pub type Assignments = Vec<Vec<(usize, Option<usize>)>>;
@@ -132,7 +133,7 @@ pub fn route(
         probs = probs * factor;
     }
     let experts: Vec<usize> = indices
-        .into_data()
+        .read_back()
         .convert::<i64>()
         .iter::<i64>()
         .map(|i| i as usize)
@@ -203,7 +204,7 @@ fn assign(
     let values: Vec<f32> = match config.moe_token_drop_policy {
         DropPolicy::Probs => probs
             .clone()
-            .into_data()
+            .read_back()
             .convert::<f32>()
             .try_into_vec::<f32>()
             .map_err(|e| TpError::Invalid(format!("reading the router's probabilities: {e:?}")))?,

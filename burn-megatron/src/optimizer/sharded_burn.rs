@@ -13,6 +13,7 @@ use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{Bytes, DType, Tensor, TensorData};
+use burn_megatron_kernels::device::ReadBack;
 use burn_megatron_kernels::multi_tensor_sum_of_squares;
 use std::collections::HashMap;
 
@@ -133,7 +134,7 @@ impl ShardedBurn {
                 NormType::L2 if counted.is_empty() => 0.0,
                 NormType::L2 => multi_tensor_sum_of_squares(&counted)
                     .expect("the gradients of one module share a device")
-                    .into_data()
+                    .read_back()
                     .iter::<f32>()
                     .map(f64::from)
                     .sum(),

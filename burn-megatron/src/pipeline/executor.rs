@@ -9,6 +9,7 @@ use crate::grad_hooks::GradSync;
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -265,7 +266,7 @@ where
                         let value = loss
                             .clone()
                             .cast(DType::F32)
-                            .into_data()
+                            .read_back()
                             .iter::<f32>()
                             .next()
                             .map_or(f64::NAN, f64::from);

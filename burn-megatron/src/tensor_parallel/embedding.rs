@@ -13,6 +13,7 @@ use burn::module::{Module, Param};
 use burn::nn::Embedding;
 use burn::tensor::module::embedding;
 use burn::tensor::{Device, Int, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 
 /// Configuration of a [`VocabParallelEmbedding`].
 #[derive(Config, Debug)]
@@ -180,7 +181,7 @@ pub(crate) fn check_index_range(
     }
     // Both extremes in one read-back (a device sync on GPUs).
     let extremes = Tensor::cat(vec![index.clone().min(), index.clone().max()], 0);
-    let extremes: Vec<i64> = extremes.into_data().iter::<i64>().collect();
+    let extremes: Vec<i64> = extremes.read_back().iter::<i64>().collect();
     let (lo, hi) = (extremes[0], extremes[1]);
     let bad = if lo < 0 { lo } else { hi };
     if lo < 0 || hi >= limit as i64 {

@@ -18,6 +18,7 @@ use burn_megatron::models::{
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
 use burn_megatron::tensor_parallel::{MasterInit, RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
+use burn_megatron_kernels::device::ReadBack;
 use clap::Parser;
 use std::ops::Range;
 use std::sync::Arc;
@@ -139,7 +140,7 @@ struct BertFamily {
 }
 
 fn scalar(t: Tensor<1>) -> f64 {
-    t.into_data()
+    t.read_back()
         .iter::<f32>()
         .next()
         .map_or(f64::NAN, f64::from)

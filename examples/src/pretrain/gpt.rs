@@ -27,6 +27,7 @@ use burn_megatron::moe::{MoeConfig, MoeLayerStats};
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
 use burn_megatron::tensor_parallel::{MasterInit, RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
+use burn_megatron_kernels::device::ReadBack;
 use clap::{Parser, ValueEnum};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -400,7 +401,12 @@ impl Family for GptFamily {
                         s.model.loss_cp(logits, b.labels, b.loss_mask, cp)? * cp.size() as f32
                     }
                 };
-                let report = vec![f64::from(loss.clone().into_scalar::<f32>())];
+                let report: Vec<f64> = loss
+                    .clone()
+                    .read_back()
+                    .iter::<f32>()
+                    .map(f64::from)
+                    .collect();
                 ChunkOutput::Loss { loss, report }
             }
         })

@@ -24,6 +24,7 @@ use burn_megatron::pipeline::{
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
+use burn_megatron_kernels::device::thread_host_reads;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -456,8 +457,12 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     };
     let hooks = training.grad_sync();
     let (mut log, mut evals, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+    // This rank's host reads of device tensors inside its training steps (each one a device
+    // synchronisation on a GPU), evaluation and saving left out.
+    let mut step_reads = 0;
     for iteration in start..args.train_iters {
         let t0 = Instant::now();
+        let reads = thread_host_reads();
         memory.step_starts();
         let timeline =
             (args.timeline.is_some() && iteration + 1 == args.train_iters).then_some(shared.epoch);
@@ -481,6 +486,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
             t0,
         )?;
         model = m;
+        step_reads += thread_host_reads() - reads;
         memory.step_done();
         if leader {
             shared.report(&entry);
@@ -511,6 +517,13 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     if start < args.train_iters {
         let report = memory.report();
         shared.println(report);
+        if leader {
+            let per_step = step_reads as f64 / (args.train_iters - start) as f64;
+            shared.println(format!(
+                " host reads of device tensors per iteration (rank 0's, each a device \
+                 synchronisation on a GPU): {per_step:.1}"
+            ));
+        }
         // How pipeline and ring messages travelled (this process's ranks together).
         #[cfg(feature = "cuda")]
         {

@@ -6,6 +6,7 @@ mod errors;
 mod generate;
 mod hf;
 mod hf_moe;
+mod host_reads;
 mod moe;
 mod parity;
 mod pipeline;

@@ -40,6 +40,7 @@ use crate::param_grads::{put_flat, take_flat};
 use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
+use burn_megatron_kernels::device::ReadBack;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -364,7 +365,7 @@ impl OverlapReducer {
         for &(id, rank) in &self.order {
             if let Some((flat, dims)) = take_flat(grads, id, rank) {
                 if !state.delivered.contains(&id) {
-                    let values: Vec<f32> = flat.clone().into_data().iter::<f32>().collect();
+                    let values: Vec<f32> = flat.clone().read_back().iter::<f32>().collect();
                     let slot = state.slots[&id];
                     state.accumulate(slot, &values);
                 }

@@ -11,6 +11,7 @@ use crate::tensor_parallel::{
 };
 use burn::tensor::activation::{gelu, log_softmax};
 use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn_megatron_kernels::device::ReadBack;
 
 /// The positions of a batch that the MLM loss counts (its loss mask's non-zero entries),
 /// for [`Bert::forward_stage_with_positions`]: the MLM head then runs on those rows only.
@@ -42,7 +43,7 @@ impl MaskedPositions {
         let [b, s] = loss_mask.dims();
         let values: Vec<f32> = loss_mask
             .clone()
-            .into_data()
+            .read_back()
             .convert::<f32>()
             .try_to_vec()
             .map_err(|e| TpError::Invalid(format!("the loss mask cannot be read: {e:?}")))?;
@@ -141,7 +142,7 @@ impl Bert {
     ) -> Result<(Tensor<1>, Tensor<1>), TpError> {
         let (lm_sum, tokens, binary_loss) =
             self.loss_parts(output, lm_labels, loss_mask, binary_labels)?;
-        let tokens = cp.sum(tokens.into_scalar())?.max(1.0);
+        let tokens = cp.sum(tokens.read_back().iter::<f32>().sum())?.max(1.0);
         let cls = if cp.rank() == 0 { 1.0 } else { 0.0 };
         Ok((lm_sum / tokens, binary_loss * cls))
     }

@@ -10,6 +10,7 @@ use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 use burn_megatron_kernels::{
     AdamHyper, FlatAdamState, KernelError, WeightDecay, master_to_model_segments,
     multi_tensor_fused_adam_step, multi_tensor_sum_of_squares,
@@ -271,7 +272,7 @@ impl FlatAdam {
                 });
             }
         }
-        let values: Vec<f32> = Tensor::cat(stats, 0).into_data().iter::<f32>().collect();
+        let values: Vec<f32> = Tensor::cat(stats, 0).read_back().iter::<f32>().collect();
         let slots: Vec<&Slot> = self.groups.iter().flat_map(|g| &g.slots).collect();
         let (sums, maxes) = values.split_at(slots.len());
         let non_finite = sums.iter().any(|s| !s.is_finite());

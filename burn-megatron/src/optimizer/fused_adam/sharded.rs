@@ -11,6 +11,7 @@ use crate::comm::{Buffer as CommBuffer, CommDType, CommError, comm_dtype};
 use crate::optimizer::error::OptimizerError;
 use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 use std::collections::HashMap;
 
 impl FlatAdam {
@@ -158,7 +159,7 @@ pub(crate) fn gather_pieces(
             let mine = group.group().rank() * shard;
             let mut full = CommBuffer::zeros(cd, bucket.len);
             for (at, values) in by_bucket.remove(&(p, b)).unwrap_or_default() {
-                let data = values.cast(d).into_data();
+                let data = values.cast(d).read_back();
                 full.write_at(mine + at, &data_to_buffer(data).map_err(comm_error)?);
             }
             group.all_gather_in_place(&mut full)?;

@@ -14,6 +14,7 @@ pub(crate) use agree::{LocalParts, NormGroups, agree_norm};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 use burn_megatron_kernels::multi_tensor_sum_of_squares;
 
 /// Which norm to clip by.
@@ -126,7 +127,7 @@ pub(crate) fn local_norm_stats(
         } else {
             multi_tensor_sum_of_squares(&tensors)
                 .expect("the gradients of one module share a device")
-                .into_data()
+                .read_back()
                 .iter::<f32>()
                 .collect()
         };

@@ -16,6 +16,7 @@ use burn::tensor::try_read_sync;
 /// Reads a backend tensor into a host buffer of the same dtype, panicking (inside the graph
 /// there is no error channel) with the op and group named.
 fn read_to_host<B: Backend>(x: FloatTensor<B>, op: &str, comm: &Comm) -> Buffer {
+    burn_megatron_kernels::device::count_host_read();
     let data = try_read_sync(B::float_into_data(x))
         .expect("synchronous reads are supported on this platform")
         .unwrap_or_else(|e| {

@@ -1,0 +1,81 @@
+//! The host reads of a GPT training step, each a device synchronisation on a GPU, counted by
+//! `burn_megatron_kernels::device::thread_host_reads`: which ones a step makes, so that a new
+//! one shows up here before it shows up in a GPU profile.
+//!
+//! Megatron's own are one per step: the gradients' sum of squares, which is the grad norm and
+//! the inf/NaN check at once. Two more per micro-batch are ours: the token ids' range check
+//! (an out-of-vocabulary id is refused with an error rather than read out of bounds) and the
+//! pipeline executor's read of each micro-batch's loss (Megatron keeps the losses on the
+//! device until the log interval). Both are the next ones to move off the step.
+
+use super::Error;
+use burn::optim::AdamWConfig;
+use burn::tensor::DType;
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::models::{Gpt, GptStageOutput};
+use burn_megatron::optimizer::{MegatronOptimizer, NormType};
+use burn_megatron::pipeline::{
+    ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
+    forward_backward_func,
+};
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_kernels::device::thread_host_reads;
+use burn_megatron_tests::gpt::{gpt_rows, llama};
+
+const SEQ: usize = 8;
+const MICRO_BATCHES: usize = 3;
+
+/// `(reads in forward and backward, reads in the optimizer step)` of the second of two
+/// steps (the first may read more while things are set up), at one rank.
+fn step_reads() -> (u64, u64) {
+    let layout = ParallelConfig::new(1, 1, 1);
+    let out = threads(&layout, LaunchOptions::default(), |ctx| {
+        let device = &ctx.device;
+        let mut model = llama(2, SEQ).init(&ctx.groups.tp, device)?;
+        let mut optim =
+            MegatronOptimizer::new(AdamWConfig::new().init(), &model, ctx.groups.mp.clone(), 0)
+                .with_clip_grad(1.0, NormType::L2);
+        let p2p = ctx.p2p(P2pShapes::Fixed {
+            dims: vec![SEQ, 1, 32],
+            dtype: DType::F32,
+        });
+        let mut reads = (0, 0);
+        for _ in 0..2 {
+            let start = thread_host_reads();
+            let fb = ForwardBackwardConfig::new(PipelineSchedule::new(1, MICRO_BATCHES));
+            let out = forward_backward_func(
+                |s: ForwardStep<'_, Gpt, 3>| -> Result<ChunkOutput<3>, Error> {
+                    let b = gpt_rows(s.microbatch, 1, SEQ, device);
+                    let ids = s.input.is_none().then_some(b.ids);
+                    Ok(match s.model.forward_stage(ids, s.input, None)? {
+                        GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
+                        GptStageOutput::Logits(logits) => ChunkOutput::Loss {
+                            loss: s.model.loss(logits, b.labels, b.mask)?,
+                            report: Vec::new(),
+                        },
+                    })
+                },
+                std::slice::from_ref(&model),
+                &p2p,
+                fb,
+            )?;
+            let backward_done = thread_host_reads();
+            model = optim.step(1e-3, model, out.grads)?.0;
+            reads = (backward_done - start, thread_host_reads() - backward_done);
+        }
+        Ok::<_, Error>(reads)
+    });
+    out.unwrap()[0]
+}
+
+#[test]
+fn a_gpt_step_reads_the_host_only_where_listed() {
+    let (forward_backward, optimizer) = step_reads();
+    println!(
+        "host reads: {forward_backward} in forward and backward, {optimizer} in the optimizer step"
+    );
+    // Per micro-batch: the ids' range check and the loss value.
+    assert_eq!(forward_backward, 2 * MICRO_BATCHES as u64);
+    // The sum of squares of the gradients (norm and inf/NaN check).
+    assert_eq!(optimizer, 1);
+}
