@@ -82,12 +82,3 @@ pub(crate) fn empty_like(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeT
 pub(crate) fn zeros_like<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     B::float_zeros(t.shape(), &t.device(), FloatDType::from(t.dtype()))
 }
-
-/// `t` in `dtype` (a no-op when it is already).
-pub(crate) fn cast<B: Backend>(t: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
-    if t.dtype() == DType::from(dtype) {
-        t
-    } else {
-        B::float_cast(t, dtype)
-    }
-}

@@ -3,7 +3,7 @@
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
-use burn::tensor::Shape;
+use burn::tensor::{DType, FloatDType, Shape};
 
 /// `(rows, n)` of `x` (`[.., n]`).
 pub(crate) fn rows_and_width(shape: &Shape) -> (usize, usize) {
@@ -25,4 +25,13 @@ pub(crate) fn sum_to_last_dim<B: Backend>(t: FloatTensor<B>, n: usize) -> FloatT
     let rows = t.shape().num_elements() / n.max(1);
     let flat = B::float_reshape(t, Shape::from([rows, n]));
     B::float_reshape(B::float_sum_dim(flat, 0), Shape::from([n]))
+}
+
+/// `t` in `dtype` (a no-op when it is already).
+pub(crate) fn cast<B: Backend>(t: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
+    if t.dtype() == DType::from(dtype) {
+        t
+    } else {
+        B::float_cast(t, dtype)
+    }
 }

@@ -3,6 +3,7 @@
 //! values shared by a group's heads read in place.
 
 use super::{AttentionParams, window};
+use crate::ops::cast;
 use crate::{BiasDropoutAddOps, LinearOps, ScaledMaskedSoftmaxOps};
 use burn::backend::TensorMetadata;
 use burn::backend::tensor::{BoolTensor, FloatTensor};
@@ -197,10 +198,7 @@ impl<B: Parts> KeyGrad<B> {
             DType::F64 => FloatDType::F64,
             _ => FloatDType::F32,
         };
-        let part = match part.dtype() == DType::from(wide) {
-            true => part,
-            false => B::float_cast(part, wide),
-        };
+        let part = cast::<B>(part, wide);
         let keys = part.shape().dims::<4>()[2];
         let sum = self.sum.take().unwrap_or_else(|| {
             let shape = Shape::from([dims.b, dims.groups, dims.sk, dims.d]);
@@ -222,10 +220,7 @@ impl<B: Parts> KeyGrad<B> {
         let sum = self
             .sum
             .expect("at least one block: an empty sequence is refused");
-        match sum.dtype() == dtype {
-            true => sum,
-            false => B::float_cast(sum, FloatDType::from(dtype)),
-        }
+        cast::<B>(sum, FloatDType::from(dtype))
     }
 }
 

@@ -40,9 +40,9 @@
 mod autodiff;
 mod chunked;
 
-use crate::{KernelError, MaskWindow};
+use crate::{BiasDropoutAddOps, KernelError, LinearOps, MaskWindow, ScaledMaskedSoftmaxOps};
 use burn::backend::tensor::{BoolTensor, FloatTensor};
-use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::backend::{Dispatch, Flex, backend_extension};
 use burn::tensor::{Bool, Tensor};
 
 /// What [`chunked_attention`] computes besides its tensors.
@@ -77,10 +77,11 @@ impl AttentionParams {
 /// `[b, groups, sk, d]` and `key_padding` `[b, sk]` (read only when `padded`; otherwise any
 /// bool tensor of the device). The methods do not validate; [`chunked_attention`] does.
 ///
-/// Both are written once from the backend's batched matmul, masked softmax and dropout ops
-/// (`chunked.rs`), so Flex and the Cube backends run the same schedule.
+/// Both are written once, as the default bodies, from the backend's batched matmul, masked
+/// softmax and dropout ops (`chunked.rs`), so Flex and the Cube backends run the same
+/// schedule; autodiff overrides them with one node for the whole attention.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
-pub trait ChunkedAttentionOps: Backend {
+pub trait ChunkedAttentionOps: LinearOps + ScaledMaskedSoftmaxOps + BiasDropoutAddOps {
     /// The attention output, `[b, heads, sq, d]`.
     fn chunked_attention(
         q: FloatTensor<Self>,
@@ -89,7 +90,9 @@ pub trait ChunkedAttentionOps: Backend {
         key_padding: BoolTensor<Self>,
         padded: bool,
         params: AttentionParams,
-    ) -> FloatTensor<Self>;
+    ) -> FloatTensor<Self> {
+        chunked::forward::<Self>(q, k, v, key_padding, padded, params)
+    }
     /// `(dq, dk, dv)` for the output gradient `grad`, each block's probabilities recomputed.
     fn chunked_attention_backward(
         q: FloatTensor<Self>,
@@ -99,59 +102,15 @@ pub trait ChunkedAttentionOps: Backend {
         padded: bool,
         grad: FloatTensor<Self>,
         params: AttentionParams,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
-}
-
-impl ChunkedAttentionOps for Flex {
-    fn chunked_attention(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        key_padding: BoolTensor<Self>,
-        padded: bool,
-        params: AttentionParams,
-    ) -> FloatTensor<Self> {
-        chunked::forward::<Self>(q, k, v, key_padding, padded, params)
-    }
-
-    fn chunked_attention_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        key_padding: BoolTensor<Self>,
-        padded: bool,
-        grad: FloatTensor<Self>,
-        params: AttentionParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         chunked::backward::<Self>(q, k, v, key_padding, padded, grad, params)
     }
 }
+
+impl ChunkedAttentionOps for Flex {}
 
 #[cfg(feature = "cube")]
-impl ChunkedAttentionOps for burn_cubecl::CubeBackend {
-    fn chunked_attention(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        key_padding: BoolTensor<Self>,
-        padded: bool,
-        params: AttentionParams,
-    ) -> FloatTensor<Self> {
-        chunked::forward::<Self>(q, k, v, key_padding, padded, params)
-    }
-
-    fn chunked_attention_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        key_padding: BoolTensor<Self>,
-        padded: bool,
-        grad: FloatTensor<Self>,
-        params: AttentionParams,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        chunked::backward::<Self>(q, k, v, key_padding, padded, grad, params)
-    }
-}
+impl ChunkedAttentionOps for burn_cubecl::CubeBackend {}
 
 /// Attention of `q` (`[b, heads, sq, d]`) over `k` and `v` (`[b, groups, sk, d]`, `groups`
 /// dividing `heads`) a block of `params.query_chunk` query rows at a time, differentiable with

@@ -7,9 +7,10 @@ use super::LayerNormOps;
 use super::reference::{reference_layer_norm_backward, reference_layer_norm_forward};
 use crate::column_sum::{column_sums, partials, row_blocks};
 use crate::launch::{
-    cast, cube_row, elementwise_geometry, empty_like, row_block_size, row_cube_count, tree_sum,
+    cube_row, elementwise_geometry, empty_like, row_block_size, row_cube_count, tree_sum,
     zeros_like,
 };
+use crate::ops::cast;
 use crate::ops::rows_and_width;
 use burn::backend::TensorMetadata;
 use burn::backend::cubecl::dtype_to_storage_type;
