@@ -108,10 +108,22 @@ impl RngTracker {
         prob: f64,
         region: RngRegion,
     ) -> Result<Tensor<D>, KernelError> {
-        if prob == 0.0 || !x.is_autodiff() {
-            return Ok(x);
+        match self.dropout_seed(&x, prob, region) {
+            Some(seed) => burn_megatron_kernels::dropout(x, prob as f32, seed),
+            None => Ok(x),
         }
-        burn_megatron_kernels::dropout(x, prob as f32, self.next_seed(region))
+    }
+
+    /// The seed [`dropout`](Self::dropout) would draw for `x`, drawn, or `None` where it
+    /// would not drop (`prob` 0, or `x` not on an autodiff device): for a fused op that
+    /// applies the dropout itself.
+    pub fn dropout_seed<const D: usize>(
+        &self,
+        x: &Tensor<D>,
+        prob: f64,
+        region: RngRegion,
+    ) -> Option<u64> {
+        (prob != 0.0 && x.is_autodiff()).then(|| self.next_seed(region))
     }
 }
 

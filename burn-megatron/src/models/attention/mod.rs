@@ -419,16 +419,12 @@ impl CoreAttention {
         let [s, b, np, hn] = q.dims();
         let scale = 1.0 / (hn as f32).sqrt();
         if let Some(query_chunk) = self.query_chunk {
-            // Dropout only in training, as `RngTracker::dropout` decides for the unfused path,
-            // and from one seed of this rank's stream, as it draws.
-            let dropout = match rng {
-                Some(rng) if self.attention_dropout > 0.0 && q.is_autodiff() => Some((
-                    self.attention_dropout as f32,
-                    rng.next_seed(RngRegion::TensorModelParallel),
-                )),
-                _ => None,
-            };
-            let (dropout, seed) = dropout.unwrap_or((0.0, 0));
+            // The seed the unfused path's `RngTracker::dropout` would draw, where it would.
+            let seed = rng.and_then(|rng| {
+                rng.dropout_seed(&q, self.attention_dropout, RngRegion::TensorModelParallel)
+            });
+            let dropout = seed.map_or(0.0, |_| self.attention_dropout as f32);
+            let seed = seed.unwrap_or(0);
             let params = AttentionParams {
                 scale,
                 causal,
