@@ -23,7 +23,7 @@ use burn_megatron::models::{
 use burn_megatron::optimizer::NormType;
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
-    forward_backward_func,
+    forward_backward_func, read_losses,
 };
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron::training::ParallelTrainingConfig;
@@ -111,7 +111,9 @@ fn train(ctx: RankContext, data: &GptCorpusDataset, root: &Path) -> Result<Vec<f
         let report;
         (chunks, report) = optimizer.step(LR, chunks, grads)?;
         if last_stage {
-            let mean = out.losses.iter().map(|l| l.loss).sum::<f64>() / out.losses.len() as f64;
+            // The losses stayed on the device; one host read for every micro-batch.
+            let read = read_losses(&out.losses);
+            let mean = read.iter().map(|l| l.loss).sum::<f64>() / read.len() as f64;
             let mut loss = vec![mean as f32];
             ctx.groups.dp.all_reduce_vec(&mut loss, ReduceOp::Avg)?;
             losses.push(loss[0]);

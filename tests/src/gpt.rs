@@ -177,7 +177,7 @@ pub fn causal_lm_step(
         GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
         GptStageOutput::Logits(logits) => {
             let loss = s.model.loss(logits, b.labels, b.mask)?;
-            let report = vec![f64::from(crate::values(loss.clone())[0])];
+            let report = vec![loss.clone()];
             ChunkOutput::Loss { loss, report }
         }
     })

@@ -16,7 +16,7 @@ use burn_megatron::models::{Bert, BertConfig, BertStageOutput};
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, GradSync, P2pShapes, PipelineSchedule,
-    forward_backward_func,
+    forward_backward_func, read_losses,
 };
 use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
@@ -146,7 +146,7 @@ fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
                         BertStageOutput::Hidden(h) => Ok(ChunkOutput::Activation(h)),
                         BertStageOutput::Output(o) => {
                             let (lm, sop) = s.model.loss(o, b.labels, b.mask, b.sop)?;
-                            let report = vec![scalar(lm.clone()), scalar(sop.clone())];
+                            let report = vec![lm.clone(), sop.clone()];
                             Ok(ChunkOutput::Loss {
                                 loss: lm + sop,
                                 report,
@@ -173,7 +173,7 @@ fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
             if !out.losses.is_empty() {
                 let n = out.losses.len() as f32;
                 let mut v = vec![0.0f32; 2];
-                for m in &out.losses {
+                for m in &read_losses(&out.losses) {
                     v[0] += m.report[0] as f32 / n;
                     v[1] += m.report[1] as f32 / n;
                 }

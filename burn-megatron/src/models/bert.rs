@@ -17,8 +17,8 @@ use crate::tensor_parallel::mappings::{
     gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
 };
 use crate::tensor_parallel::{
-    LayoutOwner, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
-    VocabParallelEmbeddingConfig, check_index_range, derive_seed, host_param,
+    IdCheck, LayoutOwner, ParallelAttrs, RngRegion, RngTracker, TpError, VocabParallelEmbedding,
+    VocabParallelEmbeddingConfig, checked_index, derive_seed, host_param,
 };
 use crate::topology::PipelinePosition;
 use burn::config::Config;
@@ -271,12 +271,14 @@ impl BertConfig {
 
 /// Refuses token ids, token types or a sequence length the embedding tables do not cover,
 /// the same way at every TP size (a vocabulary-parallel lookup would zero an unknown id).
+/// Ids and types outside their tables are refused or clamped as the word embeddings'
+/// [`IdCheck`] says.
 fn check_inputs(
     e: &BertEmbeddings,
-    ids: &Tensor<2, Int>,
-    types: &Tensor<2, Int>,
+    ids: Tensor<2, Int>,
+    types: Tensor<2, Int>,
     cp: Option<&ContextParallel>,
-) -> Result<(), TpError> {
+) -> Result<(Tensor<2, Int>, Tensor<2, Int>), TpError> {
     let s = cp.map_or(ids.dims()[1], ContextParallel::seq_length);
     if let Some(cp) = cp.filter(|cp| cp.positions().len() != ids.dims()[1]) {
         return Err(TpError::Invalid(format!(
@@ -299,12 +301,26 @@ fn check_inputs(
             ids.dims()
         )));
     }
-    e.word_embeddings.check_ids(ids)?;
     let tokentypes = e.tokentype_embeddings.weight.dims()[0];
-    check_index_range(types, tokentypes, "token type", "num_tokentypes")
+    let check = e.word_embeddings.id_check();
+    Ok((
+        e.word_embeddings.checked_ids(ids)?,
+        checked_index(types, tokentypes, check, "token type", "num_tokentypes")?,
+    ))
 }
 
 impl Bert {
+    /// The same model, treating token ids and token types outside their tables as `check`
+    /// says: by default [`IdCheck::Refuse`] (host reads in each forward of the first stage);
+    /// [`IdCheck::Clamp`] when the data loader checked them on the host.
+    pub fn with_id_check(mut self, check: IdCheck) -> Self {
+        self.embeddings = self.embeddings.map(|e| BertEmbeddings {
+            word_embeddings: e.word_embeddings.with_id_check(check),
+            ..e
+        });
+        self
+    }
+
     /// The layout-independent name of the parameter at `path` in a model of `chunks` (as
     /// module paths of a `Vec<Bert>` read, `"1.layers.0.…"`; or of one `Bert`): layers by
     /// global index, and the last stage's copy of the tied word embeddings under the first
@@ -441,7 +457,7 @@ impl Bert {
         self.state_attrs();
         let mut x = match (&self.embeddings, tokens, hidden) {
             (Some(e), Some((ids, types)), None) => {
-                check_inputs(e, &ids, &types, cp)?;
+                let (ids, types) = check_inputs(e, ids, types, cp)?;
                 self.embed(e, ids, types, rng, cp)
             }
             (None, None, Some(x)) => x,

@@ -49,8 +49,9 @@ pub enum ChunkOutput<const D: usize> {
     Loss {
         /// The microbatch's loss.
         loss: Tensor<1>,
-        /// Values reported back per microbatch.
-        report: Vec<f64>,
+        /// Values reported back per microbatch, kept on the device like the loss (detached
+        /// by the executor): [`ForwardBackwardOutput::read_losses`] reads them.
+        report: Vec<Tensor<1>>,
     },
 }
 
@@ -107,22 +108,38 @@ impl ForwardBackwardConfig<'_> {
     }
 }
 
-/// A last-stage microbatch's loss and its reported values.
-#[derive(Debug, Clone, PartialEq)]
+/// A last-stage microbatch's loss and its reported values, still on the device.
+///
+/// The executor reads nothing back: on a GPU a read waits for every kernel queued before
+/// it, so Megatron keeps its losses on the device until the log interval. Read them with
+/// [`ForwardBackwardOutput::read_losses`] (one read for every microbatch), or sum them on
+/// the device over several steps first.
+#[derive(Debug, Clone)]
 pub struct MicrobatchLoss {
+    /// The microbatch.
+    pub microbatch: usize,
+    /// Its loss (before the division by M and the grad scale): one f32 element, detached.
+    pub loss: Tensor<1>,
+    /// What the forward step reported with it, detached.
+    pub report: Vec<Tensor<1>>,
+}
+
+/// A microbatch's loss and reported values, read to the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicrobatchLossValues {
     /// The microbatch.
     pub microbatch: usize,
     /// Its loss (before the division by M and the grad scale).
     pub loss: f64,
-    /// What the forward step reported with it.
+    /// The values of its report tensors, concatenated in order.
     pub report: Vec<f64>,
 }
 
 /// What [`forward_backward_func`] returns.
 #[derive(Debug)]
 pub struct ForwardBackwardOutput {
-    /// On the rank holding the last virtual stage, each microbatch's loss in microbatch order;
-    /// empty elsewhere.
+    /// On the rank holding the last virtual stage, each microbatch's loss in microbatch order
+    /// (on the device); empty elsewhere.
     pub losses: Vec<MicrobatchLoss>,
     /// Every chunk's gradients summed over the microbatches (empty when forward-only).
     pub grads: GradientsParams,
@@ -130,6 +147,46 @@ pub struct ForwardBackwardOutput {
     pub peak_live_microbatches: usize,
     /// The timeline, when asked for.
     pub spans: Vec<Span>,
+}
+
+impl ForwardBackwardOutput {
+    /// Every microbatch's loss and report, read to the host in one read (one device
+    /// synchronisation); empty off the last stage.
+    pub fn read_losses(&self) -> Vec<MicrobatchLossValues> {
+        read_losses(&self.losses)
+    }
+}
+
+/// `losses`' values, read to the host in one read.
+pub fn read_losses(losses: &[MicrobatchLoss]) -> Vec<MicrobatchLossValues> {
+    let parts: Vec<Tensor<1>> = losses
+        .iter()
+        .flat_map(|l| std::iter::once(&l.loss).chain(&l.report))
+        .filter(|t| t.dims()[0] > 0)
+        .map(|t| t.clone().cast(DType::F32))
+        .collect();
+    if parts.is_empty() {
+        return Vec::new();
+    }
+    let values: Vec<f64> = Tensor::cat(parts, 0)
+        .read_back()
+        .iter::<f32>()
+        .map(f64::from)
+        .collect();
+    let mut rest = values.as_slice();
+    let mut take = |n: usize| {
+        let (head, tail) = rest.split_at(n.min(rest.len()));
+        rest = tail;
+        head.to_vec()
+    };
+    losses
+        .iter()
+        .map(|l| MicrobatchLossValues {
+            microbatch: l.microbatch,
+            loss: take(l.loss.dims()[0]).first().copied().unwrap_or(f64::NAN),
+            report: l.report.iter().flat_map(|r| take(r.dims()[0])).collect(),
+        })
+        .collect()
 }
 
 /// What a microbatch's forward left for its backward to start from.
@@ -180,7 +237,10 @@ struct Live<const D: usize> {
 ///     ForwardBackwardConfig::new(PipelineSchedule::new(1, 2)),
 /// )
 /// .unwrap();
-/// assert_eq!(out.losses.len(), 2);
+/// // The losses stay on the device until read, both at once.
+/// let losses = out.read_losses();
+/// assert_eq!(losses.len(), 2);
+/// assert!(losses[1].loss > losses[0].loss);
 /// assert!(out.grads.get::<2>(chunks[0].weight.id).is_some());
 /// ```
 pub fn forward_backward_func<M, F, const D: usize>(
@@ -263,17 +323,16 @@ where
                 forwards_done[op.chunk] += 1;
                 let output = match (out, last) {
                     (ChunkOutput::Loss { loss, report }, true) => {
-                        let value = loss
-                            .clone()
-                            .cast(DType::F32)
-                            .read_back()
-                            .iter::<f32>()
-                            .next()
-                            .map_or(f64::NAN, f64::from);
+                        if loss.dims()[0] != 1 {
+                            return Err(PipelineError::Invalid(format!(
+                                "{op}: the loss must have one element, got dims {:?}",
+                                loss.dims()
+                            )));
+                        }
                         losses.push(MicrobatchLoss {
                             microbatch: op.microbatch,
-                            loss: value,
-                            report,
+                            loss: loss.clone().detach().cast(DType::F32),
+                            report: report.into_iter().map(Tensor::detach).collect(),
                         });
                         Output::Loss(loss * (config.grad_scale / m as f64))
                     }

@@ -25,7 +25,7 @@ mod tests;
 pub use crate::grad_hooks::GradSync;
 pub use executor::{
     ChunkOutput, ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, MicrobatchLoss,
-    PipelineError, StageError, forward_backward_func,
+    MicrobatchLossValues, PipelineError, StageError, forward_backward_func, read_losses,
 };
 pub use p2p::{P2pCommunicator, P2pShapes};
 pub use schedule::{

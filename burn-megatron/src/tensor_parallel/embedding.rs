@@ -34,6 +34,21 @@ pub struct VocabParallelEmbeddingConfig {
     pub seed: u64,
 }
 
+/// What a [`VocabParallelEmbedding`] (and a model's token-type table) does with ids
+/// outside `[0, vocab)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum IdCheck {
+    /// Refuse them with an error naming the id. Reads the ids' extremes back to the host:
+    /// on a GPU, a synchronisation in every forward.
+    #[default]
+    Refuse,
+    /// The ids were checked where they were made (a data loader checks its tokens on the
+    /// host, where that is free): clamp them into range on the device and read nothing
+    /// back, so that an id that slipped through still cannot index outside the table.
+    /// Megatron checks nothing here.
+    Clamp,
+}
+
 /// An embedding whose rows (vocabulary ids) are split across tensor-parallel ranks.
 ///
 /// Each rank looks up the ids in its range `[start, end)`, zeroes the rows of the others,
@@ -48,6 +63,8 @@ pub struct VocabParallelEmbedding {
     layout: super::LayoutOwner,
     #[module(skip)]
     sequence_parallel: bool,
+    #[module(skip)]
+    id_check: IdCheck,
 }
 
 impl VocabParallelEmbeddingConfig {
@@ -67,6 +84,7 @@ impl VocabParallelEmbeddingConfig {
             tp: tp.clone(),
             layout: super::LayoutOwner::default(),
             sequence_parallel: self.sequence_parallel,
+            id_check: IdCheck::default(),
         };
         layer.state_attrs();
         Ok(layer)
@@ -91,6 +109,7 @@ impl VocabParallelEmbedding {
             tp: tp.clone(),
             layout: super::LayoutOwner::default(),
             sequence_parallel,
+            id_check: IdCheck::default(),
         };
         layer.state_attrs();
         Ok(layer)
@@ -151,6 +170,46 @@ impl VocabParallelEmbedding {
         )
     }
 
+    /// The same layer, treating ids outside the vocabulary as `check` says (by default
+    /// [`IdCheck::Refuse`]).
+    pub fn with_id_check(mut self, check: IdCheck) -> Self {
+        self.id_check = check;
+        self
+    }
+
+    /// How this layer treats ids outside the vocabulary.
+    pub fn id_check(&self) -> IdCheck {
+        self.id_check
+    }
+
+    /// `ids` made safe to look up, as [`id_check`](Self::id_check) says: refused with an
+    /// error when one lies outside `[0, vocab)`, or clamped into it.
+    ///
+    /// ```
+    /// use burn::tensor::{Device, Int, Tensor};
+    /// use burn_megatron::comm::LocalWorld;
+    /// use burn_megatron::tensor_parallel::{IdCheck, VocabParallelEmbeddingConfig};
+    ///
+    /// let tp: burn_megatron::comm::Comm =
+    ///     std::sync::Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
+    /// let device = Device::flex();
+    /// let layer = VocabParallelEmbeddingConfig::new(8, 4).init(&tp, &device).unwrap();
+    /// let ids = Tensor::<2, Int>::from_ints([[1, 9]], &device);
+    /// assert!(layer.checked_ids(ids.clone()).unwrap_err().to_string().contains("token id 9"));
+    /// let clamped = layer.with_id_check(IdCheck::Clamp).checked_ids(ids).unwrap();
+    /// let clamped: Vec<i64> = clamped.into_data().iter::<i64>().collect();
+    /// assert_eq!(clamped, vec![1, 7]);
+    /// ```
+    pub fn checked_ids(&self, ids: Tensor<2, Int>) -> Result<Tensor<2, Int>, TpError> {
+        checked_index(
+            ids,
+            self.num_embeddings(),
+            self.id_check,
+            "token id",
+            "the vocabulary size",
+        )
+    }
+
     /// `[b, s]` ids → `[b, s, d]` embeddings; under sequence parallelism `[s / tp, b, d]`
     /// (sequence first, split over the group). Ids must lie in `[0, vocab)`; see
     /// [`check_ids`](Self::check_ids).
@@ -190,6 +249,25 @@ pub(crate) fn check_index_range(
         )));
     }
     Ok(())
+}
+
+/// `index` made safe to look up in a table of `limit` rows, as `check` says (see
+/// [`check_index_range`] for `what` and `limit_name`).
+pub(crate) fn checked_index(
+    index: Tensor<2, Int>,
+    limit: usize,
+    check: IdCheck,
+    what: &str,
+    limit_name: &str,
+) -> Result<Tensor<2, Int>, TpError> {
+    match check {
+        IdCheck::Clamp if limit > 0 => Ok(index.clamp(0, limit as i64 - 1)),
+        // An empty table has no row to clamp into: refusing is the only safe answer.
+        IdCheck::Refuse | IdCheck::Clamp => {
+            check_index_range(&index, limit, what, limit_name)?;
+            Ok(index)
+        }
+    }
 }
 
 /// `[b, s]` ids → `[b, s, d]` rows of a table whose rows `weight` holds this rank's share of

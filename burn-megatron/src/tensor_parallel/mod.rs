@@ -30,8 +30,8 @@ pub use attrs::{
     set_parallel_attrs, update_parallel_attrs,
 };
 pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
-pub(crate) use embedding::check_index_range;
-pub use embedding::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
+pub(crate) use embedding::checked_index;
+pub use embedding::{IdCheck, VocabParallelEmbedding, VocabParallelEmbeddingConfig};
 pub use grads::allreduce_sequence_parallel_grads;
 pub use init::{MasterInit, derive_seed};
 pub(crate) use layers::LinearShard;

@@ -4,7 +4,7 @@ use super::args::TrainArgs;
 use super::data::{DataSource, megatron_documents};
 use super::{Family, Split, Summary, corpus, is_leader, layout_line, precision, train_family};
 use burn::config::Config;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::data::{
     BertBatch, BertDataset, BertDatasetConfig, BertSample, BertTokenizer, Document,
@@ -16,9 +16,8 @@ use burn_megatron::models::{
     ParallelMlpConfig, TransformerLayerConfig,
 };
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
-use burn_megatron::tensor_parallel::{MasterInit, RngTracker, padded_vocab_size};
+use burn_megatron::tensor_parallel::{IdCheck, MasterInit, RngTracker, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
-use burn_megatron_kernels::device::ReadBack;
 use clap::Parser;
 use std::ops::Range;
 use std::sync::Arc;
@@ -139,13 +138,6 @@ struct BertFamily {
     header: String,
 }
 
-fn scalar(t: Tensor<1>) -> f64 {
-    t.read_back()
-        .iter::<f32>()
-        .next()
-        .map_or(f64::NAN, f64::from)
-}
-
 impl Family for BertFamily {
     type Chunk = Bert;
 
@@ -162,9 +154,13 @@ impl Family for BertFamily {
     }
 
     fn init_chunk(&self, ctx: &RankContext, position: PipelinePosition) -> Result<Bert, String> {
-        self.config
+        // The dataset checks its ids against the tokenizer on the host (token types are 0
+        // or 1 by construction): no device read per forward.
+        Ok(self
+            .config
             .init_stage(&ctx.groups.tp, position, &ctx.device)
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?
+            .with_id_check(IdCheck::Clamp))
     }
 
     fn first_layer(chunk: &Bert) -> usize {
@@ -201,8 +197,18 @@ impl Family for BertFamily {
         }
         let tokens = s.input.is_none().then_some((b.ids, b.types));
         let last = s.model.head.is_some();
+        // The predicted positions from the samples' host masks: no device read.
         let positions = (last && !self.all_positions)
-            .then(|| MaskedPositions::from_loss_mask(&b.loss_mask))
+            .then(|| {
+                let mut mask = Vec::new();
+                for x in &samples {
+                    match cp {
+                        Some(cp) => mask.extend(cp.split(&x.loss_mask)?),
+                        None => mask.extend_from_slice(&x.loss_mask),
+                    }
+                }
+                MaskedPositions::from_host_mask(&mask, b.loss_mask.dims(), device)
+            })
             .transpose()?;
         let (model, positions) = (s.model, positions.as_ref());
         let out = match cp {
@@ -222,7 +228,7 @@ impl Family for BertFamily {
                         (lm * n, sop * n)
                     }
                 };
-                let report = vec![scalar(lm.clone()), scalar(sop.clone())];
+                let report = vec![lm.clone(), sop.clone()];
                 ChunkOutput::Loss {
                     loss: lm + sop,
                     report,

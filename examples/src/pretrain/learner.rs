@@ -156,7 +156,14 @@ impl TrainStep for RankGpt {
             training: &st.setup.training,
             hooks: hooks.as_deref(),
         };
-        let out = step.forward_backward(&self.chunks, &st.setup.optim, st.iteration, None);
+        // burn-train logs every step's loss: read it now (one read per iteration).
+        let sop = super::Family::has_sop(&st.shared.family);
+        let out = step
+            .forward_backward(&self.chunks, &st.setup.optim, st.iteration, None)
+            .and_then(|(grads, local, spans)| {
+                let shared = super::train::share_losses(&st.ctx, &[local], sop)?;
+                Ok((grads, shared[0], spans))
+            });
         // Stop together: a stop asked on rank 0's renderer reaches every rank here.
         let mut flag = vec![f32::from(u8::from(st.render_stop.should_stop()))];
         let agreed = (st.ctx.groups.world)
@@ -214,12 +221,12 @@ impl TrainStep for RankGpt {
             chunks.clone(),
             grads,
             st.iteration,
-            st.losses,
             &mut skipped,
             st.started,
         );
         let chunks = match done {
-            Ok((chunks, entry)) => {
+            Ok((chunks, mut entry)) => {
+                (entry.lm_loss, entry.sop_loss) = st.losses;
                 st.setup.skipped = skipped;
                 st.setup.memory.step_done();
                 st.iteration += 1;

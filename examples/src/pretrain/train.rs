@@ -7,7 +7,7 @@ use super::{Eval, Family, IterationLog, MoeLog, Shared, Split, TrainArgs};
 use crate::memory::RankMemory;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::DType;
+use burn::tensor::{DType, Tensor};
 use burn_megatron::comm::{Buffer, CommunicatorExt, ReduceOp};
 use burn_megatron::context_parallel::ContextParallel;
 use burn_megatron::launch::RankContext;
@@ -24,7 +24,7 @@ use burn_megatron::pipeline::{
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
-use burn_megatron_kernels::device::thread_host_reads;
+use burn_megatron_kernels::device::{ReadBack, thread_host_reads};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -59,8 +59,9 @@ pub fn scheduler(args: &TrainArgs) -> Result<OptimizerParamScheduler, String> {
     .map_err(|e| format!("the learning-rate / weight-decay schedule (--lr, --min-lr, --lr-warmup-fraction, --train-iters, --weight-decay, --start-weight-decay, --end-weight-decay, --weight-decay-incr-style): {e}"))
 }
 
-/// This rank's mean losses over its microbatches (lm, and sop for BERT), on last stages.
-type Losses = Option<(f64, Option<f64>)>;
+/// This rank's mean losses over its microbatches, `[lm]` or BERT's `[lm, sop]`, on last
+/// stages: still on the device, read once per log interval as Megatron does.
+pub(super) type Losses = Option<Tensor<1>>;
 
 /// The losses every rank logs: lm, and sop for BERT.
 pub(super) type SharedLosses = (f64, Option<f64>);
@@ -106,23 +107,45 @@ fn run_schedule<F: Family>(
     )
     .map_err(|e| e.to_string())?;
     // ANCHOR_END: schedule
-    let n = out.losses.len() as f64;
-    let local = (!out.losses.is_empty()).then(|| {
-        let sum = |i: usize| out.losses.iter().map(|l| l.report[i]).sum::<f64>();
-        let sop = out.losses[0].report.len() > 1;
-        (sum(0) / n, sop.then(|| sum(1) / n))
+    // Each microbatch reports [lm] or [lm, sop]: their mean, summed on the device.
+    let reports: Vec<Tensor<1>> = (out.losses.iter())
+        .map(|l| Tensor::cat(l.report.clone(), 0).cast(DType::F32))
+        .collect();
+    let n = reports.len();
+    let local = (n > 0).then(|| {
+        let k = reports[0].dims()[0];
+        Tensor::cat(reports, 0)
+            .reshape([n, k])
+            .mean_dim(0)
+            .reshape([k])
     });
     Ok((local, out))
 }
 
-/// The last stage's mean losses averaged over data- and context-parallel ranks (a CP
-/// rank reports its share × CP) and sent to every stage,
-/// so that every rank logs the same line. Call it after the gradient reduction: an
-/// overlapped reducer's worker uses the data-parallel communicator until it finishes.
-fn share_losses(ctx: &RankContext, local: Losses, sop: bool) -> Result<(f64, Option<f64>), String> {
-    let mut v = vec![0.0f32; 2];
-    if let Some((lm, s)) = local {
-        v = vec![lm as f32, s.unwrap_or(0.0) as f32];
+/// Several iterations' last-stage mean losses, read to the host at once (one device
+/// synchronisation), averaged over data- and context-parallel ranks (a CP rank reports its
+/// share × CP) and sent to every stage, so that every rank logs the same line. Every rank
+/// calls it at the same iterations. Call it after the gradient reduction: an overlapped
+/// reducer's worker uses the data-parallel communicator until it finishes.
+pub(super) fn share_losses(
+    ctx: &RankContext,
+    pending: &[Losses],
+    sop: bool,
+) -> Result<Vec<SharedLosses>, String> {
+    let mut v = vec![0.0f32; 2 * pending.len()];
+    let local: Vec<Tensor<1>> = pending.iter().flatten().cloned().collect();
+    if !local.is_empty() {
+        if local.len() != pending.len() {
+            return Err("a last stage lost an iteration's losses".into());
+        }
+        // [lm] or [lm, sop] per iteration, as pairs.
+        let pairs: Vec<Tensor<1>> = (local.into_iter())
+            .map(|l| match l.dims()[0] {
+                1 => Tensor::cat(vec![l.clone(), l.zeros_like()], 0),
+                _ => l.narrow(0, 0, 2),
+            })
+            .collect();
+        v = Tensor::cat(pairs, 0).read_back().iter::<f32>().collect();
         ctx.groups
             .dp_cp
             .all_reduce_vec(&mut v, ReduceOp::Avg)
@@ -137,7 +160,9 @@ fn share_losses(ctx: &RankContext, local: Losses, sop: bool) -> Result<(f64, Opt
     let Buffer::F32(v) = buf else {
         unreachable!("an f32 broadcast stays f32")
     };
-    Ok((f64::from(v[0]), sop.then_some(f64::from(v[1]))))
+    Ok(v.chunks(2)
+        .map(|p| (f64::from(p[0]), sop.then_some(f64::from(p[1]))))
+        .collect())
 }
 
 /// The mean validation losses over the global batches `batches`.
@@ -149,16 +174,15 @@ pub(super) fn evaluate<F: Family>(
 ) -> Result<(f64, Option<f64>), String> {
     let schedule = shared.args.schedule(&shared.layout).with_forward_only(true);
     let sop = shared.family.has_sop();
-    let mut sums = [0.0f64; 2];
     let n = batches.len().max(1) as f64;
+    let mut local = Vec::new();
     for k in batches {
         let fb = ForwardBackwardConfig::new(schedule);
-        let (local, _) = run_schedule(ctx, shared, chunks, Split::Valid, k, None, fb)?;
-        let (lm, s) = share_losses(ctx, local, sop)?;
-        sums[0] += lm;
-        sums[1] += s.unwrap_or(0.0);
+        local.push(run_schedule(ctx, shared, chunks, Split::Valid, k, None, fb)?.0);
     }
-    Ok((sums[0] / n, sop.then_some(sums[1] / n)))
+    let shared_losses = share_losses(ctx, &local, sop)?;
+    let sum = |f: fn(&SharedLosses) -> f64| shared_losses.iter().map(f).sum::<f64>() / n;
+    Ok((sum(|l| l.0), sop.then(|| sum(|l| l.1.unwrap_or(0.0)))))
 }
 
 /// What a rank hands back: its log (identical on every rank), validation losses, the
@@ -304,7 +328,8 @@ pub(super) struct Step<'a, F: Family> {
 
 impl<F: Family> Step<'_, F> {
     /// The microbatches of `iteration` through the schedule, gradients reduced over DP
-    /// (and SP, tied embeddings), and the losses every rank logs.
+    /// (and SP, tied embeddings), and this rank's losses (on the device: [`share_losses`]
+    /// reads them).
     #[allow(clippy::ptr_arg)] // `finalize` takes the model as the `Vec` it is
     pub fn forward_backward(
         &self,
@@ -312,7 +337,7 @@ impl<F: Family> Step<'_, F> {
         optim: &MegatronOptimizer<Vec<F::Chunk>>,
         iteration: usize,
         timeline: Option<Instant>,
-    ) -> Result<(GradientsParams, SharedLosses, Vec<Span>), String> {
+    ) -> Result<(GradientsParams, Losses, Vec<Span>), String> {
         let args = &self.shared.args;
         let tp_rank = self.ctx.state.tensor_model_parallel_rank();
         // Forwards since the last step (validation's) are not this iteration's.
@@ -337,13 +362,12 @@ impl<F: Family> Step<'_, F> {
         self.training
             .finalize(model, &mut grads)
             .map_err(|e| e.to_string())?;
-        let losses = share_losses(self.ctx, losses, self.shared.family.has_sop())?;
         // ANCHOR_END: forward_backward
         Ok((grads, losses, out.spans))
     }
 
     /// The optimizer step of `iteration` at the schedule's learning rate and weight
-    /// decay, and its log entry.
+    /// decay, and its log entry (its losses NaN until [`share_losses`] reads them).
     #[allow(clippy::too_many_arguments)]
     pub fn optimizer_step(
         &self,
@@ -352,7 +376,6 @@ impl<F: Family> Step<'_, F> {
         model: Vec<F::Chunk>,
         grads: GradientsParams,
         iteration: usize,
-        losses: (f64, Option<f64>),
         skipped: &mut usize,
         t0: Instant,
     ) -> Result<(Vec<F::Chunk>, IterationLog), String> {
@@ -372,8 +395,8 @@ impl<F: Family> Step<'_, F> {
             iteration: iteration + 1,
             consumed_samples: (iteration + 1) * args.global_batch_size,
             lr,
-            lm_loss: losses.0,
-            sop_loss: losses.1,
+            lm_loss: f64::NAN,
+            sop_loss: None,
             grad_norm: report.grad_norm,
             loss_scale: report.loss_scale,
             skipped_iterations: *skipped,
@@ -460,6 +483,8 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     // This rank's host reads of device tensors inside its training steps (each one a device
     // synchronisation on a GPU), evaluation and saving left out.
     let mut step_reads = 0;
+    // Iterations whose losses are still on the device, read at the log interval.
+    let mut pending: Vec<(IterationLog, Losses)> = Vec::new();
     for iteration in start..args.train_iters {
         let t0 = Instant::now();
         let reads = thread_host_reads();
@@ -481,18 +506,25 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
             model,
             grads,
             iteration,
-            losses,
             &mut skipped,
             t0,
         )?;
         model = m;
+        pending.push((entry, losses));
+        let done = iteration + 1;
+        if done.is_multiple_of(args.log_interval) || done == args.train_iters {
+            let (entries, losses): (Vec<_>, Vec<_>) = pending.drain(..).unzip();
+            let values = share_losses(&ctx, &losses, shared.family.has_sop())?;
+            for (mut entry, (lm, sop)) in entries.into_iter().zip(values) {
+                (entry.lm_loss, entry.sop_loss) = (lm, sop);
+                if leader {
+                    shared.report(&entry);
+                }
+                log.push(entry);
+            }
+        }
         step_reads += thread_host_reads() - reads;
         memory.step_done();
-        if leader {
-            shared.report(&entry);
-        }
-        log.push(entry);
-        let done = iteration + 1;
         if args.eval_interval > 0 && (done % args.eval_interval == 0 || done == args.train_iters) {
             let (lm, sop) = evaluate(&ctx, shared, &model, 0..args.eval_iters)?;
             if leader {

@@ -6,6 +6,7 @@ use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{
     AttnMaskType, GptConfig, LayerNormPosition, PositionEmbeddingType, RopeScaling,
 };
+use burn_megatron::tensor_parallel::IdCheck;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::{gpt2, llama};
 
@@ -106,15 +107,21 @@ fn sequences_beyond_the_learned_positions_are_refused_and_rope_has_no_such_limit
                 .forward(Tensor::from_data(TensorData::new(vec![64i64], [1, 1]), d))
                 .unwrap_err()
                 .to_string();
-            Ok::<_, String>((e, ok, bad))
+            // Told the loader checked its ids, the model clamps a bad one into the table.
+            let rope = rope.with_id_check(IdCheck::Clamp);
+            let one = |id: i64| Tensor::<2, Int>::from_data(TensorData::new(vec![id], [1, 1]), d);
+            let logits = |id| rope.forward(one(id)).map(|l| l.into_data());
+            let clamped = logits(64).map_err(|e| e.to_string())? == logits(63).unwrap();
+            Ok::<_, String>((e, ok, bad, clamped))
         },
     )
     .unwrap();
-    let (e, ok, bad) = &out[0];
+    let (e, ok, bad, clamped) = &out[0];
     assert!(
         e.contains("position 8") && e.contains("max_position_embeddings 8"),
         "{e}"
     );
     assert!(ok);
     assert!(bad.contains("token id 64"), "{bad}");
+    assert!(clamped, "IdCheck::Clamp looks id 64 up as 63, the last row");
 }

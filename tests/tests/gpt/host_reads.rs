@@ -3,10 +3,10 @@
 //! one shows up here before it shows up in a GPU profile.
 //!
 //! Megatron's own are one per step: the gradients' sum of squares, which is the grad norm and
-//! the inf/NaN check at once. Two more per micro-batch are ours: the token ids' range check
-//! (an out-of-vocabulary id is refused with an error rather than read out of bounds) and the
-//! pipeline executor's read of each micro-batch's loss (Megatron keeps the losses on the
-//! device until the log interval). Both are the next ones to move off the step.
+//! the inf/NaN check at once. The executor reads no loss (the losses stay on the device until
+//! the caller reads them, all micro-batches in one read, as Megatron does at its log
+//! interval). The token ids' range check reads once per micro-batch unless the model is told
+//! the loader checked them on the host (`IdCheck::Clamp`).
 
 use super::Error;
 use burn::optim::AdamWConfig;
@@ -18,6 +18,7 @@ use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
     forward_backward_func,
 };
+use burn_megatron::tensor_parallel::IdCheck;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_kernels::device::thread_host_reads;
 use burn_megatron_tests::gpt::{gpt_rows, llama};
@@ -25,13 +26,15 @@ use burn_megatron_tests::gpt::{gpt_rows, llama};
 const SEQ: usize = 8;
 const MICRO_BATCHES: usize = 3;
 
-/// `(reads in forward and backward, reads in the optimizer step)` of the second of two
-/// steps (the first may read more while things are set up), at one rank.
-fn step_reads() -> (u64, u64) {
+/// `(reads in forward and backward, in the optimizer step, in reading the losses)` of the
+/// second of two steps (the first may read more while things are set up), at one rank.
+fn step_reads(check: IdCheck) -> (u64, u64, u64) {
     let layout = ParallelConfig::new(1, 1, 1);
     let out = threads(&layout, LaunchOptions::default(), |ctx| {
         let device = &ctx.device;
-        let mut model = llama(2, SEQ).init(&ctx.groups.tp, device)?;
+        let mut model = llama(2, SEQ)
+            .init(&ctx.groups.tp, device)?
+            .with_id_check(check);
         let mut optim =
             MegatronOptimizer::new(AdamWConfig::new().init(), &model, ctx.groups.mp.clone(), 0)
                 .with_clip_grad(1.0, NormType::L2);
@@ -39,7 +42,7 @@ fn step_reads() -> (u64, u64) {
             dims: vec![SEQ, 1, 32],
             dtype: DType::F32,
         });
-        let mut reads = (0, 0);
+        let mut reads = (0, 0, 0);
         for _ in 0..2 {
             let start = thread_host_reads();
             let fb = ForwardBackwardConfig::new(PipelineSchedule::new(1, MICRO_BATCHES));
@@ -60,8 +63,16 @@ fn step_reads() -> (u64, u64) {
                 fb,
             )?;
             let backward_done = thread_host_reads();
+            let losses = out.read_losses();
+            let read = thread_host_reads();
+            assert_eq!(losses.len(), MICRO_BATCHES);
+            assert!(losses.iter().all(|l| l.loss.is_finite() && l.loss > 0.0));
             model = optim.step(1e-3, model, out.grads)?.0;
-            reads = (backward_done - start, thread_host_reads() - backward_done);
+            reads = (
+                backward_done - start,
+                thread_host_reads() - read,
+                read - backward_done,
+            );
         }
         Ok::<_, Error>(reads)
     });
@@ -70,12 +81,21 @@ fn step_reads() -> (u64, u64) {
 
 #[test]
 fn a_gpt_step_reads_the_host_only_where_listed() {
-    let (forward_backward, optimizer) = step_reads();
-    println!(
-        "host reads: {forward_backward} in forward and backward, {optimizer} in the optimizer step"
-    );
-    // Per micro-batch: the ids' range check and the loss value.
-    assert_eq!(forward_backward, 2 * MICRO_BATCHES as u64);
-    // The sum of squares of the gradients (norm and inf/NaN check).
-    assert_eq!(optimizer, 1);
+    for (check, per_microbatch) in [(IdCheck::Clamp, 0), (IdCheck::Refuse, 1)] {
+        let (forward_backward, optimizer, losses) = step_reads(check);
+        println!(
+            "{check:?}: host reads: {forward_backward} in forward and backward, {optimizer} in \
+             the optimizer step, {losses} for every micro-batch's loss"
+        );
+        // Refusing bad ids reads their extremes; clamping reads nothing.
+        assert_eq!(
+            forward_backward,
+            per_microbatch * MICRO_BATCHES as u64,
+            "{check:?}"
+        );
+        // The sum of squares of the gradients (norm and inf/NaN check).
+        assert_eq!(optimizer, 1, "{check:?}");
+        // All micro-batches' losses at once.
+        assert_eq!(losses, 1, "{check:?}");
+    }
 }

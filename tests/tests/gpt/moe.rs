@@ -239,6 +239,7 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
     use burn_megatron::models::Gpt;
     use burn_megatron::pipeline::{
         ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
+        read_losses,
     };
     const SAMPLES: usize = 4;
     const STEPS: usize = 6;
@@ -317,7 +318,11 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
                 chunks = optim.step(1e-3, chunks, grads)?.0;
                 if !out.losses.is_empty() {
                     let mut v = vec![
-                        out.losses.iter().map(|m| m.report[0] as f32).sum::<f32>() / local as f32,
+                        read_losses(&out.losses)
+                            .iter()
+                            .map(|m| m.report[0] as f32)
+                            .sum::<f32>()
+                            / local as f32,
                     ];
                     ctx.groups.dp.all_reduce_vec(&mut v, ReduceOp::Avg)?;
                     losses.push(v[0]);

@@ -10,7 +10,7 @@ use crate::tensor_parallel::{
     TpError, VocabParallelEmbedding, product, vocab_parallel_cross_entropy,
 };
 use burn::tensor::activation::{gelu, log_softmax};
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_megatron_kernels::device::ReadBack;
 
 /// The positions of a batch that the MLM loss counts (its loss mask's non-zero entries),
@@ -38,15 +38,44 @@ pub struct MaskedPositions {
 impl MaskedPositions {
     /// The non-zero entries of `loss_mask` (`[b, s]`), on its device. A mask without any
     /// keeps one row (weighted by its zero), so the head's shapes never go empty and the
-    /// loss is 0 as over all positions. Errors when the mask cannot be read as floats.
+    /// loss is 0 as over all positions. Reads the mask back to the host (a device
+    /// synchronisation on a GPU): a loader that made the mask on the host passes it to
+    /// [`from_host_mask`](Self::from_host_mask) instead. Errors when the mask cannot be read
+    /// as floats.
     pub fn from_loss_mask(loss_mask: &Tensor<2>) -> Result<Self, TpError> {
-        let [b, s] = loss_mask.dims();
         let values: Vec<f32> = loss_mask
             .clone()
             .read_back()
             .convert::<f32>()
             .try_to_vec()
             .map_err(|e| TpError::Invalid(format!("the loss mask cannot be read: {e:?}")))?;
+        Self::from_host_mask(&values, loss_mask.dims(), &loss_mask.device())
+    }
+
+    /// The same from the mask's values on the host (`[b, s]` row-major, as the batch's
+    /// `loss_mask` tensor holds them), reading nothing back; the index goes to `device`.
+    ///
+    /// ```
+    /// use burn::tensor::Device;
+    /// use burn_megatron::models::MaskedPositions;
+    /// // Two samples of three tokens; rows are sequence-major (position · b + sample).
+    /// let mask = [0.0, 1.0, 0.0, 1.0, 0.0, 1.0];
+    /// let p = MaskedPositions::from_host_mask(&mask, [2, 3], &Device::flex()).unwrap();
+    /// assert_eq!(p.rows(), &[1, 2, 5]);
+    /// assert!(MaskedPositions::from_host_mask(&mask, [2, 2], &Device::flex()).is_err());
+    /// ```
+    pub fn from_host_mask(
+        values: &[f32],
+        dims: [usize; 2],
+        device: &Device,
+    ) -> Result<Self, TpError> {
+        let [b, s] = dims;
+        if values.len() != b * s {
+            return Err(TpError::Invalid(format!(
+                "a loss mask of {} values for dims [{b}, {s}]",
+                values.len()
+            )));
+        }
         // Sequence-major, as the encoder lays out its activations ([s, b, h]).
         let mut rows: Vec<i64> = (0..s * b)
             .filter(|&r| values[(r % b) * s + r / b] != 0.0)
@@ -55,10 +84,7 @@ impl MaskedPositions {
         if rows.is_empty() {
             rows.push(0);
         }
-        let index = Tensor::from_data(
-            TensorData::new(rows.clone(), [rows.len()]),
-            &loss_mask.device(),
-        );
+        let index = Tensor::from_data(TensorData::new(rows.clone(), [rows.len()]), device);
         Ok(Self {
             rows,
             dims: [b, s],

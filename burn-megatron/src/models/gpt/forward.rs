@@ -221,7 +221,7 @@ impl Gpt {
                 )));
             }
         }
-        e.word_embeddings.check_ids(&ids)?;
+        let ids = e.word_embeddings.checked_ids(ids)?;
         let device = ids.device();
         let mut x = e.word_embeddings.forward(ids);
         if let Some(table) = &e.position_embeddings {

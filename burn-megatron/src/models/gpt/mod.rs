@@ -46,8 +46,8 @@ use crate::comm::Comm;
 use crate::moe::{MoeLayer, global_expert_name};
 use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, LayoutOwner, TpError, VocabParallelEmbedding,
-    VocabParallelEmbeddingConfig, derive_seed, host_param,
+    ColumnParallelLinear, ColumnParallelLinearConfig, IdCheck, LayoutOwner, TpError,
+    VocabParallelEmbedding, VocabParallelEmbeddingConfig, derive_seed, host_param,
 };
 use crate::topology::PipelinePosition;
 use burn::config::Config;
@@ -391,6 +391,17 @@ impl GptConfig {
 }
 
 impl Gpt {
+    /// The same model, treating token ids outside the vocabulary as `check` says: by
+    /// default [`IdCheck::Refuse`] (one host read per forward of the first stage);
+    /// [`IdCheck::Clamp`] when the data loader checked its tokens on the host.
+    pub fn with_id_check(mut self, check: IdCheck) -> Self {
+        self.embedding = self.embedding.map(|e| GptEmbedding {
+            word_embeddings: e.word_embeddings.with_id_check(check),
+            ..e
+        });
+        self
+    }
+
     /// The layout-independent name of the parameter at `path` in a model of `chunks` (as
     /// module paths of a `Vec<Gpt>` read, `"1.layers.0.…"`; or of one `Gpt`): layers by
     /// global index, and a tied last stage's copy of the word embeddings under the first
