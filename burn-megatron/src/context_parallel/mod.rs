@@ -305,6 +305,14 @@ impl ContextParallel {
         self.comm.all_reduce_vec(&mut v, ReduceOp::Sum)?;
         Ok(v[0])
     }
+
+    /// The sum of `x` over the CP group, as a constant (detached): on NCCL an all-reduce on
+    /// the device, so a loss's token count needs no host read (host-staged, and counted,
+    /// on the other communicators). Like the mappings, a failed collective panics inside
+    /// the rank, which the launcher reports.
+    pub fn sum_tensor(&self, x: Tensor<1>) -> Tensor<1> {
+        apply(x.detach(), Mapping::ReduceFrom, &self.comm)
+    }
 }
 
 #[cfg(test)]

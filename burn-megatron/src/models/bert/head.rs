@@ -168,7 +168,7 @@ impl Bert {
     ) -> Result<(Tensor<1>, Tensor<1>), TpError> {
         let (lm_sum, tokens, binary_loss) =
             self.loss_parts(output, lm_labels, loss_mask, binary_labels)?;
-        let tokens = cp.sum(tokens.read_back().iter::<f32>().sum())?.max(1.0);
+        let tokens = cp.sum_tensor(tokens).clamp_min(1.0);
         let cls = if cp.rank() == 0 { 1.0 } else { 0.0 };
         Ok((lm_sum / tokens, binary_loss * cls))
     }

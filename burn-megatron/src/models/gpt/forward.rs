@@ -13,7 +13,6 @@ use crate::tensor_parallel::{
     RngRegion, RngTracker, TpError, product, vocab_parallel_cross_entropy,
 };
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
-use burn_megatron_kernels::device::ReadBack;
 
 /// The score given to the logits of vocabulary padding, as BERT's MLM bias on those rows.
 const PADDED_VOCAB_LOGIT: f32 = -1.0e4;
@@ -351,7 +350,6 @@ impl Gpt {
         cp: &ContextParallel,
     ) -> Result<Tensor<1>, TpError> {
         let (sum, local) = self.masked_loss_sum(logits, labels, loss_mask)?;
-        let tokens = cp.sum(local.read_back().iter::<f32>().sum())?.max(1.0);
-        Ok(sum / tokens)
+        Ok(sum / cp.sum_tensor(local).clamp_min(1.0))
     }
 }
