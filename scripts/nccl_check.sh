@@ -241,6 +241,10 @@ for model in gpt bert; do
   done
   spawn job_layout "$model" tp2xpp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 done
+# Data parallelism reduced after backward: buckets all-reduced (plain) and reduce-scattered
+# (the distributed optimizer) in device memory.
+spawn job_layout gpt dp2 2
+spawn job_layout gpt dp2-distopt 2 --use-distributed-optimizer
 # The same pipeline with its messages through host memory, for the device path's effect.
 BURN_MEGATRON_P2P=host spawn job_layout gpt pp2-1f1b-p2p-host 2 --pipeline-model-parallel-size 2
 for dispatcher in alltoall allgather; do

@@ -163,18 +163,6 @@ impl Buffer {
         }
     }
 
-    /// Overwrites elements `[offset, offset + other.len())` with `other` (same dtype).
-    pub(crate) fn write_at(&mut self, offset: usize, other: &Buffer) {
-        match (self, other) {
-            (Buffer::F32(a), Buffer::F32(b)) => a[offset..offset + b.len()].copy_from_slice(b),
-            (Buffer::F16(a), Buffer::F16(b)) => a[offset..offset + b.len()].copy_from_slice(b),
-            (Buffer::BF16(a), Buffer::BF16(b)) => a[offset..offset + b.len()].copy_from_slice(b),
-            (Buffer::I32(a), Buffer::I32(b)) => a[offset..offset + b.len()].copy_from_slice(b),
-            (Buffer::I64(a), Buffer::I64(b)) => a[offset..offset + b.len()].copy_from_slice(b),
-            (a, b) => unreachable!("dtype checked before: {} vs {}", a.dtype(), b.dtype()),
-        }
-    }
-
     /// The elements' bytes, in memory order (what a byte-moving engine sends).
     pub(crate) fn bytes(&self) -> &[u8] {
         with_vec!(self, v => bytemuck::cast_slice(v.as_slice()))

@@ -7,8 +7,10 @@
 
 use super::{CommDType, CommError, DeviceCollectives, DeviceSlice, comm_dtype};
 use burn::backend::{BackendTensor, DispatchTensor, DispatchTensorKind};
-use burn::tensor::{DType, Device, Tensor, TensorCreationOptions};
+use burn::tensor::kind::Basic;
+use burn::tensor::{DType, Device, Shape, Tensor, TensorCreationOptions};
 use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::RuntimeId;
 use std::sync::OnceLock;
@@ -127,6 +129,68 @@ fn receive_into(
     unsafe { dev.recv(slice, peer, &order) }?;
     DEVICE.fetch_add(1, Ordering::Relaxed);
     Ok(())
+}
+
+/// Runs collective `op` from `x`'s buffer into a new contiguous tensor of `shape` on the same
+/// device (`group` names the group in errors).
+pub(crate) fn collective(
+    x: &CubeTensor,
+    shape: Shape,
+    group: &str,
+    dev: &dyn DeviceCollectives,
+    op: impl FnOnce(DeviceSlice, DeviceSlice) -> Result<(), CommError>,
+) -> Result<CubeTensor, CommError> {
+    let engine = |reason: String| CommError::Engine {
+        group: group.to_string(),
+        op: "device collective",
+        reason,
+    };
+    let x = into_contiguous(x.clone());
+    // Contiguous: Burn's default CUDA layout pads each row to an aligned pitch, and NCCL
+    // writes packed rows.
+    let out = empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
+    // NCCL reads `x` on its own stream: it starts once everything Burn queued has run.
+    let stream = dev.stream() as cudarc::driver::sys::CUstream;
+    burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream).map_err(engine)?;
+    // The resources keep both allocations in place until `op` has waited for NCCL.
+    let (src, _src) = device_slice(&x).map_err(engine)?;
+    let (dst, _dst) = device_slice(&out).map_err(engine)?;
+    op(src, dst)?;
+    Ok(out)
+}
+
+/// Collective `op` of `t` into a tensor of `out_dims` on the device, when `t` is a CUDA float
+/// tensor the device path carries (not empty, a dtype the collectives take); `Err(t)` hands
+/// it back for the host path otherwise. A tensor of an autodiff device comes back as one
+/// (untracked).
+pub(crate) fn on_device<const D: usize, K: Basic>(
+    dev: &dyn DeviceCollectives,
+    group: &str,
+    t: Tensor<D, K>,
+    out_dims: [usize; D],
+    op: impl FnOnce(DeviceSlice, DeviceSlice) -> Result<(), CommError>,
+) -> Result<Result<Tensor<D, K>, Tensor<D, K>>, CommError> {
+    if !device_path_allowed() || t.shape().num_elements() == 0 {
+        return Ok(Err(t));
+    }
+    let DispatchTensor { kind, autodiff } = t.into_dispatch();
+    let x = match kind {
+        DispatchTensorKind::Cube(BackendTensor::Float(x))
+            if x.device.runtime() == RuntimeId::Cuda && comm_dtype(x.dtype).is_some() =>
+        {
+            x
+        }
+        kind => {
+            return Ok(Err(Tensor::from_dispatch(DispatchTensor {
+                kind,
+                autodiff,
+            })));
+        }
+    };
+    let out = collective(&x, Shape::from(out_dims.to_vec()), group, dev, op)?;
+    // A float tensor, as it came: `K` is the float kind.
+    let kind = DispatchTensorKind::Cube(BackendTensor::Float(out));
+    Ok(Ok(Tensor::from_dispatch(DispatchTensor { kind, autodiff })))
 }
 
 /// Which path a tensor to send takes.

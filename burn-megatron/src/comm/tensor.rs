@@ -108,12 +108,49 @@ fn check_dim<const D: usize>(
     Ok(())
 }
 
-/// Reduces `tensor` over the group (every member gets the result).
+/// Runs `op` on the device when the communicator has device collectives (NCCL), the group
+/// has more than one member and `tensor` is a CUDA float tensor they carry: `Ok(result)` of
+/// `out_dims`, or `Err(tensor)` back for the host path.
+#[cfg(feature = "cuda")]
+fn on_device<const D: usize, K: Basic>(
+    comm: &(impl Communicator + ?Sized),
+    tensor: Tensor<D, K>,
+    out_dims: [usize; D],
+    op: impl FnOnce(
+        &dyn super::DeviceCollectives,
+        super::DeviceSlice,
+        super::DeviceSlice,
+    ) -> Result<(), CommError>,
+) -> Result<Result<Tensor<D, K>, Tensor<D, K>>, CommError> {
+    match comm.device_collectives() {
+        Some(dev) if comm.group().size() > 1 => {
+            let group = comm.group().to_string();
+            super::cuda_tensor::on_device(dev, &group, tensor, out_dims, |s, r| op(dev, s, r))
+        }
+        _ => Ok(Err(tensor)),
+    }
+}
+
+/// Reduces `tensor` over the group (every member gets the result). A float tensor on a CUDA
+/// device stays there when the communicator has device collectives (NCCL); everything else
+/// goes through host memory.
 pub fn all_reduce<const D: usize, K: Basic>(
     comm: &(impl Communicator + ?Sized),
     tensor: Tensor<D, K>,
     op: ReduceOp,
 ) -> Result<Tensor<D, K>, CommError> {
+    #[cfg(feature = "cuda")]
+    let tensor = {
+        let dims = tensor.dims();
+        // SAFETY: `on_device` hands live contiguous buffers of the input's and the output's
+        // lengths, held until the call returns.
+        match on_device(comm, tensor, dims, |dev, s, r| unsafe {
+            dev.all_reduce(s, r, op)
+        })? {
+            Ok(reduced) => return Ok(reduced),
+            Err(tensor) => tensor,
+        }
+    };
     let (dims, device) = (tensor.dims(), tensor.device());
     let mut buf = tensor_to_buffer(comm, "all_reduce", tensor)?;
     comm.all_reduce(&mut buf, op)?;
@@ -129,6 +166,20 @@ pub fn all_gather<const D: usize, K: Basic>(
     let (dims, device) = (tensor.dims(), tensor.device());
     check_dim(comm, "all_gather", &dims, dim, false)?;
     let n = comm.group().size();
+    #[cfg(feature = "cuda")]
+    let tensor = {
+        // Members' blocks stacked on dim 0, as the host path gathers them.
+        let mut stacked = dims;
+        stacked[0] *= n;
+        // SAFETY: as in `all_reduce`; the output holds `n × input` elements.
+        match on_device(comm, tensor, stacked, |dev, s, r| unsafe {
+            dev.all_gather(s, r)
+        })? {
+            Ok(stacked) if dim == 0 || n == 1 => return Ok(stacked),
+            Ok(stacked) => return Ok(Tensor::cat(stacked.chunk(n, 0), dim)),
+            Err(tensor) => tensor,
+        }
+    };
     let gathered = comm.all_gather(tensor_to_buffer(comm, "all_gather", tensor)?)?;
     // Members' blocks are contiguous: as a tensor of [n · d0, d1, ...] they are stacked on
     // dim 0, which is already the answer when gathering along dim 0.
@@ -159,6 +210,19 @@ pub fn reduce_scatter<const D: usize, K: Basic>(
         tensor
     } else {
         Tensor::cat(tensor.chunk(n, dim), 0)
+    };
+    #[cfg(feature = "cuda")]
+    let contiguous = {
+        let mut mine = contiguous.dims();
+        mine[0] /= n;
+        // SAFETY: as in `all_reduce`; the output holds `input / n` elements.
+        match on_device(comm, contiguous, mine, |dev, s, r| unsafe {
+            dev.reduce_scatter(s, r, op)
+        })? {
+            // This member's block of the reduced, reordered tensor is its slice along `dim`.
+            Ok(block) => return Ok(block.reshape(out_dims)),
+            Err(tensor) => tensor,
+        }
     };
     let buf = tensor_to_buffer(comm, "reduce_scatter", contiguous)?;
     let mine = comm.reduce_scatter(buf, op)?;

@@ -4,14 +4,13 @@
 use super::overlap::OverlapReducer;
 use super::shard::ShardPlan;
 use super::{DataParallelConfig, sharded};
-use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
-use crate::comm::{Buffer, Comm, CommError, ReduceOp};
+use crate::comm::tensor;
+use crate::comm::{Comm, CommError, ReduceOp};
 use crate::param_grads::{float_params, put_flat, take_flat};
 use crate::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
-use burn_megatron_kernels::device::ReadBack;
 
 /// Groups parameters (with their element counts, in module order) into buckets: in reverse
 /// order, as gradients become ready in backward, a bucket closing once it holds at least
@@ -38,47 +37,18 @@ pub fn bucket_layout(numels: &[usize], bucket_size: usize) -> Vec<Vec<usize>> {
     buckets
 }
 
+/// A gradient taken out for its bucket: flat, in the dtype it is reduced in.
 struct Grad {
     id: ParamId,
     dims: Vec<usize>,
     dtype: DType,
-    device: burn::tensor::Device,
-    buf: Buffer,
-}
-
-fn take_grad(
-    grads: &mut GradientsParams,
-    id: ParamId,
-    rank: usize,
-    comm: &Comm,
-    fp32: bool,
-) -> Result<Option<Grad>, CommError> {
-    let Some((g, dims)) = take_flat(grads, id, rank) else {
-        return Ok(None);
-    };
-    let (dtype, device) = (g.dtype(), g.device());
-    let g = if fp32 { g.cast(DType::F32) } else { g };
-    let buf = data_to_buffer(g.read_back()).map_err(|reason| CommError::InvalidArgument {
-        group: comm.group().to_string(),
-        op: "all_reduce",
-        reason,
-    })?;
-    Ok(Some(Grad {
-        id,
-        dims,
-        dtype,
-        device,
-        buf,
-    }))
-}
-
-fn put_grad(grads: &mut GradientsParams, g: Grad, buf: Buffer) {
-    let flat: Tensor<1> = buffer_to_tensor(buf, [g.dims.iter().product()], &g.device);
-    put_flat(grads, g.id, flat.cast(g.dtype), &g.dims);
+    flat: Tensor<1>,
 }
 
 /// Reduces the gradients of `params` over `comm` in contiguous buckets; returns the number of
-/// collectives issued.
+/// collectives issued. Each bucket is concatenated on the device and reduced by
+/// [`tensor::all_reduce`]: in device memory over NCCL, with one host read per bucket
+/// elsewhere.
 fn reduce_in_buckets(
     params: &[(ParamId, usize)],
     grads: &mut GradientsParams,
@@ -88,40 +58,52 @@ fn reduce_in_buckets(
 ) -> Result<usize, CommError> {
     let mut ready = Vec::new();
     for &(id, rank) in params {
-        if let Some(g) = take_grad(grads, id, rank, comm, config.reduce_in_fp32)? {
-            ready.push(g);
+        if let Some((g, dims)) = take_flat(grads, id, rank) {
+            let dtype = g.dtype();
+            let flat = if config.reduce_in_fp32 {
+                g.cast(DType::F32)
+            } else {
+                g
+            };
+            ready.push(Grad {
+                id,
+                dims,
+                dtype,
+                flat,
+            });
         }
     }
-    let numels: Vec<usize> = ready.iter().map(|g| g.buf.len()).collect();
+    let numels: Vec<usize> = ready.iter().map(|g| g.flat.dims()[0]).collect();
     let mut issued = 0;
     let mut slots: Vec<Option<Grad>> = ready.into_iter().map(Some).collect();
+    let reduced_dtype =
+        |slots: &[Option<Grad>], i: usize| slots[i].as_ref().map(|g| g.flat.dtype());
     for bucket in bucket_layout(&numels, config.bucket_elements(comm.group().size())) {
         // One bucket may mix dtypes only when not reducing in fp32: split it by dtype.
         let mut by_dtype: Vec<Vec<usize>> = Vec::new();
         for &i in &bucket {
-            let d = slots[i].as_ref().map(|g| g.buf.dtype());
+            let d = reduced_dtype(&slots, i);
             match by_dtype
                 .iter_mut()
-                .find(|b| slots[b[0]].as_ref().map(|g| g.buf.dtype()) == d)
+                .find(|b| reduced_dtype(&slots, b[0]) == d)
             {
                 Some(b) => b.push(i),
                 None => by_dtype.push(vec![i]),
             }
         }
         for part in by_dtype {
-            let dtype = slots[part[0]].as_ref().expect("present").buf.dtype();
-            let mut flat = Buffer::concat(
-                dtype,
-                part.iter()
-                    .map(|&i| &slots[i].as_ref().expect("present").buf),
-            );
-            comm.all_reduce(&mut flat, op)?;
+            let taken: Vec<Grad> = part
+                .iter()
+                .map(|&i| slots[i].take().expect("each gradient is in one bucket"))
+                .collect();
+            let flat = Tensor::cat(taken.iter().map(|g| g.flat.clone()).collect(), 0);
+            let flat = tensor::all_reduce(&**comm, flat, op)?;
             issued += 1;
             let mut at = 0;
-            for &i in &part {
-                let g = slots[i].take().expect("present");
-                let len = g.buf.len();
-                put_grad(grads, g, flat.slice(at..at + len));
+            for g in taken {
+                let len = g.flat.dims()[0];
+                let reduced = flat.clone().narrow(0, at, len).cast(g.dtype);
+                put_flat(grads, g.id, reduced, &g.dims);
                 at += len;
             }
         }

@@ -10,13 +10,12 @@
 use super::DataParallelConfig;
 use super::finalize::finalize_non_dp;
 use super::shard::ShardPlan;
-use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
-use crate::comm::{Buffer, Comm, CommDType, CommError, ReduceOp, comm_dtype};
+use crate::comm::tensor;
+use crate::comm::{Buffer, Comm, CommError, ReduceOp, comm_dtype};
 use crate::param_grads::{put_flat, take_flat};
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor};
-use burn_megatron_kernels::device::ReadBack;
+use burn::tensor::{DType, Device, Tensor};
 
 /// Reduces every bucket of `plan` over `dp` (averaged by default): reduce-scattered, or
 /// all-reduced for tied parameters. Returns the number of collectives issued.
@@ -54,48 +53,76 @@ pub(super) fn reduce_scatter_with(
     let mut issued = 0;
     for (b, bucket) in plan.buckets().iter().enumerate() {
         let dtype = if config.reduce_in_fp32 {
-            CommDType::F32
+            DType::F32
         } else {
-            comm_dtype(bucket.dtype)
-                .ok_or_else(|| invalid(format!("{:?} gradients cannot be reduced", bucket.dtype)))?
+            comm_dtype(bucket.dtype).ok_or_else(|| {
+                invalid(format!("{:?} gradients cannot be reduced", bucket.dtype))
+            })?;
+            bucket.dtype
         };
-        let mut flat = Buffer::zeros(dtype, bucket.len);
-        let mut device = None;
+        // The bucket laid out on the device: each gradient at its offset, zeros elsewhere
+        // (padding, and parameters without a gradient).
+        let mut pieces = Vec::new();
+        let (mut at, mut device) = (0, None);
         for p in &bucket.params {
             let Some((g, _)) = take_flat(grads, p.id, p.rank) else {
                 continue;
             };
-            device.get_or_insert_with(|| g.device());
-            let g = if dtype == CommDType::F32 {
-                g.cast(DType::F32)
-            } else {
-                g
-            };
-            flat.write_at(p.offset, &data_to_buffer(g.read_back()).map_err(invalid)?);
+            let d = device.get_or_insert_with(|| g.device());
+            if p.offset > at {
+                pieces.push(zeros(p.offset - at, dtype, d));
+            }
+            pieces.push(g.cast(dtype));
+            at = p.offset + p.numel;
         }
         // Every rank reduces every bucket, gradients or not, so the calls match.
+        let Some(device) = device else {
+            let mut flat = Buffer::zeros(comm_dtype(dtype).expect("checked above"), bucket.len);
+            if bucket.all_reduced {
+                dp.all_reduce(&mut flat, op)?;
+            } else {
+                dp.reduce_scatter(flat, op)?;
+            }
+            issued += 1;
+            continue;
+        };
+        if bucket.len > at {
+            pieces.push(zeros(bucket.len - at, dtype, &device));
+        }
+        let flat = Tensor::cat(pieces, 0);
         let (reduced, base) = if bucket.all_reduced {
-            dp.all_reduce(&mut flat, op)?;
-            (flat, 0..bucket.len)
+            (tensor::all_reduce(&**dp, flat, op)?, 0..bucket.len)
         } else {
-            (dp.reduce_scatter(flat, op)?, plan.shard_range(b))
+            let shard = tensor::reduce_scatter(&**dp, flat, 0, op)?;
+            (shard, plan.shard_range(b))
         };
         issued += 1;
-        let Some(device) = device else { continue };
         for p in &bucket.params {
-            // The elements of `p` this rank holds reduced, in `p`'s own coordinates.
+            // The elements of `p` this rank holds reduced, in `p`'s own coordinates; zeros
+            // around them.
             let start = base.start.max(p.offset);
             let end = base.end.min(p.offset + p.numel);
-            let mut values = Buffer::zeros(dtype, p.numel);
-            if start < end {
-                let part = reduced.slice(start - base.start..end - base.start);
-                values.write_at(start - p.offset, &part);
-            }
-            let t: Tensor<1> = buffer_to_tensor(values, [p.numel], &device);
-            put_flat(grads, p.id, t.cast(bucket.dtype), &p.dims);
+            let values = if start < end {
+                let part = reduced.clone().narrow(0, start - base.start, end - start);
+                let (before, after) = (start - p.offset, p.offset + p.numel - end);
+                let pad = |n| (n > 0).then(|| zeros(n, dtype, &device));
+                let pieces: Vec<Tensor<1>> = [pad(before), Some(part), pad(after)]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                Tensor::cat(pieces, 0)
+            } else {
+                zeros(p.numel, dtype, &device)
+            };
+            put_flat(grads, p.id, values.cast(bucket.dtype), &p.dims);
         }
     }
     Ok(issued)
+}
+
+/// `n` zeros of `dtype` on `device`, as a flat tensor.
+fn zeros(n: usize, dtype: DType, device: &Device) -> Tensor<1> {
+    Tensor::zeros([n], (device, dtype))
 }
 
 /// [`finalize_model_grads`](super::advanced::finalize_model_grads) for the distributed optimizer:

@@ -6,12 +6,11 @@
 use super::config::FusedAdam;
 use super::flat::{Buffer, FlatAdam, Place, Sharding, Slot};
 use super::mappers::{Replace, walk};
-use crate::comm::tensor::{buffer_to_tensor, data_to_buffer};
-use crate::comm::{Buffer as CommBuffer, CommDType, CommError, comm_dtype};
+use crate::comm::tensor;
+use crate::comm::{CommError, comm_dtype};
 use crate::optimizer::error::OptimizerError;
 use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
-use burn_megatron_kernels::device::ReadBack;
 use std::collections::HashMap;
 
 impl FlatAdam {
@@ -145,28 +144,35 @@ pub(crate) fn gather_pieces(
     }
     let mut out = HashMap::new();
     for (p, (plan, group)) in sharding.plans().enumerate() {
-        let comm_error = |reason: String| CommError::InvalidArgument {
-            group: group.group().to_string(),
-            op: "all_gather",
-            reason,
-        };
         for (b, bucket) in plan.buckets().iter().enumerate() {
             let d = dtype(bucket.dtype);
-            let cd = comm_dtype(d).unwrap_or(CommDType::F32);
-            // This rank's pieces written into its shard of the whole bucket, which is then
-            // gathered in place.
+            let d = if comm_dtype(d).is_some() {
+                d
+            } else {
+                DType::F32
+            };
+            // This rank's pieces laid out in its shard of the bucket (zeros between them),
+            // on the device; the shards are gathered into the whole bucket.
             let shard = bucket.len / plan.size();
-            let mine = group.group().rank() * shard;
-            let mut full = CommBuffer::zeros(cd, bucket.len);
-            for (at, values) in by_bucket.remove(&(p, b)).unwrap_or_default() {
-                let data = values.cast(d).read_back();
-                full.write_at(mine + at, &data_to_buffer(data).map_err(comm_error)?);
+            let mut mine = by_bucket.remove(&(p, b)).unwrap_or_default();
+            mine.sort_by_key(|(at, _)| *at);
+            let zeros = |n: usize| Tensor::<1>::zeros([n], (device, d));
+            let mut parts = Vec::new();
+            let mut filled = 0;
+            for (at, values) in mine {
+                if at > filled {
+                    parts.push(zeros(at - filled));
+                }
+                filled = at + values.dims()[0];
+                parts.push(values.cast(d));
             }
-            group.all_gather_in_place(&mut full)?;
+            if shard > filled || parts.is_empty() {
+                parts.push(zeros(shard - filled));
+            }
+            let full = tensor::all_gather(&**group, Tensor::cat(parts, 0), 0)?;
             for param in bucket.params.iter().filter(|p| p.trainable) {
-                let values = full.slice(param.offset..param.offset + param.numel);
-                let t: Tensor<1> = buffer_to_tensor(values, [param.numel], device);
-                out.insert(param.id, t);
+                let values = full.clone().narrow(0, param.offset, param.numel);
+                out.insert(param.id, values);
             }
         }
     }

@@ -16,7 +16,6 @@ use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{Shape, Slice};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::RuntimeId;
 
@@ -117,21 +116,5 @@ fn collective(
     dev: &dyn DeviceCollectives,
     op: impl FnOnce(DeviceSlice, DeviceSlice) -> Result<(), CommError>,
 ) -> Result<CubeTensor, CommError> {
-    let engine = |reason: String| CommError::Engine {
-        group: comm.group().to_string(),
-        op: "device collective",
-        reason,
-    };
-    let x = into_contiguous(x.clone());
-    // Contiguous: Burn's default CUDA layout pads each row to an aligned pitch, and NCCL
-    // writes packed rows.
-    let out = empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
-    // NCCL reads `x` on its own stream: it starts once everything Burn queued has run.
-    let stream = dev.stream() as cudarc::driver::sys::CUstream;
-    burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream).map_err(engine)?;
-    // The resources keep both allocations in place until `op` has waited for NCCL.
-    let (src, _src) = cuda_tensor::device_slice(&x).map_err(engine)?;
-    let (dst, _dst) = cuda_tensor::device_slice(&out).map_err(engine)?;
-    op(src, dst)?;
-    Ok(out)
+    cuda_tensor::collective(x, shape, &comm.group().to_string(), dev, op)
 }
