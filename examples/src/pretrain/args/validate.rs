@@ -1,0 +1,296 @@
+//! The pretraining flags' checks: every flag's value and their combinations refused with a
+//! message naming the flags, before any rank starts.
+
+use super::{CpCommType, TrainArgs};
+use burn_megatron::checkpoint::{CheckpointIndex, committed_dir, latest_loadable_checkpoint};
+use burn_megatron::data::BatchLayout;
+use burn_megatron::launch::DistributedBackend;
+
+/// The values a float flag may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Domain {
+    /// Zero or more.
+    NonNegative,
+    /// More than zero.
+    Positive,
+    /// In [0, 1): a dropout probability, a fraction of the run.
+    Fraction,
+    /// In (0, 1]: a share of something that must keep a part.
+    Share,
+}
+
+/// `value` of `flag`, refused when it is NaN, infinite or outside `domain`, with a message
+/// naming the flag: clap parses `nan` and `inf` as floats, and a NaN learning rate would
+/// make every loss after the first step NaN (and a `--save` write NaN weights).
+///
+/// ```
+/// use burn_megatron_examples::pretrain::{Domain, check_float};
+/// assert!(check_float("--lr", 3e-4, Domain::NonNegative).is_ok());
+/// assert_eq!(
+///     check_float("--lr", f64::NAN, Domain::NonNegative).unwrap_err(),
+///     "--lr must be a finite number ≥ 0, got NaN"
+/// );
+/// ```
+pub fn check_float(flag: &str, value: f64, domain: Domain) -> Result<(), String> {
+    let (ok, range) = match domain {
+        Domain::NonNegative => (value >= 0.0, "≥ 0"),
+        Domain::Positive => (value > 0.0, "> 0"),
+        Domain::Fraction => ((0.0..1.0).contains(&value), "in [0, 1)"),
+        Domain::Share => (value > 0.0 && value <= 1.0, "in (0, 1]"),
+    };
+    match value.is_finite() && ok {
+        true => Ok(()),
+        false => Err(format!(
+            "{flag} must be a finite number {range}, got {value}"
+        )),
+    }
+}
+
+impl TrainArgs {
+    /// Megatron's checks of `--context-parallel-size` against the sequence.
+    fn validate_context_parallel(&self) -> Result<(), String> {
+        let (cp, tp, s) = (
+            self.context_parallel_size,
+            self.tensor_model_parallel_size,
+            self.seq_length,
+        );
+        if cp == 1 {
+            return Ok(());
+        }
+        let heads = self.num_attention_heads;
+        if self.cp_comm_type == CpCommType::A2a && !(heads / tp).is_multiple_of(cp) {
+            return Err(format!(
+                "--cp-comm-type a2a splits the attention heads over context parallelism: \
+                 --num-attention-heads ({heads}) / --tensor-model-parallel-size ({tp}) is not \
+                 divisible by --context-parallel-size ({cp})"
+            ));
+        }
+        if !s.is_multiple_of(2 * cp) {
+            return Err(format!(
+                "--seq-length ({s}) must be divisible by 2 × --context-parallel-size ({})",
+                2 * cp
+            ));
+        }
+        if self.sequence_parallel && !(s / cp).is_multiple_of(tp) {
+            return Err(format!(
+                "--seq-length / --context-parallel-size ({}) must be divisible by \
+                 --tensor-model-parallel-size ({tp}) with --sequence-parallel",
+                s / cp
+            ));
+        }
+        Ok(())
+    }
+
+    /// What one process per rank cannot do, refused before any work.
+    fn validate_backend(&self) -> Result<(), String> {
+        if self.distributed_timeout_minutes == 0 {
+            return Err("--distributed-timeout-minutes must be at least 1".into());
+        }
+        if self.distributed_backend == DistributedBackend::Threads {
+            return Ok(());
+        }
+        let saved = self
+            .load
+            .as_ref()
+            .is_some_and(|d| d.join("tokenizer.json").is_file());
+        if !self.data_path.is_empty() && self.vocab_file.is_none() && !saved {
+            return Err(format!(
+                "--distributed-backend {} with --data-path needs --vocab-file: a tokenizer \
+                 trained in each process could differ between them",
+                self.distributed_backend
+            ));
+        }
+        Ok(())
+    }
+
+    /// The pipeline flags' own checks, before the layout is built.
+    fn validate_pipeline(&self) -> Result<(), String> {
+        let (pp, layers) = (self.pipeline_model_parallel_size, self.num_layers);
+        if pp == 0 {
+            return Err("--pipeline-model-parallel-size must be at least 1".into());
+        }
+        if !layers.is_multiple_of(pp) {
+            return Err(format!(
+                "--num-layers ({layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
+            ));
+        }
+        match self.num_layers_per_virtual_pipeline_stage {
+            Some(_) if pp == 1 => {
+                return Err("--num-layers-per-virtual-pipeline-stage needs \
+                     --pipeline-model-parallel-size > 1"
+                    .into());
+            }
+            Some(n) if n == 0 || !(layers / pp).is_multiple_of(n) => {
+                return Err(format!(
+                    "--num-layers-per-virtual-pipeline-stage ({n}) must divide the {} layers \
+                     of each stage (--num-layers {layers} / --pipeline-model-parallel-size {pp})",
+                    layers / pp
+                ));
+            }
+            _ => {}
+        }
+        if self
+            .microbatch_group_size_per_virtual_pipeline_stage
+            .is_some()
+            && self.num_model_chunks() == 1
+        {
+            return Err(
+                "--microbatch-group-size-per-virtual-pipeline-stage needs the \
+                 interleaved schedule (--num-layers-per-virtual-pipeline-stage)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Every float flag in its domain, and the learning rates in order.
+    fn validate_floats(&self) -> Result<(), String> {
+        use Domain::*;
+        let flags = [
+            ("--lr", Some(self.lr), NonNegative),
+            ("--min-lr", Some(self.min_lr), NonNegative),
+            (
+                "--lr-warmup-fraction",
+                Some(self.lr_warmup_fraction),
+                Fraction,
+            ),
+            ("--weight-decay", Some(self.weight_decay), NonNegative),
+            ("--start-weight-decay", self.start_weight_decay, NonNegative),
+            ("--end-weight-decay", self.end_weight_decay, NonNegative),
+            ("--clip-grad", Some(self.clip_grad), NonNegative),
+            ("--loss-scale", self.loss_scale, Positive),
+            ("--hidden-dropout", Some(self.hidden_dropout), Fraction),
+            (
+                "--attention-dropout",
+                Some(self.attention_dropout),
+                Fraction,
+            ),
+            ("--init-method-std", Some(self.init_method_std), NonNegative),
+        ];
+        for (flag, value, domain) in flags {
+            if let Some(value) = value {
+                check_float(flag, value, domain)?;
+            }
+        }
+        if self.min_lr > self.lr {
+            return Err(format!(
+                "--min-lr ({}) must not exceed --lr ({})",
+                self.min_lr, self.lr
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every check that can fail before training starts, with a message naming the flags.
+    pub fn validate(&self) -> Result<BatchLayout, String> {
+        self.validate_floats()?;
+        for (flag, value) in [
+            ("--num-layers", self.num_layers),
+            ("--hidden-size", self.hidden_size),
+            ("--num-attention-heads", self.num_attention_heads),
+            ("--seq-length", self.seq_length),
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--attention-query-chunk", self.attention_query_chunk),
+        ] {
+            if value == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        self.validate_pipeline()?;
+        self.validate_backend()?;
+        // Megatron checks --recompute-num-layers against the layers of a pipeline rank.
+        let per_rank = self.num_layers / self.pipeline_model_parallel_size;
+        self.recompute().check(per_rank).map_err(|e| e.0)?;
+        self.parallel_config()?;
+        self.validate_context_parallel()?;
+        let tp = self.tensor_model_parallel_size;
+        if self.sequence_parallel && !self.seq_length.is_multiple_of(tp) {
+            return Err(format!(
+                "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({tp}) \
+                 with --sequence-parallel",
+                self.seq_length
+            ));
+        }
+        let dp = self.data_parallel_size();
+        let pp = self.pipeline_model_parallel_size;
+        let layout = BatchLayout::new(self.global_batch_size, self.micro_batch_size, dp)
+            .map_err(|_| {
+                format!(
+                    "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) × \
+                     data-parallel size ({dp} = --world-size {} / (--tensor-model-parallel-size {tp} × \
+                     --pipeline-model-parallel-size {pp}))",
+                    self.global_batch_size, self.micro_batch_size, self.world_size
+                )
+            })?;
+        self.schedule(&layout).validate().map_err(|e| {
+            format!(
+                "pipeline schedule of {} microbatches (--global-batch-size / (--micro-batch-size × \
+                 data-parallel size)) over --pipeline-model-parallel-size {pp}: {e}",
+                layout.num_micro_batches()
+            )
+        })?;
+        if let Some(p) = self.vocab_file.as_ref().filter(|p| !p.is_file()) {
+            return Err(format!("--vocab-file {}: no such file", p.display()));
+        }
+        self.data_source()?;
+        if let Some(dir) = &self.load {
+            self.check_saved_layout(dir)?;
+        }
+        if self.train_iters == 0 || self.log_interval == 0 {
+            return Err("--train-iters and --log-interval must be positive".into());
+        }
+        super::super::train::scheduler(self)?;
+        if self.loss_scale.is_some() && !self.fp16 {
+            return Err("--loss-scale needs --fp16".into());
+        }
+        Ok(layout)
+    }
+
+    /// The checkpoint to load, read: `--ckpt-step`'s, or the newest under `dir` that
+    /// verifies.
+    fn checkpoint_to_load(
+        &self,
+        dir: &std::path::Path,
+    ) -> Result<(usize, CheckpointIndex), String> {
+        if let Some(step) = self.ckpt_step {
+            let index = CheckpointIndex::read(&committed_dir(dir, step))
+                .map_err(|e| format!("--load {} (iteration {step}): {e}", dir.display()))?;
+            return Ok((step, index));
+        }
+        let found = latest_loadable_checkpoint(dir).map_err(|e| format!("--load: {e}"))?;
+        found.map(|f| (f.iteration, f.index)).ok_or_else(|| {
+            format!(
+                "--load {}: no checkpoint (latest_checkpointed_iteration.txt missing)",
+                dir.display()
+            )
+        })
+    }
+
+    /// The checkpoint to load must be readable, and its optimizer state one this run's
+    /// optimizer takes (or `--no-load-optim`); any layout loads.
+    fn check_saved_layout(&self, dir: &std::path::Path) -> Result<(), String> {
+        let (iteration, index) = self.checkpoint_to_load(dir)?;
+        if self.no_load_optim {
+            return Ok(());
+        }
+        let fused = self.use_fused_adam;
+        let saved_fused = index.state().fused_adam_steps.is_some();
+        let kind = |f: bool| {
+            if f {
+                "the fused Adam"
+            } else {
+                "burn-optim's AdamW"
+            }
+        };
+        if fused != saved_fused {
+            return Err(format!(
+                "--load {}: iteration {iteration} was saved by {}, this run uses {}: add \
+                 --no-load-optim to load the weights only",
+                dir.display(),
+                kind(saved_fused),
+                kind(fused)
+            ));
+        }
+        Ok(())
+    }
+}
