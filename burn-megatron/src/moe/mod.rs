@@ -36,6 +36,7 @@ use crate::tensor_parallel::{
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Device, Tensor};
+use burn_megatron_kernels::device::ReadBack;
 use experts::ExpertShape;
 use std::sync::{Arc, Mutex};
 
@@ -234,6 +235,14 @@ pub struct MoeLayerStats {
     pub tokens_per_expert: Vec<usize>,
 }
 
+/// [`MoeLayerStats`] being counted: the load-balancing losses summed on the device, read
+/// once when the stats are taken (not in every forward).
+#[derive(Debug, Default)]
+struct StatsSoFar {
+    stats: MoeLayerStats,
+    load_balancing_loss: Option<Tensor<1>>,
+}
+
 /// A mixture-of-experts MLP: router, token dispatch over the expert-parallel group, and
 /// this rank's experts.
 #[derive(Module, Debug)]
@@ -253,7 +262,7 @@ pub struct MoeLayer {
     #[module(skip)]
     sequence_parallel: bool,
     #[module(skip)]
-    stats: Arc<Mutex<MoeLayerStats>>,
+    stats: Arc<Mutex<StatsSoFar>>,
     #[module(skip)]
     layout: LayoutOwner,
 }
@@ -359,7 +368,13 @@ impl MoeLayer {
 
     /// What the forwards since the last call saw (and starts counting afresh).
     pub fn take_stats(&self) -> MoeLayerStats {
-        std::mem::take(&mut *crate::comm::lock(&self.stats))
+        let so_far = std::mem::take(&mut *crate::comm::lock(&self.stats));
+        let mut stats = so_far.stats;
+        if let Some(sum) = so_far.load_balancing_loss {
+            let sum: f32 = sum.read_back().iter::<f32>().next().unwrap_or(f32::NAN);
+            stats.load_balancing_loss = f64::from(sum) / self.config.moe_aux_loss_coeff;
+        }
+        stats
     }
 
     /// Every expert of the layer, gathered over the expert-parallel group, by global index:
@@ -434,22 +449,25 @@ impl MoeLayer {
             }
         };
         let mut out = out.cast(dtype);
-        let coeff = self.config.moe_aux_loss_coeff;
-        let aux_value = routed.aux_loss.as_ref().map_or(0.0, |a| {
-            f64::from(a.clone().detach().into_scalar::<f32>()) / coeff
-        });
+        let aux = (routed.aux_loss.as_ref()).map(|a| a.clone().detach().cast(DType::F32));
         for loss in [routed.aux_loss, routed.z_loss].into_iter().flatten() {
             out = attach_aux_loss(out, loss);
         }
-        let mut stats = crate::comm::lock(&self.stats);
+        let mut so_far = crate::comm::lock(&self.stats);
+        if let Some(aux) = aux {
+            so_far.load_balancing_loss = Some(match so_far.load_balancing_loss.take() {
+                Some(sum) => sum + aux,
+                None => aux,
+            });
+        }
+        let stats = &mut so_far.stats;
         stats.forwards += 1;
-        stats.load_balancing_loss += aux_value;
         let counts = &routed.routing.tokens_per_expert;
         stats.tokens_per_expert.resize(counts.len(), 0);
         for (total, c) in stats.tokens_per_expert.iter_mut().zip(counts) {
             *total += c;
         }
-        drop(stats);
+        drop(so_far);
         let out = out.reshape([s, b, h]);
         let out = if split {
             gather_from_sequence_parallel_region(out, &self.tp, false)

@@ -6,7 +6,7 @@
 use super::cast::to_model_dtype;
 use super::error::OptimizerError;
 use super::fused_adam::{Place, Replace, Sharding, check_covers_experts, gather_pieces};
-use super::grad_norm::{NormType, clip_coefficient};
+use super::grad_norm::{NormType, clip_coefficient, largest_magnitude};
 use crate::comm::CommError;
 use crate::param_grads::with_flat;
 use crate::tensor_parallel::parallel_attrs;
@@ -115,34 +115,30 @@ impl ShardedBurn {
                 if inv_scale == 1.0 { g } else { g * inv_scale }
             })
             .collect();
-        let non_finite = grads.iter().any(|g| {
-            let finite: Tensor<1> = g.clone().is_finite().float();
-            g.dims()[0] > 0 && finite.min().into_scalar::<f32>() < 1.0
-        });
+        // One sum-of-squares pass over every piece and one read give both the overflow
+        // check (any piece may hold inf or NaN) and, under L2, the norm parts: as without
+        // sharding, and without a read per piece.
+        let sums: Vec<f32> = match grads.iter().any(|g| g.dims()[0] > 0) {
+            true => multi_tensor_sum_of_squares(&grads)
+                .expect("the gradients of one module share a device")
+                .read_back()
+                .iter::<f32>()
+                .collect(),
+            false => vec![0.0; grads.len()],
+        };
+        let non_finite = sums.iter().any(|s| !s.is_finite());
         let part = |experts: bool| {
-            let counted: Vec<Tensor<1>> = self
+            let counted = self
                 .pieces
                 .iter()
-                .zip(&grads)
+                .zip(grads.iter().zip(&sums))
                 .filter(|(p, _)| {
                     let attrs = parallel_attrs(p.param);
                     attrs.expert == experts && attrs.counts_in_grad_norm(tp_rank)
-                })
-                .map(|(_, g)| g.clone())
-                .collect();
+                });
             match norm_type {
-                NormType::L2 if counted.is_empty() => 0.0,
-                NormType::L2 => multi_tensor_sum_of_squares(&counted)
-                    .expect("the gradients of one module share a device")
-                    .read_back()
-                    .iter::<f32>()
-                    .map(f64::from)
-                    .sum(),
-                NormType::Inf => counted
-                    .iter()
-                    .filter(|g| g.dims()[0] > 0)
-                    .map(|g| f64::from(g.clone().abs().max().into_scalar::<f32>()))
-                    .fold(0.0, f64::max),
+                NormType::L2 => counted.map(|(_, (_, &s))| f64::from(s)).sum(),
+                NormType::Inf => largest_magnitude(counted.map(|(_, (g, _))| g)),
             }
         };
         Measured {

@@ -141,16 +141,25 @@ pub(crate) fn local_norm_stats(
             .filter(|(c, _)| *c)
             .map(|&(_, s)| f64::from(s))
             .sum(),
-        NormType::Inf => present
-            .iter()
-            .filter(|(c, _)| *c)
-            .map(|(_, g)| f64::from(g.clone().abs().max().into_scalar::<f32>()))
-            .fold(0.0, f64::max),
+        NormType::Inf => largest_magnitude(present.iter().filter(|(c, _)| *c).map(|(_, g)| g)),
     };
     LocalNormStats {
         non_finite: check_all && squared.iter().any(|(_, s)| !s.is_finite()),
         norm_part,
     }
+}
+
+/// The largest |g| over `grads` (0 for none), in one host read.
+pub(crate) fn largest_magnitude<'a>(grads: impl Iterator<Item = &'a Tensor<1>>) -> f64 {
+    let maxes: Vec<Tensor<1>> = grads
+        .filter(|g| g.dims()[0] > 0)
+        .map(|g| g.clone().abs().max())
+        .collect();
+    if maxes.is_empty() {
+        return 0.0;
+    }
+    let maxes = Tensor::cat(maxes, 0).read_back();
+    maxes.iter::<f32>().map(f64::from).fold(0.0, f64::max)
 }
 
 /// `max_norm / (total_norm + 1e-6)` when that is below 1, else 1 (also when `max_norm` is 0:

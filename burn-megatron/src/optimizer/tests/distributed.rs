@@ -299,3 +299,51 @@ fn a_plan_owns_every_element_once() {
         assert!(owned.iter().all(|&c| c == 1), "dp {dp}: {owned:?}");
     }
 }
+
+/// An inf in one rank's gradient skips the step on every rank under the distributed
+/// optimizer, fused or burn-optim's: the sharded pieces' one sum-of-squares read finds it on
+/// the rank that owns it after the reduce-scatter, and the ranks agree. The optimizers stand
+/// for tensor-parallel rank 1, where duplicated parameters do not count in the norm: only
+/// the overflow check can see the inf.
+#[test]
+fn an_inf_gradient_on_one_rank_skips_the_sharded_step_everywhere() {
+    let config = DataParallelConfig {
+        bucket_size: Some(20),
+        ..DataParallelConfig::default()
+    };
+    for fused in [false, true] {
+        let out = launch::threads(
+            &ParallelConfig::new(2, 1, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let m = model(DType::F32);
+                let dp: Comm = ctx.groups.dp.clone();
+                let (size, rank) = (dp.group().size(), dp.group().rank());
+                let plan = ShardPlan::new(&m, size, rank, &config, false);
+                let shards = OptimizerShards::new(vec![plan.clone()], dp.clone());
+                let mp = ctx.groups.mp.clone();
+                let mut optim = if fused {
+                    let adam = FusedAdamConfig::new().init().unwrap();
+                    MegatronOptimizer::distributed(adam, &m, shards, mp, 1).unwrap()
+                } else {
+                    let adamw = burn::optim::AdamWConfig::new().init();
+                    MegatronOptimizer::distributed(adamw, &m, shards, mp, 1).unwrap()
+                };
+                let before = weights(&m);
+                let mut g = grads(&m, rank, 0);
+                if rank == 1 {
+                    // The last element of the second layer's weight gradient.
+                    let id = m[1].weight.id;
+                    let w: Tensor<2> = Tensor::from_inner(g.remove(id).unwrap());
+                    let w = w.slice_fill([2..3, 6..7], f32::INFINITY);
+                    g.register(id, w.inner());
+                }
+                reduce_scatter_gradients(&plan, &mut g, &dp, &config).unwrap();
+                let (m, report) = optim.step(1e-2, m, g).unwrap();
+                Ok::<_, String>((report.updated, weights(&m) == before))
+            },
+        )
+        .unwrap();
+        assert_eq!(out, vec![(false, true); 2], "fused {fused}");
+    }
+}
