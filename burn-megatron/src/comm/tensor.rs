@@ -166,26 +166,25 @@ pub fn all_gather<const D: usize, K: Basic>(
     let (dims, device) = (tensor.dims(), tensor.device());
     check_dim(comm, "all_gather", &dims, dim, false)?;
     let n = comm.group().size();
-    #[cfg(feature = "cuda")]
-    let tensor = {
-        // Members' blocks stacked on dim 0, as the host path gathers them.
-        let mut stacked = dims;
-        stacked[0] *= n;
-        // SAFETY: as in `all_reduce`; the output holds `n × input` elements.
-        match on_device(comm, tensor, stacked, |dev, s, r| unsafe {
-            dev.all_gather(s, r)
-        })? {
-            Ok(stacked) if dim == 0 || n == 1 => return Ok(stacked),
-            Ok(stacked) => return Ok(Tensor::cat(stacked.chunk(n, 0), dim)),
-            Err(tensor) => tensor,
-        }
-    };
-    let gathered = comm.all_gather(tensor_to_buffer(comm, "all_gather", tensor)?)?;
-    // Members' blocks are contiguous: as a tensor of [n · d0, d1, ...] they are stacked on
-    // dim 0, which is already the answer when gathering along dim 0.
+    // Members' blocks, contiguous: as a tensor of [n · d0, d1, ...] they are stacked on dim
+    // 0, which is already the answer when gathering along dim 0.
     let mut stacked = dims;
     stacked[0] *= n;
-    let stacked: Tensor<D, K> = buffer_to_tensor(gathered, stacked, &device);
+    // SAFETY: `on_device` hands live contiguous buffers of the input's and the output's
+    // lengths (`n ×` the input), held until the call returns.
+    #[cfg(feature = "cuda")]
+    let gathered = on_device(comm, tensor, stacked, |dev, s, r| unsafe {
+        dev.all_gather(s, r)
+    })?;
+    #[cfg(not(feature = "cuda"))]
+    let gathered: Result<Tensor<D, K>, Tensor<D, K>> = Err(tensor);
+    let stacked = match gathered {
+        Ok(on_device) => on_device,
+        Err(tensor) => {
+            let buf = comm.all_gather(tensor_to_buffer(comm, "all_gather", tensor)?)?;
+            buffer_to_tensor(buf, stacked, &device)
+        }
+    };
     if dim == 0 || n == 1 {
         return Ok(stacked);
     }
