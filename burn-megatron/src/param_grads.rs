@@ -8,7 +8,7 @@
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Device, Tensor};
 use std::collections::HashMap;
 use std::sync::{OnceLock, RwLock};
 
@@ -124,3 +124,29 @@ pub(crate) fn update_flat<E>(
 
 #[cfg(test)]
 mod tests;
+
+/// A flat tensor of `len` elements of `dtype` on `device`: each of `pieces` (offset, values)
+/// cast to `dtype` at its offset, zeros elsewhere. Pieces must not overlap and must fit.
+/// How a bucket or a shard of one is laid out on the device.
+pub(crate) fn zero_padded(
+    len: usize,
+    dtype: DType,
+    device: &Device,
+    mut pieces: Vec<(usize, Tensor<1>)>,
+) -> Tensor<1> {
+    pieces.sort_by_key(|(at, _)| *at);
+    let zeros = |n: usize| Tensor::<1>::zeros([n], (device, dtype));
+    let mut parts = Vec::new();
+    let mut filled = 0;
+    for (at, values) in pieces.into_iter().filter(|(_, v)| v.dims()[0] > 0) {
+        if at > filled {
+            parts.push(zeros(at - filled));
+        }
+        filled = at + values.dims()[0];
+        parts.push(values.cast(dtype));
+    }
+    if len > filled || parts.is_empty() {
+        parts.push(zeros(len - filled));
+    }
+    Tensor::cat(parts, 0)
+}

@@ -12,10 +12,10 @@ use super::finalize::finalize_non_dp;
 use super::shard::ShardPlan;
 use crate::comm::tensor;
 use crate::comm::{Buffer, Comm, CommError, ReduceOp, comm_dtype};
-use crate::param_grads::{put_flat, take_flat};
+use crate::param_grads::{put_flat, take_flat, zero_padded};
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::DType;
 
 /// Reduces every bucket of `plan` over `dp` (averaged by default): reduce-scattered, or
 /// all-reduced for tied parameters. Returns the number of collectives issued.
@@ -60,23 +60,14 @@ pub(super) fn reduce_scatter_with(
             })?;
             bucket.dtype
         };
-        // The bucket laid out on the device: each gradient at its offset, zeros elsewhere
-        // (padding, and parameters without a gradient).
-        let mut pieces = Vec::new();
-        let (mut at, mut device) = (0, None);
-        for p in &bucket.params {
-            let Some((g, _)) = take_flat(grads, p.id, p.rank) else {
-                continue;
-            };
-            let d = device.get_or_insert_with(|| g.device());
-            if p.offset > at {
-                pieces.push(zeros(p.offset - at, dtype, d));
-            }
-            pieces.push(g.cast(dtype));
-            at = p.offset + p.numel;
-        }
         // Every rank reduces every bucket, gradients or not, so the calls match.
-        let Some(device) = device else {
+        let mut present = Vec::new();
+        for p in &bucket.params {
+            if let Some((g, _)) = take_flat(grads, p.id, p.rank) {
+                present.push((p.offset, g));
+            }
+        }
+        let Some(device) = present.first().map(|(_, g)| g.device()) else {
             let mut flat = Buffer::zeros(comm_dtype(dtype).expect("checked above"), bucket.len);
             if bucket.all_reduced {
                 dp.all_reduce(&mut flat, op)?;
@@ -86,10 +77,9 @@ pub(super) fn reduce_scatter_with(
             issued += 1;
             continue;
         };
-        if bucket.len > at {
-            pieces.push(zeros(bucket.len - at, dtype, &device));
-        }
-        let flat = Tensor::cat(pieces, 0);
+        // The bucket on the device: each gradient at its offset, zeros elsewhere (padding,
+        // and parameters without a gradient).
+        let flat = zero_padded(bucket.len, dtype, &device, present);
         let (reduced, base) = if bucket.all_reduced {
             (tensor::all_reduce(&**dp, flat, op)?, 0..bucket.len)
         } else {
@@ -102,27 +92,15 @@ pub(super) fn reduce_scatter_with(
             // around them.
             let start = base.start.max(p.offset);
             let end = base.end.min(p.offset + p.numel);
-            let values = if start < end {
+            let mine = (start < end).then(|| {
                 let part = reduced.clone().narrow(0, start - base.start, end - start);
-                let (before, after) = (start - p.offset, p.offset + p.numel - end);
-                let pad = |n| (n > 0).then(|| zeros(n, dtype, &device));
-                let pieces: Vec<Tensor<1>> = [pad(before), Some(part), pad(after)]
-                    .into_iter()
-                    .flatten()
-                    .collect();
-                Tensor::cat(pieces, 0)
-            } else {
-                zeros(p.numel, dtype, &device)
-            };
+                (start - p.offset, part)
+            });
+            let values = zero_padded(p.numel, dtype, &device, mine.into_iter().collect());
             put_flat(grads, p.id, values.cast(bucket.dtype), &p.dims);
         }
     }
     Ok(issued)
-}
-
-/// `n` zeros of `dtype` on `device`, as a flat tensor.
-fn zeros(n: usize, dtype: DType, device: &Device) -> Tensor<1> {
-    Tensor::zeros([n], (device, dtype))
 }
 
 /// [`finalize_model_grads`](super::advanced::finalize_model_grads) for the distributed optimizer:

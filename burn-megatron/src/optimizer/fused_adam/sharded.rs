@@ -9,6 +9,7 @@ use super::mappers::{Replace, walk};
 use crate::comm::tensor;
 use crate::comm::{CommError, comm_dtype};
 use crate::optimizer::error::OptimizerError;
+use crate::param_grads::zero_padded;
 use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
 use std::collections::HashMap;
@@ -154,22 +155,8 @@ pub(crate) fn gather_pieces(
             // This rank's pieces laid out in its shard of the bucket (zeros between them),
             // on the device; the shards are gathered into the whole bucket.
             let shard = bucket.len / plan.size();
-            let mut mine = by_bucket.remove(&(p, b)).unwrap_or_default();
-            mine.sort_by_key(|(at, _)| *at);
-            let zeros = |n: usize| Tensor::<1>::zeros([n], (device, d));
-            let mut parts = Vec::new();
-            let mut filled = 0;
-            for (at, values) in mine {
-                if at > filled {
-                    parts.push(zeros(at - filled));
-                }
-                filled = at + values.dims()[0];
-                parts.push(values.cast(d));
-            }
-            if shard > filled || parts.is_empty() {
-                parts.push(zeros(shard - filled));
-            }
-            let full = tensor::all_gather(&**group, Tensor::cat(parts, 0), 0)?;
+            let mine = by_bucket.remove(&(p, b)).unwrap_or_default();
+            let full = tensor::all_gather(&**group, zero_padded(shard, d, device, mine), 0)?;
             for param in bucket.params.iter().filter(|p| p.trainable) {
                 let values = full.clone().narrow(0, param.offset, param.numel);
                 out.insert(param.id, values);
