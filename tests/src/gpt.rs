@@ -10,7 +10,7 @@ use burn_megatron::models::{
     ActivationFunc, AttnMaskType, Gpt, GptConfig, GptStageOutput, LayerNormPosition, NormKind,
     ParallelAttentionConfig, ParallelMlpConfig, PositionEmbeddingType, TransformerLayerConfig,
 };
-use burn_megatron::pipeline::{ChunkOutput, ForwardStep};
+use burn_megatron::pipeline::{ChunkOutput, ForwardStep, MicrobatchLoss, read_losses};
 use burn_megatron::tensor_parallel::parallel_attrs;
 use std::collections::BTreeMap;
 
@@ -181,4 +181,11 @@ pub fn causal_lm_step(
             ChunkOutput::Loss { loss, report }
         }
     })
+}
+
+/// The sum of each micro-batch's first reported value (the loss [`causal_lm_step`] reports)
+/// over `local`, the rank's micro-batch count: its mean loss, in one host read.
+pub fn mean_reported_loss(losses: &[MicrobatchLoss], local: usize) -> f32 {
+    let read = read_losses(losses);
+    read.iter().map(|m| m.report[0] as f32).sum::<f32>() / local as f32
 }

@@ -25,7 +25,9 @@ use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron::training::ParallelTrainingConfig;
-use burn_megatron_tests::gpt::{causal_lm_step, gathered, gpt_rows, llama, max_rel_diff};
+use burn_megatron_tests::gpt::{
+    causal_lm_step, gathered, gpt_rows, llama, max_rel_diff, mean_reported_loss,
+};
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -239,7 +241,6 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
     use burn_megatron::models::Gpt;
     use burn_megatron::pipeline::{
         ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
-        read_losses,
     };
     const SAMPLES: usize = 4;
     const STEPS: usize = 6;
@@ -317,13 +318,7 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
                 training.finalize(&chunks, &mut grads)?;
                 chunks = optim.step(1e-3, chunks, grads)?.0;
                 if !out.losses.is_empty() {
-                    let mut v = vec![
-                        read_losses(&out.losses)
-                            .iter()
-                            .map(|m| m.report[0] as f32)
-                            .sum::<f32>()
-                            / local as f32,
-                    ];
+                    let mut v = vec![mean_reported_loss(&out.losses, local)];
                     ctx.groups.dp.all_reduce_vec(&mut v, ReduceOp::Avg)?;
                     losses.push(v[0]);
                 }

@@ -16,10 +16,12 @@ use burn_megatron::models::{Gpt, GptConfig};
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
 use burn_megatron::pipeline::{
     ForwardBackwardConfig, ForwardStep, GradSync, P2pShapes, PipelineSchedule,
-    forward_backward_func, read_losses,
+    forward_backward_func,
 };
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
-use burn_megatron_tests::gpt::{causal_lm_step, gathered, gpt_rows, gpt2, llama, max_rel_diff};
+use burn_megatron_tests::gpt::{
+    causal_lm_step, gathered, gpt_rows, gpt2, llama, max_rel_diff, mean_reported_loss,
+};
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -140,13 +142,7 @@ fn pipelined(config: &GptConfig, l: Layout) -> Vec<(Option<Vec<f32>>, Vec<f32>, 
             chunks = c;
             norms.push(report.grad_norm.unwrap() as f32);
             if !out.losses.is_empty() {
-                let mut v = vec![
-                    read_losses(&out.losses)
-                        .iter()
-                        .map(|m| m.report[0] as f32)
-                        .sum::<f32>()
-                        / local as f32,
-                ];
+                let mut v = vec![mean_reported_loss(&out.losses, local)];
                 dp.all_reduce_vec(&mut v, ReduceOp::Avg)?;
                 losses.push(v[0]);
             }

@@ -18,7 +18,7 @@ use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::optimizer::NormType;
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
-    forward_backward_func, read_losses,
+    forward_backward_func,
 };
 use burn_megatron::recompute::{
     RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule,
@@ -26,7 +26,7 @@ use burn_megatron::recompute::{
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron::training::ParallelTrainingConfig;
-use burn_megatron_tests::gpt::{gathered, gpt_rows, gpt2, llama, max_rel_diff};
+use burn_megatron_tests::gpt::{gathered, gpt_rows, gpt2, llama, max_rel_diff, mean_reported_loss};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -113,13 +113,7 @@ fn train(config: &GptConfig, l: Layout) -> Trace {
             chunks = c;
             norms.push(report.grad_norm.unwrap() as f32);
             if !out.losses.is_empty() {
-                let mut v = vec![
-                    read_losses(&out.losses)
-                        .iter()
-                        .map(|m| m.report[0] as f32)
-                        .sum::<f32>()
-                        / local as f32,
-                ];
+                let mut v = vec![mean_reported_loss(&out.losses, local)];
                 ctx.groups.dp.all_reduce_vec(&mut v, ReduceOp::Avg)?;
                 losses.push(v[0]);
             }
