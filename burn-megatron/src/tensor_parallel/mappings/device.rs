@@ -9,9 +9,8 @@
 //! waits, with its deadline) before Burn reads its output.
 
 use super::Mapping;
-use crate::comm::{
-    Comm, CommError, DeviceCollectives, DeviceSlice, ReduceOp, comm_dtype, cuda_tensor,
-};
+use crate::comm::cuda_tensor::{self, collective};
+use crate::comm::{Comm, CommError, DeviceCollectives, ReduceOp, comm_dtype};
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{Shape, Slice};
 use burn_cubecl::CubeBackend;
@@ -47,6 +46,7 @@ fn run(
     dev: &dyn DeviceCollectives,
 ) -> Result<CubeTensor, CommError> {
     let (n, me) = (comm.group().size(), comm.group().rank());
+    let group = comm.group().to_string();
     let dims = x.meta.shape().to_vec();
     let last = dims.len() - 1;
     let part = |dim: usize| super::host::split_size(mapping, comm, &dims, dim);
@@ -61,17 +61,19 @@ fn run(
         Mapping::ScatterToSp => narrow(x, 0, me * part(0)?, part(0)?),
         Mapping::ReduceFrom => {
             let shape = Shape::from(dims.clone());
-            collective(&x, shape, comm, dev, |s, r| unsafe {
+            collective(&x, shape, &group, dev, |s, r| unsafe {
                 dev.all_reduce(s, r, ReduceOp::Sum)
             })?
         }
         Mapping::GatherFromSp { .. } => {
             let shape = with(0, dims[0] * n);
-            collective(&x, shape, comm, dev, |s, r| unsafe { dev.all_gather(s, r) })?
+            collective(&x, shape, &group, dev, |s, r| unsafe {
+                dev.all_gather(s, r)
+            })?
         }
         Mapping::ReduceScatterToSp => {
             let shape = with(0, part(0)?);
-            collective(&x, shape, comm, dev, |s, r| unsafe {
+            collective(&x, shape, &group, dev, |s, r| unsafe {
                 dev.reduce_scatter(s, r, ReduceOp::Sum)
             })?
         }
@@ -79,15 +81,18 @@ fn run(
             // Gathered as n blocks of [rows, cols]; the blocks go side by side on the last dim.
             let rows: usize = dims[..last].iter().product();
             let cols = dims[last];
-            let blocks = collective(&x, Shape::from([n, rows, cols]), comm, dev, |s, r| unsafe {
-                dev.all_gather(s, r)
-            })?;
+            let blocks = collective(
+                &x,
+                Shape::from([n, rows, cols]),
+                &group,
+                dev,
+                |s, r| unsafe { dev.all_gather(s, r) },
+            )?;
             let side_by_side = into_contiguous(CubeBackend::float_swap_dims(blocks, 0, 1));
             CubeBackend::float_reshape(side_by_side, with(last, cols * n))
         }
         Mapping::RingShift { forward } => {
             let (to, from) = super::host::ring_peers(forward, me, n);
-            let group = comm.group().to_string();
             // The send is queued without waiting for the receiver, so the ring cannot lock.
             cuda_tensor::send(dev, group.clone(), x.clone(), to)?;
             cuda_tensor::recv(dev, group, &x, &dims, x.dtype, from)?
@@ -106,15 +111,4 @@ fn narrow(x: CubeTensor, dim: usize, start: usize, len: usize) -> CubeTensor {
         })
         .collect();
     CubeBackend::float_slice(x, &slices)
-}
-
-/// Runs `op` from `x`'s buffer into a new tensor of `shape` on the same device.
-fn collective(
-    x: &CubeTensor,
-    shape: Shape,
-    comm: &Comm,
-    dev: &dyn DeviceCollectives,
-    op: impl FnOnce(DeviceSlice, DeviceSlice) -> Result<(), CommError>,
-) -> Result<CubeTensor, CommError> {
-    cuda_tensor::collective(x, shape, &comm.group().to_string(), dev, op)
 }
