@@ -124,7 +124,7 @@ fn build(ctx: &RankContext, config: &GptConfig) -> Result<(Gpt, MegatronOptimize
     // ANCHOR: moe_build
     let model = config.init_stage_with_experts(
         &g.tp,
-        Some(&g.ep),
+        Some(&g.experts()),
         PipelinePosition::whole(),
         &ctx.device,
     )?;

@@ -1,6 +1,7 @@
 //! What each rank is handed.
 
 use crate::comm::{Comm, CommError, World};
+use crate::moe::ExpertGroups;
 use crate::pipeline::{P2pCommunicator, P2pShapes};
 use crate::topology::{GroupKind, ParallelState};
 use burn::tensor::Device;
@@ -28,6 +29,10 @@ pub struct RankGroups {
     /// Expert model parallel group: the ranks each MoE layer's experts are split over, which
     /// exchange tokens.
     pub ep: Comm,
+    /// Expert tensor-parallel group: the ranks that split each expert's weights (the
+    /// tensor-parallel group's ranks when `--expert-tensor-parallel-size` is above 1, else
+    /// this rank alone).
+    pub expert_tp: Comm,
     /// Expert data parallel group: the replicas of this rank's experts, which reduce their
     /// gradients (the dense parameters' are reduced over [`RankGroups::dp_cp`]).
     pub expert_dp: Comm,
@@ -40,6 +45,17 @@ pub struct RankGroups {
     pub position_embedding: Option<Comm>,
     /// Every rank of the world.
     pub world: Comm,
+}
+
+impl RankGroups {
+    /// The groups this rank's MoE layers split their experts over: [`RankGroups::ep`] and
+    /// [`RankGroups::expert_tp`].
+    pub fn experts(&self) -> ExpertGroups {
+        ExpertGroups {
+            ep: self.ep.clone(),
+            etp: self.expert_tp.clone(),
+        }
+    }
 }
 
 /// Everything one rank needs: its coordinates and groups, its communicators, its device.
@@ -110,6 +126,7 @@ impl RankContext {
             mp: comm(GroupKind::ModelParallel)?,
             tp_dp: comm(GroupKind::TensorAndDataParallel)?,
             ep: comm(GroupKind::ExpertModelParallel)?,
+            expert_tp: comm(GroupKind::ExpertTensorParallel)?,
             expert_dp: comm(GroupKind::ExpertDataParallel)?,
             expert_mp: comm(GroupKind::ExpertTensorModelPipelineParallel)?,
             embedding: member(GroupKind::Embedding)

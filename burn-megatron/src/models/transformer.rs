@@ -7,7 +7,7 @@ use super::mlp::{ParallelMlp, ParallelMlpConfig};
 use super::norm::{Norm, NormKind};
 pub use crate::activation::ActivationFunc;
 use crate::comm::Comm;
-use crate::moe::{MoeConfig, MoeLayer, MoeLayerShape};
+use crate::moe::{ExpertGroups, MoeConfig, MoeLayer, MoeLayerShape};
 use crate::recompute::{
     RecomputeConfig, RecomputeModule, linear_products, recompute, recompute_linear_input,
 };
@@ -161,12 +161,12 @@ impl TransformerLayerConfig {
         self.init_with_experts(tp, None, device)
     }
 
-    /// [`init`](Self::init) with the expert-parallel group an MoE layer splits its experts
-    /// over (`None`: all of them on this rank).
+    /// [`init`](Self::init) with the groups an MoE layer splits its experts over (`None`:
+    /// all of them, whole, on this rank).
     pub fn init_with_experts(
         &self,
         tp: &Comm,
-        ep: Option<&Comm>,
+        experts: Option<&ExpertGroups>,
         device: &Device,
     ) -> Result<TransformerLayer, TpError> {
         super::check_dropout(&[("hidden_dropout", self.hidden_dropout)])?;
@@ -178,10 +178,10 @@ impl TransformerLayerConfig {
             None => (Some(self.mlp.init(self, tp, device)?), None),
             Some(moe) => {
                 let solo;
-                let ep = match ep {
-                    Some(ep) => ep,
+                let experts = match experts {
+                    Some(experts) => experts,
                     None => {
-                        solo = crate::comm::solo_group("ep");
+                        solo = ExpertGroups::solo();
                         &solo
                     }
                 };
@@ -202,7 +202,7 @@ impl TransformerLayerConfig {
                     sequence_parallel: self.sequence_parallel,
                     seed: derive_seed(self.seed, "mlp"),
                 };
-                (None, Some(moe.init(shape, tp, ep, device)?))
+                (None, Some(moe.init(shape, tp, experts, device)?))
             }
         };
         let norm = || Norm::new(self.normalization, h, self.layernorm_epsilon, device);

@@ -9,9 +9,14 @@
 //! - `allgather`: every rank all-gathers the group's tokens and weights, runs its experts on
 //!   the tokens routed to them, and reduce-scatters the partial outputs back.
 //!
-//! Both are differentiable: the all-to-all's backward is the reverse exchange, the
+//! Under expert tensor parallelism both hand this rank's rows to [`run_split_experts`],
+//! which gathers the rows of the same experts from the expert tensor-parallel group, runs
+//! this rank's slice of the experts, and sums the partial outputs back to the rows' ranks.
+//!
+//! All are differentiable: the all-to-all's backward is the reverse exchange, the
 //! all-gather's a reduce-scatter.
 
+use super::ExpertGroups;
 use super::experts::ExpertMlp;
 use super::router::Routing;
 use crate::comm::{Comm, CommunicatorExt};
@@ -19,7 +24,9 @@ use crate::tensor_parallel::TpError;
 use crate::tensor_parallel::mappings::{
     all_to_all, gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
-use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{
+    DType, Device, IndexingUpdateOp, Int, Tensor, TensorCreationOptions, TensorData,
+};
 
 fn index(v: Vec<i64>, device: &Device) -> Tensor<1, Int> {
     let n = v.len();
@@ -63,14 +70,95 @@ fn run_experts(
     ((!outs.is_empty()).then(|| Tensor::cat(outs, 0)), zero)
 }
 
+/// [`run_experts`] over the expert tensor-parallel group `etp`, whose members hold slices of
+/// the same experts: `rows` (`[n, H]`, grouped by local expert, `counts[i]` for expert `i`;
+/// possibly empty) and their `weights` (`[n, 1]`) are gathered from every member, grouped
+/// by expert, run through this member's slices, and the partial outputs summed back to the
+/// members the rows came from (Megatron's all-gather and reduce-scatter over the expert
+/// tensor-parallel group, here variable-size, as all-to-alls). Returns this member's rows'
+/// outputs (`[n, H]`) and the zero of experts without rows. Every member calls it.
+fn run_split_experts(
+    experts: &[ExpertMlp],
+    rows: Tensor<2>,
+    weights: Tensor<2>,
+    counts: &[usize],
+    etp: &Comm,
+) -> Result<(Tensor<2>, Option<Tensor<1>>), TpError> {
+    let n: usize = counts.iter().sum();
+    if etp.group().size() == 1 {
+        if n == 0 {
+            return Ok((rows, None));
+        }
+        let (out, zero) = run_experts(experts, rows, weights, counts);
+        return Ok((
+            out.unwrap_or_else(|| unreachable!("{n} rows make outputs")),
+            zero,
+        ));
+    }
+    let (m, local, device) = (etp.group().size(), experts.len(), rows.device());
+    let all = etp.all_gather_vec(counts.iter().map(|&c| c as i64).collect())?;
+    let count = |member: usize, expert: usize| all[member * local + expert] as usize;
+    let sizes: Vec<usize> = (0..m)
+        .map(|j| (0..local).map(|l| count(j, l)).sum())
+        .collect();
+    // Every member's rows to every member: the input repeated once per member.
+    let gather = |x: Tensor<2>| {
+        let x = if n == 0 {
+            x
+        } else {
+            Tensor::cat(vec![x; m], 0)
+        };
+        all_to_all(x, &vec![n; m], &sizes, etp)
+    };
+    let (gathered, gathered_weights) = (gather(rows)?, gather(weights)?);
+    let total: usize = sizes.iter().sum();
+    if total == 0 {
+        return Ok((gathered, None));
+    }
+    // Member-major as gathered; the experts take them expert-major.
+    let mut by_expert = Vec::with_capacity(total);
+    let mut per_expert = vec![0usize; local];
+    for (l, per) in per_expert.iter_mut().enumerate() {
+        let mut member_start = 0;
+        for (j, size) in sizes.iter().enumerate() {
+            let start = member_start + (0..l).map(|x| count(j, x)).sum::<usize>();
+            by_expert.extend((start..start + count(j, l)).map(|i| i as i64));
+            *per += count(j, l);
+            member_start += size;
+        }
+    }
+    let mut inverse = vec![0i64; total];
+    for (pos, &i) in by_expert.iter().enumerate() {
+        inverse[i as usize] = pos as i64;
+    }
+    let by_expert = index(by_expert, &device);
+    let (out, zero) = run_experts(
+        experts,
+        gathered.select(0, by_expert.clone()),
+        gathered_weights.select(0, by_expert),
+        &per_expert,
+    );
+    let out = out
+        .unwrap_or_else(|| unreachable!("{total} rows make outputs"))
+        .select(0, index(inverse, &device));
+    let partial = all_to_all(out, &sizes, &vec![n; m], etp)?;
+    if n == 0 {
+        return Ok((partial, zero));
+    }
+    let h = partial.dims()[1];
+    let summed = partial.reshape([m, n, h]).sum_dim(0).reshape([n, h]);
+    Ok((summed, zero))
+}
+
 /// The `alltoall` dispatcher: `tokens` (`[T, H]`) through this rank's `experts`
 /// (layer experts `ep_rank · L .. (ep_rank + 1) · L`) and back, `[T, H]`.
 pub(crate) fn alltoall(
     tokens: Tensor<2>,
     routing: &Routing,
     experts: &[ExpertMlp],
-    ep: &Comm,
+    groups: &ExpertGroups,
 ) -> Result<Tensor<2>, TpError> {
+    let ep = &groups.ep;
     let device = tokens.device();
     let [t, h] = tokens.dims();
     let zeros = TensorCreationOptions::new(device.clone()).with_dtype(tokens.dtype());
@@ -125,21 +213,22 @@ pub(crate) fn alltoall(
     for (pos, &i) in by_expert.iter().enumerate() {
         inverse[i as usize] = pos as i64;
     }
-    let (outputs, zero) = if by_expert.is_empty() {
-        (None, None)
+    let empty = by_expert.is_empty();
+    let (rows, weights) = if empty {
+        (received, received_weights)
     } else {
         let sorted = index(by_expert, &device);
-        run_experts(
-            experts,
-            received.clone().select(0, sorted.clone()),
+        (
+            received.select(0, sorted.clone()),
             received_weights.select(0, sorted),
-            &per_expert,
         )
     };
-    let outputs = match outputs {
-        Some(out) => out.select(0, index(inverse, &device)),
-        // Nothing arrived: the (empty) exchange back still takes part.
-        None => received,
+    let (outputs, zero) = run_split_experts(experts, rows, weights, &per_expert, &groups.etp)?;
+    // Nothing arrived: the (empty) exchange back still takes part.
+    let outputs = if empty {
+        outputs
+    } else {
+        outputs.select(0, index(inverse, &device))
     };
     let back = all_to_all(outputs, &output_splits, &input_splits, ep)?;
     // unpermute: each token's outputs summed in place.
@@ -157,11 +246,12 @@ pub(crate) fn allgather(
     tokens: Tensor<2>,
     routing: &Routing,
     experts: &[ExpertMlp],
-    ep: &Comm,
+    groups: &ExpertGroups,
 ) -> Result<Tensor<2>, TpError> {
-    let device = tokens.device();
+    let ep = &groups.ep;
+    let (device, dtype) = (tokens.device(), tokens.dtype());
     let [t, h] = tokens.dims();
-    let zeros = TensorCreationOptions::new(device.clone()).with_dtype(tokens.dtype());
+    let zeros = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
     let (n, me, local) = (ep.group().size(), ep.group().rank(), experts.len());
     let tk = routing.num_tokens * routing.topk;
     // Every rank's assignments to this rank's experts, as (token, weight index) in the
@@ -218,15 +308,33 @@ pub(crate) fn allgather(
         true,
     );
     let (outputs, zero) = if rows.is_empty() {
-        (None, None)
+        // No row for this rank's experts: the gathers (and, under expert tensor parallelism,
+        // the exchanges this rank takes part in with none) must still be in the graph, or
+        // backward would skip their collectives here while the peers run them.
+        let none = |t: &Tensor<2>| t.clone().slice([0..0, 0..t.dims()[1]]);
+        let (out, zero) = run_split_experts(
+            experts,
+            none(&gathered),
+            none(&weights),
+            &per_expert,
+            &groups.etp,
+        )?;
+        let f32 = |t: Tensor<2>| t.sum().cast(DType::F32);
+        let link = ((f32(gathered) + f32(weights) + f32(out)) * 0.0).cast(dtype);
+        (
+            None,
+            Some(zero.map_or(link.clone(), |z| z.cast(dtype) + link)),
+        )
     } else {
         let rows_index = index(rows.clone(), &device);
-        run_experts(
+        let (out, zero) = run_split_experts(
             experts,
             gathered.select(0, rows_index),
             weights.select(0, index(weight_rows, &device)),
             &per_expert,
-        )
+            &groups.etp,
+        )?;
+        (Some(out), zero)
     };
     let partial = Tensor::<2>::zeros([n * t, h], zeros);
     let partial = match outputs {

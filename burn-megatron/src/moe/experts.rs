@@ -1,24 +1,30 @@
 //! The experts: one MLP per expert, run one after the other on its tokens (Megatron's
 //! `SequentialMLP`). Each expert's weights are drawn from a seed of its *global* index, so
-//! a layer split over any number of expert-parallel ranks starts from the same experts.
+//! a layer split over any number of expert-parallel ranks starts from the same experts; with
+//! expert tensor parallelism each rank keeps its slice of those weights, split as the dense
+//! MLP's (the up and gate projections by output features, the down projection by input
+//! features), and its outputs are partial sums the dispatcher reduces.
 
 use crate::activation::ActivationFunc;
 use crate::tensor_parallel::{LayoutOwner, MasterInit, ParallelAttrs, TpError, derive_seed};
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
-/// One expert: `linear_fc1` (`[hidden, ffn]`, or `[hidden, 2·ffn]` with the gate's
-/// columns first for a gated linear unit) and `linear_fc2` (`[ffn, hidden]`), no biases.
+/// One expert (this rank's slice of it under expert tensor parallelism): `linear_fc1`
+/// (`[hidden, ffn]`, the up projection of a gated unit), `linear_fc1_gate` (`[hidden, ffn]`,
+/// the gate of a gated unit) and `linear_fc2` (`[ffn, hidden]`), no biases.
 #[derive(Module, Debug)]
 pub struct ExpertMlp {
-    /// Up projection (gate first, then up, when gated).
+    /// Up projection.
     pub linear_fc1: Param<Tensor<2>>,
+    /// The gate of a gated linear unit (SwiGLU's), split like `linear_fc1`.
+    pub linear_fc1_gate: Option<Param<Tensor<2>>>,
     /// Down projection.
     pub linear_fc2: Param<Tensor<2>>,
     #[module(skip)]
-    gated: bool,
-    #[module(skip)]
     activation: ActivationFunc,
+    #[module(skip)]
+    split: bool,
     #[module(skip)]
     layout: LayoutOwner,
 }
@@ -35,25 +41,61 @@ pub(crate) struct ExpertShape {
     pub seed: u64,
 }
 
+/// Columns `cols` of a row-major `[rows, width]` matrix.
+fn columns(values: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
+    values
+        .chunks(width)
+        .flat_map(|row| row[cols.clone()].iter().copied())
+        .collect()
+}
+
 impl ExpertShape {
-    /// Expert `global` of the layer, on `device`.
-    pub(crate) fn init(&self, global: usize, device: &Device) -> Result<ExpertMlp, TpError> {
+    /// This rank's slice of expert `global` of the layer, on `device`: slice `etp_rank` of
+    /// `etp` along the FFN width.
+    pub(crate) fn init(
+        &self,
+        global: usize,
+        (etp_rank, etp): (usize, usize),
+        device: &Device,
+    ) -> Result<ExpertMlp, TpError> {
         self.initializer.check()?;
         self.output_initializer.check()?;
-        let width = if self.gated { 2 * self.ffn } else { self.ffn };
-        let param = |init: MasterInit, rows: usize, cols: usize, name: &str| {
-            let seed = derive_seed(self.seed, &format!("experts.{global}.{name}"));
-            let values = init.values(rows * cols, rows, seed);
+        let (h, f) = (self.hidden, self.ffn);
+        if etp == 0 || !f.is_multiple_of(etp) {
+            return Err(TpError::Invalid(format!(
+                "the experts' FFN width {f} does not split over {etp} expert tensor-parallel \
+                 ranks (--moe-ffn-hidden-size must be divisible by \
+                 --expert-tensor-parallel-size)"
+            )));
+        }
+        let part = f / etp;
+        let mine = etp_rank * part..(etp_rank + 1) * part;
+        let param = |values: Vec<f32>, dims: [usize; 2]| {
             Param::from_tensor(Tensor::<2>::from_data(
-                TensorData::new(values, [rows, cols]),
+                TensorData::new(values, dims),
                 device,
             ))
         };
+        let draw = |init: MasterInit, rows: usize, cols: usize, name: &str| {
+            let seed = derive_seed(self.seed, &format!("experts.{global}.{name}"));
+            init.values(rows * cols, rows, seed)
+        };
+        // One draw of the whole fc1, the gate's columns first: the same experts at any split.
+        let width = if self.gated { 2 * f } else { f };
+        let fc1 = draw(self.initializer, h, width, "linear_fc1");
+        let up = if self.gated { f..2 * f } else { 0..f };
+        let fc2 = draw(self.output_initializer, f, h, "linear_fc2");
         let expert = ExpertMlp {
-            linear_fc1: param(self.initializer, self.hidden, width, "linear_fc1"),
-            linear_fc2: param(self.output_initializer, self.ffn, self.hidden, "linear_fc2"),
-            gated: self.gated,
+            linear_fc1: param(
+                columns(&fc1, width, up.start + mine.start..up.start + mine.end),
+                [h, part],
+            ),
+            linear_fc1_gate: self
+                .gated
+                .then(|| param(columns(&fc1, width, mine.clone()), [h, part])),
+            linear_fc2: param(fc2[mine.start * h..mine.end * h].to_vec(), [part, h]),
             activation: self.activation,
+            split: etp > 1,
             layout: LayoutOwner::default(),
         };
         expert.state_attrs();
@@ -63,24 +105,27 @@ impl ExpertShape {
 
 impl ExpertMlp {
     fn state_attrs(&self) {
-        for id in [self.linear_fc1.id, self.linear_fc2.id] {
-            self.layout.state(id, ParallelAttrs::expert());
+        // Split over the expert tensor-parallel group, which is the tensor-parallel group
+        // (see `ParallelConfig::validate`): shards sit where the dense layers' do.
+        let attrs = |dim| ParallelAttrs::expert(self.split.then_some(dim));
+        let fc1 = self.linear_fc1_gate.iter().chain([&self.linear_fc1]);
+        for p in fc1 {
+            self.layout.state(p.id, attrs(1));
         }
+        self.layout.state(self.linear_fc2.id, attrs(0));
     }
 
     /// `fc2(act(fc1(x)) · weight)` on `x` (`[n, hidden]`), each row scaled by its routing
-    /// weight (`[n, 1]`) before the down projection, as Megatron's experts apply it.
+    /// weight (`[n, 1]`) before the down projection, as Megatron's experts apply it. Under
+    /// expert tensor parallelism this is this rank's partial sum of the output.
     pub fn forward(&self, x: Tensor<2>, weight: Tensor<2>) -> Tensor<2> {
         self.state_attrs();
-        let h = x.matmul(self.linear_fc1.val());
-        let act = if self.gated {
-            let [gate, up] = h
-                .chunk(2, 1)
-                .try_into()
-                .expect("two halves of an even width");
-            self.activation.glu(gate, up)
-        } else {
-            self.activation.apply(h, None)
+        let act = match &self.linear_fc1_gate {
+            Some(gate) => {
+                let g = x.clone().matmul(gate.val());
+                self.activation.glu(g, x.matmul(self.linear_fc1.val()))
+            }
+            None => self.activation.apply(x.matmul(self.linear_fc1.val()), None),
         };
         let dtype = act.dtype();
         (act * weight.cast(dtype)).matmul(self.linear_fc2.val())
@@ -90,6 +135,10 @@ impl ExpertMlp {
     /// that its gradient exists (zero) on every rank and the expert data-parallel reduction
     /// sees the same parameters everywhere.
     pub(crate) fn zero_touch(&self) -> Tensor<1> {
-        (self.linear_fc1.val().sum() + self.linear_fc2.val().sum()) * 0.0
+        let mut sum = self.linear_fc1.val().sum() + self.linear_fc2.val().sum();
+        if let Some(gate) = &self.linear_fc1_gate {
+            sum = sum + gate.val().sum();
+        }
+        sum * 0.0
     }
 }

@@ -6,7 +6,8 @@
 //!   capacity dropping and padding; the load-balancing and z losses), logits in FP32.
 //! - `dispatcher`: `alltoall` and `allgather` over the expert-parallel group
 //!   ([`GroupKind::ExpertModelParallel`](crate::topology::GroupKind)), differentiable.
-//! - [`ExpertMlp`]: the experts, run one after the other (Megatron's `SequentialMLP`).
+//! - [`ExpertMlp`]: the experts, run one after the other (Megatron's `SequentialMLP`),
+//!   each split over the expert tensor-parallel group when it has more than one rank.
 //!
 //! Each rank holds `num_experts / EP` experts, initialised from their global index, so a
 //! model split over any EP starts from the same weights. The auxiliary losses enter
@@ -243,8 +244,31 @@ struct StatsSoFar {
     load_balancing_loss: Option<Tensor<1>>,
 }
 
+/// The groups an MoE layer's experts are split over: whole experts over expert parallelism,
+/// each expert's weights over expert tensor parallelism (Megatron's `ep` and `expt_tp`
+/// process groups). [`RankGroups::experts`](crate::launch::RankGroups::experts) gives a
+/// rank's.
+#[derive(Debug, Clone)]
+pub struct ExpertGroups {
+    /// The expert-parallel group (`--expert-model-parallel-size`), which exchanges tokens.
+    pub ep: Comm,
+    /// The expert tensor-parallel group (`--expert-tensor-parallel-size`): this rank alone,
+    /// or the tensor-parallel group's ranks.
+    pub etp: Comm,
+}
+
+impl ExpertGroups {
+    /// Every expert, whole, on this rank.
+    pub fn solo() -> Self {
+        Self {
+            ep: crate::comm::solo_group("ep"),
+            etp: crate::comm::solo_group("etp"),
+        }
+    }
+}
+
 /// A mixture-of-experts MLP: router, token dispatch over the expert-parallel group, and
-/// this rank's experts.
+/// this rank's experts (its slices of them under expert tensor parallelism).
 #[derive(Module, Debug)]
 pub struct MoeLayer {
     /// The router's weight, `[num_experts, hidden]`, FP32 logits.
@@ -256,7 +280,7 @@ pub struct MoeLayer {
     #[module(skip)]
     config: MoeConfig,
     #[module(skip)]
-    ep: Comm,
+    experts: ExpertGroups,
     #[module(skip)]
     tp: Comm,
     #[module(skip)]
@@ -289,22 +313,32 @@ pub struct MoeLayerShape {
 }
 
 impl MoeConfig {
-    /// This rank's MoE layer: its share of the experts over `ep`; `tp` is the tensor-parallel
-    /// group the layer's tokens are split over (by sequence parallelism, or inside the layer
-    /// when it is off: each TP rank routes its part of the sequence, as Megatron-Core's
-    /// sequence-parallel MoE does).
+    /// This rank's MoE layer: its share of the experts over `experts.ep`, each split over
+    /// `experts.etp`; `tp` is the tensor-parallel group the layer's tokens are split over (by
+    /// sequence parallelism, or inside the layer when it is off: each TP rank routes its part
+    /// of the sequence, as Megatron-Core's sequence-parallel MoE does). An expert
+    /// tensor-parallel group of more than one rank must be `tp`'s ranks.
     pub fn init(
         &self,
         shape: MoeLayerShape,
         tp: &Comm,
-        ep: &Comm,
+        experts: &ExpertGroups,
         device: &Device,
     ) -> Result<MoeLayer, TpError> {
-        let n = ep.group().size();
+        let n = experts.ep.group().size();
         self.validate(n)?;
+        let etp = experts.etp.group();
+        if etp.size() > 1 && (etp.size(), etp.rank()) != (tp.group().size(), tp.group().rank()) {
+            return Err(TpError::Invalid(format!(
+                "the experts' tensor-parallel group {etp} is not the tensor-parallel group {}: \
+                 --expert-tensor-parallel-size must be 1 or the tensor-parallel size",
+                tp.group()
+            )));
+        }
         let local = self.num_experts / n;
-        let first = ep.group().rank() * local;
-        let experts = ExpertShape {
+        let first = experts.ep.group().rank() * local;
+        let split = (etp.rank(), etp.size());
+        let expert_shape = ExpertShape {
             hidden: shape.hidden_size,
             ffn: self.moe_ffn_hidden_size.unwrap_or(shape.ffn_hidden_size),
             gated: shape.gated_linear_unit,
@@ -314,12 +348,15 @@ impl MoeConfig {
             seed: shape.seed,
         };
         let local_experts = (first..first + local)
-            .map(|g| experts.init(g, device))
+            .map(|g| expert_shape.init(g, split, device))
             .collect::<Result<Vec<_>, _>>()?;
         let shared_expert = self
             .moe_shared_expert_intermediate_size
             .map(|ffn| {
-                let shared = ExpertShape { ffn, ..experts };
+                let shared = ExpertShape {
+                    ffn,
+                    ..expert_shape
+                };
                 let gate = self.moe_shared_expert_gate;
                 SharedExpert::init(shared, gate, shape.sequence_parallel, tp, device)
             })
@@ -333,7 +370,7 @@ impl MoeConfig {
             local_experts,
             shared_expert,
             config: self.clone(),
-            ep: ep.clone(),
+            experts: experts.clone(),
             tp: tp.clone(),
             sequence_parallel: shape.sequence_parallel,
             stats: Arc::default(),
@@ -363,7 +400,7 @@ impl MoeLayer {
 
     /// The global index of this rank's first expert.
     pub fn first_expert(&self) -> usize {
-        self.ep.group().rank() * self.local_experts.len()
+        self.experts.ep.group().rank() * self.local_experts.len()
     }
 
     /// What the forwards since the last call saw (and starts counting afresh).
@@ -377,25 +414,38 @@ impl MoeLayer {
         stats
     }
 
-    /// Every expert of the layer, gathered over the expert-parallel group, by global index:
-    /// `(linear_fc1, linear_fc2)`, detached (for an export). Collective over the group.
-    pub fn gather_experts(&self) -> Result<Vec<(Tensor<2>, Tensor<2>)>, TpError> {
-        let (n, local) = (self.ep.group().size(), self.local_experts.len());
-        let gather = |p: &Param<Tensor<2>>| -> Result<Vec<Tensor<2>>, TpError> {
-            let all: Tensor<3> =
-                crate::comm::tensor::all_gather(&*self.ep, p.val().detach().unsqueeze(), 0)?;
+    /// Every expert of the layer, whole, by global index: each expert's weights by name
+    /// (`linear_fc1_gate` when gated, `linear_fc1`, `linear_fc2`), detached, gathered over
+    /// the expert tensor-parallel and expert-parallel groups (for an export). Collective over
+    /// both.
+    pub fn gather_experts(&self) -> Result<Vec<Vec<(&'static str, Tensor<2>)>>, TpError> {
+        let (ep, etp) = (&self.experts.ep, &self.experts.etp);
+        let n = ep.group().size();
+        let gather = |p: &Param<Tensor<2>>, dim: usize| -> Result<Vec<Tensor<2>>, TpError> {
+            let whole = crate::comm::tensor::all_gather(&**etp, p.val().detach(), dim)?;
+            let all: Tensor<3> = crate::comm::tensor::all_gather(&**ep, whole.unsqueeze(), 0)?;
             Ok((0..n)
                 .map(|r| all.clone().narrow(0, r, 1).squeeze_dim::<2>(0))
                 .collect())
         };
-        let mut by_rank: Vec<Vec<(Tensor<2>, Tensor<2>)>> = vec![Vec::new(); n];
+        let mut by_rank: Vec<Vec<Vec<(&'static str, Tensor<2>)>>> = vec![Vec::new(); n];
         for e in &self.local_experts {
-            let (fc1, fc2) = (gather(&e.linear_fc1)?, gather(&e.linear_fc2)?);
-            for (r, pair) in fc1.into_iter().zip(fc2).enumerate() {
-                by_rank[r].push(pair);
+            let weights = [
+                ("linear_fc1_gate", e.linear_fc1_gate.as_ref(), 1),
+                ("linear_fc1", Some(&e.linear_fc1), 1),
+                ("linear_fc2", Some(&e.linear_fc2), 0),
+            ];
+            let mut per_rank: Vec<Vec<(&'static str, Tensor<2>)>> = vec![Vec::new(); n];
+            for (name, p, dim) in weights {
+                let Some(p) = p else { continue };
+                for (r, t) in gather(p, dim)?.into_iter().enumerate() {
+                    per_rank[r].push((name, t));
+                }
+            }
+            for (r, expert) in per_rank.into_iter().enumerate() {
+                by_rank[r].push(expert);
             }
         }
-        debug_assert!(by_rank.iter().all(|v| v.len() == local));
         Ok(by_rank.into_iter().flatten().collect())
     }
 
@@ -442,10 +492,10 @@ impl MoeLayer {
         let routing = &routed.routing;
         let out = match self.config.moe_token_dispatcher_type {
             TokenDispatcherType::AllToAll => {
-                dispatcher::alltoall(tokens, routing, &self.local_experts, &self.ep)?
+                dispatcher::alltoall(tokens, routing, &self.local_experts, &self.experts)?
             }
             TokenDispatcherType::AllGather => {
-                dispatcher::allgather(tokens, routing, &self.local_experts, &self.ep)?
+                dispatcher::allgather(tokens, routing, &self.local_experts, &self.experts)?
             }
         };
         let mut out = out.cast(dtype);

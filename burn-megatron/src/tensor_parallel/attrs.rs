@@ -40,7 +40,8 @@ pub struct ParallelAttrs {
     /// already counts it in the global gradient norm, so this one never does.
     pub shared: bool,
     /// A mixture-of-experts expert's weight (Megatron's `allreduce = False`): each
-    /// expert-parallel rank holds different experts, so its gradient is reduced over the
+    /// expert-parallel rank holds different experts (and each expert tensor-parallel rank a
+    /// different slice of them), so its gradient is reduced over the
     /// expert data-parallel group, and its share of the gradient norm summed over the
     /// expert model-parallel group, instead of the dense groups.
     pub expert: bool,
@@ -56,11 +57,12 @@ impl ParallelAttrs {
         }
     }
 
-    /// An expert's weight (not split over tensor parallelism: expert TP is 1).
-    pub fn expert() -> Self {
+    /// An expert's weight, split along `split_dim` under expert tensor parallelism (whose
+    /// groups are the tensor-parallel groups), whole without it (`None`).
+    pub fn expert(split_dim: Option<usize>) -> Self {
         Self {
             expert: true,
-            ..Self::default()
+            ..split_dim.map_or_else(Self::default, Self::sharded)
         }
     }
 

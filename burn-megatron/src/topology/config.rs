@@ -36,8 +36,9 @@ pub struct ParallelConfig {
     /// Ranks that split the experts of mixture-of-experts layers (`ep`), laid out by a
     /// second rank generator as Megatron-Core's (see [`GroupKind::ExpertModelParallel`](crate::topology::GroupKind::ExpertModelParallel)).
     pub expert_model_parallel_size: usize,
-    /// Ranks that split each expert's weights (`--expert-tensor-parallel-size`); only 1 is
-    /// supported, and it is the default here (Megatron defaults to the dense TP size).
+    /// Ranks that split each expert's weights (`--expert-tensor-parallel-size`): 1 (the
+    /// default here; Megatron's is the dense TP size) or the tensor-parallel size, when the
+    /// experts' tensor-parallel groups are the dense ones (the default order's).
     pub expert_tensor_parallel_size: usize,
     /// Whether activations outside tensor-parallel regions are split along the sequence.
     pub sequence_parallel: bool,
@@ -99,7 +100,8 @@ impl ParallelConfig {
         self
     }
 
-    /// Sets the expert tensor parallel size (validation rejects values above 1 for now).
+    /// Sets the expert tensor parallel size (`--expert-tensor-parallel-size`): 1 or the
+    /// tensor-parallel size (validation refuses others).
     #[must_use]
     pub fn with_expert_tensor_parallel(mut self, etp: usize) -> ParallelConfig {
         self.expert_tensor_parallel_size = etp;
@@ -122,10 +124,10 @@ impl ParallelConfig {
     ///
     /// # Errors
     ///
-    /// A size of 0 (including a virtual pipeline size of 0); expert tensor parallelism
-    /// above 1 (not supported yet); a world size that tp · pp · cp or etp · ep · pp does not
-    /// divide; an
-    /// unknown or repeated order token, or a dimension of size > 1 missing from the order;
+    /// A size of 0 (including a virtual pipeline size of 0); an expert tensor-parallel size
+    /// other than 1 or the tensor-parallel size, or whose groups are not the tensor-parallel
+    /// groups (not supported yet); a world size that tp · pp · cp or etp · ep · pp does not
+    /// divide; an unknown or repeated order token, or a dimension of size > 1 missing from the order;
     /// `pp` not last in the order when pp > 1; a virtual pipeline size with pp = 1.
     pub fn validate(self) -> Result<ValidatedConfig, TopologyError> {
         let mut config = self;
@@ -155,11 +157,13 @@ impl ParallelConfig {
         }
 
         let etp = config.expert_tensor_parallel_size;
-        if etp > 1 {
-            return Err(TopologyError::Unsupported {
-                feature: "expert tensor parallelism",
-                token: "etp",
-                size: etp,
+        // Only the layout where each expert is split like the dense layers: its shards then
+        // sit where the dense shards do (checkpoint directories, Hugging Face slices).
+        if etp > 1 && etp != tp {
+            return Err(TopologyError::ExpertTensorParallelNotTp {
+                etp,
+                tp,
+                order: None,
             });
         }
 
@@ -200,6 +204,13 @@ impl ParallelConfig {
         }
         let expert_generator =
             RankGenerator::new(etp, ep, world / expert_product, pp, 1, &config.order)?;
+        if etp > 1 && expert_generator.get_ranks("tp")? != generator.get_ranks("tp")? {
+            return Err(TopologyError::ExpertTensorParallelNotTp {
+                etp,
+                tp,
+                order: Some(config.order.clone()),
+            });
+        }
         if pp > 1 && parse_tokens(&config.order)?.last() != Some(&ParallelDim::Pipeline) {
             return Err(TopologyError::PipelineNotLast {
                 pp,

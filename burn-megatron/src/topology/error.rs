@@ -165,14 +165,20 @@ pub enum TopologyError {
         num_model_chunks: usize,
     },
 
-    /// A kind of parallelism that this crate cannot run yet.
-    #[error("{feature} ({token} = {size}) is not supported yet")]
-    Unsupported {
-        /// Human name, e.g. `"context parallelism"`.
-        feature: &'static str,
-        /// The dimension's token, e.g. `"cp"`.
-        token: &'static str,
-        /// The requested size.
-        size: usize,
+    /// Expert tensor parallelism that does not split the experts over the tensor-parallel
+    /// groups: a size other than 1 or `tp`, or an order under which the two differ.
+    #[error(
+        "expert tensor parallel size {etp} is not supported with tensor parallel size {tp}{}: \
+         use 1 or the tensor parallel size, with an order whose tp groups are the experts' \
+         (cp after tp)",
+        order.as_ref().map(|o| format!(" and order \"{o}\"")).unwrap_or_default()
+    )]
+    ExpertTensorParallelNotTp {
+        /// Expert tensor parallel size.
+        etp: usize,
+        /// Tensor parallel size.
+        tp: usize,
+        /// The order, when it is what makes the groups differ.
+        order: Option<String>,
     },
 }

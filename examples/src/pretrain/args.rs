@@ -128,9 +128,14 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value = "all_gather")]
     pub cp_comm_type: CpCommType,
     /// Expert-parallel size: each MoE layer's experts split over this many ranks, which
-    /// exchange tokens (laid out as Megatron-Core's expert groups; expert TP is 1).
+    /// exchange tokens (laid out as Megatron-Core's expert groups).
     #[arg(long, default_value_t = 1)]
     pub expert_model_parallel_size: usize,
+    /// Expert tensor-parallel size: each expert's weights split over this many ranks, 1 or
+    /// the tensor-parallel size (Megatron's default is the tensor-parallel size; here 1, the
+    /// experts whole on each rank).
+    #[arg(long, default_value_t = 1)]
+    pub expert_tensor_parallel_size: usize,
     /// Form the parallel linear layers' weight gradients in f32 with the fused kernel
     /// (Megatron's flag of the same name), also under --bf16 / --fp16.
     #[arg(long)]
@@ -372,11 +377,12 @@ impl TrainArgs {
         .with_sequence_parallel(self.sequence_parallel)
         .with_context_parallel(self.context_parallel_size)
         .with_expert_parallel(self.expert_model_parallel_size)
+        .with_expert_tensor_parallel(self.expert_tensor_parallel_size)
         .with_virtual_pipeline((self.num_layers_per_virtual_pipeline_stage.is_some()).then_some(v));
         config.clone().validate().map_err(|e| {
             format!(
-                "--world-size {} with --tensor-model-parallel-size {}, --pipeline-model-parallel-size {}, --context-parallel-size {} and --expert-model-parallel-size {}: {e}",
-                self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size, self.expert_model_parallel_size
+                "--world-size {} with --tensor-model-parallel-size {}, --pipeline-model-parallel-size {}, --context-parallel-size {}, --expert-model-parallel-size {} and --expert-tensor-parallel-size {}: {e}",
+                self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size, self.expert_model_parallel_size, self.expert_tensor_parallel_size
             )
         })?;
         Ok(config)

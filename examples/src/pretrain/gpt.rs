@@ -245,8 +245,11 @@ impl GptArgs {
                 ));
             }
         }
-        self.moe
-            .validate(a.expert_model_parallel_size, tp, a.seq_length)?;
+        self.moe.validate(
+            (a.expert_model_parallel_size, a.expert_tensor_parallel_size),
+            tp,
+            a.seq_length,
+        )?;
         if self.moe.num_experts.is_some() && !self.disable_bias_linear && self.load_hf.is_none() {
             return Err(
                 "--num-experts needs --disable-bias-linear: the experts have no biases".into(),
@@ -325,7 +328,12 @@ impl Family for GptFamily {
     fn init_chunk(&self, ctx: &RankContext, position: PipelinePosition) -> Result<Gpt, String> {
         let chunk = self
             .config
-            .init_stage_with_experts(&ctx.groups.tp, Some(&ctx.groups.ep), position, &ctx.device)
+            .init_stage_with_experts(
+                &ctx.groups.tp,
+                Some(&ctx.groups.experts()),
+                position,
+                &ctx.device,
+            )
             .map_err(|e| e.to_string())?
             // `GptData`'s ids come from the tokenizer or are checked against it on the host:
             // no device read per forward.
@@ -424,7 +432,7 @@ impl Family for GptFamily {
             let plain = (self.config.clone()).map_transformer(|t| t.with_sequence_parallel(false));
             let (g, whole) = (&ctx.groups, PipelinePosition::whole());
             plain
-                .init_stage_with_experts(&g.tp, Some(&g.ep), whole, &ctx.device)
+                .init_stage_with_experts(&g.tp, Some(&g.experts()), whole, &ctx.device)
                 .map_err(|e| e.to_string())?
                 .load_record(model.clone().into_record())
         } else {

@@ -116,7 +116,7 @@ impl MoeArgs {
 
     /// The checks that need the layout: experts over `ep` ranks, sequences of `seq` tokens
     /// at TP `tp` (an MoE layer splits the sequence over TP).
-    pub fn validate(&self, ep: usize, tp: usize, seq: usize) -> Result<(), String> {
+    pub fn validate(&self, (ep, etp): (usize, usize), tp: usize, seq: usize) -> Result<(), String> {
         let floats = [
             (
                 "--moe-router-topk-scaling-factor",
@@ -145,9 +145,10 @@ impl MoeArgs {
             }
         }
         let Some(config) = self.config() else {
-            if ep > 1 {
+            if ep > 1 || etp > 1 {
                 return Err(format!(
-                    "--expert-model-parallel-size {ep} without --num-experts: nothing to split"
+                    "--expert-model-parallel-size {ep} and --expert-tensor-parallel-size {etp} \
+                     without --num-experts: nothing to split"
                 ));
             }
             return Ok(());

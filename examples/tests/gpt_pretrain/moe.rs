@@ -1,7 +1,9 @@
 //! `gpt_pretrain` with mixture-of-experts layers: it trains at EP 2 and logs its experts'
 //! token shares and load-balancing loss, the same with full recomputation; its checkpoints (experts saved under their global
-//! index) resume exactly at EP 2 and, resharded, at EP 1, TP 2 × EP 2 and TP 2 × EP 4 (the
-//! same micro-batches, so the same load-balancing losses); with the distributed optimizer
+//! index) resume exactly at EP 2 and, resharded, at EP 1, TP 2 × EP 2, TP 2 × EP 4 and
+//! TP 2 × EP 2 with each expert split over TP (`--expert-tensor-parallel-size 2`) (the same
+//! micro-batches, so the same load-balancing losses); a run with experts split trains as
+//! the run with them whole, and its checkpoints resume at EP 1; with the distributed optimizer
 //! sharding the experts over expert-DP it trains as without, and its checkpoints resume
 //! exactly and reshard; bad MoE flags are refused before any work.
 
@@ -107,14 +109,22 @@ fn an_moe_model_trains_logs_its_experts_and_resumes_at_other_expert_layouts() {
         "--expert-model-parallel-size",
         "4",
     ];
-    for other in [
-        &["--expert-model-parallel-size", "1"][..],
-        &tp2[..],
-        &ep4[..],
-    ] {
+    // Each expert split over the TP ranks of TP 2 × DP 2.
+    let etp2 = [&ep4[..6], &["2", "--expert-tensor-parallel-size", "2"]].concat();
+    let ep1 = ["--expert-model-parallel-size", "1"];
+    for other in [&ep1[..], &tp2[..], &ep4[..], &etp2[..]] {
         let resumed = resume(&save, 6, &[&MOE[..], other].concat(), &dir);
         assert_close_losses(&format!("{other:?}"), &resumed, &log[6..], 1e-5);
     }
+    // Saved with the experts split: the experts' slices are written by their TP ranks and
+    // read back whole.
+    let split_save = dir.join("ckpt-etp");
+    let split = split_save.to_str().unwrap();
+    let saving = [&MOE[..], &etp2, &["--save", split, "--save-interval", "6"]].concat();
+    let split_run = run_gpt(&args(&saving, &dir)).unwrap();
+    assert_close_losses("expert TP 2", &split_run.log, log, 1e-5);
+    let resumed = resume(&split_save, 6, &[&MOE[..], &ep1].concat(), &dir);
+    assert_close_losses("expert TP 2 → EP 1", &resumed, &log[6..], 1e-5);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -174,6 +184,10 @@ fn bad_moe_flags_are_refused_before_any_work_naming_the_numbers() {
             "world size 2 is not divisible by expert tensor (1) × expert (4) × pipeline (1) = 4",
         ),
         (
+            &["--expert-tensor-parallel-size", "2"][..],
+            "expert tensor parallel size 2 is not supported with tensor parallel size 1",
+        ),
+        (
             &["--moe-expert-capacity-factor", "0"][..],
             "--moe-expert-capacity-factor must be a finite number > 0, got 0",
         ),
@@ -186,6 +200,10 @@ fn bad_moe_flags_are_refused_before_any_work_naming_the_numbers() {
         assert!(e.contains(want), "{extra:?}: {e}");
     }
     let e = run_gpt(&args(&["--expert-model-parallel-size", "2"], &dir)).unwrap_err();
+    assert!(e.contains("without --num-experts"), "{e}");
+    let split = ["--world-size", "2", "--tensor-model-parallel-size", "2"];
+    let split = [&split[..], &["--expert-tensor-parallel-size", "2"]].concat();
+    let e = run_gpt(&args(&split, &dir)).unwrap_err();
     assert!(e.contains("without --num-experts"), "{e}");
     assert!(!dir.join("loss.png").exists(), "nothing ran");
     std::fs::remove_dir_all(&dir).unwrap();

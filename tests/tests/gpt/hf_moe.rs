@@ -1,9 +1,11 @@
 //! Hugging Face Mixtral (`MixtralForCausalLM`) and Qwen2-MoE (`Qwen2MoeForCausalLM`, with a
 //! gated shared expert), 4 experts, top-2, made by `transformers` (tests/fixtures/
 //! hf_mixtral_tiny, hf_qwen2_moe_tiny) at EP 1, at EP 2 × DP 2 (each rank holding half the
-//! experts and the whole batch) and at TP 2 × EP 2 with sequence parallelism: the logits,
-//! the loss and every parameter's gradient, the experts' compared with transformers' fused
-//! `gate_up_proj` / `down_proj` gradients; and export from EP 2 gives the checkpoint back.
+//! experts and the whole batch), at TP 2 × EP 2 with sequence parallelism, and at TP 2 × EP 2
+//! × expert TP 2 (each expert split over the TP ranks): the logits, the loss and every
+//! parameter's gradient, the experts' compared with transformers' fused `gate_up_proj` /
+//! `down_proj` gradients; and export from EP 2 and from TP 2 × EP 2 × expert TP 2 gives the
+//! checkpoint back.
 
 use super::Error;
 use super::hf::{Fixture, check_against, fixture, forward_then};
@@ -68,16 +70,24 @@ fn reproduced(name: &str) {
     let expected: Fixture = read_safetensors(&fixture(name).join("expected.safetensors"));
     let hf = HfGptConfig::from_file(&fixture(name).join("config.json")).unwrap();
     let tensors = read_hf_tensors(&fixture(name)).unwrap();
-    // (world, TP, EP, sequence parallel)
-    for (world, tp, ep, sp) in [(1, 1, 1, false), (2, 1, 2, false), (2, 2, 2, true)] {
+    // (world, TP, EP, expert TP, sequence parallel)
+    let layouts = [
+        (1, 1, 1, 1, false),
+        (2, 1, 2, 1, false),
+        (2, 2, 2, 1, true),
+        (4, 2, 2, 2, true),
+    ];
+    for (world, tp, ep, etp, sp) in layouts {
         let layout = ParallelConfig::new(world, tp, 1)
             .with_expert_parallel(ep)
+            .with_expert_tensor_parallel(etp)
             .with_sequence_parallel(sp);
         let config = (hf.to_gpt_config(tp)).map_transformer(|t| t.with_sequence_parallel(sp));
         let out = threads(&layout, LaunchOptions::default(), |ctx| {
             let device = ctx.device.clone().autodiff();
             let (g, whole) = (&ctx.groups.tp, PipelinePosition::whole());
-            let model = config.init_stage_with_experts(g, Some(&ctx.groups.ep), whole, &device)?;
+            let model =
+                config.init_stage_with_experts(g, Some(&ctx.groups.experts()), whole, &device)?;
             let model = load_hf_gpt_weights(model, &hf, &tensors)?;
             let dp = ctx.state.data_parallel_size();
             let ddp = DataParallelConfig::default();
@@ -89,7 +99,7 @@ fn reproduced(name: &str) {
         })
         .unwrap();
         for (rank, o) in out.into_iter().enumerate() {
-            let what = format!("{name} TP {tp} EP {ep} rank {rank}");
+            let what = format!("{name} TP {tp} EP {ep} ETP {etp} rank {rank}");
             let grads: Vec<(String, Vec<f64>)> = fused(o.grads.clone()).into_iter().collect();
             check_against(&what, &o, &grads, &expected);
         }
@@ -99,23 +109,32 @@ fn reproduced(name: &str) {
 #[test]
 fn moe_checkpoints_export_back_from_expert_parallel_ranks() {
     for name in NAMES {
-        exported(name);
+        // (world, TP, expert TP)
+        for (world, tp, etp) in [(2, 1, 1), (4, 2, 2)] {
+            exported(
+                name,
+                ParallelConfig::new(world, tp, 1).with_expert_tensor_parallel(etp),
+            );
+        }
     }
 }
 
-fn exported(name: &str) {
+/// Export at `layout` with EP 2.
+fn exported(name: &str, layout: ParallelConfig) {
     let dir = std::env::temp_dir().join(format!(
-        "burn_megatron_{name}_export_{}",
+        "burn_megatron_{name}_export_{}_{}",
+        layout.world_size,
         std::process::id()
     ));
     let hf = HfGptConfig::from_file(&fixture(name).join("config.json")).unwrap();
     let tensors = read_hf_tensors(&fixture(name)).unwrap();
-    let layout = ParallelConfig::new(2, 1, 1).with_expert_parallel(2);
+    let tp = layout.tensor_model_parallel_size;
+    let layout = layout.with_expert_parallel(2);
     threads(&layout, LaunchOptions::default(), |ctx| {
         let whole = PipelinePosition::whole();
-        let model = hf.to_gpt_config(1).init_stage_with_experts(
+        let model = hf.to_gpt_config(tp).init_stage_with_experts(
             &ctx.groups.tp,
-            Some(&ctx.groups.ep),
+            Some(&ctx.groups.experts()),
             whole,
             &ctx.device,
         )?;

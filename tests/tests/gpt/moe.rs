@@ -85,17 +85,28 @@ fn merged(traces: &[(Trace, usize)], pick: impl Fn(&Trace) -> &Tensors) -> Tenso
 /// `fused`: the fused flat-buffer Adam instead of burn-optim's AdamW.
 fn run(
     config: &GptConfig,
+    layout: (usize, usize, usize, bool),
+    fused: bool,
+) -> Vec<(Trace, usize)> {
+    run_split(config, layout, 1, fused)
+}
+
+/// [`run`] with each expert split over `etp` expert tensor-parallel ranks.
+fn run_split(
+    config: &GptConfig,
     (world, tp, ep, sp): (usize, usize, usize, bool),
+    etp: usize,
     fused: bool,
 ) -> Vec<(Trace, usize)> {
     let layout = ParallelConfig::new(world, tp, 1)
         .with_expert_parallel(ep)
+        .with_expert_tensor_parallel(etp)
         .with_sequence_parallel(sp);
     let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(sp));
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let whole = PipelinePosition::whole();
-        let mut model = config.init_stage_with_experts(g, Some(&ctx.groups.ep), whole, d)?;
+        let mut model = config.init_stage_with_experts(g, Some(&ctx.groups.experts()), whole, d)?;
         let first = model.layers[0]
             .moe
             .as_ref()
@@ -218,6 +229,38 @@ fn tensor_and_expert_parallel_match_one_rank() {
     }
 }
 
+/// Expert tensor parallelism: each expert split over the TP ranks (its tokens gathered from
+/// them, its partial outputs summed back), with both dispatchers, with and without sequence
+/// parallelism, at EP 1 and 2, against the same data-parallel size on one rank per replica
+/// (the load-balancing loss is per data-parallel rank, as Megatron's).
+#[test]
+fn expert_tensor_parallel_matches_one_rank_per_replica() {
+    for dispatcher in [
+        TokenDispatcherType::AllToAll,
+        TokenDispatcherType::AllGather,
+    ] {
+        let config = moe_llama(dispatcher);
+        let (one, dp2) = (
+            run(&config, (1, 1, 1, false), false),
+            run(&config, (2, 1, 1, false), false),
+        );
+        for (world, ep, sp) in [(2, 1, true), (4, 2, true), (4, 2, false)] {
+            let got = run_split(&config, (world, 2, ep, sp), 2, false);
+            let want = if world == 2 { &one } else { &dp2 };
+            check(
+                &format!("{dispatcher:?} TP 2 × ETP 2 × EP {ep} (world {world}), SP {sp}"),
+                &got,
+                want,
+            );
+        }
+    }
+    // The fused Adam step counts each expert slice once in the norm.
+    let config = moe_llama(TokenDispatcherType::AllToAll);
+    let reference = run(&config, (2, 1, 1, false), true);
+    let got = run_split(&config, (4, 2, 2, true), 2, true);
+    check("fused Adam TP 2 × ETP 2 × EP 2", &got, &reference);
+}
+
 /// The fused Adam step counts the experts' gradient norm once over EP too.
 #[test]
 fn the_fused_adam_step_matches_ep1_with_experts() {
@@ -286,8 +329,12 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
         let ranks = threads(&layout, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
             let position = PipelinePosition::of(&ctx.state, 0);
-            let mut chunks =
-                vec![config.init_stage_with_experts(g, Some(&ctx.groups.ep), position, d)?];
+            let mut chunks = vec![config.init_stage_with_experts(
+                g,
+                Some(&ctx.groups.experts()),
+                position,
+                d,
+            )?];
             let training = ParallelTrainingConfig::new()
                 .with_use_distributed_optimizer(distributed)
                 .init(&ctx, &chunks, Arc::new(|s: &str| s.to_string()))?;
@@ -385,7 +432,8 @@ fn run_distributed(
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let whole = PipelinePosition::whole();
-        let chunks = vec![config.init_stage_with_experts(g, Some(&ctx.groups.ep), whole, d)?];
+        let chunks =
+            vec![config.init_stage_with_experts(g, Some(&ctx.groups.experts()), whole, d)?];
         let first = chunks[0].layers[0]
             .moe
             .as_ref()
@@ -497,7 +545,7 @@ fn a_distributed_optimizer_without_expert_plans_is_refused() {
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let whole = PipelinePosition::whole();
-        let model = config.init_stage_with_experts(g, Some(&ctx.groups.ep), whole, d)?;
+        let model = config.init_stage_with_experts(g, Some(&ctx.groups.experts()), whole, d)?;
         let dp = ctx.groups.dp.clone();
         let (size, rank) = (dp.group().size(), dp.group().rank());
         let plan = ShardPlan::new(&model, size, rank, &DataParallelConfig::default(), false);

@@ -43,7 +43,7 @@ use super::norm::Norm;
 use super::rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig};
 use super::transformer::{LayerNormPosition, TransformerLayer, TransformerLayerConfig};
 use crate::comm::Comm;
-use crate::moe::{MoeLayer, global_expert_name};
+use crate::moe::{ExpertGroups, MoeLayer, global_expert_name};
 use crate::recompute::RecomputeConfig;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, IdCheck, LayoutOwner, TpError,
@@ -302,20 +302,20 @@ impl GptConfig {
         self.init_stage_with_experts(tp, None, position, device)
     }
 
-    /// [`init_stage`](Self::init_stage) with the expert-parallel group the MoE layers split
-    /// their experts over ([`RankGroups::ep`](crate::launch::RankGroups::ep); `None`: every
-    /// expert on this rank).
+    /// [`init_stage`](Self::init_stage) with the groups the MoE layers split their experts
+    /// over ([`RankGroups::experts`](crate::launch::RankGroups::experts); `None`: every
+    /// expert whole on this rank).
     pub fn init_stage_with_experts(
         &self,
         tp: &Comm,
-        ep: Option<&Comm>,
+        experts: Option<&ExpertGroups>,
         position: PipelinePosition,
         device: &Device,
     ) -> Result<Gpt, TpError> {
         self.check(tp.group().size())?;
         let t = &self.transformer;
-        if let (Some(moe), Some(ep)) = (&t.moe, ep) {
-            moe.validate(ep.group().size())?;
+        if let (Some(moe), Some(experts)) = (&t.moe, experts) {
+            moe.validate(experts.ep.group().size())?;
         }
         let layer_range = position
             .layer_range(self.num_layers)
@@ -347,7 +347,7 @@ impl GptConfig {
             .transpose()?;
         let first_layer = layer_range.start;
         let layers = layer_range
-            .map(|i| self.layer_config(i).init_with_experts(tp, ep, device))
+            .map(|i| self.layer_config(i).init_with_experts(tp, experts, device))
             .collect::<Result<Vec<_>, _>>()?;
         let untied = self.untie_embeddings_and_output_weights;
         let head = last

@@ -147,7 +147,7 @@ fn other_ranks_experts(chunk: &Gpt, hf: &HfGptConfig) -> std::collections::HashS
         let Some(moe) = &layer.moe else { continue };
         let mine = moe.first_expert()..moe.first_expert() + moe.local_experts.len();
         for e in (0..moe.config().num_experts).filter(|e| !mine.contains(e)) {
-            for linear in ["linear_fc1", "linear_fc2"] {
+            for linear in ["linear_fc1_gate", "linear_fc1", "linear_fc2"] {
                 let ours = format!(
                     "layers.{}.moe.experts.{e}.{linear}",
                     chunk.first_layer() + l
@@ -301,8 +301,8 @@ fn gather_global(model: &Gpt) -> Result<BTreeMap<String, Host>, HfError> {
         let experts = moe
             .gather_experts()
             .map_err(|e| HfError::Unsupported(e.to_string()))?;
-        for (e, (fc1, fc2)) in experts.into_iter().enumerate() {
-            for (name, t) in [("linear_fc1", fc1), ("linear_fc2", fc2)] {
+        for (e, weights) in experts.into_iter().enumerate() {
+            for (name, t) in weights {
                 let [rows, cols] = t.dims();
                 let values: Vec<f32> = t.into_data().iter::<f32>().collect();
                 let key = format!("layers.{}.moe.experts.{e}.{name}", model.first_layer() + l);

@@ -19,9 +19,6 @@ pub(super) enum Transform {
     VocabRows,
     /// The output layer: vocabulary rows padded, then transposed to `[h, V]`.
     VocabLinear,
-    /// An expert's up projection: the gate's `[f, h]` rows, then the up projection's,
-    /// transposed to `[h, 2f]` (gate columns first, as the experts split it).
-    GateUp,
 }
 
 /// The Hugging Face tensors of one global tensor.
@@ -184,7 +181,8 @@ fn moe_spec(hf: &HfGptConfig, p: &str, name: &str) -> Option<Spec> {
     let e: usize = e.parse().ok()?;
     let w = |n: &str| format!("{moe}.{experts}.{e}.{n}.weight");
     Some(match ours {
-        "linear_fc1" => spec(vec![w(gate), w(up)], Transform::GateUp, false),
+        "linear_fc1_gate" => spec(vec![w(gate)], linear, false),
+        "linear_fc1" => spec(vec![w(up)], linear, false),
         "linear_fc2" => spec(vec![w(down)], linear, false),
         _ => return None,
     })
@@ -231,20 +229,6 @@ pub(super) fn to_global(
         Transform::Linear { conv1d: false } => first.transpose(),
         Transform::VocabRows => pad_rows(first, target[0])?,
         Transform::VocabLinear => pad_rows(first, target[1])?.transpose(),
-        Transform::GateUp => {
-            let mut rows = first;
-            for h in hosts {
-                if (h.rows, h.cols) != (rows.rows, rows.cols) {
-                    return Err(HfError::Checkpoint(format!(
-                        "{}: gate and up projections of shapes [{}, {}] and [{}, {}]",
-                        spec.hf[0], rows.rows, rows.cols, h.rows, h.cols
-                    )));
-                }
-                rows.values.extend(h.values);
-                rows.rows += h.rows;
-            }
-            rows.transpose()
-        }
         Transform::Qkv { conv1d, bias } => {
             let stacked = if conv1d && !bias {
                 first.transpose()
@@ -298,14 +282,6 @@ pub(super) fn from_global(
         Transform::VocabLinear => {
             let t = full.transpose();
             one(t.rows(0..vocab.min(t.rows)))
-        }
-        Transform::GateUp => {
-            let t = full.transpose();
-            let f = t.rows / 2;
-            Ok(vec![
-                (spec.hf[0].clone(), t.rows(0..f), false),
-                (spec.hf[1].clone(), t.rows(f..2 * f), false),
-            ])
         }
         Transform::Qkv { conv1d, bias } => {
             let rows = if bias { full.clone() } else { full.transpose() };

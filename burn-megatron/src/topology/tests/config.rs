@@ -269,18 +269,57 @@ fn expert_layouts_that_do_not_fit_are_refused() {
         err.to_string(),
         "world size 6 is not divisible by expert tensor (1) × expert (4) × pipeline (1) = 4"
     );
-    let err = ParallelConfig::new(8, 2, 1)
+    for (tp, etp, order) in [(1, 2, None), (2, 4, None), (2, 2, Some("cp-tp-ep-dp"))] {
+        let mut config = ParallelConfig::new(8, tp, 1)
+            .with_expert_tensor_parallel(etp)
+            .with_context_parallel(if order.is_some() { 2 } else { 1 });
+        if let Some(order) = order {
+            config = config.with_order(order);
+        }
+        let err = config.validate().unwrap_err();
+        assert_eq!(
+            err,
+            TopologyError::ExpertTensorParallelNotTp {
+                etp,
+                tp,
+                order: order.map(String::from)
+            }
+        );
+        assert!(err.to_string().contains(&format!("size {etp}")), "{err}");
+    }
+}
+
+/// Expert tensor parallelism at the dense TP size: each expert is split over the dense TP
+/// groups; the groups of megatron-core's second generator (tp = etp = 2, ep = 2, dp = 2 at
+/// world 8, order tp-cp-ep-dp-pp: rank = etp + 2·ep + 4·edp), worked by hand.
+#[test]
+fn expert_tensor_parallel_splits_experts_over_the_tp_groups() {
+    let config = ParallelConfig::new(8, 2, 1)
+        .with_expert_parallel(2)
         .with_expert_tensor_parallel(2)
         .validate()
-        .unwrap_err();
+        .unwrap();
     assert_eq!(
-        err,
-        TopologyError::Unsupported {
-            feature: "expert tensor parallelism",
-            token: "etp",
-            size: 2
-        }
+        config.all_groups(GroupKind::ExpertTensorParallel),
+        config.all_groups(GroupKind::TensorModelParallel)
     );
+    assert_eq!(
+        config.all_groups(GroupKind::ExpertTensorParallel),
+        [vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]
+    );
+    assert_eq!(
+        config.all_groups(GroupKind::ExpertModelParallel),
+        [vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]
+    );
+    assert_eq!(
+        config.all_groups(GroupKind::ExpertDataParallel),
+        [vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+    );
+    assert_eq!(
+        config.all_groups(GroupKind::ExpertTensorModelPipelineParallel),
+        [vec![0, 1, 2, 3], vec![4, 5, 6, 7]]
+    );
+    assert_eq!(config.expert_data_parallel_size(), 2);
 }
 
 #[test]
