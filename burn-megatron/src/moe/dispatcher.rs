@@ -70,6 +70,12 @@ fn run_experts(
     ((!outs.is_empty()).then(|| Tensor::cat(outs, 0)), zero)
 }
 
+/// A zero that depends on every element of `t`: added to an output that would otherwise not
+/// use `t`, it keeps the exchanges that made `t` in this rank's backward, as in its peers'.
+fn zero_of(t: Tensor<2>, dtype: DType) -> Tensor<2> {
+    (t.sum().cast(DType::F32) * 0.0).cast(dtype).unsqueeze()
+}
+
 /// [`run_experts`] over the expert tensor-parallel group `etp`, whose members hold slices of
 /// the same experts: `rows` (`[n, H]`, grouped by local expert, `counts[i]` for expert `i`;
 /// possibly empty) and their `weights` (`[n, 1]`) are gathered from every member, grouped
@@ -77,6 +83,12 @@ fn run_experts(
 /// members the rows came from (Megatron's all-gather and reduce-scatter over the expert
 /// tensor-parallel group, here variable-size, as all-to-alls). Returns this member's rows'
 /// outputs (`[n, H]`) and the zero of experts without rows. Every member calls it.
+///
+/// The same operations run whatever the counts (empty tensors where there is nothing):
+/// Burn's backward runs a graph's nodes by depth, so only graphs of one shape on every rank
+/// run the collectives of the expert-parallel and expert tensor-parallel groups in one order.
+/// Rows are picked with `select`, which keeps an empty result in the graph (Burn's `cat` of
+/// empty tensors and empty `slice`s drop out of it).
 fn run_split_experts(
     experts: &[ExpertMlp],
     rows: Tensor<2>,
@@ -85,9 +97,10 @@ fn run_split_experts(
     etp: &Comm,
 ) -> Result<(Tensor<2>, Option<Tensor<1>>), TpError> {
     let n: usize = counts.iter().sum();
+    let (dtype, device, h) = (rows.dtype(), rows.device(), rows.dims()[1]);
     if etp.group().size() == 1 {
         if n == 0 {
-            return Ok((rows, None));
+            return Ok((rows + zero_of(weights, dtype), None));
         }
         let (out, zero) = run_experts(experts, rows, weights, counts);
         return Ok((
@@ -95,26 +108,19 @@ fn run_split_experts(
             zero,
         ));
     }
-    let (m, local, device) = (etp.group().size(), experts.len(), rows.device());
+    let (m, local) = (etp.group().size(), experts.len());
     let all = etp.all_gather_vec(counts.iter().map(|&c| c as i64).collect())?;
     let count = |member: usize, expert: usize| all[member * local + expert] as usize;
     let sizes: Vec<usize> = (0..m)
         .map(|j| (0..local).map(|l| count(j, l)).sum())
         .collect();
-    // Every member's rows to every member: the input repeated once per member.
-    let gather = |x: Tensor<2>| {
-        let x = if n == 0 {
-            x
-        } else {
-            Tensor::cat(vec![x; m], 0)
-        };
-        all_to_all(x, &vec![n; m], &sizes, etp)
-    };
-    let (gathered, gathered_weights) = (gather(rows)?, gather(weights)?);
     let total: usize = sizes.iter().sum();
-    if total == 0 {
-        return Ok((gathered, None));
-    }
+    // Rows and weights in one message (f32 holds the rows' values exactly), sent to every
+    // member: one exchange, downstream of both expert-parallel ones.
+    let both = Tensor::cat(vec![rows.cast(DType::F32), weights.cast(DType::F32)], 1);
+    let each: Vec<i64> = (0..m).flat_map(|_| 0..n as i64).collect();
+    let each = index(each, &device);
+    let gathered = all_to_all(both.select(0, each.clone()), &vec![n; m], &sizes, etp)?;
     // Member-major as gathered; the experts take them expert-major.
     let mut by_expert = Vec::with_capacity(total);
     let mut per_expert = vec![0usize; local];
@@ -131,22 +137,20 @@ fn run_split_experts(
     for (pos, &i) in by_expert.iter().enumerate() {
         inverse[i as usize] = pos as i64;
     }
-    let by_expert = index(by_expert, &device);
-    let (out, zero) = run_experts(
-        experts,
-        gathered.select(0, by_expert.clone()),
-        gathered_weights.select(0, by_expert),
-        &per_expert,
-    );
-    let out = out
-        .unwrap_or_else(|| unreachable!("{total} rows make outputs"))
-        .select(0, index(inverse, &device));
+    let picked = gathered.select(0, index(by_expert, &device));
+    let columns = |c: std::ops::Range<usize>| index(c.map(|c| c as i64).collect(), &device);
+    let x = picked.clone().select(1, columns(0..h)).cast(dtype);
+    let w = picked.select(1, columns(h..h + 1));
+    let (out, zero) = match run_experts(experts, x.clone(), w.clone(), &per_expert) {
+        (Some(out), zero) => (out, zero),
+        (None, zero) => (x + zero_of(w, dtype), zero),
+    };
+    let out = out.select(0, index(inverse, &device));
     let partial = all_to_all(out, &sizes, &vec![n; m], etp)?;
-    if n == 0 {
-        return Ok((partial, zero));
-    }
-    let h = partial.dims()[1];
-    let summed = partial.reshape([m, n, h]).sum_dim(0).reshape([n, h]);
+    // Each member's partial sums of this member's rows, added up.
+    let zeros = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+    let summed =
+        Tensor::<2>::zeros([n, h], zeros).select_assign(0, each, partial, IndexingUpdateOp::Add);
     Ok((summed, zero))
 }
 
@@ -213,23 +217,15 @@ pub(crate) fn alltoall(
     for (pos, &i) in by_expert.iter().enumerate() {
         inverse[i as usize] = pos as i64;
     }
-    let empty = by_expert.is_empty();
-    let (rows, weights) = if empty {
-        (received, received_weights)
-    } else {
-        let sorted = index(by_expert, &device);
-        (
-            received.select(0, sorted.clone()),
-            received_weights.select(0, sorted),
-        )
-    };
-    let (outputs, zero) = run_split_experts(experts, rows, weights, &per_expert, &groups.etp)?;
-    // Nothing arrived: the (empty) exchange back still takes part.
-    let outputs = if empty {
-        outputs
-    } else {
-        outputs.select(0, index(inverse, &device))
-    };
+    let sorted = index(by_expert, &device);
+    let (outputs, zero) = run_split_experts(
+        experts,
+        received.select(0, sorted.clone()),
+        received_weights.select(0, sorted),
+        &per_expert,
+        &groups.etp,
+    )?;
+    let outputs = outputs.select(0, index(inverse, &device));
     let back = all_to_all(outputs, &output_splits, &input_splits, ep)?;
     // unpermute: each token's outputs summed in place.
     let out =
@@ -307,40 +303,16 @@ pub(crate) fn allgather(
         ep,
         true,
     );
-    let (outputs, zero) = if rows.is_empty() {
-        // No row for this rank's experts: the gathers (and, under expert tensor parallelism,
-        // the exchanges this rank takes part in with none) must still be in the graph, or
-        // backward would skip their collectives here while the peers run them.
-        let none = |t: &Tensor<2>| t.clone().slice([0..0, 0..t.dims()[1]]);
-        let (out, zero) = run_split_experts(
-            experts,
-            none(&gathered),
-            none(&weights),
-            &per_expert,
-            &groups.etp,
-        )?;
-        let f32 = |t: Tensor<2>| t.sum().cast(DType::F32);
-        let link = ((f32(gathered) + f32(weights) + f32(out)) * 0.0).cast(dtype);
-        (
-            None,
-            Some(zero.map_or(link.clone(), |z| z.cast(dtype) + link)),
-        )
-    } else {
-        let rows_index = index(rows.clone(), &device);
-        let (out, zero) = run_split_experts(
-            experts,
-            gathered.select(0, rows_index),
-            weights.select(0, index(weight_rows, &device)),
-            &per_expert,
-            &groups.etp,
-        )?;
-        (Some(out), zero)
-    };
-    let partial = Tensor::<2>::zeros([n * t, h], zeros);
-    let partial = match outputs {
-        Some(out) => partial.select_assign(0, index(rows, &device), out, IndexingUpdateOp::Add),
-        None => partial,
-    };
+    let rows = index(rows, &device);
+    let (out, zero) = run_split_experts(
+        experts,
+        gathered.select(0, rows.clone()),
+        weights.select(0, index(weight_rows, &device)),
+        &per_expert,
+        &groups.etp,
+    )?;
+    let partial =
+        Tensor::<2>::zeros([n * t, h], zeros).select_assign(0, rows, out, IndexingUpdateOp::Add);
     let out = reduce_scatter_to_sequence_parallel_region(partial, ep);
     Ok(match zero {
         Some(z) => out + z.unsqueeze(),

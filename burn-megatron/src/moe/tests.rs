@@ -176,3 +176,95 @@ fn bad_settings_are_refused_naming_the_numbers() {
         .contains("got -1.5")
     );
 }
+
+/// Under expert tensor parallelism a rank may hold rows for its experts while its expert-TP
+/// peer holds none: with the sequence split over TP 2 (and EP 2, expert TP 2, DP 2 on 4
+/// ranks), the router sends the first half's tokens to experts 0–1 and the second half's to
+/// experts 2–3, so ranks 1 and 2 receive no row. Every exchange must still run in forward and
+/// backward on every rank (a skipped one fails at the deadline), and the outputs and the
+/// input gradients equal the layer on one rank, for both dispatchers.
+#[test]
+fn ranks_without_rows_take_part_under_expert_tensor_parallelism() {
+    use crate::launch::{LaunchOptions, threads};
+    use crate::topology::ParallelConfig;
+    let (s, h) = (4, 4);
+    // A token's sign picks its experts: positions 0–1 positive, 2–3 negative.
+    let x: Vec<f32> = (0..s * h)
+        .map(|i| (if i < 2 * h { 1.0 } else { -1.0 }) * (0.5 + (i % 5) as f32 / 8.0))
+        .collect();
+    let router: Vec<f32> = [1.0, 0.8, -1.0, -0.8]
+        .iter()
+        .flat_map(|&r| (0..h).map(move |j| r * (1.0 + j as f32 / 10.0)))
+        .collect();
+    let w: Vec<f32> = (0..s * h)
+        .map(|i| ((i * 7) % 11) as f32 / 11.0 - 0.4)
+        .collect();
+    let shape = MoeLayerShape {
+        hidden_size: h,
+        ffn_hidden_size: 8,
+        gated_linear_unit: true,
+        activation: ActivationFunc::Silu,
+        initializer: MasterInit::Normal {
+            mean: 0.0,
+            std: 0.5,
+        },
+        output_initializer: MasterInit::Normal {
+            mean: 0.0,
+            std: 0.5,
+        },
+        sequence_parallel: true,
+        seed: 7,
+    };
+    // (outputs, input gradient) of this rank's positions `from..from + len`.
+    let run =
+        |config: &MoeConfig, tp: &Comm, experts: &ExpertGroups, rank: (&Device, usize, usize)| {
+            let (device, from, len) = rank;
+            let mut layer = config.init(shape, tp, experts, device).unwrap();
+            let data = |v: &[f32], dims: [usize; 3]| {
+                Tensor::<3>::from_data(TensorData::new(v.to_vec(), dims), device)
+            };
+            let r = Tensor::<2>::from_data(TensorData::new(router.clone(), [4, h]), device);
+            layer.router = layer.router.map(|_| r.require_grad());
+            let mine = |v: &[f32]| v[from * h..(from + len) * h].to_vec();
+            let input = data(&mine(&x), [len, 1, h]).require_grad();
+            let out = layer.forward(input.clone()).unwrap();
+            let loss = (out.clone() * data(&mine(&w), [len, 1, h])).sum();
+            let grads = loss.backward();
+            let values = |t: Tensor<3>| t.into_data().iter::<f32>().collect::<Vec<f32>>();
+            (values(out.detach()), values(input.grad(&grads).unwrap()))
+        };
+    for dispatcher in [
+        TokenDispatcherType::AllToAll,
+        TokenDispatcherType::AllGather,
+    ] {
+        let config = MoeConfig::new(4).with_moe_token_dispatcher_type(dispatcher);
+        let device = Device::flex().autodiff();
+        let one = run(&config, &solo(), &ExpertGroups::solo(), (&device, 0, s));
+        let layout = ParallelConfig::new(4, 2, 1)
+            .with_expert_parallel(2)
+            .with_expert_tensor_parallel(2)
+            .with_sequence_parallel(true);
+        let options = LaunchOptions {
+            timeout: std::time::Duration::from_secs(20),
+            ..LaunchOptions::default()
+        };
+        let split = threads(&layout, options, |ctx| {
+            let from = ctx.state.tensor_model_parallel_rank() * s / 2;
+            let experts = ctx.groups.experts();
+            let rank = (&ctx.device, from, s / 2);
+            Ok::<_, String>((from, run(&config, &ctx.groups.tp, &experts, rank)))
+        })
+        .unwrap();
+        for (rank, (from, (out, grad))) in split.into_iter().enumerate() {
+            let (want_out, want_grad) = (&one.0[from * h..], &one.1[from * h..]);
+            for (what, got, want) in [("output", out, want_out), ("input grad", grad, want_grad)] {
+                for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{dispatcher:?} rank {rank}: {what}[{i}] = {g}, one rank {w}"
+                    );
+                }
+            }
+        }
+    }
+}
