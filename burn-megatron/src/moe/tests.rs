@@ -177,14 +177,14 @@ fn bad_settings_are_refused_naming_the_numbers() {
     );
 }
 
-/// Under expert tensor parallelism a rank may hold rows for its experts while its expert-TP
-/// peer holds none: with the sequence split over TP 2 (and EP 2, expert TP 2, DP 2 on 4
-/// ranks), the router sends the first half's tokens to experts 0–1 and the second half's to
-/// experts 2–3, so ranks 1 and 2 receive no row. Every exchange must still run in forward and
-/// backward on every rank (a skipped one fails at the deadline), and the outputs and the
-/// input gradients equal the layer on one rank, for both dispatchers.
+/// A rank may get no row for its experts while its peers get some: with the sequence split
+/// over TP 2 (and EP 2, DP 2 on 4 ranks), the router sends the first half's tokens to experts
+/// 0–1 and the second half's to experts 2–3, so ranks 1 and 2 receive no row (and, with
+/// expert TP 2, each has an expert-TP peer that does). Every exchange must still run in
+/// forward and backward on every rank (a skipped one fails at the deadline), and the outputs
+/// and the input gradients equal the layer on one rank, for both dispatchers.
 #[test]
-fn ranks_without_rows_take_part_under_expert_tensor_parallelism() {
+fn ranks_without_rows_take_part_in_every_exchange() {
     use crate::launch::{LaunchOptions, threads};
     use crate::topology::ParallelConfig;
     let (s, h) = (4, 4);
@@ -240,29 +240,33 @@ fn ranks_without_rows_take_part_under_expert_tensor_parallelism() {
         let config = MoeConfig::new(4).with_moe_token_dispatcher_type(dispatcher);
         let device = Device::flex().autodiff();
         let one = run(&config, &solo(), &ExpertGroups::solo(), (&device, 0, s));
-        let layout = ParallelConfig::new(4, 2, 1)
-            .with_expert_parallel(2)
-            .with_expert_tensor_parallel(2)
-            .with_sequence_parallel(true);
-        let options = LaunchOptions {
-            timeout: std::time::Duration::from_secs(20),
-            ..LaunchOptions::default()
-        };
-        let split = threads(&layout, options, |ctx| {
-            let from = ctx.state.tensor_model_parallel_rank() * s / 2;
-            let experts = ctx.groups.experts();
-            let rank = (&ctx.device, from, s / 2);
-            Ok::<_, String>((from, run(&config, &ctx.groups.tp, &experts, rank)))
-        })
-        .unwrap();
-        for (rank, (from, (out, grad))) in split.into_iter().enumerate() {
-            let (want_out, want_grad) = (&one.0[from * h..], &one.1[from * h..]);
-            for (what, got, want) in [("output", out, want_out), ("input grad", grad, want_grad)] {
-                for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                    assert!(
-                        (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                        "{dispatcher:?} rank {rank}: {what}[{i}] = {g}, one rank {w}"
-                    );
+        for etp in [1, 2] {
+            let layout = ParallelConfig::new(4, 2, 1)
+                .with_expert_parallel(2)
+                .with_expert_tensor_parallel(etp)
+                .with_sequence_parallel(true);
+            let options = LaunchOptions {
+                timeout: std::time::Duration::from_secs(20),
+                ..LaunchOptions::default()
+            };
+            let split = threads(&layout, options, |ctx| {
+                let from = ctx.state.tensor_model_parallel_rank() * s / 2;
+                let experts = ctx.groups.experts();
+                let rank = (&ctx.device, from, s / 2);
+                Ok::<_, String>((from, run(&config, &ctx.groups.tp, &experts, rank)))
+            })
+            .unwrap();
+            for (rank, (from, (out, grad))) in split.into_iter().enumerate() {
+                let (want_out, want_grad) = (&one.0[from * h..], &one.1[from * h..]);
+                for (what, got, want) in
+                    [("output", out, want_out), ("input grad", grad, want_grad)]
+                {
+                    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{dispatcher:?} expert TP {etp} rank {rank}: {what}[{i}] = {g}, one rank {w}"
+                        );
+                    }
                 }
             }
         }
