@@ -93,6 +93,14 @@ pub struct MoeConfig {
     /// Softmax before the top-k (`--moe-router-pre-softmax`).
     #[config(default = false)]
     pub moe_router_pre_softmax: bool,
+    /// Groups the experts are divided into for group-limited routing
+    /// (`--moe-router-num-groups`, DeepSeek's device-limited routing); none when unset.
+    #[config(default = "None")]
+    pub moe_router_num_groups: Option<usize>,
+    /// Groups each token may route to (`--moe-router-group-topk`): the groups with the
+    /// largest sums of their top `topk / group_topk` scores, the experts chosen among theirs.
+    #[config(default = "None")]
+    pub moe_router_group_topk: Option<usize>,
     /// Multiplies the routing weights (`--moe-router-topk-scaling-factor`).
     #[config(default = "None")]
     pub moe_router_topk_scaling_factor: Option<f64>,
@@ -145,6 +153,32 @@ impl MoeConfig {
                 "{e} experts over {ep} expert-parallel ranks: --num-experts must be divisible \
                  by --expert-model-parallel-size"
             ));
+        }
+        match (self.moe_router_num_groups, self.moe_router_group_topk) {
+            (None, None) => {}
+            (Some(g), Some(gk)) => {
+                if g == 0 || !e.is_multiple_of(g) || gk == 0 || gk > g || !k.is_multiple_of(gk) {
+                    return invalid(format!(
+                        "--moe-router-num-groups {g} and --moe-router-group-topk {gk} with {e} \
+                         experts and --moe-router-topk {k}: the groups must divide the \
+                         experts, and the group top-k be at most the groups and divide the top-k"
+                    ));
+                }
+                if k / gk > e / g {
+                    return invalid(format!(
+                        "--moe-router-topk {k} over --moe-router-group-topk {gk} groups of \
+                         {} experts: each group's top {} do not fit in it",
+                        e / g,
+                        k / gk
+                    ));
+                }
+            }
+            (g, gk) => {
+                return invalid(format!(
+                    "--moe-router-num-groups ({g:?}) and --moe-router-group-topk ({gk:?}) go \
+                     together"
+                ));
+            }
         }
         if let Some(f) = self.moe_expert_capacity_factor
             && !(f > 0.0 && f.is_finite())

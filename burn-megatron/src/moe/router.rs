@@ -119,7 +119,15 @@ pub fn route(
         ScoreFunction::Softmax => logits.clone(),
         ScoreFunction::Sigmoid => sigmoid(logits.clone()),
     };
-    let (_, indices) = scores.clone().detach().topk_with_indices(k, 1);
+    // Group-limited routing counts the load-balancing loss over the unlimited top-k, as
+    // Megatron's `compute_routing_scores_for_aux_loss` does: both are read at once.
+    let (indices, unlimited) = match (config.moe_router_num_groups, config.moe_router_group_topk) {
+        (Some(groups), Some(group_topk)) => (
+            group_limited_topk(scores.clone().detach(), k, groups, group_topk),
+            Some(scores.clone().detach().topk_with_indices(k, 1).1),
+        ),
+        _ => (scores.clone().detach().topk_with_indices(k, 1).1, None),
+    };
     let mut probs = scores.gather(1, indices.clone());
     probs = match config.moe_router_score_function {
         ScoreFunction::Softmax if !config.moe_router_pre_softmax => softmax(probs, 1),
@@ -132,19 +140,32 @@ pub fn route(
     if let Some(factor) = config.moe_router_topk_scaling_factor.filter(|&f| f != 0.0) {
         probs = probs * factor;
     }
-    let experts: Vec<usize> = indices
-        .read_back()
-        .convert::<i64>()
-        .iter::<i64>()
+    let read = match unlimited {
+        Some(unlimited) => Tensor::cat(vec![indices, unlimited], 1),
+        None => indices,
+    };
+    let read: Vec<usize> = (read.read_back().convert::<i64>().iter::<i64>())
         .map(|i| i as usize)
         .collect();
-    let mut local_counts = vec![0i64; e];
-    for &x in &experts {
-        local_counts[x] += 1;
+    let width = read.len() / t;
+    let experts: Vec<usize> = read
+        .chunks(width)
+        .flat_map(|row| &row[..k])
+        .copied()
+        .collect();
+    // This rank's counts of the routed top-k, then of the unlimited one when it differs.
+    let mut counts = vec![0i64; e * (width / k)];
+    for row in read.chunks(width) {
+        for (i, &x) in row.iter().enumerate() {
+            counts[(i / k) * e + x] += 1;
+        }
     }
-    let mut counts = local_counts;
     token_group.all_reduce_vec(&mut counts, ReduceOp::Sum)?;
-    let tokens_per_expert: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
+    let tokens_per_expert: Vec<usize> = counts[..e].iter().map(|&c| c as usize).collect();
+    let aux_counts: Vec<f32> = counts[counts.len() - e..]
+        .iter()
+        .map(|&c| c as f32)
+        .collect();
 
     let probs = probs.reshape([t * k]);
     let assignments = assign(config, t, e, k, &experts, &probs)?;
@@ -158,8 +179,7 @@ pub fn route(
                 s / sum
             }
         };
-        let counts: Vec<f32> = tokens_per_expert.iter().map(|&c| c as f32).collect();
-        let counts = Tensor::<1>::from_data(TensorData::new(counts, [e]), &device);
+        let counts = Tensor::<1>::from_data(TensorData::new(aux_counts, [e]), &device);
         let total = (t * group) as f64;
         let coeff = e as f64 * config.moe_aux_loss_coeff / (k as f64 * total * total);
         (aux_scores.sum_dim(0).reshape([e]) * counts).sum() * coeff
@@ -182,6 +202,37 @@ pub fn route(
         aux_loss,
         z_loss,
     })
+}
+
+/// The `k` experts of each row of `scores` (`[T, E]`) among the `group_topk` of `groups`
+/// equal groups whose top `k / group_topk` scores sum highest (Megatron's
+/// `group_limited_topk`).
+fn group_limited_topk(
+    scores: Tensor<2>,
+    k: usize,
+    groups: usize,
+    group_topk: usize,
+) -> Tensor<2, Int> {
+    let [t, e] = scores.dims();
+    let grouped = scores.clone().reshape([t, groups, e / groups]);
+    let group_scores = grouped
+        .topk(k / group_topk, 2)
+        .sum_dim(2)
+        .reshape([t, groups]);
+    let (_, chosen) = group_scores.clone().topk_with_indices(group_topk, 1);
+    let device = scores.device();
+    let mask = Tensor::<2>::zeros([t, groups], &device).scatter(
+        1,
+        chosen,
+        Tensor::ones([t, group_topk], &device),
+        IndexingUpdateOp::Add,
+    );
+    let mask = mask
+        .reshape([t, groups, 1])
+        .expand([t, groups, e / groups])
+        .reshape([t, e]);
+    let masked = scores.mask_fill(mask.equal_elem(0.0), f32::NEG_INFINITY);
+    masked.topk_with_indices(k, 1).1
 }
 
 /// Each expert's tokens after capacity dropping and padding.

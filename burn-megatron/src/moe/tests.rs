@@ -1,6 +1,7 @@
 //! The router against megatron-core 0.16.1's `TopKRouter` on the fixtures that
 //! `tests/fixtures/moe_router/make_router_fixtures.py` made: routing map, routing
-//! probabilities, load-balancing counts, aux and z losses, and the logits' gradient.
+//! probabilities, load-balancing counts, aux and z losses, and the logits' gradient, with
+//! and without group-limited routing.
 
 use super::*;
 use crate::comm::LocalWorld;
@@ -51,6 +52,8 @@ fn config_of(case: &Value) -> MoeConfig {
         .with_moe_pad_expert_input_to_capacity(case["pad_to_capacity"].as_bool().unwrap())
         .with_moe_aux_loss_coeff(f("aux_loss_coeff").unwrap())
         .with_moe_z_loss_coeff(f("z_loss_coeff"))
+        .with_moe_router_num_groups(case["num_groups"].as_u64().map(|g| g as usize))
+        .with_moe_router_group_topk(case["group_topk"].as_u64().map(|g| g as usize))
 }
 
 fn assert_close(name: &str, what: &str, got: &[f32], want: &[f32], tol: f32) {
@@ -68,7 +71,9 @@ fn router_matches_megatron_core() {
     let data = fixtures();
     let device = Device::flex().autodiff();
     let cases = data["cases"].as_array().unwrap();
-    assert!(cases.len() >= 14);
+    assert!(cases.len() >= 18);
+    let grouped = cases.iter().filter(|c| c["group_topk"].is_u64()).count();
+    assert_eq!(grouped, 4, "group-limited cases");
     for case in cases {
         let name = case["name"].as_str().unwrap();
         let config = config_of(case);
@@ -92,9 +97,14 @@ fn router_matches_megatron_core() {
         let routing = &out.routing;
         let map: Vec<usize> = routing.routing_map().iter().map(|&m| m as usize).collect();
         assert_eq!(map, ints(&case["routing_map"]), "{name}: routing map");
+        // The routed top-k's counts (the load-balancing loss's are those of the unlimited
+        // top-k, which group-limited routing may not route).
+        let before_drop = ints(&case["routing_map_before_drop"]);
+        let routed: Vec<usize> = (0..e)
+            .map(|x| (0..t).map(|token| before_drop[token * e + x]).sum())
+            .collect();
         assert_eq!(
-            routing.tokens_per_expert,
-            ints(&case["tokens_per_expert"]),
+            routing.tokens_per_expert, routed,
             "{name}: tokens per expert"
         );
         let kept: Vec<usize> = routing.assignments.iter().map(Vec::len).collect();

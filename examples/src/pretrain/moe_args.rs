@@ -56,6 +56,14 @@ pub struct MoeArgs {
     /// Multiplies the routing weights.
     #[arg(long)]
     pub moe_router_topk_scaling_factor: Option<f64>,
+    /// Groups the experts are divided into for group-limited routing (with
+    /// --moe-router-group-topk; DeepSeek's device- or node-limited routing).
+    #[arg(long)]
+    pub moe_router_num_groups: Option<usize>,
+    /// Groups each token may route to: those whose top (top-k / group top-k) scores sum
+    /// highest.
+    #[arg(long)]
+    pub moe_router_group_topk: Option<usize>,
     /// Weight of the load-balancing loss.
     #[arg(long, default_value_t = 0.0)]
     pub moe_aux_loss_coeff: f64,
@@ -97,6 +105,8 @@ impl MoeArgs {
                 })
                 .with_moe_router_pre_softmax(self.moe_router_pre_softmax)
                 .with_moe_router_topk_scaling_factor(self.moe_router_topk_scaling_factor)
+                .with_moe_router_num_groups(self.moe_router_num_groups)
+                .with_moe_router_group_topk(self.moe_router_group_topk)
                 .with_moe_aux_loss_coeff(self.moe_aux_loss_coeff)
                 .with_moe_z_loss_coeff(self.moe_z_loss_coeff)
                 .with_moe_expert_capacity_factor(self.moe_expert_capacity_factor)

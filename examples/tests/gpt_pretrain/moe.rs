@@ -184,6 +184,16 @@ fn bad_moe_flags_are_refused_before_any_work_naming_the_numbers() {
             "world size 2 is not divisible by expert tensor (1) × expert (4) × pipeline (1) = 4",
         ),
         (
+            &[
+                "--moe-router-num-groups",
+                "2",
+                "--moe-router-group-topk",
+                "3",
+            ][..],
+            "--moe-router-num-groups 2 and --moe-router-group-topk 3 with 4 experts",
+        ),
+        (&["--moe-router-num-groups", "2"][..], "go together"),
+        (
             &["--expert-tensor-parallel-size", "2"][..],
             "expert tensor parallel size 2 is not supported with tensor parallel size 1",
         ),

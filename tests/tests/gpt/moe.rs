@@ -261,6 +261,22 @@ fn expert_tensor_parallel_matches_one_rank_per_replica() {
     check("fused Adam TP 2 × ETP 2 × EP 2", &got, &reference);
 }
 
+/// Device-limited routing (Megatron's group-limited routing with one group per EP rank, each
+/// token's two experts on one rank) trains at EP 2 as at EP 1.
+#[test]
+fn group_limited_routing_matches_ep1() {
+    let config = moe_llama(TokenDispatcherType::AllToAll).map_transformer(|t| {
+        let moe = t.moe.clone().map(|m| {
+            m.with_moe_router_num_groups(Some(2))
+                .with_moe_router_group_topk(Some(1))
+        });
+        t.with_moe(moe)
+    });
+    let reference = run(&config, (2, 1, 1, false), false);
+    let got = run(&config, (2, 1, 2, false), false);
+    check("group-limited EP 2", &got, &reference);
+}
+
 /// The fused Adam step counts the experts' gradient norm once over EP too.
 #[test]
 fn the_fused_adam_step_matches_ep1_with_experts() {
