@@ -283,12 +283,15 @@ fn a_context_parallel_gpt_under_mpirun_is_the_threaded_run() {
 
 /// Mixture of experts under mpirun: TP 2 × EP 2 × DP 2 with sequence parallelism, tokens
 /// exchanged between processes by the variable-size all-to-all (`alltoall`) or gathered
-/// (`allgather`), is the threaded run, bit for bit.
+/// (`allgather`), and with each expert split over the TP ranks (expert TP 2), is the
+/// threaded run, bit for bit.
 #[test]
 fn an_expert_parallel_gpt_under_mpirun_is_the_threaded_run() {
-    for dispatcher in ["alltoall", "allgather"] {
-        let dir = tmp(&format!("mpi-gpt-moe-{dispatcher}"));
+    for (dispatcher, etp) in [("alltoall", "1"), ("allgather", "1"), ("alltoall", "2")] {
+        let dir = tmp(&format!("mpi-gpt-moe-{dispatcher}-{etp}"));
         let layout = [
+            "--expert-tensor-parallel-size",
+            etp,
             "--world-size",
             "4",
             "--num-experts",

@@ -14,6 +14,10 @@
 //! On a group of one every function returns its input untouched: no op is recorded, no data
 //! moves. Every rank of the group must call the same mappings in the same order, with tensors
 //! that are all tracked or all untracked (the backward collective runs only for tracked ones).
+//! Where mappings of several groups meet in one graph, every rank's graph must also have the
+//! same shape around them: Burn's backward runs nodes by depth, so a branch on data (or an
+//! empty `cat` or `slice`, which Burn leaves out of the graph) can order two groups'
+//! collectives differently on two ranks, a deadlock (see `moe/dispatcher.rs`).
 //! A failed collective inside the graph panics with the [`CommError`](crate::comm::CommError)
 //! message; under [`launch::threads`](crate::launch::threads) that is reported with the rank
 //! and the peers fail promptly.
