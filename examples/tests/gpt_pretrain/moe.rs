@@ -1,7 +1,8 @@
 //! `gpt_pretrain` with mixture-of-experts layers: it trains at EP 2 and logs its experts'
 //! token shares and load-balancing loss, the same with full recomputation; its checkpoints (experts saved under their global
-//! index) resume exactly at EP 2 and, resharded, at EP 1, TP 2 × EP 2, TP 2 × EP 4 and
-//! TP 2 × EP 2 with each expert split over TP (`--expert-tensor-parallel-size 2`) (the same
+//! index) resume exactly at EP 2 and, resharded, at EP 1, TP 2 × EP 2, TP 2 × EP 4,
+//! TP 2 × EP 2 with each expert split over TP (`--expert-tensor-parallel-size 2`) and
+//! TP 2 × PP 2 × DP 2 with the experts split (the same
 //! micro-batches, so the same load-balancing losses); a run with experts split trains as
 //! the run with them whole, and its checkpoints resume at EP 1; with the distributed optimizer
 //! sharding the experts over expert-DP it trains as without, and its checkpoints resume
@@ -112,7 +113,19 @@ fn an_moe_model_trains_logs_its_experts_and_resumes_at_other_expert_layouts() {
     // Each expert split over the TP ranks of TP 2 × DP 2.
     let etp2 = [&ep4[..6], &["2", "--expert-tensor-parallel-size", "2"]].concat();
     let ep1 = ["--expert-model-parallel-size", "1"];
-    for other in [&ep1[..], &tp2[..], &ep4[..], &etp2[..]] {
+    // And through a pipeline: TP 2 × PP 2 × DP 2, experts split over TP.
+    let pp2 = [
+        "--world-size",
+        "8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-tensor-parallel-size",
+        "2",
+    ];
+    for other in [&ep1[..], &tp2[..], &ep4[..], &etp2[..], &pp2[..]] {
         let resumed = resume(&save, 6, &[&MOE[..], other].concat(), &dir);
         assert_close_losses(&format!("{other:?}"), &resumed, &log[6..], 1e-5);
     }
