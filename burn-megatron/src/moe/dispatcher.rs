@@ -70,6 +70,53 @@ fn run_experts(
     ((!outs.is_empty()).then(|| Tensor::cat(outs, 0)), zero)
 }
 
+/// Rows ordered by source, then local expert (`count(source, l)` rows of local expert `l`
+/// from each of `sources`) regrouped by local expert (Megatron's `sort_chunks_by_idxs`):
+/// the order that groups them, its inverse (back to the sources' order), and each local
+/// expert's rows.
+fn by_local_expert(
+    sources: usize,
+    local: usize,
+    count: impl Fn(usize, usize) -> usize,
+) -> (Vec<i64>, Vec<i64>, Vec<usize>) {
+    let mut starts = vec![vec![0usize; local]; sources];
+    let mut at = 0;
+    for (r, row) in starts.iter_mut().enumerate() {
+        for (l, start) in row.iter_mut().enumerate() {
+            *start = at;
+            at += count(r, l);
+        }
+    }
+    let mut order = Vec::with_capacity(at);
+    let mut per_expert = vec![0usize; local];
+    for (l, total) in per_expert.iter_mut().enumerate() {
+        for (r, row) in starts.iter().enumerate() {
+            let c = count(r, l);
+            order.extend((row[l]..row[l] + c).map(|i| i as i64));
+            *total += c;
+        }
+    }
+    let mut inverse = vec![0i64; order.len()];
+    for (pos, &i) in order.iter().enumerate() {
+        inverse[i as usize] = pos as i64;
+    }
+    (order, inverse, per_expert)
+}
+
+/// [`run_experts`], or, when there is no row at all, `x` (empty) with a zero of `w`.
+fn run_or_link(
+    experts: &[ExpertMlp],
+    x: Tensor<2>,
+    w: Tensor<2>,
+    counts: &[usize],
+) -> (Tensor<2>, Option<Tensor<1>>) {
+    let dtype = x.dtype();
+    match run_experts(experts, x.clone(), w.clone(), counts) {
+        (Some(out), zero) => (out, zero),
+        (None, zero) => (x + zero_of(w, dtype), zero),
+    }
+}
+
 /// A zero that depends on every element of `t`: added to an output that would otherwise not
 /// use `t`, it keeps the exchanges that made `t` in this rank's backward, as in its peers'.
 fn zero_of(t: Tensor<2>, dtype: DType) -> Tensor<2> {
@@ -99,14 +146,11 @@ fn run_split_experts(
     let n: usize = counts.iter().sum();
     let (dtype, device, h) = (rows.dtype(), rows.device(), rows.dims()[1]);
     if etp.group().size() == 1 {
+        // No row: the (empty) rows and a zero of the weights keep both in the graph.
         if n == 0 {
             return Ok((rows + zero_of(weights, dtype), None));
         }
-        let (out, zero) = run_experts(experts, rows, weights, counts);
-        return Ok((
-            out.unwrap_or_else(|| unreachable!("{n} rows make outputs")),
-            zero,
-        ));
+        return Ok(run_or_link(experts, rows, weights, counts));
     }
     let (m, local) = (etp.group().size(), experts.len());
     let all = etp.all_gather_vec(counts.iter().map(|&c| c as i64).collect())?;
@@ -114,7 +158,6 @@ fn run_split_experts(
     let sizes: Vec<usize> = (0..m)
         .map(|j| (0..local).map(|l| count(j, l)).sum())
         .collect();
-    let total: usize = sizes.iter().sum();
     // Rows and weights in one message (f32 holds the rows' values exactly), sent to every
     // member: one exchange, downstream of both expert-parallel ones.
     let both = Tensor::cat(vec![rows.cast(DType::F32), weights.cast(DType::F32)], 1);
@@ -122,29 +165,12 @@ fn run_split_experts(
     let each = index(each, &device);
     let gathered = all_to_all(both.select(0, each.clone()), &vec![n; m], &sizes, etp)?;
     // Member-major as gathered; the experts take them expert-major.
-    let mut by_expert = Vec::with_capacity(total);
-    let mut per_expert = vec![0usize; local];
-    for (l, per) in per_expert.iter_mut().enumerate() {
-        let mut member_start = 0;
-        for (j, size) in sizes.iter().enumerate() {
-            let start = member_start + (0..l).map(|x| count(j, x)).sum::<usize>();
-            by_expert.extend((start..start + count(j, l)).map(|i| i as i64));
-            *per += count(j, l);
-            member_start += size;
-        }
-    }
-    let mut inverse = vec![0i64; total];
-    for (pos, &i) in by_expert.iter().enumerate() {
-        inverse[i as usize] = pos as i64;
-    }
+    let (by_expert, inverse, per_expert) = by_local_expert(m, local, count);
     let picked = gathered.select(0, index(by_expert, &device));
     let columns = |c: std::ops::Range<usize>| index(c.map(|c| c as i64).collect(), &device);
     let x = picked.clone().select(1, columns(0..h)).cast(dtype);
     let w = picked.select(1, columns(h..h + 1));
-    let (out, zero) = match run_experts(experts, x.clone(), w.clone(), &per_expert) {
-        (Some(out), zero) => (out, zero),
-        (None, zero) => (x + zero_of(w, dtype), zero),
-    };
+    let (out, zero) = run_or_link(experts, x, w, &per_expert);
     let out = out.select(0, index(inverse, &device));
     let partial = all_to_all(out, &sizes, &vec![n; m], etp)?;
     // Each member's partial sums of this member's rows, added up.
@@ -194,29 +220,10 @@ pub(crate) fn alltoall(
     let received = all_to_all(permuted, &input_splits, &output_splits, ep)?;
     let received_weights = all_to_all(weights, &input_splits, &output_splits, ep)?;
 
-    // What arrived is ordered by source rank, then local expert: regroup by local expert
-    // (Megatron's `sort_chunks_by_idxs`), and back after the experts.
-    let mut starts = vec![vec![0usize; local]; n];
-    let mut at = 0;
-    for (r, row) in starts.iter_mut().enumerate() {
-        for (l, start) in row.iter_mut().enumerate() {
-            *start = at;
-            at += count(r, me * local + l);
-        }
-    }
-    let mut by_expert = Vec::with_capacity(at);
-    let mut per_expert = vec![0usize; local];
-    for (l, total) in per_expert.iter_mut().enumerate() {
-        for (r, row) in starts.iter().enumerate() {
-            let c = count(r, me * local + l);
-            by_expert.extend((row[l]..row[l] + c).map(|i| i as i64));
-            *total += c;
-        }
-    }
-    let mut inverse = vec![0i64; by_expert.len()];
-    for (pos, &i) in by_expert.iter().enumerate() {
-        inverse[i as usize] = pos as i64;
-    }
+    // What arrived is ordered by source rank, then local expert: regrouped by local expert
+    // for the experts, and back after them.
+    let (by_expert, inverse, per_expert) =
+        by_local_expert(n, local, |r, l| count(r, me * local + l));
     let sorted = index(by_expert, &device);
     let (outputs, zero) = run_split_experts(
         experts,

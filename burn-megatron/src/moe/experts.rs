@@ -6,7 +6,9 @@
 //! features), and its outputs are partial sums the dispatcher reduces.
 
 use crate::activation::ActivationFunc;
-use crate::tensor_parallel::{LayoutOwner, MasterInit, ParallelAttrs, TpError, derive_seed};
+use crate::tensor_parallel::{
+    LayoutOwner, MasterInit, ParallelAttrs, TpError, derive_seed, slice_cols, slice_rows,
+};
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
@@ -41,14 +43,6 @@ pub(crate) struct ExpertShape {
     pub seed: u64,
 }
 
-/// Columns `cols` of a row-major `[rows, width]` matrix.
-fn columns(values: &[f32], width: usize, cols: std::ops::Range<usize>) -> Vec<f32> {
-    values
-        .chunks(width)
-        .flat_map(|row| row[cols.clone()].iter().copied())
-        .collect()
-}
-
 impl ExpertShape {
     /// This rank's slice of expert `global` of the layer, on `device`: slice `etp_rank` of
     /// `etp` along the FFN width.
@@ -69,7 +63,7 @@ impl ExpertShape {
             )));
         }
         let part = f / etp;
-        let mine = etp_rank * part..(etp_rank + 1) * part;
+        let first = etp_rank * part;
         let param = |values: Vec<f32>, dims: [usize; 2]| {
             Param::from_tensor(Tensor::<2>::from_data(
                 TensorData::new(values, dims),
@@ -83,17 +77,13 @@ impl ExpertShape {
         // One draw of the whole fc1, the gate's columns first: the same experts at any split.
         let width = if self.gated { 2 * f } else { f };
         let fc1 = draw(self.initializer, h, width, "linear_fc1");
-        let up = if self.gated { f..2 * f } else { 0..f };
+        let up = if self.gated { f } else { 0 };
         let fc2 = draw(self.output_initializer, f, h, "linear_fc2");
         let expert = ExpertMlp {
-            linear_fc1: param(
-                columns(&fc1, width, up.start + mine.start..up.start + mine.end),
-                [h, part],
-            ),
-            linear_fc1_gate: self
-                .gated
-                .then(|| param(columns(&fc1, width, mine.clone()), [h, part])),
-            linear_fc2: param(fc2[mine.start * h..mine.end * h].to_vec(), [part, h]),
+            linear_fc1: param(slice_cols(&fc1, width, up + first, part), [h, part]),
+            linear_fc1_gate: (self.gated)
+                .then(|| param(slice_cols(&fc1, width, first, part), [h, part])),
+            linear_fc2: param(slice_rows(&fc2, h, first, part), [part, h]),
             activation: self.activation,
             split: etp > 1,
             layout: LayoutOwner::default(),

@@ -121,12 +121,13 @@ pub fn route(
     };
     // Group-limited routing counts the load-balancing loss over the unlimited top-k, as
     // Megatron's `compute_routing_scores_for_aux_loss` does: both are read at once.
+    let unlimited = || scores.clone().detach().topk_with_indices(k, 1).1;
     let (indices, unlimited) = match (config.moe_router_num_groups, config.moe_router_group_topk) {
         (Some(groups), Some(group_topk)) => (
             group_limited_topk(scores.clone().detach(), k, groups, group_topk),
-            Some(scores.clone().detach().topk_with_indices(k, 1).1),
+            (config.moe_aux_loss_coeff != 0.0).then(unlimited),
         ),
-        _ => (scores.clone().detach().topk_with_indices(k, 1).1, None),
+        _ => (unlimited(), None),
     };
     let mut probs = scores.gather(1, indices.clone());
     probs = match config.moe_router_score_function {

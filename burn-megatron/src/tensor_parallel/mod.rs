@@ -34,6 +34,7 @@ pub(crate) use embedding::checked_index;
 pub use embedding::{IdCheck, VocabParallelEmbedding, VocabParallelEmbeddingConfig};
 pub use grads::allreduce_sequence_parallel_grads;
 pub use init::{MasterInit, derive_seed};
+pub(crate) use init::{slice_cols, slice_rows};
 pub(crate) use layers::LinearShard;
 pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
