@@ -221,10 +221,11 @@ run_nccl() {
 # (scripts/torch_ref/torch_gpu_ref.py), our steps with each gpu_check in the payload (plain,
 # and with Burn's autotune when built with GPU_CHECK_AUTOTUNE=1), each with its GEMM engines,
 # attention backends and stream orders in turn (gpu_check's --bf16-variants: cuBLASLt ordered
-# on the device, the same with the chunked attention, cuBLASLt ordered by host syncs, cubek;
+# on the device, the same with the chunked and with the flash attention, cuBLASLt ordered by
+# host syncs, cubek;
 # the autotuned build only the first, autotune being cubek's), one CubeCL-profiled run of the plain build's GPT
 # (GPU_BENCH_PROFILE=0 skips it), and the table (scripts/gpu_bench.py) last. Bounded to 540 s
-# in all (150 + 220 + 80 + 80 + 10 at most).
+# in all (150 + 250 + 70 + 60 + 10 at most).
 run_bench() {
   unpack
   find_libraries
@@ -238,8 +239,8 @@ run_bench() {
     { echo "PyTorch's run printed no timings:"; tail -3 "$logs/torch.log"; }
   local variant binary variants limit
   for variant in plain autotune; do
-    binary=$bin/gpu_check variants=cublaslt,chunked,host-order,cubecl limit=220
-    [ "$variant" = autotune ] && binary=$bin/gpu_check_autotune variants=cublaslt limit=80
+    binary=$bin/gpu_check variants=cublaslt,chunked,flash,host-order,cubecl limit=250
+    [ "$variant" = autotune ] && binary=$bin/gpu_check_autotune variants=cublaslt limit=70
     [ -x "$binary" ] || continue
     echo "== ours ($variant: $variants)"
     timeout $limit "$binary" bf16 --bf16-variants $variants --out "$logs" \
@@ -247,7 +248,7 @@ run_bench() {
     grep -E "^(PASS|FAIL|SKIP) |panicked" "$logs/ours-$variant.log"
     if [ "$variant" = plain ] && [ "${GPU_BENCH_PROFILE:-1}" = 1 ]; then
       CUBECL_DEBUG_OPTION=profile CUBECL_DEBUG_LOG="$logs/ours-$variant-gpt.prof" \
-        timeout 80 "$binary" bf16 --bf16-models gpt --out "$logs" \
+        timeout 60 "$binary" bf16 --bf16-models gpt --out "$logs" \
         >"$logs/profiled-$variant-gpt.txt" 2>&1
     fi
   done

@@ -42,7 +42,10 @@ pub use adam::{
     AdamHyper, FlatAdamState, FusedAdamOps, WeightDecay, fused_adam_step,
     multi_tensor_fused_adam_step, reference_adam_step,
 };
-pub use attention::{AttentionParams, ChunkedAttentionOps, chunked_attention};
+pub use attention::{
+    AttentionParams, ChunkedAttentionOps, FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FlashAttentionOps,
+    chunked_attention, flash_attention, flash_attention_with_lse,
+};
 pub use bias_dropout_add::{
     BiasDropoutAddOps, MaskWindow, bias_dropout_add, dropout, dropout_hash, dropout_keep,
     dropout_mask, dropout_threshold, reference_bias_dropout_add, reference_dropout,

@@ -53,8 +53,9 @@ pub struct Setup {
     seq: usize,
     micro_batch: usize,
     attention_dropout: bool,
-    /// `--attention-backend chunked`: the probabilities are recomputed per query block in
-    /// backward, not kept (the ring's blocks keep what they keep whatever this says).
+    /// `--attention-backend chunked` or `flash`: the probabilities are recomputed in
+    /// backward, not kept (flash keeps a log-sum-exp per query row, 1/head_dim of the
+    /// queries, left out; the ring's blocks keep what they keep whatever this says).
     chunked_attention: bool,
     tp: usize,
     pp: usize,
@@ -139,7 +140,7 @@ impl Setup {
             seq: a.seq_length,
             micro_batch: a.micro_batch_size,
             attention_dropout: t.attention.attention_dropout > 0.0,
-            chunked_attention: t.attention.attention_backend == AttnBackend::Chunked,
+            chunked_attention: t.attention.attention_backend != AttnBackend::Unfused,
             tp: a.tensor_model_parallel_size,
             pp: a.pipeline_model_parallel_size,
             vp: a.num_model_chunks(),
@@ -192,7 +193,7 @@ impl Setup {
             seq: s,
             micro_batch: b,
             attention_dropout: a.attention_dropout > 0.0,
-            chunked_attention: a.attention_backend == AttentionBackend::Chunked,
+            chunked_attention: a.attention_backend != AttentionBackend::Unfused,
             tp: a.tensor_model_parallel_size,
             pp: a.pipeline_model_parallel_size,
             vp: a.num_model_chunks(),

@@ -8,7 +8,7 @@ use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::models::{AttnMaskType, Bert, BertStageOutput, MaskedPositions};
+use burn_megatron::models::{AttnBackend, AttnMaskType, Bert, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::bert::{BertRows, bert, bert_rows};
@@ -20,7 +20,14 @@ const VOCAB: usize = 64;
 const STEPS: usize = 10;
 
 fn run(tp: usize, dp: usize, sp: bool) -> Vec<Vec<(f32, f32)>> {
-    run_on(tp, dp, sp, false, LaunchOptions::default())
+    run_on(
+        tp,
+        dp,
+        sp,
+        false,
+        AttnBackend::Unfused,
+        LaunchOptions::default(),
+    )
 }
 
 /// `fused`: `MegatronOptimizer` around the fused Adam (flat buffers, fused kernels) instead of
@@ -30,6 +37,7 @@ fn run_on(
     dp: usize,
     sp: bool,
     fused: bool,
+    attention: AttnBackend,
     options: LaunchOptions,
 ) -> Vec<Vec<(f32, f32)>> {
     let config = ParallelConfig::new(tp * dp, tp, 1).with_sequence_parallel(sp);
@@ -37,7 +45,10 @@ fn run_on(
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let mut model = bert(2, (16, 4, 32), SEQ, VOCAB)
             .map_transformer(no_dropout)
-            .map_transformer(|t| t.with_sequence_parallel(sp))
+            .map_transformer(|mut t| {
+                t.attention.attention_backend = attention;
+                t.with_sequence_parallel(sp)
+            })
             .init(g, d)?;
         let tp_rank = ctx.state.tensor_model_parallel_rank();
         let mp = ctx.groups.mp.clone();
@@ -102,7 +113,8 @@ fn bert_matches_tp1_dp1_at_every_layout() {
 }
 
 /// The same training on the wgpu device (lavapipe on a CPU machine): the fused kernels, the
-/// Cube implementations of the mappings and the cross-entropy, against Flex at TP 1. Without
+/// Cube implementations of the mappings and the cross-entropy, and at TP 2 the flash
+/// attention kernels, against Flex at TP 1 with the unfused attention. Without
 /// the `wgpu` feature the runner lists it as ignored; with it, a missing adapter fails it.
 #[test]
 #[cfg_attr(
@@ -116,17 +128,19 @@ fn bert_on_wgpu_matches_flex() {
     };
     let one = run(1, 1, false).remove(0);
     // The fused optimizer's kernels (sums of squares, Adam) run on lavapipe in two layouts.
-    for (tp, dp, sp, fused) in [
-        (1, 1, false, true),
-        (2, 1, true, false),
-        (2, 2, false, true),
+    for (tp, dp, sp, fused, attention) in [
+        (1, 1, false, true, AttnBackend::Unfused),
+        (2, 1, true, false, AttnBackend::Flash),
+        (2, 2, false, true, AttnBackend::Unfused),
     ] {
         let device = device.clone();
         let options = LaunchOptions::default().with_device(move |_| device.clone());
-        for (rank, trace) in run_on(tp, dp, sp, fused, options).into_iter().enumerate() {
+        let traces = run_on(tp, dp, sp, fused, attention, options);
+        for (rank, trace) in traces.into_iter().enumerate() {
             for (step, ((lm, sop), (rlm, rsop))) in trace.iter().zip(&one).enumerate() {
-                let what =
-                    format!("wgpu tp {tp} dp {dp} sp {sp} fused {fused} rank {rank} step {step}");
+                let what = format!(
+                    "wgpu tp {tp} dp {dp} sp {sp} fused {fused} {attention:?} rank {rank} step {step}"
+                );
                 // Two backends' f32 arithmetic (reduction orders, erf and exp fits) through
                 // 10 AdamW steps.
                 assert!((lm - rlm).abs() <= 2e-4, "{what}: lm {lm} vs {rlm}");

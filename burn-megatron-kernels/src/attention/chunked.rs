@@ -3,11 +3,12 @@
 //! values shared by a group's heads read in place.
 
 use super::{AttentionParams, window};
+use crate::MASKED_SCORE;
 use crate::ops::cast;
 use crate::{BiasDropoutAddOps, LinearOps, ScaledMaskedSoftmaxOps};
 use burn::backend::TensorMetadata;
 use burn::backend::tensor::{BoolTensor, FloatTensor};
-use burn::tensor::{DType, FloatDType, Shape, Slice};
+use burn::tensor::{DType, FloatDType, Shape, Slice, TensorData};
 
 /// What the schedule needs of a backend.
 pub(super) trait Parts: LinearOps + ScaledMaskedSoftmaxOps + BiasDropoutAddOps {}
@@ -278,4 +279,66 @@ pub(super) fn backward<B: Parts>(
         _ => B::float_cat(dq, 2),
     };
     (dq, dk.finish(dtype), dv.finish(dtype))
+}
+
+/// Each query row's log-sum-exp `[b, heads, sq]` (f32; f64 for f64) of its scaled, masked
+/// scores over the keys its block multiplies: the statistic flash attention keeps, from the
+/// same products and masks as the rest of this schedule.
+pub(super) fn log_sum_exp<B: Parts>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    pad: BoolTensor<B>,
+    padded: bool,
+    p: AttentionParams,
+) -> FloatTensor<B> {
+    let dims = Dims::of::<B>(&q, &k);
+    let wide = match q.dtype() {
+        DType::F64 => FloatDType::F64,
+        _ => FloatDType::F32,
+    };
+    let device = q.device();
+    let mut parts: Vec<_> = dims
+        .blocks(&p)
+        .into_iter()
+        .map(|Block { row0, rows, keys }| {
+            let q = dims.grouped::<B>(self::rows::<B>(&q, row0, rows));
+            let k = self::rows::<B>(&k, 0, keys);
+            let scores = dims.per_head::<B>(B::batched_matmul(q, transposed::<B>(k)), rows);
+            let scores = B::float_mul_scalar(cast::<B>(scores, wide), p.scale.into());
+            let shape = Shape::from([dims.b, dims.heads, rows, keys]);
+            let mut mask = None;
+            if p.causal {
+                let hidden = (0..rows * keys)
+                    .map(|e| e % keys + dims.sq > row0 + e / keys + dims.sk)
+                    .collect();
+                let hidden = TensorData::new(hidden, [1, 1, rows, keys]);
+                mask = Some(B::bool_expand(
+                    B::bool_from_data(hidden, &device),
+                    shape.clone(),
+                ));
+            }
+            if padded {
+                let pad = B::bool_slice(pad.clone(), &[Slice::from(..), Slice::from(0..keys)]);
+                let pad = B::bool_reshape(pad, Shape::from([dims.b, 1, 1, keys]));
+                let pad = B::bool_expand(pad, shape.clone());
+                mask = Some(match mask {
+                    Some(causal) => B::bool_or(causal, pad),
+                    None => pad,
+                });
+            }
+            let scores = match mask {
+                Some(mask) => B::float_mask_fill(scores, mask, MASKED_SCORE.into()),
+                None => scores,
+            };
+            let max = B::float_max_dim(scores.clone(), 3);
+            let shifted = B::float_sub(scores, B::float_expand(max.clone(), shape));
+            let sum = B::float_sum_dim(B::float_exp(shifted), 3);
+            B::float_add(max, B::float_log(sum))
+        })
+        .collect();
+    let lse = match parts.len() {
+        1 => parts.pop().expect("one block"),
+        _ => B::float_cat(parts, 2),
+    };
+    B::float_reshape(lse, Shape::from([dims.b, dims.heads, dims.sq]))
 }

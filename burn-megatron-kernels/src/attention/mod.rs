@@ -39,6 +39,12 @@
 
 mod autodiff;
 mod chunked;
+mod flash;
+
+pub use flash::{
+    FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FlashAttentionOps, flash_attention,
+    flash_attention_with_lse,
+};
 
 use crate::{BiasDropoutAddOps, KernelError, LinearOps, MaskWindow, ScaledMaskedSoftmaxOps};
 use burn::backend::tensor::{BoolTensor, FloatTensor};

@@ -12,6 +12,7 @@ mod bias_gelu;
 mod cast;
 mod cross_entropy;
 mod dropout;
+mod flash;
 mod gemm;
 mod grad_accum;
 mod layer_norm;

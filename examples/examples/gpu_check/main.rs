@@ -4,13 +4,14 @@
 //!
 //! - `libraries`: libcuda, libnvrtc, libnccl; Vulkan GPU through wgpu.
 //! - `models`: BERT and the GPT model (Llama-style) for `--iters` iterations on each GPU
-//!   device against the same run on the CPU, every iteration's loss within 1e-3 (relative,
-//!   f32, no dropout). The CPU runs always happen.
+//!   device, with the unfused and the flash attention, against the same run on the CPU
+//!   (unfused), every iteration's loss within 1e-3 (relative, f32, no dropout). The CPU runs
+//!   always happen.
 //! - `bf16`: bf16 training steps (the median of five after two of warm-up) of a BERT-large-sized model (24 layers, hidden 1024,
 //!   seq 512) and of a Llama-style GPT (12 layers, hidden 2048, GQA, SwiGLU) on CUDA:
 //!   TFLOP/s, the fraction of the H200's dense bf16 peak and the device memory in use; on the
 //!   CPU small models' bf16 steps, so that the paths run here too. `--bf16-models gpt` runs
-//!   one; `--bf16-variants cublaslt,chunked,cubecl,host-order` times each GEMM engine,
+//!   one; `--bf16-variants cublaslt,chunked,flash,cubecl,host-order` times each GEMM engine,
 //!   attention backend and stream order, with the GEMMs and synchronisations per step.
 //! - `nccl`: a one-rank NCCL world: its collectives against their closed forms.
 //!
@@ -44,8 +45,9 @@ struct Args {
     bf16_models: Vec<String>,
     /// The bf16 check's GEMM engines and stream orders on CUDA, each timed in turn in this
     /// process: `default` (as the environment says), `cublaslt` (cuBLASLt, ordered on the
-    /// device), `chunked` (that, with `--attention-backend chunked`), `host-order` (cuBLASLt,
-    /// ordered by host synchronisations), `cubecl` (cubek's matmul, as Burn runs it).
+    /// device), `chunked` and `flash` (that, with `--attention-backend chunked` or `flash`),
+    /// `host-order` (cuBLASLt, ordered by host synchronisations), `cubecl` (cubek's matmul,
+    /// as Burn runs it).
     #[arg(long, value_delimiter = ',', default_values_t = ["default".to_string()])]
     bf16_variants: Vec<String>,
 }

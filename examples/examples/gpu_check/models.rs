@@ -96,11 +96,20 @@ fn llama(groups: usize) -> Vec<String> {
     .into()
 }
 
-fn train(family: &str, device: &str, iters: usize, out: &Path) -> Result<Vec<f64>, String> {
-    let plot = out.join(format!("{family}-{device}.png"));
+/// `family`'s lm losses over `iters` iterations on `device` with `--attention-backend
+/// attention`.
+fn train(
+    family: &str,
+    device: &str,
+    attention: &str,
+    iters: usize,
+    out: &Path,
+) -> Result<Vec<f64>, String> {
+    let plot = out.join(format!("{family}-{device}-{attention}.png"));
     let mut argv = vec![format!("{family}_pretrain")];
     argv.extend(common(device, iters, &plot));
     argv.extend(shape(2, 64, 4, 64, 4));
+    argv.extend(["--attention-backend".to_string(), attention.to_string()]);
     let log: Vec<IterationLog> = if family == "gpt" {
         argv.extend(llama(2));
         run_gpt(&GptArgs::try_parse_from(argv).map_err(|e| e.to_string())?)?.log
@@ -110,13 +119,14 @@ fn train(family: &str, device: &str, iters: usize, out: &Path) -> Result<Vec<f64
     Ok(log.iter().map(|e| e.lm_loss).collect())
 }
 
-/// Each model on the CPU, then on every GPU device there is, every iteration's loss within
-/// 1e-3 of the CPU's (relative).
+/// Each model on the CPU, then on every GPU device there is, with the unfused and the flash
+/// attention (the Cube kernels), every iteration's loss within 1e-3 of the CPU's unfused run
+/// (relative).
 pub fn parity(report: &mut Report, iters: usize, out: &Path) {
     let devices = gpu_devices();
     for family in ["bert", "gpt"] {
         let name = format!("models {family} cpu");
-        let cpu = match train(family, "cpu", iters, out) {
+        let cpu = match train(family, "cpu", "unfused", iters, out) {
             Ok(cpu) => cpu,
             Err(e) => {
                 report.fail(&name, e);
@@ -129,13 +139,15 @@ pub fn parity(report: &mut Report, iters: usize, out: &Path) {
             cpu.len() == iters && last < first,
             format!("{} iterations, lm loss {first:.4} → {last:.4}", cpu.len()),
         );
-        for (device, available) in &devices {
-            let name = format!("models {family} {device} vs cpu");
+        for ((device, available), attention) in
+            devices.iter().flat_map(|d| [(d, "unfused"), (d, "flash")])
+        {
+            let name = format!("models {family} {device} ({attention} attention) vs cpu");
             if let Err(why) = available {
                 report.skip(&name, why);
                 continue;
             }
-            match train(family, device, iters, out) {
+            match train(family, device, attention, iters, out) {
                 Ok(gpu) if gpu.len() == cpu.len() => {
                     let worst = gpu
                         .iter()
@@ -216,7 +228,14 @@ fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
 /// timed after two warm-up steps (which compile the kernels): TFLOP/s and the fraction of
 /// the H200's dense bf16 peak.
 pub fn bf16_step(report: &mut Report, out: &Path, families: &[String], variants: &[String]) {
-    let known = ["default", "cublaslt", "chunked", "host-order", "cubecl"];
+    let known = [
+        "default",
+        "cublaslt",
+        "chunked",
+        "flash",
+        "host-order",
+        "cubecl",
+    ];
     if let Some(bad) = variants.iter().find(|v| !known.contains(&v.as_str())) {
         report.fail(
             "bf16 variants",
@@ -245,7 +264,7 @@ fn set_variant(variant: &str) -> bool {
         use burn_megatron::cuda::order::{StreamOrder, set_stream_order};
         use burn_megatron::cuda::set_cublaslt;
         let (gemm, order) = match variant {
-            "cublaslt" | "chunked" => (Some(true), Some(StreamOrder::Device)),
+            "cublaslt" | "chunked" | "flash" => (Some(true), Some(StreamOrder::Device)),
             "host-order" => (Some(true), Some(StreamOrder::Host)),
             "cubecl" => (Some(false), None),
             _ => (None, None),
@@ -330,6 +349,9 @@ fn bf16_variant(report: &mut Report, out: &Path, families: &[String], variant: &
             // Blocks of 128 query rows: at seq 512 the causal GPT multiplies 5/8 of the
             // scores' keys, BERT all of them, and neither keeps its probabilities.
             argv.extend(["--attention-backend", "chunked"].map(String::from));
+        }
+        if variant == "flash" {
+            argv.extend(["--attention-backend", "flash"].map(String::from));
         }
         argv.extend(
             [

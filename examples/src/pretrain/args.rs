@@ -59,6 +59,9 @@ pub enum AttentionBackend {
     /// A block of `--attention-query-chunk` query rows at a time, the probabilities
     /// recomputed in backward: nothing `[b, heads, s, s]` kept.
     Chunked,
+    /// One kernel per direction on CUDA and wgpu (the chunked schedule on the CPU): only
+    /// each query row's log-sum-exp kept.
+    Flash,
 }
 
 impl From<AttentionBackend> for AttnBackend {
@@ -66,6 +69,7 @@ impl From<AttentionBackend> for AttnBackend {
         match b {
             AttentionBackend::Unfused => AttnBackend::Unfused,
             AttentionBackend::Chunked => AttnBackend::Chunked,
+            AttentionBackend::Flash => AttnBackend::Flash,
         }
     }
 }

@@ -15,7 +15,8 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Tensor};
 use burn_megatron_kernels::{
-    AttentionParams, batched_matmul, chunked_attention, scaled_masked_softmax,
+    AttentionParams, FLASH_MAX_HEAD_DIM, batched_matmul, chunked_attention, flash_attention,
+    scaled_masked_softmax,
 };
 
 mod context_parallel;
@@ -43,6 +44,11 @@ pub enum AttnBackend {
     /// blocks no query of a block sees never multiplied. The same results as `Unfused` (the
     /// same bits in one block on the CPU), at one more score product per block in backward.
     Chunked,
+    /// `burn_megatron_kernels::flash_attention` (Megatron's `flash`): one kernel per
+    /// direction on the Cube backends (CUDA, wgpu), keeping each query row's log-sum-exp
+    /// and no scores; the chunked schedule on other backends. The same results as
+    /// `Unfused` within f32 summation order (softmax statistics in f32 whatever the dtype).
+    Flash,
 }
 
 /// The attention's own part of a [`TransformerLayerConfig`](super::TransformerLayerConfig),
@@ -161,8 +167,9 @@ struct CoreAttention {
     head_dim: usize,
     causal: bool,
     attention_dropout: f64,
-    /// Query rows per block when chunked; `None`: unfused.
-    query_chunk: Option<usize>,
+    backend: AttnBackend,
+    /// Query rows per block of [`AttnBackend::Chunked`].
+    query_chunk: usize,
 }
 
 impl ParallelAttentionConfig {
@@ -205,6 +212,12 @@ impl ParallelAttentionConfig {
             return Err(TpError::Invalid(
                 "attention_query_chunk must be at least 1 query row".into(),
             ));
+        }
+        let head_dim = self.head_dim(h);
+        if self.attention_backend == AttnBackend::Flash && head_dim > FLASH_MAX_HEAD_DIM {
+            return Err(TpError::Invalid(format!(
+                "the flash attention backend takes head dimensions up to {FLASH_MAX_HEAD_DIM}, this model's is {head_dim}"
+            )));
         }
         if self.kv_channels.is_none() && !h.is_multiple_of(heads) {
             return Err(TpError::Indivisible(format!(
@@ -254,8 +267,8 @@ impl ParallelAttentionConfig {
                 head_dim: hn,
                 causal: self.attn_mask_type == AttnMaskType::Causal,
                 attention_dropout: self.attention_dropout,
-                query_chunk: (self.attention_backend == AttnBackend::Chunked)
-                    .then_some(self.attention_query_chunk),
+                backend: self.attention_backend,
+                query_chunk: self.attention_query_chunk,
             },
             recompute_core_attn: layer.recompute.selects(RecomputeModule::CoreAttn),
         })
@@ -418,22 +431,28 @@ impl CoreAttention {
     ) -> Tensor<3> {
         let [s, b, np, hn] = q.dims();
         let scale = 1.0 / (hn as f32).sqrt();
-        if let Some(query_chunk) = self.query_chunk {
+        if self.backend != AttnBackend::Unfused {
             // The seed the unfused path's `RngTracker::dropout` would draw, where it would.
             let seed = rng.and_then(|rng| {
                 rng.dropout_seed(&q, self.attention_dropout, RngRegion::TensorModelParallel)
             });
             let dropout = seed.map_or(0.0, |_| self.attention_dropout as f32);
-            let seed = seed.unwrap_or(0);
             let params = AttentionParams {
                 scale,
                 causal,
                 dropout,
-                seed,
-                query_chunk,
+                seed: seed.unwrap_or(0),
+                query_chunk: self.query_chunk,
             };
-            return chunked_attention(q.permute([1, 2, 0, 3]), k, v, padding, params)
-                .expect("shapes, masks and dropout are checked at init and by construction")
+            let q = q.permute([1, 2, 0, 3]);
+            let out = match self.backend {
+                AttnBackend::Flash => flash_attention(q, k, v, padding, params),
+                _ => chunked_attention(q, k, v, padding, params),
+            };
+            return out
+                .expect(
+                    "shapes, masks, dropout and head dims are checked at init and by construction",
+                )
                 .permute([2, 0, 1, 3])
                 .reshape([s, b, np * hn]);
         }

@@ -1,0 +1,158 @@
+//! Flash attention: the whole attention of a block of query rows in one kernel, forward and
+//! backward, keeping only each row's log-sum-exp (f32) between them.
+//!
+//! It computes what [`chunked_attention`](super::chunked_attention) computes with
+//! `query_chunk` = [`FLASH_QUERY_BLOCK`]: grouped-query attention with the key/value heads
+//! read in place, the bottom-right aligned causal mask (each block of rows multiplies the
+//! keys up to its last row's position), a key-padding mask, masked scores at −10000, and
+//! dropout on the probabilities replayed from the hash of each element's index in the whole
+//! `[b, heads, sq, sk]` tensor (the mask [`dropout`](crate::dropout) draws). Unlike the
+//! composition, scores, probabilities and their gradients never exist as tensors: the
+//! softmax runs online over tiles of keys, in f32 whatever the inputs' dtype, and the
+//! backward replays the probabilities from the saved log-sum-exp.
+//!
+//! On the Cube backends (CUDA, wgpu) these are CubeCL kernels (`cube.rs`): one unit per row,
+//! products on the cores' FMA units; no tensor-core path yet. Elsewhere the same op runs
+//! the chunked schedule, which computes the same values.
+
+mod autodiff;
+#[cfg(feature = "cube")]
+mod cube;
+
+use super::{AttentionParams, ChunkedAttentionOps, check, chunked};
+use crate::KernelError;
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::{Dispatch, Flex, backend_extension};
+use burn::tensor::{Bool, Tensor};
+
+/// Query rows per block of [`flash_attention`]: each kernel's cube serves this many rows (or
+/// keys), and under a causal mask a block of rows multiplies the keys up to its last row.
+pub const FLASH_QUERY_BLOCK: usize = 32;
+
+/// The largest head dimension [`flash_attention`] takes: each unit holds up to four rows of
+/// this many f32 values.
+pub const FLASH_MAX_HEAD_DIM: usize = 256;
+
+/// Flash attention as backend ops, for `q` `[b, heads, sq, d]`, `k` and `v` `[b, groups, sk,
+/// d]` and `key_padding` `[b, sk]` (read only when `padded`). The methods do not validate;
+/// [`flash_attention`] does. `params.query_chunk` is not read: the blocks are
+/// [`FLASH_QUERY_BLOCK`] rows.
+///
+/// The default bodies run the chunked schedule (and its log-sum-exp from the same
+/// products); the Cube backends override them with the kernels; autodiff keeps the inputs,
+/// the output and the log-sum-exp for one backward node.
+#[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
+pub trait FlashAttentionOps: ChunkedAttentionOps {
+    /// `(output [b, heads, sq, d], log-sum-exp [b, heads, sq] in f32)`.
+    fn flash_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        padded: bool,
+        params: AttentionParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let params = blocks(params);
+        let lse =
+            chunked::log_sum_exp::<Self>(q.clone(), k.clone(), key_padding.clone(), padded, params);
+        let out = chunked::forward::<Self>(q, k, v, key_padding, padded, params);
+        (out, lse)
+    }
+
+    /// `(dq, dk, dv)` for the output gradient `grad`, from the forward's output and
+    /// log-sum-exp.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding: BoolTensor<Self>,
+        padded: bool,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        params: AttentionParams,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        // The schedule recomputes what it needs from the inputs.
+        let _ = (out, lse);
+        chunked::backward::<Self>(q, k, v, key_padding, padded, grad, blocks(params))
+    }
+}
+
+impl FlashAttentionOps for Flex {}
+
+/// `params` with the flash kernels' blocks.
+fn blocks(params: AttentionParams) -> AttentionParams {
+    AttentionParams {
+        query_chunk: FLASH_QUERY_BLOCK,
+        ..params
+    }
+}
+
+/// Flash attention of `q` (`[b, heads, sq, d]`) over `k` and `v` (`[b, groups, sk, d]`,
+/// `groups` dividing `heads`), differentiable with respect to all three; see the module docs
+/// for what it computes. `params.query_chunk` is not read.
+///
+/// # Errors
+///
+/// As [`chunked_attention`](super::chunked_attention), and [`KernelError::Unsupported`] for
+/// a head dimension above [`FLASH_MAX_HEAD_DIM`].
+///
+/// ```
+/// use burn::tensor::{Device, Tensor, TensorData};
+/// use burn_megatron_kernels::{AttentionParams, chunked_attention, flash_attention};
+/// let device = Device::flex();
+/// let t = |h| Tensor::<4>::from_data(
+///     TensorData::new((0..h * 6 * 4).map(|i| (i as f32 * 0.37).sin()).collect(), [1, h, 6, 4]),
+///     &device,
+/// );
+/// let (q, k, v) = (t(2), t(1), t(1)); // two query heads sharing one key/value head
+/// let params = AttentionParams { causal: true, ..AttentionParams::new(0.5) };
+/// let flash = flash_attention(q.clone(), k.clone(), v.clone(), None, params).unwrap();
+/// let chunked = chunked_attention(q, k, v, None, params).unwrap();
+/// flash.into_data().assert_approx_eq::<f32>(&chunked.into_data(), Default::default());
+/// ```
+pub fn flash_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    key_padding: Option<Tensor<2, Bool>>,
+    params: AttentionParams,
+) -> Result<Tensor<4>, KernelError> {
+    flash_attention_with_lse(q, k, v, key_padding, params).map(|(out, _)| out)
+}
+
+/// [`flash_attention`] and each query row's log-sum-exp of its scaled, masked scores
+/// (`[b, heads, sq]`, f32, not differentiable): what a caller merging attention over several
+/// key blocks (ring attention) needs.
+///
+/// # Errors
+///
+/// As [`flash_attention`].
+pub fn flash_attention_with_lse(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    key_padding: Option<Tensor<2, Bool>>,
+    params: AttentionParams,
+) -> Result<(Tensor<4>, Tensor<3>), KernelError> {
+    check(&q, &k, &v, key_padding.as_ref(), &params)?;
+    let d = q.dims()[3];
+    if d > FLASH_MAX_HEAD_DIM {
+        return Err(KernelError::Unsupported(format!(
+            "flash attention takes head dimensions up to {FLASH_MAX_HEAD_DIM}, got {d}"
+        )));
+    }
+    let padded = key_padding.is_some();
+    // The unread stand-in when there is no padding: one element, never a zero-size buffer.
+    let key_padding = key_padding.unwrap_or_else(|| Tensor::<2, Bool>::empty([1, 1], &q.device()));
+    let (out, lse) = Dispatch::flash_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        key_padding.into_dispatch(),
+        padded,
+        params,
+    );
+    Ok((Tensor::from_dispatch(out), Tensor::from_dispatch(lse)))
+}

@@ -1,0 +1,307 @@
+//! Flash attention against the unfused composition (grouped products, the fused masked
+//! softmax, dropout over the whole probabilities, weighted values) on the same device:
+//! the output and the gradients of q, k and v, with grouped queries, padding, causal masks
+//! (fewer queries than keys too) and dropout, at sizes that span several query blocks and
+//! key tiles (and a head dimension whose tiles are shorter than a block). The rows'
+//! log-sum-exp against one summed in f64 on the host.
+
+use crate::common;
+
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use burn_megatron_kernels::{
+    AttentionParams, FLASH_MAX_HEAD_DIM, KernelError, MASKED_SCORE, batched_matmul, dropout,
+    flash_attention, flash_attention_with_lse, scaled_masked_softmax,
+};
+use common::{relative, tensor, to_vec, values};
+
+/// One case: `[b, heads, sq, d]` queries over `groups` key/value heads of `sk` keys.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    heads: usize,
+    groups: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+    padded: bool,
+    causal: bool,
+    dropout: f32,
+}
+
+const CASES: [Case; 5] = [
+    // GPT's training case: grouped queries, causal, padded, dropout; three query blocks.
+    Case {
+        b: 2,
+        heads: 4,
+        groups: 2,
+        sq: 70,
+        sk: 70,
+        d: 16,
+        padded: true,
+        causal: true,
+        dropout: 0.2,
+    },
+    // BERT's: multi-query, bidirectional, padded, dropout.
+    Case {
+        b: 1,
+        heads: 3,
+        groups: 1,
+        sq: 45,
+        sk: 45,
+        d: 24,
+        padded: true,
+        causal: false,
+        dropout: 0.1,
+    },
+    // New queries after a cache: fewer queries than keys, causal.
+    Case {
+        b: 1,
+        heads: 2,
+        groups: 2,
+        sq: 20,
+        sk: 75,
+        d: 8,
+        padded: false,
+        causal: true,
+        dropout: 0.0,
+    },
+    // Bidirectional, fewer keys than queries.
+    Case {
+        b: 2,
+        heads: 2,
+        groups: 1,
+        sq: 40,
+        sk: 9,
+        d: 8,
+        padded: true,
+        causal: false,
+        dropout: 0.0,
+    },
+    // A wide head: shared-memory tiles of 16 rows, two per block.
+    Case {
+        b: 1,
+        heads: 2,
+        groups: 1,
+        sq: 40,
+        sk: 40,
+        d: 160,
+        padded: true,
+        causal: true,
+        dropout: 0.1,
+    },
+];
+
+const SEED: u64 = 0xF1A5_4A77;
+
+impl Case {
+    fn params(&self) -> AttentionParams {
+        AttentionParams {
+            causal: self.causal,
+            dropout: self.dropout,
+            seed: SEED,
+            ..AttentionParams::new(1.0 / (self.d as f32).sqrt())
+        }
+    }
+
+    /// Batch 0 pads its last two keys, batch 1 its middle one: never every key a row sees.
+    fn pad_values(&self) -> Vec<bool> {
+        let sk = self.sk;
+        (0..self.b * sk)
+            .map(|k| match k / sk {
+                0 => k % sk + 2 >= sk && k % sk > 0,
+                _ => k % sk == sk / 2,
+            })
+            .collect()
+    }
+
+    fn padding(&self, device: &Device) -> Option<Tensor<2, Bool>> {
+        self.padded.then(|| {
+            Tensor::from_data(
+                TensorData::new(self.pad_values(), [self.b, self.sk]),
+                device,
+            )
+        })
+    }
+
+    fn dims(&self) -> ([usize; 4], [usize; 4]) {
+        (
+            [self.b, self.heads, self.sq, self.d],
+            [self.b, self.groups, self.sk, self.d],
+        )
+    }
+
+    /// (q, k, v, output gradient) in `dt`, tracked.
+    fn inputs(&self, device: &Device, dt: DType) -> [Tensor<4>; 4] {
+        let (q, kv) = self.dims();
+        let t = |dims: [usize; 4], seed| {
+            tensor(device, values(dims.iter().product(), seed, 1.5), dims, dt).0
+        };
+        [
+            t(q, 1).require_grad(),
+            t(kv, 2).require_grad(),
+            t(kv, 3).require_grad(),
+            t(q, 4),
+        ]
+    }
+}
+
+/// The unfused composition: the attention layer's `--attention-backend unfused`.
+fn unfused(
+    case: &Case,
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    pad: Option<Tensor<2, Bool>>,
+) -> Tensor<4> {
+    let Case {
+        b,
+        heads,
+        groups,
+        sq,
+        sk,
+        d,
+        ..
+    } = *case;
+    let per_group = heads / groups;
+    let scores = batched_matmul(q.reshape([b, groups, per_group * sq, d]), k.swap_dims(2, 3));
+    let p = case.params();
+    let probs =
+        scaled_masked_softmax(scores.reshape([b, heads, sq, sk]), pad, p.scale, p.causal).unwrap();
+    let probs = dropout(probs, case.dropout, SEED).unwrap();
+    batched_matmul(probs.reshape([b, groups, per_group * sq, sk]), v).reshape([b, heads, sq, d])
+}
+
+/// [output, dq, dk, dv] of `attend` on `case`'s inputs.
+fn run(
+    case: &Case,
+    device: &Device,
+    dt: DType,
+    attend: impl Fn(Tensor<4>, Tensor<4>, Tensor<4>, Option<Tensor<2, Bool>>) -> Tensor<4>,
+) -> [Vec<f32>; 4] {
+    let [q, k, v, grad] = case.inputs(device, dt);
+    let out = attend(q.clone(), k.clone(), v.clone(), case.padding(device));
+    let grads = (out.clone() * grad).sum().backward();
+    let g = |t: &Tensor<4>| to_vec(t.grad(&grads).expect("a gradient reaches every input"));
+    [to_vec(out), g(&q), g(&k), g(&v)]
+}
+
+const NAMES: [&str; 4] = ["output", "dq", "dk", "dv"];
+
+fn matches_unfused(cases: &[Case], device: &Device, dt: DType, tol: f32) {
+    for &case in cases {
+        let want = run(&case, device, dt, |q, k, v, p| unfused(&case, q, k, v, p));
+        let got = run(&case, device, dt, |q, k, v, p| {
+            flash_attention(q, k, v, p, case.params()).unwrap()
+        });
+        for ((got, want), name) in got.iter().zip(&want).zip(NAMES) {
+            let err = relative(got, want);
+            assert!(
+                err <= tol,
+                "{name} of {case:?} ({dt:?}): relative error {err:e} above {tol:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn flash_matches_the_unfused_composition_on_flex() {
+    matches_unfused(&CASES, &common::flex(), DType::F32, 1e-5);
+}
+
+#[cfg(feature = "cube")]
+#[test]
+fn flash_matches_the_unfused_composition_on_cube() {
+    let device = common::cube_device("flash_matches_the_unfused_composition_on_cube");
+    matches_unfused(&CASES, &device, DType::F32, 1e-4);
+    // Half precision, GPT's case (each dtype compiles every kernel again: minutes on a cold
+    // lavapipe for all five): the composition rounds scores and probabilities to f16, flash
+    // keeps them in f32.
+    matches_unfused(&CASES[..1], &device, DType::F16, 2e-2);
+}
+
+/// Each row's log-sum-exp of its scaled, masked scores over the keys its 32-row block sees,
+/// in f64 from the inputs as stored.
+fn host_lse(case: &Case, q: &[f32], k: &[f32]) -> Vec<f32> {
+    let Case {
+        b,
+        heads,
+        groups,
+        sq,
+        sk,
+        d,
+        ..
+    } = *case;
+    let pad = case.pad_values();
+    let scale = f64::from(case.params().scale);
+    let mut out = Vec::with_capacity(b * heads * sq);
+    for bi in 0..b {
+        for h in 0..heads {
+            let g = h / (heads / groups);
+            for i in 0..sq {
+                let keys = match case.causal {
+                    true => ((i / 32 + 1) * 32).min(sq) + sk - sq,
+                    false => sk,
+                };
+                let scores: Vec<f64> = (0..keys)
+                    .map(|j| {
+                        let hidden =
+                            (case.causal && j + sq > i + sk) || (case.padded && pad[bi * sk + j]);
+                        let dot: f64 = (0..d)
+                            .map(|c| {
+                                let qv = q[((bi * heads + h) * sq + i) * d + c];
+                                let kv = k[((bi * groups + g) * sk + j) * d + c];
+                                f64::from(qv) * f64::from(kv)
+                            })
+                            .sum();
+                        if hidden {
+                            f64::from(MASKED_SCORE)
+                        } else {
+                            dot * scale
+                        }
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::MIN, f64::max);
+                let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                out.push((max + sum.ln()) as f32);
+            }
+        }
+    }
+    out
+}
+
+fn lse_matches_the_host(device: &Device, tol: f32) {
+    for case in CASES {
+        let [q, k, v, _] = case.inputs(device, DType::F32);
+        let want = host_lse(&case, &to_vec(q.clone()), &to_vec(k.clone()));
+        let (_, lse) =
+            flash_attention_with_lse(q, k, v, case.padding(device), case.params()).unwrap();
+        assert_eq!(lse.dims(), [case.b, case.heads, case.sq]);
+        let err = relative(&to_vec(lse), &want);
+        assert!(err <= tol, "log-sum-exp of {case:?}: {err:e} above {tol:e}");
+    }
+}
+
+#[test]
+fn log_sum_exp_matches_the_host_on_flex() {
+    lse_matches_the_host(&common::flex(), 1e-5);
+}
+
+#[cfg(feature = "cube")]
+#[test]
+fn log_sum_exp_matches_the_host_on_cube() {
+    lse_matches_the_host(
+        &common::cube_device("log_sum_exp_matches_the_host_on_cube"),
+        1e-5,
+    );
+}
+
+#[test]
+fn head_dims_above_the_limit_are_refused() {
+    let device = Device::flex();
+    let d = FLASH_MAX_HEAD_DIM + 1;
+    let t = |h| Tensor::<4>::zeros([1, h, 3, d], &device);
+    let r = flash_attention(t(2), t(1), t(1), None, AttentionParams::new(0.1));
+    assert!(matches!(r, Err(KernelError::Unsupported(_))), "{r:?}");
+    let r = flash_attention(t(2), t(3), t(3), None, AttentionParams::new(0.1));
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
+}
