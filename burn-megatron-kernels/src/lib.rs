@@ -43,8 +43,10 @@ pub use adam::{
     multi_tensor_fused_adam_step, reference_adam_step,
 };
 pub use attention::{
-    AttentionParams, ChunkedAttentionOps, FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FlashAttentionOps,
-    chunked_attention, flash_attention, flash_attention_with_lse,
+    AttentionParams, ChunkedAttentionOps, FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FLASH_VAR,
+    FlashAttentionOps, FlashKernels, FlashLaunches, chunked_attention, flash_attention,
+    flash_attention_with_lse, flash_kernels, flash_launches, set_flash_kernels,
+    thread_flash_launches,
 };
 pub use bias_dropout_add::{
     BiasDropoutAddOps, MaskWindow, bias_dropout_add, dropout, dropout_hash, dropout_keep,

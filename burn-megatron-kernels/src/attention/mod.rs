@@ -42,8 +42,9 @@ mod chunked;
 mod flash;
 
 pub use flash::{
-    FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FlashAttentionOps, flash_attention,
-    flash_attention_with_lse,
+    FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FLASH_VAR, FlashAttentionOps, FlashKernels,
+    FlashLaunches, flash_attention, flash_attention_with_lse, flash_kernels, flash_launches,
+    set_flash_kernels, thread_flash_launches,
 };
 
 use crate::{BiasDropoutAddOps, KernelError, LinearOps, MaskWindow, ScaledMaskedSoftmaxOps};

@@ -305,3 +305,85 @@ fn head_dims_above_the_limit_are_refused() {
     let r = flash_attention(t(2), t(3), t(3), None, AttentionParams::new(0.1));
     assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
 }
+
+/// Head dimensions the tensor-core kernels take (multiples of 16 up to 128), with several
+/// column tiles and product steps.
+const TENSOR_CORE_CASES: [Case; 3] = [
+    Case {
+        b: 1,
+        heads: 4,
+        groups: 2,
+        sq: 48,
+        sk: 48,
+        d: 64,
+        padded: true,
+        causal: true,
+        dropout: 0.1,
+    },
+    Case {
+        b: 2,
+        heads: 2,
+        groups: 2,
+        sq: 40,
+        sk: 40,
+        d: 32,
+        padded: true,
+        causal: false,
+        dropout: 0.0,
+    },
+    Case {
+        b: 1,
+        heads: 2,
+        groups: 1,
+        sq: 20,
+        sk: 50,
+        d: 128,
+        padded: false,
+        causal: true,
+        dropout: 0.0,
+    },
+];
+
+/// The tensor-core kernels against the unfused composition: on CUDA on the matrix
+/// instructions (f16 and bf16; they must run there), elsewhere their schedule with emulated
+/// products (f16 and f32; wgpu has no bf16), which checks everything but the instructions
+/// themselves. The case of head dimension 128 needs more shared memory than lavapipe's 32 KiB
+/// and runs the scalar kernels there (counted, and said).
+#[cfg(feature = "cube")]
+#[test]
+fn tensor_core_kernels_match_the_unfused_composition_on_cube() {
+    use burn_megatron_kernels::{FlashKernels, set_flash_kernels, thread_flash_launches};
+    let device = common::cube_device("tensor_core_kernels_match_the_unfused_composition_on_cube");
+    let cuda = common::on_cuda();
+    let (kernels, dtypes): (_, &[(DType, f32)]) = match cuda {
+        true => (
+            FlashKernels::TensorCores,
+            &[(DType::F16, 2e-2), (DType::BF16, 6e-2)],
+        ),
+        false => (
+            FlashKernels::Emulated,
+            &[(DType::F16, 2e-2), (DType::F32, 1e-4)],
+        ),
+    };
+    set_flash_kernels(Some(kernels));
+    for &(dt, tol) in dtypes {
+        let before = thread_flash_launches();
+        matches_unfused(&TENSOR_CORE_CASES, &device, dt, tol);
+        let after = thread_flash_launches();
+        let ran = |f: fn(&burn_megatron_kernels::FlashLaunches) -> u64| f(&after) - f(&before);
+        let (tc, emulated, scalar) = (
+            ran(|n| n.tensor_cores),
+            ran(|n| n.emulated),
+            ran(|n| n.scalar),
+        );
+        eprintln!("flash {dt:?}: {tc} calls on tensor cores, {emulated} emulated, {scalar} scalar");
+        match cuda {
+            true => assert!(
+                tc > 0 && scalar == 0,
+                "CUDA left the tensor cores for {dt:?}"
+            ),
+            false => assert!(emulated > 0, "the emulated schedule did not run for {dt:?}"),
+        }
+    }
+    set_flash_kernels(None);
+}

@@ -15,7 +15,8 @@
 //! dropout's, so results agree with the composed attention element for element (within f32
 //! summation order).
 
-use super::{FLASH_QUERY_BLOCK, FlashAttentionOps};
+use super::tensor_core::{TC_MAX_HEAD_DIM, tc_dkv_kernel, tc_dq_kernel, tc_forward_kernel};
+use super::{FLASH_QUERY_BLOCK, FlashAttentionOps, FlashKernels, KernelPath, count_launch};
 use crate::attention::AttentionParams;
 use crate::bias_dropout_add::{dropout_threshold, keep_scale};
 use crate::launch::empty_like;
@@ -27,23 +28,24 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 
 /// The sizes and scalars every kernel reads.
 #[derive(CubeLaunch, CubeType)]
-struct Attn {
-    heads: u32,
-    groups: u32,
-    sq: u32,
-    sk: u32,
-    scale: f32,
-    seed_lo: u32,
-    seed_hi: u32,
-    threshold: u32,
-    keep_scale: f32,
+pub(super) struct Attn {
+    pub(super) heads: u32,
+    pub(super) groups: u32,
+    pub(super) sq: u32,
+    pub(super) sk: u32,
+    pub(super) scale: f32,
+    pub(super) seed_lo: u32,
+    pub(super) seed_hi: u32,
+    pub(super) threshold: u32,
+    pub(super) keep_scale: f32,
     /// The comptime `tile` again, as a runtime bound: loops over a tile's rows stay loops
     /// (lavapipe's LLVM unrolled them whole, and took minutes to compile the tests).
-    tile: u32,
+    pub(super) tile: u32,
 }
 
 #[cube]
@@ -58,7 +60,7 @@ fn fmix32(h: u32) -> u32 {
 /// `x` through dropout at flat index `index` of the `[b, heads, sq, sk]` probabilities: the
 /// same hash as `crate::dropout_hash`, so the same elements drop.
 #[cube]
-fn dropped(x: f32, index: usize, a: &Attn, #[comptime] dropout: bool) -> f32 {
+pub(super) fn dropped(x: f32, index: usize, a: &Attn, #[comptime] dropout: bool) -> f32 {
     let mut y = x;
     if dropout {
         let k1 = fmix32(a.seed_lo ^ fmix32(a.seed_hi ^ 0x9E37_79B9u32));
@@ -72,7 +74,7 @@ fn dropped(x: f32, index: usize, a: &Attn, #[comptime] dropout: bool) -> f32 {
 /// The keys query block `block` multiplies: all of them, or under the causal mask (bottom-right
 /// aligned) those up to its last row's position.
 #[cube]
-fn key_limit(block: usize, a: &Attn, #[comptime] causal: bool) -> usize {
+pub(super) fn key_limit(block: usize, a: &Attn, #[comptime] causal: bool) -> usize {
     let (sq, sk) = (a.sq as usize, a.sk as usize);
     let mut keys = sk;
     if causal {
@@ -84,7 +86,7 @@ fn key_limit(block: usize, a: &Attn, #[comptime] causal: bool) -> usize {
 
 /// Whether query row `row` of batch `b` may not see key `key` (it still counts, at −10000).
 #[cube]
-fn masked<M: Numeric>(
+pub(super) fn masked<M: Numeric>(
     pad: &Tensor<M>,
     b: usize,
     row: usize,
@@ -439,6 +441,59 @@ fn tile_rows(like: &CubeTensor, d: usize) -> usize {
     tile
 }
 
+fn tc_path(emulate: bool) -> KernelPath {
+    match emulate {
+        true => KernelPath::Emulated,
+        false => KernelPath::TensorCores,
+    }
+}
+
+/// Shared memory of the tensor-core kernels at head dimension `d` (the `dq` kernel's, the
+/// largest): `F` tiles of Q, dO (32 rows), K, V (16) and dS, f32 tiles of S, dP and dQ.
+fn tensor_core_shared_bytes(d: usize, elem: usize) -> usize {
+    let br = FLASH_QUERY_BLOCK;
+    (2 * br * d + 2 * 16 * d + br * 16) * elem + (2 * br * 16 + br * d + 2 * br) * 4
+}
+
+/// How the tensor-core kernels serve `q` (head dimension `d`), if they do: the plane size to
+/// launch them with and whether to emulate the matrix products ([`FlashKernels`]). They need
+/// `d` a multiple of 16 up to [`TC_MAX_HEAD_DIM`], four planes of at least 8 units (a unit per
+/// query row of a block) and the shared memory; on the matrix instructions, f16 or bf16 and a
+/// device with 16 × 16 × 16 instructions of that dtype into f32.
+fn tensor_cores(q: &CubeTensor, d: usize) -> Option<(u32, bool)> {
+    let emulate = match super::flash_kernels() {
+        FlashKernels::Scalar => return None,
+        FlashKernels::Auto | FlashKernels::TensorCores => false,
+        FlashKernels::Emulated => true,
+    };
+    if !d.is_multiple_of(16) || d > TC_MAX_HEAD_DIM {
+        return None;
+    }
+    let props = q.client.properties();
+    let hw = &props.hardware;
+    let plane = hw.plane_size_max;
+    let elem = q.dtype.size();
+    let fits = tensor_core_shared_bytes(d, elem) <= hw.max_shared_memory_size
+        && (8..=hw.max_units_per_cube / 4).contains(&plane)
+        && 4 <= hw.max_cube_dim.1;
+    if emulate {
+        return fits.then_some((plane, true));
+    }
+    if !matches!(q.dtype, DType::F16 | DType::BF16) {
+        return None;
+    }
+    let storage = dtype_to_storage_type(q.dtype);
+    let config = MmaConfig {
+        a_type: storage,
+        b_type: storage,
+        cd_type: dtype_to_storage_type(DType::F32),
+        m: 16,
+        n: 16,
+        k: 16,
+    };
+    (props.features.matmul.cmma.contains(&config) && fits).then_some((plane, false))
+}
+
 /// The kernels' scalars for `q` `[b, heads, sq, d]` and `k` `[b, groups, sk, d]`.
 fn attn(q: &CubeTensor, k: &CubeTensor, p: &AttentionParams, tile: usize) -> AttnLaunch {
     let ([_, heads, sq, _], [_, groups, sk, _]) = (q.shape().dims::<4>(), k.shape().dims::<4>());
@@ -482,8 +537,32 @@ impl FlashAttentionOps for CubeBackend {
         let [b, heads, sq, d] = q.shape().dims::<4>();
         let out = empty_like(&q, q.shape(), q.dtype);
         let lse = empty_like(&q, Shape::from([b, heads, sq]), DType::F32);
-        let tile = tile_rows(&q, d);
         let client = q.client.clone();
+        let (has_pad, causal, dropout) = (padded, params.causal, params.dropout > 0.0);
+        if let Some((plane, emulate)) = tensor_cores(&q, d) {
+            count_launch(tc_path(emulate));
+            tc_forward_kernel::launch(
+                &client,
+                grid(sq, heads, b),
+                CubeDim::new_2d(plane, 4),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.into_tensor_arg(),
+                pad.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                attn(&q, &k, &params, 16),
+                d,
+                has_pad,
+                causal,
+                dropout,
+                emulate,
+                dtypes(&q, &pad),
+            );
+            return (out, lse);
+        }
+        count_launch(KernelPath::Scalar);
+        let tile = tile_rows(&q, d);
         forward_kernel::launch(
             &client,
             grid(sq, heads, b),
@@ -497,9 +576,9 @@ impl FlashAttentionOps for CubeBackend {
             attn(&q, &k, &params, tile),
             d,
             tile,
-            padded,
-            params.causal,
-            params.dropout > 0.0,
+            has_pad,
+            causal,
+            dropout,
             dtypes(&q, &pad),
         );
         (out, lse)
@@ -529,8 +608,57 @@ impl FlashAttentionOps for CubeBackend {
         let dk = empty_like(&k, k.shape(), k.dtype);
         let dv = empty_like(&v, v.shape(), v.dtype);
         let delta = empty_like(&q, Shape::from([b, heads, sq]), DType::F32);
-        let tile = tile_rows(&q, d);
         let client = q.client.clone();
+        let (has_pad, causal, dropout) = (padded, params.causal, params.dropout > 0.0);
+        if let Some((plane, emulate)) = tensor_cores(&q, d) {
+            count_launch(tc_path(emulate));
+            let units = CubeDim::new_2d(plane, 4);
+            tc_dq_kernel::launch(
+                &client,
+                grid(sq, heads, b),
+                units,
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                pad.clone().into_tensor_arg(),
+                out.into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                attn(&q, &k, &params, 16),
+                d,
+                has_pad,
+                causal,
+                dropout,
+                emulate,
+                dtypes(&q, &pad),
+            );
+            tc_dkv_kernel::launch(
+                &client,
+                CubeCount::Static(sk.div_ceil(16) as u32, groups as u32, b as u32),
+                units,
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.into_tensor_arg(),
+                pad.clone().into_tensor_arg(),
+                grad.into_tensor_arg(),
+                lse.into_tensor_arg(),
+                delta.into_tensor_arg(),
+                dk.clone().into_tensor_arg(),
+                dv.clone().into_tensor_arg(),
+                attn(&q, &k, &params, 16),
+                d,
+                has_pad,
+                causal,
+                dropout,
+                emulate,
+                dtypes(&q, &pad),
+            );
+            return (dq, dk, dv);
+        }
+        count_launch(KernelPath::Scalar);
+        let tile = tile_rows(&q, d);
         let units = CubeDim::new_1d(FLASH_QUERY_BLOCK as u32);
         dq_kernel::launch(
             &client,
@@ -548,9 +676,9 @@ impl FlashAttentionOps for CubeBackend {
             attn(&q, &k, &params, tile),
             d,
             tile,
-            padded,
-            params.causal,
-            params.dropout > 0.0,
+            has_pad,
+            causal,
+            dropout,
             dtypes(&q, &pad),
         );
         dkv_kernel::launch(
@@ -569,9 +697,9 @@ impl FlashAttentionOps for CubeBackend {
             attn(&q, &k, &params, tile),
             d,
             tile,
-            padded,
-            params.causal,
-            params.dropout > 0.0,
+            has_pad,
+            causal,
+            dropout,
             dtypes(&q, &pad),
         );
         (dq, dk, dv)

@@ -11,19 +11,26 @@
 //! softmax runs online over tiles of keys, in f32 whatever the inputs' dtype, and the
 //! backward replays the probabilities from the saved log-sum-exp.
 //!
-//! On the Cube backends (CUDA, wgpu) these are CubeCL kernels (`cube.rs`): one unit per row,
-//! products on the cores' FMA units; no tensor-core path yet. Elsewhere the same op runs
-//! the chunked schedule, which computes the same values.
+//! On the Cube backends (CUDA, wgpu) these are CubeCL kernels: on tensor cores
+//! (`tensor_core.rs`, CubeCL's `cmma`) for f16 and bf16 with head dimensions a multiple of 16
+//! up to 128 where the device has 16 × 16 × 16 matrix instructions, else one unit per row with
+//! the products on the FMA units (`cube.rs`). [`flash_launches`] counts which ran;
+//! [`FlashKernels`] (`BURN_MEGATRON_FLASH`) chooses. Elsewhere the same op runs the chunked
+//! schedule, which computes the same values.
 
 mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
+#[cfg(feature = "cube")]
+mod tensor_core;
 
 use super::{AttentionParams, ChunkedAttentionOps, check, chunked};
 use crate::KernelError;
 use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn::backend::{Dispatch, Flex, backend_extension};
 use burn::tensor::{Bool, Tensor};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 /// Query rows per block of [`flash_attention`]: each kernel's cube serves this many rows (or
 /// keys), and under a causal mask a block of rows multiplies the keys up to its last row.
@@ -32,6 +39,124 @@ pub const FLASH_QUERY_BLOCK: usize = 32;
 /// The largest head dimension [`flash_attention`] takes: each unit holds up to four rows of
 /// this many f32 values.
 pub const FLASH_MAX_HEAD_DIM: usize = 256;
+
+/// The environment variable that picks the flash kernels on the Cube backends: `scalar`,
+/// `tensor-cores` or `emulated` (see [`FlashKernels`]); unset, [`FlashKernels::Auto`].
+pub const FLASH_VAR: &str = "BURN_MEGATRON_FLASH";
+
+/// Which flash kernels run on the Cube backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKernels {
+    /// The tensor-core kernels where they serve (f16 or bf16, head dimension a multiple of
+    /// 16 up to 128, a device with 16 × 16 × 16 matrix instructions and the shared memory),
+    /// the scalar ones elsewhere.
+    Auto,
+    /// The scalar kernels (a unit per row, products on the FMA units) everywhere.
+    Scalar,
+    /// As `Auto`.
+    TensorCores,
+    /// The tensor-core kernels' schedule with the matrix products done by the planes' units
+    /// one element at a time, where the head dimension and shared memory allow (any dtype,
+    /// no matrix instructions needed): how the schedule is checked on devices without them.
+    Emulated,
+}
+
+/// 0: as [`FLASH_VAR`] says; else 1 + the [`FlashKernels`] index.
+static CHOICE: AtomicU8 = AtomicU8::new(0);
+
+/// Overrides [`FLASH_VAR`] for the rest of the process (`None`: back to it), so that a test or
+/// benchmark compares the kernels in one process.
+pub fn set_flash_kernels(choice: Option<FlashKernels>) {
+    let v = match choice {
+        None => 0,
+        Some(FlashKernels::Auto) => 1,
+        Some(FlashKernels::Scalar) => 2,
+        Some(FlashKernels::TensorCores) => 3,
+        Some(FlashKernels::Emulated) => 4,
+    };
+    CHOICE.store(v, Ordering::Relaxed);
+}
+
+/// The kernels in use: [`set_flash_kernels`]'s choice, else [`FLASH_VAR`]'s (read once; an
+/// unknown value is `Auto`, said once on stderr).
+pub fn flash_kernels() -> FlashKernels {
+    static FROM_ENV: OnceLock<FlashKernels> = OnceLock::new();
+    match CHOICE.load(Ordering::Relaxed) {
+        1 => FlashKernels::Auto,
+        2 => FlashKernels::Scalar,
+        3 => FlashKernels::TensorCores,
+        4 => FlashKernels::Emulated,
+        _ => *FROM_ENV.get_or_init(|| match std::env::var(FLASH_VAR).as_deref() {
+            Err(_) | Ok("") | Ok("auto") => FlashKernels::Auto,
+            Ok("scalar") => FlashKernels::Scalar,
+            Ok("tensor-cores") => FlashKernels::TensorCores,
+            Ok("emulated") => FlashKernels::Emulated,
+            Ok(other) => {
+                eprintln!(
+                    "{FLASH_VAR}={other}: expected scalar, tensor-cores or emulated; using auto"
+                );
+                FlashKernels::Auto
+            }
+        }),
+    }
+}
+
+/// Which flash kernels ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+pub(crate) enum KernelPath {
+    Scalar,
+    TensorCores,
+    Emulated,
+}
+
+static LAUNCHES: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Flash attention calls (forward or backward) run on the Cube kernels, by kernel set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlashLaunches {
+    /// The scalar kernels.
+    pub scalar: u64,
+    /// The tensor-core kernels.
+    pub tensor_cores: u64,
+    /// The tensor-core schedule, emulated ([`FlashKernels::Emulated`]).
+    pub emulated: u64,
+}
+
+thread_local! {
+    static THREAD_LAUNCHES: std::cell::Cell<FlashLaunches> =
+        const { std::cell::Cell::new(FlashLaunches { scalar: 0, tensor_cores: 0, emulated: 0 }) };
+}
+
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+pub(crate) fn count_launch(path: KernelPath) {
+    LAUNCHES[path as usize].fetch_add(1, Ordering::Relaxed);
+    THREAD_LAUNCHES.with(|c| {
+        let mut n = c.get();
+        match path {
+            KernelPath::Scalar => n.scalar += 1,
+            KernelPath::TensorCores => n.tensor_cores += 1,
+            KernelPath::Emulated => n.emulated += 1,
+        }
+        c.set(n);
+    });
+}
+
+/// The flash calls this process ran on the Cube kernels (the other backends' chunked
+/// schedule counts in none).
+pub fn flash_launches() -> FlashLaunches {
+    let n = |p: KernelPath| LAUNCHES[p as usize].load(Ordering::Relaxed);
+    FlashLaunches {
+        scalar: n(KernelPath::Scalar),
+        tensor_cores: n(KernelPath::TensorCores),
+        emulated: n(KernelPath::Emulated),
+    }
+}
+
+/// [`flash_launches`] of the calling thread (a rank, when ranks are threads; a test).
+pub fn thread_flash_launches() -> FlashLaunches {
+    THREAD_LAUNCHES.with(|c| c.get())
+}
 
 /// Flash attention as backend ops, for `q` `[b, heads, sq, d]`, `k` and `v` `[b, groups, sk,
 /// d]` and `key_padding` `[b, sk]` (read only when `padded`). The methods do not validate;

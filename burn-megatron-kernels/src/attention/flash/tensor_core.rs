@@ -1,0 +1,633 @@
+//! The flash attention kernels on tensor cores (CubeCL's `cmma`: WMMA on CUDA, cooperative
+//! matrices on Vulkan), for f16 and bf16 with head dimensions a multiple of 16 up to
+//! [`TC_MAX_HEAD_DIM`]: every product is a 16 × 16 × 16 matrix instruction with f32
+//! accumulation; the softmax statistics, masks and dropout are the scalar kernels' (`cube.rs`),
+//! on the products' f32 results in shared memory.
+//!
+//! Each cube is four planes (warps). The schedule is the scalar kernels':
+//! - forward, a cube per [`FLASH_QUERY_BLOCK`] (32) query rows of one head, keys in tiles of
+//!   16: `S = Q·Kᵀ` (two tiles, one plane each), the online softmax (a unit per row), the
+//!   output rescaled and `O += P·V` (its `2 · d/16` tiles over the planes), `O` in f32 in
+//!   shared memory;
+//! - `dq`, the same cubes: `S` and `dP = dO·Vᵀ` at once (planes 0–1 and 2–3), `dS` by a unit
+//!   per row, `dQ += dS·K`;
+//! - `dk`, `dv`, a cube per 16 keys of one query group, every head of the group and every
+//!   16 query rows that see them: `Sᵀ = K·Qᵀ` and `dPᵀ = V·dOᵀ`, `Pᵀ` and `dSᵀ` by a unit per
+//!   key, `dV += Pᵀ·dO` and `dK += dSᵀ·Q`.
+//!
+//! `P` and `dS` are rounded to the inputs' dtype before they enter a product (as
+//! FlashAttention does); the row sums use them unrounded.
+
+use super::FLASH_QUERY_BLOCK;
+use super::cube::{Attn, dropped, key_limit, masked};
+use crate::softmax::MASKED_SCORE;
+use cubecl::cmma::{Matrix, MatrixIdent, MatrixLayout};
+use cubecl::prelude::*;
+
+/// The largest head dimension of the tensor-core kernels: at 128 the `dq` kernel's tiles
+/// take 45 KiB of CUDA's 48 KiB of static shared memory.
+pub(super) const TC_MAX_HEAD_DIM: usize = 128;
+
+/// Keys per tile (forward, `dq`) and keys per cube (`dk`, `dv`).
+const TK: usize = 16;
+
+/// Element `(r, c)` of a 16-row tile at `x0` of `x` (row-major with stride `sx`, or
+/// column-major when `transposed`), as f32.
+#[cube]
+fn element<F: Float>(
+    x: &Shared<[F]>,
+    x0: usize,
+    sx: u32,
+    r: usize,
+    c: usize,
+    #[comptime] transposed: bool,
+) -> f32 {
+    let at = select(
+        transposed,
+        x0 + c * sx as usize + r,
+        x0 + r * sx as usize + c,
+    );
+    f32::cast_from(x[at])
+}
+
+/// `dst[d0..]` (f32, row-major, stride `sd`) `= a · b` (`accumulate` false) or `+= a · b`
+/// for one plane's 16 × 16 tile: `a` row-major at `a0` (stride `sa`), `b` at `b0` (stride
+/// `sb`, column-major when `b_transposed`), over `depth` (a multiple of 16).
+///
+/// On the matrix instructions, or with `emulate` the same products by the plane's units one
+/// element at a time (f32 sums): the tensor-core schedule on a device without them, so that
+/// everything but the instructions themselves is checked there.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn tile_product<F: Float>(
+    dst: &mut Shared<[f32]>,
+    d0: usize,
+    sd: u32,
+    a: &Shared<[F]>,
+    a0: usize,
+    sa: u32,
+    b: &Shared<[F]>,
+    b0: usize,
+    sb: u32,
+    #[comptime] depth: usize,
+    #[comptime] b_transposed: bool,
+    #[comptime] accumulate: bool,
+    #[comptime] emulate: bool,
+) {
+    if emulate {
+        let mut e = UNIT_POS_X as usize;
+        while e < 256 {
+            let (r, c) = (e / 16, e % 16);
+            let mut x = 0.0f32;
+            if accumulate {
+                x = dst[d0 + r * sd as usize + c];
+            }
+            for kk in 0..depth {
+                x += element::<F>(a, a0, sa, r, kk, false)
+                    * element::<F>(b, b0, sb, kk, c, b_transposed);
+            }
+            dst[d0 + r * sd as usize + c] = x;
+            e += CUBE_DIM_X as usize;
+        }
+    } else {
+        let d_end = dst.len();
+        let acc = if accumulate {
+            Matrix::<f32>::from_slice(
+                MatrixIdent::Accumulator,
+                16usize,
+                16usize,
+                16usize,
+                MatrixLayout::RowMajor,
+                &dst[d0..d_end],
+                sd,
+            )
+        } else {
+            Matrix::<f32>::from_value(
+                MatrixIdent::Accumulator,
+                16usize,
+                16usize,
+                16usize,
+                MatrixLayout::Undefined,
+                0.0,
+            )
+        };
+        let b_layout = comptime!(if b_transposed {
+            MatrixLayout::ColMajor
+        } else {
+            MatrixLayout::RowMajor
+        });
+        let (a_end, b_end) = (a.len(), b.len());
+        for step in 0..depth / 16 {
+            let ma = Matrix::<F>::from_slice(
+                MatrixIdent::A,
+                16usize,
+                16usize,
+                16usize,
+                MatrixLayout::RowMajor,
+                &a[a0 + step * 16..a_end],
+                sa,
+            );
+            // Along k, a transposed `b` steps by columns of its storage, a plain one by rows.
+            let b_step = select(b_transposed, step * 16, step * 16 * sb as usize);
+            let mb = Matrix::<F>::from_slice(
+                MatrixIdent::B,
+                16usize,
+                16usize,
+                16usize,
+                b_layout,
+                &b[b0 + b_step..b_end],
+                sb,
+            );
+            cmma::execute(&ma, &mb, &acc, &acc);
+        }
+        cmma::store(&mut dst[d0..d_end], &acc, sd, MatrixLayout::RowMajor);
+    }
+}
+
+/// Copies rows `first..first + rows` of the `[·, d]` matrix at `base` of `t` into `to` as
+/// `F`, zeros past `end`; every unit of the cube takes part.
+#[cube]
+fn load_rows<F: Float>(
+    t: &Tensor<F>,
+    base: usize,
+    first: usize,
+    end: usize,
+    to: &mut Shared<[F]>,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+) {
+    let mut e = UNIT_POS as usize;
+    while e < rows * d {
+        let row = first + e / d;
+        let mut x = F::new(0.0);
+        if row < end {
+            x = t[base + row * d + e % d];
+        }
+        to[e] = x;
+        e += CUBE_DIM as usize;
+    }
+}
+
+/// Sets `to[0..n]` to `value`; every unit takes part.
+#[cube]
+fn fill_shared(to: &mut Shared<[f32]>, value: f32, #[comptime] n: usize) {
+    let mut e = UNIT_POS as usize;
+    while e < n {
+        to[e] = value;
+        e += CUBE_DIM as usize;
+    }
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tc_forward_kernel<F: Float, M: Numeric>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    pad: &Tensor<M>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    a: Attn,
+    #[comptime] d: usize,
+    #[comptime] has_pad: bool,
+    #[comptime] causal: bool,
+    #[comptime] dropout: bool,
+    #[comptime] emulate: bool,
+    #[define(F, M)] _dtypes: [ElemType; 2],
+) {
+    let (block, h, b) = (
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        CUBE_POS_Z as usize,
+    );
+    let (sq, sk) = (a.sq as usize, a.sk as usize);
+    let br = FLASH_QUERY_BLOCK;
+    let row0 = block * br;
+    let bh = b * (a.heads as usize) + h;
+    let group = h / ((a.heads / a.groups) as usize);
+    let kv_base = (b * (a.groups as usize) + group) * sk * d;
+    let keys = key_limit(block, &a, causal);
+    let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
+
+    let mut qs = Shared::<[F]>::new_slice(br * d);
+    let mut ks = Shared::<[F]>::new_slice(TK * d);
+    let mut vs = Shared::<[F]>::new_slice(TK * d);
+    let mut ss = Shared::<[f32]>::new_slice(br * TK);
+    let mut ps = Shared::<[F]>::new_slice(br * TK);
+    let mut os = Shared::<[f32]>::new_slice(br * d);
+    let mut stats = Shared::<[f32]>::new_slice(3 * br);
+    load_rows::<F>(q, bh * sq * d, row0, sq, &mut qs, br, d);
+    fill_shared(&mut os, 0.0f32, br * d);
+    if unit < br {
+        stats[unit] = f32::new(f32::MIN);
+        stats[br + unit] = 0.0f32;
+    }
+    let mut first = 0usize;
+    while first < keys {
+        sync_cube();
+        load_rows::<F>(k, kv_base, first, keys, &mut ks, TK, d);
+        load_rows::<F>(v, kv_base, first, keys, &mut vs, TK, d);
+        sync_cube();
+        if plane < 2 {
+            tile_product::<F>(
+                &mut ss,
+                plane * 16 * TK,
+                TK as u32,
+                &qs,
+                plane * 16 * d,
+                d as u32,
+                &ks,
+                0,
+                d as u32,
+                d,
+                true,
+                false,
+                emulate,
+            );
+        }
+        sync_cube();
+        if unit < br {
+            let row = row0 + unit;
+            let m = stats[unit];
+            let mut tile_max = f32::new(f32::MIN);
+            for j in 0..TK {
+                let key = first + j;
+                let hidden = masked::<M>(pad, b, row, key, &a, has_pad, causal);
+                let x = select(hidden, f32::new(MASKED_SCORE), ss[unit * TK + j] * a.scale);
+                ss[unit * TK + j] = x;
+                if key < keys {
+                    tile_max = f32::max(tile_max, x);
+                }
+            }
+            let m_new = f32::max(m, tile_max);
+            let alpha = f32::exp(m - m_new);
+            let mut l = stats[br + unit] * alpha;
+            for j in 0..TK {
+                let key = first + j;
+                let mut p = 0.0f32;
+                if key < keys {
+                    p = f32::exp(ss[unit * TK + j] - m_new);
+                }
+                l += p;
+                let p = dropped(p, (bh * sq + row) * sk + key, &a, dropout);
+                ps[unit * TK + j] = F::cast_from(p);
+            }
+            stats[unit] = m_new;
+            stats[br + unit] = l;
+            stats[2 * br + unit] = alpha;
+        }
+        sync_cube();
+        let mut e = unit;
+        while e < br * d {
+            os[e] *= stats[2 * br + e / d];
+            e += CUBE_DIM as usize;
+        }
+        sync_cube();
+        let col_tiles = d / 16;
+        let mut t = plane;
+        while t < 2 * col_tiles {
+            let (rt, ct) = (t / col_tiles, t % col_tiles);
+            tile_product::<F>(
+                &mut os,
+                rt * 16 * d + ct * 16,
+                d as u32,
+                &ps,
+                rt * 16 * TK,
+                TK as u32,
+                &vs,
+                ct * 16,
+                d as u32,
+                TK,
+                false,
+                true,
+                emulate,
+            );
+            t += planes;
+        }
+        first += TK;
+    }
+    sync_cube();
+    let mut e = unit;
+    while e < br * d {
+        let row = row0 + e / d;
+        if row < sq {
+            out[(bh * sq + row) * d + e % d] = F::cast_from(os[e] / stats[br + e / d]);
+        }
+        e += CUBE_DIM as usize;
+    }
+    if unit < br && row0 + unit < sq {
+        lse[bh * sq + row0 + unit] = stats[unit] + f32::ln(stats[br + unit]);
+    }
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tc_dq_kernel<F: Float, M: Numeric>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    pad: &Tensor<M>,
+    out: &Tensor<F>,
+    grad: &Tensor<F>,
+    lse: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    delta: &mut Tensor<f32>,
+    a: Attn,
+    #[comptime] d: usize,
+    #[comptime] has_pad: bool,
+    #[comptime] causal: bool,
+    #[comptime] dropout: bool,
+    #[comptime] emulate: bool,
+    #[define(F, M)] _dtypes: [ElemType; 2],
+) {
+    let (block, h, b) = (
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        CUBE_POS_Z as usize,
+    );
+    let (sq, sk) = (a.sq as usize, a.sk as usize);
+    let br = FLASH_QUERY_BLOCK;
+    let row0 = block * br;
+    let bh = b * (a.heads as usize) + h;
+    let group = h / ((a.heads / a.groups) as usize);
+    let kv_base = (b * (a.groups as usize) + group) * sk * d;
+    let keys = key_limit(block, &a, causal);
+    let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
+
+    let mut qs = Shared::<[F]>::new_slice(br * d);
+    let mut gs = Shared::<[F]>::new_slice(br * d);
+    let mut ks = Shared::<[F]>::new_slice(TK * d);
+    let mut vs = Shared::<[F]>::new_slice(TK * d);
+    let mut ss = Shared::<[f32]>::new_slice(br * TK);
+    let mut dps = Shared::<[f32]>::new_slice(br * TK);
+    let mut dss = Shared::<[F]>::new_slice(br * TK);
+    let mut dqs = Shared::<[f32]>::new_slice(br * d);
+    let mut stats = Shared::<[f32]>::new_slice(2 * br);
+    load_rows::<F>(q, bh * sq * d, row0, sq, &mut qs, br, d);
+    load_rows::<F>(grad, bh * sq * d, row0, sq, &mut gs, br, d);
+    fill_shared(&mut dqs, 0.0f32, br * d);
+    if unit < br {
+        let row = row0 + unit;
+        let at = bh * sq + select(row < sq, row, sq - 1);
+        // D = rowsum(dO ∘ O) = rowsum(P ∘ dP'), the softmax backward's dot product.
+        let mut dot = 0.0f32;
+        for c in 0..d {
+            dot += f32::cast_from(grad[at * d + c]) * f32::cast_from(out[at * d + c]);
+        }
+        stats[unit] = lse[at];
+        stats[br + unit] = dot;
+        if row < sq {
+            delta[at] = dot;
+        }
+    }
+    let mut first = 0usize;
+    while first < keys {
+        sync_cube();
+        load_rows::<F>(k, kv_base, first, keys, &mut ks, TK, d);
+        load_rows::<F>(v, kv_base, first, keys, &mut vs, TK, d);
+        sync_cube();
+        if plane < 2 {
+            tile_product::<F>(
+                &mut ss,
+                plane * 16 * TK,
+                TK as u32,
+                &qs,
+                plane * 16 * d,
+                d as u32,
+                &ks,
+                0,
+                d as u32,
+                d,
+                true,
+                false,
+                emulate,
+            );
+        } else if plane < 4 {
+            let r = plane - 2;
+            tile_product::<F>(
+                &mut dps,
+                r * 16 * TK,
+                TK as u32,
+                &gs,
+                r * 16 * d,
+                d as u32,
+                &vs,
+                0,
+                d as u32,
+                d,
+                true,
+                false,
+                emulate,
+            );
+        }
+        sync_cube();
+        if unit < br {
+            let row = row0 + unit;
+            for j in 0..TK {
+                let key = first + j;
+                let hidden = masked::<M>(pad, b, row, key, &a, has_pad, causal);
+                let mut ds = 0.0f32;
+                if key < keys && !hidden {
+                    let p = f32::exp(ss[unit * TK + j] * a.scale - stats[unit]);
+                    let dp = dropped(dps[unit * TK + j], (bh * sq + row) * sk + key, &a, dropout);
+                    ds = p * (dp - stats[br + unit]);
+                }
+                dss[unit * TK + j] = F::cast_from(ds);
+            }
+        }
+        sync_cube();
+        let col_tiles = d / 16;
+        let mut t = plane;
+        while t < 2 * col_tiles {
+            let (rt, ct) = (t / col_tiles, t % col_tiles);
+            tile_product::<F>(
+                &mut dqs,
+                rt * 16 * d + ct * 16,
+                d as u32,
+                &dss,
+                rt * 16 * TK,
+                TK as u32,
+                &ks,
+                ct * 16,
+                d as u32,
+                TK,
+                false,
+                true,
+                emulate,
+            );
+            t += planes;
+        }
+        first += TK;
+    }
+    sync_cube();
+    let mut e = unit;
+    while e < br * d {
+        let row = row0 + e / d;
+        if row < sq {
+            dq[(bh * sq + row) * d + e % d] = F::cast_from(dqs[e] * a.scale);
+        }
+        e += CUBE_DIM as usize;
+    }
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tc_dkv_kernel<F: Float, M: Numeric>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    pad: &Tensor<M>,
+    grad: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    a: Attn,
+    #[comptime] d: usize,
+    #[comptime] has_pad: bool,
+    #[comptime] causal: bool,
+    #[comptime] dropout: bool,
+    #[comptime] emulate: bool,
+    #[define(F, M)] _dtypes: [ElemType; 2],
+) {
+    let (block, group, b) = (
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        CUBE_POS_Z as usize,
+    );
+    let (sq, sk) = (a.sq as usize, a.sk as usize);
+    let key0 = block * TK;
+    let kv_base = (b * (a.groups as usize) + group) * sk * d;
+    let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
+
+    let mut ks = Shared::<[F]>::new_slice(TK * d);
+    let mut vs = Shared::<[F]>::new_slice(TK * d);
+    let mut qs = Shared::<[F]>::new_slice(TK * d);
+    let mut gs = Shared::<[F]>::new_slice(TK * d);
+    let mut st = Shared::<[f32]>::new_slice(TK * TK);
+    let mut dpt = Shared::<[f32]>::new_slice(TK * TK);
+    let mut pt = Shared::<[F]>::new_slice(TK * TK);
+    let mut dst = Shared::<[F]>::new_slice(TK * TK);
+    let mut dks = Shared::<[f32]>::new_slice(TK * d);
+    let mut dvs = Shared::<[f32]>::new_slice(TK * d);
+    let mut stats = Shared::<[f32]>::new_slice(2 * TK);
+    load_rows::<F>(k, kv_base, key0, sk, &mut ks, TK, d);
+    load_rows::<F>(v, kv_base, key0, sk, &mut vs, TK, d);
+    fill_shared(&mut dks, 0.0f32, TK * d);
+    fill_shared(&mut dvs, 0.0f32, TK * d);
+    let per_group = (a.heads / a.groups) as usize;
+    let br = FLASH_QUERY_BLOCK;
+    // Spelled out: kernel code has no `div_ceil`.
+    #[allow(clippy::manual_div_ceil)]
+    let blocks = (sq + br - 1) / br;
+    let col_tiles = d / 16;
+    for hh in 0..per_group {
+        let bh = b * (a.heads as usize) + group * per_group + hh;
+        for qb in 0..blocks {
+            let keys = key_limit(qb, &a, causal);
+            // The same for the whole cube: blocks that see none of these keys are skipped.
+            if keys > key0 {
+                let end = select(qb * br + br < sq, qb * br + br, sq);
+                let mut first = qb * br;
+                while first < end {
+                    sync_cube();
+                    load_rows::<F>(q, bh * sq * d, first, end, &mut qs, TK, d);
+                    load_rows::<F>(grad, bh * sq * d, first, end, &mut gs, TK, d);
+                    if unit < TK {
+                        let at = bh * sq + select(first + unit < end, first + unit, end - 1);
+                        stats[unit] = lse[at];
+                        stats[TK + unit] = delta[at];
+                    }
+                    sync_cube();
+                    if plane == 0 {
+                        tile_product::<F>(
+                            &mut st, 0, TK as u32, &ks, 0, d as u32, &qs, 0, d as u32, d, true,
+                            false, emulate,
+                        );
+                    } else if plane == 1 {
+                        tile_product::<F>(
+                            &mut dpt, 0, TK as u32, &vs, 0, d as u32, &gs, 0, d as u32, d, true,
+                            false, emulate,
+                        );
+                    }
+                    sync_cube();
+                    if unit < TK {
+                        let key = key0 + unit;
+                        for r in 0..TK {
+                            let row = first + r;
+                            let hidden = masked::<M>(pad, b, row, key, &a, has_pad, causal);
+                            let mut p = 0.0f32;
+                            let mut ds = 0.0f32;
+                            if row < end && key < keys {
+                                let x = select(
+                                    hidden,
+                                    f32::new(MASKED_SCORE),
+                                    st[unit * TK + r] * a.scale,
+                                );
+                                let at = (bh * sq + row) * sk + key;
+                                let p_row = f32::exp(x - stats[r]);
+                                p = dropped(p_row, at, &a, dropout);
+                                if !hidden {
+                                    let dp = dropped(dpt[unit * TK + r], at, &a, dropout);
+                                    ds = p_row * (dp - stats[TK + r]);
+                                }
+                            }
+                            pt[unit * TK + r] = F::cast_from(p);
+                            dst[unit * TK + r] = F::cast_from(ds);
+                        }
+                    }
+                    sync_cube();
+                    let mut t = plane;
+                    while t < 2 * col_tiles {
+                        let ct = t % col_tiles;
+                        if t < col_tiles {
+                            tile_product::<F>(
+                                &mut dvs,
+                                ct * 16,
+                                d as u32,
+                                &pt,
+                                0,
+                                TK as u32,
+                                &gs,
+                                ct * 16,
+                                d as u32,
+                                TK,
+                                false,
+                                true,
+                                emulate,
+                            );
+                        } else {
+                            tile_product::<F>(
+                                &mut dks,
+                                ct * 16,
+                                d as u32,
+                                &dst,
+                                0,
+                                TK as u32,
+                                &qs,
+                                ct * 16,
+                                d as u32,
+                                TK,
+                                false,
+                                true,
+                                emulate,
+                            );
+                        }
+                        t += planes;
+                    }
+                    first += TK;
+                }
+            }
+        }
+    }
+    sync_cube();
+    let mut e = unit;
+    while e < TK * d {
+        let key = key0 + e / d;
+        if key < sk {
+            dk[kv_base + key * d + e % d] = F::cast_from(dks[e] * a.scale);
+            dv[kv_base + key * d + e % d] = F::cast_from(dvs[e]);
+        }
+        e += CUBE_DIM as usize;
+    }
+}
