@@ -181,7 +181,7 @@ find_libraries() {
   fi
 }
 
-# Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 s at most), so the whole run fits
+# Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 + 60 s at most), so the whole run fits
 # the device tool's 600 s. Each step's whole output is kept in $logs (GPU_CHECK_LOGS).
 bin=target/gpu_check_bin
 # Unpacks the payload into $bin and puts the libraries the binaries need on the loader path.
@@ -313,7 +313,7 @@ run_checks() {
   # One process per check, so that a crash in one (a kernel the driver refuses, say) still
   # leaves the others' lines.
   local check
-  for check in models:150 bf16:120 nccl:30; do
+  for check in models:150 bf16:120 nccl:30 nvrtc:60; do
     limit=${check#*:}
     check=${check%:*}
     echo "== $check"

@@ -48,6 +48,8 @@ pub use attention::{
     flash_attention_with_lse, flash_kernels, flash_launches, set_flash_kernels,
     thread_flash_launches,
 };
+#[cfg(feature = "cuda")]
+pub use attention::{FlashSource, NvrtcReport, flash_cuda_sources, nvrtc_compile_sm90};
 pub use bias_dropout_add::{
     BiasDropoutAddOps, MaskWindow, bias_dropout_add, dropout, dropout_hash, dropout_keep,
     dropout_mask, dropout_threshold, reference_bias_dropout_add, reference_dropout,

@@ -46,6 +46,8 @@ pub use flash::{
     FlashLaunches, flash_attention, flash_attention_with_lse, flash_kernels, flash_launches,
     set_flash_kernels, thread_flash_launches,
 };
+#[cfg(feature = "cuda")]
+pub use flash::{FlashSource, NvrtcReport, flash_cuda_sources, nvrtc_compile_sm90};
 
 use crate::{BiasDropoutAddOps, KernelError, LinearOps, MaskWindow, ScaledMaskedSoftmaxOps};
 use burn::backend::tensor::{BoolTensor, FloatTensor};

@@ -14,6 +14,8 @@
 //!   one; `--bf16-variants cublaslt,chunked,flash,cubecl,host-order` times each GEMM engine,
 //!   attention backend and stream order, with the GEMMs and synchronisations per step.
 //! - `nccl`: a one-rank NCCL world: its collectives against their closed forms.
+//! - `nvrtc`: the flash attention kernels' CUDA C++ for sm_90a compiled by NVRTC (no GPU
+//!   needed), with ptxas's registers and spills per kernel.
 //!
 //! ```text
 //! cargo build --release -p burn-megatron-examples --features cuda,wgpu --example gpu_check
@@ -25,13 +27,14 @@
 
 mod models;
 mod nccl;
+mod nvrtc;
 
 use clap::Parser;
 use std::process::ExitCode;
 
 #[derive(Parser)]
 struct Args {
-    /// Checks to run (default: all): libraries, models, bf16, nccl.
+    /// Checks to run (default: all): libraries, models, bf16, nccl, nvrtc.
     checks: Vec<String>,
     /// Iterations of each model run.
     #[arg(long, default_value_t = 20)]
@@ -120,7 +123,7 @@ fn libraries(report: &mut Report) {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let all = ["libraries", "models", "bf16", "nccl"];
+    let all = ["libraries", "models", "bf16", "nccl", "nvrtc"];
     let checks: Vec<&str> = if args.checks.is_empty() {
         all.to_vec()
     } else {
@@ -143,6 +146,7 @@ fn main() -> ExitCode {
                 &args.bf16_models,
                 &args.bf16_variants,
             ),
+            "nvrtc" => nvrtc::flash(&mut report),
             _ => nccl::one_rank(&mut report),
         }
         println!("      ({check}: {:.1} s)", start.elapsed().as_secs_f64());

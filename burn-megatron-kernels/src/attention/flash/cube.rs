@@ -143,9 +143,9 @@ fn dot_local(a: &Array<f32>, b: &Shared<[f32]>, b0: usize, #[comptime] d: usize)
     x
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-fn forward_kernel<F: Float, M: Numeric>(
+pub(super) fn forward_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -235,9 +235,9 @@ fn forward_kernel<F: Float, M: Numeric>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-fn dq_kernel<F: Float, M: Numeric>(
+pub(super) fn dq_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -319,9 +319,9 @@ fn dq_kernel<F: Float, M: Numeric>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-fn dkv_kernel<F: Float, M: Numeric>(
+pub(super) fn dkv_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,

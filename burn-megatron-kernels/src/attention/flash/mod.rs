@@ -21,8 +21,13 @@
 mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
+#[cfg(feature = "cuda")]
+mod sources;
 #[cfg(feature = "cube")]
 mod tensor_core;
+
+#[cfg(feature = "cuda")]
+pub use sources::{FlashSource, NvrtcReport, flash_cuda_sources, nvrtc_compile_sm90};
 
 use super::{AttentionParams, ChunkedAttentionOps, check, chunked};
 use crate::KernelError;

@@ -178,7 +178,7 @@ fn fill_shared(to: &mut Shared<[f32]>, value: f32, #[comptime] n: usize) {
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tc_forward_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
@@ -320,7 +320,7 @@ pub(super) fn tc_forward_kernel<F: Float, M: Numeric>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tc_dq_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
@@ -470,7 +470,7 @@ pub(super) fn tc_dq_kernel<F: Float, M: Numeric>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tc_dkv_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
