@@ -15,7 +15,9 @@
 //! dropout's, so results agree with the composed attention element for element (within f32
 //! summation order).
 
-use super::tensor_core::{TC_MAX_HEAD_DIM, tc_dkv_kernel, tc_dq_kernel, tc_forward_kernel};
+use super::tensor_core::{
+    TC_MAX_HEAD_DIM, flash_tc_dkv_kernel, flash_tc_dq_kernel, flash_tc_forward_kernel,
+};
 use super::{FLASH_QUERY_BLOCK, FlashAttentionOps, FlashKernels, KernelPath, count_launch};
 use crate::attention::AttentionParams;
 use crate::bias_dropout_add::{dropout_threshold, keep_scale};
@@ -145,7 +147,7 @@ fn dot_local(a: &Array<f32>, b: &Shared<[f32]>, b0: usize, #[comptime] d: usize)
 
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward_kernel<F: Float, M: Numeric>(
+pub(super) fn flash_forward_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -237,7 +239,7 @@ pub(super) fn forward_kernel<F: Float, M: Numeric>(
 
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn dq_kernel<F: Float, M: Numeric>(
+pub(super) fn flash_dq_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -321,7 +323,7 @@ pub(super) fn dq_kernel<F: Float, M: Numeric>(
 
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn dkv_kernel<F: Float, M: Numeric>(
+pub(super) fn flash_dkv_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -541,7 +543,7 @@ impl FlashAttentionOps for CubeBackend {
         let (has_pad, causal, dropout) = (padded, params.causal, params.dropout > 0.0);
         if let Some((plane, emulate)) = tensor_cores(&q, d) {
             count_launch(tc_path(emulate));
-            tc_forward_kernel::launch(
+            flash_tc_forward_kernel::launch(
                 &client,
                 grid(sq, heads, b),
                 CubeDim::new_2d(plane, 4),
@@ -563,7 +565,7 @@ impl FlashAttentionOps for CubeBackend {
         }
         count_launch(KernelPath::Scalar);
         let tile = tile_rows(&q, d);
-        forward_kernel::launch(
+        flash_forward_kernel::launch(
             &client,
             grid(sq, heads, b),
             CubeDim::new_1d(FLASH_QUERY_BLOCK as u32),
@@ -613,7 +615,7 @@ impl FlashAttentionOps for CubeBackend {
         if let Some((plane, emulate)) = tensor_cores(&q, d) {
             count_launch(tc_path(emulate));
             let units = CubeDim::new_2d(plane, 4);
-            tc_dq_kernel::launch(
+            flash_tc_dq_kernel::launch(
                 &client,
                 grid(sq, heads, b),
                 units,
@@ -634,7 +636,7 @@ impl FlashAttentionOps for CubeBackend {
                 emulate,
                 dtypes(&q, &pad),
             );
-            tc_dkv_kernel::launch(
+            flash_tc_dkv_kernel::launch(
                 &client,
                 CubeCount::Static(sk.div_ceil(16) as u32, groups as u32, b as u32),
                 units,
@@ -660,7 +662,7 @@ impl FlashAttentionOps for CubeBackend {
         count_launch(KernelPath::Scalar);
         let tile = tile_rows(&q, d);
         let units = CubeDim::new_1d(FLASH_QUERY_BLOCK as u32);
-        dq_kernel::launch(
+        flash_dq_kernel::launch(
             &client,
             grid(sq, heads, b),
             units,
@@ -681,7 +683,7 @@ impl FlashAttentionOps for CubeBackend {
             dropout,
             dtypes(&q, &pad),
         );
-        dkv_kernel::launch(
+        flash_dkv_kernel::launch(
             &client,
             grid(sk, groups, b),
             units,

@@ -6,8 +6,8 @@
 //! its registers and spills.
 
 use super::FLASH_QUERY_BLOCK;
-use super::cube::{AttnLaunch, dkv_kernel, dq_kernel, forward_kernel};
-use super::tensor_core::{tc_dkv_kernel, tc_dq_kernel, tc_forward_kernel};
+use super::cube::{AttnLaunch, flash_dkv_kernel, flash_dq_kernel, flash_forward_kernel};
+use super::tensor_core::{flash_tc_dkv_kernel, flash_tc_dq_kernel, flash_tc_forward_kernel};
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::DType;
 use cubecl::cuda::{CudaCompilationOptions, CudaCompiler, CudaRuntime};
@@ -132,7 +132,7 @@ pub fn flash_cuda_sources(dtype: DType, head_dim: usize) -> Result<Vec<FlashSour
     let units = CubeDim::new_1d(FLASH_QUERY_BLOCK as u32);
     kernels.push((
         "scalar forward".into(),
-        Box::new(forward_kernel::create_dummy_kernel(
+        Box::new(flash_forward_kernel::create_dummy_kernel(
             props_(),
             target_(),
             count(),
@@ -154,7 +154,7 @@ pub fn flash_cuda_sources(dtype: DType, head_dim: usize) -> Result<Vec<FlashSour
     ));
     kernels.push((
         "scalar dq".into(),
-        Box::new(dq_kernel::create_dummy_kernel(
+        Box::new(flash_dq_kernel::create_dummy_kernel(
             props_(),
             target_(),
             count(),
@@ -179,7 +179,7 @@ pub fn flash_cuda_sources(dtype: DType, head_dim: usize) -> Result<Vec<FlashSour
     ));
     kernels.push((
         "scalar dk dv".into(),
-        Box::new(dkv_kernel::create_dummy_kernel(
+        Box::new(flash_dkv_kernel::create_dummy_kernel(
             props_(),
             target_(),
             count(),
@@ -206,7 +206,7 @@ pub fn flash_cuda_sources(dtype: DType, head_dim: usize) -> Result<Vec<FlashSour
         let planes = CubeDim::new_2d(32, 4);
         kernels.push((
             "tensor-core forward".into(),
-            Box::new(tc_forward_kernel::create_dummy_kernel(
+            Box::new(flash_tc_forward_kernel::create_dummy_kernel(
                 props_(),
                 target_(),
                 count(),
@@ -228,7 +228,7 @@ pub fn flash_cuda_sources(dtype: DType, head_dim: usize) -> Result<Vec<FlashSour
         ));
         kernels.push((
             "tensor-core dq".into(),
-            Box::new(tc_dq_kernel::create_dummy_kernel(
+            Box::new(flash_tc_dq_kernel::create_dummy_kernel(
                 props_(),
                 target_(),
                 count(),
@@ -253,7 +253,7 @@ pub fn flash_cuda_sources(dtype: DType, head_dim: usize) -> Result<Vec<FlashSour
         ));
         kernels.push((
             "tensor-core dk dv".into(),
-            Box::new(tc_dkv_kernel::create_dummy_kernel(
+            Box::new(flash_tc_dkv_kernel::create_dummy_kernel(
                 props_(),
                 target_(),
                 count(),

@@ -180,7 +180,7 @@ fn fill_shared(to: &mut Shared<[f32]>, value: f32, #[comptime] n: usize) {
 
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn tc_forward_kernel<F: Float, M: Numeric>(
+pub(super) fn flash_tc_forward_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -322,7 +322,7 @@ pub(super) fn tc_forward_kernel<F: Float, M: Numeric>(
 
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn tc_dq_kernel<F: Float, M: Numeric>(
+pub(super) fn flash_tc_dq_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
@@ -472,7 +472,7 @@ pub(super) fn tc_dq_kernel<F: Float, M: Numeric>(
 
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn tc_dkv_kernel<F: Float, M: Numeric>(
+pub(super) fn flash_tc_dkv_kernel<F: Float, M: Numeric>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
