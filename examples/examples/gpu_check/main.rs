@@ -146,7 +146,7 @@ fn main() -> ExitCode {
                 &args.bf16_models,
                 &args.bf16_variants,
             ),
-            "nvrtc" => nvrtc::flash(&mut report),
+            "nvrtc" => nvrtc::flash(&mut report, &args.out),
             _ => nccl::one_rank(&mut report),
         }
         println!("      ({check}: {:.1} s)", start.elapsed().as_secs_f64());

@@ -1,13 +1,14 @@
 //! `nvrtc`: the flash attention kernels' CUDA C++ for sm_90a (H100/H200), made as CubeCL's
 //! CUDA runtime would make it and compiled by NVRTC, with ptxas's registers and spills per
 //! kernel. It needs NVRTC and CUDA's headers (`CUDA_PATH`, else `/usr/local/cuda`), not a GPU:
-//! PyTorch's `nvidia-cuda-nvrtc` wheel is enough on a CPU machine.
+//! PyTorch's `nvidia-cuda-nvrtc` wheel is enough on a CPU machine. Each source is written to
+//! `--out` as `<kernel>.cu`.
 
 use crate::Report;
 
 /// Every flash kernel at the dtypes and head dimensions of the bf16 benchmark's models (GPT
 /// 128, BERT-large 64) and f32.
-pub fn flash(report: &mut Report) {
+pub fn flash(report: &mut Report, out: &std::path::Path) {
     #[cfg(feature = "cuda")]
     {
         use burn::tensor::DType;
@@ -31,6 +32,13 @@ pub fn flash(report: &mut Report) {
             };
             for s in sources {
                 let name = format!("nvrtc {}", s.name);
+                // The source beside the logs, for reading what the card was given.
+                let file: String = s
+                    .name
+                    .chars()
+                    .map(|c| if c.is_alphanumeric() { c } else { '_' })
+                    .collect();
+                let _ = std::fs::write(out.join(format!("{file}.cu")), &s.source);
                 match nvrtc_compile_sm90(&s.source, &include) {
                     Ok(r) => {
                         let spills = r.spills.map_or("?".into(), |(st, ld)| {

@@ -28,6 +28,11 @@ use cubecl::prelude::*;
 /// take 45 KiB of CUDA's 48 KiB of static shared memory.
 pub(super) const TC_MAX_HEAD_DIM: usize = 128;
 
+/// Bytes of alignment of every shared-memory tile: WMMA loads and stores want 256-bit
+/// aligned addresses (each tile's 16-row blocks then start aligned too: their offsets are
+/// multiples of 16 elements).
+const ALIGN: usize = 32;
+
 /// Keys per tile (forward, `dq`) and keys per cube (`dk`, `dv`).
 const TK: usize = 16;
 
@@ -209,13 +214,13 @@ pub(super) fn flash_tc_forward_kernel<F: Float, M: Numeric>(
     let keys = key_limit(block, &a, causal);
     let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
 
-    let mut qs = Shared::<[F]>::new_slice(br * d);
-    let mut ks = Shared::<[F]>::new_slice(TK * d);
-    let mut vs = Shared::<[F]>::new_slice(TK * d);
-    let mut ss = Shared::<[f32]>::new_slice(br * TK);
-    let mut ps = Shared::<[F]>::new_slice(br * TK);
-    let mut os = Shared::<[f32]>::new_slice(br * d);
-    let mut stats = Shared::<[f32]>::new_slice(3 * br);
+    let mut qs = Shared::<[F]>::new_aligned_slice(br * d, ALIGN);
+    let mut ks = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut ss = Shared::<[f32]>::new_aligned_slice(br * TK, ALIGN);
+    let mut ps = Shared::<[F]>::new_aligned_slice(br * TK, ALIGN);
+    let mut os = Shared::<[f32]>::new_aligned_slice(br * d, ALIGN);
+    let mut stats = Shared::<[f32]>::new_aligned_slice(3 * br, ALIGN);
     load_rows::<F>(q, bh * sq * d, row0, sq, &mut qs, br, d);
     fill_shared(&mut os, 0.0f32, br * d);
     if unit < br {
@@ -354,15 +359,15 @@ pub(super) fn flash_tc_dq_kernel<F: Float, M: Numeric>(
     let keys = key_limit(block, &a, causal);
     let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
 
-    let mut qs = Shared::<[F]>::new_slice(br * d);
-    let mut gs = Shared::<[F]>::new_slice(br * d);
-    let mut ks = Shared::<[F]>::new_slice(TK * d);
-    let mut vs = Shared::<[F]>::new_slice(TK * d);
-    let mut ss = Shared::<[f32]>::new_slice(br * TK);
-    let mut dps = Shared::<[f32]>::new_slice(br * TK);
-    let mut dss = Shared::<[F]>::new_slice(br * TK);
-    let mut dqs = Shared::<[f32]>::new_slice(br * d);
-    let mut stats = Shared::<[f32]>::new_slice(2 * br);
+    let mut qs = Shared::<[F]>::new_aligned_slice(br * d, ALIGN);
+    let mut gs = Shared::<[F]>::new_aligned_slice(br * d, ALIGN);
+    let mut ks = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut ss = Shared::<[f32]>::new_aligned_slice(br * TK, ALIGN);
+    let mut dps = Shared::<[f32]>::new_aligned_slice(br * TK, ALIGN);
+    let mut dss = Shared::<[F]>::new_aligned_slice(br * TK, ALIGN);
+    let mut dqs = Shared::<[f32]>::new_aligned_slice(br * d, ALIGN);
+    let mut stats = Shared::<[f32]>::new_aligned_slice(2 * br, ALIGN);
     load_rows::<F>(q, bh * sq * d, row0, sq, &mut qs, br, d);
     load_rows::<F>(grad, bh * sq * d, row0, sq, &mut gs, br, d);
     fill_shared(&mut dqs, 0.0f32, br * d);
@@ -500,17 +505,17 @@ pub(super) fn flash_tc_dkv_kernel<F: Float, M: Numeric>(
     let kv_base = (b * (a.groups as usize) + group) * sk * d;
     let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
 
-    let mut ks = Shared::<[F]>::new_slice(TK * d);
-    let mut vs = Shared::<[F]>::new_slice(TK * d);
-    let mut qs = Shared::<[F]>::new_slice(TK * d);
-    let mut gs = Shared::<[F]>::new_slice(TK * d);
-    let mut st = Shared::<[f32]>::new_slice(TK * TK);
-    let mut dpt = Shared::<[f32]>::new_slice(TK * TK);
-    let mut pt = Shared::<[F]>::new_slice(TK * TK);
-    let mut dst = Shared::<[F]>::new_slice(TK * TK);
-    let mut dks = Shared::<[f32]>::new_slice(TK * d);
-    let mut dvs = Shared::<[f32]>::new_slice(TK * d);
-    let mut stats = Shared::<[f32]>::new_slice(2 * TK);
+    let mut ks = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut vs = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut qs = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut gs = Shared::<[F]>::new_aligned_slice(TK * d, ALIGN);
+    let mut st = Shared::<[f32]>::new_aligned_slice(TK * TK, ALIGN);
+    let mut dpt = Shared::<[f32]>::new_aligned_slice(TK * TK, ALIGN);
+    let mut pt = Shared::<[F]>::new_aligned_slice(TK * TK, ALIGN);
+    let mut dst = Shared::<[F]>::new_aligned_slice(TK * TK, ALIGN);
+    let mut dks = Shared::<[f32]>::new_aligned_slice(TK * d, ALIGN);
+    let mut dvs = Shared::<[f32]>::new_aligned_slice(TK * d, ALIGN);
+    let mut stats = Shared::<[f32]>::new_aligned_slice(2 * TK, ALIGN);
     load_rows::<F>(k, kv_base, key0, sk, &mut ks, TK, d);
     load_rows::<F>(v, kv_base, key0, sk, &mut vs, TK, d);
     fill_shared(&mut dks, 0.0f32, TK * d);
