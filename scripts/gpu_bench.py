@@ -29,6 +29,7 @@ GROUPS = [
     ("attention", r"attention|flash|softmax"),
     ("norms", r"norm|dgamma|rms"),
     ("optimizer", r"adam|optim"),
+    ("loss", r"cross_?entropy"),
     ("copies/casts", r"copy|cast|contiguous|layout|slice|concat|\bcat\b|gather|scatter|"
                      r"reshape|permute|transpose|index|select"),
     ("elementwise", r"."),

@@ -2,7 +2,7 @@
 //! one cube per row for the reductions (the row statistics in one pass) and one unit per
 //! element for the backward.
 
-use super::kernels::{backward_kernel, row_stats_kernel};
+use super::kernels::{cross_entropy_backward_kernel, cross_entropy_row_stats_kernel};
 use super::{CrossEntropyOps, LabelSmoothing};
 use crate::launch::{elementwise_geometry, empty_like, row_block_size, row_cube_count};
 use burn::backend::cubecl::dtype_to_storage_type;
@@ -49,7 +49,7 @@ impl CrossEntropyOps for CubeBackend {
             dtype_to_storage_type(logits.dtype),
             dtype_to_storage_type(target.dtype),
         ];
-        row_stats_kernel::launch(
+        cross_entropy_row_stats_kernel::launch(
             &logits.client.clone(),
             row_cube_count(&logits, rows),
             CubeDim::new_1d(block as u32),
@@ -89,7 +89,7 @@ impl CrossEntropyOps for CubeBackend {
             dtype_to_storage_type(logits.dtype),
             dtype_to_storage_type(target.dtype),
         ];
-        backward_kernel::launch(
+        cross_entropy_backward_kernel::launch(
             &logits.client.clone(),
             count,
             cube_dim,

@@ -16,7 +16,7 @@ fn rescale(s: f32, m: f32, to: f32) -> f32 {
 /// (the sum rescaled when the max grows), and the sum of logits; the tree then merges the
 /// `(max, sum of exps)` pairs by the same rescaling. Unit 0 reads the target.
 #[cube(launch)]
-pub(super) fn row_stats_kernel<F: Float, I: Numeric>(
+pub(super) fn cross_entropy_row_stats_kernel<F: Float, I: Numeric>(
     logits: &Tensor<F>,
     target: &Tensor<I>,
     in_range: &Tensor<f32>,
@@ -93,7 +93,7 @@ pub(super) fn row_stats_kernel<F: Float, I: Numeric>(
 
 /// The per-row inputs (max, sum_exp, in_range, grad) are f32 `[N]`.
 #[cube(launch)]
-pub(super) fn backward_kernel<F: Float, I: Numeric>(
+pub(super) fn cross_entropy_backward_kernel<F: Float, I: Numeric>(
     logits: &Tensor<F>,
     max: &Tensor<f32>,
     sum_exp: &Tensor<f32>,

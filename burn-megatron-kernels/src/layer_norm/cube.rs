@@ -21,7 +21,7 @@ use burn_cubecl::kernel::into_contiguous;
 use cubecl::prelude::*;
 
 #[cube(launch)]
-fn forward_kernel<F: Float>(
+fn layer_norm_forward_kernel<F: Float>(
     x: &Tensor<F>,
     gamma: &Tensor<F>,
     beta: &Tensor<F>,
@@ -73,7 +73,7 @@ fn forward_kernel<F: Float>(
 }
 
 #[cube(launch)]
-fn backward_dx_kernel<F: Float>(
+fn layer_norm_backward_dx_kernel<F: Float>(
     x: &Tensor<F>,
     gamma: &Tensor<F>,
     mean: &Tensor<f32>,
@@ -178,7 +178,7 @@ impl LayerNormOps for CubeBackend {
         let mean = empty_like(&x, Shape::from([rows]), DType::F32);
         let rstd = empty_like(&x, Shape::from([rows]), DType::F32);
         let block = row_block_size(&x, n);
-        forward_kernel::launch(
+        layer_norm_forward_kernel::launch(
             &x.client.clone(),
             row_cube_count(&x, rows),
             CubeDim::new_1d(block as u32),
@@ -225,7 +225,7 @@ impl LayerNormOps for CubeBackend {
         let client = x.client.clone();
         let dx = empty_like(&x, x.shape(), x.dtype);
         let block = row_block_size(&x, n);
-        backward_dx_kernel::launch(
+        layer_norm_backward_dx_kernel::launch(
             &client,
             row_cube_count(&x, rows),
             CubeDim::new_1d(block as u32),

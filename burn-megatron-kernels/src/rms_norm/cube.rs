@@ -22,7 +22,7 @@ use burn_cubecl::kernel::into_contiguous;
 use cubecl::prelude::*;
 
 #[cube(launch)]
-fn forward_kernel<F: Float>(
+fn rms_norm_forward_kernel<F: Float>(
     x: &Tensor<F>,
     gamma: &Tensor<F>,
     y: &mut Tensor<F>,
@@ -62,7 +62,7 @@ fn forward_kernel<F: Float>(
 }
 
 #[cube(launch)]
-fn backward_dx_kernel<F: Float>(
+fn rms_norm_backward_dx_kernel<F: Float>(
     x: &Tensor<F>,
     gamma: &Tensor<F>,
     inv_rms: &Tensor<f32>,
@@ -150,7 +150,7 @@ impl RmsNormOps for CubeBackend {
         let y = empty_like(&x, x.shape(), x.dtype);
         let inv_rms = empty_like(&x, Shape::from([rows]), DType::F32);
         let block = row_block_size(&x, n);
-        forward_kernel::launch(
+        rms_norm_forward_kernel::launch(
             &x.client.clone(),
             row_cube_count(&x, rows),
             CubeDim::new_1d(block as u32),
@@ -189,7 +189,7 @@ impl RmsNormOps for CubeBackend {
         let client = x.client.clone();
         let dx = empty_like(&x, x.shape(), x.dtype);
         let block = row_block_size(&x, n);
-        backward_dx_kernel::launch(
+        rms_norm_backward_dx_kernel::launch(
             &client,
             row_cube_count(&x, rows),
             CubeDim::new_1d(block as u32),
