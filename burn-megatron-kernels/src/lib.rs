@@ -27,6 +27,8 @@ pub mod cuda;
 pub mod device;
 mod error;
 mod grad_accum;
+#[cfg(test)]
+mod kernel_names;
 #[cfg(feature = "cube")]
 mod launch;
 mod layer_norm;

@@ -225,7 +225,9 @@ struct Live<const D: usize> {
 /// let world = LocalWorld::new(1);
 /// let comm = |name: &str| Arc::new(world.communicator(name, vec![0], 0).unwrap());
 /// let p2p = P2pCommunicator::new(comm("pp"), comm("pp-backward"), P2pShapes::Variable, device.clone());
-/// let chunks = vec![LinearConfig::new(3, 1).init(&device)];
+/// // No bias: microbatch m's loss is ((m + 1)·Σw)², larger for the second whatever the
+/// // random init (with a bias it was not, now and then).
+/// let chunks = vec![LinearConfig::new(3, 1).with_bias(false).init(&device)];
 /// let out = forward_backward_func(
 ///     |step: ForwardStep<'_, Linear, 2>| {
 ///         let x = Tensor::<2>::ones([4, 3], &device) * (step.microbatch as f32 + 1.0);
