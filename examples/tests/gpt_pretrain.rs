@@ -167,6 +167,37 @@ fn a_hugging_face_directory_written_by_save_hf_loads_back_with_load_hf() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--attention-backend flash` reaches the model. On the CPU the flash op runs the chunked
+/// schedule in the flash kernels' blocks of 32 query rows, so at seq 64 (two blocks) the run
+/// is `--attention-backend chunked --attention-query-chunk 32`'s bit for bit, and the unfused
+/// run's up to the order of the key and value gradients' sums.
+#[test]
+fn flash_attention_trains_as_its_blocks_on_the_cpu() {
+    let dir = tmp("gpt-flash");
+    let short = [
+        "--train-iters",
+        "4",
+        "--eval-interval",
+        "0",
+        "--seq-length",
+        "64",
+    ];
+    let run = |extra: &[&str]| {
+        run_gpt(&args(&[&short[..], extra].concat(), &dir))
+            .unwrap()
+            .log
+    };
+    let flash = run(&["--attention-backend", "flash"]);
+    let chunked = run(&[
+        "--attention-backend",
+        "chunked",
+        "--attention-query-chunk",
+        "32",
+    ]);
+    assert_same_iterations(&flash, &chunked);
+    assert_close_losses("flash vs unfused", &flash, &run(&[]), 1e-5);
+}
+
 #[test]
 fn bad_flags_are_refused_before_any_work_naming_them() {
     let dir = tmp("gpt-flags");
