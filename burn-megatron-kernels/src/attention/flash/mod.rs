@@ -14,13 +14,15 @@
 //! On the Cube backends (CUDA, wgpu) these are CubeCL kernels: on tensor cores
 //! (`tensor_core.rs`, CubeCL's `cmma`) for f16 and bf16 with head dimensions a multiple of 16
 //! up to 128 where the device has 16 × 16 × 16 matrix instructions, else one unit per row with
-//! the products on the FMA units (`cube.rs`). [`flash_launches`] counts which ran;
-//! [`FlashKernels`] (`BURN_MEGATRON_FLASH`) chooses. Elsewhere the same op runs the chunked
-//! schedule, which computes the same values.
+//! the products on the FMA units (`cube.rs`); `launch.rs` picks and launches them.
+//! [`FlashKernels`] (`BURN_MEGATRON_FLASH`) chooses, [`flash_launches`] counts which ran.
+//! Elsewhere the same op runs the chunked schedule, which computes the same values.
 
 mod autodiff;
 #[cfg(feature = "cube")]
 mod cube;
+#[cfg(feature = "cube")]
+mod launch;
 #[cfg(feature = "cuda")]
 mod sources;
 #[cfg(feature = "cube")]
