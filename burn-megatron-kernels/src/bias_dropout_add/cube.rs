@@ -19,10 +19,11 @@ fn fmix32(h: u32) -> u32 {
     h ^ (h >> 16u32)
 }
 
-/// The kernel's copy of [`super::dropout_hash`]. The per-seed keys are recomputed by every
-/// unit: a few integer ops against a memory-bound element, and no extra launch arguments.
+/// The kernel's copy of [`super::dropout_hash`] (the flash attention kernels use it too). The
+/// per-seed keys are recomputed by every unit: a few integer ops against a memory-bound
+/// element, and no extra launch arguments.
 #[cube]
-fn dropout_hash(index: u32, seed_lo: u32, seed_hi: u32) -> u32 {
+pub(crate) fn dropout_hash(index: u32, seed_lo: u32, seed_hi: u32) -> u32 {
     let k1 = fmix32(seed_lo ^ fmix32(seed_hi ^ 0x9E37_79B9u32));
     let k2 = fmix32(k1 + 0x7F4A_7C15u32);
     fmix32(fmix32(index ^ k1) + k2)

@@ -23,6 +23,10 @@ mod autodiff;
 mod cube;
 mod flex;
 
+/// The kernels' dropout hash, for other kernels that drop as [`dropout`] does.
+#[cfg(feature = "cube")]
+pub(crate) use cube::dropout_hash as kernel_dropout_hash;
+
 use crate::KernelError;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};

@@ -16,6 +16,7 @@
 //! summation order).
 
 use super::FLASH_QUERY_BLOCK;
+use crate::bias_dropout_add::kernel_dropout_hash;
 use crate::softmax::MASKED_SCORE;
 use cubecl::prelude::*;
 
@@ -36,24 +37,13 @@ pub(super) struct Attn {
     pub(super) tile: u32,
 }
 
-#[cube]
-fn fmix32(h: u32) -> u32 {
-    let h = h ^ (h >> 16u32);
-    let h = h * 0x85EB_CA6Bu32;
-    let h = h ^ (h >> 13u32);
-    let h = h * 0xC2B2_AE35u32;
-    h ^ (h >> 16u32)
-}
-
 /// `x` through dropout at flat index `index` of the `[b, heads, sq, sk]` probabilities: the
-/// same hash as `crate::dropout_hash`, so the same elements drop.
+/// same hash as [`crate::dropout`]'s kernel, so the same elements drop.
 #[cube]
 pub(super) fn dropped(x: f32, index: usize, a: &Attn, #[comptime] dropout: bool) -> f32 {
     let mut y = x;
     if dropout {
-        let k1 = fmix32(a.seed_lo ^ fmix32(a.seed_hi ^ 0x9E37_79B9u32));
-        let k2 = fmix32(k1 + 0x7F4A_7C15u32);
-        let keep = fmix32(fmix32(index as u32 ^ k1) + k2) >= a.threshold;
+        let keep = kernel_dropout_hash(index as u32, a.seed_lo, a.seed_hi) >= a.threshold;
         y = select(keep, x * a.keep_scale, 0.0f32);
     }
     y
@@ -70,6 +60,38 @@ pub(super) fn key_limit(block: usize, a: &Attn, #[comptime] causal: bool) -> usi
         keys = select(end < sq, end, sq) + sk - sq;
     }
     keys
+}
+
+/// Where a cube of query rows works: `CUBE_POS` is (query block, head, batch).
+#[derive(CubeType)]
+pub(super) struct QueryCube {
+    pub(super) b: usize,
+    /// `b · heads + head`.
+    pub(super) bh: usize,
+    /// The block's first query row.
+    pub(super) row0: usize,
+    /// Where the head's query group's `[sk, d]` keys (and values) start.
+    pub(super) kv_base: usize,
+    /// The keys the block multiplies ([`key_limit`]).
+    pub(super) keys: usize,
+}
+
+/// This cube's [`QueryCube`], for head dimension `d`.
+#[cube]
+pub(super) fn query_cube(a: &Attn, #[comptime] d: usize, #[comptime] causal: bool) -> QueryCube {
+    let (block, h, b) = (
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        CUBE_POS_Z as usize,
+    );
+    let group = h / ((a.heads / a.groups) as usize);
+    QueryCube {
+        b,
+        bh: b * (a.heads as usize) + h,
+        row0: block * FLASH_QUERY_BLOCK,
+        kv_base: (b * (a.groups as usize) + group) * (a.sk as usize) * d,
+        keys: key_limit(block, a, causal),
+    }
 }
 
 /// Whether query row `row` of batch `b` may not see key `key` (it still counts, at −10000).
@@ -148,20 +170,12 @@ pub(super) fn flash_forward_kernel<F: Float, M: Numeric>(
     #[comptime] dropout: bool,
     #[define(F, M)] _dtypes: [ElemType; 2],
 ) {
-    let (block, h, b) = (
-        CUBE_POS_X as usize,
-        CUBE_POS_Y as usize,
-        CUBE_POS_Z as usize,
-    );
+    let qc = query_cube(&a, d, causal);
+    let (b, bh, row0, kv_base, keys) = (qc.b, qc.bh, qc.row0, qc.kv_base, qc.keys);
     let (sq, sk) = (a.sq as usize, a.sk as usize);
-    let row0 = block * FLASH_QUERY_BLOCK;
     let row = row0 + UNIT_POS_X as usize;
     let live = row < sq;
-    let bh = b * (a.heads as usize) + h;
-    let group = h / ((a.heads / a.groups) as usize);
     let q_at = (bh * sq + select(live, row, row0)) * d;
-    let kv_base = (b * (a.groups as usize) + group) * sk * d;
-    let keys = key_limit(block, &a, causal);
 
     let mut qr = Array::<f32>::new(d);
     let mut o = Array::<f32>::new(d);
@@ -243,21 +257,13 @@ pub(super) fn flash_dq_kernel<F: Float, M: Numeric>(
     #[comptime] dropout: bool,
     #[define(F, M)] _dtypes: [ElemType; 2],
 ) {
-    let (block, h, b) = (
-        CUBE_POS_X as usize,
-        CUBE_POS_Y as usize,
-        CUBE_POS_Z as usize,
-    );
+    let qc = query_cube(&a, d, causal);
+    let (b, bh, row0, kv_base, keys) = (qc.b, qc.bh, qc.row0, qc.kv_base, qc.keys);
     let (sq, sk) = (a.sq as usize, a.sk as usize);
-    let row0 = block * FLASH_QUERY_BLOCK;
     let row = row0 + UNIT_POS_X as usize;
     let live = row < sq;
-    let bh = b * (a.heads as usize) + h;
-    let group = h / ((a.heads / a.groups) as usize);
     let stat_at = bh * sq + select(live, row, row0);
     let q_at = stat_at * d;
-    let kv_base = (b * (a.groups as usize) + group) * sk * d;
-    let keys = key_limit(block, &a, causal);
 
     let mut qr = Array::<f32>::new(d);
     let mut dor = Array::<f32>::new(d);

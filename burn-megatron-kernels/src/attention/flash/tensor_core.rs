@@ -19,7 +19,7 @@
 //! FlashAttention does); the row sums use them unrounded.
 
 use super::FLASH_QUERY_BLOCK;
-use super::cube::{Attn, dropped, key_limit, masked};
+use super::cube::{Attn, dropped, key_limit, masked, query_cube};
 use crate::softmax::MASKED_SCORE;
 use cubecl::cmma::{Matrix, MatrixIdent, MatrixLayout};
 use cubecl::prelude::*;
@@ -200,18 +200,10 @@ pub(super) fn flash_tc_forward_kernel<F: Float, M: Numeric>(
     #[comptime] emulate: bool,
     #[define(F, M)] _dtypes: [ElemType; 2],
 ) {
-    let (block, h, b) = (
-        CUBE_POS_X as usize,
-        CUBE_POS_Y as usize,
-        CUBE_POS_Z as usize,
-    );
+    let qc = query_cube(&a, d, causal);
+    let (b, bh, row0, kv_base, keys) = (qc.b, qc.bh, qc.row0, qc.kv_base, qc.keys);
     let (sq, sk) = (a.sq as usize, a.sk as usize);
     let br = FLASH_QUERY_BLOCK;
-    let row0 = block * br;
-    let bh = b * (a.heads as usize) + h;
-    let group = h / ((a.heads / a.groups) as usize);
-    let kv_base = (b * (a.groups as usize) + group) * sk * d;
-    let keys = key_limit(block, &a, causal);
     let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
 
     let mut qs = Shared::<[F]>::new_aligned_slice(br * d, ALIGN);
@@ -345,18 +337,10 @@ pub(super) fn flash_tc_dq_kernel<F: Float, M: Numeric>(
     #[comptime] emulate: bool,
     #[define(F, M)] _dtypes: [ElemType; 2],
 ) {
-    let (block, h, b) = (
-        CUBE_POS_X as usize,
-        CUBE_POS_Y as usize,
-        CUBE_POS_Z as usize,
-    );
+    let qc = query_cube(&a, d, causal);
+    let (b, bh, row0, kv_base, keys) = (qc.b, qc.bh, qc.row0, qc.kv_base, qc.keys);
     let (sq, sk) = (a.sq as usize, a.sk as usize);
     let br = FLASH_QUERY_BLOCK;
-    let row0 = block * br;
-    let bh = b * (a.heads as usize) + h;
-    let group = h / ((a.heads / a.groups) as usize);
-    let kv_base = (b * (a.groups as usize) + group) * sk * d;
-    let keys = key_limit(block, &a, causal);
     let (unit, plane, planes) = (UNIT_POS as usize, UNIT_POS_Y as usize, CUBE_DIM_Y as usize);
 
     let mut qs = Shared::<[F]>::new_aligned_slice(br * d, ALIGN);
