@@ -15,18 +15,19 @@ use burn_megatron_kernels::{
 };
 use common::{relative, tensor, to_vec, values};
 
-/// One case: `[b, heads, sq, d]` queries over `groups` key/value heads of `sk` keys.
+/// One case: `[b, heads, sq, d]` queries over `groups` key/value heads of `sk` keys (the
+/// flash attention's tests take it too).
 #[derive(Clone, Copy, Debug)]
-struct Case {
-    b: usize,
-    heads: usize,
-    groups: usize,
-    sq: usize,
-    sk: usize,
-    d: usize,
-    padded: bool,
-    causal: bool,
-    dropout: f32,
+pub(crate) struct Case {
+    pub(crate) b: usize,
+    pub(crate) heads: usize,
+    pub(crate) groups: usize,
+    pub(crate) sq: usize,
+    pub(crate) sk: usize,
+    pub(crate) d: usize,
+    pub(crate) padded: bool,
+    pub(crate) causal: bool,
+    pub(crate) dropout: f32,
 }
 
 const CASES: [Case; 5] = [
@@ -92,14 +93,14 @@ const CASES: [Case; 5] = [
     },
 ];
 
-const SEED: u64 = 0x5EED_A77E;
+pub(crate) const SEED: u64 = 0x5EED_A77E;
 
 impl Case {
-    fn scale(&self) -> f32 {
+    pub(crate) fn scale(&self) -> f32 {
         1.0 / (self.d as f32).sqrt()
     }
 
-    fn params(&self, query_chunk: usize) -> AttentionParams {
+    pub(crate) fn params(&self, query_chunk: usize) -> AttentionParams {
         AttentionParams {
             scale: self.scale(),
             causal: self.causal,
@@ -111,18 +112,27 @@ impl Case {
 
     /// Batch 0 pads its last two keys, batch 1 its middle one: never every key a row sees
     /// (see the module docs of `chunked_attention` for rows that see only padding).
-    fn padding(&self, device: &Device) -> Option<Tensor<2, Bool>> {
+    pub(crate) fn pad_values(&self) -> Vec<bool> {
         let sk = self.sk;
-        let pad = (0..self.b * sk).map(|k| match k / sk {
-            0 => k % sk + 2 >= sk && k % sk > 0,
-            _ => k % sk == sk / 2 && sk > 1,
-        });
-        self.padded
-            .then(|| Tensor::from_data(TensorData::new(pad.collect(), [self.b, sk]), device))
+        (0..self.b * sk)
+            .map(|k| match k / sk {
+                0 => k % sk + 2 >= sk && k % sk > 0,
+                _ => k % sk == sk / 2 && sk > 1,
+            })
+            .collect()
+    }
+
+    pub(crate) fn padding(&self, device: &Device) -> Option<Tensor<2, Bool>> {
+        self.padded.then(|| {
+            Tensor::from_data(
+                TensorData::new(self.pad_values(), [self.b, self.sk]),
+                device,
+            )
+        })
     }
 
     /// (q, k, v, output gradient) in `dt`, tracked.
-    fn inputs(&self, device: &Device, dt: DType) -> [Tensor<4>; 4] {
+    pub(crate) fn inputs(&self, device: &Device, dt: DType) -> [Tensor<4>; 4] {
         let q = [self.b, self.heads, self.sq, self.d];
         let kv = [self.b, self.groups, self.sk, self.d];
         let t = |dims: [usize; 4], seed| {
@@ -138,7 +148,7 @@ impl Case {
 }
 
 /// The unfused composition (the attention layer's path before the chunked op).
-fn unfused(
+pub(crate) fn unfused(
     case: &Case,
     q: Tensor<4>,
     k: Tensor<4>,
@@ -168,7 +178,7 @@ fn unfused(
 }
 
 /// [output, dq, dk, dv] of `attend` on `case`'s inputs.
-fn run(
+pub(crate) fn run(
     case: &Case,
     device: &Device,
     dt: DType,
@@ -188,7 +198,7 @@ fn chunked(
     move |q, k, v, pad| chunked_attention(q, k, v, pad, case.params(query_chunk)).unwrap()
 }
 
-const NAMES: [&str; 4] = ["output", "dq", "dk", "dv"];
+pub(crate) const NAMES: [&str; 4] = ["output", "dq", "dk", "dv"];
 
 #[test]
 fn one_block_is_the_unfused_composition_bit_for_bit_on_flex() {

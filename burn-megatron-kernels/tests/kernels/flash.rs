@@ -7,26 +7,13 @@
 
 use crate::common;
 
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use crate::attention::{Case, NAMES, run, unfused};
+use burn::tensor::{DType, Device, Tensor};
 use burn_megatron_kernels::{
-    AttentionParams, FLASH_MAX_HEAD_DIM, KernelError, MASKED_SCORE, batched_matmul, dropout,
-    flash_attention, flash_attention_with_lse, scaled_masked_softmax,
+    AttentionParams, FLASH_MAX_HEAD_DIM, KernelError, MASKED_SCORE, flash_attention,
+    flash_attention_with_lse,
 };
-use common::{relative, tensor, to_vec, values};
-
-/// One case: `[b, heads, sq, d]` queries over `groups` key/value heads of `sk` keys.
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    b: usize,
-    heads: usize,
-    groups: usize,
-    sq: usize,
-    sk: usize,
-    d: usize,
-    padded: bool,
-    causal: bool,
-    dropout: f32,
-}
+use common::{relative, to_vec};
 
 const CASES: [Case; 5] = [
     // GPT's training case: grouped queries, causal, padded, dropout; three query blocks.
@@ -91,107 +78,16 @@ const CASES: [Case; 5] = [
     },
 ];
 
-const SEED: u64 = 0xF1A5_4A77;
-
-impl Case {
-    fn params(&self) -> AttentionParams {
-        AttentionParams {
-            causal: self.causal,
-            dropout: self.dropout,
-            seed: SEED,
-            ..AttentionParams::new(1.0 / (self.d as f32).sqrt())
-        }
-    }
-
-    /// Batch 0 pads its last two keys, batch 1 its middle one: never every key a row sees.
-    fn pad_values(&self) -> Vec<bool> {
-        let sk = self.sk;
-        (0..self.b * sk)
-            .map(|k| match k / sk {
-                0 => k % sk + 2 >= sk && k % sk > 0,
-                _ => k % sk == sk / 2,
-            })
-            .collect()
-    }
-
-    fn padding(&self, device: &Device) -> Option<Tensor<2, Bool>> {
-        self.padded.then(|| {
-            Tensor::from_data(
-                TensorData::new(self.pad_values(), [self.b, self.sk]),
-                device,
-            )
-        })
-    }
-
-    fn dims(&self) -> ([usize; 4], [usize; 4]) {
-        (
-            [self.b, self.heads, self.sq, self.d],
-            [self.b, self.groups, self.sk, self.d],
-        )
-    }
-
-    /// (q, k, v, output gradient) in `dt`, tracked.
-    fn inputs(&self, device: &Device, dt: DType) -> [Tensor<4>; 4] {
-        let (q, kv) = self.dims();
-        let t = |dims: [usize; 4], seed| {
-            tensor(device, values(dims.iter().product(), seed, 1.5), dims, dt).0
-        };
-        [
-            t(q, 1).require_grad(),
-            t(kv, 2).require_grad(),
-            t(kv, 3).require_grad(),
-            t(q, 4),
-        ]
-    }
+/// The flash op's parameters for `case` (it does not read the query chunk).
+fn params(case: &Case) -> AttentionParams {
+    case.params(usize::MAX)
 }
-
-/// The unfused composition: the attention layer's `--attention-backend unfused`.
-fn unfused(
-    case: &Case,
-    q: Tensor<4>,
-    k: Tensor<4>,
-    v: Tensor<4>,
-    pad: Option<Tensor<2, Bool>>,
-) -> Tensor<4> {
-    let Case {
-        b,
-        heads,
-        groups,
-        sq,
-        sk,
-        d,
-        ..
-    } = *case;
-    let per_group = heads / groups;
-    let scores = batched_matmul(q.reshape([b, groups, per_group * sq, d]), k.swap_dims(2, 3));
-    let p = case.params();
-    let probs =
-        scaled_masked_softmax(scores.reshape([b, heads, sq, sk]), pad, p.scale, p.causal).unwrap();
-    let probs = dropout(probs, case.dropout, SEED).unwrap();
-    batched_matmul(probs.reshape([b, groups, per_group * sq, sk]), v).reshape([b, heads, sq, d])
-}
-
-/// [output, dq, dk, dv] of `attend` on `case`'s inputs.
-fn run(
-    case: &Case,
-    device: &Device,
-    dt: DType,
-    attend: impl Fn(Tensor<4>, Tensor<4>, Tensor<4>, Option<Tensor<2, Bool>>) -> Tensor<4>,
-) -> [Vec<f32>; 4] {
-    let [q, k, v, grad] = case.inputs(device, dt);
-    let out = attend(q.clone(), k.clone(), v.clone(), case.padding(device));
-    let grads = (out.clone() * grad).sum().backward();
-    let g = |t: &Tensor<4>| to_vec(t.grad(&grads).expect("a gradient reaches every input"));
-    [to_vec(out), g(&q), g(&k), g(&v)]
-}
-
-const NAMES: [&str; 4] = ["output", "dq", "dk", "dv"];
 
 fn matches_unfused(cases: &[Case], device: &Device, dt: DType, tol: f32) {
     for &case in cases {
         let want = run(&case, device, dt, |q, k, v, p| unfused(&case, q, k, v, p));
         let got = run(&case, device, dt, |q, k, v, p| {
-            flash_attention(q, k, v, p, case.params()).unwrap()
+            flash_attention(q, k, v, p, params(&case)).unwrap()
         });
         for ((got, want), name) in got.iter().zip(&want).zip(NAMES) {
             let err = relative(got, want);
@@ -232,7 +128,7 @@ fn host_lse(case: &Case, q: &[f32], k: &[f32]) -> Vec<f32> {
         ..
     } = *case;
     let pad = case.pad_values();
-    let scale = f64::from(case.params().scale);
+    let scale = f64::from(case.scale());
     let mut out = Vec::with_capacity(b * heads * sq);
     for bi in 0..b {
         for h in 0..heads {
@@ -274,7 +170,7 @@ fn lse_matches_the_host(device: &Device, tol: f32) {
         let [q, k, v, _] = case.inputs(device, DType::F32);
         let want = host_lse(&case, &to_vec(q.clone()), &to_vec(k.clone()));
         let (_, lse) =
-            flash_attention_with_lse(q, k, v, case.padding(device), case.params()).unwrap();
+            flash_attention_with_lse(q, k, v, case.padding(device), params(&case)).unwrap();
         assert_eq!(lse.dims(), [case.b, case.heads, case.sq]);
         let err = relative(&to_vec(lse), &want);
         assert!(err <= tol, "log-sum-exp of {case:?}: {err:e} above {tol:e}");
