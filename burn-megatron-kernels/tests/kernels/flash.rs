@@ -253,7 +253,7 @@ fn tensor_core_kernels_match_the_unfused_composition_on_cube() {
     let cuda = common::on_cuda();
     let (kernels, dtypes): (_, &[(DType, f32)]) = match cuda {
         true => (
-            FlashKernels::TensorCores,
+            FlashKernels::Auto,
             &[(DType::F16, 2e-2), (DType::BF16, 6e-2)],
         ),
         false => (

@@ -57,7 +57,7 @@ fn tensor_core_shared_bytes(d: usize, elem: usize) -> usize {
 fn tensor_cores(q: &CubeTensor, d: usize) -> Option<(u32, bool)> {
     let emulate = match super::flash_kernels() {
         FlashKernels::Scalar => return None,
-        FlashKernels::Auto | FlashKernels::TensorCores => false,
+        FlashKernels::Auto => false,
         FlashKernels::Emulated => true,
     };
     if !d.is_multiple_of(16) || d > TC_MAX_HEAD_DIM {

@@ -47,8 +47,8 @@ pub const FLASH_QUERY_BLOCK: usize = 32;
 /// this many f32 values.
 pub const FLASH_MAX_HEAD_DIM: usize = 256;
 
-/// The environment variable that picks the flash kernels on the Cube backends: `scalar`,
-/// `tensor-cores` or `emulated` (see [`FlashKernels`]); unset, [`FlashKernels::Auto`].
+/// The environment variable that picks the flash kernels on the Cube backends: `auto`,
+/// `scalar` or `emulated` (see [`FlashKernels`]); unset, `auto`.
 pub const FLASH_VAR: &str = "BURN_MEGATRON_FLASH";
 
 /// Which flash kernels run on the Cube backends.
@@ -60,8 +60,6 @@ pub enum FlashKernels {
     Auto,
     /// The scalar kernels (a unit per row, products on the FMA units) everywhere.
     Scalar,
-    /// As `Auto`.
-    TensorCores,
     /// The tensor-core kernels' schedule with the matrix products done by the planes' units
     /// one element at a time, where the head dimension and shared memory allow (any dtype,
     /// no matrix instructions needed): how the schedule is checked on devices without them.
@@ -78,8 +76,7 @@ pub fn set_flash_kernels(choice: Option<FlashKernels>) {
         None => 0,
         Some(FlashKernels::Auto) => 1,
         Some(FlashKernels::Scalar) => 2,
-        Some(FlashKernels::TensorCores) => 3,
-        Some(FlashKernels::Emulated) => 4,
+        Some(FlashKernels::Emulated) => 3,
     };
     CHOICE.store(v, Ordering::Relaxed);
 }
@@ -91,17 +88,13 @@ pub fn flash_kernels() -> FlashKernels {
     match CHOICE.load(Ordering::Relaxed) {
         1 => FlashKernels::Auto,
         2 => FlashKernels::Scalar,
-        3 => FlashKernels::TensorCores,
-        4 => FlashKernels::Emulated,
+        3 => FlashKernels::Emulated,
         _ => *FROM_ENV.get_or_init(|| match std::env::var(FLASH_VAR).as_deref() {
             Err(_) | Ok("") | Ok("auto") => FlashKernels::Auto,
             Ok("scalar") => FlashKernels::Scalar,
-            Ok("tensor-cores") => FlashKernels::TensorCores,
             Ok("emulated") => FlashKernels::Emulated,
             Ok(other) => {
-                eprintln!(
-                    "{FLASH_VAR}={other}: expected scalar, tensor-cores or emulated; using auto"
-                );
+                eprintln!("{FLASH_VAR}={other}: expected auto, scalar or emulated; using auto");
                 FlashKernels::Auto
             }
         }),
