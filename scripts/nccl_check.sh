@@ -241,6 +241,10 @@ for model in gpt bert; do
   done
   spawn job_layout "$model" tp2xpp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 done
+# The ring with each block through the flash kernels (f32: the scalar set), against the
+# CPU's flash op.
+spawn job_layout gpt cp2-p2p-flash 2 --context-parallel-size 2 --cp-comm-type p2p \
+  --attention-backend flash
 # Data parallelism reduced after backward: buckets all-reduced (plain) and reduce-scattered
 # (the distributed optimizer) in device memory.
 spawn job_layout gpt dp2 2

@@ -55,7 +55,7 @@ pub struct Setup {
     attention_dropout: bool,
     /// `--attention-backend chunked` or `flash`: the probabilities are recomputed in
     /// backward, not kept (flash keeps a log-sum-exp per query row, 1/head_dim of the
-    /// queries, left out; the ring's blocks keep what they keep whatever this says).
+    /// queries, left out; the ring keeps its log-sum-exps whatever this says).
     chunked_attention: bool,
     tp: usize,
     pp: usize,
@@ -240,7 +240,11 @@ impl Setup {
             // The region keeps its input, this rank's projections.
             let heads = ((self.heads + 2 * self.groups) * self.hn) as u64 / t;
             (tokens * heads, 0)
-        } else if self.chunked_attention && (self.cp == 1 || self.cp_comm != CpCommType::P2p) {
+        } else if self.cp > 1 && self.cp_comm == CpCommType::P2p {
+            // The ring keeps its inputs and each query row's log-sum-exp (`scores`), whatever
+            // the backend; its dropout masks are a seed per block.
+            (queries + kv, scores)
+        } else if self.chunked_attention {
             // The op keeps its inputs; a block's scores live only while it runs.
             (queries + kv, 0)
         } else {

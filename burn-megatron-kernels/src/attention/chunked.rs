@@ -195,10 +195,7 @@ impl<B: Parts> KeyGrad<B> {
             self.sum = Some(part);
             return;
         }
-        let wide = match part.dtype() {
-            DType::F64 => FloatDType::F64,
-            _ => FloatDType::F32,
-        };
+        let wide = wide(part.dtype());
         let part = cast::<B>(part, wide);
         let keys = part.shape().dims::<4>()[2];
         let sum = self.sum.take().unwrap_or_else(|| {
@@ -281,6 +278,62 @@ pub(super) fn backward<B: Parts>(
     (dq, dk.finish(dtype), dv.finish(dtype))
 }
 
+/// The dtype the statistics are kept in: f32 (f64 for f64).
+fn wide(dtype: DType) -> FloatDType {
+    match dtype {
+        DType::F64 => FloatDType::F64,
+        _ => FloatDType::F32,
+    }
+}
+
+/// One block's scaled scores `[b, heads, rows, keys]` in `wide`, masked keys (causal, padded)
+/// at [`MASKED_SCORE`], and the mask.
+#[allow(clippy::too_many_arguments)]
+fn masked_scores<B: Parts>(
+    dims: Dims,
+    Block { row0, rows, keys }: Block,
+    q: &FloatTensor<B>,
+    k: &FloatTensor<B>,
+    pad: &BoolTensor<B>,
+    padded: bool,
+    p: &AttentionParams,
+    wide: FloatDType,
+) -> (FloatTensor<B>, Option<BoolTensor<B>>) {
+    let device = q.device();
+    let q = dims.grouped::<B>(self::rows::<B>(q, row0, rows));
+    let k = self::rows::<B>(k, 0, keys);
+    let scores = dims.per_head::<B>(B::batched_matmul(q, transposed::<B>(k)), rows);
+    let scores = B::float_mul_scalar(cast::<B>(scores, wide), p.scale.into());
+    let shape = Shape::from([dims.b, dims.heads, rows, keys]);
+    let mut mask = None;
+    if p.causal {
+        let hidden = (0..rows * keys)
+            .map(|e| e % keys + dims.sq > row0 + e / keys + dims.sk)
+            .collect();
+        let hidden = TensorData::new(hidden, [1, 1, rows, keys]);
+        mask = Some(B::bool_expand(
+            B::bool_from_data(hidden, &device),
+            shape.clone(),
+        ));
+    }
+    if padded {
+        let pad = B::bool_slice(pad.clone(), &[Slice::from(..), Slice::from(0..keys)]);
+        let pad = B::bool_reshape(pad, Shape::from([dims.b, 1, 1, keys]));
+        let pad = B::bool_expand(pad, shape);
+        mask = Some(match mask {
+            Some(causal) => B::bool_or(causal, pad),
+            None => pad,
+        });
+    }
+    match mask {
+        Some(mask) => (
+            B::float_mask_fill(scores, mask.clone(), MASKED_SCORE.into()),
+            Some(mask),
+        ),
+        None => (scores, None),
+    }
+}
+
 /// Each query row's log-sum-exp `[b, heads, sq]` (f32; f64 for f64) of its scaled, masked
 /// scores over the keys its block multiplies: the statistic flash attention keeps, from the
 /// same products and masks as the rest of this schedule.
@@ -292,44 +345,13 @@ pub(super) fn log_sum_exp<B: Parts>(
     p: AttentionParams,
 ) -> FloatTensor<B> {
     let dims = Dims::of::<B>(&q, &k);
-    let wide = match q.dtype() {
-        DType::F64 => FloatDType::F64,
-        _ => FloatDType::F32,
-    };
-    let device = q.device();
+    let wide = wide(q.dtype());
     let mut parts: Vec<_> = dims
         .blocks(&p)
         .into_iter()
-        .map(|Block { row0, rows, keys }| {
-            let q = dims.grouped::<B>(self::rows::<B>(&q, row0, rows));
-            let k = self::rows::<B>(&k, 0, keys);
-            let scores = dims.per_head::<B>(B::batched_matmul(q, transposed::<B>(k)), rows);
-            let scores = B::float_mul_scalar(cast::<B>(scores, wide), p.scale.into());
-            let shape = Shape::from([dims.b, dims.heads, rows, keys]);
-            let mut mask = None;
-            if p.causal {
-                let hidden = (0..rows * keys)
-                    .map(|e| e % keys + dims.sq > row0 + e / keys + dims.sk)
-                    .collect();
-                let hidden = TensorData::new(hidden, [1, 1, rows, keys]);
-                mask = Some(B::bool_expand(
-                    B::bool_from_data(hidden, &device),
-                    shape.clone(),
-                ));
-            }
-            if padded {
-                let pad = B::bool_slice(pad.clone(), &[Slice::from(..), Slice::from(0..keys)]);
-                let pad = B::bool_reshape(pad, Shape::from([dims.b, 1, 1, keys]));
-                let pad = B::bool_expand(pad, shape.clone());
-                mask = Some(match mask {
-                    Some(causal) => B::bool_or(causal, pad),
-                    None => pad,
-                });
-            }
-            let scores = match mask {
-                Some(mask) => B::float_mask_fill(scores, mask, MASKED_SCORE.into()),
-                None => scores,
-            };
+        .map(|block| {
+            let (scores, _) = masked_scores::<B>(dims, block, &q, &k, &pad, padded, &p, wide);
+            let shape = scores.shape();
             let max = B::float_max_dim(scores.clone(), 3);
             let shifted = B::float_sub(scores, B::float_expand(max.clone(), shape));
             let sum = B::float_sum_dim(B::float_exp(shifted), 3);
@@ -341,4 +363,81 @@ pub(super) fn log_sum_exp<B: Parts>(
         _ => B::float_cat(parts, 2),
     };
     B::float_reshape(lse, Shape::from([dims.b, dims.heads, dims.sq]))
+}
+
+/// `(dq, dk, dv)` from the forward's output `out` and log-sum-exp `lse` (`[b, heads, sq]`), as
+/// the flash kernels form them: per block, `P = exp(S − lse)` and `D = rowsum(dO ∘ out)` in
+/// f32 (f64 for f64), `dv = Pᵀ·dO` and `dP = dO·vᵀ` through dropout, `dS = P ∘ (dP − D)`
+/// (zero at masked keys), `dq = dS·k`, `dkᵀ = qᵀ·dS`. With the statistics of a larger
+/// attention that these keys are a part of (ring attention's merged output and
+/// log-sum-exp), these are that attention's gradients through these keys.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward_from_stats<B: Parts>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    pad: BoolTensor<B>,
+    padded: bool,
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    p: AttentionParams,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let dims = Dims::of::<B>(&q, &k);
+    let dtype = k.dtype();
+    let wide = wide(dtype);
+    let narrow = FloatDType::from(dtype);
+    let lse = B::float_reshape(
+        cast::<B>(lse, wide),
+        Shape::from([dims.b, dims.heads, dims.sq, 1]),
+    );
+    let blocks = dims.blocks(&p);
+    let (mut dk, mut dv) = (
+        KeyGrad::<B>::new(blocks.len()),
+        KeyGrad::<B>::new(blocks.len()),
+    );
+    let mut dq = Vec::with_capacity(blocks.len());
+    for block in blocks {
+        let Block { row0, rows, keys } = block;
+        let (scores, mask) = masked_scores::<B>(dims, block, &q, &k, &pad, padded, &p, wide);
+        let shape = scores.shape();
+        let row_lse = B::float_expand(self::rows::<B>(&lse, row0, rows), shape.clone());
+        let probs = B::float_exp(B::float_sub(scores, row_lse));
+        let window = window(row0, rows, keys, dims.sq, dims.sk);
+        let dropped = match p.dropout > 0.0 {
+            true => B::dropout(probs.clone(), p.dropout, p.seed, window),
+            false => probs.clone(),
+        };
+        let grad = self::rows::<B>(&grad, row0, rows);
+        let dropped = dims.grouped::<B>(cast::<B>(dropped, narrow));
+        let grad_g = dims.grouped::<B>(grad.clone());
+        let (k_b, v_b) = (self::rows::<B>(&k, 0, keys), self::rows::<B>(&v, 0, keys));
+        dv.add(
+            B::batched_matmul(transposed::<B>(dropped), grad_g.clone()),
+            dims,
+        );
+        let d_dropped = B::batched_matmul(grad_g, transposed::<B>(v_b));
+        let mut d_probs = cast::<B>(dims.per_head::<B>(d_dropped, rows), wide);
+        if p.dropout > 0.0 {
+            d_probs = B::dropout(d_probs, p.dropout, p.seed, window);
+        }
+        let out_b = cast::<B>(self::rows::<B>(&out, row0, rows), wide);
+        let delta = B::float_sum_dim(B::float_mul(cast::<B>(grad, wide), out_b), 3);
+        let centred = B::float_sub(d_probs, B::float_expand(delta, shape));
+        let mut d_scores = B::float_mul_scalar(B::float_mul(probs, centred), p.scale.into());
+        if let Some(mask) = mask {
+            d_scores = B::float_mask_fill(d_scores, mask, 0.0.into());
+        }
+        let d_scores = dims.grouped::<B>(cast::<B>(d_scores, narrow));
+        let q_b = dims.grouped::<B>(self::rows::<B>(&q, row0, rows));
+        let dq_block = B::batched_matmul(d_scores.clone(), k_b);
+        dq.push(dims.per_head::<B>(dq_block, rows));
+        let dk_t = B::batched_matmul(transposed::<B>(q_b), d_scores);
+        dk.add(transposed::<B>(dk_t), dims);
+    }
+    let dq = match dq.len() {
+        1 => dq.pop().expect("one block"),
+        _ => B::float_cat(dq, 2),
+    };
+    (dq, dk.finish(dtype), dv.finish(dtype))
 }

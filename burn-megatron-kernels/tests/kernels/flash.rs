@@ -3,7 +3,9 @@
 //! the output and the gradients of q, k and v, with grouped queries, padding, causal masks
 //! (fewer queries than keys too) and dropout, at sizes that span several query blocks and
 //! key tiles (and a head dimension whose tiles are shorter than a block). The rows'
-//! log-sum-exp against one summed in f64 on the host.
+//! log-sum-exp against one summed in f64 on the host. Attention over blocks of keys merged
+//! by their log-sum-exps, each block's backward from the merged statistics (ring
+//! attention's use), against the composition over all the keys.
 
 use crate::common;
 
@@ -11,7 +13,7 @@ use crate::attention::{Case, NAMES, run, unfused};
 use burn::tensor::{DType, Device, Tensor};
 use burn_megatron_kernels::{
     AttentionParams, FLASH_MAX_HEAD_DIM, KernelError, MASKED_SCORE, flash_attention,
-    flash_attention_with_lse,
+    flash_attention_backward, flash_attention_with_lse,
 };
 use common::{relative, to_vec};
 
@@ -189,6 +191,94 @@ fn log_sum_exp_matches_the_host_on_cube() {
         &common::cube_device("log_sum_exp_matches_the_host_on_cube"),
         1e-5,
     );
+}
+
+/// Keys in two blocks (a split inside a key tile), each attended with its log-sum-exp; the
+/// outputs merged by their log-sum-exps; each block's backward from the merged output and
+/// log-sum-exp; `dq` summed, `dk` and `dv` concatenated: the composition over every key.
+fn merged_blocks_match_the_unfused_composition(device: &Device, dt: DType, tol: f32) {
+    let case = Case {
+        b: 2,
+        heads: 4,
+        groups: 2,
+        sq: 37,
+        sk: 45,
+        d: 32,
+        padded: true,
+        causal: false,
+        dropout: 0.0,
+    };
+    let want = run(&case, device, dt, |q, k, v, p| unfused(&case, q, k, v, p));
+    let [q, k, v, grad] = case.inputs(device, dt);
+    let pad = case.padding(device).expect("the case is padded");
+    let blocks = [(0, 20), (20, case.sk - 20)];
+    let keys = |t: &Tensor<4>, (at, n): (usize, usize)| t.clone().narrow(2, at, n);
+    let padding = |(at, n): (usize, usize)| Some(pad.clone().narrow(1, at, n));
+    let [(o0, l0), (o1, l1)] = blocks.map(|blk| {
+        flash_attention_with_lse(
+            q.clone(),
+            keys(&k, blk),
+            keys(&v, blk),
+            padding(blk),
+            params(&case),
+        )
+        .unwrap()
+    });
+    let max = l0.clone().max_pair(l1.clone());
+    let (w0, w1) = ((l0 - max.clone()).exp(), (l1 - max.clone()).exp());
+    let lse = max + (w0.clone() + w1.clone()).log();
+    let weight = |w: Tensor<3>| (w / (w0.clone() + w1.clone())).unsqueeze_dim::<4>(3);
+    let wide = |t: Tensor<4>| t.cast(DType::F32);
+    let out = (wide(o0) * weight(w0.clone()) + wide(o1) * weight(w1.clone())).cast(dt);
+    let [(dq0, dk0, dv0), (dq1, dk1, dv1)] = blocks.map(|blk| {
+        let (out, lse, grad) = (out.clone(), lse.clone(), grad.clone());
+        let (k, v) = (keys(&k, blk), keys(&v, blk));
+        flash_attention_backward(q.clone(), k, v, padding(blk), out, lse, grad, params(&case))
+            .unwrap()
+    });
+    let got = [
+        to_vec(out),
+        to_vec(dq0 + dq1),
+        to_vec(Tensor::cat(vec![dk0, dk1], 2)),
+        to_vec(Tensor::cat(vec![dv0, dv1], 2)),
+    ];
+    for ((got, want), name) in got.iter().zip(&want).zip(NAMES) {
+        let err = relative(got, want);
+        assert!(
+            err <= tol,
+            "{name} ({dt:?}): relative error {err:e} above {tol:e}"
+        );
+    }
+}
+
+#[test]
+fn merged_blocks_match_the_unfused_composition_on_flex() {
+    merged_blocks_match_the_unfused_composition(&common::flex(), DType::F32, 1e-5);
+}
+
+/// The kernels as they are chosen (f32: scalar; f16: the tensor cores on CUDA).
+#[cfg(feature = "cube")]
+#[test]
+fn merged_blocks_match_the_unfused_composition_on_cube() {
+    let device = common::cube_device("merged_blocks_match_the_unfused_composition_on_cube");
+    merged_blocks_match_the_unfused_composition(&device, DType::F32, 1e-4);
+    merged_blocks_match_the_unfused_composition(&device, DType::F16, 2e-2);
+}
+
+/// The backward refuses statistics that do not fit the queries.
+#[test]
+fn backward_statistics_of_the_wrong_shape_are_refused() {
+    let device = Device::flex();
+    let t = |h, s| Tensor::<4>::zeros([1, h, s, 8], &device);
+    let lse = |s| Tensor::<3>::zeros([1, 2, s], &device);
+    let p = AttentionParams::new(0.1);
+    let r = flash_attention_backward(t(2, 3), t(1, 4), t(1, 4), None, t(2, 3), lse(4), t(2, 3), p);
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
+    let r = flash_attention_backward(t(2, 3), t(1, 4), t(1, 4), None, t(2, 4), lse(3), t(2, 3), p);
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
+    let half = lse(3).cast(DType::F16);
+    let r = flash_attention_backward(t(2, 3), t(1, 4), t(1, 4), None, t(2, 3), half, t(2, 3), p);
+    assert!(matches!(r, Err(KernelError::Shape(_))), "{r:?}");
 }
 
 #[test]

@@ -156,7 +156,7 @@ fn llama_style_gpt_with_context_parallelism_matches_one_rank() {
 }
 
 /// The chunked attention (blocks of 3 rows) in CP's all-gather and Ulysses paths (the ring
-/// keeps its own blocks), against one rank's unfused attention.
+/// attends its blocks with Burn ops under it), against one rank's unfused attention.
 #[test]
 fn chunked_attention_under_context_parallelism_matches_one_unfused_rank() {
     let unfused = llama(2, SEQ);
@@ -166,6 +166,25 @@ fn chunked_attention_under_context_parallelism_matches_one_unfused_rank() {
         t
     });
     check_against("llama chunked", &unfused, &chunked, &[(1, 2, false)]);
+}
+
+/// The flash attention in every CP path (the ring attends each block with the flash op and
+/// merges them by their log-sum-exps; its backward replays each block from the merged
+/// statistics), against one rank's unfused attention, at CP 2 and at CP 4 (more steps of
+/// the ring, blocks off the diagonal).
+#[test]
+fn flash_attention_under_context_parallelism_matches_one_unfused_rank() {
+    let unfused = llama(2, SEQ);
+    let flash = (unfused.clone()).map_transformer(|mut t| {
+        t.attention.attention_backend = burn_megatron::models::AttnBackend::Flash;
+        t
+    });
+    check_against(
+        "llama flash",
+        &unfused,
+        &flash,
+        &[(1, 2, false), (1, 4, false)],
+    );
 }
 
 #[test]
@@ -313,97 +332,130 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
     }
 }
 
-/// Ring attention is one op with a handwritten backward that draws the forward's attention
-/// dropout masks again: with dropout 0.3 at CP 2, the gradient of a causal layer's output
-/// with respect to its QKV weight (which reaches the output only through attention) equals
-/// the central difference of its own forward (the same seed each time) along a direction,
-/// summed over the CP ranks. The forward sends and receives CP − 1 blocks per layer, the
-/// backward 2·(CP − 1) + 1 (the K/V blocks with their gradients, and the gradients home).
+/// Ring attention is one op with a handwritten backward that replays the forward's
+/// attention dropout: with dropout 0.3 at CP 2, the gradient of a causal layer's output with
+/// respect to its QKV weight (which reaches the output only through attention) equals the
+/// central difference of its own forward (the same seed each time) along a direction,
+/// summed over the CP ranks, with the blocks attended by Burn ops and by the flash op. The
+/// two draw one seed per block in the same order and hash the same indices, so they drop the
+/// same elements: equal outputs and gradients. The forward sends and receives CP − 1
+/// blocks per layer, the backward 2·(CP − 1) + 1 (the K/V blocks with their gradients, and
+/// the gradients home); with flash, each rank's 5 visible blocks are 5 flash calls each way.
 #[test]
 fn ring_attention_with_dropout_has_the_gradient_of_its_forward() {
     use burn::module::Param;
     use burn::tensor::Device;
     use burn_megatron::context_parallel::RingStats;
-    use burn_megatron::models::{AttentionInputs, CpAttention};
+    use burn_megatron::models::{AttentionInputs, AttnBackend, CpAttention};
     use burn_megatron::tensor_parallel::RngTracker;
+    use burn_megatron_kernels::thread_flash_launches;
     const S: usize = 16;
     const B: usize = 2;
     const H: usize = 32;
     let layout = ParallelConfig::new(2, 1, 1).with_context_parallel(2);
-    let out = threads(&layout, LaunchOptions::default(), |ctx| {
-        let d: &Device = &ctx.device;
-        let mut layer = layer(H, 4, 64).with_hidden_dropout(0.0);
-        layer.attention.attention_dropout = 0.3;
-        let layer = layer.init(&ctx.groups.tp, d)?;
-        let cp = ContextParallel::new(ctx.groups.cp.clone(), S)?.with_comm_type(CpCommType::P2p);
-        let inputs = AttentionInputs {
-            context_parallel: Some(CpAttention {
-                cp: cp.clone(),
-                causal: true,
-            }),
-            ..AttentionInputs::default()
-        };
-        let local = S / 2 * B * H;
-        let r = cp.rank();
-        let host = |n: usize, k: usize| -> Vec<f32> {
-            (0..n)
-                .map(|i| (((i + r * n) * k + 7) % 101) as f32 / 101.0 - 0.5)
-                .collect()
-        };
-        let tensor = |v: Vec<f32>| Tensor::<3>::from_data(TensorData::new(v, [S / 2, B, H]), d);
-        let (x, w) = (tensor(host(local, 37)), tensor(host(local, 53)));
-        let weight = &layer.attention.query_key_value.weight;
-        let dims = weight.dims();
-        // One direction for every rank: the weight is the same on each.
-        let dir: Vec<f32> = (0..dims[0] * dims[1])
-            .map(|i| ((i * 61 + 7) % 101) as f32 / 101.0 - 0.5)
-            .collect();
-        let direction = Tensor::<2>::from_data(TensorData::new(dir.clone(), dims), d);
-        let f = |layer: &burn_megatron::models::TransformerLayer, rng: Option<&RngTracker>| {
-            (layer.forward(x.clone(), &inputs, rng) * w.clone()).sum()
-        };
-        let seeded = || RngTracker::new(7, 0);
-        let loss = f(&layer, Some(&seeded()));
-        let counts = |s: RingStats| (s.sends, s.received.len());
-        let forward = counts(cp.take_ring_stats());
-        let grads = loss.backward();
-        let backward = counts(cp.take_ring_stats());
-        let g: Vec<f32> = weight
-            .val()
-            .grad(&grads)
-            .unwrap()
-            .into_data()
-            .try_to_vec()
-            .unwrap();
-        let analytic = cp.sum(g.iter().zip(&dir).map(|(g, v)| g * v).sum::<f32>())?;
-        let eps = 1e-2;
-        let shifted = |sign: f32| -> Result<f32, Error> {
-            let mut moved = layer.clone();
-            let step = direction.clone().mul_scalar(sign * eps);
-            let moved_weight = (weight.val().detach() + step).into_data();
-            moved.attention.query_key_value.weight =
-                Param::from_tensor(Tensor::from_data(moved_weight, d));
-            Ok(cp.sum(values(f(&moved, Some(&seeded())).inner())[0])?)
-        };
-        let numeric = (shifted(1.0)? - shifted(-1.0)?) / (2.0 * eps);
-        let plain = values(f(&layer, None).inner())[0];
-        let dropped = values(f(&layer, Some(&seeded())).inner())[0];
-        Ok::<_, Error>((analytic, numeric, forward, backward, plain - dropped))
-    })
-    .unwrap();
-    for (rank, (analytic, numeric, forward, backward, changed)) in out.into_iter().enumerate() {
+    let run = |backend: AttnBackend| {
+        threads(&layout, LaunchOptions::default(), |ctx| {
+            let d: &Device = &ctx.device;
+            let mut layer = layer(H, 4, 64).with_hidden_dropout(0.0);
+            layer.attention.attention_dropout = 0.3;
+            layer.attention.attention_backend = backend;
+            let layer = layer.init(&ctx.groups.tp, d)?;
+            let cp =
+                ContextParallel::new(ctx.groups.cp.clone(), S)?.with_comm_type(CpCommType::P2p);
+            let inputs = AttentionInputs {
+                context_parallel: Some(CpAttention {
+                    cp: cp.clone(),
+                    causal: true,
+                }),
+                ..AttentionInputs::default()
+            };
+            let local = S / 2 * B * H;
+            let r = cp.rank();
+            let host = |n: usize, k: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|i| (((i + r * n) * k + 7) % 101) as f32 / 101.0 - 0.5)
+                    .collect()
+            };
+            let tensor = |v: Vec<f32>| Tensor::<3>::from_data(TensorData::new(v, [S / 2, B, H]), d);
+            let (x, w) = (tensor(host(local, 37)), tensor(host(local, 53)));
+            let weight = &layer.attention.query_key_value.weight;
+            let dims = weight.dims();
+            // One direction for every rank: the weight is the same on each.
+            let dir: Vec<f32> = (0..dims[0] * dims[1])
+                .map(|i| ((i * 61 + 7) % 101) as f32 / 101.0 - 0.5)
+                .collect();
+            let direction = Tensor::<2>::from_data(TensorData::new(dir.clone(), dims), d);
+            let f = |layer: &burn_megatron::models::TransformerLayer, rng: Option<&RngTracker>| {
+                (layer.forward(x.clone(), &inputs, rng) * w.clone()).sum()
+            };
+            let seeded = || RngTracker::new(7, 0);
+            let calls = || thread_flash_launches().composed;
+            let before = calls();
+            let loss = f(&layer, Some(&seeded()));
+            let flash_forward = calls() - before;
+            let counts = |s: RingStats| (s.sends, s.received.len());
+            let forward = counts(cp.take_ring_stats());
+            let grads = loss.clone().backward();
+            let flash_backward = calls() - before - flash_forward;
+            let backward = counts(cp.take_ring_stats());
+            let g: Vec<f32> = weight
+                .val()
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_to_vec()
+                .unwrap();
+            let analytic = cp.sum(g.iter().zip(&dir).map(|(g, v)| g * v).sum::<f32>())?;
+            let eps = 1e-2;
+            let shifted = |sign: f32| -> Result<f32, Error> {
+                let mut moved = layer.clone();
+                let step = direction.clone().mul_scalar(sign * eps);
+                let moved_weight = (weight.val().detach() + step).into_data();
+                moved.attention.query_key_value.weight =
+                    Param::from_tensor(Tensor::from_data(moved_weight, d));
+                Ok(cp.sum(values(f(&moved, Some(&seeded())).inner())[0])?)
+            };
+            let numeric = (shifted(1.0)? - shifted(-1.0)?) / (2.0 * eps);
+            let plain = values(f(&layer, None).inner())[0];
+            let dropped = values(loss.inner())[0];
+            Ok::<_, Error>((
+                (analytic, numeric, plain - dropped),
+                (forward, backward),
+                (flash_forward, flash_backward),
+                dropped,
+            ))
+        })
+        .unwrap()
+    };
+    let (unfused, flash) = (run(AttnBackend::Unfused), run(AttnBackend::Flash));
+    for (backend, out, calls) in [("unfused", &unfused, 0), ("flash", &flash, 5)] {
+        for (rank, ((analytic, numeric, changed), sent, flash_calls, _)) in out.iter().enumerate() {
+            let what = format!("{backend} rank {rank}");
+            assert!(
+                changed.abs() > 1e-3,
+                "{what}: dropout must change the output ({changed})"
+            );
+            assert!(
+                (analytic - numeric).abs() <= 5e-3 * numeric.abs().max(0.1),
+                "{what}: gradient {analytic} vs central difference {numeric}"
+            );
+            assert_eq!(*sent, ((1, 1), (3, 3)), "{what}: blocks sent, received");
+            assert_eq!(*flash_calls, (calls, calls), "{what}: flash calls each way");
+        }
+    }
+    for (rank, (u, f)) in unfused.iter().zip(&flash).enumerate() {
+        let (loss, grad) = ((u.3, f.3), (u.0.0, f.0.0));
         assert!(
-            changed.abs() > 1e-3,
-            "rank {rank}: dropout must change the output ({changed})"
+            (loss.0 - loss.1).abs() <= 1e-5 * loss.0.abs().max(1.0),
+            "rank {rank}: the flash blocks drop other elements: loss {} vs {}",
+            loss.1,
+            loss.0
         );
         assert!(
-            (analytic - numeric).abs() <= 5e-3 * numeric.abs().max(0.1),
-            "rank {rank}: gradient {analytic} vs central difference {numeric}"
-        );
-        assert_eq!(
-            (forward, backward),
-            ((1, 1), (3, 3)),
-            "rank {rank}: blocks sent, received"
+            (grad.0 - grad.1).abs() <= 1e-4 * grad.0.abs().max(1.0),
+            "rank {rank}: gradient along the direction {} (flash) vs {}",
+            grad.1,
+            grad.0
         );
     }
 }

@@ -35,7 +35,7 @@ use super::{AttentionParams, ChunkedAttentionOps, check, chunked};
 use crate::KernelError;
 use burn::backend::tensor::{BoolTensor, FloatTensor};
 use burn::backend::{Dispatch, Flex, backend_extension};
-use burn::tensor::{Bool, Tensor};
+use burn::tensor::{Bool, DType, Tensor};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
@@ -108,11 +108,12 @@ pub(crate) enum KernelPath {
     Scalar,
     TensorCores,
     Emulated,
+    Composed,
 }
 
-static LAUNCHES: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+static LAUNCHES: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
 
-/// Flash attention calls (forward or backward) run on the Cube kernels, by kernel set.
+/// Flash attention calls (forward or backward), by the code that served them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FlashLaunches {
     /// The scalar kernels.
@@ -121,14 +122,16 @@ pub struct FlashLaunches {
     pub tensor_cores: u64,
     /// The tensor-core schedule, emulated ([`FlashKernels::Emulated`]).
     pub emulated: u64,
+    /// The chunked schedule of backend ops (backends without the kernels: Flex).
+    pub composed: u64,
 }
 
 thread_local! {
-    static THREAD_LAUNCHES: std::cell::Cell<FlashLaunches> =
-        const { std::cell::Cell::new(FlashLaunches { scalar: 0, tensor_cores: 0, emulated: 0 }) };
+    static THREAD_LAUNCHES: std::cell::Cell<FlashLaunches> = const {
+        std::cell::Cell::new(FlashLaunches { scalar: 0, tensor_cores: 0, emulated: 0, composed: 0 })
+    };
 }
 
-#[cfg_attr(not(feature = "cube"), allow(dead_code))]
 pub(crate) fn count_launch(path: KernelPath) {
     LAUNCHES[path as usize].fetch_add(1, Ordering::Relaxed);
     THREAD_LAUNCHES.with(|c| {
@@ -137,19 +140,20 @@ pub(crate) fn count_launch(path: KernelPath) {
             KernelPath::Scalar => n.scalar += 1,
             KernelPath::TensorCores => n.tensor_cores += 1,
             KernelPath::Emulated => n.emulated += 1,
+            KernelPath::Composed => n.composed += 1,
         }
         c.set(n);
     });
 }
 
-/// The flash calls this process ran on the Cube kernels (the other backends' chunked
-/// schedule counts in none).
+/// The flash calls this process ran.
 pub fn flash_launches() -> FlashLaunches {
     let n = |p: KernelPath| LAUNCHES[p as usize].load(Ordering::Relaxed);
     FlashLaunches {
         scalar: n(KernelPath::Scalar),
         tensor_cores: n(KernelPath::TensorCores),
         emulated: n(KernelPath::Emulated),
+        composed: n(KernelPath::Composed),
     }
 }
 
@@ -177,6 +181,7 @@ pub trait FlashAttentionOps: ChunkedAttentionOps {
         padded: bool,
         params: AttentionParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        count_launch(KernelPath::Composed);
         let params = blocks(params);
         let lse =
             chunked::log_sum_exp::<Self>(q.clone(), k.clone(), key_padding.clone(), padded, params);
@@ -184,8 +189,10 @@ pub trait FlashAttentionOps: ChunkedAttentionOps {
         (out, lse)
     }
 
-    /// `(dq, dk, dv)` for the output gradient `grad`, from the forward's output and
-    /// log-sum-exp.
+    /// `(dq, dk, dv)` for the output gradient `grad`, from the forward's output `out` and
+    /// log-sum-exp `lse` (f32): `P = exp(S − lse)` and `D = rowsum(grad ∘ out)`. Given the
+    /// statistics of a larger attention whose keys include these (ring attention's merged
+    /// output and log-sum-exp), the results are that attention's gradients through these keys.
     #[allow(clippy::too_many_arguments)]
     fn flash_attention_backward(
         q: FloatTensor<Self>,
@@ -198,9 +205,18 @@ pub trait FlashAttentionOps: ChunkedAttentionOps {
         grad: FloatTensor<Self>,
         params: AttentionParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        // The schedule recomputes what it needs from the inputs.
-        let _ = (out, lse);
-        chunked::backward::<Self>(q, k, v, key_padding, padded, grad, blocks(params))
+        count_launch(KernelPath::Composed);
+        chunked::backward_from_stats::<Self>(
+            q,
+            k,
+            v,
+            key_padding,
+            padded,
+            out,
+            lse,
+            grad,
+            blocks(params),
+        )
     }
 }
 
@@ -280,4 +296,92 @@ pub fn flash_attention_with_lse(
         params,
     );
     Ok((Tensor::from_dispatch(out), Tensor::from_dispatch(lse)))
+}
+
+/// The gradients `(dq, dk, dv)` of attention over `k` and `v` for the output gradient `grad`,
+/// from the statistics of a forward: its output `out` (`q`'s shape and dtype) and each row's
+/// log-sum-exp `lse` (`[b, heads, sq]`, f32; f64 for f64 inputs), as
+/// [`flash_attention_with_lse`] returns them. A caller that merged several calls over
+/// blocks of keys (ring attention) passes the merged output and log-sum-exp, and gets each
+/// block's share of the whole attention's gradients. `params` (masks, dropout seed) must be
+/// those of the forward over these keys. Not differentiable.
+///
+/// # Errors
+///
+/// As [`flash_attention`], and [`KernelError::Shape`] when `out`, `lse` or `grad` do not fit
+/// `q`.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor, TensorData};
+/// use burn_megatron_kernels::{AttentionParams, flash_attention_backward, flash_attention_with_lse};
+/// let device = Device::flex();
+/// let t = |s: usize, k: f32| Tensor::<4>::from_data(
+///     TensorData::new((0..s * 4).map(|i| (i as f32 * k).sin()).collect(), [1, 1, s, 4]),
+///     &device,
+/// );
+/// let (q, k, v, grad) = (t(3, 0.3), t(5, 0.7), t(5, 1.1), t(3, 1.3));
+/// let params = AttentionParams::new(0.5);
+/// let (out, lse) = flash_attention_with_lse(q.clone(), k.clone(), v.clone(), None, params).unwrap();
+/// let (dq, dk, dv) = flash_attention_backward(q, k, v, None, out, lse, grad, params).unwrap();
+/// assert_eq!((dq.dims(), dk.dims(), dv.dims()), ([1, 1, 3, 4], [1, 1, 5, 4], [1, 1, 5, 4]));
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    key_padding: Option<Tensor<2, Bool>>,
+    out: Tensor<4>,
+    lse: Tensor<3>,
+    grad: Tensor<4>,
+    params: AttentionParams,
+) -> Result<(Tensor<4>, Tensor<4>, Tensor<4>), KernelError> {
+    check(&q, &k, &v, key_padding.as_ref(), &params)?;
+    let [b, heads, sq, d] = q.dims();
+    if d > FLASH_MAX_HEAD_DIM {
+        return Err(KernelError::Unsupported(format!(
+            "flash attention takes head dimensions up to {FLASH_MAX_HEAD_DIM}, got {d}"
+        )));
+    }
+    let stats = match q.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let fits = out.dims() == q.dims()
+        && grad.dims() == q.dims()
+        && out.dtype() == q.dtype()
+        && grad.dtype() == q.dtype()
+        && lse.dims() == [b, heads, sq]
+        && lse.dtype() == stats;
+    if !fits {
+        return Err(KernelError::Shape(format!(
+            "the flash backward needs out and grad as q ({:?}, {:?}) and lse [b, heads, sq] in {stats:?}: out {:?} {:?}, grad {:?} {:?}, lse {:?} {:?}",
+            q.dims(),
+            q.dtype(),
+            out.dims(),
+            out.dtype(),
+            grad.dims(),
+            grad.dtype(),
+            lse.dims(),
+            lse.dtype()
+        )));
+    }
+    let padded = key_padding.is_some();
+    let key_padding = key_padding.unwrap_or_else(|| Tensor::<2, Bool>::empty([1, 1], &q.device()));
+    let (dq, dk, dv) = Dispatch::flash_attention_backward(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        key_padding.into_dispatch(),
+        padded,
+        out.into_dispatch(),
+        lse.into_dispatch(),
+        grad.into_dispatch(),
+        params,
+    );
+    Ok((
+        Tensor::from_dispatch(dq),
+        Tensor::from_dispatch(dk),
+        Tensor::from_dispatch(dv),
+    ))
 }

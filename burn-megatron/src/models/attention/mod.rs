@@ -75,9 +75,10 @@ pub struct ParallelAttentionConfig {
     /// Dropout on the attention probabilities (drawn per TP rank: each holds other heads).
     #[config(default = 0.1)]
     pub attention_dropout: f64,
-    /// How the core attention runs (`--attention-backend`): in training, decoding, and
-    /// context parallelism's all-gather and Ulysses paths alike; the ring exchange
-    /// (`--cp-comm-type p2p`) merges its blocks itself whatever this says.
+    /// How the core attention runs (`--attention-backend`): in training, decoding, and every
+    /// context-parallel path. The ring exchange (`--cp-comm-type p2p`) merges its blocks by
+    /// their log-sum-exps either way, attending each with the flash op under `Flash` and
+    /// with Burn ops otherwise.
     #[config(default = "AttnBackend::Unfused")]
     pub attention_backend: AttnBackend,
     /// Query rows per block of [`AttnBackend::Chunked`]: its transient scores are
