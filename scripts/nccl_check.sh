@@ -249,8 +249,11 @@ spawn job_layout gpt cp2-p2p-flash 2 --context-parallel-size 2 --cp-comm-type p2
 # (the distributed optimizer) in device memory.
 spawn job_layout gpt dp2 2
 spawn job_layout gpt dp2-distopt 2 --use-distributed-optimizer
-# The same pipeline with its messages through host memory, for the device path's effect.
+# The same pipeline and ring with their messages through host memory, for the device path's
+# effect.
 BURN_MEGATRON_P2P=host spawn job_layout gpt pp2-1f1b-p2p-host 2 --pipeline-model-parallel-size 2
+BURN_MEGATRON_P2P=host spawn job_layout gpt cp2-p2p-host 2 --context-parallel-size 2 \
+  --cp-comm-type p2p
 for dispatcher in alltoall allgather; do
   spawn job_layout gpt "ep2-$dispatcher" 2 --expert-model-parallel-size 2 --num-experts 4 \
     --moe-token-dispatcher-type "$dispatcher"

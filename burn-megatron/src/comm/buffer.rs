@@ -36,6 +36,18 @@ impl CommDType {
             CommDType::I64 => 8,
         }
     }
+
+    /// The Burn dtype of these elements.
+    pub fn burn_dtype(self) -> burn::tensor::DType {
+        use burn::tensor::DType;
+        match self {
+            CommDType::F32 => DType::F32,
+            CommDType::F16 => DType::F16,
+            CommDType::BF16 => DType::BF16,
+            CommDType::I32 => DType::I32,
+            CommDType::I64 => DType::I64,
+        }
+    }
 }
 
 impl fmt::Display for CommDType {

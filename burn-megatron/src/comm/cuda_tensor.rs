@@ -7,7 +7,7 @@
 
 use super::{CommDType, CommError, DeviceCollectives, DeviceSlice, comm_dtype};
 use burn::backend::{BackendTensor, DispatchTensor, DispatchTensorKind};
-use burn::tensor::kind::Basic;
+use burn::tensor::kind::{Autodiff, Basic};
 use burn::tensor::{DType, Device, Shape, Tensor, TensorCreationOptions};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -194,16 +194,16 @@ pub(crate) fn on_device<const D: usize, K: Basic>(
 }
 
 /// Which path a tensor to send takes.
-pub(crate) enum Carried<const D: usize> {
+pub(crate) enum Carried<const D: usize, K: Basic> {
     /// Its CUDA buffer (the autodiff graph dropped), for the device path.
     Device(CubeTensor),
     /// The tensor, for the host path.
-    Host(Tensor<D>),
+    Host(Tensor<D, K>),
 }
 
 /// The path `t` takes: the device when it is a CUDA float tensor of a dtype the collectives
 /// carry, not empty, and the device path is allowed; else the host.
-pub(crate) fn carried<const D: usize>(t: Tensor<D>) -> Carried<D> {
+pub(crate) fn carried<const D: usize, K: Autodiff>(t: Tensor<D, K>) -> Carried<D, K> {
     if !device_path_allowed() || t.shape().num_elements() == 0 {
         return Carried::Host(t);
     }
@@ -233,7 +233,7 @@ pub(crate) fn recv_tensor<const D: usize>(
     if !device_path_allowed() || n == 0 || !float {
         return None;
     }
-    let dtype = burn_dtype(dtype);
+    let dtype = dtype.burn_dtype();
     // One dim: CUDA pads each row of a 2-d-or-more allocation, and NCCL writes packed rows.
     let options = TensorCreationOptions::new(device.clone().inner()).with_dtype(dtype);
     let flat = Tensor::<1>::empty([n], options);
@@ -255,13 +255,4 @@ pub(crate) fn recv_tensor<const D: usize>(
             t
         }
     }))
-}
-
-fn burn_dtype(dtype: CommDType) -> DType {
-    match dtype {
-        CommDType::F16 => DType::F16,
-        CommDType::BF16 => DType::BF16,
-        // The caller takes floats only.
-        _ => DType::F32,
-    }
 }

@@ -1,7 +1,9 @@
 //! Collectives on Burn tensors, on top of the flat-buffer [`Communicator`] API.
 //!
 //! Tensors are read to the host, exchanged, and written back to the same device with the
-//! same dtype (f16/bf16 stay f16/bf16). These functions are *not* differentiable: inside an
+//! same dtype (f16/bf16 stay f16/bf16), except that CUDA float tensors on a communicator with
+//! device collectives (NCCL) stay in device memory ([`all_reduce`], [`all_gather`],
+//! [`reduce_scatter`], [`send`], [`recv`]). These functions are *not* differentiable: inside an
 //! autodiff graph use the mappings of `tensor_parallel`, whose backward is the conjugate
 //! collective.
 //!
@@ -17,7 +19,7 @@
 //! ```
 
 use super::{Buffer, CommError, Communicator, ReduceOp, buffer::with_vec};
-use burn::tensor::kind::Basic;
+use burn::tensor::kind::{Autodiff, Basic};
 use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
 use burn_megatron_kernels::device::ReadBack;
 
@@ -253,16 +255,42 @@ pub fn broadcast<const D: usize, K: Basic>(
     Ok(buffer_to_tensor(buf, dims, &device))
 }
 
-/// Sends `tensor` to member `peer`.
-pub fn send<const D: usize, K: Basic>(
+/// Sends `tensor` to member `peer` (not this member), returning once it is queued: the
+/// receiver need not be waiting. A float tensor on a CUDA device goes from device memory when
+/// the communicator has device collectives (NCCL); everything else through host memory. The
+/// message is the same either way, so the peer may receive it into either
+/// ([`P2pStats`](super::P2pStats) counts both paths).
+pub fn send<const D: usize, K: Autodiff>(
     comm: &(impl Communicator + ?Sized),
     tensor: Tensor<D, K>,
     peer: usize,
 ) -> Result<(), CommError> {
+    #[cfg(feature = "cuda")]
+    let tensor = {
+        use super::cuda_tensor::{Carried, carried, count_host};
+        let dev = comm.device_collectives();
+        match dev.filter(|_| peer != comm.group().rank()) {
+            Some(dev) => match carried(tensor) {
+                Carried::Device(x) => {
+                    return super::cuda_tensor::send(dev, comm.group().to_string(), x, peer);
+                }
+                Carried::Host(tensor) => {
+                    count_host();
+                    tensor
+                }
+            },
+            None => {
+                count_host();
+                tensor
+            }
+        }
+    };
     comm.send(tensor_to_buffer(comm, "send", tensor)?, peer)
 }
 
-/// Receives a tensor of `shape` and `dtype` from member `peer` onto `device`.
+/// Receives a tensor of `shape` and `dtype` from member `peer` onto `device`: into device
+/// memory for a float dtype on a CUDA device when the communicator has device collectives
+/// (NCCL), else through host memory. Not tracked by autodiff.
 pub fn recv<const D: usize, K: Basic>(
     comm: &(impl Communicator + ?Sized),
     shape: [usize; D],
@@ -272,6 +300,19 @@ pub fn recv<const D: usize, K: Basic>(
 ) -> Result<Tensor<D, K>, CommError> {
     let comm_dtype = super::buffer::comm_dtype(dtype)
         .ok_or_else(|| invalid(comm, "recv", format!("dtype {dtype:?} is not supported")))?;
+    #[cfg(feature = "cuda")]
+    {
+        use super::cuda_tensor::{count_host, recv_tensor};
+        let dev = comm.device_collectives();
+        if let Some(dev) = dev.filter(|_| peer != comm.group().rank()) {
+            let group = comm.group().to_string();
+            if let Some(got) = recv_tensor(dev, group, device, shape, comm_dtype, peer) {
+                // A float tensor, as the float dtype says.
+                return got.map(|t| Tensor::from_dispatch(t.into_dispatch()));
+            }
+        }
+        count_host();
+    }
     let mut buf = Buffer::zeros(comm_dtype, shape.iter().product());
     comm.recv(&mut buf, peer)?;
     Ok(buffer_to_tensor(buf, shape, device))

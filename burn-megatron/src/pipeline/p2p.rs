@@ -13,7 +13,7 @@
 //! graph. CUDA tensors over NCCL travel in device memory (`comm/cuda_tensor.rs`); everything
 //! else through host memory.
 
-use crate::comm::tensor::{buffer_to_tensor, invalid, tensor_to_buffer};
+use crate::comm::tensor::{invalid, recv};
 use crate::comm::{Buffer, Comm, CommDType, CommError};
 use burn::tensor::{DType, Device, Tensor};
 
@@ -140,23 +140,7 @@ impl P2pCommunicator {
             P2pShapes::Fixed { .. } => {}
         }
         // CUDA tensors over NCCL go from device memory (the same message either way).
-        #[cfg(feature = "cuda")]
-        let tensor = match comm
-            .device_collectives()
-            .filter(|_| peer != self.group().rank())
-        {
-            Some(dev) => match crate::comm::cuda_tensor::carried(tensor) {
-                crate::comm::cuda_tensor::Carried::Device(x) => {
-                    let group = comm.group().to_string();
-                    return crate::comm::cuda_tensor::send(dev, group, x, peer);
-                }
-                crate::comm::cuda_tensor::Carried::Host(tensor) => tensor,
-            },
-            None => tensor,
-        };
-        #[cfg(feature = "cuda")]
-        crate::comm::cuda_tensor::count_host();
-        comm.send(tensor_to_buffer(&**comm, op, tensor)?, peer)
+        crate::comm::tensor::send(&**comm, tensor, peer)
     }
 
     fn recv<const D: usize>(
@@ -208,24 +192,7 @@ impl P2pCommunicator {
                 (dtype, dims)
             }
         };
-        #[cfg(feature = "cuda")]
-        if let Some(dev) = comm
-            .device_collectives()
-            .filter(|_| peer != self.group().rank())
-        {
-            let group = comm.group().to_string();
-            let got =
-                crate::comm::cuda_tensor::recv_tensor(dev, group, &self.device, dims, dtype, peer);
-            if let Some(got) = got {
-                let t = got?;
-                return Ok(if require_grad { t.require_grad() } else { t });
-            }
-        }
-        #[cfg(feature = "cuda")]
-        crate::comm::cuda_tensor::count_host();
-        let mut buf = Buffer::zeros(dtype, dims.iter().product());
-        comm.recv(&mut buf, peer)?;
-        let t: Tensor<D> = buffer_to_tensor(buf, dims, &self.device);
+        let t: Tensor<D> = recv(&**comm, dims, dtype.burn_dtype(), &self.device, peer)?;
         Ok(if require_grad { t.require_grad() } else { t })
     }
 

@@ -23,8 +23,7 @@
 //! timed in [`RingStats`](crate::context_parallel::RingStats).
 
 use super::{AttnBackend, CoreAttention};
-use crate::comm::tensor::{buffer_to_tensor, tensor_to_buffer};
-use crate::comm::{Buffer, CommDType};
+use crate::comm::tensor::{recv, send};
 use crate::context_parallel::ContextParallel;
 use crate::recompute::{RecomputeOps, Region, Replayed};
 use crate::tensor_parallel::{RngRegion, RngTracker};
@@ -262,31 +261,28 @@ impl Ring {
         (dq, dk, dv)
     }
 
-    /// Queues `x` for the next rank of the ring (never waits for it).
-    fn post(&self, x: &Tensor<4>) -> (CommDType, usize) {
-        let comm = self.cp.comm();
-        let buf = tensor_to_buffer(&**comm, "cp_ring_send_recv", x.clone())
-            .unwrap_or_else(|e| panic!("{e}"));
-        let (dtype, len) = (buf.dtype(), buf.len());
+    /// Queues `x` for the next rank of the ring (never waits for it): from device memory
+    /// for CUDA tensors over NCCL, else through host memory. Returns its dtype, for the
+    /// matching [`receive`](Self::receive).
+    fn post(&self, x: &Tensor<4>) -> DType {
         let next = (self.cp.rank() + 1) % self.cp.size();
+        let bytes = x.shape().num_elements() * x.dtype().size();
         let start = Instant::now();
-        comm.send(buf, next).unwrap_or_else(|e| panic!("{e}"));
-        self.cp.record_ring_send(start, len * dtype.size());
-        (dtype, len)
+        send(&**self.cp.comm(), x.clone(), next).unwrap_or_else(|e| panic!("{e}"));
+        self.cp.record_ring_send(start, bytes);
+        x.dtype()
     }
 
-    /// The previous rank's block of `dims`, waiting if it has not arrived.
-    fn receive(&self, (dtype, len): (CommDType, usize), dims: [usize; 4]) -> Tensor<4> {
+    /// The previous rank's block of `dims` and `dtype`, waiting if it has not arrived.
+    fn receive(&self, dtype: DType, dims: [usize; 4]) -> Tensor<4> {
         let cp = self.cp.size();
         let previous = (self.cp.rank() + cp - 1) % cp;
-        let mut buf = Buffer::zeros(dtype, len);
         let start = Instant::now();
-        self.cp
-            .comm()
-            .recv(&mut buf, previous)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let comm = self.cp.comm();
+        let t =
+            recv(&**comm, dims, dtype, &self.device, previous).unwrap_or_else(|e| panic!("{e}"));
         self.cp.record_ring_receive(start);
-        buffer_to_tensor(buf, dims, &self.device)
+        t
     }
 
     /// The attention output `[2L, b, heads·hn]`, each query half's log-sum-exp and the
