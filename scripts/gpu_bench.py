@@ -2,8 +2,9 @@
 
   python3 scripts/gpu_bench.py LOGS
 
-LOGS holds what `scripts/gpu_check.sh bench` wrote there:
-  torch.log                  scripts/torch_ref/torch_gpu_ref.py (PyTorch eager, cuBLAS GEMMs)
+LOGS holds what `scripts/gpu_check.sh bench` (or `bench-1b`) wrote there:
+  torch.log                  scripts/torch_ref/torch_gpu_ref.py (PyTorch eager, cuBLAS GEMMs;
+                             bench-1b: its --config run of the 1B Llama)
   ours-VARIANT.log           `gpu_check bf16` of one build (VARIANT: plain, autotune)
   ours-VARIANT-FAMILY.prof   CubeCL's per-kernel table (CUBECL_DEBUG_OPTION=profile) of a
                              separate run of one model (FAMILY: gpt, bert)
@@ -61,7 +62,7 @@ def our_runs(text):
     PASS lines (the variant in parentheses after the device; `default` without one)."""
     runs = {}
     for line in text.splitlines():
-        m = re.match(r"^PASS bf16 (GPT|BERT) .*? step on \S+(?: \(([\w-]+)\))?: ([\d.]+) ms.*?, "
+        m = re.match(r"^PASS bf16 (GPT|BERT|LLAMA1B) .*? step on \S+(?: \(([\w-]+)\))?: ([\d.]+) ms.*?, "
                      r"([\d.]+) TFLOP/s", line)
         if not m:
             continue
@@ -108,7 +109,8 @@ def main():
     step_gemms = [r for shape, r in gemms.items() if shape != "8192x8192x8192"]
     cublas = statistics.median(step_gemms) if step_gemms else None
     names = {"gpt": next((k for k in torch if k.startswith("GPT") and k.endswith("vocab 512")), None),
-             "bert": next((k for k in torch if k.startswith("BERT")), None)}
+             "bert": next((k for k in torch if k.startswith("BERT")), None),
+             "llama1b": next((k for k in torch if k.startswith("GPT 22x2048")), None)}
     variants = sorted(os.path.basename(p)[5:-4] for p in glob.glob(os.path.join(logs, "ours-*.log")))
     ours = {v: our_runs(read(os.path.join(logs, f"ours-{v}.log")) or "") for v in variants}
     if not variants:
@@ -116,14 +118,16 @@ def main():
         sys.exit(1)
     rate = f"{cublas:.0f}" if cublas else "?"
     print(f"cuBLAS bf16 GEMM: {rate} TFLOP/s at the step's shapes (median of "
-          f"{', '.join(f'{s} {r:.0f}' for s, r in gemms.items() if s != '8192x8192x8192')}); "
-          f"{gemms.get('8192x8192x8192', 0):.0f} at 8192^3")
+          f"{', '.join(f'{s} {r:.0f}' for s, r in gemms.items() if s != '8192x8192x8192')})"
+          + (f"; {gemms['8192x8192x8192']:.0f} at 8192^3" if "8192x8192x8192" in gemms else ""))
     print()
     print(f"| model | run | ms/step | TFLOP/s | MFU of 989 | of cuBLAS {rate} | memory | vs eager "
           f"| per step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for family in ("gpt", "bert"):
+    for family in ("gpt", "bert", "llama1b"):
         name = names[family]
+        if not name and not any(f == family for runs in ours.values() for f, _ in runs):
+            continue
         eager = torch.get(name) if name else None
         label = name or family.upper()
         of_cublas = (lambda tf: f"{100 * tf / cublas:.1f} %") if cublas else (lambda tf: "?")

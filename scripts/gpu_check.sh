@@ -12,6 +12,8 @@
 #                                       # (ranks sharing one GPU: see nccl_check.sh), ≤ 420 s
 #   scripts/gpu_check.sh bench          # there: our bf16 steps against PyTorch's, with a
 #                                       # per-kernel profile and a table last, ≤ 540 s
+#   scripts/gpu_check.sh bench-1b       # there: the same for a 1B Llama at seq 2048 (base
+#                                       # payload only), ≤ 330 s
 #
 # The payload is target/gpu_check_payload/ (ignored by git, so carry it: the device tool's
 # `run` with the carry `build` prints for each mode): xz tarballs of stripped binaries built
@@ -118,7 +120,7 @@ build() {
   ls -la "$payload"
   # What each mode carries (the NVRTC tarball goes with every one when it was made).
   local mode files bytes over=0
-  for mode in "checks:base kernels" "nccl:base nccl" "bench:base autotune"; do
+  for mode in "checks:base kernels" "nccl:base nccl" "bench:base autotune" "bench-1b:base"; do
     files=()
     for f in ${mode#*:} nvrtc; do
       [ -f "$payload/$f.tar.xz" ] && files+=("$payload/$f.tar.xz")
@@ -131,7 +133,7 @@ build() {
     echo "gpu_check: a mode's payload is over the 64 MiB a device run carries" >&2
     exit 1
   fi
-  echo "run: scripts/gpu_check.sh [nccl | bench] with that mode's carry, timeout_s=600"
+  echo "run: scripts/gpu_check.sh [nccl | bench | bench-1b] with that mode's carry, timeout_s=600"
 }
 
 # check NAME STATUS DETAIL: one report line (and the failure count).
@@ -256,6 +258,28 @@ run_bench() {
   timeout 10 python3 scripts/gpu_bench.py "$logs"
 }
 
+# Issue 43's 1B-class target: PyTorch's step of the 1B Llama (gpu_check's `llama1b`,
+# TinyLlama-1.1B's shape at seq 2048, micro-batch 8, vocab 32000) with cuBLAS's rate at its
+# GEMMs, ours with the flash and the chunked attention (cuBLASLt GEMMs), and the table.
+# Carries `base` alone. Bounded to 330 s (90 + 230 + 10 at most).
+run_bench_1b() {
+  unpack
+  find_libraries
+  logs=${GPU_CHECK_LOGS:-target/gpu_bench_1b}
+  rm -rf "$logs" && mkdir -p "$logs"
+  echo "== PyTorch (eager) and cuBLAS, the 1B Llama"
+  timeout 90 python3 scripts/torch_ref/torch_gpu_ref.py --config=22,2048,32,4,5632,2048,8,32000 \
+    >"$logs/torch.log" 2>&1
+  grep -E "^(torch|TORCH)" "$logs/torch.log" ||
+    { echo "PyTorch's run printed no timings:"; tail -3 "$logs/torch.log"; }
+  echo "== ours (flash, chunked)"
+  timeout 230 "$bin/gpu_check" bf16 --bf16-models llama1b --bf16-variants flash,chunked \
+    --out "$logs" >"$logs/ours-plain.log" 2>&1
+  grep -E "^(PASS|FAIL|SKIP) |panicked" "$logs/ours-plain.log"
+  echo "== the table"
+  timeout 10 python3 scripts/gpu_bench.py "$logs"
+}
+
 run_checks() {
   unpack
   logs=${GPU_CHECK_LOGS:-target/gpu_check}
@@ -337,6 +361,7 @@ case "${1:-}" in
   build) shift; build "$@" ;;
   nccl) run_nccl ;;
   bench) run_bench ;;
+  bench-1b) run_bench_1b ;;
   "") run_checks ;;
-  *) echo "usage: scripts/gpu_check.sh [build [--dev] | nccl | bench]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_check.sh [build [--dev] | nccl | bench | bench-1b]" >&2; exit 2 ;;
 esac

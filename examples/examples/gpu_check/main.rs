@@ -42,8 +42,8 @@ struct Args {
     /// Where the runs write their loss plots.
     #[arg(long, default_value = "target/gpu_check")]
     out: std::path::PathBuf,
-    /// The bf16 check's models (gpt, bert; default both): one alone for a per-kernel
-    /// profile of its steps.
+    /// The bf16 check's models (gpt, bert, llama1b; default gpt and bert): one alone for a
+    /// per-kernel profile of its steps.
     #[arg(long, value_delimiter = ',', default_values_t = ["bert".to_string(), "gpt".to_string()])]
     bf16_models: Vec<String>,
     /// The bf16 check's GEMM engines and stream orders on CUDA, each timed in turn in this

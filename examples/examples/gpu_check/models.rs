@@ -27,8 +27,8 @@ fn device_memory(device: &str) -> String {
 }
 
 /// Flags every run shares: one rank, no dropout (its masks are drawn per device), no
-/// validation, quiet.
-fn common(device: &str, iters: usize, plot: &Path) -> Vec<String> {
+/// validation, quiet; the corpus is `documents` synthetic documents.
+fn common(device: &str, iters: usize, documents: usize, plot: &Path) -> Vec<String> {
     let flags = [
         "--world-size",
         "1",
@@ -38,8 +38,6 @@ fn common(device: &str, iters: usize, plot: &Path) -> Vec<String> {
         &iters.to_string(),
         "--lr",
         "3e-3",
-        "--synthetic-documents",
-        "600",
         "--hidden-dropout",
         "0",
         "--attention-dropout",
@@ -53,6 +51,8 @@ fn common(device: &str, iters: usize, plot: &Path) -> Vec<String> {
         device,
         "--loss-plot",
         &plot.display().to_string(),
+        "--synthetic-documents",
+        &documents.to_string(),
     ];
     flags.iter().map(|s| s.to_string()).collect()
 }
@@ -107,7 +107,7 @@ fn train(
 ) -> Result<Vec<f64>, String> {
     let plot = out.join(format!("{family}-{device}-{attention}.png"));
     let mut argv = vec![format!("{family}_pretrain")];
-    argv.extend(common(device, iters, &plot));
+    argv.extend(common(device, iters, 600, &plot));
     argv.extend(shape(2, 64, 4, 64, 4));
     argv.extend(["--attention-backend".to_string(), attention.to_string()]);
     let log: Vec<IterationLog> = if family == "gpt" {
@@ -176,50 +176,86 @@ fn step_flops(layers: f64, per_layer: f64, hidden: f64, seq: f64, batch: f64, vo
         + 12.0 * layers * batch * seq * seq * hidden
 }
 
-/// A bf16 step's model: family, (layers, hidden, heads, seq, micro-batch), extra flags, and
-/// the matmul weights per layer.
+/// A bf16 step's model: its name, the example that trains it (`gpt` or `bert`), (layers,
+/// hidden, heads, seq, micro-batch), extra flags, the matmul weights per layer, the
+/// vocabulary, and the synthetic documents that give it samples enough.
 struct Bf16Model {
+    name: &'static str,
     family: &'static str,
     shape: [usize; 5],
     flags: Vec<String>,
     per_layer: f64,
     vocab: usize,
+    documents: usize,
 }
 
-/// The bf16 steps: BERT-large (24 × 1024, 16 heads, seq 512, micro-batch 8) and a
-/// Llama-style GPT (12 × 2048, 16 heads / 4 query groups, SwiGLU 5632, seq 512,
-/// micro-batch 16: the corpus's ~48k tokens make 94 samples) on CUDA; on the CPU small
-/// ones, so that the bf16 paths run here too.
+/// The bf16 models by name: `bert` (BERT-large-sized), `gpt` (a Llama-style 12 × 2048) and
+/// `llama1b` (issue 43's 1B-class target: TinyLlama-1.1B's shape, 22 × 2048, 32 heads in 4
+/// query groups, SwiGLU 5632, vocab 32000, seq 2048, micro-batch 8); small stand-ins on the
+/// CPU, so that the paths run there.
 fn bf16_models(cuda: bool) -> Vec<Bf16Model> {
     let bert_vocab = burn_megatron::tensor_parallel::padded_vocab_size(
         burn_megatron::data::synthetic_vocabulary().len(),
         128,
         1,
     );
-    let (bert, gpt, ffn) = if cuda {
-        ([24, 1024, 16, 512, 8], [12, 2048, 16, 512, 16], 5632)
+    let (bert, gpt, ffn, big, big_ffn, big_vocab) = if cuda {
+        (
+            [24, 1024, 16, 512, 8],
+            [12, 2048, 16, 512, 16],
+            5632,
+            [22, 2048, 32, 2048, 8],
+            5632,
+            32000,
+        )
     } else {
-        ([2, 64, 4, 64, 4], [2, 64, 4, 64, 4], 176)
+        let small = [2, 64, 4, 64, 4];
+        (small, small, 176, [2, 64, 4, 256, 2], 176, 1024)
     };
-    let (h, groups) = (gpt[1] as f64, 4);
-    let kv = 2.0 * h * (h / gpt[2] as f64) * groups as f64;
-    let mut flags = llama(groups);
-    flags.extend(["--ffn-hidden-size".into(), ffn.to_string()]);
+    let per_layer = |[_, hidden, heads, _, _]: [usize; 5], groups: usize, ffn: usize| {
+        let h = hidden as f64;
+        2.0 * h * h + 2.0 * h * (h / heads as f64) * groups as f64 + 3.0 * h * ffn as f64
+    };
+    let llama_flags = |groups: usize, ffn: usize| {
+        let mut flags = llama(groups);
+        flags.extend(["--ffn-hidden-size".into(), ffn.to_string()]);
+        flags
+    };
+    let mut big_flags = llama_flags(4, big_ffn);
+    // The corpus's tokens, in an output layer padded to the vocabulary's size.
+    big_flags.extend([
+        "--make-vocab-size-divisible-by".into(),
+        big_vocab.to_string(),
+    ]);
     vec![
         Bf16Model {
+            name: "bert",
             family: "bert",
             shape: bert,
             flags: vec![],
             per_layer: 12.0 * (bert[1] as f64).powi(2),
             vocab: bert_vocab,
+            documents: 600,
         },
         Bf16Model {
+            name: "gpt",
             family: "gpt",
             shape: gpt,
-            flags,
-            per_layer: 2.0 * h * h + kv + 3.0 * h * ffn as f64,
+            flags: llama_flags(4, ffn),
+            per_layer: per_layer(gpt, 4, ffn),
             // The corpus's 400-token vocabulary, padded to 128.
             vocab: 512,
+            documents: 600,
+        },
+        Bf16Model {
+            name: "llama1b",
+            family: "gpt",
+            shape: big,
+            flags: big_flags,
+            per_layer: per_layer(big, 4, big_ffn),
+            vocab: big_vocab,
+            // 600 make no sample of 2049 tokens; 4000 make 159.
+            documents: 4000,
         },
     ]
 }
@@ -317,32 +353,32 @@ fn bf16_variant(report: &mut Report, out: &Path, families: &[String], variant: &
     };
     let unknown: Vec<&String> = families
         .iter()
-        .filter(|f| !["gpt", "bert"].contains(&f.as_str()))
+        .filter(|f| !["gpt", "bert", "llama1b"].contains(&f.as_str()))
         .collect();
     if !unknown.is_empty() {
         report.fail(
             "bf16 models",
-            format!("{unknown:?}: the models are gpt and bert"),
+            format!("{unknown:?}: the models are gpt, bert and llama1b"),
         );
         return;
     }
     let chosen = bf16_models(device == "cuda")
         .into_iter()
-        .filter(|m| families.iter().any(|f| f == m.family));
+        .filter(|m| families.iter().any(|f| f == m.name));
     for m in chosen {
         let [layers, hidden, heads, seq, micro] = m.shape;
         let name = format!(
             "bf16 {} {layers}×{hidden} seq {seq} step on {device} ({variant})",
-            m.family.to_uppercase()
+            m.name.to_uppercase()
         );
         #[cfg(feature = "cuda")]
         let before = (
             burn_megatron::cuda::gemm_stats(),
             burn_megatron::cuda::order::order_stats(),
         );
-        let plot = out.join(format!("bf16-{}-{device}.png", m.family));
+        let plot = out.join(format!("bf16-{}-{device}.png", m.name));
         let mut argv = vec![format!("{}_pretrain", m.family)];
-        argv.extend(common(device, BF16_STEPS, &plot));
+        argv.extend(common(device, BF16_STEPS, m.documents, &plot));
         argv.extend(shape(layers, hidden, heads, seq, micro));
         argv.extend(m.flags.iter().cloned());
         if variant == "chunked" {
