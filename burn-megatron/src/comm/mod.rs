@@ -14,7 +14,7 @@
 //!
 //! Tensor-level helpers on Burn tensors live in [`tensor`].
 
-mod all_to_all;
+pub(crate) mod all_to_all;
 mod buffer;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda_tensor;

@@ -87,3 +87,33 @@ fn disagreeing_counts_and_dtypes_fail_on_every_member() {
         "{err}"
     );
 }
+
+/// An empty piece travels as no message, so that members taking the host path and members
+/// taking the device path (which skips empty pieces) stay in step: rank 1 here takes the
+/// device path's steps by hand (the count agreement, then only its non-empty pieces), and
+/// after an all-to-all in which rank 0 sends it nothing, the next message it takes from rank 0
+/// is the one sent after it.
+#[test]
+fn empty_pieces_send_no_message() {
+    use super::{agree, starts};
+    use crate::comm::CommDType;
+    let out = run(2, |rank, world| {
+        let comm = world.communicator("ep", vec![0, 1], rank).unwrap();
+        if rank == 0 {
+            let got = comm
+                .all_to_all_v(Buffer::from(vec![0.0f32]), &[1, 0], &[1, 2])
+                .unwrap();
+            comm.send(Buffer::from(vec![42.0f32]), 1).unwrap();
+            return got;
+        }
+        let (send, recv) = ([2, 0], [0, 0]);
+        agree(&comm, CommDType::F32, &send, &recv).unwrap();
+        assert_eq!(starts(&send), [0, 2]);
+        comm.send(Buffer::from(vec![1.0f32; 2]), 0).unwrap();
+        let mut next = Buffer::from(vec![0.0f32]);
+        comm.recv(&mut next, 0).unwrap();
+        next
+    });
+    assert_eq!(out[0], Buffer::from(vec![0.0f32, 1.0, 1.0]));
+    assert_eq!(out[1], Buffer::from(vec![42.0f32]));
+}

@@ -1,7 +1,7 @@
 //! The mappings on Burn's CUDA tensors, on device memory, when the communicator has device
 //! collectives (NCCL): activations and gradients never leave the GPU. Splits are slices on the
 //! device; gathers and reductions hand the tensors' buffers to NCCL; ring shifts (context
-//! parallelism's) send and receive them.
+//! parallelism's) and the all-to-all (experts' token dispatch, Ulysses) send and receive them.
 //!
 //! NCCL runs on a stream of its own, made to wait on the device for what Burn's stream has
 //! queued (`burn_megatron_kernels::cuda::order`; `BURN_MEGATRON_STREAM_ORDER=host` drains
@@ -9,6 +9,7 @@
 //! waits, with its deadline) before Burn reads its output.
 
 use super::Mapping;
+use crate::comm::all_to_all::{agree, starts};
 use crate::comm::cuda_tensor::{self, collective};
 use crate::comm::{Comm, CommError, DeviceCollectives, ReduceOp, comm_dtype};
 use burn::backend::ops::FloatTensorOps;
@@ -111,4 +112,67 @@ fn narrow(x: CubeTensor, dim: usize, start: usize, len: usize) -> CubeTensor {
         })
         .collect();
     CubeBackend::float_slice(x, &slices)
+}
+
+/// [`all_to_all_rows`](super::host::all_to_all_rows) in device memory: the members agree on
+/// the count matrix (one small host all-gather, as on the host path), then each non-empty
+/// piece of rows goes to its member as one device message (queued, never waiting for the
+/// receiver), and the pieces received (this member's own in place) are concatenated in group
+/// order on the device.
+pub(crate) fn all_to_all(
+    x: CubeTensor,
+    send: &[usize],
+    recv: &[usize],
+    comm: &Comm,
+    dev: &dyn DeviceCollectives,
+) -> CubeTensor {
+    let _span = tracing::debug_span!("moe.all_to_all").entered();
+    all_to_all_pieces(x, send, recv, comm, dev)
+        .unwrap_or_else(|e| panic!("expert-parallel all_to_all failed: {e}"))
+}
+
+fn all_to_all_pieces(
+    x: CubeTensor,
+    send: &[usize],
+    recv: &[usize],
+    comm: &Comm,
+    dev: &dyn DeviceCollectives,
+) -> Result<CubeTensor, CommError> {
+    let (n, me) = (comm.group().size(), comm.group().rank());
+    let group = comm.group().to_string();
+    let x = into_contiguous(x);
+    let dims = x.meta.shape().to_vec();
+    let row: usize = dims[1..].iter().product();
+    let elements = |rows: &[usize]| rows.iter().map(|&r| r * row).collect::<Vec<_>>();
+    let dtype = comm_dtype(x.dtype).expect("collectives() admits only the collectives' dtypes");
+    agree(&**comm, dtype, &elements(send), &elements(recv))?;
+    let at = starts(send);
+    for j in (0..n).filter(|&j| j != me && send[j] > 0) {
+        let piece = into_contiguous(narrow(x.clone(), 0, at[j], send[j]));
+        cuda_tensor::send(dev, group.clone(), piece, j)?;
+    }
+    let mut pieces = Vec::with_capacity(n);
+    for (i, &rows) in recv.iter().enumerate() {
+        let mut piece_dims = dims.clone();
+        piece_dims[0] = rows;
+        if i == me && rows > 0 {
+            pieces.push(narrow(x.clone(), 0, at[me], rows));
+        } else if rows > 0 {
+            pieces.push(cuda_tensor::recv(
+                dev,
+                group.clone(),
+                &x,
+                &piece_dims,
+                x.dtype,
+                i,
+            )?);
+        }
+    }
+    let mut out_dims = dims;
+    out_dims[0] = recv.iter().sum();
+    Ok(match pieces.len() {
+        0 => CubeBackend::float_zeros(Shape::from(out_dims), &x.device, x.dtype.into()),
+        1 => pieces.pop().expect("one piece"),
+        _ => CubeBackend::float_cat(pieces, 0),
+    })
 }

@@ -70,13 +70,16 @@ impl TensorParallelOps for burn::backend::Cube {
         forward::<Self>(mapping, x, &comm)
     }
 
-    // Through host memory: the device collectives have no all-to-all yet.
     fn all_to_all(
         x: FloatTensor<Self>,
         send: Vec<usize>,
         recv: Vec<usize>,
         comm: Comm,
     ) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = super::device::collectives(&x, &comm) {
+            return super::device::all_to_all(x, &send, &recv, &comm, dev);
+        }
         all_to_all_rows::<Self>(x, &send, &recv, &comm)
     }
 }
