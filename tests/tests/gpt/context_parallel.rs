@@ -237,15 +237,16 @@ fn a2a_with_heads_not_divisible_by_cp_is_refused() {
     }
 }
 
-/// Bidirectional attention (BERT's layer: padding mask, no causal mask) under CP 2 and 4:
-/// each rank's outputs and input gradients are the unsplit layer's at its positions, and
-/// the parameter gradients summed over CP are the unsplit ones (keys padded at the end of
-/// one sample, so the gathered padding must follow the gathered keys' order).
+/// Bidirectional attention (BERT's layer: padding mask, no causal mask) under CP 2 and 4,
+/// unfused and flash: each rank's outputs and input gradients are the unsplit unfused
+/// layer's at its positions, and the parameter gradients summed over CP are the unsplit ones
+/// (keys padded at the end of one sample, so the gathered padding must follow the gathered
+/// keys' order; with flash, the ring's blocks take each block's padding).
 #[test]
 fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
     use burn::tensor::{Bool, Device};
     use burn_megatron::comm::{CommunicatorExt, ReduceOp};
-    use burn_megatron::models::{AttentionInputs, CpAttention};
+    use burn_megatron::models::{AttentionInputs, AttnBackend, CpAttention};
     const S: usize = 16;
     const B: usize = 2;
     const H: usize = 32;
@@ -264,31 +265,41 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             .flat_map(|&p| v[p * B * H..(p + 1) * B * H].to_vec())
             .collect()
     };
-    for (cp, comm_type) in [2, 4]
+    let layouts = [2, 4]
         .into_iter()
-        .flat_map(|cp| COMM_TYPES.map(|c| (cp, c)))
-    {
+        .flat_map(|cp| COMM_TYPES.map(|c| (cp, c)));
+    let backends = [AttnBackend::Unfused, AttnBackend::Flash];
+    for ((cp, comm_type), backend) in layouts.flat_map(|l| backends.map(|b| (l, b))) {
         let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
         let out = threads(&layout, LaunchOptions::default(), |ctx| {
             let d: &Device = &ctx.device;
-            let layer = no_dropout(layer(H, 4, 64)).init(&ctx.groups.tp, d)?;
+            let reference = no_dropout(layer(H, 4, 64)).init(&ctx.groups.tp, d)?;
+            let mut config = no_dropout(layer(H, 4, 64));
+            config.attention.attention_backend = backend;
+            // The same seeds: the same weights as the reference.
+            let split_layer = config.init(&ctx.groups.tp, d)?;
             let (x, w) = (host(S * B * H, 37), host(S * B * H, 53));
-            let run = |x: Vec<f32>, w: Vec<f32>, s: usize, inputs: &AttentionInputs| {
+            let run = |layer: &burn_megatron::models::TransformerLayer,
+                       x: Vec<f32>,
+                       w: Vec<f32>,
+                       s: usize,
+                       inputs: &AttentionInputs| {
                 let x = Tensor::<3>::from_data(TensorData::new(x, [s, B, H]), d).require_grad();
                 let w = Tensor::<3>::from_data(TensorData::new(w, [s, B, H]), d);
                 let y = layer.forward(x.clone(), inputs, None);
                 let grads = (y.clone() * w).sum().backward();
                 let gx: Vec<f32> = x.grad(&grads).unwrap().into_data().try_to_vec().unwrap();
                 let gp = gathered(
-                    &layer,
-                    Some(&GradientsParams::from_grads(grads, &layer)),
+                    layer,
+                    Some(&GradientsParams::from_grads(grads, layer)),
                     &ctx.groups.tp,
                 );
                 (values(y.inner()), gx, gp)
             };
             let flat: Vec<bool> = padded.concat();
             let full_pad = Tensor::<2, Bool>::from_data(TensorData::new(flat, [B, S]), d);
-            let (y1, gx1, gp1) = run(x.clone(), w.clone(), S, &AttentionInputs::padding(full_pad));
+            let full = AttentionInputs::padding(full_pad);
+            let (y1, gx1, gp1) = run(&reference, x.clone(), w.clone(), S, &full);
             let split = ContextParallel::new(ctx.groups.cp.clone(), S)?.with_comm_type(comm_type);
             let inputs = AttentionInputs {
                 padding: Some(split.gathered_padding(&padded, d)?),
@@ -299,7 +310,13 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
                 }),
             };
             let pos = split.positions().to_vec();
-            let (y, gx, mut gp) = run(rows(&x, &pos), rows(&w, &pos), pos.len(), &inputs);
+            let (y, gx, mut gp) = run(
+                &split_layer,
+                rows(&x, &pos),
+                rows(&w, &pos),
+                pos.len(),
+                &inputs,
+            );
             for v in gp.values_mut() {
                 ctx.groups.cp.all_reduce_vec(v, ReduceOp::Sum)?;
             }
@@ -315,18 +332,18 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
             };
             assert!(
                 close(&y, &y1) <= 1e-5,
-                "cp {cp} {comm_type:?} rank {rank}: outputs differ by {}",
+                "cp {cp} {comm_type:?} {backend:?} rank {rank}: outputs differ by {}",
                 close(&y, &y1)
             );
             assert!(
                 close(&gx, &gx1) <= 1e-4,
-                "cp {cp} rank {rank}: input gradients differ by {}",
+                "cp {cp} {comm_type:?} {backend:?} rank {rank}: input gradients differ by {}",
                 close(&gx, &gx1)
             );
             let (g, at) = max_rel_diff(&gp, &gp1, 1e-6);
             assert!(
                 g <= 1e-5,
-                "cp {cp} rank {rank}: gradient of {at} differs by {g}"
+                "cp {cp} {comm_type:?} {backend:?} rank {rank}: gradient of {at} differs by {g}"
             );
         }
     }
