@@ -71,6 +71,16 @@ job_collectives() { # PORT N
   fi
 }
 
+job_tensors() { # PORT N: comm::tensor and the all-to-all on CUDA tensors against CPU tensors
+  local log=$out/tensors-$2 start=$SECONDS
+  if COMM_SUITE_TIMEOUT_S=60 launch "$1" "$2" "$log" "$bin/comm_suite" tensors nccl &&
+    (($(cat "$log".* | grep -c "on the device path equal") == $2)); then
+    result "tensors at $2" PASS "$(grep -h -o "[0-9]* tensor ops.*" "$log.0") (f32, bf16, f16: all-reduce, all-gather, reduce-scatter, send/recv across paths, all-to-all with empty pieces and mixed paths); $((SECONDS - start)) s"
+  else
+    result "tensors at $2" FAIL "$(grep -h -m2 -E "error|panicked|host \(" "$log".* | head -2)"
+  fi
+}
+
 job_large() { # PORT N
   local log=$out/large-$2
   if COMM_SUITE_TIMEOUT_S=120 launch "$1" "$2" "$log" "$bin/comm_suite" large nccl; then
@@ -228,6 +238,8 @@ spawn job_killed_peer
 spawn job_mismatch
 spawn job_large 2
 spawn job_large 4
+spawn job_tensors 2
+spawn job_tensors 4
 ((gpus < 2)) && spawn job_same_host_id
 for model in gpt bert; do
   spawn job_layout "$model" tp2-sp 2 --tensor-model-parallel-size 2 --sequence-parallel

@@ -48,6 +48,24 @@ fn every_op_and_dtype_equals_the_local_backend_at_2_3_and_4_processes() {
     }
 }
 
+/// The `tensors` case on CPU tensors (no GPU here: both sides take the host path), which
+/// checks the case's own arithmetic before it runs on GPUs under NCCL: the messages against
+/// their senders' values, the all-to-all's splits with empty pieces.
+#[test]
+fn the_tensor_case_agrees_with_itself_on_the_host_path() {
+    for n in [2, 3] {
+        let (out, _) = mpirun(n, "tensors", 60);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "np {n}: {stdout}\n{stderr}");
+        for rank in 0..n {
+            assert!(
+                stdout.contains(&format!("rank {rank}: 27 tensor ops on the host")),
+                "np {n}, rank {rank} did not report: {stdout}"
+            );
+        }
+    }
+}
+
 /// 64 MiB buffers, the size of a bucket of gradients, at 3 processes (uneven gather parts
 /// would show).
 #[test]

@@ -21,6 +21,13 @@
 //!   closed forms (small integers: exact in any order of summation), with their time.
 //! - `killed-peer`: after one all-reduce, the last rank sends itself SIGKILL; the others'
 //!   next all-reduce must fail within the collective timeout.
+//! - `tensors`: the tensor-level collectives (`comm::tensor`) and the all-to-all mapping on
+//!   the rank's GPU (CUDA tensors: device memory under NCCL) against the same calls on CPU
+//!   tensors (host memory) over the same communicator, exactly (small integers), in f32,
+//!   bf16 and f16: all-reduce, all-gather along both dims, reduce-scatter, messages sent on
+//!   one path and received on the other, and an all-to-all with empty pieces whose members
+//!   take the device path, the host path, or a mix. Without a CUDA device (MPI on a CPU
+//!   machine) both sides are CPU tensors, which checks the case itself, and it says so.
 
 use burn_megatron::comm::{
     Buffer, Comm, CommDType, CommError, CommunicatorExt, LocalWorld, ReduceOp, World,
@@ -245,6 +252,124 @@ fn collectives(world: &dyn World, rank: usize, exact: bool) -> Result<(), String
     Ok(())
 }
 
+/// The `tensors` case (see the module docs): the number of checks, and the path.
+fn tensors(world: &dyn World, rank: usize) -> Result<String, String> {
+    use burn::tensor::{DType, Device, Tensor, TensorData};
+    use burn_megatron::comm::tensor;
+    use burn_megatron::tensor_parallel::mappings::all_to_all;
+    let n = world.size();
+    let comm = world
+        .new_group("tensors", (0..n).collect(), rank)
+        .map_err(|e| e.to_string())?;
+    let cpu = Device::flex();
+    // The GPU the communicator's NCCL runs on (GPU 0 where it has no device collectives).
+    let ordinal = comm.device_collectives().map_or(0, |d| d.ordinal());
+    let (gpu, path) = match cuda_device(ordinal) {
+        Ok(d) if comm.device_collectives().is_some() => (d, "device".to_string()),
+        Ok(_) => (cpu.clone(), "host (no device collectives)".to_string()),
+        Err(e) => (cpu.clone(), format!("host (no CUDA device: {e})")),
+    };
+    #[cfg(feature = "cuda")]
+    let before = burn_megatron::comm::p2p_stats().device;
+    let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+    // `rows × cols` small integers of member `owner`: exact in every dtype and every order.
+    let values = |owner: usize, rows: usize, cols: usize, salt: usize| -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| ((owner * 5 + i * 3 + salt) % 9) as f32 - 4.0)
+            .collect()
+    };
+    let make = |dev: &Device, dtype: DType, rows: usize, cols: usize, salt: usize| {
+        let v = values(rank, rows, cols, salt);
+        Tensor::<2>::from_data(TensorData::new(v, [rows, cols]), dev).cast(dtype)
+    };
+    let read = |t: Tensor<2>| -> Vec<f32> {
+        let t = t.cast(DType::F32).into_data();
+        t.try_to_vec::<f32>().expect("f32 after the cast")
+    };
+    let mut checks = 0;
+    let mut same = |what: String, device: Vec<f32>, host: Vec<f32>| {
+        checks += 1;
+        match device == host {
+            true => Ok(()),
+            false => Err(format!(
+                "{what}: {device:?} on the {path} path, {host:?} on the host"
+            )),
+        }
+    };
+    let e = |e: CommError| e.to_string();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let sum =
+            |dev: &Device| tensor::all_reduce(&*comm, make(dev, dtype, 3, 5, 0), ReduceOp::Sum);
+        same(
+            format!("all_reduce {dtype:?}"),
+            read(sum(&gpu).map_err(e)?),
+            read(sum(&cpu).map_err(e)?),
+        )?;
+        for dim in [0, 1] {
+            let gather = |dev: &Device| tensor::all_gather(&*comm, make(dev, dtype, 2, 3, 1), dim);
+            let (d, h) = (gather(&gpu).map_err(e)?, gather(&cpu).map_err(e)?);
+            same(format!("all_gather dim {dim} {dtype:?}"), read(d), read(h))?;
+        }
+        let scatter = |dev: &Device| {
+            tensor::reduce_scatter(&*comm, make(dev, dtype, 2 * n, 3, 2), 0, ReduceOp::Sum)
+        };
+        let (d, h) = (scatter(&gpu).map_err(e)?, scatter(&cpu).map_err(e)?);
+        same(format!("reduce_scatter {dtype:?}"), read(d), read(h))?;
+        // Each message in the ring sent on one path and received on the other (or the same).
+        for (from, to, what) in [
+            (&gpu, &cpu, "gpu → cpu"),
+            (&cpu, &gpu, "cpu → gpu"),
+            (&gpu, &gpu, "gpu → gpu"),
+        ] {
+            tensor::send(&*comm, make(from, dtype, 2, 3, 3), next).map_err(e)?;
+            let got: Tensor<2> = tensor::recv(&*comm, [2, 3], dtype, to, prev).map_err(e)?;
+            same(
+                format!("send/recv {what} {dtype:?}"),
+                read(got),
+                values(prev, 2, 3, 3),
+            )?;
+        }
+        // Member i sends (i + j) mod 3 rows to member j: empty pieces among them.
+        let send: Vec<usize> = (0..n).map(|j| (rank + j) % 3).collect();
+        let recv: Vec<usize> = (0..n).map(|i| (i + rank) % 3).collect();
+        let rows = send.iter().sum();
+        let exchange = |dev: &Device| {
+            all_to_all(make(dev, dtype, rows, 4, 4), &send, &recv, &comm).map_err(|e| e.to_string())
+        };
+        let host = read(exchange(&cpu)?);
+        same(
+            format!("all_to_all {dtype:?}"),
+            read(exchange(&gpu)?),
+            host.clone(),
+        )?;
+        // Rank 0 on the host path, the others on the device path.
+        let mixed = exchange(if rank == 0 { &cpu } else { &gpu })?;
+        same(
+            format!("all_to_all, rank 0 on the host path, {dtype:?}"),
+            read(mixed),
+            host,
+        )?;
+    }
+    #[cfg(feature = "cuda")]
+    if path == "device" && burn_megatron::comm::p2p_stats().device == before {
+        return Err("no message took the device path".into());
+    }
+    Ok(format!(
+        "{checks} tensor ops on the {path} path equal the host path's"
+    ))
+}
+
+/// CUDA device `ordinal`, or why there is none.
+fn cuda_device(ordinal: usize) -> Result<burn::tensor::Device, String> {
+    #[cfg(feature = "cuda")]
+    return burn_megatron_kernels::cuda::cuda_device(ordinal).map_err(|e| e.to_string());
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err("built without the `cuda` feature".into())
+    }
+}
+
 /// 64 MiB collectives against their closed forms (see the module docs).
 fn large(world: &dyn World, rank: usize) -> Result<(), String> {
     let n = world.size();
@@ -350,6 +475,7 @@ fn main() {
             "collectives" => collectives(world.as_ref(), rank, exact),
             "large" => large(world.as_ref(), rank),
             "killed-peer" => killed_peer(world.as_ref(), rank),
+            "tensors" => tensors(world.as_ref(), rank).map(|done| println!("rank {rank}: {done}")),
             "mismatch" => {
                 let tp = world
                     .new_group("tp", (0..n).collect(), rank)
@@ -392,7 +518,7 @@ fn main() {
             }
             other => Err(format!(
                 "unknown case {other:?}: collectives, large, killed-peer, mismatch, early-exit, \
-                 late-group, slow-barrier"
+                 late-group, slow-barrier, tensors"
             )),
         }
     });
