@@ -216,7 +216,15 @@ run_nccl() {
   [ -x "$bin/comm_suite" ] && [ -x "$bin/bert_pretrain" ] && [ -x "$bin/gpt_pretrain" ] ||
     { echo "gpu_check: the payload has no NCCL binaries: build it with GPU_CHECK_NCCL=1" >&2; exit 2; }
   find_libraries
+  local results=${NCCL_CHECK_OUT:-target/nccl_check}/results status
   NCCL_CHECK_BIN=$bin timeout 420 scripts/nccl_check.sh
+  status=$?
+  # nccl_check prints its results at the end: when the bound cuts it short, the finished ones.
+  if ((status == 124)); then
+    echo "== nccl_check ran out of its 420 s; the checks that finished ($(ls "$results" | wc -l)):"
+    cat "$results"/* 2>/dev/null | sort -k2
+  fi
+  return $status
 }
 
 # The speed benchmark: PyTorch's bf16 steps of the same models and cuBLAS's GEMM rate
