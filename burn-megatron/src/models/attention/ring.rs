@@ -323,7 +323,10 @@ impl Ring {
     }
 
     /// The gradients of `q` and of this rank's K/V block (`[2L, b, heads + 2·groups, hn]`)
-    /// from the output's gradient `dout`.
+    /// from the output's gradient `dout`. The blocks' gradients are summed in f32 where the
+    /// sums are local (`dq` over every step, a step's `dk`, `dv`); the K/V gradients travel
+    /// the ring in the inputs' dtype, rounded once per hop, so that the backward sends no
+    /// more bytes than the forward's blocks.
     fn backward(&self, saved: Saved, dout: Tensor<3>) -> Tensor<4> {
         let (cp, l, ng, b, hn) = (self.cp.size(), self.l, self.ng, self.b, self.hn);
         let np = ng * self.qpg;
@@ -337,7 +340,7 @@ impl Ring {
             .then(|| [0, 1].map(|h| self.rows((dout[h].clone() * out[h].clone()).sum_dim(3))));
         let mut seeds = saved.seeds.into_iter();
         let mut dq: [Option<Tensor<4>>; 2] = [None, None];
-        let (mut kv, kv_dims) = (saved.kv.clone(), saved.kv.dims());
+        let (mut kv, kv_dims, dtype) = (saved.kv.clone(), saved.kv.dims(), saved.kv.dtype());
         let mut finished: Option<Tensor<4>> = None;
         for step in 0..cp {
             // Queued before the compute, in the order the previous rank receives them: the
@@ -354,12 +357,12 @@ impl Ring {
                 let half = (&q[h], &out[h], &saved.lse[h], &dout[h]);
                 let d = delta.as_ref().map(|d| &d[h]);
                 let (dq_b, dk_b, dv_b) = self.gradients(half, d, &kv, blk, seed);
-                add(&mut dq[h], dq_b);
-                add(&mut dk[blk.kh], dk_b);
-                add(&mut dv[blk.kh], dv_b);
+                add(&mut dq[h], dq_b.cast(DType::F32));
+                add(&mut dk[blk.kh], dk_b.cast(DType::F32));
+                add(&mut dv[blk.kh], dv_b.cast(DType::F32));
             }
             // This step's share of the gradient of the block's owner, in its layout.
-            let zeros = || Tensor::<4>::zeros([b, ng, l, hn], &self.device).cast(kv.dtype());
+            let zeros = || Tensor::<4>::zeros([b, ng, l, hn], &self.device).cast(DType::F32);
             let part = |g: Option<Tensor<4>>| g.unwrap_or_else(zeros).permute([2, 0, 1, 3]);
             let [dk0, dk1] = dk;
             let [dv0, dv1] = dv;
@@ -373,16 +376,18 @@ impl Ring {
             if let Some(sent) = sent_kv {
                 kv = self.receive(sent, kv_dims);
             }
-            finished = Some(match sent_grad {
-                Some(sent) => self.receive(sent, kv_dims) + share,
+            let sum = match sent_grad {
+                Some(sent) => self.receive(sent, kv_dims).cast(DType::F32) + share,
                 None => share,
-            });
+            };
+            finished = Some(sum.cast(dtype));
         }
         let last = finished.expect("a ring has at least one step");
         let sent = self.post(&last);
-        let dkv = self.receive(sent, kv_dims);
+        let dkv = self.receive(sent, kv_dims).cast(dtype);
         let [dq0, dq1] = dq.map(|g| {
             g.expect("each query half attends its diagonal block")
+                .cast(dtype)
                 .permute([2, 0, 1, 3])
         });
         Tensor::cat(vec![Tensor::cat(vec![dq0, dq1], 0), dkv], 2)
