@@ -19,8 +19,9 @@
 //! ```
 
 use burn::optim::GradientsParams;
+use burn::tensor::DType;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::comm::{Buffer, CommDType};
+use burn_megatron::comm::tensor;
 use burn_megatron::context_parallel::{ContextParallel, CpCommType, RingStats};
 use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
@@ -66,17 +67,22 @@ struct Measured {
 }
 
 /// The ring's exchanges of `stats` (each of the average size) done alone, one after the
-/// other as the steps do them: seconds.
-fn exchanges_alone(cp: &ContextParallel, stats: &RingStats) -> Result<f64, Error> {
+/// other, through the calls the ring makes (`comm::tensor::send` / `recv` of a tensor on the
+/// rank's device, so that host copies count on both sides of the comparison): seconds.
+fn exchanges_alone(
+    cp: &ContextParallel,
+    stats: &RingStats,
+    device: &burn::tensor::Device,
+) -> Result<f64, Error> {
     let n = cp.size();
     let (next, previous) = ((cp.rank() + 1) % n, (cp.rank() + n - 1) % n);
     let len = (stats.bytes / stats.sends.max(1) as u64 / 4) as usize;
+    let block = Tensor::<1>::zeros([len], device);
     cp.comm().barrier()?;
     let t = Instant::now();
     for _ in 0..stats.sends {
-        cp.comm().send(Buffer::zeros(CommDType::F32, len), next)?;
-        let mut buf = Buffer::zeros(CommDType::F32, len);
-        cp.comm().recv(&mut buf, previous)?;
+        tensor::send(&**cp.comm(), block.clone(), next)?;
+        let _: Tensor<1> = tensor::recv(&**cp.comm(), [len], DType::F32, device, previous)?;
     }
     Ok(t.elapsed().as_secs_f64())
 }
@@ -162,7 +168,7 @@ fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured
             }
         }
         let ring = split.take_ring_stats();
-        let alone = exchanges_alone(&split, &ring)?;
+        let alone = exchanges_alone(&split, &ring, &ctx.device)?;
         Ok::<_, Error>(Measured {
             kept,
             peak,
