@@ -222,6 +222,64 @@ impl<B: Parts> KeyGrad<B> {
     }
 }
 
+/// The gradients of a backward's blocks as they are formed: `dq` per block of rows, `dk` and
+/// `dv` summed over the blocks ([`KeyGrad`]). Both backwards make the same four products per
+/// block and differ only in how they form `dS` from `dP`.
+struct BlockGrads<B: Parts> {
+    dq: Vec<FloatTensor<B>>,
+    dk: KeyGrad<B>,
+    dv: KeyGrad<B>,
+}
+
+impl<B: Parts> BlockGrads<B> {
+    fn new(blocks: usize) -> Self {
+        Self {
+            dq: Vec::with_capacity(blocks),
+            dk: KeyGrad::new(blocks),
+            dv: KeyGrad::new(blocks),
+        }
+    }
+
+    /// `dv += Pᵀ·dO` from the block's grouped (dropped-out) probabilities and output
+    /// gradient; returns `dP = dO·vᵀ` per head (`[b, heads, rows, keys]`), before dropout.
+    fn values(
+        &mut self,
+        dims: Dims,
+        rows: usize,
+        dropped: FloatTensor<B>,
+        grad: FloatTensor<B>,
+        v: FloatTensor<B>,
+    ) -> FloatTensor<B> {
+        let dv = B::batched_matmul(transposed::<B>(dropped), grad.clone());
+        self.dv.add(dv, dims);
+        dims.per_head::<B>(B::batched_matmul(grad, transposed::<B>(v)), rows)
+    }
+
+    /// `dq = dS·k` and `dk += (qᵀ·dS)ᵀ` from the block's grouped score gradient and queries.
+    fn scores(
+        &mut self,
+        dims: Dims,
+        rows: usize,
+        d_scores: FloatTensor<B>,
+        q: FloatTensor<B>,
+        k: FloatTensor<B>,
+    ) {
+        let dq = B::batched_matmul(d_scores.clone(), k);
+        self.dq.push(dims.per_head::<B>(dq, rows));
+        let dk_t = B::batched_matmul(transposed::<B>(q), d_scores);
+        self.dk.add(transposed::<B>(dk_t), dims);
+    }
+
+    /// `(dq [b, heads, sq, d], dk, dv)`, the key gradients in `dtype`.
+    fn finish(mut self, dtype: DType) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+        let dq = match self.dq.len() {
+            1 => self.dq.pop().expect("one block"),
+            _ => B::float_cat(self.dq, 2),
+        };
+        (dq, self.dk.finish(dtype), self.dv.finish(dtype))
+    }
+}
+
 /// `(dq, dk, dv)`: per block, the probabilities again, then the products of the unfused
 /// composition's backward (`dv = Pᵀ·dO`, `dP = dO·vᵀ` through dropout, the softmax's
 /// backward, `dq = dS·k`, `dkᵀ = qᵀ·dS`).
@@ -235,24 +293,14 @@ pub(super) fn backward<B: Parts>(
     p: AttentionParams,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let dims = Dims::of::<B>(&q, &k);
-    let dtype = k.dtype();
     let blocks = dims.blocks(&p);
-    let (mut dk, mut dv) = (
-        KeyGrad::<B>::new(blocks.len()),
-        KeyGrad::<B>::new(blocks.len()),
-    );
-    let mut dq = Vec::with_capacity(blocks.len());
+    let mut grads = BlockGrads::<B>::new(blocks.len());
     for block in blocks {
         let Block { row0, rows, keys } = block;
         let parts = probs::<B>(dims, block, &q, &k, &v, &pad, padded, &p);
         let grad = dims.grouped::<B>(self::rows::<B>(&grad, row0, rows));
         let dropped = dims.grouped::<B>(parts.dropped);
-        dv.add(
-            B::batched_matmul(transposed::<B>(dropped), grad.clone()),
-            dims,
-        );
-        let d_dropped = B::batched_matmul(grad, transposed::<B>(parts.v));
-        let mut d_probs = dims.per_head::<B>(d_dropped, rows);
+        let mut d_probs = grads.values(dims, rows, dropped, grad, parts.v);
         if p.dropout > 0.0 {
             let window = window(row0, rows, keys, dims.sq, dims.sk);
             d_probs = B::dropout(d_probs, p.dropout, p.seed, window);
@@ -266,16 +314,9 @@ pub(super) fn backward<B: Parts>(
             p.causal,
         );
         let d_scores = dims.grouped::<B>(d_scores);
-        let dq_block = B::batched_matmul(d_scores.clone(), parts.k);
-        dq.push(dims.per_head::<B>(dq_block, rows));
-        let dk_t = B::batched_matmul(transposed::<B>(parts.q), d_scores);
-        dk.add(transposed::<B>(dk_t), dims);
+        grads.scores(dims, rows, d_scores, parts.q, parts.k);
     }
-    let dq = match dq.len() {
-        1 => dq.pop().expect("one block"),
-        _ => B::float_cat(dq, 2),
-    };
-    (dq, dk.finish(dtype), dv.finish(dtype))
+    grads.finish(k.dtype())
 }
 
 /// The dtype the statistics are kept in: f32 (f64 for f64).
@@ -392,11 +433,7 @@ pub(super) fn backward_from_stats<B: Parts>(
         Shape::from([dims.b, dims.heads, dims.sq, 1]),
     );
     let blocks = dims.blocks(&p);
-    let (mut dk, mut dv) = (
-        KeyGrad::<B>::new(blocks.len()),
-        KeyGrad::<B>::new(blocks.len()),
-    );
-    let mut dq = Vec::with_capacity(blocks.len());
+    let mut grads = BlockGrads::<B>::new(blocks.len());
     for block in blocks {
         let Block { row0, rows, keys } = block;
         let (scores, mask) = masked_scores::<B>(dims, block, &q, &k, &pad, padded, &p, wide);
@@ -412,12 +449,7 @@ pub(super) fn backward_from_stats<B: Parts>(
         let dropped = dims.grouped::<B>(cast::<B>(dropped, narrow));
         let grad_g = dims.grouped::<B>(grad.clone());
         let (k_b, v_b) = (self::rows::<B>(&k, 0, keys), self::rows::<B>(&v, 0, keys));
-        dv.add(
-            B::batched_matmul(transposed::<B>(dropped), grad_g.clone()),
-            dims,
-        );
-        let d_dropped = B::batched_matmul(grad_g, transposed::<B>(v_b));
-        let mut d_probs = cast::<B>(dims.per_head::<B>(d_dropped, rows), wide);
+        let mut d_probs = cast::<B>(grads.values(dims, rows, dropped, grad_g, v_b), wide);
         if p.dropout > 0.0 {
             d_probs = B::dropout(d_probs, p.dropout, p.seed, window);
         }
@@ -430,14 +462,7 @@ pub(super) fn backward_from_stats<B: Parts>(
         }
         let d_scores = dims.grouped::<B>(cast::<B>(d_scores, narrow));
         let q_b = dims.grouped::<B>(self::rows::<B>(&q, row0, rows));
-        let dq_block = B::batched_matmul(d_scores.clone(), k_b);
-        dq.push(dims.per_head::<B>(dq_block, rows));
-        let dk_t = B::batched_matmul(transposed::<B>(q_b), d_scores);
-        dk.add(transposed::<B>(dk_t), dims);
+        grads.scores(dims, rows, d_scores, q_b, k_b);
     }
-    let dq = match dq.len() {
-        1 => dq.pop().expect("one block"),
-        _ => B::float_cat(dq, 2),
-    };
-    (dq, dk.finish(dtype), dv.finish(dtype))
+    grads.finish(dtype)
 }
