@@ -268,22 +268,20 @@ pub fn send<const D: usize, K: Autodiff>(
     #[cfg(feature = "cuda")]
     let tensor = {
         use super::cuda_tensor::{Carried, carried, count_host};
-        let dev = comm.device_collectives();
-        match dev.filter(|_| peer != comm.group().rank()) {
-            Some(dev) => match carried(tensor) {
+        let mut tensor = tensor;
+        if let Some(dev) = comm
+            .device_collectives()
+            .filter(|_| peer != comm.group().rank())
+        {
+            match carried(tensor) {
                 Carried::Device(x) => {
                     return super::cuda_tensor::send(dev, comm.group().to_string(), x, peer);
                 }
-                Carried::Host(tensor) => {
-                    count_host();
-                    tensor
-                }
-            },
-            None => {
-                count_host();
-                tensor
+                Carried::Host(t) => tensor = t,
             }
         }
+        count_host();
+        tensor
     };
     comm.send(tensor_to_buffer(comm, "send", tensor)?, peer)
 }
