@@ -40,6 +40,21 @@ fn split<T: Clone>(values: &[T], cp: &ContextParallel) -> Vec<T> {
         .collect()
 }
 
+/// `n` host values, a pattern of period 101 set by `k`.
+fn host(n: usize, k: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * k + 7) % 101) as f32 / 101.0 - 0.5)
+        .collect()
+}
+
+/// The rows (dim 0, `row` values each) of `v` at `positions`.
+fn rows_at(v: &[f32], positions: &[usize], row: usize) -> Vec<f32> {
+    positions
+        .iter()
+        .flat_map(|&p| v[p * row..(p + 1) * row].to_vec())
+        .collect()
+}
+
 const COMM_TYPES: [CpCommType; 3] = [CpCommType::AllGather, CpCommType::P2p, CpCommType::A2a];
 
 fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, comm_type: CpCommType) -> Vec<Trace> {
@@ -250,21 +265,10 @@ fn bidirectional_attention_under_context_parallelism_matches_one_rank() {
     const S: usize = 16;
     const B: usize = 2;
     const H: usize = 32;
-    let host = |n: usize, k: usize| -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * k + 7) % 101) as f32 / 101.0 - 0.5)
-            .collect()
-    };
     let padded: Vec<Vec<bool>> = (0..B)
         .map(|b| (0..S).map(|j| b == 1 && j >= S - 3).collect())
         .collect();
-    // Rows of `[S, B, H]` host values at `positions` (dim 0).
-    let rows = |v: &[f32], positions: &[usize]| -> Vec<f32> {
-        positions
-            .iter()
-            .flat_map(|&p| v[p * B * H..(p + 1) * B * H].to_vec())
-            .collect()
-    };
+    let rows = |v: &[f32], positions: &[usize]| rows_at(v, positions, B * H);
     let layouts = [2, 4]
         .into_iter()
         .flat_map(|cp| COMM_TYPES.map(|c| (cp, c)));
@@ -388,13 +392,10 @@ fn ring_attention_with_dropout_has_the_gradient_of_its_forward() {
             };
             let local = S / 2 * B * H;
             let r = cp.rank();
-            let host = |n: usize, k: usize| -> Vec<f32> {
-                (0..n)
-                    .map(|i| (((i + r * n) * k + 7) % 101) as f32 / 101.0 - 0.5)
-                    .collect()
-            };
+            // This rank's part of one pattern over the whole sequence.
+            let part = |n: usize, k: usize| host((r + 1) * n, k)[r * n..].to_vec();
             let tensor = |v: Vec<f32>| Tensor::<3>::from_data(TensorData::new(v, [S / 2, B, H]), d);
-            let (x, w) = (tensor(host(local, 37)), tensor(host(local, 53)));
+            let (x, w) = (tensor(part(local, 37)), tensor(part(local, 53)));
             let weight = &layer.attention.query_key_value.weight;
             let dims = weight.dims();
             // One direction for every rank: the weight is the same on each.
@@ -492,17 +493,7 @@ fn ring_attention_in_bf16_stays_within_bf16_tolerance() {
     const S: usize = 64;
     const B: usize = 2;
     const H: usize = 32;
-    let host = |n: usize, k: usize| -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * k + 7) % 101) as f32 / 101.0 - 0.5)
-            .collect()
-    };
-    let rows = |v: &[f32], positions: &[usize]| -> Vec<f32> {
-        positions
-            .iter()
-            .flat_map(|&p| v[p * B * H..(p + 1) * B * H].to_vec())
-            .collect()
-    };
+    let rows = |v: &[f32], positions: &[usize]| rows_at(v, positions, B * H);
     let backends = [AttnBackend::Unfused, AttnBackend::Flash];
     for (cp, backend) in [2, 4].into_iter().flat_map(|cp| backends.map(|b| (cp, b))) {
         let layout = ParallelConfig::new(cp, 1, 1).with_context_parallel(cp);
