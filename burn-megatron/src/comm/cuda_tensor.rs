@@ -256,3 +256,115 @@ pub(crate) fn recv_tensor<const D: usize>(
         }
     }))
 }
+
+/// A CUDA float tensor's buffer for the device collectives to reduce in place, from any
+/// thread (see [`Handoff`](super::handoff::Handoff)): made on the thread whose kernels wrote
+/// it, which orders the collectives' stream after them.
+pub(crate) struct InPlace {
+    /// Holds the allocation; no one else holds its buffer.
+    tensor: Tensor<1>,
+    slice: DeviceSlice,
+    _resource: Box<dyn std::any::Any + Send>,
+    group: String,
+}
+
+impl InPlace {
+    /// `flat` in device memory, with `dev`'s stream waiting for the kernels that wrote it;
+    /// `Err(flat)` back when it is not a CUDA float tensor the device path carries.
+    pub(crate) fn new(
+        dev: &dyn DeviceCollectives,
+        group: &str,
+        flat: Tensor<1>,
+    ) -> Result<Result<Self, Tensor<1>>, CommError> {
+        if !device_path_allowed() || flat.shape().num_elements() == 0 {
+            return Ok(Err(flat));
+        }
+        let DispatchTensor { kind, autodiff } = flat.into_dispatch();
+        let x = match kind {
+            DispatchTensorKind::Cube(BackendTensor::Float(x))
+                if x.device.runtime() == RuntimeId::Cuda && comm_dtype(x.dtype).is_some() =>
+            {
+                x
+            }
+            kind => {
+                return Ok(Err(Tensor::from_dispatch(DispatchTensor {
+                    kind,
+                    autodiff,
+                })));
+            }
+        };
+        let fail = engine(group.to_string(), "in-place reduction");
+        // NCCL writes the buffer: it must be this tensor's alone, and packed.
+        let x = into_contiguous(x);
+        let x = if x.can_mut() && x.is_contiguous_buffer() {
+            x
+        } else {
+            x.copy()
+        };
+        let (slice, resource) = device_slice(&x).map_err(&fail)?;
+        burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, dev.stream() as _).map_err(fail)?;
+        let kind = DispatchTensorKind::Cube(BackendTensor::Float(x));
+        Ok(Ok(Self {
+            tensor: Tensor::from_dispatch(DispatchTensor { kind, autodiff }),
+            slice,
+            _resource: resource,
+            group: group.to_string(),
+        }))
+    }
+
+    fn collectives<'a>(
+        &self,
+        comm: &'a (impl super::Communicator + ?Sized),
+        op: &'static str,
+    ) -> Result<&'a dyn DeviceCollectives, CommError> {
+        comm.device_collectives()
+            .ok_or_else(|| CommError::InvalidArgument {
+                group: self.group.clone(),
+                op,
+                reason: "the communicator has no device collectives".into(),
+            })
+    }
+
+    /// All-reduces the buffer in place.
+    pub(crate) fn all_reduce(
+        self,
+        comm: &(impl super::Communicator + ?Sized),
+        op: super::ReduceOp,
+    ) -> Result<super::handoff::Reduced, CommError> {
+        let dev = self.collectives(comm, "all_reduce")?;
+        // SAFETY: a live buffer of `len` elements held by `self` and no one else, its
+        // writers ordered before the collectives' stream in `new`; NCCL reduces in place
+        // when send and receive are the same slice.
+        unsafe { dev.all_reduce(self.slice, self.slice, op) }?;
+        let len = self.slice.len;
+        Ok(super::handoff::Reduced::Tensor(
+            Box::new(self.tensor),
+            0..len,
+        ))
+    }
+
+    /// Reduce-scatters the buffer in place: this member's block is reduced where it lies
+    /// (NCCL's in-place convention, receive = send + rank × block).
+    pub(crate) fn reduce_scatter(
+        self,
+        comm: &(impl super::Communicator + ?Sized),
+        op: super::ReduceOp,
+    ) -> Result<super::handoff::Reduced, CommError> {
+        let dev = self.collectives(comm, "reduce_scatter")?;
+        let (n, rank) = (comm.group().size(), comm.group().rank());
+        // An uneven length is the collective's own error (its receive length is checked).
+        let block = self.slice.len / n;
+        let recv = DeviceSlice {
+            ptr: self.slice.ptr + (rank * block * self.slice.dtype.size()) as u64,
+            len: block,
+            ..self.slice
+        };
+        // SAFETY: as in `all_reduce`; `recv` lies inside the same buffer.
+        unsafe { dev.reduce_scatter(self.slice, recv, op) }?;
+        let range = rank * block..(rank + 1) * block;
+        Ok(super::handoff::Reduced::Tensor(
+            Box::new(self.tensor),
+            range,
+        ))
+    }
+}

@@ -20,6 +20,7 @@ mod buffer;
 pub(crate) mod cuda_tensor;
 mod device;
 mod group;
+pub(crate) mod handoff;
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 mod header;
 mod lend;

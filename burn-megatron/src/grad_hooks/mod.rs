@@ -15,7 +15,6 @@ pub use ops::GradHookOps;
 use burn::backend::Dispatch;
 use burn::module::{Param, ParamId};
 use burn::tensor::Tensor;
-use burn_megatron_kernels::device::ReadBack;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,8 +36,9 @@ pub(crate) trait GradSink: Send + Sync + std::fmt::Debug {
     /// use counted when `count` (a recomputed region counts its uses in its first forward
     /// and hooks them when it runs again in backward).
     fn hook(&self, id: ParamId, count: bool) -> bool;
-    /// Backward of a parameter hooked while this sink was active: its gradient, flat f32.
-    fn deliver(&self, id: ParamId, grad: Vec<f32>);
+    /// Backward of a parameter hooked while this sink was active: its gradient, flat,
+    /// untracked and in its own dtype, where backward left it (nothing is read back).
+    fn deliver(&self, id: ParamId, grad: Tensor<1>);
     /// Backward of a parameter this sink claimed, hooked while no sink was active.
     fn deliver_inactive(&self, id: ParamId);
 }
@@ -175,11 +175,10 @@ impl std::fmt::Debug for Hook {
 }
 
 impl Hook {
-    /// Reports the gradient; `read` (a device-to-host copy) runs only if a sink takes the
-    /// values.
-    fn deliver(&self, read: impl FnOnce() -> Vec<f32>) {
+    /// Reports the gradient; `flat` runs only if a sink takes it.
+    fn deliver(&self, flat: impl FnOnce() -> Tensor<1>) {
         match &self.target {
-            Target::Active(sink) => sink.deliver(self.id, read()),
+            Target::Active(sink) => sink.deliver(self.id, flat()),
             Target::Inactive(sinks) => sinks.iter().for_each(|s| s.deliver_inactive(self.id)),
         }
     }
@@ -260,7 +259,10 @@ pub(crate) fn deliver_formed<const D: usize>(param: &Param<Tensor<D>>, grad: &Te
         target,
         id: param.id,
     };
-    hook.deliver(|| grad.clone().read_back().iter::<f32>().collect());
+    hook.deliver(|| {
+        let n = grad.shape().num_elements();
+        grad.clone().inner().reshape([n])
+    });
 }
 
 /// Keeps a sink active on this thread; dropping it deactivates.

@@ -1,5 +1,6 @@
 //! The gradient-ready hook as a Burn backend extension: identity forward; backward hands
-//! the parameter's gradient to the sink (the reducer) and passes it on unchanged.
+//! the parameter's gradient (as a tensor on its device) to the sink (the reducer) and passes
+//! it on unchanged.
 //!
 //! Burn runs backward by graph depth, deepest first. A hook whose only parent were the
 //! parameter (a leaf, depth 0) would run at the very end; giving it the layer's input as a
@@ -12,8 +13,9 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Autodiff, Backend, Flex, backend_extension};
-use burn::tensor::try_read_sync;
+use burn::backend::{Autodiff, Backend, Flex, TensorMetadata, backend_extension};
+use burn::tensor::{Shape, Tensor};
+use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 
 /// Gradient-ready hooks for overlapping the data-parallel reduction with backward.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
@@ -51,18 +53,23 @@ impl GradHookOps for burn::backend::Cube {
 #[derive(Debug)]
 struct HookBackward;
 
-impl<B: GradHookOps> Backward<B, 2> for HookBackward {
+impl<B: GradHookOps> Backward<B, 2> for HookBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     type State = Hook;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [param, _anchor] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
+        // Handed over as a tensor where backward left it: a read here would wait for every
+        // kernel queued so far, once per parameter and micro-batch.
         ops.state.deliver(|| {
-            try_read_sync(B::float_into_data(grad.clone()))
-                .expect("synchronous reads are supported on this platform")
-                .unwrap_or_else(|e| panic!("gradient hook: reading the gradient failed: {e:?}"))
-                .iter::<f32>()
-                .collect()
+            let n = grad.shape().num_elements();
+            let flat = B::float_reshape(grad.clone(), Shape::new([n]));
+            Tensor::from_dispatch(<DispatchTensor as DispatchKindConversion<B>>::from_backend(
+                BackendTensor::Float(flat),
+            ))
         });
         if let Some(param) = param {
             grads.register::<B>(param.id, grad);
@@ -70,7 +77,10 @@ impl<B: GradHookOps> Backward<B, 2> for HookBackward {
     }
 }
 
-impl<B: GradHookOps, C: CheckpointStrategy> GradHookOps for Autodiff<B, C> {
+impl<B: GradHookOps, C: CheckpointStrategy> GradHookOps for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     fn grad_ready_hook(
         param: FloatTensor<Self>,
         anchor: FloatTensor<Self>,

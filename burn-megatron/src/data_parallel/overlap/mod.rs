@@ -11,6 +11,12 @@
 //! back. Buckets are launched in the order they complete, which is the same on every rank
 //! (the same graph runs backward everywhere), so the collectives match.
 //!
+//! The main gradients stay where backward leaves the gradients: a hook adds its gradient to
+//! the parameter's main gradient with a tensor op and reads nothing back, and a complete
+//! bucket is concatenated on the device. On CUDA over NCCL the worker reduces it in place in
+//! device memory, ordered after backward's kernels on the device (see `comm::handoff`);
+//! elsewhere it goes through host memory, one read per bucket.
+//!
 //! From the last micro-batch's activation until `finish` returns, the worker issues
 //! collectives on the reducer's communicator. Give each reducer a channel of its own over
 //! the data-parallel ranks ([`RankContext::chunk_data_parallel_groups`], one per model
@@ -26,91 +32,26 @@
 //! [`RankContext::chunk_data_parallel_groups`]: crate::launch::RankContext::chunk_data_parallel_groups
 //! [`RankGroups::dp`]: crate::launch::RankGroups::dp
 
+mod buckets;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use buckets::Event;
+
 use super::DataParallelConfig;
-use super::finalize::bucket_layout;
 use super::shard::ShardPlan;
-use crate::comm::tensor::buffer_to_tensor;
-use crate::comm::{Buffer, Comm, CommError, Deadline, ReduceOp};
+use crate::comm::handoff::{Handoff, Reduced};
+use crate::comm::{Comm, CommError, Deadline, ReduceOp};
 use crate::grad_hooks::{ActiveGuard, Claim, GradSink, GradSync, activate, claim};
 use crate::module_path::{PathVisitor, visit_paths};
 use crate::param_grads::{put_flat, take_flat};
+use buckets::{State, add_buckets, plan_buckets};
 use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
-use burn_megatron_kernels::device::ReadBack;
-use std::collections::{HashMap, HashSet};
+use burn::tensor::{DType, Device, Tensor};
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    bucket: usize,
-    offset: usize,
-    numel: usize,
-}
-
-impl Slot {
-    /// Where the parameter sits in its bucket.
-    fn range(&self) -> std::ops::Range<usize> {
-        self.offset..self.offset + self.numel
-    }
-}
-
-#[derive(Debug, Default)]
-struct Bucket {
-    main_grad: Vec<f32>,
-    pending: usize,
-    params: usize,
-    result: Option<Result<Vec<f32>, CommError>>,
-}
-
-/// What happened, in order: for tests that check the reduction started inside backward.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Event {
-    Hook,
-    Ready(usize),
-    Launch(usize),
-}
-
-#[derive(Debug, Default)]
-struct State {
-    slots: HashMap<ParamId, Slot>,
-    buckets: Vec<Bucket>,
-    /// Whether the buckets were laid out again once the hooked parameters were known.
-    relaid: bool,
-    uses: HashMap<ParamId, usize>,
-    hooked: HashSet<ParamId>,
-    /// Parameters a hook delivered a gradient of this step (any micro-batch): their
-    /// main-grad slot already holds everything `grads` has for them.
-    delivered: HashSet<ParamId>,
-    /// Parameters counted into their bucket's readiness this step.
-    done: HashSet<ParamId>,
-    /// Micro-batches activated this step (with `last` or not).
-    activations: usize,
-    /// Gradients of this step that reached no main-grad slot: computed while the reducer
-    /// was inactive (`.0`), or after the parameter's bucket was handed to the reduction
-    /// (`.1`). Either would be missing from the reduced gradient.
-    missed: HashMap<ParamId, (usize, usize)>,
-    last: bool,
-    closed: bool,
-    /// Complete buckets not yet launched, in the order they completed.
-    queue: std::collections::VecDeque<usize>,
-    events: Vec<Event>,
-    worker: Option<JoinHandle<()>>,
-}
-
-impl State {
-    /// Adds a gradient contribution into its main-grad slot.
-    fn accumulate(&mut self, slot: Slot, grad: &[f32]) {
-        let main = &mut self.buckets[slot.bucket].main_grad[slot.range()];
-        for (m, g) in main.iter_mut().zip(grad) {
-            *m += g;
-        }
-    }
-}
 
 #[derive(Debug)]
 struct Shared {
@@ -119,6 +60,8 @@ struct Shared {
     /// The distributed optimizer's plan: buckets reduce-scattered as it says, and never
     /// laid out again (the optimizer's shards are the plan's).
     plan: Option<ShardPlan>,
+    /// The module's device (untracked), for the zeros a bucket is padded with.
+    device: Device,
     state: Mutex<State>,
     ready: Condvar,
 }
@@ -134,12 +77,21 @@ impl Shared {
             return;
         }
         if let Some(slot) = state.slots.get(&id).copied() {
-            let bucket = &mut state.buckets[slot.bucket];
+            let b = slot.bucket;
+            let bucket = &mut state.buckets[b];
             bucket.pending = bucket.pending.saturating_sub(1);
             if bucket.pending == 0 {
-                state.queue.push_back(slot.bucket);
-                state.events.push(Event::Ready(slot.bucket));
-                self.ready.notify_all();
+                let flat = state.flatten(b, &self.device);
+                state.events.push(Event::Ready(b));
+                if self.comm.group().size() == 1 {
+                    let len = flat.dims()[0];
+                    state.buckets[b].result = Some(Ok(Reduced::Tensor(Box::new(flat), 0..len)));
+                } else {
+                    // Here, on the thread whose kernels filled the bucket (see the module
+                    // documentation).
+                    state.queue.push_back((b, Handoff::new(&*self.comm, flat)));
+                    self.ready.notify_all();
+                }
             }
         }
     }
@@ -177,28 +129,28 @@ impl Shared {
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
             }
-            let Some(b) = state.queue.pop_front().filter(|_| !state.closed) else {
+            let Some((b, handoff)) = state.queue.pop_front().filter(|_| !state.closed) else {
                 return;
             };
             state.events.push(Event::Launch(b));
-            let mut buf = Buffer::F32(state.buckets[b].main_grad.clone());
             drop(state);
-            let f32s = |buf: Buffer| match buf {
-                Buffer::F32(v) => v,
-                _ => unreachable!("an f32 reduction returns f32"),
-            };
-            let result = match self.plan.as_ref().filter(|p| !p.buckets()[b].all_reduced) {
-                // The owned elements reduced, zeros elsewhere (see `ShardPlan`).
-                Some(plan) => self.comm.reduce_scatter(buf, self.op).map(|part| {
-                    let mut full = vec![0.0; plan.buckets()[b].len];
-                    full[plan.shard_range(b)].copy_from_slice(&f32s(part));
-                    full
-                }),
-                None => self.comm.all_reduce(&mut buf, self.op).map(|()| f32s(buf)),
-            };
+            let scattered = self.scattered(b);
+            let result = handoff.and_then(|h| match scattered {
+                true => h.reduce_scatter(&*self.comm, self.op),
+                false => h.all_reduce(&*self.comm, self.op),
+            });
             self.lock().buckets[b].result = Some(result);
             self.ready.notify_all();
         }
+    }
+}
+
+impl Shared {
+    /// Whether bucket `b` is reduce-scattered (the distributed optimizer's), not all-reduced.
+    fn scattered(&self, b: usize) -> bool {
+        self.plan
+            .as_ref()
+            .is_some_and(|p| !p.buckets()[b].all_reduced)
     }
 }
 
@@ -217,18 +169,18 @@ impl GradSink for Shared {
         true
     }
 
-    fn deliver(&self, id: ParamId, grad: Vec<f32>) {
+    fn deliver(&self, id: ParamId, grad: Tensor<1>) {
         let mut state = self.lock();
         state.events.push(Event::Hook);
-        let Some(slot) = state.slots.get(&id).copied() else {
+        if !state.slots.contains_key(&id) {
             return;
-        };
+        }
         if state.done.contains(&id) {
             // Its bucket may already be on the wire: this gradient would be lost.
             state.missed.entry(id).or_default().1 += 1;
             return;
         }
-        state.accumulate(slot, &grad);
+        state.accumulate(id, grad);
         state.delivered.insert(id);
         let uses = state.uses.entry(id).or_insert(1);
         *uses = uses.saturating_sub(1);
@@ -296,10 +248,13 @@ impl OverlapReducer {
         } else {
             ReduceOp::Sum
         };
+        // Untracked: the main gradients are.
+        let device = module.devices().into_iter().next().unwrap_or_default();
         let shared = Arc::new(Shared {
             comm: dp.clone(),
             op,
             plan,
+            device: device.inner(),
             state: Mutex::new(state),
             ready: Condvar::new(),
         });
@@ -332,7 +287,7 @@ impl OverlapReducer {
         state.last = last;
         if last && state.worker.is_none() {
             for b in &mut state.buckets {
-                b.pending = b.params;
+                b.pending = b.members.len();
                 b.result = None;
             }
             state.queue.clear();
@@ -365,9 +320,7 @@ impl OverlapReducer {
         for &(id, rank) in &self.order {
             if let Some((flat, dims)) = take_flat(grads, id, rank) {
                 if !state.delivered.contains(&id) {
-                    let values: Vec<f32> = flat.clone().read_back().iter::<f32>().collect();
-                    let slot = state.slots[&id];
-                    state.accumulate(slot, &values);
+                    state.accumulate(id, flat.clone());
                 }
                 present.insert(id, (flat, dims, state.slots[&id]));
             }
@@ -384,17 +337,13 @@ impl OverlapReducer {
         let single = self.shared.comm.group().size() == 1;
         let mut issued = 0;
         let mut reduced = Vec::with_capacity(state.buckets.len());
-        for b in &mut state.buckets {
-            let len = b.main_grad.len();
-            let main = std::mem::replace(&mut b.main_grad, vec![0.0; len]);
-            reduced.push(match b.result.take() {
-                Some(r) => {
-                    issued += 1;
-                    r?
-                }
-                None if single => main,
+        for (b, bucket) in state.buckets.iter_mut().enumerate() {
+            let result = match bucket.result.take() {
+                Some(r) => r?,
                 None => return Err(self.invalid("a bucket was never reduced")),
-            });
+            };
+            issued += usize::from(!single);
+            reduced.push(self.full_bucket(b, bucket.len, result));
         }
         state.uses.clear();
         state.delivered.clear();
@@ -420,11 +369,38 @@ impl OverlapReducer {
             return Err(self.invalid(&reason));
         }
         for (id, (flat, dims, slot)) in present {
-            let values = reduced[slot.bucket][slot.range()].to_vec();
-            let t: Tensor<1> = buffer_to_tensor(Buffer::F32(values), [slot.numel], &flat.device());
-            put_flat(grads, id, t.cast(flat.dtype()), &dims);
+            let values = reduced[slot.bucket]
+                .clone()
+                .narrow(0, slot.offset, slot.numel);
+            put_flat(grads, id, values.cast(flat.dtype()), &dims);
         }
         Ok(issued)
+    }
+
+    /// Bucket `b` (of `len` elements) as reduced, whole: a reduce-scattered bucket holds its
+    /// owned elements reduced and zeros elsewhere (see `ShardPlan`).
+    fn full_bucket(&self, b: usize, len: usize, result: Reduced) -> Tensor<1> {
+        let device = &self.shared.device;
+        let values = result.into_tensor(device);
+        let Some(plan) = self
+            .shared
+            .plan
+            .as_ref()
+            .filter(|_| self.shared.scattered(b))
+        else {
+            return values;
+        };
+        let range = plan.shard_range(b);
+        let zeros = |n: usize| Tensor::<1>::zeros([n], (device, DType::F32));
+        let mut pieces = Vec::with_capacity(3);
+        if range.start > 0 {
+            pieces.push(zeros(range.start));
+        }
+        pieces.push(values);
+        if len > range.end {
+            pieces.push(zeros(len - range.end));
+        }
+        Tensor::cat(pieces, 0)
     }
 
     /// What went wrong in a step whose gradients missed the reduction, naming the first
@@ -523,51 +499,6 @@ impl Drop for OverlapReducer {
     fn drop(&mut self) {
         self.shared.lock().closed = true;
         self.shared.ready.notify_all();
-    }
-}
-
-/// Appends buckets for `params` ((id, element count) in module order, bucketed in reverse).
-fn add_buckets(params: &[(ParamId, usize)], bucket_size: usize, state: &mut State) {
-    let numels: Vec<usize> = params.iter().map(|p| p.1).collect();
-    for members in bucket_layout(&numels, bucket_size) {
-        let bucket = state.buckets.len();
-        let mut offset = 0;
-        for &i in &members {
-            let (id, numel) = params[i];
-            state.slots.insert(
-                id,
-                Slot {
-                    bucket,
-                    offset,
-                    numel,
-                },
-            );
-            offset += numel;
-        }
-        state.buckets.push(Bucket {
-            main_grad: vec![0.0; offset],
-            params: members.len(),
-            ..Bucket::default()
-        });
-    }
-}
-
-/// The buckets of a distributed optimizer's plan, padding included.
-fn plan_buckets(plan: &ShardPlan, state: &mut State) {
-    for (bucket, planned) in plan.buckets().iter().enumerate() {
-        for p in &planned.params {
-            let slot = Slot {
-                bucket,
-                offset: p.offset,
-                numel: p.numel,
-            };
-            state.slots.insert(p.id, slot);
-        }
-        state.buckets.push(Bucket {
-            main_grad: vec![0.0; planned.len],
-            params: planned.params.len(),
-            ..Bucket::default()
-        });
     }
 }
 

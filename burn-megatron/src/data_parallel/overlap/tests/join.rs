@@ -1,6 +1,6 @@
 //! `finish` waits for the reduction worker within a bound, whatever its communicator does.
 
-use crate::comm::{Communicator, ProcessGroup};
+use crate::comm::{Buffer, Communicator, ProcessGroup};
 use crate::data_parallel::overlap::*;
 use burn::nn::LinearConfig;
 use burn::tensor::Device;

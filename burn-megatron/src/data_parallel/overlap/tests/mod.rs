@@ -1,4 +1,5 @@
 use super::*;
+use crate::comm::Buffer;
 use crate::data_parallel::advanced::{finalize_model_grads, finalize_model_grads_overlapped};
 use crate::launch::{LaunchOptions, threads};
 use crate::models::{ActivationFunc, ParallelMlp};
@@ -124,12 +125,16 @@ type RankRun = (Vec<Vec<f32>>, Vec<(Vec<Vec<f32>>, Vec<Event>, usize)>);
 
 /// Every rank of TP 2 × DP 2, two micro-batches, small buckets.
 fn run() -> Vec<RankRun> {
+    run_on(LaunchOptions::default())
+}
+
+fn run_on(options: LaunchOptions) -> Vec<RankRun> {
     let config = ParallelConfig::new(4, 2, 1);
     let dp_config = DataParallelConfig {
         bucket_size: Some(100),
         ..DataParallelConfig::default()
     };
-    threads(&config, LaunchOptions::default(), |ctx| {
+    threads(&config, options, |ctx| {
         let (tp, dp, d) = (&ctx.groups.tp, &ctx.groups.dp, &ctx.device);
         let dp_rank = ctx.state.data_parallel_rank();
         // The reference: accumulate, then reduce after backward.
@@ -171,6 +176,63 @@ fn overlapped_reduction_equals_the_reduction_after_backward() {
             }
         }
     }
+}
+
+/// The same on the wgpu device (lavapipe here): the main gradients, the buckets and their
+/// concatenation are CubeCL tensors, filled by each rank's thread and read by its worker.
+#[test]
+#[cfg_attr(
+    not(feature = "wgpu"),
+    ignore = "needs --features wgpu and a Vulkan driver (Mesa's lavapipe)"
+)]
+fn on_wgpu_the_overlapped_reduction_equals_the_reduction_after_backward() {
+    let device = match burn_megatron_kernels::device::wgpu_cpu_device() {
+        Ok(device) => device.autodiff(),
+        Err(e) => panic!("no wgpu device: {e}; install mesa-vulkan-drivers"),
+    };
+    let options = LaunchOptions::default().with_device(move |_| device.clone());
+    for (rank, (sync, steps)) in run_on(options).into_iter().enumerate() {
+        for (step, (overlapped, _, _)) in steps.iter().enumerate() {
+            for (i, (a, b)) in sync.iter().zip(overlapped).enumerate() {
+                assert!(!a.is_empty(), "rank {rank} param {i} has a gradient");
+                assert_eq!(
+                    a, b,
+                    "wgpu rank {rank} step {step} param {i}: bit-identical"
+                );
+            }
+        }
+    }
+}
+
+/// Backward's hooks and `finish` read nothing back on the rank's thread: the main gradients
+/// are tensors, and only the worker reads a bucket (on the host path). The norm's gradients,
+/// which no hook delivers, are added at `finish` without a read too.
+#[test]
+fn the_overlapped_step_reads_nothing_back_on_the_rank_thread() {
+    use burn_megatron_kernels::device::thread_host_reads;
+    let config = ParallelConfig::new(2, 1, 1);
+    let dp_config = DataParallelConfig {
+        bucket_size: Some(100),
+        ..DataParallelConfig::default()
+    };
+    let reads = threads(&config, LaunchOptions::default(), |ctx| {
+        let (tp, d) = (&ctx.groups.tp, &ctx.device);
+        let dp_rank = ctx.state.data_parallel_rank();
+        let model = net(tp, d)?;
+        let dp = ctx.chunk_data_parallel_groups(1)?.remove(0);
+        let reducer = OverlapReducer::new(&model, &dp, &dp_config);
+        let mut per_step = Vec::new();
+        for _ in 0..2 {
+            let before = thread_host_reads();
+            overlapped_step(&reducer, &model, tp, &dp_config, |micro| {
+                model.loss(dp_rank, micro, d)
+            })?;
+            per_step.push(thread_host_reads() - before);
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(per_step)
+    })
+    .unwrap();
+    assert_eq!(reads, vec![vec![0, 0]; 2], "reads per rank and step");
 }
 
 #[test]

@@ -1,0 +1,114 @@
+//! A flat tensor written on one thread and reduced on another: the overlapped data-parallel
+//! reduction's buckets, filled by backward on the rank's thread and reduced by its worker.
+//!
+//! On CUDA over NCCL the bucket is reduced in place, in device memory. CubeCL queues each
+//! thread's kernels on a stream of that thread, so the worker could not order NCCL after the
+//! kernels that filled the bucket: the writing thread does it when it hands the bucket over,
+//! and takes the buffer's device address there too. The worker then calls nothing but NCCL.
+//! Everywhere else the worker reads the bucket into host memory and reduces it there, and the
+//! owner turns the result back into a tensor when it takes it.
+
+use super::tensor::{buffer_to_tensor, tensor_to_buffer};
+use super::{Buffer, CommError, Communicator, ReduceOp};
+use burn::tensor::{Device, Tensor};
+use std::ops::Range;
+
+/// A flat tensor ready to be reduced from any thread (see the module documentation).
+pub(crate) struct Handoff(Path);
+
+enum Path {
+    /// Device memory the communicator's device collectives reduce in place.
+    #[cfg(feature = "cuda")]
+    Device(super::cuda_tensor::InPlace),
+    /// Reduced through host memory.
+    Host(Tensor<1>),
+}
+
+/// A reduced tensor (or this member's part of it), for the thread that owns the bucket.
+pub(crate) enum Reduced {
+    /// A tensor whose `range` is the result (the bucket reduced in place, or not reduced at
+    /// all in a group of one). Boxed: a tensor is large beside a buffer.
+    Tensor(Box<Tensor<1>>, Range<usize>),
+    /// Reduced in host memory.
+    Host(Buffer),
+}
+
+impl std::fmt::Debug for Reduced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reduced::Tensor(_, range) => write!(f, "Reduced::Tensor({range:?})"),
+            Reduced::Host(buf) => write!(f, "Reduced::Host({} elements)", buf.len()),
+        }
+    }
+}
+
+impl Reduced {
+    /// The result as a tensor on `device` (the bucket's).
+    pub(crate) fn into_tensor(self, device: &Device) -> Tensor<1> {
+        match self {
+            Reduced::Tensor(t, range) if range.len() == t.dims()[0] => *t,
+            Reduced::Tensor(t, range) => t.narrow(0, range.start, range.len()),
+            Reduced::Host(buf) => {
+                let n = buf.len();
+                buffer_to_tensor(buf, [n], device)
+            }
+        }
+    }
+}
+
+impl Handoff {
+    /// Takes `flat` over on the thread whose kernels wrote it.
+    pub(crate) fn new(
+        comm: &(impl Communicator + ?Sized),
+        flat: Tensor<1>,
+    ) -> Result<Self, CommError> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = comm.device_collectives()
+            && comm.group().size() > 1
+        {
+            let group = comm.group().to_string();
+            return Ok(Self(
+                match super::cuda_tensor::InPlace::new(dev, &group, flat)? {
+                    Ok(in_place) => Path::Device(in_place),
+                    Err(flat) => Path::Host(flat),
+                },
+            ));
+        }
+        let _ = comm;
+        Ok(Self(Path::Host(flat)))
+    }
+
+    /// Reduces the tensor over the group; every member gets the whole result.
+    pub(crate) fn all_reduce(
+        self,
+        comm: &(impl Communicator + ?Sized),
+        op: ReduceOp,
+    ) -> Result<Reduced, CommError> {
+        match self.0 {
+            #[cfg(feature = "cuda")]
+            Path::Device(d) => d.all_reduce(comm, op),
+            Path::Host(t) => {
+                let mut buf = tensor_to_buffer(comm, "all_reduce", t)?;
+                comm.all_reduce(&mut buf, op)?;
+                Ok(Reduced::Host(buf))
+            }
+        }
+    }
+
+    /// Reduces the tensor over the group; this member gets its block (the tensor's length
+    /// split evenly over the group, in group order).
+    pub(crate) fn reduce_scatter(
+        self,
+        comm: &(impl Communicator + ?Sized),
+        op: ReduceOp,
+    ) -> Result<Reduced, CommError> {
+        match self.0 {
+            #[cfg(feature = "cuda")]
+            Path::Device(d) => d.reduce_scatter(comm, op),
+            Path::Host(t) => {
+                let buf = tensor_to_buffer(comm, "reduce_scatter", t)?;
+                Ok(Reduced::Host(comm.reduce_scatter(buf, op)?))
+            }
+        }
+    }
+}
