@@ -261,6 +261,9 @@ spawn job_layout gpt cp2-p2p-flash 2 --context-parallel-size 2 --cp-comm-type p2
 # (the distributed optimizer) in device memory.
 spawn job_layout gpt dp2 2
 spawn job_layout gpt dp2-distopt 2 --use-distributed-optimizer
+# Overlapped with backward and all-reduced in place (the distributed optimizer's in-place
+# reduce-scatter is the dp2-distopt-overlap layouts above).
+spawn job_layout gpt dp2-overlap 2 --overlap-grad-reduce
 # The same pipeline and ring with their messages through host memory, for the device path's
 # effect.
 BURN_MEGATRON_P2P=host spawn job_layout gpt pp2-1f1b-p2p-host 2 --pipeline-model-parallel-size 2
