@@ -174,10 +174,13 @@ job_layout() { # PORT MODEL NAME WORLD FLAGS...
   local verdict=${line%% *}
   # Time per step (the median over the iterations after the first two) and how the
   # point-to-point tensors of rank 0's process travelled.
-  local ms p2p
+  local ms p2p reads waits
   ms=$(python3 -c "import json, statistics, sys; v = [json.loads(l)['ms_per_iter'] for l in open(sys.argv[1]) if l.strip()][2:]; print(f'{statistics.median(v):.1f} ms/step' if v else '? ms/step')" "$dir/nccl.json" 2>/dev/null)
   p2p=$(grep -h -o "point-to-point tensors of this process: .*" "$dir/nccl.0" | head -1)
-  result "$model $name" "$verdict" "${line#* }; $took s; ${ms:-? ms/step}; ${p2p:-no point-to-point tensors}; $(grep -h -o "share CUDA device" "$dir"/nccl.* | wc -l) rank(s) shared a GPU"
+  # Rank 0's synchronisations per iteration: host reads, and host waits for NCCL's streams.
+  reads=$(grep -h -o "host reads of device tensors per iteration.*" "$dir/nccl.0" | grep -o "[0-9.]*$" | head -1)
+  waits=$(grep -h -o "host waits for NCCL streams per iteration (rank 0's thread): [0-9.]*" "$dir/nccl.0" | grep -o "[0-9.]*$" | head -1)
+  result "$model $name" "$verdict" "${line#* }; $took s; ${ms:-? ms/step}; ${p2p:-no point-to-point tensors}; ${reads:-?} host reads and ${waits:-?} NCCL waits per iteration; $(grep -h -o "share CUDA device" "$dir"/nccl.* | wc -l) rank(s) shared a GPU"
 }
 
 # Saved at TP 2 x PP 2 on CUDA over NCCL after 10 of 20 iterations, loaded at TP 1 on the CPU

@@ -483,11 +483,16 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
     // This rank's host reads of device tensors inside its training steps (each one a device
     // synchronisation on a GPU), evaluation and saving left out.
     let mut step_reads = 0;
+    // Its host waits for NCCL's streams, and this process's orderings of CUDA streams.
+    #[cfg(feature = "cuda")]
+    let mut step_syncs = SyncCounts::default();
     // Iterations whose losses are still on the device, read at the log interval.
     let mut pending: Vec<(IterationLog, Losses)> = Vec::new();
     for iteration in start..args.train_iters {
         let t0 = Instant::now();
         let reads = thread_host_reads();
+        #[cfg(feature = "cuda")]
+        let syncs = SyncCounts::now();
         memory.step_starts();
         let timeline =
             (args.timeline.is_some() && iteration + 1 == args.train_iters).then_some(shared.epoch);
@@ -524,6 +529,8 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
             }
         }
         step_reads += thread_host_reads() - reads;
+        #[cfg(feature = "cuda")]
+        step_syncs.add_since(&syncs);
         memory.step_done();
         if args.eval_interval > 0 && (done % args.eval_interval == 0 || done == args.train_iters) {
             let (lm, sop) = evaluate(&ctx, shared, &model, 0..args.eval_iters)?;
@@ -555,6 +562,10 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
                 " host reads of device tensors per iteration (rank 0's, each a device \
                  synchronisation on a GPU): {per_step:.1}"
             ));
+            #[cfg(feature = "cuda")]
+            if let Some(line) = step_syncs.report(args.train_iters - start) {
+                shared.println(line);
+            }
         }
         // How pipeline and ring messages travelled (this process's ranks together).
         #[cfg(feature = "cuda")]
@@ -575,4 +586,49 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         memory.peak(),
     );
     Ok((log, evals, spans, peak))
+}
+
+/// Host waits for NCCL's streams (this thread's) and CUDA stream orderings (this process's),
+/// summed over training steps.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Default)]
+struct SyncCounts {
+    nccl_waits: u64,
+    device_orders: u64,
+    host_syncs: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl SyncCounts {
+    fn now() -> Self {
+        let orders = burn_megatron::cuda::order::order_stats();
+        Self {
+            nccl_waits: burn_megatron::comm::nccl::thread_host_waits(),
+            device_orders: orders.device_orders,
+            host_syncs: orders.host_syncs,
+        }
+    }
+
+    fn add_since(&mut self, before: &Self) {
+        let now = Self::now();
+        self.nccl_waits += now.nccl_waits - before.nccl_waits;
+        self.device_orders += now.device_orders - before.device_orders;
+        self.host_syncs += now.host_syncs - before.host_syncs;
+    }
+
+    /// The per-iteration line, when anything was counted (a CUDA or NCCL run).
+    fn report(&self, iterations: usize) -> Option<String> {
+        if self.nccl_waits + self.device_orders + self.host_syncs == 0 {
+            return None;
+        }
+        let per = |n: u64| n as f64 / iterations as f64;
+        Some(format!(
+            " host waits for NCCL streams per iteration (rank 0's thread): {:.1}; CUDA stream \
+             orderings per iteration (this process): {:.1} on the device, {:.1} by host \
+             synchronisation",
+            per(self.nccl_waits),
+            per(self.device_orders),
+            per(self.host_syncs)
+        ))
+    }
 }

@@ -10,9 +10,25 @@ use super::message::Payload;
 use super::{Inner, RawComm};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::sys;
+use std::cell::Cell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Host waits for NCCL's streams: in this process, and on this thread.
+static HOST_WAITS: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    static THREAD_HOST_WAITS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The host waits for NCCL's streams so far: (this process, this thread).
+pub(super) fn host_waits() -> (u64, u64) {
+    (
+        HOST_WAITS.load(Ordering::Relaxed),
+        THREAD_HOST_WAITS.with(Cell::get),
+    )
+}
 
 /// A communicator and the stream its work runs on; the lock serialises its calls.
 pub(super) struct Link {
@@ -181,6 +197,8 @@ impl NcclCommunicator {
         seq: u64,
         timeout: Duration,
     ) -> Result<(), CommError> {
+        HOST_WAITS.fetch_add(1, Ordering::Relaxed);
+        THREAD_HOST_WAITS.with(|n| n.set(n.get() + 1));
         let event = link
             .stream
             .record_event(None)

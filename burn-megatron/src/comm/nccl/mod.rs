@@ -36,6 +36,21 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Host waits for NCCL's streams so far in this process. Every call of this backend but a
+/// send returns once its work has run on the GPU (its deadline is how a dead peer becomes an
+/// error), so each is the host waiting for one of NCCL's streams (not for the whole device):
+/// CubeCL's kernels already queued keep running meanwhile, but none is queued after them
+/// until the call returns. Differences between two calls count a step's.
+pub fn host_waits() -> u64 {
+    communicator::host_waits().0
+}
+
+/// [`host_waits`] of this thread only: a rank's own calls, without those of its overlapped
+/// gradient reduction's worker thread (which waits off the rank's path).
+pub fn thread_host_waits() -> u64 {
+    communicator::host_waits().1
+}
+
 /// The exit status of a process this backend ends after a failure.
 pub const ABORT_CODE: i32 = 3;
 
