@@ -99,3 +99,86 @@ fn a_gpt_step_reads_the_host_only_where_listed() {
         assert_eq!(losses, 1, "{check:?}");
     }
 }
+
+/// `(reads in forward, backward and the gradients' reduction, in the optimizer step)` of the
+/// second of two steps of one rank of DP 2 (ranks as threads, so collectives go through host
+/// memory), the reduction overlapped with backward or after it.
+fn data_parallel_step_reads(overlap: bool, distributed: bool) -> (u64, u64) {
+    use burn_megatron::optimizer::InnerOptimizer;
+    use burn_megatron::topology::PipelinePosition;
+    use burn_megatron::training::ParallelTrainingConfig;
+    use std::sync::Arc;
+    let layout = ParallelConfig::new(2, 1, 1);
+    let out = threads(&layout, LaunchOptions::default(), |ctx| {
+        let device = &ctx.device;
+        let position = PipelinePosition::of(&ctx.state, 0);
+        let model = llama(2, SEQ)
+            .init_stage(&ctx.groups.tp, position, device)?
+            .with_id_check(IdCheck::Clamp);
+        let mut chunks = vec![model];
+        let training = ParallelTrainingConfig::new()
+            .with_overlap_grad_reduce(overlap)
+            .with_use_distributed_optimizer(distributed)
+            .init(&ctx, &chunks, Arc::new(|p: &str| p.to_string()))?;
+        let mut optim = training
+            .optimizer(InnerOptimizer::from(AdamWConfig::new().init()), &chunks)?
+            .with_clip_grad(1.0, NormType::L2);
+        let p2p = ctx.p2p(P2pShapes::Fixed {
+            dims: vec![SEQ, 1, 32],
+            dtype: DType::F32,
+        });
+        let hooks = training.grad_sync();
+        let first = ctx.state.data_parallel_rank() * MICRO_BATCHES;
+        let mut reads = (0, 0);
+        for _ in 0..2 {
+            let start = thread_host_reads();
+            let mut fb = ForwardBackwardConfig::new(PipelineSchedule::new(1, MICRO_BATCHES));
+            fb.grad_sync = hooks.as_deref();
+            let out = forward_backward_func(
+                |s: ForwardStep<'_, Gpt, 3>| -> Result<ChunkOutput<3>, Error> {
+                    let b = gpt_rows(first + s.microbatch, 1, SEQ, device);
+                    let ids = s.input.is_none().then_some(b.ids);
+                    Ok(match s.model.forward_stage(ids, s.input, None)? {
+                        GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
+                        GptStageOutput::Logits(logits) => ChunkOutput::Loss {
+                            loss: s.model.loss(logits, b.labels, b.mask)?,
+                            report: Vec::new(),
+                        },
+                    })
+                },
+                &chunks,
+                &p2p,
+                fb,
+            )?;
+            let mut grads = out.grads;
+            training.finalize(&chunks, &mut grads)?;
+            let reduced = thread_host_reads();
+            chunks = optim.step(1e-3, chunks, grads)?.0;
+            reads = (reduced - start, thread_host_reads() - reduced);
+        }
+        Ok::<_, Error>(reads)
+    });
+    out.unwrap()[0]
+}
+
+/// The overlapped reduction reads nothing on the rank's thread: the hooks hand over device
+/// tensors and its worker reads the buckets (on NCCL, nothing is read at all). Reduced after
+/// backward on a host communicator, each bucket is one read on the rank's thread.
+#[test]
+fn the_overlapped_reduction_reads_nothing_on_the_rank_thread() {
+    for distributed in [false, true] {
+        let (overlapped, optimizer) = data_parallel_step_reads(true, distributed);
+        let (after, _) = data_parallel_step_reads(false, distributed);
+        println!(
+            "DP 2, distributed optimizer {distributed}: host reads on the rank's thread in \
+             forward, backward and reduction: {overlapped} overlapped, {after} after backward; \
+             {optimizer} in the optimizer step"
+        );
+        assert_eq!(overlapped, 0, "distributed {distributed}");
+        assert!(
+            after > 0,
+            "distributed {distributed}: the bucket reads are counted"
+        );
+        assert!(optimizer >= 1, "the sum of squares at least");
+    }
+}
