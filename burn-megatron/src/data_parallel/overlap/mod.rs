@@ -96,7 +96,7 @@ impl Shared {
         }
     }
 
-    /// The worker: all-reduces each bucket as it becomes complete. Every rank runs the same
+    /// The worker: reduces each bucket as it becomes complete. Every rank runs the same
     /// graph, so buckets complete — and are launched — in the same order everywhere.
     fn reduce_as_ready(self: Arc<Self>) {
         // (A temporary guard in the `for` header would live for the whole loop.)
@@ -135,17 +135,18 @@ impl Shared {
             state.events.push(Event::Launch(b));
             drop(state);
             let scattered = self.scattered(b);
-            let result = handoff.and_then(|h| match scattered {
-                true => h.reduce_scatter(&*self.comm, self.op),
-                false => h.all_reduce(&*self.comm, self.op),
+            let result = handoff.and_then(|h| {
+                if scattered {
+                    h.reduce_scatter(&*self.comm, self.op)
+                } else {
+                    h.all_reduce(&*self.comm, self.op)
+                }
             });
             self.lock().buckets[b].result = Some(result);
             self.ready.notify_all();
         }
     }
-}
 
-impl Shared {
     /// Whether bucket `b` is reduce-scattered (the distributed optimizer's), not all-reduced.
     fn scattered(&self, b: usize) -> bool {
         self.plan
