@@ -288,6 +288,18 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
         self.barrier()
     }
 
+    /// Opens the point-to-point channels to `peers` ahead of the first message, where the
+    /// engine opens them on demand and opening one waits for the peer to open it too (NCCL:
+    /// a pair's first message creates communicators for it). Each member names its own peers,
+    /// symmetrically (if `a` names `b`, `b` names `a`), and the channels open in one order
+    /// over the whole group, so a ring whose members all send first cannot wait on itself.
+    /// Channels already open cost nothing. The default does nothing: the other engines need
+    /// no channel per pair.
+    fn connect(&self, peers: &[usize]) -> Result<(), CommError> {
+        let _ = peers;
+        Ok(())
+    }
+
     /// The same collectives on device memory, where this communicator's engine has them
     /// (NCCL); `None` (the default) means data moves through host buffers.
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {

@@ -594,6 +594,17 @@ impl Communicator for NcclCommunicator {
         self.collective_within(OpDesc::BARRIER, timeout, |_, _| Ok(()))
     }
 
+    fn connect(&self, peers: &[usize]) -> Result<(), CommError> {
+        let me = self.group.rank();
+        for &peer in peers {
+            self.group.check_peer("connect", peer)?;
+        }
+        for peer in super::pairs::pair_order(me, peers) {
+            self.pair("connect", peer)?;
+        }
+        Ok(())
+    }
+
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
         Some(self)
     }

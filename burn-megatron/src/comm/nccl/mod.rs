@@ -23,6 +23,7 @@ mod communicator;
 mod device;
 mod library;
 mod message;
+mod pairs;
 mod seats;
 
 pub use communicator::NcclCommunicator;

@@ -265,10 +265,16 @@ impl Ring {
     /// for CUDA tensors over NCCL, else through host memory. Returns its dtype, for the
     /// matching [`receive`](Self::receive).
     fn post(&self, x: &Tensor<4>) -> DType {
-        let next = (self.cp.rank() + 1) % self.cp.size();
+        let (cp, rank) = (self.cp.size(), self.cp.rank());
+        let (next, previous) = ((rank + 1) % cp, (rank + cp - 1) % cp);
         let bytes = x.shape().num_elements() * x.dtype().size();
         let start = Instant::now();
-        send(&**self.cp.comm(), x.clone(), next).unwrap_or_else(|e| panic!("{e}"));
+        // Every member sends first: the channels open in the group's order, not the ring's
+        // (see `Communicator::connect`).
+        let comm = self.cp.comm();
+        comm.connect(&[next, previous])
+            .unwrap_or_else(|e| panic!("{e}"));
+        send(&**comm, x.clone(), next).unwrap_or_else(|e| panic!("{e}"));
         self.cp.record_ring_send(start, bytes);
         x.dtype()
     }

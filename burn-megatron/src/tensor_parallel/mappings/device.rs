@@ -94,7 +94,9 @@ fn run(
         }
         Mapping::RingShift { forward } => {
             let (to, from) = super::host::ring_peers(forward, me, n);
-            // The send is queued without waiting for the receiver, so the ring cannot lock.
+            // The send is queued without waiting for the receiver, and the ring's channels
+            // open in the group's order (see `connect`), so the ring cannot lock.
+            comm.connect(&[to, from])?;
             cuda_tensor::send(dev, group.clone(), x.clone(), to)?;
             cuda_tensor::recv(dev, group, &x, &dims, x.dtype, from)?
         }

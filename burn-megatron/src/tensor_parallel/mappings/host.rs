@@ -98,6 +98,8 @@ fn exchange(
         }
         Mapping::RingShift { forward } => {
             let (to, from) = ring_peers(forward, me, n);
+            // A ring's channels open in the group's order, not the ring's (see `connect`).
+            comm.connect(&[to, from])?;
             let mut out = Buffer::zeros(buf.dtype(), buf.len());
             comm.send_recv(buf, to, &mut out, from)?;
             (out, dims)
