@@ -267,30 +267,35 @@ impl Link {
         })
     }
 
-    fn before(&mut self, stream: sys::CUstream, order: StreamOrder) -> Result<(), String> {
+    /// Marks CubeCL's stream here, for another stream to wait on; `None` once CubeCL's stream
+    /// has been drained from the host instead (host order).
+    fn mark(&mut self, order: StreamOrder) -> Result<Option<CubeclSignal>, String> {
         match order {
             StreamOrder::Host => {
                 HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
                 cubecl::future::block_on(self.client.sync())
-                    .map_err(|e| format!("CubeCL sync: {e:?}"))
+                    .map_err(|e| format!("CubeCL sync: {e:?}"))?;
+                Ok(None)
             }
             StreamOrder::Device => {
                 self.sent = self.sent.wrapping_add(1).max(1);
                 self.signal(self.sent);
-                self.bind()?;
                 DEVICE_ORDERS.fetch_add(1, Ordering::Relaxed);
-                // SAFETY: a live, pinned 4-byte counter; `stream` is a stream of this context.
-                unsafe {
-                    sys::cuStreamWaitValue32_v2(
-                        stream,
-                        self.addresses[0],
-                        self.sent,
-                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                    )
-                    .result()
-                    .map_err(driver("cuStreamWaitValue32"))
-                }
+                Ok(Some(CubeclSignal {
+                    context: self.context.clone(),
+                    address: self.addresses[0],
+                    value: self.sent,
+                }))
             }
+        }
+    }
+
+    fn before(&mut self, stream: sys::CUstream, order: StreamOrder) -> Result<(), String> {
+        match self.mark(order)? {
+            // SAFETY: `stream` is a stream of this device (the callers' contract), and this
+            // thread, the signalling one, is alive.
+            Some(signal) => unsafe { signal.wait_on(stream) },
+            None => Ok(()),
         }
     }
 
@@ -345,6 +350,55 @@ pub fn wait_for_cubecl(like: &CubeTensor, stream: sys::CUstream) -> Result<(), S
     with_link(like, |link| {
         let order = link.order()?;
         link.before(stream, order)
+    })
+}
+
+/// A point of one thread's CubeCL stream that a stream can be made to wait for from any
+/// thread ([`signal_cubecl`]): the kernels CubeCL queued there before it have run once the
+/// counter reaches the value.
+#[derive(Debug, Clone)]
+pub struct CubeclSignal {
+    context: Arc<CudaContext>,
+    address: u64,
+    value: u32,
+}
+
+impl CubeclSignal {
+    /// Queues on `stream` a wait for the signal: work queued there next starts after the
+    /// kernels before it.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the signal's device, and the signalling thread is still
+    /// alive (its counter lives as long as it does).
+    pub unsafe fn wait_on(&self, stream: sys::CUstream) -> Result<(), String> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("CUDA context"))?;
+        // SAFETY: a live, pinned 4-byte counter of the signalling thread's link and a live
+        // stream of this context (as the caller promises). The counter only grows (one
+        // writer, CubeCL's stream in order), so waiting for ≥ the value is exact.
+        unsafe {
+            sys::cuStreamWaitValue32_v2(
+                stream,
+                self.address,
+                self.value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+            .result()
+            .map_err(driver("cuStreamWaitValue32"))
+        }
+    }
+}
+
+/// Marks this thread's CubeCL stream (on `like`'s device) at this point, for a stream to wait
+/// on later, from another thread if need be ([`CubeclSignal::wait_on`]): the overlapped
+/// reduction's worker queues the wait right before its collective, so that a later bucket's
+/// wait never sits in front of an earlier bucket's collective. `None` when streams are ordered
+/// on the host: CubeCL's stream has then been drained already.
+pub fn signal_cubecl(like: &CubeTensor) -> Result<Option<CubeclSignal>, String> {
+    with_link(like, |link| {
+        let order = link.order()?;
+        link.mark(order)
     })
 }
 

@@ -46,6 +46,14 @@ pub(crate) fn count_host() {
     HOST.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Whether CUDA tensor `x` can take the device path of `dev`: on its GPU (NCCL reads and
+/// writes addresses of the device its communicator was made on), of a dtype it carries.
+fn carries(dev: &dyn DeviceCollectives, x: &CubeTensor) -> bool {
+    x.device.runtime() == RuntimeId::Cuda
+        && x.device.to_id().index_id as usize == dev.ordinal()
+        && comm_dtype(x.dtype).is_some()
+}
+
 fn device_path_allowed() -> bool {
     static ALLOWED: OnceLock<bool> = OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var(P2P_VAR).map_or(true, |v| v != "host"))
@@ -149,12 +157,14 @@ pub(crate) fn collective(
     // Contiguous: Burn's default CUDA layout pads each row to an aligned pitch, and NCCL
     // writes packed rows.
     let out = empty_device_contiguous_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
+    // The resources keep both allocations in place until `op` has waited for NCCL. Taken
+    // first: taking them puts this thread's CubeCL stream after whatever stream last wrote
+    // the buffers, so the mark below covers those writes too.
+    let (src, _src) = device_slice(&x).map_err(engine)?;
+    let (dst, _dst) = device_slice(&out).map_err(engine)?;
     // NCCL reads `x` on its own stream: it starts once everything Burn queued has run.
     let stream = dev.stream() as cudarc::driver::sys::CUstream;
     burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, stream).map_err(engine)?;
-    // The resources keep both allocations in place until `op` has waited for NCCL.
-    let (src, _src) = device_slice(&x).map_err(engine)?;
-    let (dst, _dst) = device_slice(&out).map_err(engine)?;
     op(src, dst)?;
     Ok(out)
 }
@@ -175,11 +185,7 @@ pub(crate) fn on_device<const D: usize, K: Basic>(
     }
     let DispatchTensor { kind, autodiff } = t.into_dispatch();
     let x = match kind {
-        DispatchTensorKind::Cube(BackendTensor::Float(x))
-            if x.device.runtime() == RuntimeId::Cuda && comm_dtype(x.dtype).is_some() =>
-        {
-            x
-        }
+        DispatchTensorKind::Cube(BackendTensor::Float(x)) if carries(dev, &x) => x,
         kind => {
             return Ok(Err(Tensor::from_dispatch(DispatchTensor {
                 kind,
@@ -201,19 +207,18 @@ pub(crate) enum Carried<const D: usize, K: Basic> {
     Host(Tensor<D, K>),
 }
 
-/// The path `t` takes: the device when it is a CUDA float tensor of a dtype the collectives
-/// carry, not empty, and the device path is allowed; else the host.
-pub(crate) fn carried<const D: usize, K: Autodiff>(t: Tensor<D, K>) -> Carried<D, K> {
+/// The path `t` takes: the device when it is a CUDA float tensor `dev` carries (see
+/// `carries`), not empty, and the device path is allowed; else the host.
+pub(crate) fn carried<const D: usize, K: Autodiff>(
+    dev: &dyn DeviceCollectives,
+    t: Tensor<D, K>,
+) -> Carried<D, K> {
     if !device_path_allowed() || t.shape().num_elements() == 0 {
         return Carried::Host(t);
     }
     let DispatchTensor { kind, autodiff } = t.inner().into_dispatch();
     match kind {
-        DispatchTensorKind::Cube(BackendTensor::Float(x))
-            if x.device.runtime() == RuntimeId::Cuda && comm_dtype(x.dtype).is_some() =>
-        {
-            Carried::Device(x)
-        }
+        DispatchTensorKind::Cube(BackendTensor::Float(x)) if carries(dev, &x) => Carried::Device(x),
         kind => Carried::Host(Tensor::from_dispatch(DispatchTensor { kind, autodiff })),
     }
 }
@@ -241,7 +246,7 @@ pub(crate) fn recv_tensor<const D: usize>(
     let DispatchTensorKind::Cube(BackendTensor::Float(out)) = kind else {
         return None;
     };
-    if out.device.runtime() != RuntimeId::Cuda {
+    if !carries(dev, &out) {
         return None;
     }
     let fail = engine(group, "recv");
@@ -259,41 +264,43 @@ pub(crate) fn recv_tensor<const D: usize>(
 
 /// A CUDA float tensor's buffer for the device collectives to reduce in place, from any
 /// thread (see [`Handoff`](super::handoff::Handoff)): made on the thread whose kernels wrote
-/// it, which orders the collectives' stream after them.
+/// it, which marks its CubeCL stream there; the reducing thread makes the collectives' stream
+/// wait for the mark right before its collective. (Queued at the handover instead, a later
+/// bucket's wait would sit in front of an earlier bucket's collective on that stream, and no
+/// reduction would start before backward's last bucket.)
 pub(crate) struct InPlace {
     /// Holds the allocation; no one else holds its buffer.
     tensor: Tensor<1>,
     slice: DeviceSlice,
     _resource: Box<dyn std::any::Any + Send>,
+    /// `None`: CubeCL's stream was drained from the host instead (host stream order).
+    signal: Option<burn_megatron_kernels::cuda::order::CubeclSignal>,
     group: String,
 }
 
 impl InPlace {
-    /// `flat` in device memory, with `dev`'s stream waiting for the kernels that wrote it;
-    /// `Err(flat)` back when it is not a CUDA float tensor the device path carries.
+    /// `flat` in device memory, its writers marked on this thread's CubeCL stream; `Err(flat)`
+    /// back for the host path when it is not a CUDA float tensor `dev` carries, or when its
+    /// address or the mark cannot be had (then every member still takes part in the
+    /// collective, through host memory).
     pub(crate) fn new(
         dev: &dyn DeviceCollectives,
         group: &str,
         flat: Tensor<1>,
-    ) -> Result<Result<Self, Tensor<1>>, CommError> {
+    ) -> Result<Self, Box<Tensor<1>>> {
         if !device_path_allowed() || flat.shape().num_elements() == 0 {
-            return Ok(Err(flat));
+            return Err(Box::new(flat));
         }
         let DispatchTensor { kind, autodiff } = flat.into_dispatch();
         let x = match kind {
-            DispatchTensorKind::Cube(BackendTensor::Float(x))
-                if x.device.runtime() == RuntimeId::Cuda && comm_dtype(x.dtype).is_some() =>
-            {
-                x
-            }
+            DispatchTensorKind::Cube(BackendTensor::Float(x)) if carries(dev, &x) => x,
             kind => {
-                return Ok(Err(Tensor::from_dispatch(DispatchTensor {
+                return Err(Box::new(Tensor::from_dispatch(DispatchTensor {
                     kind,
                     autodiff,
                 })));
             }
         };
-        let fail = engine(group.to_string(), "in-place reduction");
         // NCCL writes the buffer: it must be this tensor's alone, and packed.
         let x = into_contiguous(x);
         let x = if x.can_mut() && x.is_contiguous_buffer() {
@@ -301,28 +308,51 @@ impl InPlace {
         } else {
             x.copy()
         };
-        let (slice, resource) = device_slice(&x).map_err(&fail)?;
-        burn_megatron_kernels::cuda::order::wait_for_cubecl(&x, dev.stream() as _).map_err(fail)?;
+        // The address first: taking it puts this thread's stream after the buffer's writers.
+        let marked = device_slice(&x).and_then(|(slice, resource)| {
+            let signal = burn_megatron_kernels::cuda::order::signal_cubecl(&x)?;
+            Ok((slice, resource, signal))
+        });
         let kind = DispatchTensorKind::Cube(BackendTensor::Float(x));
-        Ok(Ok(Self {
-            tensor: Tensor::from_dispatch(DispatchTensor { kind, autodiff }),
-            slice,
-            _resource: resource,
-            group: group.to_string(),
-        }))
+        let tensor = Tensor::from_dispatch(DispatchTensor { kind, autodiff });
+        match marked {
+            Ok((slice, resource, signal)) => Ok(Self {
+                tensor,
+                slice,
+                _resource: resource,
+                signal,
+                group: group.to_string(),
+            }),
+            Err(why) => {
+                tracing::warn!(
+                    "group {group}: reducing a bucket through host memory, the device path \
+                     failed: {why}"
+                );
+                Err(Box::new(tensor))
+            }
+        }
     }
 
-    fn collectives<'a>(
+    /// The communicator's device collectives, with their stream waiting for the mark.
+    fn ordered<'a>(
         &self,
         comm: &'a (impl super::Communicator + ?Sized),
         op: &'static str,
     ) -> Result<&'a dyn DeviceCollectives, CommError> {
-        comm.device_collectives()
+        let dev = comm
+            .device_collectives()
             .ok_or_else(|| CommError::InvalidArgument {
                 group: self.group.clone(),
                 op,
                 reason: "the communicator has no device collectives".into(),
-            })
+            })?;
+        if let Some(signal) = &self.signal {
+            // SAFETY: the communicator's own stream, live while it is, on the buffer's device
+            // (`carries` checked the ordinal); the signalling thread (the rank's) waits for
+            // this reduction before it ends.
+            unsafe { signal.wait_on(dev.stream() as _) }.map_err(engine(self.group.clone(), op))?;
+        }
+        Ok(dev)
     }
 
     /// All-reduces the buffer in place.
@@ -331,9 +361,9 @@ impl InPlace {
         comm: &(impl super::Communicator + ?Sized),
         op: super::ReduceOp,
     ) -> Result<super::handoff::Reduced, CommError> {
-        let dev = self.collectives(comm, "all_reduce")?;
+        let dev = self.ordered(comm, "all_reduce")?;
         // SAFETY: a live buffer of `len` elements held by `self` and no one else, its
-        // writers ordered before the collectives' stream in `new`; NCCL reduces in place
+        // writers ordered before the collectives' stream just above; NCCL reduces in place
         // when send and receive are the same slice.
         unsafe { dev.all_reduce(self.slice, self.slice, op) }?;
         let len = self.slice.len;
@@ -350,7 +380,7 @@ impl InPlace {
         comm: &(impl super::Communicator + ?Sized),
         op: super::ReduceOp,
     ) -> Result<super::handoff::Reduced, CommError> {
-        let dev = self.collectives(comm, "reduce_scatter")?;
+        let dev = self.ordered(comm, "reduce_scatter")?;
         let (n, rank) = (comm.group().size(), comm.group().rank());
         // An uneven length is the collective's own error (its receive length is checked).
         let block = self.slice.len / n;

@@ -3,8 +3,10 @@
 //!
 //! On CUDA over NCCL the bucket is reduced in place, in device memory. CubeCL queues each
 //! thread's kernels on a stream of that thread, so the worker could not order NCCL after the
-//! kernels that filled the bucket: the writing thread does it when it hands the bucket over,
-//! and takes the buffer's device address there too. The worker then calls nothing but NCCL.
+//! kernels that filled the bucket by itself: the writing thread marks its stream and takes the
+//! buffer's device address when it hands the bucket over, and the worker makes NCCL's stream
+//! wait for that mark right before its collective (queued at the handover, a later bucket's
+//! wait would hold up an earlier bucket's collective); it calls nothing but NCCL.
 //! Everywhere else the worker reads the bucket into host memory and reduces it there, and the
 //! owner turns the result back into a tensor when it takes it.
 
@@ -57,25 +59,22 @@ impl Reduced {
 }
 
 impl Handoff {
-    /// Takes `flat` over on the thread whose kernels wrote it.
-    pub(crate) fn new(
-        comm: &(impl Communicator + ?Sized),
-        flat: Tensor<1>,
-    ) -> Result<Self, CommError> {
+    /// Takes `flat` over on the thread whose kernels wrote it. Whatever happens, the result
+    /// is reduced on one path or the other, so that every member takes part in the
+    /// collective.
+    pub(crate) fn new(comm: &(impl Communicator + ?Sized), flat: Tensor<1>) -> Self {
         #[cfg(feature = "cuda")]
         if let Some(dev) = comm.device_collectives()
             && comm.group().size() > 1
         {
             let group = comm.group().to_string();
-            return Ok(Self(
-                match super::cuda_tensor::InPlace::new(dev, &group, flat)? {
-                    Ok(in_place) => Path::Device(in_place),
-                    Err(flat) => Path::Host(flat),
-                },
-            ));
+            return Self(match super::cuda_tensor::InPlace::new(dev, &group, flat) {
+                Ok(in_place) => Path::Device(in_place),
+                Err(flat) => Path::Host(*flat),
+            });
         }
         let _ = comm;
-        Ok(Self(Path::Host(flat)))
+        Self(Path::Host(flat))
     }
 
     /// Reduces the tensor over the group; every member gets the whole result.

@@ -273,7 +273,7 @@ pub fn send<const D: usize, K: Autodiff>(
             .device_collectives()
             .filter(|_| peer != comm.group().rank())
         {
-            match carried(tensor) {
+            match carried(dev, tensor) {
                 Carried::Device(x) => {
                     return super::cuda_tensor::send(dev, comm.group().to_string(), x, peer);
                 }

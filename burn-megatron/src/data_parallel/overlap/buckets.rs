@@ -61,7 +61,7 @@ pub(super) struct State {
     pub(super) last: bool,
     pub(super) closed: bool,
     /// Complete buckets not yet launched, in the order they completed.
-    pub(super) queue: VecDeque<(usize, Result<Handoff, CommError>)>,
+    pub(super) queue: VecDeque<(usize, Handoff)>,
     pub(super) events: Vec<Event>,
     pub(super) worker: Option<JoinHandle<()>>,
 }

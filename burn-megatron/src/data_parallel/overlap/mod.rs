@@ -135,13 +135,11 @@ impl Shared {
             state.events.push(Event::Launch(b));
             drop(state);
             let scattered = self.scattered(b);
-            let result = handoff.and_then(|h| {
-                if scattered {
-                    h.reduce_scatter(&*self.comm, self.op)
-                } else {
-                    h.all_reduce(&*self.comm, self.op)
-                }
-            });
+            let result = if scattered {
+                handoff.reduce_scatter(&*self.comm, self.op)
+            } else {
+                handoff.all_reduce(&*self.comm, self.op)
+            };
             self.lock().buckets[b].result = Some(result);
             self.ready.notify_all();
         }
@@ -309,7 +307,8 @@ impl OverlapReducer {
     ///
     /// A step in which a gradient of the module missed the reduction (see
     /// [`Self::activate`]) is an error, and `grads` is left as it was: the reduction still
-    /// runs to its end, so that every rank's collectives stay matched.
+    /// runs to its end, so that every rank's collectives stay matched. A failed reduction is
+    /// an error too, with `grads` left as it was; either way the next step starts afresh.
     pub fn finish(&self, grads: &mut GradientsParams) -> Result<usize, CommError> {
         let mut present = HashMap::new();
         let mut state = self.shared.lock();
@@ -331,25 +330,19 @@ impl OverlapReducer {
         }
         let worker = state.worker.take();
         drop(state);
-        if let Some(w) = worker {
-            self.join_worker(w)?;
-        }
+        let joined = worker.map_or(Ok(()), |w| self.join_worker(w));
         let mut state = self.shared.lock();
-        let single = self.shared.comm.group().size() == 1;
-        let mut issued = 0;
-        let mut reduced = Vec::with_capacity(state.buckets.len());
-        for (b, bucket) in state.buckets.iter_mut().enumerate() {
-            let result = match bucket.result.take() {
-                Some(r) => r?,
-                None => return Err(self.invalid("a bucket was never reduced")),
-            };
-            issued += usize::from(!single);
-            reduced.push(self.full_bucket(b, bucket.len, result));
-        }
+        // The step is over, however it ended: the next one starts afresh.
         state.uses.clear();
         state.delivered.clear();
         state.done.clear();
+        state.main.clear();
         state.last = false;
+        let results: Vec<_> = state
+            .buckets
+            .iter_mut()
+            .map(|b| (b.len, b.result.take()))
+            .collect();
         if !state.relaid && !state.hooked.is_empty() && self.shared.plan.is_none() {
             // Now the hooked parameters are known: bucket them apart from the others, which
             // only arrive at `finish` and would hold back any bucket they shared.
@@ -363,12 +356,26 @@ impl OverlapReducer {
             (state.slots, state.buckets, state.relaid) = (relaid.slots, relaid.buckets, true);
         }
         drop(state);
-        if let Some(reason) = self.missed_reason(&missed, activations) {
+        let single = self.shared.comm.group().size() == 1;
+        let mut reduced = Vec::with_capacity(results.len());
+        let failed = joined.err().or_else(|| {
+            for (b, (len, result)) in results.into_iter().enumerate() {
+                match result {
+                    Some(Ok(r)) => reduced.push(self.full_bucket(b, len, r)),
+                    Some(Err(e)) => return Some(e),
+                    None => return Some(self.invalid("a bucket was never reduced")),
+                }
+            }
+            let reason = self.missed_reason(&missed, activations)?;
+            Some(self.invalid(&reason))
+        });
+        if let Some(e) = failed {
             for (id, (flat, dims, _)) in present {
                 put_flat(grads, id, flat, &dims);
             }
-            return Err(self.invalid(&reason));
+            return Err(e);
         }
+        let issued = if single { 0 } else { reduced.len() };
         for (id, (flat, dims, slot)) in present {
             let values = reduced[slot.bucket]
                 .clone()
