@@ -264,6 +264,9 @@ spawn job_layout gpt cp2-p2p-flash 2 --context-parallel-size 2 --cp-comm-type p2
 # (the distributed optimizer) in device memory.
 spawn job_layout gpt dp2 2
 spawn job_layout gpt dp2-distopt 2 --use-distributed-optimizer
+# A ring of four: its pairs open in the group's order (Communicator::connect), not the
+# ring's, which would wait on itself.
+spawn job_layout gpt cp4-p2p 4 --context-parallel-size 4 --cp-comm-type p2p
 # Overlapped with backward and all-reduced in place (the distributed optimizer's in-place
 # reduce-scatter is the dp2-distopt-overlap layouts above).
 spawn job_layout gpt dp2-overlap 2 --overlap-grad-reduce
