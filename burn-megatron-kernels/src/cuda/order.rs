@@ -280,6 +280,13 @@ impl Link {
             StreamOrder::Device => {
                 self.sent = self.sent.wrapping_add(1).max(1);
                 self.signal(self.sent);
+                // CubeCL queues launches on the host and hands them to the GPU in batches
+                // (cubecl-common's channel runs 32 at a time, or on a flush): unflushed, the
+                // signal could stay on the host while a stream waits for it on the device,
+                // and a caller waiting for that stream would wait for ever.
+                self.client
+                    .flush()
+                    .map_err(|e| format!("CubeCL flush: {e:?}"))?;
                 DEVICE_ORDERS.fetch_add(1, Ordering::Relaxed);
                 Ok(Some(CubeclSignal {
                     context: self.context.clone(),
