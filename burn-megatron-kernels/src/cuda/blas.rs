@@ -245,13 +245,14 @@ fn operand(t: &CubeTensor) -> Option<Operand> {
 }
 
 /// `t` as an operand, copied contiguous first when its strides are neither layout.
-fn readable(t: &CubeTensor) -> (CubeTensor, Operand) {
+fn readable(t: &CubeTensor) -> Result<(CubeTensor, Operand), String> {
     if let Some(op) = operand(t) {
-        return (t.clone(), op);
+        return Ok((t.clone(), op));
     }
     let t = into_contiguous(t.clone());
-    let op = operand(&t).expect("a contiguous tensor is row-major matrices in a run");
-    (t, op)
+    // A contiguous tensor is row-major matrices in a run; were it not, Burn's matmul runs.
+    let op = operand(&t).ok_or("a contiguous copy is not a run of row-major matrices")?;
+    Ok((t, op))
 }
 
 fn cuda_type(dtype: DType) -> sys::cudaDataType {
@@ -485,9 +486,9 @@ fn matmul(
             b.meta.shape()
         ));
     }
-    let (a, a_op) = readable(a);
-    let (b, b_op) = readable(b);
-    let acc = acc.map(readable);
+    let (a, a_op) = readable(a)?;
+    let (b, b_op) = readable(b)?;
+    let acc = acc.map(readable).transpose()?;
     if acc.as_ref().is_some_and(|(_, op)| op.trans) {
         return Err("the accumulated matrix is a transposed view".into());
     }
