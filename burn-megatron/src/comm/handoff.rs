@@ -77,36 +77,28 @@ impl Handoff {
         Self(Path::Host(flat))
     }
 
-    /// Reduces the tensor over the group; every member gets the whole result.
-    pub(crate) fn all_reduce(
+    /// Reduces the tensor over the group: every member gets the whole result, or with
+    /// `scatter` only its block (the tensor's length split evenly over the group, in group
+    /// order).
+    pub(crate) fn reduce(
         self,
         comm: &(impl Communicator + ?Sized),
         op: ReduceOp,
+        scatter: bool,
     ) -> Result<Reduced, CommError> {
         match self.0 {
             #[cfg(feature = "cuda")]
+            Path::Device(d) if scatter => d.reduce_scatter(comm, op),
+            #[cfg(feature = "cuda")]
             Path::Device(d) => d.all_reduce(comm, op),
+            Path::Host(t) if scatter => {
+                let buf = tensor_to_buffer(comm, "reduce_scatter", t)?;
+                Ok(Reduced::Host(comm.reduce_scatter(buf, op)?))
+            }
             Path::Host(t) => {
                 let mut buf = tensor_to_buffer(comm, "all_reduce", t)?;
                 comm.all_reduce(&mut buf, op)?;
                 Ok(Reduced::Host(buf))
-            }
-        }
-    }
-
-    /// Reduces the tensor over the group; this member gets its block (the tensor's length
-    /// split evenly over the group, in group order).
-    pub(crate) fn reduce_scatter(
-        self,
-        comm: &(impl Communicator + ?Sized),
-        op: ReduceOp,
-    ) -> Result<Reduced, CommError> {
-        match self.0 {
-            #[cfg(feature = "cuda")]
-            Path::Device(d) => d.reduce_scatter(comm, op),
-            Path::Host(t) => {
-                let buf = tensor_to_buffer(comm, "reduce_scatter", t)?;
-                Ok(Reduced::Host(comm.reduce_scatter(buf, op)?))
             }
         }
     }

@@ -107,6 +107,7 @@ fn data_parallel_step_reads(overlap: bool, distributed: bool) -> (u64, u64) {
     use burn_megatron::optimizer::InnerOptimizer;
     use burn_megatron::topology::PipelinePosition;
     use burn_megatron::training::ParallelTrainingConfig;
+    use burn_megatron_tests::gpt::causal_lm_step;
     use std::sync::Arc;
     let layout = ParallelConfig::new(2, 1, 1);
     let out = threads(&layout, LaunchOptions::default(), |ctx| {
@@ -135,17 +136,7 @@ fn data_parallel_step_reads(overlap: bool, distributed: bool) -> (u64, u64) {
             let mut fb = ForwardBackwardConfig::new(PipelineSchedule::new(1, MICRO_BATCHES));
             fb.grad_sync = hooks.as_deref();
             let out = forward_backward_func(
-                |s: ForwardStep<'_, Gpt, 3>| -> Result<ChunkOutput<3>, Error> {
-                    let b = gpt_rows(first + s.microbatch, 1, SEQ, device);
-                    let ids = s.input.is_none().then_some(b.ids);
-                    Ok(match s.model.forward_stage(ids, s.input, None)? {
-                        GptStageOutput::Hidden(h) => ChunkOutput::Activation(h),
-                        GptStageOutput::Logits(logits) => ChunkOutput::Loss {
-                            loss: s.model.loss(logits, b.labels, b.mask)?,
-                            report: Vec::new(),
-                        },
-                    })
-                },
+                |s: ForwardStep<'_, Gpt, 3>| causal_lm_step(s, first, SEQ, device),
                 &chunks,
                 &p2p,
                 fb,

@@ -134,12 +134,7 @@ impl Shared {
             };
             state.events.push(Event::Launch(b));
             drop(state);
-            let scattered = self.scattered(b);
-            let result = if scattered {
-                handoff.reduce_scatter(&*self.comm, self.op)
-            } else {
-                handoff.all_reduce(&*self.comm, self.op)
-            };
+            let result = handoff.reduce(&*self.comm, self.op, self.scattered(b));
             self.lock().buckets[b].result = Some(result);
             self.ready.notify_all();
         }
