@@ -4,8 +4,8 @@
 //!
 //! Weights, gradients and optimizer state follow Megatron-LM's `report_theoretical_memory`
 //! (parameters per stage, then bytes per parameter), adapted to this library: fp32 runs
-//! keep no master copy, an overlapped reduction keeps FP32 main-gradient buckets beside the
-//! gradients, and the output layer is counted on the last stage even when tied (its copy).
+//! keep no master copy, an overlapped reduction holds the linear layers' gradients as FP32
+//! main gradients in place of Burn's (as Megatron's grad buffer), and the output layer is counted on the last stage even when tied (its copy).
 //!
 //! Activations are an inventory of the tensors this implementation keeps for backward,
 //! per layer, in the spirit of Korthikanti et al.'s Table 2 but for these kernels: the
@@ -83,7 +83,7 @@ pub struct StagePlan {
     pub parameters: u64,
     /// Bytes of weights.
     pub weight_bytes: u64,
-    /// Bytes of gradients (and the overlapped reduction's FP32 buckets).
+    /// Bytes of gradients (FP32 main gradients under the overlapped reduction).
     pub gradient_bytes: u64,
     /// Bytes of optimizer state (master weights under bf16/fp16, Adam's moments), ÷ DP with
     /// the distributed optimizer.
@@ -429,8 +429,10 @@ impl Setup {
         }
         let e = self.elem;
         let weight_bytes = params * e;
+        // The overlapped reducer keeps each hooked gradient as its FP32 main gradient
+        // instead of Burn's copy, until the step's reduction writes it back.
         let buckets = if self.overlap { 4 * params } else { 0 };
-        let gradient_bytes = params * e + buckets;
+        let gradient_bytes = if self.overlap { buckets } else { params * e };
         // Adam's two moments, and FP32 master weights under bf16/fp16; the distributed
         // optimizer keeps an FP32 master shard whatever the dtype.
         let optimizer_bytes = if self.zero {
@@ -462,21 +464,20 @@ impl Setup {
         // microbatch's beside them: at the activations' peak the sum is alive, and a
         // replayed region's backward adds the new ones. The last step's gradients were
         // consumed by the optimizer before this step began.
+        // Under the overlapped reduction those sums are the main gradients (`buckets`), and
+        // the gradients written back at its end replace them.
         let grads = params * e;
-        let accumulated = if chunk_forwards > peak_count {
-            grads
-        } else {
-            0
-        };
+        let held = if self.overlap { 0 } else { grads };
+        let accumulated = if chunk_forwards > peak_count { held } else { 0 };
         let transient = (logits_grad * e).max(if replay_max > 0 {
-            replay_max * e + grads
+            replay_max * e + held
         } else {
             0
         });
         let total_bytes = weight_bytes
             + buckets
             + optimizer_bytes
-            + (peak_elems * e + accumulated + transient).max(2 * grads);
+            + (peak_elems * e + accumulated + transient).max(grads + held);
         Ok(StagePlan {
             stage: p,
             parameters: params,

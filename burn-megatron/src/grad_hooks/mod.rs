@@ -38,7 +38,10 @@ pub(crate) trait GradSink: Send + Sync + std::fmt::Debug {
     fn hook(&self, id: ParamId, count: bool) -> bool;
     /// Backward of a parameter hooked while this sink was active: its gradient, flat,
     /// untracked and in its own dtype, where backward left it (nothing is read back).
-    fn deliver(&self, id: ParamId, grad: Tensor<1>);
+    /// Returns whether the sink keeps it: Burn's gradients then get no copy of it (as
+    /// Megatron's `param.grad` stays empty once the main gradient has it), so it is held
+    /// once, not twice, until the step's reduction writes the result back.
+    fn deliver(&self, id: ParamId, grad: Tensor<1>) -> bool;
     /// Backward of a parameter this sink claimed, hooked while no sink was active.
     fn deliver_inactive(&self, id: ParamId);
 }
@@ -175,11 +178,15 @@ impl std::fmt::Debug for Hook {
 }
 
 impl Hook {
-    /// Reports the gradient; `flat` runs only if a sink takes it.
-    fn deliver(&self, flat: impl FnOnce() -> Tensor<1>) {
+    /// Reports the gradient; `flat` runs only if a sink takes it. Returns whether the sink
+    /// kept it (see [`GradSink::deliver`]): the caller then registers no gradient.
+    fn deliver(&self, flat: impl FnOnce() -> Tensor<1>) -> bool {
         match &self.target {
             Target::Active(sink) => sink.deliver(self.id, flat()),
-            Target::Inactive(sinks) => sinks.iter().for_each(|s| s.deliver_inactive(self.id)),
+            Target::Inactive(sinks) => {
+                sinks.iter().for_each(|s| s.deliver_inactive(self.id));
+                false
+            }
         }
     }
 }
@@ -235,22 +242,23 @@ pub fn hook_param<const D: usize, const E: usize>(
 
 /// Delivers `grad`, the gradient of `param` that a recomputed region's replay formed itself
 /// (a product, not a hooked value's backward), to the sink that would have hooked it: the
-/// use was counted in the region's first forward, as [`hook_param`] counts it.
-pub(crate) fn deliver_formed<const D: usize>(param: &Param<Tensor<D>>, grad: &Tensor<D>) {
+/// use was counted in the region's first forward, as [`hook_param`] counts it. Returns
+/// whether the sink kept it (the region then pairs no gradient with the parameter).
+pub(crate) fn deliver_formed<const D: usize>(param: &Param<Tensor<D>>, grad: &Tensor<D>) -> bool {
     if !param.is_require_grad() {
-        return;
+        return false;
     }
     let target = match ACTIVE.with(|a| a.borrow().clone()) {
         Some(sink) => {
             if !sink.hook(param.id, false) {
-                return;
+                return false;
             }
             Target::Active(sink)
         }
         None => {
             let sinks = claimants(param.id);
             if sinks.is_empty() {
-                return;
+                return false;
             }
             Target::Inactive(sinks)
         }
@@ -262,7 +270,7 @@ pub(crate) fn deliver_formed<const D: usize>(param: &Param<Tensor<D>>, grad: &Te
     hook.deliver(|| {
         let n = grad.shape().num_elements();
         grad.clone().inner().reshape([n])
-    });
+    })
 }
 
 /// Keeps a sink active on this thread; dropping it deactivates.

@@ -1,6 +1,6 @@
 //! The gradient-ready hook as a Burn backend extension: identity forward; backward hands
-//! the parameter's gradient (as a tensor on its device) to the sink (the reducer) and passes
-//! it on unchanged.
+//! the parameter's gradient (as a tensor on its device) to the sink (the reducer), and
+//! passes it on unchanged only if the sink did not keep it.
 //!
 //! Burn runs backward by graph depth, deepest first. A hook whose only parent were the
 //! parameter (a leaf, depth 0) would run at the very end; giving it the layer's input as a
@@ -64,14 +64,15 @@ where
         let grad = grads.consume::<B>(&ops.node);
         // Handed over as a tensor where backward left it: a read here would wait for every
         // kernel queued so far, once per parameter and micro-batch.
-        ops.state.deliver(|| {
+        let kept = ops.state.deliver(|| {
             let n = grad.shape().num_elements();
             let flat = B::float_reshape(grad.clone(), Shape::new([n]));
             Tensor::from_dispatch(<DispatchTensor as DispatchKindConversion<B>>::from_backend(
                 BackendTensor::Float(flat),
             ))
         });
-        if let Some(param) = param {
+        // A gradient the sink kept lives in its main gradient only.
+        if let Some(param) = param.filter(|_| !kept) {
             grads.register::<B>(param.id, grad);
         }
     }

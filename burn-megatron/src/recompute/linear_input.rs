@@ -260,7 +260,8 @@ where
 /// Backward of the layers' products, formed as the layers' linear backward forms it, from the
 /// gradient of their concatenation (`grad`) and their rebuilt input `n`: each trained
 /// weight's `nᵀ·dy` (in f32 with gradient accumulation fusion) and added bias's `Σ dy`,
-/// delivered to the reducer and paired with the parameter for the outer backward; and a
+/// delivered to the reducer, or paired with the parameter for the outer backward where no
+/// reducer kept it; and a
 /// scalar whose backward takes each layer's `dy·Wᵀ` through its input mapping and `f`, as
 /// the gradient of the mapped `n` (`None` when `n` is not tracked).
 fn linear_grads<L: LinearShard>(
@@ -287,13 +288,15 @@ fn linear_grads<L: LinearShard>(
             } else {
                 product(x, dy)
             };
-            deliver_formed(l.weight(), &dw);
-            params.push((l.weight().val().into_dispatch(), dw.inner().into_dispatch()));
+            if !deliver_formed(l.weight(), &dw) {
+                params.push((l.weight().val().into_dispatch(), dw.inner().into_dispatch()));
+            }
         }
         if let Some(bias) = l.added_bias().filter(|b| b.is_require_grad()) {
             let db = dy.clone().reshape([s * b, o]).sum_dim(0).reshape([o]);
-            deliver_formed(bias, &db);
-            params.push((bias.val().into_dispatch(), db.inner().into_dispatch()));
+            if !deliver_formed(bias, &db) {
+                params.push((bias.val().into_dispatch(), db.inner().into_dispatch()));
+            }
         }
         if tracked {
             let w = l.weight().val().set_require_grad(false).transpose();

@@ -47,9 +47,10 @@ pub(super) struct State {
     pub(super) relaid: bool,
     pub(super) uses: HashMap<ParamId, usize>,
     pub(super) hooked: HashSet<ParamId>,
-    /// Parameters a hook delivered a gradient of this step (any micro-batch): their main
-    /// gradient already holds everything `grads` has for them.
-    pub(super) delivered: HashSet<ParamId>,
+    /// Parameters a hook delivered a gradient of this step to (any micro-batch), with that
+    /// gradient's dtype: Burn's gradients hold no copy of what was delivered, and the
+    /// reduced gradient is written back in this dtype.
+    pub(super) delivered: HashMap<ParamId, DType>,
     /// Parameters counted into their bucket's readiness this step.
     pub(super) done: HashSet<ParamId>,
     /// Micro-batches activated this step (with `last` or not).

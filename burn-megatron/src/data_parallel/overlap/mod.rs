@@ -13,7 +13,9 @@
 //!
 //! The main gradients stay where backward leaves the gradients: a hook adds its gradient to
 //! the parameter's main gradient with a tensor op and reads nothing back, and a complete
-//! bucket is concatenated on the device. On CUDA over NCCL the worker reduces it in place in
+//! bucket is concatenated on the device. The hook keeps the gradient: Burn's gradients get
+//! no copy of it (Megatron's `param.grad` stays empty too), so a hooked parameter's gradient
+//! is held once, in FP32, until `finish` writes the reduced one back. On CUDA over NCCL the worker reduces it in place in
 //! device memory, ordered after backward's kernels on the device (see `comm::handoff`);
 //! elsewhere it goes through host memory, one read per bucket.
 //!
@@ -163,29 +165,40 @@ impl GradSink for Shared {
         true
     }
 
-    fn deliver(&self, id: ParamId, grad: Tensor<1>) {
+    fn deliver(&self, id: ParamId, grad: Tensor<1>) -> bool {
         let mut state = self.lock();
         state.events.push(Event::Hook);
         if !state.slots.contains_key(&id) {
-            return;
+            return false;
         }
         if state.done.contains(&id) {
-            // Its bucket may already be on the wire: this gradient would be lost.
+            // Its bucket may already be on the wire: this gradient would be lost, and
+            // `finish` refuses the step.
             state.missed.entry(id).or_default().1 += 1;
-            return;
+            return true;
         }
+        state.delivered.entry(id).or_insert(grad.dtype());
         state.accumulate(id, grad);
-        state.delivered.insert(id);
         let uses = state.uses.entry(id).or_insert(1);
         *uses = uses.saturating_sub(1);
         if *uses == 0 && state.last {
             self.complete(&mut state, id);
         }
+        true
     }
 
     fn deliver_inactive(&self, id: ParamId) {
         self.lock().missed.entry(id).or_default().0 += 1;
     }
+}
+
+/// A reduced gradient to write back at `finish`: where it lies in its bucket, and the
+/// parameter's dims and gradient dtype.
+struct WriteBack {
+    id: ParamId,
+    dims: Vec<usize>,
+    dtype: DType,
+    slot: buckets::Slot,
 }
 
 /// Reduces a module's gradients over the data-parallel group while backward runs. See the
@@ -197,6 +210,8 @@ pub struct OverlapReducer {
     order: Vec<(ParamId, usize)>,
     /// (id, element count) in module order.
     sized: Vec<(ParamId, usize)>,
+    /// Each parameter's dims: a gradient the hooks kept is written back in them.
+    dims: HashMap<ParamId, Vec<usize>>,
     /// Module paths, for errors.
     names: HashMap<ParamId, String>,
     bucket_size: usize,
@@ -230,7 +245,12 @@ impl OverlapReducer {
         plan: Option<ShardPlan>,
     ) -> Self {
         let order = crate::data_parallel::dense_params(module);
-        let sized: Vec<(ParamId, usize)> = order.iter().map(|o| o.0).zip(numels(module)).collect();
+        // By id: the dense parameters are not all of the module's (experts are left out).
+        let dims = param_dims(module);
+        let sized: Vec<(ParamId, usize)> = order
+            .iter()
+            .map(|&(id, _)| (id, dims[&id].iter().product()))
+            .collect();
         let bucket_size = config.bucket_elements(dp.group().size());
         let mut state = State::default();
         match &plan {
@@ -258,6 +278,7 @@ impl OverlapReducer {
             shared,
             order,
             sized,
+            dims,
             names: param_names(module),
             bucket_size,
             _claim: claim,
@@ -297,27 +318,33 @@ impl OverlapReducer {
     }
 
     /// Adds the gradients no hook delivered, waits for every bucket's reduction and writes
-    /// the reduced gradients into `grads` (in each gradient's dtype). Returns the number of
-    /// collectives issued. Call once per step, after the last micro-batch's backward.
+    /// the reduced gradients into `grads` (in each gradient's dtype), those the hooks kept
+    /// included. Returns the number of collectives issued. Call once per step, after the
+    /// last micro-batch's backward.
     ///
     /// A step in which a gradient of the module missed the reduction (see
-    /// [`Self::activate`]) is an error, and `grads` is left as it was: the reduction still
-    /// runs to its end, so that every rank's collectives stay matched. A failed reduction is
-    /// an error too, with `grads` left as it was; either way the next step starts afresh.
+    /// [`Self::activate`]) is an error, and so is a failed reduction. The reduction still
+    /// runs to its end, so that every rank's collectives stay matched, and the next step
+    /// starts afresh. `grads` then holds what it held on entry, without the gradients the
+    /// hooks kept during backward: the step cannot be taken.
     pub fn finish(&self, grads: &mut GradientsParams) -> Result<usize, CommError> {
-        let mut present = HashMap::new();
+        let mut taken = HashMap::new();
         let mut state = self.shared.lock();
         if !state.last {
             return Err(self.invalid("no last micro-batch was activated this step"));
         }
-        let missed = std::mem::take(&mut state.missed);
+        let mut missed = std::mem::take(&mut state.missed);
         let activations = std::mem::take(&mut state.activations);
         for &(id, rank) in &self.order {
+            // What no hook kept: the gradients of unhooked parameters, and of uses no hook saw.
             if let Some((flat, dims)) = take_flat(grads, id, rank) {
-                if !state.delivered.contains(&id) {
+                if state.done.contains(&id) {
+                    // Its bucket is out already: this part would be missing from it.
+                    missed.entry(id).or_default().1 += 1;
+                } else {
                     state.accumulate(id, flat.clone());
                 }
-                present.insert(id, (flat, dims, state.slots[&id]));
+                taken.insert(id, (flat, dims));
             }
             // As Megatron: a parameter that got no gradient in the last micro-batch (its
             // layer unused there) is ready now, with whatever it has.
@@ -327,6 +354,25 @@ impl OverlapReducer {
         drop(state);
         let joined = worker.map_or(Ok(()), |w| self.join_worker(w));
         let mut state = self.shared.lock();
+        // What to write back, by bucket: each gradient `grads` held or a hook kept.
+        let mut writes: Vec<Vec<WriteBack>> =
+            (0..state.buckets.len()).map(|_| Vec::new()).collect();
+        for &(id, _) in &self.order {
+            let written = match (taken.get(&id), state.delivered.get(&id)) {
+                (Some((flat, dims)), _) => Some((dims.clone(), flat.dtype())),
+                (None, Some(&dtype)) => Some((self.dims[&id].clone(), dtype)),
+                (None, None) => None,
+            };
+            if let Some((dims, dtype)) = written {
+                let slot = state.slots[&id];
+                writes[slot.bucket].push(WriteBack {
+                    id,
+                    dims,
+                    dtype,
+                    slot,
+                });
+            }
+        }
         // The step is over, however it ended: the next one starts afresh.
         state.uses.clear();
         state.delivered.clear();
@@ -365,17 +411,19 @@ impl OverlapReducer {
             Some(self.invalid(&reason))
         });
         if let Some(e) = failed {
-            for (id, (flat, dims, _)) in present {
+            for (id, (flat, dims)) in taken {
                 put_flat(grads, id, flat, &dims);
             }
             return Err(e);
         }
         let issued = if single { 0 } else { reduced.len() };
-        for (id, (flat, dims, slot)) in present {
-            let values = reduced[slot.bucket]
-                .clone()
-                .narrow(0, slot.offset, slot.numel);
-            put_flat(grads, id, values.cast(flat.dtype()), &dims);
+        // Bucket by bucket, so that each is freed once its gradients are written (an f32
+        // gradient is a view of its bucket, and keeps it).
+        for (values, writes) in reduced.into_iter().zip(writes) {
+            for w in writes {
+                let grad = values.clone().narrow(0, w.slot.offset, w.slot.numel);
+                put_flat(grads, w.id, grad.cast(w.dtype), &w.dims);
+            }
         }
         Ok(issued)
     }
@@ -518,15 +566,15 @@ fn param_names<M: Module>(module: &M) -> HashMap<ParamId, String> {
     names.0
 }
 
-/// Element counts of `module`'s float parameters, in visiting order.
-fn numels<M: Module>(module: &M) -> Vec<usize> {
-    struct Count(Vec<usize>);
-    impl burn::module::ModuleVisitor for Count {
+/// The dims of each float parameter of `module`.
+fn param_dims<M: Module>(module: &M) -> HashMap<ParamId, Vec<usize>> {
+    struct Dims(HashMap<ParamId, Vec<usize>>);
+    impl burn::module::ModuleVisitor for Dims {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0.push(p.val().shape().num_elements());
+            self.0.insert(p.id, p.val().dims().to_vec());
         }
     }
-    let mut c = Count(Vec::new());
-    module.visit(&mut c);
-    c.0
+    let mut d = Dims(HashMap::new());
+    module.visit(&mut d);
+    d.0
 }

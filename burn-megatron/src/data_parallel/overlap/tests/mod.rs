@@ -235,6 +235,46 @@ fn the_overlapped_step_reads_nothing_back_on_the_rank_thread() {
     assert_eq!(reads, vec![vec![0, 0]; 2], "reads per rank and step");
 }
 
+/// A hooked gradient is held once, in its FP32 main gradient: Burn's gradients have no copy
+/// of it between backward and `finish` (only the norm's, which no hook takes), and `finish`
+/// writes every reduced gradient back, in the gradient's dtype.
+#[test]
+fn a_hooked_gradient_lives_only_in_its_main_gradient_until_finish() {
+    let config = ParallelConfig::new(2, 1, 1);
+    let dp_config = DataParallelConfig {
+        bucket_size: Some(100),
+        ..DataParallelConfig::default()
+    };
+    threads(&config, LaunchOptions::default(), |ctx| {
+        let (tp, d) = (&ctx.groups.tp, &ctx.device);
+        let dp_rank = ctx.state.data_parallel_rank();
+        let dp = ctx.chunk_data_parallel_groups(1)?.remove(0);
+        let model = net(tp, d)?;
+        let reducer = OverlapReducer::new(&model, &dp, &dp_config);
+        for step in 0..2 {
+            let mut grads = accumulate(&reducer, &model, dp_rank, 2, d, |micro| Some(micro == 1));
+            let held = grads_of(&model, &grads);
+            let (linears, norm) = held.split_at(held.len() - 2);
+            assert!(
+                linears.iter().all(Vec::is_empty),
+                "step {step}: no linear gradient outside the reducer"
+            );
+            assert!(
+                norm.iter().all(|g| !g.is_empty()),
+                "step {step}: the norm's"
+            );
+            reducer.finish(&mut grads)?;
+            let written = grads_of(&model, &grads);
+            assert!(
+                written.iter().all(|g| !g.is_empty()),
+                "step {step}: all back"
+            );
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn buckets_are_handed_to_the_reduction_while_backward_still_runs() {
     for (rank, (_, steps)) in run().into_iter().enumerate() {
@@ -287,9 +327,11 @@ fn finish_without_a_last_micro_batch_is_an_error_and_one_rank_needs_no_collectiv
         let g = model.loss(0, 0, d).backward();
         drop(active);
         let mut grads = GradientsParams::from_grads(g, &model);
-        let before = grads_of(&model, &grads);
         assert_eq!(reducer.finish(&mut grads)?, 0);
-        assert_eq!(grads_of(&model, &grads), before);
+        // The hooked gradients are back, as an equal model's plain backward has them.
+        let reference = net(tp, d)?;
+        let plain = GradientsParams::from_grads(reference.loss(0, 0, d).backward(), &reference);
+        assert_eq!(grads_of(&model, &grads), grads_of(&reference, &plain));
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     })
     .unwrap();
