@@ -34,6 +34,7 @@ pub(crate) fn all_to_all_v<C: Communicator + ?Sized>(
         return Ok(input);
     }
     agree(comm, dtype, send_counts, recv_counts)?;
+    comm.connect(&peers(send_counts, recv_counts))?;
     let starts = starts(send_counts);
     for j in (0..n).filter(|&j| j != me && send_counts[j] > 0) {
         comm.send(input.slice(starts[j]..starts[j] + send_counts[j]), j)?;
@@ -49,6 +50,16 @@ pub(crate) fn all_to_all_v<C: Communicator + ?Sized>(
         }
     }
     Ok(Buffer::concat(dtype, &pieces))
+}
+
+/// The members this one exchanges a piece with, either way. The counts were agreed, so the
+/// relation is symmetric: opening these pairs first (in the group's order, see
+/// [`Communicator::connect`]) keeps the sends and receives that follow, in their own order,
+/// from opening pairs in a cycle of waits when some pieces are empty.
+pub(crate) fn peers(send_counts: &[usize], recv_counts: &[usize]) -> Vec<usize> {
+    (0..send_counts.len())
+        .filter(|&j| send_counts[j] > 0 || recv_counts[j] > 0)
+        .collect()
 }
 
 /// Where each member's piece starts in the input: the running sums of `counts`.

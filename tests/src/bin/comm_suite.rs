@@ -316,6 +316,9 @@ fn tensors(world: &dyn World, rank: usize) -> Result<String, String> {
         let (d, h) = (scatter(&gpu).map_err(e)?, scatter(&cpu).map_err(e)?);
         same(format!("reduce_scatter {dtype:?}"), read(d), read(h))?;
         // Each message in the ring sent on one path and received on the other (or the same).
+        // A ring opens its pairs first (in the group's order), as ring code must: opened at
+        // each first send, the pairs of a ring of four would wait on each other.
+        comm.connect(&[next, prev]).map_err(e)?;
         for (from, to, what) in [
             (&gpu, &cpu, "gpu → cpu"),
             (&cpu, &gpu, "cpu → gpu"),

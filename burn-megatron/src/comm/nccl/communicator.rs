@@ -390,8 +390,40 @@ impl NcclCommunicator {
             out: Self::link(&self.world, &self.label, out)?,
             inn: Self::link(&self.world, &self.label, inn)?,
         });
+        self.warm_up(&pair)?;
         pairs.insert(peer, pair.clone());
         Ok(pair)
+    }
+
+    /// One byte each way, grouped, while both members are in [`Self::pair`] (the joins just
+    /// met). NCCL connects a communicator's point-to-point transport in the call that queues
+    /// its first send or receive, and that call waits on the host until the peer queues the
+    /// other half on the same communicator: two members sending first, each on its own `out`,
+    /// would wait for each other for ever. Connected here, a later send only queues.
+    fn warm_up(&self, pair: &Pair) -> Result<(), CommError> {
+        let op = "connect";
+        let (out, inn) = (&pair.out, &pair.inn);
+        let (to, from) = (self.handle(out, op)?, self.handle(inn, op)?);
+        let cuda = |e| self.engine(op, e);
+        let send = out.stream.alloc_zeros::<u8>(1).map_err(cuda)?;
+        let mut recv = inn.stream.alloc_zeros::<u8>(1).map_err(cuda)?;
+        {
+            let (s, _s) = send.device_ptr(&out.stream);
+            let (r, _r) = recv.device_ptr_mut(&inn.stream);
+            let nccl = &self.world.nccl;
+            let failed = |e| self.engine(op, e);
+            nccl.group_start().map_err(failed)?;
+            // SAFETY: one-byte device buffers, live until the waits below; in `out` the peer
+            // is NCCL rank 1, in `inn` rank 0.
+            let queued = unsafe {
+                nccl.send(s as _, 1, BYTE, 1, to, out.stream.cu_stream() as _)
+                    .and_then(|_| nccl.recv(r as _, 1, BYTE, 0, from, inn.stream.cu_stream() as _))
+            };
+            let ended = nccl.group_end();
+            queued.and(ended).map_err(failed)?;
+        }
+        self.wait(out, op, 0)?;
+        self.wait(inn, op, 0)
     }
 
     /// Frees finished sends; a send still unfinished past the timeout stalls its link.
@@ -592,6 +624,20 @@ impl Communicator for NcclCommunicator {
     /// The header exchange is the barrier; it waits up to `timeout`.
     fn barrier_with_timeout(&self, timeout: Duration) -> Result<(), CommError> {
         self.collective_within(OpDesc::BARRIER, timeout, |_, _| Ok(()))
+    }
+
+    fn send_recv(
+        &self,
+        send: Buffer,
+        to: usize,
+        recv: &mut Buffer,
+        from: usize,
+    ) -> Result<(), CommError> {
+        // Both pairs open first, in the group's order: opening `to`'s at the send would
+        // make a ring of three or more wait on itself (each member on its next).
+        self.connect(&[to, from])?;
+        Communicator::send(self, send, to)?;
+        Communicator::recv(self, recv, from)
     }
 
     fn connect(&self, peers: &[usize]) -> Result<(), CommError> {

@@ -2,10 +2,13 @@
 //!
 //! Each [`ProcessGroup`] is one NCCL communicator with a stream of its own; point-to-point
 //! messages between two members run on two more, one per direction, created together at the
-//! pair's first message. A send is then only enqueued (it never waits for the receiver, as
-//! the trait promises), and two neighbours that both send first cannot deadlock. Making a
-//! pair waits for the peer, though: a ring opens its pairs first, in the group's order
-//! ([`Communicator::connect`](super::Communicator::connect)).
+//! pair's first message and connected there by one byte each way (NCCL connects a transport
+//! at its first send or receive, and that call waits on the host for the peer's half). A
+//! send is then only enqueued (it never waits for the receiver, as the trait promises), and
+//! two neighbours that both send first cannot deadlock. Making a pair waits for the peer,
+//! though: a ring opens its pairs first, in the group's order
+//! ([`Communicator::connect`](super::Communicator::connect)), and so do `send_recv` and the
+//! all-to-all.
 //!
 //! The NCCL unique id of a communicator is made by its first member and handed to the others
 //! by a [`Bootstrap`]: rank 0's [`TcpStore`] (torchrun, srun with `MASTER_ADDR`), or MPI

@@ -9,7 +9,7 @@
 //! waits, with its deadline) before Burn reads its output.
 
 use super::Mapping;
-use crate::comm::all_to_all::{agree, starts};
+use crate::comm::all_to_all::{agree, peers, starts};
 use crate::comm::cuda_tensor::{self, collective};
 use crate::comm::{Comm, CommError, DeviceCollectives, ReduceOp, comm_dtype};
 use burn::backend::ops::FloatTensorOps;
@@ -148,6 +148,7 @@ fn all_to_all_pieces(
     let elements = |rows: &[usize]| rows.iter().map(|&r| r * row).collect::<Vec<_>>();
     let dtype = comm_dtype(x.dtype).expect("collectives() admits only the collectives' dtypes");
     agree(&**comm, dtype, &elements(send), &elements(recv))?;
+    comm.connect(&peers(send, recv))?;
     let at = starts(send);
     for j in (0..n).filter(|&j| j != me && send[j] > 0) {
         let piece = into_contiguous(narrow(x.clone(), 0, at[j], send[j]));
