@@ -8,9 +8,11 @@
 //! Burn's tensors are row-major and cuBLAS's column-major: `c = a·b` is computed as
 //! `cᵀ = bᵀ·aᵀ`, each operand read in place, a transposed view as a transposed operand.
 //! f32 stays IEEE f32 (`CUBLAS_COMPUTE_32F`) unless [`TF32_VAR`] asks for TF32 tensor cores
-//! (inputs rounded to 10 mantissa bits, sums in f32); f16 and bf16 sum in f32.
+//! (inputs rounded to 10 mantissa bits, sums in f32); f16 and bf16 multiply and accumulate
+//! in f32 (a split-K kernel may add its partial sums in the output's dtype, as PyTorch's
+//! default allows too).
 
-use super::order::{CudaServer, on_our_stream};
+use super::order::{CudaServer, StreamOrder, on_our_stream, stream_order};
 use burn::tensor::DType;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -152,6 +154,8 @@ fn try_gemm(
     f32_out: bool,
 ) -> Option<CubeTensor> {
     let applies = a.device.runtime() == RuntimeId::Cuda
+        && b.device == a.device
+        && acc.is_none_or(|c| c.device == a.device)
         && a.dtype == b.dtype
         && matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16)
         && acc.is_none_or(|c| c.dtype == DType::F32 && c.meta.shape().num_dims() == 2)
@@ -285,6 +289,8 @@ struct Key {
     batch: usize,
     align: [u32; 4],
     tf32: bool,
+    /// SMs the GEMM may use (0: all), see [`carve_out`].
+    sms: i32,
 }
 
 /// A descriptor, its four layouts and the algorithm cuBLASLt's heuristic chose.
@@ -366,9 +372,8 @@ impl Plan {
                 .map_err(blas_error("batch"))?;
             }
         }
-        let pref = result::create_matmul_pref().map_err(blas_error("preference"))?;
-        // SAFETY: live descriptors; each attribute gets a value of its documented type.
-        let chosen = unsafe {
+        // SAFETY: a live descriptor; each attribute gets a value of its documented type.
+        unsafe {
             let set_desc = |attr, value: i32| {
                 result::set_matmul_desc_attribute(
                     desc,
@@ -381,6 +386,15 @@ impl Plan {
             set_desc(attrs, i32::from(key.a.trans)).map_err(blas_error("transa"))?;
             let attrs = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB;
             set_desc(attrs, i32::from(key.b.trans)).map_err(blas_error("transb"))?;
+            if key.sms > 0 {
+                let attrs =
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET;
+                set_desc(attrs, key.sms).map_err(blas_error("SM count target"))?;
+            }
+        }
+        let pref = result::create_matmul_pref().map_err(blas_error("preference"))?;
+        // SAFETY: live descriptors; each attribute gets a value of its documented type.
+        let chosen = unsafe {
             use sys::cublasLtMatmulPreferenceAttributes_t as P;
             let bytes = workspace as u64;
             let set_pref = |attr, value: *const std::ffi::c_void, size| {
@@ -425,7 +439,21 @@ struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: u64,
     workspace_bytes: usize,
+    /// The device's SMs (0 if the driver did not say).
+    sms: i32,
     plans: HashMap<Key, Plan>,
+}
+
+/// The SMs a GEMM may use when its streams are ordered on the device: all but one. There,
+/// CubeCL's stream waits for the GEMM with a one-thread polling kernel that starts with the
+/// GEMM and holds a block slot on some SM until it ends; cuBLASLt's Hopper kernels are mostly
+/// persistent, one block per SM with nearly all its shared memory, and the block that lands
+/// on that SM would start only when another finishes (up to twice the time). Leaving one SM
+/// to the poller costs 1/SMs of the GEMM's peak (PyTorch's `sm_carveout` does the same for
+/// NCCL's kernels). Host order has no poller and gets every SM.
+fn carve_out(sms: i32) -> i32 {
+    let device_order = matches!(stream_order(), Ok(StreamOrder::Device));
+    if device_order && sms > 1 { sms - 1 } else { 0 }
 }
 
 /// Hopper wants 32 MiB (NVIDIA's advice for cuBLASLt); earlier GPUs 4.
@@ -458,10 +486,22 @@ fn with_blas<R>(device: u16, f: impl FnOnce(&mut Blas) -> Result<R, String>) -> 
             // SAFETY: the device's context is current (see `on_our_stream`).
             let workspace = unsafe { cudarc::driver::result::malloc_sync(WORKSPACE_BYTES) }
                 .map_err(|e| format!("cuBLASLt workspace: {e:?}"))?;
+            let sms = cudarc::driver::result::device::get(i32::from(device))
+                .and_then(|d| {
+                    // SAFETY: a device the driver returned.
+                    unsafe {
+                        cudarc::driver::result::device::get_attribute(
+                            d,
+                            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                        )
+                    }
+                })
+                .unwrap_or(0);
             e.insert(Blas {
                 handle,
                 workspace,
                 workspace_bytes: WORKSPACE_BYTES,
+                sms,
                 plans: HashMap::new(),
             });
         }
@@ -530,10 +570,15 @@ fn matmul(
             alignment(pd),
         ],
         tf32: tf32(),
+        sms: 0,
     };
     let device = a.device.to_id().index_id;
     on_our_stream(&a, |stream| {
         with_blas(device, |blas| {
+            let key = Key {
+                sms: carve_out(blas.sms),
+                ..key
+            };
             if blas.plans.len() >= MAX_PLANS {
                 blas.plans.clear();
             }

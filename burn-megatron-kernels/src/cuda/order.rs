@@ -159,6 +159,12 @@ impl Link {
     fn new(like: &CubeTensor) -> Result<Self, String> {
         let ordinal = like.device.to_id().index_id as usize;
         let context = CudaContext::new(ordinal).map_err(driver("CUDA context"))?;
+        // With event tracking on (cudarc's default), a context's first stream synchronises the
+        // whole device, with no bound: an NCCL collective or send in flight on another
+        // stream would make it wait for a peer. Nothing here allocates through cudarc
+        // (the counters are CubeCL's, the GEMM workspace is raw), so nothing needs it.
+        // SAFETY: this context object is the link's own, and no slice was made on it.
+        unsafe { context.disable_event_tracking() };
         let stream = context.new_stream().map_err(driver("CUDA stream"))?;
         let client = like.client.clone();
         let counters = [(); 3].map(|_| client.create_from_slice(&[0u8; 4]));
@@ -183,11 +189,22 @@ impl Link {
             on_device: true,
         };
         // The zeros are written and both kernels compiled and loaded before any stream waits
-        // on them (a module loaded while a stream waits could wait for it).
-        link.signal(0);
+        // on them (a module loaded while a stream waits could wait for it). The signal is
+        // seen to write: a stream would wait for a signal that never comes with no limit.
+        link.signal(1);
+        link.sent = 1;
         link.wait(0);
         cubecl::future::block_on(link.client.sync()).map_err(|e| format!("CubeCL sync: {e:?}"))?;
-        if let Err(why) = link.probe() {
+        let written = link
+            .client
+            .read_one(link.counters[0].clone())
+            .map_err(|e| format!("reading the signal: {e:?}"))?;
+        let checked = if written[..] == 1u32.to_ne_bytes() {
+            link.probe()
+        } else {
+            Err(format!("the signal kernel wrote {written:?}, not 1"))
+        };
+        if let Err(why) = checked {
             link.on_device = false;
             eprintln!("burn-megatron: {why}; CUDA streams are ordered on the host instead");
         }
@@ -318,7 +335,7 @@ impl Link {
                 self.bind()?;
                 DEVICE_ORDERS.fetch_add(1, Ordering::Relaxed);
                 // SAFETY: a live, pinned 4-byte counter written from our own stream only.
-                unsafe {
+                let written = unsafe {
                     sys::cuStreamWriteValue32_v2(
                         self.stream.cu_stream(),
                         self.addresses[1],
@@ -326,7 +343,14 @@ impl Link {
                         sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
                     )
                     .result()
-                    .map_err(driver("cuStreamWriteValue32"))?;
+                    .map_err(driver("cuStreamWriteValue32"))
+                };
+                if let Err(why) = written {
+                    // Nothing will make CubeCL's stream wait: the work queued on ours must
+                    // be over before the caller lets CubeCL reuse its memory.
+                    HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
+                    self.stream.synchronize().map_err(driver("stream sync"))?;
+                    return Err(why);
                 }
                 self.wait(self.awaited);
                 Ok(())

@@ -151,3 +151,24 @@ impl<const N: usize> Worst<N> {
         );
     }
 }
+
+/// On CUDA: cuBLASLt is the GEMM engine, ran GEMMs since `before` and failed none over to
+/// cubek, and no waiting kernel gave up on its stream.
+#[cfg(feature = "cuda")]
+pub fn assert_cublaslt_ran(before: &burn_megatron_kernels::cuda::GemmStats, what: &str) {
+    use burn_megatron_kernels::cuda::{GemmEngine, gemm_engine, gemm_stats, order::check_waits};
+    let after = gemm_stats();
+    assert_eq!(
+        gemm_engine(),
+        GemmEngine::CublasLt,
+        "cuBLASLt is not in use on CUDA"
+    );
+    assert!(
+        after.cublaslt > before.cublaslt && after.fallbacks == before.fallbacks,
+        "cuBLASLt ran {} {what} and failed {} (first: {:?})",
+        after.cublaslt - before.cublaslt,
+        after.fallbacks - before.fallbacks,
+        after.first_failure
+    );
+    check_waits().unwrap();
+}

@@ -162,20 +162,7 @@ fn gemms_match_exact_products_on_cube() {
     );
     #[cfg(feature = "cuda")]
     if common::on_cuda() {
-        let after = burn_megatron_kernels::cuda::gemm_stats();
-        assert_eq!(
-            burn_megatron_kernels::cuda::gemm_engine(),
-            burn_megatron_kernels::cuda::GemmEngine::CublasLt,
-            "cuBLASLt is not in use on CUDA"
-        );
-        assert!(
-            after.cublaslt > before.cublaslt && after.fallbacks == before.fallbacks,
-            "cuBLASLt ran {} GEMMs and failed {} (first: {:?})",
-            after.cublaslt - before.cublaslt,
-            after.fallbacks - before.fallbacks,
-            after.first_failure
-        );
-        burn_megatron_kernels::cuda::order::check_waits().unwrap();
+        common::assert_cublaslt_ran(&before, "GEMMs");
     }
 }
 

@@ -132,17 +132,27 @@ fn reference_path_matches_exact_values_on_flex() {
     }
 }
 
+/// On CUDA the products go through cuBLASLt with the main gradient as its `C` (β = 1): bf16
+/// inputs into an f32 main gradient is Megatron's `--gradient-accumulation-fusion` case.
 #[cfg(feature = "cube")]
 #[test]
 fn kernel_matches_exact_values_and_the_reference_on_cube() {
     let dev = common::cube_device("grad_accum");
+    #[cfg(feature = "cuda")]
+    let before = burn_megatron_kernels::cuda::gemm_stats();
     check(&dev, "cube", DType::F32, TOL);
-    if dev.supports_dtype(DType::F16) {
-        check(&dev, "cube", DType::F16, TOL);
-    } else {
-        eprintln!(
-            "\n!!! the Cube device has no f16: f16 inputs NOT tested on the Cube device !!!\n"
-        );
+    for dt in [DType::F16, DType::BF16] {
+        if dev.supports_dtype(dt) {
+            check(&dev, "cube", dt, TOL);
+        } else {
+            eprintln!(
+                "\n!!! the Cube device has no {dt:?}: {dt:?} inputs NOT tested on the Cube device !!!\n"
+            );
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if common::on_cuda() {
+        common::assert_cublaslt_ran(&before, "accumulating GEMMs");
     }
 }
 

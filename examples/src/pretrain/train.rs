@@ -548,6 +548,10 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
             save(done, &model, &optim, skipped)?;
         }
     }
+    // A wait of CubeCL's stream for a CUDA library's (cuBLASLt's GEMMs) that gave up let the
+    // kernels after it run on unordered data: the run's numbers are not to be trusted.
+    #[cfg(feature = "cuda")]
+    burn_megatron::cuda::order::check_waits()?;
     // A run that trained no iteration (`--train-iters` at the loaded iteration) still
     // saves, at its own layout: how a checkpoint is resharded without training.
     if start == args.train_iters && start > 0 {
