@@ -67,7 +67,10 @@ fn tensor_cores(q: &CubeTensor, d: usize) -> Option<(u32, bool)> {
     let hw = &props.hardware;
     let plane = hw.plane_size_max;
     let elem = q.dtype.size();
+    // The kernels take `UNIT_POS_Y` for the plane (warp) index: a device whose subgroup
+    // size varies (some Vulkan GPUs) could split a row of units over two subgroups.
     let fits = tensor_core_shared_bytes(d, elem) <= hw.max_shared_memory_size
+        && hw.plane_size_min == plane
         && (8..=hw.max_units_per_cube / 4).contains(&plane)
         && 4 <= hw.max_cube_dim.1;
     if emulate {
@@ -153,7 +156,7 @@ impl FlashAttentionOps for CubeBackend {
                 emulate,
                 dtypes(&q, &pad),
             );
-            return (out, lse);
+            return (out, lse_as_stats(lse, q.dtype));
         }
         count_launch(KernelPath::Scalar);
         let tile = tile_rows(&q, d);
@@ -175,7 +178,7 @@ impl FlashAttentionOps for CubeBackend {
             dropout,
             dtypes(&q, &pad),
         );
-        (out, lse)
+        (out, lse_as_stats(lse, q.dtype))
     }
 
     fn flash_attention_backward(
@@ -190,6 +193,11 @@ impl FlashAttentionOps for CubeBackend {
         params: AttentionParams,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+        // The kernels keep their statistics in f32, whatever the public dtype (f64 for f64).
+        let lse = match lse.dtype {
+            DType::F32 => lse,
+            _ => burn_cubecl::kernel::cast(lse, DType::F32),
+        };
         let (out, lse, grad) = (
             into_contiguous(out),
             into_contiguous(lse),
@@ -297,5 +305,14 @@ impl FlashAttentionOps for CubeBackend {
             dtypes(&q, &pad),
         );
         (dq, dk, dv)
+    }
+}
+
+/// The log-sum-exp in the statistics dtype `flash_attention_backward` takes for `dtype`:
+/// f64 for f64 inputs (as the composed schedule keeps it), f32 otherwise.
+fn lse_as_stats(lse: CubeTensor, dtype: DType) -> CubeTensor {
+    match dtype {
+        DType::F64 => burn_cubecl::kernel::cast(lse, DType::F64),
+        _ => lse,
     }
 }
