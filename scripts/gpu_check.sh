@@ -151,8 +151,13 @@ find_libraries() {
   export LD_LIBRARY_PATH="$PWD/$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   local roots=(/usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/lib/x86_64-linux-gnu
     /usr/lib64 /opt)
+  # Python's site directories (the user's too) and the one torch is in, without importing it.
   local site
-  for site in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+  for site in $(py -c 'import importlib.util as u, os, site
+dirs = site.getsitepackages() + [site.getusersitepackages()]
+spec = u.find_spec("torch")
+if spec and spec.origin: dirs.append(os.path.dirname(os.path.dirname(spec.origin)))
+print(" ".join(dict.fromkeys(dirs)))' 2>/dev/null); do
     roots+=("$site/nvidia")
   done
   local existing=() r found b
@@ -183,9 +188,21 @@ find_libraries() {
   fi
 }
 
-# Every step is bounded (30 + 180 + 90 + 150 + 120 + 30 + 60 s at most), so the whole run fits
-# the device tool's 600 s. Each step's whole output is kept in $logs (GPU_CHECK_LOGS).
+# Every step is bounded by its own limit and by what is left of GPU_CHECK_BUDGET_S (default
+# 560 s), so the whole run fits the device tool's 600 s. Each step's whole output is kept in
+# $logs (GPU_CHECK_LOGS; by default under $OUT on the device machine, so that it comes back).
 bin=target/gpu_check_bin
+budget=${GPU_CHECK_BUDGET_S:-560}
+# bounded LIMIT: LIMIT, or what is left of the budget if less (0 when under 10 s are left).
+bounded() {
+  local left=$((budget - SECONDS))
+  ((left < 10)) && left=0
+  echo $(($1 < left ? $1 : left))
+}
+# Python without the carried libraries (Debian's zlib or expat beside torch's would be a risk).
+carried=
+py_ld() { tr ':' '\n' <<<"${LD_LIBRARY_PATH:-}" | grep -v -x -F "${carried:-/nonexistent}" | paste -sd:; }
+py() { LD_LIBRARY_PATH=$(py_ld) python3 "$@"; }
 # Unpacks the payload into $bin and puts the libraries the binaries need on the loader path.
 unpack() {
   # The Vulkan loader complains on every probe without one.
@@ -196,33 +213,38 @@ unpack() {
     { echo "gpu_check: no $payload/base.tar.xz: run 'scripts/gpu_check.sh build' first" >&2; exit 2; }
   rm -rf "$bin" && mkdir -p "$bin"
   local part
-  for part in base kernels nccl autotune; do
+  xz -dc "$payload/base.tar.xz" | tar -C "$bin" -xf - ||
+    { echo "gpu_check: $payload/base.tar.xz does not unpack" >&2; exit 2; }
+  # The other parts are each a mode's own: one that does not unpack only loses its checks.
+  for part in kernels nccl autotune; do
     [ -f "$payload/$part.tar.xz" ] || continue
     xz -dc "$payload/$part.tar.xz" | tar -C "$bin" -xf - ||
-      { echo "gpu_check: $payload/$part.tar.xz does not unpack" >&2; exit 2; }
+      echo "gpu_check: $payload/$part.tar.xz does not unpack; its checks are skipped" >&2
   done
   # The carried libraries only where the machine lacks one of them (the loader then fails
   # before main: exit 127).
-  if ! "$bin/gpu_check" --help >/dev/null 2>&1; then
+  if ! timeout 20 "$bin/gpu_check" --help >/dev/null 2>&1; then
     echo "the binaries do not start with this machine's libraries; adding the carried ones"
-    export LD_LIBRARY_PATH="$PWD/$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    carried=$PWD/$bin/lib
+    export LD_LIBRARY_PATH="$carried${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   fi
 }
 
 # NCCL at 2 and 4 ranks (on one GPU, ranks share it; see scripts/nccl_check.sh), bounded to
-# 420 s (the speed benchmark gets the rest of a 15-minute loan).
+# 420 s: no check starts after 400 s, and a terminated nccl_check stops its checks and
+# prints what finished. With a machine's start-up, that is one mode per 15-minute loan.
 run_nccl() {
   unpack
   [ -x "$bin/comm_suite" ] && [ -x "$bin/bert_pretrain" ] && [ -x "$bin/gpt_pretrain" ] ||
     { echo "gpu_check: the payload has no NCCL binaries: build it with GPU_CHECK_NCCL=1" >&2; exit 2; }
   find_libraries
-  local results=${NCCL_CHECK_OUT:-target/nccl_check}/results status
-  NCCL_CHECK_BIN=$bin timeout 420 scripts/nccl_check.sh
+  local out=${NCCL_CHECK_OUT:-${OUT:-target}/nccl_check} status
+  NCCL_CHECK_OUT=$out NCCL_CHECK_BIN=$bin timeout -k 15 420 scripts/nccl_check.sh
   status=$?
-  # nccl_check prints its results at the end: when the bound cuts it short, the finished ones.
-  if ((status == 124)); then
-    echo "== nccl_check ran out of its 420 s; the checks that finished ($(ls "$results" | wc -l)):"
-    cat "$results"/* 2>/dev/null | sort -k2
+  # Killed before it could report: the checks that finished.
+  if ((status == 124 || status == 137)) && [ ! -f "$out/summary.txt" ]; then
+    echo "== nccl_check was killed; the checks that finished ($(ls "$out/results" | wc -l)):"
+    sort -k2 "$out"/results/* 2>/dev/null
   fi
   return $status
 }
@@ -239,12 +261,12 @@ run_nccl() {
 run_bench() {
   unpack
   find_libraries
-  logs=${GPU_CHECK_LOGS:-target/gpu_bench}
+  logs=${GPU_CHECK_LOGS:-${OUT:-target}/gpu_bench}
   rm -rf "$logs" && mkdir -p "$logs"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total \
+  timeout 20 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total \
     --format=csv,noheader 2>/dev/null
   echo "== PyTorch (eager) and cuBLAS"
-  timeout 150 python3 scripts/torch_ref/torch_gpu_ref.py >"$logs/torch.log" 2>&1
+  timeout 150 env LD_LIBRARY_PATH="$(py_ld)" python3 scripts/torch_ref/torch_gpu_ref.py >"$logs/torch.log" 2>&1
   grep -E "^(torch|TORCH)" "$logs/torch.log" ||
     { echo "PyTorch's run printed no timings:"; tail -3 "$logs/torch.log"; }
   local variant binary variants limit
@@ -263,7 +285,10 @@ run_bench() {
     fi
   done
   echo "== the table"
-  timeout 10 python3 scripts/gpu_bench.py "$logs"
+  timeout 10 env LD_LIBRARY_PATH="$(py_ld)" python3 scripts/gpu_bench.py "$logs" | tee "$logs/table.txt"
+  # The profile also logs every kernel's source (CUBECL_DEBUG_LOG turns that on): packed.
+  xz -T0 -3 "$logs"/*.prof 2>/dev/null
+  return 0
 }
 
 # Issue 43's 1B-class target: PyTorch's step of the 1B Llama (gpu_check's `llama1b`,
@@ -273,10 +298,10 @@ run_bench() {
 run_bench_1b() {
   unpack
   find_libraries
-  logs=${GPU_CHECK_LOGS:-target/gpu_bench_1b}
+  logs=${GPU_CHECK_LOGS:-${OUT:-target}/gpu_bench_1b}
   rm -rf "$logs" && mkdir -p "$logs"
   echo "== PyTorch (eager) and cuBLAS, the 1B Llama"
-  timeout 90 python3 scripts/torch_ref/torch_gpu_ref.py --config=22,2048,32,4,5632,2048,8,32000 \
+  timeout 90 env LD_LIBRARY_PATH="$(py_ld)" python3 scripts/torch_ref/torch_gpu_ref.py --config=22,2048,32,4,5632,2048,8,32000 \
     >"$logs/torch.log" 2>&1
   grep -E "^(torch|TORCH)" "$logs/torch.log" ||
     { echo "PyTorch's run printed no timings:"; tail -3 "$logs/torch.log"; }
@@ -285,16 +310,19 @@ run_bench_1b() {
     --out "$logs" >"$logs/ours-plain.log" 2>&1
   grep -E "^(PASS|FAIL|SKIP) |panicked" "$logs/ours-plain.log"
   echo "== the table"
-  timeout 10 python3 scripts/gpu_bench.py "$logs"
+  timeout 10 env LD_LIBRARY_PATH="$(py_ld)" python3 scripts/gpu_bench.py "$logs" | tee "$logs/table.txt"
+  # The profile also logs every kernel's source (CUBECL_DEBUG_LOG turns that on): packed.
+  xz -T0 -3 "$logs"/*.prof 2>/dev/null
+  return 0
 }
 
 run_checks() {
   unpack
-  logs=${GPU_CHECK_LOGS:-target/gpu_check}
+  logs=${GPU_CHECK_LOGS:-${OUT:-target}/gpu_check}
   mkdir -p "$logs"
   echo "== machine"
-  nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
-  nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader 2>/dev/null
+  timeout 20 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: none"
+  timeout 20 nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader 2>/dev/null
   find_libraries
   for lib in libcuda.so libnvrtc.so; do
     found=$(ldconfig -p 2>/dev/null | grep -m1 "$lib" | awk '{print $NF}')
@@ -308,13 +336,13 @@ run_checks() {
   echo "payload: $(du -sh "$payload" | cut -f1) packed, $(du -sh "$bin" | cut -f1) unpacked"
 
   echo "== libraries and devices"
-  devices=$(timeout 30 "$bin/gpu_check" libraries)
+  devices=$(timeout "$(bounded 30)" "$bin/gpu_check" libraries)
   echo "$devices"
 
   echo "== kernels"
   local dev limit
   for dev in cuda:180 wgpu:90; do
-    limit=${dev#*:}
+    limit=$(bounded "${dev#*:}")
     dev=${dev%:*}
     name="kernels on $dev"
     if ! grep -q "^PASS device $dev:" <<<"$devices"; then
@@ -326,13 +354,17 @@ run_checks() {
       line SKIP "$name" "the payload has no kernels.tar.xz (carried without it)"
       continue
     fi
+    if ((limit == 0)); then
+      line SKIP "$name" "no time left of the ${budget} s budget"
+      continue
+    fi
     kind=$dev
     [ "$dev" = wgpu ] && kind=wgpu-gpu
     start=$SECONDS
     # CUDA compiles every kernel variant through NVRTC on first use: 90 s on an H200.
-    out=$(KERNEL_TEST_DEVICE=$kind timeout "$limit" "$bin/kernels" on_cube 2>&1)
+    KERNEL_TEST_DEVICE=$kind timeout -k 10 "$limit" "$bin/kernels" on_cube >"$logs/kernels-$dev.log" 2>&1
     status=$?
-    echo "$out" >"$logs/kernels-$dev.log"
+    out=$(cat "$logs/kernels-$dev.log")
     result=$(grep -m1 "^test result" <<<"$out")
     if [ $status -eq 0 ]; then
       line PASS "$name" "${result#test result: }; $((SECONDS - start)) s"
@@ -346,12 +378,16 @@ run_checks() {
   # leaves the others' lines.
   local check
   for check in models:150 bf16:120 nccl:30 nvrtc:60; do
-    limit=${check#*:}
+    limit=$(bounded "${check#*:}")
     check=${check%:*}
     echo "== $check"
-    checks=$(timeout "$limit" "$bin/gpu_check" "$check" --out "$logs" 2>&1)
+    if ((limit == 0)); then
+      line SKIP "gpu_check $check" "no time left of the ${budget} s budget"
+      continue
+    fi
+    timeout -k 10 "$limit" "$bin/gpu_check" "$check" --out "$logs" >"$logs/$check.log" 2>&1
     status=$?
-    echo "$checks" >"$logs/$check.log"
+    checks=$(cat "$logs/$check.log")
     # The run's own logs, then the verdicts.
     grep -v -E "^(PASS|FAIL|SKIP) " <<<"$checks" | grep -E "^>|error|panicked" | head -40
     grep -E "^(PASS|FAIL|SKIP) " <<<"$checks"
@@ -365,11 +401,20 @@ run_checks() {
   [ $failed -eq 0 ]
 }
 
+# A run mode's whole output also goes to a file (under $OUT on the device machine, whose
+# reply holds only the output's tail).
+logged() { # NAME FUNCTION
+  local dir=${OUT:-target}
+  mkdir -p "$dir"
+  "$2" 2>&1 | tee "$dir/gpu_check-$1.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 case "${1:-}" in
   build) shift; build "$@" ;;
-  nccl) run_nccl ;;
-  bench) run_bench ;;
-  bench-1b) run_bench_1b ;;
-  "") run_checks ;;
+  nccl) logged nccl run_nccl ;;
+  bench) logged bench run_bench ;;
+  bench-1b) logged bench-1b run_bench_1b ;;
+  "") logged checks run_checks ;;
   *) echo "usage: scripts/gpu_check.sh [build [--dev] | nccl | bench | bench-1b]" >&2; exit 2 ;;
 esac

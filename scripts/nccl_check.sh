@@ -15,18 +15,22 @@
 # H200) the ranks share them, for correctness, not speed: the launch maps LOCAL_RANK onto the
 # GPUs and gives each rank that shares one an NCCL_HOSTID of its own (NCCL refuses two ranks
 # of a communicator on one device of one host), and NCCL_SOCKET_IFNAME=lo keeps NCCL's socket
-# transport on loopback. Checks run NCCL_CHECK_JOBS at a time (default 6), each bounded; one
-# line per check, PASS or FAIL, sorted at the end. Exit status 1 if any failed.
+# transport on loopback. Checks run NCCL_CHECK_JOBS at a time (default 6), the longest first,
+# each bounded (240 s), and none starts after NCCL_CHECK_DEADLINE_S (default 400 s) would
+# cut it short: a check that ends without a verdict (killed by its bound, crashed) is a FAIL,
+# one never started a SKIP. One line per check, sorted at the end, and in summary.txt beside
+# the logs (under $OUT on the device machine, so that they come back). Terminated, it stops
+# its checks and prints what finished. Exit status 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# (no nvidia-smi counts as no GPU, not as a failed pipeline)
-gpus=${NCCL_CHECK_GPUS:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
+# (no nvidia-smi counts as no GPU, not as a failed pipeline; MIG instances are not GPUs)
+gpus=${NCCL_CHECK_GPUS:-$( (timeout 20 nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ')}
 if ((gpus < 1)); then
   echo "nccl_check: needs a GPU, found none" >&2
   exit 2
 fi
-out=${NCCL_CHECK_OUT:-target/nccl_check}
+out=${NCCL_CHECK_OUT:-${OUT:-target}/nccl_check}
 rm -rf "$out" && mkdir -p "$out/results"
 jobs_at_once=${NCCL_CHECK_JOBS:-6}
 
@@ -42,11 +46,28 @@ for b in comm_suite gpt_pretrain bert_pretrain; do
   [ -x "$bin/$b" ] || { echo "nccl_check: no $bin/$b" >&2; exit 2; }
 done
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
+# Ranks on one machine as separate hosts talk over sockets on loopback, not an HCA's loopback;
+# an inherited NCCL_HOSTID would put every rank on one host (the same-host-id check sets its
+# own); NCCL says why it failed in the rank logs. NCCL_RUNTIME_CONNECT=0 connects each
+# communicator's collective transports in its (bounded) initialisation rather than in its
+# first collective, where a dead peer would hold the host with no deadline.
+export NCCL_IB_DISABLE=${NCCL_IB_DISABLE:-1} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export NCCL_RUNTIME_CONNECT=${NCCL_RUNTIME_CONNECT:-0}
+unset NCCL_HOSTID
+# Ranks sharing a GPU need its compute mode Default (EXCLUSIVE_PROCESS refuses the second).
+mode=$( (timeout 20 nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null || true) | head -1)
+echo "nccl_check: GPU compute mode ${mode:-unknown}"
 
-# result NAME VERDICT DETAIL: one line into the results (printed, sorted, at the end).
-result() { echo "$2 $1: $3" >"$out/results/$(tr -c 'A-Za-z0-9_.-' _ <<<"$1")"; }
+# result NAME VERDICT DETAIL: one line into the results (printed, sorted, at the end); it
+# replaces the job's placeholder verdict.
+result() {
+  echo "$2 $1: $3" >"$out/results/$(tr -c 'A-Za-z0-9_.-' _ <<<"$1")"
+  rm -f "${JOB_PENDING:-}"
+}
 
 # launch PORT N LOG CMD...: N processes of CMD with torchrun's variables; fails if any does.
+# With LAUNCH_FAIL_FAST=1, the first rank that fails takes the others down at once (a rank
+# that died before its peers connected would leave them waiting out their timeout).
 launch() {
   local port=$1 n=$2 log=$3 pids=() status=0 r p
   shift 3
@@ -55,7 +76,28 @@ launch() {
       "$@" >"$log.$r" 2>&1 &
     pids+=($!)
   done
-  for p in "${pids[@]}"; do wait "$p" || status=$?; done
+  if [ "${LAUNCH_FAIL_FAST:-}" != 1 ]; then
+    for p in "${pids[@]}"; do wait "$p" || status=$?; done
+    return $status
+  fi
+  local alive=("${pids[@]}") still
+  while ((${#alive[@]})); do
+    sleep 0.2
+    still=()
+    for p in "${alive[@]}"; do
+      if kill -0 "$p" 2>/dev/null; then
+        still+=("$p")
+        continue
+      fi
+      wait "$p"
+      r=$?
+      if ((r != 0 && status == 0)); then
+        status=$r
+        kill -TERM "${pids[@]}" 2>/dev/null
+      fi
+    done
+    alive=("${still[@]}")
+  done
   return $status
 }
 
@@ -131,7 +173,7 @@ job_same_host_id() { # PORT: ranks sharing a GPU under one user NCCL_HOSTID
 common=(--hidden-size 64 --num-attention-heads 4 --seq-length 64
   --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 3e-3
   --synthetic-documents 600 --hidden-dropout 0 --attention-dropout 0 --log-interval 1
-  --eval-interval 0 --no-progress)
+  --eval-interval 0 --no-progress --distributed-timeout-minutes 2)
 gpt=(--group-query-attention --num-query-groups 2 --position-embedding-type rope
   --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
   --generate-tokens 0 --vocab-size 400)
@@ -139,7 +181,7 @@ gpt=(--group-query-attention --num-query-groups 2 --position-embedding-type rope
 limit=1e-5
 
 # with_defaults FLAGS...: the flags, plus 2 layers and TP 1 where they do not say otherwise
-# (the examples' default TP is 2, and clap refuses a flag given twice).
+# (the examples' default TP is 2).
 with_defaults() {
   local given=" $* "
   [[ $given == *" --num-layers "* ]] || set -- "$@" --num-layers 2
@@ -157,11 +199,12 @@ job_layout() { # PORT MODEL NAME WORLD FLAGS...
   args+=("${common[@]}" --world-size "$n" --loss-plot "$dir/loss.png")
   [ "$model" = gpt ] && args+=("${gpt[@]}")
   local run=$bin/${model}_pretrain
-  "$run" "${args[@]}" --device cpu --log-json "$dir/threads.json" >"$dir/threads.log" 2>&1 &
+  "$run" "${args[@]}" --device cpu --log-json "$dir/threads.json" \
+    --loss-plot "$dir/loss-cpu.png" >"$dir/threads.log" 2>&1 &
   local ref=$!
   local start=$SECONDS
-  launch "$port" "$n" "$dir/nccl" "$run" "${args[@]}" --distributed-backend nccl \
-    --log-json "$dir/nccl.json"
+  LAUNCH_FAIL_FAST=1 launch "$port" "$n" "$dir/nccl" "$run" "${args[@]}" \
+    --distributed-backend nccl --log-json "$dir/nccl.json"
   local status=$? took=$((SECONDS - start))
   wait "$ref" || { result "$model $name" FAIL "the CPU run failed: $(tail -2 "$dir/threads.log")"; return; }
   if ((status != 0)); then
@@ -190,7 +233,7 @@ job_checkpoint() { # PORT
   mkdir -p "$dir"
   local args=("${common[@]}" "${gpt[@]}" --num-layers 2 --loss-plot "$dir/loss.png")
   local run=$bin/gpt_pretrain
-  if ! launch "$port" 4 "$dir/save" "$run" "${args[@]}" --world-size 4 \
+  if ! LAUNCH_FAIL_FAST=1 launch "$port" 4 "$dir/save" "$run" "${args[@]}" --world-size 4 \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --distributed-backend nccl \
     --save "$dir/ckpt" --save-interval 10 --log-json "$dir/saved.json"; then
     result "checkpoint tp2pp2 cuda -> tp1 cpu, dp2 cuda" FAIL "the saving run failed: $(grep -h -m1 error "$dir"/save.*)"
@@ -198,11 +241,12 @@ job_checkpoint() { # PORT
   fi
   # (burn-optim puts a loaded optimizer state on Burn's default device: name the CPU's)
   BURN_DEVICE=flex "$run" "${args[@]}" --world-size 1 --tensor-model-parallel-size 1 --device cpu \
-    --load "$dir/ckpt" --ckpt-step 10 --log-json "$dir/cpu.json" >"$dir/cpu.log" 2>&1 &
+    --load "$dir/ckpt" --ckpt-step 10 --log-json "$dir/cpu.json" \
+    --loss-plot "$dir/loss-cpu.png" >"$dir/cpu.log" 2>&1 &
   local cpu=$!
-  launch $((port + 1)) 2 "$dir/dp2" "$run" "${args[@]}" --world-size 2 \
+  LAUNCH_FAIL_FAST=1 launch $((port + 1)) 2 "$dir/dp2" "$run" "${args[@]}" --world-size 2 \
     --tensor-model-parallel-size 1 --use-distributed-optimizer --distributed-backend nccl \
-    --load "$dir/ckpt" --ckpt-step 10 --log-json "$dir/dp2.json"
+    --load "$dir/ckpt" --ckpt-step 10 --log-json "$dir/dp2.json" --loss-plot "$dir/loss-dp2.png"
   local dp2=$?
   wait "$cpu"
   local cpu_status=$? lines=() verdicts=PASS l
@@ -216,25 +260,66 @@ job_checkpoint() { # PORT
 
 # --- the run ----------------------------------------------------------------------------------
 
-port=$((20000 + RANDOM % 20000))
+# Below the ephemeral range (32768 and up), where NCCL's own sockets are bound.
+port=$((20000 + RANDOM % 12000))
 running=0
+job=0
+start=$SECONDS
+deadline=${NCCL_CHECK_DEADLINE_S:-400}
 # spawn FUNCTION ARGS...: runs a job in the background, at most $jobs_at_once together, each
-# with a fresh block of ports.
+# with a fresh block of ports, bounded by 240 s and by the deadline. A placeholder FAIL stands
+# for its verdict until the job writes one; a job there is no time left for is a SKIP.
 spawn() {
   while ((running >= jobs_at_once)); do
     wait -n
     running=$((running - 1))
   done
-  local f=$1
+  local f=$1 left=$((deadline - (SECONDS - start)))
   shift
-  timeout 240 bash -c "$(declare -f result launch with_defaults "$f"); \
+  job=$((job + 1))
+  local pending=$out/results/pending-$job tag="$f ${*//--/}"
+  if ((left < 45)); then
+    echo "SKIP $tag: not started, ${left} s left of the ${deadline} s deadline" >"$pending"
+    return
+  fi
+  local limit=$((left < 240 ? left : 240))
+  echo "FAIL $tag: no verdict within its ${limit} s (killed by its bound, or crashed; logs in $out)" >"$pending"
+  JOB_PENDING=$pending timeout -k 10 "$limit" bash -c "$(declare -f result launch with_defaults "$f"); \
     $(declare -p out bin common gpt limit); $f $port $*" &
   port=$((port + 10))
   running=$((running + 1))
 }
 
-start=$SECONDS
-echo "nccl_check: $gpus GPU(s), $jobs_at_once checks at a time, logs in $out"
+report() {
+  echo "== nccl_check: $((SECONDS - start)) s"
+  sort -k2 "$out"/results/* | tee "$out/summary.txt"
+  local n_fail
+  n_fail=$(cat "$out"/results/* | grep -c "^FAIL ")
+  ((n_fail == 0)) || { echo "== failed:"; grep -h "^FAIL " "$out"/results/* | cut -c1-400; }
+  echo "== $n_fail failure(s) of $(ls "$out/results" | wc -l) checks" | tee -a "$out/summary.txt"
+  ((n_fail == 0))
+}
+# Terminated (the caller's bound): stop the running checks (each `timeout` passes the signal
+# on to its job's processes), then report what finished.
+stop() {
+  trap - TERM INT
+  echo "== nccl_check: terminated after $((SECONDS - start)) s; stopping the running checks"
+  kill -TERM $(jobs -p) 2>/dev/null
+  wait
+  report
+  exit 124
+}
+trap stop TERM INT
+
+echo "nccl_check: $gpus GPU(s), $jobs_at_once checks at a time, deadline ${deadline} s, logs in $out"
+# The longest first (three runs, then the four-rank layouts), so that a slow machine cuts
+# short the quick ones, which a second run can take.
+spawn job_checkpoint
+spawn job_layout gpt tp2xpp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+spawn job_layout bert tp2xpp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+# A ring of four: its pairs open in the group's order (Communicator::connect), not the
+# ring's, which would wait on itself.
+spawn job_layout gpt cp4-p2p 4 --context-parallel-size 4 --cp-comm-type p2p
 spawn job_collectives 2
 spawn job_collectives 4
 spawn job_killed_peer
@@ -254,7 +339,6 @@ for model in gpt bert; do
   for cp in all_gather p2p a2a; do
     spawn job_layout "$model" "cp2-$cp" 2 --context-parallel-size 2 --cp-comm-type "$cp"
   done
-  spawn job_layout "$model" tp2xpp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 done
 # The ring with each block through the flash kernels (f32: the scalar set), against the
 # CPU's flash op.
@@ -264,9 +348,6 @@ spawn job_layout gpt cp2-p2p-flash 2 --context-parallel-size 2 --cp-comm-type p2
 # (the distributed optimizer) in device memory.
 spawn job_layout gpt dp2 2
 spawn job_layout gpt dp2-distopt 2 --use-distributed-optimizer
-# A ring of four: its pairs open in the group's order (Communicator::connect), not the
-# ring's, which would wait on itself.
-spawn job_layout gpt cp4-p2p 4 --context-parallel-size 4 --cp-comm-type p2p
 # Overlapped with backward and all-reduced in place (the distributed optimizer's in-place
 # reduce-scatter is the dp2-distopt-overlap layouts above).
 spawn job_layout gpt dp2-overlap 2 --overlap-grad-reduce
@@ -279,11 +360,5 @@ for dispatcher in alltoall allgather; do
   spawn job_layout gpt "ep2-$dispatcher" 2 --expert-model-parallel-size 2 --num-experts 4 \
     --moe-token-dispatcher-type "$dispatcher"
 done
-spawn job_checkpoint
 wait
-echo "== nccl_check: $((SECONDS - start)) s"
-sort -k2 "$out"/results/*
-n_fail=$(cat "$out"/results/* | grep -c "^FAIL ")
-((n_fail == 0)) || { echo "== failed:"; grep -h "^FAIL " "$out"/results/*; }
-echo "== $n_fail failure(s) of $(ls "$out/results" | wc -l) checks"
-((n_fail == 0))
+report
