@@ -78,6 +78,17 @@ impl std::fmt::Debug for State {
 }
 
 impl State {
+    /// Forgets the step's gradients and counts (the buckets' results are taken apart).
+    pub(super) fn reset_step(&mut self) {
+        self.uses.clear();
+        self.delivered.clear();
+        self.done.clear();
+        self.main.clear();
+        self.missed.clear();
+        self.activations = 0;
+        self.last = false;
+    }
+
     /// Adds a gradient contribution (flat, any float dtype) to its main gradient.
     pub(super) fn accumulate(&mut self, id: ParamId, grad: Tensor<1>) {
         let grad = grad.cast(DType::F32);

@@ -330,6 +330,15 @@ impl OverlapReducer {
     pub fn finish(&self, grads: &mut GradientsParams) -> Result<usize, CommError> {
         let mut taken = HashMap::new();
         let mut state = self.shared.lock();
+        if state.closed {
+            // (Only `join_worker` closes a live reducer.)
+            state.reset_step();
+            return Err(self.invalid(
+                "an earlier step's reduction worker was left behind inside a collective that \
+                 never finished; this reducer reduces nothing more (its channel could pair that \
+                 collective with a later one): restart the job",
+            ));
+        }
         if !state.last {
             return Err(self.invalid("no last micro-batch was activated this step"));
         }
@@ -374,11 +383,7 @@ impl OverlapReducer {
             }
         }
         // The step is over, however it ended: the next one starts afresh.
-        state.uses.clear();
-        state.delivered.clear();
-        state.done.clear();
-        state.main.clear();
-        state.last = false;
+        state.reset_step();
         let results: Vec<_> = state
             .buckets
             .iter_mut()

@@ -91,6 +91,10 @@ fn finish_gives_up_on_a_worker_that_makes_no_progress() {
         "{err}"
     );
     assert!(took < Duration::from_secs(3), "finish took {took:?}");
+    // The worker is still inside its collective: later steps are refused, saying why.
+    drop(reducer.activate(true));
+    let err = reducer.finish(&mut GradientsParams::new()).unwrap_err();
+    assert!(err.to_string().contains("left behind"), "{err}");
 }
 
 /// A step whose reduction failed is an error that leaves the gradients as they were, and the
