@@ -285,6 +285,7 @@ where
         )));
     }
     let ops = schedule.ops(rank)?;
+    p2p.connect()?;
     // Auxiliary losses (MoE load balancing) inside the chunks are scaled as each
     // micro-batch's loss is, through the recomputed forwards of backward too.
     let _aux_scale = crate::aux_loss::scale_aux_losses((config.grad_scale / m as f64) as f32);

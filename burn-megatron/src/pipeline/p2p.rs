@@ -97,6 +97,18 @@ impl P2pCommunicator {
         self.forward.group()
     }
 
+    /// Opens the point-to-point pairs with both neighbours on both channels, in the group's
+    /// one order ([`Communicator::connect`](crate::comm::Communicator::connect)); a no-op
+    /// where pairs need no opening, and once they are open. Every stage calls it at the start
+    /// of a schedule (`forward_backward_func` does): opened at their first message instead,
+    /// the pairs of three or more stages interleaved (the last stage's next is the first)
+    /// could wait on each other in a ring.
+    pub fn connect(&self) -> Result<(), CommError> {
+        let peers = [self.next(), self.prev()];
+        self.forward.connect(&peers)?;
+        self.backward.connect(&peers)
+    }
+
     fn next(&self) -> usize {
         let g = self.forward.group();
         (g.rank() + 1) % g.size()

@@ -2,6 +2,7 @@
 //! against the same stack on one rank run by a plain gradient-accumulation loop (no
 //! executor): per-microbatch losses, every layer's gradients, and weights after AdamW steps.
 
+use crate::comm::{Buffer, Comm, CommError, Communicator, ProcessGroup, ReduceOp};
 use crate::launch::{LaunchOptions, threads};
 use crate::pipeline::*;
 use crate::tensor_parallel::MasterInit;
@@ -10,7 +11,8 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const LAYERS: usize = 8;
@@ -392,4 +394,114 @@ fn inconsistent_calls_are_refused_before_any_work() {
     );
     assert!(e[2].contains("microbatches M"), "{}", e[2]);
     assert!(e[3].contains("grad_scale"), "{}", e[3]);
+}
+
+/// A channel that counts the messages moved to or from a peer before `connect` opened their
+/// pair (on NCCL, pairs opened at their first message by a ring of stages could wait on each
+/// other).
+#[derive(Debug)]
+struct Opening {
+    inner: Comm,
+    opened: Mutex<Vec<usize>>,
+    early: AtomicUsize,
+}
+
+impl Opening {
+    fn new(inner: Comm) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            opened: Mutex::new(Vec::new()),
+            early: AtomicUsize::new(0),
+        })
+    }
+
+    fn check(&self, peer: usize) {
+        if !self.opened.lock().unwrap().contains(&peer) {
+            self.early.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Communicator for Opening {
+    fn group(&self) -> &ProcessGroup {
+        self.inner.group()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
+        self.inner.all_reduce(buf, op)
+    }
+
+    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
+        self.inner.all_gather(input)
+    }
+
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
+        self.inner.reduce_scatter(input, op)
+    }
+
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
+        self.inner.broadcast(buf, root)
+    }
+
+    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
+        self.check(peer);
+        self.inner.send(buf, peer)
+    }
+
+    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
+        self.check(peer);
+        self.inner.recv(buf, peer)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.inner.barrier()
+    }
+
+    fn connect(&self, peers: &[usize]) -> Result<(), CommError> {
+        self.opened.lock().unwrap().extend_from_slice(peers);
+        self.inner.connect(peers)
+    }
+}
+
+/// Every stage opens its pairs with both neighbours, on both channels, before its first
+/// message: four stages interleaved, whose last stage passes microbatches on to the first.
+#[test]
+fn every_stage_opens_its_pairs_before_its_first_message() {
+    let (p, v) = (4, 2);
+    let schedule = PipelineSchedule::new(p, 8).with_model_chunks(v);
+    let config = ParallelConfig::new(p, 1, p).with_virtual_pipeline(Some(v));
+    let early = threads(&config, LaunchOptions::default(), |ctx| {
+        let rank = ctx.state.pipeline_model_parallel_rank();
+        let per = layers_per_chunk(LAYERS, p, v)?;
+        let mut chunks = Vec::with_capacity(v);
+        for c in 0..v {
+            let o = layer_offset(LAYERS, p, v, rank, c)?;
+            chunks.push(Stack::new(o..o + per, &ctx.device));
+        }
+        let fwd = Opening::new(ctx.groups.pp.clone());
+        let bwd = Opening::new(ctx.groups.pp_backward.clone());
+        let (f, b): (Comm, Comm) = (fwd.clone(), bwd.clone());
+        let p2p = P2pCommunicator::new(f, b, P2pShapes::Variable, ctx.device.clone());
+        forward_backward_func(
+            |s: ForwardStep<'_, Stack, 3>| {
+                let last = virtual_stage(p, rank, s.chunk) + 1 == p * v;
+                Ok(stack_step(s, last, true))
+            },
+            &chunks,
+            &p2p,
+            ForwardBackwardConfig::new(schedule),
+        )?;
+        let early = fwd.early.load(Ordering::SeqCst) + bwd.early.load(Ordering::SeqCst);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(early)
+    })
+    .unwrap();
+    assert_eq!(
+        early,
+        vec![0; p],
+        "messages before their pair was opened, per stage"
+    );
 }
