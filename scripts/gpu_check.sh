@@ -153,7 +153,7 @@ find_libraries() {
     /usr/lib64 /opt)
   # Python's site directories (the user's too) and the one torch is in, without importing it.
   local site
-  for site in $(py -c 'import importlib.util as u, os, site
+  for site in $(env LD_LIBRARY_PATH="$(py_ld)" python3 -c 'import importlib.util as u, os, site
 dirs = site.getsitepackages() + [site.getusersitepackages()]
 spec = u.find_spec("torch")
 if spec and spec.origin: dirs.append(os.path.dirname(os.path.dirname(spec.origin)))
@@ -202,7 +202,6 @@ bounded() {
 # Python without the carried libraries (Debian's zlib or expat beside torch's would be a risk).
 carried=
 py_ld() { tr ':' '\n' <<<"${LD_LIBRARY_PATH:-}" | grep -v -x -F "${carried:-/nonexistent}" | paste -sd:; }
-py() { LD_LIBRARY_PATH=$(py_ld) python3 "$@"; }
 # Unpacks the payload into $bin and puts the libraries the binaries need on the loader path.
 unpack() {
   # The Vulkan loader complains on every probe without one.

@@ -5,7 +5,8 @@
 //! Weights, gradients and optimizer state follow Megatron-LM's `report_theoretical_memory`
 //! (parameters per stage, then bytes per parameter), adapted to this library: fp32 runs
 //! keep no master copy, an overlapped reduction holds the linear layers' gradients as FP32
-//! main gradients in place of Burn's (as Megatron's grad buffer), and the output layer is counted on the last stage even when tied (its copy).
+//! main gradients in place of Burn's (as Megatron's grad buffer), and the output layer is
+//! counted on the last stage even when tied (its copy).
 //!
 //! Activations are an inventory of the tensors this implementation keeps for backward,
 //! per layer, in the spirit of Korthikanti et al.'s Table 2 but for these kernels: the

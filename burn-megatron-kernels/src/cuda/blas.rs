@@ -12,7 +12,7 @@
 //! in f32 (a split-K kernel may add its partial sums in the output's dtype, as PyTorch's
 //! default allows too).
 
-use super::order::{CudaServer, StreamOrder, on_our_stream, stream_order};
+use super::order::{CudaServer, StreamOrder, on_our_stream};
 use burn::tensor::DType;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -451,9 +451,11 @@ struct Blas {
 /// on that SM would start only when another finishes (up to twice the time). Leaving one SM
 /// to the poller costs 1/SMs of the GEMM's peak (PyTorch's `sm_carveout` does the same for
 /// NCCL's kernels). Host order has no poller and gets every SM.
-fn carve_out(sms: i32) -> i32 {
-    let device_order = matches!(stream_order(), Ok(StreamOrder::Device));
-    if device_order && sms > 1 { sms - 1 } else { 0 }
+fn carve_out(sms: i32, order: StreamOrder) -> i32 {
+    match order {
+        StreamOrder::Device if sms > 1 => sms - 1,
+        _ => 0,
+    }
 }
 
 /// Hopper wants 32 MiB (NVIDIA's advice for cuBLASLt); earlier GPUs 4.
@@ -573,10 +575,10 @@ fn matmul(
         sms: 0,
     };
     let device = a.device.to_id().index_id;
-    on_our_stream(&a, |stream| {
+    on_our_stream(&a, |stream, order| {
         with_blas(device, |blas| {
             let key = Key {
-                sms: carve_out(blas.sms),
+                sms: carve_out(blas.sms, order),
                 ..key
             };
             if blas.plans.len() >= MAX_PLANS {

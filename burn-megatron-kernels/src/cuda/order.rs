@@ -435,10 +435,10 @@ pub fn signal_cubecl(like: &CubeTensor) -> Result<Option<CubeclSignal>, String> 
 
 /// Runs `work` on this thread's stream of our own on `like`'s device, between CubeCL's
 /// kernels: it starts after everything CubeCL queued so far, and CubeCL's later kernels start
-/// after it. `work` gets the stream and its context is current.
+/// after it. `work` gets the stream and the order in use, and its context is current.
 pub fn on_our_stream<R>(
     like: &CubeTensor,
-    work: impl FnOnce(&Arc<CudaStream>) -> Result<R, String>,
+    work: impl FnOnce(&Arc<CudaStream>, StreamOrder) -> Result<R, String>,
 ) -> Result<R, String> {
     with_link(like, |link| {
         let stream = link.stream.clone();
@@ -448,7 +448,7 @@ pub fn on_our_stream<R>(
         // `work` calls CUDA libraries that need the device's context on this thread (host
         // order binds none).
         link.bind()?;
-        let out = work(&stream);
+        let out = work(&stream, order);
         // Ordered even when `work` failed part-way: whatever it queued is waited for.
         link.after(order)?;
         out

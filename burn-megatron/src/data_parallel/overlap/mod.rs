@@ -15,9 +15,9 @@
 //! the parameter's main gradient with a tensor op and reads nothing back, and a complete
 //! bucket is concatenated on the device. The hook keeps the gradient: Burn's gradients get
 //! no copy of it (Megatron's `param.grad` stays empty too), so a hooked parameter's gradient
-//! is held once, in FP32, until `finish` writes the reduced one back. On CUDA over NCCL the worker reduces it in place in
-//! device memory, ordered after backward's kernels on the device (see `comm::handoff`);
-//! elsewhere it goes through host memory, one read per bucket.
+//! is held once, in FP32, until `finish` writes the reduced one back. On CUDA over NCCL the
+//! worker reduces it in place in device memory, ordered after backward's kernels on the
+//! device (see `comm::handoff`); elsewhere it goes through host memory, one read per bucket.
 //!
 //! From the last micro-batch's activation until `finish` returns, the worker issues
 //! collectives on the reducer's communicator. Give each reducer a channel of its own over
@@ -208,8 +208,6 @@ pub struct OverlapReducer {
     shared: Arc<Shared>,
     /// (id, rank) in module order.
     order: Vec<(ParamId, usize)>,
-    /// (id, element count) in module order.
-    sized: Vec<(ParamId, usize)>,
     /// Each parameter's dims: a gradient the hooks kept is written back in them.
     dims: HashMap<ParamId, Vec<usize>>,
     /// Module paths, for errors.
@@ -245,17 +243,12 @@ impl OverlapReducer {
         plan: Option<ShardPlan>,
     ) -> Self {
         let order = crate::data_parallel::dense_params(module);
-        // By id: the dense parameters are not all of the module's (experts are left out).
         let dims = param_dims(module);
-        let sized: Vec<(ParamId, usize)> = order
-            .iter()
-            .map(|&(id, _)| (id, dims[&id].iter().product()))
-            .collect();
         let bucket_size = config.bucket_elements(dp.group().size());
         let mut state = State::default();
         match &plan {
             Some(plan) => plan_buckets(plan, &mut state),
-            None => add_buckets(&sized, bucket_size, &mut state),
+            None => add_buckets(&sized(&order, &dims), bucket_size, &mut state),
         }
         let op = if config.average {
             ReduceOp::Avg
@@ -277,7 +270,6 @@ impl OverlapReducer {
         Self {
             shared,
             order,
-            sized,
             dims,
             names: param_names(module),
             bucket_size,
@@ -392,9 +384,8 @@ impl OverlapReducer {
         if !state.relaid && !state.hooked.is_empty() && self.shared.plan.is_none() {
             // Now the hooked parameters are known: bucket them apart from the others, which
             // only arrive at `finish` and would hold back any bucket they shared.
-            let (hooked, rest): (Vec<_>, Vec<_>) = self
-                .sized
-                .iter()
+            let (hooked, rest): (Vec<_>, Vec<_>) = sized(&self.order, &self.dims)
+                .into_iter()
                 .partition(|(id, _)| state.hooked.contains(id));
             let mut relaid = State::default();
             add_buckets(&hooked, self.bucket_size, &mut relaid);
@@ -569,6 +560,15 @@ fn param_names<M: Module>(module: &M) -> HashMap<ParamId, String> {
     let mut names = Names(HashMap::new());
     visit_paths(module, &mut names);
     names.0
+}
+
+/// `(id, element count)` of each of `order`'s parameters, looked up by id: the dense
+/// parameters are not all of the module's (experts are left out).
+fn sized(order: &[(ParamId, usize)], dims: &HashMap<ParamId, Vec<usize>>) -> Vec<(ParamId, usize)> {
+    order
+        .iter()
+        .map(|&(id, _)| (id, dims[&id].iter().product()))
+        .collect()
 }
 
 /// The dims of each float parameter of `module`.

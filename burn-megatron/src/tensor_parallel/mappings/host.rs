@@ -98,8 +98,7 @@ fn exchange(
         }
         Mapping::RingShift { forward } => {
             let (to, from) = ring_peers(forward, me, n);
-            // A ring's channels open in the group's order, not the ring's (see `connect`).
-            comm.connect(&[to, from])?;
+            // (`send_recv` opens the ring's channels in the group's order, see `connect`.)
             let mut out = Buffer::zeros(buf.dtype(), buf.len());
             comm.send_recv(buf, to, &mut out, from)?;
             (out, dims)
