@@ -20,9 +20,12 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::RuntimeId;
 use cudarc::cublaslt::{result, sys};
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
+
+mod plan;
+use plan::{Key, Plan, blas_error};
 
 /// The variable choosing the GEMM engine on CUDA: `cublaslt` (the default, where the library
 /// loads) or `cubecl` (cubek's matmul, as Burn runs it).
@@ -114,9 +117,13 @@ pub struct GemmStats {
     pub fallbacks: u64,
     /// Why the first fallback happened.
     pub first_failure: Option<String>,
+    /// Of those run by cuBLASLt, the ones that added their product to an f32 matrix in
+    /// place (nothing else held it), writing no new one.
+    pub accumulated_in_place: u64,
 }
 
 static RUN: AtomicU64 = AtomicU64::new(0);
+static IN_PLACE: AtomicU64 = AtomicU64::new(0);
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
 static FIRST_FAILURE: Mutex<Option<String>> = Mutex::new(None);
 
@@ -126,13 +133,16 @@ pub fn gemm_stats() -> GemmStats {
         cublaslt: RUN.load(Ordering::Relaxed),
         fallbacks: FALLBACKS.load(Ordering::Relaxed),
         first_failure: FIRST_FAILURE.lock().map(|f| f.clone()).unwrap_or(None),
+        accumulated_in_place: IN_PLACE.load(Ordering::Relaxed),
     }
 }
 
 /// `a·b` (`a` `[..., m, k]`, `b` `[..., k, n]` with the same leading batch dims, one of f32,
 /// f16, bf16), plus `acc` (2-d only: f32 `[m, n]`, the output then f32) by cuBLASLt, when the
 /// tensors are CUDA's and the engine is cuBLASLt; `None` leaves it to the caller's matmul (a
-/// failure is counted in [`gemm_stats`]).
+/// failure is counted in [`gemm_stats`]). A contiguous `acc` that only the caller holds is
+/// the output itself (cuBLASLt's in-place `C = D`): Megatron's main gradient grows where it
+/// lies, with no second copy of it while the GEMM runs.
 pub(crate) fn try_matmul(
     a: &CubeTensor,
     b: &CubeTensor,
@@ -189,11 +199,11 @@ fn try_gemm(
 /// column-major (op T); a batch of them lies `batch_stride` elements apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Operand {
-    trans: bool,
-    rows: u64,
-    cols: u64,
-    ld: i64,
-    batch_stride: i64,
+    pub(super) trans: bool,
+    pub(super) rows: u64,
+    pub(super) cols: u64,
+    pub(super) ld: i64,
+    pub(super) batch_stride: i64,
 }
 
 /// The leading (batch) dims of `t`: all but the last two.
@@ -259,179 +269,10 @@ fn readable(t: &CubeTensor) -> Result<(CubeTensor, Operand), String> {
     Ok((t, op))
 }
 
-fn cuda_type(dtype: DType) -> sys::cudaDataType {
-    match dtype {
-        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-        DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
-        _ => sys::cudaDataType_t::CUDA_R_32F,
-    }
-}
-
 /// The largest power of two up to 256 dividing `ptr` (cuBLASLt's heuristic assumes 256 unless
 /// told, and may pick a kernel whose vector loads need it).
 fn alignment(ptr: u64) -> u32 {
     1 << ptr.trailing_zeros().min(8)
-}
-
-/// Everything that decides cuBLASLt's plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Key {
-    inputs: DType,
-    output: DType,
-    a: Operand,
-    b: Operand,
-    c: Option<Operand>,
-    m: u64,
-    n: u64,
-    k: u64,
-    ldd: i64,
-    /// Matrices in the batch (1: a plain product), the output's `m·n` apart.
-    batch: usize,
-    align: [u32; 4],
-    tf32: bool,
-    /// SMs the GEMM may use (0: all), see [`carve_out`].
-    sms: i32,
-}
-
-/// A descriptor, its four layouts and the algorithm cuBLASLt's heuristic chose.
-struct Plan {
-    desc: sys::cublasLtMatmulDesc_t,
-    layouts: [sys::cublasLtMatrixLayout_t; 4],
-    algo: sys::cublasLtMatmulAlgo_t,
-}
-
-impl Drop for Plan {
-    fn drop(&mut self) {
-        // SAFETY: created in `Plan::new`, destroyed once here.
-        unsafe {
-            let _ = result::destroy_matmul_desc(self.desc);
-            for l in self.layouts {
-                let _ = result::destroy_matrix_layout(l);
-            }
-        }
-    }
-}
-
-fn blas_error(what: &str) -> impl Fn(result::CublasError) -> String + '_ {
-    move |e| format!("cuBLASLt {what}: {e:?}")
-}
-
-impl Plan {
-    fn new(handle: sys::cublasLtHandle_t, key: &Key, workspace: usize) -> Result<Self, String> {
-        let compute = if key.inputs == DType::F32 && key.tf32 {
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-        } else {
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
-        let desc = result::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
-            .map_err(blas_error("descriptor"))?;
-        let mut plan = Self {
-            desc,
-            layouts: [std::ptr::null_mut(); 4],
-            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
-        };
-        let layout = |dtype, rows, cols, ld| {
-            result::create_matrix_layout(cuda_type(dtype), rows, cols, ld)
-                .map_err(blas_error("layout"))
-        };
-        plan.layouts[0] = layout(key.inputs, key.a.rows, key.a.cols, key.a.ld)?;
-        plan.layouts[1] = layout(key.inputs, key.b.rows, key.b.cols, key.b.ld)?;
-        plan.layouts[3] = layout(key.output, key.m, key.n, key.ldd)?;
-        plan.layouts[2] = match key.c {
-            Some(c) => layout(key.output, key.m, key.n, c.ld)?,
-            None => layout(key.output, key.m, key.n, key.ldd)?,
-        };
-        if key.batch > 1 {
-            let count = i32::try_from(key.batch).map_err(|_| "batch over i32".to_string())?;
-            let output_stride = (key.m * key.n) as i64;
-            let strides = [
-                key.a.batch_stride,
-                key.b.batch_stride,
-                key.c.map_or(output_stride, |c| c.batch_stride),
-                output_stride,
-            ];
-            use sys::cublasLtMatrixLayoutAttribute_t as L;
-            for (layout, stride) in plan.layouts.into_iter().zip(strides) {
-                // SAFETY: live layouts; each attribute gets a value of its documented type.
-                unsafe {
-                    result::set_matrix_layout_attribute(
-                        layout,
-                        L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                        (&count as *const i32).cast(),
-                        4,
-                    )
-                    .and_then(|_| {
-                        result::set_matrix_layout_attribute(
-                            layout,
-                            L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                            (&stride as *const i64).cast(),
-                            8,
-                        )
-                    })
-                }
-                .map_err(blas_error("batch"))?;
-            }
-        }
-        // SAFETY: a live descriptor; each attribute gets a value of its documented type.
-        unsafe {
-            let set_desc = |attr, value: i32| {
-                result::set_matmul_desc_attribute(
-                    desc,
-                    attr,
-                    (&value as *const i32).cast(),
-                    std::mem::size_of::<i32>(),
-                )
-            };
-            let attrs = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA;
-            set_desc(attrs, i32::from(key.a.trans)).map_err(blas_error("transa"))?;
-            let attrs = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB;
-            set_desc(attrs, i32::from(key.b.trans)).map_err(blas_error("transb"))?;
-            if key.sms > 0 {
-                let attrs =
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET;
-                set_desc(attrs, key.sms).map_err(blas_error("SM count target"))?;
-            }
-        }
-        let pref = result::create_matmul_pref().map_err(blas_error("preference"))?;
-        // SAFETY: live descriptors; each attribute gets a value of its documented type.
-        let chosen = unsafe {
-            use sys::cublasLtMatmulPreferenceAttributes_t as P;
-            let bytes = workspace as u64;
-            let set_pref = |attr, value: *const std::ffi::c_void, size| {
-                result::set_matmul_pref_attribute(pref, attr, value, size)
-            };
-            let mut status = set_pref(
-                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&bytes as *const u64).cast(),
-                8,
-            );
-            let aligns = [
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-            ];
-            for (attr, align) in aligns.into_iter().zip(&key.align) {
-                status = status.and_then(|_| set_pref(attr, (align as *const u32).cast(), 4));
-            }
-            let chosen = status.map_err(blas_error("preference")).and_then(|_| {
-                result::get_matmul_algo_heuristic(
-                    handle,
-                    desc,
-                    plan.layouts[0],
-                    plan.layouts[1],
-                    plan.layouts[2],
-                    plan.layouts[3],
-                    pref,
-                )
-                .map_err(blas_error("heuristic (no kernel for this problem)"))
-            });
-            let _ = result::destroy_matmul_pref(pref);
-            chosen?
-        };
-        plan.algo = chosen.algo;
-        Ok(plan)
-    }
 }
 
 /// One thread's cuBLASLt state on one device: the handle, a workspace, the plans.
@@ -476,39 +317,57 @@ impl Drop for Blas {
 }
 
 thread_local! {
-    static BLAS: RefCell<HashMap<u16, Blas>> = RefCell::new(HashMap::new());
+    /// This thread's cuBLASLt state per device, or why it could not be made (kept, so that
+    /// every later GEMM falls back at once rather than trying again).
+    static BLAS: RefCell<HashMap<u16, Result<Blas, String>>> = RefCell::new(HashMap::new());
+    /// Problems cuBLASLt's heuristic had no kernel for on this thread (their keys without
+    /// the SM target): cubek runs them without asking again, and without ordering streams
+    /// for a GEMM that will not run.
+    static NO_PLAN: RefCell<HashSet<Key>> = RefCell::new(HashSet::new());
 }
 
 /// Runs `f` with this thread's cuBLASLt state for `device` (its context current).
 fn with_blas<R>(device: u16, f: impl FnOnce(&mut Blas) -> Result<R, String>) -> Result<R, String> {
     BLAS.with(|all| {
         let mut all = all.borrow_mut();
-        if let std::collections::hash_map::Entry::Vacant(e) = all.entry(device) {
-            let handle = result::create_handle().map_err(blas_error("handle"))?;
-            // SAFETY: the device's context is current (see `on_our_stream`).
-            let workspace = unsafe { cudarc::driver::result::malloc_sync(WORKSPACE_BYTES) }
-                .map_err(|e| format!("cuBLASLt workspace: {e:?}"))?;
-            let sms = cudarc::driver::result::device::get(i32::from(device))
-                .and_then(|d| {
-                    // SAFETY: a device the driver returned.
-                    unsafe {
-                        cudarc::driver::result::device::get_attribute(
-                            d,
-                            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                        )
-                    }
-                })
-                .unwrap_or(0);
-            e.insert(Blas {
-                handle,
-                workspace,
-                workspace_bytes: WORKSPACE_BYTES,
-                sms,
-                plans: HashMap::new(),
-            });
+        match all.entry(device).or_insert_with(|| Blas::new(device)) {
+            Ok(blas) => f(blas),
+            Err(why) => Err(why.clone()),
         }
-        f(all.get_mut(&device).expect("inserted above"))
     })
+}
+
+impl Blas {
+    fn new(device: u16) -> Result<Self, String> {
+        let handle = result::create_handle().map_err(blas_error("handle"))?;
+        // SAFETY: the device's context is current (see `on_our_stream`).
+        let workspace = match unsafe { cudarc::driver::result::malloc_sync(WORKSPACE_BYTES) } {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: made above, released once here.
+                let _ = unsafe { result::destroy_handle(handle) };
+                return Err(format!("cuBLASLt workspace: {e:?}"));
+            }
+        };
+        let sms = cudarc::driver::result::device::get(i32::from(device))
+            .and_then(|d| {
+                // SAFETY: a device the driver returned.
+                unsafe {
+                    cudarc::driver::result::device::get_attribute(
+                        d,
+                        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                    )
+                }
+            })
+            .unwrap_or(0);
+        Ok(Blas {
+            handle,
+            workspace,
+            workspace_bytes: WORKSPACE_BYTES,
+            sms,
+            plans: HashMap::new(),
+        })
+    }
 }
 
 fn matmul(
@@ -528,6 +387,8 @@ fn matmul(
             b.meta.shape()
         ));
     }
+    // Before `readable`, whose clone would hold it too.
+    let acc_unique = acc.is_some_and(CubeTensor::can_mut);
     let (a, a_op) = readable(a)?;
     let (b, b_op) = readable(b)?;
     let acc = acc.map(readable).transpose()?;
@@ -539,10 +400,24 @@ fn matmul(
     } else {
         a.dtype
     };
-    let mut dims = batch_dims(&a);
-    dims.extend([m, n]);
-    let out =
-        empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), dims.into(), output);
+    // D is C when only the caller holds C and C is laid out as D would be (row-major
+    // [m, n], cuBLASLt's `Cdesc == Ddesc`, which in-place GEMMs need).
+    let d_layout = Operand {
+        trans: false,
+        rows: n as u64,
+        cols: m as u64,
+        ld: n as i64,
+        batch_stride: 0,
+    };
+    let in_place = acc
+        .as_ref()
+        .filter(|(_, op)| acc_unique && *op == d_layout)
+        .map(|(c, _)| c.clone());
+    let out = in_place.clone().unwrap_or_else(|| {
+        let mut dims = batch_dims(&a);
+        dims.extend([m, n]);
+        empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), dims.into(), output)
+    });
     let resource = |t: &CubeTensor| {
         t.client
             .get_resource::<CudaServer>(t.handle.clone())
@@ -574,6 +449,9 @@ fn matmul(
         tf32: tf32(),
         sms: 0,
     };
+    if NO_PLAN.with(|failed| failed.borrow().contains(&key)) {
+        return Err("cuBLASLt's heuristic had no kernel for this problem (asked once)".into());
+    }
     let device = a.device.to_id().index_id;
     on_our_stream(&a, |stream, order| {
         with_blas(device, |blas| {
@@ -585,7 +463,16 @@ fn matmul(
                 blas.plans.clear();
             }
             if !blas.plans.contains_key(&key) {
-                let plan = Plan::new(blas.handle, &key, blas.workspace_bytes)?;
+                let plan =
+                    Plan::new(blas.handle, &key, blas.workspace_bytes).inspect_err(|_| {
+                        NO_PLAN.with(|failed| {
+                            let mut failed = failed.borrow_mut();
+                            if failed.len() >= MAX_PLANS {
+                                failed.clear();
+                            }
+                            failed.insert(Key { sms: 0, ..key });
+                        })
+                    })?;
                 blas.plans.insert(key, plan);
             }
             let plan = &blas.plans[&key];
@@ -618,6 +505,9 @@ fn matmul(
         })
     })?;
     drop((ra, rb, rc, rd));
+    if in_place.is_some() {
+        IN_PLACE.fetch_add(1, Ordering::Relaxed);
+    }
     Ok(out)
 }
 

@@ -148,7 +148,9 @@ struct Link {
 }
 
 thread_local! {
-    static LINKS: RefCell<HashMap<u16, Link>> = RefCell::new(HashMap::new());
+    /// This thread's link per device, or why it could not be made: a failure is kept, so
+    /// that a GEMM falls back at once instead of making a context and a stream again.
+    static LINKS: RefCell<HashMap<u16, Result<Link, String>>> = RefCell::new(HashMap::new());
 }
 
 fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
@@ -359,7 +361,8 @@ impl Link {
     }
 }
 
-/// Runs `f` with this thread's link to `like`'s device, made on first use.
+/// Runs `f` with this thread's link to `like`'s device, made on first use (a link that
+/// could not be made is not tried again on this thread: its error comes back at once).
 fn with_link<R>(
     like: &CubeTensor,
     f: impl FnOnce(&mut Link) -> Result<R, String>,
@@ -367,11 +370,11 @@ fn with_link<R>(
     let key = like.device.to_id().index_id;
     LINKS.with(|links| {
         let mut links = links.borrow_mut();
-        let link = match links.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(Link::new(like)?),
-        };
-        f(link)
+        let link = links.entry(key).or_insert_with(|| Link::new(like));
+        match link {
+            Ok(link) => f(link),
+            Err(why) => Err(format!("no link to CUDA device {key}: {why}")),
+        }
     })
 }
 
@@ -459,7 +462,11 @@ pub fn on_our_stream<R>(
 /// 2³⁰ polls); reads the flags, so it waits for CubeCL's stream.
 pub fn check_waits() -> Result<(), String> {
     LINKS.with(|links| {
-        for (device, link) in links.borrow().iter() {
+        let links = links.borrow();
+        for (device, link) in links
+            .iter()
+            .filter_map(|(d, l)| Some((d, l.as_ref().ok()?)))
+        {
             let bytes = link
                 .client
                 .read_one(link.counters[2].clone())

@@ -3,7 +3,8 @@
 //! cuBLAS's `wgrad_gemm_accum_fp32` does for Megatron), then one element-wise add into
 //! `main_grad`, in place when nothing else holds it.
 //!
-//! On CUDA cuBLASLt does both in one call where it loads (see `crate::cuda::gemm_engine`).
+//! On CUDA cuBLASLt does both in one call where it loads (see `crate::cuda::gemm_engine`),
+//! writing into `main_grad` itself when nothing else holds it.
 //!
 //! This replaced a hand-tiled shared-memory kernel (64 × 64 tiles, 4 × 4 accumulators per
 //! unit) that was 3.1× slower than the tuned GEMM on lavapipe; the GEMM is the part worth

@@ -153,10 +153,17 @@ fn kernel_matches_exact_values_and_the_reference_on_cube() {
     #[cfg(feature = "cuda")]
     if common::on_cuda() {
         common::assert_cublaslt_ran(&before, "accumulating GEMMs");
+        // `check` hands over a main_grad nothing else holds: cuBLASLt's D is its C.
+        let after = burn_megatron_kernels::cuda::gemm_stats();
+        assert!(
+            after.accumulated_in_place > before.accumulated_in_place,
+            "no main gradient was accumulated in place"
+        );
     }
 }
 
-/// A `main_grad` that another tensor still holds is not overwritten (the kernel copies it).
+/// A `main_grad` that another tensor still holds is not overwritten (the kernel copies it;
+/// on CUDA cuBLASLt writes a new output instead of accumulating in place).
 #[cfg(feature = "cube")]
 #[test]
 fn shared_main_grad_is_left_untouched_on_cube() {

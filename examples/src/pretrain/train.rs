@@ -626,13 +626,18 @@ impl SyncCounts {
             return None;
         }
         let per = |n: u64| n as f64 / iterations as f64;
-        Some(format!(
-            " host waits for NCCL streams per iteration (rank 0's thread): {:.1}; CUDA stream \
+        Some(
+            format!(
+                " host waits for NCCL streams per iteration (rank 0's thread): {:.1}; CUDA stream \
              orderings per iteration (this process): {:.1} on the device, {:.1} by host \
              synchronisation",
-            per(self.nccl_waits),
-            per(self.device_orders),
-            per(self.host_syncs)
-        ))
+                per(self.nccl_waits),
+                per(self.device_orders),
+                per(self.host_syncs)
+            ) + &match burn_megatron::comm::nccl::communicators() {
+                0 => String::new(),
+                n => format!("; NCCL communicators in this process: {n}"),
+            },
+        )
     }
 }

@@ -183,6 +183,17 @@ impl NcclCommunicator {
         Ok(link.comm.comm)
     }
 
+    /// Runs `call`, which queues NCCL work, under the process's watchdog: NCCL may connect
+    /// transports inside it and wait for a peer with no deadline (see
+    /// [`super::watchdog`]); past the timeout the process ends.
+    pub(super) fn queue<R>(&self, op: &'static str, call: impl FnOnce() -> R) -> R {
+        super::watchdog::watchdog().bounded(
+            || format!("NCCL {op} on group {}", self.label),
+            self.world.timeout,
+            call,
+        )
+    }
+
     /// Waits for the work enqueued on `link` so far, against the timeout. On a timeout or an
     /// NCCL error the communicator is aborted.
     pub(super) fn wait(&self, link: &Link, op: &'static str, seq: u64) -> Result<(), CommError> {
@@ -323,7 +334,8 @@ impl NcclCommunicator {
         {
             let (s, _s) = send.device_ptr(stream);
             let (r, _r) = recv.device_ptr_mut(stream);
-            enqueue(s, r, comm, stream.cu_stream() as _).map_err(|e| self.engine(op, e))?;
+            self.queue(op, || enqueue(s, r, comm, stream.cu_stream() as _))
+                .map_err(|e| self.engine(op, e))?;
         }
         self.wait_within(&self.link, op, seq, timeout)?;
         self.to_host(op, stream, &recv, out_len)
@@ -419,7 +431,8 @@ impl NcclCommunicator {
                 nccl.send(s as _, 1, BYTE, 1, to, out.stream.cu_stream() as _)
                     .and_then(|_| nccl.recv(r as _, 1, BYTE, 0, from, inn.stream.cu_stream() as _))
             };
-            let ended = nccl.group_end();
+            // Here both transports connect: the call waits for the peer's half.
+            let ended = self.queue(op, || nccl.group_end());
             queued.and(ended).map_err(failed)?;
         }
         self.wait(out, op, 0)?;
@@ -455,11 +468,11 @@ impl NcclCommunicator {
         {
             let (p, _p) = dev.device_ptr_mut(&link.stream);
             // SAFETY: a device buffer of `len` bytes, live until the wait below.
-            unsafe {
+            self.queue("recv", || unsafe {
                 self.world
                     .nccl
                     .recv(p as _, len, BYTE, 0, comm, link.stream.cu_stream() as _)
-            }
+            })
             .map_err(|e| self.engine("recv", e))?;
         }
         self.wait(link, "recv", 0)?;

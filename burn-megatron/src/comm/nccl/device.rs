@@ -24,7 +24,8 @@ impl NcclCommunicator {
     ) -> Result<(), CommError> {
         let op = desc.op;
         self.collective(desc, |seq, comm| {
-            enqueue(comm, self.link.stream.cu_stream() as _).map_err(|e| self.engine(op, e))?;
+            self.queue(op, || enqueue(comm, self.link.stream.cu_stream() as _))
+                .map_err(|e| self.engine(op, e))?;
             self.wait(&self.link, op, seq)
         })
     }
@@ -94,7 +95,7 @@ unsafe impl DeviceCollectives for NcclCommunicator {
         order(link.stream.cu_stream() as usize).map_err(|e| self.engine("recv", e))?;
         let nbytes = recv.len * recv.dtype.size();
         // SAFETY: the caller's slice (see the trait), written only until the wait below.
-        unsafe {
+        self.queue("recv", || unsafe {
             self.world.nccl.recv(
                 recv.ptr as _,
                 nbytes,
@@ -103,7 +104,7 @@ unsafe impl DeviceCollectives for NcclCommunicator {
                 comm,
                 link.stream.cu_stream() as _,
             )
-        }
+        })
         .map_err(|e| self.engine("recv", e))?;
         self.wait(link, "recv", 0)
     }

@@ -61,7 +61,7 @@ impl NcclCommunicator {
                     .send(h as _, 16, BYTE, 1, comm, st)
                     .and_then(|_| self.world.nccl.send(p as _, nbytes, BYTE, 1, comm, st))
             };
-            let ended = self.world.nccl.group_end();
+            let ended = self.queue("send", || self.world.nccl.group_end());
             sent.and(ended).map_err(nccl)?;
         }
         let event = link.stream.record_event(None).map_err(cuda)?;

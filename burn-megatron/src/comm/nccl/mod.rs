@@ -17,9 +17,13 @@
 //! NCCL has no deadline and runs on the GPU. Every call here waits for its stream by polling
 //! an event against the communicator's timeout; on a timeout the communicator is aborted
 //! (`ncclCommAbort`, which frees the stuck kernels) and the call fails with
-//! [`CommError::Stalled`]. Before each collective the members all-gather a small header (op,
-//! dtype, count, reduction, root, call number), so a mismatched call is an error on every
-//! member, as in the other backends; each message carries its dtype and length likewise.
+//! [`CommError::Stalled`]. Queuing work may itself wait on the host, where NCCL connects a
+//! transport at its first use and waits for the peer's half; a watchdog bounds those calls
+//! and ends the process past the timeout, as NCCL cannot be interrupted there.
+//!
+//! Before each collective the members all-gather a small header (op, dtype, count,
+//! reduction, root, call number), so a mismatched call is an error on every member, as in
+//! the other backends; each message carries its dtype and length likewise.
 //!
 //! Reductions are NCCL's own (f16 and bf16 native): every rank gets the same bits, but not
 //! necessarily those of the threaded backend, which folds in group order.
@@ -30,6 +34,7 @@ mod library;
 mod message;
 mod pairs;
 mod seats;
+mod watchdog;
 
 pub use communicator::NcclCommunicator;
 
@@ -56,6 +61,15 @@ pub fn host_waits() -> u64 {
 pub fn thread_host_waits() -> u64 {
     communicator::host_waits().1
 }
+
+/// NCCL communicators this process has joined so far: one per group of two or more members
+/// and two per point-to-point pair (a group of one has none, see [`NcclWorld`]'s
+/// `new_group`).
+pub fn communicators() -> u64 {
+    COMMUNICATORS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static COMMUNICATORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The exit status of a process this backend ends after a failure.
 pub const ABORT_CODE: i32 = 3;
@@ -284,13 +298,16 @@ impl Inner {
             .map_err(|e| engine(format!("spawning the init thread: {e}")))?;
         let start = Instant::now();
         match rx.recv_timeout(self.timeout) {
-            Ok(Ok(Raw(comm))) => Ok(RawComm {
-                comm,
-                nccl: self.nccl,
-                aborted: false.into(),
-                ctx: self.ctx.clone(),
-                timeout: self.timeout,
-            }),
+            Ok(Ok(Raw(comm))) => {
+                COMMUNICATORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(RawComm {
+                    comm,
+                    nccl: self.nccl,
+                    aborted: false.into(),
+                    ctx: self.ctx.clone(),
+                    timeout: self.timeout,
+                })
+            }
             Ok(Err(reason)) => Err(engine(reason)),
             Err(_) => Err(CommError::Stalled {
                 group: label.to_string(),
@@ -386,6 +403,10 @@ impl World for NcclWorld {
         self.inner.timeout
     }
 
+    /// A group of two or more is an NCCL communicator; a group of this rank alone is a
+    /// host one ([`LocalWorld`](super::LocalWorld)'s), as its calls move nothing. An NCCL
+    /// communicator of one would still cost a rendezvous, device buffers and a proxy
+    /// thread, and a rank has about fifteen such groups (every dimension of size 1).
     fn new_group(
         &self,
         name: &str,
@@ -394,11 +415,15 @@ impl World for NcclWorld {
     ) -> Result<Comm, CommError> {
         let group = ProcessGroup::of_process(
             name,
-            ranks,
+            ranks.clone(),
             global_rank,
             (self.inner.rank, self.inner.size),
             "NCCL",
         )?;
+        if group.size() == 1 {
+            let alone = super::LocalWorld::with_timeout(self.inner.size, self.inner.timeout);
+            return Ok(Arc::new(alone.communicator(name, ranks, global_rank)?));
+        }
         Ok(Arc::new(NcclCommunicator::new(group, self.inner.clone())?))
     }
 }
