@@ -46,9 +46,9 @@ pub use adam::{
 };
 pub use attention::{
     AttentionParams, ChunkedAttentionOps, FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FLASH_VAR,
-    FlashAttentionOps, FlashKernels, FlashLaunches, chunked_attention, flash_attention,
-    flash_attention_backward, flash_attention_with_lse, flash_kernels, flash_launches,
-    set_flash_kernels, thread_flash_launches,
+    FlashAttentionOps, FlashKernels, FlashKernelsGuard, FlashLaunches, chunked_attention,
+    flash_attention, flash_attention_backward, flash_attention_with_lse, flash_kernels,
+    flash_kernels_on_this_thread, flash_launches, set_flash_kernels, thread_flash_launches,
 };
 #[cfg(feature = "cuda")]
 pub use attention::{FlashSource, NvrtcReport, flash_cuda_sources, nvrtc_compile_sm90};

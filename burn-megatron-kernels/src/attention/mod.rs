@@ -43,8 +43,9 @@ mod flash;
 
 pub use flash::{
     FLASH_MAX_HEAD_DIM, FLASH_QUERY_BLOCK, FLASH_VAR, FlashAttentionOps, FlashKernels,
-    FlashLaunches, flash_attention, flash_attention_backward, flash_attention_with_lse,
-    flash_kernels, flash_launches, set_flash_kernels, thread_flash_launches,
+    FlashKernelsGuard, FlashLaunches, flash_attention, flash_attention_backward,
+    flash_attention_with_lse, flash_kernels, flash_kernels_on_this_thread, flash_launches,
+    set_flash_kernels, thread_flash_launches,
 };
 #[cfg(feature = "cuda")]
 pub use flash::{FlashSource, NvrtcReport, flash_cuda_sources, nvrtc_compile_sm90};

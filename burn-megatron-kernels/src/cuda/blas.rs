@@ -330,7 +330,16 @@ thread_local! {
 fn with_blas<R>(device: u16, f: impl FnOnce(&mut Blas) -> Result<R, String>) -> Result<R, String> {
     BLAS.with(|all| {
         let mut all = all.borrow_mut();
-        match all.entry(device).or_insert_with(|| Blas::new(device)) {
+        let made = all.entry(device).or_insert_with(|| {
+            // Said once: every later GEMM of this thread goes to cubek without a word.
+            Blas::new(device).inspect_err(|why| {
+                eprintln!(
+                    "burn-megatron: warning: cuBLASLt on CUDA device {device}: {why}; this \
+                     thread's GEMMs run on cubek"
+                )
+            })
+        });
+        match made {
             Ok(blas) => f(blas),
             Err(why) => Err(why.clone()),
         }
@@ -453,7 +462,8 @@ fn matmul(
         return Err("cuBLASLt's heuristic had no kernel for this problem (asked once)".into());
     }
     let device = a.device.to_id().index_id;
-    on_our_stream(&a, |stream, order| {
+    let queued = std::cell::Cell::new(false);
+    let ran = on_our_stream(&a, |stream, order| {
         with_blas(device, |blas| {
             let key = Key {
                 sms: carve_out(blas.sms, order),
@@ -463,8 +473,13 @@ fn matmul(
                 blas.plans.clear();
             }
             if !blas.plans.contains_key(&key) {
-                let plan =
-                    Plan::new(blas.handle, &key, blas.workspace_bytes).inspect_err(|_| {
+                let plan = Plan::new(blas.handle, &key, blas.workspace_bytes)
+                    // No kernel for the carve-out: every SM then (host order's plan).
+                    .or_else(|why| match key.sms {
+                        0 => Err(why),
+                        _ => Plan::new(blas.handle, &Key { sms: 0, ..key }, blas.workspace_bytes),
+                    })
+                    .inspect_err(|_| {
                         NO_PLAN.with(|failed| {
                             let mut failed = failed.borrow_mut();
                             if failed.len() >= MAX_PLANS {
@@ -501,10 +516,20 @@ fn matmul(
                     stream.cu_stream() as _,
                 )
                 .map_err(blas_error("matmul"))
+                .map(|()| queued.set(true))
             }
         })
-    })?;
+    });
     drop((ra, rb, rc, rd));
+    match ran {
+        Ok(()) => {}
+        // The product is in the accumulator already, and complete (`on_our_stream` drained
+        // our stream on that failure): Burn's matmul would add it a second time.
+        Err(why) if queued.get() && in_place.is_some() => {
+            eprintln!("burn-megatron: warning: ordering cuBLASLt's stream after a GEMM: {why}");
+        }
+        Err(why) => return Err(why),
+    }
     if in_place.is_some() {
         IN_PLACE.fetch_add(1, Ordering::Relaxed);
     }

@@ -334,10 +334,9 @@ impl Link {
             }
             StreamOrder::Device => {
                 self.awaited = self.awaited.wrapping_add(1).max(1);
-                self.bind()?;
                 DEVICE_ORDERS.fetch_add(1, Ordering::Relaxed);
                 // SAFETY: a live, pinned 4-byte counter written from our own stream only.
-                let written = unsafe {
+                let written = self.bind().and_then(|()| unsafe {
                     sys::cuStreamWriteValue32_v2(
                         self.stream.cu_stream(),
                         self.addresses[1],
@@ -346,10 +345,11 @@ impl Link {
                     )
                     .result()
                     .map_err(driver("cuStreamWriteValue32"))
-                };
+                });
                 if let Err(why) = written {
                     // Nothing will make CubeCL's stream wait: the work queued on ours must
-                    // be over before the caller lets CubeCL reuse its memory.
+                    // be over before the caller lets CubeCL reuse its memory (callers rely
+                    // on it: an error here means our work ran, and is complete).
                     HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
                     self.stream.synchronize().map_err(driver("stream sync"))?;
                     return Err(why);
@@ -370,7 +370,15 @@ fn with_link<R>(
     let key = like.device.to_id().index_id;
     LINKS.with(|links| {
         let mut links = links.borrow_mut();
-        let link = links.entry(key).or_insert_with(|| Link::new(like));
+        let link = links.entry(key).or_insert_with(|| {
+            // Said once: every later GEMM of this thread falls back without a word.
+            Link::new(like).inspect_err(|why| {
+                eprintln!(
+                    "burn-megatron: warning: no stream of our own on CUDA device {key}: {why}; \
+                     this thread's GEMMs run on cubek"
+                )
+            })
+        });
         match link {
             Ok(link) => f(link),
             Err(why) => Err(format!("no link to CUDA device {key}: {why}")),
@@ -452,7 +460,8 @@ pub fn on_our_stream<R>(
         // order binds none).
         link.bind()?;
         let out = work(&stream, order);
-        // Ordered even when `work` failed part-way: whatever it queued is waited for.
+        // Ordered even when `work` failed part-way: whatever it queued is waited for. An
+        // error here comes after our stream was drained, so what `work` wrote is complete.
         link.after(order)?;
         out
     })

@@ -69,23 +69,70 @@ pub enum FlashKernels {
 /// 0: as [`FLASH_VAR`] says; else 1 + the [`FlashKernels`] index.
 static CHOICE: AtomicU8 = AtomicU8::new(0);
 
-/// Overrides [`FLASH_VAR`] for the rest of the process (`None`: back to it), so that a test or
-/// benchmark compares the kernels in one process.
-pub fn set_flash_kernels(choice: Option<FlashKernels>) {
-    let v = match choice {
+thread_local! {
+    /// This thread's override of [`CHOICE`] (0: none), see [`flash_kernels_on_this_thread`].
+    static THREAD_CHOICE: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+}
+
+fn code(choice: Option<FlashKernels>) -> u8 {
+    match choice {
         None => 0,
         Some(FlashKernels::Auto) => 1,
         Some(FlashKernels::Scalar) => 2,
         Some(FlashKernels::Emulated) => 3,
-    };
-    CHOICE.store(v, Ordering::Relaxed);
+    }
 }
 
-/// The kernels in use: [`set_flash_kernels`]'s choice, else [`FLASH_VAR`]'s (read once; an
-/// unknown value is `Auto`, said once on stderr).
+/// Overrides [`FLASH_VAR`] for the rest of the process (`None`: back to it), so that a
+/// benchmark compares the kernels in one process (ranks as threads included).
+pub fn set_flash_kernels(choice: Option<FlashKernels>) {
+    CHOICE.store(code(choice), Ordering::Relaxed);
+}
+
+/// Overrides the kernels for the attention this thread runs, forward and backward, until the
+/// guard drops; other threads keep theirs. A test checks one path this way without
+/// changing what the tests beside it run.
+///
+/// ```
+/// use burn_megatron_kernels::{FlashKernels, flash_kernels, flash_kernels_on_this_thread};
+/// {
+///     let _scalar = flash_kernels_on_this_thread(FlashKernels::Scalar);
+///     assert_eq!(flash_kernels(), FlashKernels::Scalar);
+/// }
+/// ```
+pub fn flash_kernels_on_this_thread(choice: FlashKernels) -> FlashKernelsGuard {
+    let previous = THREAD_CHOICE.with(|c| c.replace(code(Some(choice))));
+    FlashKernelsGuard {
+        previous,
+        _not_send: std::marker::PhantomData,
+    }
+}
+
+/// Restores the thread's earlier choice when dropped (see [`flash_kernels_on_this_thread`]).
+#[derive(Debug)]
+#[must_use = "the override ends when the guard drops"]
+pub struct FlashKernelsGuard {
+    previous: u8,
+    /// The override is the creating thread's: the guard must drop there.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for FlashKernelsGuard {
+    fn drop(&mut self) {
+        THREAD_CHOICE.with(|c| c.set(self.previous));
+    }
+}
+
+/// The kernels in use: this thread's override ([`flash_kernels_on_this_thread`]), else
+/// [`set_flash_kernels`]'s choice, else [`FLASH_VAR`]'s (read once; an unknown value is
+/// `Auto`, said once on stderr).
 pub fn flash_kernels() -> FlashKernels {
     static FROM_ENV: OnceLock<FlashKernels> = OnceLock::new();
-    match CHOICE.load(Ordering::Relaxed) {
+    let choice = match THREAD_CHOICE.with(std::cell::Cell::get) {
+        0 => CHOICE.load(Ordering::Relaxed),
+        mine => mine,
+    };
+    match choice {
         1 => FlashKernels::Auto,
         2 => FlashKernels::Scalar,
         3 => FlashKernels::Emulated,

@@ -185,11 +185,17 @@ impl NcclCommunicator {
 
     /// Runs `call`, which queues NCCL work, under the process's watchdog: NCCL may connect
     /// transports inside it and wait for a peer with no deadline (see
-    /// [`super::watchdog`]); past the timeout the process ends.
+    /// [`super::watchdog`]); past the communicator's timeout the process ends.
     pub(super) fn queue<R>(&self, op: &'static str, call: impl FnOnce() -> R) -> R {
+        self.queue_within(op, self.world.timeout, call)
+    }
+
+    /// [`Self::queue`] bounded by `timeout` (a checkpoint barrier's, say: a first use that
+    /// connects waits there for the slowest member).
+    fn queue_within<R>(&self, op: &'static str, timeout: Duration, call: impl FnOnce() -> R) -> R {
         super::watchdog::watchdog().bounded(
             || format!("NCCL {op} on group {}", self.label),
-            self.world.timeout,
+            timeout,
             call,
         )
     }
@@ -334,7 +340,7 @@ impl NcclCommunicator {
         {
             let (s, _s) = send.device_ptr(stream);
             let (r, _r) = recv.device_ptr_mut(stream);
-            self.queue(op, || enqueue(s, r, comm, stream.cu_stream() as _))
+            self.queue_within(op, timeout, || enqueue(s, r, comm, stream.cu_stream() as _))
                 .map_err(|e| self.engine(op, e))?;
         }
         self.wait_within(&self.link, op, seq, timeout)?;

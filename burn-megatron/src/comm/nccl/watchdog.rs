@@ -79,13 +79,14 @@ impl Watchdog {
                 let spawned = std::thread::Builder::new()
                     .name("nccl-watchdog".into())
                     .spawn(move || dog.watch());
-                match spawned {
-                    Ok(_) => state.watching = true,
-                    Err(e) => eprintln!(
+                if let Err(e) = spawned {
+                    eprintln!(
                         "burn-megatron: warning: the NCCL watchdog thread did not start ({e}); \
                          NCCL calls that wait on the host are not bounded"
-                    ),
+                    );
                 }
+                // Tried once: a thread that did not start is said once, not at every call.
+                state.watching = true;
             }
             let ticket = state.next_ticket;
             state.next_ticket += 1;
