@@ -102,6 +102,7 @@ pub mod moe;
 pub mod optimizer;
 mod param_grads;
 pub mod pipeline;
+mod pytorch_io;
 pub mod recompute;
 mod safetensors_io;
 mod shards;

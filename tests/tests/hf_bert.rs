@@ -16,14 +16,25 @@ fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny")
 }
 
+/// The same checkpoint as `pytorch_model.bin` (torch's container; see
+/// `tests/fixtures/make_pytorch_checkpoints.py`).
+fn fixture_bin() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny_bin")
+}
+
 /// (prediction logits [b, s, 100], seq-relationship logits [b, 2]) at tensor-parallel `tp`.
 fn logits_at(tp: usize) -> Vec<(Vec<f64>, Vec<f64>)> {
+    logits_of(&fixture(), tp)
+}
+
+/// [`logits_at`] of the checkpoint in `dir`.
+fn logits_of(dir: &Path, tp: usize) -> Vec<(Vec<f64>, Vec<f64>)> {
     let expected = read(&fixture().join("expected.safetensors"));
     threads(
         &ParallelConfig::new(tp, tp, 1),
         LaunchOptions::default(),
         |ctx| {
-            let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
+            let (model, hf) = load_hf_bert(dir, &ctx.groups.tp, &ctx.device)?;
             let ints = |name: &str| {
                 let (shape, v) = &expected[name];
                 let v: Vec<i64> = v.iter().map(|x| *x as i64).collect();
@@ -74,6 +85,8 @@ fn transformers_logits_are_reproduced_at_tp1_and_tp2() {
             assert!(max_diff(lm, &one.0) < 1e-5, "tp {tp} rank {rank} vs tp 1");
         }
     }
+    // The checkpoint as `pytorch_model.bin` gives the same values, bit for bit.
+    assert_eq!(logits_of(&fixture_bin(), 2), logits_at(2));
 }
 
 #[test]

@@ -1,9 +1,13 @@
-//! What the Hugging Face interop of every model shares: its error, and host-side matrices
-//! (the row-major f32 form HF tensors are reshaped, permuted and sharded in).
+//! What the Hugging Face interop of every model shares: its error, the checkpoint files of a
+//! directory, and host-side matrices (the row-major f32 form HF tensors are reshaped,
+//! permuted and sharded in).
 
 use crate::comm::CommError;
+use crate::safetensors_io;
 use burn::module::Param;
 use burn::tensor::{Tensor, TensorCreationOptions, TensorData};
+use std::collections::HashMap;
+use std::path::Path;
 
 /// Why a Hugging Face checkpoint could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +29,99 @@ pub enum HfError {
     /// Gathering the shards failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+}
+
+fn io(path: &Path, message: impl ToString) -> HfError {
+    HfError::Io {
+        path: path.display().to_string(),
+        message: message.to_string(),
+    }
+}
+
+/// Every tensor of a Hugging Face directory, from the first of these it holds:
+/// `model.safetensors.index.json` (the safetensors files its `weight_map` names: real
+/// checkpoints are sharded), `model.safetensors`, `pytorch_model.bin.index.json` (PyTorch
+/// shards), `pytorch_model.bin` (what `save_pretrained` wrote before safetensors, and what
+/// many checkpoints still ship alone).
+///
+/// ```no_run
+/// let tensors = burn_megatron::models::read_hf_tensors("bert-base-uncased".as_ref())?;
+/// println!("{} tensors", tensors.len());
+/// # Ok::<(), burn_megatron::models::HfError>(())
+/// ```
+pub fn read_hf_tensors(dir: &Path) -> Result<HashMap<String, TensorData>, HfError> {
+    let safetensors = (
+        dir.join("model.safetensors.index.json"),
+        "model.safetensors",
+    );
+    let pytorch = (
+        dir.join("pytorch_model.bin.index.json"),
+        "pytorch_model.bin",
+    );
+    let (files, torch) = if safetensors.0.is_file() {
+        (shards(&safetensors.0)?, false)
+    } else if dir.join(safetensors.1).is_file() {
+        (vec![safetensors.1.to_string()], false)
+    } else if pytorch.0.is_file() {
+        (shards(&pytorch.0)?, true)
+    } else if dir.join(pytorch.1).is_file() {
+        (vec![pytorch.1.to_string()], true)
+    } else {
+        return Err(io(
+            dir,
+            "no model.safetensors, pytorch_model.bin or index of either",
+        ));
+    };
+    let mut out = HashMap::new();
+    for file in files {
+        let path = dir.join(&file);
+        if torch {
+            out.extend(read_pytorch(&path)?);
+        } else {
+            let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+            let (tensors, _) = safetensors_io::read(&bytes).map_err(|e| io(&path, e))?;
+            out.extend(tensors);
+        }
+    }
+    Ok(out)
+}
+
+/// The files an index's `weight_map` names, each once.
+fn shards(index: &Path) -> Result<Vec<String>, HfError> {
+    let text = std::fs::read_to_string(index).map_err(|e| io(index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(index, e))?;
+    let map = v["weight_map"]
+        .as_object()
+        .ok_or_else(|| io(index, "no weight_map object"))?;
+    let mut files: Vec<String> = map
+        .values()
+        .map(|f| {
+            f.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| io(index, "a weight_map entry is not a file name"))
+        })
+        .collect::<Result<_, _>>()?;
+    files.sort();
+    files.dedup();
+    if let Some(bad) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
+        return Err(io(index, format!("{bad:?} is not a file of the directory")));
+    }
+    Ok(files)
+}
+
+/// The tensors of a PyTorch state dict (any container `torch.save` writes).
+fn read_pytorch(path: &Path) -> Result<Vec<(String, TensorData)>, HfError> {
+    let reader = pytorch_reader::PytorchReader::new(path).map_err(|e| io(path, e))?;
+    reader
+        .into_tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let dtype = crate::pytorch_io::burn_dtype(t.dtype());
+            let shape = t.shape().to_vec();
+            let bytes = t.read().map_err(|e| io(path, e))?;
+            Ok((name, TensorData::from_bytes_vec(bytes, shape, dtype)))
+        })
+        .collect()
 }
 
 /// A row-major host matrix (a 1-d tensor is one column).

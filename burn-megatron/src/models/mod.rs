@@ -27,8 +27,9 @@ pub use gpt::{
 };
 pub use gpt_hf::{
     HfArchitecture, HfExperts, HfGptConfig, hf_gpt_state_dict, load_hf_gpt, load_hf_gpt_weights,
-    read_hf_tensors, save_hf_gpt,
+    save_hf_gpt,
 };
+pub use hf_host::read_hf_tensors;
 pub use mlp::{ParallelMlp, ParallelMlpConfig};
 pub use norm::{FusedLayerNorm, Norm, NormKind};
 pub use rotary::{RopeScaling, RotaryEmbedding, RotaryEmbeddingConfig, RotaryTables};

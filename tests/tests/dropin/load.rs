@@ -172,6 +172,73 @@ fn params_ids<M: Module>(module: &M) -> Vec<burn::module::ParamId> {
     ids.0
 }
 
+/// PyTorch checkpoints written by torch (`tests/fixtures/pytorch_encoder`, see
+/// `make_pytorch_checkpoints.py`): the ZIP and the legacy containers, a state dict at the top
+/// level and one under `state_dict`, a bf16 tensor and a strided view among them. Each loads
+/// into every rank's shards exactly as the same tensors in safetensors do (another reader,
+/// the mapped path), at TP 1 and 2; a key that is not there is an error naming the file.
+#[test]
+fn pytorch_checkpoints_load_into_each_ranks_shards_as_their_safetensors() -> Result<(), Error> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/pytorch_encoder");
+    let config = config(true, 0.0);
+    let options = LoadOptions::default()
+        .with_key_remap(r"^encoder\.layer\.", "layers.")?
+        .with_transposed(r"\.weight$")?;
+    let pytorch = |file: &str, key: Option<&str>| RecordSource::Pytorch {
+        path: dir.join(file),
+        top_level_key: key.map(str::to_string),
+    };
+    let sources = [
+        RecordSource::from_path(dir.join("encoder.pt")),
+        pytorch("checkpoint.pt", Some("state_dict")),
+        RecordSource::from_path(dir.join("encoder_legacy.pt")),
+    ];
+    assert_eq!(sources[0], pytorch("encoder.pt", None));
+    let reference = RecordSource::from_path(dir.join("encoder.safetensors"));
+    let rng = RngTracker::new(5, 0);
+    let d = Device::flex();
+    let fresh = |g: &burn_megatron::comm::Comm, d: &Device| {
+        ParallelTransformerEncoder::new(&config, g, 99, &rng, d)
+    };
+    let (want, _) = load_sharded(fresh(&solo(), &d)?, &reference, &solo(), &options)?;
+    let want = gathered(&want, None, &solo());
+    for tp in [1, 2] {
+        let out = threads(
+            &ParallelConfig::new(tp, tp, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let mut got = Vec::new();
+                for source in &sources {
+                    let (encoder, report) = load_sharded(fresh(g, d)?, source, g, &options)?;
+                    assert!(report.missing.is_empty() && report.unused.is_empty());
+                    // Every tensor of a PyTorch checkpoint is read whole: the largest is
+                    // the feed-forward's 16 x 32 in f32.
+                    let largest = (D_MODEL * super::D_FF * 4) as u64;
+                    assert_eq!(report.largest_whole_tensor_bytes, largest, "{source:?}");
+                    got.push(gathered(&encoder, None, g));
+                }
+                Ok::<_, Error>(got)
+            },
+        )?;
+        for (rank, got) in out.iter().enumerate() {
+            for (weights, source) in got.iter().zip(&sources) {
+                assert_eq!(weights, &want, "TP {tp}, rank {rank}: {source:?}");
+            }
+        }
+    }
+    let e = load_sharded(
+        fresh(&solo(), &d)?,
+        &pytorch("checkpoint.pt", Some("model")),
+        &solo(),
+        &options,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("checkpoint.pt"), "{e}");
+    Ok(())
+}
+
 #[test]
 fn a_record_that_does_not_fit_is_an_error_naming_the_path() -> Result<(), Error> {
     let dir = scratch("errors");

@@ -159,6 +159,33 @@ pub(super) fn check_against(
     println!("{what}: logits within {d:.1e}, worst relative gradient error {worst:.2e}");
 }
 
+/// A checkpoint in PyTorch's shards (`pytorch_model-0000k-of-00004.bin` and their index, as
+/// `save_pretrained(safe_serialization=False)` writes them; the fixture's tensors re-saved
+/// by torch, see `tests/fixtures/make_pytorch_checkpoints.py`) reads as its safetensors
+/// shards do, tensor for tensor and bit for bit; a directory with neither is an error
+/// naming it.
+#[test]
+fn pytorch_bin_shards_read_as_their_safetensors() {
+    use burn_megatron::models::read_hf_tensors;
+    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_llama_tiny_bin");
+    let (want, got) = (
+        read_hf_tensors(&fixture("hf_llama_tiny")).unwrap(),
+        read_hf_tensors(&bin).unwrap(),
+    );
+    assert_eq!(got.len(), want.len());
+    for (name, t) in &want {
+        assert_eq!(got.get(name), Some(t), "{name}");
+    }
+    let empty = std::env::temp_dir().join(format!("bm-hf-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = read_hf_tensors(&empty).unwrap_err().to_string();
+    assert!(
+        e.contains("bm-hf-empty") && e.contains("pytorch_model.bin"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(empty).unwrap();
+}
+
 #[test]
 fn transformers_logits_loss_and_gradients_are_reproduced_at_tp1_and_tp2() {
     for name in FIXTURES {

@@ -10,7 +10,7 @@
 mod entries;
 mod host;
 
-use super::hf_host::{Host, host_of, permute_rows, qkv_permutation, set_param};
+use super::hf_host::{Host, host_of, permute_rows, qkv_permutation, read_hf_tensors, set_param};
 use super::{Bert, BertConfig, ParallelAttentionConfig, ParallelMlpConfig, TransformerLayerConfig};
 use crate::comm::{Comm, tensor::all_gather};
 use crate::safetensors_io;
@@ -125,7 +125,15 @@ const PADDED_VOCAB_BIAS: f32 = -1e4;
 /// softmax, loss and gradients are the checkpoint's.
 pub fn load_hf_weights(model: &mut Bert, safetensors: &[u8], tp: &Comm) -> Result<(), HfError> {
     let (tensors, _) = safetensors_io::read(safetensors).map_err(HfError::Checkpoint)?;
-    let tensors: HashMap<String, TensorData> = tensors.into_iter().collect();
+    load_hf_tensors(model, &tensors.into_iter().collect(), tp)
+}
+
+/// [`load_hf_weights`] from tensors already read (see [`read_hf_tensors`]).
+fn load_hf_tensors(
+    model: &mut Bert,
+    tensors: &HashMap<String, TensorData>,
+    tp: &Comm,
+) -> Result<(), HfError> {
     let get = |name: &str| -> Result<Host, HfError> {
         // Checkpoints from older transformers name LayerNorm parameters gamma / beta.
         let legacy = name
@@ -222,8 +230,9 @@ pub fn load_hf_weights(model: &mut Bert, safetensors: &[u8], tp: &Comm) -> Resul
     Ok(())
 }
 
-/// Reads `dir/config.json` and `dir/model.safetensors` and builds this rank's part of the
-/// model (dropouts off; the config returned has the real vocabulary size).
+/// Reads `dir/config.json` and the weights (`model.safetensors`, or `pytorch_model.bin`: see
+/// [`read_hf_tensors`]) and builds this rank's part of the model (dropouts off; the config
+/// returned has the real vocabulary size).
 pub fn load_hf_bert(
     dir: &Path,
     tp: &Comm,
@@ -231,15 +240,11 @@ pub fn load_hf_bert(
 ) -> Result<(Bert, HfBertConfig), HfError> {
     let hf = HfBertConfig::from_file(&dir.join("config.json"))?;
     let config = hf.to_bert_config(tp.group().size())?;
-    let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path).map_err(|e| HfError::Io {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    })?;
+    let tensors = read_hf_tensors(dir)?;
     let mut model = config
         .init(tp, device)
         .map_err(|e| HfError::Unsupported(e.to_string()))?;
-    load_hf_weights(&mut model, &bytes, tp)?;
+    load_hf_tensors(&mut model, &tensors, tp)?;
     Ok((model, hf))
 }
 

@@ -17,7 +17,7 @@ pub use config::{HfArchitecture, HfGptConfig};
 pub use experts::HfExperts;
 
 use super::Gpt;
-use super::hf_host::{HfError, Host, host_of};
+use super::hf_host::{HfError, Host, host_of, read_hf_tensors};
 use crate::comm::{Comm, tensor::all_gather};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
 use crate::moe::global_expert_name;
@@ -33,46 +33,6 @@ fn io(path: &Path, message: impl ToString) -> HfError {
         path: path.display().to_string(),
         message: message.to_string(),
     }
-}
-
-/// Every tensor of a Hugging Face directory: `model.safetensors`, or the files that
-/// `model.safetensors.index.json` maps the tensors to (real checkpoints are sharded).
-pub fn read_hf_tensors(dir: &Path) -> Result<HashMap<String, TensorData>, HfError> {
-    let index = dir.join("model.safetensors.index.json");
-    let files: Vec<String> = if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| io(&index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(&index, e))?;
-        let map = v["weight_map"]
-            .as_object()
-            .ok_or_else(|| io(&index, "no weight_map object"))?;
-        let mut files: Vec<String> = map
-            .values()
-            .map(|f| {
-                f.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| io(&index, "a weight_map entry is not a file name"))
-            })
-            .collect::<Result<_, _>>()?;
-        files.sort();
-        files.dedup();
-        if let Some(bad) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
-            return Err(io(
-                &index,
-                format!("{bad:?} is not a file of the directory"),
-            ));
-        }
-        files
-    } else {
-        vec!["model.safetensors".to_string()]
-    };
-    let mut out = HashMap::new();
-    for file in files {
-        let path = dir.join(&file);
-        let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
-        let (tensors, _) = safetensors_io::read(&bytes).map_err(|e| io(&path, e))?;
-        out.extend(tensors);
-    }
-    Ok(out)
 }
 
 /// Loads a Hugging Face causal LM: `dir/config.json` and its safetensors, into this rank's

@@ -7,11 +7,12 @@
 //! [`ParallelAttrs`](crate::tensor_parallel::ParallelAttrs)) and replaces the parameter with
 //! it, one at a time, so a rank holds its shards plus at most one whole tensor.
 //!
-//! Both formats are read through a memory map: a shard is copied out of the file's pages,
-//! which are the kernel's page cache, not the rank's memory. A shard that is a run of whole
-//! rows (row-parallel weights, vocabulary rows, biases, duplicated tensors) touches only its
-//! own pages; a column shard touches its whole tensor's. The file must not change while it
-//! loads.
+//! Burnpack and safetensors files are read through a memory map: a shard is copied out of
+//! the file's pages, which are the kernel's page cache, not the rank's memory. A shard that
+//! is a run of whole rows (row-parallel weights, vocabulary rows, biases, duplicated tensors)
+//! touches only its own pages; a column shard touches its whole tensor's. A PyTorch
+//! checkpoint is read a tensor at a time (pytorch-reader reads a tensor whole), each cut and
+//! dropped before the next. The file must not change while it loads.
 
 use super::super::{TpError, parallel_attrs};
 use crate::comm::Comm;
@@ -21,6 +22,7 @@ use crate::shards::{Piece, assemble};
 use burn::module::{Module, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use regex::Regex;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -32,21 +34,42 @@ pub enum RecordSource {
     Burnpack(PathBuf),
     /// A safetensors file: burn-store's `SafetensorsStore`, or Hugging Face's.
     Safetensors(PathBuf),
+    /// A PyTorch checkpoint (`torch.save` of a state dict: `.pt`, `.pth`, Hugging Face's
+    /// `pytorch_model.bin`), in any container `torch.save` has written; with
+    /// `top_level_key`, the state dict is the value under that key (`"state_dict"`,
+    /// `"model"`) of a checkpoint that holds more.
+    Pytorch {
+        /// The file.
+        path: PathBuf,
+        /// The key whose value is the state dict, if it is not the file's top level.
+        top_level_key: Option<String>,
+    },
 }
 
 impl RecordSource {
-    /// The source for `path`, by its extension (`.safetensors`, else burnpack).
+    /// The source for `path`, by its extension: `.safetensors`; `.pt`, `.pth` or `.bin` a
+    /// PyTorch state dict at the top level; anything else burnpack.
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::dropin::RecordSource;
+    /// let source = RecordSource::from_path("checkpoint/pytorch_model.bin");
+    /// assert!(matches!(source, RecordSource::Pytorch { top_level_key: None, .. }));
+    /// ```
     pub fn from_path(path: impl AsRef<Path>) -> Self {
         let path = path.as_ref().to_path_buf();
         match path.extension().and_then(|e| e.to_str()) {
             Some("safetensors") => Self::Safetensors(path),
+            Some("pt" | "pth" | "bin") => Self::Pytorch {
+                path,
+                top_level_key: None,
+            },
             _ => Self::Burnpack(path),
         }
     }
 
     fn path(&self) -> &Path {
         match self {
-            Self::Burnpack(p) | Self::Safetensors(p) => p,
+            Self::Burnpack(p) | Self::Safetensors(p) | Self::Pytorch { path: p, .. } => p,
         }
     }
 }
@@ -115,8 +138,8 @@ pub struct LoadReport {
     pub unused: Vec<String>,
     /// Bytes of this rank's shards, as read from the file.
     pub shard_bytes: u64,
-    /// The largest tensor whose every page was read to cut a column shard out of it (0 when
-    /// every shard was a run of rows).
+    /// The largest tensor read whole: to cut a column shard out of it, or any tensor of a
+    /// PyTorch checkpoint (0 when every shard was a run of rows of a mapped file).
     pub largest_whole_tensor_bytes: u64,
 }
 
@@ -129,7 +152,7 @@ pub struct LoadReport {
 /// shape other than the parameter's global one, an unreadable file or dtype.
 ///
 /// The model's parameters may be lazy (not yet initialised): they are never initialised.
-/// The file is memory-mapped; it must not change while it loads.
+/// The file must not change while it loads.
 pub fn load_sharded<M: Module>(
     model: M,
     source: &RecordSource,
@@ -138,16 +161,18 @@ pub fn load_sharded<M: Module>(
 ) -> Result<(M, LoadReport), TpError> {
     let file = |e: String| TpError::Invalid(format!("{}: {e}", source.path().display()));
     let (tp_rank, tp_size) = (tp.group().rank(), tp.group().size());
-    let handle = std::fs::File::open(source.path()).map_err(|e| file(e.to_string()))?;
-    // SAFETY: the file must not change while it is mapped (as for every reader of a mapped
-    // checkpoint, safetensors' and burn-store's among them); the map lives while this
-    // function runs, and what is loaded is copied out of it.
-    let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| file(e.to_string()))?;
+    let mapped = |path: &Path| {
+        let handle = std::fs::File::open(path).map_err(|e| file(e.to_string()))?;
+        // SAFETY: the file must not change while it is mapped (as for every reader of a
+        // mapped checkpoint, safetensors' and burn-store's among them); the map lives while
+        // this function runs, and what is loaded is copied out of it.
+        unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| file(e.to_string()))
+    };
     match source {
-        RecordSource::Burnpack(_) => {
+        RecordSource::Burnpack(path) => {
             // The pack over the map, not Burn's file reader: that one reads a tensor into a
             // buffer and copies it into an aligned one, twice its size for a moment.
-            let shared = bytes::Bytes::from_owner(map);
+            let shared = bytes::Bytes::from_owner(mapped(path)?);
             let pack = burn::tensor::Bytes::from_shared(shared, AllocationProperty::File);
             let reader = burn_pack::Reader::from_bytes(pack).map_err(|e| file(format!("{e}")))?;
             let tensors = reader.into_tensors().map_err(|e| file(format!("{e}")))?;
@@ -169,7 +194,8 @@ pub fn load_sharded<M: Module>(
                 .collect::<Result<Vec<_>, TpError>>()?;
             load(model, stored, (tp_rank, tp_size), options)
         }
-        RecordSource::Safetensors(_) => {
+        RecordSource::Safetensors(path) => {
+            let map = mapped(path)?;
             let st =
                 safetensors::SafeTensors::deserialize(&map).map_err(|e| file(e.to_string()))?;
             let stored = st
@@ -183,14 +209,44 @@ pub fn load_sharded<M: Module>(
                 .collect::<Result<Vec<_>, TpError>>()?;
             load(model, stored, (tp_rank, tp_size), options)
         }
+        RecordSource::Pytorch {
+            path,
+            top_level_key,
+        } => {
+            let reader = match top_level_key {
+                Some(key) => pytorch_reader::PytorchReader::with_top_level_key(path, key),
+                None => pytorch_reader::PytorchReader::new(path),
+            }
+            .map_err(|e| file(e.to_string()))?;
+            let stored = reader
+                .into_tensors()
+                .into_iter()
+                .map(|(name, tensor)| {
+                    let dtype = crate::pytorch_io::burn_dtype(tensor.dtype());
+                    let dims = tensor.shape().to_vec();
+                    (
+                        name,
+                        Stored {
+                            dtype,
+                            dims,
+                            bytes: Bytes::Read(tensor),
+                        },
+                    )
+                })
+                .collect();
+            load(model, stored, (tp_rank, tp_size), options)
+        }
     }
 }
 
-/// A tensor's bytes in the mapped file.
+/// Where a tensor's bytes are.
 enum Bytes<'a> {
     /// A window of the pack over the map.
     Pack(burn::tensor::Bytes),
+    /// A window of the mapped file.
     Mapped(&'a [u8]),
+    /// In a PyTorch checkpoint, read when asked for (whole).
+    Read(pytorch_reader::Tensor),
 }
 
 struct Stored<'a> {
@@ -200,16 +256,18 @@ struct Stored<'a> {
 }
 
 impl Stored<'_> {
-    /// Bytes `[start, end)` of the tensor, copied out of the map.
-    fn range(&self, start: usize, end: usize) -> Vec<u8> {
-        self.whole()[start..end].to_vec()
+    /// The tensor's bytes: a view of the map, or read from the file now.
+    fn bytes(&self) -> Result<Cow<'_, [u8]>, String> {
+        Ok(match &self.bytes {
+            Bytes::Mapped(b) => Cow::Borrowed(b),
+            Bytes::Pack(b) => Cow::Borrowed(b),
+            Bytes::Read(t) => Cow::Owned(t.read().map_err(|e| e.to_string())?),
+        })
     }
 
-    fn whole(&self) -> &[u8] {
-        match &self.bytes {
-            Bytes::Mapped(b) => b,
-            Bytes::Pack(b) => b,
-        }
+    /// Whether reading any part reads the whole tensor.
+    fn read_whole(&self) -> bool {
+        matches!(self.bytes, Bytes::Read(_))
     }
 }
 
@@ -346,26 +404,28 @@ impl Loader<'_, '_> {
         let elem = stored.dtype.size();
         let row: usize = want.iter().skip(1).product::<usize>() * elem;
         let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d]);
+        let whole = stored.bytes()?;
+        if stored.read_whole() || !(rows_only || want.is_empty()) {
+            let largest = &mut self.report.largest_whole_tensor_bytes;
+            *largest = (*largest).max(whole.len() as u64);
+        }
         if rows_only || want.is_empty() {
             let (start, end) = match want.is_empty() {
                 true => (0, elem),
                 false => (at[0] * row, (at[0] + size[0]) * row),
             };
-            let bytes = stored.range(start, end);
+            let bytes = whole[start..end].to_vec();
             let bytes = match transposed {
                 true => transpose(&bytes, size[0], size[1], elem),
                 false => bytes,
             };
             return Ok(TensorData::from_bytes_vec(bytes, local, stored.dtype));
         }
-        let whole = stored.whole();
-        let largest = &mut self.report.largest_whole_tensor_bytes;
-        *largest = (*largest).max(whole.len() as u64);
         let zeros = vec![0; want.len()];
         let piece = Piece {
             offset: &zeros,
             shape: &want,
-            bytes: whole,
+            bytes: &whole,
         };
         let bytes = assemble(&at, &size, &[piece], elem)?;
         let bytes = match transposed {
