@@ -48,8 +48,8 @@
 //! Crate-private helpers, at the bottom: `activation` (activation functions by name),
 //! `grad_hooks` (where a parameter's gradient is handed to the overlapped reduction),
 //! `module_path` (parameters by their path in a module), `param_grads` (gradients by
-//! parameter id, any tensor rank), `safetensors_io` and `shards` (a box of a tensor cut out
-//! of, or put together from, pieces).
+//! parameter id, any tensor rank), `safetensors_io`, `pytorch_io` (PyTorch checkpoints'
+//! dtypes) and `shards` (a box of a tensor cut out of, or put together from, pieces).
 //!
 //! # Lower-level ways in
 //!

@@ -22,6 +22,7 @@ const LEVELS: &[&[&str]] = &[
         "topology",
         "module_path",
         "safetensors_io",
+        "pytorch_io",
         "shards",
         "grad_hooks",
         "activation",
