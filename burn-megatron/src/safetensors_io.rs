@@ -24,6 +24,29 @@ pub(crate) fn to_data(view: &TensorView<'_>) -> Result<TensorData, String> {
     Ok(data)
 }
 
+/// The files a Hugging Face index of a sharded checkpoint (`model.safetensors.index.json`,
+/// `pytorch_model.bin.index.json`) names in its `weight_map`, each once, in name order:
+/// file names of the index's directory (a path elsewhere is refused).
+pub(crate) fn index_files(index: &Path) -> Result<Vec<String>, String> {
+    let text = std::fs::read_to_string(index).map_err(|e| e.to_string())?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    let map = v["weight_map"].as_object().ok_or("no weight_map object")?;
+    let mut files: Vec<String> = map
+        .values()
+        .map(|f| {
+            f.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| "a weight_map entry is not a file name".to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    files.sort();
+    files.dedup();
+    if let Some(bad) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
+        return Err(format!("{bad:?} is not a file of the directory"));
+    }
+    Ok(files)
+}
+
 /// Burn's dtype for a safetensors dtype.
 pub(crate) fn burn_dtype(d: Dtype) -> Result<DType, String> {
     Ok(match d {

@@ -59,11 +59,11 @@ pub fn read_hf_tensors(dir: &Path) -> Result<HashMap<String, TensorData>, HfErro
         "pytorch_model.bin",
     );
     let (files, torch) = if safetensors.0.is_file() {
-        (shards(&safetensors.0)?, false)
+        (index_files(&safetensors.0)?, false)
     } else if dir.join(safetensors.1).is_file() {
         (vec![safetensors.1.to_string()], false)
     } else if pytorch.0.is_file() {
-        (shards(&pytorch.0)?, true)
+        (index_files(&pytorch.0)?, true)
     } else if dir.join(pytorch.1).is_file() {
         (vec![pytorch.1.to_string()], true)
     } else {
@@ -86,27 +86,9 @@ pub fn read_hf_tensors(dir: &Path) -> Result<HashMap<String, TensorData>, HfErro
     Ok(out)
 }
 
-/// The files an index's `weight_map` names, each once.
-fn shards(index: &Path) -> Result<Vec<String>, HfError> {
-    let text = std::fs::read_to_string(index).map_err(|e| io(index, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io(index, e))?;
-    let map = v["weight_map"]
-        .as_object()
-        .ok_or_else(|| io(index, "no weight_map object"))?;
-    let mut files: Vec<String> = map
-        .values()
-        .map(|f| {
-            f.as_str()
-                .map(str::to_string)
-                .ok_or_else(|| io(index, "a weight_map entry is not a file name"))
-        })
-        .collect::<Result<_, _>>()?;
-    files.sort();
-    files.dedup();
-    if let Some(bad) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
-        return Err(io(index, format!("{bad:?} is not a file of the directory")));
-    }
-    Ok(files)
+/// The files an index names (see [`safetensors_io::index_files`]).
+fn index_files(index: &Path) -> Result<Vec<String>, HfError> {
+    safetensors_io::index_files(index).map_err(|e| io(index, e))
 }
 
 /// The tensors of a PyTorch state dict (any container `torch.save` writes).

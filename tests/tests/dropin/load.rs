@@ -89,6 +89,23 @@ fn records(config: &TransformerEncoderConfig, dir: &Path) -> Vec<(RecordSource, 
         .collect();
     let st = dir.join("encoder.safetensors");
     write_safetensors(&st, &torch);
+    // The same, sharded over two files as Hugging Face shards a checkpoint, with its index.
+    let (a, b): (Vec<_>, Vec<_>) = torch
+        .iter()
+        .cloned()
+        .enumerate()
+        .partition(|(i, _)| i % 2 == 0);
+    let mut weight_map = serde_json::Map::new();
+    for (file, part) in [("shard-1.safetensors", a), ("shard-2.safetensors", b)] {
+        let part: Vec<_> = part.into_iter().map(|(_, t)| t).collect();
+        for (name, ..) in &part {
+            weight_map.insert(name.clone(), file.into());
+        }
+        write_safetensors(&dir.join(file), &part);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let json = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(&index, json.to_string()).unwrap();
     let torch_options = LoadOptions::default()
         .with_key_remap(r"^encoder\.layer\.", "layers.")
         .unwrap()
@@ -96,7 +113,8 @@ fn records(config: &TransformerEncoderConfig, dir: &Path) -> Vec<(RecordSource, 
         .unwrap();
     vec![
         (RecordSource::from_path(&bpk), LoadOptions::default()),
-        (RecordSource::from_path(&st), torch_options),
+        (RecordSource::from_path(&st), torch_options.clone()),
+        (RecordSource::from_path(&index), torch_options),
     ]
 }
 
@@ -188,10 +206,24 @@ fn pytorch_checkpoints_load_into_each_ranks_shards_as_their_safetensors() -> Res
         path: dir.join(file),
         top_level_key: key.map(str::to_string),
     };
+    // An index naming PyTorch files (as `pytorch_model.bin.index.json` does), beside a copy.
+    let sharded = scratch("pytorch-index");
+    std::fs::copy(dir.join("encoder.pt"), sharded.join("part.bin"))?;
+    let bytes = std::fs::read(dir.join("encoder.safetensors"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    let weight_map: serde_json::Map<_, _> = (st.names().into_iter())
+        .map(|k| (k.to_string(), "part.bin".into()))
+        .collect();
+    let index = sharded.join("pytorch_model.bin.index.json");
+    std::fs::write(
+        &index,
+        serde_json::json!({ "weight_map": weight_map }).to_string(),
+    )?;
     let sources = [
         RecordSource::from_path(dir.join("encoder.pt")),
         pytorch("checkpoint.pt", Some("state_dict")),
         RecordSource::from_path(dir.join("encoder_legacy.pt")),
+        RecordSource::from_path(&index),
     ];
     assert_eq!(sources[0], pytorch("encoder.pt", None));
     let reference = RecordSource::from_path(dir.join("encoder.safetensors"));
@@ -236,6 +268,7 @@ fn pytorch_checkpoints_load_into_each_ranks_shards_as_their_safetensors() -> Res
     .unwrap_err()
     .to_string();
     assert!(e.contains("checkpoint.pt"), "{e}");
+    std::fs::remove_dir_all(sharded)?;
     Ok(())
 }
 

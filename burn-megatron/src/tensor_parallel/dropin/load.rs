@@ -44,19 +44,31 @@ pub enum RecordSource {
         /// The key whose value is the state dict, if it is not the file's top level.
         top_level_key: Option<String>,
     },
+    /// A checkpoint sharded over several files, as Hugging Face saves one: its index
+    /// (`model.safetensors.index.json`, `pytorch_model.bin.index.json`), whose `weight_map`
+    /// names the files of its directory, each read by its extension (safetensors, or a
+    /// PyTorch state dict).
+    Index(PathBuf),
 }
 
 impl RecordSource {
-    /// The source for `path`, by its extension: `.safetensors`; `.pt`, `.pth` or `.bin` a
-    /// PyTorch state dict at the top level; anything else burnpack.
+    /// The source for `path`, by its name: `*.index.json` an index of shards;
+    /// `.safetensors`; `.pt`, `.pth` or `.bin` a PyTorch state dict at the top level;
+    /// anything else burnpack.
     ///
     /// ```
     /// use burn_megatron::tensor_parallel::dropin::RecordSource;
     /// let source = RecordSource::from_path("checkpoint/pytorch_model.bin");
     /// assert!(matches!(source, RecordSource::Pytorch { top_level_key: None, .. }));
+    /// let source = RecordSource::from_path("Llama-3.1-8B/model.safetensors.index.json");
+    /// assert!(matches!(source, RecordSource::Index(_)));
     /// ```
     pub fn from_path(path: impl AsRef<Path>) -> Self {
         let path = path.as_ref().to_path_buf();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.ends_with(".index.json") {
+            return Self::Index(path);
+        }
         match path.extension().and_then(|e| e.to_str()) {
             Some("safetensors") => Self::Safetensors(path),
             Some("pt" | "pth" | "bin") => Self::Pytorch {
@@ -69,7 +81,10 @@ impl RecordSource {
 
     fn path(&self) -> &Path {
         match self {
-            Self::Burnpack(p) | Self::Safetensors(p) | Self::Pytorch { path: p, .. } => p,
+            Self::Burnpack(p)
+            | Self::Safetensors(p)
+            | Self::Index(p)
+            | Self::Pytorch { path: p, .. } => p,
         }
     }
 }
@@ -162,17 +177,17 @@ pub fn load_sharded<M: Module>(
     let file = |e: String| TpError::Invalid(format!("{}: {e}", source.path().display()));
     let (tp_rank, tp_size) = (tp.group().rank(), tp.group().size());
     let mapped = |path: &Path| {
-        let handle = std::fs::File::open(path).map_err(|e| file(e.to_string()))?;
+        let handle = std::fs::File::open(path).map_err(|e| e.to_string())?;
         // SAFETY: the file must not change while it is mapped (as for every reader of a
         // mapped checkpoint, safetensors' and burn-store's among them); the map lives while
         // this function runs, and what is loaded is copied out of it.
-        unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| file(e.to_string()))
+        unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| e.to_string())
     };
     match source {
         RecordSource::Burnpack(path) => {
             // The pack over the map, not Burn's file reader: that one reads a tensor into a
             // buffer and copies it into an aligned one, twice its size for a moment.
-            let shared = bytes::Bytes::from_owner(mapped(path)?);
+            let shared = bytes::Bytes::from_owner(mapped(path).map_err(&file)?);
             let pack = burn::tensor::Bytes::from_shared(shared, AllocationProperty::File);
             let reader = burn_pack::Reader::from_bytes(pack).map_err(|e| file(format!("{e}")))?;
             let tensors = reader.into_tensors().map_err(|e| file(format!("{e}")))?;
@@ -195,48 +210,76 @@ pub fn load_sharded<M: Module>(
             load(model, stored, (tp_rank, tp_size), options)
         }
         RecordSource::Safetensors(path) => {
-            let map = mapped(path)?;
-            let st =
-                safetensors::SafeTensors::deserialize(&map).map_err(|e| file(e.to_string()))?;
-            let stored = st
-                .tensors()
-                .into_iter()
-                .map(|(name, view)| {
-                    let dtype = safetensors_io::burn_dtype(view.dtype()).map_err(&file)?;
-                    let (dims, bytes) = (view.shape().to_vec(), Bytes::Mapped(view.data()));
-                    Ok((name, Stored { dtype, dims, bytes }))
-                })
-                .collect::<Result<Vec<_>, TpError>>()?;
+            let map = mapped(path).map_err(&file)?;
+            let stored = safetensors_tensors(&map).map_err(&file)?;
             load(model, stored, (tp_rank, tp_size), options)
         }
         RecordSource::Pytorch {
             path,
             top_level_key,
         } => {
-            let reader = match top_level_key {
-                Some(key) => pytorch_reader::PytorchReader::with_top_level_key(path, key),
-                None => pytorch_reader::PytorchReader::new(path),
-            }
-            .map_err(|e| file(e.to_string()))?;
-            let stored = reader
-                .into_tensors()
+            let stored = pytorch_tensors(path, top_level_key.as_deref()).map_err(&file)?;
+            load(model, stored, (tp_rank, tp_size), options)
+        }
+        RecordSource::Index(index) => {
+            let dir = index.parent().unwrap_or(Path::new("."));
+            let files = safetensors_io::index_files(index).map_err(&file)?;
+            let (torch, maps): (Vec<_>, Vec<_>) = files.iter().partition(|f| {
+                Path::new(f.as_str())
+                    .extension()
+                    .is_some_and(|e| e != "safetensors")
+            });
+            let shard_error = |f: &str, e: String| file(format!("{f}: {e}"));
+            let maps = maps
                 .into_iter()
-                .map(|(name, tensor)| {
-                    let dtype = crate::pytorch_io::burn_dtype(tensor.dtype());
-                    let dims = tensor.shape().to_vec();
-                    (
-                        name,
-                        Stored {
-                            dtype,
-                            dims,
-                            bytes: Bytes::Read(tensor),
-                        },
-                    )
-                })
-                .collect();
+                .map(|f| Ok((f, mapped(&dir.join(f)).map_err(|e| shard_error(f, e))?)))
+                .collect::<Result<Vec<_>, TpError>>()?;
+            let mut stored = Vec::new();
+            for (f, map) in &maps {
+                stored.extend(safetensors_tensors(map).map_err(|e| shard_error(f, e))?);
+            }
+            for f in torch {
+                stored.extend(pytorch_tensors(&dir.join(f), None).map_err(|e| shard_error(f, e))?);
+            }
             load(model, stored, (tp_rank, tp_size), options)
         }
     }
+}
+
+/// The tensors of a mapped safetensors file, as views of the map.
+fn safetensors_tensors(map: &[u8]) -> Result<Vec<(String, Stored<'_>)>, String> {
+    let st = safetensors::SafeTensors::deserialize(map).map_err(|e| e.to_string())?;
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let dtype = safetensors_io::burn_dtype(view.dtype())?;
+            let (dims, bytes) = (view.shape().to_vec(), Bytes::Mapped(view.data()));
+            Ok((name, Stored { dtype, dims, bytes }))
+        })
+        .collect()
+}
+
+/// The tensors of a PyTorch checkpoint (its state dict under `top_level_key`, if given),
+/// each read when its shard is cut.
+fn pytorch_tensors(
+    path: &Path,
+    top_level_key: Option<&str>,
+) -> Result<Vec<(String, Stored<'static>)>, String> {
+    let reader = match top_level_key {
+        Some(key) => pytorch_reader::PytorchReader::with_top_level_key(path, key),
+        None => pytorch_reader::PytorchReader::new(path),
+    }
+    .map_err(|e| e.to_string())?;
+    Ok(reader
+        .into_tensors()
+        .into_iter()
+        .map(|(name, tensor)| {
+            let dtype = crate::pytorch_io::burn_dtype(tensor.dtype());
+            let dims = tensor.shape().to_vec();
+            let bytes = Bytes::Read(tensor);
+            (name, Stored { dtype, dims, bytes })
+        })
+        .collect())
 }
 
 /// Where a tensor's bytes are.
