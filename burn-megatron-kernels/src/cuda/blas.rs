@@ -418,15 +418,15 @@ fn matmul(
         ld: n as i64,
         batch_stride: 0,
     };
-    let in_place = acc
-        .as_ref()
-        .filter(|(_, op)| acc_unique && *op == d_layout)
-        .map(|(c, _)| c.clone());
-    let out = in_place.clone().unwrap_or_else(|| {
-        let mut dims = batch_dims(&a);
-        dims.extend([m, n]);
-        empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), dims.into(), output)
-    });
+    let in_place = acc_unique && acc.as_ref().is_some_and(|(_, op)| *op == d_layout);
+    let out = match &acc {
+        Some((c, _)) if in_place => c.clone(),
+        _ => {
+            let mut dims = batch_dims(&a);
+            dims.extend([m, n]);
+            empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), dims.into(), output)
+        }
+    };
     let resource = |t: &CubeTensor| {
         t.client
             .get_resource::<CudaServer>(t.handle.clone())
@@ -525,12 +525,12 @@ fn matmul(
         Ok(()) => {}
         // The product is in the accumulator already, and complete (`on_our_stream` drained
         // our stream on that failure): Burn's matmul would add it a second time.
-        Err(why) if queued.get() && in_place.is_some() => {
+        Err(why) if queued.get() && in_place => {
             eprintln!("burn-megatron: warning: ordering cuBLASLt's stream after a GEMM: {why}");
         }
         Err(why) => return Err(why),
     }
-    if in_place.is_some() {
+    if in_place {
         IN_PLACE.fetch_add(1, Ordering::Relaxed);
     }
     Ok(out)

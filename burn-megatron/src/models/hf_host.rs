@@ -50,32 +50,29 @@ fn io(path: &Path, message: impl ToString) -> HfError {
 /// # Ok::<(), burn_megatron::models::HfError>(())
 /// ```
 pub fn read_hf_tensors(dir: &Path) -> Result<HashMap<String, TensorData>, HfError> {
-    let safetensors = (
-        dir.join("model.safetensors.index.json"),
+    let found = [
+        "model.safetensors.index.json",
         "model.safetensors",
-    );
-    let pytorch = (
-        dir.join("pytorch_model.bin.index.json"),
+        "pytorch_model.bin.index.json",
         "pytorch_model.bin",
-    );
-    let (files, torch) = if safetensors.0.is_file() {
-        (index_files(&safetensors.0)?, false)
-    } else if dir.join(safetensors.1).is_file() {
-        (vec![safetensors.1.to_string()], false)
-    } else if pytorch.0.is_file() {
-        (index_files(&pytorch.0)?, true)
-    } else if dir.join(pytorch.1).is_file() {
-        (vec![pytorch.1.to_string()], true)
-    } else {
-        return Err(io(
+    ]
+    .into_iter()
+    .find(|name| dir.join(name).is_file())
+    .ok_or_else(|| {
+        io(
             dir,
             "no model.safetensors, pytorch_model.bin or index of either",
-        ));
+        )
+    })?;
+    let files = if found.ends_with(".index.json") {
+        index_files(&dir.join(found))?
+    } else {
+        vec![found.to_string()]
     };
     let mut out = HashMap::new();
     for file in files {
         let path = dir.join(&file);
-        if torch {
+        if crate::pytorch_io::is_pytorch(&path) {
             out.extend(read_pytorch(&path)?);
         } else {
             let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
@@ -93,15 +90,12 @@ fn index_files(index: &Path) -> Result<Vec<String>, HfError> {
 
 /// The tensors of a PyTorch state dict (any container `torch.save` writes).
 fn read_pytorch(path: &Path) -> Result<Vec<(String, TensorData)>, HfError> {
-    let reader = pytorch_reader::PytorchReader::new(path).map_err(|e| io(path, e))?;
-    reader
-        .into_tensors()
+    let tensors = crate::pytorch_io::tensors(path, None).map_err(|e| io(path, e))?;
+    tensors
         .into_iter()
-        .map(|(name, t)| {
-            let dtype = crate::pytorch_io::burn_dtype(t.dtype());
-            let shape = t.shape().to_vec();
-            let bytes = t.read().map_err(|e| io(path, e))?;
-            Ok((name, TensorData::from_bytes_vec(bytes, shape, dtype)))
+        .map(|t| {
+            let bytes = t.tensor.read().map_err(|e| io(path, e))?;
+            Ok((t.name, TensorData::from_bytes_vec(bytes, t.shape, t.dtype)))
         })
         .collect()
 }

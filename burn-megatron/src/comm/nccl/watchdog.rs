@@ -12,7 +12,7 @@
 //! watchdog does, after saying which call on which group did not return; the launcher's
 //! peers then fail on their own deadlines.
 
-use crate::comm::lock;
+use crate::comm::{Deadline, lock};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
@@ -62,14 +62,15 @@ impl Watchdog {
     }
 
     /// Runs `call`, and if it has not returned `timeout` after it started, hands
-    /// `what()` to the expiry action. A timeout too long for an [`Instant`] watches nothing.
+    /// `what()` to the expiry action. A timeout that is no deadline ([`Deadline`]: too long
+    /// for an [`Instant`]) watches nothing.
     pub(super) fn bounded<R>(
         self: &Arc<Self>,
         what: impl FnOnce() -> String,
         timeout: Duration,
         call: impl FnOnce() -> R,
     ) -> R {
-        let Some(deadline) = Instant::now().checked_add(timeout) else {
+        let Deadline(Some(deadline)) = Deadline::from_now(timeout) else {
             return call();
         };
         let ticket = {

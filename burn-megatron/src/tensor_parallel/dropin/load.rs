@@ -69,12 +69,14 @@ impl RecordSource {
         if name.ends_with(".index.json") {
             return Self::Index(path);
         }
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("safetensors") => Self::Safetensors(path),
-            Some("pt" | "pth" | "bin") => Self::Pytorch {
+        if crate::pytorch_io::is_pytorch(&path) {
+            return Self::Pytorch {
                 path,
                 top_level_key: None,
-            },
+            };
+        }
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("safetensors") => Self::Safetensors(path),
             _ => Self::Burnpack(path),
         }
     }
@@ -224,11 +226,9 @@ pub fn load_sharded<M: Module>(
         RecordSource::Index(index) => {
             let dir = index.parent().unwrap_or(Path::new("."));
             let files = safetensors_io::index_files(index).map_err(&file)?;
-            let (torch, maps): (Vec<_>, Vec<_>) = files.iter().partition(|f| {
-                Path::new(f.as_str())
-                    .extension()
-                    .is_some_and(|e| e != "safetensors")
-            });
+            let (torch, maps): (Vec<_>, Vec<_>) = files
+                .iter()
+                .partition(|f| crate::pytorch_io::is_pytorch(Path::new(f.as_str())));
             let shard_error = |f: &str, e: String| file(format!("{f}: {e}"));
             let maps = maps
                 .into_iter()
@@ -265,19 +265,12 @@ fn pytorch_tensors(
     path: &Path,
     top_level_key: Option<&str>,
 ) -> Result<Vec<(String, Stored<'static>)>, String> {
-    let reader = match top_level_key {
-        Some(key) => pytorch_reader::PytorchReader::with_top_level_key(path, key),
-        None => pytorch_reader::PytorchReader::new(path),
-    }
-    .map_err(|e| e.to_string())?;
-    Ok(reader
-        .into_tensors()
+    let tensors = crate::pytorch_io::tensors(path, top_level_key)?;
+    Ok(tensors
         .into_iter()
-        .map(|(name, tensor)| {
-            let dtype = crate::pytorch_io::burn_dtype(tensor.dtype());
-            let dims = tensor.shape().to_vec();
-            let bytes = Bytes::Read(tensor);
-            (name, Stored { dtype, dims, bytes })
+        .map(|t| {
+            let (dtype, dims, bytes) = (t.dtype, t.shape, Bytes::Read(t.tensor));
+            (t.name, Stored { dtype, dims, bytes })
         })
         .collect())
 }
@@ -306,11 +299,6 @@ impl Stored<'_> {
             Bytes::Pack(b) => Cow::Borrowed(b),
             Bytes::Read(t) => Cow::Owned(t.read().map_err(|e| e.to_string())?),
         })
-    }
-
-    /// Whether reading any part reads the whole tensor.
-    fn read_whole(&self) -> bool {
-        matches!(self.bytes, Bytes::Read(_))
     }
 }
 
@@ -448,7 +436,8 @@ impl Loader<'_, '_> {
         let row: usize = want.iter().skip(1).product::<usize>() * elem;
         let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d]);
         let whole = stored.bytes()?;
-        if stored.read_whole() || !(rows_only || want.is_empty()) {
+        // Read whole: a tensor read from the file (not a view of a map), or a column shard.
+        if matches!(whole, Cow::Owned(_)) || !(rows_only || want.is_empty()) {
             let largest = &mut self.report.largest_whole_tensor_bytes;
             *largest = (*largest).max(whole.len() as u64);
         }
