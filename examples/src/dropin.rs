@@ -9,8 +9,8 @@ use burn_megatron::comm::{Comm, LocalWorld, tensor::all_gather};
 use burn_megatron::tensor_parallel::parallel_attrs;
 use std::collections::BTreeMap;
 
-/// Every float parameter's values by module path, split ones gathered over `tp` (a
-/// collective: every rank of `tp` calls it); with `grads`, their gradients instead. Plain
+/// Every float parameter's values by module path, split ones gathered over `tp` and cut to
+/// their real size (a collective: every rank of `tp` calls it); with `grads`, their gradients instead. Plain
 /// data, which rank threads may share.
 pub fn by_path<M: Module>(
     model: &M,
@@ -35,8 +35,14 @@ pub fn by_path<M: Module>(
                 Some(grads) => grads.get::<D>(p.id).expect("a gradient"),
                 None => p.val(),
             };
-            let value = match parallel_attrs(p.id).split_dim() {
+            let attrs = parallel_attrs(p.id);
+            let value = match attrs.split_dim() {
                 Some(dim) => all_gather(&**self.tp, value, dim).expect("gather"),
+                None => value,
+            };
+            // A padded vocabulary's tensor, cut to the plain model's.
+            let value = match attrs.split_dim().zip(attrs.unpadded_size) {
+                Some((dim, real)) => value.narrow(dim, 0, real),
                 None => value,
             };
             self.out.insert(self.path.join("."), value.into_data());

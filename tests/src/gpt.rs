@@ -89,7 +89,8 @@ pub fn gpt_rows(start: usize, n: usize, s: usize, device: &Device) -> GptRows {
 }
 
 /// The module paths and values of `model`'s parameters (or of their `grads`), gathered over
-/// `tp` along each one's partition dim: the global tensors, comparable across TP sizes.
+/// `tp` along each one's partition dim: the global tensors (a padded vocabulary's cut to
+/// the real one), comparable across TP sizes.
 /// Collective: every rank of `tp` calls it.
 pub fn gathered<M: Module>(
     model: &M,
@@ -121,6 +122,12 @@ pub fn gathered<M: Module>(
             let full = match attrs.split_dim() {
                 Some(d) => all_gather(&**self.tp, value, d).expect("gather"),
                 None => value,
+            };
+            // A padded vocabulary's tensor, cut to the real one (the padding is checked
+            // where it matters).
+            let full = match attrs.split_dim().zip(attrs.unpadded_size) {
+                Some((d, n)) => full.narrow(d, 0, n),
+                None => full,
             };
             self.out.insert(self.path.join("."), crate::values(full));
         }

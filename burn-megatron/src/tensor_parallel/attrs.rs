@@ -28,6 +28,11 @@ pub struct ParallelAttrs {
     pub tensor_model_parallel: bool,
     /// The dimension of the full tensor that is split, when `tensor_model_parallel`.
     pub partition_dim: Option<usize>,
+    /// The full tensor's real extent along `partition_dim` when the shards pad it to split
+    /// evenly (a vocabulary of 50257 rows at TP 2): the full tensor's rows or columns from
+    /// there on are zeros the layer keeps out of its output, and no record holds them.
+    /// `None`: the shards' sizes add up to the real tensor.
+    pub unpadded_size: Option<usize>,
     /// A duplicated parameter used on sequence-parallel activations: each rank's gradient
     /// covers only its part of the sequence and must be all-reduced over the TP group
     /// (LayerNorm weights, row-parallel biases).
@@ -55,6 +60,21 @@ impl ParallelAttrs {
             partition_dim: Some(dim),
             ..Self::default()
         }
+    }
+
+    /// These attributes for a shard whose full tensor is padded beyond `real` entries along
+    /// its split dimension (see [`unpadded_size`](Self::unpadded_size)).
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::ParallelAttrs;
+    /// let attrs = ParallelAttrs::sharded(0).padded_from(33);
+    /// // The last of two ranks holds rows 17..34 of a 34-row padded table, row 33 padding.
+    /// assert_eq!(attrs.placement(&[17, 8], 1, 2), (vec![34, 8], vec![17, 0]));
+    /// assert_eq!(attrs.unpadded_size, Some(33));
+    /// ```
+    pub fn padded_from(mut self, real: usize) -> Self {
+        self.unpadded_size = Some(real);
+        self
     }
 
     /// An expert's weight, split along `split_dim` under expert tensor parallelism (whose

@@ -43,7 +43,10 @@ pub use random::{MODEL_PARALLEL_SEED_OFFSET, RngRegion, RngTracker};
 pub use sampling::{
     Sampling, VocabParallelSampler, vocab_parallel_accuracy, vocab_parallel_argmax,
 };
-pub use vocab::{DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size, vocab_range};
+pub use vocab::{
+    DEFAULT_VOCAB_DIVISIBLE_BY, PADDED_VOCAB_LOGIT, mask_vocab_padding, padded_vocab_size,
+    vocab_range,
+};
 
 use crate::comm::CommError;
 use burn::module::{Param, ParamId};

@@ -125,8 +125,10 @@ impl Llama {
     // ANCHOR: load
     /// The model with the weights of the record at `path`.
     pub fn load(c: &LlamaConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self> {
-        let plan = TpPlan::new().column(&["*.wq", "*.wk", "*.wv", "*.swiglu", "output"])?;
-        let plan = plan.row(&["*.wo", "*.w2"])?.vocab(&["tok_embeddings"])?;
+        let plan = TpPlan::new().column(&["*.wq", "*.wk", "*.wv", "*.swiglu"])?;
+        let plan = plan.row(&["*.wo", "*.w2"])?;
+        let plan = plan.vocab(&["tok_embeddings", "output"])?;
+        let plan = plan.make_vocab_size_divisible_by(8)?;
         let model = plan.apply(Self::new(c, device), tp)?;
         let (source, options) = (RecordSource::from_path(path), LoadOptions::default());
         Ok(load_sharded(model, &source, tp, &options)?.0)

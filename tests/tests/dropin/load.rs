@@ -20,7 +20,7 @@ use burn_megatron_tests::gpt::gathered;
 use std::path::{Path, PathBuf};
 
 /// Each float parameter: its path, shape and values.
-fn params<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+pub(super) fn params<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     struct All(Vec<String>, Vec<(String, Vec<usize>, Vec<f32>)>);
     impl ModuleVisitor for All {
         fn enter_module(&mut self, name: &str, _: &str) {
@@ -41,7 +41,7 @@ fn params<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 }
 
 /// Writes `tensors` (name, shape, f32 values) as a safetensors file.
-fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
+pub(super) fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
@@ -59,12 +59,12 @@ fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
 }
 
 /// `[rows, cols]` row-major values, transposed.
-fn transposed(shape: &[usize], v: &[f32]) -> Vec<f32> {
+pub(super) fn transposed(shape: &[usize], v: &[f32]) -> Vec<f32> {
     let (r, c) = (shape[0], shape[1]);
     (0..c * r).map(|i| v[(i % r) * c + i / r]).collect()
 }
 
-fn scratch(tag: &str) -> PathBuf {
+pub(super) fn scratch(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("bm-dropin-load-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir

@@ -153,7 +153,7 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
                     .to_string()
             };
             let nothing = err(TpPlan::new().column(&["*.wq", "*.wk"]).unwrap());
-            let vocab_on_linear = err(TpPlan::new().vocab(&["output"]).unwrap());
+            let row_on_embedding = err(TpPlan::new().row(&["tok_embeddings"]).unwrap());
             // Burn's own Linear has no slot to take the split.
             #[derive(Module, Debug)]
             struct Plain {
@@ -171,7 +171,7 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
             let twice = twice.unwrap_err().to_string();
             Ok::<_, Error>(vec![
                 nothing,
-                vocab_on_linear,
+                row_on_embedding,
                 burn_linear.to_string(),
                 twice,
             ])
@@ -185,7 +185,7 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
         e[0]
     );
     assert!(
-        e[1].contains("output.weight") && e[1].contains("Vocab"),
+        e[1].contains("tok_embeddings.weight") && e[1].contains("Row"),
         "{}",
         e[1]
     );

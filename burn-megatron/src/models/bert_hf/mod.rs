@@ -14,7 +14,7 @@ use super::hf_host::{Host, host_of, permute_rows, qkv_permutation, read_hf_tenso
 use super::{Bert, BertConfig, ParallelAttentionConfig, ParallelMlpConfig, TransformerLayerConfig};
 use crate::comm::{Comm, tensor::all_gather};
 use crate::safetensors_io;
-use crate::tensor_parallel::padded_vocab_size;
+use crate::tensor_parallel::{PADDED_VOCAB_LOGIT, padded_vocab_size};
 use burn::tensor::{Device, TensorData};
 use entries::{Slot, Split, entries};
 use host::shard;
@@ -115,10 +115,6 @@ impl HfBertConfig {
     }
 }
 
-/// The MLM output bias of vocabulary entries added by padding: `exp` of it underflows to 0
-/// in f32, bf16 and f16 alike, so a padded entry never takes probability.
-const PADDED_VOCAB_BIAS: f32 = -1e4;
-
 /// Loads HF-named weights into `model` (built from the matching config at any TP size):
 /// each rank keeps its shard. Vocabulary rows beyond the checkpoint's (Megatron's padding to
 /// a multiple of 128 × TP) get zero embeddings and an MLM bias of −10⁴, so the model's
@@ -206,7 +202,7 @@ fn load_hf_tensors(
             // that those classes get no probability: the loss and its gradients are the
             // checkpoint's own, not those of a softmax over extra zero logits.
             let fill = match e.slot {
-                Slot::One(_) => PADDED_VOCAB_BIAS,
+                Slot::One(_) => PADDED_VOCAB_LOGIT,
                 Slot::Two(_) => 0.0,
             };
             full.values.resize(padded * full.cols, fill);

@@ -10,12 +10,9 @@ use crate::tensor_parallel::mappings::{
     scatter_to_sequence_parallel_region,
 };
 use crate::tensor_parallel::{
-    RngRegion, RngTracker, TpError, product, vocab_parallel_cross_entropy,
+    RngRegion, RngTracker, TpError, mask_vocab_padding, product, vocab_parallel_cross_entropy,
 };
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
-
-/// The score given to the logits of vocabulary padding, as BERT's MLM bias on those rows.
-const PADDED_VOCAB_LOGIT: f32 = -1.0e4;
 
 /// The positions of the tokens of one forward.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -279,25 +276,9 @@ impl Gpt {
         Ok(self.mask_vocab_padding(logits))
     }
 
-    /// Adds −10⁴ to the logits of this rank's vocabulary padding rows, if it holds any.
+    /// Sets the logits of this rank's vocabulary padding rows to −10⁴, if it holds any.
     fn mask_vocab_padding(&self, logits: Tensor<3>) -> Tensor<3> {
-        let part = logits.dims()[2];
-        let start = self.tp.group().rank() * part;
-        if start + part <= self.vocab_size {
-            return logits;
-        }
-        let bias: Vec<f32> = (start..start + part)
-            .map(|v| {
-                if v < self.vocab_size {
-                    0.0
-                } else {
-                    PADDED_VOCAB_LOGIT
-                }
-            })
-            .collect();
-        let bias = Tensor::<1>::from_data(TensorData::new(bias, [part]), &logits.device())
-            .cast(logits.dtype());
-        logits + bias.unsqueeze()
+        mask_vocab_padding(logits, self.vocab_size, self.tp.group().rank())
     }
 
     /// The causal-LM loss: cross-entropy of `logits` (`[s, b, V / tp]`) against `labels`

@@ -405,7 +405,8 @@ impl Loader<'_, '_> {
         transposed: bool,
     ) -> Result<TensorData, String> {
         let local = p.lazy_shape().to_vec();
-        let (global, offset) = parallel_attrs(p.id).placement(&local, self.tp.0, self.tp.1);
+        let attrs = parallel_attrs(p.id);
+        let (global, offset) = attrs.placement(&local, self.tp.0, self.tp.1);
         if transposed && D != 2 {
             return Err(format!(
                 "matches `with_transposed` but has {D} dimensions, not 2"
@@ -419,7 +420,15 @@ impl Loader<'_, '_> {
                 v.to_vec()
             }
         };
-        let (want, at, size) = (flip(&global), flip(&offset), flip(&local));
+        // A padded vocabulary: a plain record holds the real extent, and the padding is
+        // zeros; a record padded as the model is (a Megatron checkpoint's) is read as it is.
+        let mut real = global.clone();
+        let padded_dim =
+            (attrs.split_dim().zip(attrs.unpadded_size)).filter(|_| stored.dims != flip(&global));
+        if let Some((d, n)) = padded_dim {
+            real[d] = n;
+        }
+        let (want, at, size) = (flip(&real), flip(&offset), flip(&local));
         if stored.dims != want {
             let layout = if transposed {
                 " (stored transposed)"
@@ -434,7 +443,8 @@ impl Loader<'_, '_> {
         }
         let elem = stored.dtype.size();
         let row: usize = want.iter().skip(1).product::<usize>() * elem;
-        let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d]);
+        let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d])
+            && (want.is_empty() || at[0] + size[0] <= want[0]);
         let whole = stored.bytes()?;
         // Read whole: a tensor read from the file (not a view of a map), or a column shard.
         if matches!(whole, Cow::Owned(_)) || !(rows_only || want.is_empty()) {
@@ -459,7 +469,22 @@ impl Loader<'_, '_> {
             shape: &want,
             bytes: &whole,
         };
-        let bytes = assemble(&at, &size, &[piece], elem)?;
+        // The padding beyond the real extent, as a piece of zeros.
+        let (mut pad_at, mut pad_shape) = (zeros.clone(), flip(&global));
+        let padding = padded_dim.map(|(d, n)| {
+            let d = if transposed { 1 - d } else { d };
+            (pad_at[d], pad_shape[d]) = (n, pad_shape[d] - n);
+            vec![0u8; pad_shape.iter().product::<usize>() * elem]
+        });
+        let mut pieces = vec![piece];
+        if let Some(bytes) = &padding {
+            pieces.push(Piece {
+                offset: &pad_at,
+                shape: &pad_shape,
+                bytes,
+            });
+        }
+        let bytes = assemble(&at, &size, &pieces, elem)?;
         let bytes = match transposed {
             true => transpose(&bytes, size[0], size[1], elem),
             false => bytes,

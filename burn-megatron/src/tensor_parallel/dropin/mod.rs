@@ -14,7 +14,8 @@
 //! Either way the split is Megatron's: query, key, value and the first feed-forward layer
 //! column-parallel, the attention output and the second feed-forward layer row-parallel, norms
 //! whole (one all-reduce per block in each direction); sizes that do not split are errors
-//! naming the layer and the numbers. Dropout comes from a [`RngTracker`](super::RngTracker):
+//! naming the layer and the numbers, except a vocabulary, which a plan pads as Megatron does
+//! ([`TpPlan::make_vocab_size_divisible_by`]). Dropout comes from a [`RngTracker`](super::RngTracker):
 //! Burn's `Dropout` draws from one process-wide generator, so ranks running as threads would
 //! draw different masks for activations every rank holds whole.
 //!
@@ -29,6 +30,7 @@ mod load;
 mod mha;
 pub mod nn;
 mod plan;
+mod shard;
 mod swiglu;
 
 pub use encoder::{

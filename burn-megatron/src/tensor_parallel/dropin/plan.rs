@@ -11,9 +11,8 @@
 //! traversal enters the slot, taken by the slot, checked when it leaves).
 
 use super::super::attrs::{LayoutOwner, ParallelAttrs};
-use super::super::init::{MasterInit, slice_cols, slice_rows};
-use super::super::{RngTracker, TpError, derive_seed, lazy_host_param, shard_param};
-use super::master_init;
+use super::super::{RngTracker, TpError, padded_vocab_size};
+use super::shard::{Placement, shard};
 use crate::comm::Comm;
 use burn::module::{
     Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
@@ -35,8 +34,17 @@ pub enum Split {
     /// Input features split (`RowParallelLinear`, input already split): weight `[in / tp,
     /// out]`, the bias whole, the outputs summed over the ranks.
     Row,
-    /// Vocabulary rows split (`VocabParallelEmbedding`): table `[vocab / tp, d]`.
+    /// Split over the vocabulary: an `Embedding`'s rows (`VocabParallelEmbedding`: table
+    /// `[vocab / tp, d]`), or an output `Linear`'s columns (Megatron's `output_layer`: logits
+    /// `[..., vocab / tp]` for the vocabulary-parallel loss, argmax and sampler). A vocabulary
+    /// that does not split is padded with
+    /// [`make_vocab_size_divisible_by`](TpPlan::make_vocab_size_divisible_by); the padding
+    /// logits are masked to [`PADDED_VOCAB_LOGIT`](crate::tensor_parallel::PADDED_VOCAB_LOGIT).
     Vocab,
+    /// An output `Linear` split over the vocabulary as [`Vocab`](Self::Vocab), its logits
+    /// gathered and cut back to the real vocabulary: every rank gets `[..., vocab]`, for a
+    /// loss written for whole logits (`burn::nn::loss::CrossEntropyLoss`).
+    GatheredVocab,
     /// [`nn::transformer`](super::nn::transformer)'s encoder split as Megatron splits a
     /// transformer layer: `query`, `key`, `value` and `linear_inner` column-parallel,
     /// `output` and `linear_outer` row-parallel, the norms whole, dropout from a tracker.
@@ -51,6 +59,8 @@ pub(super) struct Assigned {
     pub(super) layout: LayoutOwner,
     /// The plan's dropout streams, for a split encoder's attention, feed-forward and layer.
     pub(super) rng: Option<RngTracker>,
+    /// The real vocabulary of a layer split over a padded one.
+    pub(super) vocab: Option<usize>,
 }
 
 /// What the plan's mapper offers the slot it is entering, and what became of it.
@@ -163,6 +173,7 @@ impl ModuleDisplay for TpSlot {}
 pub struct TpPlan {
     rules: Vec<(glob::Pattern, Split)>,
     seed: u64,
+    vocab_divisible_by: Option<usize>,
 }
 
 impl TpPlan {
@@ -186,9 +197,43 @@ impl TpPlan {
         self.rule(patterns, Split::Row)
     }
 
-    /// Embeddings whose vocabulary rows split.
+    /// Embeddings whose vocabulary rows split, and output linears whose vocabulary columns
+    /// split ([`Split::Vocab`]).
     pub fn vocab(self, patterns: &[&str]) -> Result<Self, TpError> {
         self.rule(patterns, Split::Vocab)
+    }
+
+    /// Output linears split over the vocabulary whose logits are gathered whole again
+    /// ([`Split::GatheredVocab`]).
+    pub fn gathered_vocab(self, patterns: &[&str]) -> Result<Self, TpError> {
+        self.rule(patterns, Split::GatheredVocab)
+    }
+
+    /// Pads the vocabulary of the layers `vocab` and `gathered_vocab` name to a multiple of
+    /// `multiple × tp` (Megatron's `--make-vocab-size-divisible-by`, whose default is 128), so
+    /// that a vocabulary of any size splits: the padding rows and columns are zeros, their
+    /// logits are masked, and records keep the real size (shard-on-load fills the padding).
+    /// Without it, a vocabulary that does not split over the ranks is an error. Fails on 0.
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::{dropin::TpPlan, padded_vocab_size};
+    /// // GPT-2's 50257 tokens become 50304 rows at TP 1, 50432 at TP 2, 50688 at TP 4.
+    /// let padded: Vec<_> = [1, 2, 4].map(|tp| padded_vocab_size(50257, 128, tp)).into();
+    /// assert_eq!(padded, [50304, 50432, 50688]);
+    /// let plan = TpPlan::new()
+    ///     .vocab(&["wte", "lm_head"]).unwrap()
+    ///     .make_vocab_size_divisible_by(128).unwrap();
+    /// assert!(TpPlan::new().make_vocab_size_divisible_by(0).is_err());
+    /// # drop(plan);
+    /// ```
+    pub fn make_vocab_size_divisible_by(mut self, multiple: usize) -> Result<Self, TpError> {
+        if multiple == 0 {
+            return Err(TpError::Invalid(
+                "make_vocab_size_divisible_by takes a multiple of at least 1".into(),
+            ));
+        }
+        self.vocab_divisible_by = Some(multiple);
+        Ok(self)
     }
 
     /// [`nn::transformer::TransformerEncoder`](super::nn::transformer::TransformerEncoder)s
@@ -230,6 +275,7 @@ impl TpPlan {
             types: Vec::new(),
             active: None,
             owner: None,
+            vocab: None,
             fan_in: None,
             matched: vec![false; self.rules.len()],
             error: None,
@@ -273,6 +319,8 @@ struct PlanMapper<'a> {
     /// The owner of the attributes stated for the layer whose parameters were just mapped,
     /// handed to its slot.
     owner: Option<LayoutOwner>,
+    /// The real vocabulary of the layer whose parameters were just padded, for its slot.
+    vocab: Option<usize>,
     /// The input width of the linear whose parameters are being mapped.
     fan_in: Option<usize>,
     matched: Vec<bool>,
@@ -318,6 +366,7 @@ impl ModuleMapper for PlanMapper<'_> {
                     tp: self.tp.clone(),
                     layout: owner,
                     rng,
+                    vocab: self.vocab.take(),
                 };
                 PENDING.with(|p| *p.borrow_mut() = Offer::Split(assigned));
             }
@@ -395,9 +444,13 @@ impl ModuleMapper for PlanMapper<'_> {
             }
             split => split,
         };
+        let column = matches!(
+            split,
+            Split::Column | Split::GatheredColumn | Split::Vocab | Split::GatheredVocab
+        );
         let dim = match (layer.as_str(), field.as_str(), split) {
-            ("Struct:Linear", "weight", Split::Column | Split::GatheredColumn) => Some(1),
-            ("Struct:Linear", "bias", Split::Column | Split::GatheredColumn) => Some(0),
+            ("Struct:Linear", "weight", _) if column => Some(1),
+            ("Struct:Linear", "bias", _) if column => Some(0),
             ("Struct:Linear", "weight", Split::Row) => Some(0),
             ("Struct:Linear", "bias", Split::Row) => None,
             ("Struct:Embedding", "weight", Split::Vocab) => Some(0),
@@ -420,8 +473,22 @@ impl ModuleMapper for PlanMapper<'_> {
         }
         let fan_in = self.fan_in.unwrap_or(dims[D - 1]);
         let owner = self.owner.get_or_insert_with(LayoutOwner::default).clone();
+        let tp = self.tp.group().size();
+        // Megatron's padding: a multiple of `divisible_by × tp`, with the real size kept.
+        let padded = match (dim, split, self.plan.vocab_divisible_by) {
+            (Some(d), Split::Vocab | Split::GatheredVocab, Some(m)) => {
+                Some(padded_vocab_size(dims[d], m, tp)).filter(|&p| p != dims[d])
+            }
+            _ => None,
+        };
+        let real = dim.map(|d| dims[d]);
+        if padded.is_some() {
+            self.vocab = real;
+        }
         let at = Placement {
             dim,
+            padded,
+            vocab: matches!(split, Split::Vocab | Split::GatheredVocab),
             layer: &layer,
             path: &path,
             seed: self.plan.seed,
@@ -429,7 +496,11 @@ impl ModuleMapper for PlanMapper<'_> {
         };
         match shard(param, at, self.tp) {
             Ok(p) => {
-                let attrs = dim.map_or_else(ParallelAttrs::default, ParallelAttrs::sharded);
+                let attrs = match (dim, padded, real) {
+                    (Some(d), Some(_), Some(real)) => ParallelAttrs::sharded(d).padded_from(real),
+                    (Some(d), _, _) => ParallelAttrs::sharded(d),
+                    (None, _, _) => ParallelAttrs::default(),
+                };
                 owner.state(p.id, attrs);
                 p
             }
@@ -459,70 +530,4 @@ fn encoder_split(name: &str) -> Option<Split> {
         "output" | "linear_outer" => Some(Split::Row),
         _ => None,
     }
-}
-
-/// Where a parameter of a split layer goes, and how it is drawn if it has no values yet.
-struct Placement<'a> {
-    /// The split dimension (`None`: every rank holds it whole).
-    dim: Option<usize>,
-    layer: &'a str,
-    path: &'a str,
-    seed: u64,
-    fan_in: usize,
-}
-
-/// `param`'s part on this rank: its values cut along the split dimension, or, not yet
-/// initialised, drawn lazily from the layer's default law seeded by its path (a duplicated
-/// one too: Burn's own draw would differ across ranks running as threads).
-fn shard<const D: usize>(
-    param: Param<Tensor<D>>,
-    at: Placement<'_>,
-    tp: &Comm,
-) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
-    let (rank, size) = (tp.group().rank(), tp.group().size());
-    let dims: [usize; D] = param.lazy_shape().dims();
-    let (dim, part) = match at.dim {
-        Some(dim) if !dims[dim].is_multiple_of(size) => {
-            let e = format!(
-                "{}: {} features along dim {dim} do not split over the tensor-parallel size {size}",
-                at.path, dims[dim]
-            );
-            return Err((param, e));
-        }
-        Some(dim) => (dim, dims[dim] / size),
-        None => (0, dims[0]),
-    };
-    let start = if at.dim.is_some() { rank * part } else { 0 };
-    if param.is_initialized() {
-        return Ok(match at.dim {
-            Some(_) => shard_param(param.val().narrow(dim, start, part)),
-            None => param,
-        });
-    }
-    let law = match default_law(at.layer, at.path) {
-        Ok(law) => law,
-        Err(e) => return Err((param, e)),
-    };
-    let mut local = dims;
-    local[dim] = part;
-    let (seed, device) = (derive_seed(at.seed, at.path), param.lazy_device());
-    let (total, width, fan_in) = (dims.iter().product::<usize>(), dims[D - 1], at.fan_in);
-    Ok(lazy_host_param(local, &device, move || {
-        let full = law.values(total, fan_in, seed);
-        match (D, dim) {
-            (2, 1) => slice_cols(&full, width, start, part),
-            (2, _) => slice_rows(&full, width, start, part),
-            _ => full[start..start + part].to_vec(),
-        }
-    }))
-}
-
-/// Burn's default initialiser for a `Linear` or an `Embedding`, as a host law.
-fn default_law(layer: &str, path: &str) -> Result<MasterInit, String> {
-    let burn_default = match layer {
-        "Struct:Linear" => burn::nn::LinearConfig::new(1, 1).initializer,
-        "Struct:Embedding" => burn::nn::EmbeddingConfig::new(1, 1).initializer,
-        other => return Err(format!("{path}: no default initialiser for {other}")),
-    };
-    master_init(&burn_default).map_err(|e| format!("{path}: {e}"))
 }

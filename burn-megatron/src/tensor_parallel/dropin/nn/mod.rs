@@ -15,7 +15,7 @@ use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 };
-use crate::tensor_parallel::matmul_bias;
+use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Initializer;
@@ -65,8 +65,9 @@ pub struct Linear {
 
 impl Linear {
     /// `[..., d_input]` → `[..., d_output]`; column-parallel: `[..., d_output / tp]` (the
-    /// input copied into the region; gathered column: the whole output again); row-parallel: from `[..., d_input / tp]`, summed over
-    /// the ranks.
+    /// input copied into the region; gathered column: the whole output again); row-parallel:
+    /// from `[..., d_input / tp]`, summed over the ranks; split over a vocabulary: this rank's
+    /// logits of the padded vocabulary, padding masked (gathered: the real vocabulary's).
     ///
     /// # Panics
     ///
@@ -103,9 +104,15 @@ impl Linear {
                 let weight = hook_param(&self.weight, &input);
                 let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
                 let out = matmul_bias(input, weight, bias, false);
-                match a.split {
-                    Split::GatheredColumn => gather_from_tensor_model_parallel_region(out, &a.tp),
-                    _ => out,
+                match (a.split, a.vocab) {
+                    (Split::GatheredColumn | Split::GatheredVocab, None) => {
+                        gather_from_tensor_model_parallel_region(out, &a.tp)
+                    }
+                    (Split::GatheredVocab, Some(vocab)) => {
+                        gather_from_tensor_model_parallel_region(out, &a.tp).narrow(D - 1, 0, vocab)
+                    }
+                    (_, Some(vocab)) => mask_vocab_padding(out, vocab, a.tp.group().rank()),
+                    (_, None) => out,
                 }
             }
         }
@@ -131,9 +138,16 @@ impl Linear {
     /// The parameters' attributes again: a record load gives them other ids.
     fn restate(&self, a: &super::plan::Assigned) {
         use crate::tensor_parallel::ParallelAttrs;
+        let padded = |attrs: ParallelAttrs| match a.vocab {
+            Some(vocab) => attrs.padded_from(vocab),
+            None => attrs,
+        };
         let (w, b) = match a.split {
             Split::Row => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
-            _ => (ParallelAttrs::sharded(1), ParallelAttrs::sharded(0)),
+            _ => (
+                padded(ParallelAttrs::sharded(1)),
+                padded(ParallelAttrs::sharded(0)),
+            ),
         };
         a.layout.state(self.weight.id, w);
         if let Some(bias) = &self.bias {
@@ -184,7 +198,9 @@ impl Embedding {
             None => burn::tensor::module::embedding(self.weight.val(), input),
             Some(a) => {
                 use crate::tensor_parallel::ParallelAttrs;
-                a.layout.state(self.weight.id, ParallelAttrs::sharded(0));
+                let attrs = ParallelAttrs::sharded(0);
+                let attrs = a.vocab.map_or(attrs, |v| attrs.padded_from(v));
+                a.layout.state(self.weight.id, attrs);
                 vocab_lookup(&self.weight, input, &a.tp, false)
             }
         }
@@ -195,10 +211,14 @@ impl Embedding {
         self.tp.split()
     }
 
-    /// The rows of the whole table (over every rank).
+    /// The rows of the whole table (over every rank), padding not counted.
     pub fn num_embeddings(&self) -> usize {
-        let ranks = self.tp.0.as_ref().map_or(1, |a| a.tp.group().size());
-        self.weight.lazy_shape().to_vec()[0] * ranks
+        match &self.tp.0 {
+            Some(a) => a
+                .vocab
+                .unwrap_or(self.weight.lazy_shape().to_vec()[0] * a.tp.group().size()),
+            None => self.weight.lazy_shape().to_vec()[0],
+        }
     }
 }
 

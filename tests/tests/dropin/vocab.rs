@@ -1,0 +1,278 @@
+//! A vocabulary that does not split over the tensor-parallel ranks (33 tokens at TP 2 and 4)
+//! padded as Megatron pads it (`make_vocab_size_divisible_by`): the embedding's rows and the
+//! output layer's columns and bias are padded with zeros, the padding logits masked, and a
+//! record of the real size (burnpack, or PyTorch-style safetensors with the output layer
+//! `[vocab, d]`) loads into the padded shards. Loss and gathered gradients are the plain
+//! model's, with the vocabulary-parallel loss over split logits and with Burn's own loss over
+//! gathered ones; the padding stays zero, with a zero gradient.
+
+use super::Error;
+use super::load::{params, scratch, transposed, write_safetensors};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::Comm;
+use burn_megatron::comm::tensor::all_gather;
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::tensor_parallel::dropin::nn::{
+    Embedding, EmbeddingConfig, Linear, LinearConfig,
+};
+use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::gpt::{gathered, max_rel_diff};
+
+/// Neither 2 nor 4 divides it.
+const VOCAB: usize = 33;
+const D: usize = 8;
+/// Padded to 40 at TP 2 (20 a rank, 7 of padding on the second) and to 48 at TP 4 (12 a
+/// rank: the third holds 9 real and 3 padding, the fourth only padding).
+const DIVISIBLE_BY: usize = 4;
+
+/// A language model as a Burn user writes it, with a biased output layer.
+#[derive(Module, Debug)]
+struct Lm {
+    wte: Embedding,
+    lm_head: Linear,
+}
+
+impl Lm {
+    fn new(device: &Device) -> Self {
+        Self {
+            wte: EmbeddingConfig::new(VOCAB, D).init(device),
+            lm_head: LinearConfig::new(D, VOCAB).init(device),
+        }
+    }
+
+    fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.lm_head.forward(self.wte.forward(ids).tanh())
+    }
+}
+
+/// Ids with the last real token among them (held next to the padding).
+fn ids(device: &Device) -> Tensor<2, Int> {
+    let v: Vec<i64> = (0..2 * 5).map(|i| ((i * 7 + 32) % VOCAB) as i64).collect();
+    Tensor::from_data(TensorData::new(v, [2, 5]), device)
+}
+
+fn labels(device: &Device) -> Tensor<1, Int> {
+    ids(device).reshape([10]).flip([0])
+}
+
+/// The loss of `lm` over split logits (vocabulary-parallel) or whole ones (Burn's), its
+/// value and gathered gradients.
+fn run(lm: &Lm, tp: &Comm, device: &Device) -> Result<(f32, super::Values), Error> {
+    let logits = lm.forward(ids(device));
+    let v = logits.dims()[2];
+    let logits = logits.reshape([10, v]);
+    let loss = match v == VOCAB && tp.group().size() > 1 {
+        true => CrossEntropyLossConfig::new()
+            .init(device)
+            .forward(logits, labels(device)),
+        false => vocab_parallel_cross_entropy(logits, labels(device), 0.0, tp)?.mean(),
+    };
+    let value = loss.clone().into_scalar::<f32>();
+    let grads = burn::optim::GradientsParams::from_grads(loss.backward(), lm);
+    Ok((value, gathered(lm, Some(&grads), tp)))
+}
+
+/// The padding of a split tensor (its entries past the real vocabulary along `dim`), gathered.
+fn padding<const N: usize>(t: Tensor<N>, dim: usize, tp: &Comm) -> Vec<f32> {
+    let full = all_gather(&**tp, t, dim).expect("gather");
+    let n = full.dims()[dim];
+    burn_megatron_tests::values(full.narrow(dim, VOCAB, n - VOCAB))
+}
+
+#[test]
+fn a_vocabulary_that_does_not_split_is_padded_and_trains_as_the_plain_one() -> Result<(), Error> {
+    let dir = scratch("vocab");
+    let record = dir.join("lm.bpk");
+    let device = Device::flex();
+    device.seed(11);
+    let plain = Lm::new(&device);
+    plain.clone().save_file(&record)?;
+    // The PyTorch layout of the same weights: `lm_head.weight` as `[vocab, d]`.
+    let torch: Vec<_> = params(&plain)
+        .into_iter()
+        .map(|(name, shape, v)| match name.as_str() {
+            "lm_head.weight" => (name, vec![shape[1], shape[0]], transposed(&shape, &v)),
+            _ => (name, shape, v),
+        })
+        .collect();
+    write_safetensors(&dir.join("lm.safetensors"), &torch);
+    let sources = [
+        (RecordSource::from_path(&record), LoadOptions::default()),
+        (
+            RecordSource::from_path(dir.join("lm.safetensors")),
+            LoadOptions::default().with_transposed("^lm_head.weight$")?,
+        ),
+    ];
+    let plain_values: std::collections::BTreeMap<_, _> = params(&plain)
+        .into_iter()
+        .map(|(name, _, v)| (name, v))
+        .collect();
+    let plain = &plain_values;
+    let ad = Device::flex().autodiff();
+    let (loss, grads) = run(&Lm::new(&ad).load_file(&record), &super::solo(), &ad)?;
+    let plan = |gather: bool| -> Result<TpPlan, Error> {
+        let plan = TpPlan::new().vocab(&["wte"])?.with_seed(3);
+        let plan = match gather {
+            true => plan.gathered_vocab(&["lm_head"])?,
+            false => plan.vocab(&["lm_head"])?,
+        };
+        Ok(plan.make_vocab_size_divisible_by(DIVISIBLE_BY)?)
+    };
+    // A plan's own draws at TP 1 (padded to 36): the reference for every TP size.
+    let drawn = gathered(
+        &plan(false)?.apply(Lm::new(&device), &super::solo())?,
+        None,
+        &super::solo(),
+    );
+    for tp in [2, 4] {
+        for gather in [false, true] {
+            for (source, options) in &sources {
+                let out = threads(
+                    &ParallelConfig::new(tp, tp, 1),
+                    LaunchOptions::default(),
+                    |ctx| {
+                        let (g, d) = (&ctx.groups.tp, &ctx.device);
+                        // A model loaded whole, then split: its values cut and padded.
+                        let whole = plan(gather)?.apply(Lm::new(d).load_file(&record), g)?;
+                        let whole_padding = padding(whole.lm_head.weight.val(), 1, g);
+                        let whole = gathered(&whole, None, g);
+                        let lm = plan(gather)?.apply(Lm::new(d), g)?;
+                        assert_eq!(lm.wte.num_embeddings(), VOCAB);
+                        let own = gathered(&lm, None, g);
+                        let own_padding = padding(lm.wte.weight.val(), 0, g);
+                        let (lm, _) = load_sharded(lm, source, g, options)?;
+                        let (l, gr) = run(&lm, g, d)?;
+                        let mut zeros = own_padding;
+                        zeros.extend(whole_padding);
+                        zeros.extend(padding(lm.wte.weight.val(), 0, g));
+                        zeros.extend(padding(lm.lm_head.weight.val(), 1, g));
+                        zeros.extend(padding(lm.lm_head.bias.as_ref().unwrap().val(), 0, g));
+                        Ok::<_, Error>((own, whole, l, gr, zeros))
+                    },
+                )?;
+                for (rank, (own, whole, l, gr, zeros)) in out.iter().enumerate() {
+                    let what = format!("TP {tp}, gathered {gather}, {:?}, rank {rank}", source);
+                    assert_eq!(own, &drawn, "{what}: the plan draws as at TP 1");
+                    assert_eq!(whole, plain, "{what}: a loaded model splits to its values");
+                    assert!(zeros.iter().all(|z| *z == 0.0), "{what}: padding {zeros:?}");
+                    assert!((l - loss).abs() < 1e-5, "{what}: loss {l} against {loss}");
+                    let (worst, name) = max_rel_diff(gr, &grads, super::GRAD_FLOOR);
+                    assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// The padding's gradient is zero, so the padding stays zero however long the model trains;
+/// its logits never win an argmax even against very negative real ones.
+#[test]
+fn the_padding_takes_no_gradient_and_no_probability() -> Result<(), Error> {
+    let out = threads(
+        &ParallelConfig::new(4, 4, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let plan = TpPlan::new().vocab(&["wte", "lm_head"])?;
+            let lm = plan
+                .make_vocab_size_divisible_by(DIVISIBLE_BY)?
+                .apply(Lm::new(d), g)?;
+            let logits = lm.forward(ids(d));
+            // Over the whole padded vocabulary (the last rank holds only padding).
+            let whole = all_gather(&**g, logits.clone().detach(), 2)?;
+            let probs = burn::tensor::activation::softmax(whole, 2).narrow(2, VOCAB, 48 - VOCAB);
+            let probs = burn_megatron_tests::values(probs);
+            let loss = vocab_parallel_cross_entropy(logits.reshape([10, 12]), labels(d), 0.0, g)?;
+            let grads = burn::optim::GradientsParams::from_grads(loss.mean().backward(), &lm);
+            let grad = |p: &burn::module::Param<Tensor<2>>, dim| {
+                padding(grads.get::<2>(p.id).unwrap(), dim, g)
+            };
+            let mut zeros = grad(&lm.wte.weight, 0);
+            zeros.extend(grad(&lm.lm_head.weight, 1));
+            Ok::<_, Error>((probs, zeros))
+        },
+    )?;
+    let (probs, zeros) = &out[0];
+    assert!(
+        zeros.iter().all(|z| *z == 0.0),
+        "padding gradients {zeros:?}"
+    );
+    assert!(
+        probs.iter().all(|p| *p == 0.0),
+        "padding probabilities {probs:?}"
+    );
+    Ok(())
+}
+
+/// A vocabulary that does not split without padding, a gathered vocabulary on an embedding,
+/// and a record padded otherwise than the model are errors naming the layer; a record padded
+/// as the model is (a Megatron checkpoint's table) loads as it is, its padding rows too.
+#[test]
+fn a_vocabulary_padded_wrongly_or_not_at_all_is_an_error_naming_the_layer() -> Result<(), Error> {
+    let errors = threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let err = |plan: TpPlan| plan.apply(Lm::new(d), g).unwrap_err().to_string();
+            let unpadded = err(TpPlan::new().vocab(&["wte"])?);
+            let gathered_embedding = err(TpPlan::new().gathered_vocab(&["wte"])?);
+            // Tables of 36 rows (padded otherwise: TP 2 with 4 pads to 40) and of 40.
+            let dir = scratch(&format!("vocab-rows-{}", g.group().rank()));
+            let mut tables = Vec::new();
+            for rows in [36, 40] {
+                let file = dir.join(format!("{rows}.safetensors"));
+                let mut tensors = params(&Lm::new(&Device::flex()));
+                let table: Vec<f32> = (0..rows * D).map(|i| i as f32).collect();
+                tensors.retain(|t| t.0 != "wte.weight");
+                tensors.push(("wte.weight".into(), vec![rows, D], table));
+                write_safetensors(&file, &tensors);
+                let lm = TpPlan::new().vocab(&["wte", "lm_head"])?;
+                let lm = lm
+                    .make_vocab_size_divisible_by(DIVISIBLE_BY)?
+                    .apply(Lm::new(d), g)?;
+                let source = RecordSource::from_path(&file);
+                tables.push(
+                    load_sharded(lm, &source, g, &LoadOptions::default())
+                        .map(|(lm, _)| burn_megatron_tests::values(lm.wte.weight.val()))
+                        .map_err(|e| e.to_string()),
+                );
+            }
+            std::fs::remove_dir_all(dir)?;
+            Ok::<_, Error>((vec![unpadded, gathered_embedding], tables))
+        },
+    )?;
+    for (rank, (_, tables)) in errors.iter().enumerate() {
+        let bad = tables[0].as_ref().unwrap_err();
+        assert!(
+            bad.contains("wte.weight") && bad.contains("[36, 8]") && bad.contains("[33, 8]"),
+            "{bad}"
+        );
+        // Rows 20 × rank onwards of the 40-row table, padding rows included.
+        let want: Vec<f32> = (rank * 20 * D..(rank + 1) * 20 * D)
+            .map(|i| i as f32)
+            .collect();
+        assert_eq!(tables[1].as_ref().unwrap(), &want, "rank {rank}");
+    }
+    let e = &errors[0].0;
+    assert!(
+        e[0].contains("wte.weight")
+            && e[0].contains("33")
+            && e[0].contains("make_vocab_size_divisible_by"),
+        "{}",
+        e[0]
+    );
+    assert!(
+        e[1].contains("wte.weight") && e[1].contains("GatheredVocab"),
+        "{}",
+        e[1]
+    );
+    assert!(TpPlan::new().make_vocab_size_divisible_by(0).is_err());
+    Ok(())
+}
