@@ -276,3 +276,69 @@ fn a_vocabulary_padded_wrongly_or_not_at_all_is_an_error_naming_the_layer() -> R
     assert!(TpPlan::new().make_vocab_size_divisible_by(0).is_err());
     Ok(())
 }
+
+/// A split model (here with a padded vocabulary) writes the record the plain model saves:
+/// Burn's `load_file` reads it into the plain model with every weight the split one holds,
+/// bit for bit, and `load_sharded` into another TP size; a write that fails is an error on
+/// every rank.
+#[test]
+fn a_split_model_saves_the_record_the_plain_model_loads() -> Result<(), Error> {
+    use burn_megatron::tensor_parallel::dropin::save_gathered;
+    let dir = scratch("save");
+    // Each TP size draws other weights (seed 20 + TP), so the record read at TP 4 shows.
+    let plan = |seed: u64| -> Result<TpPlan, Error> {
+        let plan = TpPlan::new().vocab(&["wte", "lm_head"])?.with_seed(seed);
+        Ok(plan.make_vocab_size_divisible_by(DIVISIBLE_BY)?)
+    };
+    let saved = |tp: usize| dir.join(format!("tp{tp}.bpk"));
+    for tp in [2, 4] {
+        let out = threads(
+            &ParallelConfig::new(tp, tp, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let lm = plan(20 + tp as u64)?.apply(Lm::new(d), g)?;
+                save_gathered(&lm, saved(tp), g)?;
+                let missing = save_gathered(&lm, dir.join("missing/lm.bpk"), g);
+                // The TP 2 record, read at TP 4.
+                let reloaded = match tp {
+                    4 => {
+                        let source = RecordSource::from_path(saved(2));
+                        let fresh = plan(5)?.apply(Lm::new(d), g)?;
+                        let (fresh, _) = load_sharded(fresh, &source, g, &LoadOptions::default())?;
+                        Some(gathered(&fresh, None, g))
+                    }
+                    _ => None,
+                };
+                Ok::<_, Error>((
+                    gathered(&lm, None, g),
+                    missing.map_err(|e| e.to_string()),
+                    reloaded,
+                ))
+            },
+        )?;
+        let plain = Lm::new(&Device::flex()).try_load_file(saved(tp))?;
+        let plain: super::Values = params(&plain).into_iter().map(|(n, _, v)| (n, v)).collect();
+        for (rank, (split, missing, reloaded)) in out.iter().enumerate() {
+            assert_eq!(split, &plain, "TP {tp}, rank {rank}: the saved record");
+            let e = missing.as_ref().unwrap_err();
+            assert!(e.contains("missing"), "TP {tp}, rank {rank}: {e}");
+            if let Some(reloaded) = reloaded {
+                assert_ne!(reloaded, split, "TP 4 drew other weights than TP 2");
+            }
+        }
+        if tp == 4 {
+            let two = Lm::new(&Device::flex()).try_load_file(saved(2))?;
+            let two: super::Values = params(&two).into_iter().map(|(n, _, v)| (n, v)).collect();
+            for (rank, (_, _, reloaded)) in out.iter().enumerate() {
+                assert_eq!(
+                    reloaded.as_ref(),
+                    Some(&two),
+                    "TP 2's record at TP 4, rank {rank}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}

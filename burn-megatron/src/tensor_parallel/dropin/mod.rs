@@ -19,7 +19,8 @@
 //! Burn's `Dropout` draws from one process-wide generator, so ranks running as threads would
 //! draw different masks for activations every rank holds whole.
 //!
-//! Then [`load_sharded`] reads the record the plain model saved, each rank only its shards;
+//! Then [`load_sharded`] reads the record the plain model saved, each rank only its shards,
+//! and [`save_gathered`] writes one the plain model loads, from the shards;
 //! [`attention_split`] gives per-rank head counts; the vocabulary-parallel loss, sampler and
 //! argmax are in [`tensor_parallel`](super).
 
@@ -30,6 +31,7 @@ mod load;
 mod mha;
 pub mod nn;
 mod plan;
+mod save;
 mod shard;
 mod swiglu;
 
@@ -41,4 +43,5 @@ pub use init::master_init;
 pub use load::{LoadOptions, LoadReport, RecordSource, load_sharded};
 pub use mha::{ParallelMhaInput, ParallelMhaOutput, ParallelMultiHeadAttention};
 pub use plan::{Split, TpPlan, TpSlot};
+pub use save::save_gathered;
 pub use swiglu::ParallelSwiGlu;

@@ -1,0 +1,138 @@
+//! The plain model's record, written from a tensor-parallel one: what a user who trained at
+//! TP 2 hands to code that knows only Burn.
+//!
+//! Each parameter is gathered over the tensor-parallel group when TP rank 0's burnpack
+//! writer reaches it (a padded vocabulary cut to its real size), so that rank holds one
+//! whole tensor at a time, not the model. The gathers are collectives in module order: the
+//! other ranks run the same sequence, and rank 0 runs the rest of it when its writer stops
+//! early, so a failed write is an error on every rank rather than a hang.
+
+use super::super::{TpError, parallel_attrs};
+use crate::comm::tensor::all_gather;
+use crate::comm::{Comm, CommunicatorExt, ReduceOp};
+use crate::module_path::{PathVisitor, visit_paths};
+use burn::module::{Module, Param};
+use burn::tensor::{DType, Tensor, TensorData};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// One parameter's whole tensor, gathered when asked (a collective).
+type Gather = Arc<dyn Fn() -> Result<TensorData, String> + Send + Sync>;
+
+/// A parameter as the plain model's record holds it.
+struct Entry {
+    path: String,
+    id: u64,
+    dtype: DType,
+    shape: Vec<usize>,
+    gather: Gather,
+}
+
+struct Collect<'a> {
+    tp: &'a Comm,
+    entries: Vec<Entry>,
+}
+
+impl PathVisitor for Collect<'_> {
+    fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+        let attrs = parallel_attrs(p.id);
+        let value = p.val();
+        let (mut shape, dtype) = (value.dims().to_vec(), value.dtype());
+        if let Some(d) = attrs.split_dim() {
+            shape[d] *= self.tp.group().size();
+            if let Some(real) = attrs.unpadded_size {
+                shape[d] = real;
+            }
+        }
+        let (tp, real) = (self.tp.clone(), shape.clone());
+        let gather = move || {
+            let whole = match attrs.split_dim() {
+                Some(d) => all_gather(&*tp, value.clone(), d)
+                    .map_err(|e| e.to_string())?
+                    .narrow(d, 0, real[d]),
+                None => value.clone(),
+            };
+            Ok(whole.into_data())
+        };
+        self.entries.push(Entry {
+            path: path.to_string(),
+            id: p.id.val(),
+            dtype,
+            shape,
+            gather: Arc::new(gather),
+        });
+    }
+}
+
+/// Writes the record the plain model (the same code, no plan applied) saves with
+/// `Module::save_file`, from `model`'s shards on every rank of `tp`: a burnpack file at
+/// `path` (`.bpk` appended when it has no extension, as Burn does; replaced atomically) holding every parameter whole under its module path, a
+/// padded vocabulary cut to its real size. Burn's `load_file` reads it into the plain model,
+/// and [`load_sharded`](super::load_sharded) into a model split at any TP size.
+///
+/// Collective: every rank of `tp` calls it, and TP rank 0 writes. With data parallelism,
+/// call it in one replica (the replicas hold the same weights). Rank 0 holds one whole
+/// tensor at a time besides the model. A failed write is an error on every rank.
+pub fn save_gathered<M: Module>(
+    model: &M,
+    path: impl AsRef<Path>,
+    tp: &Comm,
+) -> Result<(), TpError> {
+    let path = path.as_ref();
+    let mut collect = Collect {
+        tp,
+        entries: Vec::new(),
+    };
+    visit_paths(model, &mut collect);
+    let entries = collect.entries;
+    let written = match tp.group().rank() {
+        0 => write(&entries, path),
+        _ => entries.iter().try_for_each(|e| (e.gather)().map(drop)),
+    };
+    let mut failed = vec![i64::from(written.is_err())];
+    tp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
+    match (written, failed[0]) {
+        (Err(e), _) => Err(TpError::Invalid(format!("{}: {e}", path.display()))),
+        (Ok(()), 0) => Ok(()),
+        (Ok(()), _) => Err(TpError::Invalid(format!(
+            "{}: not written: tensor-parallel rank 0 failed to write it, or a rank failed to \
+             gather its shards",
+            path.display()
+        ))),
+    }
+}
+
+/// TP rank 0's part: the file, each tensor gathered when the writer reaches it; then the
+/// gathers the writer did not reach, which the other ranks are waiting in.
+fn write(entries: &[Entry], path: &Path) -> Result<(), String> {
+    let reached = Arc::new(AtomicUsize::new(0));
+    let tensors = entries
+        .iter()
+        .map(|e| {
+            let (gather, reached) = (e.gather.clone(), reached.clone());
+            let bytes = e.shape.iter().product::<usize>() * e.dtype.size();
+            burn_pack::Tensor::deferred(
+                e.path.clone(),
+                e.dtype,
+                e.shape.clone(),
+                Some(e.id),
+                bytes,
+                move || {
+                    reached.fetch_add(1, Ordering::SeqCst);
+                    let data = gather().map_err(burn_pack::Error::IoError)?;
+                    Ok(data.into_bytes())
+                },
+            )
+        })
+        .collect();
+    let written = burn_pack::Writer::new(tensors)
+        .write_to_file(path)
+        .map_err(|e| e.to_string());
+    let done = reached.load(Ordering::SeqCst).min(entries.len());
+    for e in &entries[done..] {
+        // The others' errors say why; a rank that fails here cannot write anyway.
+        let _ = (e.gather)();
+    }
+    written
+}
