@@ -118,23 +118,25 @@ pub(super) fn save<M: Module>(
             ));
         }
         let set = format!("optim.{field}");
+        let placement = placement(ParamId::from(id), &dims, tp.0, tp.1);
+        let Some(data) = placement.stored_part(TensorData::from_bytes(bytes, shape, dtype)) else {
+            continue;
+        };
         let Placement {
             global_shape,
             offset,
-        } = placement(ParamId::from(id), &dims, tp.0, tp.1);
-        // One safetensors key per (set, name).
-        named.push((
-            stored_key(&set, &global),
-            TensorData::from_bytes(bytes, shape.clone(), dtype),
-        ));
+            ..
+        } = placement;
         entries.push(TensorEntry {
-            set,
-            name: global,
+            set: set.clone(),
+            name: global.clone(),
             file: FILE.to_string(),
             global_shape,
             offset,
-            shape,
+            shape: data.shape().to_vec(),
         });
+        // One safetensors key per (set, name).
+        named.push((stored_key(&set, &global), data));
     }
     named.sort_by(|a, b| a.0.cmp(&b.0));
     entries.sort_by(|a, b| (&a.set, &a.name).cmp(&(&b.set, &b.name)));

@@ -54,6 +54,7 @@ impl CheckpointIndex {
         let whole = Placement {
             offset: vec![0; global_shape.len()],
             global_shape: global_shape.clone(),
+            stored: global_shape.clone(),
         };
         Files::new(self).slice_in(set, &key, name, &whole, &global_shape)
     }

@@ -17,16 +17,55 @@ use std::path::{Path, PathBuf};
 pub(super) struct Placement {
     pub(super) global_shape: Vec<usize>,
     pub(super) offset: Vec<usize>,
+    /// The shape of the part of this rank's slice inside the global tensor: the slice's own,
+    /// but for a padded vocabulary, whose padding is not saved (the global shape is the real
+    /// one), so that layouts that pad it differently load each other's checkpoints.
+    pub(super) stored: Vec<usize>,
 }
 
 /// The placement of a parameter of local `dims` with id `id` on tensor-parallel rank
 /// `tp_rank` of `tp`: tensor-parallel shards are contiguous slices along their partition
 /// dim, in rank order (the layers slice one full initialisation).
 pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) -> Placement {
-    let (global_shape, offset) = parallel_attrs(id).placement(dims, tp_rank, tp);
+    let attrs = parallel_attrs(id);
+    let (mut global_shape, offset) = attrs.placement(dims, tp_rank, tp);
+    let mut stored = dims.to_vec();
+    if let Some((d, real)) = attrs.split_dim().zip(attrs.unpadded_size)
+        && d < dims.len()
+    {
+        global_shape[d] = real;
+        stored[d] = real.saturating_sub(offset[d]).min(dims[d]);
+    }
     Placement {
         global_shape,
         offset,
+        stored,
+    }
+}
+
+impl Placement {
+    /// `data` (this rank's slice) cut to the part a checkpoint holds; `None` when the slice
+    /// is all vocabulary padding.
+    pub(super) fn stored_part(&self, data: TensorData) -> Option<TensorData> {
+        let dims = data.shape().to_vec();
+        if self.stored == dims {
+            return Some(data);
+        }
+        let d = (0..dims.len()).find(|&d| self.stored[d] != dims[d])?;
+        if self.stored[d] == 0 {
+            return None;
+        }
+        // A prefix along `d`: the first `stored[d]` of each run of `dims[d]` blocks.
+        let (dtype, elem) = (data.dtype(), data.dtype().size());
+        let block = dims[d + 1..].iter().product::<usize>() * elem;
+        let (run, keep) = (dims[d] * block, self.stored[d] * block);
+        let bytes = data.as_bytes();
+        let kept = (bytes.chunks(run)).flat_map(|r| r[..keep].iter().copied());
+        Some(TensorData::from_bytes_vec(
+            kept.collect(),
+            self.stored.clone(),
+            dtype,
+        ))
     }
 }
 
@@ -65,9 +104,12 @@ impl PathVisitor for Collect<'_> {
             return;
         }
         let placement = placement(p.id, &value.dims(), self.tp.0, self.tp.1);
+        let Some(data) = placement.stored_part(value.into_data()) else {
+            return;
+        };
         self.out.push(Collected {
             name: (self.names)(path),
-            data: value.into_data(),
+            data,
             placement,
         });
     }
@@ -228,7 +270,7 @@ impl<'a> Files<'a> {
         if datas.iter().any(|(_, d)| d.dtype() != dtype) {
             return Err(mismatch("its shards were saved in different dtypes".into()));
         }
-        let pieces: Vec<Piece<'_>> = datas
+        let mut pieces: Vec<Piece<'_>> = datas
             .iter()
             .map(|(e, d)| Piece {
                 offset: &e.offset,
@@ -236,9 +278,32 @@ impl<'a> Files<'a> {
                 bytes: d.as_bytes(),
             })
             .collect();
+        // A padded vocabulary's padding, past the saved global shape: zeros.
+        let padding = padding_box(want, shape);
+        let zeros = padding
+            .as_ref()
+            .map(|(_, s)| vec![0u8; s.iter().product::<usize>() * dtype.size()]);
+        if let (Some((offset, shape)), Some(bytes)) = (&padding, &zeros) {
+            pieces.push(Piece {
+                offset,
+                shape,
+                bytes,
+            });
+        }
         let bytes = assemble(&want.offset, shape, &pieces, dtype.size()).map_err(mismatch)?;
         Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
     }
+}
+
+/// The part of the box `[want.offset, want.offset + shape)` past the global shape (along the
+/// one dimension a padded vocabulary pads), as an offset and a shape, if there is one.
+fn padding_box(want: &Placement, shape: &[usize]) -> Option<(Vec<usize>, Vec<usize>)> {
+    let global = &want.global_shape;
+    let d = (0..shape.len()).find(|&d| want.offset[d] + shape[d] > global[d])?;
+    let (mut offset, mut size) = (want.offset.clone(), shape.to_vec());
+    offset[d] = want.offset[d].max(global[d]);
+    size[d] = want.offset[d] + shape[d] - offset[d];
+    Some((offset, size))
 }
 
 /// Replaces every float parameter of a module with its slice of `set`, keeping dtype, device

@@ -25,6 +25,7 @@ use std::sync::Arc;
 mod load;
 mod plan;
 mod text_generation;
+mod training;
 mod vocab;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
