@@ -52,20 +52,18 @@ impl Placement {
             return Some(data);
         }
         let d = (0..dims.len()).find(|&d| self.stored[d] != dims[d])?;
-        if self.stored[d] == 0 {
+        if self.stored.contains(&0) {
             return None;
         }
         // A prefix along `d`: the first `stored[d]` of each run of `dims[d]` blocks.
         let (dtype, elem) = (data.dtype(), data.dtype().size());
         let block = dims[d + 1..].iter().product::<usize>() * elem;
         let (run, keep) = (dims[d] * block, self.stored[d] * block);
-        let bytes = data.as_bytes();
-        let kept = (bytes.chunks(run)).flat_map(|r| r[..keep].iter().copied());
-        Some(TensorData::from_bytes_vec(
-            kept.collect(),
-            self.stored.clone(),
-            dtype,
-        ))
+        let mut kept = Vec::with_capacity(self.stored.iter().product::<usize>() * elem);
+        for r in data.as_bytes().chunks(run) {
+            kept.extend_from_slice(&r[..keep]);
+        }
+        Some(TensorData::from_bytes_vec(kept, self.stored.clone(), dtype))
     }
 }
 

@@ -125,8 +125,8 @@ impl ParallelAttrs {
         !self.shared && (self.tensor_model_parallel || self.expert || tp_rank == 0)
     }
 
-    /// These attributes with the layout (`tensor_model_parallel`, `partition_dim`,
-    /// `sequence_parallel`) of `layout`, keeping the tie flags of `self`.
+    /// These attributes with the layout (every field but the tie flags: the split, its
+    /// padding, `sequence_parallel`, `expert`) of `layout`, keeping the tie flags of `self`.
     pub fn with_layout_of(self, layout: ParallelAttrs) -> Self {
         Self {
             shared_embedding: self.shared_embedding,

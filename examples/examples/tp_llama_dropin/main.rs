@@ -158,7 +158,7 @@ fn loading_memory(dir: &std::path::Path, tp: usize) -> Result<String, Box<dyn st
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    // 65 tokens: no TP size splits them, so the plan pads the vocabulary (to 72 at TP 2).
+    // 65 tokens: no TP size splits them, so the plan pads the vocabulary (to 80 at TP 2).
     let config = LlamaConfig::new(65, 32, 4, 2, 48, 2, SEQ + args.new_tokens + 8);
     if !config.n_kv_heads.is_multiple_of(args.tp) {
         return Err("--tp must divide the 2 key/value heads".into());

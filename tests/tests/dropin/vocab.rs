@@ -342,3 +342,59 @@ fn a_split_model_saves_the_record_the_plain_model_loads() -> Result<(), Error> {
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+/// What the plain model saves beside split layers: an int parameter, and a Burn `Linear` in
+/// the column layout, whose mapper stores its weight transposed. Burn's `load_file` reads
+/// both back from the gathered record.
+#[derive(Module, Debug)]
+struct Holder {
+    lm: Lm,
+    col: burn::nn::Linear,
+    count: burn::module::Param<Tensor<1, Int>>,
+}
+
+impl Holder {
+    fn new(count: [i64; 3], device: &Device) -> Self {
+        let col = burn::nn::LinearConfig::new(3, 5)
+            .with_layout(burn::nn::LinearLayout::Col)
+            .with_initializer(burn::nn::Initializer::Constant { value: 0.5 });
+        Self {
+            lm: Lm::new(device),
+            col: col.init(device),
+            count: burn::module::Param::initialized(
+                burn::module::ParamId::new(),
+                Tensor::from_data(count, device),
+            ),
+        }
+    }
+}
+
+#[test]
+fn the_saved_record_holds_int_parameters_and_burns_mapped_layouts() -> Result<(), Error> {
+    use burn_megatron::tensor_parallel::dropin::save_gathered;
+    let dir = scratch("save-holder");
+    let file = dir.join("holder.bpk");
+    threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let plan = TpPlan::new().vocab(&["lm.wte", "lm.lm_head"])?;
+            let plan = plan.make_vocab_size_divisible_by(DIVISIBLE_BY)?;
+            let holder = plan.apply(Holder::new([7, 8, 9], d), g)?;
+            save_gathered(&holder, &file, g)?;
+            Ok::<_, Error>(())
+        },
+    )?;
+    let device = Device::flex();
+    let plain = Holder::new([0, 0, 0], &device).try_load_file(&file)?;
+    let count: Vec<i64> = plain.count.val().into_data().iter::<i64>().collect();
+    assert_eq!(count, vec![7, 8, 9]);
+    assert_eq!(
+        plain.col.weight.val().dims(),
+        [3, 5],
+        "Burn's layout, restored"
+    );
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}

@@ -153,7 +153,8 @@ pub struct LoadReport {
     pub missing: Vec<String>,
     /// Record tensors no parameter took, by record key (only with `with_allow_unused`).
     pub unused: Vec<String>,
-    /// Bytes of this rank's shards, as read from the file.
+    /// Bytes of this rank's shards, as read from the file (a padded vocabulary's zeros
+    /// included).
     pub shard_bytes: u64,
     /// The largest tensor read whole: to cut a column shard out of it, or any tensor of a
     /// PyTorch checkpoint (0 when every shard was a run of rows of a mapped file).
@@ -443,8 +444,7 @@ impl Loader<'_, '_> {
         }
         let elem = stored.dtype.size();
         let row: usize = want.iter().skip(1).product::<usize>() * elem;
-        let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d])
-            && (want.is_empty() || at[0] + size[0] <= want[0]);
+        let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d]);
         let whole = stored.bytes()?;
         // Read whole: a tensor read from the file (not a view of a map), or a column shard.
         if matches!(whole, Cow::Owned(_)) || !(rows_only || want.is_empty()) {
@@ -452,11 +452,16 @@ impl Loader<'_, '_> {
             *largest = (*largest).max(whole.len() as u64);
         }
         if rows_only || want.is_empty() {
-            let (start, end) = match want.is_empty() {
-                true => (0, elem),
-                false => (at[0] * row, (at[0] + size[0]) * row),
+            let bytes = match want.is_empty() {
+                true => whole[..elem].to_vec(),
+                false => {
+                    // The rows the record holds, then zeros for padding rows past its end.
+                    let end = (at[0] + size[0]).min(want[0]);
+                    let mut bytes = whole[at[0].min(end) * row..end * row].to_vec();
+                    bytes.resize(size[0] * row, 0);
+                    bytes
+                }
             };
-            let bytes = whole[start..end].to_vec();
             let bytes = match transposed {
                 true => transpose(&bytes, size[0], size[1], elem),
                 false => bytes,

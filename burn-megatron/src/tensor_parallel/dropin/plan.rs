@@ -40,6 +40,9 @@ pub enum Split {
     /// that does not split is padded with
     /// [`make_vocab_size_divisible_by`](TpPlan::make_vocab_size_divisible_by); the padding
     /// logits are masked to [`PADDED_VOCAB_LOGIT`](crate::tensor_parallel::PADDED_VOCAB_LOGIT).
+    /// A label-smoothed loss over split logits then averages its smoothing term over the
+    /// padding too (as the GPT's does): with padding, train without smoothing, or over
+    /// gathered logits.
     Vocab,
     /// An output `Linear` split over the vocabulary as [`Vocab`](Self::Vocab), its logits
     /// gathered and cut back to the real vocabulary: every rank gets `[..., vocab]`, for a

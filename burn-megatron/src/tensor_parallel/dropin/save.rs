@@ -10,15 +10,16 @@
 use super::super::{TpError, parallel_attrs};
 use crate::comm::tensor::all_gather;
 use crate::comm::{Comm, CommunicatorExt, ReduceOp};
-use crate::module_path::{PathVisitor, visit_paths};
-use burn::module::{Module, Param};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::kind::Basic;
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// One parameter's whole tensor, gathered when asked (a collective).
-type Gather = Arc<dyn Fn() -> Result<TensorData, String> + Send + Sync>;
+/// One parameter's whole tensor (a collective for a split one); its data only when asked
+/// for, since only the writing rank needs it read back.
+type Gather = Arc<dyn Fn(bool) -> Result<Option<TensorData>, String> + Send + Sync>;
 
 /// A parameter as the plain model's record holds it.
 struct Entry {
@@ -29,51 +30,79 @@ struct Entry {
     gather: Gather,
 }
 
+/// Every parameter, float, int and bool, in module order, as Burn's record collects them:
+/// in the form its mapper saves (`transform_for_save`).
 struct Collect<'a> {
     tp: &'a Comm,
+    path: Vec<String>,
     entries: Vec<Entry>,
 }
 
-impl PathVisitor for Collect<'_> {
-    fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
-        let attrs = parallel_attrs(p.id);
-        let value = p.val();
-        let (mut shape, dtype) = (value.dims().to_vec(), value.dtype());
-        if let Some(d) = attrs.split_dim() {
-            shape[d] *= self.tp.group().size();
-            if let Some(real) = attrs.unpadded_size {
-                shape[d] = real;
-            }
-        }
-        let (tp, real) = (self.tp.clone(), shape.clone());
-        let gather = move || {
-            let whole = match attrs.split_dim() {
-                Some(d) => all_gather(&*tp, value.clone(), d)
-                    .map_err(|e| e.to_string())?
-                    .narrow(d, 0, real[d]),
-                None => value.clone(),
-            };
-            Ok(whole.into_data())
-        };
+impl Collect<'_> {
+    fn push(&mut self, id: ParamId, dtype: DType, shape: Vec<usize>, gather: Gather) {
         self.entries.push(Entry {
-            path: path.to_string(),
-            id: p.id.val(),
+            path: self.path.join("."),
+            id: id.val(),
             dtype,
             shape,
-            gather: Arc::new(gather),
+            gather,
         });
+    }
+
+    /// A parameter every rank holds whole.
+    fn whole<const D: usize, K: Basic + 'static>(&mut self, id: ParamId, value: Tensor<D, K>) {
+        let (shape, dtype) = (value.dims().to_vec(), value.dtype());
+        let gather = move |keep: bool| Ok(keep.then(|| value.clone().into_data()));
+        self.push(id, dtype, shape, Arc::new(gather));
+    }
+}
+
+impl ModuleVisitor for Collect<'_> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+        let attrs = parallel_attrs(p.id);
+        let value = p.transform_for_save().val();
+        let Some(d) = attrs.split_dim() else {
+            return self.whole(p.id, value);
+        };
+        let (mut shape, dtype) = (value.dims().to_vec(), value.dtype());
+        shape[d] = attrs
+            .unpadded_size
+            .unwrap_or(shape[d] * self.tp.group().size());
+        let (tp, real) = (self.tp.clone(), shape[d]);
+        let gather = move |keep: bool| {
+            let whole = all_gather(&*tp, value.clone(), d).map_err(|e| e.to_string())?;
+            Ok(keep.then(|| whole.narrow(d, 0, real).into_data()))
+        };
+        self.push(p.id, dtype, shape, Arc::new(gather));
+    }
+
+    fn visit_int<const D: usize>(&mut self, p: &Param<Tensor<D, Int>>) {
+        self.whole(p.id, p.transform_for_save().val());
+    }
+
+    fn visit_bool<const D: usize>(&mut self, p: &Param<Tensor<D, Bool>>) {
+        self.whole(p.id, p.transform_for_save().val());
     }
 }
 
 /// Writes the record the plain model (the same code, no plan applied) saves with
 /// `Module::save_file`, from `model`'s shards on every rank of `tp`: a burnpack file at
-/// `path` (`.bpk` appended when it has no extension, as Burn does; replaced atomically) holding every parameter whole under its module path, a
+/// `path` (`.bpk` appended when it has no extension, as Burn does; replaced atomically)
+/// holding every parameter whole under its module path, in the form its mapper saves, a
 /// padded vocabulary cut to its real size. Burn's `load_file` reads it into the plain model,
 /// and [`load_sharded`](super::load_sharded) into a model split at any TP size.
 ///
 /// Collective: every rank of `tp` calls it, and TP rank 0 writes. With data parallelism,
 /// call it in one replica (the replicas hold the same weights). Rank 0 holds one whole
-/// tensor at a time besides the model. A failed write is an error on every rank.
+/// tensor at a time besides the model. A failed write or gather is an error on every rank.
 pub fn save_gathered<M: Module>(
     model: &M,
     path: impl AsRef<Path>,
@@ -82,13 +111,24 @@ pub fn save_gathered<M: Module>(
     let path = path.as_ref();
     let mut collect = Collect {
         tp,
+        path: Vec::new(),
         entries: Vec::new(),
     };
-    visit_paths(model, &mut collect);
+    model.visit(&mut collect);
     let entries = collect.entries;
     let written = match tp.group().rank() {
         0 => write(&entries, path),
-        _ => entries.iter().try_for_each(|e| (e.gather)().map(drop)),
+        // Every gather, failed or not, as rank 0 runs them: the first error is kept.
+        _ => {
+            let mut first = Ok(());
+            for e in &entries {
+                let this = (e.gather)(false).map(drop);
+                if first.is_ok() {
+                    first = this;
+                }
+            }
+            first
+        }
     };
     let mut failed = vec![i64::from(written.is_err())];
     tp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
@@ -120,7 +160,8 @@ fn write(entries: &[Entry], path: &Path) -> Result<(), String> {
                 bytes,
                 move || {
                     reached.fetch_add(1, Ordering::SeqCst);
-                    let data = gather().map_err(burn_pack::Error::IoError)?;
+                    let data = gather(true).map_err(burn_pack::Error::IoError)?;
+                    let data = data.ok_or(burn_pack::Error::IoError("no data read".into()))?;
                     Ok(data.into_bytes())
                 },
             )
@@ -132,7 +173,7 @@ fn write(entries: &[Entry], path: &Path) -> Result<(), String> {
     let done = reached.load(Ordering::SeqCst).min(entries.len());
     for e in &entries[done..] {
         // The others' errors say why; a rank that fails here cannot write anyway.
-        let _ = (e.gather)();
+        let _ = (e.gather)(false);
     }
     written
 }
