@@ -230,12 +230,13 @@ impl ParallelTraining {
 
     /// `inner` wrapped for `chunks`: around the distributed optimizer's shards when so
     /// configured, with the model-parallel group for the overflow check and the norm. Add
-    /// clipping and loss scaling with the wrapper's `with_*` methods.
+    /// clipping and loss scaling with the wrapper's `with_*` methods. Its error is
+    /// [`load`](Self::load)'s `make_optimizer`'s, so that closure may be this call.
     pub fn optimizer<C: Module + Clone>(
         &self,
         inner: impl Into<InnerOptimizer>,
         chunks: &Vec<C>,
-    ) -> Result<MegatronOptimizer<Vec<C>>, CommError> {
+    ) -> Result<MegatronOptimizer<Vec<C>>, OptimizerError> {
         let (mp, tp_rank) = (self.mp.clone(), self.tp_rank);
         let optimizer = match self.config.use_distributed_optimizer {
             true => {

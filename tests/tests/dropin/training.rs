@@ -10,7 +10,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::CommunicatorExt;
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::optimizer::{InnerOptimizer, OptimizerError};
+use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::tensor_parallel::dropin::TpPlan;
 use burn_megatron::tensor_parallel::dropin::nn::{
     Embedding, EmbeddingConfig, Linear, LinearConfig,
@@ -91,9 +91,7 @@ fn train(run: Run<'_>) -> Result<Vec<f32>, Error> {
             let adamw = || InnerOptimizer::from(AdamWConfig::new().with_weight_decay(0.0).init());
             let (mut chunks, mut optimizer) = match run.resume {
                 Some(root) => {
-                    let make = |t: &ParallelTraining, m: &Vec<Lm>| {
-                        Ok::<_, OptimizerError>(t.optimizer(adamw(), m)?)
-                    };
+                    let make = |t: &ParallelTraining, m: &Vec<Lm>| t.optimizer(adamw(), m);
                     let restored = training.load(root, Some(2), chunks, make, true)?;
                     (restored.model, restored.optimizer)
                 }
