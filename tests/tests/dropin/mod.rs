@@ -22,6 +22,7 @@ use burn_megatron_tests::{data, seeded_linear};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+mod attention;
 mod load;
 mod plan;
 mod text_generation;

@@ -48,9 +48,11 @@ pub enum Split {
     /// gathered and cut back to the real vocabulary: every rank gets `[..., vocab]`, for a
     /// loss written for whole logits (`burn::nn::loss::CrossEntropyLoss`).
     GatheredVocab,
-    /// [`nn::transformer`](super::nn::transformer)'s encoder split as Megatron splits a
-    /// transformer layer: `query`, `key`, `value` and `linear_inner` column-parallel,
-    /// `output` and `linear_outer` row-parallel, the norms whole, dropout from a tracker.
+    /// [`nn::transformer`](super::nn::transformer)'s encoder (or one of its layers, or an
+    /// [`nn::attention`](super::nn::attention) `MultiHeadAttention` on its own) split as
+    /// Megatron splits a transformer layer: `query`, `key`, `value` and `linear_inner`
+    /// column-parallel, `output` and `linear_outer` row-parallel, the norms whole, dropout
+    /// from a tracker.
     Encoder,
 }
 
@@ -240,8 +242,9 @@ impl TpPlan {
     }
 
     /// [`nn::transformer::TransformerEncoder`](super::nn::transformer::TransformerEncoder)s
-    /// split as Megatron splits a transformer layer ([`Split::Encoder`]); their dropout draws
-    /// from streams seeded by [`with_seed`](Self::with_seed).
+    /// (or their layers, or [`nn::attention::MultiHeadAttention`]s) split as Megatron splits
+    /// a transformer layer ([`Split::Encoder`]); their dropout draws from streams seeded by
+    /// [`with_seed`](Self::with_seed).
     pub fn encoder(self, patterns: &[&str]) -> Result<Self, TpError> {
         self.rule(patterns, Split::Encoder)
     }

@@ -1,11 +1,12 @@
-//! `Linear`, `Embedding`, `SwiGlu` and (in [`transformer`]) `TransformerEncoder` with Burn's
-//! names, fields, configs and record paths, each with a [`TpSlot`] that a
+//! `Linear`, `Embedding`, `SwiGlu`, (in [`attention`]) `MultiHeadAttention` and (in
+//! [`transformer`]) `TransformerEncoder` with Burn's names, fields, configs and record paths, each with a [`TpSlot`] that a
 //! [`TpPlan`](super::TpPlan) fills: a model written with `burn::nn` becomes tensor-parallel by
 //! importing these instead and applying a plan, with no constructor changed. Until a plan
 //! assigns a split, each layer computes exactly what Burn's does.
 
 use super::plan::{Split, TpSlot};
 
+pub mod attention;
 pub mod transformer;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;

@@ -8,14 +8,15 @@
 //! slice of the inner width. Unsplit, it computes what Burn's computes, with Burn's dropout.
 
 use super::super::encoder::encoder_block;
-use super::super::mha::{attention_probs, dropout as tracked_dropout};
+use super::super::mha::dropout as tracked_dropout;
 use super::super::plan::TpSlot;
+use super::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use super::{Linear, LinearConfig};
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::{Activation, ActivationConfig};
-use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer, LayerNorm, LayerNormConfig};
+use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
 /// Burn's `TransformerEncoderConfig`, field for field (a struct literal of Burn's compiles
@@ -68,20 +69,11 @@ impl TransformerEncoderConfig {
         let dropout = || DropoutConfig::new(self.dropout).init();
         let d = self.d_model;
         let layer = |_| TransformerEncoderLayer {
-            mha: MultiHeadAttention {
-                query: linear(d, d),
-                key: linear(d, d),
-                value: linear(d, d),
-                output: linear(d, d),
-                dropout: dropout(),
-                activation: Gelu::new(),
-                d_model: d,
-                n_heads: self.n_heads,
-                d_k: d / self.n_heads.max(1),
-                min_float: -1.0e4,
-                quiet_softmax: self.quiet_softmax,
-                tp: TpSlot::default(),
-            },
+            mha: MultiHeadAttentionConfig::new(d, self.n_heads)
+                .with_dropout(self.dropout)
+                .with_quiet_softmax(self.quiet_softmax)
+                .with_initializer(self.initializer.clone())
+                .init(device),
             pwff: PositionWiseFeedForward {
                 linear_inner: linear(d, self.d_ff),
                 linear_outer: linear(self.d_ff, d),
@@ -198,88 +190,20 @@ impl TransformerEncoderLayer {
     ) -> Tensor<3> {
         // The residual stream is whole on every rank: its masks must agree.
         let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
-        let attention = |x| self.mha.forward(x, mask_pad, mask_attn);
+        let attention = |x: Tensor<3>| {
+            let input = MhaInput::self_attn(x);
+            let input = match mask_pad {
+                Some(mask) => input.mask_pad(mask),
+                None => input,
+            };
+            let input = match mask_attn {
+                Some(mask) => input.mask_attn(mask),
+                None => input,
+            };
+            self.mha.forward(input).context
+        };
         let norms = (&self.norm_1, &self.norm_2, self.norm_first);
         encoder_block(x, norms, attention, |x| self.pwff.forward(x), residual)
-    }
-}
-
-/// Burn's `MultiHeadAttention` as the encoder uses it (self-attention); split, each rank
-/// holds `n_heads / tp` heads.
-#[derive(Module, Debug)]
-pub struct MultiHeadAttention {
-    /// Query projection.
-    pub query: Linear,
-    /// Key projection.
-    pub key: Linear,
-    /// Value projection.
-    pub value: Linear,
-    /// Output projection.
-    pub output: Linear,
-    /// The attention probabilities' dropout.
-    pub dropout: Dropout,
-    /// Unused in the forward pass, as in Burn's.
-    pub activation: Gelu,
-    /// The size of the model.
-    pub d_model: usize,
-    /// The attention heads (all ranks').
-    pub n_heads: usize,
-    /// Channels per head.
-    pub d_k: usize,
-    /// The score masked positions get.
-    pub min_float: f64,
-    /// Quiet softmax.
-    pub quiet_softmax: bool,
-    tp: TpSlot,
-}
-
-impl MultiHeadAttention {
-    /// Self-attention over `x` `[b, s, d_model]`.
-    ///
-    /// # Panics
-    ///
-    /// When the heads do not split over the ranks the layers were split over (Burn's forward
-    /// has no room for an error; a plan's sizes already split the width).
-    fn forward(
-        &self,
-        x: Tensor<3>,
-        mask_pad: Option<Tensor<2, Bool>>,
-        mask_attn: Option<Tensor<3, Bool>>,
-    ) -> Tensor<3> {
-        let [b, s, _] = x.dims();
-        let tp = self.query.tp_size();
-        assert!(
-            self.n_heads.is_multiple_of(tp),
-            "MultiHeadAttention: {} heads do not split over {tp} tensor-parallel ranks",
-            self.n_heads
-        );
-        let heads = self.n_heads / tp;
-        let split = |l: &Linear| {
-            l.forward(x.clone())
-                .reshape([b, s, heads, self.d_k])
-                .swap_dims(1, 2)
-        };
-        let (q, k, v) = (split(&self.query), split(&self.key), split(&self.value));
-        let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
-        let weights = attention_probs(
-            scores,
-            mask_pad,
-            mask_attn,
-            self.min_float,
-            self.quiet_softmax,
-        );
-        // Each rank holds other heads: their masks differ.
-        let weights = drop(
-            &self.dropout,
-            &self.tp,
-            weights,
-            RngRegion::TensorModelParallel,
-        );
-        let context = weights
-            .matmul(v)
-            .swap_dims(1, 2)
-            .reshape([b, s, heads * self.d_k]);
-        self.output.forward(context)
     }
 }
 
@@ -324,7 +248,7 @@ impl PositionWiseFeedForward {
 }
 
 /// Burn's dropout, or, once a plan split the layer, a mask from the plan's tracker's `region`.
-fn drop<const D: usize>(
+pub(super) fn drop<const D: usize>(
     dropout: &Dropout,
     slot: &TpSlot,
     x: Tensor<D>,

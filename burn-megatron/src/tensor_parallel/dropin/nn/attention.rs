@@ -1,0 +1,207 @@
+//! Burn's `nn::attention::MultiHeadAttention`, with its config, input and output, built
+//! from [`Linear`]s a plan can split: `TpPlan::encoder` on it (or on a
+//! [`TransformerEncoder`](super::transformer::TransformerEncoder) holding it) makes the
+//! query, key and value column-parallel, each rank computing `n_heads / tp` heads, and the
+//! output row-parallel, which sums the heads' contributions over the ranks. Self- and
+//! cross-attention alike; the masks apply whole to every rank's heads.
+
+use super::super::mha::attention_probs;
+use super::super::plan::TpSlot;
+use super::transformer::drop;
+use super::{Linear, LinearConfig};
+use crate::tensor_parallel::RngRegion;
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer};
+use burn::tensor::{Bool, Device, Tensor};
+
+/// Burn's `MultiHeadAttentionConfig`, field for field.
+#[derive(Config, Debug)]
+pub struct MultiHeadAttentionConfig {
+    /// The size of each linear layer.
+    pub d_model: usize,
+    /// The number of heads.
+    pub n_heads: usize,
+    /// The attention probabilities' dropout rate.
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// The score masked positions get.
+    #[config(default = -1.0e4)]
+    pub min_float: f64,
+    /// Softmax with an extra zero logit (a head may attend to nothing).
+    #[config(default = false)]
+    pub quiet_softmax: bool,
+    /// The initializer of the linear layers (Burn's default).
+    #[config(default = "burn::nn::attention::MultiHeadAttentionConfig::new(1, 1).initializer")]
+    pub initializer: Initializer,
+    /// A bias on the key layer.
+    #[config(default = true)]
+    pub key_bias: bool,
+    /// A bias on the value layer.
+    #[config(default = true)]
+    pub value_bias: bool,
+    /// A bias on the query layer.
+    #[config(default = true)]
+    pub query_bias: bool,
+    /// A bias on the output layer.
+    #[config(default = true)]
+    pub output_bias: bool,
+}
+
+impl MultiHeadAttentionConfig {
+    /// The layer on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> MultiHeadAttention {
+        let linear = |bias| {
+            LinearConfig::new(self.d_model, self.d_model)
+                .with_initializer(self.initializer.clone())
+                .with_bias(bias)
+                .init(device)
+        };
+        MultiHeadAttention {
+            query: linear(self.query_bias),
+            key: linear(self.key_bias),
+            value: linear(self.value_bias),
+            output: linear(self.output_bias),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            activation: Gelu::new(),
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            d_k: self.d_model / self.n_heads.max(1),
+            min_float: self.min_float,
+            quiet_softmax: self.quiet_softmax,
+            tp: TpSlot::default(),
+        }
+    }
+}
+
+/// Burn's `MultiHeadAttention`; split, each rank holds `n_heads / tp` heads.
+#[derive(Module, Debug)]
+pub struct MultiHeadAttention {
+    /// Query projection.
+    pub query: Linear,
+    /// Key projection.
+    pub key: Linear,
+    /// Value projection.
+    pub value: Linear,
+    /// Output projection.
+    pub output: Linear,
+    /// The attention probabilities' dropout.
+    pub dropout: Dropout,
+    /// Unused in the forward pass, as in Burn's.
+    pub activation: Gelu,
+    /// The size of the model.
+    pub d_model: usize,
+    /// The attention heads (all ranks').
+    pub n_heads: usize,
+    /// Channels per head.
+    pub d_k: usize,
+    /// The score masked positions get.
+    pub min_float: f64,
+    /// Quiet softmax.
+    pub quiet_softmax: bool,
+    pub(super) tp: TpSlot,
+}
+
+/// Burn's `MhaInput`: the query, key and value, and the masks.
+#[derive(Debug, Clone)]
+pub struct MhaInput {
+    query: Tensor<3>,
+    key: Tensor<3>,
+    value: Tensor<3>,
+    mask_pad: Option<Tensor<2, Bool>>,
+    mask_attn: Option<Tensor<3, Bool>>,
+}
+
+impl MhaInput {
+    /// Self-attention over `tensor` (`[b, s, d_model]`).
+    pub fn self_attn(tensor: Tensor<3>) -> Self {
+        Self::new(tensor.clone(), tensor.clone(), tensor)
+    }
+
+    /// Attention of `query` (`[b, s_q, d_model]`) over `key` and `value` (`[b, s_k,
+    /// d_model]`).
+    pub fn new(query: Tensor<3>, key: Tensor<3>, value: Tensor<3>) -> Self {
+        Self {
+            query,
+            key,
+            value,
+            mask_pad: None,
+            mask_attn: None,
+        }
+    }
+
+    /// Keys to ignore, `[b, s_k]` (true: padding).
+    pub fn mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
+        self.mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Query-key pairs to ignore, `[b, s_q, s_k]`.
+    pub fn mask_attn(mut self, mask_attn: Tensor<3, Bool>) -> Self {
+        self.mask_attn = Some(mask_attn);
+        self
+    }
+}
+
+/// Burn's `MhaOutput`.
+#[derive(Debug, Clone)]
+pub struct MhaOutput {
+    /// The attention probabilities after dropout, as Burn's, `[b, heads, s_q, s_k]`: this
+    /// rank's heads once split.
+    pub weights: Tensor<4>,
+    /// `[b, s_q, d_model]`, whole on every rank.
+    pub context: Tensor<3>,
+}
+
+impl MultiHeadAttention {
+    /// Burn's forward: the context of every query and the attention probabilities.
+    ///
+    /// # Panics
+    ///
+    /// When the heads do not split over the ranks the layers were split over (Burn's forward
+    /// has no room for an error; a plan's sizes already split the width), or on inputs of
+    /// another width than `d_model` (as Burn's).
+    pub fn forward(&self, input: MhaInput) -> MhaOutput {
+        let [b, s_q, _] = input.query.dims();
+        let s_k = input.key.dims()[1];
+        let tp = self.query.tp_size();
+        assert!(
+            self.n_heads.is_multiple_of(tp),
+            "MultiHeadAttention: {} heads do not split over {tp} tensor-parallel ranks",
+            self.n_heads
+        );
+        let heads = self.n_heads / tp;
+        let split = |l: &Linear, x: Tensor<3>, s| {
+            l.forward(x)
+                .reshape([b, s, heads, self.d_k])
+                .swap_dims(1, 2)
+        };
+        let q = split(&self.query, input.query, s_q);
+        let k = split(&self.key, input.key, s_k);
+        let v = split(&self.value, input.value, s_k);
+        let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
+        let weights = attention_probs(
+            scores,
+            input.mask_pad,
+            input.mask_attn,
+            self.min_float,
+            self.quiet_softmax,
+        );
+        // Each rank holds other heads: their masks differ.
+        let weights = drop(
+            &self.dropout,
+            &self.tp,
+            weights,
+            RngRegion::TensorModelParallel,
+        );
+        let context = weights
+            .clone()
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s_q, heads * self.d_k]);
+        MhaOutput {
+            weights,
+            context: self.output.forward(context),
+        }
+    }
+}
