@@ -1,15 +1,15 @@
-//! A model written with `burn::nn` made tensor-parallel, its record paths unchanged. Two ways,
-//! by what the user holds:
+//! A model written with `burn::nn` made tensor-parallel, its record paths unchanged: import
+//! [`nn`]'s `Linear`, `Embedding`, `SwiGlu`, `attention::MultiHeadAttention` and
+//! `transformer::TransformerEncoder` (Burn's names, fields, configs and record paths) in
+//! place of `burn::nn`'s, and name the layout once with a [`TpPlan`]: one
+//! [`apply`](TpPlan::apply) splits the whole module tree.
 //!
-//! - **Their model's code.** Import [`nn`]'s `Linear`, `Embedding`, `SwiGlu` and
-//!   `transformer::TransformerEncoder` (Burn's names, fields, configs and record paths) in
-//!   place of `burn::nn`'s, and name the layout once with a [`TpPlan`]: one
-//!   [`apply`](TpPlan::apply) splits the whole module tree.
-//! - **A built Burn layer.** [`ParallelSwiGlu`] (for `nn::SwiGlu`) and
-//!   [`ParallelTransformerEncoder`] (for `nn::transformer::TransformerEncoder`, with its layer,
-//!   [`ParallelMultiHeadAttention`] and [`ParallelPositionWiseFeedForward`]) take this rank's
-//!   shard of a plain layer (`from_*`), gather it back (`to_*`, collective), or draw it from
-//!   Burn's own config as every TP size draws it ([`MasterInit`](super::MasterInit)).
+//! One layer at a time, for a user who holds a built Burn layer rather than a model's code:
+//! [`ParallelSwiGlu`] (for `nn::SwiGlu`) and [`ParallelTransformerEncoder`] (for
+//! `nn::transformer::TransformerEncoder`, with its layer, [`ParallelMultiHeadAttention`] and
+//! [`ParallelPositionWiseFeedForward`]) take this rank's shard of a plain layer (`from_*`),
+//! gather it back (`to_*`, collective), or draw it from Burn's own config as every TP size
+//! draws it ([`MasterInit`](super::MasterInit)). A plan does all of that for a whole model.
 //!
 //! Either way the split is Megatron's: query, key, value and the first feed-forward layer
 //! column-parallel, the attention output and the second feed-forward layer row-parallel, norms

@@ -242,7 +242,7 @@ impl TpPlan {
     }
 
     /// [`nn::transformer::TransformerEncoder`](super::nn::transformer::TransformerEncoder)s
-    /// (or their layers, or [`nn::attention::MultiHeadAttention`]s) split as Megatron splits
+    /// (or their layers, or [`nn::attention::MultiHeadAttention`](super::nn::attention::MultiHeadAttention)s) split as Megatron splits
     /// a transformer layer ([`Split::Encoder`]); their dropout draws from streams seeded by
     /// [`with_seed`](Self::with_seed).
     pub fn encoder(self, patterns: &[&str]) -> Result<Self, TpError> {
