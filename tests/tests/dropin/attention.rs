@@ -167,3 +167,50 @@ fn burns_multi_head_attention_on_its_own_splits_by_heads_at_tp_2_and_4() -> Resu
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+/// Heads that do not split over the ranks are refused when the plan is applied, naming the
+/// layer, on its own and inside an encoder, although the width (24 over 2) splits.
+#[test]
+fn attention_heads_that_do_not_split_are_refused_by_the_plan() -> Result<(), Error> {
+    use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+        TransformerEncoder, TransformerEncoderConfig,
+    };
+    #[derive(Module, Debug)]
+    struct WithEncoder {
+        encoder: TransformerEncoder,
+    }
+    let errors = threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let block = Block {
+                attn: ours::MultiHeadAttentionConfig::new(24, 3).init(d),
+            };
+            let alone = TpPlan::new()
+                .encoder(&["attn"])?
+                .apply(block, g)
+                .unwrap_err();
+            let encoder = WithEncoder {
+                encoder: TransformerEncoderConfig::new(24, 32, 3, 1).init(d),
+            };
+            let inside = TpPlan::new()
+                .encoder(&["encoder"])?
+                .apply(encoder, g)
+                .unwrap_err();
+            Ok::<_, Error>((alone.to_string(), inside.to_string()))
+        },
+    )?;
+    let (alone, inside) = &errors[0];
+    assert!(
+        alone.contains("attn.tp")
+            && alone.contains("3 attention heads")
+            && alone.contains("size 2"),
+        "{alone}"
+    );
+    assert!(
+        inside.contains("encoder.layers.0.mha") && inside.contains("3 attention heads"),
+        "{inside}"
+    );
+    Ok(())
+}

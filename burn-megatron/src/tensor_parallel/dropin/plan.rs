@@ -77,6 +77,8 @@ enum Offer {
     Split(Assigned),
     /// The slot had a split already: a plan applied twice.
     Refused,
+    /// The layer's attention heads do not split over the group.
+    Heads { heads: usize, tp: usize },
 }
 
 thread_local! {
@@ -87,22 +89,35 @@ thread_local! {
 /// A layer's tensor-parallel split, empty until a [`TpPlan`] assigns one. A module with no
 /// parameters: records and paths stay those of Burn's layer.
 #[derive(Debug, Clone, Default)]
-pub struct TpSlot(pub(super) Option<Assigned>);
+pub struct TpSlot {
+    pub(super) assigned: Option<Assigned>,
+    /// An attention layer's heads, which a split must divide (checked when the plan assigns
+    /// it, so that a layout that does not fit fails before any forward).
+    heads: Option<usize>,
+}
 
 impl TpSlot {
+    /// The slot of an attention layer of `heads` heads.
+    pub(super) fn attention(heads: usize) -> Self {
+        Self {
+            assigned: None,
+            heads: Some(heads),
+        }
+    }
+
     /// The split, if a plan assigned one.
     pub fn split(&self) -> Option<Split> {
-        self.0.as_ref().map(|a| a.split)
+        self.assigned.as_ref().map(|a| a.split)
     }
 
     /// The dropout streams a plan gave a split encoder's part.
     pub(super) fn rng(&self) -> Option<&RngTracker> {
-        self.0.as_ref().and_then(|a| a.rng.as_ref())
+        self.assigned.as_ref().and_then(|a| a.rng.as_ref())
     }
 
     /// The group the layer is split over, or a group of one.
     pub(super) fn group(&self) -> Comm {
-        match &self.0 {
+        match &self.assigned {
             Some(a) => a.tp.clone(),
             None => std::sync::Arc::new(
                 crate::comm::LocalWorld::new(1)
@@ -136,12 +151,24 @@ impl Module for TpSlot {
     fn map<M: ModuleMapper>(self, _: &mut M) -> Self {
         PENDING.with(|p| {
             let mut offer = p.borrow_mut();
-            match (std::mem::take(&mut *offer), &self.0) {
+            match (std::mem::take(&mut *offer), &self.assigned) {
                 (Offer::Split(_), Some(_)) => {
                     *offer = Offer::Refused;
                     self
                 }
-                (Offer::Split(assigned), None) => Self(Some(assigned)),
+                (Offer::Split(assigned), None) => {
+                    let tp = assigned.tp.group().size();
+                    match self.heads {
+                        Some(heads) if !heads.is_multiple_of(tp) => {
+                            *offer = Offer::Heads { heads, tp };
+                            self
+                        }
+                        _ => Self {
+                            assigned: Some(assigned),
+                            ..self
+                        },
+                    }
+                }
                 (other, _) => {
                     *offer = other;
                     self
@@ -400,6 +427,10 @@ impl ModuleMapper for PlanMapper<'_> {
                 Offer::None => {}
                 Offer::Split(_) => self.fail(format!(
                     "{path}: a field named `tp` that is not a tensor-parallel slot"
+                )),
+                Offer::Heads { heads, tp } => self.fail(format!(
+                    "{path}: {heads} attention heads do not split over the tensor-parallel \
+                     size {tp}"
                 )),
                 Offer::Refused => self.fail(format!(
                     "{path}: the layer is split already (a plan applies once, to a model as \

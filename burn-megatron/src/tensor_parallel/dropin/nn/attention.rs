@@ -69,7 +69,7 @@ impl MultiHeadAttentionConfig {
             d_k: self.d_model / self.n_heads.max(1),
             min_float: self.min_float,
             quiet_softmax: self.quiet_softmax,
-            tp: TpSlot::default(),
+            tp: TpSlot::attention(self.n_heads),
         }
     }
 }

@@ -74,7 +74,7 @@ impl Linear {
     ///
     /// On an input of another width than the weight takes, naming both (as Burn's).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        let Some(a) = &self.tp.0 else {
+        let Some(a) = &self.tp.assigned else {
             let bias = self.bias.as_ref().map(|b| b.val());
             check_width("Linear", &input, &self.weight, None);
             return matmul_bias(input, self.weight.val(), bias, false);
@@ -133,7 +133,7 @@ impl Linear {
     /// The ranks the layer is split over (1 until a plan splits it): the divisor of a head
     /// count that becomes per rank.
     pub fn tp_size(&self) -> usize {
-        self.tp.0.as_ref().map_or(1, |a| a.tp.group().size())
+        self.tp.assigned.as_ref().map_or(1, |a| a.tp.group().size())
     }
 
     /// The parameters' attributes again: a record load gives them other ids.
@@ -195,7 +195,7 @@ impl Embedding {
     /// `[b, s]` ids → `[b, s, d_model]`; vocabulary-parallel: each rank looks up the ids it
     /// holds, and the ranks' rows are summed.
     pub fn forward(&self, input: Tensor<2, Int>) -> Tensor<3> {
-        match &self.tp.0 {
+        match &self.tp.assigned {
             None => burn::tensor::module::embedding(self.weight.val(), input),
             Some(a) => {
                 use crate::tensor_parallel::ParallelAttrs;
@@ -214,7 +214,7 @@ impl Embedding {
 
     /// The rows of the whole table (over every rank), padding not counted.
     pub fn num_embeddings(&self) -> usize {
-        match &self.tp.0 {
+        match &self.tp.assigned {
             Some(a) => a
                 .vocab
                 .unwrap_or(self.weight.lazy_shape().to_vec()[0] * a.tp.group().size()),
