@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 mod attention;
+mod decoder;
 mod load;
 mod plan;
 mod text_generation;

@@ -1,8 +1,8 @@
 //! A model written with `burn::nn` made tensor-parallel, its record paths unchanged: import
-//! [`nn`]'s `Linear`, `Embedding`, `SwiGlu`, `attention::MultiHeadAttention` and
-//! `transformer::TransformerEncoder` (Burn's names, fields, configs and record paths) in
-//! place of `burn::nn`'s, and name the layout once with a [`TpPlan`]: one
-//! [`apply`](TpPlan::apply) splits the whole module tree.
+//! [`nn`]'s `Linear`, `Embedding`, `SwiGlu`, `attention::MultiHeadAttention`,
+//! `transformer::TransformerEncoder` and `transformer::TransformerDecoder` (Burn's names,
+//! fields, configs and record paths) in place of `burn::nn`'s, and name the layout once with
+//! a [`TpPlan`]: one [`apply`](TpPlan::apply) splits the whole module tree.
 //!
 //! One layer at a time, for a user who holds a built Burn layer rather than a model's code:
 //! [`ParallelSwiGlu`] (for `nn::SwiGlu`) and [`ParallelTransformerEncoder`] (for

@@ -48,8 +48,9 @@ pub enum Split {
     /// gathered and cut back to the real vocabulary: every rank gets `[..., vocab]`, for a
     /// loss written for whole logits (`burn::nn::loss::CrossEntropyLoss`).
     GatheredVocab,
-    /// [`nn::transformer`](super::nn::transformer)'s encoder (or one of its layers, or an
-    /// [`nn::attention`](super::nn::attention) `MultiHeadAttention` on its own) split as
+    /// [`nn::transformer`](super::nn::transformer)'s encoder or decoder (or one of their
+    /// layers, or an [`nn::attention`](super::nn::attention) `MultiHeadAttention` on its own)
+    /// split as
     /// Megatron splits a transformer layer: `query`, `key`, `value` and `linear_inner`
     /// column-parallel, `output` and `linear_outer` row-parallel, the norms whole, dropout
     /// from a tracker.
@@ -557,6 +558,7 @@ fn container_type_is_dropin(container_type: &str) -> bool {
             | "Struct:MultiHeadAttention"
             | "Struct:PositionWiseFeedForward"
             | "Struct:TransformerEncoderLayer"
+            | "Struct:TransformerDecoderLayer"
     )
 }
 

@@ -1,8 +1,9 @@
 //! `Linear`, `Embedding`, `SwiGlu`, (in [`attention`]) `MultiHeadAttention` and (in
-//! [`transformer`]) `TransformerEncoder` with Burn's names, fields, configs and record paths, each with a [`TpSlot`] that a
-//! [`TpPlan`](super::TpPlan) fills: a model written with `burn::nn` becomes tensor-parallel by
-//! importing these instead and applying a plan, with no constructor changed. Until a plan
-//! assigns a split, each layer computes exactly what Burn's does.
+//! [`transformer`]) `TransformerEncoder` and `TransformerDecoder` with Burn's names, fields,
+//! configs and record paths, each with a [`TpSlot`] that a [`TpPlan`](super::TpPlan) fills: a
+//! model written with `burn::nn` becomes tensor-parallel by importing these instead and
+//! applying a plan, with no constructor changed. Until a plan assigns a split, each layer
+//! computes exactly what Burn's does.
 
 use super::plan::{Split, TpSlot};
 

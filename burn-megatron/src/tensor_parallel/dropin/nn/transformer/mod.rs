@@ -19,6 +19,11 @@ use burn::nn::activation::{Activation, ActivationConfig};
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::{Bool, Device, Tensor};
 
+mod decoder;
+pub use decoder::{
+    TransformerDecoder, TransformerDecoderConfig, TransformerDecoderInput, TransformerDecoderLayer,
+};
+
 /// Burn's `TransformerEncoderConfig`, field for field (a struct literal of Burn's compiles
 /// against this one).
 #[derive(Config, Debug)]

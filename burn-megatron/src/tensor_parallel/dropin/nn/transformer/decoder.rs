@@ -1,0 +1,254 @@
+//! Burn's `nn::transformer::TransformerDecoder`: self-attention, cross-attention over an
+//! encoder's memory and the feed-forward network, each split as Megatron splits a layer
+//! once an `encoder` rule names the decoder (or a layer of it); the norms stay whole, and
+//! the residual stream's dropout draws the same mask on every rank.
+
+use super::super::super::plan::TpSlot;
+use super::super::LinearConfig;
+use super::super::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use super::{PositionWiseFeedForward, drop};
+use crate::tensor_parallel::RngRegion;
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::activation::ActivationConfig;
+use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
+use burn::tensor::{Bool, Device, Tensor};
+
+/// Burn's `TransformerDecoderConfig`, field for field.
+#[derive(Config, Debug)]
+pub struct TransformerDecoderConfig {
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the position-wise feed-forward network.
+    pub d_ff: usize,
+    /// The number of attention heads.
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate.
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// Layer norm before each block instead of after.
+    #[config(default = false)]
+    pub norm_first: bool,
+    /// "Quiet softmax" instead of the regular one.
+    #[config(default = false)]
+    pub quiet_softmax: bool,
+    /// The initializer of the linear layers (Burn's default).
+    #[config(
+        default = "burn::nn::transformer::TransformerDecoderConfig::new(1, 1, 1, 1).initializer"
+    )]
+    pub initializer: Initializer,
+    /// The feed-forward network's activation (elementwise ones split).
+    #[config(default = "ActivationConfig::Gelu")]
+    pub activation: ActivationConfig,
+    /// The layer norms' epsilon.
+    #[config(default = 1e-5)]
+    pub layer_norm_eps: f64,
+}
+
+impl TransformerDecoderConfig {
+    /// The decoder on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> TransformerDecoder {
+        let d = self.d_model;
+        let attention = || {
+            MultiHeadAttentionConfig::new(d, self.n_heads)
+                .with_dropout(self.dropout)
+                .with_quiet_softmax(self.quiet_softmax)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        let linear = |i, o| {
+            LinearConfig::new(i, o)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        let norm = || {
+            LayerNormConfig::new(d)
+                .with_epsilon(self.layer_norm_eps)
+                .init(device)
+        };
+        let dropout = || DropoutConfig::new(self.dropout).init();
+        let layer = |_| TransformerDecoderLayer {
+            cross_attn: attention(),
+            self_attn: attention(),
+            pwff: PositionWiseFeedForward {
+                linear_inner: linear(d, self.d_ff),
+                linear_outer: linear(self.d_ff, d),
+                dropout: dropout(),
+                activation: self.activation.init(device),
+                tp: TpSlot::default(),
+            },
+            norm_1: norm(),
+            norm_2: norm(),
+            norm_3: norm(),
+            dropout: dropout(),
+            norm_first: self.norm_first,
+            tp: TpSlot::default(),
+        };
+        TransformerDecoder {
+            layers: (0..self.n_layers).map(layer).collect(),
+            d_model: d,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            dropout: self.dropout,
+            norm_first: self.norm_first,
+            quiet_softmax: self.quiet_softmax,
+        }
+    }
+}
+
+/// Burn's `TransformerDecoder`.
+#[derive(Module, Debug)]
+pub struct TransformerDecoder {
+    /// The layers.
+    pub layers: Vec<TransformerDecoderLayer>,
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the feed-forward network.
+    pub d_ff: usize,
+    /// The attention heads (all ranks').
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate.
+    pub dropout: f64,
+    /// Pre-norm (`true`) or post-norm.
+    pub norm_first: bool,
+    /// Quiet softmax.
+    pub quiet_softmax: bool,
+}
+
+impl TransformerDecoder {
+    /// The target `[b, s_t, d_model]` after every layer, whole on every rank.
+    pub fn forward(&self, mut input: TransformerDecoderInput) -> Tensor<3> {
+        for layer in &self.layers {
+            input = layer.forward(input);
+        }
+        input.target
+    }
+}
+
+/// Burn's `TransformerDecoderInput`: the target, the encoder's memory, and their masks.
+#[derive(Debug, Clone)]
+pub struct TransformerDecoderInput {
+    target: Tensor<3>,
+    target_mask_pad: Option<Tensor<2, Bool>>,
+    target_mask_attn: Option<Tensor<3, Bool>>,
+    memory: Tensor<3>,
+    memory_mask_pad: Option<Tensor<2, Bool>>,
+    memory_mask_attn: Option<Tensor<3, Bool>>,
+}
+
+impl TransformerDecoderInput {
+    /// The target `[b, s_t, d_model]` attending to `memory` `[b, s_m, d_model]`.
+    pub fn new(target: Tensor<3>, memory: Tensor<3>) -> Self {
+        Self {
+            target,
+            target_mask_pad: None,
+            target_mask_attn: None,
+            memory,
+            memory_mask_pad: None,
+            memory_mask_attn: None,
+        }
+    }
+
+    /// Memory positions to ignore, `[b, s_m]` (true: padding).
+    pub fn memory_mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
+        self.memory_mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Target-memory pairs to ignore, `[b, s_t, s_m]`.
+    pub fn memory_mask_attn(mut self, mask_attn: Tensor<3, Bool>) -> Self {
+        self.memory_mask_attn = Some(mask_attn);
+        self
+    }
+
+    /// Target positions to ignore, `[b, s_t]`.
+    pub fn target_mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
+        self.target_mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Target pairs to ignore, `[b, s_t, s_t]` (a causal mask).
+    pub fn target_mask_attn(mut self, mask_attn: Tensor<3, Bool>) -> Self {
+        self.target_mask_attn = Some(mask_attn);
+        self
+    }
+}
+
+/// Burn's `TransformerDecoderLayer`.
+#[derive(Module, Debug)]
+pub struct TransformerDecoderLayer {
+    /// The attention over the memory.
+    pub cross_attn: MultiHeadAttention,
+    /// The self-attention.
+    pub self_attn: MultiHeadAttention,
+    /// The feed-forward network.
+    pub pwff: PositionWiseFeedForward,
+    /// The norm around the cross-attention.
+    pub norm_1: LayerNorm,
+    /// The norm around the feed-forward network.
+    pub norm_2: LayerNorm,
+    /// The norm before the self-attention (pre-norm) or after the layer (post-norm).
+    pub norm_3: LayerNorm,
+    /// The residual branches' dropout.
+    pub dropout: Dropout,
+    /// Pre-norm.
+    pub norm_first: bool,
+    tp: TpSlot,
+}
+
+/// `input` with its masks, if any.
+fn masked(
+    input: MhaInput,
+    pad: &Option<Tensor<2, Bool>>,
+    attn: &Option<Tensor<3, Bool>>,
+) -> MhaInput {
+    let input = match pad {
+        Some(mask) => input.mask_pad(mask.clone()),
+        None => input,
+    };
+    match attn {
+        Some(mask) => input.mask_attn(mask.clone()),
+        None => input,
+    }
+}
+
+impl TransformerDecoderLayer {
+    /// Burn's layer: its norms where Burn puts them (`norm_3` before the self-attention
+    /// pre-norm, after the layer post-norm).
+    fn forward(&self, mut input: TransformerDecoderInput) -> TransformerDecoderInput {
+        // The residual stream is whole on every rank: its masks must agree.
+        let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
+        // Pre-norm normalises the branch's input, post-norm the stream before the branch.
+        let branch = |x: &mut Tensor<3>, norm: &LayerNorm| match self.norm_first {
+            true => norm.forward(x.clone()),
+            false => {
+                *x = norm.forward(x.clone());
+                x.clone()
+            }
+        };
+        let x = input.target.clone();
+        let h = match self.norm_first {
+            true => self.norm_3.forward(x.clone()),
+            false => x.clone(),
+        };
+        let h = MhaInput::self_attn(h);
+        let h = masked(h, &input.target_mask_pad, &input.target_mask_attn);
+        let mut x = x + residual(self.self_attn.forward(h).context);
+        let h = branch(&mut x, &self.norm_1);
+        let h = MhaInput::new(h, input.memory.clone(), input.memory.clone());
+        let h = masked(h, &input.memory_mask_pad, &input.memory_mask_attn);
+        let mut x = x + residual(self.cross_attn.forward(h).context);
+        let h = branch(&mut x, &self.norm_2);
+        let mut x = x + residual(self.pwff.forward(h));
+        if !self.norm_first {
+            x = self.norm_3.forward(x);
+        }
+        input.target = x;
+        input
+    }
+}
