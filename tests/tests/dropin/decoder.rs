@@ -6,10 +6,10 @@
 
 use super::Error;
 use burn::module::Module;
-use burn::nn::attention::generate_autoregressive_mask;
 use burn::nn::transformer as burn_tr;
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::tensor_parallel::dropin::nn::attention::generate_autoregressive_mask;
 use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron::topology::ParallelConfig;
@@ -136,5 +136,35 @@ fn burns_transformer_decoder_splits_as_megatron_splits_a_layer_at_tp_2_and_4() -
         "the residual stream is dropped alike on both ranks"
     );
     std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// An encoder rule on a part of a transformer layer alone is refused, naming the layer: the
+/// layer's residual dropout would stay on Burn's process-wide generator.
+#[test]
+fn an_encoder_rule_on_part_of_a_layer_is_refused() -> Result<(), Error> {
+    let errors = threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let config = ours::TransformerDecoderConfig::new(D, 32, 4, 1);
+            let model = || WithDecoder {
+                decoder: config.init(d),
+            };
+            let part = TpPlan::new().encoder(&["decoder.layers.0.self_attn"])?;
+            let part = part.apply(model(), g).unwrap_err().to_string();
+            let layer = TpPlan::new()
+                .encoder(&["decoder.layers.0"])?
+                .apply(model(), g);
+            Ok::<_, Error>((part, layer.is_ok()))
+        },
+    )?;
+    let (part, layer) = &errors[0];
+    assert!(
+        part.contains("`decoder.layers.0`") && part.contains("self_attn"),
+        "{part}"
+    );
+    assert!(layer, "a whole layer may be named");
     Ok(())
 }

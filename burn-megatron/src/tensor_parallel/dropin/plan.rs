@@ -412,6 +412,20 @@ impl ModuleMapper for PlanMapper<'_> {
         if let Some(i) = self.plan.rules.iter().position(|(p, _)| p.matches(&path)) {
             self.matched[i] = true;
             let split = self.plan.rules[i].1;
+            // A layer's residual dropout draws from the plan's streams only when the plan
+            // assigns the layer itself: a split part alone would leave it on Burn's
+            // process-wide generator, and ranks as threads would drop different entries.
+            let layer = matches!(
+                container_type,
+                "Struct:TransformerEncoderLayer" | "Struct:TransformerDecoderLayer"
+            );
+            if split == Split::Encoder && layer {
+                let layer = self.path[..self.path.len() - 1].join(".");
+                self.fail(format!(
+                    "{path}: an encoder rule names a part of the transformer layer `{layer}`; \
+                     name the layer or the whole encoder or decoder"
+                ));
+            }
             self.active = Some(Active {
                 depth: self.path.len(),
                 path,

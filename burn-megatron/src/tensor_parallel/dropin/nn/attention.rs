@@ -15,6 +15,11 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer};
 use burn::tensor::{Bool, Device, Tensor};
 
+/// Burn's mask builders, so that an import of `burn::nn::attention` swaps whole.
+pub use burn::nn::attention::{
+    GeneratePaddingMask, generate_autoregressive_mask, generate_padding_mask,
+};
+
 /// Burn's `MultiHeadAttentionConfig`, field for field.
 #[derive(Config, Debug)]
 pub struct MultiHeadAttentionConfig {

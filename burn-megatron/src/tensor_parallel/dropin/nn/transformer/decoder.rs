@@ -220,7 +220,7 @@ fn masked(
 impl TransformerDecoderLayer {
     /// Burn's layer: its norms where Burn puts them (`norm_3` before the self-attention
     /// pre-norm, after the layer post-norm).
-    fn forward(&self, mut input: TransformerDecoderInput) -> TransformerDecoderInput {
+    pub fn forward(&self, mut input: TransformerDecoderInput) -> TransformerDecoderInput {
         // The residual stream is whole on every rank: its masks must agree.
         let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
         // Pre-norm normalises the branch's input, post-norm the stream before the branch.

@@ -187,7 +187,8 @@ pub struct TransformerEncoderLayer {
 }
 
 impl TransformerEncoderLayer {
-    fn forward(
+    /// Burn's layer over `x` `[b, s, d_model]`, with the padding and attention masks.
+    pub fn forward(
         &self,
         x: Tensor<3>,
         mask_pad: Option<Tensor<2, Bool>>,
