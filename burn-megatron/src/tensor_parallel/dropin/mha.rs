@@ -49,54 +49,13 @@ pub struct ParallelMultiHeadAttention {
     rng: RngTracker,
 }
 
-/// The input of [`ParallelMultiHeadAttention::forward`], built as Burn's `MhaInput`.
-#[derive(Debug, Clone)]
-pub struct ParallelMhaInput {
-    query: Tensor<3>,
-    key: Tensor<3>,
-    value: Tensor<3>,
-    mask_pad: Option<Tensor<2, Bool>>,
-    mask_attn: Option<Tensor<3, Bool>>,
-}
+/// The input of [`ParallelMultiHeadAttention::forward`]: the drop-in layer's, built as Burn's
+/// `MhaInput`.
+pub type ParallelMhaInput = super::nn::attention::MhaInput;
 
-impl ParallelMhaInput {
-    /// Self-attention over `tensor` (`[b, s, d_model]`).
-    pub fn self_attn(tensor: Tensor<3>) -> Self {
-        Self::new(tensor.clone(), tensor.clone(), tensor)
-    }
-
-    /// Attention of `query` over `key` and `value`.
-    pub fn new(query: Tensor<3>, key: Tensor<3>, value: Tensor<3>) -> Self {
-        Self {
-            query,
-            key,
-            value,
-            mask_pad: None,
-            mask_attn: None,
-        }
-    }
-
-    /// `[b, s_k]`, true at padded keys.
-    pub fn mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
-        self.mask_pad = Some(mask_pad);
-        self
-    }
-
-    /// `[b, s_q, s_k]`, true where a query must not see a key.
-    pub fn mask_attn(mut self, mask_attn: Tensor<3, Bool>) -> Self {
-        self.mask_attn = Some(mask_attn);
-        self
-    }
-}
-
-/// What [`ParallelMultiHeadAttention::forward`] returns.
-#[derive(Debug, Clone)]
-pub struct ParallelMhaOutput {
-    /// This rank's heads' attention probabilities, `[b, n_heads / tp, s_q, s_k]`.
-    pub weights: Tensor<4>,
-    /// The layer's output, `[b, s_q, d_model]` (whole: reduced over the ranks).
-    pub context: Tensor<3>,
-}
+/// What [`ParallelMultiHeadAttention::forward`] returns: this rank's heads' attention
+/// probabilities and the whole output.
+pub type ParallelMhaOutput = super::nn::attention::MhaOutput;
 
 impl ParallelMultiHeadAttention {
     /// This rank's heads of an attention layer `config` describes, drawn from `seed` as every

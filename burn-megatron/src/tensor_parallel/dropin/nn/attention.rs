@@ -110,11 +110,11 @@ pub struct MultiHeadAttention {
 /// Burn's `MhaInput`: the query, key and value, and the masks.
 #[derive(Debug, Clone)]
 pub struct MhaInput {
-    query: Tensor<3>,
-    key: Tensor<3>,
-    value: Tensor<3>,
-    mask_pad: Option<Tensor<2, Bool>>,
-    mask_attn: Option<Tensor<3, Bool>>,
+    pub(in crate::tensor_parallel::dropin) query: Tensor<3>,
+    pub(in crate::tensor_parallel::dropin) key: Tensor<3>,
+    pub(in crate::tensor_parallel::dropin) value: Tensor<3>,
+    pub(in crate::tensor_parallel::dropin) mask_pad: Option<Tensor<2, Bool>>,
+    pub(in crate::tensor_parallel::dropin) mask_attn: Option<Tensor<3, Bool>>,
 }
 
 impl MhaInput {
