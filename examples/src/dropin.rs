@@ -107,14 +107,17 @@ pub fn worst(
     }
 }
 
+/// Tensors by module path, as [`by_path`] gathers them.
+pub type ByPath = BTreeMap<String, TensorData>;
+
 /// `steps` AdamW steps (learning rate 3e-3, weight decay 0.01) on what `loss` computes: the
-/// losses, and the first step's gradients gathered by path over `tp`.
+/// trained model, the losses, and the first step's gradients gathered by path over `tp`.
 pub fn train<M: Module, E>(
     mut model: M,
     steps: usize,
     tp: &Comm,
     loss: impl Fn(&M) -> Result<Tensor<1>, E>,
-) -> Result<(Vec<f32>, BTreeMap<String, TensorData>), E> {
+) -> Result<(M, Vec<f32>, ByPath), E> {
     let mut optim = burn::optim::AdamWConfig::new()
         .with_weight_decay(0.01)
         .init();
@@ -128,7 +131,7 @@ pub fn train<M: Module, E>(
         }
         model = optim.step(3e-3, model, grads);
     }
-    Ok((losses, grads0))
+    Ok((model, losses, grads0))
 }
 
 /// The loss table both examples print, and the largest difference.

@@ -55,6 +55,16 @@ fn the_swapped_plain_burn_llama_matches_the_plain_one() {
         after(&stdout, "greedy tokens TP=1:"),
         after(&stdout, "greedy tokens TP=2:")
     );
+    // The trained TP 2 weights, written back with save_gathered and loaded by the plain
+    // model with Burn's load_file, give the split model's loss.
+    let saved = after(
+        &stdout,
+        "trained at TP=2, saved with save_gathered, loaded by the plain model:",
+    );
+    let diff = (saved.rsplit("|diff| ").next())
+        .and_then(|d| d.trim_end_matches(')').parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no difference in {saved:?}"));
+    assert!(diff <= 1e-5, "{saved}");
     // Shard-on-load of an 80 MiB record at TP 2: rank 0's peak against its shards plus one
     // whole tensor (measured 0.86; building the whole model first holds 80 MiB before any
     // split, 1.4 or more).

@@ -128,7 +128,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ad = Device::flex().autodiff();
     let b = Batch::new(config.vocab_size, &ad);
     let model = plain::BertMaskedLm::load(&config, &record, &ad);
-    let (single, plain_grads) = train(model, args.steps, &solo(), |m| {
+    let (_, single, plain_grads) = train(model, args.steps, &solo(), |m| {
         Ok::<_, TpError>(m.loss(
             b.tokens.clone(),
             b.pad.clone(),
@@ -149,7 +149,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .fill_mask(e.tokens, e.pad, e.at, e.labels);
             let b = Batch::new(config.vocab_size, d);
             let model = parallel::BertMaskedLm::load(&config, &record, tp, d)?;
-            let (losses, grads) = train(model, args.steps, tp, |m| {
+            let (_, losses, grads) = train(model, args.steps, tp, |m| {
                 let (t, p, a, l) = (
                     b.tokens.clone(),
                     b.pad.clone(),

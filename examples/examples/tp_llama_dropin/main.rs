@@ -18,6 +18,7 @@ use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::tensor_parallel::TpError;
+use burn_megatron::tensor_parallel::dropin::save_gathered;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_examples::dropin::{param_bytes, print_losses, solo, train, worst};
 use burn_megatron_examples::memory::{Counter, mib};
@@ -166,7 +167,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The user's saved weights: a record the plain model writes (burnpack, Burn's own format).
     let dir = std::env::temp_dir().join(format!("tp-llama-dropin-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let record = dir.join("llama.bpk");
+    let (record, trained) = (dir.join("llama.bpk"), dir.join("trained.bpk"));
     let device = Device::flex();
     device.seed(42);
     plain::Llama::new(&config, &device).save_file(&record)?;
@@ -178,7 +179,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ad = Device::flex().autodiff();
     let model = plain::Llama::load(&config, &record, &ad);
     let (x, y) = batch(&ad);
-    let (single, plain_grads) = train(model, args.steps, &solo(), |m| {
+    let (_, single, plain_grads) = train(model, args.steps, &solo(), |m| {
         Ok::<_, TpError>(m.loss(x.clone(), y.clone()))
     })?;
 
@@ -192,13 +193,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let tokens = model.generate(&config, &prompt, args.new_tokens)?;
             let model = parallel::Llama::load(&config, &record, tp, d)?;
             let (x, y) = batch(d);
-            let (losses, grads) = train(model, args.steps, tp, |m| m.loss(x.clone(), y.clone()))?;
-            Ok::<_, TpError>((losses, grads, tokens))
+            let loss = |m: &parallel::Llama| m.loss(x.clone(), y.clone());
+            let (model, losses, grads) = train(model, args.steps, tp, loss)?;
+            // The trained weights back as the plain model's record.
+            let after = loss(&model)?.into_scalar::<f32>();
+            save_gathered(&model, &trained, tp)?;
+            Ok::<_, TpError>((losses, grads, tokens, after))
         },
     )?;
     let memory = loading_memory(&dir, args.tp)?;
+    let (parallel, parallel_grads, parallel_tokens, after) =
+        ranks.into_iter().next().expect("a rank");
+    // The plain model, loaded with Burn's own `load_file` from what the split one saved.
+    let reloaded = plain::Llama::load(&config, &trained, &ad);
+    let reloaded = reloaded.loss(x.clone(), y.clone()).into_scalar::<f32>();
     std::fs::remove_dir_all(&dir)?;
-    let (parallel, parallel_grads, parallel_tokens) = ranks.into_iter().next().expect("a rank");
 
     println!("{memory}");
     println!("greedy tokens TP=1:  {tokens:?}");
@@ -206,6 +215,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let worst_loss = print_losses(args.tp, &single, &parallel);
     let (worst_grad, name) = worst(&plain_grads, &parallel_grads);
     println!("largest relative gradient difference (step 0): {worst_grad:.2e} ({name})");
+    let saved = (reloaded - after).abs();
+    println!(
+        "trained at TP={}, saved with save_gathered, loaded by the plain model: loss {reloaded:.6} \
+         (TP={}: {after:.6}, |diff| {saved:.2e})",
+        args.tp, args.tp
+    );
+    if saved.is_nan() || saved > TOLERANCE {
+        return Err("the plain model loaded from save_gathered's record differs".into());
+    }
     // Written so that a NaN fails too.
     if !(worst_loss <= TOLERANCE && worst_grad <= TOLERANCE) {
         return Err(format!(
