@@ -1,12 +1,15 @@
-//! Visiting and mapping a module's float parameters with their module paths (`"0.layers.1.
+//! Visiting and mapping a module's float parameters (and visiting its int and bool ones) with
+//! their module paths (`"0.layers.1.
 //! mlp.dense_h_to_4h.weight"`), the names checkpoints and optimizer groups go by.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::Tensor;
+use burn::tensor::{Bool, Int, Tensor};
 
-/// Sees each float parameter with its path.
+/// Sees each float parameter with its path (and each int and bool one, if it asks).
 pub(crate) trait PathVisitor {
     fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>);
+    fn visit_int<const D: usize>(&mut self, _path: &str, _p: &Param<Tensor<D, Int>>) {}
+    fn visit_bool<const D: usize>(&mut self, _path: &str, _p: &Param<Tensor<D, Bool>>) {}
 }
 
 /// Replaces each float parameter, knowing its path.
@@ -29,6 +32,12 @@ impl<T: PathVisitor> ModuleVisitor for Paths<&mut T> {
     fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
         self.inner.visit(&self.path.join("."), p);
     }
+    fn visit_int<const D: usize>(&mut self, p: &Param<Tensor<D, Int>>) {
+        self.inner.visit_int(&self.path.join("."), p);
+    }
+    fn visit_bool<const D: usize>(&mut self, p: &Param<Tensor<D, Bool>>) {
+        self.inner.visit_bool(&self.path.join("."), p);
+    }
 }
 
 impl<T: PathMapper> ModuleMapper for Paths<&mut T> {
@@ -43,7 +52,7 @@ impl<T: PathMapper> ModuleMapper for Paths<&mut T> {
     }
 }
 
-/// Runs `visitor` over `module`'s float parameters, in module order.
+/// Runs `visitor` over `module`'s parameters, in module order.
 pub(crate) fn visit_paths<M: Module>(module: &M, visitor: &mut impl PathVisitor) {
     module.visit(&mut Paths {
         path: Vec::new(),

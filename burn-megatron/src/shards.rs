@@ -3,6 +3,7 @@
 //! whole-model record is cut into this rank's shard on load.
 
 /// A box `[offset, offset + shape)` of a row-major global tensor, with its bytes.
+#[derive(Clone, Copy)]
 pub(crate) struct Piece<'a> {
     pub(crate) offset: &'a [usize],
     pub(crate) shape: &'a [usize],
@@ -148,6 +149,34 @@ pub(crate) fn assemble(
         ));
     }
     Ok(out)
+}
+
+/// [`assemble`], with zeros for the part of the box past `extent`, the real shape of a
+/// tensor whose shards pad it along one dimension (a padded vocabulary's rows or columns,
+/// which no record holds); the box is assembled as it is when it lies inside `extent`.
+pub(crate) fn assemble_padded(
+    offset: &[usize],
+    shape: &[usize],
+    pieces: &[Piece<'_>],
+    elem: usize,
+    extent: &[usize],
+) -> Result<Vec<u8>, String> {
+    let ranks_agree = offset.len() == shape.len() && extent.len() == shape.len();
+    let past = |d: usize| offset[d].saturating_add(shape[d]) > extent[d];
+    let Some(d) = (0..shape.len()).find(|&d| ranks_agree && past(d)) else {
+        return assemble(offset, shape, pieces, elem);
+    };
+    let (mut at, mut size) = (offset.to_vec(), shape.to_vec());
+    at[d] = offset[d].max(extent[d]);
+    size[d] = offset[d] + shape[d] - at[d];
+    let zeros = vec![0u8; volume(&size).unwrap_or(0).saturating_mul(elem)];
+    let padding = Piece {
+        offset: &at,
+        shape: &size,
+        bytes: &zeros,
+    };
+    let all: Vec<Piece<'_>> = pieces.iter().copied().chain([padding]).collect();
+    assemble(offset, shape, &all, elem)
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ pub fn by_path<M: Module>(
                 None => value,
             };
             // A padded vocabulary's tensor, cut to the plain model's.
-            let value = match attrs.split_dim().zip(attrs.unpadded_size) {
+            let value = match attrs.padding() {
                 Some((dim, real)) => value.narrow(dim, 0, real),
                 None => value,
             };

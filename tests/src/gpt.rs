@@ -125,7 +125,7 @@ pub fn gathered<M: Module>(
             };
             // A padded vocabulary's tensor, cut to the real one (the padding is checked
             // where it matters).
-            let full = match attrs.split_dim().zip(attrs.unpadded_size) {
+            let full = match attrs.padding() {
                 Some((d, n)) => full.narrow(d, 0, n),
                 None => full,
             };

@@ -6,7 +6,7 @@ use super::index::{CheckpointIndex, TensorEntry};
 use super::{CheckpointError, io};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
 use crate::safetensors_io;
-use crate::shards::{Piece, assemble};
+use crate::shards::{Piece, assemble_padded};
 use crate::tensor_parallel::{copy_parallel_attrs, parallel_attrs};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};
@@ -30,7 +30,7 @@ pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) 
     let attrs = parallel_attrs(id);
     let (mut global_shape, offset) = attrs.placement(dims, tp_rank, tp);
     let mut stored = dims.to_vec();
-    if let Some((d, real)) = attrs.split_dim().zip(attrs.unpadded_size)
+    if let Some((d, real)) = attrs.padding()
         && d < dims.len()
     {
         global_shape[d] = real;
@@ -268,7 +268,7 @@ impl<'a> Files<'a> {
         if datas.iter().any(|(_, d)| d.dtype() != dtype) {
             return Err(mismatch("its shards were saved in different dtypes".into()));
         }
-        let mut pieces: Vec<Piece<'_>> = datas
+        let pieces: Vec<Piece<'_>> = datas
             .iter()
             .map(|(e, d)| Piece {
                 offset: &e.offset,
@@ -276,32 +276,17 @@ impl<'a> Files<'a> {
                 bytes: d.as_bytes(),
             })
             .collect();
-        // A padded vocabulary's padding, past the saved global shape: zeros.
-        let padding = padding_box(want, shape);
-        let zeros = padding
-            .as_ref()
-            .map(|(_, s)| vec![0u8; s.iter().product::<usize>() * dtype.size()]);
-        if let (Some((offset, shape)), Some(bytes)) = (&padding, &zeros) {
-            pieces.push(Piece {
-                offset,
-                shape,
-                bytes,
-            });
-        }
-        let bytes = assemble(&want.offset, shape, &pieces, dtype.size()).map_err(mismatch)?;
+        // Past the saved global shape lies a padded vocabulary's padding: zeros.
+        let bytes = assemble_padded(
+            &want.offset,
+            shape,
+            &pieces,
+            dtype.size(),
+            &want.global_shape,
+        )
+        .map_err(mismatch)?;
         Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
     }
-}
-
-/// The part of the box `[want.offset, want.offset + shape)` past the global shape (along the
-/// one dimension a padded vocabulary pads), as an offset and a shape, if there is one.
-fn padding_box(want: &Placement, shape: &[usize]) -> Option<(Vec<usize>, Vec<usize>)> {
-    let global = &want.global_shape;
-    let d = (0..shape.len()).find(|&d| want.offset[d] + shape[d] > global[d])?;
-    let (mut offset, mut size) = (want.offset.clone(), shape.to_vec());
-    offset[d] = want.offset[d].max(global[d]);
-    size[d] = want.offset[d] + shape[d] - offset[d];
-    Some((offset, size))
 }
 
 /// Replaces every float parameter of a module with its slice of `set`, keeping dtype, device

@@ -77,6 +77,12 @@ impl ParallelAttrs {
         self
     }
 
+    /// The split dimension and the full tensor's real extent along it, when the shards pad it
+    /// ([`unpadded_size`](Self::unpadded_size)).
+    pub fn padding(&self) -> Option<(usize, usize)> {
+        self.split_dim().zip(self.unpadded_size)
+    }
+
     /// An expert's weight, split along `split_dim` under expert tensor parallelism (whose
     /// groups are the tensor-parallel groups), whole without it (`None`).
     pub fn expert(split_dim: Option<usize>) -> Self {

@@ -18,7 +18,7 @@ use super::super::{TpError, parallel_attrs};
 use crate::comm::Comm;
 use crate::module_path::{PathMapper, map_paths};
 use crate::safetensors_io;
-use crate::shards::{Piece, assemble};
+use crate::shards::{Piece, assemble_padded};
 use burn::module::{Module, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use regex::Regex;
@@ -424,8 +424,7 @@ impl Loader<'_, '_> {
         // A padded vocabulary: a plain record holds the real extent, and the padding is
         // zeros; a record padded as the model is (a Megatron checkpoint's) is read as it is.
         let mut real = global.clone();
-        let padded_dim =
-            (attrs.split_dim().zip(attrs.unpadded_size)).filter(|_| stored.dims != flip(&global));
+        let padded_dim = attrs.padding().filter(|_| stored.dims != flip(&global));
         if let Some((d, n)) = padded_dim {
             real[d] = n;
         }
@@ -451,45 +450,24 @@ impl Loader<'_, '_> {
             let largest = &mut self.report.largest_whole_tensor_bytes;
             *largest = (*largest).max(whole.len() as u64);
         }
-        if rows_only || want.is_empty() {
-            let bytes = match want.is_empty() {
-                true => whole[..elem].to_vec(),
-                false => {
-                    // The rows the record holds, then zeros for padding rows past its end.
-                    let end = (at[0] + size[0]).min(want[0]);
-                    let mut bytes = whole[at[0].min(end) * row..end * row].to_vec();
-                    bytes.resize(size[0] * row, 0);
-                    bytes
-                }
+        let bytes = if want.is_empty() {
+            whole[..elem].to_vec()
+        } else if rows_only {
+            // The rows the record holds, then zeros for padding rows past its end.
+            let end = (at[0] + size[0]).min(want[0]);
+            let mut bytes = whole[at[0].min(end) * row..end * row].to_vec();
+            bytes.resize(size[0] * row, 0);
+            bytes
+        } else {
+            let zeros = vec![0; want.len()];
+            let piece = Piece {
+                offset: &zeros,
+                shape: &want,
+                bytes: &whole,
             };
-            let bytes = match transposed {
-                true => transpose(&bytes, size[0], size[1], elem),
-                false => bytes,
-            };
-            return Ok(TensorData::from_bytes_vec(bytes, local, stored.dtype));
-        }
-        let zeros = vec![0; want.len()];
-        let piece = Piece {
-            offset: &zeros,
-            shape: &want,
-            bytes: &whole,
+            // Past the record's extent lies the padding of a padded vocabulary: zeros.
+            assemble_padded(&at, &size, &[piece], elem, &want)?
         };
-        // The padding beyond the real extent, as a piece of zeros.
-        let (mut pad_at, mut pad_shape) = (zeros.clone(), flip(&global));
-        let padding = padded_dim.map(|(d, n)| {
-            let d = if transposed { 1 - d } else { d };
-            (pad_at[d], pad_shape[d]) = (n, pad_shape[d] - n);
-            vec![0u8; pad_shape.iter().product::<usize>() * elem]
-        });
-        let mut pieces = vec![piece];
-        if let Some(bytes) = &padding {
-            pieces.push(Piece {
-                offset: &pad_at,
-                shape: &pad_shape,
-                bytes,
-            });
-        }
-        let bytes = assemble(&at, &size, &pieces, elem)?;
         let bytes = match transposed {
             true => transpose(&bytes, size[0], size[1], elem),
             false => bytes,

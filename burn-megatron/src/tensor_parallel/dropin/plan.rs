@@ -69,6 +69,15 @@ pub(super) struct Assigned {
     pub(super) vocab: Option<usize>,
 }
 
+impl Assigned {
+    /// The attributes of a parameter the layer splits along `dim`, its vocabulary's padding
+    /// included.
+    pub(super) fn sharded(&self, dim: usize) -> ParallelAttrs {
+        let attrs = ParallelAttrs::sharded(dim);
+        self.vocab.map_or(attrs, |v| attrs.padded_from(v))
+    }
+}
+
 /// What the plan's mapper offers the slot it is entering, and what became of it.
 #[derive(Debug, Default)]
 enum Offer {

@@ -10,7 +10,8 @@
 use super::super::{TpError, parallel_attrs};
 use crate::comm::tensor::all_gather;
 use crate::comm::{Comm, CommunicatorExt, ReduceOp};
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use crate::module_path::{PathVisitor, visit_paths};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use std::path::Path;
@@ -34,15 +35,15 @@ struct Entry {
 /// in the form its mapper saves (`transform_for_save`).
 struct Collect<'a> {
     tp: &'a Comm,
-    path: Vec<String>,
     entries: Vec<Entry>,
 }
 
 impl Collect<'_> {
-    fn push(&mut self, id: ParamId, dtype: DType, shape: Vec<usize>, gather: Gather) {
+    fn push(&mut self, path: &str, id: ParamId, dtype: DType, shape: Vec<usize>, gather: Gather) {
+        let (path, id) = (path.to_string(), id.val());
         self.entries.push(Entry {
-            path: self.path.join("."),
-            id: id.val(),
+            path,
+            id,
             dtype,
             shape,
             gather,
@@ -50,27 +51,24 @@ impl Collect<'_> {
     }
 
     /// A parameter every rank holds whole.
-    fn whole<const D: usize, K: Basic + 'static>(&mut self, id: ParamId, value: Tensor<D, K>) {
+    fn whole<const D: usize, K: Basic + 'static>(
+        &mut self,
+        path: &str,
+        id: ParamId,
+        value: Tensor<D, K>,
+    ) {
         let (shape, dtype) = (value.dims().to_vec(), value.dtype());
         let gather = move |keep: bool| Ok(keep.then(|| value.clone().into_data()));
-        self.push(id, dtype, shape, Arc::new(gather));
+        self.push(path, id, dtype, shape, Arc::new(gather));
     }
 }
 
-impl ModuleVisitor for Collect<'_> {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+impl PathVisitor for Collect<'_> {
+    fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
         let attrs = parallel_attrs(p.id);
         let value = p.transform_for_save().val();
         let Some(d) = attrs.split_dim() else {
-            return self.whole(p.id, value);
+            return self.whole(path, p.id, value);
         };
         let (mut shape, dtype) = (value.dims().to_vec(), value.dtype());
         shape[d] = attrs
@@ -81,15 +79,15 @@ impl ModuleVisitor for Collect<'_> {
             let whole = all_gather(&*tp, value.clone(), d).map_err(|e| e.to_string())?;
             Ok(keep.then(|| whole.narrow(d, 0, real).into_data()))
         };
-        self.push(p.id, dtype, shape, Arc::new(gather));
+        self.push(path, p.id, dtype, shape, Arc::new(gather));
     }
 
-    fn visit_int<const D: usize>(&mut self, p: &Param<Tensor<D, Int>>) {
-        self.whole(p.id, p.transform_for_save().val());
+    fn visit_int<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D, Int>>) {
+        self.whole(path, p.id, p.transform_for_save().val());
     }
 
-    fn visit_bool<const D: usize>(&mut self, p: &Param<Tensor<D, Bool>>) {
-        self.whole(p.id, p.transform_for_save().val());
+    fn visit_bool<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D, Bool>>) {
+        self.whole(path, p.id, p.transform_for_save().val());
     }
 }
 
@@ -111,10 +109,9 @@ pub fn save_gathered<M: Module>(
     let path = path.as_ref();
     let mut collect = Collect {
         tp,
-        path: Vec::new(),
         entries: Vec::new(),
     };
-    model.visit(&mut collect);
+    visit_paths(model, &mut collect);
     let entries = collect.entries;
     let written = match tp.group().rank() {
         0 => write(&entries, path),

@@ -146,6 +146,16 @@ impl MhaInput {
         self.mask_attn = Some(mask_attn);
         self
     }
+
+    /// The masks a transformer layer's input carries, each if it has one.
+    pub(in crate::tensor_parallel::dropin) fn masks(
+        mut self,
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+    ) -> Self {
+        (self.mask_pad, self.mask_attn) = (mask_pad, mask_attn);
+        self
+    }
 }
 
 /// Burn's `MhaOutput`.

@@ -140,16 +140,9 @@ impl Linear {
     /// The parameters' attributes again: a record load gives them other ids.
     fn restate(&self, a: &super::plan::Assigned) {
         use crate::tensor_parallel::ParallelAttrs;
-        let padded = |attrs: ParallelAttrs| match a.vocab {
-            Some(vocab) => attrs.padded_from(vocab),
-            None => attrs,
-        };
         let (w, b) = match a.split {
             Split::Row => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
-            _ => (
-                padded(ParallelAttrs::sharded(1)),
-                padded(ParallelAttrs::sharded(0)),
-            ),
+            _ => (a.sharded(1), a.sharded(0)),
         };
         a.layout.state(self.weight.id, w);
         if let Some(bias) = &self.bias {
@@ -199,10 +192,7 @@ impl Embedding {
         match &self.tp.assigned {
             None => burn::tensor::module::embedding(self.weight.val(), input),
             Some(a) => {
-                use crate::tensor_parallel::ParallelAttrs;
-                let attrs = ParallelAttrs::sharded(0);
-                let attrs = a.vocab.map_or(attrs, |v| attrs.padded_from(v));
-                a.layout.state(self.weight.id, attrs);
+                a.layout.state(self.weight.id, a.sharded(0));
                 vocab_lookup(&self.weight, input, &a.tp, false)
             }
         }

@@ -4,14 +4,13 @@
 //! the residual stream's dropout draws the same mask on every rank.
 
 use super::super::super::plan::TpSlot;
-use super::super::LinearConfig;
-use super::super::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
-use super::{PositionWiseFeedForward, drop};
+use super::super::attention::{MhaInput, MultiHeadAttention};
+use super::{Parts, PositionWiseFeedForward, drop};
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;
-use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
+use burn::nn::{Dropout, Initializer, LayerNorm};
 use burn::tensor::{Bool, Device, Tensor};
 
 /// Burn's `TransformerDecoderConfig`, field for field.
@@ -50,39 +49,26 @@ pub struct TransformerDecoderConfig {
 impl TransformerDecoderConfig {
     /// The decoder on `device`, drawn lazily as Burn draws it.
     pub fn init(&self, device: &Device) -> TransformerDecoder {
+        let parts = Parts {
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            dropout: self.dropout,
+            quiet_softmax: self.quiet_softmax,
+            initializer: &self.initializer,
+            activation: &self.activation,
+            layer_norm_eps: self.layer_norm_eps,
+            device,
+        };
         let d = self.d_model;
-        let attention = || {
-            MultiHeadAttentionConfig::new(d, self.n_heads)
-                .with_dropout(self.dropout)
-                .with_quiet_softmax(self.quiet_softmax)
-                .with_initializer(self.initializer.clone())
-                .init(device)
-        };
-        let linear = |i, o| {
-            LinearConfig::new(i, o)
-                .with_initializer(self.initializer.clone())
-                .init(device)
-        };
-        let norm = || {
-            LayerNormConfig::new(d)
-                .with_epsilon(self.layer_norm_eps)
-                .init(device)
-        };
-        let dropout = || DropoutConfig::new(self.dropout).init();
         let layer = |_| TransformerDecoderLayer {
-            cross_attn: attention(),
-            self_attn: attention(),
-            pwff: PositionWiseFeedForward {
-                linear_inner: linear(d, self.d_ff),
-                linear_outer: linear(self.d_ff, d),
-                dropout: dropout(),
-                activation: self.activation.init(device),
-                tp: TpSlot::default(),
-            },
-            norm_1: norm(),
-            norm_2: norm(),
-            norm_3: norm(),
-            dropout: dropout(),
+            cross_attn: parts.attention(),
+            self_attn: parts.attention(),
+            pwff: parts.pwff(),
+            norm_1: parts.norm(),
+            norm_2: parts.norm(),
+            norm_3: parts.norm(),
+            dropout: parts.dropout(),
             norm_first: self.norm_first,
             tp: TpSlot::default(),
         };
@@ -201,22 +187,6 @@ pub struct TransformerDecoderLayer {
     tp: TpSlot,
 }
 
-/// `input` with its masks, if any.
-fn masked(
-    input: MhaInput,
-    pad: &Option<Tensor<2, Bool>>,
-    attn: &Option<Tensor<3, Bool>>,
-) -> MhaInput {
-    let input = match pad {
-        Some(mask) => input.mask_pad(mask.clone()),
-        None => input,
-    };
-    match attn {
-        Some(mask) => input.mask_attn(mask.clone()),
-        None => input,
-    }
-}
-
 impl TransformerDecoderLayer {
     /// Burn's layer: its norms where Burn puts them (`norm_3` before the self-attention
     /// pre-norm, after the layer post-norm).
@@ -237,11 +207,17 @@ impl TransformerDecoderLayer {
             false => x.clone(),
         };
         let h = MhaInput::self_attn(h);
-        let h = masked(h, &input.target_mask_pad, &input.target_mask_attn);
+        let h = h.masks(
+            input.target_mask_pad.clone(),
+            input.target_mask_attn.clone(),
+        );
         let mut x = x + residual(self.self_attn.forward(h).context);
         let h = branch(&mut x, &self.norm_1);
         let h = MhaInput::new(h, input.memory.clone(), input.memory.clone());
-        let h = masked(h, &input.memory_mask_pad, &input.memory_mask_attn);
+        let h = h.masks(
+            input.memory_mask_pad.clone(),
+            input.memory_mask_attn.clone(),
+        );
         let mut x = x + residual(self.cross_attn.forward(h).context);
         let h = branch(&mut x, &self.norm_2);
         let mut x = x + residual(self.pwff.forward(h));

@@ -58,37 +58,76 @@ pub struct TransformerEncoderConfig {
     pub layer_norm_eps: f64,
 }
 
-impl TransformerEncoderConfig {
-    /// The encoder on `device`, drawn lazily as Burn draws it.
-    pub fn init(&self, device: &Device) -> TransformerEncoder {
+/// The parts of an encoder's or a decoder's layers, drawn lazily as Burn draws them: the two
+/// configs have the same fields.
+struct Parts<'a> {
+    d_model: usize,
+    d_ff: usize,
+    n_heads: usize,
+    dropout: f64,
+    quiet_softmax: bool,
+    initializer: &'a Initializer,
+    activation: &'a ActivationConfig,
+    layer_norm_eps: f64,
+    device: &'a Device,
+}
+
+impl Parts<'_> {
+    fn attention(&self) -> MultiHeadAttention {
+        MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
+            .with_dropout(self.dropout)
+            .with_quiet_softmax(self.quiet_softmax)
+            .with_initializer(self.initializer.clone())
+            .init(self.device)
+    }
+
+    fn pwff(&self) -> PositionWiseFeedForward {
         let linear = |i, o| {
             LinearConfig::new(i, o)
                 .with_initializer(self.initializer.clone())
-                .init(device)
+                .init(self.device)
         };
-        let norm = || {
-            LayerNormConfig::new(self.d_model)
-                .with_epsilon(self.layer_norm_eps)
-                .init(device)
+        PositionWiseFeedForward {
+            linear_inner: linear(self.d_model, self.d_ff),
+            linear_outer: linear(self.d_ff, self.d_model),
+            dropout: self.dropout(),
+            activation: self.activation.init(self.device),
+            tp: TpSlot::default(),
+        }
+    }
+
+    fn norm(&self) -> LayerNorm {
+        LayerNormConfig::new(self.d_model)
+            .with_epsilon(self.layer_norm_eps)
+            .init(self.device)
+    }
+
+    fn dropout(&self) -> Dropout {
+        DropoutConfig::new(self.dropout).init()
+    }
+}
+
+impl TransformerEncoderConfig {
+    /// The encoder on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> TransformerEncoder {
+        let parts = Parts {
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            dropout: self.dropout,
+            quiet_softmax: self.quiet_softmax,
+            initializer: &self.initializer,
+            activation: &self.activation,
+            layer_norm_eps: self.layer_norm_eps,
+            device,
         };
-        let dropout = || DropoutConfig::new(self.dropout).init();
         let d = self.d_model;
         let layer = |_| TransformerEncoderLayer {
-            mha: MultiHeadAttentionConfig::new(d, self.n_heads)
-                .with_dropout(self.dropout)
-                .with_quiet_softmax(self.quiet_softmax)
-                .with_initializer(self.initializer.clone())
-                .init(device),
-            pwff: PositionWiseFeedForward {
-                linear_inner: linear(d, self.d_ff),
-                linear_outer: linear(self.d_ff, d),
-                dropout: dropout(),
-                activation: self.activation.init(device),
-                tp: TpSlot::default(),
-            },
-            norm_1: norm(),
-            norm_2: norm(),
-            dropout: dropout(),
+            mha: parts.attention(),
+            pwff: parts.pwff(),
+            norm_1: parts.norm(),
+            norm_2: parts.norm(),
+            dropout: parts.dropout(),
             norm_first: self.norm_first,
             tp: TpSlot::default(),
         };
@@ -196,16 +235,8 @@ impl TransformerEncoderLayer {
     ) -> Tensor<3> {
         // The residual stream is whole on every rank: its masks must agree.
         let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
-        let attention = |x: Tensor<3>| {
-            let input = MhaInput::self_attn(x);
-            let input = match mask_pad {
-                Some(mask) => input.mask_pad(mask),
-                None => input,
-            };
-            let input = match mask_attn {
-                Some(mask) => input.mask_attn(mask),
-                None => input,
-            };
+        let attention = |x| {
+            let input = MhaInput::self_attn(x).masks(mask_pad, mask_attn);
             self.mha.forward(input).context
         };
         let norms = (&self.norm_1, &self.norm_2, self.norm_first);
