@@ -1,19 +1,18 @@
-//! Shard-on-load: a record the plain encoder saved (burnpack through `save_file`, safetensors
-//! with PyTorch's names and `[out, in]` linears) loads into each rank's shards of a
-//! tensor-parallel encoder drawn from another seed; the gathered weights are the plain ones
+//! Shard-on-load: a record Burn's encoder saved (burnpack through `save_file`, safetensors
+//! with PyTorch's names and `[out, in]` linears) loads into each rank's shards of the drop-in
+//! encoder split by a plan, its own draws from another seed; the gathered weights are the plain ones
 //! bit for bit and the output is the plain output. Records that do not fit are errors naming
 //! the path.
 
-use super::{B, D_MODEL, Error, S, config, padding, plain_encoder, solo};
+use super::{
+    B, D_MODEL, Error, S, config, encoder_record, padding, plain_encoder, solo, split_encoder,
+};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
 use burn::tensor::{Device, Tensor};
 use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput as TpInput;
-use burn_megatron::tensor_parallel::dropin::{
-    LoadOptions, ParallelTransformerEncoder, RecordSource, load_sharded,
-};
+use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, load_sharded};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::data;
 use burn_megatron_tests::gpt::gathered;
@@ -70,13 +69,15 @@ pub(super) fn scratch(tag: &str) -> PathBuf {
     dir
 }
 
-/// The plain encoder saved twice: as Burn writes it, and as a PyTorch port would (`encoder.`
-/// prefix, `layer` for `layers`, linear weights `[out, in]`). Returns both sources with the
-/// options that read them.
-fn records(config: &TransformerEncoderConfig, dir: &Path) -> Vec<(RecordSource, LoadOptions)> {
-    let plain = plain_encoder(config, &Device::flex());
-    let bpk = dir.join("encoder.bpk");
-    plain.clone().save_file(&bpk).unwrap();
+/// Burn's encoder saved as Burn writes it (`bpk`), and as a PyTorch port would (`encoder.`
+/// prefix, `layer` for `layers`, linear weights `[out, in]`), whole and sharded by an index.
+/// Returns the sources with the options that read them.
+fn records(
+    config: &TransformerEncoderConfig,
+    bpk: &Path,
+    dir: &Path,
+) -> Vec<(RecordSource, LoadOptions)> {
+    let plain = plain_encoder(config, bpk, &Device::flex());
     let torch: Vec<_> = params(&plain)
         .into_iter()
         .map(|(path, shape, v)| {
@@ -112,7 +113,7 @@ fn records(config: &TransformerEncoderConfig, dir: &Path) -> Vec<(RecordSource, 
         .with_transposed(r"\.weight$")
         .unwrap();
     vec![
-        (RecordSource::from_path(&bpk), LoadOptions::default()),
+        (RecordSource::from_path(bpk), LoadOptions::default()),
         (RecordSource::from_path(&st), torch_options.clone()),
         (RecordSource::from_path(&index), torch_options),
     ]
@@ -122,11 +123,12 @@ fn records(config: &TransformerEncoderConfig, dir: &Path) -> Vec<(RecordSource, 
 fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
     let config = config(true, 0.0);
     let dir = scratch("parity");
-    let sources = records(&config, &dir);
+    let bpk = encoder_record(&config, &dir, "encoder.bpk");
+    let sources = records(&config, &bpk, &dir);
     let device = Device::flex();
-    let whole = gathered(&plain_encoder(&config, &device), None, &solo());
+    let plain = plain_encoder(&config, &bpk, &device);
+    let whole = gathered(&plain, None, &solo());
     let x = |d: &Device| data([B, S, D_MODEL], 0, 1, d);
-    let plain = plain_encoder(&config, &device);
     let y_plain = burn_megatron_tests::values(
         plain.forward(TransformerEncoderInput::new(x(&device)).mask_pad(padding(&device))),
     );
@@ -136,9 +138,8 @@ fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
             LaunchOptions::default(),
             |ctx| {
                 let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let rng = RngTracker::new(5, ctx.state.tensor_model_parallel_rank());
-                // Another seed: every value must come from the record.
-                let fresh = ParallelTransformerEncoder::new(&config, g, 99, &rng, d)?;
+                // The plan's own draws: every value must come from the record.
+                let fresh = split_encoder(&config, g, 99, d)?;
                 let ids: Vec<_> = params_ids(&fresh);
                 let local: u64 = params(&fresh).iter().map(|p| 4 * p.2.len() as u64).sum();
                 let mut runs = Vec::new();
@@ -227,11 +228,8 @@ fn pytorch_checkpoints_load_into_each_ranks_shards_as_their_safetensors() -> Res
     ];
     assert_eq!(sources[0], pytorch("encoder.pt", None));
     let reference = RecordSource::from_path(dir.join("encoder.safetensors"));
-    let rng = RngTracker::new(5, 0);
     let d = Device::flex();
-    let fresh = |g: &burn_megatron::comm::Comm, d: &Device| {
-        ParallelTransformerEncoder::new(&config, g, 99, &rng, d)
-    };
+    let fresh = |g: &burn_megatron::comm::Comm, d: &Device| split_encoder(&config, g, 99, d);
     let (want, _) = load_sharded(fresh(&solo(), &d)?, &reference, &solo(), &options)?;
     let want = gathered(&want, None, &solo());
     for tp in [1, 2] {
@@ -276,13 +274,12 @@ fn pytorch_checkpoints_load_into_each_ranks_shards_as_their_safetensors() -> Res
 fn a_record_that_does_not_fit_is_an_error_naming_the_path() -> Result<(), Error> {
     let dir = scratch("errors");
     let d = Device::flex();
-    let rng = RngTracker::new(5, 0);
     let two = config(true, 0.0);
     let one = TransformerEncoderConfig::new(D_MODEL, super::D_FF, super::HEADS, 1);
     let wide = TransformerEncoderConfig::new(D_MODEL, 2 * super::D_FF, super::HEADS, 2);
     let save = |config: &TransformerEncoderConfig, name: &str| {
         let path = dir.join(name);
-        plain_encoder(config, &d).save_file(&path).unwrap();
+        config.init(&d).save_file(&path).unwrap();
         RecordSource::from_path(path)
     };
     let (two_rec, one_rec, wide_rec) = (
@@ -290,7 +287,7 @@ fn a_record_that_does_not_fit_is_an_error_naming_the_path() -> Result<(), Error>
         save(&one, "one.bpk"),
         save(&wide, "wide.bpk"),
     );
-    let model = |config| ParallelTransformerEncoder::new(config, &solo(), 1, &rng, &d).unwrap();
+    let model = |config| split_encoder(config, &solo(), 1, &d).unwrap();
     let load = |config, source: &RecordSource, options: &LoadOptions| {
         load_sharded(model(config), source, &solo(), options).map(|(_, report)| report)
     };

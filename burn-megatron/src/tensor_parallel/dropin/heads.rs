@@ -66,18 +66,3 @@ pub fn attention_split(
         width: n_heads / tp * head_dim,
     })
 }
-
-/// `total` features over `tp` ranks, or an error naming `layer` and `what`.
-pub(super) fn split_features(
-    layer: &str,
-    what: &str,
-    total: usize,
-    tp: usize,
-) -> Result<usize, TpError> {
-    match total.is_multiple_of(tp) {
-        true => Ok(total / tp),
-        false => Err(TpError::Indivisible(format!(
-            "{layer}: {what} ({total}) are not divisible by the tensor-parallel size ({tp})"
-        ))),
-    }
-}

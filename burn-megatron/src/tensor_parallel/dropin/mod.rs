@@ -4,14 +4,11 @@
 //! fields, configs and record paths) in place of `burn::nn`'s, and name the layout once with
 //! a [`TpPlan`]: one [`apply`](TpPlan::apply) splits the whole module tree.
 //!
-//! One layer at a time, for a user who holds a built Burn layer rather than a model's code:
-//! [`ParallelSwiGlu`] (for `nn::SwiGlu`) and [`ParallelTransformerEncoder`] (for
-//! `nn::transformer::TransformerEncoder`, with its layer, [`ParallelMultiHeadAttention`] and
-//! [`ParallelPositionWiseFeedForward`]) take this rank's shard of a plain layer (`from_*`),
-//! gather it back (`to_*`, collective), or draw it from Burn's own config as every TP size
-//! draws it ([`MasterInit`](super::MasterInit)). A plan does all of that for a whole model.
+//! A layer Burn already built (a loaded `burn::nn::transformer::TransformerEncoder`, say)
+//! becomes its drop-in counterpart with `From`, its values and lazy parameters kept, and a
+//! plan splits it as it splits one the model built.
 //!
-//! Either way the split is Megatron's: query, key, value and the first feed-forward layer
+//! The split is Megatron's: query, key, value and the first feed-forward layer
 //! column-parallel, the attention output and the second feed-forward layer row-parallel, norms
 //! whole (one all-reduce per block in each direction); sizes that do not split are errors
 //! naming the layer and the numbers, except a vocabulary, which a plan pads as Megatron does
@@ -24,24 +21,18 @@
 //! [`attention_split`] gives per-rank head counts; the vocabulary-parallel loss, sampler and
 //! argmax are in [`tensor_parallel`](super).
 
-mod encoder;
 mod heads;
 mod init;
 mod load;
-mod mha;
 pub mod nn;
 mod plan;
 mod save;
 mod shard;
-mod swiglu;
+mod slot;
 
-pub use encoder::{
-    ParallelPositionWiseFeedForward, ParallelTransformerEncoder, ParallelTransformerEncoderLayer,
-};
 pub use heads::{AttentionSplit, attention_split};
 pub use init::master_init;
 pub use load::{LoadOptions, LoadReport, RecordSource, load_sharded};
-pub use mha::{ParallelMhaInput, ParallelMhaOutput, ParallelMultiHeadAttention};
-pub use plan::{Split, TpPlan, TpSlot};
+pub use plan::{Split, TpPlan};
 pub use save::save_gathered;
-pub use swiglu::ParallelSwiGlu;
+pub use slot::TpSlot;

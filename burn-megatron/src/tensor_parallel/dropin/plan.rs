@@ -5,21 +5,16 @@
 //! the layers of [`nn`](super::nn) (`Linear`, `Embedding`, `SwiGlu`, with Burn's names,
 //! fields and builders) carry a slot, [`TpSlot`], that receives the layer's split and group
 //! when [`TpPlan::apply`] passes. The slot has no parameters, so records keep Burn's paths.
-//!
-//! Burn's module traversal gives a mapper parameters, not fields; the plan hands the slot its
-//! split through a value this thread holds only while the slot is being mapped (set when the
-//! traversal enters the slot, taken by the slot, checked when it leaves).
 
 use super::super::attrs::{LayoutOwner, ParallelAttrs};
 use super::super::{RngTracker, TpError, padded_vocab_size};
 use super::shard::{Placement, shard};
+use super::slot::{Assigned, Offer, PENDING, initializers};
 use crate::comm::Comm;
-use burn::module::{
-    Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
-    Param,
-};
-use burn::tensor::{Device, Tensor};
-use std::cell::RefCell;
+use burn::module::{Module, ModuleMapper, Param};
+use burn::nn::Initializer;
+use burn::tensor::Tensor;
+use std::collections::HashMap;
 
 /// How a layer is split over the tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,148 +51,6 @@ pub enum Split {
     /// from a tracker.
     Encoder,
 }
-
-/// What a slot holds once a plan assigned its layer.
-#[derive(Debug, Clone)]
-pub(super) struct Assigned {
-    pub(super) split: Split,
-    pub(super) tp: Comm,
-    pub(super) layout: LayoutOwner,
-    /// The plan's dropout streams, for a split encoder's attention, feed-forward and layer.
-    pub(super) rng: Option<RngTracker>,
-    /// The real vocabulary of a layer split over a padded one.
-    pub(super) vocab: Option<usize>,
-}
-
-impl Assigned {
-    /// The attributes of a parameter the layer splits along `dim`, its vocabulary's padding
-    /// included.
-    pub(super) fn sharded(&self, dim: usize) -> ParallelAttrs {
-        let attrs = ParallelAttrs::sharded(dim);
-        self.vocab.map_or(attrs, |v| attrs.padded_from(v))
-    }
-}
-
-/// What the plan's mapper offers the slot it is entering, and what became of it.
-#[derive(Debug, Default)]
-enum Offer {
-    #[default]
-    None,
-    /// For the slot being mapped now.
-    Split(Assigned),
-    /// The slot had a split already: a plan applied twice.
-    Refused,
-    /// The layer's attention heads do not split over the group.
-    Heads { heads: usize, tp: usize },
-}
-
-thread_local! {
-    /// The plan's offer to the slot being mapped now (set and cleared by the plan's mapper).
-    static PENDING: RefCell<Offer> = const { RefCell::new(Offer::None) };
-}
-
-/// A layer's tensor-parallel split, empty until a [`TpPlan`] assigns one. A module with no
-/// parameters: records and paths stay those of Burn's layer.
-#[derive(Debug, Clone, Default)]
-pub struct TpSlot {
-    pub(super) assigned: Option<Assigned>,
-    /// An attention layer's heads, which a split must divide (checked when the plan assigns
-    /// it, so that a layout that does not fit fails before any forward).
-    heads: Option<usize>,
-}
-
-impl TpSlot {
-    /// The slot of an attention layer of `heads` heads.
-    pub(super) fn attention(heads: usize) -> Self {
-        Self {
-            assigned: None,
-            heads: Some(heads),
-        }
-    }
-
-    /// The split, if a plan assigned one.
-    pub fn split(&self) -> Option<Split> {
-        self.assigned.as_ref().map(|a| a.split)
-    }
-
-    /// The dropout streams a plan gave a split encoder's part.
-    pub(super) fn rng(&self) -> Option<&RngTracker> {
-        self.assigned.as_ref().and_then(|a| a.rng.as_ref())
-    }
-
-    /// The group the layer is split over, or a group of one.
-    pub(super) fn group(&self) -> Comm {
-        match &self.assigned {
-            Some(a) => a.tp.clone(),
-            None => std::sync::Arc::new(
-                crate::comm::LocalWorld::new(1)
-                    .communicator("tp", vec![0], 0)
-                    .expect("a group of one rank always forms"),
-            ),
-        }
-    }
-}
-
-impl Module for TpSlot {
-    fn collect_devices(&self, devices: Devices) -> Devices {
-        devices
-    }
-    fn fork(self, _: &Device) -> Self {
-        self
-    }
-    fn to_device(self, _: &Device) -> Self {
-        self
-    }
-    fn train(self) -> Self {
-        self
-    }
-    fn valid(&self) -> Self {
-        self.clone()
-    }
-    fn materialize(self) -> Self {
-        self
-    }
-    fn visit<V: ModuleVisitor>(&self, _: &mut V) {}
-    fn map<M: ModuleMapper>(self, _: &mut M) -> Self {
-        PENDING.with(|p| {
-            let mut offer = p.borrow_mut();
-            match (std::mem::take(&mut *offer), &self.assigned) {
-                (Offer::Split(_), Some(_)) => {
-                    *offer = Offer::Refused;
-                    self
-                }
-                (Offer::Split(assigned), None) => {
-                    let tp = assigned.tp.group().size();
-                    match self.heads {
-                        Some(heads) if !heads.is_multiple_of(tp) => {
-                            *offer = Offer::Heads { heads, tp };
-                            self
-                        }
-                        _ => Self {
-                            assigned: Some(assigned),
-                            ..self
-                        },
-                    }
-                }
-                (other, _) => {
-                    *offer = other;
-                    self
-                }
-            }
-        })
-    }
-}
-
-impl ModuleDisplayDefault for TpSlot {
-    fn content(&self, content: Content) -> Option<Content> {
-        let split = self
-            .split()
-            .map_or("none".to_string(), |s| format!("{s:?}"));
-        content.add_formatted(&split).optional()
-    }
-}
-
-impl ModuleDisplay for TpSlot {}
 
 /// Which layers are split how, by module path (glob patterns: `*` matches any run of
 /// characters, dots included): Megatron's layout of a Burn model, stated once.
@@ -287,9 +140,12 @@ impl TpPlan {
     }
 
     /// The seed of the weights a plan draws: a split layer not yet initialised (Burn draws
-    /// lazily) draws its shard from Burn's default law for its type, seeded by its path, the
+    /// lazily) draws its shard from its config's initializer (Burn's default for its type
+    /// when converted from Burn's layer, which does not keep it), seeded by its path, the
     /// same at every TP size and on every rank (Burn's own draw would differ across ranks
-    /// running as threads). Loading a record afterwards replaces them.
+    /// running as threads). An initializer with no such law here is an error naming the
+    /// layer ([`master_init`](super::master_init) lists those there are). Loading a record
+    /// afterwards replaces them.
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
         self
@@ -320,6 +176,7 @@ impl TpPlan {
             owner: None,
             vocab: None,
             fan_in: None,
+            inits: initializers(&model),
             matched: vec![false; self.rules.len()],
             error: None,
         };
@@ -366,6 +223,8 @@ struct PlanMapper<'a> {
     vocab: Option<usize>,
     /// The input width of the linear whose parameters are being mapped.
     fan_in: Option<usize>,
+    /// The initializer each layer's config named, by the layer's path.
+    inits: HashMap<String, Initializer>,
     matched: Vec<bool>,
     error: Option<TpError>,
 }
@@ -456,6 +315,7 @@ impl ModuleMapper for PlanMapper<'_> {
                     "{path}: {heads} attention heads do not split over the tensor-parallel \
                      size {tp}"
                 )),
+                Offer::Cannot(reason) => self.fail(format!("{path}: {reason}")),
                 Offer::Refused => self.fail(format!(
                     "{path}: the layer is split already (a plan applies once, to a model as \
                      the plain code builds it)"
@@ -546,7 +406,9 @@ impl ModuleMapper for PlanMapper<'_> {
         if padded.is_some() {
             self.vocab = real;
         }
+        let init = self.inits.get(&self.path[..self.path.len() - 1].join("."));
         let at = Placement {
+            init,
             dim,
             padded,
             vocab: matches!(split, Split::Vocab | Split::GatheredVocab),

@@ -8,11 +8,14 @@ use super::super::{derive_seed, lazy_host_param, shard_param};
 use super::master_init;
 use crate::comm::Comm;
 use burn::module::Param;
+use burn::nn::Initializer;
 use burn::tensor::ops::PadMode;
 use burn::tensor::{Tensor, TensorCreationOptions};
 
 /// Where a parameter of a split layer goes, and how it is drawn if it has no values yet.
 pub(super) struct Placement<'a> {
+    /// The initializer the layer's config named (none: Burn's default for its type).
+    pub(super) init: Option<&'a Initializer>,
     /// The split dimension (`None`: every rank holds it whole).
     pub(super) dim: Option<usize>,
     /// The split dimension's extent with padding, when the layer's vocabulary is padded.
@@ -89,7 +92,7 @@ fn lazy_draw<const D: usize>(
     dims: [usize; D],
     (start, part): (usize, usize),
 ) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
-    let law = match default_law(at.layer, at.path) {
+    let law = match law(at) {
         Ok(law) => law,
         Err(e) => return Err((param, e)),
     };
@@ -124,12 +127,14 @@ fn slice_padded(full: &[f32], dims: &[usize], dim: usize, start: usize, part: us
     out
 }
 
-/// Burn's default initialiser for a `Linear` or an `Embedding`, as a host law.
-fn default_law(layer: &str, path: &str) -> Result<MasterInit, String> {
-    let burn_default = match layer {
-        "Struct:Linear" => burn::nn::LinearConfig::new(1, 1).initializer,
-        "Struct:Embedding" => burn::nn::EmbeddingConfig::new(1, 1).initializer,
-        other => return Err(format!("{path}: no default initialiser for {other}")),
+/// The law of a layer's parameters: its config's initializer, or Burn's default for a
+/// `Linear` or an `Embedding` (a layer converted from Burn's, which does not keep it).
+fn law(at: &Placement<'_>) -> Result<MasterInit, String> {
+    let init = match (at.init, at.layer) {
+        (Some(init), _) => init.clone(),
+        (None, "Struct:Linear") => burn::nn::LinearConfig::new(1, 1).initializer,
+        (None, "Struct:Embedding") => burn::nn::EmbeddingConfig::new(1, 1).initializer,
+        (None, other) => return Err(format!("{}: no default initializer for {other}", at.path)),
     };
-    master_init(&burn_default).map_err(|e| format!("{path}: {e}"))
+    master_init(&init).map_err(|e| format!("{}: {e}", at.path))
 }

@@ -5,14 +5,14 @@
 //! output row-parallel, which sums the heads' contributions over the ranks. Self- and
 //! cross-attention alike; the masks apply whole to every rank's heads.
 
-use super::super::mha::attention_probs;
-use super::super::plan::TpSlot;
+use super::super::slot::TpSlot;
 use super::transformer::drop;
 use super::{Linear, LinearConfig};
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer};
+use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Device, Tensor};
 
 /// Burn's mask builders, so that an import of `burn::nn::attention` swaps whole.
@@ -217,6 +217,50 @@ impl MultiHeadAttention {
         MhaOutput {
             weights,
             context: self.output.forward(context),
+        }
+    }
+}
+
+/// Burn's attention probabilities: `scores` `[b, heads, s_q, s_k]` filled with `min_float`
+/// where `mask_pad` `[b, s_k]` or `mask_attn` `[b, s_q, s_k]` is true, then softmax (or quiet
+/// softmax) over the keys. Heads are independent, so a rank's heads take the whole masks.
+fn attention_probs(
+    mut scores: Tensor<4>,
+    mask_pad: Option<Tensor<2, Bool>>,
+    mask_attn: Option<Tensor<3, Bool>>,
+    min_float: f64,
+    quiet: bool,
+) -> Tensor<4> {
+    if let Some(mask) = mask_pad {
+        let [b, s] = mask.dims();
+        scores = scores.mask_fill(mask.reshape([b, 1, 1, s]), min_float);
+    }
+    if let Some(mask) = mask_attn {
+        let [b, s_q, s_k] = mask.dims();
+        scores = scores.mask_fill(mask.reshape([b, 1, s_q, s_k]), min_float);
+    }
+    match quiet {
+        true => quiet_softmax(scores, 3),
+        false => softmax(scores, 3),
+    }
+}
+
+impl From<burn::nn::attention::MultiHeadAttention> for MultiHeadAttention {
+    /// Burn's built layer, its parameters kept.
+    fn from(mha: burn::nn::attention::MultiHeadAttention) -> Self {
+        Self {
+            query: mha.query.into(),
+            key: mha.key.into(),
+            value: mha.value.into(),
+            output: mha.output.into(),
+            dropout: mha.dropout,
+            activation: mha.activation,
+            d_model: mha.d_model,
+            n_heads: mha.n_heads,
+            d_k: mha.d_k,
+            min_float: mha.min_float,
+            quiet_softmax: mha.quiet_softmax,
+            tp: TpSlot::attention(mha.n_heads),
         }
     }
 }

@@ -5,7 +5,8 @@
 //! applying a plan, with no constructor changed. Until a plan assigns a split, each layer
 //! computes exactly what Burn's does.
 
-use super::plan::{Split, TpSlot};
+use super::plan::Split;
+use super::slot::TpSlot;
 
 pub mod attention;
 pub mod transformer;
@@ -50,7 +51,7 @@ impl LinearConfig {
         Linear {
             weight,
             bias,
-            tp: TpSlot::default(),
+            tp: TpSlot::drawn_with(self.initializer.clone()),
         }
     }
 }
@@ -138,7 +139,7 @@ impl Linear {
     }
 
     /// The parameters' attributes again: a record load gives them other ids.
-    fn restate(&self, a: &super::plan::Assigned) {
+    fn restate(&self, a: &super::slot::Assigned) {
         use crate::tensor_parallel::ParallelAttrs;
         let (w, b) = match a.split {
             Split::Row => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
@@ -172,7 +173,7 @@ impl EmbeddingConfig {
                 .init(device);
         Embedding {
             weight,
-            tp: TpSlot::default(),
+            tp: TpSlot::drawn_with(self.initializer.clone()),
         }
     }
 }
@@ -260,5 +261,38 @@ impl SwiGlu {
     /// `[..., d_input]` → `[..., d_output]` (column-parallel: `[..., d_output / tp]`).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         silu(self.linear_inner.forward(input.clone())) * self.linear_outer.forward(input)
+    }
+}
+
+impl From<burn::nn::Linear> for Linear {
+    /// Burn's built layer, its parameters kept (lazy ones stay lazy: a plan draws them from
+    /// Burn's default initializer, as the layer no longer says which built it).
+    fn from(linear: burn::nn::Linear) -> Self {
+        let burn::nn::Linear { weight, bias } = linear;
+        Self {
+            weight,
+            bias,
+            tp: TpSlot::default(),
+        }
+    }
+}
+
+impl From<burn::nn::Embedding> for Embedding {
+    /// Burn's built table, its parameter kept.
+    fn from(embedding: burn::nn::Embedding) -> Self {
+        Self {
+            weight: embedding.weight,
+            tp: TpSlot::default(),
+        }
+    }
+}
+
+impl From<burn::nn::SwiGlu> for SwiGlu {
+    /// Burn's built layer, its parameters kept.
+    fn from(swiglu: burn::nn::SwiGlu) -> Self {
+        Self {
+            linear_inner: swiglu.linear_inner.into(),
+            linear_outer: swiglu.linear_outer.into(),
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! once an `encoder` rule names the decoder (or a layer of it); the norms stay whole, and
 //! the residual stream's dropout draws the same mask on every rank.
 
-use super::super::super::plan::TpSlot;
+use super::super::super::slot::TpSlot;
 use super::super::attention::{MhaInput, MultiHeadAttention};
 use super::{Parts, PositionWiseFeedForward, drop};
 use crate::tensor_parallel::RngRegion;
@@ -226,5 +226,38 @@ impl TransformerDecoderLayer {
         }
         input.target = x;
         input
+    }
+}
+
+impl From<burn::nn::transformer::TransformerDecoder> for TransformerDecoder {
+    /// Burn's built decoder, its parameters kept.
+    fn from(decoder: burn::nn::transformer::TransformerDecoder) -> Self {
+        Self {
+            layers: decoder.layers.into_iter().map(Into::into).collect(),
+            d_model: decoder.d_model,
+            d_ff: decoder.d_ff,
+            n_heads: decoder.n_heads,
+            n_layers: decoder.n_layers,
+            dropout: decoder.dropout,
+            norm_first: decoder.norm_first,
+            quiet_softmax: decoder.quiet_softmax,
+        }
+    }
+}
+
+impl From<burn::nn::transformer::TransformerDecoderLayer> for TransformerDecoderLayer {
+    /// Burn's built layer, its parameters kept.
+    fn from(layer: burn::nn::transformer::TransformerDecoderLayer) -> Self {
+        Self {
+            cross_attn: layer.cross_attn.into(),
+            self_attn: layer.self_attn.into(),
+            pwff: layer.pwff.into(),
+            norm_1: layer.norm_1,
+            norm_2: layer.norm_2,
+            norm_3: layer.norm_3,
+            dropout: layer.dropout,
+            norm_first: layer.norm_first,
+            tp: TpSlot::default(),
+        }
     }
 }

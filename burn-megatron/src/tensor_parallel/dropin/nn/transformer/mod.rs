@@ -7,9 +7,7 @@
 //! residual stream, which every rank holds whole, and each rank its own for its heads and its
 //! slice of the inner width. Unsplit, it computes what Burn's computes, with Burn's dropout.
 
-use super::super::encoder::encoder_block;
-use super::super::mha::dropout as tracked_dropout;
-use super::super::plan::TpSlot;
+use super::super::slot::TpSlot;
 use super::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use super::{Linear, LinearConfig};
 use crate::tensor_parallel::RngRegion;
@@ -87,12 +85,13 @@ impl Parts<'_> {
                 .with_initializer(self.initializer.clone())
                 .init(self.device)
         };
+        let activation = self.activation.init(self.device);
         PositionWiseFeedForward {
             linear_inner: linear(self.d_model, self.d_ff),
             linear_outer: linear(self.d_ff, self.d_model),
             dropout: self.dropout(),
-            activation: self.activation.init(self.device),
-            tp: TpSlot::default(),
+            tp: TpSlot::feed_forward(&activation),
+            activation,
         }
     }
 
@@ -292,7 +291,85 @@ pub(super) fn drop<const D: usize>(
     region: RngRegion,
 ) -> Tensor<D> {
     match slot.rng() {
-        Some(rng) => tracked_dropout(dropout, rng, x, region),
+        // Where Burn's layer drops: in training (its flag set, the tensor tracked).
+        Some(rng) if dropout.training.is_enabled() => rng
+            .dropout(x, dropout.prob, region)
+            .expect("Burn's DropoutConfig::init refuses a probability outside [0, 1)"),
+        Some(_) => x,
         None => dropout.forward(x),
+    }
+}
+
+/// Burn's encoder layer around `attention` and `feed_forward`, with its roles of the two
+/// norms: pre-norm (`norm_first`) is `x + d(attention(norm_2(x)))`, then
+/// `x + d(feed_forward(norm_1(x)))`; post-norm is `norm_1(x + d(attention(x)))`, then
+/// `norm_2(x + d(feed_forward(x)))`, `d` being the residual dropout.
+fn encoder_block(
+    x: Tensor<3>,
+    (norm_1, norm_2, norm_first): (&LayerNorm, &LayerNorm, bool),
+    attention: impl FnOnce(Tensor<3>) -> Tensor<3>,
+    feed_forward: impl FnOnce(Tensor<3>) -> Tensor<3>,
+    residual_dropout: impl Fn(Tensor<3>) -> Tensor<3>,
+) -> Tensor<3> {
+    let attn_in = match norm_first {
+        true => norm_2.forward(x.clone()),
+        false => x.clone(),
+    };
+    let mut x = x + residual_dropout(attention(attn_in));
+    let ffn_in = match norm_first {
+        true => norm_1.forward(x.clone()),
+        false => {
+            x = norm_1.forward(x);
+            x.clone()
+        }
+    };
+    let x = x + residual_dropout(feed_forward(ffn_in));
+    match norm_first {
+        true => x,
+        false => norm_2.forward(x),
+    }
+}
+
+impl From<burn::nn::transformer::TransformerEncoder> for TransformerEncoder {
+    /// Burn's built encoder, its parameters kept.
+    fn from(encoder: burn::nn::transformer::TransformerEncoder) -> Self {
+        Self {
+            layers: encoder.layers.into_iter().map(Into::into).collect(),
+            d_model: encoder.d_model,
+            d_ff: encoder.d_ff,
+            n_heads: encoder.n_heads,
+            n_layers: encoder.n_layers,
+            dropout: encoder.dropout,
+            norm_first: encoder.norm_first,
+            quiet_softmax: encoder.quiet_softmax,
+        }
+    }
+}
+
+impl From<burn::nn::transformer::TransformerEncoderLayer> for TransformerEncoderLayer {
+    /// Burn's built layer, its parameters kept.
+    fn from(layer: burn::nn::transformer::TransformerEncoderLayer) -> Self {
+        Self {
+            mha: layer.mha.into(),
+            pwff: layer.pwff.into(),
+            norm_1: layer.norm_1,
+            norm_2: layer.norm_2,
+            dropout: layer.dropout,
+            norm_first: layer.norm_first,
+            tp: TpSlot::default(),
+        }
+    }
+}
+
+impl From<burn::nn::transformer::PositionWiseFeedForward> for PositionWiseFeedForward {
+    /// Burn's built block, its parameters kept.
+    fn from(pwff: burn::nn::transformer::PositionWiseFeedForward) -> Self {
+        Self {
+            linear_inner: pwff.linear_inner.into(),
+            linear_outer: pwff.linear_outer.into(),
+            dropout: pwff.dropout,
+            tp: TpSlot::feed_forward(&pwff.activation),
+            activation: pwff.activation,
+        }
     }
 }

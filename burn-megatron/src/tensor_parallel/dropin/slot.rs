@@ -1,0 +1,240 @@
+//! The slot a drop-in layer carries: its split once a plan assigns one, and what the plan
+//! must respect: the heads a split must divide, an activation that refuses any split, the
+//! initializer of the parameters the plan draws.
+//!
+//! Burn's module traversal gives a mapper parameters, not fields; the plan hands the slot its
+//! split through a value this thread holds only while the slot is being mapped (set when the
+//! traversal enters the slot, taken by the slot, checked when it leaves). The initializers go
+//! the other way, in a visit before the plan maps anything: a layer's parameters come before
+//! its slot, and the mapper draws them.
+
+use super::super::RngTracker;
+use super::super::attrs::{LayoutOwner, ParallelAttrs};
+use super::plan::Split;
+use crate::comm::Comm;
+use burn::module::{
+    Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
+};
+use burn::nn::Initializer;
+use burn::nn::activation::Activation;
+use burn::tensor::Device;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// What a slot holds once a plan assigned its layer.
+#[derive(Clone)]
+pub(super) struct Assigned {
+    pub(super) split: Split,
+    pub(super) tp: Comm,
+    pub(super) layout: LayoutOwner,
+    /// The plan's dropout streams, for a split encoder's attention, feed-forward and layer.
+    pub(super) rng: Option<RngTracker>,
+    /// The real vocabulary of a layer split over a padded one.
+    pub(super) vocab: Option<usize>,
+}
+
+impl Assigned {
+    /// The attributes of a parameter the layer splits along `dim`, its vocabulary's padding
+    /// included.
+    pub(super) fn sharded(&self, dim: usize) -> ParallelAttrs {
+        let attrs = ParallelAttrs::sharded(dim);
+        self.vocab.map_or(attrs, |v| attrs.padded_from(v))
+    }
+}
+
+/// The split and this rank's place in the group: a layer's `Debug` would otherwise print
+/// the whole communicator (every group of the world) in each of its slots.
+impl std::fmt::Debug for Assigned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let group = self.tp.group();
+        f.debug_struct("Assigned")
+            .field("split", &self.split)
+            .field("tp_rank", &group.rank())
+            .field("tp_size", &group.size())
+            .field("vocab", &self.vocab)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the plan's mapper offers the slot it is entering, and what became of it.
+#[derive(Debug, Default)]
+pub(super) enum Offer {
+    #[default]
+    None,
+    /// For the slot being mapped now.
+    Split(Assigned),
+    /// The slot had a split already: a plan applied twice.
+    Refused,
+    /// The layer's attention heads do not split over the group.
+    Heads { heads: usize, tp: usize },
+    /// The layer cannot be split at all, for this reason.
+    Cannot(String),
+}
+
+thread_local! {
+    /// The plan's offer to the slot being mapped now (set and cleared by the plan's mapper).
+    pub(super) static PENDING: RefCell<Offer> = const { RefCell::new(Offer::None) };
+    /// The initializer of the slot visited last (set by the slot, taken by [`initializers`]).
+    static SEEN: RefCell<Option<Initializer>> = const { RefCell::new(None) };
+}
+
+/// A layer's tensor-parallel split, empty until a [`TpPlan`](super::TpPlan) assigns one,
+/// with what the plan must know of the layer. A module with no parameters: records and paths
+/// stay those of Burn's layer.
+#[derive(Debug, Clone, Default)]
+pub struct TpSlot {
+    pub(super) assigned: Option<Assigned>,
+    /// An attention layer's heads, which a split must divide (checked when the plan assigns
+    /// it, so that a layout that does not fit fails before any forward).
+    heads: Option<usize>,
+    /// Why the layer cannot be split at all.
+    refuses: Option<String>,
+    /// The initializer the layer's config named, for the parameters a plan draws (none:
+    /// Burn's default for the layer's type).
+    init: Option<Initializer>,
+}
+
+impl TpSlot {
+    /// The slot of an attention layer of `heads` heads.
+    pub(super) fn attention(heads: usize) -> Self {
+        Self {
+            heads: Some(heads),
+            ..Self::default()
+        }
+    }
+
+    /// The slot of a layer whose parameters `init` draws.
+    pub(super) fn drawn_with(init: Initializer) -> Self {
+        Self {
+            init: Some(init),
+            ..Self::default()
+        }
+    }
+
+    /// The slot of a feed-forward block: an activation that does not act elementwise mixes
+    /// or weighs the channels the ranks would split, so the block refuses any split.
+    pub(super) fn feed_forward(activation: &Activation) -> Self {
+        let refuses =
+            matches!(activation, Activation::SwiGlu(_) | Activation::PRelu(_)).then(|| {
+                format!(
+                    "the activation {activation:?} does not act elementwise, so it cannot run on \
+                 the tensor-parallel ranks' slices of the inner width"
+                )
+            });
+        Self {
+            refuses,
+            ..Self::default()
+        }
+    }
+
+    /// The split, if a plan assigned one.
+    pub fn split(&self) -> Option<Split> {
+        self.assigned.as_ref().map(|a| a.split)
+    }
+
+    /// The dropout streams a plan gave a split encoder's part.
+    pub(super) fn rng(&self) -> Option<&RngTracker> {
+        self.assigned.as_ref().and_then(|a| a.rng.as_ref())
+    }
+
+    /// The group the layer is split over, or a group of one.
+    pub(super) fn group(&self) -> Comm {
+        match &self.assigned {
+            Some(a) => a.tp.clone(),
+            None => std::sync::Arc::new(
+                crate::comm::LocalWorld::new(1)
+                    .communicator("tp", vec![0], 0)
+                    .expect("a group of one rank always forms"),
+            ),
+        }
+    }
+}
+
+impl Module for TpSlot {
+    fn collect_devices(&self, devices: Devices) -> Devices {
+        devices
+    }
+    fn fork(self, _: &Device) -> Self {
+        self
+    }
+    fn to_device(self, _: &Device) -> Self {
+        self
+    }
+    fn train(self) -> Self {
+        self
+    }
+    fn valid(&self) -> Self {
+        self.clone()
+    }
+    fn materialize(self) -> Self {
+        self
+    }
+    fn visit<V: ModuleVisitor>(&self, _: &mut V) {
+        SEEN.with(|s| *s.borrow_mut() = self.init.clone());
+    }
+    fn map<M: ModuleMapper>(self, _: &mut M) -> Self {
+        PENDING.with(|p| {
+            let mut offer = p.borrow_mut();
+            match (std::mem::take(&mut *offer), &self.assigned) {
+                (Offer::Split(_), Some(_)) => {
+                    *offer = Offer::Refused;
+                    self
+                }
+                (Offer::Split(assigned), None) => {
+                    let tp = assigned.tp.group().size();
+                    match (&self.refuses, self.heads) {
+                        (Some(reason), _) => {
+                            *offer = Offer::Cannot(reason.clone());
+                            self
+                        }
+                        (_, Some(heads)) if !heads.is_multiple_of(tp) => {
+                            *offer = Offer::Heads { heads, tp };
+                            self
+                        }
+                        _ => Self {
+                            assigned: Some(assigned),
+                            ..self
+                        },
+                    }
+                }
+                (other, _) => {
+                    *offer = other;
+                    self
+                }
+            }
+        })
+    }
+}
+
+impl ModuleDisplayDefault for TpSlot {
+    fn content(&self, content: Content) -> Option<Content> {
+        let split = self
+            .split()
+            .map_or("none".to_string(), |s| format!("{s:?}"));
+        content.add_formatted(&split).optional()
+    }
+}
+
+impl ModuleDisplay for TpSlot {}
+
+/// The initializer each layer's config named, by the layer's module path.
+pub(super) fn initializers<M: Module>(model: &M) -> HashMap<String, Initializer> {
+    struct Reader(Vec<String>, HashMap<String, Initializer>);
+    impl ModuleVisitor for Reader {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, name: &str, _: &str) {
+            self.0.pop();
+            if name == "tp"
+                && let Some(init) = SEEN.with(|s| s.borrow_mut().take())
+            {
+                self.1.insert(self.0.join("."), init);
+            }
+        }
+    }
+    SEEN.with(|s| s.borrow_mut().take());
+    let mut reader = Reader(Vec::new(), HashMap::new());
+    model.visit(&mut reader);
+    reader.1
+}
