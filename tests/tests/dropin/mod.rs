@@ -174,8 +174,10 @@ fn a_transformer_encoder_burn_built_converts_and_splits_as_the_plain_one() -> Re
                     let (g, d) = (&ctx.groups.tp, &ctx.device);
                     let plain = plain_encoder(&config, &record, d);
                     let plain_paths = paths(&plain);
-                    let encoder: ours::TransformerEncoder = plain.into();
+                    // ANCHOR: from_burn
+                    let encoder: nn::transformer::TransformerEncoder = plain.into();
                     let encoder = TpPlan::new().encoder(&["layers.*"])?.apply(encoder, g)?;
+                    // ANCHOR_END: from_burn
                     // Burn's record paths: a record of one loads into the other.
                     assert_eq!(paths(&encoder), plain_paths);
                     let input = ours::TransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, d))
