@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod attention;
+mod cache;
 mod decoder;
 mod load;
 mod plan;

@@ -6,6 +6,7 @@
 //! cross-attention alike; the masks apply whole to every rank's heads.
 
 use super::super::slot::TpSlot;
+use super::cache::{TensorCache, cached};
 use super::transformer::drop;
 use super::{Linear, LinearConfig};
 use crate::tensor_parallel::RngRegion;
@@ -177,8 +178,21 @@ impl MultiHeadAttention {
     /// has no room for an error; a plan's sizes already split the width), or on inputs of
     /// another width than `d_model` (as Burn's).
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
-        let [b, s_q, _] = input.query.dims();
-        let s_k = input.key.dims()[1];
+        self.attend(input, None)
+    }
+
+    /// Burn's `forward_cache`: one step of autoregressive decoding, each call's query (and,
+    /// in self-attention, key and value) one position longer than the last, only the new
+    /// position projected; a cross-attention cache projects the memory once.
+    ///
+    /// # Panics
+    ///
+    /// As [`forward`](Self::forward).
+    pub fn forward_cache(&self, input: MhaInput, cache: &mut MhaCache) -> MhaOutput {
+        self.attend(input, Some(cache))
+    }
+
+    pub(super) fn attend(&self, input: MhaInput, cache: Option<&mut MhaCache>) -> MhaOutput {
         let tp = self.query.tp_size();
         assert!(
             self.n_heads.is_multiple_of(tp),
@@ -186,14 +200,39 @@ impl MultiHeadAttention {
             self.n_heads
         );
         let heads = self.n_heads / tp;
-        let split = |l: &Linear, x: Tensor<3>, s| {
+        let split = |l: &Linear, x: Tensor<3>| {
+            let [b, s, _] = x.dims();
             l.forward(x)
                 .reshape([b, s, heads, self.d_k])
                 .swap_dims(1, 2)
         };
-        let q = split(&self.query, input.query, s_q);
-        let k = split(&self.key, input.key, s_k);
-        let v = split(&self.value, input.value, s_k);
+        let (q, k, v, output) = match cache {
+            None => (
+                split(&self.query, input.query),
+                split(&self.key, input.key),
+                split(&self.value, input.value),
+                None,
+            ),
+            Some(c) => {
+                let q = c
+                    .query
+                    .forward_autoregressive(input.query, 2, |x| split(&self.query, x));
+                let (k, v) = match c.fixed_memory {
+                    true => (
+                        c.key.forward_full(input.key, |x| split(&self.key, x)),
+                        c.value.forward_full(input.value, |x| split(&self.value, x)),
+                    ),
+                    false => (
+                        c.key
+                            .forward_autoregressive(input.key, 2, |x| split(&self.key, x)),
+                        c.value
+                            .forward_autoregressive(input.value, 2, |x| split(&self.value, x)),
+                    ),
+                };
+                (q, k, v, Some(&mut c.output))
+            }
+        };
+        let [b, _, s_q, _] = q.dims();
         let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
         let weights = attention_probs(
             scores,
@@ -216,7 +255,39 @@ impl MultiHeadAttention {
             .reshape([b, s_q, heads * self.d_k]);
         MhaOutput {
             weights,
-            context: self.output.forward(context),
+            context: cached(output, context, 1, |x| self.output.forward(x)),
+        }
+    }
+}
+
+/// Burn's `MhaCache`: the projections of the positions decoded so far.
+#[derive(Debug, Clone)]
+pub struct MhaCache {
+    query: TensorCache<4>,
+    key: TensorCache<4>,
+    value: TensorCache<4>,
+    output: TensorCache<3>,
+    /// The keys and values are a fixed memory's (cross-attention), projected once.
+    fixed_memory: bool,
+}
+
+impl MhaCache {
+    /// A cache for self-attention in autoregressive decoding.
+    pub fn autoregressive() -> Self {
+        Self {
+            query: TensorCache::empty(),
+            key: TensorCache::empty(),
+            value: TensorCache::empty(),
+            output: TensorCache::empty(),
+            fixed_memory: false,
+        }
+    }
+
+    /// A cache for cross-attention over a fixed memory in autoregressive decoding.
+    pub fn autoregressive_cross_attention() -> Self {
+        Self {
+            fixed_memory: true,
+            ..Self::autoregressive()
         }
     }
 }

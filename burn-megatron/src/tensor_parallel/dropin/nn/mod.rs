@@ -3,12 +3,15 @@
 //! configs and record paths, each with a [`TpSlot`] that a [`TpPlan`](super::TpPlan) fills: a
 //! model written with `burn::nn` becomes tensor-parallel by importing these instead and
 //! applying a plan, with no constructor changed. Until a plan assigns a split, each layer
-//! computes exactly what Burn's does.
+//! computes exactly what Burn's does. Burn's autoregressive decoding (`forward_cache`,
+//! `forward_autoregressive_inference`) comes with its caches ([`cache`],
+//! [`attention::MhaCache`]); a layer Burn built converts with `From`.
 
 use super::plan::Split;
 use super::slot::TpSlot;
 
 pub mod attention;
+pub mod cache;
 pub mod transformer;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;

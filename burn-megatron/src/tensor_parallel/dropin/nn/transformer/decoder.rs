@@ -4,8 +4,9 @@
 //! the residual stream's dropout draws the same mask on every rank.
 
 use super::super::super::slot::TpSlot;
-use super::super::attention::{MhaInput, MultiHeadAttention};
-use super::{Parts, PositionWiseFeedForward, drop};
+use super::super::attention::{MhaCache, MhaInput, MultiHeadAttention};
+use super::super::cache::{TensorCache, cached};
+use super::{Parts, PositionWiseFeedForward, check_cache, drop};
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
 use burn::module::Module;
@@ -114,6 +115,33 @@ impl TransformerDecoder {
         }
         input.target
     }
+
+    /// Burn's `forward_autoregressive_inference`: one decoding step, each call's target one
+    /// position longer than the last (the memory the same), only the new position computed.
+    ///
+    /// # Panics
+    ///
+    /// On a cache made for another number of layers, and as [`forward`](Self::forward).
+    pub fn forward_autoregressive_inference(
+        &self,
+        mut input: TransformerDecoderInput,
+        cache: &mut TransformerDecoderAutoregressiveCache,
+    ) -> Tensor<3> {
+        check_cache(cache.layers.len(), self.layers.len());
+        for (layer, cache) in self.layers.iter().zip(&mut cache.layers) {
+            input = layer.run(input, Some(cache));
+        }
+        input.target
+    }
+
+    /// An empty cache for [`forward_autoregressive_inference`](Self::forward_autoregressive_inference).
+    pub fn new_autoregressive_cache(&self) -> TransformerDecoderAutoregressiveCache {
+        TransformerDecoderAutoregressiveCache {
+            layers: (self.layers.iter())
+                .map(|_| TransformerDecoderLayerAutoregressiveCache::empty())
+                .collect(),
+        }
+    }
 }
 
 /// Burn's `TransformerDecoderInput`: the target, the encoder's memory, and their masks.
@@ -190,42 +218,105 @@ pub struct TransformerDecoderLayer {
 impl TransformerDecoderLayer {
     /// Burn's layer: its norms where Burn puts them (`norm_3` before the self-attention
     /// pre-norm, after the layer post-norm).
-    pub fn forward(&self, mut input: TransformerDecoderInput) -> TransformerDecoderInput {
+    pub fn forward(&self, input: TransformerDecoderInput) -> TransformerDecoderInput {
+        self.run(input, None)
+    }
+
+    /// Burn's layer one decoding step at a time, through `cache`.
+    pub fn forward_autoregressive_inference(
+        &self,
+        input: TransformerDecoderInput,
+        cache: &mut TransformerDecoderLayerAutoregressiveCache,
+    ) -> TransformerDecoderInput {
+        self.run(input, Some(cache))
+    }
+
+    fn run(
+        &self,
+        mut input: TransformerDecoderInput,
+        cache: Option<&mut TransformerDecoderLayerAutoregressiveCache>,
+    ) -> TransformerDecoderInput {
+        let (c_self, c_cross, c_pwff, c_1, c_2, c_3) = match cache {
+            Some(c) => (
+                Some(&mut c.self_attn),
+                Some(&mut c.cross_attn),
+                Some(&mut c.pwff),
+                Some(&mut c.norm_1),
+                Some(&mut c.norm_2),
+                Some(&mut c.norm_3),
+            ),
+            None => (None, None, None, None, None, None),
+        };
         // The residual stream is whole on every rank: its masks must agree.
-        let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
-        // Pre-norm normalises the branch's input, post-norm the stream before the branch.
-        let branch = |x: &mut Tensor<3>, norm: &LayerNorm| match self.norm_first {
-            true => norm.forward(x.clone()),
+        let d = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
+        let norm_1 = |x| cached(c_1, x, 1, |x| self.norm_1.forward(x));
+        let norm_2 = |x| cached(c_2, x, 1, |x| self.norm_2.forward(x));
+        let norm_3 = |x| cached(c_3, x, 1, |x| self.norm_3.forward(x));
+        let (target_pad, target_attn) = (&input.target_mask_pad, &input.target_mask_attn);
+        let self_attn = |x| {
+            let h = MhaInput::self_attn(x).masks(target_pad.clone(), target_attn.clone());
+            self.self_attn.attend(h, c_self).context
+        };
+        let memory = &input.memory;
+        let (memory_pad, memory_attn) = (&input.memory_mask_pad, &input.memory_mask_attn);
+        let cross_attn = |x| {
+            let h = MhaInput::new(x, memory.clone(), memory.clone());
+            let h = h.masks(memory_pad.clone(), memory_attn.clone());
+            self.cross_attn.attend(h, c_cross).context
+        };
+        let feed_forward = |x| cached(c_pwff, x, 1, |x| self.pwff.forward(x));
+        let x = input.target.clone();
+        let target = match self.norm_first {
+            true => {
+                let x = x.clone() + d(self_attn(norm_3(x)));
+                let x = x.clone() + d(cross_attn(norm_1(x)));
+                x.clone() + d(feed_forward(norm_2(x)))
+            }
             false => {
-                *x = norm.forward(x.clone());
-                x.clone()
+                let x = norm_1(x.clone() + d(self_attn(x)));
+                let x = norm_2(x.clone() + d(cross_attn(x)));
+                norm_3(x.clone() + d(feed_forward(x)))
             }
         };
-        let x = input.target.clone();
-        let h = match self.norm_first {
-            true => self.norm_3.forward(x.clone()),
-            false => x.clone(),
-        };
-        let h = MhaInput::self_attn(h);
-        let h = h.masks(
-            input.target_mask_pad.clone(),
-            input.target_mask_attn.clone(),
-        );
-        let mut x = x + residual(self.self_attn.forward(h).context);
-        let h = branch(&mut x, &self.norm_1);
-        let h = MhaInput::new(h, input.memory.clone(), input.memory.clone());
-        let h = h.masks(
-            input.memory_mask_pad.clone(),
-            input.memory_mask_attn.clone(),
-        );
-        let mut x = x + residual(self.cross_attn.forward(h).context);
-        let h = branch(&mut x, &self.norm_2);
-        let mut x = x + residual(self.pwff.forward(h));
-        if !self.norm_first {
-            x = self.norm_3.forward(x);
-        }
-        input.target = x;
+        input.target = target;
         input
+    }
+}
+
+/// Burn's cache of a decoder's layers for autoregressive inference.
+#[derive(Debug, Clone)]
+pub struct TransformerDecoderAutoregressiveCache {
+    layers: Vec<TransformerDecoderLayerAutoregressiveCache>,
+}
+
+/// Burn's cache of one decoder layer's parts.
+#[derive(Debug, Clone)]
+pub struct TransformerDecoderLayerAutoregressiveCache {
+    /// The cross-attention's (the memory's keys and values projected once).
+    pub cross_attn: MhaCache,
+    /// The self-attention's.
+    pub self_attn: MhaCache,
+    /// The feed-forward network's.
+    pub pwff: TensorCache<3>,
+    /// The first norm's.
+    pub norm_1: TensorCache<3>,
+    /// The second norm's.
+    pub norm_2: TensorCache<3>,
+    /// The third norm's.
+    pub norm_3: TensorCache<3>,
+}
+
+impl TransformerDecoderLayerAutoregressiveCache {
+    /// An empty cache.
+    pub fn empty() -> Self {
+        Self {
+            cross_attn: MhaCache::autoregressive_cross_attention(),
+            self_attn: MhaCache::autoregressive(),
+            pwff: TensorCache::empty(),
+            norm_1: TensorCache::empty(),
+            norm_2: TensorCache::empty(),
+            norm_3: TensorCache::empty(),
+        }
     }
 }
 

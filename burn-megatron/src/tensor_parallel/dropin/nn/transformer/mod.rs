@@ -8,7 +8,8 @@
 //! slice of the inner width. Unsplit, it computes what Burn's computes, with Burn's dropout.
 
 use super::super::slot::TpSlot;
-use super::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use super::attention::{MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use super::cache::{TensorCache, cached};
 use super::{Linear, LinearConfig};
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
@@ -19,7 +20,8 @@ use burn::tensor::{Bool, Device, Tensor};
 
 mod decoder;
 pub use decoder::{
-    TransformerDecoder, TransformerDecoderConfig, TransformerDecoderInput, TransformerDecoderLayer,
+    TransformerDecoder, TransformerDecoderAutoregressiveCache, TransformerDecoderConfig,
+    TransformerDecoderInput, TransformerDecoderLayer, TransformerDecoderLayerAutoregressiveCache,
 };
 
 /// Burn's `TransformerEncoderConfig`, field for field (a struct literal of Burn's compiles
@@ -173,6 +175,74 @@ impl TransformerEncoder {
         }
         x
     }
+
+    /// Burn's `forward_autoregressive_inference`: one decoding step, each call's input one
+    /// position longer than the last, only the new position computed.
+    ///
+    /// # Panics
+    ///
+    /// On a cache made for another number of layers, and as [`forward`](Self::forward).
+    pub fn forward_autoregressive_inference(
+        &self,
+        input: TransformerEncoderInput,
+        cache: &mut TransformerEncoderAutoregressiveCache,
+    ) -> Tensor<3> {
+        check_cache(cache.layers.len(), self.layers.len());
+        let mut x = input.tensor;
+        for (layer, cache) in self.layers.iter().zip(&mut cache.layers) {
+            let (pad, attn) = (input.mask_pad.clone(), input.mask_attn.clone());
+            x = layer.run(x, pad, attn, Some(cache));
+        }
+        x
+    }
+
+    /// An empty cache for [`forward_autoregressive_inference`](Self::forward_autoregressive_inference).
+    pub fn new_autoregressive_cache(&self) -> TransformerEncoderAutoregressiveCache {
+        TransformerEncoderAutoregressiveCache {
+            layers: (self.layers.iter())
+                .map(|_| TransformerEncoderLayerAutoregressiveCache::empty())
+                .collect(),
+        }
+    }
+}
+
+/// A cache made for `cached` layers used with a model of `layers`.
+pub(super) fn check_cache(cached: usize, layers: usize) {
+    assert_eq!(
+        cached, layers,
+        "an autoregressive cache for {cached} layers used with {layers} layers"
+    );
+}
+
+/// Burn's cache of an encoder's layers for autoregressive inference.
+#[derive(Debug, Clone)]
+pub struct TransformerEncoderAutoregressiveCache {
+    layers: Vec<TransformerEncoderLayerAutoregressiveCache>,
+}
+
+/// Burn's cache of one encoder layer's parts.
+#[derive(Debug, Clone)]
+pub struct TransformerEncoderLayerAutoregressiveCache {
+    /// The self-attention's.
+    pub mha: MhaCache,
+    /// The feed-forward network's.
+    pub pwff: TensorCache<3>,
+    /// The first norm's.
+    pub norm_1: TensorCache<3>,
+    /// The second norm's.
+    pub norm_2: TensorCache<3>,
+}
+
+impl TransformerEncoderLayerAutoregressiveCache {
+    /// An empty cache.
+    pub fn empty() -> Self {
+        Self {
+            mha: MhaCache::autoregressive(),
+            pwff: TensorCache::empty(),
+            norm_1: TensorCache::empty(),
+            norm_2: TensorCache::empty(),
+        }
+    }
 }
 
 /// Burn's `TransformerEncoderInput`, whose fields Burn keeps private: the same builder.
@@ -232,14 +302,47 @@ impl TransformerEncoderLayer {
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<3> {
+        self.run(x, mask_pad, mask_attn, None)
+    }
+
+    /// Burn's layer over `x` one decoding step at a time, through `cache`.
+    pub fn forward_autoregressive_inference(
+        &self,
+        x: Tensor<3>,
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+        cache: &mut TransformerEncoderLayerAutoregressiveCache,
+    ) -> Tensor<3> {
+        self.run(x, mask_pad, mask_attn, Some(cache))
+    }
+
+    fn run(
+        &self,
+        x: Tensor<3>,
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+        cache: Option<&mut TransformerEncoderLayerAutoregressiveCache>,
+    ) -> Tensor<3> {
+        let (mha, pwff, c_1, c_2) = match cache {
+            Some(c) => (
+                Some(&mut c.mha),
+                Some(&mut c.pwff),
+                Some(&mut c.norm_1),
+                Some(&mut c.norm_2),
+            ),
+            None => (None, None, None, None),
+        };
         // The residual stream is whole on every rank: its masks must agree.
         let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
         let attention = |x| {
             let input = MhaInput::self_attn(x).masks(mask_pad, mask_attn);
-            self.mha.forward(input).context
+            self.mha.attend(input, mha).context
         };
-        let norms = (&self.norm_1, &self.norm_2, self.norm_first);
-        encoder_block(x, norms, attention, |x| self.pwff.forward(x), residual)
+        let feed_forward = |x| cached(pwff, x, 1, |x| self.pwff.forward(x));
+        let norm_1 = |x| cached(c_1, x, 1, |x| self.norm_1.forward(x));
+        let norm_2 = |x| cached(c_2, x, 1, |x| self.norm_2.forward(x));
+        let norms = (norm_1, norm_2, self.norm_first);
+        encoder_block(x, norms, attention, feed_forward, residual)
     }
 }
 
@@ -306,27 +409,24 @@ pub(super) fn drop<const D: usize>(
 /// `norm_2(x + d(feed_forward(x)))`, `d` being the residual dropout.
 fn encoder_block(
     x: Tensor<3>,
-    (norm_1, norm_2, norm_first): (&LayerNorm, &LayerNorm, bool),
+    (norm_1, norm_2, norm_first): (
+        impl FnOnce(Tensor<3>) -> Tensor<3>,
+        impl FnOnce(Tensor<3>) -> Tensor<3>,
+        bool,
+    ),
     attention: impl FnOnce(Tensor<3>) -> Tensor<3>,
     feed_forward: impl FnOnce(Tensor<3>) -> Tensor<3>,
-    residual_dropout: impl Fn(Tensor<3>) -> Tensor<3>,
+    d: impl Fn(Tensor<3>) -> Tensor<3>,
 ) -> Tensor<3> {
-    let attn_in = match norm_first {
-        true => norm_2.forward(x.clone()),
-        false => x.clone(),
-    };
-    let mut x = x + residual_dropout(attention(attn_in));
-    let ffn_in = match norm_first {
-        true => norm_1.forward(x.clone()),
-        false => {
-            x = norm_1.forward(x);
-            x.clone()
-        }
-    };
-    let x = x + residual_dropout(feed_forward(ffn_in));
     match norm_first {
-        true => x,
-        false => norm_2.forward(x),
+        true => {
+            let x = x.clone() + d(attention(norm_2(x)));
+            x.clone() + d(feed_forward(norm_1(x)))
+        }
+        false => {
+            let x = norm_1(x.clone() + d(attention(x)));
+            norm_2(x.clone() + d(feed_forward(x)))
+        }
     }
 }
 
