@@ -264,7 +264,8 @@ fn a_swiglu_mlp_burn_built_converts_and_splits_as_the_plain_one() -> Result<(), 
 }
 
 /// The weights a plan draws follow the layer's configured initializer (not Burn's default
-/// for the type), the same at TP 1 and 2; one with no law here is an error naming the layer.
+/// for the type, nor Kaiming's bound where Xavier's is asked for), the same at TP 1 and 2;
+/// one with no law here is an error naming the layer.
 #[test]
 fn a_plan_draws_with_the_initializer_the_config_names() -> Result<(), Error> {
     #[derive(Module, Debug)]
@@ -308,15 +309,28 @@ fn a_plan_draws_with_the_initializer_the_config_names() -> Result<(), Error> {
     let std = (up.iter().map(|x| x * x).sum::<f32>() / up.len() as f32).sqrt();
     assert!((0.015..0.025).contains(&std), "std {std}");
     assert_eq!(w["up.bias"].len(), D_FF);
+    // Xavier's law over a linear's two widths: uniform on ±√(6 / (16 + 32)).
     let xavier = Initializer::XavierUniform { gain: 1.0 };
+    let out = threads(
+        &ParallelConfig::new(2, 2, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            Ok::<_, Error>(gathered(&plan.apply(net(xavier.clone(), d), g)?, None, g))
+        },
+    )?;
+    let bound = (6.0f32 / (D_MODEL + D_FF) as f32).sqrt();
+    let largest = out[0]["up.weight"].iter().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(
+        (0.95 * bound..=bound).contains(&largest),
+        "{largest} against ±{bound}"
+    );
+    let orthogonal = Initializer::Orthogonal { gain: 1.0 };
     let e = plan
-        .apply(net(xavier, &Device::flex()), &solo())
+        .apply(net(orthogonal, &Device::flex()), &solo())
         .unwrap_err()
         .to_string();
-    assert!(
-        e.contains("up.weight") && e.contains("XavierUniform"),
-        "{e}"
-    );
+    assert!(e.contains("up.weight") && e.contains("Orthogonal"), "{e}");
     Ok(())
 }
 

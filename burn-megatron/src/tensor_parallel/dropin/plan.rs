@@ -175,7 +175,7 @@ impl TpPlan {
             active: None,
             owner: None,
             vocab: None,
-            fan_in: None,
+            fans: (None, None),
             inits: initializers(&model),
             matched: vec![false; self.rules.len()],
             error: None,
@@ -221,8 +221,8 @@ struct PlanMapper<'a> {
     owner: Option<LayoutOwner>,
     /// The real vocabulary of the layer whose parameters were just padded, for its slot.
     vocab: Option<usize>,
-    /// The input width of the linear whose parameters are being mapped.
-    fan_in: Option<usize>,
+    /// The fan-in and fan-out of the layer whose parameters are being mapped.
+    fans: (Option<usize>, Option<usize>),
     /// The initializer each layer's config named, by the layer's path.
     inits: HashMap<String, Initializer>,
     matched: Vec<bool>,
@@ -383,16 +383,15 @@ impl ModuleMapper for PlanMapper<'_> {
                 return param;
             }
         };
-        // Burn draws a linear's weight and bias with the weight's input width as fan-in.
+        // Burn draws a linear's weight and bias with the weight's widths as fan-in and
+        // fan-out, an embedding with neither.
         let dims = param.lazy_shape().to_vec();
         if field == "weight" {
-            self.fan_in = Some(if layer == "Struct:Linear" {
-                dims[0]
-            } else {
-                dims[D - 1]
-            });
+            self.fans = match layer.as_str() {
+                "Struct:Linear" => (Some(dims[0]), Some(dims[1])),
+                _ => (None, None),
+            };
         }
-        let fan_in = self.fan_in.unwrap_or(dims[D - 1]);
         let owner = self.owner.get_or_insert_with(LayoutOwner::default).clone();
         let tp = self.tp.group().size();
         // Megatron's padding: a multiple of `divisible_by × tp`, with the real size kept.
@@ -415,7 +414,7 @@ impl ModuleMapper for PlanMapper<'_> {
             layer: &layer,
             path: &path,
             seed: self.plan.seed,
-            fan_in,
+            fans: self.fans,
         };
         match shard(param, at, self.tp) {
             Ok(p) => {

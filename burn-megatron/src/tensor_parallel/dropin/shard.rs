@@ -25,7 +25,8 @@ pub(super) struct Placement<'a> {
     pub(super) layer: &'a str,
     pub(super) path: &'a str,
     pub(super) seed: u64,
-    pub(super) fan_in: usize,
+    /// The fan-in and fan-out Burn's initializer is given for the parameter.
+    pub(super) fans: (Option<usize>, Option<usize>),
 }
 
 /// `param`'s part on this rank: its values cut along the split dimension (zeros past the
@@ -100,7 +101,7 @@ fn lazy_draw<const D: usize>(
     let mut local = dims;
     local[dim] = part;
     let (seed, device) = (derive_seed(at.seed, at.path), param.lazy_device());
-    let (total, fan_in) = (dims.iter().product::<usize>(), at.fan_in);
+    let (total, fan_in) = (dims.iter().product::<usize>(), at.fans.0.unwrap_or(1));
     Ok(lazy_host_param(local, &device, move || {
         let full = law.values(total, fan_in, seed);
         slice_padded(&full, &dims, dim, start, part)
@@ -136,5 +137,5 @@ fn law(at: &Placement<'_>) -> Result<MasterInit, String> {
         (None, "Struct:Embedding") => burn::nn::EmbeddingConfig::new(1, 1).initializer,
         (None, other) => return Err(format!("{}: no default initializer for {other}", at.path)),
     };
-    master_init(&init).map_err(|e| format!("{}: {e}", at.path))
+    master_init(&init, at.fans.0, at.fans.1).map_err(|e| format!("{}: {e}", at.path))
 }
