@@ -225,9 +225,7 @@ struct WithEncoder {
 #[test]
 fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() -> Result<(), Error>
 {
-    use burn_megatron::tensor_parallel::dropin::nn::transformer::{
-        TransformerEncoderConfig, TransformerEncoderInput,
-    };
+    use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput;
     use burn_megatron_tests::data;
     let dir = std::env::temp_dir().join(format!("bm-dropin-encoder-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -236,18 +234,7 @@ fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() 
         // Burn's encoder saves the record; Burn's struct literal builds the Burn-named one.
         let record = super::encoder_record(&config, &dir, &format!("encoder-{norm_first}.bpk"));
         let (y_plain, g_plain) = super::plain_run(&config, &record);
-        let ours = TransformerEncoderConfig {
-            d_model: config.d_model,
-            d_ff: config.d_ff,
-            n_heads: config.n_heads,
-            n_layers: config.n_layers,
-            dropout: config.dropout,
-            norm_first: config.norm_first,
-            quiet_softmax: config.quiet_softmax,
-            initializer: config.initializer.clone(),
-            activation: config.activation.clone(),
-            layer_norm_eps: config.layer_norm_eps,
-        };
+        let ours = super::dropin_config(&config);
         let options = LoadOptions::default().with_key_remap("^", "encoder.")?;
         let source = RecordSource::from_path(&record);
         for tp in [1, 2, 4] {
