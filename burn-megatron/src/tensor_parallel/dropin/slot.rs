@@ -114,13 +114,17 @@ impl TpSlot {
     /// The slot of a feed-forward block: an activation that does not act elementwise mixes
     /// or weighs the channels the ranks would split, so the block refuses any split.
     pub(super) fn feed_forward(activation: &Activation) -> Self {
-        let refuses =
-            matches!(activation, Activation::SwiGlu(_) | Activation::PRelu(_)).then(|| {
-                format!(
-                    "the activation {activation:?} does not act elementwise, so it cannot run on \
-                 the tensor-parallel ranks' slices of the inner width"
-                )
-            });
+        let name = match activation {
+            Activation::SwiGlu(_) => Some("SwiGlu"),
+            Activation::PRelu(_) => Some("PRelu"),
+            _ => None,
+        };
+        let refuses = name.map(|name| {
+            format!(
+                "the activation {name} does not act elementwise, so it cannot run on the \
+                 tensor-parallel ranks' slices of the inner width"
+            )
+        });
         Self {
             refuses,
             ..Self::default()
