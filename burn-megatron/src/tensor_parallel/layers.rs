@@ -131,7 +131,17 @@ pub(crate) fn check_width<const D: usize>(
     weight: &Param<Tensor<2>>,
     tp: Option<&Comm>,
 ) {
-    let (got, want) = (input.dims()[D - 1], weight.lazy_shape().to_vec()[0]);
+    check_input_width(layer, input, weight.lazy_shape().to_vec()[0], tp);
+}
+
+/// As [`check_width`], against a weight that takes `want` input features.
+pub(crate) fn check_input_width<const D: usize>(
+    layer: &str,
+    input: &Tensor<D>,
+    want: usize,
+    tp: Option<&Comm>,
+) {
+    let got = input.dims()[D - 1];
     if got != want {
         let size = tp.map_or(1, |tp| tp.group().size());
         let hint = match got == want * size && size > 1 {

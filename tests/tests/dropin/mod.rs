@@ -24,6 +24,7 @@ use std::sync::Arc;
 mod attention;
 mod cache;
 mod decoder;
+mod layout;
 mod load;
 mod plan;
 mod text_generation;

@@ -15,6 +15,7 @@
 //! dropped before the next. The file must not change while it loads.
 
 use super::super::{TpError, parallel_attrs};
+use super::slot::{Facts, col_weight, facts};
 use crate::comm::Comm;
 use crate::module_path::{PathMapper, map_paths};
 use crate::safetensors_io;
@@ -23,7 +24,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use regex::Regex;
 use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// A whole-model record on disk, in a format Burn 0.22 writes.
@@ -323,6 +324,7 @@ fn load<M: Module>(
     }
     let mut loader = Loader {
         by_path,
+        facts: facts(&model),
         tp,
         options,
         report: LoadReport::default(),
@@ -346,6 +348,8 @@ fn load<M: Module>(
 
 struct Loader<'a, 'o> {
     by_path: BTreeMap<String, (String, Stored<'a>)>,
+    /// What the layers' slots know (Burn's column layout).
+    facts: HashMap<String, Facts>,
     tp: (usize, usize),
     options: &'o LoadOptions,
     report: LoadReport,
@@ -369,8 +373,13 @@ impl PathMapper for Loader<'_, '_> {
             }
             return p;
         };
-        let transposed = self.options.transposed.iter().any(|re| re.is_match(path));
-        let shard = self.shard(&p, &stored, transposed);
+        // Stored `[out, in]`: as the options say, or as Burn's column layout writes it. A
+        // whole layer of that layout reads it as stored, and its mapper transposes it; a
+        // split one's shards have no mapper.
+        let col = col_weight(&self.facts, path);
+        let options = self.options.transposed.iter().any(|re| re.is_match(path));
+        let mapped = col == Some(false);
+        let shard = self.shard(&p, &stored, options || col == Some(true), mapped);
         // The whole tensor a column shard was cut from goes before the shard is copied in.
         drop(stored);
         match shard {
@@ -404,8 +413,14 @@ impl Loader<'_, '_> {
         p: &Param<Tensor<D>>,
         stored: &Stored<'_>,
         transposed: bool,
+        mapped: bool,
     ) -> Result<TensorData, String> {
-        let local = p.lazy_shape().to_vec();
+        let mut local = p.lazy_shape().to_vec();
+        // A mapped parameter Burn has not drawn yet has the stored layout's shape; drawn, the
+        // layer's.
+        if mapped && p.is_initialized() {
+            local.reverse();
+        }
         let attrs = parallel_attrs(p.id);
         let (global, offset) = attrs.placement(&local, self.tp.0, self.tp.1);
         if transposed && D != 2 {

@@ -9,10 +9,9 @@
 use super::super::attrs::{LayoutOwner, ParallelAttrs};
 use super::super::{RngTracker, TpError, padded_vocab_size};
 use super::shard::{Placement, shard};
-use super::slot::{Assigned, Offer, PENDING, initializers};
+use super::slot::{Assigned, Facts, Offer, PENDING, facts};
 use crate::comm::Comm;
 use burn::module::{Module, ModuleMapper, Param};
-use burn::nn::Initializer;
 use burn::tensor::Tensor;
 use std::collections::HashMap;
 
@@ -176,7 +175,7 @@ impl TpPlan {
             owner: None,
             vocab: None,
             fans: (None, None),
-            inits: initializers(&model),
+            facts: facts(&model),
             matched: vec![false; self.rules.len()],
             error: None,
         };
@@ -223,8 +222,8 @@ struct PlanMapper<'a> {
     vocab: Option<usize>,
     /// The fan-in and fan-out of the layer whose parameters are being mapped.
     fans: (Option<usize>, Option<usize>),
-    /// The initializer each layer's config named, by the layer's path.
-    inits: HashMap<String, Initializer>,
+    /// What each layer's slot knows, by the layer's path.
+    facts: HashMap<String, Facts>,
     matched: Vec<bool>,
     error: Option<TpError>,
 }
@@ -385,10 +384,18 @@ impl ModuleMapper for PlanMapper<'_> {
         };
         // Burn draws a linear's weight and bias with the weight's widths as fan-in and
         // fan-out, an embedding with neither.
-        let dims = param.lazy_shape().to_vec();
+        let layer_facts = self.facts.get(&self.path[..self.path.len() - 1].join("."));
+        let col = field == "weight" && layer_facts.is_some_and(|f| f.col);
+        let mut dims = param.lazy_shape().to_vec();
+        // Burn draws a column-layout weight `[out, in]` and transposes it when first read.
+        if col && !param.is_initialized() {
+            dims.reverse();
+        }
+        // Burn's column layout draws `[out, in]` with the fans swapped.
         if field == "weight" {
-            self.fans = match layer.as_str() {
-                "Struct:Linear" => (Some(dims[0]), Some(dims[1])),
+            self.fans = match (layer.as_str(), col) {
+                ("Struct:Linear", false) => (Some(dims[0]), Some(dims[1])),
+                ("Struct:Linear", true) => (Some(dims[1]), Some(dims[0])),
                 _ => (None, None),
             };
         }
@@ -405,9 +412,10 @@ impl ModuleMapper for PlanMapper<'_> {
         if padded.is_some() {
             self.vocab = real;
         }
-        let init = self.inits.get(&self.path[..self.path.len() - 1].join("."));
+        let init = layer_facts.and_then(|f| f.init.as_ref());
         let at = Placement {
             init,
+            col,
             dim,
             padded,
             vocab: matches!(split, Split::Vocab | Split::GatheredVocab),

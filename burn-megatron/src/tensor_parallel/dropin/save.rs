@@ -8,12 +8,14 @@
 //! early, so a failed write is an error on every rank rather than a hang.
 
 use super::super::{TpError, parallel_attrs};
+use super::slot::{Facts, col_weight, facts};
 use crate::comm::tensor::all_gather;
 use crate::comm::{Comm, CommunicatorExt, ReduceOp};
 use crate::module_path::{PathVisitor, visit_paths};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -35,6 +37,8 @@ struct Entry {
 /// in the form its mapper saves (`transform_for_save`).
 struct Collect<'a> {
     tp: &'a Comm,
+    /// What the layers' slots know (Burn's column layout).
+    facts: HashMap<String, Facts>,
     entries: Vec<Entry>,
 }
 
@@ -75,9 +79,17 @@ impl PathVisitor for Collect<'_> {
             .unpadded_size
             .unwrap_or(shape[d] * self.tp.group().size());
         let (tp, real) = (self.tp.clone(), shape[d]);
+        // A split linear of Burn's column layout: its shards have no mapper, and Burn's
+        // record holds the whole weight `[out, in]`.
+        let col = col_weight(&self.facts, path).is_some();
+        if col {
+            shape.reverse();
+        }
         let gather = move |keep: bool| {
             let whole = all_gather(&*tp, value.clone(), d).map_err(|e| e.to_string())?;
-            Ok(keep.then(|| whole.narrow(d, 0, real).into_data()))
+            let whole = whole.narrow(d, 0, real);
+            let whole = if col { whole.transpose() } else { whole };
+            Ok(keep.then(|| whole.into_data()))
         };
         self.push(path, p.id, dtype, shape, Arc::new(gather));
     }
@@ -109,6 +121,7 @@ pub fn save_gathered<M: Module>(
     let path = path.as_ref();
     let mut collect = Collect {
         tp,
+        facts: facts(model),
         entries: Vec::new(),
     };
     visit_paths(model, &mut collect);

@@ -25,6 +25,8 @@ pub(super) struct Placement<'a> {
     pub(super) layer: &'a str,
     pub(super) path: &'a str,
     pub(super) seed: u64,
+    /// A linear weight in Burn's column layout.
+    pub(super) col: bool,
     /// The fan-in and fan-out Burn's initializer is given for the parameter.
     pub(super) fans: (Option<usize>, Option<usize>),
 }
@@ -39,7 +41,11 @@ pub(super) fn shard<const D: usize>(
     tp: &Comm,
 ) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
     let (rank, size) = (tp.group().rank(), tp.group().size());
-    let dims: [usize; D] = param.lazy_shape().dims();
+    let mut dims: [usize; D] = param.lazy_shape().dims();
+    // Burn draws a column-layout weight `[out, in]` and transposes it when first read.
+    if at.col && !param.is_initialized() {
+        dims.reverse();
+    }
     let Some(dim) = at.dim else {
         return match param.is_initialized() {
             true => Ok(param),

@@ -4,9 +4,10 @@
 //!
 //! Burn's module traversal gives a mapper parameters, not fields; the plan hands the slot its
 //! split through a value this thread holds only while the slot is being mapped (set when the
-//! traversal enters the slot, taken by the slot, checked when it leaves). The initializers go
-//! the other way, in a visit before the plan maps anything: a layer's parameters come before
-//! its slot, and the mapper draws them.
+//! traversal enters the slot, taken by the slot, checked when it leaves). What the slot knows
+//! of its layer goes the other way, in a visit before anything is mapped ([`facts`]): a
+//! layer's parameters come before its slot, and the plan draws them, the loader reads them
+//! and the writer gathers them.
 
 use super::super::RngTracker;
 use super::super::attrs::{LayoutOwner, ParallelAttrs};
@@ -74,8 +75,8 @@ pub(super) enum Offer {
 thread_local! {
     /// The plan's offer to the slot being mapped now (set and cleared by the plan's mapper).
     pub(super) static PENDING: RefCell<Offer> = const { RefCell::new(Offer::None) };
-    /// The initializer of the slot visited last (set by the slot, taken by [`initializers`]).
-    static SEEN: RefCell<Option<Initializer>> = const { RefCell::new(None) };
+    /// What the slot visited last knows (set by the slot, taken by [`facts`]).
+    static SEEN: RefCell<Option<Facts>> = const { RefCell::new(None) };
 }
 
 /// A layer's tensor-parallel split, empty until a [`TpPlan`](super::TpPlan) assigns one,
@@ -92,6 +93,19 @@ pub struct TpSlot {
     /// The initializer the layer's config named, for the parameters a plan draws (none:
     /// Burn's default for the layer's type).
     init: Option<Initializer>,
+    /// A linear in Burn's column layout: Burn's record holds its weight `[out, in]`.
+    col: bool,
+}
+
+/// What a layer's slot knows that its parameters do not say.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Facts {
+    /// The initializer its config named.
+    pub(super) init: Option<Initializer>,
+    /// A linear in Burn's column layout (its record holds the weight transposed).
+    pub(super) col: bool,
+    /// A plan split it.
+    pub(super) split: bool,
 }
 
 impl TpSlot {
@@ -108,6 +122,15 @@ impl TpSlot {
         Self {
             init: Some(init),
             ..Self::default()
+        }
+    }
+
+    /// The slot of a linear layer whose parameters `init` draws, in Burn's column layout or
+    /// not.
+    pub(super) fn linear(init: Initializer, col: bool) -> Self {
+        Self {
+            col,
+            ..Self::drawn_with(init)
         }
     }
 
@@ -174,7 +197,12 @@ impl Module for TpSlot {
         self
     }
     fn visit<V: ModuleVisitor>(&self, _: &mut V) {
-        SEEN.with(|s| *s.borrow_mut() = self.init.clone());
+        let facts = Facts {
+            init: self.init.clone(),
+            col: self.col,
+            split: self.assigned.is_some(),
+        };
+        SEEN.with(|s| *s.borrow_mut() = Some(facts));
     }
     fn map<M: ModuleMapper>(self, _: &mut M) -> Self {
         PENDING.with(|p| {
@@ -221,9 +249,9 @@ impl ModuleDisplayDefault for TpSlot {
 
 impl ModuleDisplay for TpSlot {}
 
-/// The initializer each layer's config named, by the layer's module path.
-pub(super) fn initializers<M: Module>(model: &M) -> HashMap<String, Initializer> {
-    struct Reader(Vec<String>, HashMap<String, Initializer>);
+/// What each slotted layer's slot knows, by the layer's module path.
+pub(super) fn facts<M: Module>(model: &M) -> HashMap<String, Facts> {
+    struct Reader(Vec<String>, HashMap<String, Facts>);
     impl ModuleVisitor for Reader {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.0.push(name.to_string());
@@ -231,9 +259,9 @@ pub(super) fn initializers<M: Module>(model: &M) -> HashMap<String, Initializer>
         fn exit_module(&mut self, name: &str, _: &str) {
             self.0.pop();
             if name == "tp"
-                && let Some(init) = SEEN.with(|s| s.borrow_mut().take())
+                && let Some(facts) = SEEN.with(|s| s.borrow_mut().take())
             {
-                self.1.insert(self.0.join("."), init);
+                self.1.insert(self.0.join("."), facts);
             }
         }
     }
@@ -241,4 +269,13 @@ pub(super) fn initializers<M: Module>(model: &M) -> HashMap<String, Initializer>
     let mut reader = Reader(Vec::new(), HashMap::new());
     model.visit(&mut reader);
     reader.1
+}
+
+/// Whether the parameter at `path` is the weight of a linear in Burn's column layout, and
+/// if so whether a plan split it: Burn's record holds it transposed, through the layer's
+/// mapper while whole, and a split one's shards have no mapper.
+pub(super) fn col_weight(facts: &HashMap<String, Facts>, path: &str) -> Option<bool> {
+    let (layer, field) = path.rsplit_once('.').unwrap_or(("", path));
+    let facts = facts.get(layer).filter(|f| f.col && field == "weight")?;
+    Some(facts.split)
 }

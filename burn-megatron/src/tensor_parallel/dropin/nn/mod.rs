@@ -16,7 +16,7 @@ pub mod transformer;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
 use crate::tensor_parallel::embedding::vocab_lookup;
-use crate::tensor_parallel::layers::check_width;
+use crate::tensor_parallel::layers::{check_input_width, check_width};
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -24,11 +24,11 @@ use crate::tensor_parallel::mappings::{
 use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::nn::Initializer;
+use burn::nn::{Initializer, LinearLayout};
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor};
 
-/// Burn's `LinearConfig` (row layout).
+/// Burn's `LinearConfig`.
 #[derive(Config, Debug)]
 pub struct LinearConfig {
     /// The size of the input features.
@@ -41,6 +41,11 @@ pub struct LinearConfig {
     /// The type of function used to initialize neural network parameters (Burn's default).
     #[config(default = "burn::nn::LinearConfig::new(1, 1).initializer")]
     pub initializer: Initializer,
+    /// How Burn stores the weight: `Row`, `[in, out]`, or `Col`, `[out, in]` (as PyTorch and
+    /// ONNX imports do). Either way the layer holds it as `[in, out]`, and the record keeps
+    /// the layout Burn's layer writes.
+    #[config(default = "LinearLayout::Row")]
+    pub layout: LinearLayout,
 }
 
 impl LinearConfig {
@@ -50,11 +55,13 @@ impl LinearConfig {
             burn::nn::LinearConfig::new(self.d_input, self.d_output)
                 .with_bias(self.bias)
                 .with_initializer(self.initializer.clone())
+                .with_layout(self.layout)
                 .init(device);
+        let col = matches!(self.layout, LinearLayout::Col);
         Linear {
             weight,
             bias,
-            tp: TpSlot::drawn_with(self.initializer.clone()),
+            tp: TpSlot::linear(self.initializer.clone(), col),
         }
     }
 }
@@ -80,9 +87,10 @@ impl Linear {
     /// On an input of another width than the weight takes, naming both (as Burn's).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         let Some(a) = &self.tp.assigned else {
-            let bias = self.bias.as_ref().map(|b| b.val());
-            check_width("Linear", &input, &self.weight, None);
-            return matmul_bias(input, self.weight.val(), bias, false);
+            // Drawn first: Burn's column layout gives the width only once drawn.
+            let (weight, bias) = (self.weight.val(), self.bias.as_ref().map(|b| b.val()));
+            check_input_width("Linear", &input, weight.dims()[0], None);
+            return matmul_bias(input, weight, bias, false);
         };
         self.restate(a);
         match a.split {
@@ -218,7 +226,7 @@ impl Embedding {
     }
 }
 
-/// Burn's `SwiGluConfig` (row layout).
+/// Burn's `SwiGluConfig`.
 #[derive(Config, Debug)]
 pub struct SwiGluConfig {
     /// The size of the input features.
@@ -232,6 +240,9 @@ pub struct SwiGluConfig {
     /// default).
     #[config(default = "burn::nn::SwiGluConfig::new(1, 1).initializer")]
     pub initializer: Initializer,
+    /// How Burn stores the linear layers' weights (see [`LinearConfig::layout`]).
+    #[config(default = "LinearLayout::Row")]
+    pub layout: LinearLayout,
 }
 
 impl SwiGluConfig {
@@ -241,6 +252,7 @@ impl SwiGluConfig {
             LinearConfig::new(self.d_input, self.d_output)
                 .with_bias(self.bias)
                 .with_initializer(self.initializer.clone())
+                .with_layout(self.layout)
                 .init(device)
         };
         SwiGlu {
@@ -269,7 +281,9 @@ impl SwiGlu {
 
 impl From<burn::nn::Linear> for Linear {
     /// Burn's built layer, its parameters kept (lazy ones stay lazy: a plan draws them from
-    /// Burn's default initializer, as the layer no longer says which built it).
+    /// Burn's default initializer, as the layer no longer says which built it). The layer
+    /// must be in Burn's row layout, which it does not say either: build a column-layout
+    /// one from [`LinearConfig`] with its `layout`.
     fn from(linear: burn::nn::Linear) -> Self {
         let burn::nn::Linear { weight, bias } = linear;
         Self {
