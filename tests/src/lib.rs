@@ -174,3 +174,15 @@ pub fn as_gradients<M: burn::module::Module>(model: &M, grads: &burn::optim::Gra
     }
     model.clone().map(&mut ToGrad(grads))
 }
+
+/// `f` on `tp` ranks as threads of this process, all one tensor-parallel group (no pipeline,
+/// no data parallelism): the layout of every TP parity test.
+pub fn tp_ranks<T, E, F>(tp: usize, f: F) -> Result<Vec<T>, burn_megatron::launch::LaunchError<E>>
+where
+    T: Send,
+    E: std::fmt::Display + Send,
+    F: Fn(burn_megatron::launch::RankContext) -> Result<T, E> + Sync,
+{
+    let config = burn_megatron::topology::ParallelConfig::new(tp, tp, 1);
+    burn_megatron::launch::threads(&config, burn_megatron::launch::LaunchOptions::default(), f)
+}

@@ -5,10 +5,9 @@
 
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{HfError, hf_state_dict, load_hf_bert, save_hf_bert};
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::read_safetensors as read;
+use burn_megatron_tests::tp_ranks;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -30,30 +29,26 @@ fn logits_at(tp: usize) -> Vec<(Vec<f64>, Vec<f64>)> {
 /// [`logits_at`] of the checkpoint in `dir`.
 fn logits_of(dir: &Path, tp: usize) -> Vec<(Vec<f64>, Vec<f64>)> {
     let expected = read(&fixture().join("expected.safetensors"));
-    threads(
-        &ParallelConfig::new(tp, tp, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (model, hf) = load_hf_bert(dir, &ctx.groups.tp, &ctx.device)?;
-            let ints = |name: &str| {
-                let (shape, v) = &expected[name];
-                let v: Vec<i64> = v.iter().map(|x| *x as i64).collect();
-                Tensor::<2, Int>::from_data(TensorData::new(v, [shape[0], shape[1]]), &ctx.device)
-            };
-            let padding: Tensor<2, Bool> = ints("attention_mask").equal_elem(0);
-            let out = model.forward(ints("input_ids"), ints("token_type_ids"), padding, None);
-            let lm = all_gather(&*ctx.groups.tp, out.lm_logits, 2)?.swap_dims(0, 1);
-            let lm = lm.narrow(2, 0, hf.vocab_size);
-            let lm: Vec<f64> = lm.into_data().iter::<f32>().map(f64::from).collect();
-            let nsp: Vec<f64> = out
-                .binary_logits
-                .into_data()
-                .iter::<f32>()
-                .map(f64::from)
-                .collect();
-            Ok::<_, HfError>((lm, nsp))
-        },
-    )
+    tp_ranks(tp, |ctx| {
+        let (model, hf) = load_hf_bert(dir, &ctx.groups.tp, &ctx.device)?;
+        let ints = |name: &str| {
+            let (shape, v) = &expected[name];
+            let v: Vec<i64> = v.iter().map(|x| *x as i64).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(v, [shape[0], shape[1]]), &ctx.device)
+        };
+        let padding: Tensor<2, Bool> = ints("attention_mask").equal_elem(0);
+        let out = model.forward(ints("input_ids"), ints("token_type_ids"), padding, None);
+        let lm = all_gather(&*ctx.groups.tp, out.lm_logits, 2)?.swap_dims(0, 1);
+        let lm = lm.narrow(2, 0, hf.vocab_size);
+        let lm: Vec<f64> = lm.into_data().iter::<f32>().map(f64::from).collect();
+        let nsp: Vec<f64> = out
+            .binary_logits
+            .into_data()
+            .iter::<f32>()
+            .map(f64::from)
+            .collect();
+        Ok::<_, HfError>((lm, nsp))
+    })
     .unwrap()
 }
 
@@ -94,28 +89,20 @@ fn export_then_import_round_trips_every_tensor() {
     let original = read(&fixture().join("model.safetensors"));
     let out = std::env::temp_dir().join(format!("bm-hf-export-{}", std::process::id()));
     // Load at TP 2, export (gathering the shards), re-import at TP 1 and export again.
-    threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
-            save_hf_bert(&model, &hf, &out, &ctx.groups.tp)
-        },
-    )
+    tp_ranks(2, |ctx| {
+        let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
+        save_hf_bert(&model, &hf, &out, &ctx.groups.tp)
+    })
     .unwrap();
     assert_eq!(
         read(&out.join("model.safetensors")),
         original,
         "TP 2 export"
     );
-    let again = threads(
-        &ParallelConfig::new(1, 1, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (model, hf) = load_hf_bert(&out, &ctx.groups.tp, &ctx.device)?;
-            hf_state_dict(&model, hf.vocab_size, &ctx.groups.tp)
-        },
-    )
+    let again = tp_ranks(1, |ctx| {
+        let (model, hf) = load_hf_bert(&out, &ctx.groups.tp, &ctx.device)?;
+        hf_state_dict(&model, hf.vocab_size, &ctx.groups.tp)
+    })
     .unwrap()
     .remove(0);
     assert_eq!(again.len(), original.len());
@@ -153,11 +140,9 @@ fn missing_and_misshapen_tensors_are_reported() {
     };
     write(&tensors);
     let load = || {
-        threads(
-            &ParallelConfig::new(1, 1, 1),
-            LaunchOptions::default(),
-            |ctx| load_hf_bert(&dir, &ctx.groups.tp, &ctx.device).map(|_| ()),
-        )
+        tp_ranks(1, |ctx| {
+            load_hf_bert(&dir, &ctx.groups.tp, &ctx.device).map(|_| ())
+        })
         .unwrap_err()
         .to_string()
     };
@@ -204,41 +189,37 @@ fn transformers_gradients_are_reproduced_at_tp1_and_tp2() {
     let reference = read(&fixture().join("gradients.safetensors"));
     let expected = read(&fixture().join("expected.safetensors"));
     for tp in [1, 2] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
-                let ints = |values: &[f64], shape: &[usize]| {
-                    let v: Vec<i64> = values.iter().map(|x| *x as i64).collect();
-                    TensorData::new(v, shape.to_vec())
-                };
-                let two = |name: &str, map: &dyn Fn(f64) -> f64| {
-                    let (shape, v) = &reference.get(name).or(expected.get(name)).unwrap();
-                    let v: Vec<f64> = v.iter().map(|x| map(*x)).collect();
-                    Tensor::<2, Int>::from_data(ints(&v, shape), &ctx.device)
-                };
-                let id = |x: f64| x;
-                let padding: Tensor<2, Bool> = two("attention_mask", &id).equal_elem(0);
-                // -100 marks unlabelled positions: label 0 there, masked out of the loss.
-                let labels = two("mlm_labels", &|x| x.max(0.0));
-                let mask = two("mlm_labels", &|x| f64::from(u8::from(x >= 0.0))).float();
-                let (shape, v) = &reference["sop_labels"];
-                let sop = Tensor::<1, Int>::from_data(ints(v, shape), &ctx.device);
-                let out = model.forward(
-                    two("input_ids", &id),
-                    two("token_type_ids", &id),
-                    padding,
-                    None,
-                );
-                let (lm, so) = model.loss(out, labels, mask, sop)?;
-                let losses = [lm.clone(), so.clone()].map(|l| f64::from(l.into_scalar::<f32>()));
-                let grads = burn::optim::GradientsParams::from_grads((lm + so).backward(), &model);
-                let as_grads = burn_megatron_tests::as_gradients(&model, &grads);
-                let named = hf_state_dict(&as_grads, hf.vocab_size, &ctx.groups.tp)?;
-                Ok::<_, Box<dyn std::error::Error + Send + Sync>>((losses, named))
-            },
-        )
+        let out = tp_ranks(tp, |ctx| {
+            let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
+            let ints = |values: &[f64], shape: &[usize]| {
+                let v: Vec<i64> = values.iter().map(|x| *x as i64).collect();
+                TensorData::new(v, shape.to_vec())
+            };
+            let two = |name: &str, map: &dyn Fn(f64) -> f64| {
+                let (shape, v) = &reference.get(name).or(expected.get(name)).unwrap();
+                let v: Vec<f64> = v.iter().map(|x| map(*x)).collect();
+                Tensor::<2, Int>::from_data(ints(&v, shape), &ctx.device)
+            };
+            let id = |x: f64| x;
+            let padding: Tensor<2, Bool> = two("attention_mask", &id).equal_elem(0);
+            // -100 marks unlabelled positions: label 0 there, masked out of the loss.
+            let labels = two("mlm_labels", &|x| x.max(0.0));
+            let mask = two("mlm_labels", &|x| f64::from(u8::from(x >= 0.0))).float();
+            let (shape, v) = &reference["sop_labels"];
+            let sop = Tensor::<1, Int>::from_data(ints(v, shape), &ctx.device);
+            let out = model.forward(
+                two("input_ids", &id),
+                two("token_type_ids", &id),
+                padding,
+                None,
+            );
+            let (lm, so) = model.loss(out, labels, mask, sop)?;
+            let losses = [lm.clone(), so.clone()].map(|l| f64::from(l.into_scalar::<f32>()));
+            let grads = burn::optim::GradientsParams::from_grads((lm + so).backward(), &model);
+            let as_grads = burn_megatron_tests::as_gradients(&model, &grads);
+            let named = hf_state_dict(&as_grads, hf.vocab_size, &ctx.groups.tp)?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((losses, named))
+        })
         .unwrap();
         for (rank, (losses, named)) in out.iter().enumerate() {
             let what = format!("tp {tp} rank {rank}");

@@ -13,6 +13,7 @@ use burn_megatron::tensor_parallel::mappings::{
 use burn_megatron::tensor_parallel::{TpError, allreduce_sequence_parallel_grads};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::bert::layer;
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::*;
 
 const S: usize = 4;
@@ -103,15 +104,11 @@ fn transformer_layer_matches_tp1() {
 
 #[test]
 fn heads_not_divisible_by_tp_is_an_error() {
-    let err = threads(
-        &ParallelConfig::new(4, 4, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            layer(H, 6, FFN)
-                .init(&ctx.groups.tp, &ctx.device)
-                .map(|_| ())
-        },
-    )
+    let err = tp_ranks(4, |ctx| {
+        layer(H, 6, FFN)
+            .init(&ctx.groups.tp, &ctx.device)
+            .map(|_| ())
+    })
     .unwrap_err()
     .to_string();
     assert!(
@@ -125,15 +122,11 @@ fn heads_not_divisible_by_tp_is_an_error() {
 #[test]
 fn zero_heads_or_hidden_size_is_an_error() {
     for (hidden, heads) in [(0, 0), (H, 0), (0, HEADS)] {
-        let err = threads(
-            &ParallelConfig::new(1, 1, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                layer(hidden, heads, FFN)
-                    .init(&ctx.groups.tp, &ctx.device)
-                    .map(|_| ())
-            },
-        )
+        let err = tp_ranks(1, |ctx| {
+            layer(hidden, heads, FFN)
+                .init(&ctx.groups.tp, &ctx.device)
+                .map(|_| ())
+        })
         .unwrap_err()
         .to_string();
         assert!(

@@ -8,11 +8,10 @@ use super::Error;
 use burn::module::Module;
 use burn::nn::attention::{MhaInput, MultiHeadAttentionConfig, generate_autoregressive_mask};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::nn::attention as ours;
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, values};
 
 const D: usize = 16;
@@ -108,37 +107,33 @@ fn burns_multi_head_attention_on_its_own_splits_by_heads_at_tp_2_and_4() -> Resu
     let options = LoadOptions::default().with_key_remap("^", "attn.")?;
     let source = RecordSource::from_path(&record);
     for tp in [2, 4] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let block = Block {
-                    attn: ours::MultiHeadAttentionConfig::new(D, HEADS)
-                        .with_dropout(0.0)
-                        .init(d),
-                };
-                let block = TpPlan::new().encoder(&["attn"])?.apply(block, g)?;
-                let (block, _) = load_sharded(block, &source, g, &options)?;
-                let (loss, out) = run(
-                    |c| {
-                        let input =
-                            ours::MhaInput::new(c.query.clone(), c.key.clone(), c.value.clone())
-                                .mask_pad(c.mask_pad.clone());
-                        let input = match c.causal {
-                            true => input.mask_attn(generate_autoregressive_mask(B, S_Q, d)),
-                            false => input,
-                        };
-                        let out = block.attn.forward(input);
-                        (out.context, out.weights)
-                    },
-                    d,
-                );
-                let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &block);
-                let out: Vec<_> = out.into_iter().map(|(c, w)| (c, values(w))).collect();
-                Ok::<_, Error>((out, gathered(&block, Some(&grads), g)))
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let block = Block {
+                attn: ours::MultiHeadAttentionConfig::new(D, HEADS)
+                    .with_dropout(0.0)
+                    .init(d),
+            };
+            let block = TpPlan::new().encoder(&["attn"])?.apply(block, g)?;
+            let (block, _) = load_sharded(block, &source, g, &options)?;
+            let (loss, out) = run(
+                |c| {
+                    let input =
+                        ours::MhaInput::new(c.query.clone(), c.key.clone(), c.value.clone())
+                            .mask_pad(c.mask_pad.clone());
+                    let input = match c.causal {
+                        true => input.mask_attn(generate_autoregressive_mask(B, S_Q, d)),
+                        false => input,
+                    };
+                    let out = block.attn.forward(input);
+                    (out.context, out.weights)
+                },
+                d,
+            );
+            let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &block);
+            let out: Vec<_> = out.into_iter().map(|(c, w)| (c, values(w))).collect();
+            Ok::<_, Error>((out, gathered(&block, Some(&grads), g)))
+        })?;
         let per_rank = HEADS / tp;
         for (rank, (calls, gr)) in out.iter().enumerate() {
             let what = format!("TP {tp}, rank {rank}");
@@ -179,28 +174,24 @@ fn attention_heads_that_do_not_split_are_refused_by_the_plan() -> Result<(), Err
     struct WithEncoder {
         encoder: TransformerEncoder,
     }
-    let errors = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let block = Block {
-                attn: ours::MultiHeadAttentionConfig::new(24, 3).init(d),
-            };
-            let alone = TpPlan::new()
-                .encoder(&["attn"])?
-                .apply(block, g)
-                .unwrap_err();
-            let encoder = WithEncoder {
-                encoder: TransformerEncoderConfig::new(24, 32, 3, 1).init(d),
-            };
-            let inside = TpPlan::new()
-                .encoder(&["encoder"])?
-                .apply(encoder, g)
-                .unwrap_err();
-            Ok::<_, Error>((alone.to_string(), inside.to_string()))
-        },
-    )?;
+    let errors = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let block = Block {
+            attn: ours::MultiHeadAttentionConfig::new(24, 3).init(d),
+        };
+        let alone = TpPlan::new()
+            .encoder(&["attn"])?
+            .apply(block, g)
+            .unwrap_err();
+        let encoder = WithEncoder {
+            encoder: TransformerEncoderConfig::new(24, 32, 3, 1).init(d),
+        };
+        let inside = TpPlan::new()
+            .encoder(&["encoder"])?
+            .apply(encoder, g)
+            .unwrap_err();
+        Ok::<_, Error>((alone.to_string(), inside.to_string()))
+    })?;
     let (alone, inside) = &errors[0];
     assert!(
         alone.contains("attn.tp")

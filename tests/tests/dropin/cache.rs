@@ -10,10 +10,9 @@ use burn::module::Module;
 use burn::nn::attention::generate_autoregressive_mask;
 use burn::nn::transformer as burn_tr;
 use burn::tensor::{Device, Tensor};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
 use burn_megatron::tensor_parallel::dropin::{RecordSource, TpPlan, load_sharded};
-use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, values};
 
 const D: usize = 16;
@@ -89,46 +88,42 @@ fn burns_autoregressive_inference_runs_through_the_split_encoder_and_decoder() -
             "the test cannot tell a cache from none ({apart})"
         );
         for tp in [2, 4] {
-            let out = threads(
-                &ParallelConfig::new(tp, tp, 1),
-                LaunchOptions::default(),
-                |ctx| {
-                    let (g, d) = (&ctx.groups.tp, &ctx.device);
-                    let plan = TpPlan::new().encoder(&["layers.*"])?;
-                    let encoder = ours::TransformerEncoderConfig::new(D, 32, 4, 2)
-                        .with_dropout(0.0)
-                        .with_norm_first(norm_first)
-                        .init(d);
-                    let decoder = ours::TransformerDecoderConfig::new(D, 32, 4, 2)
-                        .with_dropout(0.0)
-                        .with_norm_first(norm_first)
-                        .init(d);
-                    let options = Default::default();
-                    let source = RecordSource::from_path(&enc_record);
-                    let (encoder, _) = load_sharded(plan.apply(encoder, g)?, &source, g, &options)?;
-                    let source = RecordSource::from_path(&dec_record);
-                    let (decoder, _) = load_sharded(plan.apply(decoder, g)?, &source, g, &options)?;
-                    let (mut enc_cache, mut dec_cache) = (
-                        encoder.new_autoregressive_cache(),
-                        decoder.new_autoregressive_cache(),
-                    );
-                    let (mut enc, mut dec) = (Vec::new(), Vec::new());
-                    for t in 1..=STEPS {
-                        let mask = generate_autoregressive_mask(B, t, d);
-                        let input =
-                            ours::TransformerEncoderInput::new(step(t, d)).mask_attn(mask.clone());
-                        enc.push(values(
-                            encoder.forward_autoregressive_inference(input, &mut enc_cache),
-                        ));
-                        let input = ours::TransformerDecoderInput::new(step(t, d), memory(d))
-                            .target_mask_attn(mask);
-                        dec.push(values(
-                            decoder.forward_autoregressive_inference(input, &mut dec_cache),
-                        ));
-                    }
-                    Ok::<_, Error>((enc, dec))
-                },
-            )?;
+            let out = tp_ranks(tp, |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let plan = TpPlan::new().encoder(&["layers.*"])?;
+                let encoder = ours::TransformerEncoderConfig::new(D, 32, 4, 2)
+                    .with_dropout(0.0)
+                    .with_norm_first(norm_first)
+                    .init(d);
+                let decoder = ours::TransformerDecoderConfig::new(D, 32, 4, 2)
+                    .with_dropout(0.0)
+                    .with_norm_first(norm_first)
+                    .init(d);
+                let options = Default::default();
+                let source = RecordSource::from_path(&enc_record);
+                let (encoder, _) = load_sharded(plan.apply(encoder, g)?, &source, g, &options)?;
+                let source = RecordSource::from_path(&dec_record);
+                let (decoder, _) = load_sharded(plan.apply(decoder, g)?, &source, g, &options)?;
+                let (mut enc_cache, mut dec_cache) = (
+                    encoder.new_autoregressive_cache(),
+                    decoder.new_autoregressive_cache(),
+                );
+                let (mut enc, mut dec) = (Vec::new(), Vec::new());
+                for t in 1..=STEPS {
+                    let mask = generate_autoregressive_mask(B, t, d);
+                    let input =
+                        ours::TransformerEncoderInput::new(step(t, d)).mask_attn(mask.clone());
+                    enc.push(values(
+                        encoder.forward_autoregressive_inference(input, &mut enc_cache),
+                    ));
+                    let input = ours::TransformerDecoderInput::new(step(t, d), memory(d))
+                        .target_mask_attn(mask);
+                    dec.push(values(
+                        decoder.forward_autoregressive_inference(input, &mut dec_cache),
+                    ));
+                }
+                Ok::<_, Error>((enc, dec))
+            })?;
             for (rank, (enc, dec)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
                 let e = largest_diff(enc, &enc_want);

@@ -8,12 +8,11 @@ use super::Error;
 use burn::module::Module;
 use burn::nn::transformer as burn_tr;
 use burn::tensor::{Bool, Device, Tensor, TensorData};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::nn::attention::generate_autoregressive_mask;
 use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, values};
 
 const D: usize = 16;
@@ -71,32 +70,28 @@ fn burns_transformer_decoder_splits_as_megatron_splits_a_layer_at_tp_2_and_4() -
         let options = LoadOptions::default().with_key_remap("^", "decoder.")?;
         let source = RecordSource::from_path(&record);
         for tp in [2, 4] {
-            let out = threads(
-                &ParallelConfig::new(tp, tp, 1),
-                LaunchOptions::default(),
-                |ctx| {
-                    let (g, d) = (&ctx.groups.tp, &ctx.device);
-                    let config = ours::TransformerDecoderConfig::new(D, 32, 4, 2)
-                        .with_dropout(0.0)
-                        .with_norm_first(norm_first);
-                    let model = WithDecoder {
-                        decoder: config.init(d),
-                    };
-                    let model = TpPlan::new().encoder(&["decoder"])?.apply(model, g)?;
-                    let (model, _) = load_sharded(model, &source, g, &options)?;
-                    let (target, memory, w) = inputs(d);
-                    let input = ours::TransformerDecoderInput::new(target, memory)
-                        .target_mask_attn(generate_autoregressive_mask(B, S_T, d))
-                        .target_mask_pad(pad(S_T, d))
-                        .memory_mask_pad(pad(S_M, d));
-                    let y = model.decoder.forward(input);
-                    let grads = burn::optim::GradientsParams::from_grads(
-                        (y.clone() * w).sum().backward(),
-                        &model,
-                    );
-                    Ok::<_, Error>((values(y), gathered(&model, Some(&grads), g)))
-                },
-            )?;
+            let out = tp_ranks(tp, |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let config = ours::TransformerDecoderConfig::new(D, 32, 4, 2)
+                    .with_dropout(0.0)
+                    .with_norm_first(norm_first);
+                let model = WithDecoder {
+                    decoder: config.init(d),
+                };
+                let model = TpPlan::new().encoder(&["decoder"])?.apply(model, g)?;
+                let (model, _) = load_sharded(model, &source, g, &options)?;
+                let (target, memory, w) = inputs(d);
+                let input = ours::TransformerDecoderInput::new(target, memory)
+                    .target_mask_attn(generate_autoregressive_mask(B, S_T, d))
+                    .target_mask_pad(pad(S_T, d))
+                    .memory_mask_pad(pad(S_M, d));
+                let y = model.decoder.forward(input);
+                let grads = burn::optim::GradientsParams::from_grads(
+                    (y.clone() * w).sum().backward(),
+                    &model,
+                );
+                Ok::<_, Error>((values(y), gathered(&model, Some(&grads), g)))
+            })?;
             for (rank, (y, gr)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
                 let dy = y
@@ -110,26 +105,22 @@ fn burns_transformer_decoder_splits_as_megatron_splits_a_layer_at_tp_2_and_4() -
         }
     }
     // With dropout, every rank drops the same entries of the residual stream.
-    let out = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let config = ours::TransformerDecoderConfig::new(D, 32, 4, 2).with_dropout(0.3);
-            let model = WithDecoder {
-                decoder: config.init(d),
-            };
-            let model = TpPlan::new()
-                .encoder(&["decoder"])?
-                .with_seed(2)
-                .apply(model, g)?;
-            let (target, memory, _) = inputs(d);
-            let input = ours::TransformerDecoderInput::new(target, memory);
-            let y = model.decoder.forward(input.clone());
-            let eval = model.decoder.valid().forward(input);
-            Ok::<_, Error>((values(y), values(eval)))
-        },
-    )?;
+    let out = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let config = ours::TransformerDecoderConfig::new(D, 32, 4, 2).with_dropout(0.3);
+        let model = WithDecoder {
+            decoder: config.init(d),
+        };
+        let model = TpPlan::new()
+            .encoder(&["decoder"])?
+            .with_seed(2)
+            .apply(model, g)?;
+        let (target, memory, _) = inputs(d);
+        let input = ours::TransformerDecoderInput::new(target, memory);
+        let y = model.decoder.forward(input.clone());
+        let eval = model.decoder.valid().forward(input);
+        Ok::<_, Error>((values(y), values(eval)))
+    })?;
     assert_ne!(out[0].0, out[0].1, "dropout applied in training");
     assert_eq!(
         out[0].0, out[1].0,
@@ -143,23 +134,19 @@ fn burns_transformer_decoder_splits_as_megatron_splits_a_layer_at_tp_2_and_4() -
 /// layer's residual dropout would stay on Burn's process-wide generator.
 #[test]
 fn an_encoder_rule_on_part_of_a_layer_is_refused() -> Result<(), Error> {
-    let errors = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let config = ours::TransformerDecoderConfig::new(D, 32, 4, 1);
-            let model = || WithDecoder {
-                decoder: config.init(d),
-            };
-            let part = TpPlan::new().encoder(&["decoder.layers.0.self_attn"])?;
-            let part = part.apply(model(), g).unwrap_err().to_string();
-            let layer = TpPlan::new()
-                .encoder(&["decoder.layers.0"])?
-                .apply(model(), g);
-            Ok::<_, Error>((part, layer.is_ok()))
-        },
-    )?;
+    let errors = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let config = ours::TransformerDecoderConfig::new(D, 32, 4, 1);
+        let model = || WithDecoder {
+            decoder: config.init(d),
+        };
+        let part = TpPlan::new().encoder(&["decoder.layers.0.self_attn"])?;
+        let part = part.apply(model(), g).unwrap_err().to_string();
+        let layer = TpPlan::new()
+            .encoder(&["decoder.layers.0"])?
+            .apply(model(), g);
+        Ok::<_, Error>((part, layer.is_ok()))
+    })?;
     let (part, layer) = &errors[0];
     assert!(
         part.contains("`decoder.layers.0`") && part.contains("self_attn"),

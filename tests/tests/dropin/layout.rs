@@ -10,12 +10,11 @@ use burn::nn::LinearLayout;
 use burn::tensor::Device;
 use burn::tensor::activation::relu;
 use burn_megatron::comm::Comm;
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::{
     LoadOptions, RecordSource, TpPlan, load_sharded, nn, save_gathered,
 };
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, values};
 
 const D: usize = 8;
@@ -83,30 +82,26 @@ fn linears_in_burns_column_layout_load_split_and_save_back_as_burns() -> Result<
     let options = LoadOptions::default();
     for tp in [1, 2, 4] {
         let saved = dir.join(format!("saved-{tp}.bpk"));
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                // TP 1 leaves the layers whole: their mappers read Burn's layout, into
-                // weights already drawn (a forward draws them).
-                let model = match tp {
-                    1 => {
-                        let model = Ours::new(d);
-                        model.forward(x(d));
-                        model
-                    }
-                    _ => TpPlan::new()
-                        .column(&["up"])?
-                        .row(&["down"])?
-                        .apply(Ours::new(d), g)?,
-                };
-                let (model, _) = load_sharded(model, &source, g, &options)?;
-                let out = run(|m: &Ours| m.forward(x(d)), &model, g, d);
-                save_gathered(&model, &saved, g)?;
-                Ok::<_, Error>(out)
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            // TP 1 leaves the layers whole: their mappers read Burn's layout, into
+            // weights already drawn (a forward draws them).
+            let model = match tp {
+                1 => {
+                    let model = Ours::new(d);
+                    model.forward(x(d));
+                    model
+                }
+                _ => TpPlan::new()
+                    .column(&["up"])?
+                    .row(&["down"])?
+                    .apply(Ours::new(d), g)?,
+            };
+            let (model, _) = load_sharded(model, &source, g, &options)?;
+            let out = run(|m: &Ours| m.forward(x(d)), &model, g, d);
+            save_gathered(&model, &saved, g)?;
+            Ok::<_, Error>(out)
+        })?;
         for (rank, (y, grads)) in out.iter().enumerate() {
             let what = format!("TP {tp}, rank {rank}");
             let dy = super::max_abs_diff(y, &y_plain);

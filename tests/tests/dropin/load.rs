@@ -10,12 +10,11 @@ use super::{
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
 use burn::tensor::{Device, Tensor};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput as TpInput;
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, load_sharded};
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::data;
 use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::tp_ranks;
 use std::path::{Path, PathBuf};
 
 /// Each float parameter: its path, shape and values.
@@ -133,28 +132,24 @@ fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
         plain.forward(TransformerEncoderInput::new(x(&device)).mask_pad(padding(&device))),
     );
     for tp in [2, 4] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                // The plan's own draws: every value must come from the record.
-                let fresh = split_encoder(&config, g, 99, d)?;
-                let ids: Vec<_> = params_ids(&fresh);
-                let local: u64 = params(&fresh).iter().map(|p| 4 * p.2.len() as u64).sum();
-                let mut runs = Vec::new();
-                for (source, options) in &sources {
-                    let (encoder, report) = load_sharded(fresh.clone(), source, g, options)?;
-                    assert_eq!(params_ids(&encoder), ids, "the parameters keep their ids");
-                    assert_eq!(report.shard_bytes, local, "{source:?}");
-                    assert!(report.missing.is_empty() && report.unused.is_empty());
-                    let input = TpInput::new(x(d)).mask_pad(padding(d));
-                    let y = burn_megatron_tests::values(encoder.forward(input));
-                    runs.push((gathered(&encoder, None, g), y, report));
-                }
-                Ok::<_, Error>(runs)
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            // The plan's own draws: every value must come from the record.
+            let fresh = split_encoder(&config, g, 99, d)?;
+            let ids: Vec<_> = params_ids(&fresh);
+            let local: u64 = params(&fresh).iter().map(|p| 4 * p.2.len() as u64).sum();
+            let mut runs = Vec::new();
+            for (source, options) in &sources {
+                let (encoder, report) = load_sharded(fresh.clone(), source, g, options)?;
+                assert_eq!(params_ids(&encoder), ids, "the parameters keep their ids");
+                assert_eq!(report.shard_bytes, local, "{source:?}");
+                assert!(report.missing.is_empty() && report.unused.is_empty());
+                let input = TpInput::new(x(d)).mask_pad(padding(d));
+                let y = burn_megatron_tests::values(encoder.forward(input));
+                runs.push((gathered(&encoder, None, g), y, report));
+            }
+            Ok::<_, Error>(runs)
+        })?;
         for (rank, runs) in out.iter().enumerate() {
             for (i, (weights, y, report)) in runs.iter().enumerate() {
                 let what = format!("TP {tp}, rank {rank}, {:?}", sources[i].0);
@@ -233,24 +228,20 @@ fn pytorch_checkpoints_load_into_each_ranks_shards_as_their_safetensors() -> Res
     let (want, _) = load_sharded(fresh(&solo(), &d)?, &reference, &solo(), &options)?;
     let want = gathered(&want, None, &solo());
     for tp in [1, 2] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let mut got = Vec::new();
-                for source in &sources {
-                    let (encoder, report) = load_sharded(fresh(g, d)?, source, g, &options)?;
-                    assert!(report.missing.is_empty() && report.unused.is_empty());
-                    // Every tensor of a PyTorch checkpoint is read whole: the largest is
-                    // the feed-forward's 16 x 32 in f32.
-                    let largest = (D_MODEL * super::D_FF * 4) as u64;
-                    assert_eq!(report.largest_whole_tensor_bytes, largest, "{source:?}");
-                    got.push(gathered(&encoder, None, g));
-                }
-                Ok::<_, Error>(got)
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let mut got = Vec::new();
+            for source in &sources {
+                let (encoder, report) = load_sharded(fresh(g, d)?, source, g, &options)?;
+                assert!(report.missing.is_empty() && report.unused.is_empty());
+                // Every tensor of a PyTorch checkpoint is read whole: the largest is
+                // the feed-forward's 16 x 32 in f32.
+                let largest = (D_MODEL * super::D_FF * 4) as u64;
+                assert_eq!(report.largest_whole_tensor_bytes, largest, "{source:?}");
+                got.push(gathered(&encoder, None, g));
+            }
+            Ok::<_, Error>(got)
+        })?;
         for (rank, got) in out.iter().enumerate() {
             for (weights, source) in got.iter().zip(&sources) {
                 assert_eq!(weights, &want, "TP {tp}, rank {rank}: {source:?}");

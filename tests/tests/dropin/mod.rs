@@ -10,12 +10,11 @@ use burn::nn::transformer::{
 use burn::nn::{Initializer, SwiGluConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
 use burn_megatron::tensor_parallel::dropin::{TpPlan, nn};
 use burn_megatron::tensor_parallel::{RowParallelLinear, TpError};
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::{gathered, max_rel_diff};
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, seeded_linear};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -169,32 +168,28 @@ fn a_transformer_encoder_burn_built_converts_and_splits_as_the_plain_one() -> Re
         let record = encoder_record(&config, &dir, &format!("encoder-{norm_first}.bpk"));
         let (y_plain, g_plain) = plain_run(&config, &record);
         for tp in [2, 4] {
-            let out = threads(
-                &ParallelConfig::new(tp, tp, 1),
-                LaunchOptions::default(),
-                |ctx| {
-                    let (g, d) = (&ctx.groups.tp, &ctx.device);
-                    let plain = plain_encoder(&config, &record, d);
-                    let plain_paths = paths(&plain);
-                    // ANCHOR: from_burn
-                    let encoder: nn::transformer::TransformerEncoder = plain.into();
-                    let encoder = TpPlan::new().encoder(&["layers.*"])?.apply(encoder, g)?;
-                    // ANCHOR_END: from_burn
-                    // Burn's record paths: a record of one loads into the other.
-                    assert_eq!(paths(&encoder), plain_paths);
-                    let input = ours::TransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, d))
-                        .mask_pad(padding(d));
-                    let y = encoder.forward(input);
-                    let grads = (y.clone() * data([B, S, D_MODEL], 0, 2, d))
-                        .sum()
-                        .backward();
-                    let grads = burn::optim::GradientsParams::from_grads(grads, &encoder);
-                    Ok::<_, Error>((
-                        burn_megatron_tests::values(y),
-                        gathered(&encoder, Some(&grads), g),
-                    ))
-                },
-            )?;
+            let out = tp_ranks(tp, |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let plain = plain_encoder(&config, &record, d);
+                let plain_paths = paths(&plain);
+                // ANCHOR: from_burn
+                let encoder: nn::transformer::TransformerEncoder = plain.into();
+                let encoder = TpPlan::new().encoder(&["layers.*"])?.apply(encoder, g)?;
+                // ANCHOR_END: from_burn
+                // Burn's record paths: a record of one loads into the other.
+                assert_eq!(paths(&encoder), plain_paths);
+                let input = ours::TransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, d))
+                    .mask_pad(padding(d));
+                let y = encoder.forward(input);
+                let grads = (y.clone() * data([B, S, D_MODEL], 0, 2, d))
+                    .sum()
+                    .backward();
+                let grads = burn::optim::GradientsParams::from_grads(grads, &encoder);
+                Ok::<_, Error>((
+                    burn_megatron_tests::values(y),
+                    gathered(&encoder, Some(&grads), g),
+                ))
+            })?;
             for (rank, (y, grads)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
                 let dy = max_abs_diff(y, &y_plain);
@@ -245,14 +240,10 @@ fn a_swiglu_mlp_burn_built_converts_and_splits_as_the_plain_one() -> Result<(), 
     );
     let plan = TpPlan::new().column(&["swiglu"])?.row(&["w2"])?;
     for tp in [2, 4] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                Ok::<_, Error>(run(&plan.apply(plain(d), g)?, g, d))
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            Ok::<_, Error>(run(&plan.apply(plain(d), g)?, g, d))
+        })?;
         for (y, grads) in &out {
             let dy = max_abs_diff(y, &y_plain);
             assert!(dy < 1e-5, "TP {tp}: output off by {dy}");
@@ -292,14 +283,10 @@ fn a_plan_draws_with_the_initializer_the_config_names() -> Result<(), Error> {
     };
     let mut drawn = Vec::new();
     for tp in [1, 2] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                Ok::<_, Error>(gathered(&plan.apply(net(normal.clone(), d), g)?, None, g))
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            Ok::<_, Error>(gathered(&plan.apply(net(normal.clone(), d), g)?, None, g))
+        })?;
         drawn.push(out[0].clone());
     }
     assert_eq!(drawn[0], drawn[1], "the same draws at TP 1 and 2");
@@ -312,14 +299,10 @@ fn a_plan_draws_with_the_initializer_the_config_names() -> Result<(), Error> {
     assert_eq!(w["up.bias"].len(), D_FF);
     // Xavier's law over a linear's two widths: uniform on ±√(6 / (16 + 32)).
     let xavier = Initializer::XavierUniform { gain: 1.0 };
-    let out = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            Ok::<_, Error>(gathered(&plan.apply(net(xavier.clone(), d), g)?, None, g))
-        },
-    )?;
+    let out = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        Ok::<_, Error>(gathered(&plan.apply(net(xavier.clone(), d), g)?, None, g))
+    })?;
     let bound = (6.0f32 / (D_MODEL + D_FF) as f32).sqrt();
     let largest = out[0]["up.weight"].iter().fold(0f32, |m, x| m.max(x.abs()));
     assert!(
@@ -337,27 +320,23 @@ fn a_plan_draws_with_the_initializer_the_config_names() -> Result<(), Error> {
 
 #[test]
 fn sizes_and_layers_that_do_not_split_are_errors_naming_them() -> Result<(), Error> {
-    let errors = threads(
-        &ParallelConfig::new(4, 4, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            // An inner width of 30 over 4 ranks.
-            let ffn = split_encoder(&TransformerEncoderConfig::new(16, 30, 4, 1), g, 1, d);
-            // A feed-forward activation that mixes the channels the ranks would split,
-            // refused by the plan before any forward, in a built and in a converted encoder.
-            let swiglu = TransformerEncoderConfig::new(16, 32, 4, 1).with_activation(
-                burn::nn::activation::ActivationConfig::SwiGlu(SwiGluConfig::new(32, 32)),
-            );
-            let built = split_encoder(&swiglu, g, 1, d);
-            let converted: ours::TransformerEncoder = swiglu.init(d).into();
-            let converted = TpPlan::new().encoder(&["layers.*"])?.apply(converted, g);
-            // An Ok would print the whole model: keep the message only.
-            Ok::<_, Error>(
-                [ffn, built, converted].map(|r| r.err().map(|e| e.to_string()).unwrap_or_default()),
-            )
-        },
-    )?;
+    let errors = tp_ranks(4, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        // An inner width of 30 over 4 ranks.
+        let ffn = split_encoder(&TransformerEncoderConfig::new(16, 30, 4, 1), g, 1, d);
+        // A feed-forward activation that mixes the channels the ranks would split,
+        // refused by the plan before any forward, in a built and in a converted encoder.
+        let swiglu = TransformerEncoderConfig::new(16, 32, 4, 1).with_activation(
+            burn::nn::activation::ActivationConfig::SwiGlu(SwiGluConfig::new(32, 32)),
+        );
+        let built = split_encoder(&swiglu, g, 1, d);
+        let converted: ours::TransformerEncoder = swiglu.init(d).into();
+        let converted = TpPlan::new().encoder(&["layers.*"])?.apply(converted, g);
+        // An Ok would print the whole model: keep the message only.
+        Ok::<_, Error>(
+            [ffn, built, converted].map(|r| r.err().map(|e| e.to_string()).unwrap_or_default()),
+        )
+    })?;
     let e = &errors[0];
     assert!(
         e[0].contains("layers.0.pwff.linear_inner.weight") && e[0].contains("30"),
@@ -376,16 +355,11 @@ fn sizes_and_layers_that_do_not_split_are_errors_naming_them() -> Result<(), Err
 #[test]
 fn a_full_width_input_to_a_row_parallel_layer_is_an_error_naming_the_numbers() {
     // The attention output reshaped to the input's width (16) where this rank holds 8.
-    let out = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let wo =
-                RowParallelLinear::split(&seeded_linear(16, 16, 3, &ctx.device), &ctx.groups.tp)?;
-            let y = wo.forward(data([2, 16], 0, 1, &ctx.device));
-            Ok::<_, Error>(burn_megatron_tests::values(y))
-        },
-    );
+    let out = tp_ranks(2, |ctx| {
+        let wo = RowParallelLinear::split(&seeded_linear(16, 16, 3, &ctx.device), &ctx.groups.tp)?;
+        let y = wo.forward(data([2, 16], 0, 1, &ctx.device));
+        Ok::<_, Error>(burn_megatron_tests::values(y))
+    });
     let e = out.unwrap_err().to_string();
     assert!(
         e.contains("RowParallelLinear: the input has 16 features, this rank's weight takes 8")

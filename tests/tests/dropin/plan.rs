@@ -8,14 +8,13 @@ use super::Error;
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::nn::{
     Embedding, EmbeddingConfig, Linear, LinearConfig, SwiGlu, SwiGluConfig,
 };
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::tp_ranks;
 
 const VOCAB: usize = 32;
 const D: usize = 16;
@@ -106,22 +105,17 @@ fn a_plan_makes_a_burn_written_model_tensor_parallel_at_tp_2_and_4() -> Result<(
         &super::solo(),
     );
     for tp in [2, 4] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let net = plan().apply(Net::new(d), g)?;
-                assert!(
-                    net.output.split().is_some()
-                        && net.layers[1].swiglu.linear_outer.split().is_some()
-                );
-                let own = gathered(&net, None, g);
-                let (net, _) = load_sharded(net, &source, g, &LoadOptions::default())?;
-                let (l, gr) = run(&net, g, d)?;
-                Ok::<_, Error>((own, l, gr))
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let net = plan().apply(Net::new(d), g)?;
+            assert!(
+                net.output.split().is_some() && net.layers[1].swiglu.linear_outer.split().is_some()
+            );
+            let own = gathered(&net, None, g);
+            let (net, _) = load_sharded(net, &source, g, &LoadOptions::default())?;
+            let (l, gr) = run(&net, g, d)?;
+            Ok::<_, Error>((own, l, gr))
+        })?;
         for (rank, (own, l, gr)) in out.iter().enumerate() {
             assert_eq!(
                 own, &drawn,
@@ -142,41 +136,37 @@ fn a_plan_makes_a_burn_written_model_tensor_parallel_at_tp_2_and_4() -> Result<(
 #[test]
 fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
     let d = Device::flex();
-    let errors = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let g = &ctx.groups.tp;
-            let err = |plan: TpPlan| {
-                plan.apply(Net::new(&ctx.device), g)
-                    .unwrap_err()
-                    .to_string()
-            };
-            let nothing = err(TpPlan::new().column(&["*.wq", "*.wk"]).unwrap());
-            let row_on_embedding = err(TpPlan::new().row(&["tok_embeddings"]).unwrap());
-            // Burn's own Linear has no slot to take the split.
-            #[derive(Module, Debug)]
-            struct Plain {
-                wq: burn::nn::Linear,
-            }
-            let plain = Plain {
-                wq: burn::nn::LinearConfig::new(4, 4).init(&ctx.device),
-            };
-            let burn_linear = TpPlan::new()
-                .column(&["wq"])
-                .unwrap()
-                .apply(plain, g)
-                .unwrap_err();
-            let twice = plan().apply(plan().apply(Net::new(&ctx.device), g)?, g);
-            let twice = twice.unwrap_err().to_string();
-            Ok::<_, Error>(vec![
-                nothing,
-                row_on_embedding,
-                burn_linear.to_string(),
-                twice,
-            ])
-        },
-    )
+    let errors = tp_ranks(2, |ctx| {
+        let g = &ctx.groups.tp;
+        let err = |plan: TpPlan| {
+            plan.apply(Net::new(&ctx.device), g)
+                .unwrap_err()
+                .to_string()
+        };
+        let nothing = err(TpPlan::new().column(&["*.wq", "*.wk"]).unwrap());
+        let row_on_embedding = err(TpPlan::new().row(&["tok_embeddings"]).unwrap());
+        // Burn's own Linear has no slot to take the split.
+        #[derive(Module, Debug)]
+        struct Plain {
+            wq: burn::nn::Linear,
+        }
+        let plain = Plain {
+            wq: burn::nn::LinearConfig::new(4, 4).init(&ctx.device),
+        };
+        let burn_linear = TpPlan::new()
+            .column(&["wq"])
+            .unwrap()
+            .apply(plain, g)
+            .unwrap_err();
+        let twice = plan().apply(plan().apply(Net::new(&ctx.device), g)?, g);
+        let twice = twice.unwrap_err().to_string();
+        Ok::<_, Error>(vec![
+            nothing,
+            row_on_embedding,
+            burn_linear.to_string(),
+            twice,
+        ])
+    })
     .unwrap();
     let e = &errors[0];
     assert!(
@@ -196,18 +186,14 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
     );
     assert!(e[3].contains("split already"), "{}", e[3]);
     // 16 features over 3 ranks.
-    let three = threads(
-        &ParallelConfig::new(3, 3, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let plan = TpPlan::new().column(&["layers.0.wq"]).unwrap();
-            Ok::<_, Error>(
-                plan.apply(Net::new(&d), &ctx.groups.tp)
-                    .unwrap_err()
-                    .to_string(),
-            )
-        },
-    )
+    let three = tp_ranks(3, |ctx| {
+        let plan = TpPlan::new().column(&["layers.0.wq"]).unwrap();
+        Ok::<_, Error>(
+            plan.apply(Net::new(&d), &ctx.groups.tp)
+                .unwrap_err()
+                .to_string(),
+        )
+    })
     .unwrap();
     assert!(
         three[0].contains("layers.0.wq.weight") && three[0].contains("16"),
@@ -238,30 +224,25 @@ fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() 
         let options = LoadOptions::default().with_key_remap("^", "encoder.")?;
         let source = RecordSource::from_path(&record);
         for tp in [1, 2, 4] {
-            let out = threads(
-                &ParallelConfig::new(tp, tp, 1),
-                LaunchOptions::default(),
-                |ctx| {
-                    let (g, d) = (&ctx.groups.tp, &ctx.device);
-                    let net = WithEncoder {
-                        encoder: ours.init(d),
-                    };
-                    let net = TpPlan::new().encoder(&["encoder"])?.apply(net, g)?;
-                    let (net, _) = load_sharded(net, &source, g, &options)?;
-                    let input =
-                        TransformerEncoderInput::new(data([super::B, super::S, D], 0, 1, d))
-                            .mask_pad(super::padding(d));
-                    let y = net.encoder.forward(input);
-                    let w = data([super::B, super::S, D], 0, 2, d);
-                    let grads = (y.clone() * w).sum().backward();
-                    let grads = burn::optim::GradientsParams::from_grads(grads, &net);
-                    let grads: super::Values = gathered(&net, Some(&grads), g)
-                        .into_iter()
-                        .map(|(k, v)| (k.trim_start_matches("encoder.").to_string(), v))
-                        .collect();
-                    Ok::<_, Error>((burn_megatron_tests::values(y), grads))
-                },
-            )?;
+            let out = tp_ranks(tp, |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let net = WithEncoder {
+                    encoder: ours.init(d),
+                };
+                let net = TpPlan::new().encoder(&["encoder"])?.apply(net, g)?;
+                let (net, _) = load_sharded(net, &source, g, &options)?;
+                let input = TransformerEncoderInput::new(data([super::B, super::S, D], 0, 1, d))
+                    .mask_pad(super::padding(d));
+                let y = net.encoder.forward(input);
+                let w = data([super::B, super::S, D], 0, 2, d);
+                let grads = (y.clone() * w).sum().backward();
+                let grads = burn::optim::GradientsParams::from_grads(grads, &net);
+                let grads: super::Values = gathered(&net, Some(&grads), g)
+                    .into_iter()
+                    .map(|(k, v)| (k.trim_start_matches("encoder.").to_string(), v))
+                    .collect();
+                Ok::<_, Error>((burn_megatron_tests::values(y), grads))
+            })?;
             for (rank, (y, grads)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
                 let dy = y
@@ -283,31 +264,27 @@ fn a_split_encoders_dropout_agrees_where_the_stream_is_whole() -> Result<(), Err
     use burn_megatron::tensor_parallel::dropin::nn::transformer::{
         TransformerEncoderConfig, TransformerEncoderInput,
     };
-    let out = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let config = TransformerEncoderConfig::new(D, 32, 4, 2).with_dropout(0.3);
-            let net = WithEncoder {
-                encoder: config.init(d),
-            };
-            let net = TpPlan::new()
-                .encoder(&["encoder"])?
-                .with_seed(9)
-                .apply(net, g)?;
-            let x = burn_megatron_tests::data([2, 5, D], 0, 1, d).require_grad();
-            let y = net.encoder.forward(TransformerEncoderInput::new(x.clone()));
-            let eval = net
-                .encoder
-                .valid()
-                .forward(TransformerEncoderInput::new(x.inner()));
-            Ok::<_, Error>((
-                burn_megatron_tests::values(y),
-                burn_megatron_tests::values(eval),
-            ))
-        },
-    )?;
+    let out = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let config = TransformerEncoderConfig::new(D, 32, 4, 2).with_dropout(0.3);
+        let net = WithEncoder {
+            encoder: config.init(d),
+        };
+        let net = TpPlan::new()
+            .encoder(&["encoder"])?
+            .with_seed(9)
+            .apply(net, g)?;
+        let x = burn_megatron_tests::data([2, 5, D], 0, 1, d).require_grad();
+        let y = net.encoder.forward(TransformerEncoderInput::new(x.clone()));
+        let eval = net
+            .encoder
+            .valid()
+            .forward(TransformerEncoderInput::new(x.inner()));
+        Ok::<_, Error>((
+            burn_megatron_tests::values(y),
+            burn_megatron_tests::values(eval),
+        ))
+    })?;
     assert_eq!(
         out[0].0, out[1].0,
         "the residual stream is dropped alike on both ranks"

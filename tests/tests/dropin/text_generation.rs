@@ -8,10 +8,9 @@
 use super::Error;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::tp_ranks;
 
 /// The model under Burn's own layers.
 mod plain {
@@ -100,26 +99,22 @@ fn burns_text_generation_model_with_gpt2s_vocabulary_trains_as_burns_at_tp_2_and
     let grads = gathered(&plain, Some(&grads), &super::solo());
     let source = RecordSource::from_path(&record);
     for tp in [2, 4] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let plan = TpPlan::new()
-                    .encoder(&["transformer"])?
-                    .vocab(&["embedding_token"])?;
-                let plan = plan
-                    .gathered_vocab(&["output"])?
-                    .make_vocab_size_divisible_by(128)?;
-                let model = plan.apply(config.init(d), g)?;
-                let (model, _) = load_sharded(model, &source, g, &LoadOptions::default())?;
-                let (inputs, targets, mask_pad) = batch(d);
-                let loss = model.forward_training(inputs, targets, mask_pad);
-                let l = loss.clone().into_scalar::<f32>();
-                let gr = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
-                Ok::<_, Error>((l, gathered(&model, Some(&gr), g)))
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let plan = TpPlan::new()
+                .encoder(&["transformer"])?
+                .vocab(&["embedding_token"])?;
+            let plan = plan
+                .gathered_vocab(&["output"])?
+                .make_vocab_size_divisible_by(128)?;
+            let model = plan.apply(config.init(d), g)?;
+            let (model, _) = load_sharded(model, &source, g, &LoadOptions::default())?;
+            let (inputs, targets, mask_pad) = batch(d);
+            let loss = model.forward_training(inputs, targets, mask_pad);
+            let l = loss.clone().into_scalar::<f32>();
+            let gr = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
+            Ok::<_, Error>((l, gathered(&model, Some(&gr), g)))
+        })?;
         for (rank, (l, gr)) in out.iter().enumerate() {
             assert!(
                 (l - value).abs() < 1e-5,

@@ -13,14 +13,13 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::tensor_parallel::dropin::nn::{
     Embedding, EmbeddingConfig, Linear, LinearConfig,
 };
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::tp_ranks;
 
 /// Neither 2 nor 4 divides it.
 const VOCAB: usize = 33;
@@ -131,29 +130,25 @@ fn a_vocabulary_that_does_not_split_is_padded_and_trains_as_the_plain_one() -> R
     for tp in [2, 4] {
         for gather in [false, true] {
             for (source, options) in &sources {
-                let out = threads(
-                    &ParallelConfig::new(tp, tp, 1),
-                    LaunchOptions::default(),
-                    |ctx| {
-                        let (g, d) = (&ctx.groups.tp, &ctx.device);
-                        // A model loaded whole, then split: its values cut and padded.
-                        let whole = plan(gather)?.apply(Lm::new(d).load_file(&record), g)?;
-                        let whole_padding = padding(whole.lm_head.weight.val(), 1, g);
-                        let whole = gathered(&whole, None, g);
-                        let lm = plan(gather)?.apply(Lm::new(d), g)?;
-                        assert_eq!(lm.wte.num_embeddings(), VOCAB);
-                        let own = gathered(&lm, None, g);
-                        let own_padding = padding(lm.wte.weight.val(), 0, g);
-                        let (lm, _) = load_sharded(lm, source, g, options)?;
-                        let (l, gr) = run(&lm, g, d)?;
-                        let mut zeros = own_padding;
-                        zeros.extend(whole_padding);
-                        zeros.extend(padding(lm.wte.weight.val(), 0, g));
-                        zeros.extend(padding(lm.lm_head.weight.val(), 1, g));
-                        zeros.extend(padding(lm.lm_head.bias.as_ref().unwrap().val(), 0, g));
-                        Ok::<_, Error>((own, whole, l, gr, zeros))
-                    },
-                )?;
+                let out = tp_ranks(tp, |ctx| {
+                    let (g, d) = (&ctx.groups.tp, &ctx.device);
+                    // A model loaded whole, then split: its values cut and padded.
+                    let whole = plan(gather)?.apply(Lm::new(d).load_file(&record), g)?;
+                    let whole_padding = padding(whole.lm_head.weight.val(), 1, g);
+                    let whole = gathered(&whole, None, g);
+                    let lm = plan(gather)?.apply(Lm::new(d), g)?;
+                    assert_eq!(lm.wte.num_embeddings(), VOCAB);
+                    let own = gathered(&lm, None, g);
+                    let own_padding = padding(lm.wte.weight.val(), 0, g);
+                    let (lm, _) = load_sharded(lm, source, g, options)?;
+                    let (l, gr) = run(&lm, g, d)?;
+                    let mut zeros = own_padding;
+                    zeros.extend(whole_padding);
+                    zeros.extend(padding(lm.wte.weight.val(), 0, g));
+                    zeros.extend(padding(lm.lm_head.weight.val(), 1, g));
+                    zeros.extend(padding(lm.lm_head.bias.as_ref().unwrap().val(), 0, g));
+                    Ok::<_, Error>((own, whole, l, gr, zeros))
+                })?;
                 for (rank, (own, whole, l, gr, zeros)) in out.iter().enumerate() {
                     let what = format!("TP {tp}, gathered {gather}, {:?}, rank {rank}", source);
                     assert_eq!(own, &drawn, "{what}: the plan draws as at TP 1");
@@ -174,30 +169,26 @@ fn a_vocabulary_that_does_not_split_is_padded_and_trains_as_the_plain_one() -> R
 /// its logits never win an argmax even against very negative real ones.
 #[test]
 fn the_padding_takes_no_gradient_and_no_probability() -> Result<(), Error> {
-    let out = threads(
-        &ParallelConfig::new(4, 4, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let plan = TpPlan::new().vocab(&["wte", "lm_head"])?;
-            let lm = plan
-                .make_vocab_size_divisible_by(DIVISIBLE_BY)?
-                .apply(Lm::new(d), g)?;
-            let logits = lm.forward(ids(d));
-            // Over the whole padded vocabulary (the last rank holds only padding).
-            let whole = all_gather(&**g, logits.clone().detach(), 2)?;
-            let probs = burn::tensor::activation::softmax(whole, 2).narrow(2, VOCAB, 48 - VOCAB);
-            let probs = burn_megatron_tests::values(probs);
-            let loss = vocab_parallel_cross_entropy(logits.reshape([10, 12]), labels(d), 0.0, g)?;
-            let grads = burn::optim::GradientsParams::from_grads(loss.mean().backward(), &lm);
-            let grad = |p: &burn::module::Param<Tensor<2>>, dim| {
-                padding(grads.get::<2>(p.id).unwrap(), dim, g)
-            };
-            let mut zeros = grad(&lm.wte.weight, 0);
-            zeros.extend(grad(&lm.lm_head.weight, 1));
-            Ok::<_, Error>((probs, zeros))
-        },
-    )?;
+    let out = tp_ranks(4, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let plan = TpPlan::new().vocab(&["wte", "lm_head"])?;
+        let lm = plan
+            .make_vocab_size_divisible_by(DIVISIBLE_BY)?
+            .apply(Lm::new(d), g)?;
+        let logits = lm.forward(ids(d));
+        // Over the whole padded vocabulary (the last rank holds only padding).
+        let whole = all_gather(&**g, logits.clone().detach(), 2)?;
+        let probs = burn::tensor::activation::softmax(whole, 2).narrow(2, VOCAB, 48 - VOCAB);
+        let probs = burn_megatron_tests::values(probs);
+        let loss = vocab_parallel_cross_entropy(logits.reshape([10, 12]), labels(d), 0.0, g)?;
+        let grads = burn::optim::GradientsParams::from_grads(loss.mean().backward(), &lm);
+        let grad = |p: &burn::module::Param<Tensor<2>>, dim| {
+            padding(grads.get::<2>(p.id).unwrap(), dim, g)
+        };
+        let mut zeros = grad(&lm.wte.weight, 0);
+        zeros.extend(grad(&lm.lm_head.weight, 1));
+        Ok::<_, Error>((probs, zeros))
+    })?;
     let (probs, zeros) = &out[0];
     assert!(
         zeros.iter().all(|z| *z == 0.0),
@@ -215,39 +206,35 @@ fn the_padding_takes_no_gradient_and_no_probability() -> Result<(), Error> {
 /// as the model is (a Megatron checkpoint's table) loads as it is, its padding rows too.
 #[test]
 fn a_vocabulary_padded_wrongly_or_not_at_all_is_an_error_naming_the_layer() -> Result<(), Error> {
-    let errors = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let err = |plan: TpPlan| plan.apply(Lm::new(d), g).unwrap_err().to_string();
-            let unpadded = err(TpPlan::new().vocab(&["wte"])?);
-            let gathered_embedding = err(TpPlan::new().gathered_vocab(&["wte"])?);
-            // Tables of 36 rows (padded otherwise: TP 2 with 4 pads to 40) and of 40.
-            let dir = scratch(&format!("vocab-rows-{}", g.group().rank()));
-            let mut tables = Vec::new();
-            for rows in [36, 40] {
-                let file = dir.join(format!("{rows}.safetensors"));
-                let mut tensors = params(&Lm::new(&Device::flex()));
-                let table: Vec<f32> = (0..rows * D).map(|i| i as f32).collect();
-                tensors.retain(|t| t.0 != "wte.weight");
-                tensors.push(("wte.weight".into(), vec![rows, D], table));
-                write_safetensors(&file, &tensors);
-                let lm = TpPlan::new().vocab(&["wte", "lm_head"])?;
-                let lm = lm
-                    .make_vocab_size_divisible_by(DIVISIBLE_BY)?
-                    .apply(Lm::new(d), g)?;
-                let source = RecordSource::from_path(&file);
-                tables.push(
-                    load_sharded(lm, &source, g, &LoadOptions::default())
-                        .map(|(lm, _)| burn_megatron_tests::values(lm.wte.weight.val()))
-                        .map_err(|e| e.to_string()),
-                );
-            }
-            std::fs::remove_dir_all(dir)?;
-            Ok::<_, Error>((vec![unpadded, gathered_embedding], tables))
-        },
-    )?;
+    let errors = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let err = |plan: TpPlan| plan.apply(Lm::new(d), g).unwrap_err().to_string();
+        let unpadded = err(TpPlan::new().vocab(&["wte"])?);
+        let gathered_embedding = err(TpPlan::new().gathered_vocab(&["wte"])?);
+        // Tables of 36 rows (padded otherwise: TP 2 with 4 pads to 40) and of 40.
+        let dir = scratch(&format!("vocab-rows-{}", g.group().rank()));
+        let mut tables = Vec::new();
+        for rows in [36, 40] {
+            let file = dir.join(format!("{rows}.safetensors"));
+            let mut tensors = params(&Lm::new(&Device::flex()));
+            let table: Vec<f32> = (0..rows * D).map(|i| i as f32).collect();
+            tensors.retain(|t| t.0 != "wte.weight");
+            tensors.push(("wte.weight".into(), vec![rows, D], table));
+            write_safetensors(&file, &tensors);
+            let lm = TpPlan::new().vocab(&["wte", "lm_head"])?;
+            let lm = lm
+                .make_vocab_size_divisible_by(DIVISIBLE_BY)?
+                .apply(Lm::new(d), g)?;
+            let source = RecordSource::from_path(&file);
+            tables.push(
+                load_sharded(lm, &source, g, &LoadOptions::default())
+                    .map(|(lm, _)| burn_megatron_tests::values(lm.wte.weight.val()))
+                    .map_err(|e| e.to_string()),
+            );
+        }
+        std::fs::remove_dir_all(dir)?;
+        Ok::<_, Error>((vec![unpadded, gathered_embedding], tables))
+    })?;
     for (rank, (_, tables)) in errors.iter().enumerate() {
         let bad = tables[0].as_ref().unwrap_err();
         assert!(
@@ -292,31 +279,27 @@ fn a_split_model_saves_the_record_the_plain_model_loads() -> Result<(), Error> {
     };
     let saved = |tp: usize| dir.join(format!("tp{tp}.bpk"));
     for tp in [2, 4] {
-        let out = threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let lm = plan(20 + tp as u64)?.apply(Lm::new(d), g)?;
-                save_gathered(&lm, saved(tp), g)?;
-                let missing = save_gathered(&lm, dir.join("missing/lm.bpk"), g);
-                // The TP 2 record, read at TP 4.
-                let reloaded = match tp {
-                    4 => {
-                        let source = RecordSource::from_path(saved(2));
-                        let fresh = plan(5)?.apply(Lm::new(d), g)?;
-                        let (fresh, _) = load_sharded(fresh, &source, g, &LoadOptions::default())?;
-                        Some(gathered(&fresh, None, g))
-                    }
-                    _ => None,
-                };
-                Ok::<_, Error>((
-                    gathered(&lm, None, g),
-                    missing.map_err(|e| e.to_string()),
-                    reloaded,
-                ))
-            },
-        )?;
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let lm = plan(20 + tp as u64)?.apply(Lm::new(d), g)?;
+            save_gathered(&lm, saved(tp), g)?;
+            let missing = save_gathered(&lm, dir.join("missing/lm.bpk"), g);
+            // The TP 2 record, read at TP 4.
+            let reloaded = match tp {
+                4 => {
+                    let source = RecordSource::from_path(saved(2));
+                    let fresh = plan(5)?.apply(Lm::new(d), g)?;
+                    let (fresh, _) = load_sharded(fresh, &source, g, &LoadOptions::default())?;
+                    Some(gathered(&fresh, None, g))
+                }
+                _ => None,
+            };
+            Ok::<_, Error>((
+                gathered(&lm, None, g),
+                missing.map_err(|e| e.to_string()),
+                reloaded,
+            ))
+        })?;
         let plain = Lm::new(&Device::flex()).try_load_file(saved(tp))?;
         let plain: super::Values = params(&plain).into_iter().map(|(n, _, v)| (n, v)).collect();
         for (rank, (split, missing, reloaded)) in out.iter().enumerate() {
@@ -374,18 +357,14 @@ fn the_saved_record_holds_int_parameters_and_burns_mapped_layouts() -> Result<()
     use burn_megatron::tensor_parallel::dropin::save_gathered;
     let dir = scratch("save-holder");
     let file = dir.join("holder.bpk");
-    threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let plan = TpPlan::new().vocab(&["lm.wte", "lm.lm_head"])?;
-            let plan = plan.make_vocab_size_divisible_by(DIVISIBLE_BY)?;
-            let holder = plan.apply(Holder::new([7, 8, 9], d), g)?;
-            save_gathered(&holder, &file, g)?;
-            Ok::<_, Error>(())
-        },
-    )?;
+    tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let plan = TpPlan::new().vocab(&["lm.wte", "lm.lm_head"])?;
+        let plan = plan.make_vocab_size_divisible_by(DIVISIBLE_BY)?;
+        let holder = plan.apply(Holder::new([7, 8, 9], d), g)?;
+        save_gathered(&holder, &file, g)?;
+        Ok::<_, Error>(())
+    })?;
     let device = Device::flex();
     let plain = Holder::new([0, 0, 0], &device).try_load_file(&file)?;
     let count: Vec<i64> = plain.count.val().into_data().iter::<i64>().collect();

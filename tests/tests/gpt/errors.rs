@@ -2,27 +2,22 @@
 //! weight is drawn or any work is done.
 
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{
     AttnMaskType, GptConfig, LayerNormPosition, PositionEmbeddingType, RopeScaling,
 };
 use burn_megatron::tensor_parallel::IdCheck;
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::gpt::{gpt2, llama};
+use burn_megatron_tests::tp_ranks;
 
 fn refused_at(config: &GptConfig, tp: usize) -> String {
-    let out = threads(
-        &ParallelConfig::new(tp, tp, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            Ok::<_, String>(
-                config
-                    .init(&ctx.groups.tp, &ctx.device)
-                    .err()
-                    .map(|e| e.to_string()),
-            )
-        },
-    )
+    let out = tp_ranks(tp, |ctx| {
+        Ok::<_, String>(
+            config
+                .init(&ctx.groups.tp, &ctx.device)
+                .err()
+                .map(|e| e.to_string()),
+        )
+    })
     .unwrap();
     out[0].clone().expect("the configuration must be refused")
 }
@@ -89,32 +84,27 @@ fn head_group_and_tp_arithmetic_is_refused_naming_both_numbers() {
 
 #[test]
 fn sequences_beyond_the_learned_positions_are_refused_and_rope_has_no_such_limit() {
-    let out = threads(
-        &ParallelConfig::new(1, 1, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let d = &ctx.device;
-            let ids =
-                |s: usize| Tensor::<2, Int>::from_data(TensorData::new(vec![1i64; s], [1, s]), d);
-            let learned = gpt2(1, 8)
-                .init(&ctx.groups.tp, d)
-                .map_err(|e| e.to_string())?;
-            let e = learned.forward(ids(9)).unwrap_err().to_string();
-            let rope = llama(1, 8).with_position_embedding_type(PositionEmbeddingType::Rope);
-            let rope = rope.init(&ctx.groups.tp, d).map_err(|e| e.to_string())?;
-            let ok = rope.forward(ids(9)).is_ok();
-            let bad = rope
-                .forward(Tensor::from_data(TensorData::new(vec![64i64], [1, 1]), d))
-                .unwrap_err()
-                .to_string();
-            // Told the loader checked its ids, the model clamps a bad one into the table.
-            let rope = rope.with_id_check(IdCheck::Clamp);
-            let one = |id: i64| Tensor::<2, Int>::from_data(TensorData::new(vec![id], [1, 1]), d);
-            let logits = |id| rope.forward(one(id)).map(|l| l.into_data());
-            let clamped = logits(64).map_err(|e| e.to_string())? == logits(63).unwrap();
-            Ok::<_, String>((e, ok, bad, clamped))
-        },
-    )
+    let out = tp_ranks(1, |ctx| {
+        let d = &ctx.device;
+        let ids = |s: usize| Tensor::<2, Int>::from_data(TensorData::new(vec![1i64; s], [1, s]), d);
+        let learned = gpt2(1, 8)
+            .init(&ctx.groups.tp, d)
+            .map_err(|e| e.to_string())?;
+        let e = learned.forward(ids(9)).unwrap_err().to_string();
+        let rope = llama(1, 8).with_position_embedding_type(PositionEmbeddingType::Rope);
+        let rope = rope.init(&ctx.groups.tp, d).map_err(|e| e.to_string())?;
+        let ok = rope.forward(ids(9)).is_ok();
+        let bad = rope
+            .forward(Tensor::from_data(TensorData::new(vec![64i64], [1, 1]), d))
+            .unwrap_err()
+            .to_string();
+        // Told the loader checked its ids, the model clamps a bad one into the table.
+        let rope = rope.with_id_check(IdCheck::Clamp);
+        let one = |id: i64| Tensor::<2, Int>::from_data(TensorData::new(vec![id], [1, 1]), d);
+        let logits = |id| rope.forward(one(id)).map(|l| l.into_data());
+        let clamped = logits(64).map_err(|e| e.to_string())? == logits(63).unwrap();
+        Ok::<_, String>((e, ok, bad, clamped))
+    })
     .unwrap();
     let (e, ok, bad, clamped) = &out[0];
     assert!(

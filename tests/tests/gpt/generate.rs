@@ -4,11 +4,10 @@
 
 use super::Error;
 use super::hf::{FIXTURES, fixture};
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{GenerateConfig, generate, load_hf_gpt};
 use burn_megatron::tensor_parallel::Sampling;
-use burn_megatron::topology::ParallelConfig;
 use burn_megatron_tests::read_safetensors;
+use burn_megatron_tests::tp_ranks;
 
 /// Rows of a `[n, m]` i64 fixture tensor.
 fn rows(
@@ -49,24 +48,20 @@ fn greedy_tokens_equal_transformers_at_tp1_and_tp2_with_and_without_the_cache() 
             })
             .collect();
         for tp in [1, 2] {
-            let out = threads(
-                &ParallelConfig::new(tp, tp, 1),
-                LaunchOptions::default(),
-                |ctx| {
-                    let (model, _) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &ctx.device)?;
-                    let config = GenerateConfig::new(10);
-                    let cached = generate(&model, &prompts, &config)?.tokens;
-                    let uncached =
-                        generate(&model, &prompts, &config.clone().with_use_cache(false))?.tokens;
-                    let stopped = generate(
-                        &model,
-                        &prompts,
-                        &config.clone().with_eos_token_id(Some(eos)),
-                    )?
-                    .tokens;
-                    Ok::<_, Error>((cached, uncached, stopped))
-                },
-            )
+            let out = tp_ranks(tp, |ctx| {
+                let (model, _) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &ctx.device)?;
+                let config = GenerateConfig::new(10);
+                let cached = generate(&model, &prompts, &config)?.tokens;
+                let uncached =
+                    generate(&model, &prompts, &config.clone().with_use_cache(false))?.tokens;
+                let stopped = generate(
+                    &model,
+                    &prompts,
+                    &config.clone().with_eos_token_id(Some(eos)),
+                )?
+                .tokens;
+                Ok::<_, Error>((cached, uncached, stopped))
+            })
             .unwrap();
             for (rank, (cached, uncached, stopped)) in out.into_iter().enumerate() {
                 let what = format!("{name} tp {tp} rank {rank}");
@@ -80,28 +75,24 @@ fn greedy_tokens_equal_transformers_at_tp1_and_tp2_with_and_without_the_cache() 
 
 #[test]
 fn sampling_is_seeded_the_same_on_every_rank_and_with_or_without_the_cache() {
-    let out = threads(
-        &ParallelConfig::new(2, 2, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (model, _) = load_hf_gpt(&fixture("hf_llama_tiny"), &ctx.groups.tp, &ctx.device)?;
-            let prompts = vec![vec![5, 6, 7], vec![9]];
-            let sampling = Sampling::Sample {
-                temperature: 0.8,
-                top_k: Some(20),
-                top_p: Some(0.9),
-            };
-            let config = GenerateConfig::new(12).with_sampling(sampling).with_seed(3);
-            let a = generate(&model, &prompts, &config)?.tokens;
-            let b = generate(&model, &prompts, &config.clone().with_use_cache(false))?.tokens;
-            let c = generate(&model, &prompts, &config.clone().with_seed(4))?.tokens;
-            // A prompt that with the new tokens passes the context (64) is refused.
-            let long = generate(&model, &[vec![1; 60]], &config)
-                .unwrap_err()
-                .to_string();
-            Ok::<_, Error>((a, b, c, long))
-        },
-    )
+    let out = tp_ranks(2, |ctx| {
+        let (model, _) = load_hf_gpt(&fixture("hf_llama_tiny"), &ctx.groups.tp, &ctx.device)?;
+        let prompts = vec![vec![5, 6, 7], vec![9]];
+        let sampling = Sampling::Sample {
+            temperature: 0.8,
+            top_k: Some(20),
+            top_p: Some(0.9),
+        };
+        let config = GenerateConfig::new(12).with_sampling(sampling).with_seed(3);
+        let a = generate(&model, &prompts, &config)?.tokens;
+        let b = generate(&model, &prompts, &config.clone().with_use_cache(false))?.tokens;
+        let c = generate(&model, &prompts, &config.clone().with_seed(4))?.tokens;
+        // A prompt that with the new tokens passes the context (64) is refused.
+        let long = generate(&model, &[vec![1; 60]], &config)
+            .unwrap_err()
+            .to_string();
+        Ok::<_, Error>((a, b, c, long))
+    })
     .unwrap();
     let (a, b, c, long) = &out[0];
     assert_eq!(a, b, "cache or not, the same draws");

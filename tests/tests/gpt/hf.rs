@@ -9,11 +9,10 @@ use super::Error;
 use burn::optim::GradientsParams;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{
     Gpt, GptStageOutput, HfGptConfig, Positions, hf_gpt_state_dict, load_hf_gpt, save_hf_gpt,
 };
-use burn_megatron::topology::ParallelConfig;
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{as_gradients, read_safetensors};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -191,15 +190,11 @@ fn transformers_logits_loss_and_gradients_are_reproduced_at_tp1_and_tp2() {
     for name in FIXTURES {
         let expected = read_safetensors(&fixture(name).join("expected.safetensors"));
         for tp in [1, 2] {
-            let out = threads(
-                &ParallelConfig::new(tp, tp, 1),
-                LaunchOptions::default(),
-                |ctx| {
-                    let device = ctx.device.clone().autodiff();
-                    let (model, hf) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &device)?;
-                    forward(&model, &hf, &expected, &device)
-                },
-            )
+            let out = tp_ranks(tp, |ctx| {
+                let device = ctx.device.clone().autodiff();
+                let (model, hf) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &device)?;
+                forward(&model, &hf, &expected, &device)
+            })
             .unwrap();
             for (rank, o) in out.iter().enumerate() {
                 let what = format!("{name} tp {tp} rank {rank}");
@@ -216,15 +211,11 @@ fn export_gives_the_checkpoints_tensors_and_config_back() {
             "burn_megatron_gpt_export_{name}_{}",
             std::process::id()
         ));
-        threads(
-            &ParallelConfig::new(2, 2, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let (model, hf) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &ctx.device)?;
-                save_hf_gpt(&model, &hf, &dir)?;
-                Ok::<_, Error>(())
-            },
-        )
+        tp_ranks(2, |ctx| {
+            let (model, hf) = load_hf_gpt(&fixture(name), &ctx.groups.tp, &ctx.device)?;
+            save_hf_gpt(&model, &hf, &dir)?;
+            Ok::<_, Error>(())
+        })
         .unwrap();
         let original = burn_megatron::models::read_hf_tensors(&fixture(name)).unwrap();
         let exported = burn_megatron::models::read_hf_tensors(&dir).unwrap();
@@ -267,17 +258,13 @@ fn edited(name: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
 }
 
 fn load_error(dir: &Path, tp: usize) -> String {
-    let out = threads(
-        &ParallelConfig::new(tp, tp, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            Ok::<_, Error>(
-                load_hf_gpt(dir, &ctx.groups.tp, &ctx.device)
-                    .err()
-                    .map(|e| e.to_string()),
-            )
-        },
-    )
+    let out = tp_ranks(tp, |ctx| {
+        Ok::<_, Error>(
+            load_hf_gpt(dir, &ctx.groups.tp, &ctx.device)
+                .err()
+                .map(|e| e.to_string()),
+        )
+    })
     .unwrap();
     out[0].clone().expect("the checkpoint must be refused")
 }

@@ -28,6 +28,7 @@ use burn_megatron::training::ParallelTrainingConfig;
 use burn_megatron_tests::gpt::{
     causal_lm_step, gathered, gpt_rows, llama, max_rel_diff, mean_reported_loss,
 };
+use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::values;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -312,32 +313,28 @@ fn expert_parallel_pipeline_matches_a_plain_accumulation_loop() {
             .map(|(k, v)| (Gpt::global_param_name(chunks, &k), v))
             .collect()
     };
-    let reference = threads(
-        &ParallelConfig::new(1, 1, 1),
-        LaunchOptions::default(),
-        |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let mut model = config.init(g, d)?;
-            let mut optim = MegatronOptimizer::new(AdamWConfig::new().init(), &model, g.clone(), 0)
-                .with_clip_grad(1.0, NormType::L2);
-            let mut losses = Vec::new();
-            for _ in 0..STEPS {
-                let _scale = scale_aux_losses(1.0 / SAMPLES as f32);
-                let (mut acc, mut sum) = (GradientsAccumulator::new(), 0.0);
-                for s in 0..SAMPLES {
-                    let b = gpt_rows(s, 1, SEQ, d);
-                    let loss = model.loss(model.forward(b.ids)?, b.labels, b.mask)?;
-                    sum += values(loss.clone())[0];
-                    let grads = (loss / SAMPLES as f32).backward();
-                    acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
-                }
-                model = optim.step(1e-3, model, acc.grads())?.0;
-                losses.push(sum / SAMPLES as f32);
+    let reference = tp_ranks(1, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let mut model = config.init(g, d)?;
+        let mut optim = MegatronOptimizer::new(AdamWConfig::new().init(), &model, g.clone(), 0)
+            .with_clip_grad(1.0, NormType::L2);
+        let mut losses = Vec::new();
+        for _ in 0..STEPS {
+            let _scale = scale_aux_losses(1.0 / SAMPLES as f32);
+            let (mut acc, mut sum) = (GradientsAccumulator::new(), 0.0);
+            for s in 0..SAMPLES {
+                let b = gpt_rows(s, 1, SEQ, d);
+                let loss = model.loss(model.forward(b.ids)?, b.labels, b.mask)?;
+                sum += values(loss.clone())[0];
+                let grads = (loss / SAMPLES as f32).backward();
+                acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
             }
-            let weights = names(std::slice::from_ref(&model), gathered(&model, None, g));
-            Ok::<_, Error>((losses, weights))
-        },
-    )
+            model = optim.step(1e-3, model, acc.grads())?.0;
+            losses.push(sum / SAMPLES as f32);
+        }
+        let weights = names(std::slice::from_ref(&model), gathered(&model, None, g));
+        Ok::<_, Error>((losses, weights))
+    })
     .unwrap()
     .remove(0);
     let layout = ParallelConfig::new(4, 1, 2).with_expert_parallel(2);
