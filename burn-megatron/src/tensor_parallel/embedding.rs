@@ -92,7 +92,26 @@ impl VocabParallelEmbeddingConfig {
 }
 
 impl VocabParallelEmbedding {
-    /// Takes this rank's rows of a plain Burn `Embedding` (the same table on every rank).
+    /// This rank's rows of a plain Burn `Embedding` (the same table on every rank), its
+    /// output scattered over the sequence when `sequence_parallel`. Fails when the vocabulary
+    /// does not split over the group.
+    ///
+    /// ```
+    /// use burn::nn::{EmbeddingConfig, Initializer};
+    /// use burn_megatron::launch::{self, LaunchOptions};
+    /// use burn_megatron::tensor_parallel::{TpError, VocabParallelEmbedding};
+    /// use burn_megatron::topology::ParallelConfig;
+    ///
+    /// let ranges = launch::threads(&ParallelConfig::new(2, 2, 1), LaunchOptions::default(), |ctx| {
+    ///     let plain = EmbeddingConfig::new(8, 4)
+    ///         .with_initializer(Initializer::Constant { value: 0.5 })
+    ///         .init(&ctx.device);
+    ///     let layer = VocabParallelEmbedding::from_embedding(&plain, false, &ctx.groups.tp)?;
+    ///     Ok::<_, TpError>(layer.vocab_range())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(ranges, vec![(0, 4), (4, 8)]);
+    /// ```
     pub fn from_embedding(
         embedding: &Embedding,
         sequence_parallel: bool,
@@ -113,30 +132,6 @@ impl VocabParallelEmbedding {
         };
         layer.state_attrs();
         Ok(layer)
-    }
-
-    /// This rank's rows of a plain Burn `Embedding`, without sequence parallelism: short for
-    /// [`from_embedding`](Self::from_embedding)`(embedding, false, tp)`. Fails when the
-    /// vocabulary does not split over the group.
-    ///
-    /// ```
-    /// use burn::nn::{EmbeddingConfig, Initializer};
-    /// use burn_megatron::launch::{self, LaunchOptions};
-    /// use burn_megatron::tensor_parallel::{TpError, VocabParallelEmbedding};
-    /// use burn_megatron::topology::ParallelConfig;
-    ///
-    /// let ranges = launch::threads(&ParallelConfig::new(2, 2, 1), LaunchOptions::default(), |ctx| {
-    ///     let plain = EmbeddingConfig::new(8, 4)
-    ///         .with_initializer(Initializer::Constant { value: 0.5 })
-    ///         .init(&ctx.device);
-    ///     let layer = VocabParallelEmbedding::split(&plain, &ctx.groups.tp)?;
-    ///     Ok::<_, TpError>(layer.vocab_range())
-    /// })
-    /// .unwrap();
-    /// assert_eq!(ranges, vec![(0, 4), (4, 8)]);
-    /// ```
-    pub fn split(embedding: &Embedding, tp: &Comm) -> Result<Self, TpError> {
-        Self::from_embedding(embedding, false, tp)
     }
 
     /// States the layout of the table (split along dim 0), keeping a tie a model set on it:

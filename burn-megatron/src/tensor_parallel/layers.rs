@@ -157,7 +157,31 @@ pub(crate) fn check_input_width<const D: usize>(
 }
 
 impl ColumnParallelLinear {
-    /// Takes this rank's shard of a plain Burn `Linear` (the same full layer on every rank).
+    /// This rank's column shard of a plain Burn `Linear` (the same full layer on every rank),
+    /// as `config` says to run it. Fails when the output features do not split over the
+    /// group. (A model written with `burn::nn` is split whole by a
+    /// [`TpPlan`](super::dropin::TpPlan) instead.)
+    ///
+    /// ```
+    /// use burn::nn::{Initializer, LinearConfig};
+    /// use burn_megatron::launch::{self, LaunchOptions};
+    /// use burn_megatron::tensor_parallel::{
+    ///     ColumnParallelLinear, ColumnParallelLinearConfig, TpError,
+    /// };
+    /// use burn_megatron::topology::ParallelConfig;
+    ///
+    /// let dims = launch::threads(&ParallelConfig::new(2, 2, 1), LaunchOptions::default(), |ctx| {
+    ///     // The same plain layer on every rank.
+    ///     let plain = LinearConfig::new(4, 6)
+    ///         .with_initializer(Initializer::Constant { value: 0.5 })
+    ///         .init(&ctx.device);
+    ///     let config = ColumnParallelLinearConfig::new(4, 6);
+    ///     let layer = ColumnParallelLinear::from_linear(&plain, &config, &ctx.groups.tp)?;
+    ///     Ok::<_, TpError>(layer.weight.dims())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(dims, vec![[4, 3], [4, 3]]);
+    /// ```
     pub fn from_linear(
         linear: &Linear,
         config: &ColumnParallelLinearConfig,
@@ -185,35 +209,6 @@ impl ColumnParallelLinear {
         };
         layer.state_attrs();
         Ok(layer)
-    }
-
-    /// This rank's column shard of a plain Burn `Linear`: sizes and bias read from the layer,
-    /// the output left split (no gather), no sequence parallelism. Short for
-    /// [`from_linear`](Self::from_linear) with a default [`ColumnParallelLinearConfig`] of
-    /// the layer's sizes. Fails when the output features do not split over the group.
-    ///
-    /// ```
-    /// use burn::nn::{Initializer, LinearConfig};
-    /// use burn_megatron::launch::{self, LaunchOptions};
-    /// use burn_megatron::tensor_parallel::{ColumnParallelLinear, TpError};
-    /// use burn_megatron::topology::ParallelConfig;
-    ///
-    /// let dims = launch::threads(&ParallelConfig::new(2, 2, 1), LaunchOptions::default(), |ctx| {
-    ///     // The same plain layer on every rank.
-    ///     let plain = LinearConfig::new(4, 6)
-    ///         .with_initializer(Initializer::Constant { value: 0.5 })
-    ///         .init(&ctx.device);
-    ///     let layer = ColumnParallelLinear::split(&plain, &ctx.groups.tp)?;
-    ///     Ok::<_, TpError>(layer.weight.dims())
-    /// })
-    /// .unwrap();
-    /// assert_eq!(dims, vec![[4, 3], [4, 3]]);
-    /// ```
-    pub fn split(linear: &Linear, tp: &Comm) -> Result<Self, TpError> {
-        let [d_input, d_output] = linear.weight.dims();
-        let config =
-            ColumnParallelLinearConfig::new(d_input, d_output).with_bias(linear.bias.is_some());
-        Self::from_linear(linear, &config, tp)
     }
 
     /// States the layout of the weight (split along dim 1) and the bias (dim 0): at init and
@@ -379,7 +374,28 @@ impl RowParallelLinearConfig {
 }
 
 impl RowParallelLinear {
-    /// Takes this rank's shard of a plain Burn `Linear` (the same full layer on every rank).
+    /// This rank's row shard of a plain Burn `Linear` (the same full layer on every rank), as
+    /// `config` says to run it (by default, on an input already split along its last dim:
+    /// a column-parallel layer's output). Fails when the input features do not split over
+    /// the group.
+    ///
+    /// ```
+    /// use burn::nn::{Initializer, LinearConfig};
+    /// use burn_megatron::launch::{self, LaunchOptions};
+    /// use burn_megatron::tensor_parallel::{RowParallelLinear, RowParallelLinearConfig, TpError};
+    /// use burn_megatron::topology::ParallelConfig;
+    ///
+    /// let dims = launch::threads(&ParallelConfig::new(2, 2, 1), LaunchOptions::default(), |ctx| {
+    ///     let plain = LinearConfig::new(6, 4)
+    ///         .with_initializer(Initializer::Constant { value: 0.5 })
+    ///         .init(&ctx.device);
+    ///     let config = RowParallelLinearConfig::new(6, 4);
+    ///     let layer = RowParallelLinear::from_linear(&plain, &config, &ctx.groups.tp)?;
+    ///     Ok::<_, TpError>(layer.weight.dims())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(dims, vec![[3, 4], [3, 4]]);
+    /// ```
     pub fn from_linear(
         linear: &Linear,
         config: &RowParallelLinearConfig,
@@ -405,35 +421,6 @@ impl RowParallelLinear {
         };
         layer.state_attrs();
         Ok(layer)
-    }
-
-    /// This rank's row shard of a plain Burn `Linear`: sizes and bias read from the layer,
-    /// the input already split along its last dim (the output of a column-parallel layer),
-    /// no sequence parallelism. Short for [`from_linear`](Self::from_linear) with a default
-    /// [`RowParallelLinearConfig`] of the layer's sizes. Fails when the input features do
-    /// not split over the group.
-    ///
-    /// ```
-    /// use burn::nn::{Initializer, LinearConfig};
-    /// use burn_megatron::launch::{self, LaunchOptions};
-    /// use burn_megatron::tensor_parallel::{RowParallelLinear, TpError};
-    /// use burn_megatron::topology::ParallelConfig;
-    ///
-    /// let dims = launch::threads(&ParallelConfig::new(2, 2, 1), LaunchOptions::default(), |ctx| {
-    ///     let plain = LinearConfig::new(6, 4)
-    ///         .with_initializer(Initializer::Constant { value: 0.5 })
-    ///         .init(&ctx.device);
-    ///     let layer = RowParallelLinear::split(&plain, &ctx.groups.tp)?;
-    ///     Ok::<_, TpError>(layer.weight.dims())
-    /// })
-    /// .unwrap();
-    /// assert_eq!(dims, vec![[3, 4], [3, 4]]);
-    /// ```
-    pub fn split(linear: &Linear, tp: &Comm) -> Result<Self, TpError> {
-        let [d_input, d_output] = linear.weight.dims();
-        let config =
-            RowParallelLinearConfig::new(d_input, d_output).with_bias(linear.bias.is_some());
-        Self::from_linear(linear, &config, tp)
     }
 
     /// States the layout of the weight (split along dim 0) and of the full bias (partial

@@ -12,7 +12,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
 use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
 use burn_megatron::tensor_parallel::dropin::{TpPlan, nn};
-use burn_megatron::tensor_parallel::{RowParallelLinear, TpError};
+use burn_megatron::tensor_parallel::{RowParallelLinear, RowParallelLinearConfig, TpError};
 use burn_megatron_tests::gpt::{gathered, max_rel_diff};
 use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, seeded_linear};
@@ -356,7 +356,9 @@ fn sizes_and_layers_that_do_not_split_are_errors_naming_them() -> Result<(), Err
 fn a_full_width_input_to_a_row_parallel_layer_is_an_error_naming_the_numbers() {
     // The attention output reshaped to the input's width (16) where this rank holds 8.
     let out = tp_ranks(2, |ctx| {
-        let wo = RowParallelLinear::split(&seeded_linear(16, 16, 3, &ctx.device), &ctx.groups.tp)?;
+        let config = RowParallelLinearConfig::new(16, 16);
+        let plain = seeded_linear(16, 16, 3, &ctx.device);
+        let wo = RowParallelLinear::from_linear(&plain, &config, &ctx.groups.tp)?;
         let y = wo.forward(data([2, 16], 0, 1, &ctx.device));
         Ok::<_, Error>(burn_megatron_tests::values(y))
     });
