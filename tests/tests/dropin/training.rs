@@ -1,10 +1,11 @@
-//! A drop-in model (a padded vocabulary, a column and a row layer) through
-//! `ParallelTraining`: at TP 2 × DP 2 with the distributed optimizer it trains as one rank
-//! does, and its checkpoint resumes at TP 4 and at TP 1, which pad the vocabulary otherwise
-//! (40 rows at TP 2, 48 at TP 4, 36 at TP 1): checkpoints hold the real vocabulary.
+//! A drop-in model (a padded vocabulary; a column and a row layer in Burn's column layout)
+//! through `ParallelTraining`: at TP 2 × DP 2 with the distributed optimizer it trains as one
+//! rank does, and its checkpoint resumes at TP 4 and at TP 1, which pad the vocabulary
+//! otherwise (40 rows at TP 2, 48 at TP 4, 36 at TP 1): checkpoints hold the real vocabulary.
 
 use super::Error;
 use burn::module::Module;
+use burn::nn::LinearLayout;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::CommunicatorExt;
@@ -37,10 +38,16 @@ struct Lm {
 impl Lm {
     fn new(device: &Device) -> Self {
         let linear = |i, o| LinearConfig::new(i, o).init(device);
+        // Burn's column layout on the split pair: checkpoints hold the layers' own layout.
+        let col = |i, o| {
+            LinearConfig::new(i, o)
+                .with_layout(LinearLayout::Col)
+                .init(device)
+        };
         Self {
             wte: EmbeddingConfig::new(VOCAB, D).init(device),
-            up: linear(D, 2 * D),
-            down: linear(2 * D, D),
+            up: col(D, 2 * D),
+            down: col(2 * D, D),
             lm_head: linear(D, VOCAB),
         }
     }
