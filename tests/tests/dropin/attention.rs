@@ -140,16 +140,10 @@ fn burns_multi_head_attention_on_its_own_splits_by_heads_at_tp_2_and_4() -> Resu
             for (i, ((context, weights), (plain_context, plain_weights))) in
                 calls.iter().zip(&plain_out).enumerate()
             {
-                let dc = context
-                    .iter()
-                    .zip(plain_context)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let dc = super::max_abs_diff(context, plain_context);
                 assert!(dc < 1e-5, "{what}, call {i}: context off by {dc}");
                 let mine = plain_weights.clone().narrow(1, rank * per_rank, per_rank);
-                let dw = weights
-                    .iter()
-                    .zip(values(mine.inner()))
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let dw = super::max_abs_diff(weights, &values(mine.inner()));
                 assert!(
                     dw < 1e-6,
                     "{what}, call {i}: its heads' weights off by {dw}"

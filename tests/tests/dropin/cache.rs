@@ -36,8 +36,8 @@ fn memory(d: &Device) -> Tensor<3> {
 
 fn largest_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     assert_eq!(a.len(), b.len());
-    let pairs = a.iter().zip(b).flat_map(|(a, b)| a.iter().zip(b));
-    pairs.fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    let steps = a.iter().zip(b).map(|(a, b)| super::max_abs_diff(a, b));
+    steps.fold(0f32, f32::max)
 }
 
 #[test]

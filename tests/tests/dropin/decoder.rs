@@ -94,13 +94,7 @@ fn burns_transformer_decoder_splits_as_megatron_splits_a_layer_at_tp_2_and_4() -
             })?;
             for (rank, (y, gr)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
-                let dy = y
-                    .iter()
-                    .zip(&y_plain)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(dy < 1e-5, "{what}: output off by {dy}");
-                let (worst, name) = super::grad_diff(gr, &grads);
-                assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+                super::assert_parity(&what, (y, gr), (&y_plain, &grads));
             }
         }
     }

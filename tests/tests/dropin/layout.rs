@@ -104,10 +104,7 @@ fn linears_in_burns_column_layout_load_split_and_save_back_as_burns() -> Result<
         })?;
         for (rank, (y, grads)) in out.iter().enumerate() {
             let what = format!("TP {tp}, rank {rank}");
-            let dy = super::max_abs_diff(y, &y_plain);
-            assert!(dy < 1e-5, "{what}: output off by {dy}");
-            let (worst, name) = super::grad_diff(grads, &g_plain);
-            assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+            super::assert_parity(&what, (y, grads), (&y_plain, &g_plain));
         }
         // Burn's model loads what the split one saved, every weight as it was.
         let back = Plain::new(&Device::flex()).try_load_file(&saved)?;

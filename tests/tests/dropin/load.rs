@@ -157,10 +157,7 @@ fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
                     weights, &whole,
                     "{what}: the gathered weights are the plain ones"
                 );
-                let dy = y
-                    .iter()
-                    .zip(&y_plain)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let dy = super::max_abs_diff(y, &y_plain);
                 assert!(dy < 1e-5, "{what}: output off by {dy}");
                 // A shard that is not a run of rows reads its whole tensor's pages: the widest
                 // is the feed-forward's [16, 32] (Burn's column shard of linear_inner; in the

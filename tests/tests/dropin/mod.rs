@@ -160,6 +160,15 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (a, b)| m.max((a - b).abs()))
 }
 
+/// A split run's output and gathered gradients against the plain run's: within 1e-5 (the
+/// gradients as [`grad_diff`] measures them), the message starting with `what`.
+fn assert_parity(what: &str, (y, grads): (&[f32], &Values), (y_plain, g_plain): (&[f32], &Values)) {
+    let dy = max_abs_diff(y, y_plain);
+    assert!(dy < 1e-5, "{what}: output off by {dy}");
+    let (worst, name) = grad_diff(grads, g_plain);
+    assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+}
+
 #[test]
 fn a_transformer_encoder_burn_built_converts_and_splits_as_the_plain_one() -> Result<(), Error> {
     let dir = load::scratch("from");
@@ -192,10 +201,7 @@ fn a_transformer_encoder_burn_built_converts_and_splits_as_the_plain_one() -> Re
             })?;
             for (rank, (y, grads)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
-                let dy = max_abs_diff(y, &y_plain);
-                assert!(dy < 1e-5, "{what}: output off by {dy}");
-                let (worst, name) = grad_diff(grads, &g_plain);
-                assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+                assert_parity(&what, (y, grads), (&y_plain, &g_plain));
             }
         }
     }
@@ -245,10 +251,7 @@ fn a_swiglu_mlp_burn_built_converts_and_splits_as_the_plain_one() -> Result<(), 
             Ok::<_, Error>(run(&plan.apply(plain(d), g)?, g, d))
         })?;
         for (y, grads) in &out {
-            let dy = max_abs_diff(y, &y_plain);
-            assert!(dy < 1e-5, "TP {tp}: output off by {dy}");
-            let (worst, name) = grad_diff(grads, &g_plain);
-            assert!(worst < 1e-5, "TP {tp}: {name} off by {worst}");
+            assert_parity(&format!("TP {tp}"), (y, grads), (&y_plain, &g_plain));
         }
     }
     std::fs::remove_dir_all(dir)?;

@@ -245,13 +245,7 @@ fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() 
             })?;
             for (rank, (y, grads)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
-                let dy = y
-                    .iter()
-                    .zip(&y_plain)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(dy < 1e-5, "{what}: output off by {dy}");
-                let (worst, name) = super::grad_diff(grads, &g_plain);
-                assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+                super::assert_parity(&what, (y, grads), (&y_plain, &g_plain));
             }
         }
     }

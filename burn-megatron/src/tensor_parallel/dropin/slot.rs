@@ -97,6 +97,20 @@ pub struct TpSlot {
     col: bool,
 }
 
+/// Why `activation` cannot run on the ranks' slices of a feed-forward's inner width, if it
+/// cannot: it mixes (`SwiGlu`) or weighs (`PRelu`) the channels they split.
+pub(super) fn not_elementwise(activation: &Activation) -> Option<String> {
+    let name = match activation {
+        Activation::SwiGlu(_) => "SwiGlu",
+        Activation::PRelu(_) => "PRelu",
+        _ => return None,
+    };
+    Some(format!(
+        "the activation {name} does not act elementwise, so it cannot run on the \
+         tensor-parallel ranks' slices of the inner width"
+    ))
+}
+
 /// What a layer's slot knows that its parameters do not say.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Facts {
@@ -137,19 +151,8 @@ impl TpSlot {
     /// The slot of a feed-forward block: an activation that does not act elementwise mixes
     /// or weighs the channels the ranks would split, so the block refuses any split.
     pub(super) fn feed_forward(activation: &Activation) -> Self {
-        let name = match activation {
-            Activation::SwiGlu(_) => Some("SwiGlu"),
-            Activation::PRelu(_) => Some("PRelu"),
-            _ => None,
-        };
-        let refuses = name.map(|name| {
-            format!(
-                "the activation {name} does not act elementwise, so it cannot run on the \
-                 tensor-parallel ranks' slices of the inner width"
-            )
-        });
         Self {
-            refuses,
+            refuses: not_elementwise(activation),
             ..Self::default()
         }
     }

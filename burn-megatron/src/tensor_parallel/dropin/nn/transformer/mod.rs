@@ -7,7 +7,7 @@
 //! residual stream, which every rank holds whole, and each rank its own for its heads and its
 //! slice of the inner width. Unsplit, it computes what Burn's computes, with Burn's dropout.
 
-use super::super::slot::TpSlot;
+use super::super::slot::{TpSlot, not_elementwise};
 use super::attention::{MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use super::cache::{TensorCache, cached};
 use super::{Linear, LinearConfig};
@@ -369,16 +369,12 @@ impl PositionWiseFeedForward {
     /// Split, with an activation that does not act elementwise (SwiGlu, PRelu): it cannot run
     /// on a slice of the inner width.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        assert!(
-            self.linear_inner.tp_size() == 1
-                || !matches!(
-                    self.activation,
-                    Activation::SwiGlu(_) | Activation::PRelu(_)
-                ),
-            "PositionWiseFeedForward: the activation {:?} does not act elementwise, so it cannot \
-             run on the tensor-parallel ranks' slices of the inner width",
-            self.activation
-        );
+        // The plan refused such a block; this is an activation set on it after the split.
+        if self.linear_inner.tp_size() > 1
+            && let Some(reason) = not_elementwise(&self.activation)
+        {
+            panic!("PositionWiseFeedForward: {reason}");
+        }
         let x = self.activation.forward(self.linear_inner.forward(input));
         // The inner activations are split: each rank draws its own mask.
         let x = drop(&self.dropout, &self.tp, x, RngRegion::TensorModelParallel);
