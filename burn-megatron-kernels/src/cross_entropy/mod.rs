@@ -27,13 +27,15 @@ use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::{Int, Tensor};
 
-/// Label smoothing of the backward: `ε` and the size of the *global* vocabulary (all ranks'
-/// slices together), over which the smoothing mass `ε / V_global` is spread.
+/// Label smoothing of the backward: `ε` and the size of the *global* vocabulary over which the
+/// smoothing mass `ε / V_global` is spread (all ranks' slices together, or the real entries of
+/// a vocabulary padded beyond them).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LabelSmoothing {
     /// `ε` in `[0, 1)`; 0 is plain cross-entropy.
     pub epsilon: f32,
-    /// The global vocabulary size `V_global ≥ V` (`V · tp` under tensor parallelism).
+    /// The global vocabulary size `V_global` (`V · tp` under tensor parallelism, less any
+    /// padding).
     pub global_vocab: usize,
 }
 

@@ -29,7 +29,10 @@ pub use attrs::{
     LayoutOwner, ParallelAttrs, copy_parallel_attrs, parallel_attrs, set_layout_attrs,
     set_parallel_attrs, update_parallel_attrs,
 };
-pub use cross_entropy::{VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy};
+pub use cross_entropy::{
+    LabelSmoothing, VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_padded,
+};
 pub(crate) use embedding::checked_index;
 pub use embedding::{IdCheck, VocabParallelEmbedding, VocabParallelEmbeddingConfig};
 pub use grads::allreduce_sequence_parallel_grads;

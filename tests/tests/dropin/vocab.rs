@@ -4,7 +4,8 @@
 //! record of the real size (burnpack, or PyTorch-style safetensors with the output layer
 //! `[vocab, d]`) loads into the padded shards. Loss and gathered gradients are the plain
 //! model's, with the vocabulary-parallel loss over split logits and with Burn's own loss over
-//! gathered ones; the padding stays zero, with a zero gradient.
+//! gathered ones, with and without label smoothing; the padding stays zero, with a zero
+//! gradient.
 
 use super::Error;
 use super::load::{params, scratch, transposed, write_safetensors};
@@ -17,7 +18,9 @@ use burn_megatron::tensor_parallel::dropin::nn::{
     Embedding, EmbeddingConfig, Linear, LinearConfig,
 };
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
-use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
+use burn_megatron::tensor_parallel::{
+    vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_padded,
+};
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
 
@@ -27,6 +30,8 @@ const D: usize = 8;
 /// Padded to 40 at TP 2 (20 a rank, 7 of padding on the second) and to 48 at TP 4 (12 a
 /// rank: the third holds 9 real and 3 padding, the fourth only padding).
 const DIVISIBLE_BY: usize = 4;
+/// Label smoothing of the losses compared: none, and Burn's over the real vocabulary.
+const SMOOTHING: [f32; 2] = [0.0, 0.1];
 
 /// A language model as a Burn user writes it, with a biased output layer.
 #[derive(Module, Debug)]
@@ -58,17 +63,23 @@ fn labels(device: &Device) -> Tensor<1, Int> {
     ids(device).reshape([10]).flip([0])
 }
 
-/// The loss of `lm` over split logits (vocabulary-parallel) or whole ones (Burn's), its
-/// value and gathered gradients.
-fn run(lm: &Lm, tp: &Comm, device: &Device) -> Result<(f32, super::Values), Error> {
+/// The loss of `lm` over split logits (vocabulary-parallel, with label smoothing over the
+/// real vocabulary) or whole ones (Burn's, the same smoothing), its value and gathered
+/// gradients.
+fn run(lm: &Lm, smoothing: f32, tp: &Comm, device: &Device) -> Result<(f32, super::Values), Error> {
     let logits = lm.forward(ids(device));
     let v = logits.dims()[2];
     let logits = logits.reshape([10, v]);
-    let loss = match v == VOCAB && tp.group().size() > 1 {
+    let loss = match v == VOCAB {
         true => CrossEntropyLossConfig::new()
+            .with_smoothing((smoothing > 0.0).then_some(smoothing))
             .init(device)
             .forward(logits, labels(device)),
-        false => vocab_parallel_cross_entropy(logits, labels(device), 0.0, tp)?.mean(),
+        false => {
+            let vocab = lm.lm_head.d_output();
+            vocab_parallel_cross_entropy_padded(logits, labels(device), smoothing, vocab, tp)?
+                .mean()
+        }
     };
     let value = loss.clone().into_scalar::<f32>();
     let grads = burn::optim::GradientsParams::from_grads(loss.backward(), lm);
@@ -112,7 +123,13 @@ fn a_vocabulary_that_does_not_split_is_padded_and_trains_as_the_plain_one() -> R
         .collect();
     let plain = &plain_values;
     let ad = Device::flex().autodiff();
-    let (loss, grads) = run(&Lm::new(&ad).load_file(&record), &super::solo(), &ad)?;
+    // Burn's loss on Burn's logits, without and with label smoothing (over the 33 real
+    // tokens: smoothing over the padding too would add ε·10⁴·pad/V to the loss).
+    let mut references = Vec::new();
+    for smoothing in SMOOTHING {
+        let lm = Lm::new(&ad).load_file(&record);
+        references.push(run(&lm, smoothing, &super::solo(), &ad)?);
+    }
     let plan = |gather: bool| -> Result<TpPlan, Error> {
         let plan = TpPlan::new().vocab(&["wte"])?.with_seed(3);
         let plan = match gather {
@@ -141,22 +158,31 @@ fn a_vocabulary_that_does_not_split_is_padded_and_trains_as_the_plain_one() -> R
                     let own = gathered(&lm, None, g);
                     let own_padding = padding(lm.wte.weight.val(), 0, g);
                     let (lm, _) = load_sharded(lm, source, g, options)?;
-                    let (l, gr) = run(&lm, g, d)?;
+                    assert_eq!(lm.lm_head.d_output(), VOCAB);
+                    let runs = SMOOTHING
+                        .into_iter()
+                        .map(|smoothing| run(&lm, smoothing, g, d))
+                        .collect::<Result<Vec<_>, _>>()?;
                     let mut zeros = own_padding;
                     zeros.extend(whole_padding);
                     zeros.extend(padding(lm.wte.weight.val(), 0, g));
                     zeros.extend(padding(lm.lm_head.weight.val(), 1, g));
                     zeros.extend(padding(lm.lm_head.bias.as_ref().unwrap().val(), 0, g));
-                    Ok::<_, Error>((own, whole, l, gr, zeros))
+                    Ok::<_, Error>((own, whole, runs, zeros))
                 })?;
-                for (rank, (own, whole, l, gr, zeros)) in out.iter().enumerate() {
+                for (rank, (own, whole, runs, zeros)) in out.iter().enumerate() {
                     let what = format!("TP {tp}, gathered {gather}, {:?}, rank {rank}", source);
                     assert_eq!(own, &drawn, "{what}: the plan draws as at TP 1");
                     assert_eq!(whole, plain, "{what}: a loaded model splits to its values");
                     assert!(zeros.iter().all(|z| *z == 0.0), "{what}: padding {zeros:?}");
-                    assert!((l - loss).abs() < 1e-5, "{what}: loss {l} against {loss}");
-                    let (worst, name) = super::grad_diff(gr, &grads);
-                    assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+                    for (((l, gr), (loss, grads)), eps) in
+                        runs.iter().zip(&references).zip(SMOOTHING)
+                    {
+                        let what = format!("{what}, smoothing {eps}");
+                        assert!((l - loss).abs() < 1e-5, "{what}: loss {l} against {loss}");
+                        let (worst, name) = super::grad_diff(gr, grads);
+                        assert!(worst < 1e-5, "{what}: {name} off by {worst}");
+                    }
                 }
             }
         }

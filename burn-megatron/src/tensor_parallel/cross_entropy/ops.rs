@@ -15,7 +15,8 @@ use burn_megatron_kernels::{CrossEntropyOps, LabelSmoothing};
 ///
 /// `logits`: `[N, V / tp]`; `target`: `[N]`, this rank's local column of each target (any
 /// value where the target lies elsewhere); `in_range`: `[N]`, 1 where the target lies in this
-/// rank's slice, else 0. Returns `[N]` f32 losses.
+/// rank's slice, else 0; `smoothing`: `ε` and the real vocabulary size it spreads over (the
+/// first `global_vocab` columns of the `V` the ranks hold). Returns `[N]` f32 losses.
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
 pub trait VocabParallelCrossEntropyOps: CrossEntropyOps {
     /// See the trait documentation.
@@ -23,7 +24,7 @@ pub trait VocabParallelCrossEntropyOps: CrossEntropyOps {
         logits: FloatTensor<Self>,
         target: IntTensor<Self>,
         in_range: FloatTensor<Self>,
-        label_smoothing: f32,
+        smoothing: LabelSmoothing,
         comm: Comm,
     ) -> FloatTensor<Self>;
 }
@@ -33,10 +34,10 @@ impl VocabParallelCrossEntropyOps for Flex {
         logits: FloatTensor<Self>,
         target: IntTensor<Self>,
         in_range: FloatTensor<Self>,
-        label_smoothing: f32,
+        smoothing: LabelSmoothing,
         comm: Comm,
     ) -> FloatTensor<Self> {
-        forward::<Self>(logits, target, in_range, label_smoothing, &comm).loss
+        forward::<Self>(logits, target, in_range, smoothing, &comm).loss
     }
 }
 
@@ -46,10 +47,10 @@ impl VocabParallelCrossEntropyOps for burn::backend::Cube {
         logits: FloatTensor<Self>,
         target: IntTensor<Self>,
         in_range: FloatTensor<Self>,
-        label_smoothing: f32,
+        smoothing: LabelSmoothing,
         comm: Comm,
     ) -> FloatTensor<Self> {
-        forward::<Self>(logits, target, in_range, label_smoothing, &comm).loss
+        forward::<Self>(logits, target, in_range, smoothing, &comm).loss
     }
 }
 
@@ -68,6 +69,8 @@ pub(crate) struct Saved<B: Backend> {
     /// `[N]` 1 where the target is in this slice.
     in_range: FloatTensor<B>,
     smoothing: LabelSmoothing,
+    /// This rank's columns beyond the real vocabulary, which take no smoothing mass.
+    padding: Option<std::ops::Range<usize>>,
 }
 
 /// One fused pass over the logits ([`CrossEntropyOps::cross_entropy_row_stats`]: local max
@@ -79,12 +82,13 @@ pub(crate) fn forward<B: CrossEntropyOps>(
     logits: FloatTensor<B>,
     target: IntTensor<B>,
     in_range: FloatTensor<B>,
-    label_smoothing: f32,
+    smoothing: LabelSmoothing,
     comm: &Comm,
 ) -> Saved<B> {
     let dims = logits.shape().to_vec();
     let (n, local_vocab) = (dims[0], dims[1]);
-    let global_vocab = local_vocab * comm.group().size();
+    let real_vocab = smoothing.global_vocab;
+    let padding = padding_columns(local_vocab, real_vocab, comm);
     let in_range = B::float_cast(in_range, FloatDType::F32);
 
     let stats = B::cross_entropy_row_stats(logits.clone(), target.clone(), in_range.clone());
@@ -97,29 +101,44 @@ pub(crate) fn forward<B: CrossEntropyOps>(
     // Σ exp(z − m_l) re-shifted to the global max.
     let rescale = B::float_exp(B::float_sub(local_max, max.clone()));
     let local_sum_exp = B::float_mul(column(1), rescale);
+    // The smoothing's sum of logits runs over the real vocabulary: a rank holding padding
+    // sums its real columns again (summed with the padding, −10⁴ a column, the real sum
+    // would keep only the f32 ulps of the total). Only smoothing reads the sum.
+    let local_sum_logits = match padding.clone() {
+        Some(pad) if smoothing.epsilon > 0.0 => {
+            let real = B::float_slice(
+                logits.clone(),
+                &[Slice::from(0..n), Slice::from(0..pad.start)],
+            );
+            let real = B::float_sum_dim(B::float_cast(real, FloatDType::F32), 1);
+            B::float_reshape(real, Shape::from([n]))
+        }
+        _ => column(3),
+    };
     let [sum_exp, predicted, sum_logits, owned] = all_reduce_many::<B, 4>(
-        [local_sum_exp, column(2), column(3), in_range.clone()],
+        [local_sum_exp, column(2), local_sum_logits, in_range.clone()],
         ReduceOp::Sum,
         comm,
     );
     // Shifted by the global max: z_t − M where some rank owns the target (`owned` is 1),
-    // and Σ_v (z_v − M) over the global vocabulary.
+    // and Σ_v (z_v − M) over the real vocabulary.
     let predicted = B::float_sub(predicted, B::float_mul(max.clone(), owned));
     let sum_logits = B::float_sub(
         sum_logits,
-        B::float_mul_scalar(max.clone(), Scalar::from(global_vocab as f64)),
+        B::float_mul_scalar(max.clone(), Scalar::from(real_vocab as f64)),
     );
 
-    // (1 − ε)·(lse − z_t) + ε·(lse − mean_k z_k), the mean over the *global* vocabulary
-    // (z shifted by the row max, which cancels).
+    // (1 − ε)·(lse − z_t) + ε·(lse − mean_k z_k), the mean over the real vocabulary (z
+    // shifted by the row max, which cancels).
     let lse = B::float_log(sum_exp.clone());
     let nll = B::float_sub(lse.clone(), predicted);
-    let loss = if label_smoothing > 0.0 {
-        let mean = B::float_mul_scalar(sum_logits, Scalar::from(1.0 / global_vocab as f64));
+    let epsilon = smoothing.epsilon;
+    let loss = if epsilon > 0.0 {
+        let mean = B::float_mul_scalar(sum_logits, Scalar::from(1.0 / real_vocab as f64));
         let smooth = B::float_sub(lse, mean);
         B::float_add(
-            B::float_mul_scalar(nll, Scalar::from(1.0 - f64::from(label_smoothing))),
-            B::float_mul_scalar(smooth, Scalar::from(f64::from(label_smoothing))),
+            B::float_mul_scalar(nll, Scalar::from(1.0 - f64::from(epsilon))),
+            B::float_mul_scalar(smooth, Scalar::from(f64::from(epsilon))),
         )
     } else {
         nll
@@ -131,25 +150,56 @@ pub(crate) fn forward<B: CrossEntropyOps>(
         sum_exp,
         target,
         in_range,
-        smoothing: LabelSmoothing {
-            epsilon: label_smoothing,
-            global_vocab,
-        },
+        smoothing,
+        padding,
     }
 }
 
-/// `(softmax − (1 − ε)·one_hot − ε / V) · grad`, in the logits' dtype: one fused op.
+/// This rank's local columns beyond the real vocabulary, if it holds any.
+fn padding_columns(
+    local_vocab: usize,
+    real_vocab: usize,
+    comm: &Comm,
+) -> Option<std::ops::Range<usize>> {
+    let start = comm.group().rank() * local_vocab;
+    let first = real_vocab.saturating_sub(start).min(local_vocab);
+    (first < local_vocab).then_some(first..local_vocab)
+}
+
+/// `(softmax − (1 − ε)·one_hot − ε / V) · grad`, in the logits' dtype: one fused op, `V` the
+/// real vocabulary. The kernel spreads `ε / V` over every column; a rank holding padding
+/// gives it back on those columns, whose target mass is zero.
 fn backward<B: CrossEntropyOps>(saved: Saved<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
     let grad = B::float_cast(grad, FloatDType::F32);
-    B::cross_entropy_backward(
+    let n = grad.shape()[0];
+    let smoothing = saved.smoothing;
+    let out = B::cross_entropy_backward(
         saved.logits,
         saved.max,
         saved.sum_exp,
         saved.target,
         saved.in_range,
-        grad,
-        saved.smoothing,
-    )
+        grad.clone(),
+        smoothing,
+    );
+    match saved.padding {
+        Some(pad) if smoothing.epsilon > 0.0 => {
+            let slices = [Slice::from(0..n), Slice::from(pad.clone())];
+            let share = f64::from(smoothing.epsilon) / smoothing.global_vocab as f64;
+            let give_back = B::float_expand(
+                B::float_reshape(
+                    B::float_mul_scalar(grad, Scalar::from(share)),
+                    Shape::from([n, 1]),
+                ),
+                Shape::from([n, pad.len()]),
+            );
+            let dtype = out.dtype();
+            let cols = B::float_slice(out.clone(), &slices);
+            let cols = B::float_add(cols, B::float_cast(give_back, dtype.into()));
+            B::float_slice_assign(out, &slices, cols)
+        }
+        _ => out,
+    }
 }
 
 #[derive(Debug)]
@@ -174,7 +224,7 @@ impl<B: VocabParallelCrossEntropyOps, C: CheckpointStrategy> VocabParallelCrossE
         logits: FloatTensor<Self>,
         target: IntTensor<Self>,
         in_range: FloatTensor<Self>,
-        label_smoothing: f32,
+        smoothing: LabelSmoothing,
         comm: Comm,
     ) -> FloatTensor<Self> {
         let (logits, node) = logits.into_parts();
@@ -185,12 +235,12 @@ impl<B: VocabParallelCrossEntropyOps, C: CheckpointStrategy> VocabParallelCrossE
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let saved = forward::<B>(logits, target, in_range, label_smoothing, &comm);
+                let saved = forward::<B>(logits, target, in_range, smoothing, &comm);
                 let loss = saved.loss.clone();
                 prep.finish(saved, loss)
             }
             OpsKind::UnTracked(prep) => {
-                prep.finish(forward::<B>(logits, target, in_range, label_smoothing, &comm).loss)
+                prep.finish(forward::<B>(logits, target, in_range, smoothing, &comm).loss)
             }
         }
     }

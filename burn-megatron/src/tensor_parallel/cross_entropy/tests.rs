@@ -57,6 +57,11 @@ const PADDED: Case = Case {
 
 /// Single-device smoothed cross-entropy and its gradient, from Burn ops.
 fn reference(case: Case, smoothing: f32) -> (Vec<f32>, Vec<f32>) {
+    reference_over(case, smoothing, V)
+}
+
+/// The same with the smoothing spread over the first `real` columns only.
+fn reference_over(case: Case, smoothing: f32, real: usize) -> (Vec<f32>, Vec<f32>) {
     let device = Device::flex().autodiff();
     let logits = (case.logits)(&device).require_grad();
     let logp = log_softmax(logits.clone(), 1);
@@ -65,7 +70,11 @@ fn reference(case: Case, smoothing: f32) -> (Vec<f32>, Vec<f32>) {
         .gather(1, (case.targets)(&device).unsqueeze_dim(1))
         .squeeze_dim::<1>(1)
         .neg();
-    let smooth = logp.mean_dim(1).squeeze_dim::<1>(1).neg();
+    let smooth = logp
+        .narrow(1, 0, real)
+        .mean_dim(1)
+        .squeeze_dim::<1>(1)
+        .neg();
     let loss = nll * (1.0 - smoothing) + smooth * smoothing;
     let grads = (loss.clone() * weights(&device)).sum().backward();
     (to_vec(loss.inner()), to_vec(logits.grad(&grads).unwrap()))
@@ -85,6 +94,16 @@ fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
 
 /// Every rank's losses and all-gathered logit gradients, at TP `tp`.
 fn vocab_parallel(case: Case, smoothing: f32, tp: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+    vocab_parallel_over(case, smoothing, V, tp)
+}
+
+/// The same with the first `real` columns the real vocabulary.
+fn vocab_parallel_over(
+    case: Case,
+    smoothing: f32,
+    real: usize,
+    tp: usize,
+) -> Vec<(Vec<f32>, Vec<f32>)> {
     threads(
         &ParallelConfig::new(tp, tp, 1),
         LaunchOptions::default().with_timeout(Duration::from_secs(5)),
@@ -94,10 +113,11 @@ fn vocab_parallel(case: Case, smoothing: f32, tp: usize) -> Vec<(Vec<f32>, Vec<f
             let local = (case.logits)(&ctx.device)
                 .narrow(1, rank * part, part)
                 .require_grad();
-            let loss = vocab_parallel_cross_entropy(
+            let loss = vocab_parallel_cross_entropy_padded(
                 local.clone(),
                 (case.targets)(&ctx.device),
                 smoothing,
+                real,
                 &ctx.groups.tp,
             )
             .map_err(|e| e.to_string())?;
@@ -134,6 +154,57 @@ fn equals_single_device_cross_entropy_at_every_tp_size() {
 #[test]
 fn ranks_holding_only_padding_change_nothing() {
     check_every_tp_size(PADDED);
+}
+
+/// A padded vocabulary's smoothing spreads over its real entries: the masked padding's −10⁴
+/// stays out of the loss (it would add ε·10⁴/2 here) and out of the gradient, and so does
+/// padding left unmasked (its columns' gradient is the softmax alone). Real sizes 4 and 6 put
+/// the boundary between ranks and inside one at TP 2 and 4.
+#[test]
+fn smoothing_over_a_padded_vocabulary_spares_the_padding() {
+    let unmasked = Case {
+        logits: full_logits,
+        targets: |device| Tensor::from_ints([0, 5, 3, 4, 1, 2], device),
+    };
+    for (case, real) in [(PADDED, V / 2), (unmasked, 6)] {
+        let (ref_loss, ref_grad) = reference_over(case, 0.1, real);
+        for tp in [1, 2, 4] {
+            for (loss, grad) in vocab_parallel_over(case, 0.1, real, tp) {
+                let what = |of: &str| format!("{of} tp {tp} real {real}");
+                assert_close(&loss, &ref_loss, 1e-5, &what("loss"));
+                assert_close(&grad, &ref_grad, 1e-5, &what("grad"));
+            }
+        }
+    }
+    assert!(
+        ref_smoothed_padding_differs(),
+        "the case must tell the padded smoothing from the plain one"
+    );
+}
+
+/// The plain smoothing over the masked case's whole vocabulary is far from the padded one's.
+fn ref_smoothed_padding_differs() -> bool {
+    let (plain, _) = reference(PADDED, 0.1);
+    let (padded, _) = reference_over(PADDED, 0.1, V / 2);
+    plain
+        .iter()
+        .zip(&padded)
+        .all(|(a, b)| (a - b).abs() > 100.0)
+}
+
+#[test]
+fn a_real_vocabulary_beyond_the_padded_one_is_an_error() {
+    let tp: crate::comm::Comm = std::sync::Arc::new(
+        crate::comm::LocalWorld::new(1)
+            .communicator("tp", vec![0], 0)
+            .unwrap(),
+    );
+    let d = Device::flex();
+    for real in [0, V + 1] {
+        let e = vocab_parallel_cross_entropy_padded(full_logits(&d), targets(&d), 0.1, real, &tp)
+            .unwrap_err();
+        assert!(e.to_string().contains("real vocabulary size"), "{e}");
+    }
 }
 
 #[test]

@@ -149,6 +149,18 @@ impl Linear {
         self.tp.assigned.as_ref().map_or(1, |a| a.tp.group().size())
     }
 
+    /// The output width of the whole layer (over every rank), padding not counted: a
+    /// vocabulary-split output layer's real vocabulary, what
+    /// [`vocab_parallel_cross_entropy_padded`](crate::tensor_parallel::vocab_parallel_cross_entropy_padded)
+    /// spreads label smoothing over.
+    pub fn d_output(&self) -> usize {
+        let local = self.weight.lazy_shape().to_vec()[1];
+        match &self.tp.assigned {
+            Some(a) if a.split != Split::Row => a.vocab.unwrap_or(local * a.tp.group().size()),
+            _ => local,
+        }
+    }
+
     /// The parameters' attributes again: a record load gives them other ids.
     fn restate(&self, a: &super::slot::Assigned) {
         use crate::tensor_parallel::ParallelAttrs;
