@@ -26,6 +26,7 @@ mod decoder;
 mod layout;
 mod load;
 mod plan;
+mod sequence;
 mod text_generation;
 mod training;
 mod vocab;

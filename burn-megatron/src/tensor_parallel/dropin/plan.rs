@@ -34,9 +34,9 @@ pub enum Split {
     /// that does not split is padded with
     /// [`make_vocab_size_divisible_by`](TpPlan::make_vocab_size_divisible_by); the padding
     /// logits are masked to [`PADDED_VOCAB_LOGIT`](crate::tensor_parallel::PADDED_VOCAB_LOGIT).
-    /// A label-smoothed loss over split logits then averages its smoothing term over the
-    /// padding too (as the GPT's does): with padding, train without smoothing, or over
-    /// gathered logits.
+    /// A label-smoothed loss over split logits takes the real vocabulary
+    /// ([`Linear::d_output`](super::nn::Linear::d_output)) with
+    /// [`vocab_parallel_cross_entropy_padded`](crate::tensor_parallel::vocab_parallel_cross_entropy_padded).
     Vocab,
     /// An output `Linear` split over the vocabulary as [`Vocab`](Self::Vocab), its logits
     /// gathered and cut back to the real vocabulary: every rank gets `[..., vocab]`, for a
@@ -68,6 +68,7 @@ pub struct TpPlan {
     rules: Vec<(glob::Pattern, Split)>,
     seed: u64,
     vocab_divisible_by: Option<usize>,
+    sequence_parallel: bool,
 }
 
 impl TpPlan {
@@ -138,6 +139,30 @@ impl TpPlan {
         self.rule(patterns, Split::Encoder)
     }
 
+    /// Sequence parallelism in the layers `encoder` names (Megatron's `--sequence-parallel`):
+    /// between a transformer layer's blocks each rank holds `s / tp` positions of the
+    /// residual stream, so its norms, residual dropout and adds keep a `tp`-th of their
+    /// activations, for the same communication volume (each all-reduce becomes an all-gather
+    /// before the block and a reduce-scatter after it). The encoder or decoder splits its
+    /// input's sequence and gathers its output, so the model's code does not change; a
+    /// decoder's memory stays whole. The sequence length must split over the ranks (a panic
+    /// naming the layer and the numbers otherwise), and the norms' and row-parallel biases'
+    /// gradients are partial, marked for
+    /// [`finalize_model_grads`](crate::data_parallel::advanced::finalize_model_grads)
+    /// (which `ParallelTraining` runs) to all-reduce.
+    /// Decoding with a cache runs without it. An `encoder` rule that names an attention on
+    /// its own (no residual stream to split) is then an error.
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::dropin::TpPlan;
+    /// let plan = TpPlan::new().encoder(&["transformer"]).unwrap().sequence_parallel();
+    /// # drop(plan);
+    /// ```
+    pub fn sequence_parallel(mut self) -> Self {
+        self.sequence_parallel = true;
+        self
+    }
+
     /// The seed of the weights a plan draws: a split layer not yet initialised (Burn draws
     /// lazily) draws its shard from its config's initializer (Burn's default for its type
     /// when converted from Burn's layer, which does not keep it), seeded by its path, the
@@ -165,6 +190,13 @@ impl TpPlan {
     /// matches no layer, a named layer of Burn's own type (no slot), a size that does not
     /// split, a split the layer cannot take.
     pub fn apply<M: Module>(&self, model: M, tp: &Comm) -> Result<M, TpError> {
+        if self.sequence_parallel && !self.rules.iter().any(|(_, s)| *s == Split::Encoder) {
+            return Err(TpError::Invalid(
+                "sequence parallelism splits the layers an `encoder` rule names, and the plan \
+                 has none"
+                    .into(),
+            ));
+        }
         let mut mapper = PlanMapper {
             plan: self,
             tp,
@@ -260,6 +292,17 @@ impl ModuleMapper for PlanMapper<'_> {
                     self.fail(e);
                     return;
                 };
+                // An attention named on its own has no residual stream to split.
+                let alone = active.depth + 1 == self.path.len();
+                let sequence_parallel = self.plan.sequence_parallel && split == Split::Encoder;
+                if sequence_parallel && alone && container_type == "Struct:MultiHeadAttention" {
+                    let e = format!(
+                        "{}: sequence parallelism splits a transformer layer's residual                          stream, and an attention on its own has none; name its layer,                          encoder or decoder",
+                        active.path
+                    );
+                    self.fail(e);
+                    return;
+                }
                 let owner = self.owner.take().unwrap_or_default();
                 let rng = (split == Split::Encoder).then(|| self.rng.clone());
                 let assigned = Assigned {
@@ -268,6 +311,7 @@ impl ModuleMapper for PlanMapper<'_> {
                     layout: owner,
                     rng,
                     vocab: self.vocab.take(),
+                    sequence_parallel,
                 };
                 PENDING.with(|p| *p.borrow_mut() = Offer::Split(assigned));
             }

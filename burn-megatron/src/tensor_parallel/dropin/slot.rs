@@ -32,6 +32,8 @@ pub(super) struct Assigned {
     pub(super) rng: Option<RngTracker>,
     /// The real vocabulary of a layer split over a padded one.
     pub(super) vocab: Option<usize>,
+    /// A transformer layer whose residual stream is split by sequence between its blocks.
+    pub(super) sequence_parallel: bool,
 }
 
 impl Assigned {
@@ -53,6 +55,7 @@ impl std::fmt::Debug for Assigned {
             .field("tp_rank", &group.rank())
             .field("tp_size", &group.size())
             .field("vocab", &self.vocab)
+            .field("sequence_parallel", &self.sequence_parallel)
             .finish_non_exhaustive()
     }
 }
@@ -165,6 +168,13 @@ impl TpSlot {
     /// The dropout streams a plan gave a split encoder's part.
     pub(super) fn rng(&self) -> Option<&RngTracker> {
         self.assigned.as_ref().and_then(|a| a.rng.as_ref())
+    }
+
+    /// The group a transformer layer's residual stream is split over by sequence, if a plan
+    /// asked for sequence parallelism.
+    pub(super) fn sequence_parallel(&self) -> Option<&Comm> {
+        let a = self.assigned.as_ref()?;
+        a.sequence_parallel.then_some(&a.tp)
     }
 
     /// The group the layer is split over, or a group of one.

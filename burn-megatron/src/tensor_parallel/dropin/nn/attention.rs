@@ -8,7 +8,7 @@
 use super::super::slot::TpSlot;
 use super::cache::{TensorCache, cached};
 use super::transformer::drop;
-use super::{Linear, LinearConfig};
+use super::{Linear, LinearConfig, Region};
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
 use burn::module::Module;
@@ -178,7 +178,7 @@ impl MultiHeadAttention {
     /// has no room for an error; a plan's sizes already split the width), or on inputs of
     /// another width than `d_model` (as Burn's).
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
-        self.attend(input, None)
+        self.attend(input, None, Region::Tensor, Region::Tensor)
     }
 
     /// Burn's `forward_cache`: one step of autoregressive decoding, each call's query (and,
@@ -189,10 +189,20 @@ impl MultiHeadAttention {
     ///
     /// As [`forward`](Self::forward).
     pub fn forward_cache(&self, input: MhaInput, cache: &mut MhaCache) -> MhaOutput {
-        self.attend(input, Some(cache))
+        self.attend(input, Some(cache), Region::Tensor, Region::Tensor)
     }
 
-    pub(super) fn attend(&self, input: MhaInput, cache: Option<&mut MhaCache>) -> MhaOutput {
+    /// The attention with its query (and output) in `query`'s region and its key and value
+    /// in `memory`'s: under sequence parallelism the query, and in self-attention the key
+    /// and value, are the sequence the layer gathered, and the output is reduce-scattered to
+    /// this rank's query positions; a cross-attention's memory is whole on every rank.
+    pub(super) fn attend(
+        &self,
+        input: MhaInput,
+        cache: Option<&mut MhaCache>,
+        query: Region,
+        memory: Region,
+    ) -> MhaOutput {
         let tp = self.query.tp_size();
         assert!(
             self.n_heads.is_multiple_of(tp),
@@ -200,33 +210,27 @@ impl MultiHeadAttention {
             self.n_heads
         );
         let heads = self.n_heads / tp;
-        let split = |l: &Linear, x: Tensor<3>| {
+        let project = |l: &Linear, x: Tensor<3>, region| {
             let [b, s, _] = x.dims();
-            l.forward(x)
+            l.run(x, region)
                 .reshape([b, s, heads, self.d_k])
                 .swap_dims(1, 2)
         };
+        let q_of = |x| project(&self.query, x, query);
+        let k_of = |x| project(&self.key, x, memory);
+        let v_of = |x| project(&self.value, x, memory);
         let (q, k, v, output) = match cache {
-            None => (
-                split(&self.query, input.query),
-                split(&self.key, input.key),
-                split(&self.value, input.value),
-                None,
-            ),
+            None => (q_of(input.query), k_of(input.key), v_of(input.value), None),
             Some(c) => {
-                let q = c
-                    .query
-                    .forward_autoregressive(input.query, 2, |x| split(&self.query, x));
+                let q = c.query.forward_autoregressive(input.query, 2, q_of);
                 let (k, v) = match c.fixed_memory {
                     true => (
-                        c.key.forward_full(input.key, |x| split(&self.key, x)),
-                        c.value.forward_full(input.value, |x| split(&self.value, x)),
+                        c.key.forward_full(input.key, k_of),
+                        c.value.forward_full(input.value, v_of),
                     ),
                     false => (
-                        c.key
-                            .forward_autoregressive(input.key, 2, |x| split(&self.key, x)),
-                        c.value
-                            .forward_autoregressive(input.value, 2, |x| split(&self.value, x)),
+                        c.key.forward_autoregressive(input.key, 2, k_of),
+                        c.value.forward_autoregressive(input.value, 2, v_of),
                     ),
                 };
                 (q, k, v, Some(&mut c.output))
@@ -255,7 +259,7 @@ impl MultiHeadAttention {
             .reshape([b, s_q, heads * self.d_k]);
         MhaOutput {
             weights,
-            context: cached(output, context, 1, |x| self.output.forward(x)),
+            context: cached(output, context, 1, |x| self.output.run(x, query)),
         }
     }
 }

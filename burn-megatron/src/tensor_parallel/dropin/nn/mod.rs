@@ -12,6 +12,7 @@ use super::slot::TpSlot;
 
 pub mod attention;
 pub mod cache;
+mod sequence;
 pub mod transformer;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
@@ -27,6 +28,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Initializer, LinearLayout};
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor};
+use sequence::Region;
 
 /// Burn's `LinearConfig`.
 #[derive(Config, Debug)]
@@ -86,22 +88,29 @@ impl Linear {
     ///
     /// On an input of another width than the weight takes, naming both (as Burn's).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        self.run(input, Region::Tensor)
+    }
+
+    /// The forward in `region`: under sequence parallelism a column-parallel layer's input
+    /// was gathered by its block, and a row-parallel layer reduce-scatters.
+    pub(super) fn run<const D: usize>(&self, input: Tensor<D>, region: Region) -> Tensor<D> {
         let Some(a) = &self.tp.assigned else {
             // Drawn first: Burn's column layout gives the width only once drawn.
             let (weight, bias) = (self.weight.val(), self.bias.as_ref().map(|b| b.val()));
             check_input_width("Linear", &input, weight.dims()[0], None);
             return matmul_bias(input, weight, bias, false);
         };
-        self.restate(a);
+        self.restate(a, region);
         match a.split {
             Split::Row => {
                 check_width("Linear (row-parallel)", &input, &self.weight, Some(&a.tp));
                 let weight = hook_param(&self.weight, &input);
                 let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
-                let out = reduce_from_tensor_model_parallel_region(
-                    matmul_bias(input, weight, None, false),
-                    &a.tp,
-                );
+                let partial = matmul_bias(input, weight, None, false);
+                let out = match region {
+                    Region::Tensor => reduce_from_tensor_model_parallel_region(partial, &a.tp),
+                    Region::Sequence => sequence::reduce_scatter(partial, &a.tp),
+                };
                 match bias {
                     Some(b) => out + b.unsqueeze(),
                     None => out,
@@ -114,7 +123,11 @@ impl Linear {
                     &self.weight,
                     Some(&a.tp),
                 );
-                let input = copy_to_tensor_model_parallel_region(input, &a.tp);
+                // Under sequence parallelism the block's gather reduce-scatters the gradient.
+                let input = match region {
+                    Region::Tensor => copy_to_tensor_model_parallel_region(input, &a.tp),
+                    Region::Sequence => input,
+                };
                 let weight = hook_param(&self.weight, &input);
                 let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
                 let out = matmul_bias(input, weight, bias, false);
@@ -161,11 +174,16 @@ impl Linear {
         }
     }
 
-    /// The parameters' attributes again: a record load gives them other ids.
-    fn restate(&self, a: &super::slot::Assigned) {
+    /// The parameters' attributes again: a record load gives them other ids. A row-parallel
+    /// bias added to this rank's positions only has a partial gradient.
+    fn restate(&self, a: &super::slot::Assigned, region: Region) {
         use crate::tensor_parallel::ParallelAttrs;
-        let (w, b) = match a.split {
-            Split::Row => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
+        let (w, b) = match (a.split, region) {
+            (Split::Row, Region::Tensor) => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
+            (Split::Row, Region::Sequence) => (
+                ParallelAttrs::sharded(0),
+                ParallelAttrs::sequence_parallel(),
+            ),
             _ => (a.sharded(1), a.sharded(0)),
         };
         a.layout.state(self.weight.id, w);

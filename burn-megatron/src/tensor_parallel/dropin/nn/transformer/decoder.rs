@@ -4,10 +4,11 @@
 //! the residual stream's dropout draws the same mask on every rank.
 
 use super::super::super::slot::TpSlot;
+use super::super::Region;
 use super::super::attention::{MhaCache, MhaInput, MultiHeadAttention};
 use super::super::cache::{TensorCache, cached};
-use super::{Parts, PositionWiseFeedForward, check_cache, drop};
-use crate::tensor_parallel::RngRegion;
+use super::super::sequence::Stream;
+use super::{Parts, PositionWiseFeedForward, check_cache, drop, gathered, regions, state_norms};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;
@@ -109,11 +110,17 @@ pub struct TransformerDecoder {
 
 impl TransformerDecoder {
     /// The target `[b, s_t, d_model]` after every layer, whole on every rank.
-    pub fn forward(&self, mut input: TransformerDecoderInput) -> Tensor<3> {
+    ///
+    /// # Panics
+    ///
+    /// Under sequence parallelism, on a target sequence that does not split over the ranks.
+    pub fn forward(&self, input: TransformerDecoderInput) -> Tensor<3> {
+        let mut target = Stream::whole(input.target.clone());
         for layer in &self.layers {
-            input = layer.forward(input);
+            target = target.to(layer.tp.sequence_parallel(), "TransformerDecoderLayer");
+            target = target.map(|t| layer.run(input.with_target(t), None).target);
         }
-        input.target
+        target.into_whole()
     }
 
     /// Burn's `forward_autoregressive_inference`: one decoding step, each call's target one
@@ -168,6 +175,14 @@ impl TransformerDecoderInput {
         }
     }
 
+    /// This input with another target (a layer's output, or a rank's positions of it).
+    fn with_target(&self, target: Tensor<3>) -> Self {
+        Self {
+            target,
+            ..self.clone()
+        }
+    }
+
     /// Memory positions to ignore, `[b, s_m]` (true: padding).
     pub fn memory_mask_pad(mut self, mask_pad: Tensor<2, Bool>) -> Self {
         self.memory_mask_pad = Some(mask_pad);
@@ -218,8 +233,15 @@ pub struct TransformerDecoderLayer {
 impl TransformerDecoderLayer {
     /// Burn's layer: its norms where Burn puts them (`norm_3` before the self-attention
     /// pre-norm, after the layer post-norm).
+    ///
+    /// # Panics
+    ///
+    /// Under sequence parallelism, on a target sequence that does not split over the ranks.
     pub fn forward(&self, input: TransformerDecoderInput) -> TransformerDecoderInput {
-        self.run(input, None)
+        let sp = self.tp.sequence_parallel();
+        let target = Stream::whole(input.target.clone()).to(sp, "TransformerDecoderLayer");
+        let target = target.map(|t| self.run(input.with_target(t), None).target);
+        input.with_target(target.into_whole())
     }
 
     /// Burn's layer one decoding step at a time, through `cache`.
@@ -247,24 +269,36 @@ impl TransformerDecoderLayer {
             ),
             None => (None, None, None, None, None, None),
         };
-        // The residual stream is whole on every rank: its masks must agree.
-        let d = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
+        // Decoding with a cache computes one position: it runs whole.
+        let sp = if c_self.is_none() {
+            self.tp.sequence_parallel()
+        } else {
+            None
+        };
+        let norms = [&self.norm_1, &self.norm_2, &self.norm_3];
+        state_norms(&self.tp, &norms, sp.is_some());
+        let (region, stream) = regions(sp);
+        let d = |x| drop(&self.dropout, &self.tp, x, stream);
         let norm_1 = |x| cached(c_1, x, 1, |x| self.norm_1.forward(x));
         let norm_2 = |x| cached(c_2, x, 1, |x| self.norm_2.forward(x));
         let norm_3 = |x| cached(c_3, x, 1, |x| self.norm_3.forward(x));
         let (target_pad, target_attn) = (&input.target_mask_pad, &input.target_mask_attn);
         let self_attn = |x| {
-            let h = MhaInput::self_attn(x).masks(target_pad.clone(), target_attn.clone());
-            self.self_attn.attend(h, c_self).context
+            let h = MhaInput::self_attn(gathered(x, sp));
+            let h = h.masks(target_pad.clone(), target_attn.clone());
+            self.self_attn.attend(h, c_self, region, region).context
         };
         let memory = &input.memory;
         let (memory_pad, memory_attn) = (&input.memory_mask_pad, &input.memory_mask_attn);
         let cross_attn = |x| {
-            let h = MhaInput::new(x, memory.clone(), memory.clone());
+            // The memory is whole on every rank.
+            let h = MhaInput::new(gathered(x, sp), memory.clone(), memory.clone());
             let h = h.masks(memory_pad.clone(), memory_attn.clone());
-            self.cross_attn.attend(h, c_cross).context
+            self.cross_attn
+                .attend(h, c_cross, region, Region::Tensor)
+                .context
         };
-        let feed_forward = |x| cached(c_pwff, x, 1, |x| self.pwff.forward(x));
+        let feed_forward = |x| cached(c_pwff, gathered(x, sp), 1, |x| self.pwff.run(x, region));
         let x = input.target.clone();
         let target = match self.norm_first {
             true => {

@@ -10,7 +10,9 @@
 use super::super::slot::{TpSlot, not_elementwise};
 use super::attention::{MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use super::cache::{TensorCache, cached};
-use super::{Linear, LinearConfig};
+use super::sequence::{self, Stream};
+use super::{Linear, LinearConfig, Region};
+use crate::comm::Comm;
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
 use burn::module::Module;
@@ -168,12 +170,18 @@ pub struct TransformerEncoder {
 
 impl TransformerEncoder {
     /// `[b, s, d_model]` → `[b, s, d_model]`, every rank the whole output.
+    ///
+    /// # Panics
+    ///
+    /// Under sequence parallelism, on a sequence that does not split over the ranks.
     pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
-        let mut x = input.tensor;
+        let mut x = Stream::whole(input.tensor);
         for layer in &self.layers {
-            x = layer.forward(x, input.mask_pad.clone(), input.mask_attn.clone());
+            let (pad, attn) = (input.mask_pad.clone(), input.mask_attn.clone());
+            x = x.to(layer.tp.sequence_parallel(), "TransformerEncoderLayer");
+            x = x.map(|x| layer.run(x, pad, attn, None));
         }
-        x
+        x.into_whole()
     }
 
     /// Burn's `forward_autoregressive_inference`: one decoding step, each call's input one
@@ -296,13 +304,20 @@ pub struct TransformerEncoderLayer {
 
 impl TransformerEncoderLayer {
     /// Burn's layer over `x` `[b, s, d_model]`, with the padding and attention masks.
+    ///
+    /// # Panics
+    ///
+    /// Under sequence parallelism, on a sequence that does not split over the ranks.
     pub fn forward(
         &self,
         x: Tensor<3>,
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<3> {
-        self.run(x, mask_pad, mask_attn, None)
+        let sp = self.tp.sequence_parallel();
+        let x = Stream::whole(x).to(sp, "TransformerEncoderLayer");
+        x.map(|x| self.run(x, mask_pad, mask_attn, None))
+            .into_whole()
     }
 
     /// Burn's layer over `x` one decoding step at a time, through `cache`.
@@ -332,13 +347,20 @@ impl TransformerEncoderLayer {
             ),
             None => (None, None, None, None),
         };
-        // The residual stream is whole on every rank: its masks must agree.
-        let residual = |x| drop(&self.dropout, &self.tp, x, RngRegion::Default);
-        let attention = |x| {
-            let input = MhaInput::self_attn(x).masks(mask_pad, mask_attn);
-            self.mha.attend(input, mha).context
+        // Decoding with a cache computes one position: it runs whole.
+        let sp = if mha.is_none() {
+            self.tp.sequence_parallel()
+        } else {
+            None
         };
-        let feed_forward = |x| cached(pwff, x, 1, |x| self.pwff.forward(x));
+        state_norms(&self.tp, &[&self.norm_1, &self.norm_2], sp.is_some());
+        let (region, stream) = regions(sp);
+        let residual = |x| drop(&self.dropout, &self.tp, x, stream);
+        let attention = |x| {
+            let input = MhaInput::self_attn(gathered(x, sp)).masks(mask_pad, mask_attn);
+            self.mha.attend(input, mha, region, region).context
+        };
+        let feed_forward = |x| cached(pwff, gathered(x, sp), 1, |x| self.pwff.run(x, region));
         let norm_1 = |x| cached(c_1, x, 1, |x| self.norm_1.forward(x));
         let norm_2 = |x| cached(c_2, x, 1, |x| self.norm_2.forward(x));
         let norms = (norm_1, norm_2, self.norm_first);
@@ -369,16 +391,59 @@ impl PositionWiseFeedForward {
     /// Split, with an activation that does not act elementwise (SwiGlu, PRelu): it cannot run
     /// on a slice of the inner width.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        self.run(input, Region::Tensor)
+    }
+
+    /// The block in `region` (its input gathered by its layer under sequence parallelism).
+    fn run<const D: usize>(&self, input: Tensor<D>, region: Region) -> Tensor<D> {
         // The plan refused such a block; this is an activation set on it after the split.
         if self.linear_inner.tp_size() > 1
             && let Some(reason) = not_elementwise(&self.activation)
         {
             panic!("PositionWiseFeedForward: {reason}");
         }
-        let x = self.activation.forward(self.linear_inner.forward(input));
+        let x = self
+            .activation
+            .forward(self.linear_inner.run(input, region));
         // The inner activations are split: each rank draws its own mask.
         let x = drop(&self.dropout, &self.tp, x, RngRegion::TensorModelParallel);
-        self.linear_outer.forward(x)
+        self.linear_outer.run(x, region)
+    }
+}
+
+/// The regions of a layer's blocks and of its residual dropout: under sequence parallelism
+/// (`sp`) each rank's positions differ, so their masks do too; whole, every rank holds the
+/// same stream, and its masks must agree.
+fn regions(sp: Option<&Comm>) -> (Region, RngRegion) {
+    match sp {
+        Some(_) => (Region::Sequence, RngRegion::TensorModelParallel),
+        None => (Region::Tensor, RngRegion::Default),
+    }
+}
+
+/// A block's input: the whole sequence, gathered under sequence parallelism (its gradient,
+/// the blocks' partial sums, reduce-scattered backward).
+fn gathered(x: Tensor<3>, sp: Option<&Comm>) -> Tensor<3> {
+    match sp {
+        Some(tp) => sequence::gather(x, tp, true),
+        None => x,
+    }
+}
+
+/// The norms' parameters as the layer runs: under sequence parallelism each rank normalises
+/// its own positions, so their gradients are partial sums over the ranks.
+fn state_norms(slot: &TpSlot, norms: &[&LayerNorm], sequence: bool) {
+    use crate::tensor_parallel::ParallelAttrs;
+    let Some(a) = &slot.assigned else { return };
+    let attrs = match sequence {
+        true => ParallelAttrs::sequence_parallel(),
+        false => ParallelAttrs::default(),
+    };
+    for norm in norms {
+        a.layout.state(norm.gamma.id, attrs);
+        if let Some(beta) = &norm.beta {
+            a.layout.state(beta.id, attrs);
+        }
     }
 }
 

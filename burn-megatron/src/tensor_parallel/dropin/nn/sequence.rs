@@ -1,0 +1,98 @@
+//! Sequence parallelism inside a split encoder or decoder (`TpPlan::sequence_parallel`,
+//! Megatron's `--sequence-parallel`): between the tensor-parallel blocks, each rank holds
+//! `s / tp` positions of the residual stream, so the norms, the residual dropout and the
+//! residual adds store a `tp`-th of their activations. A block gathers the sequence before
+//! its column-parallel layers (whose gradient it reduce-scatters) and reduce-scatters its
+//! row-parallel output instead of all-reducing it: the same bytes on the wire as tensor
+//! parallelism alone.
+//!
+//! Burn's layers take `[b, s, d]`; Megatron's mappings split dim 0, so the sequence is
+//! brought to the front around each mapping (a strided view here, a copy on a GPU).
+
+use crate::comm::Comm;
+use crate::tensor_parallel::mappings::{
+    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+};
+use burn::tensor::Tensor;
+
+/// How a split linear meets the activations around it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::tensor_parallel::dropin) enum Region {
+    /// Whole on every rank: a column-parallel layer copies its input into the region, a
+    /// row-parallel one all-reduces its output.
+    Tensor,
+    /// Split by sequence around the block: a column-parallel layer's input is the sequence
+    /// its block gathered, a row-parallel one reduce-scatters its output over the sequence
+    /// (dim 1) and adds its bias to this rank's positions.
+    Sequence,
+}
+
+/// This rank's positions of `x` `[b, s, d]` (the gradient all-gathered backward).
+///
+/// # Panics
+///
+/// When `s` does not split over the group, naming `what` and the numbers.
+pub(super) fn scatter(x: Tensor<3>, tp: &Comm, what: &str) -> Tensor<3> {
+    let (s, n) = (x.dims()[1], tp.group().size());
+    assert!(
+        s.is_multiple_of(n),
+        "{what} with sequence parallelism: a sequence of {s} positions does not split over \
+         {n} tensor-parallel ranks"
+    );
+    scatter_to_sequence_parallel_region(x.swap_dims(0, 1), tp).swap_dims(0, 1)
+}
+
+/// The whole sequence from every rank's positions. `partial_grad`: the output feeds
+/// tensor-parallel layers, whose gradients are partial sums (reduce-scattered backward);
+/// else every rank's gradient is whole and the same (this rank's positions kept).
+pub(super) fn gather(x: Tensor<3>, tp: &Comm, partial_grad: bool) -> Tensor<3> {
+    gather_from_sequence_parallel_region(x.swap_dims(0, 1), tp, partial_grad).swap_dims(0, 1)
+}
+
+/// The ranks' partial sums `[..., s, d]` (sequence at dim 1), each rank keeping its
+/// positions of the total.
+pub(super) fn reduce_scatter<const D: usize>(x: Tensor<D>, tp: &Comm) -> Tensor<D> {
+    reduce_scatter_to_sequence_parallel_region(x.swap_dims(0, 1), tp).swap_dims(0, 1)
+}
+
+/// The residual stream between transformer layers: whole on every rank, or split by
+/// sequence over a group. Each layer takes it as its slot says; the stack gathers it at the
+/// end, so a split encoder's output is whole as Burn's is.
+pub(super) struct Stream {
+    x: Tensor<3>,
+    split: Option<Comm>,
+}
+
+impl Stream {
+    /// A stream every rank holds whole.
+    pub(super) fn whole(x: Tensor<3>) -> Self {
+        Self { x, split: None }
+    }
+
+    /// The stream split over `sp`'s group if given, else whole, moving it as needed; `what`
+    /// names the layer in a sequence that does not split.
+    pub(super) fn to(self, sp: Option<&Comm>, what: &str) -> Self {
+        match (self.split, sp) {
+            (None, Some(tp)) => Self {
+                x: scatter(self.x, tp, what),
+                split: Some(tp.clone()),
+            },
+            (Some(tp), None) => Self::whole(gather(self.x, &tp, false)),
+            (split, _) => Self { x: self.x, split },
+        }
+    }
+
+    /// `f` of the tensor, the split unchanged.
+    pub(super) fn map(self, f: impl FnOnce(Tensor<3>) -> Tensor<3>) -> Self {
+        Self {
+            x: f(self.x),
+            split: self.split,
+        }
+    }
+
+    /// The whole stream.
+    pub(super) fn into_whole(self) -> Tensor<3> {
+        self.to(None, "").x
+    }
+}

@@ -1,0 +1,327 @@
+//! Sequence parallelism in a split encoder and decoder (`TpPlan::sequence_parallel`): at TP
+//! 2 and 4, pre- and post-norm, Burn's encoder under a padding mask and Burn's decoder under
+//! a causal mask over a memory of odd length (which stays whole) give Burn's outputs and
+//! gradients once the norms' and row biases' partial gradients are all-reduced, as
+//! `finalize_model_grads` does. The collectives show the split: all-gathers and
+//! reduce-scatters, no all-reduce. A sequence that does not split, and plans it cannot apply
+//! to, are errors naming them; decoding with a cache runs whole and gives the same tokens.
+
+use super::{B, D_MODEL, Error, HEADS, Values, config, encoder_record, padding, plain_encoder};
+use burn::module::Module;
+use burn::nn::transformer as burn_tr;
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor};
+use burn_megatron::comm::{Buffer, Comm, CommError, Communicator, ProcessGroup, ReduceOp};
+use burn_megatron::tensor_parallel::dropin::TpPlan;
+use burn_megatron::tensor_parallel::dropin::nn::attention::{
+    MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
+};
+use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
+use burn_megatron::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
+use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::{data, tp_ranks, values};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Splits over 2 and 4 ranks.
+const S: usize = 8;
+/// The decoder's memory: whole on every rank, so any length.
+const S_M: usize = 7;
+
+/// A tensor-parallel group that counts its collectives (calls and elements sent).
+#[derive(Debug)]
+struct Counting {
+    inner: Comm,
+    calls: Mutex<BTreeMap<&'static str, (usize, usize)>>,
+}
+
+impl Counting {
+    fn count(&self, op: &'static str, elements: usize) {
+        let mut calls = self.calls.lock().unwrap();
+        let entry = calls.entry(op).or_default();
+        *entry = (entry.0 + 1, entry.1 + elements);
+    }
+
+    fn calls(&self, op: &str) -> usize {
+        self.calls.lock().unwrap().get(op).map_or(0, |c| c.0)
+    }
+}
+
+impl Communicator for Counting {
+    fn group(&self) -> &ProcessGroup {
+        self.inner.group()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
+        self.count("all_reduce", buf.len());
+        self.inner.all_reduce(buf, op)
+    }
+    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
+        self.count("all_gather", input.len());
+        self.inner.all_gather(input)
+    }
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
+        self.count("reduce_scatter", input.len());
+        self.inner.reduce_scatter(input, op)
+    }
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
+        self.count("broadcast", buf.len());
+        self.inner.broadcast(buf, root)
+    }
+    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
+        self.inner.send(buf, peer)
+    }
+    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
+        self.inner.recv(buf, peer)
+    }
+    fn barrier(&self) -> Result<(), CommError> {
+        self.inner.barrier()
+    }
+}
+
+fn counting(tp: &Comm) -> Arc<Counting> {
+    Arc::new(Counting {
+        inner: tp.clone(),
+        calls: Mutex::default(),
+    })
+}
+
+/// The plan of these tests: Megatron's split of every layer, with or without sequence
+/// parallelism.
+fn plan(root: &str, sequence_parallel: bool) -> Result<TpPlan, Error> {
+    let plan = TpPlan::new().encoder(&[root])?;
+    Ok(match sequence_parallel {
+        true => plan.sequence_parallel(),
+        false => plan,
+    })
+}
+
+/// `sum(y · w)`'s gradients of `module`, the sequence-parallel ones all-reduced, gathered.
+fn grads<M: Module>(module: &M, y: Tensor<3>, w: Tensor<3>, tp: &Comm) -> Result<Values, Error> {
+    let mut grads = GradientsParams::from_grads((y * w).sum().backward(), module);
+    allreduce_sequence_parallel_grads(module, &mut grads, tp)?;
+    Ok(gathered(module, Some(&grads), tp))
+}
+
+/// Burn's encoder's output and gradients over a sequence of [`S`].
+fn plain_encoder_run(
+    config: &burn_tr::TransformerEncoderConfig,
+    record: &std::path::Path,
+) -> (Vec<f32>, Values) {
+    let d = Device::flex().autodiff();
+    let encoder = plain_encoder(config, record, &d);
+    let input = burn_tr::TransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, &d))
+        .mask_pad(padding_of(S, &d));
+    let y = encoder.forward(input);
+    let g = grads(
+        &encoder,
+        y.clone(),
+        data([B, S, D_MODEL], 0, 2, &d),
+        &super::solo(),
+    );
+    (values(y), g.expect("one rank"))
+}
+
+/// The last two keys of sample 1 are padding, at any length.
+fn padding_of(s: usize, d: &Device) -> Tensor<2, burn::tensor::Bool> {
+    match s == super::S {
+        true => padding(d),
+        false => {
+            let v: Vec<bool> = (0..B * s).map(|i| i / s == 1 && i % s >= s - 2).collect();
+            Tensor::from_data(burn::tensor::TensorData::new(v, [B, s]), d)
+        }
+    }
+}
+
+#[test]
+fn a_sequence_parallel_encoder_gives_burns_output_and_gradients() -> Result<(), Error> {
+    let dir = super::load::scratch("sequence");
+    for norm_first in [false, true] {
+        let config = config(norm_first, 0.0);
+        let record = encoder_record(&config, &dir, &format!("encoder-{norm_first}.bpk"));
+        let (y_plain, g_plain) = plain_encoder_run(&config, &record);
+        for tp in [2, 4] {
+            let out = tp_ranks(tp, |ctx| {
+                let d = &ctx.device;
+                let mut calls = Vec::new();
+                let mut runs = Vec::new();
+                for sequence_parallel in [false, true] {
+                    let counting = counting(&ctx.groups.tp);
+                    let g: Comm = counting.clone();
+                    let encoder: ours::TransformerEncoder =
+                        plain_encoder(&config, &record, d).into();
+                    let encoder = plan("layers.*", sequence_parallel)?.apply(encoder, &g)?;
+                    // Tracked, so every layer's communication runs backward too.
+                    let x = data([B, S, D_MODEL], 0, 1, d).require_grad();
+                    let input = ours::TransformerEncoderInput::new(x).mask_pad(padding_of(S, d));
+                    let y = encoder.forward(input);
+                    let w = data([B, S, D_MODEL], 0, 2, d);
+                    let before = ["all_reduce", "all_gather", "reduce_scatter"];
+                    let mut grads =
+                        GradientsParams::from_grads((y.clone() * w).sum().backward(), &encoder);
+                    calls.push(before.map(|op| counting.calls(op)));
+                    allreduce_sequence_parallel_grads(&encoder, &mut grads, &g)?;
+                    let norm = &encoder.layers[0].norm_1;
+                    let bias = encoder.layers[0].pwff.linear_outer.bias.as_ref().unwrap();
+                    let marked =
+                        [norm.gamma.id, bias.id].map(|id| parallel_attrs(id).sequence_parallel);
+                    runs.push((values(y), gathered(&encoder, Some(&grads), &g), marked));
+                }
+                Ok::<_, Error>((calls, runs))
+            })?;
+            for (rank, (calls, runs)) in out.iter().enumerate() {
+                let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
+                for ((y, g, marked), sp) in runs.iter().zip([false, true]) {
+                    super::assert_parity(
+                        &format!("{what}, sequence parallel {sp}"),
+                        (y, g),
+                        (&y_plain, &g_plain),
+                    );
+                    assert_eq!(marked, &[sp, sp], "{what}: norm and row bias marked");
+                }
+                // Two layers. Tensor parallelism all-reduces each block's output forward and
+                // each column layer's input gradient backward (query, key and value apart);
+                // sequence parallelism gathers before each block and reduce-scatters after it,
+                // and the reverse backward, plus the stack's gather out and its scatter's
+                // gradient in.
+                assert_eq!(
+                    calls[0],
+                    [2 * (2 + 4), 0, 0],
+                    "{what}: tensor parallel (all-reduce, all-gather, reduce-scatter)"
+                );
+                assert_eq!(calls[1], [0, 2 * 4 + 2, 2 * 4], "{what}: sequence parallel");
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+#[test]
+fn a_sequence_parallel_decoder_keeps_its_memory_whole_and_gives_burns_result() -> Result<(), Error>
+{
+    let dir = super::load::scratch("sequence-decoder");
+    for norm_first in [false, true] {
+        let record = dir.join(format!("decoder-{norm_first}.bpk"));
+        let burn_config = burn_tr::TransformerDecoderConfig::new(D_MODEL, 32, HEADS, 2)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first);
+        let device = Device::flex();
+        device.seed(5);
+        burn_config.init(&device).save_file(&record)?;
+        let inputs = |d: &Device| {
+            (
+                data([B, S, D_MODEL], 0, 1, d),
+                data([B, S_M, D_MODEL], 0, 2, d),
+                data([B, S, D_MODEL], 0, 3, d),
+            )
+        };
+        let ad = Device::flex().autodiff();
+        let plain = burn_config.init(&ad).load_file(&record);
+        let (target, memory, w) = inputs(&ad);
+        let input = burn_tr::TransformerDecoderInput::new(target, memory)
+            .target_mask_attn(generate_autoregressive_mask(B, S, &ad))
+            .memory_mask_pad(padding_of(S_M, &ad));
+        let y = plain.forward(input);
+        let (y_plain, g_plain) = (values(y.clone()), grads(&plain, y, w, &super::solo())?);
+        for tp in [2, 4] {
+            let out = tp_ranks(tp, |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let decoder: ours::TransformerDecoder =
+                    burn_config.init(d).load_file(&record).into();
+                let decoder = plan("layers.*", true)?.apply(decoder, g)?;
+                let (target, memory, w) = inputs(d);
+                let input = ours::TransformerDecoderInput::new(target, memory)
+                    .target_mask_attn(generate_autoregressive_mask(B, S, d))
+                    .memory_mask_pad(padding_of(S_M, d));
+                let y = decoder.forward(input);
+                Ok::<_, Error>((values(y.clone()), grads(&decoder, y, w, g)?))
+            })?;
+            for (rank, (y, g)) in out.iter().enumerate() {
+                let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");
+                super::assert_parity(&what, (y, g), (&y_plain, &g_plain));
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// An attention outside any transformer layer.
+#[derive(Module, Debug)]
+struct Attention {
+    mha: MultiHeadAttention,
+}
+
+/// A sequence that does not split panics naming the layer and the numbers (Burn's forward
+/// returns no error); a plan with no `encoder` rule, or one naming an attention alone, is an
+/// error; decoding with a cache runs whole, as the same model without sequence parallelism.
+#[test]
+fn sequence_parallelism_refuses_what_it_cannot_split_and_decodes_whole() -> Result<(), Error> {
+    let out = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let encoder = || {
+            ours::TransformerEncoderConfig::new(D_MODEL, 32, HEADS, 2)
+                .with_dropout(0.0)
+                .init(d)
+        };
+        let sp = plan("layers.*", true)?.with_seed(4).apply(encoder(), g)?;
+        let odd = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            sp.forward(ours::TransformerEncoderInput::new(data(
+                [B, 5, D_MODEL],
+                0,
+                1,
+                d,
+            )))
+        }));
+        let odd = *odd.unwrap_err().downcast::<String>().unwrap();
+        let no_encoder = TpPlan::new()
+            .column(&["layers.0.mha.query"])?
+            .sequence_parallel();
+        let no_encoder = no_encoder.apply(encoder(), g).unwrap_err().to_string();
+        let attention = Attention {
+            mha: MultiHeadAttentionConfig::new(D_MODEL, HEADS).init(d),
+        };
+        let alone = plan("mha", true)?
+            .apply(attention, g)
+            .unwrap_err()
+            .to_string();
+        // Decoding with a cache, with and without sequence parallelism: the same weights.
+        let whole = plan("layers.*", false)?.with_seed(4).apply(encoder(), g)?;
+        let x = data([B, 4, D_MODEL], 0, 7, d);
+        let mut steps = Vec::new();
+        for model in [&sp, &whole] {
+            let mut cache = model.new_autoregressive_cache();
+            let mut out = Vec::new();
+            for s in 1..=4 {
+                let input = ours::TransformerEncoderInput::new(x.clone().narrow(1, 0, s))
+                    .mask_attn(generate_autoregressive_mask(B, s, d));
+                out.extend(values(
+                    model.forward_autoregressive_inference(input, &mut cache),
+                ));
+            }
+            steps.push(out);
+        }
+        Ok::<_, Error>((odd, no_encoder, alone, steps))
+    })?;
+    let (odd, no_encoder, alone, steps) = &out[0];
+    assert!(
+        odd.contains("TransformerEncoderLayer")
+            && odd.contains("sequence of 5 positions")
+            && odd.contains("2 tensor-parallel ranks"),
+        "{odd}"
+    );
+    assert!(no_encoder.contains("`encoder` rule"), "{no_encoder}");
+    assert!(
+        alone.contains("mha: ") && alone.contains("attention on its own"),
+        "{alone}"
+    );
+    assert_eq!(
+        steps[0], steps[1],
+        "decoding runs whole under a sequence-parallel plan"
+    );
+    Ok(())
+}
