@@ -22,8 +22,10 @@ use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::tensor_parallel::TpError;
+use burn_megatron::tensor_parallel::dropin::TpPlan;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_examples::dropin::{print_losses, solo, train, worst};
+use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -107,6 +109,47 @@ impl Batch {
     }
 }
 
+/// Each rank's activations after a forward (what its graph holds for backward) through a
+/// larger encoder split at TP `tp`, with the plan's sequence parallelism and without.
+fn activation_memory(tp: usize) -> Result<String, Box<dyn std::error::Error>> {
+    use burn_megatron::tensor_parallel::dropin::nn::transformer as tr;
+    let (b, s, d, layers) = (4, 256, 256, 4);
+    let ranks = launch::threads(
+        &ParallelConfig::new(tp, tp, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let mut held = Vec::new();
+            for sequence_parallel in [true, false] {
+                let counter = Counter::claim();
+                let plan = TpPlan::new().encoder(&["layers.*"])?;
+                let plan = if sequence_parallel {
+                    plan.sequence_parallel()
+                } else {
+                    plan
+                };
+                let encoder = tr::TransformerEncoderConfig::new(d, 4 * d, 8, layers)
+                    .with_dropout(0.1)
+                    .init(&ctx.device);
+                let encoder = plan.apply(encoder, &ctx.groups.tp)?;
+                let x = Tensor::<3>::ones([b, s, d], &ctx.device).require_grad();
+                let before = counter.live();
+                let y = encoder.forward(tr::TransformerEncoderInput::new(x));
+                held.push(counter.live() - before);
+                drop(y.sum().backward());
+            }
+            Ok::<_, TpError>(held)
+        },
+    )?;
+    let (with, without) = (ranks[0][0], ranks[0][1]);
+    Ok(format!(
+        "activations after a forward of a {layers}-layer encoder (width {d}, batch {b}, sequence \
+         {s}) at TP {tp}, rank 0: {} with sequence parallelism, {} without ({:.2}x)",
+        mib(with),
+        mib(without),
+        with as f64 / without as f64
+    ))
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let config = BertConfig::new(128, 32, 2, 4, 64, 16, 2);
@@ -179,6 +222,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             args.tp
         )
         .into());
+    }
+    if args.tp > 1 {
+        println!("{}", activation_memory(args.tp)?);
     }
     if (filled, right) != parallel_filled {
         return Err(format!(

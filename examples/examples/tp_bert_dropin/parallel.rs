@@ -74,7 +74,7 @@ impl BertMaskedLm {
     // ANCHOR: load
     /// The model with the weights of the record at `path`.
     pub fn load(c: &BertConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self, TpError> {
-        let plan = TpPlan::new().encoder(&["encoder"])?;
+        let plan = TpPlan::new().encoder(&["encoder"])?.sequence_parallel();
         let plan = plan.vocab(&["*.word_embeddings"])?;
         let plan = plan.gathered_column(&["*.decoder"])?;
         let model = plan.apply(Self::new(c, device), tp)?;

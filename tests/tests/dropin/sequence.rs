@@ -1,9 +1,9 @@
 //! Sequence parallelism in a split encoder and decoder (`TpPlan::sequence_parallel`): at TP
 //! 2 and 4, pre- and post-norm, Burn's encoder under a padding mask and Burn's decoder under
 //! a causal mask over a memory of odd length (which stays whole) give Burn's outputs and
-//! gradients once the norms' and row biases' partial gradients are all-reduced, as
-//! `finalize_model_grads` does. The collectives show the split: all-gathers and
-//! reduce-scatters, no all-reduce. A sequence that does not split, and plans it cannot apply
+//! gradients straight from backward, as a plain Burn training loop takes them (the norms'
+//! and row biases' partial gradients are summed inside the graph). The collectives show the
+//! split: all-gathers and reduce-scatters, and all-reduces of parameter-sized vectors only. A sequence that does not split, and plans it cannot apply
 //! to, are errors naming them; decoding with a cache runs whole and gives the same tokens.
 
 use super::{B, D_MODEL, Error, HEADS, Values, config, encoder_record, padding, plain_encoder};
@@ -17,7 +17,7 @@ use burn_megatron::tensor_parallel::dropin::nn::attention::{
     MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
 };
 use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
-use burn_megatron::tensor_parallel::{allreduce_sequence_parallel_grads, parallel_attrs};
+use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::{data, tp_ranks, values};
 use std::collections::BTreeMap;
@@ -28,6 +28,9 @@ use std::time::Duration;
 const S: usize = 8;
 /// The decoder's memory: whole on every rank, so any length.
 const S_M: usize = 7;
+
+/// The collectives counted.
+const OPS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
 
 /// A tensor-parallel group that counts its collectives (calls and elements sent).
 #[derive(Debug)]
@@ -43,8 +46,14 @@ impl Counting {
         *entry = (entry.0 + 1, entry.1 + elements);
     }
 
-    fn calls(&self, op: &str) -> usize {
-        self.calls.lock().unwrap().get(op).map_or(0, |c| c.0)
+    /// Calls of `op` and the elements they sent.
+    fn calls(&self, op: &str) -> (usize, usize) {
+        self.calls
+            .lock()
+            .unwrap()
+            .get(op)
+            .copied()
+            .unwrap_or_default()
     }
 }
 
@@ -99,11 +108,10 @@ fn plan(root: &str, sequence_parallel: bool) -> Result<TpPlan, Error> {
     })
 }
 
-/// `sum(y · w)`'s gradients of `module`, the sequence-parallel ones all-reduced, gathered.
-fn grads<M: Module>(module: &M, y: Tensor<3>, w: Tensor<3>, tp: &Comm) -> Result<Values, Error> {
-    let mut grads = GradientsParams::from_grads((y * w).sum().backward(), module);
-    allreduce_sequence_parallel_grads(module, &mut grads, tp)?;
-    Ok(gathered(module, Some(&grads), tp))
+/// `sum(y · w)`'s gradients of `module`, gathered.
+fn grads<M: Module>(module: &M, y: Tensor<3>, w: Tensor<3>, tp: &Comm) -> Values {
+    let grads = GradientsParams::from_grads((y * w).sum().backward(), module);
+    gathered(module, Some(&grads), tp)
 }
 
 /// Burn's encoder's output and gradients over a sequence of [`S`].
@@ -122,7 +130,7 @@ fn plain_encoder_run(
         data([B, S, D_MODEL], 0, 2, &d),
         &super::solo(),
     );
-    (values(y), g.expect("one rank"))
+    (values(y), g)
 }
 
 /// The last two keys of sample 1 are padding, at any length.
@@ -159,11 +167,10 @@ fn a_sequence_parallel_encoder_gives_burns_output_and_gradients() -> Result<(), 
                     let input = ours::TransformerEncoderInput::new(x).mask_pad(padding_of(S, d));
                     let y = encoder.forward(input);
                     let w = data([B, S, D_MODEL], 0, 2, d);
-                    let before = ["all_reduce", "all_gather", "reduce_scatter"];
-                    let mut grads =
+                    let grads =
                         GradientsParams::from_grads((y.clone() * w).sum().backward(), &encoder);
-                    calls.push(before.map(|op| counting.calls(op)));
-                    allreduce_sequence_parallel_grads(&encoder, &mut grads, &g)?;
+                    calls.push(OPS.map(|op| counting.calls(op)));
+                    // Whole already: `finalize_model_grads` must not sum them again.
                     let norm = &encoder.layers[0].norm_1;
                     let bias = encoder.layers[0].pwff.linear_outer.bias.as_ref().unwrap();
                     let marked =
@@ -180,19 +187,31 @@ fn a_sequence_parallel_encoder_gives_burns_output_and_gradients() -> Result<(), 
                         (y, g),
                         (&y_plain, &g_plain),
                     );
-                    assert_eq!(marked, &[sp, sp], "{what}: norm and row bias marked");
+                    assert_eq!(marked, &[false; 2], "{what}: norm and row bias marked");
                 }
                 // Two layers. Tensor parallelism all-reduces each block's output forward and
-                // each column layer's input gradient backward (query, key and value apart);
-                // sequence parallelism gathers before each block and reduce-scatters after it,
-                // and the reverse backward, plus the stack's gather out and its scatter's
-                // gradient in.
+                // each column layer's input gradient backward (query, key and value apart):
+                // activations, `[B, S, D]` each. Sequence parallelism all-gathers before each
+                // block (once for query, key and value) and reduce-scatters after it; backward
+                // gathers again for the weight gradients, reduce-scatters the input gradients
+                // and all-gathers the output's; with the stack's gather out and its scatter's
+                // gradient in. It all-reduces only the norms' parameters and the row biases'
+                // (six `D` vectors a layer).
+                let activation = B * S * D_MODEL;
+                let [all_reduce, all_gather, reduce_scatter] = calls[0];
+                assert_eq!(all_reduce, (12, 12 * activation), "{what}: tensor parallel");
                 assert_eq!(
-                    calls[0],
-                    [2 * (2 + 4), 0, 0],
-                    "{what}: tensor parallel (all-reduce, all-gather, reduce-scatter)"
+                    (all_gather.0, reduce_scatter.0),
+                    (0, 0),
+                    "{what}: tensor parallel"
                 );
-                assert_eq!(calls[1], [0, 2 * 4 + 2, 2 * 4], "{what}: sequence parallel");
+                let [all_reduce, all_gather, reduce_scatter] = calls[1];
+                assert_eq!(all_reduce, (12, 12 * D_MODEL), "{what}: sequence parallel");
+                assert_eq!(
+                    (all_gather.0, reduce_scatter.0),
+                    (14, 8),
+                    "{what}: sequence parallel"
+                );
             }
         }
     }
@@ -226,7 +245,7 @@ fn a_sequence_parallel_decoder_keeps_its_memory_whole_and_gives_burns_result() -
             .target_mask_attn(generate_autoregressive_mask(B, S, &ad))
             .memory_mask_pad(padding_of(S_M, &ad));
         let y = plain.forward(input);
-        let (y_plain, g_plain) = (values(y.clone()), grads(&plain, y, w, &super::solo())?);
+        let (y_plain, g_plain) = (values(y.clone()), grads(&plain, y, w, &super::solo()));
         for tp in [2, 4] {
             let out = tp_ranks(tp, |ctx| {
                 let (g, d) = (&ctx.groups.tp, &ctx.device);
@@ -238,7 +257,7 @@ fn a_sequence_parallel_decoder_keeps_its_memory_whole_and_gives_burns_result() -
                     .target_mask_attn(generate_autoregressive_mask(B, S, d))
                     .memory_mask_pad(padding_of(S_M, d));
                 let y = decoder.forward(input);
-                Ok::<_, Error>((values(y.clone()), grads(&decoder, y, w, g)?))
+                Ok::<_, Error>((values(y.clone()), grads(&decoder, y, w, g)))
             })?;
             for (rank, (y, g)) in out.iter().enumerate() {
                 let what = format!("norm_first {norm_first}, TP {tp}, rank {rank}");

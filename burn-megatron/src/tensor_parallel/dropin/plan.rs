@@ -146,10 +146,10 @@ impl TpPlan {
     /// before the block and a reduce-scatter after it). The encoder or decoder splits its
     /// input's sequence and gathers its output, so the model's code does not change; a
     /// decoder's memory stays whole. The sequence length must split over the ranks (a panic
-    /// naming the layer and the numbers otherwise), and the norms' and row-parallel biases'
-    /// gradients are partial, marked for
-    /// [`finalize_model_grads`](crate::data_parallel::advanced::finalize_model_grads)
-    /// (which `ParallelTraining` runs) to all-reduce.
+    /// naming the layer and the numbers otherwise). The norms' and row-parallel biases'
+    /// gradients, partial sums over the ranks' positions, are summed inside backward (six
+    /// `d_model` vectors a layer; Megatron sums them in `finalize_model_grads`), so a plain
+    /// Burn training loop steps on whole gradients.
     /// Decoding with a cache runs without it. An `encoder` rule that names an attention on
     /// its own (no residual stream to split) is then an error.
     ///

@@ -10,6 +10,7 @@
 //! | [`gather_from_sequence_parallel_region`] | all-gather dim 0 | reduce-scatter dim 0 (or split) |
 //! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter dim 0 | all-gather dim 0 |
 //! | [`all_to_all`] | rows of dim 0 to each member | the reverse exchange |
+//! | [`gather_sequence_matmul`] | all-gather dim 0, times a weight | all-gather again, reduce-scatter dim 0 |
 //!
 //! On a group of one every function returns its input untouched: no op is recorded, no data
 //! moves. Every rank of the group must call the same mappings in the same order, with tensors
@@ -24,12 +25,14 @@
 
 #[cfg(feature = "cuda")]
 mod device;
+mod gathered;
 pub(crate) mod host;
 mod ops;
 
 #[cfg(test)]
 mod tests;
 
+pub use gathered::SequenceGatherMatmulOps;
 pub use ops::TensorParallelOps;
 
 use crate::comm::Comm;
@@ -173,6 +176,23 @@ pub fn reduce_scatter_to_sequence_parallel_region<const D: usize>(
     tp: &Comm,
 ) -> Tensor<D> {
     apply(x, Mapping::ReduceScatterToSp, tp)
+}
+
+/// `x` (`[s / tp, b, h]`, this rank's positions of a sequence-first tensor) all-gathered
+/// over the sequence and multiplied by `weight` (`[h, o]`): `[s, b, o]`, as
+/// `gather_from_sequence_parallel_region(x, tp, true).matmul(weight)` gives, without keeping
+/// the gathered copy for backward: backward all-gathers `x` again for the weight gradient and
+/// reduce-scatters the input gradient (Megatron's column-parallel layer under sequence
+/// parallelism). On a group of one, the plain product.
+pub fn gather_sequence_matmul(x: Tensor<3>, weight: Tensor<2>, tp: &Comm) -> Tensor<3> {
+    if tp.group().size() == 1 {
+        return x.matmul(weight.unsqueeze());
+    }
+    Tensor::from_dispatch(Dispatch::sequence_gather_matmul(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        tp.clone(),
+    ))
 }
 
 /// Sends `input_splits[j]` rows (dim 0) of `x` to member `j` of `comm`'s group and returns

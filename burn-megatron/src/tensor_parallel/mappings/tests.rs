@@ -250,3 +250,53 @@ fn mismatched_mappings_fail_every_rank_promptly() {
         e => panic!("expected a panic report, got {e}"),
     }
 }
+
+/// The gathered product gives what a gather then a matmul gives, its output and the
+/// gradients of its input and weight, at TP 4 with rank-dependent values.
+#[test]
+fn gather_sequence_matmul_is_a_gather_then_a_product() {
+    let out = tp4(|ctx, r| {
+        let tp = &ctx.groups.tp;
+        let x = || {
+            let v: Vec<f32> = (0..2 * 3 * 5).map(|i| (i as f32 + r * 7.0).sin()).collect();
+            Tensor::<3>::from_data(TensorData::new(v, [2, 3, 5]), &ctx.device).require_grad()
+        };
+        let w = || t2(5, 4, |i, j| (i * 4 + j) as f32 * 0.1 - 1.0, &ctx.device).require_grad();
+        let dy = |y: &Tensor<3>| y.ones_like() * (r + 1.0);
+        let mut runs = Vec::new();
+        for fused in [true, false] {
+            let (x, w) = (x(), w());
+            let y = match fused {
+                true => gather_sequence_matmul(x.clone(), w.clone(), tp),
+                false => gather_from_sequence_parallel_region(x.clone(), tp, true)
+                    .matmul(w.clone().unsqueeze()),
+            };
+            let dims = y.dims();
+            let grads = (y.clone() * dy(&y)).sum().backward();
+            let y = y.inner().into_data().try_to_vec::<f32>().unwrap();
+            let gx = x
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            let gw = vals(w.grad(&grads).unwrap());
+            runs.push((dims, y, gx, gw));
+        }
+        runs
+    });
+    let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| (a - b).abs() < 1e-5);
+    for runs in out {
+        let ((dims, y, gx, gw), (dims_ref, y_ref, gx_ref, gw_ref)) = (&runs[0], &runs[1]);
+        assert_eq!(
+            (dims, y.len(), gx.len()),
+            (dims_ref, y_ref.len(), gx_ref.len())
+        );
+        assert_eq!(
+            *dims,
+            [8, 3, 4],
+            "the whole sequence of four ranks' two positions"
+        );
+        assert!(close(y, y_ref) && close(gx, gx_ref) && close(gw, gw_ref));
+    }
+}

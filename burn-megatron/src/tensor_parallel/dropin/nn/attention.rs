@@ -178,7 +178,7 @@ impl MultiHeadAttention {
     /// has no room for an error; a plan's sizes already split the width), or on inputs of
     /// another width than `d_model` (as Burn's).
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
-        self.attend(input, None, Region::Tensor, Region::Tensor)
+        self.attend(input, None)
     }
 
     /// Burn's `forward_cache`: one step of autoregressive decoding, each call's query (and,
@@ -189,36 +189,15 @@ impl MultiHeadAttention {
     ///
     /// As [`forward`](Self::forward).
     pub fn forward_cache(&self, input: MhaInput, cache: &mut MhaCache) -> MhaOutput {
-        self.attend(input, Some(cache), Region::Tensor, Region::Tensor)
+        self.attend(input, Some(cache))
     }
 
-    /// The attention with its query (and output) in `query`'s region and its key and value
-    /// in `memory`'s: under sequence parallelism the query, and in self-attention the key
-    /// and value, are the sequence the layer gathered, and the output is reduce-scattered to
-    /// this rank's query positions; a cross-attention's memory is whole on every rank.
-    pub(super) fn attend(
-        &self,
-        input: MhaInput,
-        cache: Option<&mut MhaCache>,
-        query: Region,
-        memory: Region,
-    ) -> MhaOutput {
-        let tp = self.query.tp_size();
-        assert!(
-            self.n_heads.is_multiple_of(tp),
-            "MultiHeadAttention: {} heads do not split over {tp} tensor-parallel ranks",
-            self.n_heads
-        );
-        let heads = self.n_heads / tp;
-        let project = |l: &Linear, x: Tensor<3>, region| {
-            let [b, s, _] = x.dims();
-            l.run(x, region)
-                .reshape([b, s, heads, self.d_k])
-                .swap_dims(1, 2)
-        };
-        let q_of = |x| project(&self.query, x, query);
-        let k_of = |x| project(&self.key, x, memory);
-        let v_of = |x| project(&self.value, x, memory);
+    /// The attention, its projections made here (through `cache` when decoding).
+    pub(super) fn attend(&self, input: MhaInput, cache: Option<&mut MhaCache>) -> MhaOutput {
+        let project = |l: &Linear, x: Tensor<3>| self.split_heads(l.forward(x));
+        let q_of = |x| project(&self.query, x);
+        let k_of = |x| project(&self.key, x);
+        let v_of = |x| project(&self.value, x);
         let (q, k, v, output) = match cache {
             None => (q_of(input.query), k_of(input.key), v_of(input.value), None),
             Some(c) => {
@@ -236,12 +215,63 @@ impl MultiHeadAttention {
                 (q, k, v, Some(&mut c.output))
             }
         };
-        let [b, _, s_q, _] = q.dims();
+        let masks = (input.mask_pad, input.mask_attn);
+        self.core(q, k, v, masks, output, Region::Tensor)
+    }
+
+    /// The attention over projections made by the caller (`[b, s, heads / tp · d_k]`, each
+    /// rank's heads), its output in `region`: under sequence parallelism the layer projects
+    /// the query (and in self-attention the key and value) from the gathered sequence, and
+    /// the output is reduce-scattered to this rank's positions.
+    pub(super) fn attend_projected(
+        &self,
+        [q, k, v]: [Tensor<3>; 3],
+        mask_pad: Option<Tensor<2, Bool>>,
+        mask_attn: Option<Tensor<3, Bool>>,
+        region: Region,
+    ) -> MhaOutput {
+        let [q, k, v] = [q, k, v].map(|x| self.split_heads(x));
+        self.core(q, k, v, (mask_pad, mask_attn), None, region)
+    }
+
+    /// This rank's heads: the heads split over the ranks.
+    ///
+    /// # Panics
+    ///
+    /// When they do not split (see [`forward`](Self::forward)).
+    fn heads(&self) -> usize {
+        let tp = self.query.tp_size();
+        assert!(
+            self.n_heads.is_multiple_of(tp),
+            "MultiHeadAttention: {} heads do not split over {tp} tensor-parallel ranks",
+            self.n_heads
+        );
+        self.n_heads / tp
+    }
+
+    /// `[b, s, heads · d_k]` → `[b, heads, s, d_k]`.
+    fn split_heads(&self, x: Tensor<3>) -> Tensor<4> {
+        let [b, s, _] = x.dims();
+        x.reshape([b, s, self.heads(), self.d_k]).swap_dims(1, 2)
+    }
+
+    /// Scores, probabilities, their dropout and the output projection (through `output`'s
+    /// cache when decoding) of this rank's heads.
+    fn core(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        (mask_pad, mask_attn): (Option<Tensor<2, Bool>>, Option<Tensor<3, Bool>>),
+        output: Option<&mut TensorCache<3>>,
+        region: Region,
+    ) -> MhaOutput {
+        let [b, heads, s_q, _] = q.dims();
         let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
         let weights = attention_probs(
             scores,
-            input.mask_pad,
-            input.mask_attn,
+            mask_pad,
+            mask_attn,
             self.min_float,
             self.quiet_softmax,
         );
@@ -259,7 +289,7 @@ impl MultiHeadAttention {
             .reshape([b, s_q, heads * self.d_k]);
         MhaOutput {
             weights,
-            context: cached(output, context, 1, |x| self.output.run(x, query)),
+            context: cached(output, context, 1, |x| self.output.run(x, region)),
         }
     }
 }

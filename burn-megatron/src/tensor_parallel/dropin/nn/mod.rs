@@ -91,8 +91,8 @@ impl Linear {
         self.run(input, Region::Tensor)
     }
 
-    /// The forward in `region`: under sequence parallelism a column-parallel layer's input
-    /// was gathered by its block, and a row-parallel layer reduce-scatters.
+    /// The forward, a row-parallel layer's output going to `region` (a column-parallel layer
+    /// in a sequence-parallel block is one of [`sequence::column_products`]).
     pub(super) fn run<const D: usize>(&self, input: Tensor<D>, region: Region) -> Tensor<D> {
         let Some(a) = &self.tp.assigned else {
             // Drawn first: Burn's column layout gives the width only once drawn.
@@ -100,12 +100,16 @@ impl Linear {
             check_input_width("Linear", &input, weight.dims()[0], None);
             return matmul_bias(input, weight, bias, false);
         };
-        self.restate(a, region);
+        self.restate(a);
         match a.split {
             Split::Row => {
                 check_width("Linear (row-parallel)", &input, &self.weight, Some(&a.tp));
                 let weight = hook_param(&self.weight, &input);
-                let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
+                let mut bias = self.bias.as_ref().map(|b| hook_param(b, &input));
+                if region == Region::Sequence {
+                    // Added to this rank's positions only: its gradient is summed in backward.
+                    bias = bias.map(|b| copy_to_tensor_model_parallel_region(b, &a.tp));
+                }
                 let partial = matmul_bias(input, weight, None, false);
                 let out = match region {
                     Region::Tensor => reduce_from_tensor_model_parallel_region(partial, &a.tp),
@@ -123,11 +127,7 @@ impl Linear {
                     &self.weight,
                     Some(&a.tp),
                 );
-                // Under sequence parallelism the block's gather reduce-scatters the gradient.
-                let input = match region {
-                    Region::Tensor => copy_to_tensor_model_parallel_region(input, &a.tp),
-                    Region::Sequence => input,
-                };
+                let input = copy_to_tensor_model_parallel_region(input, &a.tp);
                 let weight = hook_param(&self.weight, &input);
                 let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
                 let out = matmul_bias(input, weight, bias, false);
@@ -174,16 +174,11 @@ impl Linear {
         }
     }
 
-    /// The parameters' attributes again: a record load gives them other ids. A row-parallel
-    /// bias added to this rank's positions only has a partial gradient.
-    fn restate(&self, a: &super::slot::Assigned, region: Region) {
+    /// The parameters' attributes again: a record load gives them other ids.
+    fn restate(&self, a: &super::slot::Assigned) {
         use crate::tensor_parallel::ParallelAttrs;
-        let (w, b) = match (a.split, region) {
-            (Split::Row, Region::Tensor) => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
-            (Split::Row, Region::Sequence) => (
-                ParallelAttrs::sharded(0),
-                ParallelAttrs::sequence_parallel(),
-            ),
+        let (w, b) = match a.split {
+            Split::Row => (ParallelAttrs::sharded(0), ParallelAttrs::default()),
             _ => (a.sharded(1), a.sharded(0)),
         };
         a.layout.state(self.weight.id, w);

@@ -9,22 +9,77 @@
 //! Burn's layers take `[b, s, d]`; Megatron's mappings split dim 0, so the sequence is
 //! brought to the front around each mapping (a strided view here, a copy on a GPU).
 
+use super::Linear;
 use crate::comm::Comm;
+use crate::grad_hooks::hook_param;
 use crate::tensor_parallel::mappings::{
-    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+    gather_sequence_matmul, reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 };
+use burn::module::Param;
+use burn::nn::LayerNorm;
 use burn::tensor::Tensor;
 
-/// How a split linear meets the activations around it.
+/// `norm` whose parameters' gradients are summed over the group in backward: under sequence
+/// parallelism each rank normalises its own positions, so its gradients are partial sums.
+/// Summed inside the graph (Megatron sums them once, in `finalize_model_grads`), so that a
+/// plain Burn training loop steps on whole gradients.
+pub(super) fn norm_over_sequence(norm: &LayerNorm, tp: &Comm) -> LayerNorm {
+    let summed = |p: &Param<Tensor<1>>| {
+        Param::initialized(p.id, copy_to_tensor_model_parallel_region(p.val(), tp))
+    };
+    let mut norm = norm.clone();
+    norm.gamma = summed(&norm.gamma);
+    norm.beta = norm.beta.as_ref().map(summed);
+    norm
+}
+
+/// The column-parallel `linears`' outputs (`[b, s, o_i / tp]`, biases added) over the whole
+/// sequence from this rank's positions `x` (`[b, s / tp, d]`): one all-gather for all of them
+/// (their weights side by side), and backward gathers again rather than keeping the gathered
+/// copy, so the block keeps only this rank's positions.
+pub(super) fn column_products<const N: usize>(
+    x: Tensor<3>,
+    tp: &Comm,
+    linears: [&Linear; N],
+) -> [Tensor<3>; N] {
+    let weights: Vec<Tensor<2>> = linears
+        .iter()
+        .map(|l| {
+            if let Some(a) = &l.tp.assigned {
+                l.restate(a);
+            }
+            hook_param(&l.weight, &x)
+        })
+        .collect();
+    let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();
+    let weight = match weights.len() {
+        1 => weights.into_iter().next().expect("one weight"),
+        _ => Tensor::cat(weights, 1),
+    };
+    let y = gather_sequence_matmul(x.clone().swap_dims(0, 1), weight, tp).swap_dims(0, 1);
+    std::array::from_fn(|i| {
+        let start: usize = widths[..i].iter().sum();
+        let out = match N {
+            1 => y.clone(),
+            _ => y.clone().narrow(2, start, widths[i]),
+        };
+        match &linears[i].bias {
+            Some(b) => out + hook_param(b, &x).unsqueeze(),
+            None => out,
+        }
+    })
+}
+
+/// Where a row-parallel layer's output goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(in crate::tensor_parallel::dropin) enum Region {
-    /// Whole on every rank: a column-parallel layer copies its input into the region, a
-    /// row-parallel one all-reduces its output.
+    /// Whole on every rank: the partial products are all-reduced.
     Tensor,
-    /// Split by sequence around the block: a column-parallel layer's input is the sequence
-    /// its block gathered, a row-parallel one reduce-scatters its output over the sequence
-    /// (dim 1) and adds its bias to this rank's positions.
+    /// Split by sequence around the block: the partial products are reduce-scattered over
+    /// the sequence (dim 1), and the bias is added to this rank's positions (its gradient
+    /// summed backward). The block's column-parallel layers are [`column_products`].
     Sequence,
 }
 

@@ -7,8 +7,11 @@ use super::super::super::slot::TpSlot;
 use super::super::Region;
 use super::super::attention::{MhaCache, MhaInput, MultiHeadAttention};
 use super::super::cache::{TensorCache, cached};
+use super::super::sequence;
 use super::super::sequence::Stream;
-use super::{Parts, PositionWiseFeedForward, check_cache, drop, gathered, regions, state_norms};
+use super::{
+    Parts, PositionWiseFeedForward, check_cache, drop, norm_in, residual_region, self_attention,
+};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;
@@ -275,30 +278,48 @@ impl TransformerDecoderLayer {
         } else {
             None
         };
-        let norms = [&self.norm_1, &self.norm_2, &self.norm_3];
-        state_norms(&self.tp, &norms, sp.is_some());
-        let (region, stream) = regions(sp);
-        let d = |x| drop(&self.dropout, &self.tp, x, stream);
-        let norm_1 = |x| cached(c_1, x, 1, |x| self.norm_1.forward(x));
-        let norm_2 = |x| cached(c_2, x, 1, |x| self.norm_2.forward(x));
-        let norm_3 = |x| cached(c_3, x, 1, |x| self.norm_3.forward(x));
+        let n_1 = norm_in(&self.norm_1, sp);
+        let (n_2, n_3) = (norm_in(&self.norm_2, sp), norm_in(&self.norm_3, sp));
+        let d = |x| drop(&self.dropout, &self.tp, x, residual_region(sp));
+        let norm_1 = |x| cached(c_1, x, 1, |x| n_1.forward(x));
+        let norm_2 = |x| cached(c_2, x, 1, |x| n_2.forward(x));
+        let norm_3 = |x| cached(c_3, x, 1, |x| n_3.forward(x));
         let (target_pad, target_attn) = (&input.target_mask_pad, &input.target_mask_attn);
         let self_attn = |x| {
-            let h = MhaInput::self_attn(gathered(x, sp));
-            let h = h.masks(target_pad.clone(), target_attn.clone());
-            self.self_attn.attend(h, c_self, region, region).context
+            let (pad, attn) = (target_pad.clone(), target_attn.clone());
+            match sp {
+                Some(tp) => self_attention(&self.self_attn, x, tp, pad, attn),
+                None => {
+                    let h = MhaInput::self_attn(x).masks(pad, attn);
+                    self.self_attn.attend(h, c_self).context
+                }
+            }
         };
         let memory = &input.memory;
         let (memory_pad, memory_attn) = (&input.memory_mask_pad, &input.memory_mask_attn);
         let cross_attn = |x| {
-            // The memory is whole on every rank.
-            let h = MhaInput::new(gathered(x, sp), memory.clone(), memory.clone());
-            let h = h.masks(memory_pad.clone(), memory_attn.clone());
-            self.cross_attn
-                .attend(h, c_cross, region, Region::Tensor)
-                .context
+            let (pad, attn) = (memory_pad.clone(), memory_attn.clone());
+            match sp {
+                // The query from the whole target sequence; the memory is whole on every rank.
+                Some(tp) => {
+                    let [q] = sequence::column_products(x, tp, [&self.cross_attn.query]);
+                    let k = self.cross_attn.key.forward(memory.clone());
+                    let v = self.cross_attn.value.forward(memory.clone());
+                    let out =
+                        self.cross_attn
+                            .attend_projected([q, k, v], pad, attn, Region::Sequence);
+                    out.context
+                }
+                None => {
+                    let h = MhaInput::new(x, memory.clone(), memory.clone()).masks(pad, attn);
+                    self.cross_attn.attend(h, c_cross).context
+                }
+            }
         };
-        let feed_forward = |x| cached(c_pwff, gathered(x, sp), 1, |x| self.pwff.run(x, region));
+        let feed_forward = |x| match sp {
+            Some(tp) => self.pwff.over_sequence(x, tp),
+            None => cached(c_pwff, x, 1, |x| self.pwff.forward(x)),
+        };
         let x = input.target.clone();
         let target = match self.norm_first {
             true => {

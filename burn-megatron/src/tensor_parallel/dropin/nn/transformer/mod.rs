@@ -353,16 +353,21 @@ impl TransformerEncoderLayer {
         } else {
             None
         };
-        state_norms(&self.tp, &[&self.norm_1, &self.norm_2], sp.is_some());
-        let (region, stream) = regions(sp);
-        let residual = |x| drop(&self.dropout, &self.tp, x, stream);
-        let attention = |x| {
-            let input = MhaInput::self_attn(gathered(x, sp)).masks(mask_pad, mask_attn);
-            self.mha.attend(input, mha, region, region).context
+        let (n_1, n_2) = (norm_in(&self.norm_1, sp), norm_in(&self.norm_2, sp));
+        let residual = |x| drop(&self.dropout, &self.tp, x, residual_region(sp));
+        let attention = |x| match sp {
+            Some(tp) => self_attention(&self.mha, x, tp, mask_pad, mask_attn),
+            None => {
+                let input = MhaInput::self_attn(x).masks(mask_pad, mask_attn);
+                self.mha.attend(input, mha).context
+            }
         };
-        let feed_forward = |x| cached(pwff, gathered(x, sp), 1, |x| self.pwff.run(x, region));
-        let norm_1 = |x| cached(c_1, x, 1, |x| self.norm_1.forward(x));
-        let norm_2 = |x| cached(c_2, x, 1, |x| self.norm_2.forward(x));
+        let feed_forward = |x| match sp {
+            Some(tp) => self.pwff.over_sequence(x, tp),
+            None => cached(pwff, x, 1, |x| self.pwff.forward(x)),
+        };
+        let norm_1 = |x| cached(c_1, x, 1, |x| n_1.forward(x));
+        let norm_2 = |x| cached(c_2, x, 1, |x| n_2.forward(x));
         let norms = (norm_1, norm_2, self.norm_first);
         encoder_block(x, norms, attention, feed_forward, residual)
     }
@@ -391,59 +396,68 @@ impl PositionWiseFeedForward {
     /// Split, with an activation that does not act elementwise (SwiGlu, PRelu): it cannot run
     /// on a slice of the inner width.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        self.run(input, Region::Tensor)
+        self.check_split();
+        let x = self.activation.forward(self.linear_inner.forward(input));
+        self.outer(x, Region::Tensor)
     }
 
-    /// The block in `region` (its input gathered by its layer under sequence parallelism).
-    fn run<const D: usize>(&self, input: Tensor<D>, region: Region) -> Tensor<D> {
-        // The plan refused such a block; this is an activation set on it after the split.
+    /// The block under sequence parallelism: from this rank's positions `x` to its positions
+    /// of the output, through the whole sequence.
+    fn over_sequence(&self, x: Tensor<3>, tp: &Comm) -> Tensor<3> {
+        self.check_split();
+        let [h] = sequence::column_products(x, tp, [&self.linear_inner]);
+        self.outer(self.activation.forward(h), Region::Sequence)
+    }
+
+    /// The plan refused a split block whose activation does not act elementwise; this is an
+    /// activation set on it after the split.
+    fn check_split(&self) {
         if self.linear_inner.tp_size() > 1
             && let Some(reason) = not_elementwise(&self.activation)
         {
             panic!("PositionWiseFeedForward: {reason}");
         }
-        let x = self
-            .activation
-            .forward(self.linear_inner.run(input, region));
+    }
+
+    /// The dropout and the second layer, its output to `region`.
+    fn outer<const D: usize>(&self, x: Tensor<D>, region: Region) -> Tensor<D> {
         // The inner activations are split: each rank draws its own mask.
         let x = drop(&self.dropout, &self.tp, x, RngRegion::TensorModelParallel);
         self.linear_outer.run(x, region)
     }
 }
 
-/// The regions of a layer's blocks and of its residual dropout: under sequence parallelism
-/// (`sp`) each rank's positions differ, so their masks do too; whole, every rank holds the
-/// same stream, and its masks must agree.
-fn regions(sp: Option<&Comm>) -> (Region, RngRegion) {
+/// The residual dropout's stream: under sequence parallelism (`sp`) each rank's positions
+/// differ, so their masks do too; whole, every rank holds the same stream, and its masks
+/// must agree.
+fn residual_region(sp: Option<&Comm>) -> RngRegion {
     match sp {
-        Some(_) => (Region::Sequence, RngRegion::TensorModelParallel),
-        None => (Region::Tensor, RngRegion::Default),
+        Some(_) => RngRegion::TensorModelParallel,
+        None => RngRegion::Default,
     }
 }
 
-/// A block's input: the whole sequence, gathered under sequence parallelism (its gradient,
-/// the blocks' partial sums, reduce-scattered backward).
-fn gathered(x: Tensor<3>, sp: Option<&Comm>) -> Tensor<3> {
-    match sp {
-        Some(tp) => sequence::gather(x, tp, true),
-        None => x,
-    }
+/// Self-attention under sequence parallelism: from this rank's positions `x` to its
+/// positions of the output; the query, key and value projected from the whole sequence with
+/// one all-gather.
+fn self_attention(
+    mha: &MultiHeadAttention,
+    x: Tensor<3>,
+    tp: &Comm,
+    mask_pad: Option<Tensor<2, Bool>>,
+    mask_attn: Option<Tensor<3, Bool>>,
+) -> Tensor<3> {
+    let qkv = sequence::column_products(x, tp, [&mha.query, &mha.key, &mha.value]);
+    mha.attend_projected(qkv, mask_pad, mask_attn, Region::Sequence)
+        .context
 }
 
-/// The norms' parameters as the layer runs: under sequence parallelism each rank normalises
-/// its own positions, so their gradients are partial sums over the ranks.
-fn state_norms(slot: &TpSlot, norms: &[&LayerNorm], sequence: bool) {
-    use crate::tensor_parallel::ParallelAttrs;
-    let Some(a) = &slot.assigned else { return };
-    let attrs = match sequence {
-        true => ParallelAttrs::sequence_parallel(),
-        false => ParallelAttrs::default(),
-    };
-    for norm in norms {
-        a.layout.state(norm.gamma.id, attrs);
-        if let Some(beta) = &norm.beta {
-            a.layout.state(beta.id, attrs);
-        }
+/// A layer's norm as it runs: whole, or under sequence parallelism (`sp`) with its
+/// parameters' partial gradients summed over the ranks in backward.
+fn norm_in(norm: &LayerNorm, sp: Option<&Comm>) -> LayerNorm {
+    match sp {
+        Some(tp) => sequence::norm_over_sequence(norm, tp),
+        None => norm.clone(),
     }
 }
 
