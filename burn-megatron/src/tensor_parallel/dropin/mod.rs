@@ -14,7 +14,9 @@
 //! naming the layer and the numbers, except a vocabulary, which a plan pads as Megatron does
 //! ([`TpPlan::make_vocab_size_divisible_by`]). Dropout comes from a [`RngTracker`](super::RngTracker):
 //! Burn's `Dropout` draws from one process-wide generator, so ranks running as threads would
-//! draw different masks for activations every rank holds whole.
+//! draw different masks for activations every rank holds whole. With
+//! [`TpPlan::sequence_parallel`] the encoder and decoder also split their residual stream by
+//! sequence between blocks (Megatron's sequence parallelism), the model's code unchanged.
 //!
 //! Then [`load_sharded`] reads the record the plain model saved, each rank only its shards,
 //! and [`save_gathered`] writes one the plain model loads, from the shards;
