@@ -1,7 +1,9 @@
-//! A drop-in model (a padded vocabulary; a column and a row layer in Burn's column layout)
-//! through `ParallelTraining`: at TP 2 × DP 2 with the distributed optimizer it trains as one
-//! rank does, and its checkpoint resumes at TP 4 and at TP 1, which pad the vocabulary
-//! otherwise (40 rows at TP 2, 48 at TP 4, 36 at TP 1): checkpoints hold the real vocabulary.
+//! A drop-in model (a padded vocabulary; a transformer layer with sequence parallelism; a
+//! column and a row layer in Burn's column layout) through `ParallelTraining`: at TP 2 × DP
+//! 2 with the distributed optimizer it trains as one rank does (so `finalize` does not sum
+//! again the norm gradients backward summed), and its checkpoint resumes at TP 4 and at TP
+//! 1, which pad the vocabulary otherwise (40 rows at TP 2, 48 at TP 4, 36 at TP 1):
+//! checkpoints hold the real vocabulary.
 
 use super::Error;
 use burn::module::Module;
@@ -13,6 +15,9 @@ use burn_megatron::comm::ReduceOp;
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::tensor_parallel::dropin::TpPlan;
+use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
 use burn_megatron::tensor_parallel::dropin::nn::{
     Embedding, EmbeddingConfig, Linear, LinearConfig,
 };
@@ -25,11 +30,13 @@ use std::sync::Arc;
 const VOCAB: usize = 33;
 const D: usize = 8;
 const GLOBAL_BATCH: usize = 4;
-const S: usize = 6;
+/// Splits over TP 1, 2 and 4 (sequence parallelism).
+const S: usize = 8;
 
 #[derive(Module, Debug)]
 struct Lm {
     wte: Embedding,
+    block: TransformerEncoder,
     up: Linear,
     down: Linear,
     lm_head: Linear,
@@ -46,6 +53,9 @@ impl Lm {
         };
         Self {
             wte: EmbeddingConfig::new(VOCAB, D).init(device),
+            block: TransformerEncoderConfig::new(D, 2 * D, 4, 1)
+                .with_dropout(0.0)
+                .init(device),
             up: col(D, 2 * D),
             down: col(2 * D, D),
             lm_head: linear(D, VOCAB),
@@ -59,6 +69,7 @@ impl Lm {
             .collect();
         let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [n, S + 1]), device);
         let x = self.wte.forward(ids.clone().narrow(1, 0, S));
+        let x = self.block.forward(TransformerEncoderInput::new(x));
         let x = x.clone() + self.down.forward(self.up.forward(x).tanh());
         let logits = self.lm_head.forward(x);
         let v = logits.dims()[2];
@@ -87,6 +98,7 @@ fn train(run: Run<'_>) -> Result<Vec<f32>, Error> {
         |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
             let plan = TpPlan::new().column(&["up"])?.row(&["down"])?.with_seed(4);
+            let plan = plan.encoder(&["block"])?.sequence_parallel();
             let plan = plan
                 .vocab(&["wte", "lm_head"])?
                 .make_vocab_size_divisible_by(4)?;
