@@ -6,8 +6,9 @@
 //! MLP's activation before its row-parallel second layer.
 //!
 //! The region keeps its input, which the op kept anyway for its own backward. Under
-//! sequence parallelism a norm's region also frees the all-gathered copy that the layers
-//! would keep: the replay gathers again, as Megatron's linear layers do in backward.
+//! sequence parallelism the replay gathers again, as the layers themselves do in backward
+//! (the region also frees the gathered copy that layers with gradient accumulation fusion
+//! would keep).
 //!
 //! [`recompute`]: super::recompute
 

@@ -14,8 +14,9 @@ use super::attrs::{LayoutOwner, ParallelAttrs};
 use super::init::{MasterInit, slice_cols, slice_rows};
 use super::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region, gather_sequence_matmul,
+    reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 };
 use super::{TpError, lazy_host_param};
 use crate::comm::Comm;
@@ -43,7 +44,9 @@ pub struct ColumnParallelLinearConfig {
     /// caller can fuse it with what follows.
     #[config(default = false)]
     pub skip_bias_add: bool,
-    /// The input is split along dim 0 (sequence parallel) and is all-gathered first.
+    /// The input is split along dim 0 (sequence parallel) and is all-gathered first; the
+    /// layer keeps only this rank's part for backward, which gathers it again (with
+    /// `gradient_accumulation_fusion`, it keeps the gathered copy).
     #[config(default = false)]
     pub sequence_parallel: bool,
     /// Megatron's `gradient_accumulation_fusion`: the weight gradient is `xᵀ·dy` summed in
@@ -239,6 +242,9 @@ impl ColumnParallelLinear {
     ) -> (Tensor<D>, Option<Tensor<1>>) {
         self.state_attrs();
         check_width("ColumnParallelLinear", &input, &self.weight, Some(&self.tp));
+        if self.sequence_parallel && !self.gradient_accumulation_fusion {
+            return self.forward_gathered(input);
+        }
         let input = if self.sequence_parallel {
             gather_from_sequence_parallel_region(input, &self.tp, true)
         } else {
@@ -253,6 +259,33 @@ impl ColumnParallelLinear {
             (bias, None)
         };
         let out = matmul_bias(input, weight, add, self.gradient_accumulation_fusion);
+        let out = if self.gather_output {
+            gather_from_tensor_model_parallel_region(out, &self.tp)
+        } else {
+            out
+        };
+        (out, skipped)
+    }
+
+    /// The sequence-parallel forward: this rank's positions (`[s / tp, ...]`) gathered for the
+    /// product, and gathered again in backward rather than kept
+    /// ([`gather_sequence_matmul`](super::mappings::gather_sequence_matmul)), so the layer
+    /// keeps only its `1 / tp` of the sequence, as Megatron's does.
+    fn forward_gathered<const D: usize>(&self, input: Tensor<D>) -> (Tensor<D>, Option<Tensor<1>>) {
+        let dims = input.dims();
+        let rows: usize = dims[1..D - 1].iter().product();
+        let x = input.reshape([dims[0], rows, dims[D - 1]]);
+        let bias = self.bias.as_ref().map(|b| hook_param(b, &x));
+        let weight = hook_param(&self.weight, &x);
+        let out = gather_sequence_matmul(x, weight, &self.tp);
+        let [s, _, o] = out.dims();
+        let mut shape = dims;
+        (shape[0], shape[D - 1]) = (s, o);
+        let out = out.reshape(shape);
+        let (out, skipped) = match (bias, self.skip_bias_add) {
+            (Some(b), false) => (out + b.unsqueeze(), None),
+            (bias, _) => (out, bias),
+        };
         let out = if self.gather_output {
             gather_from_tensor_model_parallel_region(out, &self.tp)
         } else {

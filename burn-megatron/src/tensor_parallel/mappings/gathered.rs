@@ -2,7 +2,8 @@
 //! instead of the gathered copy: backward gathers again for the weight gradient. Megatron's
 //! `LinearWithGradAccumulationAndAsyncCommunication` under sequence parallelism does the
 //! same; a Burn matmul after [`gather_from_sequence_parallel_region`](super::gather_from_sequence_parallel_region)
-//! would keep the whole sequence, and sequence parallelism would then save little.
+//! would keep the whole sequence, and sequence parallelism would then save little. The
+//! products are the kernels' (`LinearOps::matmul_2d`: cuBLASLt on CUDA).
 
 use super::{Mapping, TensorParallelOps};
 use crate::comm::Comm;
@@ -13,10 +14,11 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Flex, TensorMetadata, backend_extension};
 use burn::tensor::Shape;
+use burn_megatron_kernels::LinearOps;
 
 /// The gathered product as a backend op (see [`gather_sequence_matmul`](super::gather_sequence_matmul)).
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
-pub trait SequenceGatherMatmulOps: TensorParallelOps {
+pub trait SequenceGatherMatmulOps: TensorParallelOps + LinearOps {
     /// `x` `[s / tp, b, h]` (this rank's positions) gathered to `[s, b, h]`, times `weight`
     /// `[h, o]`: `[s, b, o]`.
     fn sequence_gather_matmul(
@@ -48,7 +50,10 @@ impl SequenceGatherMatmulOps for burn::backend::Cube {
 }
 
 /// `x` gathered over the sequence (dim 0), as `[s · b, h]`.
-fn gathered<B: TensorParallelOps>(x: FloatTensor<B>, comm: &Comm) -> (FloatTensor<B>, [usize; 2]) {
+fn gathered<B: SequenceGatherMatmulOps>(
+    x: FloatTensor<B>,
+    comm: &Comm,
+) -> (FloatTensor<B>, [usize; 2]) {
     let gather = Mapping::GatherFromSp {
         tensor_parallel_output_grad: true,
     };
@@ -58,20 +63,20 @@ fn gathered<B: TensorParallelOps>(x: FloatTensor<B>, comm: &Comm) -> (FloatTenso
     (B::float_reshape(x, Shape::from([s * b, h])), [s, b])
 }
 
-fn forward<B: TensorParallelOps>(
+fn forward<B: SequenceGatherMatmulOps>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     comm: &Comm,
 ) -> FloatTensor<B> {
     let o = weight.shape().to_vec()[1];
     let (x, [s, b]) = gathered::<B>(x, comm);
-    B::float_reshape(B::float_matmul(x, weight), Shape::from([s, b, o]))
+    B::float_reshape(B::matmul_2d(x, weight), Shape::from([s, b, o]))
 }
 
 #[derive(Debug)]
 struct GatherMatmulBackward;
 
-impl<B: TensorParallelOps> Backward<B, 2> for GatherMatmulBackward {
+impl<B: SequenceGatherMatmulOps> Backward<B, 2> for GatherMatmulBackward {
     /// This rank's positions, the weight and the group.
     type State = (FloatTensor<B>, FloatTensor<B>, Comm);
 
@@ -85,12 +90,12 @@ impl<B: TensorParallelOps> Backward<B, 2> for GatherMatmulBackward {
         // Every rank has the same parents tracked, so the collectives below pair up.
         if let Some(parent) = w_parent {
             let (x, _) = gathered::<B>(x, &comm);
-            let dw = B::float_matmul(B::float_transpose(x), grad.clone());
+            let dw = B::matmul_2d(B::float_transpose(x), grad.clone());
             grads.register::<B>(parent.id, dw);
         }
         if let Some(parent) = x_parent {
             let h = weight.shape().to_vec()[0];
-            let dx = B::float_matmul(grad, B::float_transpose(weight));
+            let dx = B::matmul_2d(grad, B::float_transpose(weight));
             let dx = B::float_reshape(dx, Shape::from([s, b, h]));
             // The ranks' partial input gradients, summed, each rank keeping its positions.
             let dx = B::tensor_parallel_mapping(dx, Mapping::ReduceScatterToSp, comm);
