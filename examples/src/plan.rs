@@ -67,9 +67,6 @@ pub struct Setup {
     cp: usize,
     cp_comm: CpCommType,
     sp: bool,
-    /// `--gradient-accumulation-fusion`: the column layers' product is Burn's, which keeps
-    /// its gathered input under SP.
-    fusion: bool,
     zero: bool,
     overlap: bool,
     recompute: RecomputeConfig,
@@ -152,7 +149,6 @@ impl Setup {
             cp: a.context_parallel_size,
             cp_comm: a.cp_comm_type,
             sp: a.sequence_parallel,
-            fusion: a.gradient_accumulation_fusion,
             zero: a.use_distributed_optimizer,
             overlap: a.overlap_grad_reduce,
             recompute: t.recompute.clone(),
@@ -206,7 +202,6 @@ impl Setup {
             cp: a.context_parallel_size,
             cp_comm: a.cp_comm_type,
             sp: a.sequence_parallel,
-            fusion: a.gradient_accumulation_fusion,
             zero: a.use_distributed_optimizer,
             overlap: a.overlap_grad_reduce,
             recompute: a.recompute(),
@@ -260,16 +255,10 @@ impl Setup {
         let context = tokens * (self.heads * self.hn) as u64 / t;
         let mlp = tokens * self.ffn as u64 / t * if self.gated { 3 } else { 2 };
         // Two norms, each with the linear input it feeds: this rank's positions under SP
-        // (the column layers gather again in backward rather than keep the whole sequence,
-        // unless `gradient_accumulation_fusion` takes Burn's product, which keeps it);
+        // (the column layers gather again in backward rather than keep the whole sequence);
         // recomputed (`layernorm`), a norm's region keeps only its local input. The MLP's
         // norm is not recomputed where `mlp` recomputes the whole MLP.
-        let linear_input = if self.sp && !self.fusion {
-            local
-        } else {
-            tokens
-        };
-        let plain_norm = norm + linear_input * h;
+        let plain_norm = norm + local * h;
         let norms = self.recompute.selects(RecomputeModule::Layernorm);
         let attention_norm = if norms { local * h } else { plain_norm };
         let mlp_norm = if norms && !self.recompute.selects(RecomputeModule::Mlp) {

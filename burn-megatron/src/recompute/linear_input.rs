@@ -6,9 +6,7 @@
 //! MLP's activation before its row-parallel second layer.
 //!
 //! The region keeps its input, which the op kept anyway for its own backward. Under
-//! sequence parallelism the replay gathers again, as the layers themselves do in backward
-//! (the region also frees the gathered copy that layers with gradient accumulation fusion
-//! would keep).
+//! sequence parallelism the replay gathers again, as the layers themselves do in backward.
 //!
 //! [`recompute`]: super::recompute
 

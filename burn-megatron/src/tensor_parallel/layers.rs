@@ -13,10 +13,9 @@ pub(crate) use shard::LinearShard;
 use super::attrs::{LayoutOwner, ParallelAttrs};
 use super::init::{MasterInit, slice_cols, slice_rows};
 use super::mappings::{
-    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region, gather_sequence_matmul,
-    reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
+    copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
+    gather_sequence_matmul, reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
 };
 use super::{TpError, lazy_host_param};
 use crate::comm::Comm;
@@ -45,8 +44,7 @@ pub struct ColumnParallelLinearConfig {
     #[config(default = false)]
     pub skip_bias_add: bool,
     /// The input is split along dim 0 (sequence parallel) and is all-gathered first; the
-    /// layer keeps only this rank's part for backward, which gathers it again (with
-    /// `gradient_accumulation_fusion`, it keeps the gathered copy).
+    /// layer keeps only this rank's part for backward, which gathers it again.
     #[config(default = false)]
     pub sequence_parallel: bool,
     /// Megatron's `gradient_accumulation_fusion`: the weight gradient is `xᵀ·dy` summed in
@@ -242,14 +240,10 @@ impl ColumnParallelLinear {
     ) -> (Tensor<D>, Option<Tensor<1>>) {
         self.state_attrs();
         check_width("ColumnParallelLinear", &input, &self.weight, Some(&self.tp));
-        if self.sequence_parallel && !self.gradient_accumulation_fusion {
+        if self.sequence_parallel {
             return self.forward_gathered(input);
         }
-        let input = if self.sequence_parallel {
-            gather_from_sequence_parallel_region(input, &self.tp, true)
-        } else {
-            copy_to_tensor_model_parallel_region(input, &self.tp)
-        };
+        let input = copy_to_tensor_model_parallel_region(input, &self.tp);
         // Gradient-ready hooks when an OverlapReducer is active (else the plain values).
         let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
         let weight = hook_param(&self.weight, &input);
@@ -270,14 +264,16 @@ impl ColumnParallelLinear {
     /// The sequence-parallel forward: this rank's positions (`[s / tp, ...]`) gathered for the
     /// product, and gathered again in backward rather than kept
     /// ([`gather_sequence_matmul`](super::mappings::gather_sequence_matmul)), so the layer
-    /// keeps only its `1 / tp` of the sequence, as Megatron's does.
+    /// keeps only its `1 / tp` of the sequence, as Megatron's does (the weight gradient in
+    /// f32 with `gradient_accumulation_fusion`).
     fn forward_gathered<const D: usize>(&self, input: Tensor<D>) -> (Tensor<D>, Option<Tensor<1>>) {
         let dims = input.dims();
         let rows: usize = dims[1..D - 1].iter().product();
         let x = input.reshape([dims[0], rows, dims[D - 1]]);
         let bias = self.bias.as_ref().map(|b| hook_param(b, &x));
         let weight = hook_param(&self.weight, &x);
-        let out = gather_sequence_matmul(x, weight, &self.tp);
+        let fusion = self.gradient_accumulation_fusion;
+        let out = gather_sequence_matmul(x, weight, fusion, &self.tp);
         let [s, _, o] = out.dims();
         let mut shape = dims;
         (shape[0], shape[D - 1]) = (s, o);

@@ -14,16 +14,18 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Flex, TensorMetadata, backend_extension};
 use burn::tensor::Shape;
-use burn_megatron_kernels::LinearOps;
+use burn_megatron_kernels::{GradAccumOps, LinearOps};
 
 /// The gathered product as a backend op (see [`gather_sequence_matmul`](super::gather_sequence_matmul)).
 #[backend_extension(Flex, Cube: cfg(feature = "cube"), Autodiff)]
-pub trait SequenceGatherMatmulOps: TensorParallelOps + LinearOps {
+pub trait SequenceGatherMatmulOps: TensorParallelOps + LinearOps + GradAccumOps {
     /// `x` `[s / tp, b, h]` (this rank's positions) gathered to `[s, b, h]`, times `weight`
-    /// `[h, o]`: `[s, b, o]`.
+    /// `[h, o]`: `[s, b, o]`. With `f32_weight_grad` the weight's gradient is summed and
+    /// returned in f32 (gradient accumulation fusion).
     fn sequence_gather_matmul(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
+        f32_weight_grad: bool,
         comm: Comm,
     ) -> FloatTensor<Self>;
 }
@@ -32,6 +34,7 @@ impl SequenceGatherMatmulOps for Flex {
     fn sequence_gather_matmul(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
+        _: bool,
         comm: Comm,
     ) -> FloatTensor<Self> {
         forward::<Self>(x, weight, &comm)
@@ -43,6 +46,7 @@ impl SequenceGatherMatmulOps for burn::backend::Cube {
     fn sequence_gather_matmul(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
+        _: bool,
         comm: Comm,
     ) -> FloatTensor<Self> {
         forward::<Self>(x, weight, &comm)
@@ -77,20 +81,23 @@ fn forward<B: SequenceGatherMatmulOps>(
 struct GatherMatmulBackward;
 
 impl<B: SequenceGatherMatmulOps> Backward<B, 2> for GatherMatmulBackward {
-    /// This rank's positions, the weight and the group.
-    type State = (FloatTensor<B>, FloatTensor<B>, Comm);
+    /// This rank's positions, the weight, an f32 weight gradient, and the group.
+    type State = (FloatTensor<B>, FloatTensor<B>, bool, Comm);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [x_parent, w_parent] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (x, weight, comm) = ops.state;
+        let (x, weight, f32_weight_grad, comm) = ops.state;
         let dims = grad.shape().to_vec();
         let (s, b, o) = (dims[0], dims[1], dims[2]);
         let grad = B::float_reshape(grad, Shape::from([s * b, o]));
         // Every rank has the same parents tracked, so the collectives below pair up.
         if let Some(parent) = w_parent {
             let (x, _) = gathered::<B>(x, &comm);
-            let dw = B::matmul_2d(B::float_transpose(x), grad.clone());
+            let dw = match f32_weight_grad {
+                true => B::weight_grad_f32(x, grad.clone()),
+                false => B::matmul_2d(B::float_transpose(x), grad.clone()),
+            };
             grads.register::<B>(parent.id, dw);
         }
         if let Some(parent) = x_parent {
@@ -108,6 +115,7 @@ impl<B: SequenceGatherMatmulOps, C: CheckpointStrategy> SequenceGatherMatmulOps 
     fn sequence_gather_matmul(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
+        f32_weight_grad: bool,
         comm: Comm,
     ) -> FloatTensor<Self> {
         let (x, x_node) = x.into_parts();
@@ -121,7 +129,7 @@ impl<B: SequenceGatherMatmulOps, C: CheckpointStrategy> SequenceGatherMatmulOps 
         {
             OpsKind::Tracked(prep) => {
                 let out = forward::<B>(x.clone(), weight.clone(), &comm);
-                prep.finish((x, weight, comm), out)
+                prep.finish((x, weight, f32_weight_grad, comm), out)
             }
             OpsKind::UnTracked(prep) => prep.finish(forward::<B>(x, weight, &comm)),
         }

@@ -183,14 +183,19 @@ pub fn reduce_scatter_to_sequence_parallel_region<const D: usize>(
 /// `gather_from_sequence_parallel_region(x, tp, true).matmul(weight)` gives, without keeping
 /// the gathered copy for backward: backward all-gathers `x` again for the weight gradient and
 /// reduce-scatters the input gradient (Megatron's column-parallel layer under sequence
-/// parallelism). On a group of one, the plain product.
-pub fn gather_sequence_matmul(x: Tensor<3>, weight: Tensor<2>, tp: &Comm) -> Tensor<3> {
-    if tp.group().size() == 1 {
-        return x.matmul(weight.unsqueeze());
-    }
+/// parallelism). With `f32_weight_grad` the weight's gradient is summed and returned in f32,
+/// as [`linear_with_grad_accumulation`](burn_megatron_kernels::linear_with_grad_accumulation)
+/// returns it (Megatron's `gradient_accumulation_fusion`). The group may be of one.
+pub fn gather_sequence_matmul(
+    x: Tensor<3>,
+    weight: Tensor<2>,
+    f32_weight_grad: bool,
+    tp: &Comm,
+) -> Tensor<3> {
     Tensor::from_dispatch(Dispatch::sequence_gather_matmul(
         x.into_dispatch(),
         weight.into_dispatch(),
+        f32_weight_grad,
         tp.clone(),
     ))
 }

@@ -267,7 +267,7 @@ fn gather_sequence_matmul_is_a_gather_then_a_product() {
         for fused in [true, false] {
             let (x, w) = (x(), w());
             let y = match fused {
-                true => gather_sequence_matmul(x.clone(), w.clone(), tp),
+                true => gather_sequence_matmul(x.clone(), w.clone(), false, tp),
                 false => gather_from_sequence_parallel_region(x.clone(), tp, true)
                     .matmul(w.clone().unsqueeze()),
             };
@@ -298,5 +298,44 @@ fn gather_sequence_matmul_is_a_gather_then_a_product() {
             "the whole sequence of four ranks' two positions"
         );
         assert!(close(y, y_ref) && close(gx, gx_ref) && close(gw, gw_ref));
+    }
+}
+
+/// With an f32 weight gradient (gradient accumulation fusion), a bf16 weight's gradient is
+/// f32, and the gradients are the unfused ones (within bf16's rounding).
+#[test]
+fn gather_sequence_matmul_sums_a_bf16_weight_gradient_in_f32() {
+    let out = tp4(|ctx, r| {
+        let tp = &ctx.groups.tp;
+        let mut runs = Vec::new();
+        for fused in [true, false] {
+            let v: Vec<f32> = (0..2 * 3 * 5).map(|i| (i as f32 + r * 7.0).sin()).collect();
+            let x = Tensor::<3>::from_data(TensorData::new(v, [2, 3, 5]), &ctx.device)
+                .cast(DType::BF16)
+                .require_grad();
+            let w = t2(5, 4, |i, j| (i * 4 + j) as f32 * 0.1 - 1.0, &ctx.device)
+                .cast(DType::BF16)
+                .require_grad();
+            let y = gather_sequence_matmul(x.clone(), w.clone(), fused, tp);
+            let grads = y.sum().backward();
+            let gw = w.grad(&grads).unwrap();
+            let gx = x.grad(&grads).unwrap().cast(DType::F32);
+            let gx = gx.into_data().try_to_vec::<f32>().unwrap();
+            runs.push((gw.dtype(), vals(gw), gx));
+        }
+        runs
+    });
+    for runs in out {
+        let ((dtype, gw, gx), (plain_dtype, gw_plain, gx_plain)) = (&runs[0], &runs[1]);
+        assert_eq!((*dtype, *plain_dtype), (DType::F32, DType::BF16));
+        let close = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .all(|(a, b)| (a - b).abs() <= 1e-2 * b.abs().max(1.0))
+        };
+        assert!(
+            close(gw, gw_plain) && close(gx, gx_plain),
+            "{gw:?} {gw_plain:?}"
+        );
     }
 }

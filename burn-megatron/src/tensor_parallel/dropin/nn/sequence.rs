@@ -58,7 +58,7 @@ pub(super) fn column_products<const N: usize>(
         1 => weights.into_iter().next().expect("one weight"),
         _ => Tensor::cat(weights, 1),
     };
-    let y = gather_sequence_matmul(x.clone().swap_dims(0, 1), weight, tp).swap_dims(0, 1);
+    let y = gather_sequence_matmul(x.clone().swap_dims(0, 1), weight, false, tp).swap_dims(0, 1);
     std::array::from_fn(|i| {
         let start: usize = widths[..i].iter().sum();
         let out = match N {
