@@ -9,13 +9,15 @@
 //! private fields, Burn's `TransformerEncoder` built from a full `TransformerEncoderConfig`, a
 //! padding mask, a prediction head whose decoder spans the vocabulary, a saved record.
 //! `parallel.rs` is the same code importing `dropin::nn`'s encoder, embedding and linear
-//! layers, whose `load` splits them by a plan (the encoder as Megatron splits a layer, the
-//! word embeddings by vocabulary, the decoder column-parallel with its output gathered, so
-//! the loss and the argmax stay Burn's) and reads only this rank's shards of the record (diff
-//! the two). The plain model saves a record once; TP 1 loads it whole, each rank at `--tp`
-//! only its shards. Both train from it and fill the masks: the losses and the first step's
-//! gradients (gathered by path) must agree within 1e-5 and the predicted tokens must be
-//! equal, or the example fails.
+//! layers, whose `load` splits them by a plan (the encoder as Megatron splits a layer, with
+//! sequence parallelism; the word embeddings by vocabulary; the decoder column-parallel with
+//! its output gathered, so the loss and the argmax stay Burn's) and reads only this rank's
+//! shards of the record (diff the two). The plain model saves a record once; TP 1 loads it
+//! whole, each rank at `--tp` only its shards. Both train from it with Burn's own AdamW and
+//! fill the masks: the losses and the first step's gradients (gathered by path) must agree
+//! within 1e-5 and the predicted tokens must be equal, or the example fails. Last, it prints
+//! what sequence parallelism saves: each rank's activations after a forward of a larger
+//! encoder, with and without it.
 
 use burn::config::Config;
 use burn::module::Module;
