@@ -2,7 +2,7 @@
 //! record holds each weight `[out, in]`): a model of such linears, swapped for `dropin::nn`'s,
 //! loads the record Burn's model saved whole and split at TP 2 and 4 (one layer
 //! column-parallel, one row-parallel, one duplicated), gives Burn's output and gradients, and
-//! saves back the record Burn's model loads, bit for bit.
+//! saves back the record Burn's model loads, bit for bit; after an optimizer step too.
 
 use super::Error;
 use burn::module::Module;
@@ -119,6 +119,51 @@ fn linears_in_burns_column_layout_load_split_and_save_back_as_burns() -> Result<
             "TP {tp}: saved back"
         );
     }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// After an optimizer step the layers keep Burn's column layout: the record the stepped
+/// split model saves (the head whole, its mapper kept through the step) is the one Burn's
+/// model writes after the same step, within rounding.
+#[test]
+fn column_layout_survives_an_optimizer_step() -> Result<(), Error> {
+    use burn::optim::{AdamWConfig, GradientsParams};
+    let dir = super::load::scratch("layout-step");
+    let record = dir.join("plain.bpk");
+    Plain::new(&Device::flex()).save_file(&record)?;
+    let step = |loss: burn::tensor::Tensor<3>| loss.sum().backward();
+    let ad = Device::flex().autodiff();
+    let plain = Plain::new(&ad).load_file(&record);
+    let grads =
+        GradientsParams::from_grads(step(plain.forward(data([2, 3, D], 0, 1, &ad))), &plain);
+    let plain = AdamWConfig::new().init().step(1e-2, plain, grads);
+    let stepped = dir.join("stepped.bpk");
+    plain.clone().save_file(&stepped)?;
+    let saved = dir.join("saved.bpk");
+    tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let model = TpPlan::new().column(&["up"])?.row(&["down"])?;
+        let model = model.apply(Ours::new(d), g)?;
+        let (model, _) = load_sharded(
+            model,
+            &RecordSource::from_path(&record),
+            g,
+            &LoadOptions::default(),
+        )?;
+        let grads =
+            GradientsParams::from_grads(step(model.forward(data([2, 3, D], 0, 1, d))), &model);
+        let model = AdamWConfig::new().init().step(1e-2, model, grads);
+        save_gathered(&model, &saved, g)?;
+        Ok::<_, Error>(())
+    })?;
+    let load = |path| -> Result<super::Values, Error> {
+        let model = Plain::new(&Device::flex()).try_load_file(path)?;
+        Ok(gathered(&model, None, &super::solo()))
+    };
+    let (got, want) = (load(&saved)?, load(&stepped)?);
+    let (worst, name) = super::grad_diff(&got, &want);
+    assert!(worst < 1e-5, "{name} off by {worst}");
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
