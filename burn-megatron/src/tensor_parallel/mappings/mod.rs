@@ -186,6 +186,22 @@ pub fn reduce_scatter_to_sequence_parallel_region<const D: usize>(
 /// parallelism). With `f32_weight_grad` the weight's gradient is summed and returned in f32,
 /// as [`linear_with_grad_accumulation`](burn_megatron_kernels::linear_with_grad_accumulation)
 /// returns it (Megatron's `gradient_accumulation_fusion`). The group may be of one.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_megatron::comm::{Comm, LocalWorld};
+/// use burn_megatron::tensor_parallel::mappings::gather_sequence_matmul;
+/// use std::sync::Arc;
+///
+/// let tp: Comm = Arc::new(LocalWorld::new(1).communicator("tp", vec![0], 0).unwrap());
+/// let device = Device::flex().autodiff();
+/// let x = Tensor::<3>::ones([4, 2, 3], &device);
+/// let w = Tensor::<2>::ones([3, 5], &device).require_grad();
+/// let y = gather_sequence_matmul(x, w.clone(), false, &tp);
+/// assert_eq!(y.dims(), [4, 2, 5]);
+/// let gw = w.grad(&y.sum().backward()).unwrap(); // eight tokens of ones
+/// assert_eq!(gw.into_data().iter::<f32>().collect::<Vec<_>>(), vec![8.0; 15]);
+/// ```
 pub fn gather_sequence_matmul(
     x: Tensor<3>,
     weight: Tensor<2>,

@@ -1,10 +1,11 @@
 //! Sequence parallelism inside a split encoder or decoder (`TpPlan::sequence_parallel`,
 //! Megatron's `--sequence-parallel`): between the tensor-parallel blocks, each rank holds
 //! `s / tp` positions of the residual stream, so the norms, the residual dropout and the
-//! residual adds store a `tp`-th of their activations. A block gathers the sequence before
-//! its column-parallel layers (whose gradient it reduce-scatters) and reduce-scatters its
-//! row-parallel output instead of all-reducing it: the same bytes on the wire as tensor
-//! parallelism alone.
+//! residual adds store a `tp`-th of their activations. A block gathers the sequence for its
+//! column-parallel layers (reduce-scattering their input gradient) and reduce-scatters its
+//! row-parallel output instead of all-reducing it: forward, the bytes of tensor parallelism
+//! alone. Backward gathers the sequence again for the weight gradients rather than keep it,
+//! as Megatron does: one more all-gather a block, the price of the memory.
 //!
 //! Burn's layers take `[b, s, d]`; Megatron's mappings split dim 0, so the sequence is
 //! brought to the front around each mapping (a strided view here, a copy on a GPU).
@@ -54,9 +55,9 @@ pub(super) fn column_products<const N: usize>(
         })
         .collect();
     let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();
-    let weight = match weights.len() {
-        1 => weights.into_iter().next().expect("one weight"),
-        _ => Tensor::cat(weights, 1),
+    let weight = match <[Tensor<2>; 1]>::try_from(weights) {
+        Ok([weight]) => weight,
+        Err(weights) => Tensor::cat(weights, 1),
     };
     let y = gather_sequence_matmul(x.clone().swap_dims(0, 1), weight, false, tp).swap_dims(0, 1);
     std::array::from_fn(|i| {
