@@ -167,3 +167,20 @@ fn column_layout_survives_an_optimizer_step() -> Result<(), Error> {
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+/// A column-layout layer's output width, drawn or not (Burn holds an undrawn one's weight
+/// `[out, in]`), whole and split.
+#[test]
+fn a_column_layout_layer_knows_its_output_width_before_it_is_drawn() -> Result<(), Error> {
+    let widths = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let model = Ours::new(d);
+        let whole = model.head.d_output();
+        let split = TpPlan::new().column(&["up"])?.apply(model, g)?;
+        let drawn = Ours::new(d);
+        drawn.forward(data([2, 3, D], 0, 1, d));
+        Ok::<_, Error>([whole, split.up.d_output(), drawn.head.d_output()])
+    })?;
+    assert!(widths.iter().all(|w| *w == [OUT, FF, OUT]), "{widths:?}");
+    Ok(())
+}

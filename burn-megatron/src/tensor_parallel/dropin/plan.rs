@@ -8,7 +8,7 @@
 
 use super::super::attrs::{LayoutOwner, ParallelAttrs};
 use super::super::{RngTracker, TpError, padded_vocab_size};
-use super::shard::{Placement, shard};
+use super::shard::{Placement, held_dims, shard};
 use super::slot::{Assigned, Facts, Offer, PENDING, facts};
 use crate::comm::Comm;
 use burn::module::{Module, ModuleMapper, Param};
@@ -297,7 +297,9 @@ impl ModuleMapper for PlanMapper<'_> {
                 let sequence_parallel = self.plan.sequence_parallel && split == Split::Encoder;
                 if sequence_parallel && alone && container_type == "Struct:MultiHeadAttention" {
                     let e = format!(
-                        "{}: sequence parallelism splits a transformer layer's residual                          stream, and an attention on its own has none; name its layer,                          encoder or decoder",
+                        "{}: sequence parallelism splits a transformer layer's residual \
+                         stream, and an attention on its own has none; name its layer, \
+                         encoder or decoder",
                         active.path
                     );
                     self.fail(e);
@@ -430,11 +432,7 @@ impl ModuleMapper for PlanMapper<'_> {
         // fan-out, an embedding with neither.
         let layer_facts = self.facts.get(&self.path[..self.path.len() - 1].join("."));
         let col = field == "weight" && layer_facts.is_some_and(|f| f.col);
-        let mut dims = param.lazy_shape().to_vec();
-        // Burn draws a column-layout weight `[out, in]` and transposes it when first read.
-        if col && !param.is_initialized() {
-            dims.reverse();
-        }
+        let dims = held_dims(&param, col);
         // Burn's column layout draws `[out, in]` with the fans swapped.
         if field == "weight" {
             self.fans = match (layer.as_str(), col) {

@@ -31,6 +31,17 @@ pub(super) struct Placement<'a> {
     pub(super) fans: (Option<usize>, Option<usize>),
 }
 
+/// The shape of `param`, as Burn's layer built it (not a plan's shard), as the layer holds
+/// it (a linear's weight `[in, out]`), drawn or not: Burn draws a column-layout weight
+/// (`col`) `[out, in]` and transposes it when first read.
+pub(super) fn held_dims<const D: usize>(param: &Param<Tensor<D>>, col: bool) -> [usize; D] {
+    let mut dims: [usize; D] = param.lazy_shape().dims();
+    if col && !param.is_initialized() {
+        dims.reverse();
+    }
+    dims
+}
+
 /// `param`'s part on this rank: its values cut along the split dimension (zeros past the
 /// real extent of a padded one), or, not yet initialised, drawn lazily from the layer's
 /// default law seeded by its path (a duplicated one too: Burn's own draw would differ across
@@ -41,11 +52,7 @@ pub(super) fn shard<const D: usize>(
     tp: &Comm,
 ) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
     let (rank, size) = (tp.group().rank(), tp.group().size());
-    let mut dims: [usize; D] = param.lazy_shape().dims();
-    // Burn draws a column-layout weight `[out, in]` and transposes it when first read.
-    if at.col && !param.is_initialized() {
-        dims.reverse();
-    }
+    let dims = held_dims(&param, at.col);
     let Some(dim) = at.dim else {
         return match param.is_initialized() {
             true => Ok(param),

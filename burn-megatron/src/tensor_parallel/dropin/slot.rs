@@ -170,6 +170,11 @@ impl TpSlot {
         self.assigned.as_ref().and_then(|a| a.rng.as_ref())
     }
 
+    /// A linear in Burn's column layout.
+    pub(super) fn col(&self) -> bool {
+        self.col
+    }
+
     /// The group a transformer layer's residual stream is split over by sequence, if a plan
     /// asked for sequence parallelism.
     pub(super) fn sequence_parallel(&self) -> Option<&Comm> {
@@ -181,11 +186,7 @@ impl TpSlot {
     pub(super) fn group(&self) -> Comm {
         match &self.assigned {
             Some(a) => a.tp.clone(),
-            None => std::sync::Arc::new(
-                crate::comm::LocalWorld::new(1)
-                    .communicator("tp", vec![0], 0)
-                    .expect("a group of one rank always forms"),
-            ),
+            None => crate::comm::solo_group("tp"),
         }
     }
 }

@@ -167,10 +167,14 @@ impl Linear {
     /// [`vocab_parallel_cross_entropy_padded`](crate::tensor_parallel::vocab_parallel_cross_entropy_padded)
     /// spreads label smoothing over.
     pub fn d_output(&self) -> usize {
-        let local = self.weight.lazy_shape().to_vec()[1];
-        match &self.tp.assigned {
-            Some(a) if a.split != Split::Row => a.vocab.unwrap_or(local * a.tp.group().size()),
-            _ => local,
+        let Some(a) = &self.tp.assigned else {
+            return super::shard::held_dims(&self.weight, self.tp.col())[1];
+        };
+        // A plan's shard is held in the layer's layout, drawn or not.
+        let local = self.weight.lazy_shape().dims::<2>()[1];
+        match a.split {
+            Split::Row => local,
+            _ => a.vocab.unwrap_or(local * a.tp.group().size()),
         }
     }
 
