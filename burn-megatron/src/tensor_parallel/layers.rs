@@ -240,10 +240,11 @@ impl ColumnParallelLinear {
     ) -> (Tensor<D>, Option<Tensor<1>>) {
         self.state_attrs();
         check_width("ColumnParallelLinear", &input, &self.weight, Some(&self.tp));
-        if self.sequence_parallel {
-            return self.forward_gathered(input);
-        }
-        let input = copy_to_tensor_model_parallel_region(input, &self.tp);
+        // Under SP the product gathers this rank's tokens itself.
+        let input = match self.sequence_parallel {
+            true => input,
+            false => copy_to_tensor_model_parallel_region(input, &self.tp),
+        };
         // Gradient-ready hooks when an OverlapReducer is active (else the plain values).
         let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
         let weight = hook_param(&self.weight, &input);
@@ -252,35 +253,14 @@ impl ColumnParallelLinear {
         } else {
             (bias, None)
         };
-        let out = matmul_bias(input, weight, add, self.gradient_accumulation_fusion);
-        let out = if self.gather_output {
-            gather_from_tensor_model_parallel_region(out, &self.tp)
-        } else {
-            out
-        };
-        (out, skipped)
-    }
-
-    /// The sequence-parallel forward: this rank's positions (`[s / tp, ...]`) gathered for the
-    /// product, and gathered again in backward rather than kept
-    /// ([`gather_sequence_matmul`](super::mappings::gather_sequence_matmul)), so the layer
-    /// keeps only its `1 / tp` of the sequence, as Megatron's does (the weight gradient in
-    /// f32 with `gradient_accumulation_fusion`).
-    fn forward_gathered<const D: usize>(&self, input: Tensor<D>) -> (Tensor<D>, Option<Tensor<1>>) {
-        let dims = input.dims();
-        let rows: usize = dims[1..D - 1].iter().product();
-        let x = input.reshape([dims[0], rows, dims[D - 1]]);
-        let bias = self.bias.as_ref().map(|b| hook_param(b, &x));
-        let weight = hook_param(&self.weight, &x);
         let fusion = self.gradient_accumulation_fusion;
-        let out = gather_sequence_matmul(x, weight, fusion, &self.tp);
-        let [s, _, o] = out.dims();
-        let mut shape = dims;
-        (shape[0], shape[D - 1]) = (s, o);
-        let out = out.reshape(shape);
-        let (out, skipped) = match (bias, self.skip_bias_add) {
-            (Some(b), false) => (out + b.unsqueeze(), None),
-            (bias, _) => (out, bias),
+        let out = match self.sequence_parallel {
+            true => sequence_product(input, weight, fusion, &self.tp),
+            false => matmul_bias(input, weight, None, fusion),
+        };
+        let out = match add {
+            Some(b) => out + b.unsqueeze(),
+            None => out,
         };
         let out = if self.gather_output {
             gather_from_tensor_model_parallel_region(out, &self.tp)
@@ -527,6 +507,27 @@ impl RowParallelLinear {
             bias,
         })
     }
+}
+
+/// The product of this rank's tokens `input` (`[s / tp, ...]`) gathered over the sequence
+/// with `weight`, gathered again in backward rather than kept
+/// ([`gather_sequence_matmul`](super::mappings::gather_sequence_matmul)), so a
+/// sequence-parallel column layer keeps only its `1 / tp` of the sequence, as Megatron's does
+/// (the weight gradient in f32 with `fusion`).
+fn sequence_product<const D: usize>(
+    input: Tensor<D>,
+    weight: Tensor<2>,
+    fusion: bool,
+    tp: &Comm,
+) -> Tensor<D> {
+    let dims = input.dims();
+    let rows: usize = dims[1..D - 1].iter().product();
+    let x = input.reshape([dims[0], rows, dims[D - 1]]);
+    let out = gather_sequence_matmul(x, weight, fusion, tp);
+    let [s, _, o] = out.dims();
+    let mut shape = dims;
+    (shape[0], shape[D - 1]) = (s, o);
+    out.reshape(shape)
 }
 
 /// `input·weight + bias`: [`product`], or with `fusion` the product whose weight gradient

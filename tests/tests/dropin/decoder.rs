@@ -7,7 +7,7 @@
 use super::Error;
 use burn::module::Module;
 use burn::nn::transformer as burn_tr;
-use burn::tensor::{Bool, Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn_megatron::tensor_parallel::dropin::nn::attention::generate_autoregressive_mask;
 use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
@@ -23,12 +23,6 @@ const S_M: usize = 7;
 #[derive(Module, Debug)]
 struct WithDecoder {
     decoder: ours::TransformerDecoder,
-}
-
-/// `[B, s]`, the second sample's last two positions padding.
-fn pad(s: usize, device: &Device) -> Tensor<2, Bool> {
-    let v: Vec<bool> = (0..B * s).map(|i| i / s == 1 && i % s >= s - 2).collect();
-    Tensor::from_data(TensorData::new(v, [B, s]), device)
 }
 
 /// The target, the memory and the weighting of the output.
@@ -58,8 +52,8 @@ fn burns_transformer_decoder_splits_as_megatron_splits_a_layer_at_tp_2_and_4() -
         let (target, memory, w) = inputs(&ad);
         let input = burn_tr::TransformerDecoderInput::new(target, memory)
             .target_mask_attn(generate_autoregressive_mask(B, S_T, &ad))
-            .target_mask_pad(pad(S_T, &ad))
-            .memory_mask_pad(pad(S_M, &ad));
+            .target_mask_pad(super::padding(S_T, &ad))
+            .memory_mask_pad(super::padding(S_M, &ad));
         let y = plain.forward(input);
         let y_plain = values(y.clone());
         let grads = burn::optim::GradientsParams::from_grads((y * w).sum().backward(), &plain);
@@ -83,8 +77,8 @@ fn burns_transformer_decoder_splits_as_megatron_splits_a_layer_at_tp_2_and_4() -
                 let (target, memory, w) = inputs(d);
                 let input = ours::TransformerDecoderInput::new(target, memory)
                     .target_mask_attn(generate_autoregressive_mask(B, S_T, d))
-                    .target_mask_pad(pad(S_T, d))
-                    .memory_mask_pad(pad(S_M, d));
+                    .target_mask_pad(super::padding(S_T, d))
+                    .memory_mask_pad(super::padding(S_M, d));
                 let y = model.decoder.forward(input);
                 let grads = burn::optim::GradientsParams::from_grads(
                     (y.clone() * w).sum().backward(),

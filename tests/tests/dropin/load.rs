@@ -129,7 +129,7 @@ fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
     let whole = gathered(&plain, None, &solo());
     let x = |d: &Device| data([B, S, D_MODEL], 0, 1, d);
     let y_plain = burn_megatron_tests::values(
-        plain.forward(TransformerEncoderInput::new(x(&device)).mask_pad(padding(&device))),
+        plain.forward(TransformerEncoderInput::new(x(&device)).mask_pad(padding(S, &device))),
     );
     for tp in [2, 4] {
         let out = tp_ranks(tp, |ctx| {
@@ -144,7 +144,7 @@ fn a_plain_record_loads_into_each_ranks_shards() -> Result<(), Error> {
                 assert_eq!(params_ids(&encoder), ids, "the parameters keep their ids");
                 assert_eq!(report.shard_bytes, local, "{source:?}");
                 assert!(report.missing.is_empty() && report.unused.is_empty());
-                let input = TpInput::new(x(d)).mask_pad(padding(d));
+                let input = TpInput::new(x(d)).mask_pad(padding(S, d));
                 let y = burn_megatron_tests::values(encoder.forward(input));
                 runs.push((gathered(&encoder, None, g), y, report));
             }

@@ -116,10 +116,10 @@ fn paths<M: Module>(module: &M) -> BTreeSet<String> {
     p.1
 }
 
-/// True at the last two keys of sample 1.
-fn padding(device: &Device) -> Tensor<2, burn::tensor::Bool> {
-    let v: Vec<bool> = (0..B * S).map(|i| i / S == 1 && i % S >= S - 2).collect();
-    Tensor::from_data(TensorData::new(v, [B, S]), device)
+/// `[B, s]`, true at the last two keys of sample 1.
+fn padding(s: usize, device: &Device) -> Tensor<2, burn::tensor::Bool> {
+    let v: Vec<bool> = (0..B * s).map(|i| i / s == 1 && i % s >= s - 2).collect();
+    Tensor::from_data(TensorData::new(v, [B, s]), device)
 }
 
 type Values = BTreeMap<String, Vec<f32>>;
@@ -129,7 +129,7 @@ fn plain_run(config: &TransformerEncoderConfig, record: &Path) -> (Vec<f32>, Val
     let device = Device::flex().autodiff();
     let encoder = plain_encoder(config, record, &device);
     let input = TransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, &device))
-        .mask_pad(padding(&device));
+        .mask_pad(padding(S, &device));
     let y = encoder.forward(input);
     let grads = (y.clone() * data([B, S, D_MODEL], 0, 2, &device))
         .sum()
@@ -189,7 +189,7 @@ fn a_transformer_encoder_burn_built_converts_and_splits_as_the_plain_one() -> Re
                 // Burn's record paths: a record of one loads into the other.
                 assert_eq!(paths(&encoder), plain_paths);
                 let input = ours::TransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, d))
-                    .mask_pad(padding(d));
+                    .mask_pad(padding(S, d));
                 let y = encoder.forward(input);
                 let grads = (y.clone() * data([B, S, D_MODEL], 0, 2, d))
                     .sum()

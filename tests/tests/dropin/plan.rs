@@ -232,7 +232,7 @@ fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() 
                 let net = TpPlan::new().encoder(&["encoder"])?.apply(net, g)?;
                 let (net, _) = load_sharded(net, &source, g, &options)?;
                 let input = TransformerEncoderInput::new(data([super::B, super::S, D], 0, 1, d))
-                    .mask_pad(super::padding(d));
+                    .mask_pad(super::padding(super::S, d));
                 let y = net.encoder.forward(input);
                 let w = data([super::B, super::S, D], 0, 2, d);
                 let grads = (y.clone() * w).sum().backward();

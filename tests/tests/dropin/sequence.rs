@@ -122,7 +122,7 @@ fn plain_encoder_run(
     let d = Device::flex().autodiff();
     let encoder = plain_encoder(config, record, &d);
     let input = burn_tr::TransformerEncoderInput::new(data([B, S, D_MODEL], 0, 1, &d))
-        .mask_pad(padding_of(S, &d));
+        .mask_pad(padding(S, &d));
     let y = encoder.forward(input);
     let g = grads(
         &encoder,
@@ -131,17 +131,6 @@ fn plain_encoder_run(
         &super::solo(),
     );
     (values(y), g)
-}
-
-/// The last two keys of sample 1 are padding, at any length.
-fn padding_of(s: usize, d: &Device) -> Tensor<2, burn::tensor::Bool> {
-    match s == super::S {
-        true => padding(d),
-        false => {
-            let v: Vec<bool> = (0..B * s).map(|i| i / s == 1 && i % s >= s - 2).collect();
-            Tensor::from_data(burn::tensor::TensorData::new(v, [B, s]), d)
-        }
-    }
 }
 
 #[test]
@@ -164,7 +153,7 @@ fn a_sequence_parallel_encoder_gives_burns_output_and_gradients() -> Result<(), 
                     let encoder = plan("layers.*", sequence_parallel)?.apply(encoder, &g)?;
                     // Tracked, so every layer's communication runs backward too.
                     let x = data([B, S, D_MODEL], 0, 1, d).require_grad();
-                    let input = ours::TransformerEncoderInput::new(x).mask_pad(padding_of(S, d));
+                    let input = ours::TransformerEncoderInput::new(x).mask_pad(padding(S, d));
                     let y = encoder.forward(input);
                     let w = data([B, S, D_MODEL], 0, 2, d);
                     let grads =
@@ -243,7 +232,7 @@ fn a_sequence_parallel_decoder_keeps_its_memory_whole_and_gives_burns_result() -
         let (target, memory, w) = inputs(&ad);
         let input = burn_tr::TransformerDecoderInput::new(target, memory)
             .target_mask_attn(generate_autoregressive_mask(B, S, &ad))
-            .memory_mask_pad(padding_of(S_M, &ad));
+            .memory_mask_pad(padding(S_M, &ad));
         let y = plain.forward(input);
         let (y_plain, g_plain) = (values(y.clone()), grads(&plain, y, w, &super::solo()));
         for tp in [2, 4] {
@@ -255,7 +244,7 @@ fn a_sequence_parallel_decoder_keeps_its_memory_whole_and_gives_burns_result() -
                 let (target, memory, w) = inputs(d);
                 let input = ours::TransformerDecoderInput::new(target, memory)
                     .target_mask_attn(generate_autoregressive_mask(B, S, d))
-                    .memory_mask_pad(padding_of(S_M, d));
+                    .memory_mask_pad(padding(S_M, d));
                 let y = decoder.forward(input);
                 Ok::<_, Error>((values(y.clone()), grads(&decoder, y, w, g)))
             })?;

@@ -194,11 +194,7 @@ fn ref_smoothed_padding_differs() -> bool {
 
 #[test]
 fn a_real_vocabulary_beyond_the_padded_one_is_an_error() {
-    let tp: crate::comm::Comm = std::sync::Arc::new(
-        crate::comm::LocalWorld::new(1)
-            .communicator("tp", vec![0], 0)
-            .unwrap(),
-    );
+    let tp = crate::comm::solo_group("tp");
     let d = Device::flex();
     for real in [0, V + 1] {
         let e = vocab_parallel_cross_entropy_padded(full_logits(&d), targets(&d), 0.1, real, &tp)
@@ -238,11 +234,7 @@ fn bf16_logits_get_f32_loss_and_bf16_gradient() {
 
 #[test]
 fn invalid_smoothing_is_an_error() {
-    let tp: crate::comm::Comm = std::sync::Arc::new(
-        crate::comm::LocalWorld::new(1)
-            .communicator("tp", vec![0], 0)
-            .unwrap(),
-    );
+    let tp = crate::comm::solo_group("tp");
     let d = Device::flex();
     let e = vocab_parallel_cross_entropy(full_logits(&d), targets(&d), 1.0, &tp).unwrap_err();
     assert!(

@@ -89,7 +89,7 @@ pub(in crate::tensor_parallel::dropin) enum Region {
 /// # Panics
 ///
 /// When `s` does not split over the group, naming `what` and the numbers.
-pub(super) fn scatter(x: Tensor<3>, tp: &Comm, what: &str) -> Tensor<3> {
+fn scatter(x: Tensor<3>, tp: &Comm, what: &str) -> Tensor<3> {
     let (s, n) = (x.dims()[1], tp.group().size());
     assert!(
         s.is_multiple_of(n),
@@ -99,11 +99,10 @@ pub(super) fn scatter(x: Tensor<3>, tp: &Comm, what: &str) -> Tensor<3> {
     scatter_to_sequence_parallel_region(x.swap_dims(0, 1), tp).swap_dims(0, 1)
 }
 
-/// The whole sequence from every rank's positions. `partial_grad`: the output feeds
-/// tensor-parallel layers, whose gradients are partial sums (reduce-scattered backward);
-/// else every rank's gradient is whole and the same (this rank's positions kept).
-pub(super) fn gather(x: Tensor<3>, tp: &Comm, partial_grad: bool) -> Tensor<3> {
-    gather_from_sequence_parallel_region(x.swap_dims(0, 1), tp, partial_grad).swap_dims(0, 1)
+/// The whole sequence from every rank's positions, for what every rank computes alike (its
+/// gradient, whole and the same on every rank, cut to this rank's positions backward).
+fn gather(x: Tensor<3>, tp: &Comm) -> Tensor<3> {
+    gather_from_sequence_parallel_region(x.swap_dims(0, 1), tp, false).swap_dims(0, 1)
 }
 
 /// The ranks' partial sums `[..., s, d]` (sequence at dim 1), each rank keeping its
@@ -134,7 +133,7 @@ impl Stream {
                 x: scatter(self.x, tp, what),
                 split: Some(tp.clone()),
             },
-            (Some(tp), None) => Self::whole(gather(self.x, &tp, false)),
+            (Some(tp), None) => Self::whole(gather(self.x, &tp)),
             (split, _) => Self { x: self.x, split },
         }
     }
