@@ -153,7 +153,8 @@ pub(crate) fn assemble(
 
 /// [`assemble`], with zeros for the part of the box past `extent`, the real shape of a
 /// tensor whose shards pad it along one dimension (a padded vocabulary's rows or columns,
-/// which no record holds); the box is assembled as it is when it lies inside `extent`.
+/// which no record needs): only the part inside `extent` is read from `pieces`, so pieces
+/// that hold padding (saved before it was left out) are cut to the real extent.
 pub(crate) fn assemble_padded(
     offset: &[usize],
     shape: &[usize],
@@ -166,17 +167,23 @@ pub(crate) fn assemble_padded(
     let Some(d) = (0..shape.len()).find(|&d| ranks_agree && past(d)) else {
         return assemble(offset, shape, pieces, elem);
     };
-    let (mut at, mut size) = (offset.to_vec(), shape.to_vec());
-    at[d] = offset[d].max(extent[d]);
-    size[d] = offset[d] + shape[d] - at[d];
-    let zeros = vec![0u8; volume(&size).unwrap_or(0).saturating_mul(elem)];
-    let padding = Piece {
-        offset: &at,
-        shape: &size,
-        bytes: &zeros,
-    };
-    let all: Vec<Piece<'_>> = pieces.iter().copied().chain([padding]).collect();
-    assemble(offset, shape, &all, elem)
+    let mut inside = shape.to_vec();
+    inside[d] = extent[d].saturating_sub(offset[d]).min(shape[d]);
+    let bytes = volume(shape)
+        .and_then(|v| v.checked_mul(elem))
+        .ok_or_else(|| format!("a box of shape {shape:?} overflows"))?;
+    let mut out = vec![0u8; bytes];
+    if bytes == 0 || inside[d] == 0 {
+        return Ok(out);
+    }
+    let real = assemble(offset, &inside, pieces, elem)?;
+    // Each run of the dimensions before `d` holds `inside[d]` real blocks, then padding.
+    let block = volume(&shape[d + 1..]).unwrap_or(0).saturating_mul(elem);
+    let (keep, run) = (inside[d] * block, shape[d] * block);
+    for (to, from) in out.chunks_mut(run).zip(real.chunks(keep)) {
+        to[..keep].copy_from_slice(from);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -55,6 +55,7 @@ impl CheckpointIndex {
             offset: vec![0; global_shape.len()],
             global_shape: global_shape.clone(),
             stored: global_shape.clone(),
+            padded_dim: None,
         };
         Files::new(self).slice_in(set, &key, name, &whole, &global_shape)
     }

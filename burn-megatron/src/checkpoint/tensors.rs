@@ -21,6 +21,17 @@ pub(super) struct Placement {
     /// but for a padded vocabulary, whose padding is not saved (the global shape is the real
     /// one), so that layouts that pad it differently load each other's checkpoints.
     pub(super) stored: Vec<usize>,
+    /// The dimension a padded vocabulary pads (`global_shape` holds its real extent).
+    pub(super) padded_dim: Option<usize>,
+}
+
+/// Whether a tensor saved with `saved` global shape holds the `global` one: the same shape,
+/// or, along a padded vocabulary's dimension, a shape padded beyond the real one (a
+/// checkpoint from before the padding was left out; its padding rows are not read).
+fn same_tensor(saved: &[usize], global: &[usize], padded_dim: Option<usize>) -> bool {
+    saved.len() == global.len()
+        && (0..saved.len())
+            .all(|d| saved[d] == global[d] || (Some(d) == padded_dim && saved[d] > global[d]))
 }
 
 /// The placement of a parameter of local `dims` with id `id` on tensor-parallel rank
@@ -30,9 +41,8 @@ pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) 
     let attrs = parallel_attrs(id);
     let (mut global_shape, offset) = attrs.placement(dims, tp_rank, tp);
     let mut stored = dims.to_vec();
-    if let Some((d, real)) = attrs.padding()
-        && d < dims.len()
-    {
+    let padded_dim = attrs.padding().filter(|&(d, _)| d < dims.len());
+    if let Some((d, real)) = padded_dim {
         global_shape[d] = real;
         stored[d] = real.saturating_sub(offset[d]).min(dims[d]);
     }
@@ -40,6 +50,7 @@ pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) 
         global_shape,
         offset,
         stored,
+        padded_dim: padded_dim.map(|(d, _)| d),
     }
 }
 
@@ -242,10 +253,16 @@ impl<'a> Files<'a> {
         };
         let mut datas = Vec::new();
         for (dir, entry) in found {
-            if entry.global_shape != want.global_shape {
+            if !same_tensor(&entry.global_shape, &want.global_shape, want.padded_dim) {
+                let hint = if want.padded_dim.is_none() {
+                    " (a vocabulary padded to another size? A model that does not state its \
+                     real vocabulary, as BERT, must pad it the same way at both layouts: \
+                     --make-vocab-size-divisible-by × TP)"
+                } else {
+                    ""
+                };
                 return Err(mismatch(format!(
-                    "saved with global shape {:?} in {}, the model's is {:?} (a padded vocabulary? \
-                     --make-vocab-size-divisible-by × TP must pad it the same way)",
+                    "saved with global shape {:?} in {}, the model's is {:?}{hint}",
                     entry.global_shape,
                     dir.join(&entry.file).display(),
                     want.global_shape

@@ -97,3 +97,57 @@ fn overlapping_shards_cannot_hide_a_hole() {
     let e = assemble(&[0, 0], &[usize::MAX, 6], &far, 2).unwrap_err();
     assert!(e.contains("overflows"), "{e}");
 }
+
+/// A 5-row tensor padded to 8 rows (a vocabulary at TP 2): the padding reads as zeros,
+/// whether the checkpoint left it out or holds it (saved before it was left out, here
+/// nonzero so that a read of it shows).
+#[test]
+fn padding_reads_as_zeros_whether_saved_or_not() {
+    let row = |r: usize| [r as u8 * 2 + 1, r as u8 * 2 + 2];
+    let rows = |r: std::ops::Range<usize>| -> Vec<u8> { r.flat_map(row).collect() };
+    let (real_top, real_tail) = (rows(0..3), rows(3..5));
+    let unpadded = [
+        Piece {
+            offset: &[0, 0],
+            shape: &[3, 2],
+            bytes: &real_top,
+        },
+        Piece {
+            offset: &[3, 0],
+            shape: &[2, 2],
+            bytes: &real_tail,
+        },
+    ];
+    let (old_top, old_bottom) = (rows(0..4), rows(4..8));
+    let padded = [
+        Piece {
+            offset: &[0, 0],
+            shape: &[4, 2],
+            bytes: &old_top,
+        },
+        Piece {
+            offset: &[4, 0],
+            shape: &[4, 2],
+            bytes: &old_bottom,
+        },
+    ];
+    let want_bottom: Vec<u8> = [row(4).to_vec(), vec![0; 6]].concat();
+    for saved in [&unpadded[..], &padded[..]] {
+        let top = assemble_padded(&[0, 0], &[4, 2], saved, 1, &[5, 2]).unwrap();
+        assert_eq!(top, rows(0..4));
+        let bottom = assemble_padded(&[4, 0], &[4, 2], saved, 1, &[5, 2]).unwrap();
+        assert_eq!(bottom, want_bottom);
+    }
+    // Along columns: a [2, 3] tensor padded to [2, 4], read whole.
+    let cols: Vec<u8> = (1..=8).collect();
+    let wide = [Piece {
+        offset: &[0, 0],
+        shape: &[2, 4],
+        bytes: &cols,
+    }];
+    let got = assemble_padded(&[0, 0], &[2, 4], &wide, 1, &[2, 3]).unwrap();
+    assert_eq!(got, vec![1, 2, 3, 0, 5, 6, 7, 0]);
+    // A slice wholly past the real extent is all zeros, and reads nothing.
+    let past = assemble_padded(&[6, 0], &[2, 2], &[], 1, &[5, 2]).unwrap();
+    assert_eq!(past, vec![0; 4]);
+}

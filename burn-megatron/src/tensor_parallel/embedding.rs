@@ -2,7 +2,7 @@
 
 use super::attrs::ParallelAttrs;
 use super::init::{MasterInit, slice_rows};
-use super::layers::partition;
+use super::layers::{partition, unpadded};
 use super::mappings::{
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
@@ -32,6 +32,12 @@ pub struct VocabParallelEmbeddingConfig {
     /// Seed of the full table.
     #[config(default = 0)]
     pub seed: u64,
+    /// The real vocabulary when `num_embeddings` is padded (`None`: no padding). The rows
+    /// from there on are padding: checkpoints leave them out, so that layouts which pad the
+    /// vocabulary differently load each other's (Megatron-Core's `allow_shape_mismatch` on
+    /// the embedding).
+    #[config(default = "None")]
+    pub unpadded_size: Option<usize>,
 }
 
 /// What a [`VocabParallelEmbedding`] (and a model's token-type table) does with ids
@@ -65,6 +71,8 @@ pub struct VocabParallelEmbedding {
     sequence_parallel: bool,
     #[module(skip)]
     id_check: IdCheck,
+    #[module(skip)]
+    unpadded_size: Option<usize>,
 }
 
 impl VocabParallelEmbeddingConfig {
@@ -72,6 +80,7 @@ impl VocabParallelEmbeddingConfig {
     /// the vocabulary does not split evenly over the group.
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<VocabParallelEmbedding, TpError> {
         let part = partition(self.num_embeddings, tp.group().size(), "vocabulary entries")?;
+        let unpadded_size = unpadded(self.unpadded_size, self.num_embeddings, "vocabulary")?;
         self.initializer.check()?;
         let (init, rank, seed) = (self.initializer, tp.group().rank(), self.seed);
         let (n, dim) = (self.num_embeddings, self.embedding_dim);
@@ -85,6 +94,7 @@ impl VocabParallelEmbeddingConfig {
             layout: super::LayoutOwner::default(),
             sequence_parallel: self.sequence_parallel,
             id_check: IdCheck::default(),
+            unpadded_size,
         };
         layer.state_attrs();
         Ok(layer)
@@ -129,6 +139,7 @@ impl VocabParallelEmbedding {
             layout: super::LayoutOwner::default(),
             sequence_parallel,
             id_check: IdCheck::default(),
+            unpadded_size: None,
         };
         layer.state_attrs();
         Ok(layer)
@@ -138,7 +149,11 @@ impl VocabParallelEmbedding {
     /// at init and at every lookup, and by a model that reads the table directly (a tied
     /// output layer).
     pub(crate) fn state_attrs(&self) {
-        self.layout.state(self.weight.id, ParallelAttrs::sharded(0));
+        let rows = ParallelAttrs::sharded(0);
+        let rows = self
+            .unpadded_size
+            .map_or(rows, |real| rows.padded_from(real));
+        self.layout.state(self.weight.id, rows);
     }
 
     /// The vocabulary ids `[start, end)` this rank holds.

@@ -61,6 +61,12 @@ pub struct ColumnParallelLinearConfig {
     /// Seed of the master weight (and, plus one, of the bias).
     #[config(default = 0)]
     pub seed: u64,
+    /// The real output width when `d_output` pads a vocabulary (a GPT's own output layer;
+    /// `None`: no padding). The columns from there on are padding: checkpoints leave them
+    /// out, so that layouts which pad the vocabulary differently load each other's
+    /// (Megatron-Core's `allow_shape_mismatch` on the output layer).
+    #[config(default = "None")]
+    pub unpadded_size: Option<usize>,
 }
 
 /// A linear layer whose output features are split across tensor-parallel ranks.
@@ -84,6 +90,8 @@ pub struct ColumnParallelLinear {
     sequence_parallel: bool,
     #[module(skip)]
     gradient_accumulation_fusion: bool,
+    #[module(skip)]
+    unpadded_size: Option<usize>,
 }
 
 impl ColumnParallelLinearConfig {
@@ -92,6 +100,7 @@ impl ColumnParallelLinearConfig {
     pub fn init(&self, tp: &Comm, device: &Device) -> Result<ColumnParallelLinear, TpError> {
         let (rank, size) = (tp.group().rank(), tp.group().size());
         let part = partition(self.d_output, size, "output features")?;
+        let unpadded_size = unpadded(self.unpadded_size, self.d_output, "output features")?;
         self.initializer.check()?;
         self.bias_initializer.check()?;
         let (init, bias_init) = (self.initializer, self.bias_initializer);
@@ -115,6 +124,7 @@ impl ColumnParallelLinearConfig {
             skip_bias_add: self.skip_bias_add,
             sequence_parallel: self.sequence_parallel,
             gradient_accumulation_fusion: self.gradient_accumulation_fusion,
+            unpadded_size,
         };
         layer.state_attrs();
         Ok(layer)
@@ -191,6 +201,7 @@ impl ColumnParallelLinear {
         let [_, d_output] = linear.weight.dims();
         let size = tp.group().size();
         let part = partition(d_output, size, "output features")?;
+        let unpadded_size = unpadded(config.unpadded_size, d_output, "output features")?;
         let start = tp.group().rank() * part;
         let weight = linear.weight.val().narrow(1, start, part);
         let weight = super::shard_param(weight);
@@ -207,6 +218,7 @@ impl ColumnParallelLinear {
             skip_bias_add: config.skip_bias_add,
             sequence_parallel: config.sequence_parallel,
             gradient_accumulation_fusion: config.gradient_accumulation_fusion,
+            unpadded_size,
         };
         layer.state_attrs();
         Ok(layer)
@@ -215,9 +227,14 @@ impl ColumnParallelLinear {
     /// States the layout of the weight (split along dim 1) and the bias (dim 0): at init and
     /// at every forward, so it also holds for ids Burn's record loading restored.
     fn state_attrs(&self) {
-        self.layout.state(self.weight.id, ParallelAttrs::sharded(1));
+        let split = |dim| {
+            let attrs = ParallelAttrs::sharded(dim);
+            self.unpadded_size
+                .map_or(attrs, |real| attrs.padded_from(real))
+        };
+        self.layout.state(self.weight.id, split(1));
         if let Some(b) = &self.bias {
-            self.layout.state(b.id, ParallelAttrs::sharded(0));
+            self.layout.state(b.id, split(0));
         }
     }
 
@@ -559,6 +576,22 @@ pub(crate) fn product<const D: usize>(a: Tensor<D>, b: Tensor<2>) -> Tensor<D> {
 }
 
 /// `total / tp`, or an error naming what does not divide.
+/// A padded width's real extent, checked against the `full` width (`None` when nothing is
+/// padding).
+pub(crate) fn unpadded(
+    real: Option<usize>,
+    full: usize,
+    what: &str,
+) -> Result<Option<usize>, TpError> {
+    match real {
+        Some(r) if r == 0 || r > full => Err(TpError::Invalid(format!(
+            "the unpadded size ({r}) must be in [1, {full}], the padded {what}"
+        ))),
+        Some(r) if r < full => Ok(Some(r)),
+        _ => Ok(None),
+    }
+}
+
 pub(crate) fn partition(total: usize, tp: usize, what: &str) -> Result<usize, TpError> {
     if !total.is_multiple_of(tp) {
         return Err(TpError::Indivisible(format!(

@@ -231,8 +231,10 @@ pub struct TrainArgs {
     /// instead of burn-optim's `AdamW`; the same update.
     #[arg(long)]
     pub use_fused_adam: bool,
-    /// The vocabulary is padded to a multiple of this × TP (Megatron's flag). A checkpoint
-    /// loads at another TP size only when both pad it to the same size.
+    /// The vocabulary is padded to a multiple of this × TP (Megatron's flag). A GPT's
+    /// checkpoint holds the real vocabulary and loads at any padding; a BERT's holds the
+    /// padded one (its padding logits take part in the softmax), so it loads at another TP
+    /// size only when both pad it to the same size.
     #[arg(long, default_value_t = 128)]
     pub make_vocab_size_divisible_by: usize,
     /// Megatron's distributed optimizer (ZeRO-1): gradients reduce-scattered over the

@@ -411,6 +411,70 @@ fn a_checkpoint_loads_only_into_the_optimizer_kind_that_saved_it() {
     }
 }
 
+/// A vocabulary padded differently at each layout: a table of 8 rows saved whole (as every
+/// checkpoint was before the padding was left out) loads into one padded to 12 with 6 real
+/// rows, whose checkpoint holds only those 6, and that loads into a table of 8 again; the
+/// real rows move, the padding reads as zeros, the fused Adam's moments move along.
+#[test]
+fn a_vocabulary_loads_at_another_padding() {
+    use crate::tensor_parallel::{VocabParallelEmbedding, VocabParallelEmbeddingConfig};
+    let device = Device::flex().autodiff();
+    let comm: Comm = Arc::new(LocalWorld::new(1).communicator("mp", vec![0], 0).unwrap());
+    let table = |rows: usize, real: Option<usize>, seed: u64| {
+        VocabParallelEmbeddingConfig::new(rows, 3)
+            .with_unpadded_size(real)
+            .with_seed(seed)
+            .init(&comm, &device)
+            .unwrap()
+    };
+    let optimizer = |m: &VocabParallelEmbedding| {
+        MegatronOptimizer::new(FusedAdamConfig::new().init().unwrap(), m, comm.clone(), 0)
+    };
+    let rows = |m: &VocabParallelEmbedding| -> Vec<Vec<f32>> {
+        let v: Vec<f32> = m.weight.val().into_data().iter::<f32>().collect();
+        v.chunks(3).map(<[f32]>::to_vec).collect()
+    };
+    let save_loaded = |dir: &Path, model: &VocabParallelEmbedding, step: bool| {
+        let mut optim = optimizer(model);
+        let mut model = model.clone();
+        if step {
+            let ids = Tensor::<2, burn::tensor::Int>::from_data([[0, 5, 2]], &device);
+            let loss = model.forward(ids).powi_scalar(2).mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(1e-2, model, grads).unwrap().0;
+        }
+        begin_checkpoint(dir, 1).unwrap();
+        save_checkpoint(dir, 1, &solo(), &model, &optim, serde_json::json!({})).unwrap();
+        commit_checkpoint(dir, 1).unwrap();
+        model
+    };
+    let load_into = |dir: &Path, model: VocabParallelEmbedding| {
+        load_checkpoint(dir, 1, &solo(), model, |m| Ok(optimizer(m)), true)
+            .unwrap()
+            .model
+    };
+    let (old, new) = (tmp("vocab-old"), tmp("vocab-new"));
+    let whole = save_loaded(&old, &table(8, None, 1), true);
+    let padded = load_into(&old, table(12, Some(6), 2));
+    let (w, p) = (rows(&whole), rows(&padded));
+    assert_eq!(&p[..6], &w[..6]);
+    assert!(p[6..].iter().flatten().all(|&x| x == 0.0), "{p:?}");
+    save_loaded(&new, &padded, false);
+    let index = CheckpointIndex::read(&committed_dir(&new, 1)).unwrap();
+    let shapes: Vec<_> = index
+        .shards("model")
+        .values()
+        .map(|f| f[0].1.global_shape.clone())
+        .collect();
+    assert_eq!(shapes, vec![vec![6, 3]], "only the real rows are saved");
+    let back = rows(&load_into(&new, table(8, Some(6), 3)));
+    assert_eq!(&back[..6], &w[..6]);
+    assert!(back[6..].iter().flatten().all(|&x| x == 0.0), "{back:?}");
+    for dir in [old, new] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
 mod durability;
 
 mod fuzz;

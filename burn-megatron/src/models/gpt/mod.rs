@@ -85,7 +85,9 @@ pub struct GptConfig {
     /// `scaled_init_method_normal`).
     pub transformer: TransformerLayerConfig,
     /// The real vocabulary (`None`: all of `padded_vocab_size`). Logits of the padding rows
-    /// are masked out (−10⁴), so the loss and sampling are the unpadded model's.
+    /// are masked out (−10⁴), so the loss and sampling are the unpadded model's, and
+    /// checkpoints hold only the real rows: a layout that pads the vocabulary to another
+    /// size loads them, its padding zeros.
     #[config(default = "None")]
     pub vocab_size: Option<usize>,
     /// Learned absolute positions or rotary embeddings.
@@ -321,8 +323,12 @@ impl GptConfig {
             .layer_range(self.num_layers)
             .map_err(|e| TpError::Invalid(e.to_string()))?;
         let (h, seed, normal) = (t.hidden_size, t.seed, t.initializer);
+        // Checkpoints hold the real vocabulary, so that a layout padding it otherwise loads
+        // them.
+        let real = self.vocab_size;
         let word_embeddings = || {
             VocabParallelEmbeddingConfig::new(self.padded_vocab_size, h)
+                .with_unpadded_size(real)
                 .with_initializer(normal)
                 .with_seed(derive_seed(seed, "word_embeddings"))
                 .init(tp, device)
@@ -355,6 +361,7 @@ impl GptConfig {
                 let output_layer = untied
                     .then(|| {
                         ColumnParallelLinearConfig::new(h, self.padded_vocab_size)
+                            .with_unpadded_size(real)
                             .with_bias(false)
                             .with_sequence_parallel(t.sequence_parallel)
                             .with_gradient_accumulation_fusion(t.gradient_accumulation_fusion)
