@@ -119,13 +119,17 @@ pub fn wgpu_gpu_device() -> Result<Device, String> {
     Err("built without the `wgpu` feature".into())
 }
 
-/// CUDA device 0, or why there is none (built without the `cuda` feature, or no driver or
-/// device).
-pub fn cuda_device() -> Result<Device, String> {
+/// CUDA device `ordinal`, or why there is none: `cuda::cuda_device` (feature `cuda`) in
+/// every build, for code that compiles with and without the feature; without it, an error
+/// saying so.
+pub fn cuda_device(ordinal: usize) -> Result<Device, String> {
     #[cfg(feature = "cuda")]
-    return crate::cuda::cuda_device(0).map_err(|e| e.to_string());
+    return crate::cuda::cuda_device(ordinal).map_err(|e| e.to_string());
     #[cfg(not(feature = "cuda"))]
-    Err("built without the `cuda` feature".into())
+    {
+        let _ = ordinal;
+        Err("built without the `cuda` feature".into())
+    }
 }
 
 /// What CubeCL's memory pools of one device hold, in bytes.

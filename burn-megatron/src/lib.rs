@@ -3,7 +3,7 @@
 //! A training loop touches one object per concept: a layout ([`topology::ParallelConfig`]),
 //! ranks launched with their groups ([`launch::threads`], [`launch::from_env`]), a model
 //! built per pipeline stage ([`models::GptConfig`], [`models::BertConfig`], or a Burn
-//! model with its layers swapped for [`tensor_parallel`]'s), and [`training::ParallelTraining`]
+//! model converted by [`tensor_parallel::dropin`]), and [`training::ParallelTraining`]
 //! for everything between backward and the next forward: the gradient reductions
 //! (`finalize`), the optimizer (`optimizer`) and checkpoints (`save`, `load`). A step is
 //! [`pipeline::forward_backward_func`] → `finalize` → the optimizer's `step`; the
@@ -11,9 +11,9 @@
 //!
 //! # Module map
 //!
-//! The modules, bottom up: no module imports one listed after it, except that the models
-//! sit below data parallelism, the optimizer and the pipeline (none of which imports them);
-//! `tests/layering.rs` holds the exact table and checks it.
+//! The modules, bottom up: no module imports one listed after it (data parallelism, the
+//! optimizer and the pipeline do not import the models either); `tests/layering.rs` holds
+//! the exact table and checks it.
 //!
 //! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data-, context-
 //!   and expert-parallel groups (Megatron-Core's exact rank arithmetic).

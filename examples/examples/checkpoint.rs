@@ -27,8 +27,9 @@ enum Command {
     Inspect {
         /// The checkpoint root (`--save` of bert_pretrain or gpt_pretrain).
         root: PathBuf,
-        /// The iteration (default: the latest).
-        #[arg(long)]
+        /// The iteration (default: the latest); `--ckpt-step`, as in the pretraining
+        /// examples and `generate`, is the same flag.
+        #[arg(long, visible_alias = "ckpt-step")]
         iteration: Option<usize>,
     },
     /// Write a Hugging Face directory (config.json, model.safetensors) of a BERT or a GPT.
@@ -41,8 +42,9 @@ enum Command {
         root: PathBuf,
         /// The output directory.
         out: PathBuf,
-        /// The iteration (default: the latest).
-        #[arg(long)]
+        /// The iteration (default: the latest); `--ckpt-step`, as in the pretraining
+        /// examples and `generate`, is the same flag.
+        #[arg(long, visible_alias = "ckpt-step")]
         iteration: Option<usize>,
     },
 }

@@ -111,7 +111,7 @@ fn train(ctx: RankContext, data: &GptCorpusDataset, root: &Path) -> Result<Vec<f
         let report;
         (chunks, report) = optimizer.step(LR, chunks, grads)?;
         if last_stage {
-            // The losses stayed on the device; one host read for every micro-batch.
+            // The losses stayed on the device; one host read for all micro-batches.
             let read = read_losses(&out.losses);
             let mean = read.iter().map(|l| l.loss).sum::<f64>() / read.len() as f64;
             let mut loss = vec![mean as f32];

@@ -201,14 +201,14 @@ pub fn load_rank<M: WholeModel>(
 fn with_whole<M: WholeModel, T: Send>(
     root: &Path,
     iteration: Option<usize>,
-    f: impl Fn(M, &M::Config, &Comm) -> Result<T, String> + Sync,
+    f: impl Fn(M, &M::Config) -> Result<T, String> + Sync,
 ) -> Result<T, String> {
     let iteration = resolve_iteration(root, iteration)?;
     let config = read_config::<M>(root)?;
     let options = LaunchOptions::default().with_device(|_| Device::flex());
     let mut out = launch::threads(&ParallelConfig::new(1, 1, 1), options, |ctx| {
         let model = load_rank::<M>(root, iteration, &config, &ctx)?;
-        f(model, &config, &ctx.groups.tp)
+        f(model, &config)
     })
     .map_err(|e| e.to_string())?;
     Ok(out.remove(0))
@@ -220,7 +220,7 @@ pub fn load_whole<M: WholeModel>(
     root: &Path,
     iteration: Option<usize>,
 ) -> Result<(M, M::Config), String> {
-    with_whole(root, iteration, |m: M, c: &M::Config, _| Ok((m, c.clone())))
+    with_whole(root, iteration, |m: M, c: &M::Config| Ok((m, c.clone())))
 }
 
 /// Writes a Hugging Face directory from the checkpoint of `iteration` (default: the latest)
@@ -234,14 +234,14 @@ pub fn to_hf(root: &Path, iteration: Option<usize>, out: &Path) -> Result<String
         let vocab = BertTokenizer::from_file(&tokenizer_path)
             .map_err(|e| e.to_string())?
             .vocab_size();
-        return with_whole(root, iteration, |model: Bert, config, tp| {
+        return with_whole(root, iteration, |model: Bert, config| {
             let hf = HfBertConfig::from_bert_config(config, vocab);
-            save_hf_bert(&model, &hf, out, tp).map_err(|e| e.to_string())?;
+            save_hf_bert(&model, &hf, out).map_err(|e| e.to_string())?;
             Ok("BertForPreTraining".to_string())
         });
     }
     let tokenizer = GptTokenizer::from_file(&tokenizer_path).map_err(|e| e.to_string())?;
-    let architecture = with_whole(root, iteration, |model: Gpt, config, _| {
+    let architecture = with_whole(root, iteration, |model: Gpt, config| {
         // The model's own vocabulary (a fine-tuned Hugging Face model's may exceed its
         // tokenizer's).
         let mut hf =

@@ -91,7 +91,7 @@ fn export_then_import_round_trips_every_tensor() {
     // Load at TP 2, export (gathering the shards), re-import at TP 1 and export again.
     tp_ranks(2, |ctx| {
         let (model, hf) = load_hf_bert(&fixture(), &ctx.groups.tp, &ctx.device)?;
-        save_hf_bert(&model, &hf, &out, &ctx.groups.tp)
+        save_hf_bert(&model, &hf, &out)
     })
     .unwrap();
     assert_eq!(

@@ -49,7 +49,7 @@ pub fn cube_device(test: &str) -> Device {
     let device = match which.as_str() {
         "wgpu" => wgpu_cpu_device(),
         "wgpu-gpu" => wgpu_gpu_device(),
-        "cuda" => cuda_device(),
+        "cuda" => cuda_device(0),
         other => Err(format!(
             "KERNEL_TEST_DEVICE={other}: expected wgpu, wgpu-gpu or cuda"
         )),

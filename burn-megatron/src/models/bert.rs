@@ -346,6 +346,11 @@ impl Bert {
         )
     }
 
+    /// The tensor-parallel group this model is split over.
+    pub fn tp(&self) -> &Comm {
+        &self.tp
+    }
+
     /// The global index of this chunk's first layer.
     pub fn first_layer(&self) -> usize {
         self.first_layer

@@ -96,7 +96,7 @@ impl Report {
 pub fn gpu_devices() -> Vec<(&'static str, Result<(), String>)> {
     use burn_megatron_kernels::device::{cuda_device, wgpu_gpu_device};
     vec![
-        ("cuda", cuda_device().map(|_| ())),
+        ("cuda", cuda_device(0).map(|_| ())),
         ("wgpu", wgpu_gpu_device().map(|_| ())),
     ]
 }

@@ -5,7 +5,7 @@ use super::device::TrainDevice;
 use burn_megatron::data::BatchLayout;
 use burn_megatron::launch::DistributedBackend;
 use burn_megatron::models::AttnBackend;
-use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle};
+use burn_megatron::optimizer::{LrDecayStyle, WdIncrStyle, WsdDecayStyle};
 use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::recompute::{
     RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule,
@@ -25,6 +25,35 @@ pub enum DecayStyle {
     Cosine,
     /// `1 / sqrt(step)`.
     InverseSquareRoot,
+    /// Warmup-stable-decay: `--lr` until the last `--lr-wsd-decay-iters`, then annealed to
+    /// `--min-lr` as `--lr-wsd-decay-style` says.
+    #[value(name = "WSD", alias = "wsd")]
+    Wsd,
+}
+
+/// The WSD style's annealing shape, as Megatron's `--lr-wsd-decay-style`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WsdDecay {
+    /// `1 − r` over the decay phase's fraction `r`.
+    Linear,
+    /// `(cos(π r) + 1) / 2`.
+    Cosine,
+    /// `2 · 0.5^r − 1`.
+    Exponential,
+    /// `1 − √r`.
+    #[value(name = "minus_sqrt", alias = "minus-sqrt")]
+    MinusSqrt,
+}
+
+impl From<WsdDecay> for WsdDecayStyle {
+    fn from(s: WsdDecay) -> Self {
+        match s {
+            WsdDecay::Linear => WsdDecayStyle::Linear,
+            WsdDecay::Cosine => WsdDecayStyle::Cosine,
+            WsdDecay::Exponential => WsdDecayStyle::Exponential,
+            WsdDecay::MinusSqrt => WsdDecayStyle::MinusSqrt,
+        }
+    }
 }
 
 impl From<DecayStyle> for LrDecayStyle {
@@ -34,6 +63,7 @@ impl From<DecayStyle> for LrDecayStyle {
             DecayStyle::Linear => LrDecayStyle::Linear,
             DecayStyle::Cosine => LrDecayStyle::Cosine,
             DecayStyle::InverseSquareRoot => LrDecayStyle::InverseSquareRoot,
+            DecayStyle::Wsd => LrDecayStyle::Wsd,
         }
     }
 }
@@ -155,7 +185,7 @@ pub struct TrainArgs {
     /// Microbatches per group of the interleaved schedule's table (default: PP).
     #[arg(long)]
     pub microbatch_group_size_per_virtual_pipeline_stage: Option<usize>,
-    /// Total ranks; data-parallel size = world size / (TP × PP).
+    /// Total ranks; data-parallel size = world size / (TP × PP × CP).
     #[arg(long, default_value_t = 2)]
     pub world_size: usize,
     /// Transformer layers.
@@ -209,6 +239,12 @@ pub struct TrainArgs {
     /// Decay style.
     #[arg(long, value_enum, default_value_t = DecayStyle::Cosine)]
     pub lr_decay_style: DecayStyle,
+    /// Iterations of the WSD style's decay phase, the last of `--train-iters` (`WSD` only).
+    #[arg(long)]
+    pub lr_wsd_decay_iters: Option<usize>,
+    /// The WSD style's annealing shape (`WSD` only).
+    #[arg(long, value_enum, default_value_t = WsdDecay::Exponential)]
+    pub lr_wsd_decay_style: WsdDecay,
     /// Fraction of `--train-iters` spent warming up.
     #[arg(long, default_value_t = 0.05)]
     pub lr_warmup_fraction: f64,

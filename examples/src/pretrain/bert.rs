@@ -25,7 +25,8 @@ use std::time::Instant;
 
 /// BERT pretraining with tensor, pipeline and data parallelism (ranks run as threads of
 /// this process). Without `--data-path` it trains on a procedurally generated English-like
-/// corpus, and without `--vocab-file` it trains a WordPiece vocabulary on it first.
+/// corpus with the generator's own vocabulary; with `--data-path` and without
+/// `--vocab-file` it trains a WordPiece vocabulary on the data first.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "bert_pretrain", version, args_override_self = true)]
 pub struct Args {

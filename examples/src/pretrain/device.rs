@@ -23,7 +23,7 @@ impl TrainDevice {
         use burn_megatron_kernels::device::{cuda_device, wgpu_gpu_device};
         let (name, device) = match self {
             TrainDevice::Cpu => ("cpu", Ok(Device::flex())),
-            TrainDevice::Cuda => ("cuda", cuda_device()),
+            TrainDevice::Cuda => ("cuda", cuda_device(0)),
             TrainDevice::Wgpu => ("wgpu", wgpu_gpu_device()),
         };
         device

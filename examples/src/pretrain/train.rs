@@ -49,14 +49,14 @@ pub fn scheduler(args: &TrainArgs) -> Result<OptimizerParamScheduler, String> {
         lr_warmup_steps: warmup,
         lr_decay_steps: args.train_iters,
         lr_decay_style: args.lr_decay_style.into(),
-        wsd_decay_steps: None,
-        lr_wsd_decay_style: None,
+        wsd_decay_steps: args.lr_wsd_decay_iters,
+        lr_wsd_decay_style: Some(args.lr_wsd_decay_style.into()),
         start_wd: args.start_weight_decay.unwrap_or(args.weight_decay),
         end_wd: args.end_weight_decay.unwrap_or(args.weight_decay),
         wd_incr_steps: args.train_iters,
         wd_incr_style: args.weight_decay_incr_style.into(),
     })
-    .map_err(|e| format!("the learning-rate / weight-decay schedule (--lr, --min-lr, --lr-warmup-fraction, --train-iters, --weight-decay, --start-weight-decay, --end-weight-decay, --weight-decay-incr-style): {e}"))
+    .map_err(|e| format!("the learning-rate / weight-decay schedule (--lr, --min-lr, --lr-decay-style, --lr-wsd-decay-iters, --lr-warmup-fraction, --train-iters, --weight-decay, --start-weight-decay, --end-weight-decay, --weight-decay-incr-style): {e}"))
 }
 
 /// This rank's mean losses over its microbatches, `[lm]` or BERT's `[lm, sop]`, on last

@@ -264,7 +264,7 @@ fn tensors(world: &dyn World, rank: usize) -> Result<String, String> {
     let cpu = Device::flex();
     // The GPU the communicator's NCCL runs on (GPU 0 where it has no device collectives).
     let ordinal = comm.device_collectives().map_or(0, |d| d.ordinal());
-    let (gpu, path) = match cuda_device(ordinal) {
+    let (gpu, path) = match burn_megatron_kernels::device::cuda_device(ordinal) {
         Ok(d) if comm.device_collectives().is_some() => (d, "device".to_string()),
         Ok(_) => (cpu.clone(), "host (no device collectives)".to_string()),
         Err(e) => (cpu.clone(), format!("host (no CUDA device: {e})")),
@@ -360,17 +360,6 @@ fn tensors(world: &dyn World, rank: usize) -> Result<String, String> {
     Ok(format!(
         "{checks} tensor ops on the {path} path equal the host path's"
     ))
-}
-
-/// CUDA device `ordinal`, or why there is none.
-fn cuda_device(ordinal: usize) -> Result<burn::tensor::Device, String> {
-    #[cfg(feature = "cuda")]
-    return burn_megatron_kernels::cuda::cuda_device(ordinal).map_err(|e| e.to_string());
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        Err("built without the `cuda` feature".into())
-    }
 }
 
 /// 64 MiB collectives against their closed forms (see the module docs).

@@ -327,8 +327,9 @@ pub fn hf_state_dict(
 }
 
 /// Writes `dir/config.json` and `dir/model.safetensors` (f32, HF names) from TP rank 0.
-/// Collective: every rank of `tp` calls it.
-pub fn save_hf_bert(model: &Bert, hf: &HfBertConfig, dir: &Path, tp: &Comm) -> Result<(), HfError> {
+/// Collective: every rank of the model's tensor-parallel group calls it.
+pub fn save_hf_bert(model: &Bert, hf: &HfBertConfig, dir: &Path) -> Result<(), HfError> {
+    let tp = model.tp();
     let tensors = hf_state_dict(model, hf.vocab_size, tp)?;
     if tp.group().rank() != 0 {
         return Ok(());
