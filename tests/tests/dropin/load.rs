@@ -69,8 +69,10 @@ pub(super) fn scratch(tag: &str) -> PathBuf {
 }
 
 /// Burn's encoder saved as Burn writes it (`bpk`), and as a PyTorch port would (`encoder.`
-/// prefix, `layer` for `layers`, linear weights `[out, in]`), whole and sharded by an index.
-/// Returns the sources with the options that read them.
+/// prefix, `layer` for `layers`, linear weights `[out, in]`), whole and sharded by an index,
+/// and with PyTorch's names for the norms' parameters too (`weight` and `bias` for `gamma`
+/// and `beta`), read by the PyTorch adapter instead of patterns. Returns the sources with
+/// the options that read them.
 fn records(
     config: &TransformerEncoderConfig,
     bpk: &Path,
@@ -108,13 +110,23 @@ fn records(
     std::fs::write(&index, json.to_string()).unwrap();
     let torch_options = LoadOptions::default()
         .with_key_remap(r"^encoder\.layer\.", "layers.")
-        .unwrap()
-        .with_transposed(r"\.weight$")
         .unwrap();
+    let torch_names: Vec<_> = torch
+        .iter()
+        .map(|(name, shape, v)| {
+            let name = name.replace(".gamma", ".weight").replace(".beta", ".bias");
+            (name, shape.clone(), v.clone())
+        })
+        .collect();
+    let named = dir.join("encoder-torch-names.safetensors");
+    write_safetensors(&named, &torch_names);
+    let adapter = torch_options.clone().with_pytorch_adapter(true);
+    let torch_options = torch_options.with_transposed(r"\.weight$").unwrap();
     vec![
         (RecordSource::from_path(bpk), LoadOptions::default()),
         (RecordSource::from_path(&st), torch_options.clone()),
         (RecordSource::from_path(&index), torch_options),
+        (RecordSource::from_path(&named), adapter),
     ]
 }
 

@@ -30,6 +30,7 @@ mod sequence;
 mod text_generation;
 mod training;
 mod vocab;
+mod whole_nn;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 

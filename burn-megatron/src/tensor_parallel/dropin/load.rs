@@ -20,7 +20,7 @@ use crate::comm::Comm;
 use crate::module_path::{PathMapper, map_paths};
 use crate::safetensors_io;
 use crate::shards::{Piece, assemble_padded};
-use burn::module::{Module, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use regex::Regex;
 use std::borrow::Cow;
@@ -107,6 +107,7 @@ impl RecordSource {
 pub struct LoadOptions {
     remaps: Vec<(Regex, String)>,
     transposed: Vec<Regex>,
+    pytorch_adapter: bool,
     allow_missing: bool,
     allow_unused: bool,
 }
@@ -125,6 +126,27 @@ impl LoadOptions {
     pub fn with_transposed(mut self, pattern: &str) -> Result<Self, TpError> {
         self.transposed.push(regex(pattern)?);
         Ok(self)
+    }
+
+    /// Read a PyTorch state dict as burn-store's `PyTorchToBurnAdapter` does, by the type of
+    /// the layer that holds each parameter: every `Linear`'s 2-D weight is stored `[out, in]`
+    /// (read transposed; a layer in Burn's column layout reads it as stored), and a norm's
+    /// (`LayerNorm`, `RmsNorm`, `BatchNorm`, `GroupNorm`) `gamma` and `beta` are stored as
+    /// `weight` and `bias` where the record has no `gamma` or `beta`. Key remaps still apply
+    /// first, for the names around the layers.
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::dropin::LoadOptions;
+    /// // A PyTorch port of a Burn encoder: `encoder.layer.N.` for `layers.N.`, its linears
+    /// // `[out, in]`, its norms' `weight` and `bias`.
+    /// let options = LoadOptions::default()
+    ///     .with_key_remap(r"^encoder\.layer\.", "layers.").unwrap()
+    ///     .with_pytorch_adapter(true);
+    /// # drop(options);
+    /// ```
+    pub fn with_pytorch_adapter(mut self, on: bool) -> Self {
+        self.pytorch_adapter = on;
+        self
     }
 
     /// Leave parameters the record does not hold as they are (listed in the report) instead
@@ -325,6 +347,10 @@ fn load<M: Module>(
     let mut loader = Loader {
         by_path,
         facts: facts(&model),
+        owners: match options.pytorch_adapter {
+            true => owners(&model),
+            false => HashMap::new(),
+        },
         tp,
         options,
         report: LoadReport::default(),
@@ -350,6 +376,9 @@ struct Loader<'a, 'o> {
     by_path: BTreeMap<String, (String, Stored<'a>)>,
     /// What the layers' slots know (Burn's column layout).
     facts: HashMap<String, Facts>,
+    /// The type of the layer that holds each parameter, by parameter path (for the PyTorch
+    /// adapter).
+    owners: HashMap<String, String>,
     tp: (usize, usize),
     options: &'o LoadOptions,
     report: LoadReport,
@@ -361,7 +390,12 @@ impl PathMapper for Loader<'_, '_> {
         if self.error.is_some() {
             return p;
         }
-        let Some((_, stored)) = self.by_path.remove(path) else {
+        let owner = self.owners.get(path).map(String::as_str);
+        let found = self.by_path.remove(path).or_else(|| {
+            let alternative = pytorch_norm_key(owner, path)?;
+            self.by_path.remove(&alternative)
+        });
+        let Some((_, stored)) = found else {
             match self.options.allow_missing {
                 true => self.report.missing.push(path.to_string()),
                 false => {
@@ -378,8 +412,10 @@ impl PathMapper for Loader<'_, '_> {
         // split one's shards have no mapper.
         let col = col_weight(&self.facts, path);
         let options = self.options.transposed.iter().any(|re| re.is_match(path));
+        let torch_linear = owner == Some("Struct:Linear") && path.ends_with(".weight") && D == 2;
+        let adapter = torch_linear && col.is_none();
         let mapped = col == Some(false);
-        let shard = self.shard(&p, &stored, options || col == Some(true), mapped);
+        let shard = self.shard(&p, &stored, options || adapter || col == Some(true), mapped);
         // The whole tensor a column shard was cut from goes before the shard is copied in.
         drop(stored);
         match shard {
@@ -489,6 +525,57 @@ impl Loader<'_, '_> {
         };
         Ok(TensorData::from_bytes_vec(bytes, local, stored.dtype))
     }
+}
+
+/// The path under which a PyTorch state dict stores the norm parameter at `path` (`weight`
+/// for `gamma`, `bias` for `beta`), when its layer `owner` is one of Burn's norms.
+fn pytorch_norm_key(owner: Option<&str>, path: &str) -> Option<String> {
+    const NORMS: [&str; 4] = [
+        "Struct:LayerNorm",
+        "Struct:RmsNorm",
+        "Struct:BatchNorm",
+        "Struct:GroupNorm",
+    ];
+    owner.filter(|o| NORMS.contains(o))?;
+    let (layer, field) = path.rsplit_once('.').unwrap_or(("", path));
+    let torch = match field {
+        "gamma" => "weight",
+        "beta" => "bias",
+        _ => return None,
+    };
+    Some(match layer {
+        "" => torch.to_string(),
+        _ => format!("{layer}.{torch}"),
+    })
+}
+
+/// The type of the layer holding each float parameter (`Struct:Linear`: Burn's derive
+/// passes the owning struct's name as it enters each field), by parameter path.
+fn owners<M: Module>(model: &M) -> HashMap<String, String> {
+    struct Owners(Vec<(String, String)>, HashMap<String, String>);
+    impl ModuleVisitor for Owners {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            self.0.push((name.to_string(), container_type.to_string()));
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
+            let path: Vec<&str> = self.0.iter().map(|(n, _)| n.as_str()).collect();
+            let owner = self
+                .0
+                .iter()
+                .rev()
+                .map(|(_, t)| t.as_str())
+                .find(|t| t.starts_with("Struct:") || t.starts_with("Enum:"));
+            if let Some(owner) = owner {
+                self.1.insert(path.join("."), owner.to_string());
+            }
+        }
+    }
+    let mut owners = Owners(Vec::new(), HashMap::new());
+    model.visit(&mut owners);
+    owners.1
 }
 
 /// The `rows × cols` row-major matrix of `elem`-byte elements, transposed.

@@ -16,10 +16,9 @@ use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer};
 use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Device, Tensor};
 
-/// Burn's mask builders, so that an import of `burn::nn::attention` swaps whole.
-pub use burn::nn::attention::{
-    GeneratePaddingMask, generate_autoregressive_mask, generate_padding_mask,
-};
+/// The rest of Burn's `nn::attention` (the mask builders, `CrossAttention`), so that an
+/// import of it swaps whole; `CrossAttention` is Burn's own, not split.
+pub use burn::nn::attention::*;
 
 /// Burn's `MultiHeadAttentionConfig`, field for field.
 #[derive(Config, Debug)]

@@ -14,6 +14,7 @@ pub mod attention;
 pub mod cache;
 mod sequence;
 pub mod transformer;
+
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
 use crate::tensor_parallel::embedding::vocab_lookup;
@@ -25,7 +26,11 @@ use crate::tensor_parallel::mappings::{
 use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::nn::{Initializer, LinearLayout};
+/// The rest of Burn's `nn`, as Burn has it (norms, dropout, activations, rotary encoding,
+/// losses, convolutions, initializers, ...): none of it is split, so `use burn::nn::…` swaps
+/// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache` and
+/// `transformer` modules, which do the same with Burn's) take the place of Burn's.
+pub use burn::nn::*;
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor};
 use sequence::Region;

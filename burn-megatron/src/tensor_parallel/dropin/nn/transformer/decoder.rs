@@ -54,32 +54,10 @@ pub struct TransformerDecoderConfig {
 impl TransformerDecoderConfig {
     /// The decoder on `device`, drawn lazily as Burn draws it.
     pub fn init(&self, device: &Device) -> TransformerDecoder {
-        let parts = Parts {
-            d_model: self.d_model,
-            d_ff: self.d_ff,
-            n_heads: self.n_heads,
-            dropout: self.dropout,
-            quiet_softmax: self.quiet_softmax,
-            initializer: &self.initializer,
-            activation: &self.activation,
-            layer_norm_eps: self.layer_norm_eps,
-            device,
-        };
-        let d = self.d_model;
-        let layer = |_| TransformerDecoderLayer {
-            cross_attn: parts.attention(),
-            self_attn: parts.attention(),
-            pwff: parts.pwff(),
-            norm_1: parts.norm(),
-            norm_2: parts.norm(),
-            norm_3: parts.norm(),
-            dropout: parts.dropout(),
-            norm_first: self.norm_first,
-            tp: TpSlot::default(),
-        };
+        let layer = |_| TransformerDecoderLayer::new(self, device);
         TransformerDecoder {
             layers: (0..self.n_layers).map(layer).collect(),
-            d_model: d,
+            d_model: self.d_model,
             d_ff: self.d_ff,
             n_heads: self.n_heads,
             n_layers: self.n_layers,
@@ -234,6 +212,32 @@ pub struct TransformerDecoderLayer {
 }
 
 impl TransformerDecoderLayer {
+    /// One layer of `config`'s decoder (its `n_layers` is not read), as Burn's `new`.
+    pub fn new(config: &TransformerDecoderConfig, device: &Device) -> Self {
+        let parts = Parts {
+            d_model: config.d_model,
+            d_ff: config.d_ff,
+            n_heads: config.n_heads,
+            dropout: config.dropout,
+            quiet_softmax: config.quiet_softmax,
+            initializer: &config.initializer,
+            activation: &config.activation,
+            layer_norm_eps: config.layer_norm_eps,
+            device,
+        };
+        Self {
+            cross_attn: parts.attention(),
+            self_attn: parts.attention(),
+            pwff: parts.pwff(),
+            norm_1: parts.norm(),
+            norm_2: parts.norm(),
+            norm_3: parts.norm(),
+            dropout: parts.dropout(),
+            norm_first: config.norm_first,
+            tp: TpSlot::default(),
+        }
+    }
+
     /// Burn's layer: its norms where Burn puts them (`norm_3` before the self-attention
     /// pre-norm, after the layer post-norm).
     ///

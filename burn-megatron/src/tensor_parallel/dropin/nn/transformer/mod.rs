@@ -84,19 +84,11 @@ impl Parts<'_> {
     }
 
     fn pwff(&self) -> PositionWiseFeedForward {
-        let linear = |i, o| {
-            LinearConfig::new(i, o)
-                .with_initializer(self.initializer.clone())
-                .init(self.device)
-        };
-        let activation = self.activation.init(self.device);
-        PositionWiseFeedForward {
-            linear_inner: linear(self.d_model, self.d_ff),
-            linear_outer: linear(self.d_ff, self.d_model),
-            dropout: self.dropout(),
-            tp: TpSlot::feed_forward(&activation),
-            activation,
-        }
+        PositionWiseFeedForwardConfig::new(self.d_model, self.d_ff)
+            .with_initializer(self.initializer.clone())
+            .with_dropout(self.dropout)
+            .with_activation(self.activation.clone())
+            .init(self.device)
     }
 
     fn norm(&self) -> LayerNorm {
@@ -111,9 +103,8 @@ impl Parts<'_> {
 }
 
 impl TransformerEncoderConfig {
-    /// The encoder on `device`, drawn lazily as Burn draws it.
-    pub fn init(&self, device: &Device) -> TransformerEncoder {
-        let parts = Parts {
+    fn parts<'a>(&'a self, device: &'a Device) -> Parts<'a> {
+        Parts {
             d_model: self.d_model,
             d_ff: self.d_ff,
             n_heads: self.n_heads,
@@ -123,20 +114,15 @@ impl TransformerEncoderConfig {
             activation: &self.activation,
             layer_norm_eps: self.layer_norm_eps,
             device,
-        };
-        let d = self.d_model;
-        let layer = |_| TransformerEncoderLayer {
-            mha: parts.attention(),
-            pwff: parts.pwff(),
-            norm_1: parts.norm(),
-            norm_2: parts.norm(),
-            dropout: parts.dropout(),
-            norm_first: self.norm_first,
-            tp: TpSlot::default(),
-        };
+        }
+    }
+
+    /// The encoder on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> TransformerEncoder {
+        let layer = |_| TransformerEncoderLayer::new(self, device);
         TransformerEncoder {
             layers: (0..self.n_layers).map(layer).collect(),
-            d_model: d,
+            d_model: self.d_model,
             d_ff: self.d_ff,
             n_heads: self.n_heads,
             n_layers: self.n_layers,
@@ -303,6 +289,21 @@ pub struct TransformerEncoderLayer {
 }
 
 impl TransformerEncoderLayer {
+    /// One layer of `config`'s encoder (its `n_layers` is not read), as Burn's `new`: for a
+    /// model that holds its layers itself, or applies one layer several times (ALBERT).
+    pub fn new(config: &TransformerEncoderConfig, device: &Device) -> Self {
+        let parts = config.parts(device);
+        Self {
+            mha: parts.attention(),
+            pwff: parts.pwff(),
+            norm_1: parts.norm(),
+            norm_2: parts.norm(),
+            dropout: parts.dropout(),
+            norm_first: config.norm_first,
+            tp: TpSlot::default(),
+        }
+    }
+
     /// Burn's layer over `x` `[b, s, d_model]`, with the padding and attention masks.
     ///
     /// # Panics
@@ -370,6 +371,45 @@ impl TransformerEncoderLayer {
         let norm_2 = |x| cached(c_2, x, 1, |x| n_2.forward(x));
         let norms = (norm_1, norm_2, self.norm_first);
         encoder_block(x, norms, attention, feed_forward, residual)
+    }
+}
+
+/// Burn's `PositionWiseFeedForwardConfig`, field for field.
+#[derive(Config, Debug)]
+pub struct PositionWiseFeedForwardConfig {
+    /// The size of the input and output features.
+    pub d_model: usize,
+    /// The size of the hidden inner features.
+    pub d_ff: usize,
+    /// The dropout rate.
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// The initializer of the linear layers (Burn's default).
+    #[config(
+        default = "burn::nn::transformer::PositionWiseFeedForwardConfig::new(1, 1).initializer"
+    )]
+    pub initializer: Initializer,
+    /// The activation between the two linear layers (elementwise ones split).
+    #[config(default = "ActivationConfig::Gelu")]
+    pub activation: ActivationConfig,
+}
+
+impl PositionWiseFeedForwardConfig {
+    /// The block on `device`, drawn lazily as Burn draws it.
+    pub fn init(&self, device: &Device) -> PositionWiseFeedForward {
+        let linear = |i, o| {
+            LinearConfig::new(i, o)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        let activation = self.activation.init(device);
+        PositionWiseFeedForward {
+            linear_inner: linear(self.d_model, self.d_ff),
+            linear_outer: linear(self.d_ff, self.d_model),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            tp: TpSlot::feed_forward(&activation),
+            activation,
+        }
     }
 }
 
