@@ -9,7 +9,7 @@
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_megatron::comm::{Buffer, Comm, CommError, Communicator, ProcessGroup, ReduceOp};
+use burn_megatron::comm::{Comm, Probed};
 use burn_megatron::data_parallel::{
     DataParallelConfig,
     advanced::{OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped},
@@ -29,45 +29,15 @@ const MICRO_BATCH: usize = 4;
 const VOCAB: usize = 1024;
 const STEPS: usize = 20;
 
-/// A communicator whose all-reduce also waits as long as a link of `bytes_per_s` with
-/// `latency` would take: the stand-in for a real network on this one machine.
-#[derive(Debug)]
-struct Slow {
-    inner: Comm,
-    latency: Duration,
-    bytes_per_s: f64,
-}
-
-impl Communicator for Slow {
-    fn group(&self) -> &ProcessGroup {
-        self.inner.group()
-    }
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
-        let bytes = (buf.len() * buf.dtype().size()) as f64;
-        std::thread::sleep(self.latency + Duration::from_secs_f64(bytes / self.bytes_per_s));
-        self.inner.all_reduce(buf, op)
-    }
-    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
-        self.inner.all_gather(input)
-    }
-    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
-        self.inner.reduce_scatter(input, op)
-    }
-    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
-        self.inner.broadcast(buf, root)
-    }
-    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
-        self.inner.send(buf, peer)
-    }
-    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
-        self.inner.recv(buf, peer)
-    }
-    fn barrier(&self) -> Result<(), CommError> {
-        self.inner.barrier()
-    }
+/// `inner`, whose all-reduce also waits as long as a link of `bytes_per_s` with `latency`
+/// would take: the stand-in for a real network on this one machine.
+fn slow(inner: Comm, latency: Duration, bytes_per_s: f64) -> Comm {
+    Arc::new(Probed::new(inner, move |call| {
+        if call.op == "all_reduce" {
+            let transfer = Duration::from_secs_f64(call.bytes as f64 / bytes_per_s);
+            std::thread::sleep(latency + transfer);
+        }
+    }))
 }
 
 fn ints(f: impl Fn(usize) -> i64, device: &Device) -> Tensor<2, Int> {
@@ -87,11 +57,11 @@ fn step_ms(mode: Mode, bytes_per_s: f64) -> f64 {
     let config = ParallelConfig::new(2, 1, 1);
     let times = threads(&config, LaunchOptions::default(), |ctx| {
         let (tp, d) = (&ctx.groups.tp, &ctx.device);
-        let dp: Comm = Arc::new(Slow {
-            inner: ctx.groups.dp.clone(),
-            latency: Duration::from_micros(200),
+        let dp = slow(
+            ctx.groups.dp.clone(),
+            Duration::from_micros(200),
             bytes_per_s,
-        });
+        );
         let mut layer = TransformerLayerConfig::new(
             256,
             ParallelAttentionConfig::new(4).with_attention_dropout(0.0),

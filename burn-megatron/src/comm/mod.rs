@@ -12,7 +12,9 @@
 //!   through a [`TcpStore`] or MPI; its communicators also work on device memory
 //!   ([`DeviceCollectives`]).
 //!
-//! Tensor-level helpers on Burn tensors live in [`tensor`].
+//! [`Probed`] wraps any of them and shows each call it passes on (a count of a layout's
+//! collectives, a benchmark's paced network). Tensor-level helpers on Burn tensors live in
+//! [`tensor`].
 
 pub(crate) mod all_to_all;
 mod buffer;
@@ -29,6 +31,7 @@ mod local;
 pub mod mpi;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+mod probe;
 mod reduce;
 mod store;
 pub mod tensor;
@@ -43,6 +46,7 @@ pub use cuda_tensor::{P2P_VAR, P2pStats, p2p_stats};
 pub use device::{DeviceCollectives, DeviceSlice};
 pub use group::{CommError, ProcessGroup};
 pub use local::{LocalCommunicator, LocalWorld};
+pub use probe::{CommCall, Probed};
 pub use reduce::{ReduceOp, has_non_finite};
 pub use store::{StoreError, TcpStore};
 

@@ -11,7 +11,7 @@ use burn::module::Module;
 use burn::nn::transformer as burn_tr;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
-use burn_megatron::comm::{Buffer, Comm, CommError, Communicator, ProcessGroup, ReduceOp};
+use burn_megatron::comm::{Comm, Probed};
 use burn_megatron::tensor_parallel::dropin::TpPlan;
 use burn_megatron::tensor_parallel::dropin::nn::attention::{
     MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
@@ -22,7 +22,6 @@ use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::{data, tp_ranks, values};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 /// Splits over 2 and 4 ranks.
 const S: usize = 8;
@@ -32,70 +31,27 @@ const S_M: usize = 7;
 /// The collectives counted.
 const OPS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
 
-/// A tensor-parallel group that counts its collectives (calls and elements sent).
-#[derive(Debug)]
-struct Counting {
-    inner: Comm,
-    calls: Mutex<BTreeMap<&'static str, (usize, usize)>>,
-}
+/// Calls and elements sent per collective, as a [`Probed`] group saw them.
+#[derive(Default)]
+struct Counts(Mutex<BTreeMap<&'static str, (usize, usize)>>);
 
-impl Counting {
-    fn count(&self, op: &'static str, elements: usize) {
-        let mut calls = self.calls.lock().unwrap();
-        let entry = calls.entry(op).or_default();
-        *entry = (entry.0 + 1, entry.1 + elements);
-    }
-
+impl Counts {
     /// Calls of `op` and the elements they sent.
     fn calls(&self, op: &str) -> (usize, usize) {
-        self.calls
-            .lock()
-            .unwrap()
-            .get(op)
-            .copied()
-            .unwrap_or_default()
+        self.0.lock().unwrap().get(op).copied().unwrap_or_default()
     }
 }
 
-impl Communicator for Counting {
-    fn group(&self) -> &ProcessGroup {
-        self.inner.group()
-    }
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
-        self.count("all_reduce", buf.len());
-        self.inner.all_reduce(buf, op)
-    }
-    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
-        self.count("all_gather", input.len());
-        self.inner.all_gather(input)
-    }
-    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
-        self.count("reduce_scatter", input.len());
-        self.inner.reduce_scatter(input, op)
-    }
-    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
-        self.count("broadcast", buf.len());
-        self.inner.broadcast(buf, root)
-    }
-    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
-        self.inner.send(buf, peer)
-    }
-    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
-        self.inner.recv(buf, peer)
-    }
-    fn barrier(&self) -> Result<(), CommError> {
-        self.inner.barrier()
-    }
-}
-
-fn counting(tp: &Comm) -> Arc<Counting> {
-    Arc::new(Counting {
-        inner: tp.clone(),
-        calls: Mutex::default(),
-    })
+/// `tp`, counting its collectives into the returned counts.
+fn counting(tp: &Comm) -> (Comm, Arc<Counts>) {
+    let counts = Arc::new(Counts::default());
+    let seen = counts.clone();
+    let probed = Probed::new(tp.clone(), move |call| {
+        let mut calls = seen.0.lock().unwrap();
+        let entry = calls.entry(call.op).or_default();
+        *entry = (entry.0 + 1, entry.1 + call.elements);
+    });
+    (Arc::new(probed), counts)
 }
 
 /// The plan of these tests: Megatron's split of every layer, with or without sequence
@@ -146,8 +102,7 @@ fn a_sequence_parallel_encoder_gives_burns_output_and_gradients() -> Result<(), 
                 let mut calls = Vec::new();
                 let mut runs = Vec::new();
                 for sequence_parallel in [false, true] {
-                    let counting = counting(&ctx.groups.tp);
-                    let g: Comm = counting.clone();
+                    let (g, counting) = counting(&ctx.groups.tp);
                     let encoder: ours::TransformerEncoder =
                         plain_encoder(&config, &record, d).into();
                     let encoder = plan("layers.*", sequence_parallel)?.apply(encoder, &g)?;

@@ -625,4 +625,5 @@ fn invalid_groups_and_peers_are_rejected() {
     assert!(e.contains("peer 7"), "{e}");
 }
 
+mod probe;
 mod tensor;
