@@ -198,9 +198,15 @@ impl RankMemory {
         self.peak = self.peak.max(peak);
     }
 
-    /// The report line, after the last step.
+    /// The report line, after the last step (and the evaluation after it, whose memory the
+    /// peak takes in: a forward-only pass that kept its graph would show here).
     pub fn report(&mut self) -> String {
-        let optimizer = (self.live() - self.weights).max(0);
+        let live = self.live();
+        match self.device {
+            Some(_) => self.peak = self.peak.max(live),
+            None => self.peak = self.peak.max(self.counter.peak() - self.start),
+        }
+        let optimizer = (live - self.weights).max(0);
         let (whose, reserved) = match &self.device {
             Some(device) => (
                 format!(" on {device:?} (CubeCL's pools, bytes in use)"),

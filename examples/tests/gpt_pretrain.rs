@@ -346,6 +346,14 @@ fn the_plan_predicts_each_ranks_measured_peak() {
             check_peaks(&format!("{layout:?} {recompute:?}"), &stages, summary.peaks);
         }
     }
+    // An evaluation of four batches after the last step stays within the step's peak: it
+    // keeps no graph. On the autodiff device, Burn kept every batch's graph until a next
+    // backward that never came: 369 MB at the end against the step's 50 MB.
+    let eval = ["--eval-interval", "2", "--eval-iters", "4"];
+    let with_eval = args(&[&model[..], layouts[0], &eval].concat(), &dir);
+    let stages = Setup::new(&with_eval, 591).unwrap().plan().unwrap();
+    let peaks = run_gpt(&with_eval).unwrap().peaks;
+    check_peaks("TP 2 with evaluation", &stages, peaks);
     // Context parallelism, each comm type: 1/CP of the tokens, and what each keeps of K/V
     // and of the scores.
     for comm in ["all_gather", "p2p", "a2a"] {

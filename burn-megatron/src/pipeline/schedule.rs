@@ -206,7 +206,11 @@ pub struct PipelineSchedule {
     pub num_model_chunks: usize,
     /// G (Megatron's `microbatch_group_size_per_vp_stage`, default P).
     pub microbatch_group_size_per_vp_stage: usize,
-    /// Forwards only (evaluation): no backward, no warmup limit.
+    /// Forwards only (evaluation): no backward, no warmup limit. Run it on `valid()` copies
+    /// of the chunks, with inputs and the p2p's device without autodiff: on an autodiff
+    /// device every forward builds Burn's graph, and Burn frees a graph that no backward
+    /// consumed only in a later backward, so each microbatch's activations would stay until
+    /// the next training step (Megatron evaluates under `torch.no_grad()`).
     pub forward_only: bool,
     /// GPipe's order instead of 1F1B: every forward, then every backward. For comparison
     /// only: all `M·V` microbatches hold their activations at once.
@@ -240,7 +244,7 @@ impl PipelineSchedule {
         self
     }
 
-    /// Forwards only.
+    /// Forwards only (see [`forward_only`](Self::forward_only) for the device to run on).
     #[must_use]
     pub fn with_forward_only(mut self, forward_only: bool) -> Self {
         self.forward_only = forward_only;

@@ -18,8 +18,8 @@ use burn_megatron::optimizer::{
     OptimizerError, OptimizerParamScheduler, OptimizerParamSchedulerConfig, cast_params,
 };
 use burn_megatron::pipeline::{
-    ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync, P2pShapes, Span,
-    forward_backward_func,
+    ForwardBackwardConfig, ForwardBackwardOutput, ForwardStep, GradSync, P2pCommunicator,
+    P2pShapes, Span, forward_backward_func,
 };
 use burn_megatron::tensor_parallel::RngTracker;
 use burn_megatron::topology::PipelinePosition;
@@ -67,9 +67,10 @@ pub(super) type Losses = Option<Tensor<1>>;
 pub(super) type SharedLosses = (f64, Option<f64>);
 
 /// Runs the pipeline schedule over `chunks` on `split`'s microbatches of `iteration`:
-/// backward when `rng` is given (training), forward only otherwise. Returns this rank's mean
-/// losses over the microbatches on the last stage (`None` elsewhere) with the executor's
-/// output.
+/// backward when `rng` is given (training), forward only otherwise. A forward-only schedule
+/// runs on the device without autodiff, so `chunks` must be `valid()` copies there. Returns
+/// this rank's mean losses over the microbatches on the last stage (`None` elsewhere) with
+/// the executor's output.
 fn run_schedule<F: Family>(
     ctx: &RankContext,
     shared: &Shared<F>,
@@ -80,7 +81,15 @@ fn run_schedule<F: Family>(
     fb: ForwardBackwardConfig<'_>,
 ) -> Result<(Losses, ForwardBackwardOutput), String> {
     let dp_rank = ctx.state.data_parallel_rank();
-    let p2p = ctx.p2p(P2pShapes::Variable);
+    // Burn frees a graph no backward consumed only in a later backward: a forward-only pass
+    // on the training device would keep every microbatch's activations until then (as
+    // Megatron's evaluation runs under `torch.no_grad()`, this one runs without autodiff).
+    let device = match fb.schedule.forward_only {
+        true => ctx.device.clone().without_autodiff(),
+        false => ctx.device.clone(),
+    };
+    let (pp, pp_backward) = (ctx.groups.pp.clone(), ctx.groups.pp_backward.clone());
+    let p2p = P2pCommunicator::new(pp, pp_backward, P2pShapes::Variable, device.clone());
     let comm_type = match shared.args.cp_comm_type {
         super::CpCommType::AllGather => burn_megatron::context_parallel::CpCommType::AllGather,
         super::CpCommType::P2p => burn_megatron::context_parallel::CpCommType::P2p,
@@ -99,7 +108,7 @@ fn run_schedule<F: Family>(
             let samples = shared.layout.micro_batch(iteration, dp_rank, s.microbatch);
             shared
                 .family
-                .forward_step(s, split, samples, rng, cp.as_ref(), &ctx.device)
+                .forward_step(s, split, samples, rng, cp.as_ref(), &device)
         },
         chunks,
         &p2p,
@@ -175,10 +184,11 @@ pub(super) fn evaluate<F: Family>(
     let schedule = shared.args.schedule(&shared.layout).with_forward_only(true);
     let sop = shared.family.has_sop();
     let n = batches.len().max(1) as f64;
+    let valid: Vec<F::Chunk> = chunks.iter().map(Module::valid).collect();
     let mut local = Vec::new();
     for k in batches {
         let fb = ForwardBackwardConfig::new(schedule);
-        local.push(run_schedule(ctx, shared, chunks, Split::Valid, k, None, fb)?.0);
+        local.push(run_schedule(ctx, shared, &valid, Split::Valid, k, None, fb)?.0);
     }
     let shared_losses = share_losses(ctx, &local, sop)?;
     let sum = |f: fn(&SharedLosses) -> f64| shared_losses.iter().map(f).sum::<f64>() / n;
