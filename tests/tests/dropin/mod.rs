@@ -164,6 +164,13 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// A split run's output and gathered gradients against the plain run's: within 1e-5 (the
 /// gradients as [`grad_diff`] measures them), the message starting with `what`.
+/// `loss`'s value, and `model`'s gradients from its backward, gathered over `tp`.
+fn loss_and_grads<M: Module>(model: &M, loss: Tensor<1>, tp: &Comm) -> (f32, Values) {
+    let value = loss.clone().into_scalar::<f32>();
+    let grads = burn::optim::GradientsParams::from_grads(loss.backward(), model);
+    (value, gathered(model, Some(&grads), tp))
+}
+
 fn assert_parity(what: &str, (y, grads): (&[f32], &Values), (y_plain, g_plain): (&[f32], &Values)) {
     let dy = max_abs_diff(y, y_plain);
     assert!(dy < 1e-5, "{what}: output off by {dy}");

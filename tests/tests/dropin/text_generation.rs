@@ -9,7 +9,6 @@ use super::Error;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
-use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
 
 /// The model under Burn's own layers.
@@ -94,9 +93,7 @@ fn burns_text_generation_model_with_gpt2s_vocabulary_trains_as_burns_at_tp_2_and
     let plain = plain_config.init(&ad).load_file(&record);
     let (inputs, targets, mask_pad) = batch(&ad);
     let loss = plain.forward_training(inputs, targets, mask_pad);
-    let value = loss.clone().into_scalar::<f32>();
-    let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &plain);
-    let grads = gathered(&plain, Some(&grads), &super::solo());
+    let (value, grads) = super::loss_and_grads(&plain, loss, &super::solo());
     let source = RecordSource::from_path(&record);
     for tp in [2, 4] {
         let out = tp_ranks(tp, |ctx| {
@@ -111,17 +108,11 @@ fn burns_text_generation_model_with_gpt2s_vocabulary_trains_as_burns_at_tp_2_and
             let (model, _) = load_sharded(model, &source, g, &LoadOptions::default())?;
             let (inputs, targets, mask_pad) = batch(d);
             let loss = model.forward_training(inputs, targets, mask_pad);
-            let l = loss.clone().into_scalar::<f32>();
-            let gr = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
-            Ok::<_, Error>((l, gathered(&model, Some(&gr), g)))
+            Ok::<_, Error>(super::loss_and_grads(&model, loss, g))
         })?;
         for (rank, (l, gr)) in out.iter().enumerate() {
-            assert!(
-                (l - value).abs() < 1e-5,
-                "TP {tp}, rank {rank}: loss {l} against {value}"
-            );
-            let (worst, name) = super::grad_diff(gr, &grads);
-            assert!(worst < 1e-5, "TP {tp}, rank {rank}: {name} off by {worst}");
+            let what = format!("TP {tp}, rank {rank}");
+            super::assert_parity(&what, (&[*l], gr), (&[value], &grads));
         }
     }
     std::fs::remove_dir_all(dir)?;

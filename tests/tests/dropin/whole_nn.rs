@@ -10,7 +10,6 @@ use super::Error;
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
-use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
 
 /// The model under Burn's own `nn`.
@@ -66,10 +65,8 @@ fn a_model_written_against_burns_nn_swaps_its_nn_and_trains_as_burns_at_tp_2_and
     let ad = Device::flex().autodiff();
     let plain = plain_config.init(&ad).load_file(&record);
     let (ids, targets, mask_pad) = batch(&ad);
-    let loss = plain.loss(ids, targets, mask_pad);
-    let value = loss.clone().into_scalar::<f32>();
-    let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &plain);
-    let grads = gathered(&plain, Some(&grads), &super::solo());
+    let (value, grads) =
+        super::loss_and_grads(&plain, plain.loss(ids, targets, mask_pad), &super::solo());
     let source = RecordSource::from_path(&record);
     for tp in [2, 4] {
         let out = tp_ranks(tp, |ctx| {
@@ -99,17 +96,11 @@ fn a_model_written_against_burns_nn_swaps_its_nn_and_trains_as_burns_at_tp_2_and
             assert_eq!(held(model.output.weight.dims()), d_model * VOCAB / tp);
             let (ids, targets, mask_pad) = batch(d);
             let loss = model.loss(ids, targets, mask_pad);
-            let l = loss.clone().into_scalar::<f32>();
-            let gr = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
-            Ok::<_, Error>((l, gathered(&model, Some(&gr), g)))
+            Ok::<_, Error>(super::loss_and_grads(&model, loss, g))
         })?;
         for (rank, (l, gr)) in out.iter().enumerate() {
-            assert!(
-                (l - value).abs() < 1e-5,
-                "TP {tp}, rank {rank}: loss {l} against {value}"
-            );
-            let (worst, name) = super::grad_diff(gr, &grads);
-            assert!(worst < 1e-5, "TP {tp}, rank {rank}: {name} off by {worst}");
+            let what = format!("TP {tp}, rank {rank}");
+            super::assert_parity(&what, (&[*l], gr), (&[value], &grads));
         }
     }
     std::fs::remove_dir_all(dir)?;
