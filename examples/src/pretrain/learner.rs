@@ -16,7 +16,8 @@
 //! `--save-interval`, the learner's checkpointers stay off.
 
 use super::gpt::GptFamily;
-use super::train::{RankOutput, RankSetup, Step, evaluate, setup_rank};
+use super::setup::{RankSetup, setup_rank};
+use super::train::{RankOutput, Step, evaluate};
 use super::{Eval, IterationLog, Shared};
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::data::dataset::DatasetError;

@@ -15,6 +15,7 @@ mod gpt;
 mod learner;
 mod moe_args;
 mod plot;
+mod setup;
 mod spans;
 mod train;
 
@@ -26,7 +27,7 @@ pub use bert::{Args, run};
 pub use gpt::{GptArgs, PositionEmbedding, run_gpt, run_gpt_learner};
 pub use learner::{LearnerOptions, Renderer};
 pub use moe_args::{Dispatcher, MoeArgs, RouterScore, TokenDrop};
-pub use train::scheduler;
+pub use setup::scheduler;
 
 use burn::module::Module;
 use burn::tensor::Device;

@@ -239,7 +239,7 @@ impl TrainArgs {
         if self.train_iters == 0 || self.log_interval == 0 {
             return Err("--train-iters and --log-interval must be positive".into());
         }
-        super::super::train::scheduler(self)?;
+        super::super::setup::scheduler(self)?;
         if self.loss_scale.is_some() && !self.fp16 {
             return Err("--loss-scale needs --fp16".into());
         }
