@@ -55,6 +55,16 @@ pub enum ChunkOutput<const D: usize> {
     },
 }
 
+impl<const D: usize> ChunkOutput<D> {
+    /// Whether the output is part of Burn's graph.
+    fn is_tracked(&self) -> bool {
+        match self {
+            Self::Activation(a) => a.is_tracked(),
+            Self::Loss { loss, .. } => loss.is_tracked(),
+        }
+    }
+}
+
 /// What a forward step is given.
 #[derive(Debug)]
 pub struct ForwardStep<'a, M, const D: usize> {
@@ -297,6 +307,7 @@ where
     let mut forwards_done = vec![0usize; v];
     let mut losses = Vec::new();
     let mut acc = GradientsAccumulator::<M>::new();
+    let mut warned_tracked = false;
 
     for op in ops {
         let vs = virtual_stage(p, rank, op.chunk);
@@ -324,6 +335,15 @@ where
                     .time(SpanKind::Forward, op, || forward_step(step))
                     .map_err(|source| PipelineError::Stage { op, source })?;
                 forwards_done[op.chunk] += 1;
+                if !train && !warned_tracked && out.is_tracked() {
+                    warned_tracked = true;
+                    tracing::warn!(
+                        "forward_backward_func: a forward-only schedule on tracked chunks builds \
+                         Burn's graph, which Burn frees only in a later backward, so each \
+                         microbatch's activations stay until then; evaluate on `valid()` copies \
+                         of the chunks, with inputs on `device.without_autodiff()`"
+                    );
+                }
                 let output = match (out, last) {
                     (ChunkOutput::Loss { loss, report }, true) => {
                         if loss.dims()[0] != 1 {

@@ -274,39 +274,78 @@ fn interleaved_matches_one_rank() {
     check(PipelineSchedule::new(4, 8).with_model_chunks(2), true);
 }
 
+/// Counts the warnings logged on this thread while it lives.
+struct Warnings(Arc<AtomicUsize>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if *event.metadata().level() == tracing::Level::WARN {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Forward only, on the chunks as trained (tracked: the schedule warns, once per rank, that
+/// Burn keeps their graphs) and on their `valid()` copies without autodiff (no warning):
+/// the same losses, no gradients.
 #[test]
 fn forward_only_gives_the_losses_and_no_gradients() {
+    use tracing_subscriber::layer::SubscriberExt;
     let reference = reference(4, true);
     let schedule = PipelineSchedule::new(2, 4)
         .with_model_chunks(2)
         .with_forward_only(true);
     let config = ParallelConfig::new(2, 1, 2).with_virtual_pipeline(Some(2));
-    let out = threads(&config, LaunchOptions::default(), |ctx| {
-        let rank = ctx.state.pipeline_model_parallel_rank();
-        let chunks: Vec<Stack> = (0..2)
-            .map(|c| {
-                let o = layer_offset(LAYERS, 2, 2, rank, c).unwrap();
-                Stack::new(o..o + 2, &ctx.device)
-            })
-            .collect();
-        let out = forward_backward_func(
-            |s: ForwardStep<'_, Stack, 3>| {
-                let last = rank == 1 && s.chunk == 1;
-                Ok(stack_step(s, last, true))
-            },
-            &chunks,
-            &ctx.p2p(P2pShapes::Variable),
-            ForwardBackwardConfig::new(schedule),
-        )?;
-        assert!(out.grads.is_empty());
-        Ok::<_, PipelineError>(out.read_losses())
-    })
-    .unwrap();
-    assert!(out[0].is_empty());
-    assert_eq!(out[1].len(), 4);
-    for (k, l) in out[1].iter().enumerate() {
-        assert_eq!(l.report, vec![k as f64]);
-        assert!((l.loss - reference.losses[0][k]).abs() <= 1e-6);
+    for valid in [false, true] {
+        let out = threads(&config, LaunchOptions::default(), |ctx| {
+            let warnings = Arc::new(AtomicUsize::new(0));
+            let subscriber = tracing_subscriber::registry().with(Warnings(warnings.clone()));
+            let _log = tracing::subscriber::set_default(subscriber);
+            let rank = ctx.state.pipeline_model_parallel_rank();
+            let chunks: Vec<Stack> = (0..2)
+                .map(|c| {
+                    let o = layer_offset(LAYERS, 2, 2, rank, c).unwrap();
+                    let chunk = Stack::new(o..o + 2, &ctx.device);
+                    if valid { chunk.valid() } else { chunk }
+                })
+                .collect();
+            let device = match valid {
+                true => ctx.device.clone().without_autodiff(),
+                false => ctx.device.clone(),
+            };
+            let (pp, back) = (ctx.groups.pp.clone(), ctx.groups.pp_backward.clone());
+            let p2p = P2pCommunicator::new(pp, back, P2pShapes::Variable, device);
+            let out = forward_backward_func(
+                |s: ForwardStep<'_, Stack, 3>| {
+                    let last = rank == 1 && s.chunk == 1;
+                    Ok(stack_step(s, last, true))
+                },
+                &chunks,
+                &p2p,
+                ForwardBackwardConfig::new(schedule),
+            )?;
+            assert!(out.grads.is_empty());
+            let warned = warnings.load(Ordering::Relaxed);
+            Ok::<_, PipelineError>((out.read_losses(), warned))
+        })
+        .unwrap();
+        let what = if valid {
+            "valid copies"
+        } else {
+            "tracked chunks"
+        };
+        assert!(out[0].0.is_empty(), "{what}");
+        assert_eq!(out[1].0.len(), 4, "{what}");
+        for (k, l) in out[1].0.iter().enumerate() {
+            assert_eq!(l.report, vec![k as f64]);
+            assert!((l.loss - reference.losses[0][k]).abs() <= 1e-6, "{what}");
+        }
+        let warned: Vec<usize> = out.iter().map(|o| o.1).collect();
+        assert_eq!(
+            warned,
+            [usize::from(!valid); 2],
+            "{what}: warnings per rank"
+        );
     }
 }
 
