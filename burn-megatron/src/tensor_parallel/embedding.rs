@@ -33,8 +33,8 @@ pub struct VocabParallelEmbeddingConfig {
     #[config(default = 0)]
     pub seed: u64,
     /// The real vocabulary when `num_embeddings` is padded (`None`: no padding). The rows
-    /// from there on are padding: checkpoints leave them out, so that layouts which pad the
-    /// vocabulary differently load each other's (Megatron-Core's `allow_shape_mismatch` on
+    /// from there on are padding: drawn as zeros and left out of checkpoints, so that
+    /// layouts which pad the vocabulary differently load each other's (Megatron-Core's `allow_shape_mismatch` on
     /// the embedding).
     #[config(default = "None")]
     pub unpadded_size: Option<usize>,
@@ -84,9 +84,14 @@ impl VocabParallelEmbeddingConfig {
         self.initializer.check()?;
         let (init, rank, seed) = (self.initializer, tp.group().rank(), self.seed);
         let (n, dim) = (self.num_embeddings, self.embedding_dim);
+        // The padding rows are zeros, as a checkpoint's load makes them.
+        let real = unpadded_size.unwrap_or(n);
         let weight = lazy_host_param([part, dim], device, move || {
             let full = init.values(n * dim, dim, seed);
-            slice_rows(&full, dim, rank * part, part)
+            let mut rows = slice_rows(&full, dim, rank * part, part);
+            let padding = real.saturating_sub(rank * part).min(part) * dim;
+            rows[padding..].fill(0.0);
+            rows
         });
         let layer = VocabParallelEmbedding {
             weight,

@@ -62,8 +62,9 @@ pub struct ColumnParallelLinearConfig {
     #[config(default = 0)]
     pub seed: u64,
     /// The real output width when `d_output` pads a vocabulary (a GPT's own output layer;
-    /// `None`: no padding). The columns from there on are padding: checkpoints leave them
-    /// out, so that layouts which pad the vocabulary differently load each other's
+    /// `None`: no padding). The columns from there on are padding: drawn as zeros and left
+    /// out of checkpoints, so that layouts which pad the vocabulary differently load each
+    /// other's
     /// (Megatron-Core's `allow_shape_mismatch` on the output layer).
     #[config(default = "None")]
     pub unpadded_size: Option<usize>,
@@ -105,14 +106,25 @@ impl ColumnParallelLinearConfig {
         self.bias_initializer.check()?;
         let (init, bias_init) = (self.initializer, self.bias_initializer);
         let (d_input, d_output, seed) = (self.d_input, self.d_output, self.seed);
+        // A padded vocabulary's columns are zeros, as a checkpoint's load makes them.
+        let real = unpadded_size
+            .unwrap_or(d_output)
+            .saturating_sub(rank * part)
+            .min(part);
         let weight = lazy_host_param([d_input, part], device, move || {
             let full = init.values(d_input * d_output, d_input, seed);
-            slice_cols(&full, d_output, rank * part, part)
+            let mut w = slice_cols(&full, d_output, rank * part, part);
+            if part > 0 {
+                w.chunks_mut(part).for_each(|row| row[real..].fill(0.0));
+            }
+            w
         });
         let bias = self.bias.then(|| {
             lazy_host_param([part], device, move || {
                 let full = bias_init.values(d_output, d_input, seed.wrapping_add(1));
-                full[rank * part..(rank + 1) * part].to_vec()
+                let mut b = full[rank * part..(rank + 1) * part].to_vec();
+                b[real..].fill(0.0);
+                b
             })
         });
         let layer = ColumnParallelLinear {

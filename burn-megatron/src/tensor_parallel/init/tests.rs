@@ -26,3 +26,47 @@ fn slices() {
     assert_eq!(slice_rows(&m, 3, 1, 1), vec![3., 4., 5.]);
     assert_eq!(slice_cols(&m, 3, 1, 2), vec![1., 2., 4., 5.]);
 }
+
+/// A padded vocabulary's rows (embedding) and columns (output layer, weight and bias) are
+/// drawn as zeros, as a checkpoint's load fills them, and its real ones as without padding.
+#[test]
+fn padded_vocabulary_layers_draw_their_padding_as_zeros() {
+    use crate::comm::{Comm, LocalWorld};
+    use crate::tensor_parallel::{ColumnParallelLinearConfig, VocabParallelEmbeddingConfig};
+    use burn::tensor::Device;
+    let world = LocalWorld::new(1);
+    let tp: Comm = std::sync::Arc::new(world.communicator("tp", vec![0], 0).unwrap());
+    let device = Device::flex();
+    let values = |t: burn::tensor::Tensor<2>| t.into_data().iter::<f32>().collect::<Vec<_>>();
+    let table = |real| {
+        let config = VocabParallelEmbeddingConfig::new(8, 3).with_unpadded_size(real);
+        values(config.with_seed(5).init(&tp, &device).unwrap().weight.val())
+    };
+    let (whole, padded) = (table(None), table(Some(5)));
+    assert_eq!(padded[..15], whole[..15]);
+    assert!(padded[15..].iter().all(|&x| x == 0.0) && whole[15..].iter().any(|&x| x != 0.0));
+    let output = |real| {
+        let config = ColumnParallelLinearConfig::new(3, 8)
+            .with_bias_initializer(MasterInit::Normal {
+                mean: 0.0,
+                std: 1.0,
+            })
+            .with_unpadded_size(real);
+        let layer = config.with_seed(6).init(&tp, &device).unwrap();
+        let bias = layer
+            .bias
+            .unwrap()
+            .val()
+            .into_data()
+            .iter::<f32>()
+            .collect::<Vec<_>>();
+        (values(layer.weight.val()), bias)
+    };
+    let ((w, b), (pw, pb)) = (output(None), output(Some(5)));
+    for r in 0..3 {
+        assert_eq!(pw[r * 8..r * 8 + 5], w[r * 8..r * 8 + 5]);
+        assert!(pw[r * 8 + 5..(r + 1) * 8].iter().all(|&x| x == 0.0));
+    }
+    assert_eq!(pb[..5], b[..5]);
+    assert!(pb[5..].iter().all(|&x| x == 0.0) && b[5..].iter().any(|&x| x != 0.0));
+}
