@@ -8,15 +8,18 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CommCall {
     /// The operation, by the [`Communicator`] method's name: `all_reduce`, `all_gather`,
-    /// `reduce_scatter`, `broadcast`, `send`, `recv`, `all_to_all_v` or `barrier` (the
-    /// `_into` and `_in_place` forms report their collective's name; `send_recv` is a
-    /// `send` then a `recv`).
+    /// `reduce_scatter`, `broadcast`, `send`, `recv`, `all_to_all_v`, `barrier` or
+    /// `connect` (the `_into` and `_in_place` forms report their collective's name;
+    /// `send_recv` is a `send` then a `recv`; `connect` is one call per peer, moving no
+    /// elements).
     pub op: &'static str,
     /// The elements this member hands to the call (for `recv`, the ones it takes; for
     /// `all_gather_in_place`, its own piece's).
     pub elements: usize,
     /// Those elements' bytes.
     pub bytes: usize,
+    /// The member sent to, received from or connected to (`None` for a collective).
+    pub peer: Option<usize>,
 }
 
 impl CommCall {
@@ -29,6 +32,14 @@ impl CommCall {
             op,
             elements,
             bytes,
+            peer: None,
+        }
+    }
+
+    fn to(self, peer: usize) -> Self {
+        Self {
+            peer: Some(peer),
+            ..self
         }
     }
 }
@@ -38,8 +49,7 @@ type Hook = Box<dyn Fn(CommCall) + Send + Sync>;
 /// `inner`, calling `hook` before each call it passes on to it, on the calling thread.
 ///
 /// Calls on device memory (NCCL's [`DeviceCollectives`], which `comm::tensor` takes for CUDA
-/// tensors) go to `inner`'s device collectives unseen; channels opened by `connect` are
-/// not calls.
+/// tensors) go to `inner`'s device collectives unseen.
 ///
 /// ```
 /// use burn_megatron::comm::{Buffer, Comm, Communicator, LocalWorld, Probed, ReduceOp};
@@ -128,12 +138,12 @@ impl Communicator for Probed {
     }
 
     fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
-        (self.hook)(CommCall::of("send", &buf));
+        (self.hook)(CommCall::of("send", &buf).to(peer));
         self.inner.send(buf, peer)
     }
 
     fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
-        (self.hook)(CommCall::of("recv", buf));
+        (self.hook)(CommCall::of("recv", buf).to(peer));
         self.inner.recv(buf, peer)
     }
 
@@ -144,8 +154,8 @@ impl Communicator for Probed {
         recv: &mut Buffer,
         from: usize,
     ) -> Result<(), CommError> {
-        (self.hook)(CommCall::of("send", &send));
-        (self.hook)(CommCall::of("recv", recv));
+        (self.hook)(CommCall::of("send", &send).to(to));
+        (self.hook)(CommCall::of("recv", recv).to(from));
         self.inner.send_recv(send, to, recv, from)
     }
 
@@ -170,6 +180,9 @@ impl Communicator for Probed {
     }
 
     fn connect(&self, peers: &[usize]) -> Result<(), CommError> {
+        for &peer in peers {
+            (self.hook)(CommCall::sized("connect", 0, 0).to(peer));
+        }
         self.inner.connect(peers)
     }
 

@@ -12,9 +12,8 @@ fn a_probed_group_computes_what_its_inner_one_does_and_shows_each_call() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
         let comm = Probed::new(inner, move |call| {
-            log.lock()
-                .unwrap()
-                .push((call.op, call.elements, call.bytes))
+            let entry = (call.op, call.elements, call.bytes, call.peer);
+            log.lock().unwrap().push(entry)
         });
         let mut sum = Buffer::from(vec![rank as f32 + 1.0; 3]);
         comm.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
@@ -27,6 +26,7 @@ fn a_probed_group_computes_what_its_inner_one_does_and_shows_each_call() {
             .unwrap();
         let mut got = Buffer::from(vec![0.0f32; 2]);
         let peer = 1 - rank;
+        comm.connect(&[peer]).unwrap();
         comm.send_recv(Buffer::from(vec![rank as f32; 2]), peer, &mut got, peer)
             .unwrap();
         let moved = comm
@@ -48,14 +48,15 @@ fn a_probed_group_computes_what_its_inner_one_does_and_shows_each_call() {
         assert_eq!(
             seen,
             [
-                ("all_reduce", 3, 12),
-                ("all_gather", 1, 8),
-                ("all_gather", 2, 8),
-                ("reduce_scatter", 4, 16),
-                ("send", 2, 8),
-                ("recv", 2, 8),
-                ("all_to_all_v", 2, 8),
-                ("barrier", 0, 0),
+                ("all_reduce", 3, 12, None),
+                ("all_gather", 1, 8, None),
+                ("all_gather", 2, 8, None),
+                ("reduce_scatter", 4, 16, None),
+                ("connect", 0, 0, Some(1 - rank)),
+                ("send", 2, 8, Some(1 - rank)),
+                ("recv", 2, 8, Some(1 - rank)),
+                ("all_to_all_v", 2, 8, None),
+                ("barrier", 0, 0, None),
             ],
             "rank {rank}"
         );

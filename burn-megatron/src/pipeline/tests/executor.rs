@@ -2,7 +2,7 @@
 //! against the same stack on one rank run by a plain gradient-accumulation loop (no
 //! executor): per-microbatch losses, every layer's gradients, and weights after AdamW steps.
 
-use crate::comm::{Buffer, Comm, CommError, Communicator, ProcessGroup, ReduceOp};
+use crate::comm::{Comm, Probed};
 use crate::launch::{LaunchOptions, threads};
 use crate::pipeline::*;
 use crate::tensor_parallel::MasterInit;
@@ -435,75 +435,20 @@ fn inconsistent_calls_are_refused_before_any_work() {
     assert!(e[3].contains("grad_scale"), "{}", e[3]);
 }
 
-/// A channel that counts the messages moved to or from a peer before `connect` opened their
+/// `inner`, counting the messages moved to or from a peer before `connect` opened their
 /// pair (on NCCL, pairs opened at their first message by a ring of stages could wait on each
 /// other).
-#[derive(Debug)]
-struct Opening {
-    inner: Comm,
-    opened: Mutex<Vec<usize>>,
-    early: AtomicUsize,
-}
-
-impl Opening {
-    fn new(inner: Comm) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            opened: Mutex::new(Vec::new()),
-            early: AtomicUsize::new(0),
-        })
-    }
-
-    fn check(&self, peer: usize) {
-        if !self.opened.lock().unwrap().contains(&peer) {
-            self.early.fetch_add(1, Ordering::SeqCst);
+fn opening(inner: Comm) -> (Comm, Arc<AtomicUsize>) {
+    let early = Arc::new(AtomicUsize::new(0));
+    let (count, opened) = (early.clone(), Mutex::new(Vec::new()));
+    let probed = Probed::new(inner, move |call| match (call.op, call.peer) {
+        ("connect", Some(peer)) => opened.lock().unwrap().push(peer),
+        ("send" | "recv", Some(peer)) if !opened.lock().unwrap().contains(&peer) => {
+            count.fetch_add(1, Ordering::SeqCst);
         }
-    }
-}
-
-impl Communicator for Opening {
-    fn group(&self) -> &ProcessGroup {
-        self.inner.group()
-    }
-
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
-
-    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CommError> {
-        self.inner.all_reduce(buf, op)
-    }
-
-    fn all_gather(&self, input: Buffer) -> Result<Buffer, CommError> {
-        self.inner.all_gather(input)
-    }
-
-    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CommError> {
-        self.inner.reduce_scatter(input, op)
-    }
-
-    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CommError> {
-        self.inner.broadcast(buf, root)
-    }
-
-    fn send(&self, buf: Buffer, peer: usize) -> Result<(), CommError> {
-        self.check(peer);
-        self.inner.send(buf, peer)
-    }
-
-    fn recv(&self, buf: &mut Buffer, peer: usize) -> Result<(), CommError> {
-        self.check(peer);
-        self.inner.recv(buf, peer)
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.inner.barrier()
-    }
-
-    fn connect(&self, peers: &[usize]) -> Result<(), CommError> {
-        self.opened.lock().unwrap().extend_from_slice(peers);
-        self.inner.connect(peers)
-    }
+        _ => {}
+    });
+    (Arc::new(probed), early)
 }
 
 /// Every stage opens its pairs with both neighbours, on both channels, before its first
@@ -521,9 +466,8 @@ fn every_stage_opens_its_pairs_before_its_first_message() {
             let o = layer_offset(LAYERS, p, v, rank, c)?;
             chunks.push(Stack::new(o..o + per, &ctx.device));
         }
-        let fwd = Opening::new(ctx.groups.pp.clone());
-        let bwd = Opening::new(ctx.groups.pp_backward.clone());
-        let (f, b): (Comm, Comm) = (fwd.clone(), bwd.clone());
+        let (f, fwd) = opening(ctx.groups.pp.clone());
+        let (b, bwd) = opening(ctx.groups.pp_backward.clone());
         let p2p = P2pCommunicator::new(f, b, P2pShapes::Variable, ctx.device.clone());
         forward_backward_func(
             |s: ForwardStep<'_, Stack, 3>| {
@@ -534,7 +478,7 @@ fn every_stage_opens_its_pairs_before_its_first_message() {
             &p2p,
             ForwardBackwardConfig::new(schedule),
         )?;
-        let early = fwd.early.load(Ordering::SeqCst) + bwd.early.load(Ordering::SeqCst);
+        let early = fwd.load(Ordering::SeqCst) + bwd.load(Ordering::SeqCst);
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(early)
     })
     .unwrap();
