@@ -198,14 +198,20 @@ impl RankMemory {
         self.peak = self.peak.max(peak);
     }
 
-    /// The report line, after the last step (and the evaluation after it, whose memory the
-    /// peak takes in: a forward-only pass that kept its graph would show here).
+    /// An evaluation is done: what it held counts in the run's peak (a forward-only pass that
+    /// kept its graph shows here). A checkpoint's save, after it, does not.
+    pub fn evaluated(&mut self) {
+        let held = match self.device {
+            Some(_) => self.live(),
+            None => self.counter.peak() - self.start,
+        };
+        self.peak = self.peak.max(held);
+    }
+
+    /// The report line, after the last step: what is still held counts in the peak too.
     pub fn report(&mut self) -> String {
         let live = self.live();
-        match self.device {
-            Some(_) => self.peak = self.peak.max(live),
-            None => self.peak = self.peak.max(self.counter.peak() - self.start),
-        }
+        self.peak = self.peak.max(live);
         let optimizer = (live - self.weights).max(0);
         let (whose, reserved) = match &self.device {
             Some(device) => (

@@ -125,6 +125,7 @@ pub(super) fn save<M: Module>(
         let Placement {
             global_shape,
             offset,
+            padded_dim,
             ..
         } = placement;
         entries.push(TensorEntry {
@@ -134,6 +135,7 @@ pub(super) fn save<M: Module>(
             global_shape,
             offset,
             shape: data.shape().to_vec(),
+            padded_dim,
         });
         // One safetensors key per (set, name).
         named.push((stored_key(&set, &global), data));

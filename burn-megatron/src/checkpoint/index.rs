@@ -70,6 +70,12 @@ pub struct TensorEntry {
     pub offset: Vec<usize>,
     /// This shard's shape.
     pub shape: Vec<usize>,
+    /// The dimension along which `global_shape` is the real extent of a tensor its model
+    /// pads (a padded vocabulary), so that a layout padding it otherwise loads it; `None` for
+    /// every other tensor, and in checkpoints saved before 2026-12-07, which held such a
+    /// tensor's padding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padded_dim: Option<usize>,
 }
 
 /// A file's size and checksum.

@@ -25,13 +25,14 @@ pub(super) struct Placement {
     pub(super) padded_dim: Option<usize>,
 }
 
-/// Whether a tensor saved with `saved` global shape holds the `global` one: the same shape,
-/// or, along a padded vocabulary's dimension, a shape padded beyond the real one (a
-/// checkpoint from before the padding was left out; its padding rows are not read).
-fn same_tensor(saved: &[usize], global: &[usize], padded_dim: Option<usize>) -> bool {
-    saved.len() == global.len()
-        && (0..saved.len())
-            .all(|d| saved[d] == global[d] || (Some(d) == padded_dim && saved[d] > global[d]))
+/// Whether the tensor `saved` holds the one placed as `want`: the same global shape, or,
+/// along the dimension the model pads, a longer one that an older checkpoint padded (it
+/// states no padded dimension; its padding is not read). A checkpoint that states its real
+/// extent must match the model's.
+fn same_tensor(saved: &TensorEntry, want: &Placement) -> bool {
+    let (s, g) = (&saved.global_shape, &want.global_shape);
+    let older_padding = |d| Some(d) == want.padded_dim && saved.padded_dim.is_none() && s[d] > g[d];
+    s.len() == g.len() && (0..s.len()).all(|d| s[d] == g[d] || older_padding(d))
 }
 
 /// The placement of a parameter of local `dims` with id `id` on tensor-parallel rank
@@ -168,6 +169,7 @@ pub(super) fn write_set(
             global_shape: t.placement.global_shape.clone(),
             offset: t.placement.offset.clone(),
             shape: t.data.shape().to_vec(),
+            padded_dim: t.placement.padded_dim,
         })
         .collect())
 }
@@ -253,7 +255,7 @@ impl<'a> Files<'a> {
         };
         let mut datas = Vec::new();
         for (dir, entry) in found {
-            if !same_tensor(&entry.global_shape, &want.global_shape, want.padded_dim) {
+            if !same_tensor(entry, want) {
                 let hint = if want.padded_dim.is_none() {
                     " (a vocabulary padded to another size? A model that does not state its \
                      real vocabulary, as BERT, must pad it the same way at both layouts: \

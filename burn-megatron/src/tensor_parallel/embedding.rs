@@ -173,16 +173,17 @@ impl VocabParallelEmbedding {
         self.weight.dims()[0] * self.tp.group().size()
     }
 
-    /// Refuses ids outside `[0, vocab)`, naming the offending id: [`forward`](Self::forward)
-    /// would panic on one at TP 1 and silently embed it as zeros at TP > 1. Reads the ids'
-    /// extremes back to the host.
+    /// The ids a lookup takes: the real vocabulary when the table is padded.
+    fn id_limit(&self) -> usize {
+        self.unpadded_size.unwrap_or_else(|| self.num_embeddings())
+    }
+
+    /// Refuses ids outside `[0, vocab)` (the real vocabulary of a padded table: a padding row
+    /// is no token), naming the offending id: [`forward`](Self::forward) would panic on one
+    /// at TP 1 and silently embed it as zeros at TP > 1. Reads the ids' extremes back to the
+    /// host.
     pub fn check_ids(&self, ids: &Tensor<2, Int>) -> Result<(), TpError> {
-        check_index_range(
-            ids,
-            self.num_embeddings(),
-            "token id",
-            "the vocabulary size",
-        )
+        check_index_range(ids, self.id_limit(), "token id", "the vocabulary size")
     }
 
     /// The same layer, treating ids outside the vocabulary as `check` says (by default
@@ -218,7 +219,7 @@ impl VocabParallelEmbedding {
     pub fn checked_ids(&self, ids: Tensor<2, Int>) -> Result<Tensor<2, Int>, TpError> {
         checked_index(
             ids,
-            self.num_embeddings(),
+            self.id_limit(),
             self.id_check,
             "token id",
             "the vocabulary size",

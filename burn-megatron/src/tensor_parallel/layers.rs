@@ -23,7 +23,7 @@ use crate::grad_hooks::hook_param;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Tensor, s};
 use burn_megatron_kernels::linear_with_grad_accumulation;
 
 /// Configuration of a [`ColumnParallelLinear`].
@@ -215,12 +215,21 @@ impl ColumnParallelLinear {
         let part = partition(d_output, size, "output features")?;
         let unpadded_size = unpadded(config.unpadded_size, d_output, "output features")?;
         let start = tp.group().rank() * part;
-        let weight = linear.weight.val().narrow(1, start, part);
+        // A padded vocabulary's columns are zeros, whatever the linear held there.
+        let real = unpadded_size
+            .unwrap_or(d_output)
+            .saturating_sub(start)
+            .min(part);
+        let keep = |t: Tensor<2>| match real < part {
+            true => t.slice_fill(s![.., real..], 0.0),
+            false => t,
+        };
+        let weight = keep(linear.weight.val().narrow(1, start, part));
         let weight = super::shard_param(weight);
-        let bias = linear
-            .bias
-            .as_ref()
-            .map(|b| super::shard_param(b.val().narrow(0, start, part)));
+        let bias = linear.bias.as_ref().map(|b| {
+            let b = b.val().narrow(0, start, part).unsqueeze_dim::<2>(0);
+            super::shard_param(keep(b).squeeze_dim::<1>(0))
+        });
         let layer = Self {
             weight,
             bias,
@@ -587,9 +596,9 @@ pub(crate) fn product<const D: usize>(a: Tensor<D>, b: Tensor<2>) -> Tensor<D> {
         .unwrap_or_else(|_| burn::tensor::module::linear(a, b, None))
 }
 
-/// `total / tp`, or an error naming what does not divide.
-/// A padded width's real extent, checked against the `full` width (`None` when nothing is
-/// padding).
+/// A padded width's real extent, checked against the `full` width. A real extent equal to
+/// the full one is still stated: a checkpoint then says its tensor is the real vocabulary,
+/// not a padded one (see `checkpoint::tensors::same_tensor`).
 pub(crate) fn unpadded(
     real: Option<usize>,
     full: usize,
@@ -599,11 +608,11 @@ pub(crate) fn unpadded(
         Some(r) if r == 0 || r > full => Err(TpError::Invalid(format!(
             "the unpadded size ({r}) must be in [1, {full}], the padded {what}"
         ))),
-        Some(r) if r < full => Ok(Some(r)),
-        _ => Ok(None),
+        real => Ok(real),
     }
 }
 
+/// `total / tp`, or an error naming what does not divide.
 pub(crate) fn partition(total: usize, tp: usize, what: &str) -> Result<usize, TpError> {
     if !total.is_multiple_of(tp) {
         return Err(TpError::Indivisible(format!(

@@ -382,6 +382,7 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
         memory.step_done();
         if args.eval_interval > 0 && (done % args.eval_interval == 0 || done == args.train_iters) {
             let (lm, sop) = evaluate(&ctx, shared, &model, 0..args.eval_iters)?;
+            memory.evaluated();
             if leader {
                 let sop_part = sop.map_or(String::new(), |s| format!(" sop loss: {s:.6E} |"));
                 shared.println(format!(

@@ -464,12 +464,25 @@ fn a_vocabulary_loads_at_another_padding() {
     let shapes: Vec<_> = index
         .shards("model")
         .values()
-        .map(|f| f[0].1.global_shape.clone())
+        .map(|f| (f[0].1.global_shape.clone(), f[0].1.padded_dim))
         .collect();
-    assert_eq!(shapes, vec![vec![6, 3]], "only the real rows are saved");
+    assert_eq!(
+        shapes,
+        vec![(vec![6, 3], Some(0))],
+        "only the real rows are saved"
+    );
     let back = rows(&load_into(&new, table(8, Some(6), 3)));
     assert_eq!(&back[..6], &w[..6]);
     assert!(back[6..].iter().flatten().all(|&x| x == 0.0), "{back:?}");
+    // A checkpoint that states its real vocabulary is no older padded one: another
+    // vocabulary (5 tokens) is a mismatch, not a cut.
+    let (smaller, make) = (table(8, Some(5), 4), |m: &VocabParallelEmbedding| {
+        Ok(optimizer(m))
+    });
+    let Err(e) = load_checkpoint(&new, 1, &solo(), smaller, make, true) else {
+        panic!("a checkpoint of 6 real tokens loaded into a vocabulary of 5")
+    };
+    assert!(e.to_string().contains("global shape [6, 3]"), "{e}");
     for dir in [old, new] {
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -133,7 +133,8 @@ impl LoadOptions {
     /// (read transposed; a layer in Burn's column layout reads it as stored), and a norm's
     /// (`LayerNorm`, `RmsNorm`, `BatchNorm`, `GroupNorm`) `gamma` and `beta` are stored as
     /// `weight` and `bias` where the record has no `gamma` or `beta`. Key remaps still apply
-    /// first, for the names around the layers.
+    /// first, for the names around the layers. A PyTorch `BatchNorm`'s `num_batches_tracked`
+    /// has no Burn counterpart: allow it with `with_allow_unused`.
     ///
     /// ```
     /// use burn_megatron::tensor_parallel::dropin::LoadOptions;
@@ -412,7 +413,8 @@ impl PathMapper for Loader<'_, '_> {
         // split one's shards have no mapper.
         let col = col_weight(&self.facts, path);
         let options = self.options.transposed.iter().any(|re| re.is_match(path));
-        let torch_linear = owner == Some("Struct:Linear") && path.ends_with(".weight") && D == 2;
+        let weight = path == "weight" || path.ends_with(".weight");
+        let torch_linear = owner == Some("Struct:Linear") && weight && D == 2;
         let adapter = torch_linear && col.is_none();
         let mapped = col == Some(false);
         let shard = self.shard(&p, &stored, options || adapter || col == Some(true), mapped);

@@ -28,7 +28,8 @@ fn slices() {
 }
 
 /// A padded vocabulary's rows (embedding) and columns (output layer, weight and bias) are
-/// drawn as zeros, as a checkpoint's load fills them, and its real ones as without padding.
+/// drawn as zeros, as a checkpoint's load fills them, and its real ones as without padding;
+/// its ids stop at the real vocabulary.
 #[test]
 fn padded_vocabulary_layers_draw_their_padding_as_zeros() {
     use crate::comm::{Comm, LocalWorld};
@@ -42,6 +43,17 @@ fn padded_vocabulary_layers_draw_their_padding_as_zeros() {
         let config = VocabParallelEmbeddingConfig::new(8, 3).with_unpadded_size(real);
         values(config.with_seed(5).init(&tp, &device).unwrap().weight.val())
     };
+    // A padding row is no token: the id check stops at the real vocabulary.
+    let layer = VocabParallelEmbeddingConfig::new(8, 3)
+        .with_unpadded_size(Some(5))
+        .init(&tp, &device)
+        .unwrap();
+    let ids = burn::tensor::Tensor::<2, burn::tensor::Int>::from_ints([[4, 5]], &device);
+    let e = layer.checked_ids(ids.clone()).unwrap_err().to_string();
+    assert!(e.contains("token id 5"), "{e}");
+    let clamped = layer.with_id_check(crate::tensor_parallel::IdCheck::Clamp);
+    let clamped = clamped.checked_ids(ids).unwrap().into_data();
+    assert_eq!(clamped.iter::<i64>().collect::<Vec<_>>(), vec![4, 4]);
     let (whole, padded) = (table(None), table(Some(5)));
     assert_eq!(padded[..15], whole[..15]);
     assert!(padded[15..].iter().all(|&x| x == 0.0) && whole[15..].iter().any(|&x| x != 0.0));

@@ -5,7 +5,8 @@
 //! applying a plan, with no constructor changed. Until a plan assigns a split, each layer
 //! computes exactly what Burn's does. Burn's autoregressive decoding (`forward_cache`,
 //! `forward_autoregressive_inference`) comes with its caches ([`cache`],
-//! [`attention::MhaCache`]); a layer Burn built converts with `From`.
+//! [`attention::MhaCache`]); a layer Burn built converts with `From`. The rest of Burn's
+//! `nn` is re-exported as it is, so this module stands in for all of it.
 
 use super::plan::Split;
 use super::slot::TpSlot;
@@ -14,6 +15,15 @@ pub mod attention;
 pub mod cache;
 mod sequence;
 pub mod transformer;
+
+/// The rest of Burn's `nn`, as Burn has it (norms, dropout, activations, rotary encoding,
+/// losses, convolutions, initializers, ...): none of it is split, so `use burn::nn::…` swaps
+/// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache` and
+/// `transformer` modules, which do the same with Burn's) take the place of Burn's. Burn's
+/// own paths to its layers stay Burn's: `activation::SwiGlu` and `modules::Linear` are
+/// Burn's layers, which a plan refuses to split, naming them; import `SwiGlu` and `Linear`
+/// from here.
+pub use burn::nn::*;
 
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
@@ -26,11 +36,6 @@ use crate::tensor_parallel::mappings::{
 use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
 use burn::config::Config;
 use burn::module::{Module, Param};
-/// The rest of Burn's `nn`, as Burn has it (norms, dropout, activations, rotary encoding,
-/// losses, convolutions, initializers, ...): none of it is split, so `use burn::nn::…` swaps
-/// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache` and
-/// `transformer` modules, which do the same with Burn's) take the place of Burn's.
-pub use burn::nn::*;
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor};
 use sequence::Region;
