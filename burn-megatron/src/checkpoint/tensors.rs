@@ -7,7 +7,7 @@ use super::{CheckpointError, io};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
 use crate::safetensors_io;
 use crate::shards::{Piece, assemble_padded};
-use crate::tensor_parallel::{copy_parallel_attrs, parallel_attrs};
+use crate::tensor_parallel::{copy_parallel_attrs, parallel_attrs, real_part};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorCreationOptions, TensorData};
 use std::collections::{BTreeMap, HashMap};
@@ -45,7 +45,7 @@ pub(super) fn placement(id: ParamId, dims: &[usize], tp_rank: usize, tp: usize) 
     let padded_dim = attrs.padding().filter(|&(d, _)| d < dims.len());
     if let Some((d, real)) = padded_dim {
         global_shape[d] = real;
-        stored[d] = real.saturating_sub(offset[d]).min(dims[d]);
+        stored[d] = real_part(Some(real), offset[d], dims[d]);
     }
     Placement {
         global_shape,

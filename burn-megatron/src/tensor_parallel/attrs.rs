@@ -21,6 +21,12 @@ use burn::module::ParamId;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock, Weak};
 
+/// How much of the slice `[start, start + len)` of a padded extent lies before the padding,
+/// which begins at `real` (`None`: nothing is padding).
+pub(crate) fn real_part(real: Option<usize>, start: usize, len: usize) -> usize {
+    real.map_or(len, |r| r.saturating_sub(start).min(len))
+}
+
 /// How one parameter is laid out across tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ParallelAttrs {
@@ -63,7 +69,7 @@ impl ParallelAttrs {
     }
 
     /// These attributes for a shard whose full tensor is padded beyond `real` entries along
-    /// its split dimension (see [`unpadded_size`](Self::unpadded_size)).
+    /// its split dimension (see [`unpadded_size`](Self::unpadded_size); `None`: not padded).
     ///
     /// ```
     /// use burn_megatron::tensor_parallel::ParallelAttrs;
@@ -71,9 +77,10 @@ impl ParallelAttrs {
     /// // The last of two ranks holds rows 17..34 of a 34-row padded table, row 33 padding.
     /// assert_eq!(attrs.placement(&[17, 8], 1, 2), (vec![34, 8], vec![17, 0]));
     /// assert_eq!(attrs.unpadded_size, Some(33));
+    /// assert_eq!(ParallelAttrs::sharded(0).padded_from(None).unpadded_size, None);
     /// ```
-    pub fn padded_from(mut self, real: usize) -> Self {
-        self.unpadded_size = Some(real);
+    pub fn padded_from(mut self, real: impl Into<Option<usize>>) -> Self {
+        self.unpadded_size = real.into();
         self
     }
 

@@ -1,6 +1,6 @@
 //! `VocabParallelEmbedding`: the embedding table split by vocabulary rows.
 
-use super::attrs::ParallelAttrs;
+use super::attrs::{ParallelAttrs, real_part};
 use super::init::{MasterInit, slice_rows};
 use super::layers::{partition, unpadded};
 use super::mappings::{
@@ -85,12 +85,11 @@ impl VocabParallelEmbeddingConfig {
         let (init, rank, seed) = (self.initializer, tp.group().rank(), self.seed);
         let (n, dim) = (self.num_embeddings, self.embedding_dim);
         // The padding rows are zeros, as a checkpoint's load makes them.
-        let real = unpadded_size.unwrap_or(n);
+        let real = real_part(unpadded_size, rank * part, part);
         let weight = lazy_host_param([part, dim], device, move || {
             let full = init.values(n * dim, dim, seed);
             let mut rows = slice_rows(&full, dim, rank * part, part);
-            let padding = real.saturating_sub(rank * part).min(part) * dim;
-            rows[padding..].fill(0.0);
+            rows[real * dim..].fill(0.0);
             rows
         });
         let layer = VocabParallelEmbedding {
@@ -154,10 +153,7 @@ impl VocabParallelEmbedding {
     /// at init and at every lookup, and by a model that reads the table directly (a tied
     /// output layer).
     pub(crate) fn state_attrs(&self) {
-        let rows = ParallelAttrs::sharded(0);
-        let rows = self
-            .unpadded_size
-            .map_or(rows, |real| rows.padded_from(real));
+        let rows = ParallelAttrs::sharded(0).padded_from(self.unpadded_size);
         self.layout.state(self.weight.id, rows);
     }
 

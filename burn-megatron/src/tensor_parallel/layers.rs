@@ -10,7 +10,7 @@ mod shard;
 
 pub(crate) use shard::LinearShard;
 
-use super::attrs::{LayoutOwner, ParallelAttrs};
+use super::attrs::{LayoutOwner, ParallelAttrs, real_part};
 use super::init::{MasterInit, slice_cols, slice_rows};
 use super::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
@@ -107,10 +107,7 @@ impl ColumnParallelLinearConfig {
         let (init, bias_init) = (self.initializer, self.bias_initializer);
         let (d_input, d_output, seed) = (self.d_input, self.d_output, self.seed);
         // A padded vocabulary's columns are zeros, as a checkpoint's load makes them.
-        let real = unpadded_size
-            .unwrap_or(d_output)
-            .saturating_sub(rank * part)
-            .min(part);
+        let real = real_part(unpadded_size, rank * part, part);
         let weight = lazy_host_param([d_input, part], device, move || {
             let full = init.values(d_input * d_output, d_input, seed);
             let mut w = slice_cols(&full, d_output, rank * part, part);
@@ -215,21 +212,19 @@ impl ColumnParallelLinear {
         let part = partition(d_output, size, "output features")?;
         let unpadded_size = unpadded(config.unpadded_size, d_output, "output features")?;
         let start = tp.group().rank() * part;
+        let weight = linear.weight.val().narrow(1, start, part);
+        let bias = linear.bias.as_ref().map(|b| b.val().narrow(0, start, part));
         // A padded vocabulary's columns are zeros, whatever the linear held there.
-        let real = unpadded_size
-            .unwrap_or(d_output)
-            .saturating_sub(start)
-            .min(part);
-        let keep = |t: Tensor<2>| match real < part {
-            true => t.slice_fill(s![.., real..], 0.0),
-            false => t,
+        let real = real_part(unpadded_size, start, part);
+        let (weight, bias) = match real < part {
+            true => (
+                weight.slice_fill(s![.., real..], 0.0),
+                bias.map(|b| b.slice_fill(s![real..], 0.0)),
+            ),
+            false => (weight, bias),
         };
-        let weight = keep(linear.weight.val().narrow(1, start, part));
         let weight = super::shard_param(weight);
-        let bias = linear.bias.as_ref().map(|b| {
-            let b = b.val().narrow(0, start, part).unsqueeze_dim::<2>(0);
-            super::shard_param(keep(b).squeeze_dim::<1>(0))
-        });
+        let bias = bias.map(super::shard_param);
         let layer = Self {
             weight,
             bias,
@@ -248,11 +243,7 @@ impl ColumnParallelLinear {
     /// States the layout of the weight (split along dim 1) and the bias (dim 0): at init and
     /// at every forward, so it also holds for ids Burn's record loading restored.
     fn state_attrs(&self) {
-        let split = |dim| {
-            let attrs = ParallelAttrs::sharded(dim);
-            self.unpadded_size
-                .map_or(attrs, |real| attrs.padded_from(real))
-        };
+        let split = |dim| ParallelAttrs::sharded(dim).padded_from(self.unpadded_size);
         self.layout.state(self.weight.id, split(1));
         if let Some(b) = &self.bias {
             self.layout.state(b.id, split(0));

@@ -25,6 +25,7 @@ mod random;
 mod sampling;
 mod vocab;
 
+pub(crate) use attrs::real_part;
 pub use attrs::{
     LayoutOwner, ParallelAttrs, copy_parallel_attrs, parallel_attrs, set_layout_attrs,
     set_parallel_attrs, update_parallel_attrs,

@@ -40,8 +40,7 @@ impl Assigned {
     /// The attributes of a parameter the layer splits along `dim`, its vocabulary's padding
     /// included.
     pub(super) fn sharded(&self, dim: usize) -> ParallelAttrs {
-        let attrs = ParallelAttrs::sharded(dim);
-        self.vocab.map_or(attrs, |v| attrs.padded_from(v))
+        ParallelAttrs::sharded(dim).padded_from(self.vocab)
     }
 }
 
