@@ -67,3 +67,16 @@ pub(crate) fn map_paths<M: Module>(module: M, mapper: &mut impl PathMapper) -> M
         inner: mapper,
     })
 }
+
+/// `(i, ".rest")` when `path` is `{prefix}.{i}` or under it.
+pub(crate) fn layer_index<'a>(prefix: &str, path: &'a str) -> Option<(usize, &'a str)> {
+    let rest = path.strip_prefix(prefix)?.strip_prefix('.')?;
+    let (index, tail) = rest.find('.').map_or((rest, ""), |at| rest.split_at(at));
+    Some((index.parse().ok()?, tail))
+}
+
+/// Whether `path` is the module `pattern` names or lies under it.
+pub(crate) fn is_under(pattern: &glob::Pattern, path: &str) -> bool {
+    let prefixes = path.match_indices('.').map(|(at, _)| &path[..at]);
+    prefixes.chain([path]).any(|p| pattern.matches(p))
+}

@@ -16,6 +16,7 @@
 
 mod executor;
 mod p2p;
+mod plan;
 mod schedule;
 mod timeline;
 
@@ -28,6 +29,7 @@ pub use executor::{
     MicrobatchLossValues, PipelineError, StageError, forward_backward_func, read_losses,
 };
 pub use p2p::{P2pCommunicator, P2pShapes};
+pub use plan::{PpPlan, PpStage};
 pub use schedule::{
     Pass, PipelineOp, PipelineSchedule, ScheduleError, ScheduleKind, num_warmup_microbatches,
     schedule_table, virtual_stage,

@@ -25,6 +25,7 @@ mod cache;
 mod decoder;
 mod layout;
 mod load;
+mod pipeline;
 mod plan;
 mod sequence;
 mod text_generation;

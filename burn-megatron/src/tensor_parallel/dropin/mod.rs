@@ -31,6 +31,7 @@ mod plan;
 mod save;
 mod shard;
 mod slot;
+mod stage;
 
 pub use heads::{AttentionSplit, attention_split};
 pub use init::master_init;
@@ -38,3 +39,4 @@ pub use load::{LoadOptions, LoadReport, RecordSource, load_sharded};
 pub use plan::{Split, TpPlan};
 pub use save::save_gathered;
 pub use slot::TpSlot;
+pub(crate) use stage::{StageKey, StageKeys};

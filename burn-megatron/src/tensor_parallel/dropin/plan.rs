@@ -10,6 +10,7 @@ use super::super::attrs::{LayoutOwner, ParallelAttrs};
 use super::super::{RngTracker, TpError, padded_vocab_size};
 use super::shard::{Placement, held_dims, shard};
 use super::slot::{Assigned, Facts, Offer, PENDING, facts};
+use super::stage::StageKeys;
 use crate::comm::Comm;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
@@ -69,6 +70,16 @@ pub struct TpPlan {
     seed: u64,
     vocab_divisible_by: Option<usize>,
     sequence_parallel: bool,
+    stage: Option<PlanStage>,
+}
+
+/// The pipeline stage a plan splits a chunk of: its rules match the whole model's paths,
+/// its draws are seeded by them, and its dropout streams by the virtual stage (Megatron
+/// offsets the seed by 100 a stage), so that stages differ as the layers of one model do.
+#[derive(Debug, Clone)]
+struct PlanStage {
+    keys: StageKeys,
+    virtual_stage: usize,
 }
 
 impl TpPlan {
@@ -175,6 +186,17 @@ impl TpPlan {
         self
     }
 
+    /// The plan for one pipeline stage's chunk (what
+    /// [`PpStage::tp_plan`](crate::pipeline::PpStage::tp_plan) makes): a rule naming only
+    /// modules other stages hold matches nothing here, and that is not an error.
+    pub(crate) fn at_stage(mut self, keys: StageKeys, virtual_stage: usize) -> Self {
+        self.stage = Some(PlanStage {
+            keys,
+            virtual_stage,
+        });
+        self
+    }
+
     fn rule(mut self, patterns: &[&str], split: Split) -> Result<Self, TpError> {
         for p in patterns {
             let pattern = glob::Pattern::new(p)
@@ -200,7 +222,7 @@ impl TpPlan {
         let mut mapper = PlanMapper {
             plan: self,
             tp,
-            rng: RngTracker::new(self.seed, tp.group().rank()),
+            rng: RngTracker::new(self.dropout_seed(), tp.group().rank()),
             path: Vec::new(),
             types: Vec::new(),
             active: None,
@@ -216,8 +238,10 @@ impl TpPlan {
         if let Some(e) = mapper.error {
             return Err(e);
         }
+        let elsewhere =
+            |p: &glob::Pattern| (self.stage.as_ref()).is_some_and(|s| s.keys.may_name_elsewhere(p));
         let unused: Vec<String> = (self.rules.iter().zip(&mapper.matched))
-            .filter(|(_, m)| !**m)
+            .filter(|((p, _), m)| !**m && !elsewhere(p))
             .map(|((p, s), _)| format!("`{}` ({s:?})", p.as_str()))
             .collect();
         if !unused.is_empty() {
@@ -228,6 +252,19 @@ impl TpPlan {
         }
         Ok(model)
     }
+
+    /// The whole model's path for `path` (itself but on a pipeline stage).
+    fn global_name(&self, path: &str) -> String {
+        match &self.stage {
+            Some(stage) => stage.keys.global_name(path),
+            None => path.to_string(),
+        }
+    }
+
+    fn dropout_seed(&self) -> u64 {
+        let stage = self.stage.as_ref().map_or(0, |s| s.virtual_stage as u64);
+        self.seed.wrapping_add(100 * stage)
+    }
 }
 
 /// A layer a rule named, while the traversal is inside it.
@@ -235,7 +272,11 @@ struct Active {
     depth: usize,
     path: String,
     split: Split,
+    /// The rule that named it.
+    rule: usize,
     slots: usize,
+    /// The parameters under it so far.
+    params: usize,
 }
 
 struct PlanMapper<'a> {
@@ -322,8 +363,8 @@ impl ModuleMapper for PlanMapper<'_> {
         if self.active.is_some() {
             return;
         }
-        if let Some(i) = self.plan.rules.iter().position(|(p, _)| p.matches(&path)) {
-            self.matched[i] = true;
+        let global = self.plan.global_name(&path);
+        if let Some(i) = self.plan.rules.iter().position(|(p, _)| p.matches(&global)) {
             let split = self.plan.rules[i].1;
             // A layer's residual dropout draws from the plan's streams only when the plan
             // assigns the layer itself: a split part alone would leave it on Burn's
@@ -343,7 +384,9 @@ impl ModuleMapper for PlanMapper<'_> {
                 depth: self.path.len(),
                 path,
                 split,
+                rule: i,
                 slots: 0,
+                params: 0,
             });
         }
     }
@@ -370,7 +413,13 @@ impl ModuleMapper for PlanMapper<'_> {
         if let Some(active) = &self.active
             && active.depth == self.path.len()
         {
-            if active.slots == 0 {
+            // A layer that holds nothing (an `Option` left `None`, as a pipeline stage
+            // leaves the modules other stages hold) is not there to match.
+            let empty = active.slots == 0 && active.params == 0;
+            if !empty {
+                self.matched[active.rule] = true;
+            }
+            if active.slots == 0 && !empty {
                 let msg = format!(
                     "{}: a {:?} rule names it, but it has no tensor-parallel slot: it is one of \
                      burn::nn's types; import Linear, Embedding or SwiGlu from \
@@ -386,9 +435,10 @@ impl ModuleMapper for PlanMapper<'_> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(active) = &self.active else {
+        let Some(active) = &mut self.active else {
             return param;
         };
+        active.params += 1;
         let layer = self.types.last().cloned().unwrap_or_default();
         let field = self.path.last().cloned().unwrap_or_default();
         let path = self.path.join(".");
@@ -455,6 +505,7 @@ impl ModuleMapper for PlanMapper<'_> {
             self.vocab = real;
         }
         let init = layer_facts.and_then(|f| f.init.as_ref());
+        let seed_path = self.plan.global_name(&path);
         let at = Placement {
             init,
             col,
@@ -463,6 +514,7 @@ impl ModuleMapper for PlanMapper<'_> {
             vocab: matches!(split, Split::Vocab | Split::GatheredVocab),
             layer: &layer,
             path: &path,
+            seed_path: &seed_path,
             seed: self.plan.seed,
             fans: self.fans,
         };

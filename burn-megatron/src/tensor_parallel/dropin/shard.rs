@@ -24,6 +24,8 @@ pub(super) struct Placement<'a> {
     pub(super) vocab: bool,
     pub(super) layer: &'a str,
     pub(super) path: &'a str,
+    /// The path its draw is seeded by: the whole model's, on a pipeline stage.
+    pub(super) seed_path: &'a str,
     pub(super) seed: u64,
     /// A linear weight in Burn's column layout.
     pub(super) col: bool,
@@ -113,7 +115,7 @@ fn lazy_draw<const D: usize>(
     let dim = at.dim.unwrap_or(0);
     let mut local = dims;
     local[dim] = part;
-    let (seed, device) = (derive_seed(at.seed, at.path), param.lazy_device());
+    let (seed, device) = (derive_seed(at.seed, at.seed_path), param.lazy_device());
     let (total, fan_in) = (dims.iter().product::<usize>(), at.fans.0.unwrap_or(1));
     Ok(lazy_host_param(local, &device, move || {
         let full = law.values(total, fan_in, seed);

@@ -22,10 +22,14 @@ use crate::safetensors_io;
 use crate::shards::{Piece, assemble_padded};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
-use regex::Regex;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+
+mod options;
+
+use super::StageKey;
+pub use options::{LoadOptions, LoadReport};
 
 /// A whole-model record on disk, in a format Burn 0.22 writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,99 +94,6 @@ impl RecordSource {
             | Self::Pytorch { path: p, .. } => p,
         }
     }
-}
-
-/// How record names meet module paths, and what a mismatch may be.
-///
-/// ```
-/// use burn_megatron::tensor_parallel::dropin::LoadOptions;
-/// // Hugging Face names onto a Burn model's paths, with PyTorch's `[out, in]` linears.
-/// let options = LoadOptions::default()
-///     .with_key_remap(r"^model\.layers\.(\d+)\.", "layers.$1.").unwrap()
-///     .with_transposed(r"\.(q|k|v|o)_proj\.weight$").unwrap();
-/// assert!(LoadOptions::default().with_key_remap("(", "x").is_err());
-/// # drop(options);
-/// ```
-#[derive(Debug, Clone, Default)]
-pub struct LoadOptions {
-    remaps: Vec<(Regex, String)>,
-    transposed: Vec<Regex>,
-    pytorch_adapter: bool,
-    allow_missing: bool,
-    allow_unused: bool,
-}
-
-impl LoadOptions {
-    /// Rename record keys before they are matched with module paths: every key goes through
-    /// each `(pattern, replacement)` in order (`regex` syntax, `$1` for groups), as
-    /// burn-store's `KeyRemapper` does.
-    pub fn with_key_remap(mut self, pattern: &str, replacement: &str) -> Result<Self, TpError> {
-        self.remaps.push((regex(pattern)?, replacement.to_string()));
-        Ok(self)
-    }
-
-    /// Module paths (after renaming) whose 2-D tensors are stored transposed, `[out, in]`
-    /// as PyTorch's `nn.Linear` stores them, where Burn's `Linear` holds `[in, out]`.
-    pub fn with_transposed(mut self, pattern: &str) -> Result<Self, TpError> {
-        self.transposed.push(regex(pattern)?);
-        Ok(self)
-    }
-
-    /// Read a PyTorch state dict as burn-store's `PyTorchToBurnAdapter` does, by the type of
-    /// the layer that holds each parameter: every `Linear`'s 2-D weight is stored `[out, in]`
-    /// (read transposed; a layer in Burn's column layout reads it as stored), and a norm's
-    /// (`LayerNorm`, `RmsNorm`, `BatchNorm`, `GroupNorm`) `gamma` and `beta` are stored as
-    /// `weight` and `bias` where the record has no `gamma` or `beta`. Key remaps still apply
-    /// first, for the names around the layers. A PyTorch `BatchNorm`'s `num_batches_tracked`
-    /// has no Burn counterpart: allow it with `with_allow_unused`.
-    ///
-    /// ```
-    /// use burn_megatron::tensor_parallel::dropin::LoadOptions;
-    /// // A PyTorch port of a Burn encoder: `encoder.layer.N.` for `layers.N.`, its linears
-    /// // `[out, in]`, its norms' `weight` and `bias`.
-    /// let options = LoadOptions::default()
-    ///     .with_key_remap(r"^encoder\.layer\.", "layers.").unwrap()
-    ///     .with_pytorch_adapter(true);
-    /// # drop(options);
-    /// ```
-    pub fn with_pytorch_adapter(mut self, on: bool) -> Self {
-        self.pytorch_adapter = on;
-        self
-    }
-
-    /// Leave parameters the record does not hold as they are (listed in the report) instead
-    /// of failing.
-    pub fn with_allow_missing(mut self, allow: bool) -> Self {
-        self.allow_missing = allow;
-        self
-    }
-
-    /// Ignore record tensors no parameter takes (listed in the report) instead of failing.
-    pub fn with_allow_unused(mut self, allow: bool) -> Self {
-        self.allow_unused = allow;
-        self
-    }
-}
-
-fn regex(pattern: &str) -> Result<Regex, TpError> {
-    Regex::new(pattern).map_err(|e| TpError::Invalid(format!("pattern `{pattern}`: {e}")))
-}
-
-/// What a sharded load did, and the memory it needed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LoadReport {
-    /// Parameters loaded, by module path.
-    pub loaded: Vec<String>,
-    /// Parameters the record does not hold (only with `with_allow_missing`).
-    pub missing: Vec<String>,
-    /// Record tensors no parameter took, by record key (only with `with_allow_unused`).
-    pub unused: Vec<String>,
-    /// Bytes of this rank's shards, as read from the file (a padded vocabulary's zeros
-    /// included).
-    pub shard_bytes: u64,
-    /// The largest tensor read whole: to cut a column shard out of it, or any tensor of a
-    /// PyTorch checkpoint (0 when every shard was a run of rows of a mapped file).
-    pub largest_whole_tensor_bytes: u64,
 }
 
 /// `model` with every float parameter replaced by this rank's part of the tensor the record
@@ -334,10 +245,19 @@ fn load<M: Module>(
     options: &LoadOptions,
 ) -> Result<(M, LoadReport), TpError> {
     let mut by_path: BTreeMap<String, (String, Stored<'_>)> = BTreeMap::new();
+    let mut elsewhere = Vec::new();
     for (key, tensor) in stored {
         let path = options.remaps.iter().fold(key.clone(), |k, (re, to)| {
             re.replace_all(&k, to.as_str()).into_owned()
         });
+        let path = match options.stage.as_ref().map(|s| s.place(&path)) {
+            None => path,
+            Some(StageKey::Here(path)) => path,
+            Some(StageKey::Elsewhere) => {
+                elsewhere.push(key);
+                continue;
+            }
+        };
         if let Some((other, _)) = by_path.get(&path) {
             return Err(TpError::Invalid(format!(
                 "record tensors `{other}` and `{key}` both map to the module path `{path}`"
@@ -362,6 +282,7 @@ fn load<M: Module>(
         return Err(e);
     }
     let mut report = loader.report;
+    report.elsewhere = elsewhere;
     report.unused = loader.by_path.into_values().map(|(key, _)| key).collect();
     if !report.unused.is_empty() && !options.allow_unused {
         return Err(TpError::Invalid(format!(
@@ -389,6 +310,10 @@ struct Loader<'a, 'o> {
 impl PathMapper for Loader<'_, '_> {
     fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
         if self.error.is_some() {
+            return p;
+        }
+        if let Some(why) = self.options.stage.as_ref().and_then(|s| s.misplaced(path)) {
+            self.error = Some(TpError::Invalid(format!("{path}: {why}")));
             return p;
         }
         let owner = self.owners.get(path).map(String::as_str);

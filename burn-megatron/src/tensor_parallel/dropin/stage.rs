@@ -1,0 +1,86 @@
+//! One pipeline stage's part of a whole model's module paths (what
+//! [`PpStage`](crate::pipeline::PpStage) hands down to loading and to a plan).
+
+use crate::module_path::{is_under, layer_index};
+use std::ops::Range;
+
+/// The part of a whole model's record one pipeline stage holds: the stage's `layers.{i}`
+/// are the record's `layers.{range.start + i}`, and the record's other layers and the
+/// tensors under `elsewhere` belong to other stages.
+#[derive(Debug, Clone)]
+pub(crate) struct StageKeys {
+    /// The module path of the layer stack (`layers`).
+    pub(crate) prefix: String,
+    /// The stage's layers, by global index.
+    pub(crate) layers: Range<usize>,
+    /// Modules other stages hold (glob patterns over module paths).
+    pub(crate) elsewhere: Vec<glob::Pattern>,
+}
+
+/// Where a record key goes when one stage loads.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum StageKey {
+    /// This stage's module path for it.
+    Here(String),
+    /// Another stage holds it.
+    Elsewhere,
+}
+
+impl StageKeys {
+    /// The whole model's path for this stage's `path`: its layer index moved up by the
+    /// stage's first layer.
+    pub(crate) fn global_name(&self, path: &str) -> String {
+        match layer_index(&self.prefix, path) {
+            Some((i, tail)) => format!("{}.{}{tail}", self.prefix, self.layers.start + i),
+            None => path.to_string(),
+        }
+    }
+
+    /// Whether a plan's layer pattern that matches nothing here may name a module another
+    /// stage holds: one of theirs, or a layer outside this stage's.
+    pub(crate) fn may_name_elsewhere(&self, rule: &glob::Pattern) -> bool {
+        let theirs = self
+            .elsewhere
+            .iter()
+            .any(|e| rule.matches(e.as_str()) || e.matches(rule.as_str()));
+        let layer = layer_index(&self.prefix, rule.as_str());
+        theirs || layer.is_some_and(|(i, _)| !self.layers.contains(&i))
+    }
+
+    /// Where the record's `key` (a module path once renamed) goes.
+    pub(crate) fn place(&self, key: &str) -> StageKey {
+        if let Some((i, tail)) = layer_index(&self.prefix, key) {
+            return match self.layers.contains(&i) {
+                true => StageKey::Here(format!("{}.{}{tail}", self.prefix, i - self.layers.start)),
+                false => StageKey::Elsewhere,
+            };
+        }
+        match self.is_elsewhere(key) {
+            true => StageKey::Elsewhere,
+            false => StageKey::Here(key.to_string()),
+        }
+    }
+
+    /// Why the model's parameter at `path` cannot be on this stage, if it cannot.
+    pub(crate) fn misplaced(&self, path: &str) -> Option<String> {
+        let (start, end) = (self.layers.start, self.layers.end);
+        if let Some((i, _)) = layer_index(&self.prefix, path).filter(|(i, _)| *i >= end - start) {
+            return Some(format!(
+                "the model holds `{}.{i}`, but this pipeline stage holds {} layers of `{}` \
+                 ({start}..{end} of the whole model)",
+                self.prefix,
+                end - start,
+                self.prefix
+            ));
+        }
+        self.is_elsewhere(path).then(|| {
+            "the plan puts this parameter on another pipeline stage, yet this stage holds it"
+                .to_string()
+        })
+    }
+
+    /// Whether `path` lies under a module another stage holds.
+    fn is_elsewhere(&self, path: &str) -> bool {
+        self.elsewhere.iter().any(|pattern| is_under(pattern, path))
+    }
+}

@@ -1,0 +1,430 @@
+//! A Burn model split into pipeline stages with a `PpPlan`: built per stage (its embedding
+//! on the first, its head on the last, its share of the layers), loaded from the record the
+//! whole model saved, and trained through `forward_backward_func` and `ParallelTraining`.
+//! At PP 2, PP 2 × VP 2, PP 4, TP 2 × PP 2 and DP 2 × PP 2 (distributed optimizer) its
+//! losses, grad norms, first gradients and final weights (gathered by the whole model's
+//! names) are one rank's; a checkpoint saved at DP 2 × PP 2 resumes at PP 1 and at PP 2 × VP
+//! 2. A stage that holds the wrong modules is refused, naming them.
+
+use super::Error;
+use burn::module::Module;
+use burn::optim::AdamWConfig;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::{CommunicatorExt, ReduceOp};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::optimizer::InnerOptimizer;
+use burn_megatron::pipeline::{
+    ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, PpPlan, PpStage,
+    forward_backward_func,
+};
+use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+    TransformerEncoderConfig, TransformerEncoderLayer,
+};
+use burn_megatron::tensor_parallel::dropin::nn::{
+    Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
+use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
+use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
+use burn_megatron_tests::gpt::{gathered, max_rel_diff};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+const VOCAB: usize = 32;
+const D: usize = 16;
+const LAYERS: usize = 4;
+const S: usize = 6;
+/// Samples a step, one a microbatch: 8 microbatches on one replica, 4 on each of two.
+const GLOBAL_BATCH: usize = 8;
+
+/// A decoder-only LM written as a Burn user writes one, built per pipeline stage.
+#[derive(Module, Debug)]
+struct Lm {
+    wte: Option<Embedding>,
+    layers: Vec<TransformerEncoderLayer>,
+    norm: Option<LayerNorm>,
+    lm_head: Option<Linear>,
+}
+
+fn plan() -> PpPlan {
+    let plan = PpPlan::new("layers", LAYERS).first(&["wte"]).unwrap();
+    plan.last(&["norm", "lm_head"]).unwrap()
+}
+
+impl Lm {
+    fn new(stage: &PpStage, device: &Device) -> Self {
+        let layer = TransformerEncoderConfig::new(D, 2 * D, 4, LAYERS)
+            .with_dropout(0.0)
+            .with_norm_first(true);
+        Self {
+            wte: stage
+                .is_first()
+                .then(|| EmbeddingConfig::new(VOCAB, D).init(device)),
+            layers: (stage.layers())
+                .map(|_| TransformerEncoderLayer::new(&layer, device))
+                .collect(),
+            norm: stage
+                .is_last()
+                .then(|| LayerNormConfig::new(D).init(device)),
+            lm_head: stage
+                .is_last()
+                .then(|| LinearConfig::new(D, VOCAB).init(device)),
+        }
+    }
+
+    /// Megatron's forward step for sample `sample`: token ids where the chunk embeds, the
+    /// previous stage's hidden states elsewhere; the loss where it has the head.
+    fn step(
+        &self,
+        sample: usize,
+        input: Option<Tensor<3>>,
+        device: &Device,
+    ) -> Result<ChunkOutput<3>, Error> {
+        let ids: Vec<i64> = (sample * (S + 1)..(sample + 1) * (S + 1))
+            .map(|i| ((i * 7 + i / 3) % VOCAB) as i64)
+            .collect();
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, S + 1]), device);
+        let mut x = match (input, &self.wte) {
+            (Some(x), _) => x,
+            (None, Some(wte)) => wte.forward(ids.clone().narrow(1, 0, S)),
+            (None, None) => return Err("a chunk without the embedding needs hidden states".into()),
+        };
+        for layer in &self.layers {
+            x = layer.forward(x, None, None);
+        }
+        let (Some(norm), Some(head)) = (&self.norm, &self.lm_head) else {
+            return Ok(ChunkOutput::Activation(x));
+        };
+        let logits = head.forward(norm.forward(x));
+        let logits = logits.clone().reshape([S, logits.dims()[2]]);
+        let labels = ids.narrow(1, 1, S).reshape([S]);
+        let loss = vocab_parallel_cross_entropy(logits, labels, 0.0, &head.group())?;
+        Ok(ChunkOutput::Loss {
+            loss: loss.mean(),
+            report: vec![],
+        })
+    }
+}
+
+/// The whole model, drawn by Burn on this thread and saved: what every layout loads.
+fn record(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("lm.bpk");
+    let device = Device::flex();
+    device.seed(11);
+    let whole = plan().stage(PipelinePosition::whole()).unwrap();
+    Lm::new(&whole, &device).save_file(&path).unwrap();
+    path
+}
+
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    tp: usize,
+    pp: usize,
+    vp: usize,
+    dp: usize,
+    steps: usize,
+    record: &'a Path,
+    resume: Option<&'a Path>,
+    save: Option<&'a Path>,
+}
+
+fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<'a> {
+    Run {
+        tp,
+        pp,
+        vp,
+        dp,
+        steps: 3,
+        record,
+        resume: None,
+        save: None,
+    }
+}
+
+/// What a run gives: each step's loss and grad norm, the first step's gradients and the
+/// final weights, by the whole model's names.
+#[derive(Default)]
+struct Trace {
+    steps: Vec<(f32, f64)>,
+    /// None where a replica holds only a part of them.
+    grads: Option<BTreeMap<String, Vec<f32>>>,
+    weights: BTreeMap<String, Vec<f32>>,
+}
+
+fn train(run: Run<'_>) -> Result<Trace, Error> {
+    let config = ParallelConfig::new(run.tp * run.pp * run.dp, run.tp, run.pp)
+        .with_virtual_pipeline((run.vp > 1).then_some(run.vp));
+    let ranks = threads(&config, LaunchOptions::default(), |ctx| {
+        let (tp, d) = (&ctx.groups.tp, &ctx.device);
+        let plan = plan();
+        let stages = plan.stages(&ctx.state)?;
+        let tp_plan = TpPlan::new().encoder(&["layers.*"])?;
+        let tp_plan = tp_plan.vocab(&["wte", "lm_head"])?;
+        let source = RecordSource::from_path(run.record);
+        let chunks = stages
+            .iter()
+            .map(|stage| {
+                let chunk = stage
+                    .tp_plan(tp_plan.clone())
+                    .apply(Lm::new(stage, d), tp)?;
+                let options = stage.load_options(LoadOptions::default());
+                Ok(load_sharded(chunk, &source, tp, &options)?.0)
+            })
+            .collect::<Result<Vec<Lm>, Error>>()?;
+        let names = plan.global_names(&stages);
+        let mut training = ParallelTrainingConfig::new()
+            .with_use_distributed_optimizer(run.dp > 1)
+            .init(&ctx, &chunks, names.clone())?;
+        let adamw = || InnerOptimizer::from(AdamWConfig::new().with_weight_decay(0.01).init());
+        let (mut chunks, mut optimizer) = match run.resume {
+            Some(root) => {
+                let make = |t: &ParallelTraining, m: &Vec<Lm>| t.optimizer(adamw(), m);
+                let restored = training.load(root, Some(2), chunks, make, true)?;
+                (restored.model, restored.optimizer)
+            }
+            None => {
+                let optimizer = training.optimizer(adamw(), &chunks)?;
+                (chunks, optimizer)
+            }
+        };
+        let p2p = ctx.p2p(P2pShapes::Variable);
+        let m = GLOBAL_BATCH / run.dp;
+        let first = ctx.state.data_parallel_rank() * m;
+        let schedule = PipelineSchedule::new(run.pp, m).with_model_chunks(run.vp);
+        let by_name = |values: BTreeMap<String, Vec<f32>>| -> BTreeMap<String, Vec<f32>> {
+            values.into_iter().map(|(k, v)| (names(&k), v)).collect()
+        };
+        let mut trace = Trace::default();
+        for step in 0..run.steps {
+            let out = forward_backward_func(
+                |s: ForwardStep<'_, Lm, 3>| s.model.step(first + s.microbatch, s.input, d),
+                &chunks,
+                &p2p,
+                ForwardBackwardConfig::new(schedule),
+            )?;
+            let losses = out.read_losses();
+            let mut grads = out.grads;
+            training.finalize(&chunks, &mut grads)?;
+            // Reduce-scattered for the distributed optimizer: each replica holds a part.
+            if step == 0 && run.dp == 1 {
+                trace.grads = Some(by_name(gathered(&chunks, Some(&grads), tp)));
+            }
+            let (stepped, report) = optimizer.step(3e-3, chunks, grads)?;
+            chunks = stepped;
+            // The last stage's loss, averaged over the replicas.
+            let mut loss = vec![losses.iter().map(|l| l.loss as f32).sum::<f32>() / m as f32];
+            if !losses.is_empty() {
+                ctx.groups.dp.all_reduce_vec(&mut loss, ReduceOp::Avg)?;
+            }
+            trace
+                .steps
+                .push((loss[0], report.grad_norm.unwrap_or(f64::NAN)));
+        }
+        trace.weights = by_name(gathered(&chunks, None, tp));
+        if let Some(root) = run.save {
+            training.save(root, 2, &chunks, &optimizer, serde_json::json!({}))?;
+        }
+        let last = stages.iter().any(PpStage::is_last);
+        Ok::<_, Error>((last && ctx.state.data_parallel_rank() == 0, trace))
+    })?;
+    // The losses from the last stage; gradients and weights from every stage of replica 0.
+    let mut whole = Trace::default();
+    for (last, trace) in ranks {
+        if last {
+            whole.steps = trace.steps.clone();
+        }
+        if let Some(grads) = trace.grads {
+            whole.grads.get_or_insert_default().extend(grads);
+        }
+        whole.weights.extend(trace.weights);
+    }
+    Ok(whole)
+}
+
+fn assert_same(what: &str, got: &Trace, want: &Trace) {
+    assert_eq!(got.steps.len(), want.steps.len(), "{what}: steps");
+    for (i, (a, b)) in got.steps.iter().zip(&want.steps).enumerate() {
+        assert!(
+            (a.0 - b.0).abs() < 1e-5 && (a.1 - b.1).abs() <= 1e-5 * b.1,
+            "{what}, step {i}: loss and grad norm {a:?}, one rank {b:?}"
+        );
+    }
+    let grads = match (&got.grads, &want.grads) {
+        (Some(a), Some(b)) => Some(("gradient", a, b, 1e-5)),
+        _ => None,
+    };
+    // Adam divides each gradient by its own magnitude, so after three steps a weight whose
+    // gradient is near rounding (a norm's beta) moves by rounding ÷ itself: 1e-4 there.
+    let weights = ("weight", &got.weights, &want.weights, 1e-4);
+    for (kind, a, b, tolerance) in grads.into_iter().chain([weights]) {
+        let (worst, name) = max_rel_diff(a, b, 1e-2);
+        assert!(worst <= tolerance, "{what}: {kind} {name} off by {worst:e}");
+    }
+}
+
+#[test]
+fn a_burn_model_trains_across_pipeline_stages_as_on_one_rank() -> Result<(), Error> {
+    let dir = super::load::scratch("pipeline");
+    let record = record(&dir);
+    let one = train(run(1, 1, 1, 1, &record))?;
+    assert!(one.grads.is_some());
+    assert_eq!(
+        one.weights.len(),
+        5 + LAYERS * 16,
+        "every parameter, by its whole name"
+    );
+    for (tp, pp, vp, dp) in [
+        (1, 2, 1, 1),
+        (1, 2, 2, 1),
+        (1, 4, 1, 1),
+        (2, 2, 1, 1),
+        (1, 2, 1, 2),
+    ] {
+        let what = format!("TP {tp} × PP {pp} × VP {vp} × DP {dp}");
+        assert_same(&what, &train(run(tp, pp, vp, dp, &record))?, &one);
+    }
+    // Saved at DP 2 × PP 2 after two steps, resumed for one at PP 1 and at PP 2 × VP 2.
+    let root = dir.join("checkpoints");
+    let saved = Run {
+        steps: 2,
+        save: Some(&root),
+        ..run(1, 2, 1, 2, &record)
+    };
+    train(saved)?;
+    let rest = Trace {
+        steps: one.steps[2..].to_vec(),
+        grads: None,
+        weights: one.weights.clone(),
+    };
+    for (pp, vp) in [(1, 1), (2, 2)] {
+        let resumed = Run {
+            steps: 1,
+            resume: Some(&root),
+            ..run(1, pp, vp, 1, &record)
+        };
+        let got = train(resumed)?;
+        assert_same(&format!("resumed at PP {pp} × VP {vp}"), &got, &rest);
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+#[test]
+fn a_fresh_stage_draws_the_whole_models_layers() -> Result<(), Error> {
+    // Split layers drawn by the plan (no record): every stage draws the layers it holds as
+    // one rank draws them, only through `PpStage::tp_plan`.
+    let draw = |pp: usize, through_stage: bool| -> Result<BTreeMap<String, Vec<f32>>, Error> {
+        let config = ParallelConfig::new(2 * pp, 2, pp);
+        let ranks = threads(&config, LaunchOptions::default(), |ctx| {
+            let plan = plan();
+            let stages = plan.stages(&ctx.state)?;
+            let stage = &stages[0];
+            let tp_plan = TpPlan::new().encoder(&["layers.*"])?.with_seed(5);
+            let tp_plan = match through_stage {
+                true => stage.tp_plan(tp_plan),
+                false => tp_plan,
+            };
+            let chunk = tp_plan.apply(Lm::new(stage, &ctx.device), &ctx.groups.tp)?;
+            let values = gathered(&chunk, None, &ctx.groups.tp);
+            let names = plan.global_names(&stages);
+            Ok::<_, Error>(
+                values
+                    .into_iter()
+                    .map(|(k, v)| (names(&k), v))
+                    .collect::<Vec<_>>(),
+            )
+        })?;
+        Ok(ranks
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| k.contains("layers"))
+            .collect())
+    };
+    let one = draw(1, true)?;
+    assert_eq!(one.len(), LAYERS * 16);
+    assert!(
+        draw(2, true)? == one,
+        "stages draw the whole model's layers"
+    );
+    let unstaged = draw(2, false)?;
+    assert!(
+        unstaged != one,
+        "without the stage, stage 1 draws layers 0 and 1 again"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_stage_holding_the_wrong_modules_is_refused() -> Result<(), Error> {
+    let dir = super::load::scratch("pipeline-errors");
+    let record = record(&dir);
+    let (device, tp) = (Device::flex(), super::solo());
+    let plan = plan();
+    let at = |rank, chunks, chunk| plan.stage(PipelinePosition::new(2, rank, chunks, chunk));
+    let (first, second) = (at(0, 1, 0)?, at(1, 1, 0)?);
+    let load = |chunk: Lm, stage: &PpStage| {
+        let options = stage.load_options(LoadOptions::default());
+        load_sharded(chunk, &RecordSource::from_path(&record), &tp, &options)
+    };
+    // Stage 1 holds layers 2 and 3, the norm and the head; the rest is another stage's.
+    let (_, report) = load(Lm::new(&second, &device), &second)?;
+    assert!(report.loaded.iter().all(|p| !p.starts_with("wte")));
+    assert!(report.loaded.contains(&"layers.0.norm_1.gamma".to_string()));
+    assert!(report.elsewhere.contains(&"wte.weight".to_string()));
+    assert!(
+        report
+            .elsewhere
+            .contains(&"layers.1.norm_1.gamma".to_string())
+    );
+    assert!(!report.elsewhere.iter().any(|k| k.starts_with("layers.2")));
+    let refused = |e: String, names: &str| assert!(e.contains(names), "{e}");
+    // The first stage's chunk (with the embedding) loaded as the second's.
+    let e = load(Lm::new(&first, &device), &second)
+        .unwrap_err()
+        .to_string();
+    refused(
+        e,
+        "wte.weight: the plan puts this parameter on another pipeline stage",
+    );
+    let e = second
+        .check(&Lm::new(&first, &device))
+        .unwrap_err()
+        .to_string();
+    refused(e, "wte.weight");
+    // A chunk of three layers where the stage holds two.
+    let mut long = Lm::new(&second, &device);
+    long.layers.push(long.layers[0].clone());
+    let e = load(long, &second).unwrap_err().to_string();
+    refused(
+        e,
+        "holds `layers.2`, but this pipeline stage holds 2 layers of `layers` (2..4",
+    );
+    // The last stage without its head.
+    let mut headless = Lm::new(&second, &device);
+    headless.lm_head = None;
+    let e = second.check(&headless).unwrap_err().to_string();
+    refused(e, "no parameters under `lm_head`");
+    assert!(second.check(&Lm::new(&second, &device)).is_ok());
+    // 4 layers do not split over 3 stages; a bad pattern.
+    let e = plan
+        .stage(PipelinePosition::new(3, 0, 1, 0))
+        .unwrap_err()
+        .to_string();
+    refused(e, "`layers`");
+    assert!(PpPlan::new("layers", 4).first(&["[unclosed"]).is_err());
+    // A tensor-parallel rule that names only another stage's module is no error there, but
+    // one that names nothing anywhere still is.
+    let tp_plan = TpPlan::new().vocab(&["wte"])?;
+    second
+        .tp_plan(tp_plan)
+        .apply(Lm::new(&second, &device), &tp)?;
+    let typo = TpPlan::new().vocab(&["wtee"])?;
+    let e = second
+        .tp_plan(typo)
+        .apply(Lm::new(&second, &device), &tp)
+        .unwrap_err();
+    refused(e.to_string(), "`wtee`");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
