@@ -134,10 +134,11 @@ pub fn train<M: Module, E>(
     Ok((model, losses, grads0))
 }
 
-/// The loss table both examples print, and the largest difference.
-pub fn print_losses(tp: usize, single: &[f32], parallel: &[f32]) -> f32 {
-    let tp_loss = format!("TP={tp} loss");
-    println!(" step    TP=1 loss {tp_loss:>12}     |diff|");
+/// The loss table the examples print (`layout`: the split one's, `TP=2`), and the largest
+/// difference.
+pub fn print_losses(layout: &str, single: &[f32], parallel: &[f32]) -> f32 {
+    let loss = format!("{layout} loss");
+    println!(" step    TP=1 loss {loss:>12}     |diff|");
     for (step, (a, b)) in single.iter().zip(parallel).enumerate() {
         println!("{step:>5} {a:>12.6} {b:>12.6} {:>10.2e}", (a - b).abs());
     }

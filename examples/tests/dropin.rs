@@ -1,8 +1,8 @@
 //! The drop-in examples end to end: a plain Burn Llama (`tp_llama_dropin`) and a BERT on
 //! Burn's `TransformerEncoder` (`tp_bert_dropin`), each beside its layer-swapped
 //! tensor-parallel copy, load one saved record (each rank only its shards), train to the same
-//! losses and gradients and predict the same tokens. The examples fail past 1e-5 themselves;
-//! the tests read their numbers too.
+//! losses and gradients and predict the same tokens; the Llama also split into TP 2 × PP 2
+//! stages. The examples fail past 1e-5 themselves; the tests read their numbers too.
 
 use crate::common::example_binary;
 
@@ -46,9 +46,18 @@ fn gradient_difference(stdout: &str) -> f64 {
 fn the_swapped_plain_burn_llama_matches_the_plain_one() {
     let stdout = run("tp_llama_dropin", &["--steps", "3"]);
     assert!(gradient_difference(&stdout) <= 1e-5, "{stdout}");
+    // The TP 2 table, then the TP 2 × PP 2 one.
     let steps = loss_differences(&stdout);
-    assert_eq!(steps.len(), 3, "{stdout}");
+    assert_eq!(steps.len(), 6, "{stdout}");
     assert!(steps.iter().all(|d| *d <= 1e-5), "{stdout}");
+    let pipelined = after(
+        &stdout,
+        "largest relative gradient difference (step 0, TP=2×PP=2):",
+    );
+    let pipelined: f64 = (pipelined.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no number in {pipelined:?}"));
+    assert!(pipelined <= 1e-5, "{stdout}");
     // Greedy generation through each rank's key/value cache and the vocabulary-parallel
     // sampler: the plain model's tokens.
     assert_eq!(

@@ -214,7 +214,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "masks filled at TP={}: {:?} ({} right, untrained)",
         args.tp, parallel_filled.0, parallel_filled.1
     );
-    let worst_loss = print_losses(args.tp, &single, &parallel);
+    let worst_loss = print_losses(&format!("TP={}", args.tp), &single, &parallel);
     let (worst_grad, name) = worst(&plain_grads, &parallel_grads);
     println!("largest relative gradient difference (step 0): {worst_grad:.2e} ({name})");
     // Written so that a NaN fails too.

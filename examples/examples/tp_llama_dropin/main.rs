@@ -1,7 +1,8 @@
-//! A Burn user's Llama made tensor-parallel by swapping its layers.
+//! A Burn user's Llama made tensor-parallel by swapping its layers, then pipeline-parallel
+//! by building each stage's part.
 //!
 //! ```text
-//! cargo run -p burn-megatron-examples --example tp_llama_dropin [-- --tp 2 --steps 5]
+//! cargo run -p burn-megatron-examples --example tp_llama_dropin [-- --tp 2 --pp 2 --steps 5]
 //! ```
 //!
 //! `mod plain` is a small Llama written the way Burn's model repositories write one
@@ -11,16 +12,23 @@
 //! two). The plain model saves a record once; TP 1 loads it whole, each rank at `--tp` loads
 //! only its shards from it. Both train from it and generate from it: the losses and the first
 //! step's gradients (gathered by path) must agree within 1e-5 and the generated tokens must be
-//! equal, or the example fails.
+//! equal, or the example fails. `mod pipeline` is `parallel` split into pipeline stages (diff
+//! the two): at TP = `--tp` × PP = `--pp` each stage loads only its layers from the same
+//! record and trains through Megatron's 1F1B schedule, held to the same bounds.
 
 use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use burn_megatron::launch::{self, LaunchOptions};
+use burn_megatron::launch::{self, LaunchOptions, RankContext};
+use burn_megatron::pipeline::{
+    ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
+};
 use burn_megatron::tensor_parallel::TpError;
 use burn_megatron::tensor_parallel::dropin::save_gathered;
-use burn_megatron::topology::ParallelConfig;
-use burn_megatron_examples::dropin::{param_bytes, print_losses, solo, train, worst};
+use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron_examples::dropin::{
+    ByPath, by_path, param_bytes, print_losses, solo, train, worst,
+};
 use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
 
@@ -29,6 +37,9 @@ struct Args {
     /// Tensor-parallel size to compare with TP = 1 (1 or 2: it splits the 2 key/value heads).
     #[arg(long, default_value_t = 2)]
     tp: usize,
+    /// Pipeline stages for the TP × PP run (1 or 2: the model has 2 layers).
+    #[arg(long, default_value_t = 2)]
+    pp: usize,
     /// Training steps.
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -117,6 +128,10 @@ mod plain;
 /// The same Llama, tensor-parallel: diff `parallel.rs` against `plain.rs`.
 mod parallel;
 
+/// The tensor-parallel Llama split into pipeline stages: diff `pipeline.rs` against
+/// `parallel.rs`.
+mod pipeline;
+
 /// The fixed batch both train on: `[BATCH, SEQ]` inputs and the labels one token ahead.
 fn batch(device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
     let v: Vec<i64> = (0..BATCH * (SEQ + 1))
@@ -157,12 +172,65 @@ fn loading_memory(dir: &std::path::Path, tp: usize) -> Result<String, Box<dyn st
     Ok(line)
 }
 
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+// ANCHOR: pipeline
+/// One rank of the TP × PP run: its stage built and loaded, `steps` AdamW steps through the
+/// 1F1B schedule (a microbatch per sample). Its losses where it is the last stage, and the
+/// first step's gradients by the whole model's names.
+fn pipeline_rank(
+    ctx: RankContext,
+    config: &LlamaConfig,
+    record: &std::path::Path,
+    steps: usize,
+) -> Result<(Option<Vec<f32>>, ByPath), Error> {
+    let (tp, d) = (&ctx.groups.tp, &ctx.device);
+    let stage = pipeline::Llama::pp_plan(config)?.stage(PipelinePosition::of(&ctx.state, 0))?;
+    let mut model = pipeline::Llama::load(config, record, &stage, tp, d)?;
+    let p2p = ctx.p2p(P2pShapes::Variable);
+    let schedule = PipelineSchedule::new(ctx.state.pipeline_model_parallel_size(), BATCH);
+    let mut optim = burn::optim::AdamWConfig::new()
+        .with_weight_decay(0.01)
+        .init();
+    let (x, y) = batch(d);
+    let (mut losses, mut grads0) = (Vec::new(), ByPath::new());
+    for step in 0..steps {
+        let out = forward_backward_func(
+            |s: ForwardStep<'_, pipeline::Llama, 3>| {
+                let (x, y) = (
+                    x.clone().narrow(0, s.microbatch, 1),
+                    y.clone().narrow(0, s.microbatch, 1),
+                );
+                Ok(s.model.forward_step(x, y, s.input)?)
+            },
+            std::slice::from_ref(&model),
+            &p2p,
+            ForwardBackwardConfig::new(schedule),
+        )?;
+        let microbatches = out.read_losses();
+        losses.push(microbatches.iter().map(|l| l.loss as f32).sum::<f32>() / BATCH as f32);
+        if step == 0 {
+            let grads = by_path(&model, Some(&out.grads), tp);
+            grads0 = grads
+                .into_iter()
+                .map(|(k, v)| (stage.global_name(&k), v))
+                .collect();
+        }
+        model = optim.step(3e-3, model, out.grads);
+    }
+    Ok((stage.is_last().then_some(losses), grads0))
+}
+// ANCHOR_END: pipeline
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     // 65 tokens: no TP size splits them, so the plan pads the vocabulary (to 80 at TP 2).
     let config = LlamaConfig::new(65, 32, 4, 2, 48, 2, SEQ + args.new_tokens + 8);
     if !config.n_kv_heads.is_multiple_of(args.tp) {
         return Err("--tp must divide the 2 key/value heads".into());
+    }
+    if !config.n_layers.is_multiple_of(args.pp) {
+        return Err("--pp must divide the 2 layers".into());
     }
     // The user's saved weights: a record the plain model writes (burnpack, Burn's own format).
     let dir = std::env::temp_dir().join(format!("tp-llama-dropin-{}", std::process::id()));
@@ -201,6 +269,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Ok::<_, TpError>((losses, grads, tokens, after))
         },
     )?;
+    // TP × PP: each stage reads only its layers' shards of the same record.
+    let stages = launch::threads(
+        &ParallelConfig::new(args.tp * args.pp, args.tp, args.pp),
+        LaunchOptions::default(),
+        |ctx| pipeline_rank(ctx, &config, &record, args.steps),
+    )?;
+    let mut pipelined = (Vec::new(), ByPath::new());
+    for (losses, grads) in stages {
+        pipelined.0 = losses.unwrap_or(pipelined.0);
+        pipelined.1.extend(grads);
+    }
     let memory = loading_memory(&dir, args.tp)?;
     let (parallel, parallel_grads, parallel_tokens, after) =
         ranks.into_iter().next().expect("a rank");
@@ -212,9 +291,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{memory}");
     println!("greedy tokens TP=1:  {tokens:?}");
     println!("greedy tokens TP={}: {parallel_tokens:?}", args.tp);
-    let worst_loss = print_losses(args.tp, &single, &parallel);
+    let worst_loss = print_losses(&format!("TP={}", args.tp), &single, &parallel);
     let (worst_grad, name) = worst(&plain_grads, &parallel_grads);
     println!("largest relative gradient difference (step 0): {worst_grad:.2e} ({name})");
+    let layout = format!("TP={}×PP={}", args.tp, args.pp);
+    let worst_pp_loss = print_losses(&layout, &single, &pipelined.0);
+    let (worst_pp_grad, pp_name) = worst(&plain_grads, &pipelined.1);
+    println!(
+        "largest relative gradient difference (step 0, {layout}): {worst_pp_grad:.2e} ({pp_name})"
+    );
     let saved = (reloaded - after).abs();
     println!(
         "trained at TP={}, saved with save_gathered, loaded by the plain model: loss {reloaded:.6} \
@@ -231,6 +316,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             args.tp
         )
         .into());
+    }
+    if pipelined.0.len() != single.len()
+        || !(worst_pp_loss <= TOLERANCE && worst_pp_grad <= TOLERANCE)
+    {
+        return Err(format!("{layout} differs from TP=1 by more than {TOLERANCE:e}").into());
     }
     if tokens != parallel_tokens {
         return Err(format!("TP={} generated other tokens than TP=1", args.tp).into());
