@@ -29,27 +29,30 @@ use std::sync::Arc;
 /// ```
 /// use burn_megatron::pipeline::PpPlan;
 /// use burn_megatron::topology::PipelinePosition;
-/// let plan = PpPlan::new("layers", 8)
-///     .first(&["tok_embeddings"]).unwrap()
-///     .last(&["norm", "output"]).unwrap();
+/// let plan = PpPlan::new("layers", 8).first(&["tok_embeddings"]).last(&["norm", "output"]);
 /// // 2 stages of 2 chunks: chunk 1 of stage 0 is virtual stage 2, layers 4..6.
 /// let stage = plan.stage(PipelinePosition::new(2, 0, 2, 1)).unwrap();
 /// assert_eq!(stage.layers(), 4..6);
 /// assert!(!stage.is_first() && !stage.is_last());
 /// assert_eq!(stage.global_name("layers.1.attention.wq.weight"), "layers.5.attention.wq.weight");
-/// // 8 layers do not split over 3 stages.
+/// // 8 layers do not split over 3 stages; a pattern must parse.
 /// assert!(plan.stage(PipelinePosition::new(3, 0, 1, 0)).is_err());
+/// let bad = PpPlan::new("layers", 8).first(&["[unclosed"]);
+/// assert!(bad.stage(PipelinePosition::whole()).is_err());
 /// ```
 #[derive(Debug, Clone)]
 pub struct PpPlan {
     layers: String,
     num_layers: usize,
-    first: Vec<glob::Pattern>,
-    last: Vec<glob::Pattern>,
+    first: Vec<String>,
+    last: Vec<String>,
 }
 
 impl PpPlan {
-    /// The stages divide the `num_layers` elements of the `Vec` at module path `layers`.
+    /// The stages divide the `num_layers` elements of the `Vec` at module path `layers`
+    /// (a path, not a pattern: `layers`, `decoder.layers`), evenly: each of the `P·V`
+    /// virtual stages holds `num_layers / (P·V)` of them (Megatron's uneven first and last
+    /// stages are not supported).
     pub fn new(layers: &str, num_layers: usize) -> Self {
         Self {
             layers: layers.to_string(),
@@ -61,26 +64,39 @@ impl PpPlan {
 
     /// Modules only the first virtual stage holds (the embeddings: Megatron's
     /// `pre_process`).
-    pub fn first(mut self, patterns: &[&str]) -> Result<Self, PipelineError> {
-        self.first.extend(globs(patterns)?);
-        Ok(self)
+    /// Patterns are checked by [`stage`](Self::stage).
+    pub fn first(mut self, patterns: &[&str]) -> Self {
+        self.first.extend(patterns.iter().map(|p| p.to_string()));
+        self
     }
 
     /// Modules only the last virtual stage holds (the final norm and the output layer:
     /// Megatron's `post_process`).
-    pub fn last(mut self, patterns: &[&str]) -> Result<Self, PipelineError> {
-        self.last.extend(globs(patterns)?);
-        Ok(self)
+    pub fn last(mut self, patterns: &[&str]) -> Self {
+        self.last.extend(patterns.iter().map(|p| p.to_string()));
+        self
     }
 
-    /// The stage at `position`, or an error when the layers do not divide over its virtual
-    /// stages (checked before anything is built).
+    /// The stage at `position`, or an error (before anything is built) when the layers do
+    /// not divide over its virtual stages, the stack's path is a pattern, or a module
+    /// pattern does not parse.
     pub fn stage(&self, position: PipelinePosition) -> Result<PpStage, PipelineError> {
+        let stack = &self.layers;
+        if stack.is_empty() || stack.contains(['*', '?', '[', ']']) {
+            return Err(PipelineError::Invalid(format!(
+                "the layer stack `{stack}` must be a module path (`layers`, `decoder.layers`), \
+                 not a pattern"
+            )));
+        }
+        let (first, last) = (globs(&self.first)?, globs(&self.last)?);
         let layers = position
             .layer_range(self.num_layers)
             .map_err(|e| PipelineError::Invalid(format!("`{}`: {e}", self.layers)))?;
         Ok(PpStage {
-            plan: self.clone(),
+            stack: stack.clone(),
+            num_layers: self.num_layers,
+            first,
+            last,
             position,
             layers,
         })
@@ -112,7 +128,7 @@ impl PpPlan {
     }
 }
 
-fn globs(patterns: &[&str]) -> Result<Vec<glob::Pattern>, PipelineError> {
+fn globs(patterns: &[String]) -> Result<Vec<glob::Pattern>, PipelineError> {
     patterns
         .iter()
         .map(|p| {
@@ -126,7 +142,11 @@ fn globs(patterns: &[&str]) -> Result<Vec<glob::Pattern>, PipelineError> {
 /// the first or last stage's modules where it is that stage. Made by [`PpPlan::stage`].
 #[derive(Debug, Clone)]
 pub struct PpStage {
-    plan: PpPlan,
+    /// The layer stack's module path.
+    stack: String,
+    num_layers: usize,
+    first: Vec<glob::Pattern>,
+    last: Vec<glob::Pattern>,
     position: PipelinePosition,
     layers: Range<usize>,
 }
@@ -194,7 +214,7 @@ impl PpStage {
         {
             return Err(self.invalid(format!("{path}: {why}")));
         }
-        let prefix = &self.plan.layers;
+        let prefix = &self.stack;
         let held: BTreeSet<usize> = paths
             .0
             .iter()
@@ -210,10 +230,8 @@ impl PpStage {
             true => patterns.to_vec(),
             false => Vec::new(),
         };
-        let expected = mine(self.is_first(), &self.plan.first);
-        let expected = expected
-            .into_iter()
-            .chain(mine(self.is_last(), &self.plan.last));
+        let expected = mine(self.is_first(), &self.first);
+        let expected = expected.into_iter().chain(mine(self.is_last(), &self.last));
         for pattern in expected {
             if !paths.0.iter().any(|p| is_under(&pattern, p)) {
                 return Err(self.invalid(format!(
@@ -241,11 +259,12 @@ impl PpStage {
             true => Vec::new(),
             false => patterns.to_vec(),
         };
-        let mut others = elsewhere(self.is_first(), &self.plan.first);
-        others.extend(elsewhere(self.is_last(), &self.plan.last));
+        let mut others = elsewhere(self.is_first(), &self.first);
+        others.extend(elsewhere(self.is_last(), &self.last));
         StageKeys {
-            prefix: self.plan.layers.clone(),
+            prefix: self.stack.clone(),
             layers: self.layers.clone(),
+            total: self.num_layers,
             elsewhere: others,
         }
     }

@@ -126,10 +126,9 @@ impl Llama {
 
     // ANCHOR: load
     /// Which modules the first and the last stage hold, and the layers the stages divide.
-    pub fn pp_plan(c: &LlamaConfig) -> Result<PpPlan> {
+    pub fn pp_plan(c: &LlamaConfig) -> PpPlan {
         let plan = PpPlan::new("layers", c.n_layers).first(&["tok_embeddings"]);
-        plan.and_then(|p| p.last(&["norm", "output"]))
-            .map_err(|e| TpError::Invalid(e.to_string()))
+        plan.last(&["norm", "output"])
     }
 
     /// This stage's part of the model, with the weights of the record at `path`.

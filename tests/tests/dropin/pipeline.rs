@@ -48,8 +48,9 @@ struct Lm {
 }
 
 fn plan() -> PpPlan {
-    let plan = PpPlan::new("layers", LAYERS).first(&["wte"]).unwrap();
-    plan.last(&["norm", "lm_head"]).unwrap()
+    PpPlan::new("layers", LAYERS)
+        .first(&["wte"])
+        .last(&["norm", "lm_head"])
 }
 
 impl Lm {
@@ -412,7 +413,43 @@ fn a_stage_holding_the_wrong_modules_is_refused() -> Result<(), Error> {
         .unwrap_err()
         .to_string();
     refused(e, "`layers`");
-    assert!(PpPlan::new("layers", 4).first(&["[unclosed"]).is_err());
+    let whole = PipelinePosition::whole();
+    assert!(
+        PpPlan::new("layers", 4)
+            .first(&["[unclosed"])
+            .stage(whole)
+            .is_err()
+    );
+    let e = PpPlan::new("*.layers", 4)
+        .stage(whole)
+        .unwrap_err()
+        .to_string();
+    refused(e, "must be a module path");
+    // A stack that names nothing in the record, or fewer layers than it holds.
+    let elsewhere = PpPlan::new("blocks", LAYERS).stage(PipelinePosition::new(2, 1, 1, 0))?;
+    let e = load(Lm::new(&second, &device), &elsewhere)
+        .unwrap_err()
+        .to_string();
+    refused(e, "the record holds no `blocks.N` tensors");
+    let short = PpPlan::new("layers", 2)
+        .first(&["wte"])
+        .last(&["norm", "lm_head"]);
+    let short = short.stage(PipelinePosition::new(2, 1, 1, 0))?;
+    let e = load(Lm::new(&short, &device), &short)
+        .unwrap_err()
+        .to_string();
+    refused(
+        e,
+        "the record holds `layers.2`, but the pipeline plan divides 2 layers",
+    );
+    // A module only the first stage holds, left out of the plan: the error says where it
+    // belongs.
+    let forgot = PpPlan::new("layers", LAYERS).last(&["norm", "lm_head"]);
+    let forgot = forgot.stage(PipelinePosition::new(2, 1, 1, 0))?;
+    let e = load(Lm::new(&second, &device), &forgot)
+        .unwrap_err()
+        .to_string();
+    refused(e, "belongs in `PpPlan::first` or `PpPlan::last`");
     // A tensor-parallel rule that names only another stage's module is no error there, but
     // one that names nothing anywhere still is.
     let tp_plan = TpPlan::new().vocab(&["wte"])?;
@@ -425,6 +462,17 @@ fn a_stage_holding_the_wrong_modules_is_refused() -> Result<(), Error> {
         .apply(Lm::new(&second, &device), &tp)
         .unwrap_err();
     refused(e.to_string(), "`wtee`");
+    // Layer 0 is stage 0's; there is no layer 9.
+    let other = TpPlan::new().column(&["layers.0.pwff.linear_inner"])?;
+    second
+        .tp_plan(other)
+        .apply(Lm::new(&second, &device), &tp)?;
+    let past = TpPlan::new().column(&["layers.9.pwff.linear_inner"])?;
+    let e = second
+        .tp_plan(past)
+        .apply(Lm::new(&second, &device), &tp)
+        .unwrap_err();
+    refused(e.to_string(), "`layers.9.pwff.linear_inner`");
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -246,8 +246,9 @@ impl TpPlan {
             .collect();
         if !unused.is_empty() {
             return Err(TpError::Invalid(format!(
-                "layer patterns that match no layer: {}",
-                unused.join(", ")
+                "layer patterns that match no layer: {}{}",
+                unused.join(", "),
+                self.stage.as_ref().map_or("", |s| s.keys.hint())
             )));
         }
         Ok(model)

@@ -13,6 +13,8 @@ pub(crate) struct StageKeys {
     pub(crate) prefix: String,
     /// The stage's layers, by global index.
     pub(crate) layers: Range<usize>,
+    /// The whole model's layers.
+    pub(crate) total: usize,
     /// Modules other stages hold (glob patterns over module paths).
     pub(crate) elsewhere: Vec<glob::Pattern>,
 }
@@ -44,21 +46,40 @@ impl StageKeys {
             .iter()
             .any(|e| rule.matches(e.as_str()) || e.matches(rule.as_str()));
         let layer = layer_index(&self.prefix, rule.as_str());
-        theirs || layer.is_some_and(|(i, _)| !self.layers.contains(&i))
+        theirs || layer.is_some_and(|(i, _)| i < self.total && !self.layers.contains(&i))
     }
 
-    /// Where the record's `key` (a module path once renamed) goes.
-    pub(crate) fn place(&self, key: &str) -> StageKey {
+    /// Where the record's `key` (a module path once renamed) goes; an error for a layer
+    /// past the whole model's.
+    pub(crate) fn place(&self, key: &str) -> Result<StageKey, String> {
         if let Some((i, tail)) = layer_index(&self.prefix, key) {
-            return match self.layers.contains(&i) {
+            if i >= self.total {
+                return Err(format!(
+                    "the record holds `{}.{i}`, but the pipeline plan divides {} layers",
+                    self.prefix, self.total
+                ));
+            }
+            return Ok(match self.layers.contains(&i) {
                 true => StageKey::Here(format!("{}.{}{tail}", self.prefix, i - self.layers.start)),
                 false => StageKey::Elsewhere,
-            };
+            });
         }
-        match self.is_elsewhere(key) {
+        Ok(match self.is_elsewhere(key) {
             true => StageKey::Elsewhere,
             false => StageKey::Here(key.to_string()),
-        }
+        })
+    }
+
+    /// Whether the record's `key` lies in the layer stack.
+    pub(crate) fn in_stack(&self, key: &str) -> bool {
+        layer_index(&self.prefix, key).is_some()
+    }
+
+    /// What to say after an error about a module that is here or absent, on a stage that
+    /// is not the whole model.
+    pub(crate) fn hint(&self) -> &'static str {
+        "; on a pipeline stage, a module that only the first or the last stage holds belongs \
+         in `PpPlan::first` or `PpPlan::last`"
     }
 
     /// Why the model's parameter at `path` cannot be on this stage, if it cannot.

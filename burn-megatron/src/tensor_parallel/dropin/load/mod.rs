@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 
 mod options;
 
-use super::StageKey;
+use super::{StageKey, StageKeys};
 pub use options::{LoadOptions, LoadReport};
 
 /// A whole-model record on disk, in a format Burn 0.22 writes.
@@ -246,14 +246,22 @@ fn load<M: Module>(
 ) -> Result<(M, LoadReport), TpError> {
     let mut by_path: BTreeMap<String, (String, Stored<'_>)> = BTreeMap::new();
     let mut elsewhere = Vec::new();
+    // Whether any record key lies in a pipeline stage's layer stack.
+    let mut stack = false;
     for (key, tensor) in stored {
         let path = options.remaps.iter().fold(key.clone(), |k, (re, to)| {
             re.replace_all(&k, to.as_str()).into_owned()
         });
-        let path = match options.stage.as_ref().map(|s| s.place(&path)) {
-            None => path,
-            Some(StageKey::Here(path)) => path,
-            Some(StageKey::Elsewhere) => {
+        stack |= options.stage.as_ref().is_some_and(|s| s.in_stack(&path));
+        let placed = match &options.stage {
+            Some(stage) => stage
+                .place(&path)
+                .map_err(|e| TpError::Invalid(format!("{key}: {e}")))?,
+            None => StageKey::Here(path),
+        };
+        let path = match placed {
+            StageKey::Here(path) => path,
+            StageKey::Elsewhere => {
                 elsewhere.push(key);
                 continue;
             }
@@ -264,6 +272,13 @@ fn load<M: Module>(
             )));
         }
         by_path.insert(path, (key, tensor));
+    }
+    if let Some(stage) = options.stage.as_ref().filter(|_| !stack) {
+        return Err(TpError::Invalid(format!(
+            "the record holds no `{}.N` tensors: the pipeline plan's layer stack names nothing \
+             in it (rename record keys with `with_key_remap`)",
+            stage.prefix
+        )));
     }
     let mut loader = Loader {
         by_path,
@@ -287,8 +302,9 @@ fn load<M: Module>(
     if !report.unused.is_empty() && !options.allow_unused {
         return Err(TpError::Invalid(format!(
             "the record holds tensors no parameter takes: {} (rename them with \
-             `with_key_remap`, or allow them with `with_allow_unused`)",
-            report.unused.join(", ")
+             `with_key_remap`, or allow them with `with_allow_unused`){}",
+            report.unused.join(", "),
+            options.stage.as_ref().map_or("", StageKeys::hint)
         )));
     }
     Ok((model, report))
