@@ -17,6 +17,7 @@
 mod executor;
 mod p2p;
 mod plan;
+mod save;
 mod schedule;
 mod timeline;
 
@@ -30,6 +31,7 @@ pub use executor::{
 };
 pub use p2p::{P2pCommunicator, P2pShapes};
 pub use plan::{PpPlan, PpStage};
+pub use save::save_gathered_stages;
 pub use schedule::{
     Pass, PipelineOp, PipelineSchedule, ScheduleError, ScheduleKind, num_warmup_microbatches,
     schedule_table, virtual_stage,

@@ -15,7 +15,7 @@ use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, PpPlan, PpStage,
-    forward_backward_func,
+    forward_backward_func, save_gathered_stages,
 };
 use burn_megatron::tensor_parallel::dropin::nn::transformer::{
     TransformerEncoderConfig, TransformerEncoderLayer,
@@ -128,6 +128,8 @@ struct Run<'a> {
     record: &'a Path,
     resume: Option<&'a Path>,
     save: Option<&'a Path>,
+    /// Write the whole plain model's record here after training.
+    plain: Option<&'a Path>,
 }
 
 fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<'a> {
@@ -140,6 +142,7 @@ fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<
         record,
         resume: None,
         save: None,
+        plain: None,
     }
 }
 
@@ -223,6 +226,10 @@ fn train(run: Run<'_>) -> Result<Trace, Error> {
                 .push((loss[0], report.grad_norm.unwrap_or(f64::NAN)));
         }
         trace.weights = by_name(gathered(&chunks, None, tp));
+        if let Some(plain) = run.plain.filter(|_| ctx.state.data_parallel_rank() == 0) {
+            let pp = &ctx.groups.pp;
+            save_gathered_stages(&chunks, &stages, plain, tp, pp)?;
+        }
         if let Some(root) = run.save {
             training.save(root, 2, &chunks, &optimizer, serde_json::json!({}))?;
         }
@@ -473,6 +480,42 @@ fn a_stage_holding_the_wrong_modules_is_refused() -> Result<(), Error> {
         .apply(Lm::new(&second, &device), &tp)
         .unwrap_err();
     refused(e.to_string(), "`layers.9.pwff.linear_inner`");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+#[test]
+fn a_model_trained_in_stages_saves_the_plain_models_record() -> Result<(), Error> {
+    let dir = super::load::scratch("pipeline-save");
+    let record = record(&dir);
+    let whole = plan().stage(PipelinePosition::whole())?;
+    for (tp, pp, vp, dp) in [(2, 2, 1, 1), (1, 2, 2, 2)] {
+        let plain = dir.join(format!("plain-{tp}-{pp}-{vp}-{dp}.bpk"));
+        let run = Run {
+            steps: 2,
+            plain: Some(&plain),
+            ..run(tp, pp, vp, dp, &record)
+        };
+        let trained = train(run)?;
+        // Burn's own loader, into the whole model the plain code builds.
+        let loaded = Lm::new(&whole, &Device::flex()).load_file(&plain);
+        let loaded = gathered(&loaded, None, &super::solo());
+        let (worst, name) = max_rel_diff(&loaded, &trained.weights, 1e-2);
+        assert!(
+            worst == 0.0,
+            "TP {tp} × PP {pp} × VP {vp} × DP {dp}: {name} off by {worst:e}"
+        );
+    }
+    // A file that cannot be written (under a file, not a directory) is an error on every
+    // rank, the other stages' included, not a hang.
+    let unwritable = record.join("plain.bpk");
+    let failed = train(Run {
+        steps: 1,
+        plain: Some(&unwritable),
+        ..run(1, 2, 1, 1, &record)
+    });
+    let e = failed.err().expect("an error").to_string();
+    assert!(e.contains("plain.bpk"), "{e}");
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -28,7 +28,7 @@ mod init;
 mod load;
 pub mod nn;
 mod plan;
-mod save;
+pub(crate) mod save;
 mod shard;
 mod slot;
 mod stage;

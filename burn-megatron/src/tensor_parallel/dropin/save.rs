@@ -22,15 +22,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// One parameter's whole tensor (a collective for a split one); its data only when asked
 /// for, since only the writing rank needs it read back.
-type Gather = Arc<dyn Fn(bool) -> Result<Option<TensorData>, String> + Send + Sync>;
+pub(crate) type Gather = Arc<dyn Fn(bool) -> Result<Option<TensorData>, String> + Send + Sync>;
 
 /// A parameter as the plain model's record holds it.
-struct Entry {
-    path: String,
-    id: u64,
-    dtype: DType,
-    shape: Vec<usize>,
-    gather: Gather,
+pub(crate) struct Entry {
+    pub(crate) path: String,
+    pub(crate) id: u64,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) gather: Gather,
 }
 
 /// Every parameter, float, int and bool, in module order, as Burn's record collects them:
@@ -119,26 +119,10 @@ pub fn save_gathered<M: Module>(
     tp: &Comm,
 ) -> Result<(), TpError> {
     let path = path.as_ref();
-    let mut collect = Collect {
-        tp,
-        facts: facts(model),
-        entries: Vec::new(),
-    };
-    visit_paths(model, &mut collect);
-    let entries = collect.entries;
+    let entries = entries(model, tp);
     let written = match tp.group().rank() {
         0 => write(&entries, path),
-        // Every gather, failed or not, as rank 0 runs them: the first error is kept.
-        _ => {
-            let mut first = Ok(());
-            for e in &entries {
-                let this = (e.gather)(false).map(drop);
-                if first.is_ok() {
-                    first = this;
-                }
-            }
-            first
-        }
+        _ => gather_all(&entries),
     };
     let mut failed = vec![i64::from(written.is_err())];
     tp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
@@ -153,9 +137,34 @@ pub fn save_gathered<M: Module>(
     }
 }
 
-/// TP rank 0's part: the file, each tensor gathered when the writer reaches it; then the
+/// `model`'s parameters as the plain model's record holds them, in module order, each with
+/// its gather over `tp`.
+pub(crate) fn entries<M: Module>(model: &M, tp: &Comm) -> Vec<Entry> {
+    let mut collect = Collect {
+        tp,
+        facts: facts(model),
+        entries: Vec::new(),
+    };
+    visit_paths(model, &mut collect);
+    collect.entries
+}
+
+/// A rank that does not write: every gather, failed or not, as the writer runs them; the
+/// first error is kept.
+pub(crate) fn gather_all(entries: &[Entry]) -> Result<(), String> {
+    let mut first = Ok(());
+    for e in entries {
+        let this = (e.gather)(false).map(drop);
+        if first.is_ok() {
+            first = this;
+        }
+    }
+    first
+}
+
+/// The writer's part: the file, each tensor gathered when the writer reaches it; then the
 /// gathers the writer did not reach, which the other ranks are waiting in.
-fn write(entries: &[Entry], path: &Path) -> Result<(), String> {
+pub(crate) fn write(entries: &[Entry], path: &Path) -> Result<(), String> {
     let reached = Arc::new(AtomicUsize::new(0));
     let tensors = entries
         .iter()

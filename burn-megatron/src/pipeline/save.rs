@@ -1,0 +1,198 @@
+//! The plain model's record, written from a model split into pipeline stages (and split by
+//! tensor parallelism within each): what `save_gathered` does for one stage, over all of
+//! them.
+//!
+//! The writer is tensor-parallel rank 0 of the first pipeline stage. It writes its own
+//! stage's tensors as `save_gathered` does, and asks each other stage for its tensors one at
+//! a time: a token to the stage's tensor-parallel rank 0, which gathers the tensor over its
+//! group and sends it back. So the writer holds one whole tensor at a time, and a send (which
+//! never waits for its receiver) cannot fill the writer's memory ahead of the file.
+
+use super::{PipelineError, PpStage};
+use crate::comm::{Buffer, Comm, CommDType, CommunicatorExt, ReduceOp};
+use crate::tensor_parallel::dropin::save::{Entry, entries, gather_all, write};
+use burn::module::Module;
+use burn::tensor::{DType, TensorData};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+
+/// What the writer needs to know of another stage's tensor before asking for it.
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    path: String,
+    id: u64,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+/// Writes the record the whole plain model saves with `Module::save_file` (a burnpack file
+/// at `path`, each parameter whole under the whole model's module path), from this rank's
+/// `chunks`, built for `stages` (from [`PpPlan::stages`](super::PpPlan::stages)). Burn's
+/// `load_file` reads it into the plain model, and
+/// [`load_sharded`](crate::tensor_parallel::dropin::load_sharded) into any layout.
+///
+/// Collective over the model-parallel ranks of one replica: every rank of `tp` (its
+/// tensor-parallel group) and `pp` (its pipeline group, `ctx.groups.pp`) calls it. The
+/// writer holds one whole tensor at a time. Each exchange waits at most the collective
+/// timeout, and a failed write or gather is an error on every rank.
+pub fn save_gathered_stages<M: Module>(
+    chunks: &[M],
+    stages: &[PpStage],
+    path: impl AsRef<Path>,
+    tp: &Comm,
+    pp: &Comm,
+) -> Result<(), PipelineError> {
+    let path = path.as_ref();
+    let (pp_rank, pp_size) = (pp.group().rank(), pp.group().size());
+    if chunks.len() != stages.len() || stages.is_empty() {
+        return Err(PipelineError::Invalid(format!(
+            "{} chunks for {} stages (one chunk per stage)",
+            chunks.len(),
+            stages.len()
+        )));
+    }
+    if let Some(s) = stages.iter().find(|s| {
+        let p = s.position();
+        (p.pipeline_size, p.pipeline_rank) != (pp_size, pp_rank)
+    }) {
+        return Err(PipelineError::Invalid(format!(
+            "a stage at pipeline rank {} of {}, but the pipeline group {} is rank {pp_rank} of \
+             {pp_size}",
+            s.position().pipeline_rank,
+            s.position().pipeline_size,
+            pp.group()
+        )));
+    }
+    let mut mine: Vec<Entry> = Vec::new();
+    for (chunk, stage) in chunks.iter().zip(stages) {
+        for mut e in entries(chunk, tp) {
+            e.path = stage.global_name(&e.path);
+            mine.push(e);
+        }
+    }
+    let written = match tp.group().rank() {
+        0 => lead(mine, path, pp),
+        _ => gather_all(&mine),
+    };
+    // Every rank learns whether any failed: over its stage, then over the stages.
+    let mut failed = vec![i64::from(written.is_err())];
+    tp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
+    pp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
+    match (written, failed[0]) {
+        (Err(e), _) => Err(PipelineError::Invalid(format!("{}: {e}", path.display()))),
+        (Ok(()), 0) => Ok(()),
+        (Ok(()), _) => Err(PipelineError::Invalid(format!(
+            "{}: not written: another rank failed to write or gather it (see its error)",
+            path.display()
+        ))),
+    }
+}
+
+/// A stage's tensor-parallel rank 0: the writer on the first stage, a server on the others.
+fn lead(mine: Vec<Entry>, path: &Path, pp: &Comm) -> Result<(), String> {
+    let meta: Vec<Meta> = (mine.iter())
+        .map(|e| Meta {
+            path: e.path.clone(),
+            id: e.id,
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+        })
+        .collect();
+    let json = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
+    let all = all_gather_bytes(pp, &json)?;
+    if pp.group().rank() != 0 {
+        return serve(&mine, pp);
+    }
+    let mut entries = mine;
+    for (stage, json) in all.iter().enumerate().skip(1) {
+        let metas: Vec<Meta> = serde_json::from_slice(json).map_err(|e| e.to_string())?;
+        for (index, m) in metas.into_iter().enumerate() {
+            let (comm, bytes) = (
+                pp.clone(),
+                m.shape.iter().product::<usize>() * m.dtype.size(),
+            );
+            let (dtype, shape, name) = (m.dtype, m.shape.clone(), m.path.clone());
+            let fetch = move |keep: bool| -> Result<Option<TensorData>, String> {
+                let comm_err = |e: crate::comm::CommError| e.to_string();
+                comm.send(Buffer::I64(vec![i64::from(keep)]), stage)
+                    .map_err(comm_err)?;
+                if !keep {
+                    return Ok(None);
+                }
+                let mut status = Buffer::I64(vec![0]);
+                comm.recv(&mut status, stage).map_err(comm_err)?;
+                if status != Buffer::I64(vec![1]) {
+                    return Err(format!(
+                        "pipeline stage {stage} failed to gather `{name}` (its tensor {index})"
+                    ));
+                }
+                let mut words = Buffer::zeros(CommDType::I64, bytes.div_ceil(8));
+                comm.recv(&mut words, stage).map_err(comm_err)?;
+                let data = words.bytes()[..bytes].to_vec();
+                Ok(Some(TensorData::from_bytes_vec(data, shape.clone(), dtype)))
+            };
+            entries.push(Entry {
+                path: m.path,
+                id: m.id,
+                dtype: m.dtype,
+                shape: m.shape,
+                gather: Arc::new(fetch),
+            });
+        }
+    }
+    write(&entries, path)
+}
+
+/// Another stage's tensor-parallel rank 0: each of its tensors gathered in order (its
+/// group's ranks gather with it) and sent when the writer asks for it.
+fn serve(mine: &[Entry], pp: &Comm) -> Result<(), String> {
+    let mut first = Ok(());
+    for e in mine {
+        let mut token = Buffer::I64(vec![0]);
+        pp.recv(&mut token, 0).map_err(|e| e.to_string())?;
+        let keep = token == Buffer::I64(vec![1]);
+        let gathered = (e.gather)(keep);
+        if !keep {
+            continue;
+        }
+        let sent = match gathered {
+            Ok(Some(data)) => pp
+                .send(Buffer::I64(vec![1]), 0)
+                .and_then(|()| pp.send(words(data.as_bytes()), 0)),
+            Ok(None) => pp.send(Buffer::I64(vec![0]), 0),
+            Err(err) => {
+                if first.is_ok() {
+                    first = Err(err);
+                }
+                pp.send(Buffer::I64(vec![0]), 0)
+            }
+        };
+        sent.map_err(|e| e.to_string())?;
+    }
+    first
+}
+
+/// `bytes` in 8-byte words (zeros after the end), for a channel of typed elements.
+fn words(bytes: &[u8]) -> Buffer {
+    let mut buf = Buffer::zeros(CommDType::I64, bytes.len().div_ceil(8));
+    buf.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
+    buf
+}
+
+/// Every member's `bytes`, in member order.
+fn all_gather_bytes(comm: &Comm, bytes: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+    let err = |e: crate::comm::CommError| e.to_string();
+    let lengths = comm.all_gather_vec(vec![bytes.len() as i64]).map_err(err)?;
+    let longest = lengths.iter().copied().max().unwrap_or(0) as usize;
+    let mut mine = words(bytes);
+    if let Buffer::I64(v) = &mut mine {
+        v.resize(longest.div_ceil(8), 0);
+    }
+    let all = comm.all_gather(mine).map_err(err)?;
+    let raw = all.bytes();
+    let stride = longest.div_ceil(8) * 8;
+    Ok((lengths.iter().enumerate())
+        .map(|(i, &n)| raw[i * stride..i * stride + n as usize].to_vec())
+        .collect())
+}
