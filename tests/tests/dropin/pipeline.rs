@@ -469,6 +469,17 @@ fn a_stage_holding_the_wrong_modules_is_refused() -> Result<(), Error> {
         .apply(Lm::new(&second, &device), &tp)
         .unwrap_err();
     refused(e.to_string(), "`wtee`");
+    // An error inside a stage (a column rule on a norm, Burn's own type, which has no slot)
+    // says how the stage's paths map to the whole model's.
+    let wrong = TpPlan::new().column(&["layers.2.norm_1"])?;
+    let e = second
+        .tp_plan(wrong)
+        .apply(Lm::new(&second, &device), &tp)
+        .unwrap_err();
+    refused(
+        e.to_string(),
+        "its `layers.0` to `layers.1` are the whole model's `layers.2` to `layers.3`",
+    );
     // Layer 0 is stage 0's; there is no layer 9.
     let other = TpPlan::new().column(&["layers.0.pwff.linear_inner"])?;
     second

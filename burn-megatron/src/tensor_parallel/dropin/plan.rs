@@ -236,7 +236,15 @@ impl TpPlan {
         let model = model.map(&mut mapper);
         PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
         if let Some(e) = mapper.error {
-            return Err(e);
+            let note = |m: String| match &self.stage {
+                Some(stage) => format!("{m} ({})", stage.keys.paths_note()),
+                None => m,
+            };
+            return Err(match e {
+                TpError::Indivisible(m) => TpError::Indivisible(note(m)),
+                TpError::Invalid(m) => TpError::Invalid(note(m)),
+                other => other,
+            });
         }
         let elsewhere =
             |p: &glob::Pattern| (self.stage.as_ref()).is_some_and(|s| s.keys.may_name_elsewhere(p));

@@ -70,6 +70,18 @@ impl StageKeys {
         })
     }
 
+    /// How this stage's paths relate to the whole model's, for an error naming a path.
+    pub(crate) fn paths_note(&self) -> String {
+        let (start, end) = (self.layers.start, self.layers.end);
+        format!(
+            "paths of a pipeline stage: its `{p}.0` to `{p}.{}` are the whole model's `{p}.{start}` \
+             to `{p}.{}`",
+            end - start - 1,
+            end - 1,
+            p = self.prefix
+        )
+    }
+
     /// Whether the record's `key` lies in the layer stack.
     pub(crate) fn in_stack(&self, key: &str) -> bool {
         layer_index(&self.prefix, key).is_some()
