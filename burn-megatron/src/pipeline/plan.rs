@@ -14,8 +14,9 @@
 use super::PipelineError;
 use crate::module_path::{PathVisitor, is_under, layer_index, visit_paths};
 use crate::tensor_parallel::dropin::{LoadOptions, StageKeys, TpPlan};
+use crate::tensor_parallel::parallel_attrs;
 use crate::topology::{ParallelState, PipelinePosition};
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::Tensor;
 use std::collections::BTreeSet;
 use std::ops::Range;
@@ -46,6 +47,7 @@ pub struct PpPlan {
     num_layers: usize,
     first: Vec<String>,
     last: Vec<String>,
+    tied: Vec<String>,
 }
 
 impl PpPlan {
@@ -59,6 +61,7 @@ impl PpPlan {
             num_layers,
             first: Vec::new(),
             last: Vec::new(),
+            tied: Vec::new(),
         }
     }
 
@@ -77,6 +80,19 @@ impl PpPlan {
         self
     }
 
+    /// Modules the first virtual stage holds and the last holds a copy of, their weights
+    /// tied (an output layer that reads the word embedding: Megatron's default, without
+    /// `--untie-embeddings-and-output-weights`). Both copies load the same tensor of the
+    /// record, or are drawn alike by [`PpStage::tp_plan`]; the load or the plan marks them
+    /// (`ParallelAttrs::shared_embedding`), so `ParallelTraining::finalize` sums their
+    /// gradients over the embedding group and the grad norm, checkpoints and
+    /// [`save_gathered_stages`](super::save_gathered_stages) count the last stage's copy
+    /// out.
+    pub fn tied(mut self, patterns: &[&str]) -> Self {
+        self.tied.extend(patterns.iter().map(|p| p.to_string()));
+        self
+    }
+
     /// The stage at `position`, or an error (before anything is built) when the layers do
     /// not divide over its virtual stages, the stack's path is a pattern, or a module
     /// pattern does not parse.
@@ -88,7 +104,7 @@ impl PpPlan {
                  not a pattern"
             )));
         }
-        let (first, last) = (globs(&self.first)?, globs(&self.last)?);
+        let (first, last, tied) = (globs(&self.first)?, globs(&self.last)?, globs(&self.tied)?);
         let layers = position
             .layer_range(self.num_layers)
             .map_err(|e| PipelineError::Invalid(format!("`{}`: {e}", self.layers)))?;
@@ -97,6 +113,7 @@ impl PpPlan {
             num_layers: self.num_layers,
             first,
             last,
+            tied,
             position,
             layers,
         })
@@ -147,6 +164,7 @@ pub struct PpStage {
     num_layers: usize,
     first: Vec<glob::Pattern>,
     last: Vec<glob::Pattern>,
+    tied: Vec<glob::Pattern>,
     position: PipelinePosition,
     layers: Range<usize>,
 }
@@ -195,16 +213,17 @@ impl PpStage {
 
     /// Checks that `chunk` holds what this stage holds: layers `0..layers().len()` of the
     /// stack and no more, the first stage's modules only on the first, the last's only on
-    /// the last. An error names what is missing or misplaced. `load_sharded` with
+    /// the last, the tied ones on both and marked tied. An error names what is missing or misplaced. `load_sharded` with
     /// [`load_options`](Self::load_options) makes the same checks.
     pub fn check<M: Module>(&self, chunk: &M) -> Result<(), PipelineError> {
-        struct Paths(Vec<String>);
+        struct Paths(Vec<String>, Vec<ParamId>);
         impl PathVisitor for Paths {
-            fn visit<const D: usize>(&mut self, path: &str, _: &Param<Tensor<D>>) {
+            fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
                 self.0.push(path.to_string());
+                self.1.push(p.id);
             }
         }
-        let mut paths = Paths(Vec::new());
+        let mut paths = Paths(Vec::new(), Vec::new());
         visit_paths(chunk, &mut paths);
         let keys = self.keys();
         if let Some((path, why)) = paths
@@ -230,8 +249,11 @@ impl PpStage {
             true => patterns.to_vec(),
             false => Vec::new(),
         };
+        let ends = self.is_first() || self.is_last();
         let expected = mine(self.is_first(), &self.first);
-        let expected = expected.into_iter().chain(mine(self.is_last(), &self.last));
+        let expected = (expected.into_iter())
+            .chain(mine(self.is_last(), &self.last))
+            .chain(mine(ends, &self.tied));
         for pattern in expected {
             if !paths.0.iter().any(|p| is_under(&pattern, p)) {
                 return Err(self.invalid(format!(
@@ -239,6 +261,17 @@ impl PpStage {
                     pattern.as_str()
                 )));
             }
+        }
+        // A tied copy not marked would train apart from the other end's.
+        let tied_here = self.is_first() != self.is_last();
+        let under_tied = |p: &str| self.tied.iter().any(|t| is_under(t, p));
+        let unmarked = (paths.0.iter().zip(&paths.1))
+            .find(|(p, id)| tied_here && under_tied(p) && !parallel_attrs(**id).shared_embedding);
+        if let Some((path, _)) = unmarked {
+            return Err(self.invalid(format!(
+                "{path} is tied between the first and the last stage but not marked so: load \
+                 the chunk with `load_options`, or split it with `tp_plan`"
+            )));
         }
         Ok(())
     }
@@ -259,13 +292,18 @@ impl PpStage {
             true => Vec::new(),
             false => patterns.to_vec(),
         };
-        let mut others = elsewhere(self.is_first(), &self.first);
-        others.extend(elsewhere(self.is_last(), &self.last));
+        let (first, last) = (self.is_first(), self.is_last());
+        let mut others = elsewhere(first, &self.first);
+        others.extend(elsewhere(last, &self.last));
+        others.extend(elsewhere(first || last, &self.tied));
+        // One stage holding both ends holds one copy: nothing to tie.
+        let tied = (first != last).then(|| (self.tied.clone(), !first));
         StageKeys {
             prefix: self.stack.clone(),
             layers: self.layers.clone(),
             total: self.num_layers,
             elsewhere: others,
+            tied,
         }
     }
 }

@@ -11,7 +11,8 @@
 use super::{PipelineError, PpStage};
 use crate::comm::{Buffer, Comm, CommDType, CommunicatorExt, ReduceOp};
 use crate::tensor_parallel::dropin::save::{Entry, entries, gather_all, write};
-use burn::module::Module;
+use crate::tensor_parallel::parallel_attrs;
+use burn::module::{Module, ParamId};
 use burn::tensor::{DType, TensorData};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -67,6 +68,10 @@ pub fn save_gathered_stages<M: Module>(
     let mut mine: Vec<Entry> = Vec::new();
     for (chunk, stage) in chunks.iter().zip(stages) {
         for mut e in entries(chunk, tp) {
+            // The last stage's copy of a tied weight: the first stage's is written.
+            if parallel_attrs(ParamId::from(e.id)).shared {
+                continue;
+            }
             e.path = stage.global_name(&e.path);
             mine.push(e);
         }

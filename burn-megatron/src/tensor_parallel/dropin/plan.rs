@@ -444,6 +444,17 @@ impl ModuleMapper for PlanMapper<'_> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let param = self.split_param(param);
+        if let Some(stage) = &self.plan.stage {
+            stage.keys.tie(&self.path.join("."), param.id);
+        }
+        param
+    }
+}
+
+impl PlanMapper<'_> {
+    /// `param` cut to this rank's shard when a rule named its layer.
+    fn split_param<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let Some(active) = &mut self.active else {
             return param;
         };

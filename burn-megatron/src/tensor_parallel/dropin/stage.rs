@@ -2,6 +2,8 @@
 //! [`PpStage`](crate::pipeline::PpStage) hands down to loading and to a plan).
 
 use crate::module_path::{is_under, layer_index};
+use crate::tensor_parallel::update_parallel_attrs;
+use burn::module::ParamId;
 use std::ops::Range;
 
 /// The part of a whole model's record one pipeline stage holds: the stage's `layers.{i}`
@@ -17,6 +19,9 @@ pub(crate) struct StageKeys {
     pub(crate) total: usize,
     /// Modules other stages hold (glob patterns over module paths).
     pub(crate) elsewhere: Vec<glob::Pattern>,
+    /// Modules tied between the first and the last stage, and whether this stage holds the
+    /// last stage's copy (none where one stage holds both ends, or neither).
+    pub(crate) tied: Option<(Vec<glob::Pattern>, bool)>,
 }
 
 /// Where a record key goes when one stage loads.
@@ -80,6 +85,17 @@ impl StageKeys {
             end - 1,
             p = self.prefix
         )
+    }
+
+    /// The parameter at `path` marked as a tied copy when it lies under a tied module
+    /// (Megatron's `shared_embedding`; the last stage's copy `shared`, out of the grad norm
+    /// and of checkpoints).
+    pub(crate) fn tie(&self, path: &str, id: ParamId) {
+        if let Some((patterns, second)) = &self.tied
+            && patterns.iter().any(|p| is_under(p, path))
+        {
+            update_parallel_attrs(id, |a| a.tied_embedding(*second));
+        }
     }
 
     /// Whether the record's `key` lies in the layer stack.

@@ -375,6 +375,9 @@ impl PathMapper for Loader<'_, '_> {
                     false => Tensor::<D>::from_data(data, options),
                 };
                 let id = p.id;
+                if let Some(stage) = &self.options.stage {
+                    stage.tie(path, id);
+                }
                 p.transform_for_load(tensor, id)
             }
             Err(e) => {

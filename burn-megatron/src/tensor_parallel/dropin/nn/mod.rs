@@ -254,6 +254,12 @@ impl Embedding {
         self.tp.split()
     }
 
+    /// The tensor-parallel group the table is split over (a group of one until a plan
+    /// splits it): what an output layer tied to it (logits from its rows) computes over.
+    pub fn group(&self) -> Comm {
+        self.tp.group()
+    }
+
     /// The rows of the whole table (over every rank), padding not counted.
     pub fn num_embeddings(&self) -> usize {
         match &self.tp.assigned {

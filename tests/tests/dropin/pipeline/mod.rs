@@ -4,7 +4,9 @@
 //! At PP 2, PP 2 × VP 2, PP 4, TP 2 × PP 2 and DP 2 × PP 2 (distributed optimizer) its
 //! losses, grad norms, first gradients and final weights (gathered by the whole model's
 //! names) are one rank's; a checkpoint saved at DP 2 × PP 2 resumes at PP 1 and at PP 2 × VP
-//! 2. A stage that holds the wrong modules is refused, naming them.
+//! 2; the plain record written back from the stages loads into Burn's whole model. The same
+//! holds with the output tied to the embedding (a copy on the last stage). A stage that
+//! holds the wrong modules is refused, naming them (`errors`).
 
 use super::Error;
 use burn::module::Module;
@@ -24,12 +26,15 @@ use burn_megatron::tensor_parallel::dropin::nn::{
     Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::tensor_parallel::mappings::copy_to_tensor_model_parallel_region;
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
 use burn_megatron_tests::gpt::{gathered, max_rel_diff};
 use std::collections::BTreeMap;
 use std::path::Path;
+
+mod errors;
 
 const VOCAB: usize = 32;
 const D: usize = 16;
@@ -53,6 +58,12 @@ fn plan() -> PpPlan {
         .last(&["norm", "lm_head"])
 }
 
+/// The model whose output reads the word embedding (GPT-2's tie): the last stage holds a
+/// copy of it.
+fn tied_plan() -> PpPlan {
+    PpPlan::new("layers", LAYERS).tied(&["wte"]).last(&["norm"])
+}
+
 impl Lm {
     fn new(stage: &PpStage, device: &Device) -> Self {
         let layer = TransformerEncoderConfig::new(D, 2 * D, 4, LAYERS)
@@ -71,6 +82,18 @@ impl Lm {
             lm_head: stage
                 .is_last()
                 .then(|| LinearConfig::new(D, VOCAB).init(device)),
+        }
+    }
+
+    /// The model with its output tied to the embedding: `wte` on the first and the last stage,
+    /// no `lm_head`.
+    fn new_tied(stage: &PpStage, device: &Device) -> Self {
+        let both = stage.is_first() || stage.is_last();
+        let wte = both.then(|| EmbeddingConfig::new(VOCAB, D).init(device));
+        Self {
+            wte,
+            lm_head: None,
+            ..Self::new(stage, device)
         }
     }
 
@@ -94,13 +117,23 @@ impl Lm {
         for layer in &self.layers {
             x = layer.forward(x, None, None);
         }
-        let (Some(norm), Some(head)) = (&self.norm, &self.lm_head) else {
+        let Some(norm) = &self.norm else {
             return Ok(ChunkOutput::Activation(x));
         };
-        let logits = head.forward(norm.forward(x));
+        let x = norm.forward(x);
+        let (logits, group) = match (&self.lm_head, &self.wte) {
+            (Some(head), _) => (head.forward(x), head.group()),
+            // Tied: this rank's rows of the table give its slice of the logits.
+            (None, Some(wte)) => {
+                let group = wte.group();
+                let x = copy_to_tensor_model_parallel_region(x, &group);
+                (x.matmul(wte.weight.val().transpose().unsqueeze()), group)
+            }
+            (None, None) => return Err("the last stage has no output layer".into()),
+        };
         let logits = logits.clone().reshape([S, logits.dims()[2]]);
         let labels = ids.narrow(1, 1, S).reshape([S]);
-        let loss = vocab_parallel_cross_entropy(logits, labels, 0.0, &head.group())?;
+        let loss = vocab_parallel_cross_entropy(logits, labels, 0.0, &group)?;
         Ok(ChunkOutput::Loss {
             loss: loss.mean(),
             report: vec![],
@@ -118,6 +151,16 @@ fn record(dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// The tied model's record: `wte`, the layers and the norm.
+fn tied_record(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("tied.bpk");
+    let device = Device::flex();
+    device.seed(12);
+    let whole = tied_plan().stage(PipelinePosition::whole()).unwrap();
+    Lm::new_tied(&whole, &device).save_file(&path).unwrap();
+    path
+}
+
 #[derive(Clone, Copy)]
 struct Run<'a> {
     tp: usize,
@@ -130,6 +173,8 @@ struct Run<'a> {
     save: Option<&'a Path>,
     /// Write the whole plain model's record here after training.
     plain: Option<&'a Path>,
+    /// The output tied to the embedding.
+    tied: bool,
 }
 
 fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<'a> {
@@ -143,6 +188,7 @@ fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<
         resume: None,
         save: None,
         plain: None,
+        tied: false,
     }
 }
 
@@ -161,17 +207,22 @@ fn train(run: Run<'_>) -> Result<Trace, Error> {
         .with_virtual_pipeline((run.vp > 1).then_some(run.vp));
     let ranks = threads(&config, LaunchOptions::default(), |ctx| {
         let (tp, d) = (&ctx.groups.tp, &ctx.device);
-        let plan = plan();
+        let plan = if run.tied { tied_plan() } else { plan() };
         let stages = plan.stages(&ctx.state)?;
         let tp_plan = TpPlan::new().encoder(&["layers.*"])?;
-        let tp_plan = tp_plan.vocab(&["wte", "lm_head"])?;
+        let tp_plan = match run.tied {
+            true => tp_plan.vocab(&["wte"])?,
+            false => tp_plan.vocab(&["wte", "lm_head"])?,
+        };
+        let build = |stage: &PpStage| match run.tied {
+            true => Lm::new_tied(stage, d),
+            false => Lm::new(stage, d),
+        };
         let source = RecordSource::from_path(run.record);
         let chunks = stages
             .iter()
             .map(|stage| {
-                let chunk = stage
-                    .tp_plan(tp_plan.clone())
-                    .apply(Lm::new(stage, d), tp)?;
+                let chunk = stage.tp_plan(tp_plan.clone()).apply(build(stage), tp)?;
                 let options = stage.load_options(LoadOptions::default());
                 Ok(load_sharded(chunk, &source, tp, &options)?.0)
             })
@@ -364,138 +415,6 @@ fn a_fresh_stage_draws_the_whole_models_layers() -> Result<(), Error> {
 }
 
 #[test]
-fn a_stage_holding_the_wrong_modules_is_refused() -> Result<(), Error> {
-    let dir = super::load::scratch("pipeline-errors");
-    let record = record(&dir);
-    let (device, tp) = (Device::flex(), super::solo());
-    let plan = plan();
-    let at = |rank, chunks, chunk| plan.stage(PipelinePosition::new(2, rank, chunks, chunk));
-    let (first, second) = (at(0, 1, 0)?, at(1, 1, 0)?);
-    let load = |chunk: Lm, stage: &PpStage| {
-        let options = stage.load_options(LoadOptions::default());
-        load_sharded(chunk, &RecordSource::from_path(&record), &tp, &options)
-    };
-    // Stage 1 holds layers 2 and 3, the norm and the head; the rest is another stage's.
-    let (_, report) = load(Lm::new(&second, &device), &second)?;
-    assert!(report.loaded.iter().all(|p| !p.starts_with("wte")));
-    assert!(report.loaded.contains(&"layers.0.norm_1.gamma".to_string()));
-    assert!(report.elsewhere.contains(&"wte.weight".to_string()));
-    assert!(
-        report
-            .elsewhere
-            .contains(&"layers.1.norm_1.gamma".to_string())
-    );
-    assert!(!report.elsewhere.iter().any(|k| k.starts_with("layers.2")));
-    let refused = |e: String, names: &str| assert!(e.contains(names), "{e}");
-    // The first stage's chunk (with the embedding) loaded as the second's.
-    let e = load(Lm::new(&first, &device), &second)
-        .unwrap_err()
-        .to_string();
-    refused(
-        e,
-        "wte.weight: the plan puts this parameter on another pipeline stage",
-    );
-    let e = second
-        .check(&Lm::new(&first, &device))
-        .unwrap_err()
-        .to_string();
-    refused(e, "wte.weight");
-    // A chunk of three layers where the stage holds two.
-    let mut long = Lm::new(&second, &device);
-    long.layers.push(long.layers[0].clone());
-    let e = load(long, &second).unwrap_err().to_string();
-    refused(
-        e,
-        "holds `layers.2`, but this pipeline stage holds 2 layers of `layers` (2..4",
-    );
-    // The last stage without its head.
-    let mut headless = Lm::new(&second, &device);
-    headless.lm_head = None;
-    let e = second.check(&headless).unwrap_err().to_string();
-    refused(e, "no parameters under `lm_head`");
-    assert!(second.check(&Lm::new(&second, &device)).is_ok());
-    // 4 layers do not split over 3 stages; a bad pattern.
-    let e = plan
-        .stage(PipelinePosition::new(3, 0, 1, 0))
-        .unwrap_err()
-        .to_string();
-    refused(e, "`layers`");
-    let whole = PipelinePosition::whole();
-    assert!(
-        PpPlan::new("layers", 4)
-            .first(&["[unclosed"])
-            .stage(whole)
-            .is_err()
-    );
-    let e = PpPlan::new("*.layers", 4)
-        .stage(whole)
-        .unwrap_err()
-        .to_string();
-    refused(e, "must be a module path");
-    // A stack that names nothing in the record, or fewer layers than it holds.
-    let elsewhere = PpPlan::new("blocks", LAYERS).stage(PipelinePosition::new(2, 1, 1, 0))?;
-    let e = load(Lm::new(&second, &device), &elsewhere)
-        .unwrap_err()
-        .to_string();
-    refused(e, "the record holds no `blocks.N` tensors");
-    let short = PpPlan::new("layers", 2)
-        .first(&["wte"])
-        .last(&["norm", "lm_head"]);
-    let short = short.stage(PipelinePosition::new(2, 1, 1, 0))?;
-    let e = load(Lm::new(&short, &device), &short)
-        .unwrap_err()
-        .to_string();
-    refused(
-        e,
-        "the record holds `layers.2`, but the pipeline plan divides 2 layers",
-    );
-    // A module only the first stage holds, left out of the plan: the error says where it
-    // belongs.
-    let forgot = PpPlan::new("layers", LAYERS).last(&["norm", "lm_head"]);
-    let forgot = forgot.stage(PipelinePosition::new(2, 1, 1, 0))?;
-    let e = load(Lm::new(&second, &device), &forgot)
-        .unwrap_err()
-        .to_string();
-    refused(e, "belongs in `PpPlan::first` or `PpPlan::last`");
-    // A tensor-parallel rule that names only another stage's module is no error there, but
-    // one that names nothing anywhere still is.
-    let tp_plan = TpPlan::new().vocab(&["wte"])?;
-    second
-        .tp_plan(tp_plan)
-        .apply(Lm::new(&second, &device), &tp)?;
-    let typo = TpPlan::new().vocab(&["wtee"])?;
-    let e = second
-        .tp_plan(typo)
-        .apply(Lm::new(&second, &device), &tp)
-        .unwrap_err();
-    refused(e.to_string(), "`wtee`");
-    // An error inside a stage (a column rule on a norm, Burn's own type, which has no slot)
-    // says how the stage's paths map to the whole model's.
-    let wrong = TpPlan::new().column(&["layers.2.norm_1"])?;
-    let e = second
-        .tp_plan(wrong)
-        .apply(Lm::new(&second, &device), &tp)
-        .unwrap_err();
-    refused(
-        e.to_string(),
-        "its `layers.0` to `layers.1` are the whole model's `layers.2` to `layers.3`",
-    );
-    // Layer 0 is stage 0's; there is no layer 9.
-    let other = TpPlan::new().column(&["layers.0.pwff.linear_inner"])?;
-    second
-        .tp_plan(other)
-        .apply(Lm::new(&second, &device), &tp)?;
-    let past = TpPlan::new().column(&["layers.9.pwff.linear_inner"])?;
-    let e = second
-        .tp_plan(past)
-        .apply(Lm::new(&second, &device), &tp)
-        .unwrap_err();
-    refused(e.to_string(), "`layers.9.pwff.linear_inner`");
-    std::fs::remove_dir_all(dir)?;
-    Ok(())
-}
-
-#[test]
 fn a_model_trained_in_stages_saves_the_plain_models_record() -> Result<(), Error> {
     let dir = super::load::scratch("pipeline-save");
     let record = record(&dir);
@@ -527,6 +446,52 @@ fn a_model_trained_in_stages_saves_the_plain_models_record() -> Result<(), Error
     });
     let e = failed.err().expect("an error").to_string();
     assert!(e.contains("plain.bpk"), "{e}");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+#[test]
+fn an_output_tied_to_the_embedding_trains_across_stages_as_on_one_rank() -> Result<(), Error> {
+    let dir = super::load::scratch("pipeline-tied");
+    let record = tied_record(&dir);
+    let tied = |tp, pp, vp, dp| Run {
+        tied: true,
+        ..run(tp, pp, vp, dp, &record)
+    };
+    let one = train(tied(1, 1, 1, 1))?;
+    assert_eq!(one.weights.len(), 3 + LAYERS * 16);
+    // The last stage's copy takes the first's gradient through the embedding group, so
+    // both stay the one rank's weight.
+    for (tp, pp, vp, dp) in [(1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 2)] {
+        let plain = dir.join(format!("plain-{tp}-{pp}-{vp}-{dp}.bpk"));
+        let run = Run {
+            plain: Some(&plain),
+            ..tied(tp, pp, vp, dp)
+        };
+        let got = train(run)?;
+        let what = format!("tied, TP {tp} × PP {pp} × VP {vp} × DP {dp}");
+        assert!(got.grads.is_some() || dp > 1, "{what}");
+        assert_same(&what, &got, &one);
+        // The record holds the weight once, and Burn's whole tied model loads it.
+        let whole = tied_plan().stage(PipelinePosition::whole())?;
+        let loaded = Lm::new_tied(&whole, &Device::flex()).load_file(&plain);
+        let loaded = gathered(&loaded, None, &super::solo());
+        let (worst, name) = max_rel_diff(&loaded, &got.weights, 1e-2);
+        assert!(worst == 0.0, "{what}: saved {name} off by {worst:e}");
+    }
+    // The last stage's copy, built but neither loaded nor split by the stage's plan, is not
+    // marked tied: `check` says so; loaded, it is.
+    let last = tied_plan().stage(PipelinePosition::new(2, 1, 1, 0))?;
+    let chunk = Lm::new_tied(&last, &Device::flex());
+    let e = last.check(&chunk).unwrap_err().to_string();
+    assert!(
+        e.contains("wte.weight is tied between the first and the last stage"),
+        "{e}"
+    );
+    let options = last.load_options(LoadOptions::default());
+    let source = RecordSource::from_path(&record);
+    let (chunk, _) = load_sharded(chunk, &source, &super::solo(), &options)?;
+    last.check(&chunk)?;
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
