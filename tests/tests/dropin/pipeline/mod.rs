@@ -5,7 +5,8 @@
 //! losses, grad norms, first gradients and final weights (gathered by the whole model's
 //! names) are one rank's; a checkpoint saved at DP 2 × PP 2 resumes at PP 1 and at PP 2 × VP
 //! 2; the plain record written back from the stages loads into Burn's whole model. The same
-//! holds with the output tied to the embedding (a copy on the last stage). A stage that
+//! holds with the output tied to the embedding (a copy on the last stage), whose checkpoint
+//! restores the copy from the first stage's tensor. A stage that
 //! holds the wrong modules is refused, naming them (`errors`).
 
 use super::Error;
@@ -478,6 +479,31 @@ fn an_output_tied_to_the_embedding_trains_across_stages_as_on_one_rank() -> Resu
         let loaded = gathered(&loaded, None, &super::solo());
         let (worst, name) = max_rel_diff(&loaded, &got.weights, 1e-2);
         assert!(worst == 0.0, "{what}: saved {name} off by {worst:e}");
+    }
+    // Saved at DP 2 × PP 2 (the copy left out), resumed at PP 1 and PP 2: the last stage's
+    // copy is restored from the first stage's tensor.
+    let root = dir.join("checkpoints");
+    train(Run {
+        steps: 2,
+        save: Some(&root),
+        ..tied(1, 2, 1, 2)
+    })?;
+    let rest = Trace {
+        steps: one.steps[2..].to_vec(),
+        grads: None,
+        weights: one.weights.clone(),
+    };
+    for pp in [1, 2] {
+        let resumed = Run {
+            steps: 1,
+            resume: Some(&root),
+            ..tied(1, pp, 1, 1)
+        };
+        assert_same(
+            &format!("tied, resumed at PP {pp}"),
+            &train(resumed)?,
+            &rest,
+        );
     }
     // The last stage's copy, built but neither loaded nor split by the stage's plan, is not
     // marked tied: `check` says so; loaded, it is.
