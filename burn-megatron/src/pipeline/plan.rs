@@ -12,7 +12,9 @@
 //! ([`PpPlan::global_names`]).
 
 use super::PipelineError;
-use crate::module_path::{PathVisitor, is_under, layer_index, visit_paths};
+use crate::comm::tensor::all_reduce;
+use crate::comm::{Comm, CommError, ReduceOp};
+use crate::module_path::{PathMapper, PathVisitor, is_under, layer_index, map_paths, visit_paths};
 use crate::tensor_parallel::dropin::{LoadOptions, StageKeys, TpPlan};
 use crate::tensor_parallel::parallel_attrs;
 use crate::topology::{ParallelState, PipelinePosition};
@@ -270,10 +272,74 @@ impl PpStage {
         if let Some((path, _)) = unmarked {
             return Err(self.invalid(format!(
                 "{path} is tied between the first and the last stage but not marked so: load \
-                 the chunk with `load_options`, or split it with `tp_plan`"
+                 the chunk with `load_options`, split it with `tp_plan`, or draw it and \
+                 `sync_tied` it"
             )));
         }
         Ok(())
+    }
+
+    /// Megatron's first sync of tied weights, for a chunk drawn rather than loaded: the last
+    /// stage's copy takes the first stage's values (zeros there, summed over `embedding`,
+    /// the group of the first and the last stage: `ctx.groups.embedding`), and both are
+    /// marked tied as a load marks them. A chunk that holds no copy (a middle stage, or one
+    /// stage holding both ends) is returned as it is; the others are collective over
+    /// `embedding`.
+    pub fn sync_tied<M: Module>(
+        &self,
+        chunk: M,
+        embedding: Option<&Comm>,
+    ) -> Result<M, PipelineError> {
+        let keys = self.keys();
+        let Some((patterns, second)) = keys.tied.clone() else {
+            return Ok(chunk);
+        };
+        let Some(group) = embedding else {
+            return Err(self.invalid(
+                "syncing tied weights needs the embedding group (`ctx.groups.embedding`)".into(),
+            ));
+        };
+        struct Sync<'a> {
+            patterns: Vec<glob::Pattern>,
+            second: bool,
+            group: &'a Comm,
+            keys: StageKeys,
+            error: Option<CommError>,
+        }
+        impl PathMapper for Sync<'_> {
+            fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                if self.error.is_some() || !self.patterns.iter().any(|t| is_under(t, path)) {
+                    return p;
+                }
+                let value = match self.second {
+                    true => p.val().zeros_like(),
+                    false => p.val(),
+                };
+                match all_reduce(&**self.group, value.detach(), ReduceOp::Sum) {
+                    Ok(synced) => {
+                        let id = p.id;
+                        self.keys.tie(path, id);
+                        p.transform_for_load(synced, id)
+                    }
+                    Err(e) => {
+                        self.error = Some(e);
+                        p
+                    }
+                }
+            }
+        }
+        let mut sync = Sync {
+            patterns,
+            second,
+            group,
+            keys,
+            error: None,
+        };
+        let chunk = map_paths(chunk, &mut sync);
+        match sync.error {
+            Some(e) => Err(PipelineError::Comm(e)),
+            None => Ok(chunk),
+        }
     }
 
     fn invalid(&self, why: String) -> PipelineError {

@@ -521,3 +521,38 @@ fn an_output_tied_to_the_embedding_trains_across_stages_as_on_one_rank() -> Resu
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+#[test]
+fn a_drawn_tied_copy_takes_the_first_stages_values() -> Result<(), Error> {
+    // Drawn by Burn on each rank (no record, no split): the copies differ until synced.
+    // Each rank gives (first stage, its draw, after the sync, checked after it).
+    type Copy = (bool, Vec<f32>, Vec<f32>, bool);
+    let config = ParallelConfig::new(2, 1, 2);
+    let ranks: Vec<Copy> = threads(&config, LaunchOptions::default(), |ctx| {
+        let stage = tied_plan().stage(PipelinePosition::of(&ctx.state, 0))?;
+        let chunk = Lm::new_tied(&stage, &ctx.device);
+        let wte = |c: &Lm| gathered(c, None, &ctx.groups.tp).remove("wte.weight");
+        let drawn = wte(&chunk).unwrap_or_default();
+        let unmarked = stage.check(&chunk).is_err();
+        let chunk = stage.sync_tied(chunk, ctx.groups.embedding.as_ref())?;
+        let checked = unmarked && stage.check(&chunk).is_ok();
+        Ok::<_, Error>((
+            stage.is_first(),
+            drawn,
+            wte(&chunk).unwrap_or_default(),
+            checked,
+        ))
+    })?;
+    let (first, last) = match ranks[0].0 {
+        true => (&ranks[0], &ranks[1]),
+        false => (&ranks[1], &ranks[0]),
+    };
+    assert!(first.1 != last.1, "Burn's draws differ by rank");
+    assert!(
+        !first.1.is_empty() && first.2 == first.1,
+        "the first stage keeps its draw"
+    );
+    assert!(last.2 == first.1, "the last stage's copy takes it");
+    assert!(first.3 && last.3, "refused by check before, marked after");
+    Ok(())
+}
