@@ -342,3 +342,91 @@ fn a_record_that_does_not_fit_is_an_error_naming_the_path() -> Result<(), Error>
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+/// A Hugging Face Llama stores its query and key projections for `rotate_half`: each head's
+/// features in two halves, where Burn's `RotaryEncoding` pairs adjacent ones. Written so
+/// (linears `[out, in]`), the record loads into Burn's layout at TP 1, 2 and 4 (split by
+/// heads) through `rotary_half_to_interleaved`, bit for bit; without it, it does not.
+#[test]
+fn a_rotary_layout_is_rearranged_while_it_loads() -> Result<(), Error> {
+    use burn_megatron::tensor_parallel::dropin::rotary_half_to_interleaved;
+    let config = config(true, 0.0);
+    let dir = scratch("rotary");
+    let bpk = encoder_record(&config, &dir, "encoder.bpk");
+    let plain = plain_encoder(&config, &bpk, &Device::flex());
+    let whole = gathered(&plain, None, &solo());
+    // Burn's interleaved features of each head, back in Hugging Face's halves.
+    let d = D_MODEL / super::HEADS;
+    let to_halves = |shape: &[usize], v: &[f32]| -> Vec<f32> {
+        let last = shape[shape.len() - 1];
+        let mut out = v.to_vec();
+        for (row_in, row_out) in v.chunks(last).zip(out.chunks_mut(last)) {
+            for (f, value) in row_in.iter().enumerate() {
+                let (h, i) = (f / d, f % d);
+                row_out[h * d + (i % 2) * (d / 2) + i / 2] = *value;
+            }
+        }
+        out
+    };
+    let rotary = |p: &str| p.ends_with("query.weight") || p.ends_with("key.weight");
+    let rotary_bias = |p: &str| p.ends_with("query.bias") || p.ends_with("key.bias");
+    let hf: Vec<(String, Vec<usize>, Vec<f32>)> = params(&plain)
+        .into_iter()
+        .map(
+            |(name, shape, v)| match (rotary(&name), rotary_bias(&name)) {
+                (true, _) => {
+                    let v = transposed(&shape, &to_halves(&shape, &v));
+                    (name, vec![shape[1], shape[0]], v)
+                }
+                (_, true) => (name.clone(), shape.clone(), to_halves(&shape, &v)),
+                _ => (name, shape, v),
+            },
+        )
+        .collect();
+    let path = dir.join("hf-rotary.safetensors");
+    write_safetensors(&path, &hf);
+    let source = RecordSource::from_path(&path);
+    let stored = LoadOptions::default().with_transposed(r"\.(query|key)\.weight$")?;
+    let options = stored.clone().with_transform(
+        r"\.(query|key)\.(weight|bias)$",
+        rotary_half_to_interleaved(super::HEADS),
+    )?;
+    for tp in [1, 2, 4] {
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let fresh = split_encoder(&config, g, 99, d)?;
+            let (rearranged, _) = load_sharded(fresh.clone(), &source, g, &options)?;
+            let (as_stored, _) = load_sharded(fresh, &source, g, &stored)?;
+            Ok::<_, Error>((
+                gathered(&rearranged, None, g),
+                gathered(&as_stored, None, g),
+            ))
+        })?;
+        for (rank, (rearranged, as_stored)) in out.iter().enumerate() {
+            assert_eq!(
+                rearranged, &whole,
+                "TP {tp}, rank {rank}: the plain weights"
+            );
+            assert_ne!(
+                as_stored, &whole,
+                "TP {tp}, rank {rank}: not without the transform"
+            );
+        }
+    }
+    // A transform that changes the shape is an error naming the path.
+    let bad = LoadOptions::default().with_transform(r"\.query\.weight$", |_| {
+        Ok(burn::tensor::TensorData::new(vec![0f32], [1]))
+    })?;
+    let e = tp_ranks(1, |ctx| {
+        let fresh = split_encoder(&config, &ctx.groups.tp, 99, &ctx.device)?;
+        load_sharded(fresh, &source, &ctx.groups.tp, &bad).map(drop)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("query.weight: the transform returned [1]"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 mod options;
 
 use super::{StageKey, StageKeys};
-pub use options::{LoadOptions, LoadReport};
+pub use options::{LoadOptions, LoadReport, rotary_half_to_interleaved};
 
 /// A whole-model record on disk, in a format Burn 0.22 writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -219,6 +219,8 @@ enum Bytes<'a> {
     Mapped(&'a [u8]),
     /// In a PyTorch checkpoint, read when asked for (whole).
     Read(pytorch_reader::Tensor),
+    /// Made here (a transformed tensor).
+    Owned(Vec<u8>),
 }
 
 struct Stored<'a> {
@@ -234,6 +236,7 @@ impl Stored<'_> {
             Bytes::Mapped(b) => Cow::Borrowed(b),
             Bytes::Pack(b) => Cow::Borrowed(b),
             Bytes::Read(t) => Cow::Owned(t.read().map_err(|e| e.to_string())?),
+            Bytes::Owned(b) => Cow::Borrowed(b),
         })
     }
 }
@@ -358,7 +361,27 @@ impl PathMapper for Loader<'_, '_> {
         let torch_linear = owner == Some("Struct:Linear") && weight && D == 2;
         let adapter = torch_linear && col.is_none();
         let mapped = col == Some(false);
-        let shard = self.shard(&p, &stored, options || adapter || col == Some(true), mapped);
+        let transposed = options || adapter || col == Some(true);
+        let transform = self
+            .options
+            .transforms
+            .iter()
+            .find(|(re, _)| re.is_match(path));
+        let (stored, transposed) = match transform {
+            Some((_, f)) => match transformed(&stored, transposed, f) {
+                Ok(whole) => {
+                    let largest = &mut self.report.largest_whole_tensor_bytes;
+                    *largest = (*largest).max(stored_len(&stored));
+                    (whole, false)
+                }
+                Err(e) => {
+                    self.error = Some(TpError::Invalid(format!("{path}: {e}")));
+                    return p;
+                }
+            },
+            None => (stored, transposed),
+        };
+        let shard = self.shard(&p, &stored, transposed, mapped);
         // The whole tensor a column shard was cut from goes before the shard is copied in.
         drop(stored);
         match shard {
@@ -471,6 +494,50 @@ impl Loader<'_, '_> {
         };
         Ok(TensorData::from_bytes_vec(bytes, local, stored.dtype))
     }
+}
+
+/// `stored` whole in the parameter's layout (transposed back when stored `[out, in]`), through
+/// `transform`, as a tensor of the same shape.
+fn transformed<'a>(
+    stored: &Stored<'_>,
+    transposed: bool,
+    transform: &options::Transform,
+) -> Result<Stored<'a>, String> {
+    let (elem, mut dims) = (stored.dtype.size(), stored.dims.clone());
+    let mut bytes = stored.bytes()?.into_owned();
+    if transposed {
+        if dims.len() != 2 {
+            return Err(format!(
+                "stored transposed but has {} dimensions, not 2",
+                dims.len()
+            ));
+        }
+        bytes = transpose(&bytes, dims[0], dims[1], elem);
+        dims.reverse();
+    }
+    let data = (transform.0)(TensorData::from_bytes_vec(
+        bytes,
+        dims.clone(),
+        stored.dtype,
+    ))?;
+    if data.shape().to_vec() != dims || data.dtype() != stored.dtype {
+        return Err(format!(
+            "the transform returned {:?} {:?} for {dims:?} {:?}",
+            data.shape().to_vec(),
+            data.dtype(),
+            stored.dtype
+        ));
+    }
+    Ok(Stored {
+        dtype: stored.dtype,
+        dims,
+        bytes: Bytes::Owned(data.into_bytes().to_vec()),
+    })
+}
+
+/// The bytes a stored tensor takes whole.
+fn stored_len(stored: &Stored<'_>) -> u64 {
+    (stored.dims.iter().product::<usize>() * stored.dtype.size()) as u64
 }
 
 /// The path under which a PyTorch state dict stores the norm parameter at `path` (`weight`

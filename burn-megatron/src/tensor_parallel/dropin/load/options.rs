@@ -2,7 +2,9 @@
 
 use super::super::super::TpError;
 use super::super::StageKeys;
+use burn::tensor::TensorData;
 use regex::Regex;
+use std::sync::Arc;
 
 /// How record names meet module paths, and what a mismatch may be.
 ///
@@ -23,6 +25,19 @@ pub struct LoadOptions {
     pub(super) allow_missing: bool,
     pub(super) allow_unused: bool,
     pub(super) stage: Option<StageKeys>,
+    pub(super) transforms: Vec<(Regex, Transform)>,
+}
+
+/// A whole tensor rearranged before this rank's part is cut from it.
+#[derive(Clone)]
+pub(super) struct Transform(pub(super) Arc<TransformFn>);
+
+type TransformFn = dyn Fn(TensorData) -> Result<TensorData, String> + Send + Sync;
+
+impl std::fmt::Debug for Transform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Transform")
+    }
 }
 
 impl LoadOptions {
@@ -76,6 +91,23 @@ impl LoadOptions {
         self
     }
 
+    /// Pass the tensors at module paths (after renaming) that `pattern` matches through
+    /// `transform` before this rank's part is cut: each whole, as the parameter holds it
+    /// (Burn's `[in, out]` for a linear weight, after `with_transposed` or the PyTorch
+    /// adapter), and returned in the same shape. For a rearrangement a checkpoint's format
+    /// needs, such as [`rotary_half_to_interleaved`] for a Hugging Face Llama's query and
+    /// key projections under Burn's `RotaryEncoding`. Such a tensor is read whole (counted in
+    /// [`LoadReport::largest_whole_tensor_bytes`]).
+    pub fn with_transform(
+        mut self,
+        pattern: &str,
+        transform: impl Fn(TensorData) -> Result<TensorData, String> + Send + Sync + 'static,
+    ) -> Result<Self, TpError> {
+        let transform = Transform(Arc::new(transform));
+        self.transforms.push((regex(pattern)?, transform));
+        Ok(self)
+    }
+
     /// Load one pipeline stage's part of a whole model's record (what
     /// [`PpStage::load_options`](crate::pipeline::PpStage::load_options) asks for).
     pub(crate) fn with_stage(mut self, stage: StageKeys) -> Self {
@@ -105,4 +137,49 @@ pub struct LoadReport {
     /// The largest tensor read whole: to cut a column shard out of it, or any tensor of a
     /// PyTorch checkpoint (0 when every shard was a run of rows of a mapped file).
     pub largest_whole_tensor_bytes: u64,
+}
+
+/// The transform ([`LoadOptions::with_transform`]) from a Hugging Face Llama's rotary layout to
+/// Burn's: Hugging Face rotates the two halves of each head's features (`rotate_half`; its
+/// conversion permuted Meta's weights so), Burn's `RotaryEncoding` rotates adjacent pairs.
+/// Along the last dimension (a query or key projection's outputs, in `n_heads` heads of `d`
+/// features), feature `2i` of a head takes Hugging Face's feature `i` and `2i + 1` its
+/// `d/2 + i`. Per head, so it commutes with a split by heads.
+///
+/// ```
+/// use burn::tensor::TensorData;
+/// use burn_megatron::tensor_parallel::dropin::rotary_half_to_interleaved;
+/// // One input row, 2 heads of 4 features: [a0 a1 b0 b1 | c0 c1 d0 d1] (halves a, b).
+/// let hf = TensorData::new(vec![0f32, 1., 10., 11., 20., 21., 30., 31.], [1, 8]);
+/// let burn = rotary_half_to_interleaved(2)(hf).unwrap();
+/// assert_eq!(burn.to_vec::<f32>().unwrap(), [0., 10., 1., 11., 20., 30., 21., 31.]);
+/// assert!(rotary_half_to_interleaved(3)(TensorData::new(vec![0f32; 8], [1, 8])).is_err());
+/// ```
+pub fn rotary_half_to_interleaved(
+    n_heads: usize,
+) -> impl Fn(TensorData) -> Result<TensorData, String> + Send + Sync + Clone + 'static {
+    move |data: TensorData| {
+        let shape = data.shape().to_vec();
+        let last = shape.last().copied().unwrap_or(0);
+        let d = last.checked_div(n_heads).unwrap_or(0);
+        if n_heads == 0 || d == 0 || last != n_heads * d || !d.is_multiple_of(2) {
+            return Err(format!(
+                "{last} features do not split into {n_heads} heads of an even size"
+            ));
+        }
+        let (elem, dtype) = (data.dtype().size(), data.dtype());
+        let bytes = data.into_bytes();
+        let mut out = vec![0u8; bytes.len()];
+        for (row_in, row_out) in bytes.chunks(last * elem).zip(out.chunks_mut(last * elem)) {
+            for h in 0..n_heads {
+                for i in 0..d {
+                    let from = h * d + (i % 2) * (d / 2) + i / 2;
+                    let to = h * d + i;
+                    row_out[to * elem..(to + 1) * elem]
+                        .copy_from_slice(&row_in[from * elem..(from + 1) * elem]);
+                }
+            }
+        }
+        Ok(TensorData::from_bytes_vec(out, shape, dtype))
+    }
 }
