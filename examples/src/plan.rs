@@ -38,6 +38,8 @@ enum Model {
 pub struct Setup {
     model: Model,
     layers: usize,
+    /// Layers of each virtual stage (`chunk·P + stage`): even, or Megatron's uneven split.
+    stage_layers: Vec<usize>,
     h: usize,
     heads: usize,
     groups: usize,
@@ -121,6 +123,7 @@ impl Setup {
         Ok(Self {
             model: Model::Gpt,
             layers: c.num_layers,
+            stage_layers: a.layers_per_virtual_stage()?,
             h: t.hidden_size,
             heads,
             groups: t.attention.query_groups(),
@@ -174,6 +177,7 @@ impl Setup {
         Ok(Self {
             model: Model::Bert { rows },
             layers: a.num_layers,
+            stage_layers: a.layers_per_virtual_stage()?,
             h: a.hidden_size,
             heads: a.num_attention_heads,
             groups: a.num_attention_heads,
@@ -361,7 +365,6 @@ impl Setup {
 
     fn stage(&self, p: usize) -> Result<StagePlan, String> {
         let (h, v) = (self.h as u64, self.vp);
-        let per_chunk = self.layers / (self.pp * v);
         let stages = self.pp * v;
         let vocab_rows = (self.vocab / self.tp) as u64 * h;
         let mut params = 0;
@@ -373,6 +376,7 @@ impl Setup {
         for c in 0..v {
             let vs = c * self.pp + p;
             let (first, last) = (vs == 0, vs + 1 == stages);
+            let per_chunk = self.stage_layers[vs];
             params += per_chunk as u64 * self.layer_params();
             if first {
                 params +=
@@ -451,12 +455,9 @@ impl Setup {
         };
         let activation_bytes_plain = (0..v)
             .map(|c| {
+                let vs = c * self.pp + p;
                 plain
-                    .chunk_activations(
-                        per_chunk,
-                        c * self.pp + p == 0,
-                        c * self.pp + p + 1 == stages,
-                    )
+                    .chunk_activations(self.stage_layers[vs], vs == 0, vs + 1 == stages)
                     .0
             })
             .sum::<u64>()
@@ -498,14 +499,14 @@ impl Setup {
     /// Bytes rank `p` sends per step, ring collectives (`2(n−1)/n` of the buffer for an
     /// all-reduce, `(n−1)/n` for an all-gather or a reduce-scatter): tensor-, pipeline-,
     /// data- and context-parallel.
-    fn sent(&self, _p: usize, params: u64) -> [u64; 4] {
+    fn sent(&self, p: usize, params: u64) -> [u64; 4] {
         let e = self.elem;
         let m = self.schedule.num_microbatches as u64;
         // Gradients are reduced over the data- and context-parallel ranks together.
         let (t, d, c) = (self.tp as u64, (self.dp * self.cp) as u64, self.cp as u64);
         let tokens = (self.seq * self.micro_batch / self.cp) as u64;
         let hidden = tokens * self.h as u64 * e;
-        let layers = (self.layers / self.pp) as u64;
+        let layers = self.rank_layers(p) as u64;
         // Per layer and microbatch: two all-reduces forward and two backward (or their
         // all-gather/reduce-scatter halves under SP), plus the forward's again when the
         // layer is replayed in full.
@@ -580,7 +581,17 @@ impl Setup {
             None => 0.0,
         };
         let head = 2.0 * tokens * h * self.vocab as f64;
-        let layers = (self.layers / self.pp) as f64;
+        // The ranks' average, whatever the split.
+        let layers = self.layers as f64 / self.pp as f64;
         (layers * (3.0 * layer + recomputed) + 3.0 * head / self.pp as f64) / self.tp as f64
+    }
+
+    /// Layers pipeline rank `p` holds, over its chunks.
+    fn rank_layers(&self, p: usize) -> usize {
+        self.stage_layers
+            .iter()
+            .skip(p)
+            .step_by(self.pp.max(1))
+            .sum()
     }
 }

@@ -125,6 +125,19 @@ fn resuming_continues_exactly_at_the_same_layout_and_closely_at_another() {
     ];
     let resumed = resume(&save, 6, &[&f32_common[..], &other].concat(), &dir);
     assert_close_losses("TP 1 × DP 2", &resumed, &full.log[6..], 1e-5);
+    // At PP 3 with the embedding counted as a layer (Megatron's uneven split): 2 layers + 1
+    // over 3 stages, so the first stage only embeds and the others hold a layer each.
+    let uneven = [
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "3",
+        "--world-size",
+        "3",
+        "--account-for-embedding-in-pipeline-split",
+    ];
+    let resumed = resume(&save, 6, &[&f32_common[..], &uneven].concat(), &dir);
+    assert_close_losses("PP 3, embedding counted", &resumed, &full.log[6..], 1e-5);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -254,6 +267,36 @@ fn bad_flags_are_refused_before_any_work_naming_them() {
         (
             &["--attention-query-chunk", "0"][..],
             "--attention-query-chunk must be at least 1",
+        ),
+        (
+            &["--decoder-first-pipeline-num-layers", "1"][..],
+            "need pipeline parallelism",
+        ),
+        (
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--world-size",
+                "4",
+                "--decoder-last-pipeline-num-layers",
+                "2",
+            ][..],
+            "0 layers are left for 1 middle pipeline stages",
+        ),
+        (
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--world-size",
+                "4",
+                "--num-layers",
+                "4",
+                "--decoder-first-pipeline-num-layers",
+                "1",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ][..],
+            "interleaves with --num-virtual-stages-per-pipeline-rank",
         ),
         // A byte-level BPE cannot be smaller; it once trained 257 tokens silently.
         (

@@ -19,7 +19,7 @@ use burn_megatron::pipeline::{
     forward_backward_func, read_losses,
 };
 use burn_megatron::tensor_parallel::parallel_attrs;
-use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelinePosition};
 use burn_megatron_tests::bert::{BertRows, bert_sample};
 use burn_megatron_tests::{no_dropout, reload_as_another_process, values};
 use std::sync::Arc;
@@ -92,16 +92,19 @@ struct Layout {
     dp: usize,
     sp: bool,
     overlap: bool,
+    split: LayerSplit,
 }
 
-/// One rank's (lm, sop) losses per step if it is a last stage, and its grad norms.
-type RankTrace = (Option<Vec<(f64, f64)>>, Vec<f64>);
+/// One rank's (lm, sop) losses per step if it is a last stage, its grad norms, and the
+/// layers of each of its chunks.
+type RankTrace = (Option<Vec<(f64, f64)>>, Vec<f64>, Vec<usize>);
 
 fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
     let world = l.tp * l.pp * l.dp;
     let config = ParallelConfig::new(world, l.tp, l.pp)
         .with_sequence_parallel(l.sp)
-        .with_virtual_pipeline((l.vp > 1).then_some(l.vp));
+        .with_virtual_pipeline((l.vp > 1).then_some(l.vp))
+        .with_layer_split(l.split);
     threads(&config, LaunchOptions::default(), |ctx| {
         let (tp, device) = (&ctx.groups.tp, &ctx.device);
         let mut chunks: Vec<Bert> = (0..l.vp)
@@ -182,15 +185,17 @@ fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
             }
         }
         let last = ctx.state.is_pipeline_last_stage();
-        Ok::<_, Error>((last.then_some(losses), norms))
+        let held = chunks.iter().map(|c| c.layers.len()).collect();
+        Ok::<_, Error>((last.then_some(losses), norms, held))
     })
     .unwrap()
 }
 
-fn check(l: Layout, variable: bool, reference: &Trace) {
+/// Checks every rank's losses and grad norms; returns the layers of each rank's chunks.
+fn check(l: Layout, variable: bool, reference: &Trace) -> Vec<Vec<usize>> {
     let ranks = pipelined(l, variable);
     let mut reporters = 0;
-    for (rank, (losses, norms)) in ranks.iter().enumerate() {
+    for (rank, (losses, norms, _)) in ranks.iter().enumerate() {
         let what = format!("{l:?} variable {variable} rank {rank}");
         assert_eq!(norms.len(), STEPS, "{what}");
         for (step, (n, r)) in norms.iter().zip(reference).enumerate() {
@@ -222,6 +227,7 @@ fn check(l: Layout, variable: bool, reference: &Trace) {
         l.tp * l.dp,
         "{l:?}: every last-stage rank reports"
     );
+    ranks.into_iter().map(|r| r.2).collect()
 }
 
 #[test]
@@ -246,12 +252,26 @@ fn bert_pipelines_match_one_rank() {
                         dp,
                         sp: tp == 2 && dp == 1,
                         overlap: dp == 2,
+                        split: LayerSplit::default(),
                     };
                     check(l, false, &reference);
                 }
             }
         }
     }
+    // Megatron's uneven split, interleaved: the first rank's 2 layers over its 2 chunks, the
+    // other 6 over the last rank's; ranks hold chunks [1, 1] and [3, 3].
+    let uneven = Layout {
+        tp: 2,
+        pp: 2,
+        vp: 2,
+        dp: 1,
+        sp: true,
+        overlap: false,
+        split: LayerSplit::default().with_first_stage(2),
+    };
+    let held = check(uneven, false, &reference);
+    assert_eq!(held, [[1, 1], [1, 1], [3, 3], [3, 3]], "{uneven:?}");
 }
 
 #[test]
@@ -265,6 +285,7 @@ fn bert_pipeline_with_variable_sequence_lengths_matches_one_rank() {
             dp: 1,
             sp: false,
             overlap: false,
+            split: LayerSplit::default(),
         },
         Layout {
             tp: 2,
@@ -273,6 +294,7 @@ fn bert_pipeline_with_variable_sequence_lengths_matches_one_rank() {
             dp: 1,
             sp: true,
             overlap: false,
+            split: LayerSplit::default(),
         },
     ] {
         check(l, true, &reference);

@@ -54,9 +54,10 @@ pub struct PpPlan {
 
 impl PpPlan {
     /// The stages divide the `num_layers` elements of the `Vec` at module path `layers`
-    /// (a path, not a pattern: `layers`, `decoder.layers`), evenly: each of the `P·V`
-    /// virtual stages holds `num_layers / (P·V)` of them (Megatron's uneven first and last
-    /// stages are not supported).
+    /// (a path, not a pattern: `layers`, `decoder.layers`) as the position's
+    /// [`LayerSplit`](crate::topology::LayerSplit) says: evenly, `num_layers / (P·V)` each,
+    /// unless the layout sets Megatron's uneven first and last stages
+    /// ([`ParallelConfig::with_layer_split`](crate::topology::ParallelConfig::with_layer_split)).
     pub fn new(layers: &str, num_layers: usize) -> Self {
         Self {
             layers: layers.to_string(),
@@ -95,9 +96,9 @@ impl PpPlan {
         self
     }
 
-    /// The stage at `position`, or an error (before anything is built) when the layers do
-    /// not divide over its virtual stages, the stack's path is a pattern, or a module
-    /// pattern does not parse.
+    /// The stage at `position`, or an error (before anything is built) when its split
+    /// cannot place the layers, the stack's path is a pattern, or a module pattern does not
+    /// parse.
     pub fn stage(&self, position: PipelinePosition) -> Result<PpStage, PipelineError> {
         let stack = &self.layers;
         if stack.is_empty() || stack.contains(['*', '?', '[', ']']) {

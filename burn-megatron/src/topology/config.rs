@@ -2,7 +2,7 @@
 
 use super::dim::parse_tokens;
 use super::rank_generator::DEFAULT_ORDER;
-use super::{ParallelDim, RankGenerator, TopologyError};
+use super::{LayerSplit, ParallelDim, RankGenerator, TopologyError};
 
 /// How a training job is split across `world_size` ranks.
 ///
@@ -31,6 +31,9 @@ pub struct ParallelConfig {
     /// Model chunks per pipeline stage for the interleaved schedule; `None` when not
     /// interleaving.
     pub virtual_pipeline_model_parallel_size: Option<usize>,
+    /// How the model's layers split over the pipeline's virtual stages (evenly by default;
+    /// Megatron's uneven first and last stages).
+    pub layer_split: LayerSplit,
     /// Ranks that split the sequence dimension in attention (`cp`); only 1 is supported.
     pub context_parallel_size: usize,
     /// Ranks that split the experts of mixture-of-experts layers (`ep`), laid out by a
@@ -56,6 +59,7 @@ impl ParallelConfig {
             tensor_model_parallel_size: tp,
             pipeline_model_parallel_size: pp,
             virtual_pipeline_model_parallel_size: None,
+            layer_split: LayerSplit::default(),
             context_parallel_size: 1,
             expert_model_parallel_size: 1,
             expert_tensor_parallel_size: 1,
@@ -83,6 +87,14 @@ impl ParallelConfig {
     #[must_use]
     pub fn with_virtual_pipeline(mut self, size: Option<usize>) -> ParallelConfig {
         self.virtual_pipeline_model_parallel_size = size;
+        self
+    }
+
+    /// Sets how the layers split over the pipeline stages (checked against the model's
+    /// layer count when a chunk is built: [`PipelinePosition::layer_range`](super::PipelinePosition::layer_range)).
+    #[must_use]
+    pub fn with_layer_split(mut self, split: LayerSplit) -> ParallelConfig {
+        self.layer_split = split;
         self
     }
 
@@ -128,7 +140,8 @@ impl ParallelConfig {
     /// other than 1 or the tensor-parallel size, or whose groups are not the tensor-parallel
     /// groups (not supported yet); a world size that tp · pp · cp or etp · ep · pp does not
     /// divide; an unknown or repeated order token, or a dimension of size > 1 missing from the order;
-    /// `pp` not last in the order when pp > 1; a virtual pipeline size with pp = 1.
+    /// `pp` not last in the order when pp > 1; a virtual pipeline size with pp = 1; a
+    /// layer split that [`LayerSplit::check`] refuses.
     pub fn validate(self) -> Result<ValidatedConfig, TopologyError> {
         let mut config = self;
         let world = config.world_size;
@@ -224,6 +237,10 @@ impl ParallelConfig {
             return Err(TopologyError::VirtualPipelineWithoutPipeline { virtual_size, pp });
         }
 
+        config
+            .layer_split
+            .check(pp, config.virtual_pipeline_model_parallel_size.unwrap_or(1))?;
+
         if config.sequence_parallel && tp == 1 {
             tracing::warn!(
                 "disabling sequence parallelism because tensor model parallelism is off (tp = 1)"
@@ -295,6 +312,11 @@ impl ValidatedConfig {
     /// Virtual pipeline size (model chunks per stage), if interleaving.
     pub fn virtual_pipeline_model_parallel_size(&self) -> Option<usize> {
         self.config.virtual_pipeline_model_parallel_size
+    }
+
+    /// How the layers split over the virtual pipeline stages.
+    pub fn layer_split(&self) -> LayerSplit {
+        self.config.layer_split
     }
 
     /// Context parallel size.

@@ -150,6 +150,13 @@ pub enum TopologyError {
         num_model_chunks: usize,
     },
 
+    /// A [`LayerSplit`](super::LayerSplit) that cannot place the layers.
+    #[error("pipeline layer split: {reason}")]
+    InvalidLayerSplit {
+        /// What does not fit.
+        reason: String,
+    },
+
     /// A pipeline position outside its pipeline.
     #[error(
         "pipeline rank {pipeline_rank} of {pipeline_size}, model chunk {chunk} of {num_model_chunks}: out of range"

@@ -29,6 +29,7 @@ mod dim;
 mod error;
 mod group;
 mod rank_generator;
+mod split;
 mod stage;
 mod state;
 
@@ -40,5 +41,6 @@ pub use dim::{ParallelDim, RankCoords};
 pub use error::TopologyError;
 pub use group::GroupKind;
 pub use rank_generator::{DEFAULT_ORDER, RankGenerator};
+pub use split::LayerSplit;
 pub use stage::{PipelinePosition, layer_offset, layers_per_chunk};
 pub use state::ParallelState;

@@ -1,10 +1,11 @@
 //! Where one model chunk sits in a pipeline, and which layers it holds.
 
-use super::{ParallelState, TopologyError};
+use super::{LayerSplit, ParallelState, TopologyError};
 use std::ops::Range;
 
 /// Model chunk `chunk` (of `num_model_chunks` per stage) on pipeline stage `pipeline_rank`
-/// (of `pipeline_size`): virtual stage `chunk·P + pipeline_rank` of `P·V`.
+/// (of `pipeline_size`): virtual stage `chunk·P + pipeline_rank` of `P·V`, and how the
+/// model's layers split over those stages (evenly unless `split` says otherwise).
 ///
 /// ```
 /// use burn_megatron::topology::PipelinePosition;
@@ -23,10 +24,13 @@ pub struct PipelinePosition {
     pub num_model_chunks: usize,
     /// This chunk, `0..V`.
     pub chunk: usize,
+    /// How the layers split over the virtual stages.
+    pub split: LayerSplit,
 }
 
 impl PipelinePosition {
-    /// Chunk `chunk` of `num_model_chunks` on stage `pipeline_rank` of `pipeline_size`.
+    /// Chunk `chunk` of `num_model_chunks` on stage `pipeline_rank` of `pipeline_size`,
+    /// the layers split evenly.
     pub fn new(
         pipeline_size: usize,
         pipeline_rank: usize,
@@ -38,7 +42,15 @@ impl PipelinePosition {
             pipeline_rank,
             num_model_chunks,
             chunk,
+            split: LayerSplit::default(),
         }
+    }
+
+    /// The same position under another split of the layers.
+    #[must_use]
+    pub fn with_split(mut self, split: LayerSplit) -> Self {
+        self.split = split;
+        self
     }
 
     /// The whole model on one stage.
@@ -46,7 +58,8 @@ impl PipelinePosition {
         Self::new(1, 0, 1, 0)
     }
 
-    /// Chunk `chunk` of `state`'s pipeline stage (V from its virtual pipeline size).
+    /// Chunk `chunk` of `state`'s pipeline stage (V from its virtual pipeline size), under
+    /// its layout's [`LayerSplit`].
     pub fn of(state: &ParallelState, chunk: usize) -> Self {
         Self::new(
             state.pipeline_model_parallel_size(),
@@ -54,6 +67,7 @@ impl PipelinePosition {
             state.virtual_pipeline_model_parallel_size().unwrap_or(1),
             chunk,
         )
+        .with_split(state.layer_split())
     }
 
     /// `chunk·P + pipeline_rank`: activations go round the ring of stages V times.
@@ -71,24 +85,20 @@ impl PipelinePosition {
         self.virtual_stage() + 1 == self.pipeline_size * self.num_model_chunks
     }
 
-    /// The global indices of this chunk's layers out of `num_layers`: `L/(P·V)` of them
-    /// from Megatron's offset `chunk·L/V + pipeline_rank·L/(P·V)`.
+    /// The global indices of this chunk's layers out of `num_layers`, under its
+    /// [`LayerSplit`]; split evenly, `L/(P·V)` of them from Megatron's offset
+    /// `chunk·L/V + pipeline_rank·L/(P·V)`.
+    ///
+    /// # Errors
+    ///
+    /// Layers the split cannot place ([`LayerSplit::layers_per_virtual_stage`]), or a
+    /// position outside its pipeline.
     pub fn layer_range(&self, num_layers: usize) -> Result<Range<usize>, TopologyError> {
-        let per = layers_per_chunk(num_layers, self.pipeline_size, self.num_model_chunks)?;
-        if self.pipeline_rank >= self.pipeline_size || self.chunk >= self.num_model_chunks {
-            return Err(TopologyError::PositionOutOfRange {
-                pipeline_rank: self.pipeline_rank,
-                pipeline_size: self.pipeline_size,
-                chunk: self.chunk,
-                num_model_chunks: self.num_model_chunks,
-            });
-        }
-        let start = self.chunk * num_layers / self.num_model_chunks + self.pipeline_rank * per;
-        Ok(start..start + per)
+        self.split.layer_range(num_layers, self)
     }
 }
 
-/// Layers per model chunk when `num_layers` split over `P·V` virtual stages.
+/// Layers per model chunk when `num_layers` split evenly over `P·V` virtual stages.
 ///
 /// ```
 /// use burn_megatron::topology::layers_per_chunk;

@@ -1,6 +1,6 @@
 //! One rank's view of the parallel layout: its coordinates, groups and pipeline peers.
 
-use super::{GroupKind, ParallelConfig, RankCoords, TopologyError, ValidatedConfig};
+use super::{GroupKind, LayerSplit, ParallelConfig, RankCoords, TopologyError, ValidatedConfig};
 
 /// Everything one global rank needs to know about where it sits in the job.
 ///
@@ -96,6 +96,11 @@ impl ParallelState {
     /// Virtual pipeline size (model chunks per stage), if interleaving.
     pub fn virtual_pipeline_model_parallel_size(&self) -> Option<usize> {
         self.config.virtual_pipeline_model_parallel_size()
+    }
+
+    /// How the layers split over the virtual pipeline stages.
+    pub fn layer_split(&self) -> LayerSplit {
+        self.config.layer_split()
     }
 
     /// Index inside the data parallel group (excluding context parallelism).

@@ -10,7 +10,7 @@ use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::recompute::{
     RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule,
 };
-use burn_megatron::topology::ParallelConfig;
+use burn_megatron::topology::{LayerSplit, ParallelConfig};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -174,14 +174,32 @@ pub struct TrainArgs {
     /// (Megatron's flag of the same name), also under --bf16 / --fp16.
     #[arg(long)]
     pub gradient_accumulation_fusion: bool,
-    /// Pipeline stages; each holds `--num-layers / PP` layers, the first the embeddings and
-    /// the last the heads.
+    /// Pipeline stages; each holds `--num-layers / PP` layers (unless the flags below
+    /// split them unevenly), the first the embeddings and the last the heads.
     #[arg(long, default_value_t = 1)]
     pub pipeline_model_parallel_size: usize,
     /// Layers per model chunk of the interleaved 1F1B schedule: each stage holds
     /// V = layers / PP / this chunks (default: one chunk, plain 1F1B).
     #[arg(long)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    /// Model chunks per stage of the interleaved 1F1B schedule (V), the way to interleave
+    /// an uneven split; not with --num-layers-per-virtual-pipeline-stage.
+    #[arg(long)]
+    pub num_virtual_stages_per_pipeline_rank: Option<usize>,
+    /// Layers on the first pipeline stage, which also embeds; the stages between the first
+    /// and the last split the rest evenly.
+    #[arg(long)]
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    /// Layers on the last pipeline stage, which also computes the loss.
+    #[arg(long)]
+    pub decoder_last_pipeline_num_layers: Option<usize>,
+    /// Count the embedding as a layer of the even split: the first stage holds one layer
+    /// fewer.
+    #[arg(long)]
+    pub account_for_embedding_in_pipeline_split: bool,
+    /// Count the loss as a layer of the even split: the last stage holds one layer fewer.
+    #[arg(long)]
+    pub account_for_loss_in_pipeline_split: bool,
     /// Microbatches per group of the interleaved schedule's table (default: PP).
     #[arg(long)]
     pub microbatch_group_size_per_virtual_pipeline_stage: Option<usize>,
@@ -402,10 +420,48 @@ impl TrainArgs {
     /// Model chunks per pipeline stage (V): 1 without interleaving.
     pub fn num_model_chunks(&self) -> usize {
         let pp = self.pipeline_model_parallel_size.max(1);
-        match self.num_layers_per_virtual_pipeline_stage {
-            Some(n) if n > 0 => self.num_layers / pp / n,
+        let split = self.layer_split();
+        // Megatron counts the embedding and the loss in the layers a stage holds.
+        let counted = usize::from(split.account_for_embedding_in_pipeline_split)
+            + usize::from(split.account_for_loss_in_pipeline_split);
+        match (
+            self.num_virtual_stages_per_pipeline_rank,
+            self.num_layers_per_virtual_pipeline_stage,
+        ) {
+            (Some(v), _) => v.max(1),
+            (None, Some(n)) if n > 0 => ((self.num_layers + counted) / pp / n).max(1),
             _ => 1,
         }
+    }
+
+    /// Whether a flag asks for the interleaved schedule.
+    fn interleaved(&self) -> bool {
+        self.num_layers_per_virtual_pipeline_stage.is_some()
+            || self.num_virtual_stages_per_pipeline_rank.is_some()
+    }
+
+    /// How the layers split over the pipeline stages.
+    pub fn layer_split(&self) -> LayerSplit {
+        LayerSplit {
+            num_layers_in_first_pipeline_stage: self.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage: self.decoder_last_pipeline_num_layers,
+            account_for_embedding_in_pipeline_split: self.account_for_embedding_in_pipeline_split,
+            account_for_loss_in_pipeline_split: self.account_for_loss_in_pipeline_split,
+        }
+    }
+
+    /// Layers of each virtual stage (`chunk·PP + stage`), or an error naming the flags.
+    pub fn layers_per_virtual_stage(&self) -> Result<Vec<usize>, String> {
+        let (pp, v) = (self.pipeline_model_parallel_size, self.num_model_chunks());
+        self.layer_split()
+            .layers_per_virtual_stage(self.num_layers, pp, v)
+            .map_err(|e| {
+                format!(
+                    "--num-layers ({}) over --pipeline-model-parallel-size ({pp}) × {v} model \
+                     chunks per stage: {e}",
+                    self.num_layers
+                )
+            })
     }
 
     /// The parallel layout, validated.
@@ -420,7 +476,8 @@ impl TrainArgs {
         .with_context_parallel(self.context_parallel_size)
         .with_expert_parallel(self.expert_model_parallel_size)
         .with_expert_tensor_parallel(self.expert_tensor_parallel_size)
-        .with_virtual_pipeline((self.num_layers_per_virtual_pipeline_stage.is_some()).then_some(v));
+        .with_virtual_pipeline(self.interleaved().then_some(v))
+        .with_layer_split(self.layer_split());
         config.clone().validate().map_err(|e| {
             format!(
                 "--world-size {} with --tensor-model-parallel-size {}, --pipeline-model-parallel-size {}, --context-parallel-size {}, --expert-model-parallel-size {} and --expert-tensor-parallel-size {}: {e}",

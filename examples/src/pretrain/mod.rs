@@ -285,15 +285,24 @@ fn is_leader(args: &TrainArgs) -> Result<bool, String> {
     }
 }
 
-/// The layout part of the header: `TP 2 × PP 1 × DP 1 + SP`.
+/// The layout part of the header: `TP 2 × PP 1 × DP 1 + SP`, and each virtual stage's
+/// layers under an uneven split (`PP 3 (layers 1+2+1)`).
 fn layout_line(args: &TrainArgs) -> String {
+    let uneven = match args.layers_per_virtual_stage() {
+        Ok(layers) if layers.windows(2).any(|w| w[0] != w[1]) => {
+            let layers: Vec<String> = layers.iter().map(usize::to_string).collect();
+            format!(" layers {}", layers.join("+"))
+        }
+        _ => String::new(),
+    };
     format!(
         "TP {} × PP {}{}{} × DP {}{}",
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
-        match args.num_model_chunks() {
-            1 => String::new(),
-            v => format!(" (V {v})"),
+        match (args.num_model_chunks(), uneven.is_empty()) {
+            (1, true) => String::new(),
+            (1, false) => format!(" ({})", uneven.trim_start()),
+            (v, _) => format!(" (V {v}{uneven})"),
         },
         match args.context_parallel_size {
             1 => String::new(),

@@ -1,7 +1,8 @@
 //! GPT across pipeline stages (1F1B and interleaved, with TP, SP, DP and the overlapped
-//! reducer), tied and untied, 6 AdamW steps against one rank running the same microbatches
-//! through a plain accumulation loop: losses and grad norms per step, and every weight a
-//! rank holds at the end under its global name.
+//! reducer; even and uneven splits of the layers), tied and untied, 6 AdamW steps against
+//! one rank running the same microbatches through a plain accumulation loop: losses and grad
+//! norms per step, every weight a rank holds at the end under its global name, and the
+//! layers each chunk holds.
 
 use super::Error;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
@@ -18,7 +19,7 @@ use burn_megatron::pipeline::{
     ForwardBackwardConfig, ForwardStep, GradSync, P2pShapes, PipelineSchedule,
     forward_backward_func,
 };
-use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelinePosition};
 use burn_megatron_tests::gpt::{
     causal_lm_step, gathered, gpt_rows, gpt2, llama, max_rel_diff, mean_reported_loss,
 };
@@ -78,13 +79,21 @@ struct Layout {
     dp: usize,
     sp: bool,
     overlap: bool,
+    split: LayerSplit,
+    /// The layers each virtual stage (`chunk·pp + stage`) must hold.
+    expect: &'static [usize],
 }
 
-/// Each rank's trace; the losses only on last stages.
-fn pipelined(config: &GptConfig, l: Layout) -> Vec<(Option<Vec<f32>>, Vec<f32>, Tensors)> {
+/// A rank's losses (on last stages only), grad norms, weights and (first layer, layers) of
+/// each chunk.
+type RankTrace = (Option<Vec<f32>>, Vec<f32>, Tensors, Vec<(usize, usize)>);
+
+/// Each rank's trace.
+fn pipelined(config: &GptConfig, l: Layout) -> Vec<RankTrace> {
     let parallel = ParallelConfig::new(l.tp * l.pp * l.dp, l.tp, l.pp)
         .with_sequence_parallel(l.sp)
-        .with_virtual_pipeline((l.vp > 1).then_some(l.vp));
+        .with_virtual_pipeline((l.vp > 1).then_some(l.vp))
+        .with_layer_split(l.split);
     let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(l.sp));
     threads(&parallel, LaunchOptions::default(), |ctx| {
         let (tp, device) = (&ctx.groups.tp, &ctx.device);
@@ -152,7 +161,11 @@ fn pipelined(config: &GptConfig, l: Layout) -> Vec<(Option<Vec<f32>>, Vec<f32>, 
             .map(|(k, v)| (Gpt::global_param_name(&chunks, &k), v))
             .collect();
         let last = ctx.state.is_pipeline_last_stage();
-        Ok::<_, Error>((last.then_some(losses), norms, weights))
+        let held = chunks
+            .iter()
+            .map(|c| (c.first_layer(), c.layers.len()))
+            .collect();
+        Ok::<_, Error>((last.then_some(losses), norms, weights, held))
     })
     .unwrap()
 }
@@ -166,8 +179,19 @@ fn check(name: &str, config: &GptConfig, layouts: &[Layout]) {
     );
     for &l in layouts {
         let mut reporters = 0;
-        for (rank, (losses, norms, weights)) in pipelined(config, l).into_iter().enumerate() {
+        for (rank, (losses, norms, weights, held)) in pipelined(config, l).into_iter().enumerate() {
             let what = format!("{name} {l:?} rank {rank}");
+            let stage = stage_of(rank, l);
+            let expected: Vec<(usize, usize)> = (0..l.vp)
+                .map(|c| {
+                    let vs = c * l.pp + stage;
+                    (l.expect[..vs].iter().sum(), l.expect[vs])
+                })
+                .collect();
+            assert_eq!(
+                held, expected,
+                "{what}: (first layer, layers) of each chunk"
+            );
             for (step, (n, r)) in norms.iter().zip(r).enumerate() {
                 assert!(
                     (n - r.1).abs() <= 1e-4 * r.1,
@@ -207,6 +231,11 @@ fn check(name: &str, config: &GptConfig, layouts: &[Layout]) {
     }
 }
 
+/// The pipeline stage of global rank `rank` (the default order puts pp last).
+fn stage_of(rank: usize, l: Layout) -> usize {
+    rank / (l.tp * l.dp)
+}
+
 #[test]
 fn gpt_pipelines_match_one_rank() {
     let layout = |tp, pp, vp, dp, sp, overlap| Layout {
@@ -216,6 +245,8 @@ fn gpt_pipelines_match_one_rank() {
         dp,
         sp,
         overlap,
+        split: LayerSplit::default(),
+        expect: if pp * vp == 2 { &[2, 2] } else { &[1, 1, 1, 1] },
     };
     // Untied: no embedding-group reduction; tied: the last stage's copy is summed with the
     // first stage's.
@@ -234,5 +265,54 @@ fn gpt_pipelines_match_one_rank() {
             layout(1, 2, 1, 2, false, true),
             layout(2, 2, 2, 1, false, false),
         ],
+    );
+}
+
+/// Megatron's uneven splits: the first or last stage's layers set, or the embedding and the
+/// loss counted as layers (chunks may then hold none).
+#[test]
+fn gpt_uneven_pipelines_match_one_rank() {
+    let split = LayerSplit::default();
+    let counted = split.with_embedding_counted(true).with_loss_counted(true);
+    let layout = |tp, pp, vp, split, expect| Layout {
+        tp,
+        pp,
+        vp,
+        dp: 1,
+        sp: tp > 1,
+        overlap: false,
+        split,
+        expect,
+    };
+    check(
+        "llama",
+        &llama(LAYERS, SEQ),
+        &[
+            // 1 + 3.
+            layout(2, 2, 1, split.with_first_stage(1), &[1, 3]),
+            // 4 + 2 counted over 3 stages: 2 each, one fewer at either end.
+            layout(1, 3, 1, counted, &[1, 2, 1]),
+        ],
+    );
+    // Interleaved: the first rank's 2 layers and the last's 4 split over their 2 chunks.
+    // (Megatron-Core 0.16.1 builds these layers but its offset function divides by the zero
+    // middle stages.)
+    check(
+        "gpt2",
+        &gpt2(6, SEQ),
+        &[layout(
+            1,
+            2,
+            2,
+            split.with_first_stage(2).with_last_stage(4),
+            &[1, 2, 1, 2],
+        )],
+    );
+    // 2 layers + 2 counted over 4 stages: the first stage only embeds, the last only
+    // computes the loss.
+    check(
+        "llama",
+        &llama(2, SEQ),
+        &[layout(1, 4, 1, counted, &[0, 1, 1, 0])],
     );
 }

@@ -3,6 +3,7 @@
 mod config;
 mod generator;
 mod invariants;
+mod split;
 mod state;
 
 use super::{DEFAULT_ORDER, RankGenerator};

@@ -109,26 +109,55 @@ impl TrainArgs {
         if pp == 0 {
             return Err("--pipeline-model-parallel-size must be at least 1".into());
         }
-        if !layers.is_multiple_of(pp) {
-            return Err(format!(
-                "--num-layers ({layers}) must be divisible by --pipeline-model-parallel-size ({pp})"
-            ));
-        }
-        match self.num_layers_per_virtual_pipeline_stage {
-            Some(_) if pp == 1 => {
-                return Err("--num-layers-per-virtual-pipeline-stage needs \
-                     --pipeline-model-parallel-size > 1"
+        let split = self.layer_split();
+        match (
+            self.num_layers_per_virtual_pipeline_stage,
+            self.num_virtual_stages_per_pipeline_rank,
+        ) {
+            (Some(_), Some(_)) => {
+                return Err("set one of --num-layers-per-virtual-pipeline-stage and \
+                     --num-virtual-stages-per-pipeline-rank"
                     .into());
             }
-            Some(n) if n == 0 || !(layers / pp).is_multiple_of(n) => {
-                return Err(format!(
-                    "--num-layers-per-virtual-pipeline-stage ({n}) must divide the {} layers \
-                     of each stage (--num-layers {layers} / --pipeline-model-parallel-size {pp})",
-                    layers / pp
-                ));
+            (Some(_), None) | (None, Some(_)) if pp == 1 => {
+                return Err(
+                    "the interleaved schedule (--num-layers-per-virtual-pipeline-stage \
+                     or --num-virtual-stages-per-pipeline-rank) needs \
+                     --pipeline-model-parallel-size > 1"
+                        .into(),
+                );
+            }
+            (Some(_), None) if split.is_uneven() => {
+                return Err("an uneven split (--decoder-first-pipeline-num-layers or \
+                     --decoder-last-pipeline-num-layers) interleaves with \
+                     --num-virtual-stages-per-pipeline-rank, not \
+                     --num-layers-per-virtual-pipeline-stage"
+                    .into());
+            }
+            (Some(n), None) => {
+                let counted = usize::from(split.account_for_embedding_in_pipeline_split)
+                    + usize::from(split.account_for_loss_in_pipeline_split);
+                let per_stage = (layers + counted) / pp;
+                if n == 0 || !(layers + counted).is_multiple_of(pp) || !per_stage.is_multiple_of(n)
+                {
+                    return Err(format!(
+                        "--num-layers-per-virtual-pipeline-stage ({n}) must divide the \
+                         {per_stage} layers of each stage (--num-layers {layers}{} / \
+                         --pipeline-model-parallel-size {pp})",
+                        if counted > 0 {
+                            format!(" + {counted} counted for the embedding and the loss")
+                        } else {
+                            String::new()
+                        }
+                    ));
+                }
+            }
+            (None, Some(0)) => {
+                return Err("--num-virtual-stages-per-pipeline-rank must be at least 1".into());
             }
             _ => {}
         }
+        self.layers_per_virtual_stage()?;
         if self
             .microbatch_group_size_per_virtual_pipeline_stage
             .is_some()
@@ -136,7 +165,8 @@ impl TrainArgs {
         {
             return Err(
                 "--microbatch-group-size-per-virtual-pipeline-stage needs the \
-                 interleaved schedule (--num-layers-per-virtual-pipeline-stage)"
+                 interleaved schedule (--num-layers-per-virtual-pipeline-stage or \
+                 --num-virtual-stages-per-pipeline-rank)"
                     .into(),
             );
         }
@@ -198,8 +228,16 @@ impl TrainArgs {
         }
         self.validate_pipeline()?;
         self.validate_backend()?;
-        // Megatron checks --recompute-num-layers against the layers of a pipeline rank.
-        let per_rank = self.num_layers / self.pipeline_model_parallel_size;
+        // Megatron checks --recompute-num-layers against the layers of a pipeline rank (the
+        // largest, under an uneven split).
+        let (pp, per_stage) = (
+            self.pipeline_model_parallel_size,
+            self.layers_per_virtual_stage()?,
+        );
+        let per_rank = (0..pp)
+            .map(|rank| per_stage.iter().skip(rank).step_by(pp).sum::<usize>())
+            .max()
+            .unwrap_or(0);
         self.recompute().check(per_rank).map_err(|e| e.0)?;
         self.parallel_config()?;
         self.validate_context_parallel()?;

@@ -29,10 +29,11 @@ use burn_megatron::tensor_parallel::dropin::nn::{
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron::tensor_parallel::mappings::copy_to_tensor_model_parallel_region;
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
-use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelinePosition};
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
 use burn_megatron_tests::gpt::{gathered, max_rel_diff};
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
 
 mod errors;
@@ -176,6 +177,8 @@ struct Run<'a> {
     plain: Option<&'a Path>,
     /// The output tied to the embedding.
     tied: bool,
+    /// How the layers split over the stages.
+    split: LayerSplit,
 }
 
 fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<'a> {
@@ -190,6 +193,7 @@ fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<
         save: None,
         plain: None,
         tied: false,
+        split: LayerSplit::default(),
     }
 }
 
@@ -201,11 +205,14 @@ struct Trace {
     /// None where a replica holds only a part of them.
     grads: Option<BTreeMap<String, Vec<f32>>>,
     weights: BTreeMap<String, Vec<f32>>,
+    /// The layers of each virtual stage.
+    layers: BTreeMap<usize, Range<usize>>,
 }
 
 fn train(run: Run<'_>) -> Result<Trace, Error> {
     let config = ParallelConfig::new(run.tp * run.pp * run.dp, run.tp, run.pp)
-        .with_virtual_pipeline((run.vp > 1).then_some(run.vp));
+        .with_virtual_pipeline((run.vp > 1).then_some(run.vp))
+        .with_layer_split(run.split);
     let ranks = threads(&config, LaunchOptions::default(), |ctx| {
         let (tp, d) = (&ctx.groups.tp, &ctx.device);
         let plan = if run.tied { tied_plan() } else { plan() };
@@ -252,6 +259,11 @@ fn train(run: Run<'_>) -> Result<Trace, Error> {
             values.into_iter().map(|(k, v)| (names(&k), v)).collect()
         };
         let mut trace = Trace::default();
+        for stage in &stages {
+            trace
+                .layers
+                .insert(stage.position().virtual_stage(), stage.layers());
+        }
         for step in 0..run.steps {
             let out = forward_backward_func(
                 |s: ForwardStep<'_, Lm, 3>| s.model.step(first + s.microbatch, s.input, d),
@@ -298,6 +310,7 @@ fn train(run: Run<'_>) -> Result<Trace, Error> {
             whole.grads.get_or_insert_default().extend(grads);
         }
         whole.weights.extend(trace.weights);
+        whole.layers.extend(trace.layers);
     }
     Ok(whole)
 }
@@ -356,6 +369,7 @@ fn a_burn_model_trains_across_pipeline_stages_as_on_one_rank() -> Result<(), Err
         steps: one.steps[2..].to_vec(),
         grads: None,
         weights: one.weights.clone(),
+        ..Trace::default()
     };
     for (pp, vp) in [(1, 1), (2, 2)] {
         let resumed = Run {
@@ -366,6 +380,34 @@ fn a_burn_model_trains_across_pipeline_stages_as_on_one_rank() -> Result<(), Err
         let got = train(resumed)?;
         assert_same(&format!("resumed at PP {pp} × VP {vp}"), &got, &rest);
     }
+    // Megatron's uneven splits, from the state's layout: 1 + 3 layers, and the embedding and
+    // the loss counted as layers over 3 stages (4 + 2 = 2 each, one fewer at the ends); and
+    // the even checkpoint resumed under the second.
+    let split = LayerSplit::default();
+    let counted = split.with_embedding_counted(true).with_loss_counted(true);
+    for (pp, split, layers) in [
+        (2, split.with_first_stage(1), vec![0..1, 1..4]),
+        (3, counted, vec![0..1, 1..3, 3..4]),
+    ] {
+        let what = format!("PP {pp} split {split:?}");
+        let got = train(Run {
+            split,
+            ..run(1, pp, 1, 1, &record)
+        })?;
+        assert_eq!(
+            got.layers.values().cloned().collect::<Vec<_>>(),
+            layers,
+            "{what}"
+        );
+        assert_same(&what, &got, &one);
+    }
+    let resumed = Run {
+        steps: 1,
+        resume: Some(&root),
+        split: counted,
+        ..run(1, 3, 1, 1, &record)
+    };
+    assert_same("resumed at PP 3, ends counted", &train(resumed)?, &rest);
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
@@ -492,6 +534,7 @@ fn an_output_tied_to_the_embedding_trains_across_stages_as_on_one_rank() -> Resu
         steps: one.steps[2..].to_vec(),
         grads: None,
         weights: one.weights.clone(),
+        ..Trace::default()
     };
     for pp in [1, 2] {
         let resumed = Run {
