@@ -389,6 +389,20 @@ fn the_plan_predicts_each_ranks_measured_peak() {
             check_peaks(&format!("{layout:?} {recompute:?}"), &stages, summary.peaks);
         }
     }
+    // Megatron's uneven split: 3 layers on the first stage (2 microbatches in flight), 1 on
+    // the last beside the output layer.
+    let uneven = [
+        &layouts[1][..],
+        &["--decoder-last-pipeline-num-layers", "1"],
+    ]
+    .concat();
+    let args_uneven = args(&[&model[..], &uneven].concat(), &dir);
+    let stages = Setup::new(&args_uneven, 591).unwrap().plan().unwrap();
+    check_peaks(
+        "PP 2, layers 3+1",
+        &stages,
+        run_gpt(&args_uneven).unwrap().peaks,
+    );
     // An evaluation of four batches after the last step stays within the step's peak: it
     // keeps no graph. On the autodiff device, Burn kept every batch's graph until a next
     // backward that never came: 369 MB at the end against the step's 50 MB.
