@@ -59,15 +59,24 @@ fn a_llama_style_model_trains_with_falling_loss_and_writes_the_plot() {
 
 /// Resumes `flags` from iteration `at` of the checkpoints under `save`.
 fn resume(save: &Path, at: usize, flags: &[&str], dir: &Path) -> Vec<IterationLog> {
+    resume_said(save, at, flags, dir).0
+}
+
+/// [`resume`], and what the run said after training (its samples).
+fn resume_said(
+    save: &Path,
+    at: usize,
+    flags: &[&str],
+    dir: &Path,
+) -> (Vec<IterationLog>, Vec<String>) {
     std::fs::write(
         save.join("latest_checkpointed_iteration.txt"),
         at.to_string(),
     )
     .unwrap();
     let load = save.to_str().unwrap();
-    run_gpt(&args(&[flags, &["--load", load]].concat(), dir))
-        .unwrap()
-        .log
+    let summary = run_gpt(&args(&[flags, &["--load", load]].concat(), dir)).unwrap();
+    (summary.log, summary.said)
 }
 
 #[test]
@@ -106,24 +115,32 @@ fn resuming_continues_exactly_at_the_same_layout_and_closely_at_another() {
         "12",
         "--eval-interval",
         "0",
-        "--generate-tokens",
-        "0",
         "--hidden-dropout",
         "0",
         "--attention-dropout",
         "0",
     ];
-    let pp = ["--pipeline-model-parallel-size", "2", "--world-size", "4"];
+    let pp = [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--world-size",
+        "4",
+        "--generate-tokens",
+        "0",
+    ];
     let save_flags = ["--save", s, "--save-interval", "6"];
     let full = run_gpt(&args(&[&f32_common[..], &pp, &save_flags].concat(), &dir)).unwrap();
+    // Both resumed runs generate 6 greedy tokens per prompt at the end.
     let other = [
         "--tensor-model-parallel-size",
         "1",
         "--world-size",
         "2",
         "--use-distributed-optimizer",
+        "--generate-tokens",
+        "6",
     ];
-    let resumed = resume(&save, 6, &[&f32_common[..], &other].concat(), &dir);
+    let (resumed, samples) = resume_said(&save, 6, &[&f32_common[..], &other].concat(), &dir);
     assert_close_losses("TP 1 × DP 2", &resumed, &full.log[6..], 1e-5);
     // At PP 3 with the embedding counted as a layer (Megatron's uneven split): 2 layers + 1
     // over 3 stages, so the first stage only embeds and the others hold a layer each.
@@ -135,9 +152,17 @@ fn resuming_continues_exactly_at_the_same_layout_and_closely_at_another() {
         "--world-size",
         "3",
         "--account-for-embedding-in-pipeline-split",
+        "--generate-tokens",
+        "6",
     ];
-    let resumed = resume(&save, 6, &[&f32_common[..], &uneven].concat(), &dir);
+    let (resumed, staged) = resume_said(&save, 6, &[&f32_common[..], &uneven].concat(), &dir);
     assert_close_losses("PP 3, embedding counted", &resumed, &full.log[6..], 1e-5);
+    // Generated through the 3 stages, the same samples as on one stage.
+    assert!(
+        !samples.is_empty() && samples.iter().all(|s| s.starts_with("> sample:")),
+        "a sample per prompt: {samples:?}"
+    );
+    assert_eq!(staged, samples, "samples through pipeline stages");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -391,11 +416,7 @@ fn the_plan_predicts_each_ranks_measured_peak() {
     }
     // Megatron's uneven split: 3 layers on the first stage (2 microbatches in flight), 1 on
     // the last beside the output layer.
-    let uneven = [
-        &layouts[1][..],
-        &["--decoder-last-pipeline-num-layers", "1"],
-    ]
-    .concat();
+    let uneven = [layouts[1], &["--decoder-last-pipeline-num-layers", "1"]].concat();
     let args_uneven = args(&[&model[..], &uneven].concat(), &dir);
     let stages = Setup::new(&args_uneven, 591).unwrap().plan().unwrap();
     check_peaks(

@@ -23,7 +23,7 @@ pub use bert_hf::{
 };
 pub use gpt::{
     GenerateConfig, GenerateError, Generated, Gpt, GptConfig, GptEmbedding, GptHead,
-    GptStageOutput, KvCache, PositionEmbeddingType, Positions, generate,
+    GptStageOutput, KvCache, PositionEmbeddingType, Positions, generate, generate_stages,
 };
 pub use gpt_hf::{
     HfArchitecture, HfExperts, HfGptConfig, hf_gpt_state_dict, load_hf_gpt, load_hf_gpt_weights,

@@ -80,9 +80,9 @@ impl LayerSplit {
             || self.num_layers_in_last_pipeline_stage.is_some()
     }
 
-    /// The checks that need no layer count, for [`ParallelConfig::validate`]
-    /// (crate::topology::ParallelConfig::validate): Megatron-Core's, and pipeline
-    /// parallelism for an uneven split.
+    /// The checks that need no layer count, for
+    /// [`ParallelConfig::validate`](crate::topology::ParallelConfig::validate):
+    /// Megatron-Core's, and pipeline parallelism for an uneven split.
     ///
     /// # Errors
     ///

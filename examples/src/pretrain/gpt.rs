@@ -21,11 +21,11 @@ use burn_megatron::launch::RankContext;
 use burn_megatron::models::{
     ActivationFunc, AttnMaskType, GenerateConfig, Gpt, GptConfig, GptStageOutput, HfGptConfig,
     LayerNormPosition, NormKind, ParallelAttentionConfig, ParallelMlpConfig, PositionEmbeddingType,
-    TransformerLayerConfig, generate, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
+    TransformerLayerConfig, generate_stages, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt,
 };
 use burn_megatron::moe::{MoeConfig, MoeLayerStats};
 use burn_megatron::pipeline::{ChunkOutput, ForwardStep, StageError};
-use burn_megatron::tensor_parallel::{IdCheck, MasterInit, RngTracker, padded_vocab_size};
+use burn_megatron::tensor_parallel::{IdCheck, MasterInit, RngTracker, TpError, padded_vocab_size};
 use burn_megatron::topology::PipelinePosition;
 use clap::{Parser, ValueEnum};
 use std::collections::HashMap;
@@ -417,39 +417,36 @@ impl Family for GptFamily {
         })
     }
 
-    fn finish(&self, ctx: &RankContext, chunks: &[Gpt]) -> Result<(), String> {
-        let whole = ctx.state.pipeline_model_parallel_size() == 1;
-        let leader = ctx.state.global_rank() == 0;
-        let (Some(model), true) = (chunks.first(), whole) else {
-            if leader && self.args.generate_tokens > 0 {
-                println!("> samples are generated at --pipeline-model-parallel-size 1 only");
-            }
-            return Ok(());
-        };
-        // Generation runs the sequence whole: a model trained with sequence parallelism is
+    fn finish(&self, ctx: &RankContext, chunks: &[Gpt]) -> Result<Vec<String>, String> {
+        let mut said = Vec::new();
+        // Generation runs the sequence whole: chunks trained with sequence parallelism are
         // rebuilt without it, with the same weights.
-        let model = if self.config.transformer.sequence_parallel {
+        let chunks = if self.config.transformer.sequence_parallel {
             let plain = (self.config.clone()).map_transformer(|t| t.with_sequence_parallel(false));
-            let (g, whole) = (&ctx.groups, PipelinePosition::whole());
-            plain
-                .init_stage_with_experts(&g.tp, Some(&g.experts()), whole, &ctx.device)
+            let g = &ctx.groups;
+            (chunks.iter().enumerate())
+                .map(|(c, chunk)| {
+                    let at = PipelinePosition::of(&ctx.state, c);
+                    Ok(plain
+                        .init_stage_with_experts(&g.tp, Some(&g.experts()), at, &ctx.device)?
+                        .load_record(chunk.clone().into_record()))
+                })
+                .collect::<Result<Vec<Gpt>, TpError>>()
                 .map_err(|e| e.to_string())?
-                .load_record(model.clone().into_record())
         } else {
-            model.clone()
+            chunks.to_vec()
         };
         if self.args.generate_tokens > 0 && !self.prompts.is_empty() {
             let config = GenerateConfig::new(self.args.generate_tokens)
                 .with_eos_token_id(Some(self.tokenizer.eod));
             // Untracked: nothing is trained here (and an MoE layer may then route a decoding
             // step's single token whole on every TP rank).
-            let untracked = model.clone().no_grad();
-            let out = generate(&untracked, &self.prompts, &config).map_err(|e| e.to_string())?;
+            let untracked: Vec<Gpt> = chunks.iter().map(|c| c.clone().no_grad()).collect();
+            let out = generate_stages(&untracked, &ctx.groups.pp, &self.prompts, &config)
+                .map_err(|e| e.to_string())?;
             for (prompt, new) in self.prompts.iter().zip(&out.tokens) {
                 let text = |ids: &[u32]| self.tokenizer.decode(ids).map_err(|e| e.to_string());
-                if leader {
-                    println!("> sample: {} ⟶{}", text(prompt)?, text(new)?);
-                }
+                said.push(format!("> sample: {} ⟶{}", text(prompt)?, text(new)?));
             }
         }
         if let Some(dir) = &self.args.save_hf
@@ -459,15 +456,19 @@ impl Family for GptFamily {
                 .map_err(|e| format!("--save-hf: {e}"))?;
             hf.eos_token_id = vec![self.tokenizer.eod];
             hf.bos_token_id = Some(self.tokenizer.eod);
-            save_hf_gpt(&model, &hf, dir).map_err(|e| format!("--save-hf: {e}"))?;
+            // --save-hf needs one pipeline stage (checked up front).
+            save_hf_gpt(&chunks[0], &hf, dir).map_err(|e| format!("--save-hf: {e}"))?;
             if ctx.state.tensor_model_parallel_rank() == 0 {
                 self.tokenizer
                     .save(&dir.join("tokenizer.json"))
                     .map_err(|e| format!("--save-hf: {e}"))?;
-                println!("> Hugging Face directory written to {}", dir.display());
             }
+            said.push(format!(
+                "> Hugging Face directory written to {}",
+                dir.display()
+            ));
         }
-        Ok(())
+        Ok(said)
     }
 }
 

@@ -472,5 +472,11 @@ pub(super) fn learner_rank(
         st.ctx.state.pipeline_model_parallel_rank(),
         st.setup.memory.peak(),
     );
-    Ok((st.log, st.evals, Vec::new(), peak))
+    Ok(RankOutput {
+        log: st.log,
+        evals: st.evals,
+        spans: Vec::new(),
+        peak,
+        said: Vec::new(),
+    })
 }

@@ -114,6 +114,9 @@ pub struct Summary {
     /// Each rank's measured memory peak, (global rank, pipeline rank, bytes): every rank's
     /// with threads, this process's with one process per rank.
     pub peaks: Vec<train::RankPeak>,
+    /// What the model family said after training (GPT: a sample per prompt), as global
+    /// rank 0 printed it (this process's rank with one process per rank).
+    pub said: Vec<String>,
 }
 
 /// Which samples a microbatch reads.
@@ -170,10 +173,10 @@ pub trait Family: Send + Sync + 'static {
         cp: Option<&ContextParallel>,
         device: &Device,
     ) -> Result<ChunkOutput<3>, StageError>;
-    /// After the last iteration, on every rank, with its trained chunks (e.g. print
-    /// samples, write a Hugging Face directory).
-    fn finish(&self, _ctx: &RankContext, _chunks: &[Self::Chunk]) -> Result<(), String> {
-        Ok(())
+    /// After the last iteration, on every rank, with its trained chunks (e.g. generate
+    /// samples, write a Hugging Face directory); returns the lines global rank 0 prints.
+    fn finish(&self, _ctx: &RankContext, _chunks: &[Self::Chunk]) -> Result<Vec<String>, String> {
+        Ok(Vec::new())
     }
 }
 
@@ -453,31 +456,31 @@ fn train_family<F: Family>(
         options = options.with_device(move |_| device.clone());
     }
     // ANCHOR: launch
-    let (log, evals, peaks) = match args.distributed_backend {
+    let (log, evals, peaks, said) = match args.distributed_backend {
         DistributedBackend::Threads => {
             let train = |ctx| rank(ctx, &shared);
             let outputs = threads(&parallel, options, train).map_err(|e| e.to_string())?;
             if let Some(path) = &args.timeline {
-                let ranks: Vec<Vec<Span>> = outputs.iter().map(|o| o.2.clone()).collect();
+                let ranks: Vec<Vec<Span>> = outputs.iter().map(|o| o.spans.clone()).collect();
                 write_timeline(path, &ranks)?;
             }
-            let peaks = outputs.iter().map(|o| o.3).collect();
-            let (log, evals, ..) = outputs.into_iter().next().expect("a layout has ranks");
-            (log, evals, peaks)
+            let peaks = outputs.iter().map(|o| o.peak).collect();
+            let first = outputs.into_iter().next().expect("a layout has ranks");
+            (first.log, first.evals, peaks, first.said)
         }
         _ => from_env(&parallel, options, |ctx| {
             let world = ctx.groups.world.clone();
             let out = rank(ctx, &shared)?;
             // Every process's spans to rank 0, while the communicators still exist.
             if let Some(path) = &args.timeline {
-                let ranks = spans::gather(&world, &out.2, shared.epoch)?;
+                let ranks = spans::gather(&world, &out.spans, shared.epoch)?;
                 if leader {
                     write_timeline(path, &ranks)?;
                 }
             }
             Ok::<_, String>(out)
         })
-        .map(|(log, evals, _, peak)| (log, evals, vec![peak]))
+        .map(|out| (out.log, out.evals, vec![out.peak], out.said))
         .map_err(|e| e.to_string())?,
     };
     // ANCHOR_END: launch
@@ -503,5 +506,6 @@ fn train_family<F: Family>(
         evals,
         wall: start.elapsed(),
         peaks,
+        said,
     })
 }

@@ -157,9 +157,20 @@ pub(super) fn evaluate<F: Family>(
     Ok((sum(|l| l.0), sop.then(|| sum(|l| l.1.unwrap_or(0.0)))))
 }
 
-/// What a rank hands back: its log (identical on every rank), validation losses, the
-/// last iteration's pipeline timeline when asked for, and its memory peak.
-pub type RankOutput = (Vec<IterationLog>, Vec<Eval>, Vec<Span>, RankPeak);
+/// What a rank hands back.
+#[derive(Debug, Clone)]
+pub struct RankOutput {
+    /// Its log (identical on every rank).
+    pub log: Vec<IterationLog>,
+    /// Validation losses.
+    pub evals: Vec<Eval>,
+    /// The last iteration's pipeline timeline, when asked for.
+    pub spans: Vec<Span>,
+    /// Its memory peak.
+    pub peak: RankPeak,
+    /// What [`Family::finish`] said (the samples).
+    pub said: Vec<String>,
+}
 
 /// A rank's measured peak: (global rank, pipeline rank, bytes).
 pub type RankPeak = (usize, usize, i64);
@@ -432,13 +443,24 @@ pub fn train_rank<F: Family>(ctx: RankContext, shared: &Shared<F>) -> Result<Ran
             }
         }
     }
-    shared.family.finish(&ctx, &model)?;
+    let said = shared.family.finish(&ctx, &model)?;
+    if ctx.state.global_rank() == 0 {
+        for line in &said {
+            shared.println(line.clone());
+        }
+    }
     let peak = (
         ctx.state.global_rank(),
         ctx.state.pipeline_model_parallel_rank(),
         memory.peak(),
     );
-    Ok((log, evals, spans, peak))
+    Ok(RankOutput {
+        log,
+        evals,
+        spans,
+        peak,
+        said,
+    })
 }
 
 /// Host waits for NCCL's streams (this thread's) and CUDA stream orderings (this process's),

@@ -1,17 +1,22 @@
-//! Text generation with a [`Gpt`] at any tensor-parallel size: greedy decoding or
-//! temperature / top-k / top-p sampling with a seed, a key/value cache, batched prompts of
-//! different lengths (left-padded, each at its own positions, as `transformers` does), and a
-//! stop at EOS or after `max_new_tokens`.
+//! Text generation with a [`Gpt`] at any tensor-parallel size, whole or in pipeline stages:
+//! greedy decoding or temperature / top-k / top-p sampling with a seed, a key/value cache,
+//! batched prompts of different lengths (left-padded, each at its own positions, as
+//! `transformers` does), and a stop at EOS or after `max_new_tokens`.
 //!
 //! Each step chooses from the last position's vocabulary-parallel logits without gathering
 //! the vocabulary ([`VocabParallelSampler`]): every rank draws the same token from the same
-//! seed, and ranks fed other prompts fail together.
+//! seed, and ranks fed other prompts fail together. In stages, each step's hidden states go
+//! round the pipeline's virtual stages as in training (each chunk keeps its own layers'
+//! cache), the last stage draws, and its tokens go back to every stage.
 
 use super::{Gpt, GptStageOutput, KvCache, Positions};
-use crate::comm::CommError;
+use crate::comm::tensor::{recv, send};
+use crate::comm::{Buffer, Comm, CommDType, CommError, CommunicatorExt, solo_group};
 use crate::tensor_parallel::{Sampling, TpError, VocabParallelSampler};
 use burn::config::Config;
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::module::Module;
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use std::hash::{Hash, Hasher};
 
 /// How [`generate`] runs.
 #[derive(Config, Debug)]
@@ -69,12 +74,36 @@ pub fn generate(
     prompts: &[Vec<u32>],
     config: &GenerateConfig,
 ) -> Result<Generated, GenerateError> {
-    check(model, prompts, config)?;
-    let device = model
-        .embedding
-        .as_ref()
-        .map(|e| e.word_embeddings.weight.device())
-        .expect("checked: the model has its embeddings");
+    generate_stages(
+        std::slice::from_ref(model),
+        &solo_group("generate"),
+        prompts,
+        config,
+    )
+}
+
+/// [`generate`] with a model in pipeline stages: `chunks` are this rank's model chunks in
+/// order (built by `init_stage` at `PipelinePosition::of(&state, chunk)`), `pp` its
+/// pipeline group (`ctx.groups.pp`). A collective over the tensor- and pipeline-parallel
+/// ranks: all call it with the same prompts and config, and all get the same tokens.
+///
+/// Besides [`generate`]'s, errors before any work on chunks that do not hold the embedding
+/// exactly at the first virtual stage and the head exactly at the last, and on every pipeline
+/// rank when their prompts, config or chunk counts differ.
+pub fn generate_stages(
+    chunks: &[Gpt],
+    pp: &Comm,
+    prompts: &[Vec<u32>],
+    config: &GenerateConfig,
+) -> Result<Generated, GenerateError> {
+    let ring = Ring::new(chunks, pp)?;
+    check(&chunks[0], prompts, config)?;
+    ring.agree(prompts, config, chunks[0].vocab_size())?;
+    let device = chunks
+        .iter()
+        .flat_map(|c| c.devices())
+        .next()
+        .ok_or_else(|| GenerateError::Invalid("the model chunks hold no parameters".into()))?;
     let (b, width) = (
         prompts.len(),
         prompts.iter().map(Vec::len).max().unwrap_or(0),
@@ -91,14 +120,27 @@ pub fn generate(
     let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
     let mut done = vec![false; b];
     let mut out = vec![Vec::new(); b];
-    let tp = model.tp();
-    let mut sampler =
-        VocabParallelSampler::new(config.sampling, config.seed, model.vocab_size(), tp)?;
-    sampler.check_prompts(prompts)?;
-    let mut cache = config.use_cache.then(KvCache::default);
+    // Only the ranks of the last virtual stage see logits and draw.
+    let mut sampler = match chunks.last().filter(|_| ring.holds_last()) {
+        Some(last) => {
+            let s = VocabParallelSampler::new(
+                config.sampling,
+                config.seed,
+                last.vocab_size(),
+                last.tp(),
+            )?;
+            s.check_prompts(prompts)?;
+            Some(s)
+        }
+        None => None,
+    };
+    let mut caches: Vec<Option<KvCache>> = chunks
+        .iter()
+        .map(|_| config.use_cache.then(KvCache::default))
+        .collect();
     for step in 0..config.max_new_tokens {
         // With the cache, only the newest token after the first step.
-        let from = if step > 0 && cache.is_some() {
+        let from = if step > 0 && config.use_cache {
             rows[0].len() - 1
         } else {
             0
@@ -122,24 +164,22 @@ pub fn generate(
         let mask: Vec<bool> = padded.iter().flatten().copied().collect();
         let sk = padded[0].len();
         let padding = Tensor::<2, Bool>::from_data(TensorData::new(mask, [b, sk]), &device);
-        let logits = match model.forward_with(
-            Some(ids),
-            None,
-            &positions,
-            Some(padding),
-            None,
-            cache.as_mut(),
-        )? {
-            GptStageOutput::Logits(l) => l,
-            GptStageOutput::Hidden(_) => unreachable!("checked: the model has its head"),
-        };
-        let last = logits.narrow(0, s - 1, 1).reshape([b as i32, -1]);
+        let logits = ring.forward(chunks, ids, &positions, padding, &mut caches, &device)?;
         // Rows still generating, in order: a finished row draws nothing (the seed's draws go
         // to the rows that use them).
         let live: Vec<i64> = (0..b).filter(|&i| !done[i]).map(|i| i as i64).collect();
-        let live_rows =
-            Tensor::<1, Int>::from_data(TensorData::new(live.clone(), [live.len()]), &device);
-        let mut chosen = sampler.sample(last.select(0, live_rows))?.into_iter();
+        let drawn = match (logits, sampler.as_mut()) {
+            (Some(logits), Some(sampler)) => {
+                let last = logits.narrow(0, s - 1, 1).reshape([b as i32, -1]);
+                let live_rows = Tensor::<1, Int>::from_data(
+                    TensorData::new(live.clone(), [live.len()]),
+                    &device,
+                );
+                sampler.sample(last.select(0, live_rows))?
+            }
+            _ => vec![0; live.len()],
+        };
+        let mut chosen = ring.share(drawn)?.into_iter();
         for i in 0..b {
             let token = if done[i] {
                 config.pad_token_id
@@ -159,17 +199,161 @@ pub fn generate(
     Ok(Generated { tokens: out })
 }
 
+/// This rank's place in the pipeline: its chunks are virtual stages `c·P + rank`.
+struct Ring<'a> {
+    pp: &'a Comm,
+    rank: usize,
+    size: usize,
+    stages: usize,
+}
+
+impl<'a> Ring<'a> {
+    /// Checks that each chunk holds the embedding exactly at the first virtual stage and the
+    /// head exactly at the last.
+    fn new(chunks: &[Gpt], pp: &'a Comm) -> Result<Self, GenerateError> {
+        let (rank, size) = (pp.group().rank(), pp.group().size());
+        if chunks.is_empty() {
+            return Err(GenerateError::Invalid("no model chunks".into()));
+        }
+        let stages = size * chunks.len();
+        for (c, chunk) in chunks.iter().enumerate() {
+            let vs = c * size + rank;
+            let (first, last) = (vs == 0, vs + 1 == stages);
+            let wrong = match (chunk.embedding.is_some(), chunk.head.is_some()) {
+                (false, _) if first => Some("has no embedding, which the first stage holds"),
+                (true, _) if !first => Some("holds the embedding, which only the first stage does"),
+                (_, false) if last => Some("has no head, which the last stage holds"),
+                (_, true) if !last => Some("holds the head, which only the last stage does"),
+                _ => None,
+            };
+            if let Some(wrong) = wrong {
+                return Err(GenerateError::Invalid(format!(
+                    "chunk {c} of pipeline rank {rank}, virtual stage {vs} of {stages}, {wrong} \
+                     (build each chunk with init_stage at PipelinePosition::of(&state, chunk), \
+                     and pass the pipeline group it was built for)"
+                )));
+            }
+            if chunk.sequence_parallel {
+                return Err(GenerateError::Invalid(
+                    "generate needs a model built without sequence parallelism (it splits the sequence over the tensor-parallel ranks)"
+                        .into(),
+                ));
+            }
+        }
+        Ok(Self {
+            pp,
+            rank,
+            size,
+            stages,
+        })
+    }
+
+    /// Whether this rank holds the last virtual stage.
+    fn holds_last(&self) -> bool {
+        self.rank + 1 == self.size
+    }
+
+    /// An error on every pipeline rank unless all were given the same prompts, config,
+    /// vocabulary and number of chunks.
+    fn agree(
+        &self,
+        prompts: &[Vec<u32>],
+        config: &GenerateConfig,
+        vocab: usize,
+    ) -> Result<(), GenerateError> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (prompts, format!("{config:?}"), vocab, self.stages).hash(&mut h);
+        let all = self.pp.all_gather_vec(vec![h.finish() as i64])?;
+        if all.iter().any(|&x| x != all[0]) {
+            return Err(GenerateError::Invalid(
+                "the pipeline ranks' prompts, config, vocabulary or model chunks differ".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One step through this rank's chunks: the first virtual stage embeds `ids`, the others
+    /// take the previous stage's hidden states; the last stage's logits come back.
+    fn forward(
+        &self,
+        chunks: &[Gpt],
+        ids: Tensor<2, Int>,
+        positions: &Positions,
+        padding: Tensor<2, Bool>,
+        caches: &mut [Option<KvCache>],
+        device: &Device,
+    ) -> Result<Option<Tensor<3>>, GenerateError> {
+        let (prev, next) = (
+            (self.rank + self.size - 1) % self.size,
+            (self.rank + 1) % self.size,
+        );
+        let mut logits = None;
+        for (c, (chunk, cache)) in chunks.iter().zip(caches).enumerate() {
+            let first = c * self.size + self.rank == 0;
+            let hidden = match first {
+                true => None,
+                false => Some(self.recv_hidden(prev, device)?),
+            };
+            let ids = first.then(|| ids.clone());
+            let padding = Some(padding.clone());
+            match chunk.forward_with(ids, hidden, positions, padding, None, cache.as_mut())? {
+                GptStageOutput::Hidden(h) => self.send_hidden(h, next)?,
+                GptStageOutput::Logits(l) => logits = Some(l),
+            }
+        }
+        Ok(logits)
+    }
+
+    /// `hidden` to pipeline rank `peer`, after a header of its dims and dtype (the number of
+    /// new tokens changes between steps).
+    fn send_hidden(&self, hidden: Tensor<3>, peer: usize) -> Result<(), GenerateError> {
+        let [s, b, h] = hidden.dims();
+        let code = DTYPES
+            .iter()
+            .position(|d| *d == hidden.dtype())
+            .ok_or_else(|| {
+                GenerateError::Invalid(format!("hidden states of {:?}", hidden.dtype()))
+            })?;
+        let header = [s, b, h, code].map(|x| x as i64).to_vec();
+        self.pp.send(Buffer::I64(header), peer)?;
+        Ok(send(self.pp.as_ref(), hidden, peer)?)
+    }
+
+    fn recv_hidden(&self, peer: usize, device: &Device) -> Result<Tensor<3>, GenerateError> {
+        let mut header = Buffer::zeros(CommDType::I64, 4);
+        self.pp.recv(&mut header, peer)?;
+        let Buffer::I64(h) = header else {
+            unreachable!("recv keeps the buffer's dtype")
+        };
+        let dtype = *DTYPES.get(h[3] as usize).ok_or_else(|| {
+            GenerateError::Invalid(format!("a hidden-state header of dtype code {}", h[3]))
+        })?;
+        let dims = [h[0] as usize, h[1] as usize, h[2] as usize];
+        Ok(recv(self.pp.as_ref(), dims, dtype, device, peer)?)
+    }
+
+    /// The last pipeline rank's tokens, on every pipeline rank.
+    fn share(&self, drawn: Vec<u32>) -> Result<Vec<u32>, GenerateError> {
+        if self.size == 1 {
+            return Ok(drawn);
+        }
+        let mut buf = Buffer::I64(drawn.into_iter().map(i64::from).collect());
+        self.pp.broadcast(&mut buf, self.size - 1)?;
+        let Buffer::I64(tokens) = buf else {
+            unreachable!("broadcast keeps the buffer's dtype")
+        };
+        Ok(tokens.into_iter().map(|t| t as u32).collect())
+    }
+}
+
+/// The dtypes hidden states travel in, by their header code.
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
 fn check(model: &Gpt, prompts: &[Vec<u32>], config: &GenerateConfig) -> Result<(), GenerateError> {
     let bad = |m: String| Err(GenerateError::Invalid(m));
-    if model.embedding.is_none() || model.head.is_none() {
-        return bad("generate needs the whole model on this rank (no pipeline stages)".into());
-    }
-    if model.sequence_parallel {
-        return bad(
-            "generate needs a model built without sequence parallelism (it splits the sequence over the tensor-parallel ranks)"
-                .into(),
-        );
-    }
     if prompts.is_empty() {
         return bad("no prompts".into());
     }

@@ -36,7 +36,7 @@ mod generate;
 mod legacy;
 
 pub use forward::{GptStageOutput, KvCache, Positions};
-pub use generate::{GenerateConfig, GenerateError, Generated, generate};
+pub use generate::{GenerateConfig, GenerateError, Generated, generate, generate_stages};
 
 use super::attention::AttnMaskType;
 use super::norm::Norm;
