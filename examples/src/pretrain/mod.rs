@@ -12,6 +12,7 @@ mod bert;
 mod data;
 mod device;
 mod gpt;
+mod gpt_args;
 mod learner;
 mod moe_args;
 mod plot;
@@ -24,7 +25,8 @@ pub use args::{
     check_float,
 };
 pub use bert::{Args, run};
-pub use gpt::{GptArgs, PositionEmbedding, run_gpt, run_gpt_learner};
+pub use gpt::{run_gpt, run_gpt_learner};
+pub use gpt_args::{GptArgs, PositionEmbedding};
 pub use learner::{LearnerOptions, Renderer};
 pub use moe_args::{Dispatcher, MoeArgs, RouterScore, TokenDrop};
 pub use setup::scheduler;
