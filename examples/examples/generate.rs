@@ -1,23 +1,27 @@
-//! Text generation with a GPT-family model at any tensor-parallel size (ranks as threads):
-//! a Hugging Face Llama / Mistral / Qwen2 / GPT-2 directory, or a `gpt_pretrain` checkpoint.
+//! Text generation with a GPT-family model at any tensor- and pipeline-parallel size (ranks
+//! as threads): a Hugging Face Llama / Mistral / Qwen2 / GPT-2 directory, or a `gpt_pretrain`
+//! checkpoint.
 //!
 //! ```text
 //! cargo run --release -p burn-megatron-examples --example generate -- --load-hf hf-dir --prompt "The cat"
 //! cargo run --release -p burn-megatron-examples --example generate -- --load ckpt --tensor-model-parallel-size 2
-//! cargo run --release -p burn-megatron-examples --example generate -- --load-hf tests/fixtures/hf_llama_tiny --prompt-ids 1,2,3
+//! cargo run --release -p burn-megatron-examples --example generate -- --load-hf tests/fixtures/hf_llama_tiny --prompt-ids 1,2,3 --pipeline-model-parallel-size 2
 //! ```
 //!
-//! A checkpoint (of any layout) loads straight into each rank's shard at the chosen TP size.
+//! A checkpoint (of any layout) loads straight into each rank's shard at the chosen TP and PP
+//! sizes; with PP, each step's hidden states go through the stages and the last one draws.
 //! Greedy unless `--temperature`, `--top-k` or `--top-p` is given.
 
 use burn::module::Module;
 use burn::tensor::Device;
 use burn_megatron::data::GptTokenizer;
 use burn_megatron::launch::{self, LaunchError, LaunchOptions};
-use burn_megatron::models::{GenerateConfig, Gpt, HfGptConfig, generate, load_hf_gpt};
+use burn_megatron::models::{
+    GenerateConfig, Gpt, HfGptConfig, generate_stages, load_hf_gpt_weights, read_hf_tensors,
+};
 use burn_megatron::tensor_parallel::Sampling;
-use burn_megatron::topology::ParallelConfig;
-use burn_megatron_examples::checkpoint_tool::{load_rank, read_config, resolve_iteration};
+use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron_examples::checkpoint_tool::{load_rank_stages, read_config, resolve_iteration};
 use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +44,9 @@ struct Cli {
     /// Tensor-parallel ranks (threads).
     #[arg(long, default_value_t = 1)]
     tensor_model_parallel_size: usize,
+    /// Pipeline stages (threads), each holding an even share of the layers.
+    #[arg(long, default_value_t = 1)]
+    pipeline_model_parallel_size: usize,
     /// A prompt (repeatable; default: two short ones).
     #[arg(long = "prompt")]
     prompts: Vec<String>,
@@ -150,23 +157,39 @@ fn run(cli: &Cli) -> Result<(), String> {
         None => None,
     };
 
-    let tp = cli.tensor_model_parallel_size;
+    let (tp, pp) = (
+        cli.tensor_model_parallel_size,
+        cli.pipeline_model_parallel_size,
+    );
+    let hf = match (&checkpoint, &cli.load_hf) {
+        (None, Some(d)) => Some((
+            HfGptConfig::from_file(&d.join("config.json")).map_err(|e| e.to_string())?,
+            read_hf_tensors(d).map_err(|e| e.to_string())?,
+        )),
+        _ => None,
+    };
     let options = LaunchOptions::default().with_device(|_| Device::flex());
     let start = Instant::now();
     // ANCHOR: generate
-    let out = launch::threads(&ParallelConfig::new(tp, tp, 1), options, |ctx| {
-        let model: Gpt = match &checkpoint {
-            Some((root, c, iteration)) => load_rank(root, *iteration, c, &ctx)?,
-            None => {
-                load_hf_gpt(dir, &ctx.groups.tp, &ctx.device)
-                    .map_err(|e| e.to_string())?
-                    .0
+    let out = launch::threads(&ParallelConfig::new(tp * pp, tp, pp), options, |ctx| {
+        let chunks: Vec<Gpt> = match (&checkpoint, &hf) {
+            (Some((root, c, iteration)), _) => load_rank_stages(root, *iteration, c, &ctx)?,
+            (None, Some((hf, tensors))) => {
+                let at = PipelinePosition::of(&ctx.state, 0);
+                let chunk = (hf
+                    .to_gpt_config(tp)
+                    .init_stage(&ctx.groups.tp, at, &ctx.device))
+                .map_err(|e| e.to_string())?;
+                vec![load_hf_gpt_weights(chunk, hf, tensors).map_err(|e| e.to_string())?]
             }
+            (None, None) => return Err("no model".to_string()),
         };
         let loaded = start.elapsed();
         let t = Instant::now();
-        let generated = generate(&model, &prompts, &config).map_err(|e| e.to_string())?;
-        Ok((generated, loaded, t.elapsed(), model.num_params()))
+        let generated = generate_stages(&chunks, &ctx.groups.pp, &prompts, &config)
+            .map_err(|e| e.to_string())?;
+        let params: usize = chunks.iter().map(Module::num_params).sum();
+        Ok((generated, loaded, t.elapsed(), params))
     })
     .map_err(|e| match e {
         LaunchError::Failed { error, .. } => error,
@@ -176,7 +199,7 @@ fn run(cli: &Cli) -> Result<(), String> {
     let (generated, loaded, took, params) = &out[0];
 
     println!(
-        "> {} ({} parameters per rank) loaded at TP {tp} in {:.2} s; {:?}, cache {}",
+        "> {} ({} parameters on rank 0) loaded at TP {tp} × PP {pp} in {:.2} s; {:?}, cache {}",
         dir.display(),
         params,
         loaded.as_secs_f64(),

@@ -1,7 +1,8 @@
 //! What the `checkpoint` example does: print a training checkpoint's index (the layout it was
 //! saved at, every tensor with its global shape), and convert one to a Hugging Face directory
 //! (`BertForPreTraining`, or a GPT's Llama / Qwen2 / GPT-2 causal LM). Both read checkpoints
-//! of any layout; [`load_rank`] loads one into a whole model at any tensor-parallel size.
+//! of any layout; [`load_rank`] loads one into a whole model at any tensor-parallel size, and
+//! [`load_rank_stages`] into a rank's pipeline chunks.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -18,7 +19,7 @@ use burn_megatron::models::{
     Bert, BertConfig, Gpt, GptConfig, HfBertConfig, HfGptConfig, save_hf_bert, save_hf_gpt,
 };
 use burn_megatron::optimizer::MegatronOptimizer;
-use burn_megatron::topology::ParallelConfig;
+use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
@@ -105,11 +106,19 @@ pub trait WholeModel: Module + Clone + Send {
     const CONFIG_FILE: &'static str;
     /// The example whose `--save` writes it.
     const EXAMPLE: &'static str;
-    /// This rank's part of the whole model over `tp`, without sequence parallelism (inference
-    /// runs the sequence whole; the weights are the same either way).
-    fn build(config: &Self::Config, tp: &Comm, device: &Device) -> Result<Self, String>;
-    /// The global name of the parameter at module path `path`.
-    fn global_name(path: &str) -> String;
+    /// This rank's part of the model chunk at `position` over `tp`, without sequence
+    /// parallelism (inference runs the sequence whole; the weights are the same either way).
+    fn build(
+        config: &Self::Config,
+        tp: &Comm,
+        position: PipelinePosition,
+        device: &Device,
+    ) -> Result<Self, String>;
+    /// The global index of the chunk's first layer.
+    fn first_layer(&self) -> usize;
+    /// The global name of the parameter at module path `path` of chunks whose first layers
+    /// are `first_layers` (`"1.layers.0.…"`, or `"layers.0.…"` for one chunk).
+    fn global_name(first_layers: &[usize], path: &str) -> String;
     /// The config at `path`, as a checkpoint of any age saved it.
     fn load_config(path: &Path) -> Result<Self::Config, burn::config::ConfigError>;
 }
@@ -118,12 +127,20 @@ impl WholeModel for Bert {
     type Config = BertConfig;
     const CONFIG_FILE: &'static str = "bert_config.json";
     const EXAMPLE: &'static str = "bert_pretrain";
-    fn build(config: &BertConfig, tp: &Comm, device: &Device) -> Result<Self, String> {
+    fn build(
+        config: &BertConfig,
+        tp: &Comm,
+        position: PipelinePosition,
+        device: &Device,
+    ) -> Result<Self, String> {
         let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(false));
-        config.init(tp, device).map_err(|e| e.to_string())
+        (config.init_stage(tp, position, device)).map_err(|e| e.to_string())
     }
-    fn global_name(path: &str) -> String {
-        Bert::global_param_name_at(&[0], path)
+    fn first_layer(&self) -> usize {
+        Bert::first_layer(self)
+    }
+    fn global_name(first_layers: &[usize], path: &str) -> String {
+        Bert::global_param_name_at(first_layers, path)
     }
     fn load_config(path: &Path) -> Result<BertConfig, burn::config::ConfigError> {
         BertConfig::load_saved(path)
@@ -134,12 +151,20 @@ impl WholeModel for Gpt {
     type Config = GptConfig;
     const CONFIG_FILE: &'static str = "gpt_config.json";
     const EXAMPLE: &'static str = "gpt_pretrain";
-    fn build(config: &GptConfig, tp: &Comm, device: &Device) -> Result<Self, String> {
+    fn build(
+        config: &GptConfig,
+        tp: &Comm,
+        position: PipelinePosition,
+        device: &Device,
+    ) -> Result<Self, String> {
         let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(false));
-        config.init(tp, device).map_err(|e| e.to_string())
+        (config.init_stage(tp, position, device)).map_err(|e| e.to_string())
     }
-    fn global_name(path: &str) -> String {
-        Gpt::global_param_name_at(&[0], path)
+    fn first_layer(&self) -> usize {
+        Gpt::first_layer(self)
+    }
+    fn global_name(first_layers: &[usize], path: &str) -> String {
+        Gpt::global_param_name_at(first_layers, path)
     }
     fn load_config(path: &Path) -> Result<GptConfig, burn::config::ConfigError> {
         GptConfig::load_saved(path)
@@ -164,26 +189,55 @@ pub fn load_rank<M: WholeModel>(
 ) -> Result<M, String> {
     let state = &ctx.state;
     if state.pipeline_model_parallel_size() != 1 {
-        return Err("a whole model loads at pipeline-parallel size 1".into());
+        return Err(
+            "a whole model loads at pipeline-parallel size 1 (load_rank_stages loads stages)"
+                .into(),
+        );
     }
-    let model = M::build(config, &ctx.groups.tp, &ctx.device)?;
+    let mut chunks = load_rank_stages::<M>(root, iteration, config, ctx)?;
+    Ok(chunks.remove(0))
+}
+
+/// This rank's model chunks (one per virtual stage of `ctx`'s layout, split over its
+/// tensor-parallel group), loaded from the checkpoint of `iteration` under `root`, whatever
+/// layout it was saved at. Collective over `ctx`'s ranks.
+pub fn load_rank_stages<M: WholeModel>(
+    root: &Path,
+    iteration: usize,
+    config: &M::Config,
+    ctx: &RankContext,
+) -> Result<Vec<M>, String> {
+    let state = &ctx.state;
+    let v = state.virtual_pipeline_model_parallel_size().unwrap_or(1);
+    let chunks = (0..v)
+        .map(|c| {
+            M::build(
+                config,
+                &ctx.groups.tp,
+                PipelinePosition::of(state, c),
+                &ctx.device,
+            )
+        })
+        .collect::<Result<Vec<M>, String>>()?;
+    let first_layers: Vec<usize> = chunks.iter().map(M::first_layer).collect();
+    let names = move |path: &str| M::global_name(&first_layers, path);
     let rank = CheckpointRank {
         layout: SavedLayout {
             tensor_model_parallel_size: state.tensor_model_parallel_size(),
-            pipeline_model_parallel_size: 1,
-            virtual_pipeline_model_parallel_size: 1,
+            pipeline_model_parallel_size: state.pipeline_model_parallel_size(),
+            virtual_pipeline_model_parallel_size: v,
             data_parallel_size: state.data_parallel_size(),
             distributed_optimizer: false,
             expert_model_parallel_size: 1,
         },
         tensor_model_parallel_rank: state.tensor_model_parallel_rank(),
-        pipeline_model_parallel_rank: 0,
+        pipeline_model_parallel_rank: state.pipeline_model_parallel_rank(),
         expert_model_parallel_rank: 0,
         share: burn_megatron::checkpoint::SaveShare::ALL,
-        names: &M::global_name,
+        names: &names,
     };
     let (mp, tp_rank) = (ctx.groups.mp.clone(), state.tensor_model_parallel_rank());
-    let weights_only = |m: &M| {
+    let weights_only = |m: &Vec<M>| {
         Ok(MegatronOptimizer::new(
             AdamWConfig::new().init(),
             m,
@@ -191,7 +245,7 @@ pub fn load_rank<M: WholeModel>(
             tp_rank,
         ))
     };
-    load_checkpoint(root, iteration, &rank, model, weights_only, false)
+    load_checkpoint(root, iteration, &rank, chunks, weights_only, false)
         .map(|r| r.model)
         .map_err(|e| e.to_string())
 }

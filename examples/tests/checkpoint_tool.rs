@@ -1,14 +1,21 @@
 //! The `checkpoint` tool on TP 2 × PP 2 checkpoints: a BERT's index printed, and its weights
 //! converted to Hugging Face's `BertForPreTraining`; a Llama-style and a GPT-2-style GPT's
 //! converted to `LlamaForCausalLM` / `GPT2LMHeadModel`. Each Hugging Face model (read back by
-//! the importers that are tested against `transformers`) computes the checkpoint's logits.
+//! the importers that are tested against `transformers`) computes the checkpoint's logits, and
+//! the GPTs' checkpoints loaded into pipeline stages generate the whole model's tokens.
 
 use crate::common::{args, tmp};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::comm::LocalWorld;
 use burn_megatron::data::GptTokenizer;
-use burn_megatron::models::{Bert, Gpt, load_hf_bert, load_hf_gpt};
-use burn_megatron_examples::checkpoint_tool::{inspect, load_whole, to_hf};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::models::{
+    Bert, GenerateConfig, Gpt, generate, generate_stages, load_hf_bert, load_hf_gpt,
+};
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron_examples::checkpoint_tool::{
+    inspect, load_rank_stages, load_whole, resolve_iteration, to_hf,
+};
 use burn_megatron_examples::pretrain::{GptArgs, run, run_gpt};
 use clap::Parser;
 use std::sync::Arc;
@@ -171,6 +178,26 @@ fn gpt_round_trip(name: &str, flags: &[&str], architecture: &str) {
     let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     assert!(scale > 0.1, "logits too small to compare: {scale}");
     assert!(worst <= 1e-6, "logits differ by {worst}");
+    // Loaded into pipeline stages (PP 2, and TP 2 × PP 2), the checkpoint generates the
+    // whole model's greedy tokens.
+    let prompts = vec![vec![5, 6, 7], vec![9, 10]];
+    let generate_config = GenerateConfig::new(8);
+    let whole = generate(&ours, &prompts, &generate_config).unwrap().tokens;
+    let iteration = resolve_iteration(&save, None).unwrap();
+    for (tp, pp) in [(1, 2), (2, 2)] {
+        let layout = ParallelConfig::new(tp * pp, tp, pp);
+        let options = LaunchOptions::default().with_device(|_| Device::flex());
+        let staged = threads(&layout, options, |ctx| {
+            let chunks = load_rank_stages::<Gpt>(&save, iteration, &config, &ctx)?;
+            generate_stages(&chunks, &ctx.groups.pp, &prompts, &generate_config)
+                .map(|g| g.tokens)
+                .map_err(|e| e.to_string())
+        })
+        .unwrap();
+        for (rank, tokens) in staged.iter().enumerate() {
+            assert_eq!(tokens, &whole, "TP {tp} × PP {pp} rank {rank}");
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
