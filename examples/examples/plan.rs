@@ -174,21 +174,13 @@ fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePla
     // Context parallelism stays as the flags set it; the rest of the world is searched.
     let cp = train.context_parallel_size;
     let world = train.world_size / cp;
-    let layers = train.num_layers;
     let divisors = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
     for tp in divisors(world) {
-        for pp in divisors(world / tp).filter(|pp| layers.is_multiple_of(*pp)) {
-            let per_stage = layers / pp;
-            let chunks: Vec<Option<usize>> = std::iter::once(None)
-                .chain(
-                    [2, 4]
-                        .into_iter()
-                        .filter(|v| pp > 1 && per_stage.is_multiple_of(*v))
-                        .map(|v| Some(per_stage / v)),
-                )
-                .collect();
-            for layers_per_chunk in chunks {
+        // Layers that do not split (evenly, or as the flags' uneven split says) are refused
+        // by the validation below.
+        for pp in divisors(world / tp) {
+            for vp in [1, 2, 4].into_iter().filter(|&v| v == 1 || pp > 1) {
                 for (recompute, name) in [
                     (None, "none"),
                     (Some(Granularity::Selective), "selective"),
@@ -198,7 +190,8 @@ fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePla
                         let mut t = train.clone();
                         t.tensor_model_parallel_size = tp;
                         t.pipeline_model_parallel_size = pp;
-                        t.num_layers_per_virtual_pipeline_stage = layers_per_chunk;
+                        t.num_layers_per_virtual_pipeline_stage = None;
+                        t.num_virtual_stages_per_pipeline_rank = (vp > 1).then_some(vp);
                         t.recompute_granularity = recompute;
                         t.recompute_method =
                             (recompute == Some(Granularity::Full)).then_some(Method::Uniform);
@@ -216,7 +209,6 @@ fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePla
                         let Ok(plan) = setup.plan() else {
                             continue;
                         };
-                        let vp = layers_per_chunk.map_or(1, |n| per_stage / n);
                         let label = format!(
                             "TP {tp} PP {pp} VP {vp}{} DP {} recompute {name}{}",
                             if cp > 1 {

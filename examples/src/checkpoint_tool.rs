@@ -18,6 +18,7 @@ use burn_megatron::launch::{self, LaunchOptions, RankContext};
 use burn_megatron::models::{
     Bert, BertConfig, Gpt, GptConfig, HfBertConfig, HfGptConfig, save_hf_bert, save_hf_gpt,
 };
+use burn_megatron::moe::global_expert_name;
 use burn_megatron::optimizer::MegatronOptimizer;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use std::collections::BTreeMap;
@@ -220,7 +221,9 @@ pub fn load_rank_stages<M: WholeModel>(
         })
         .collect::<Result<Vec<M>, String>>()?;
     let first_layers: Vec<usize> = chunks.iter().map(M::first_layer).collect();
-    let names = move |path: &str| M::global_name(&first_layers, path);
+    // Every expert is local here (EP 1): they go by their global index, as training saves
+    // them.
+    let names = move |path: &str| global_expert_name(&M::global_name(&first_layers, path), 0);
     let rank = CheckpointRank {
         layout: SavedLayout {
             tensor_model_parallel_size: state.tensor_model_parallel_size(),

@@ -229,3 +229,28 @@ fn a_gpt2_style_checkpoint_at_tp2_converts_to_hugging_face() {
     let flags = ["--tensor-model-parallel-size", "2", "--world-size", "2"];
     gpt_round_trip("gpt2-to-hf", &flags, "GPT2LMHeadModel");
 }
+
+/// Experts saved at EP 2 load whole (their global names) and convert to Mixtral.
+#[test]
+fn a_mixtral_style_checkpoint_at_ep2_converts_to_hugging_face() {
+    let flags = [
+        "--tensor-model-parallel-size",
+        "1",
+        "--world-size",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+    ];
+    gpt_round_trip("gpt-mixtral-to-hf", &flags, "MixtralForCausalLM");
+}

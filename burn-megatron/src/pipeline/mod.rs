@@ -11,8 +11,10 @@
 //! - the timeline: forward / backward / send / receive spans as a Chrome trace.
 //!
 //! A rank builds only its own chunks. With V chunks per stage (interleaving), chunk `v` of
-//! pipeline rank `r` is virtual stage `v·P + r` and holds layers
-//! [`layer_offset`](crate::topology::layer_offset)`..+L/(P·V)`; the first virtual stage embeds, the last computes the loss.
+//! pipeline rank `r` is virtual stage `v·P + r` and holds the layers
+//! [`PipelinePosition::layer_range`](crate::topology::PipelinePosition::layer_range) gives
+//! (`L/(P·V)` of them, unless the layout splits them unevenly); the first virtual stage embeds,
+//! the last computes the loss.
 
 mod executor;
 mod p2p;

@@ -154,6 +154,11 @@ impl LayerSplit {
                 num_model_chunks,
             });
         }
+        if p.checked_mul(v).is_none() || num_layers.checked_add(2).is_none() {
+            return Err(TopologyError::InvalidLayerSplit {
+                reason: format!("{num_layers} layers over {p} stages × {v} chunks overflow"),
+            });
+        }
         self.check(p, v)?;
         let per_rank = if self.is_uneven() {
             self.uneven_ranks(num_layers, p, v)?
@@ -205,10 +210,11 @@ impl LayerSplit {
             self.num_layers_in_first_pipeline_stage,
             self.num_layers_in_last_pipeline_stage,
         );
-        let ends = first.unwrap_or(0) + last.unwrap_or(0);
         let middle_stages = p - usize::from(first.is_some()) - usize::from(last.is_some());
         let invalid = |reason: String| Err(TopologyError::InvalidLayerSplit { reason });
-        let Some(middle) = num_layers.checked_sub(ends) else {
+        let ends = first.unwrap_or(0).checked_add(last.unwrap_or(0));
+        let Some(middle) = ends.and_then(|ends| num_layers.checked_sub(ends)) else {
+            let ends = first.unwrap_or(0) as u128 + last.unwrap_or(0) as u128;
             return invalid(format!(
                 "the first and last pipeline stages' {ends} layers exceed the model's \
                  {num_layers}"

@@ -98,7 +98,9 @@ impl PipelinePosition {
     }
 }
 
-/// Layers per model chunk when `num_layers` split evenly over `P·V` virtual stages.
+/// Layers per model chunk when `num_layers` split evenly over `P·V` virtual stages (the
+/// default [`LayerSplit`]; an uneven split's chunks differ: use
+/// [`LayerSplit::layers_per_virtual_stage`]).
 ///
 /// ```
 /// use burn_megatron::topology::layers_per_chunk;
@@ -121,8 +123,8 @@ pub fn layers_per_chunk(
     Ok(num_layers / stages)
 }
 
-/// Index of the first layer of `chunk` on `pipeline_rank` (see
-/// [`PipelinePosition::layer_range`]).
+/// Index of the first layer of `chunk` on `pipeline_rank` under an even split (see
+/// [`PipelinePosition::layer_range`], which follows the position's [`LayerSplit`]).
 ///
 /// ```
 /// use burn_megatron::topology::layer_offset;

@@ -179,7 +179,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     pub pipeline_model_parallel_size: usize,
     /// Layers per model chunk of the interleaved 1F1B schedule: each stage holds
-    /// V = layers / PP / this chunks (default: one chunk, plain 1F1B).
+    /// V = (layers + the counted embedding and loss) / PP / this chunks (default: one chunk,
+    /// plain 1F1B).
     #[arg(long)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
     /// Model chunks per stage of the interleaved 1F1B schedule (V), the way to interleave
@@ -456,10 +457,34 @@ impl TrainArgs {
         self.layer_split()
             .layers_per_virtual_stage(self.num_layers, pp, v)
             .map_err(|e| {
+                let split = [
+                    (
+                        "--decoder-first-pipeline-num-layers",
+                        self.decoder_first_pipeline_num_layers.is_some(),
+                    ),
+                    (
+                        "--decoder-last-pipeline-num-layers",
+                        self.decoder_last_pipeline_num_layers.is_some(),
+                    ),
+                    (
+                        "--account-for-embedding-in-pipeline-split",
+                        self.account_for_embedding_in_pipeline_split,
+                    ),
+                    (
+                        "--account-for-loss-in-pipeline-split",
+                        self.account_for_loss_in_pipeline_split,
+                    ),
+                ];
+                let flags: Vec<&str> = split.iter().filter(|f| f.1).map(|f| f.0).collect();
                 format!(
                     "--num-layers ({}) over --pipeline-model-parallel-size ({pp}) × {v} model \
-                     chunks per stage: {e}",
-                    self.num_layers
+                     chunks per stage{}: {e}",
+                    self.num_layers,
+                    if flags.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" with {}", flags.join(", "))
+                    }
                 )
             })
     }

@@ -221,4 +221,48 @@ fn greedy_tokens_through_pipeline_stages_equal_transformers() {
         "{}",
         out[1]
     );
+    // One rank wrong: it says why and the other names it. Chunks built under other splits
+    // (layers 0..2 and 1..4 of 4) are refused on both.
+    let llama = burn_megatron_tests::gpt::llama(4, 16);
+    let out = threads(
+        &ParallelConfig::new(2, 1, 2),
+        LaunchOptions::default(),
+        |ctx| {
+            let (rank, tp, d) = (
+                ctx.state.pipeline_model_parallel_rank(),
+                &ctx.groups.tp,
+                &ctx.device,
+            );
+            let at = PipelinePosition::of(&ctx.state, 0);
+            let own = llama.init_stage(tp, at, d)?;
+            let (whole, other) = match rank {
+                1 => {
+                    let split = LayerSplit::default().with_first_stage(1);
+                    (
+                        llama.init(tp, d)?,
+                        llama.init_stage(tp, at.with_split(split), d)?,
+                    )
+                }
+                _ => (own.clone(), own),
+            };
+            let config = GenerateConfig::new(2);
+            let run = |chunk: Gpt| {
+                generate_stages(&[chunk], &ctx.groups.pp, &[vec![1, 2]], &config)
+                    .unwrap_err()
+                    .to_string()
+            };
+            Ok::<_, Error>((run(whole), run(other)))
+        },
+    )
+    .unwrap();
+    assert!(
+        out[0].0.contains("pipeline ranks [1] refused"),
+        "{}",
+        out[0].0
+    );
+    assert!(out[1].0.contains("holds the embedding"), "{}", out[1].0);
+    for (rank, (_, e)) in out.iter().enumerate() {
+        let want = "virtual stage 1 (chunk 0 of pipeline rank 1) starts at layer 1, not 2";
+        assert!(e.contains(want), "rank {rank}: {e}");
+    }
 }

@@ -87,18 +87,24 @@ pub fn generate(
 /// pipeline group (`ctx.groups.pp`). A collective over the tensor- and pipeline-parallel
 /// ranks: all call it with the same prompts and config, and all get the same tokens.
 ///
-/// Besides [`generate`]'s, errors before any work on chunks that do not hold the embedding
-/// exactly at the first virtual stage and the head exactly at the last, and on every pipeline
-/// rank when their prompts, config or chunk counts differ.
+/// Besides [`generate`]'s, errors before any work, on every pipeline rank, when a rank's
+/// chunks do not hold the embedding exactly at the first virtual stage and the head exactly at
+/// the last, when the ranks' chunks do not hold the layers in order (built under another
+/// layout), and when their prompts, config or chunk counts differ. A rank that refuses says
+/// why; the others name it.
 pub fn generate_stages(
     chunks: &[Gpt],
     pp: &Comm,
     prompts: &[Vec<u32>],
     config: &GenerateConfig,
 ) -> Result<Generated, GenerateError> {
-    let ring = Ring::new(chunks, pp)?;
-    check(&chunks[0], prompts, config)?;
-    ring.agree(prompts, config, chunks[0].vocab_size())?;
+    // Every check first, then one agreement: a rank's refusal is then every rank's error,
+    // not a wait for messages that never come.
+    let local = Ring::new(chunks, pp).and_then(|ring| {
+        check(&chunks[0], prompts, config)?;
+        Ok(ring)
+    });
+    let ring = agree(pp, chunks, prompts, config, local)?;
     let device = chunks
         .iter()
         .flat_map(|c| c.devices())
@@ -204,7 +210,6 @@ struct Ring<'a> {
     pp: &'a Comm,
     rank: usize,
     size: usize,
-    stages: usize,
 }
 
 impl<'a> Ring<'a> {
@@ -240,39 +245,12 @@ impl<'a> Ring<'a> {
                 ));
             }
         }
-        Ok(Self {
-            pp,
-            rank,
-            size,
-            stages,
-        })
+        Ok(Self { pp, rank, size })
     }
 
     /// Whether this rank holds the last virtual stage.
     fn holds_last(&self) -> bool {
         self.rank + 1 == self.size
-    }
-
-    /// An error on every pipeline rank unless all were given the same prompts, config,
-    /// vocabulary and number of chunks.
-    fn agree(
-        &self,
-        prompts: &[Vec<u32>],
-        config: &GenerateConfig,
-        vocab: usize,
-    ) -> Result<(), GenerateError> {
-        if self.size == 1 {
-            return Ok(());
-        }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (prompts, format!("{config:?}"), vocab, self.stages).hash(&mut h);
-        let all = self.pp.all_gather_vec(vec![h.finish() as i64])?;
-        if all.iter().any(|&x| x != all[0]) {
-            return Err(GenerateError::Invalid(
-                "the pipeline ranks' prompts, config, vocabulary or model chunks differ".into(),
-            ));
-        }
-        Ok(())
     }
 
     /// One step through this rank's chunks: the first virtual stage embeds `ids`, the others
@@ -328,10 +306,13 @@ impl<'a> Ring<'a> {
         let Buffer::I64(h) = header else {
             unreachable!("recv keeps the buffer's dtype")
         };
-        let dtype = *DTYPES.get(h[3] as usize).ok_or_else(|| {
-            GenerateError::Invalid(format!("a hidden-state header of dtype code {}", h[3]))
-        })?;
-        let dims = [h[0] as usize, h[1] as usize, h[2] as usize];
+        let bad = || GenerateError::Invalid(format!("a hidden-state header {h:?}"));
+        let dtype = *usize::try_from(h[3])
+            .ok()
+            .and_then(|code| DTYPES.get(code))
+            .ok_or_else(bad)?;
+        let dim = |x: i64| usize::try_from(x).map_err(|_| bad());
+        let dims = [dim(h[0])?, dim(h[1])?, dim(h[2])?];
         Ok(recv(self.pp.as_ref(), dims, dtype, device, peer)?)
     }
 
@@ -347,6 +328,59 @@ impl<'a> Ring<'a> {
         };
         Ok(tokens.into_iter().map(|t| t as u32).collect())
     }
+}
+
+/// `local` (this rank's checks) where every pipeline rank passed its own, was given the same
+/// prompts, config and number of chunks, and the chunks hold the layers in virtual-stage
+/// order; else an error on every rank (a refusing rank's own).
+fn agree<'a>(
+    pp: &'a Comm,
+    chunks: &[Gpt],
+    prompts: &[Vec<u32>],
+    config: &GenerateConfig,
+    local: Result<Ring<'a>, GenerateError>,
+) -> Result<Ring<'a>, GenerateError> {
+    let size = pp.group().size();
+    if size == 1 {
+        return local;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let vocab = chunks.first().map(Gpt::vocab_size);
+    (prompts, format!("{config:?}"), vocab, chunks.len()).hash(&mut h);
+    // [refused, hash, (first layer, layers) per chunk]: ranks with other chunk counts send
+    // other lengths, which the gather refuses on every rank.
+    let mut mine = vec![i64::from(local.is_err()), h.finish() as i64];
+    for chunk in chunks {
+        mine.extend([chunk.first_layer() as i64, chunk.layers.len() as i64]);
+    }
+    let all = pp.all_gather_vec(mine)?;
+    let rows: Vec<&[i64]> = all.chunks(all.len() / size).collect();
+    let refused: Vec<usize> = (0..size).filter(|&r| rows[r][0] != 0).collect();
+    let ring = local?;
+    let invalid = |m: String| Err(GenerateError::Invalid(m));
+    if !refused.is_empty() {
+        return invalid(format!(
+            "pipeline ranks {refused:?} refused to generate (their errors say why)"
+        ));
+    }
+    if rows.iter().any(|r| r[1] != rows[0][1]) {
+        return invalid(
+            "the pipeline ranks' prompts, config, vocabulary or chunk counts differ".into(),
+        );
+    }
+    let mut next = 0;
+    for stage in 0..size * chunks.len() {
+        let (c, r) = (stage / size, stage % size);
+        let (first, layers) = (rows[r][2 + 2 * c], rows[r][3 + 2 * c]);
+        if first != next {
+            return invalid(format!(
+                "virtual stage {stage} (chunk {c} of pipeline rank {r}) starts at layer \
+                 {first}, not {next}: the ranks' chunks were built under other layouts"
+            ));
+        }
+        next = first + layers;
+    }
+    Ok(ring)
 }
 
 /// The dtypes hidden states travel in, by their header code.
