@@ -18,7 +18,7 @@
 use super::gpt::GptFamily;
 use super::setup::{RankSetup, setup_rank};
 use super::train::{RankOutput, Step, evaluate};
-use super::{Eval, IterationLog, Shared};
+use super::{Eval, Family, IterationLog, Shared};
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::data::dataset::DatasetError;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
@@ -459,7 +459,9 @@ pub(super) fn learner_rank(
     };
     let result = training.launch(learner);
     drop(result.renderer);
-    drop(result.model);
+    // The trained chunks; the state's handle must go for the state to be taken back.
+    let RankGpt { chunks, rank } = result.model;
+    drop(rank);
     if let Some(e) = result.error {
         return Err(format!("learner: {e}"));
     }
@@ -467,6 +469,13 @@ pub(super) fn learner_rank(
         .map_err(|_| "learner: the model outlived the run".to_string())?
         .into_inner()
         .unwrap_or_else(|p| p.into_inner());
+    // As our loop does after its last iteration: the samples, the Hugging Face directory.
+    let said = st.shared.family.finish(&st.ctx, &chunks)?;
+    if st.ctx.state.global_rank() == 0 {
+        for line in &said {
+            st.shared.println(line.clone());
+        }
+    }
     let peak = (
         st.ctx.state.global_rank(),
         st.ctx.state.pipeline_model_parallel_rank(),
@@ -477,6 +486,6 @@ pub(super) fn learner_rank(
         evals: st.evals,
         spans: Vec::new(),
         peak,
-        said: Vec::new(),
+        said,
     })
 }

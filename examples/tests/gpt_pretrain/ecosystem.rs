@@ -159,7 +159,8 @@ fn megatron_datasets_are_written_inspected_and_trained_on() {
 
 /// burn-train's Learner drives the same training as our loop: at TP 2 × DP 2 (and with
 /// the overlapped reducer and the distributed optimizer) every iteration's learning rate,
-/// loss and gradient norm, and every validation, equal `gpt_pretrain`'s bit for bit.
+/// loss and gradient norm, every validation, and the samples generated at the end equal
+/// `gpt_pretrain`'s bit for bit.
 #[test]
 fn the_burn_train_learner_trains_to_our_loops_losses() {
     use burn_megatron_examples::pretrain::{LearnerOptions, Renderer, run_gpt_learner};
@@ -174,13 +175,15 @@ fn the_burn_train_learner_trains_to_our_loops_losses() {
     ];
     for extra in layouts {
         let common: &[&str] = &["--world-size", "4", "--train-iters", "20"];
-        let more: &[&str] = &["--eval-interval", "10", "--generate-tokens", "0"];
+        let more: &[&str] = &["--eval-interval", "10", "--generate-tokens", "4"];
         let flags = [common, more, extra].concat();
         let ours = run_gpt(&args(&flags, &dir)).unwrap();
         let theirs = run_gpt_learner(&args(&flags, &dir), &options).unwrap();
         assert_same_iterations(&ours.log, &theirs.log);
         assert_eq!(ours.evals, theirs.evals, "{extra:?}: validations");
         assert_eq!(theirs.evals.len(), 2);
+        assert!(!ours.said.is_empty(), "{extra:?}: samples");
+        assert_eq!(ours.said, theirs.said, "{extra:?}: samples");
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
