@@ -37,7 +37,6 @@ enum Model {
 #[derive(Debug, Clone)]
 pub struct Setup {
     model: Model,
-    layers: usize,
     /// Layers of each virtual stage (`chunk·P + stage`): even, or Megatron's uneven split.
     stage_layers: Vec<usize>,
     h: usize,
@@ -122,7 +121,6 @@ impl Setup {
         let heads = t.attention.num_attention_heads;
         Ok(Self {
             model: Model::Gpt,
-            layers: c.num_layers,
             stage_layers: a.layers_per_virtual_stage()?,
             h: t.hidden_size,
             heads,
@@ -176,7 +174,6 @@ impl Setup {
         };
         Ok(Self {
             model: Model::Bert { rows },
-            layers: a.num_layers,
             stage_layers: a.layers_per_virtual_stage()?,
             h: a.hidden_size,
             heads: a.num_attention_heads,
@@ -554,8 +551,10 @@ impl Setup {
         (self.pp - 1) as f64 / (self.vp * self.schedule.num_microbatches) as f64
     }
 
-    /// Forward + backward FLOPs of one step on one rank (3× the forward's multiply-adds ×
-    /// 2), with the forward again for what is recomputed.
+    /// Forward + backward FLOPs of one step on the busiest rank (3× the forward's
+    /// multiply-adds × 2), with the forward again for what is recomputed: its layers, and the
+    /// output layer on the last stage's rank. The pipeline's step waits for that rank, so an
+    /// uneven split that moves layers off it is faster.
     pub fn flops_per_rank(&self) -> f64 {
         let (h, s) = (self.h as f64, self.seq as f64);
         let tokens =
@@ -581,9 +580,12 @@ impl Setup {
             None => 0.0,
         };
         let head = 2.0 * tokens * h * self.vocab as f64;
-        // The ranks' average, whatever the split.
-        let layers = self.layers as f64 / self.pp as f64;
-        (layers * (3.0 * layer + recomputed) + 3.0 * head / self.pp as f64) / self.tp as f64
+        let rank = |p: usize| {
+            let last = p + 1 == self.pp;
+            self.rank_layers(p) as f64 * (3.0 * layer + recomputed)
+                + if last { 3.0 * head } else { 0.0 }
+        };
+        (0..self.pp).map(rank).fold(0.0, f64::max) / self.tp as f64
     }
 
     /// Layers pipeline rank `p` holds, over its chunks.

@@ -424,6 +424,25 @@ fn the_plan_predicts_each_ranks_measured_peak() {
         &stages,
         run_gpt(&args_uneven).unwrap().peaks,
     );
+    // The step waits for the busiest rank. Here a layer costs more than the output layer
+    // (h 256, ffn 704, vocab 640), so the even split (2 layers + the output on the last
+    // rank) is the fastest: 3 + 1 loads the first rank with 3 layers, 1 + 3 the last with 3
+    // and the output.
+    let flops = |split: &[&str]| {
+        let flags = [&model[..], layouts[1], split].concat();
+        Setup::new(&args(&flags, &dir), 591)
+            .unwrap()
+            .flops_per_rank()
+    };
+    let (even, light_last, heavy_last) = (
+        flops(&[]),
+        flops(&["--decoder-last-pipeline-num-layers", "1"]),
+        flops(&["--decoder-first-pipeline-num-layers", "1"]),
+    );
+    assert!(
+        even < light_last && light_last < heavy_last,
+        "{even} {light_last} {heavy_last}"
+    );
     // An evaluation of four batches after the last step stays within the step's peak: it
     // keeps no graph. On the autodiff device, Burn kept every batch's graph until a next
     // backward that never came: 369 MB at the end against the step's 50 MB.
