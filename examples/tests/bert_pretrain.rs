@@ -497,6 +497,26 @@ fn bad_pipeline_flags_are_rejected_with_clear_messages() {
             &pp2(&["--microbatch-group-size-per-virtual-pipeline-stage", "2"]),
             &["needs the interleaved schedule"],
         ),
+        (
+            &pp2(&[
+                "--num-virtual-stages-per-pipeline-rank",
+                "1",
+                "--microbatch-group-size-per-virtual-pipeline-stage",
+                "2",
+            ]),
+            &["these flags give one, plain 1F1B"],
+        ),
+        // An uneven split interleaves through --num-virtual-stages-per-pipeline-rank, each
+        // rank's layers split evenly over its chunks: the first stage's one layer cannot.
+        (
+            &pp2(&[
+                "--decoder-first-pipeline-num-layers",
+                "1",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+            ]),
+            &["the first pipeline stage's 1 layers do not split evenly over its 2 model chunks"],
+        ),
         // Interleaving needs at least P microbatches: 8 samples / (8 per microbatch × DP 1).
         (
             &pp2(&[

@@ -163,12 +163,16 @@ impl TrainArgs {
             .is_some()
             && self.num_model_chunks() == 1
         {
-            return Err(
-                "--microbatch-group-size-per-virtual-pipeline-stage needs the \
-                 interleaved schedule (--num-layers-per-virtual-pipeline-stage or \
-                 --num-virtual-stages-per-pipeline-rank)"
-                    .into(),
-            );
+            return Err(format!(
+                "--microbatch-group-size-per-virtual-pipeline-stage needs the interleaved \
+                 schedule (--num-layers-per-virtual-pipeline-stage or \
+                 --num-virtual-stages-per-pipeline-rank){}",
+                if self.interleaved() {
+                    ", with more than one model chunk per stage: these flags give one, plain 1F1B"
+                } else {
+                    ""
+                }
+            ));
         }
         Ok(())
     }
