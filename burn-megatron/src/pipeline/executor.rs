@@ -3,6 +3,7 @@
 
 use super::p2p::P2pCommunicator;
 use super::schedule::{Pass, PipelineOp, PipelineSchedule, ScheduleError, virtual_stage};
+use super::sink::{GradSlot, stand_in};
 use super::timeline::{Recorder, Span, SpanKind};
 use crate::comm::CommError;
 use crate::grad_hooks::GradSync;
@@ -200,16 +201,18 @@ pub fn read_losses(losses: &[MicrobatchLoss]) -> Vec<MicrobatchLossValues> {
 }
 
 /// What a microbatch's forward left for its backward to start from.
-enum Output<const D: usize> {
-    /// The activation sent to the next stage; backward starts from the gradient it returns.
-    Sent(Tensor<D>),
+enum Output {
+    /// The activation sent to the next stage, as a one-element stand-in (Megatron's
+    /// `deallocate_output_tensor`: its values are not kept); backward starts from the
+    /// gradient the next stage returns, put in the slot.
+    Sent(Tensor<1>, GradSlot),
     /// The last virtual stage's loss, already scaled by `grad_scale / M`.
     Loss(Tensor<1>),
 }
 
 struct Live<const D: usize> {
     input: Option<Tensor<D>>,
-    output: Output<D>,
+    output: Output,
 }
 
 /// Megatron's `forward_backward_func`: runs this rank's ops of `config.schedule` on `chunks`
@@ -361,7 +364,8 @@ where
                     }
                     (ChunkOutput::Activation(a), false) => {
                         recorder.time(SpanKind::Send, op, || p2p.send_forward(a.clone()))?;
-                        Output::Sent(a)
+                        let (stub, slot) = stand_in(a);
+                        Output::Sent(stub, slot)
                     }
                     (ChunkOutput::Loss { .. }, false) => {
                         return Err(PipelineError::Invalid(format!(
@@ -387,13 +391,14 @@ where
                 let Live { input, output } = live
                     .remove(&(op.microbatch, op.chunk))
                     .expect("a valid schedule runs each backward after its forward");
-                // The root of this backward: the loss, or Σ out·g for the received gradient g
-                // of the output (d(Σ out·g)/d out = g).
+                // The root of this backward: the loss, or the sent output's stand-in, whose
+                // backward gives the output the received gradient.
                 let root = match output {
                     Output::Loss(loss) => loss,
-                    Output::Sent(out) => {
+                    Output::Sent(stub, slot) => {
                         let g = recorder.time(SpanKind::Recv, op, || p2p.recv_backward::<D>())?;
-                        (out * g).sum()
+                        slot.put(g.inner());
+                        stub.sum()
                     }
                 };
                 let (grads, input_grad) = recorder.time(SpanKind::Backward, op, || {

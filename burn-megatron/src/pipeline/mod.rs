@@ -21,6 +21,7 @@ mod p2p;
 mod plan;
 mod save;
 mod schedule;
+mod sink;
 mod timeline;
 
 #[cfg(test)]
