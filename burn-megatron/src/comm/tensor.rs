@@ -315,3 +315,69 @@ pub fn recv<const D: usize, K: Basic>(
     comm.recv(&mut buf, peer)?;
     Ok(buffer_to_tensor(buf, shape, device))
 }
+
+/// The dtypes a [`send_sized`] header names, by their code.
+const SIZED_DTYPES: [super::CommDType; 5] = [
+    super::CommDType::F32,
+    super::CommDType::F16,
+    super::CommDType::BF16,
+    super::CommDType::I32,
+    super::CommDType::I64,
+];
+
+/// [`send`] after a small header with the tensor's dtype and dims, so that the receiver
+/// ([`recv_sized`]) needs to know neither (Megatron's `variable_seq_lengths`). `op` names
+/// the caller's operation in errors.
+pub(crate) fn send_sized<const D: usize>(
+    comm: &(impl Communicator + ?Sized),
+    op: &'static str,
+    tensor: Tensor<D>,
+    peer: usize,
+) -> Result<(), CommError> {
+    let dtype = tensor.dtype();
+    let code = super::comm_dtype(dtype)
+        .and_then(|d| SIZED_DTYPES.iter().position(|&s| s == d))
+        .ok_or_else(|| {
+            invalid(
+                comm,
+                op,
+                format!("dtype {dtype:?} is not supported by the collectives"),
+            )
+        })?;
+    let mut header = vec![code as i64, D as i64];
+    header.extend(tensor.dims().iter().map(|&d| d as i64));
+    comm.send(Buffer::I64(header), peer)?;
+    send(comm, tensor, peer)
+}
+
+/// Receives from member `peer` what [`send_sized`] sent, onto `device`. Errors on a header
+/// of another rank than `D`, an unknown dtype or a negative dim.
+pub(crate) fn recv_sized<const D: usize>(
+    comm: &(impl Communicator + ?Sized),
+    op: &'static str,
+    device: &Device,
+    peer: usize,
+) -> Result<Tensor<D>, CommError> {
+    let mut header = Buffer::I64(vec![0; 2 + D]);
+    comm.recv(&mut header, peer)?;
+    let Buffer::I64(h) = header else {
+        unreachable!("received into an i64 buffer")
+    };
+    let dtype = usize::try_from(h[0])
+        .ok()
+        .and_then(|c| SIZED_DTYPES.get(c))
+        .ok_or_else(|| invalid(comm, op, format!("unknown dtype code {} in header", h[0])))?;
+    if h[1] != D as i64 {
+        return Err(invalid(
+            comm,
+            op,
+            format!("expected a {D}-d tensor, the sender sent {}-d", h[1]),
+        ));
+    }
+    let mut dims = [0usize; D];
+    for (d, &v) in dims.iter_mut().zip(&h[2..]) {
+        *d = usize::try_from(v)
+            .map_err(|_| invalid(comm, op, format!("negative dim {v} in header")))?;
+    }
+    recv(comm, dims, dtype.burn_dtype(), device, peer)
+}

@@ -13,8 +13,8 @@
 //! graph. CUDA tensors over NCCL travel in device memory (`comm/cuda_tensor.rs`); everything
 //! else through host memory.
 
-use crate::comm::tensor::{invalid, recv};
-use crate::comm::{Buffer, Comm, CommDType, CommError};
+use crate::comm::tensor::{invalid, recv, recv_sized, send_sized};
+use crate::comm::{Comm, CommError};
 use burn::tensor::{DType, Device, Tensor};
 
 /// What the receiver knows of each message's shape.
@@ -57,27 +57,6 @@ pub struct P2pCommunicator {
     backward: Comm,
     shapes: P2pShapes,
     device: Device,
-}
-
-fn code(dtype: CommDType) -> i64 {
-    match dtype {
-        CommDType::F32 => 0,
-        CommDType::F16 => 1,
-        CommDType::BF16 => 2,
-        CommDType::I32 => 3,
-        CommDType::I64 => 4,
-    }
-}
-
-fn from_code(code: i64) -> Option<CommDType> {
-    Some(match code {
-        0 => CommDType::F32,
-        1 => CommDType::F16,
-        2 => CommDType::BF16,
-        3 => CommDType::I32,
-        4 => CommDType::I64,
-        _ => return None,
-    })
 }
 
 impl P2pCommunicator {
@@ -127,29 +106,26 @@ impl P2pCommunicator {
         peer: usize,
     ) -> Result<(), CommError> {
         let dims = tensor.dims();
-        let dtype = crate::comm::comm_dtype(tensor.dtype()).ok_or_else(|| {
-            let reason = format!(
-                "dtype {:?} is not supported by the collectives",
-                tensor.dtype()
-            );
-            invalid(&**comm, op, reason)
-        })?;
         match &self.shapes {
-            P2pShapes::Variable => {
-                let mut header = vec![code(dtype), D as i64];
-                header.extend(dims.iter().map(|&d| d as i64));
-                comm.send(Buffer::I64(header), peer)?;
+            P2pShapes::Variable => return send_sized(&**comm, op, tensor, peer),
+            P2pShapes::Fixed { dims: fixed, .. } => {
+                if crate::comm::comm_dtype(tensor.dtype()).is_none() {
+                    let reason = format!(
+                        "dtype {:?} is not supported by the collectives",
+                        tensor.dtype()
+                    );
+                    return Err(invalid(&**comm, op, reason));
+                }
+                if fixed[..] != dims[..] {
+                    return Err(invalid(
+                        &**comm,
+                        op,
+                        format!(
+                            "tensor of dims {dims:?} on a channel fixed to {fixed:?}; use variable shapes for microbatches of different lengths"
+                        ),
+                    ));
+                }
             }
-            P2pShapes::Fixed { dims: fixed, .. } if fixed[..] != dims[..] => {
-                return Err(invalid(
-                    &**comm,
-                    op,
-                    format!(
-                        "tensor of dims {dims:?} on a channel fixed to {fixed:?}; use variable shapes for microbatches of different lengths"
-                    ),
-                ));
-            }
-            P2pShapes::Fixed { .. } => {}
         }
         // CUDA tensors over NCCL go from device memory (the same message either way).
         crate::comm::tensor::send(&**comm, tensor, peer)
@@ -162,34 +138,8 @@ impl P2pCommunicator {
         peer: usize,
         require_grad: bool,
     ) -> Result<Tensor<D>, CommError> {
-        let (dtype, dims) = match &self.shapes {
-            P2pShapes::Variable => {
-                let mut header = Buffer::I64(vec![0; 2 + D]);
-                comm.recv(&mut header, peer)?;
-                let Buffer::I64(h) = header else {
-                    unreachable!("received into an i64 buffer")
-                };
-                let dtype = from_code(h[0]).ok_or_else(|| {
-                    invalid(
-                        &**comm,
-                        op,
-                        format!("unknown dtype code {} in header", h[0]),
-                    )
-                })?;
-                if h[1] != D as i64 {
-                    return Err(invalid(
-                        &**comm,
-                        op,
-                        format!("expected a {D}-d tensor, the sender sent {}-d", h[1]),
-                    ));
-                }
-                let mut dims = [0usize; D];
-                for (d, &v) in dims.iter_mut().zip(&h[2..]) {
-                    *d = usize::try_from(v)
-                        .map_err(|_| invalid(&**comm, op, format!("negative dim {v} in header")))?;
-                }
-                (dtype, dims)
-            }
+        let t: Tensor<D> = match &self.shapes {
+            P2pShapes::Variable => recv_sized(&**comm, op, &self.device, peer)?,
             P2pShapes::Fixed { dims, dtype } => {
                 let dims: [usize; D] = dims.as_slice().try_into().map_err(|_| {
                     invalid(
@@ -201,10 +151,9 @@ impl P2pCommunicator {
                 let dtype = crate::comm::comm_dtype(*dtype).ok_or_else(|| {
                     invalid(&**comm, op, format!("dtype {dtype:?} is not supported"))
                 })?;
-                (dtype, dims)
+                recv(&**comm, dims, dtype.burn_dtype(), &self.device, peer)?
             }
         };
-        let t: Tensor<D> = recv(&**comm, dims, dtype.burn_dtype(), &self.device, peer)?;
         Ok(if require_grad { t.require_grad() } else { t })
     }
 

@@ -74,6 +74,12 @@ impl LayerSplit {
         self
     }
 
+    /// The ends counted as layers of the even split: 0, 1 or 2 (the embedding, the loss).
+    pub fn counted_ends(&self) -> usize {
+        usize::from(self.account_for_embedding_in_pipeline_split)
+            + usize::from(self.account_for_loss_in_pipeline_split)
+    }
+
     /// Whether the first or last rank's layers are set.
     pub fn is_uneven(&self) -> bool {
         self.num_layers_in_first_pipeline_stage.is_some()
@@ -163,8 +169,7 @@ impl LayerSplit {
         let per_rank = if self.is_uneven() {
             self.uneven_ranks(num_layers, p, v)?
         } else {
-            let counted = usize::from(self.account_for_embedding_in_pipeline_split)
-                + usize::from(self.account_for_loss_in_pipeline_split);
+            let counted = self.counted_ends();
             let total = num_layers + counted;
             if !total.is_multiple_of(p * v) {
                 return Err(if counted == 0 {

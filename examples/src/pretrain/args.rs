@@ -423,8 +423,7 @@ impl TrainArgs {
         let pp = self.pipeline_model_parallel_size.max(1);
         let split = self.layer_split();
         // Megatron counts the embedding and the loss in the layers a stage holds.
-        let counted = usize::from(split.account_for_embedding_in_pipeline_split)
-            + usize::from(split.account_for_loss_in_pipeline_split);
+        let counted = split.counted_ends();
         match (
             self.num_virtual_stages_per_pipeline_rank,
             self.num_layers_per_virtual_pipeline_stage,

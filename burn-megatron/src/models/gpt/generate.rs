@@ -10,12 +10,12 @@
 //! cache), the last stage draws, and its tokens go back to every stage.
 
 use super::{Gpt, GptStageOutput, KvCache, Positions};
-use crate::comm::tensor::{recv, send};
-use crate::comm::{Buffer, Comm, CommDType, CommError, CommunicatorExt, solo_group};
+use crate::comm::tensor::{recv_sized, send_sized};
+use crate::comm::{Buffer, Comm, CommError, CommunicatorExt, solo_group};
 use crate::tensor_parallel::{Sampling, TpError, VocabParallelSampler};
 use burn::config::Config;
 use burn::module::Module;
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use std::hash::{Hash, Hasher};
 
 /// How [`generate`] runs.
@@ -273,47 +273,17 @@ impl<'a> Ring<'a> {
             let first = c * self.size + self.rank == 0;
             let hidden = match first {
                 true => None,
-                false => Some(self.recv_hidden(prev, device)?),
+                // With its dims: the number of new tokens changes between steps.
+                false => Some(recv_sized(self.pp.as_ref(), "generate", device, prev)?),
             };
             let ids = first.then(|| ids.clone());
             let padding = Some(padding.clone());
             match chunk.forward_with(ids, hidden, positions, padding, None, cache.as_mut())? {
-                GptStageOutput::Hidden(h) => self.send_hidden(h, next)?,
+                GptStageOutput::Hidden(h) => send_sized(self.pp.as_ref(), "generate", h, next)?,
                 GptStageOutput::Logits(l) => logits = Some(l),
             }
         }
         Ok(logits)
-    }
-
-    /// `hidden` to pipeline rank `peer`, after a header of its dims and dtype (the number of
-    /// new tokens changes between steps).
-    fn send_hidden(&self, hidden: Tensor<3>, peer: usize) -> Result<(), GenerateError> {
-        let [s, b, h] = hidden.dims();
-        let code = DTYPES
-            .iter()
-            .position(|d| *d == hidden.dtype())
-            .ok_or_else(|| {
-                GenerateError::Invalid(format!("hidden states of {:?}", hidden.dtype()))
-            })?;
-        let header = [s, b, h, code].map(|x| x as i64).to_vec();
-        self.pp.send(Buffer::I64(header), peer)?;
-        Ok(send(self.pp.as_ref(), hidden, peer)?)
-    }
-
-    fn recv_hidden(&self, peer: usize, device: &Device) -> Result<Tensor<3>, GenerateError> {
-        let mut header = Buffer::zeros(CommDType::I64, 4);
-        self.pp.recv(&mut header, peer)?;
-        let Buffer::I64(h) = header else {
-            unreachable!("recv keeps the buffer's dtype")
-        };
-        let bad = || GenerateError::Invalid(format!("a hidden-state header {h:?}"));
-        let dtype = *usize::try_from(h[3])
-            .ok()
-            .and_then(|code| DTYPES.get(code))
-            .ok_or_else(bad)?;
-        let dim = |x: i64| usize::try_from(x).map_err(|_| bad());
-        let dims = [dim(h[0])?, dim(h[1])?, dim(h[2])?];
-        Ok(recv(self.pp.as_ref(), dims, dtype, device, peer)?)
     }
 
     /// The last pipeline rank's tokens, on every pipeline rank.
@@ -382,9 +352,6 @@ fn agree<'a>(
     }
     Ok(ring)
 }
-
-/// The dtypes hidden states travel in, by their header code.
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
 fn check(model: &Gpt, prompts: &[Vec<u32>], config: &GenerateConfig) -> Result<(), GenerateError> {
     let bad = |m: String| Err(GenerateError::Invalid(m));

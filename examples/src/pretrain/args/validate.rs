@@ -135,8 +135,7 @@ impl TrainArgs {
                     .into());
             }
             (Some(n), None) => {
-                let counted = usize::from(split.account_for_embedding_in_pipeline_split)
-                    + usize::from(split.account_for_loss_in_pipeline_split);
+                let counted = split.counted_ends();
                 let per_stage = (layers + counted) / pp;
                 if n == 0 || !(layers + counted).is_multiple_of(pp) || !per_stage.is_multiple_of(n)
                 {
