@@ -49,7 +49,8 @@
 //! `grad_hooks` (where a parameter's gradient is handed to the overlapped reduction),
 //! `module_path` (parameters by their path in a module), `param_grads` (gradients by
 //! parameter id, any tensor rank), `safetensors_io`, `pytorch_io` (PyTorch checkpoints'
-//! dtypes) and `shards` (a box of a tensor cut out of, or put together from, pieces).
+//! dtypes), `legacy_record` (the `.mpk` records of Burn before 0.22) and `shards` (a box of
+//! a tensor cut out of, or put together from, pieces).
 //!
 //! # Lower-level ways in
 //!
@@ -96,6 +97,7 @@ pub mod data;
 pub mod data_parallel;
 mod grad_hooks;
 pub mod launch;
+mod legacy_record;
 pub mod models;
 mod module_path;
 pub mod moe;

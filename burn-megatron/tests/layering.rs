@@ -23,6 +23,7 @@ const LEVELS: &[&[&str]] = &[
         "module_path",
         "safetensors_io",
         "pytorch_io",
+        "legacy_record",
         "shards",
         "grad_hooks",
         "activation",

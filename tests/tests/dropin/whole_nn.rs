@@ -6,11 +6,12 @@
 //! the vocabulary over both ends), from the record Burn's model saved, its loss and every
 //! gathered gradient are Burn's model's.
 
-use super::Error;
+use super::{Error, Values};
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron_tests::tp_ranks;
+use std::path::Path;
 
 /// The model under Burn's own `nn`.
 mod plain {
@@ -104,5 +105,124 @@ fn a_model_written_against_burns_nn_swaps_its_nn_and_trains_as_burns_at_tp_2_and
         }
     }
     std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// What Burn 0.21 computed from each of its records (`tests/fixtures/burn_mpk`).
+fn burn_0_21_expected(record: &str) -> Result<(f32, Vec<f32>, Option<Values>), Error> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
+    let text = std::fs::read_to_string(dir.join("expected.json"))?;
+    let all: serde_json::Value = serde_json::from_str(&text)?;
+    let entry = &all[record];
+    let floats = |v: &serde_json::Value| -> Vec<f32> {
+        let list = v.as_array().map(Vec::as_slice).unwrap_or_default();
+        list.iter()
+            .filter_map(|x| x.as_f64())
+            .map(|x| x as f32)
+            .collect()
+    };
+    let loss = entry["loss"].as_f64().ok_or("no loss")? as f32;
+    let grads = entry["grads"].as_object().map(|grads| {
+        (grads.iter())
+            .map(|(k, v)| (k.clone(), floats(v)))
+            .collect()
+    });
+    Ok((loss, floats(&entry["logits"]), grads))
+}
+
+/// The records Burn users have from the Burn before 0.22 (`NamedMpkFileRecorder`, which
+/// Burn 0.22 cannot read), written by Burn 0.21 itself at full precision and gzipped at half
+/// precision, load straight into each rank's shards. Against what Burn 0.21 computed from
+/// them: the same logits and loss, and (the full-precision record) every gathered gradient.
+#[test]
+fn burn_0_21_records_load_sharded_and_compute_what_burn_0_21_computed() -> Result<(), Error> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
+    let config = parallel::SharedLayerModelConfig::new(VOCAB, 16, 4, 32, 3);
+    for record in ["model.mpk", "model_half.mpk.gz"] {
+        let (loss, logits, grads) = burn_0_21_expected(record)?;
+        assert_eq!(
+            logits.len(),
+            B * S * VOCAB,
+            "{record}: the fixture's logits"
+        );
+        // ANCHOR: legacy_record
+        // A record of Burn 0.21's `NamedMpkFileRecorder`, by its extension.
+        let source = RecordSource::from_path(dir.join(record));
+        assert!(matches!(source, RecordSource::NamedMpk(_)));
+        // ANCHOR_END: legacy_record
+        for tp in [1, 2, 4] {
+            let out = tp_ranks(tp, |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let plan = TpPlan::new().encoder(&["layer"])?;
+                let plan = plan
+                    .column(&["head.linear_inner"])?
+                    .row(&["head.linear_outer"])?;
+                let plan = plan.vocab(&["embedding"])?.gathered_vocab(&["output"])?;
+                let model = plan.apply(config.init(d), g)?;
+                let (model, report) = load_sharded(model, &source, g, &LoadOptions::default())?;
+                assert_eq!(report.loaded.len(), 25, "{record}: {report:?}");
+                let (ids, targets, mask_pad) = batch(d);
+                let logits =
+                    burn_megatron_tests::values(model.logits(ids.clone(), mask_pad.clone()));
+                let (l, gr) = super::loss_and_grads(&model, model.loss(ids, targets, mask_pad), g);
+                Ok::<_, Error>((logits, l, gr))
+            })?;
+            for (rank, (got_logits, got_loss, got_grads)) in out.iter().enumerate() {
+                let what = format!("{record} at TP {tp}, rank {rank}");
+                let dl = super::max_abs_diff(got_logits, &logits);
+                assert!(dl < 1e-5, "{what}: logits off by {dl}");
+                assert!(
+                    (got_loss - loss).abs() < 1e-5,
+                    "{what}: loss {got_loss}, Burn 0.21's {loss}"
+                );
+                if let Some(grads) = &grads {
+                    assert_eq!(got_grads.len(), grads.len(), "{what}: gradients");
+                    let (worst, name) = super::grad_diff(got_grads, grads);
+                    assert!(worst < 1e-5, "{what}: gradient {name} off by {worst}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Burn's own `TransformerEncoder` (its layers a `Vec` in the record), saved by Burn 0.21,
+/// split at TP 2 and 4 as Megatron splits a layer: Burn 0.21's output.
+#[test]
+fn a_burn_0_21_transformer_encoder_record_loads_sharded() -> Result<(), Error> {
+    use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
+    let all: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
+    let want: Vec<f32> = (all["encoder.mpk"]["output"].as_array())
+        .ok_or("no encoder output")?
+        .iter()
+        .filter_map(|x| x.as_f64().map(|x| x as f32))
+        .collect();
+    let d_model = 16;
+    let source = RecordSource::from_path(dir.join("encoder.mpk"));
+    for tp in [2, 4] {
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let config = ours::TransformerEncoderConfig::new(d_model, 32, 4, 2).with_dropout(0.0);
+            let encoder = TpPlan::new()
+                .encoder(&["layers.*"])?
+                .apply(config.init(d), g)?;
+            let (encoder, report) = load_sharded(encoder, &source, g, &LoadOptions::default())?;
+            assert_eq!(report.loaded.len(), 2 * 16, "{report:?}");
+            let x: Vec<f32> = (0..B * S * d_model)
+                .map(|i| (i * 37 % 101) as f32 / 50.0 - 1.0)
+                .collect();
+            let x = Tensor::<3>::from_data(TensorData::new(x, [B, S, d_model]), d);
+            let (_, _, mask_pad) = batch(d);
+            let input = ours::TransformerEncoderInput::new(x).mask_pad(mask_pad);
+            Ok::<_, Error>(burn_megatron_tests::values(encoder.forward(input)))
+        })?;
+        for (rank, y) in out.iter().enumerate() {
+            assert_eq!(y.len(), want.len());
+            let dy = super::max_abs_diff(y, &want);
+            assert!(dy < 1e-5, "TP {tp}, rank {rank}: output off by {dy}");
+        }
+    }
     Ok(())
 }

@@ -52,8 +52,19 @@ impl SharedLayerModelConfig {
 }
 
 impl SharedLayerModel {
-    /// The mean cross-entropy of predicting `targets` from `ids` (both `[b, s]`), with the
-    /// padding positions `mask_pad` masked out of the attention.
+    /// The logits `[b·s, V]` of `ids` (`[b, s]`), with the padding positions `mask_pad`
+    /// masked out of the attention.
+    pub fn logits(&self, ids: Tensor<2, Int>, mask_pad: Tensor<2, Bool>) -> Tensor<2> {
+        let [b, s] = ids.dims();
+        let mut x = self.dropout.forward(self.norm.forward(self.embedding.forward(ids)));
+        for _ in 0..self.repeats {
+            x = self.layer.forward(x, Some(mask_pad.clone()), None);
+        }
+        let x = self.head.forward(x.clone()) + x;
+        self.output.forward(x).reshape([b * s, self.vocab_size])
+    }
+
+    /// The mean cross-entropy of predicting `targets` from `ids` (both `[b, s]`).
     pub fn loss(
         &self,
         ids: Tensor<2, Int>,
@@ -61,12 +72,7 @@ impl SharedLayerModel {
         mask_pad: Tensor<2, Bool>,
     ) -> Tensor<1> {
         let [b, s] = ids.dims();
-        let mut x = self.dropout.forward(self.norm.forward(self.embedding.forward(ids)));
-        for _ in 0..self.repeats {
-            x = self.layer.forward(x, Some(mask_pad.clone()), None);
-        }
-        let x = self.head.forward(x.clone()) + x;
-        let logits = self.output.forward(x).reshape([b * s, self.vocab_size]);
+        let logits = self.logits(ids, mask_pad);
         nn::loss::CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, targets.reshape([b * s]))

@@ -24,77 +24,15 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 mod options;
+mod source;
 
 use super::{StageKey, StageKeys};
 pub use options::{LoadOptions, LoadReport, rotary_half_to_interleaved};
-
-/// A whole-model record on disk, in a format Burn 0.22 writes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RecordSource {
-    /// A burnpack file (`.bpk`): what `Module::save_file` and burn-store's `BurnpackStore`
-    /// write.
-    Burnpack(PathBuf),
-    /// A safetensors file: burn-store's `SafetensorsStore`, or Hugging Face's.
-    Safetensors(PathBuf),
-    /// A PyTorch checkpoint (`torch.save` of a state dict: `.pt`, `.pth`, Hugging Face's
-    /// `pytorch_model.bin`), in any container `torch.save` has written; with
-    /// `top_level_key`, the state dict is the value under that key (`"state_dict"`,
-    /// `"model"`) of a checkpoint that holds more.
-    Pytorch {
-        /// The file.
-        path: PathBuf,
-        /// The key whose value is the state dict, if it is not the file's top level.
-        top_level_key: Option<String>,
-    },
-    /// A checkpoint sharded over several files, as Hugging Face saves one: its index
-    /// (`model.safetensors.index.json`, `pytorch_model.bin.index.json`), whose `weight_map`
-    /// names the files of its directory, each read by its extension (safetensors, or a
-    /// PyTorch state dict).
-    Index(PathBuf),
-}
-
-impl RecordSource {
-    /// The source for `path`, by its name: `*.index.json` an index of shards;
-    /// `.safetensors`; `.pt`, `.pth` or `.bin` a PyTorch state dict at the top level;
-    /// anything else burnpack.
-    ///
-    /// ```
-    /// use burn_megatron::tensor_parallel::dropin::RecordSource;
-    /// let source = RecordSource::from_path("checkpoint/pytorch_model.bin");
-    /// assert!(matches!(source, RecordSource::Pytorch { top_level_key: None, .. }));
-    /// let source = RecordSource::from_path("Llama-3.1-8B/model.safetensors.index.json");
-    /// assert!(matches!(source, RecordSource::Index(_)));
-    /// ```
-    pub fn from_path(path: impl AsRef<Path>) -> Self {
-        let path = path.as_ref().to_path_buf();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.ends_with(".index.json") {
-            return Self::Index(path);
-        }
-        if crate::pytorch_io::is_pytorch(&path) {
-            return Self::Pytorch {
-                path,
-                top_level_key: None,
-            };
-        }
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("safetensors") => Self::Safetensors(path),
-            _ => Self::Burnpack(path),
-        }
-    }
-
-    fn path(&self) -> &Path {
-        match self {
-            Self::Burnpack(p)
-            | Self::Safetensors(p)
-            | Self::Index(p)
-            | Self::Pytorch { path: p, .. } => p,
-        }
-    }
-}
+pub use source::RecordSource;
+use source::{legacy_tensors, pytorch_tensors, safetensors_tensors};
 
 /// `model` with every float parameter replaced by this rank's part of the tensor the record
 /// at `source` holds under the parameter's module path: its split from the layer's parallel
@@ -159,6 +97,11 @@ pub fn load_sharded<M: Module>(
             let stored = pytorch_tensors(path, top_level_key.as_deref()).map_err(&file)?;
             load(model, stored, (tp_rank, tp_size), options)
         }
+        RecordSource::NamedMpk(path) => {
+            let buffer = crate::legacy_record::open(path).map_err(&file)?;
+            let stored = legacy_tensors(&buffer).map_err(&file)?;
+            load(model, stored, (tp_rank, tp_size), options)
+        }
         RecordSource::Index(index) => {
             let dir = index.parent().unwrap_or(Path::new("."));
             let files = safetensors_io::index_files(index).map_err(&file)?;
@@ -180,35 +123,6 @@ pub fn load_sharded<M: Module>(
             load(model, stored, (tp_rank, tp_size), options)
         }
     }
-}
-
-/// The tensors of a mapped safetensors file, as views of the map.
-fn safetensors_tensors(map: &[u8]) -> Result<Vec<(String, Stored<'_>)>, String> {
-    let st = safetensors::SafeTensors::deserialize(map).map_err(|e| e.to_string())?;
-    st.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let dtype = safetensors_io::burn_dtype(view.dtype())?;
-            let (dims, bytes) = (view.shape().to_vec(), Bytes::Mapped(view.data()));
-            Ok((name, Stored { dtype, dims, bytes }))
-        })
-        .collect()
-}
-
-/// The tensors of a PyTorch checkpoint (its state dict under `top_level_key`, if given),
-/// each read when its shard is cut.
-fn pytorch_tensors(
-    path: &Path,
-    top_level_key: Option<&str>,
-) -> Result<Vec<(String, Stored<'static>)>, String> {
-    let tensors = crate::pytorch_io::tensors(path, top_level_key)?;
-    Ok(tensors
-        .into_iter()
-        .map(|t| {
-            let (dtype, dims, bytes) = (t.dtype, t.shape, Bytes::Read(t.tensor));
-            (t.name, Stored { dtype, dims, bytes })
-        })
-        .collect())
 }
 
 /// Where a tensor's bytes are.

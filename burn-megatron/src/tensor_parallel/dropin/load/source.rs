@@ -1,0 +1,126 @@
+//! Where a whole-model record is, and its tensors read as views of the file where the format
+//! allows.
+
+use super::{Bytes, Stored};
+use crate::safetensors_io;
+use std::path::{Path, PathBuf};
+
+/// A whole-model record on disk: one Burn 0.22 writes, a legacy Burn record, or a PyTorch or
+/// Hugging Face checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordSource {
+    /// A burnpack file (`.bpk`): what `Module::save_file` and burn-store's `BurnpackStore`
+    /// write.
+    Burnpack(PathBuf),
+    /// A safetensors file: burn-store's `SafetensorsStore`, or Hugging Face's.
+    Safetensors(PathBuf),
+    /// A PyTorch checkpoint (`torch.save` of a state dict: `.pt`, `.pth`, Hugging Face's
+    /// `pytorch_model.bin`), in any container `torch.save` has written; with
+    /// `top_level_key`, the state dict is the value under that key (`"state_dict"`,
+    /// `"model"`) of a checkpoint that holds more.
+    Pytorch {
+        /// The file.
+        path: PathBuf,
+        /// The key whose value is the state dict, if it is not the file's top level.
+        top_level_key: Option<String>,
+    },
+    /// A checkpoint sharded over several files, as Hugging Face saves one: its index
+    /// (`model.safetensors.index.json`, `pytorch_model.bin.index.json`), whose `weight_map`
+    /// names the files of its directory, each read by its extension (safetensors, or a
+    /// PyTorch state dict).
+    Index(PathBuf),
+    /// A record of the Burn before 0.22, which Burn 0.22 no longer reads:
+    /// `NamedMpkFileRecorder`'s `.mpk` (read through a memory map) or
+    /// `NamedMpkGzFileRecorder`'s `.mpk.gz` (inflated into memory whole first), written by
+    /// Burn 0.14 to 0.21 at full or half precision. tracel-ai's pretrained models
+    /// (llama-burn's `model.mpk`) are such records.
+    NamedMpk(PathBuf),
+}
+
+impl RecordSource {
+    /// The source for `path`, by its name: `*.index.json` an index of shards;
+    /// `.safetensors`; `.mpk` or `.mpk.gz` a legacy Burn record; `.pt`, `.pth` or `.bin` a
+    /// PyTorch state dict at the top level; anything else burnpack.
+    ///
+    /// ```
+    /// use burn_megatron::tensor_parallel::dropin::RecordSource;
+    /// let source = RecordSource::from_path("checkpoint/pytorch_model.bin");
+    /// assert!(matches!(source, RecordSource::Pytorch { top_level_key: None, .. }));
+    /// let source = RecordSource::from_path("Llama-3.1-8B/model.safetensors.index.json");
+    /// assert!(matches!(source, RecordSource::Index(_)));
+    /// let source = RecordSource::from_path("llama-3.2-1b-instruct-burn/model.mpk");
+    /// assert!(matches!(source, RecordSource::NamedMpk(_)));
+    /// ```
+    pub fn from_path(path: impl AsRef<Path>) -> Self {
+        let path = path.as_ref().to_path_buf();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.ends_with(".index.json") {
+            return Self::Index(path);
+        }
+        if crate::legacy_record::is_legacy(&path) {
+            return Self::NamedMpk(path);
+        }
+        if crate::pytorch_io::is_pytorch(&path) {
+            return Self::Pytorch {
+                path,
+                top_level_key: None,
+            };
+        }
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("safetensors") => Self::Safetensors(path),
+            _ => Self::Burnpack(path),
+        }
+    }
+
+    pub(super) fn path(&self) -> &Path {
+        match self {
+            Self::Burnpack(p)
+            | Self::Safetensors(p)
+            | Self::Index(p)
+            | Self::NamedMpk(p)
+            | Self::Pytorch { path: p, .. } => p,
+        }
+    }
+}
+
+/// The tensors of a mapped safetensors file, as views of the map.
+pub(super) fn safetensors_tensors(map: &[u8]) -> Result<Vec<(String, Stored<'_>)>, String> {
+    let st = safetensors::SafeTensors::deserialize(map).map_err(|e| e.to_string())?;
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let dtype = safetensors_io::burn_dtype(view.dtype())?;
+            let (dims, bytes) = (view.shape().to_vec(), Bytes::Mapped(view.data()));
+            Ok((name, Stored { dtype, dims, bytes }))
+        })
+        .collect()
+}
+
+/// The tensors of a PyTorch checkpoint (its state dict under `top_level_key`, if given),
+/// each read when its shard is cut.
+pub(super) fn pytorch_tensors(
+    path: &Path,
+    top_level_key: Option<&str>,
+) -> Result<Vec<(String, Stored<'static>)>, String> {
+    let tensors = crate::pytorch_io::tensors(path, top_level_key)?;
+    Ok(tensors
+        .into_iter()
+        .map(|t| {
+            let (dtype, dims, bytes) = (t.dtype, t.shape, Bytes::Read(t.tensor));
+            (t.name, Stored { dtype, dims, bytes })
+        })
+        .collect())
+}
+
+/// The tensors of a legacy Burn record (`.mpk`, or `.mpk.gz` inflated), as views of `buffer`.
+pub(super) fn legacy_tensors(buffer: &[u8]) -> Result<Vec<(String, Stored<'_>)>, String> {
+    let (version, tensors) = crate::legacy_record::tensors(buffer)?;
+    tracing::debug!("a record of Burn {version}: {} tensors", tensors.len());
+    Ok(tensors
+        .into_iter()
+        .map(|t| {
+            let (dtype, dims, bytes) = (t.dtype, t.dims, Bytes::Mapped(t.bytes));
+            (t.name, Stored { dtype, dims, bytes })
+        })
+        .collect())
+}
