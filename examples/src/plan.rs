@@ -590,10 +590,6 @@ impl Setup {
 
     /// Layers pipeline rank `p` holds, over its chunks.
     fn rank_layers(&self, p: usize) -> usize {
-        self.stage_layers
-            .iter()
-            .skip(p)
-            .step_by(self.pp.max(1))
-            .sum()
+        burn_megatron::topology::LayerSplit::per_rank(&self.stage_layers, self.pp)[p]
     }
 }

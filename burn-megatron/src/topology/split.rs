@@ -137,6 +137,22 @@ impl LayerSplit {
         Ok(())
     }
 
+    /// Layers each of `pipeline_size` ranks holds over its chunks, from
+    /// [`layers_per_virtual_stage`](Self::layers_per_virtual_stage)'s answer: virtual stage
+    /// `s` sits on rank `s mod P`.
+    ///
+    /// ```
+    /// use burn_megatron::topology::LayerSplit;
+    /// // PP 2 × VP 2, the first stage with 1 layer: chunks 1, 3 | 3, 3.
+    /// assert_eq!(LayerSplit::per_rank(&[1, 3, 3, 3], 2), vec![4, 6]);
+    /// ```
+    pub fn per_rank(layers_per_virtual_stage: &[usize], pipeline_size: usize) -> Vec<usize> {
+        let p = pipeline_size.max(1);
+        (0..p)
+            .map(|rank| layers_per_virtual_stage.iter().skip(rank).step_by(p).sum())
+            .collect()
+    }
+
     /// Layers of each virtual stage, in virtual-stage order (`chunk·P + pipeline_rank`),
     /// for a model of `num_layers`; they add up to `num_layers`.
     ///

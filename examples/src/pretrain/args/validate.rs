@@ -237,10 +237,8 @@ impl TrainArgs {
             self.pipeline_model_parallel_size,
             self.layers_per_virtual_stage()?,
         );
-        let per_rank = (0..pp)
-            .map(|rank| per_stage.iter().skip(rank).step_by(pp).sum::<usize>())
-            .max()
-            .unwrap_or(0);
+        let per_rank = burn_megatron::topology::LayerSplit::per_rank(&per_stage, pp);
+        let per_rank = per_rank.into_iter().max().unwrap_or(0);
         self.recompute().check(per_rank).map_err(|e| e.0)?;
         self.parallel_config()?;
         self.validate_context_parallel()?;
