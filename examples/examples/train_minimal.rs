@@ -64,6 +64,7 @@ fn model_config() -> GptConfig {
 
 /// One rank's training: returns its losses (the last pipeline stage's; empty elsewhere).
 fn train(ctx: RankContext, data: &GptCorpusDataset, root: &Path) -> Result<Vec<f32>> {
+    // ANCHOR: setup
     let stage = PipelinePosition::of(&ctx.state, 0);
     let mut chunks: Vec<Gpt> =
         vec![model_config().init_stage(&ctx.groups.tp, stage, &ctx.device)?];
@@ -81,13 +82,15 @@ fn train(ctx: RankContext, data: &GptCorpusDataset, root: &Path) -> Result<Vec<f
     let batches = BatchLayout::new(GLOBAL_BATCH, MICRO_BATCH, DP)?;
     let schedule = PipelineSchedule::new(PP, batches.num_micro_batches());
     let p2p = ctx.p2p(P2pShapes::Variable);
+    // ANCHOR_END: setup
     let (dp_rank, last_stage) = (ctx.state.data_parallel_rank(), stage.is_last_stage());
     let logs = last_stage && dp_rank == 0 && ctx.state.tensor_model_parallel_rank() == 0;
     let mut losses = Vec::new();
     // ANCHOR: loop
     for iteration in 0..TRAIN_ITERS {
         // One microbatch through this rank's stage; the first stage embeds the tokens,
-        // the last computes the loss, the others take and give hidden states.
+        // the last computes the loss, the others take and give hidden states (3: their
+        // tensor rank, [b, s, h]).
         let step = |s: ForwardStep<'_, Gpt, 3>| {
             let samples = batches.micro_batch(iteration, dp_rank, s.microbatch);
             let samples: Vec<_> = samples.map(|i| data.sample(i % data.len())).collect();

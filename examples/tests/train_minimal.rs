@@ -1,14 +1,17 @@
-//! The `train_minimal` example, as a newcomer runs it: it trains (the loss falls from the
-//! uniform guess over its byte vocabulary) and its checkpoint, saved at TP 2 × PP 2 × DP 2
-//! with the distributed optimizer, verifies and names the layout it was saved at.
+//! The two smallest training loops, as a newcomer runs them: `train_minimal` (the built-in
+//! GPT at TP 2 × PP 2 × DP 2) and `train_dropin` (a Burn user's model at TP 2 × DP 2). Each
+//! trains (the loss falls from the uniform guess over its byte vocabulary) and its
+//! checkpoint, saved with the distributed optimizer, verifies and names the layout it was
+//! saved at.
 
 use crate::common::{example_binary, tmp};
 use burn_megatron::checkpoint::{read_latest, verify_checkpoint};
 
-#[test]
-fn train_minimal_trains_and_saves_a_checkpoint_that_verifies() {
-    let dir = tmp("train-minimal");
-    let out = std::process::Command::new(example_binary("train_minimal"))
+/// Runs `example` with a checkpoint directory and checks its 30 iterations and checkpoint:
+/// `tp` × `pp` × `dp`, the loss down by `fall` at least.
+fn trains_and_saves(example: &str, (tp, pp, dp): (usize, usize, usize), fall: f64) {
+    let dir = tmp(example);
+    let out = std::process::Command::new(example_binary(example))
         .arg(&dir)
         .output()
         .unwrap();
@@ -28,21 +31,31 @@ fn train_minimal_trains_and_saves_a_checkpoint_that_verifies() {
     let uniform = 256f64.ln();
     assert!(
         (losses[0] - uniform).abs() < 0.3,
-        "first loss {} vs ln 256",
+        "{example}: first loss {} vs ln 256",
         losses[0]
     );
     assert!(
-        losses[29] < losses[0] - 2.0,
-        "the loss did not fall: {losses:?}"
+        losses[29] < losses[0] - fall,
+        "{example}: the loss did not fall: {losses:?}"
     );
     assert_eq!(read_latest(&dir).unwrap(), Some(30));
     let index = verify_checkpoint(&dir, 30).unwrap();
-    // One directory per model-parallel rank: TP 2 × PP 2.
-    assert_eq!(index.ranks.len(), 4, "{:?}", index.dir);
+    // One directory per model-parallel rank.
+    assert_eq!(index.ranks.len(), tp * pp, "{:?}", index.dir);
     let layout = index.ranks[0].1.layout;
-    assert_eq!(layout.tensor_model_parallel_size, 2, "{layout:?}");
-    assert_eq!(layout.pipeline_model_parallel_size, 2);
-    assert_eq!(layout.data_parallel_size, 2);
+    assert_eq!(layout.tensor_model_parallel_size, tp, "{layout:?}");
+    assert_eq!(layout.pipeline_model_parallel_size, pp);
+    assert_eq!(layout.data_parallel_size, dp);
     assert!(layout.distributed_optimizer);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn train_minimal_trains_and_saves_a_checkpoint_that_verifies() {
+    trains_and_saves("train_minimal", (2, 2, 2), 2.0);
+}
+
+#[test]
+fn train_dropin_trains_and_saves_a_checkpoint_that_verifies() {
+    trains_and_saves("train_dropin", (2, 1, 2), 2.0);
 }
