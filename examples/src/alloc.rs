@@ -154,5 +154,9 @@ unsafe impl GlobalAlloc for KeepingMiMalloc {
 #[global_allocator]
 static ALLOCATOR: KeepingMiMalloc = KeepingMiMalloc;
 
-#[cfg(test)]
-mod tests;
+/// mimalloc's purge delay now, in milliseconds: -1 once the allocator has made its first
+/// allocation, when it keeps what it frees.
+pub fn purge_delay() -> std::ffi::c_long {
+    // SAFETY: a plain option read.
+    unsafe { libmimalloc_sys::mi_option_get(PURGE_DELAY) }
+}

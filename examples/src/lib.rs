@@ -43,7 +43,7 @@ pub fn llama(
     // ANCHOR_END: llama_config
 }
 
-mod alloc;
+pub mod alloc;
 pub mod checkpoint_tool;
 pub mod dataset_tool;
 pub mod dropin;

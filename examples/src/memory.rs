@@ -231,6 +231,3 @@ impl RankMemory {
         )
     }
 }
-
-#[cfg(test)]
-mod tests;

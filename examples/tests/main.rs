@@ -17,3 +17,4 @@ mod gpt_pretrain;
 mod legacy_configs;
 mod reshard;
 mod train_minimal;
+mod units;

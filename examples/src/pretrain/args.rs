@@ -545,6 +545,3 @@ impl TrainArgs {
 mod validate;
 
 pub use validate::{Domain, check_float};
-
-#[cfg(test)]
-mod tests;

@@ -31,6 +31,3 @@ impl TrainDevice {
             .map_err(|e| format!("--device {name}: {e}"))
     }
 }
-
-#[cfg(test)]
-mod tests;
