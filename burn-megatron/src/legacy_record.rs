@@ -92,6 +92,32 @@ pub(crate) fn tensors(buffer: &[u8]) -> Result<(String, Vec<LegacyTensor<'_>>), 
     Ok((version, out))
 }
 
+/// Writes the record at `from` as a burnpack file at `to` (exactly that path), each tensor
+/// under its module path with its dtype and shape, read from the record when the writer
+/// reaches it: the writer holds one tensor at a time. The number of tensors written.
+pub(crate) fn to_burnpack(from: &Path, to: &Path) -> Result<usize, String> {
+    let buffer = std::sync::Arc::new(open(from)?);
+    let (_, tensors) = tensors(&buffer)?;
+    let base = buffer.as_ptr() as usize;
+    let packed: Vec<_> = tensors
+        .into_iter()
+        .map(|t| {
+            let (start, len) = (t.bytes.as_ptr() as usize - base, t.bytes.len());
+            let buffer = buffer.clone();
+            burn_pack::Tensor::deferred(t.name, t.dtype, t.dims, None, len, move || {
+                let bytes = buffer[start..start + len].to_vec();
+                Ok(burn::tensor::Bytes::from_bytes_vec(bytes))
+            })
+        })
+        .collect();
+    let n = packed.len();
+    burn_pack::Writer::new(packed)
+        .auto_extension(false)
+        .write_to_file(to)
+        .map_err(|e| format!("{}: {e}", to.display()))?;
+    Ok(n)
+}
+
 /// Collects the tensors under `node`, whose module path is `path`.
 fn walk<'a>(
     node: &Node<'a>,

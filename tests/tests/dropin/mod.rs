@@ -159,8 +159,16 @@ fn grad_diff(got: &Values, want: &Values) -> (f32, String) {
     if noise.0 > rest.0 { noise } else { rest }
 }
 
+/// The largest `|a − b|`; infinite where either is NaN (`f32::max` would skip it), or where
+/// the lengths differ.
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
+    a.iter().zip(b).fold(0f32, |m, (a, b)| {
+        let d = (a - b).abs();
+        if d.is_nan() { f32::INFINITY } else { m.max(d) }
+    })
 }
 
 /// A split run's output and gathered gradients against the plain run's: within 1e-5 (the

@@ -226,3 +226,59 @@ fn a_burn_0_21_transformer_encoder_record_loads_sharded() -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// A Burn user who needs no parallelism converts the record once: `convert_named_mpk` writes
+/// burnpack, which Burn 0.22's own reader loads into the plain model (here the model under
+/// `burn::nn`), giving Burn 0.21's loss, logits and gradients. A half-precision record stays
+/// f16: Burn 0.22 adopts a record's dtype unless asked to cast to the module's, which is
+/// what Burn 0.21 did on load.
+#[test]
+fn a_converted_burn_0_21_record_loads_into_the_plain_burn_model() -> Result<(), Error> {
+    use burn_megatron::tensor_parallel::dropin::convert_named_mpk;
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
+    let dir = super::load::scratch("convert-mpk");
+    let config = plain::SharedLayerModelConfig::new(VOCAB, 16, 4, 32, 3);
+    for record in ["model.mpk", "model_half.mpk.gz"] {
+        let (loss, logits, grads) = burn_0_21_expected(record)?;
+        let converted = dir.join(format!("{record}.bpk"));
+        let n = convert_named_mpk(&fixtures.join(record), &converted)?;
+        assert_eq!(n, 25, "{record}");
+        let device = Device::flex().autodiff();
+        let stored = burn::store::ModuleRecord::load(&converted)?;
+        let kept = config.init(&device).try_load_record(stored.clone())?;
+        let half = record.contains("half");
+        let dtype = kept.output.weight.val().dtype();
+        assert_eq!(
+            dtype == burn::tensor::DType::F16,
+            half,
+            "{record}: {dtype:?}"
+        );
+        let model = config
+            .init(&device)
+            .try_load_record(stored.cast_to_module_dtype())?;
+        let (ids, targets, mask_pad) = batch(&device);
+        let got_logits = burn_megatron_tests::values(model.logits(ids.clone(), mask_pad.clone()));
+        let dl = super::max_abs_diff(&got_logits, &logits);
+        assert!(dl < 1e-5, "{record}: logits off by {dl}");
+        let loss_tensor = model.loss(ids, targets, mask_pad);
+        let (got_loss, got_grads) = super::loss_and_grads(&model, loss_tensor, &super::solo());
+        assert!(
+            (got_loss - loss).abs() < 1e-5,
+            "{record}: loss {got_loss}, Burn 0.21's {loss}"
+        );
+        if let Some(grads) = &grads {
+            let (worst, name) = super::grad_diff(&got_grads, grads);
+            assert!(worst < 1e-5, "{record}: gradient {name} off by {worst}");
+        }
+    }
+    // A file that is not a record is refused, naming it; nothing is written.
+    let bad = dir.join("not-a-record.mpk");
+    std::fs::write(&bad, b"not msgpack")?;
+    let e = convert_named_mpk(&bad, &dir.join("out.bpk"))
+        .err()
+        .ok_or("converted garbage")?;
+    assert!(e.to_string().contains("not-a-record.mpk"), "{e}");
+    assert!(!dir.join("out.bpk").exists());
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}

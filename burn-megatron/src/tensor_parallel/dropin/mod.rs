@@ -35,7 +35,10 @@ mod stage;
 
 pub use heads::{AttentionSplit, attention_split};
 pub use init::master_init;
-pub use load::{LoadOptions, LoadReport, RecordSource, load_sharded, rotary_half_to_interleaved};
+pub use load::{
+    LoadOptions, LoadReport, RecordSource, convert_named_mpk, load_sharded,
+    rotary_half_to_interleaved,
+};
 pub use plan::{Split, TpPlan};
 pub use save::save_gathered;
 pub use slot::TpSlot;

@@ -31,7 +31,7 @@ mod source;
 
 use super::{StageKey, StageKeys};
 pub use options::{LoadOptions, LoadReport, rotary_half_to_interleaved};
-pub use source::RecordSource;
+pub use source::{RecordSource, convert_named_mpk};
 use source::{legacy_tensors, pytorch_tensors, safetensors_tensors};
 
 /// `model` with every float parameter replaced by this rank's part of the tensor the record

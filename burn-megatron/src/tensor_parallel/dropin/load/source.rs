@@ -3,6 +3,7 @@
 
 use super::{Bytes, Stored};
 use crate::safetensors_io;
+use crate::tensor_parallel::TpError;
 use std::path::{Path, PathBuf};
 
 /// A whole-model record on disk: one Burn 0.22 writes, a legacy Burn record, or a PyTorch or
@@ -123,4 +124,22 @@ pub(super) fn legacy_tensors(buffer: &[u8]) -> Result<Vec<(String, Stored<'_>)>,
             (t.name, Stored { dtype, dims, bytes })
         })
         .collect())
+}
+
+/// Rewrites a record of the Burn before 0.22 (`NamedMpkFileRecorder`'s `.mpk`, or
+/// `NamedMpkGzFileRecorder`'s `.mpk.gz`) as a burnpack file at `to`, which Burn 0.22's own
+/// `Module::load_file` reads into the plain model: every tensor under its module path, with
+/// the dtype and shape the record gives it (a half-precision record stays f16). The writer
+/// holds one tensor at a time. Returns the number of tensors written.
+///
+/// No model is needed, and nothing is communicated; for a parallel model, `load_sharded`
+/// reads the legacy record directly.
+///
+/// # Errors
+///
+/// What [`RecordSource::NamedMpk`] refuses to read, and a file that cannot be written;
+/// each names the path.
+pub fn convert_named_mpk(from: &Path, to: &Path) -> Result<usize, TpError> {
+    crate::legacy_record::to_burnpack(from, to)
+        .map_err(|e| TpError::Invalid(format!("{}: {e}", from.display())))
 }
