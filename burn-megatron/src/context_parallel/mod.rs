@@ -140,12 +140,6 @@ impl ContextParallel {
         self.comm.group().rank()
     }
 
-    /// Sends `x` to the next rank of the ring and returns the previous rank's (a
-    /// differentiable mapping: backward sends the gradient back).
-    pub fn ring_shift<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        apply(x, Mapping::RingShift { forward: true }, &self.comm)
-    }
-
     /// The CP group.
     pub fn comm(&self) -> &Comm {
         &self.comm

@@ -46,7 +46,8 @@ pub struct DataParallelConfig {
     pub bucket_size: Option<usize>,
     /// Average over the group (`true`, Megatron's default) or sum.
     pub average: bool,
-    /// Reduce bf16/f16 gradients in f32 (they come back in their dtype).
+    /// Reduce bf16/f16 gradients in f32 (they come back in their dtype). The overlapped
+    /// reducer always reduces in f32, into its FP32 main gradients, whatever this says.
     pub reduce_in_fp32: bool,
 }
 

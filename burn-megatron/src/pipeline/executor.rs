@@ -312,6 +312,9 @@ where
     let mut acc = GradientsAccumulator::<M>::new();
     let mut warned_tracked = false;
 
+    // No message names its microbatch or chunk: every rank walks the same schedule table,
+    // so the n-th activation (or gradient) a rank receives on a channel is the one the n-th
+    // matching op of its neighbour sent. Both channels are FIFO per pair of ranks.
     for op in ops {
         let vs = virtual_stage(p, rank, op.chunk);
         let (first, last) = (vs == 0, vs + 1 == stages);

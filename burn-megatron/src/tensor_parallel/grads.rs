@@ -10,6 +10,10 @@ use burn::optim::GradientsParams;
 /// [`sequence_parallel`](super::ParallelAttrs::sequence_parallel): under sequence parallelism
 /// each rank's gradient of a duplicated parameter (LayerNorm weights, row-parallel bias)
 /// covers only its part of the sequence. Megatron does this in `finalize_model_grads`.
+///
+/// Only the built-in layers mark their parameters so. The drop-in layers sum these
+/// gradients inside the autodiff graph instead (`dropin/nn/sequence.rs`), so that a plain
+/// Burn loop steps on whole gradients; this function leaves them alone.
 pub fn allreduce_sequence_parallel_grads<M: Module>(
     module: &M,
     grads: &mut GradientsParams,

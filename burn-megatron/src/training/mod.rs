@@ -7,8 +7,9 @@
 //! ```text
 //! let mut training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
 //! let mut optim = training.optimizer(adamw, &chunks)?;          // ZeRO-1 if configured
+//! let hooks = training.grad_sync();                             // overlapped reduction
 //! loop {
-//!     fb.grad_sync = training.grad_sync().as_deref();           // overlapped reduction
+//!     fb.grad_sync = hooks.as_deref();
 //!     let out = forward_backward_func(…, &chunks, …, fb)?;
 //!     training.finalize(&chunks, &mut grads)?;                  // finalize_model_grads
 //!     (chunks, _) = optim.step(lr, chunks, grads)?;
@@ -259,7 +260,8 @@ impl ParallelTraining {
     /// Megatron's `finalize_model_grads` for this configuration: the data-parallel
     /// reduction (waited for when it overlapped backward, reduce-scattered for the
     /// distributed optimizer), the tensor-parallel reduction of sequence-parallel
-    /// gradients, and the embedding group's of tied embeddings.
+    /// gradients, the embedding group's of tied embeddings, and the experts' over their
+    /// expert-data-parallel replicas.
     pub fn finalize<M: Module>(
         &self,
         model: &M,

@@ -92,14 +92,6 @@ fn run(
             let side_by_side = into_contiguous(CubeBackend::float_swap_dims(blocks, 0, 1));
             CubeBackend::float_reshape(side_by_side, with(last, cols * n))
         }
-        Mapping::RingShift { forward } => {
-            let (to, from) = super::host::ring_peers(forward, me, n);
-            // The send is queued without waiting for the receiver, and the ring's channels
-            // open in the group's order (see `connect`), so the ring cannot lock.
-            comm.connect(&[to, from])?;
-            cuda_tensor::send(dev, group.clone(), x.clone(), to)?;
-            cuda_tensor::recv(dev, group, &x, &dims, x.dtype, from)?
-        }
     })
 }
 

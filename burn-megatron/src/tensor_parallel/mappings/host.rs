@@ -96,25 +96,7 @@ fn exchange(
             dims[0] = part;
             (out, dims)
         }
-        Mapping::RingShift { forward } => {
-            let (to, from) = ring_peers(forward, me, n);
-            // (`send_recv` opens the ring's channels in the group's order, see `connect`.)
-            let mut out = Buffer::zeros(buf.dtype(), buf.len());
-            comm.send_recv(buf, to, &mut out, from)?;
-            (out, dims)
-        }
     })
-}
-
-/// The members a ring shift of member `me` of `n` sends to and receives from: the next and the
-/// previous (`forward`), or the other way round.
-pub(crate) fn ring_peers(forward: bool, me: usize, n: usize) -> (usize, usize) {
-    let (next, previous) = ((me + 1) % n, (me + n - 1) % n);
-    if forward {
-        (next, previous)
-    } else {
-        (previous, next)
-    }
 }
 
 /// Sends `send[j]` rows (dim 0) of `x` to member `j` and returns the rows received,

@@ -61,13 +61,6 @@ pub enum Mapping {
     },
     /// Reduce-scatter dim 0 forward, all-gather it backward.
     ReduceScatterToSp,
-    /// Send to the next member of the ring and receive from the previous one (`forward`),
-    /// or the other way round; backward shifts the gradient back. Context parallelism's ring
-    /// attention passes key/value blocks with it.
-    RingShift {
-        /// Towards higher ranks.
-        forward: bool,
-    },
 }
 
 impl Mapping {
@@ -87,7 +80,6 @@ impl Mapping {
             Mapping::GatherFromSp {
                 tensor_parallel_output_grad: false,
             } => Mapping::ScatterToSp,
-            Mapping::RingShift { forward } => Mapping::RingShift { forward: !forward },
         }
     }
 
@@ -101,7 +93,6 @@ impl Mapping {
             Mapping::ScatterToSp => "scatter_to_sequence_parallel_region",
             Mapping::GatherFromSp { .. } => "gather_from_sequence_parallel_region",
             Mapping::ReduceScatterToSp => "reduce_scatter_to_sequence_parallel_region",
-            Mapping::RingShift { .. } => "cp_ring_send_recv",
         }
     }
 }

@@ -24,8 +24,9 @@ use burn::tensor::Tensor;
 
 /// `norm` whose parameters' gradients are summed over the group in backward: under sequence
 /// parallelism each rank normalises its own positions, so its gradients are partial sums.
-/// Summed inside the graph (Megatron sums them once, in `finalize_model_grads`), so that a
-/// plain Burn training loop steps on whole gradients.
+/// Summed inside the graph (Megatron sums them once, in `finalize_model_grads`, as the
+/// built-in layers do through `allreduce_sequence_parallel_grads`), so that a plain Burn
+/// training loop steps on whole gradients.
 pub(super) fn norm_over_sequence(norm: &LayerNorm, tp: &Comm) -> LayerNorm {
     let summed = |p: &Param<Tensor<1>>| {
         Param::initialized(p.id, copy_to_tensor_model_parallel_region(p.val(), tp))
