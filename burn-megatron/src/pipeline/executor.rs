@@ -108,6 +108,38 @@ impl std::fmt::Debug for ForwardBackwardConfig<'_> {
 }
 
 impl ForwardBackwardConfig<'_> {
+    /// Refuses a schedule that does not fit the pipeline group or the chunks, hooks that
+    /// are not one per chunk, and a gradient scale that is not finite and positive.
+    fn check(&self, p2p: &P2pCommunicator, chunks: usize) -> Result<(), PipelineError> {
+        let (schedule, p) = (self.schedule, p2p.group().size());
+        let v = schedule.num_model_chunks;
+        if schedule.pipeline_size != p {
+            return Err(PipelineError::Invalid(format!(
+                "the schedule is for P = {} stages but the pipeline group {} has {p}",
+                schedule.pipeline_size,
+                p2p.group()
+            )));
+        }
+        if chunks != v {
+            return Err(PipelineError::Invalid(format!(
+                "the schedule has V = {v} model chunks per stage but {chunks} chunks were given"
+            )));
+        }
+        if let Some(r) = self.grad_sync.filter(|r| r.len() != v) {
+            return Err(PipelineError::Invalid(format!(
+                "{} grad_sync hooks for {v} model chunks (one per chunk)",
+                r.len()
+            )));
+        }
+        if !self.grad_scale.is_finite() || self.grad_scale <= 0.0 {
+            return Err(PipelineError::Invalid(format!(
+                "grad_scale must be finite and positive, got {}",
+                self.grad_scale
+            )));
+        }
+        Ok(())
+    }
+
     /// Runs `schedule` with no loss scale, no overlap and no timeline.
     pub fn new(schedule: PipelineSchedule) -> Self {
         Self {
@@ -272,31 +304,7 @@ where
     let (p, rank) = (p2p.group().size(), p2p.group().rank());
     let v = schedule.num_model_chunks;
     let m = schedule.num_microbatches;
-    if schedule.pipeline_size != p {
-        return Err(PipelineError::Invalid(format!(
-            "the schedule is for P = {} stages but the pipeline group {} has {p}",
-            schedule.pipeline_size,
-            p2p.group()
-        )));
-    }
-    if chunks.len() != v {
-        return Err(PipelineError::Invalid(format!(
-            "the schedule has V = {v} model chunks per stage but {} chunks were given",
-            chunks.len()
-        )));
-    }
-    if let Some(r) = config.grad_sync.filter(|r| r.len() != v) {
-        return Err(PipelineError::Invalid(format!(
-            "{} grad_sync hooks for {v} model chunks (one per chunk)",
-            r.len()
-        )));
-    }
-    if !config.grad_scale.is_finite() || config.grad_scale <= 0.0 {
-        return Err(PipelineError::Invalid(format!(
-            "grad_scale must be finite and positive, got {}",
-            config.grad_scale
-        )));
-    }
+    config.check(p2p, chunks.len())?;
     let ops = schedule.ops(rank)?;
     p2p.connect()?;
     // Auxiliary losses (MoE load balancing) inside the chunks are scaled as each
@@ -326,11 +334,9 @@ where
             .map(|r| r[op.chunk].enter(reducer_last));
         match op.pass {
             Pass::Forward => {
-                let input = if first {
-                    None
-                } else {
-                    Some(recorder.time(SpanKind::Recv, op, || p2p.recv_forward::<D>(train))?)
-                };
+                let input = (!first)
+                    .then(|| recorder.time(SpanKind::Recv, op, || p2p.recv_forward::<D>(train)))
+                    .transpose()?;
                 let step = ForwardStep {
                     model: &chunks[op.chunk],
                     chunk: op.chunk,
@@ -343,26 +349,11 @@ where
                 forwards_done[op.chunk] += 1;
                 if !train && !warned_tracked && out.is_tracked() {
                     warned_tracked = true;
-                    tracing::warn!(
-                        "forward_backward_func: a forward-only schedule on tracked chunks builds \
-                         Burn's graph, which Burn frees only in a later backward, so each \
-                         microbatch's activations stay until then; evaluate on `valid()` copies \
-                         of the chunks, with inputs on `device.without_autodiff()`"
-                    );
+                    warn_tracked_forward_only();
                 }
                 let output = match (out, last) {
                     (ChunkOutput::Loss { loss, report }, true) => {
-                        if loss.dims()[0] != 1 {
-                            return Err(PipelineError::Invalid(format!(
-                                "{op}: the loss must have one element, got dims {:?}",
-                                loss.dims()
-                            )));
-                        }
-                        losses.push(MicrobatchLoss {
-                            microbatch: op.microbatch,
-                            loss: loss.clone().detach().cast(DType::F32),
-                            report: report.into_iter().map(Tensor::detach).collect(),
-                        });
+                        losses.push(microbatch_loss(op, &loss, report)?);
                         Output::Loss(loss * (config.grad_scale / m as f64))
                     }
                     (ChunkOutput::Activation(a), false) => {
@@ -370,18 +361,7 @@ where
                         let (stub, slot) = stand_in(a);
                         Output::Sent(stub, slot)
                     }
-                    (ChunkOutput::Loss { .. }, false) => {
-                        return Err(PipelineError::Invalid(format!(
-                            "{op}: chunk {} of pipeline rank {rank} is virtual stage {vs} of {stages}, not the last, but its forward step returned a loss",
-                            op.chunk
-                        )));
-                    }
-                    (ChunkOutput::Activation(_), true) => {
-                        return Err(PipelineError::Invalid(format!(
-                            "{op}: chunk {} of pipeline rank {rank} is the last virtual stage, but its forward step returned an activation instead of the loss",
-                            op.chunk
-                        )));
-                    }
+                    (out, _) => return Err(misplaced(op, &out, rank, vs, stages)),
                 };
                 if train {
                     live.insert((op.microbatch, op.chunk), Live { input, output });
@@ -413,13 +393,9 @@ where
                     )
                 });
                 acc.accumulate(&chunks[op.chunk], grads);
-                if !first {
-                    let g = match (input_grad, input) {
-                        (Some(g), _) => g,
-                        // The chunk ignored its input: its gradient is zero.
-                        (None, Some(x)) => x.inner().zeros_like(),
-                        (None, None) => unreachable!("every stage but the first has an input"),
-                    };
+                // Every stage but the first has an input; a chunk that ignored it sends zeros.
+                if let Some(x) = input {
+                    let g = input_grad.unwrap_or_else(|| x.inner().zeros_like());
                     recorder.time(SpanKind::Send, op, || p2p.send_backward(g))?;
                 }
             }
@@ -434,4 +410,54 @@ where
         peak_live_microbatches: peak,
         spans: recorder.spans,
     })
+}
+
+/// The last stage's loss of microbatch `op`, kept (detached, f32) for the report.
+fn microbatch_loss(
+    op: PipelineOp,
+    loss: &Tensor<1>,
+    report: Vec<Tensor<1>>,
+) -> Result<MicrobatchLoss, PipelineError> {
+    if loss.dims()[0] != 1 {
+        return Err(PipelineError::Invalid(format!(
+            "{op}: the loss must have one element, got dims {:?}",
+            loss.dims()
+        )));
+    }
+    Ok(MicrobatchLoss {
+        microbatch: op.microbatch,
+        loss: loss.clone().detach().cast(DType::F32),
+        report: report.into_iter().map(Tensor::detach).collect(),
+    })
+}
+
+/// A forward step that returned a loss where an activation was due, or the other way round.
+fn misplaced<const D: usize>(
+    op: PipelineOp,
+    out: &ChunkOutput<D>,
+    rank: usize,
+    vs: usize,
+    stages: usize,
+) -> PipelineError {
+    PipelineError::Invalid(match out {
+        ChunkOutput::Loss { .. } => format!(
+            "{op}: chunk {} of pipeline rank {rank} is virtual stage {vs} of {stages}, not the \
+             last, but its forward step returned a loss",
+            op.chunk
+        ),
+        ChunkOutput::Activation(_) => format!(
+            "{op}: chunk {} of pipeline rank {rank} is the last virtual stage, but its forward \
+             step returned an activation instead of the loss",
+            op.chunk
+        ),
+    })
+}
+
+fn warn_tracked_forward_only() {
+    tracing::warn!(
+        "forward_backward_func: a forward-only schedule on tracked chunks builds Burn's graph, \
+         which Burn frees only in a later backward, so each microbatch's activations stay \
+         until then; evaluate on `valid()` copies of the chunks, with inputs on \
+         `device.without_autodiff()`"
+    );
 }
