@@ -52,6 +52,16 @@ fn batch(
     (ids.clone().narrow(1, 0, S), ids.narrow(1, 1, S), mask_pad)
 }
 
+/// The model's layout: the shared layer as Megatron splits a layer, the block column then
+/// row, the vocabulary over both ends (the logits gathered).
+fn plan() -> Result<TpPlan, Error> {
+    let plan = TpPlan::new().encoder(&["layer"])?;
+    let plan = plan
+        .column(&["head.linear_inner"])?
+        .row(&["head.linear_outer"])?;
+    Ok(plan.vocab(&["embedding"])?.gathered_vocab(&["output"])?)
+}
+
 #[test]
 fn a_model_written_against_burns_nn_swaps_its_nn_and_trains_as_burns_at_tp_2_and_4()
 -> Result<(), Error> {
@@ -72,12 +82,7 @@ fn a_model_written_against_burns_nn_swaps_its_nn_and_trains_as_burns_at_tp_2_and
     for tp in [2, 4] {
         let out = tp_ranks(tp, |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let plan = TpPlan::new().encoder(&["layer"])?;
-            let plan = plan
-                .column(&["head.linear_inner"])?
-                .row(&["head.linear_outer"])?;
-            let plan = plan.vocab(&["embedding"])?.gathered_vocab(&["output"])?;
-            let model = plan.apply(config.init(d), g)?;
+            let model = plan()?.apply(config.init(d), g)?;
             let (model, _) = load_sharded(model, &source, g, &LoadOptions::default())?;
             // Each rank holds its shards.
             let held = |w: [usize; 2]| w[0] * w[1];
@@ -153,12 +158,7 @@ fn burn_0_21_records_load_sharded_and_compute_what_burn_0_21_computed() -> Resul
         for tp in [1, 2, 4] {
             let out = tp_ranks(tp, |ctx| {
                 let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let plan = TpPlan::new().encoder(&["layer"])?;
-                let plan = plan
-                    .column(&["head.linear_inner"])?
-                    .row(&["head.linear_outer"])?;
-                let plan = plan.vocab(&["embedding"])?.gathered_vocab(&["output"])?;
-                let model = plan.apply(config.init(d), g)?;
+                let model = plan()?.apply(config.init(d), g)?;
                 let (model, report) = load_sharded(model, &source, g, &LoadOptions::default())?;
                 assert_eq!(report.loaded.len(), 25, "{record}: {report:?}");
                 let (ids, targets, mask_pad) = batch(d);

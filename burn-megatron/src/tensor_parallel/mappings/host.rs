@@ -4,6 +4,10 @@
 //! exchanged and written back, with its dtype kept. A failed collective panics: Burn's op
 //! signatures cannot carry an error, and a panic inside a rank is reported by the launcher
 //! with the rank, while its peers fail promptly instead of waiting for it.
+//!
+//! `comm::tensor` moves whole `Tensor`s the same way for code outside the graph; the
+//! mappings run inside a backend extension, on the backend's primitives, where that API is
+//! not available, hence these readers of their own.
 
 use super::super::init::slice_cols;
 use super::Mapping;
