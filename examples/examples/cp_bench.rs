@@ -23,7 +23,8 @@ use burn::tensor::DType;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::comm::tensor;
 use burn_megatron::context_parallel::{ContextParallel, CpCommType, RingStats};
-use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
+use burn_megatron::data_parallel::DataParallelConfig;
+use burn_megatron::data_parallel::advanced::{DpReduction, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::GptStageOutput;
 use burn_megatron::topology::ParallelConfig;
@@ -152,7 +153,7 @@ fn measure(args: &Args, cp: usize, comm_type: CpCommType) -> Result<Vec<Measured
             finalize_model_grads(
                 &model,
                 &mut grads,
-                &ctx.groups.dp_cp,
+                DpReduction::AllReduce(&ctx.groups.dp_cp),
                 &ctx.groups.tp,
                 None,
                 &DataParallelConfig::default(),

@@ -19,7 +19,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::data_parallel::{
     DataParallelConfig,
-    advanced::{finalize_expert_grads, finalize_model_grads},
+    advanced::{DpReduction, finalize_expert_grads, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, RankContext, threads};
 use burn_megatron::models::{Gpt, GptConfig};
@@ -113,9 +113,22 @@ fn step(
     let value = loss.clone().into_scalar::<f32>();
     let mut grads = GradientsParams::from_grads(loss.backward(), &model);
     let (g, ddp) = (&ctx.groups, DataParallelConfig::default());
-    finalize_model_grads(&model, &mut grads, &g.dp, &g.tp, None, &ddp)?;
+    finalize_model_grads(
+        &model,
+        &mut grads,
+        DpReduction::AllReduce(&g.dp),
+        &g.tp,
+        None,
+        &ddp,
+    )?;
     let dp = ctx.state.data_parallel_size();
-    finalize_expert_grads(&model, &mut grads, &g.expert_dp, dp, &ddp)?;
+    finalize_expert_grads(
+        &model,
+        &mut grads,
+        DpReduction::AllReduce(&g.expert_dp),
+        dp,
+        &ddp,
+    )?;
     Ok((optim.step(1e-3, model, grads)?.0, value))
 }
 

@@ -12,7 +12,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{Comm, Probed};
 use burn_megatron::data_parallel::{
     DataParallelConfig,
-    advanced::{OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped},
+    advanced::{DpReduction, OverlapReducer, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{
@@ -102,13 +102,18 @@ fn step_ms(mode: Mode, bytes_per_s: f64) -> f64 {
             let t_bwd = t.elapsed().as_secs_f64() * 1e3;
             match mode {
                 Mode::NoReduction => {}
-                Mode::AfterBackward => {
-                    finalize_model_grads(&model, &mut grads, &dp, tp, None, &dp_config)?
-                }
-                Mode::Overlapped => finalize_model_grads_overlapped(
-                    reducer.as_slice(),
+                Mode::AfterBackward => finalize_model_grads(
                     &model,
                     &mut grads,
+                    DpReduction::AllReduce(&dp),
+                    tp,
+                    None,
+                    &dp_config,
+                )?,
+                Mode::Overlapped => finalize_model_grads(
+                    &model,
+                    &mut grads,
+                    DpReduction::Overlapped(reducer.as_slice()),
                     tp,
                     None,
                     &dp_config,

@@ -8,7 +8,8 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{DType, Device, Tensor};
 use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::comm::{Comm, LocalWorld, ReduceOp};
-use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
+use burn_megatron::data_parallel::DataParallelConfig;
+use burn_megatron::data_parallel::advanced::{DpReduction, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::*;
 use burn_megatron::tensor_parallel::*;
@@ -165,7 +166,7 @@ pub fn run_layout_with(tp: usize, dp: usize, kind: Kind, fusion: bool) -> Vec<Tr
                 finalize_model_grads(
                     &model,
                     &mut grads,
-                    &ctx.groups.dp,
+                    DpReduction::AllReduce(&ctx.groups.dp),
                     g,
                     None,
                     &DataParallelConfig::default(),

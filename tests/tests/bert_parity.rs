@@ -6,7 +6,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor};
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
-use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
+use burn_megatron::data_parallel::DataParallelConfig;
+use burn_megatron::data_parallel::advanced::{DpReduction, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{AttnBackend, AttnMaskType, Bert, BertStageOutput, MaskedPositions};
 use burn_megatron::optimizer::{FusedAdamConfig, MegatronOptimizer, NormType};
@@ -70,7 +71,7 @@ fn run_on(
             finalize_model_grads(
                 &model,
                 &mut grads,
-                &ctx.groups.dp,
+                DpReduction::AllReduce(&ctx.groups.dp),
                 g,
                 None,
                 &DataParallelConfig::default(),
@@ -287,7 +288,7 @@ fn a_model_reloaded_through_burn_records_keeps_its_parallel_attributes() {
             finalize_model_grads(
                 &model,
                 &mut grads,
-                &ctx.groups.dp,
+                DpReduction::AllReduce(&ctx.groups.dp),
                 g,
                 None,
                 &DataParallelConfig::default(),
@@ -461,7 +462,7 @@ fn bert_with_context_parallelism_matches_one_rank() {
                 finalize_model_grads(
                     &model,
                     &mut grads,
-                    dp_cp,
+                    DpReduction::AllReduce(dp_cp),
                     g,
                     None,
                     &DataParallelConfig::default(),

@@ -9,7 +9,7 @@ use burn::tensor::{Device, Tensor};
 use burn_megatron::comm::{Comm, CommunicatorExt, ReduceOp};
 use burn_megatron::data_parallel::{
     DataParallelConfig,
-    advanced::{OverlapReducer, finalize_model_grads, finalize_model_grads_overlapped},
+    advanced::{DpReduction, OverlapReducer, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{Bert, BertConfig, BertStageOutput};
@@ -164,11 +164,23 @@ fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
             let mut grads = out.grads;
             let (dp, emb) = (&ctx.groups.dp, ctx.groups.embedding.as_ref());
             if l.overlap {
-                finalize_model_grads_overlapped(
-                    &reducers, &chunks, &mut grads, tp, emb, &dp_config,
+                finalize_model_grads(
+                    &chunks,
+                    &mut grads,
+                    DpReduction::Overlapped(&reducers),
+                    tp,
+                    emb,
+                    &dp_config,
                 )?;
             } else {
-                finalize_model_grads(&chunks, &mut grads, dp, tp, emb, &dp_config)?;
+                finalize_model_grads(
+                    &chunks,
+                    &mut grads,
+                    DpReduction::AllReduce(dp),
+                    tp,
+                    emb,
+                    &dp_config,
+                )?;
             }
             let (c, report) = optim.step(1e-3, chunks, grads)?;
             chunks = c;

@@ -138,46 +138,63 @@ pub(crate) fn dense_params<M: Module>(module: &M) -> Vec<(ParamId, usize)> {
         .collect()
 }
 
-/// Reduces the gradients of `module`'s expert parameters over the expert data-parallel group
-/// `expert_dp` (Megatron's `expt_dp_group`). Each expert saw the tokens of every dense
-/// data-parallel replica of its expert-parallel group, so the sum over `expert_dp` is scaled
-/// by `1 / data_parallel_size` (the dense DP × CP size) when `config.average`, as
-/// Megatron-Core's `expert_gradient_scaling_factor`: the result is the gradient of the
+/// How [`finalize_model_grads`] and [`finalize_expert_grads`] reduce over the
+/// data-parallel group: Megatron's three ways, chosen by `--overlap-grad-reduce` and
+/// `--use-distributed-optimizer`.
+#[derive(Debug, Clone, Copy)]
+pub enum DpReduction<'a> {
+    /// All-reduced over the group after backward, in buckets.
+    AllReduce(&'a Comm),
+    /// Reduce-scattered over the group by each model chunk's plan (the distributed
+    /// optimizer): this rank keeps the reduced values of the elements it owns, zeros
+    /// elsewhere.
+    ReduceScatter(&'a Comm, &'a [ShardPlan]),
+    /// Started during backward by these reducers, one per model chunk (Megatron's
+    /// `start_grad_sync`): waited for here (its `finish_grad_sync`).
+    Overlapped(&'a [OverlapReducer]),
+}
+
+/// Reduces the gradients of `module`'s expert parameters over the expert data-parallel
+/// group (Megatron's `expt_dp_group`), all-reduced or reduce-scattered by the experts' plans
+/// ([`ShardPlan::experts`]); the experts' reduction does not overlap backward. Each expert
+/// saw the tokens of every dense data-parallel replica of its expert-parallel group, so the
+/// sum is scaled by `1 / data_parallel_size` (the dense DP × CP size) when `config.average`,
+/// as Megatron-Core's `expert_gradient_scaling_factor`: the result is the gradient of the
 /// replicas' mean loss, as the dense parameters' average is.
 ///
-/// [`finalize_model_grads`] and its variants reduce only the dense parameters; a model with
-/// experts calls this too (as [`ParallelTraining::finalize`](crate::training::ParallelTraining::finalize)
+/// [`finalize_model_grads`] reduces only the dense parameters; a model with experts calls
+/// this too (as [`ParallelTraining::finalize`](crate::training::ParallelTraining::finalize)
 /// does).
 pub fn finalize_expert_grads<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
-    expert_dp: &Comm,
+    reduction: DpReduction<'_>,
     data_parallel_size: usize,
     config: &DataParallelConfig,
 ) -> Result<(), CommError> {
     let experts = expert_params(module);
-    if !experts.is_empty() && expert_dp.group().size() > 1 {
-        reduce_in_buckets(&experts, grads, expert_dp, config, ReduceOp::Sum)?;
+    match reduction {
+        DpReduction::AllReduce(expert_dp) => {
+            if !experts.is_empty() && expert_dp.group().size() > 1 {
+                reduce_in_buckets(&experts, grads, expert_dp, config, ReduceOp::Sum)?;
+            }
+        }
+        DpReduction::ReduceScatter(expert_dp, plans) => {
+            for plan in plans {
+                sharded::reduce_scatter_with(plan, grads, expert_dp, config, ReduceOp::Sum)?;
+            }
+        }
+        DpReduction::Overlapped(_) => {
+            return Err(CommError::InvalidArgument {
+                group: "expert data-parallel".into(),
+                op: "finalize_expert_grads",
+                reason: "the experts' reduction does not overlap backward: pass AllReduce or \
+                         ReduceScatter"
+                    .into(),
+            });
+        }
     }
     scale_expert_grads(&experts, grads, data_parallel_size, config)
-}
-
-/// [`finalize_expert_grads`] for the distributed optimizer: each model chunk's expert plan
-/// ([`ShardPlan::experts`], made for `expert_dp`) reduce-scattered, so that this rank holds
-/// the reduced gradients of the expert elements it owns (zeros elsewhere), as
-/// [`reduce_scatter_gradients`](super::sharded::reduce_scatter_gradients) leaves the dense ones.
-pub fn finalize_expert_grads_distributed<M: Module>(
-    plans: &[ShardPlan],
-    module: &M,
-    grads: &mut GradientsParams,
-    expert_dp: &Comm,
-    data_parallel_size: usize,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    for plan in plans {
-        sharded::reduce_scatter_with(plan, grads, expert_dp, config, ReduceOp::Sum)?;
-    }
-    scale_expert_grads(&expert_params(module), grads, data_parallel_size, config)
 }
 
 /// The expert parameters of `module` (id, tensor rank), which [`finalize_expert_grads`]
@@ -207,40 +224,38 @@ fn scale_expert_grads(
     Ok(())
 }
 
-/// Megatron's `finalize_model_grads`: data-parallel reduction, then the tensor-parallel
-/// all-reduce of sequence-parallel parameters' gradients, then the embedding-group
-/// all-reduce of shared-embedding gradients (tied word embeddings across pipeline stages;
-/// pass `None` without pipelines).
+/// Megatron's `finalize_model_grads`: the data-parallel reduction `reduction` asks for,
+/// then the tensor-parallel all-reduce of sequence-parallel parameters' gradients, then the
+/// embedding-group all-reduce of shared-embedding gradients (tied word embeddings across
+/// pipeline stages; pass `None` without pipelines). Expert parameters are left to
+/// [`finalize_expert_grads`].
 pub fn finalize_model_grads<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
-    dp: &Comm,
+    reduction: DpReduction<'_>,
     tp: &Comm,
     embedding: Option<&Comm>,
     config: &DataParallelConfig,
 ) -> Result<(), CommError> {
-    all_reduce_gradients(module, grads, dp, config)?;
-    finalize_non_dp(module, grads, tp, embedding, config)
-}
-
-/// [`finalize_model_grads`] after a step whose data-parallel reduction overlapped with
-/// backward: waits for each of `reducers` (one per model chunk of a pipeline stage, or just
-/// one), then the sequence-parallel and embedding reductions of `module`.
-pub fn finalize_model_grads_overlapped<M: Module>(
-    reducers: &[OverlapReducer],
-    module: &M,
-    grads: &mut GradientsParams,
-    tp: &Comm,
-    embedding: Option<&Comm>,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    for reducer in reducers {
-        reducer.finish(grads)?;
+    match reduction {
+        DpReduction::AllReduce(dp) => {
+            all_reduce_gradients(module, grads, dp, config)?;
+        }
+        DpReduction::ReduceScatter(dp, plans) => {
+            for plan in plans {
+                sharded::reduce_scatter_gradients(plan, grads, dp, config)?;
+            }
+        }
+        DpReduction::Overlapped(reducers) => {
+            for reducer in reducers {
+                reducer.finish(grads)?;
+            }
+        }
     }
     finalize_non_dp(module, grads, tp, embedding, config)
 }
 
-pub(super) fn finalize_non_dp<M: Module>(
+fn finalize_non_dp<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
     tp: &Comm,

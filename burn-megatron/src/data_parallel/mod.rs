@@ -12,8 +12,9 @@
 //! - [`advanced::OverlapReducer`] instead starts each bucket's reduction during the last
 //!   micro-batch's backward, as soon as its gradients are in.
 //! - With the distributed optimizer an [`advanced::ShardPlan`] decides which elements each
-//!   rank owns, and the buckets are reduce-scattered
-//!   ([`advanced::finalize_model_grads_distributed`]).
+//!   rank owns, and the buckets are reduce-scattered.
+//!
+//! [`advanced::DpReduction`] names the three; [`advanced::finalize_model_grads`] takes one.
 
 mod finalize;
 mod overlap;
@@ -25,18 +26,18 @@ mod tests;
 pub(crate) use finalize::{dense_params, expert_params};
 
 /// The pieces [`ParallelTraining`](crate::training::ParallelTraining) assembles, for a loop
-/// that holds its reducers and shard plans itself: `ParallelTraining::finalize` is one of the
-/// three `finalize_model_grads*` (after backward, overlapped with it, or reduce-scattered for
-/// the distributed optimizer) and, for a model with experts, one of the two
-/// `finalize_expert_grads*`.
+/// that holds its reducers and shard plans itself: `ParallelTraining::finalize` is
+/// `finalize_model_grads` with the configuration's [`DpReduction`](advanced::DpReduction)
+/// (after backward, overlapped with it, or reduce-scattered for the distributed optimizer)
+/// and, for a model with experts, `finalize_expert_grads`.
 pub mod advanced {
     pub use super::finalize::{
-        all_reduce_gradients, bucket_layout, finalize_expert_grads,
-        finalize_expert_grads_distributed, finalize_model_grads, finalize_model_grads_overlapped,
+        DpReduction, all_reduce_gradients, bucket_layout, finalize_expert_grads,
+        finalize_model_grads,
     };
     pub use super::overlap::OverlapReducer;
     pub use super::shard::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
-    pub use super::sharded::{finalize_model_grads_distributed, reduce_scatter_gradients};
+    pub use super::sharded::reduce_scatter_gradients;
 }
 
 /// How gradients are reduced over the data-parallel group.

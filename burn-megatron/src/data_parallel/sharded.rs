@@ -8,12 +8,10 @@
 //! peer owns the same elements (their modules have the same shapes, so the same plan).
 
 use super::DataParallelConfig;
-use super::finalize::finalize_non_dp;
 use super::shard::ShardPlan;
 use crate::comm::tensor;
 use crate::comm::{Buffer, Comm, CommError, ReduceOp, comm_dtype};
 use crate::param_grads::{put_flat, take_flat, zero_padded};
-use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::DType;
 
@@ -101,22 +99,4 @@ pub(super) fn reduce_scatter_with(
         }
     }
     Ok(issued)
-}
-
-/// [`finalize_model_grads`](super::advanced::finalize_model_grads) for the distributed optimizer:
-/// each model chunk's plan reduced over `dp` ([`reduce_scatter_gradients`]), then the
-/// sequence-parallel and embedding reductions of `module` (all chunks).
-pub fn finalize_model_grads_distributed<M: Module>(
-    plans: &[ShardPlan],
-    module: &M,
-    grads: &mut GradientsParams,
-    dp: &Comm,
-    tp: &Comm,
-    embedding: Option<&Comm>,
-    config: &DataParallelConfig,
-) -> Result<(), CommError> {
-    for plan in plans {
-        reduce_scatter_gradients(plan, grads, dp, config)?;
-    }
-    finalize_non_dp(module, grads, tp, embedding, config)
 }

@@ -140,3 +140,16 @@ fn a_group_of_one_issues_nothing() {
     .unwrap();
     assert_eq!(out, vec![0]);
 }
+
+/// The experts are not hooked by the overlapped reducer, so asking for their reduction to
+/// have overlapped backward is an error, not a silently unreduced gradient.
+#[test]
+fn the_experts_reduction_refuses_to_overlap() {
+    let device = burn::tensor::Device::flex();
+    let model: Linear = burn::nn::LinearConfig::new(2, 2).init(&device);
+    let mut grads = GradientsParams::new();
+    let config = DataParallelConfig::default();
+    let overlapped = DpReduction::Overlapped(&[]);
+    let e = finalize_expert_grads(&model, &mut grads, overlapped, 2, &config).unwrap_err();
+    assert!(e.to_string().contains("does not overlap backward"), "{e}");
+}

@@ -216,8 +216,9 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// the optimizer's state only for the elements `shards`' plans give it, 12 bytes per
     /// parameter for Adam over the data-parallel size instead of 12 (the experts' over the
     /// expert data-parallel size). Its gradients must come from the plans' reduction
-    /// ([`finalize_model_grads_distributed`] or [`OverlapReducer::distributed`], and
-    /// [`finalize_expert_grads_distributed`] for experts); a step measures its shards
+    /// ([`finalize_model_grads`] with [`DpReduction::ReduceScatter`] or
+    /// [`OverlapReducer::distributed`], and [`finalize_expert_grads`] with
+    /// `ReduceScatter` for experts); a step measures its shards
     /// (overflow and norm summed over the data-parallel groups too), steps them, and
     /// all-gathers the updated weights bucket by bucket. A model with experts needs expert
     /// plans ([`OptimizerShards::with_experts`]).
@@ -229,8 +230,9 @@ impl<M: Module + Clone> MegatronOptimizer<M> {
     /// [`ParallelTraining::optimizer`](crate::training::ParallelTraining::optimizer) builds
     /// this when configured with `use_distributed_optimizer`.
     ///
-    /// [`finalize_model_grads_distributed`]: crate::data_parallel::advanced::finalize_model_grads_distributed
-    /// [`finalize_expert_grads_distributed`]: crate::data_parallel::advanced::finalize_expert_grads_distributed
+    /// [`finalize_model_grads`]: crate::data_parallel::advanced::finalize_model_grads
+    /// [`DpReduction::ReduceScatter`]: crate::data_parallel::advanced::DpReduction::ReduceScatter
+    /// [`finalize_expert_grads`]: crate::data_parallel::advanced::finalize_expert_grads
     /// [`OverlapReducer::distributed`]: crate::data_parallel::advanced::OverlapReducer::distributed
     /// [`OptimizerShards::with_experts`]: crate::data_parallel::advanced::OptimizerShards::with_experts
     pub fn distributed(

@@ -29,9 +29,8 @@ use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, Communica
 use crate::data_parallel::{
     DataParallelConfig,
     advanced::{
-        OptimizerShards, OverlapReducer, ShardPlan, finalize_expert_grads,
-        finalize_expert_grads_distributed, finalize_model_grads, finalize_model_grads_distributed,
-        finalize_model_grads_overlapped,
+        DpReduction, OptimizerShards, OverlapReducer, ShardPlan, finalize_expert_grads,
+        finalize_model_grads,
     },
     expert_params,
 };
@@ -272,24 +271,23 @@ impl ParallelTraining {
             self.embedding.as_ref(),
             &self.config.data_parallel,
         );
-        if self.config.overlap_grad_reduce {
-            finalize_model_grads_overlapped(&self.reducers, model, grads, tp, embedding, config)?;
+        let (dp, expert_dp) = (&self.dp, &self.expert_dp);
+        let dense = if self.config.overlap_grad_reduce {
+            DpReduction::Overlapped(&self.reducers)
         } else if self.config.use_distributed_optimizer {
-            let dp = &self.dp;
-            finalize_model_grads_distributed(&self.plans, model, grads, dp, tp, embedding, config)?;
+            DpReduction::ReduceScatter(dp, &self.plans)
         } else {
-            finalize_model_grads(model, grads, &self.dp, tp, embedding, config)?;
-        }
-        // Expert parameters are reduced over their own replicas (none of the paths above
-        // touches them), reduce-scattered for the distributed optimizer.
-        let (expert_dp, dp_size) = (&self.expert_dp, self.dp_size);
-        match self.config.use_distributed_optimizer {
-            true => {
-                let plans = &self.expert_plans;
-                finalize_expert_grads_distributed(plans, model, grads, expert_dp, dp_size, config)
-            }
-            false => finalize_expert_grads(model, grads, expert_dp, dp_size, config),
-        }
+            DpReduction::AllReduce(dp)
+        };
+        // The experts' reduction never overlaps backward.
+        let experts = match self.config.use_distributed_optimizer {
+            true => DpReduction::ReduceScatter(expert_dp, &self.expert_plans),
+            false => DpReduction::AllReduce(expert_dp),
+        };
+        finalize_model_grads(model, grads, dense, tp, embedding, config)?;
+        // Expert parameters are reduced over their own replicas: none of the dense
+        // reductions touches them.
+        finalize_expert_grads(model, grads, experts, self.dp_size, config)
     }
 
     /// Saves iteration `iteration` under `root`, collectively over the world: every rank

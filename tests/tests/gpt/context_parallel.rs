@@ -10,7 +10,8 @@ use super::Error;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::context_parallel::{ContextParallel, CpCommType};
-use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
+use burn_megatron::data_parallel::DataParallelConfig;
+use burn_megatron::data_parallel::advanced::{DpReduction, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{GptConfig, GptStageOutput};
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
@@ -104,7 +105,7 @@ fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, comm_type: CpCommType
             finalize_model_grads(
                 &model,
                 &mut grads,
-                &ctx.groups.dp_cp,
+                DpReduction::AllReduce(&ctx.groups.dp_cp),
                 g,
                 None,
                 &DataParallelConfig::default(),

@@ -11,7 +11,7 @@ use super::Error;
 use super::hf::{Fixture, check_against, fixture, forward_then};
 use burn_megatron::data_parallel::{
     DataParallelConfig,
-    advanced::{finalize_expert_grads, finalize_model_grads},
+    advanced::{DpReduction, finalize_expert_grads, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{HfGptConfig, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt};
@@ -92,8 +92,21 @@ fn reproduced(name: &str) {
             let dp = ctx.state.data_parallel_size();
             let ddp = DataParallelConfig::default();
             forward_then(&model, &hf, &expected, &device, |grads| {
-                finalize_model_grads(&model, grads, &ctx.groups.dp, g, None, &ddp)?;
-                finalize_expert_grads(&model, grads, &ctx.groups.expert_dp, dp, &ddp)?;
+                finalize_model_grads(
+                    &model,
+                    grads,
+                    DpReduction::AllReduce(&ctx.groups.dp),
+                    g,
+                    None,
+                    &ddp,
+                )?;
+                finalize_expert_grads(
+                    &model,
+                    grads,
+                    DpReduction::AllReduce(&ctx.groups.expert_dp),
+                    dp,
+                    &ddp,
+                )?;
                 Ok(())
             })
         })

@@ -15,7 +15,7 @@ use burn_megatron::comm::tensor::all_reduce;
 use burn_megatron::comm::{Comm, ReduceOp};
 use burn_megatron::data_parallel::{
     DataParallelConfig,
-    advanced::{finalize_expert_grads, finalize_model_grads},
+    advanced::{DpReduction, finalize_expert_grads, finalize_model_grads},
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::GptConfig;
@@ -135,8 +135,21 @@ fn run_split(
             let logits = model.forward(b.ids.clone())?;
             let loss = model.loss(logits, b.labels.clone(), mask.clone())?;
             let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-            finalize_model_grads(&model, &mut grads, &ctx.groups.dp, g, None, &ddp)?;
-            finalize_expert_grads(&model, &mut grads, &ctx.groups.expert_dp, dp, &ddp)?;
+            finalize_model_grads(
+                &model,
+                &mut grads,
+                DpReduction::AllReduce(&ctx.groups.dp),
+                g,
+                None,
+                &ddp,
+            )?;
+            finalize_expert_grads(
+                &model,
+                &mut grads,
+                DpReduction::AllReduce(&ctx.groups.expert_dp),
+                dp,
+                &ddp,
+            )?;
             if first_grads.is_none() {
                 first_grads = Some(gathered(&model, Some(&grads), g));
             }

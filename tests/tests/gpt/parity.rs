@@ -7,7 +7,8 @@ use super::Error;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn_megatron::comm::ReduceOp;
 use burn_megatron::comm::tensor::all_reduce;
-use burn_megatron::data_parallel::{DataParallelConfig, advanced::finalize_model_grads};
+use burn_megatron::data_parallel::DataParallelConfig;
+use burn_megatron::data_parallel::advanced::{DpReduction, finalize_model_grads};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::GptConfig;
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
@@ -53,7 +54,7 @@ fn run(config: &GptConfig, tp: usize, dp: usize, sp: bool) -> Vec<Trace> {
             finalize_model_grads(
                 &model,
                 &mut grads,
-                &ctx.groups.dp,
+                DpReduction::AllReduce(&ctx.groups.dp),
                 g,
                 None,
                 &DataParallelConfig::default(),

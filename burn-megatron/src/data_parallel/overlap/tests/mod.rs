@@ -1,6 +1,6 @@
 use super::*;
 use crate::comm::Buffer;
-use crate::data_parallel::advanced::{finalize_model_grads, finalize_model_grads_overlapped};
+use crate::data_parallel::advanced::{DpReduction, finalize_model_grads};
 use crate::launch::{LaunchOptions, threads};
 use crate::models::{ActivationFunc, ParallelMlp};
 use crate::tensor_parallel::{ColumnParallelLinearConfig, RowParallelLinearConfig, TpError};
@@ -92,7 +92,7 @@ fn grads_of(model: &Net, grads: &GradientsParams) -> Vec<Vec<f32>> {
 }
 
 /// Two micro-batches of `loss` with `reducer` active (the second as the last), then
-/// `finalize_model_grads_overlapped`: the reduced gradients.
+/// `finalize_model_grads` with `DpReduction::Overlapped`: the reduced gradients.
 fn overlapped_step(
     reducer: &OverlapReducer,
     model: &Net,
@@ -109,10 +109,10 @@ fn overlapped_step(
         );
     }
     let mut grads = acc.grads();
-    finalize_model_grads_overlapped(
-        std::slice::from_ref(reducer),
+    finalize_model_grads(
         model,
         &mut grads,
+        DpReduction::Overlapped(std::slice::from_ref(reducer)),
         tp,
         None,
         config,
@@ -145,7 +145,14 @@ fn run_on(options: LaunchOptions) -> Vec<RankRun> {
             acc.accumulate(&model, GradientsParams::from_grads(g, &model));
         }
         let mut sync = acc.grads();
-        finalize_model_grads(&model, &mut sync, dp, tp, None, &dp_config)?;
+        finalize_model_grads(
+            &model,
+            &mut sync,
+            DpReduction::AllReduce(dp),
+            tp,
+            None,
+            &dp_config,
+        )?;
         let sync = grads_of(&model, &sync);
 
         let model = net(tp, d)?;
@@ -361,7 +368,14 @@ fn a_layer_without_gradient_in_the_last_micro_batch_neither_hangs_nor_double_cou
                 acc.accumulate(&model, GradientsParams::from_grads(g, &model));
             }
             let mut sync = acc.grads();
-            finalize_model_grads(&model, &mut sync, dp, tp, None, &dp_config)?;
+            finalize_model_grads(
+                &model,
+                &mut sync,
+                DpReduction::AllReduce(dp),
+                tp,
+                None,
+                &dp_config,
+            )?;
             let reducer = OverlapReducer::new(&model, dp, &dp_config);
             for step in 0..2 {
                 let overlapped = overlapped_step(&reducer, &model, tp, &dp_config, |micro| {
@@ -433,7 +447,14 @@ fn a_reducer_activated_on_the_last_micro_batch_only_is_an_error() {
             // it is inactive would count against its step).
             let reference = net(tp, d)?;
             let mut sync = accumulate(&reducer, &reference, dp_rank, micros, d, |_| None);
-            finalize_model_grads(&reference, &mut sync, &ctx.groups.dp, tp, None, &dp_config)?;
+            finalize_model_grads(
+                &reference,
+                &mut sync,
+                DpReduction::AllReduce(&ctx.groups.dp),
+                tp,
+                None,
+                &dp_config,
+            )?;
             let mut overlapped = accumulate(&reducer, &model, dp_rank, micros, d, |micro| {
                 Some(micro + 1 == micros)
             });
@@ -490,7 +511,14 @@ fn a_caller_collective_on_dp_is_not_paired_with_the_reducer_worker() {
         let dp_rank = ctx.state.data_parallel_rank();
         let model = net(tp, d)?;
         let mut sync = accumulate_plain(&model, dp_rank, d);
-        finalize_model_grads(&model, &mut sync, &ctx.groups.dp, tp, None, &dp_config)?;
+        finalize_model_grads(
+            &model,
+            &mut sync,
+            DpReduction::AllReduce(&ctx.groups.dp),
+            tp,
+            None,
+            &dp_config,
+        )?;
 
         let dp = ctx.chunk_data_parallel_groups(1)?.remove(0);
         let reducer = OverlapReducer::new(&model, &dp, &dp_config);
