@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{OnceLock, RwLock};
 
 /// A gradient flattened, with its dims.
-type Flat = (Tensor<1>, Vec<usize>);
+pub(crate) type Flat = (Tensor<1>, Vec<usize>);
 
 /// The rank-`D` accessors of `GradientsParams`, behind rank-erased function pointers.
 #[derive(Clone, Copy)]

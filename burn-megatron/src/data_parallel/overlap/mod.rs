@@ -46,7 +46,7 @@ use crate::comm::handoff::{Handoff, Reduced};
 use crate::comm::{Comm, CommError, Deadline, ReduceOp};
 use crate::grad_hooks::{ActiveGuard, Claim, GradSink, GradSync, activate, claim};
 use crate::module_path::{PathVisitor, visit_paths};
-use crate::param_grads::{put_flat, take_flat};
+use crate::param_grads::{Flat, put_flat, take_flat};
 use buckets::{State, add_buckets, plan_buckets};
 use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -355,25 +355,7 @@ impl OverlapReducer {
         drop(state);
         let joined = worker.map_or(Ok(()), |w| self.join_worker(w));
         let mut state = self.shared.lock();
-        // What to write back, by bucket: each gradient `grads` held or a hook kept.
-        let mut writes: Vec<Vec<WriteBack>> =
-            (0..state.buckets.len()).map(|_| Vec::new()).collect();
-        for &(id, _) in &self.order {
-            let written = match (taken.get(&id), state.delivered.get(&id)) {
-                (Some((flat, dims)), _) => Some((dims.clone(), flat.dtype())),
-                (None, Some(&dtype)) => Some((self.dims[&id].clone(), dtype)),
-                (None, None) => None,
-            };
-            if let Some((dims, dtype)) = written {
-                let slot = state.slots[&id];
-                writes[slot.bucket].push(WriteBack {
-                    id,
-                    dims,
-                    dtype,
-                    slot,
-                });
-            }
-        }
+        let writes = self.write_backs(&state, &taken);
         // The step is over, however it ended: the next one starts afresh.
         state.reset_step();
         let results: Vec<_> = state
@@ -381,17 +363,7 @@ impl OverlapReducer {
             .iter_mut()
             .map(|b| (b.len, b.result.take()))
             .collect();
-        if !state.relaid && !state.hooked.is_empty() && self.shared.plan.is_none() {
-            // Now the hooked parameters are known: bucket them apart from the others, which
-            // only arrive at `finish` and would hold back any bucket they shared.
-            let (hooked, rest): (Vec<_>, Vec<_>) = sized(&self.order, &self.dims)
-                .into_iter()
-                .partition(|(id, _)| state.hooked.contains(id));
-            let mut relaid = State::default();
-            add_buckets(&hooked, self.bucket_size, &mut relaid);
-            add_buckets(&rest, self.bucket_size, &mut relaid);
-            (state.slots, state.buckets, state.relaid) = (relaid.slots, relaid.buckets, true);
-        }
+        self.relayout_hooked_first(&mut state);
         drop(state);
         let single = self.shared.comm.group().size() == 1;
         let mut reduced = Vec::with_capacity(results.len());
@@ -422,6 +394,45 @@ impl OverlapReducer {
             }
         }
         Ok(issued)
+    }
+
+    /// What to write back, by bucket: each gradient `grads` held (`taken`) or a hook kept.
+    fn write_backs(&self, state: &State, taken: &HashMap<ParamId, Flat>) -> Vec<Vec<WriteBack>> {
+        let mut writes: Vec<Vec<WriteBack>> =
+            (0..state.buckets.len()).map(|_| Vec::new()).collect();
+        for &(id, _) in &self.order {
+            let written = match (taken.get(&id), state.delivered.get(&id)) {
+                (Some((flat, dims)), _) => Some((dims.clone(), flat.dtype())),
+                (None, Some(&dtype)) => Some((self.dims[&id].clone(), dtype)),
+                (None, None) => None,
+            };
+            if let Some((dims, dtype)) = written {
+                let slot = state.slots[&id];
+                writes[slot.bucket].push(WriteBack {
+                    id,
+                    dims,
+                    dtype,
+                    slot,
+                });
+            }
+        }
+        writes
+    }
+
+    /// After the first step, once the hooked parameters are known, lays the buckets out
+    /// again with them apart from the others: those only arrive at `finish`, and would hold
+    /// back any bucket they shared. (A distributed optimizer's plan fixes its buckets.)
+    fn relayout_hooked_first(&self, state: &mut State) {
+        if state.relaid || state.hooked.is_empty() || self.shared.plan.is_some() {
+            return;
+        }
+        let (hooked, rest): (Vec<_>, Vec<_>) = sized(&self.order, &self.dims)
+            .into_iter()
+            .partition(|(id, _)| state.hooked.contains(id));
+        let mut relaid = State::default();
+        add_buckets(&hooked, self.bucket_size, &mut relaid);
+        add_buckets(&rest, self.bucket_size, &mut relaid);
+        (state.slots, state.buckets, state.relaid) = (relaid.slots, relaid.buckets, true);
     }
 
     /// Bucket `b` (of `len` elements) as reduced, whole: a reduce-scattered bucket holds its
