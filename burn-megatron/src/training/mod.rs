@@ -69,7 +69,9 @@ pub type GlobalNames = Arc<dyn Fn(&str) -> String + Send + Sync>;
 pub struct ParallelTraining {
     config: ParallelTrainingConfig,
     tp: Comm,
-    dp: Comm,
+    /// Megatron's dp-cp group: context-parallel ranks hold the same weights, so the
+    /// data-parallel reductions run over DP × CP.
+    dp_cp: Comm,
     mp: Comm,
     expert_dp: Comm,
     expert_mp: Comm,
@@ -83,8 +85,8 @@ pub struct ParallelTraining {
     ep_rank: usize,
     /// This rank's index among the replicas of its experts.
     expert_dp_rank: usize,
-    dp_rank: usize,
-    dp_size: usize,
+    dp_cp_rank: usize,
+    dp_cp_size: usize,
     layout: SavedLayout,
     names: GlobalNames,
     plans: Vec<ShardPlan>,
@@ -116,7 +118,7 @@ impl ParallelTrainingConfig {
             // Gradients are reduced, and the distributed optimizer sharded, over data ×
             // context parallelism (Megatron's dp-cp group): CP ranks hold the same weights
             // and each computes part of every gradient.
-            dp: ctx.groups.dp_cp.clone(),
+            dp_cp: ctx.groups.dp_cp.clone(),
             mp: ctx.groups.mp.clone(),
             expert_dp: ctx.groups.expert_dp.clone(),
             expert_mp: ctx.groups.expert_mp.clone(),
@@ -130,8 +132,8 @@ impl ParallelTrainingConfig {
             expert_dp_rank: state
                 .index_in_group(GroupKind::ExpertDataParallel)
                 .expect("a rank always belongs to its own edp group"),
-            dp_rank: state.data_parallel_rank_with_cp(),
-            dp_size: state.data_parallel_size() * state.context_parallel_size(),
+            dp_cp_rank: state.data_parallel_rank_with_cp(),
+            dp_cp_size: state.data_parallel_size() * state.context_parallel_size(),
             layout: SavedLayout {
                 tensor_model_parallel_size: state.tensor_model_parallel_size(),
                 pipeline_model_parallel_size: state.pipeline_model_parallel_size(),
@@ -181,7 +183,7 @@ impl ParallelTraining {
         let config = &self.config.data_parallel;
         let dense = chunks
             .iter()
-            .map(|c| ShardPlan::new(c, self.dp_size, self.dp_rank, config, self.tied))
+            .map(|c| ShardPlan::new(c, self.dp_cp_size, self.dp_cp_rank, config, self.tied))
             .collect();
         let has_experts = chunks.iter().any(|c| !expert_params(c).is_empty());
         let experts = match has_experts {
@@ -198,7 +200,7 @@ impl ParallelTraining {
     /// The distributed optimizer's shards of `chunks` and the groups they shard over.
     fn shards_for<C: Module>(&self, chunks: &[C]) -> OptimizerShards {
         let (dense, experts) = self.plans_for(chunks);
-        let shards = OptimizerShards::new(dense, self.dp.clone());
+        let shards = OptimizerShards::new(dense, self.dp_cp.clone());
         match experts.is_empty() {
             true => shards,
             false => shards.with_experts(experts, self.expert_dp.clone()),
@@ -221,7 +223,7 @@ impl ParallelTraining {
             // expert data-parallel rank 0. With the distributed optimizer every rank takes
             // part, since the state is gathered to those ranks (and only they write).
             share: SaveShare {
-                dense: self.dp_rank == 0 || self.config.use_distributed_optimizer,
+                dense: self.dp_cp_rank == 0 || self.config.use_distributed_optimizer,
                 experts: self.expert_dp_rank == 0 || self.config.use_distributed_optimizer,
             },
             names: &*self.names,
@@ -271,7 +273,7 @@ impl ParallelTraining {
             self.embedding.as_ref(),
             &self.config.data_parallel,
         );
-        let (dp, expert_dp) = (&self.dp, &self.expert_dp);
+        let (dp, expert_dp) = (&self.dp_cp, &self.expert_dp);
         let dense = if self.config.overlap_grad_reduce {
             DpReduction::Overlapped(&self.reducers)
         } else if self.config.use_distributed_optimizer {
@@ -287,7 +289,7 @@ impl ParallelTraining {
         finalize_model_grads(model, grads, dense, tp, embedding, config)?;
         // Expert parameters are reduced over their own replicas: none of the dense
         // reductions touches them.
-        finalize_expert_grads(model, grads, experts, self.dp_size, config)
+        finalize_expert_grads(model, grads, experts, self.dp_cp_size, config)
     }
 
     /// Saves iteration `iteration` under `root`, collectively over the world: every rank
