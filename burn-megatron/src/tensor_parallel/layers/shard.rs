@@ -10,8 +10,13 @@ use crate::tensor_parallel::mappings::{
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 
-/// A layer's `forward_with_bias` is [`parallel_input`](Self::parallel_input), this rank's
-/// product `x·W (+ added bias)`, then [`finish`](Self::finish).
+/// A layer's forward split around its product: [`parallel_input`](Self::parallel_input),
+/// this rank's product `x·W (+ added bias)`, then [`finish`](Self::finish) compute what
+/// `forward_with_bias` computes. `forward_with_bias` does not call them: under sequence
+/// parallelism it fuses the all-gather into the product (`gather_sequence_matmul`, which
+/// gathers again in backward instead of keeping the gathered input), while
+/// `parallel_input` gathers with `gather_from_sequence_parallel_region`, whose gathered
+/// input lives as long as the region's graph.
 pub(crate) trait LinearShard: Module + Clone + Send + 'static {
     /// This rank's weight, `[d_input, d_output]` of its shard.
     fn weight(&self) -> &Param<Tensor<2>>;
