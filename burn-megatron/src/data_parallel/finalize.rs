@@ -2,8 +2,8 @@
 //! ones that finish a step), behind [`ParallelTraining::finalize`](crate::training::ParallelTraining::finalize).
 
 use super::overlap::OverlapReducer;
-use super::shard::ShardPlan;
-use super::{DataParallelConfig, sharded};
+use super::shard_plan::ShardPlan;
+use super::{DataParallelConfig, reduce_scatter};
 use crate::comm::tensor;
 use crate::comm::{Comm, CommError, ReduceOp};
 use crate::param_grads::{float_params, put_flat, take_flat};
@@ -181,7 +181,7 @@ pub fn finalize_expert_grads<M: Module>(
         }
         DpReduction::ReduceScatter(expert_dp, plans) => {
             for plan in plans {
-                sharded::reduce_scatter_with(plan, grads, expert_dp, config, ReduceOp::Sum)?;
+                reduce_scatter::reduce_scatter_with(plan, grads, expert_dp, config, ReduceOp::Sum)?;
             }
         }
         DpReduction::Overlapped(_) => {
@@ -243,7 +243,7 @@ pub fn finalize_model_grads<M: Module>(
         }
         DpReduction::ReduceScatter(dp, plans) => {
             for plan in plans {
-                sharded::reduce_scatter_gradients(plan, grads, dp, config)?;
+                reduce_scatter::reduce_scatter_gradients(plan, grads, dp, config)?;
             }
         }
         DpReduction::Overlapped(reducers) => {

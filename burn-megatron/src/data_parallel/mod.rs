@@ -18,8 +18,8 @@
 
 mod finalize;
 mod overlap;
-mod shard;
-mod sharded;
+mod reduce_scatter;
+mod shard_plan;
 #[cfg(test)]
 mod tests;
 
@@ -36,8 +36,8 @@ pub mod advanced {
         finalize_model_grads,
     };
     pub use super::overlap::OverlapReducer;
-    pub use super::shard::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
-    pub use super::sharded::reduce_scatter_gradients;
+    pub use super::reduce_scatter::reduce_scatter_gradients;
+    pub use super::shard_plan::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
 }
 
 /// How gradients are reduced over the data-parallel group.

@@ -1,9 +1,9 @@
 //! `forward_backward_func`: runs one rank's ops of a [`PipelineSchedule`] over its model
 //! chunks, whatever the model.
 
+use super::deallocate::{GradSlot, stand_in};
 use super::p2p::P2pCommunicator;
 use super::schedule::{Pass, PipelineOp, PipelineSchedule, ScheduleError, virtual_stage};
-use super::sink::{GradSlot, stand_in};
 use super::timeline::{Recorder, Span, SpanKind};
 use crate::comm::CommError;
 use crate::grad_hooks::GradSync;

@@ -16,12 +16,12 @@
 //! (`L/(P·V)` of them, unless the layout splits them unevenly); the first virtual stage embeds,
 //! the last computes the loss.
 
+mod deallocate;
 mod executor;
 mod p2p;
 mod plan;
 mod save;
 mod schedule;
-mod sink;
 mod timeline;
 
 #[cfg(test)]

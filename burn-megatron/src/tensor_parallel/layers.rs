@@ -6,11 +6,11 @@
 //! Under sequence parallelism, activations outside these layers are split along dim 0 (the
 //! sequence, Megatron's `[s, b, h]` layout).
 
+mod pieces;
 mod row;
-mod shard;
 
+pub(crate) use pieces::LinearShard;
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
-pub(crate) use shard::LinearShard;
 
 use super::attrs::{LayoutOwner, ParallelAttrs, real_part};
 use super::init::{MasterInit, slice_cols, slice_rows};

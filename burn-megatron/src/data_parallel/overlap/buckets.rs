@@ -4,7 +4,7 @@
 //! the reduction.
 
 use super::super::finalize::bucket_layout;
-use super::super::shard::ShardPlan;
+use super::super::shard_plan::ShardPlan;
 use crate::comm::CommError;
 use crate::comm::handoff::{Handoff, Reduced};
 use burn::module::ParamId;

@@ -41,7 +41,7 @@ mod tests;
 pub(crate) use buckets::Event;
 
 use super::DataParallelConfig;
-use super::shard::ShardPlan;
+use super::shard_plan::ShardPlan;
 use crate::comm::handoff::{Handoff, Reduced};
 use crate::comm::{Comm, CommError, Deadline, ReduceOp};
 use crate::grad_hooks::{ActiveGuard, Claim, GradSink, GradSync, activate, claim};

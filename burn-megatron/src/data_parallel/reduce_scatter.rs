@@ -8,7 +8,7 @@
 //! peer owns the same elements (their modules have the same shapes, so the same plan).
 
 use super::DataParallelConfig;
-use super::shard::ShardPlan;
+use super::shard_plan::ShardPlan;
 use crate::comm::tensor;
 use crate::comm::{Buffer, Comm, CommError, ReduceOp, comm_dtype};
 use crate::param_grads::{put_flat, take_flat, zero_padded};
