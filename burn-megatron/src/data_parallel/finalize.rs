@@ -252,17 +252,20 @@ pub fn finalize_model_grads<M: Module>(
             }
         }
     }
-    finalize_non_dp(module, grads, tp, embedding, config)
+    // Megatron's `_allreduce_layernorm_grads`: the sequence-parallel parameters' partial
+    // gradients summed over the tensor-parallel group.
+    allreduce_sequence_parallel_grads(module, grads, tp)?;
+    allreduce_embedding_grads(module, grads, embedding, config)
 }
 
-fn finalize_non_dp<M: Module>(
+/// Megatron's `_allreduce_embedding_grads`: the gradients of a word embedding tied across
+/// the first and last pipeline stages, summed over the embedding group.
+fn allreduce_embedding_grads<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
-    tp: &Comm,
     embedding: Option<&Comm>,
     config: &DataParallelConfig,
 ) -> Result<(), CommError> {
-    allreduce_sequence_parallel_grads(module, grads, tp)?;
     if let Some(embd) = embedding.filter(|c| c.group().size() > 1) {
         let shared: Vec<(ParamId, usize)> = dense_params(module)
             .into_iter()

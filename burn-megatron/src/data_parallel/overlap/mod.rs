@@ -506,15 +506,7 @@ impl OverlapReducer {
     pub(crate) fn events(&self) -> Vec<Event> {
         self.shared.lock().events.clone()
     }
-}
 
-impl GradSync for OverlapReducer {
-    fn enter(&self, last: bool) -> Box<dyn std::any::Any> {
-        Box::new(self.activate(last))
-    }
-}
-
-impl OverlapReducer {
     /// Waits for the worker to end, bounded: an error once it has finished no bucket for
     /// the communicator's timeout (each of its collectives is bounded by that, but a
     /// communicator may not keep its bound). The worker is then closed and left behind.
@@ -550,6 +542,12 @@ impl OverlapReducer {
         worker
             .join()
             .map_err(|_| self.invalid("the reduction worker panicked"))
+    }
+}
+
+impl GradSync for OverlapReducer {
+    fn enter(&self, last: bool) -> Box<dyn std::any::Any> {
+        Box::new(self.activate(last))
     }
 }
 
