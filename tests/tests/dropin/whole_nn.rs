@@ -11,7 +11,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron_tests::tp_ranks;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The model under Burn's own `nn`.
 mod plain {
@@ -113,19 +113,30 @@ fn a_model_written_against_burns_nn_swaps_its_nn_and_trains_as_burns_at_tp_2_and
     Ok(())
 }
 
-/// What Burn 0.21 computed from each of its records (`tests/fixtures/burn_mpk`).
+/// Burn 0.21's records and what it computed from them (`tests/fixtures/burn_mpk`).
+fn burn_mpk_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk")
+}
+
+/// `expected.json`'s entry for `record`: what Burn 0.21 computed from it.
+fn burn_0_21_entry(record: &str) -> Result<serde_json::Value, Error> {
+    let text = std::fs::read_to_string(burn_mpk_dir().join("expected.json"))?;
+    let mut all: serde_json::Value = serde_json::from_str(&text)?;
+    Ok(all[record].take())
+}
+
+/// A JSON list of numbers, as f32 (empty where `v` is no list).
+fn floats(v: &serde_json::Value) -> Vec<f32> {
+    let list = v.as_array().map(Vec::as_slice).unwrap_or_default();
+    list.iter()
+        .filter_map(|x| x.as_f64())
+        .map(|x| x as f32)
+        .collect()
+}
+
+/// The loss, logits and (where recorded) gradients Burn 0.21 computed from `record`.
 fn burn_0_21_expected(record: &str) -> Result<(f32, Vec<f32>, Option<Values>), Error> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
-    let text = std::fs::read_to_string(dir.join("expected.json"))?;
-    let all: serde_json::Value = serde_json::from_str(&text)?;
-    let entry = &all[record];
-    let floats = |v: &serde_json::Value| -> Vec<f32> {
-        let list = v.as_array().map(Vec::as_slice).unwrap_or_default();
-        list.iter()
-            .filter_map(|x| x.as_f64())
-            .map(|x| x as f32)
-            .collect()
-    };
+    let entry = burn_0_21_entry(record)?;
     let loss = entry["loss"].as_f64().ok_or("no loss")? as f32;
     let grads = entry["grads"].as_object().map(|grads| {
         (grads.iter())
@@ -141,7 +152,7 @@ fn burn_0_21_expected(record: &str) -> Result<(f32, Vec<f32>, Option<Values>), E
 /// them: the same logits and loss, and (the full-precision record) every gathered gradient.
 #[test]
 fn burn_0_21_records_load_sharded_and_compute_what_burn_0_21_computed() -> Result<(), Error> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
+    let dir = burn_mpk_dir();
     let config = parallel::SharedLayerModelConfig::new(VOCAB, 16, 4, 32, 3);
     for record in ["model.mpk", "model_half.mpk.gz"] {
         let (loss, logits, grads) = burn_0_21_expected(record)?;
@@ -191,14 +202,11 @@ fn burn_0_21_records_load_sharded_and_compute_what_burn_0_21_computed() -> Resul
 #[test]
 fn a_burn_0_21_transformer_encoder_record_loads_sharded() -> Result<(), Error> {
     use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
-    let all: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json"))?)?;
-    let want: Vec<f32> = (all["encoder.mpk"]["output"].as_array())
-        .ok_or("no encoder output")?
-        .iter()
-        .filter_map(|x| x.as_f64().map(|x| x as f32))
-        .collect();
+    let dir = burn_mpk_dir();
+    let want = floats(&burn_0_21_entry("encoder.mpk")?["output"]);
+    if want.is_empty() {
+        return Err("no encoder output in expected.json".into());
+    }
     let d_model = 16;
     let source = RecordSource::from_path(dir.join("encoder.mpk"));
     for tp in [2, 4] {
@@ -235,7 +243,7 @@ fn a_burn_0_21_transformer_encoder_record_loads_sharded() -> Result<(), Error> {
 #[test]
 fn a_converted_burn_0_21_record_loads_into_the_plain_burn_model() -> Result<(), Error> {
     use burn_megatron::tensor_parallel::dropin::convert_named_mpk;
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/burn_mpk");
+    let fixtures = burn_mpk_dir();
     let dir = super::load::scratch("convert-mpk");
     let config = plain::SharedLayerModelConfig::new(VOCAB, 16, 4, 32, 3);
     for record in ["model.mpk", "model_half.mpk.gz"] {
