@@ -147,7 +147,7 @@ impl Products {
                     out.clone().narrow(0, start, len).reshape(shape)
                 };
                 start += len;
-                l.finish(part, anchor)
+                l.parallel().finish(part, anchor)
             })
             .collect()
     }
@@ -161,9 +161,8 @@ impl Products {
         match self {
             Products::Packed(out, shapes)
                 if shapes.iter().all(|s| *s == shapes[0])
-                    && linears.iter().all(|l| l.finishes_as_is()) =>
+                    && linears.iter().all(|l| l.parallel().finishes_as_is()) =>
             {
-                linears.iter().for_each(|l| l.state_layout());
                 let [s, b, f] = shapes[0];
                 Ok((*out).reshape([shapes.len() * s, b, f]))
             }
@@ -189,7 +188,8 @@ where
     let (mut trained, anchor) = trained_params(module);
     let mut products_train = None;
     for l in linears {
-        let weight = Some(l.weight()).filter(|w| w.is_require_grad());
+        let l = l.parallel();
+        let weight = Some(l.weight).filter(|w| w.is_require_grad());
         let bias = l.added_bias().filter(|b| b.is_require_grad());
         trained.extend(weight.map(|w| w.id).into_iter().chain(bias.map(|b| b.id)));
         products_train = products_train.or(weight.map(|w| w.val().into_dispatch()));
@@ -197,7 +197,12 @@ where
     let input_tracked = input.is_tracked();
     if in_discard() || linears.is_empty() || (!input_tracked && trained.is_empty()) {
         let n = f(module, input.clone().chunk(parts, 0));
-        return Products::Finished(linears.iter().map(|l| l.forward_plain(n.clone())).collect());
+        return Products::Finished(
+            linears
+                .iter()
+                .map(|l| l.parallel().forward(n.clone()))
+                .collect(),
+        );
     }
     // A parent that trains, so that the region is tracked even when its input is not.
     let anchor = anchor
@@ -213,16 +218,17 @@ where
         let products = linears
             .iter()
             .map(|l| {
+                let l = l.parallel();
                 let n = l.parallel_input(n.clone());
                 // Count the uses with an active reducer; the replay delivers them.
-                let _ = hook_param(l.weight(), &n);
+                let _ = hook_param(l.weight, &n);
                 let bias = l.added_bias().map(|b| {
                     let _ = hook_param(b, &n);
                     b.val().set_require_grad(false)
                 });
                 // The plain layer's product (not the f32-accumulating one: this region
                 // forms the weight gradients itself).
-                matmul_bias(n, l.weight().val().set_require_grad(false), bias, false)
+                matmul_bias(n, l.weight.val().set_require_grad(false), bias, false)
             })
             .collect::<Vec<Tensor<3>>>();
         let shapes: Vec<[usize; 3]> = products.iter().map(|p| p.dims()).collect();
@@ -274,21 +280,22 @@ fn linear_grads<L: LinearShard>(
     let mut params = Vec::new();
     let mut start = 0;
     for l in linears {
+        let l = l.parallel();
         let mapped = l.parallel_input(n.clone());
         let [s, b, i] = mapped.dims();
-        let o = l.weight().dims()[1];
+        let o = l.weight.dims()[1];
         let dy = grad.clone().narrow(0, start, s * b * o).reshape([s, b, o]);
         start += s * b * o;
-        if l.weight().is_require_grad() {
+        if l.weight.is_require_grad() {
             let x = mapped.clone().detach().reshape([s * b, i]).transpose();
             let dy = dy.clone().reshape([s * b, o]);
-            let dw = if l.accumulates_in_f32() {
+            let dw = if l.fusion {
                 x.cast(DType::F32).matmul(dy.cast(DType::F32))
             } else {
                 product(x, dy)
             };
-            if !deliver_formed(l.weight(), &dw) {
-                params.push((l.weight().val().into_dispatch(), dw.inner().into_dispatch()));
+            if !deliver_formed(l.weight, &dw) {
+                params.push((l.weight.val().into_dispatch(), dw.inner().into_dispatch()));
             }
         }
         if let Some(bias) = l.added_bias().filter(|b| b.is_require_grad()) {
@@ -298,7 +305,7 @@ fn linear_grads<L: LinearShard>(
             }
         }
         if tracked {
-            let w = l.weight().val().set_require_grad(false).transpose();
+            let w = l.weight.val().set_require_grad(false).transpose();
             let dn = product(dy, w);
             let term = sink(mapped, dn);
             surrogate = Some(match surrogate {

@@ -6,27 +6,23 @@
 //! Under sequence parallelism, activations outside these layers are split along dim 0 (the
 //! sequence, Megatron's `[s, b, h]` layout).
 
-mod pieces;
+mod forward;
 mod row;
 
-pub(crate) use pieces::LinearShard;
+pub(crate) use forward::{
+    LinearShard, ParallelLinear, Partition, check_input_width, gathered_product, matmul_bias,
+    product,
+};
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
 use super::attrs::{LayoutOwner, ParallelAttrs, real_part};
 use super::init::{MasterInit, slice_cols, slice_rows};
-use super::mappings::{
-    copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
-    gather_sequence_matmul, reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region,
-};
 use super::{TpError, lazy_host_param};
 use crate::comm::Comm;
-use crate::grad_hooks::hook_param;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor, s};
-use burn_megatron_kernels::linear_with_grad_accumulation;
 
 /// Configuration of a [`ColumnParallelLinear`].
 #[derive(Config, Debug)]
@@ -142,42 +138,6 @@ impl ColumnParallelLinearConfig {
     }
 }
 
-/// Panics, naming the layer and the numbers, when `input`'s last dimension is not the
-/// width `weight` takes (dim 0 of this rank's `[in, out]` shard): a model written for one
-/// device often reshapes an attention output to the input's full width, which at TP > 1 is
-/// `tp` times what a row-parallel layer's shard takes. Burn's own `Linear` panics on a
-/// mismatch as well; its forward has no room for an error.
-pub(crate) fn check_width<const D: usize>(
-    layer: &str,
-    input: &Tensor<D>,
-    weight: &Param<Tensor<2>>,
-    tp: Option<&Comm>,
-) {
-    check_input_width(layer, input, weight.lazy_shape().to_vec()[0], tp);
-}
-
-/// As [`check_width`], against a weight that takes `want` input features.
-pub(crate) fn check_input_width<const D: usize>(
-    layer: &str,
-    input: &Tensor<D>,
-    want: usize,
-    tp: Option<&Comm>,
-) {
-    let got = input.dims()[D - 1];
-    if got != want {
-        let size = tp.map_or(1, |tp| tp.group().size());
-        let hint = match got == want * size && size > 1 {
-            true => format!(
-                " ({got} is the full width: this rank takes 1/{size} of it; size reshapes from \
-                 this rank's heads, tensor_parallel::dropin::attention_split, not from the \
-                 input's width)"
-            ),
-            false => String::new(),
-        };
-        panic!("{layer}: the input has {got} features, this rank's weight takes {want}{hint}");
-    }
-}
-
 impl ColumnParallelLinear {
     /// This rank's column shard of a plain Burn `Linear` (the same full layer on every rank),
     /// as `config` says to run it. Fails when the output features do not split over the
@@ -269,36 +229,7 @@ impl ColumnParallelLinear {
         &self,
         input: Tensor<D>,
     ) -> (Tensor<D>, Option<Tensor<1>>) {
-        self.state_attrs();
-        check_width("ColumnParallelLinear", &input, &self.weight, Some(&self.tp));
-        // Under SP the product gathers this rank's tokens itself.
-        let input = match self.sequence_parallel {
-            true => input,
-            false => copy_to_tensor_model_parallel_region(input, &self.tp),
-        };
-        // Gradient-ready hooks when an OverlapReducer is active (else the plain values).
-        let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
-        let weight = hook_param(&self.weight, &input);
-        let (add, skipped) = if self.skip_bias_add {
-            (None, bias)
-        } else {
-            (bias, None)
-        };
-        let fusion = self.gradient_accumulation_fusion;
-        let out = match self.sequence_parallel {
-            true => sequence_product(input, weight, fusion, &self.tp),
-            false => matmul_bias(input, weight, None, fusion),
-        };
-        let out = match add {
-            Some(b) => out + b.unsqueeze(),
-            None => out,
-        };
-        let out = if self.gather_output {
-            gather_from_tensor_model_parallel_region(out, &self.tp)
-        } else {
-            out
-        };
-        (out, skipped)
+        self.parallel().forward(input)
     }
 
     /// Gathers the shards of every rank back into the full plain Burn `Linear` (a
@@ -320,53 +251,22 @@ impl ColumnParallelLinear {
     }
 }
 
-/// The product of this rank's tokens `input` (`[s / tp, ...]`) gathered over the sequence
-/// with `weight`, gathered again in backward rather than kept
-/// ([`gather_sequence_matmul`](super::mappings::gather_sequence_matmul)), so a
-/// sequence-parallel column layer keeps only its `1 / tp` of the sequence, as Megatron's does
-/// (the weight gradient in f32 with `fusion`).
-fn sequence_product<const D: usize>(
-    input: Tensor<D>,
-    weight: Tensor<2>,
-    fusion: bool,
-    tp: &Comm,
-) -> Tensor<D> {
-    let dims = input.dims();
-    let rows: usize = dims[1..D - 1].iter().product();
-    let x = input.reshape([dims[0], rows, dims[D - 1]]);
-    let out = gather_sequence_matmul(x, weight, fusion, tp);
-    let [s, _, o] = out.dims();
-    let mut shape = dims;
-    (shape[0], shape[D - 1]) = (s, o);
-    out.reshape(shape)
-}
-
-/// `input·weight + bias`: [`product`], or with `fusion` the product whose weight gradient
-/// is accumulated in f32.
-pub(crate) fn matmul_bias<const D: usize>(
-    input: Tensor<D>,
-    weight: Tensor<2>,
-    bias: Option<Tensor<1>>,
-    fusion: bool,
-) -> Tensor<D> {
-    let out = if fusion {
-        linear_with_grad_accumulation(input, weight)
-            .unwrap_or_else(|e| panic!("parallel linear layer: {e}"))
-    } else {
-        product(input, weight)
-    };
-    match bias {
-        Some(b) => out + b.unsqueeze(),
-        None => out,
+impl LinearShard for ColumnParallelLinear {
+    fn parallel(&self) -> ParallelLinear<'_> {
+        self.state_attrs();
+        ParallelLinear {
+            name: "ColumnParallelLinear",
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            tp: &self.tp,
+            partition: Partition::Column {
+                gather_output: self.gather_output,
+            },
+            sequence_dim: self.sequence_parallel.then_some(0),
+            skip_bias_add: self.skip_bias_add,
+            fusion: self.gradient_accumulation_fusion,
+        }
     }
-}
-
-/// `a·b` (`a` `[..., k]`, `b` `[k, n]`, a weight or a view of one) through the kernels'
-/// `linear`, whose forward and backward products are written once on Flex. Input that does
-/// not fit goes to Burn's `linear`, which panics naming both shapes.
-pub(crate) fn product<const D: usize>(a: Tensor<D>, b: Tensor<2>) -> Tensor<D> {
-    burn_megatron_kernels::linear(a.clone(), b.clone())
-        .unwrap_or_else(|_| burn::tensor::module::linear(a, b, None))
 }
 
 /// A padded width's real extent, checked against the `full` width. A real extent equal to

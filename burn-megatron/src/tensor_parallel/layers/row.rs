@@ -49,17 +49,17 @@ pub struct RowParallelLinear {
     /// The full bias, `[d_output]`, the same on every rank.
     pub bias: Option<Param<Tensor<1>>>,
     #[module(skip)]
-    pub(in crate::tensor_parallel::layers) tp: Comm,
+    tp: Comm,
     #[module(skip)]
     layout: LayoutOwner,
     #[module(skip)]
-    pub(in crate::tensor_parallel::layers) input_is_parallel: bool,
+    input_is_parallel: bool,
     #[module(skip)]
     skip_bias_add: bool,
     #[module(skip)]
     sequence_parallel: bool,
     #[module(skip)]
-    pub(in crate::tensor_parallel::layers) gradient_accumulation_fusion: bool,
+    gradient_accumulation_fusion: bool,
 }
 
 impl RowParallelLinearConfig {
@@ -150,7 +150,7 @@ impl RowParallelLinear {
 
     /// States the layout of the weight (split along dim 0) and of the full bias (partial
     /// gradients under sequence parallelism), at init and at every forward.
-    pub(in crate::tensor_parallel::layers) fn state_attrs(&self) {
+    fn state_attrs(&self) {
         self.layout.state(self.weight.id, ParallelAttrs::sharded(0));
         if let Some(b) = &self.bias {
             let attrs = if self.sequence_parallel {
@@ -178,36 +178,7 @@ impl RowParallelLinear {
         &self,
         input: Tensor<D>,
     ) -> (Tensor<D>, Option<Tensor<1>>) {
-        self.state_attrs();
-        let input = if self.input_is_parallel {
-            check_width("RowParallelLinear", &input, &self.weight, Some(&self.tp));
-            input
-        } else {
-            scatter_to_tensor_model_parallel_region(input, &self.tp)
-        };
-        let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
-        let weight = hook_param(&self.weight, &input);
-        let partial = matmul_bias(input, weight, None, self.gradient_accumulation_fusion);
-        self.reduce(partial, bias)
-    }
-
-    /// This rank's partial product summed over the group (reduce-scattered along dim 0
-    /// under sequence parallelism), and `bias` (the hooked full bias) added, or returned
-    /// with `skip_bias_add`.
-    pub(in crate::tensor_parallel::layers) fn reduce<const D: usize>(
-        &self,
-        partial: Tensor<D>,
-        bias: Option<Tensor<1>>,
-    ) -> (Tensor<D>, Option<Tensor<1>>) {
-        let out = if self.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(partial, &self.tp)
-        } else {
-            reduce_from_tensor_model_parallel_region(partial, &self.tp)
-        };
-        match (bias, self.skip_bias_add) {
-            (Some(b), false) => (out + b.unsqueeze(), None),
-            (b, _) => (out, b),
-        }
+        self.parallel().forward(input)
     }
 
     /// Gathers the shards of every rank back into the full plain Burn `Linear` (a
@@ -222,5 +193,24 @@ impl RowParallelLinear {
             weight: Param::from_tensor(w),
             bias,
         })
+    }
+}
+
+impl LinearShard for RowParallelLinear {
+    fn parallel(&self) -> ParallelLinear<'_> {
+        self.state_attrs();
+        ParallelLinear {
+            name: "RowParallelLinear",
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            tp: &self.tp,
+            partition: Partition::Row {
+                input_is_parallel: self.input_is_parallel,
+                sum_bias_grad_in_graph: false,
+            },
+            sequence_dim: self.sequence_parallel.then_some(0),
+            skip_bias_add: self.skip_bias_add,
+            fusion: self.gradient_accumulation_fusion,
+        }
     }
 }

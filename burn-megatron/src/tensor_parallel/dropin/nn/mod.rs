@@ -26,13 +26,8 @@ pub mod transformer;
 pub use burn::nn::*;
 
 use crate::comm::Comm;
-use crate::grad_hooks::hook_param;
 use crate::tensor_parallel::embedding::vocab_lookup;
-use crate::tensor_parallel::layers::{check_input_width, check_width};
-use crate::tensor_parallel::mappings::{
-    copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-};
+use crate::tensor_parallel::layers::{ParallelLinear, Partition, check_input_width};
 use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -111,47 +106,34 @@ impl Linear {
             return matmul_bias(input, weight, bias, false);
         };
         self.restate(a);
-        match a.split {
-            Split::Row => {
-                check_width("Linear (row-parallel)", &input, &self.weight, Some(&a.tp));
-                let weight = hook_param(&self.weight, &input);
-                let mut bias = self.bias.as_ref().map(|b| hook_param(b, &input));
-                if region == Region::Sequence {
-                    // Added to this rank's positions only: its gradient is summed in backward.
-                    bias = bias.map(|b| copy_to_tensor_model_parallel_region(b, &a.tp));
-                }
-                let partial = matmul_bias(input, weight, None, false);
-                let out = match region {
-                    Region::Tensor => reduce_from_tensor_model_parallel_region(partial, &a.tp),
-                    Region::Sequence => sequence::reduce_scatter(partial, &a.tp),
-                };
-                match bias {
-                    Some(b) => out + b.unsqueeze(),
-                    None => out,
-                }
-            }
-            _ => {
-                check_width(
-                    "Linear (column-parallel)",
-                    &input,
-                    &self.weight,
-                    Some(&a.tp),
-                );
-                let input = copy_to_tensor_model_parallel_region(input, &a.tp);
-                let weight = hook_param(&self.weight, &input);
-                let bias = self.bias.as_ref().map(|b| hook_param(b, &input));
-                let out = matmul_bias(input, weight, bias, false);
-                match (a.split, a.vocab) {
-                    (Split::GatheredColumn | Split::GatheredVocab, None) => {
-                        gather_from_tensor_model_parallel_region(out, &a.tp)
-                    }
-                    (Split::GatheredVocab, Some(vocab)) => {
-                        gather_from_tensor_model_parallel_region(out, &a.tp).narrow(D - 1, 0, vocab)
-                    }
-                    (_, Some(vocab)) => mask_vocab_padding(out, vocab, a.tp.group().rank()),
-                    (_, None) => out,
-                }
-            }
+        let row = a.split == Split::Row;
+        let partition = match a.split {
+            Split::Row => Partition::Row {
+                input_is_parallel: true,
+                sum_bias_grad_in_graph: true,
+            },
+            split => Partition::Column {
+                gather_output: matches!(split, Split::GatheredColumn | Split::GatheredVocab),
+            },
+        };
+        let layer = ParallelLinear {
+            name: match row {
+                true => "Linear (row-parallel)",
+                false => "Linear (column-parallel)",
+            },
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            tp: &a.tp,
+            partition,
+            sequence_dim: (row && region == Region::Sequence).then_some(1),
+            skip_bias_add: false,
+            fusion: false,
+        };
+        let (out, _) = layer.forward(input);
+        match (a.split, a.vocab) {
+            (Split::GatheredVocab, Some(vocab)) => out.narrow(D - 1, 0, vocab),
+            (Split::Vocab, Some(vocab)) => mask_vocab_padding(out, vocab, a.tp.group().rank()),
+            _ => out,
         }
     }
 

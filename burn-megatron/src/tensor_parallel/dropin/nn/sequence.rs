@@ -13,9 +13,9 @@
 use super::Linear;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
+use crate::tensor_parallel::layers::gathered_product;
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-    gather_sequence_matmul, reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 };
 use burn::module::Param;
@@ -60,7 +60,7 @@ pub(super) fn column_products<const N: usize>(
         Ok([weight]) => weight,
         Err(weights) => Tensor::cat(weights, 1),
     };
-    let y = gather_sequence_matmul(x.clone().swap_dims(0, 1), weight, false, tp).swap_dims(0, 1);
+    let y = gathered_product(x.clone(), weight, 1, false, tp);
     std::array::from_fn(|i| {
         let start: usize = widths[..i].iter().sum();
         let out = match N {
@@ -104,12 +104,6 @@ fn scatter(x: Tensor<3>, tp: &Comm, what: &str) -> Tensor<3> {
 /// gradient, whole and the same on every rank, cut to this rank's positions backward).
 fn gather(x: Tensor<3>, tp: &Comm) -> Tensor<3> {
     gather_from_sequence_parallel_region(x.swap_dims(0, 1), tp, false).swap_dims(0, 1)
-}
-
-/// The ranks' partial sums `[..., s, d]` (sequence at dim 1), each rank keeping its
-/// positions of the total.
-pub(super) fn reduce_scatter<const D: usize>(x: Tensor<D>, tp: &Comm) -> Tensor<D> {
-    reduce_scatter_to_sequence_parallel_region(x.swap_dims(0, 1), tp).swap_dims(0, 1)
 }
 
 /// The residual stream between transformer layers: whole on every rank, or split by
