@@ -3,7 +3,7 @@
 //! A training loop touches one object per concept: a layout ([`topology::ParallelConfig`]),
 //! ranks launched with their groups ([`launch::threads`], [`launch::from_env`]), a model
 //! built per pipeline stage ([`models::GptConfig`], [`models::BertConfig`], or a Burn
-//! model converted by [`tensor_parallel::dropin`]), and [`training::ParallelTraining`]
+//! model converted by [`dropin`]), and [`training::ParallelTraining`]
 //! for everything between backward and the next forward: the gradient reductions
 //! (`finalize`), the optimizer (`optimizer`) and checkpoints (`save`, `load`). A step is
 //! [`pipeline::forward_backward_func`] → `finalize` → the optimizer's `step`; the
@@ -41,6 +41,9 @@
 //!   handed its groups, device and pipeline channels.
 //! - [`checkpoint`]: training checkpoints (weights, master weights, optimizer state) that
 //!   load at any layout.
+//! - [`dropin`]: a model written with `burn::nn` made tensor- and pipeline-parallel: Burn's
+//!   layers that one plan splits, pipeline stages of the model, and its record loaded as
+//!   each rank's shards and saved back whole.
 //! - [`training`]: one rank's side of training in one object.
 //! - `cuda` (feature `cuda`): the CUDA device and its libraries, from
 //!   `burn_megatron_kernels`.
@@ -77,7 +80,7 @@
 //!   MoE layer's load-balancing loss receives, set by the pipeline executor for its
 //!   micro-batches (Megatron's `MoEAuxLossAutoScaler`).
 //!
-//! One more lives only during a call: while [`tensor_parallel::dropin::TpPlan::apply`] walks
+//! One more lives only during a call: while [`dropin::TpPlan::apply`] walks
 //! a model, a thread-local hands each layer's slot its split (Burn's traversal gives a mapper
 //! parameters, not fields); it is empty before and after.
 //!
@@ -95,6 +98,7 @@ pub mod context_parallel;
 pub use burn_megatron_kernels::cuda;
 pub mod data;
 pub mod data_parallel;
+pub mod dropin;
 mod grad_hooks;
 pub mod launch;
 mod legacy_record;

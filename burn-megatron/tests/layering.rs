@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 
 /// The layers, bottom up. A module may import modules of lower levels only (not its own
 /// level): the leaves, the collectives, the parallel layers, the models, data parallelism,
-/// the optimizer and the pipeline, and at the top what assembles a rank (its launch
-/// context, with its pipeline channels) and checkpoints.
+/// the optimizer and the pipeline, then what assembles a rank (its launch context, with its
+/// pipeline channels), checkpoints, and drop-in conversion (a Burn model split by plans over
+/// tensor-parallel layers and pipeline stages), and at the top the training object.
 const LEVELS: &[&[&str]] = &[
     &[
         "topology",
@@ -37,7 +38,7 @@ const LEVELS: &[&[&str]] = &[
     &["models"],
     &["data_parallel", "data"],
     &["optimizer", "pipeline"],
-    &["launch", "checkpoint"],
+    &["launch", "checkpoint", "dropin"],
     &["training"],
 ];
 

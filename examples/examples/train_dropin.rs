@@ -17,15 +17,13 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor};
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::data::{BatchLayout, GptBatch, GptCorpusDataset, GptCorpusDatasetConfig};
-use burn_megatron::launch::{self, LaunchOptions, RankContext};
-use burn_megatron::optimizer::NormType;
-use burn_megatron::tensor_parallel::dropin::TpPlan;
-use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+use burn_megatron::dropin::TpPlan;
+use burn_megatron::dropin::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
-use burn_megatron::tensor_parallel::dropin::nn::{
-    self, Embedding, EmbeddingConfig, Linear, LinearConfig,
-};
+use burn_megatron::dropin::nn::{self, Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn_megatron::launch::{self, LaunchOptions, RankContext};
+use burn_megatron::optimizer::NormType;
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron::training::ParallelTrainingConfig;

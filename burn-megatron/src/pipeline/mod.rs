@@ -19,8 +19,6 @@
 mod deallocate;
 mod executor;
 mod p2p;
-mod plan;
-mod save;
 mod schedule;
 mod timeline;
 
@@ -33,8 +31,6 @@ pub use executor::{
     MicrobatchLossValues, PipelineError, StageError, forward_backward_func, read_losses,
 };
 pub use p2p::{P2pCommunicator, P2pShapes};
-pub use plan::{PpPlan, PpStage};
-pub use save::save_gathered_stages;
 pub use schedule::{
     Pass, PipelineOp, PipelineSchedule, ScheduleError, ScheduleKind, num_warmup_microbatches,
     schedule_table, virtual_stage,

@@ -142,7 +142,7 @@ impl ColumnParallelLinear {
     /// This rank's column shard of a plain Burn `Linear` (the same full layer on every rank),
     /// as `config` says to run it. Fails when the output features do not split over the
     /// group. (A model written with `burn::nn` is split whole by a
-    /// [`TpPlan`](super::dropin::TpPlan) instead.)
+    /// [`TpPlan`](crate::dropin::TpPlan) instead.)
     ///
     /// ```
     /// use burn::nn::{Initializer, LinearConfig};

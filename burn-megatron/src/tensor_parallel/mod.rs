@@ -1,5 +1,5 @@
-//! Tensor parallelism: Megatron's communication mappings as differentiable Burn ops, and the
-//! layers a Burn user swaps in.
+//! Tensor parallelism: Megatron's communication mappings as differentiable Burn ops, and
+//! Megatron's parallel layers, for a model written Megatron's way (the built-in models are).
 //!
 //! - [`mappings`]: copy / reduce / scatter / gather, tensor- and sequence-parallel.
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`]: split linear layers.
@@ -9,12 +9,12 @@
 //!   chosen from split logits without gathering the vocabulary.
 //! - [`RngTracker`]: dropout masks shared or distinct across TP ranks, as the region needs.
 //! - [`ParallelAttrs`]: per-parameter parallel attributes, queryable by `ParamId`.
-//! - [`dropin`]: Burn's composite layers (`nn::SwiGlu`, `nn::transformer::TransformerEncoder`)
-//!   with the same field names and record paths, tensor-parallel.
+//!
+//! A model written with `burn::nn` is split by [`crate::dropin`] instead, which uses these
+//! layers' forward.
 
 mod attrs;
 mod cross_entropy;
-pub mod dropin;
 mod embedding;
 mod grads;
 mod init;
@@ -34,14 +34,16 @@ pub use cross_entropy::{
     LabelSmoothing, VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy_padded,
 };
-pub(crate) use embedding::checked_index;
 pub use embedding::{IdCheck, VocabParallelEmbedding, VocabParallelEmbeddingConfig};
+pub(crate) use embedding::{checked_index, vocab_lookup};
 pub use grads::allreduce_sequence_parallel_grads;
 pub use init::{MasterInit, derive_seed};
 pub(crate) use init::{slice_cols, slice_rows};
-pub(crate) use layers::LinearShard;
 pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+};
+pub(crate) use layers::{
+    LinearShard, ParallelLinear, Partition, check_input_width, gathered_product,
 };
 pub use random::{MODEL_PARALLEL_SEED_OFFSET, RngRegion, RngTracker};
 pub use sampling::{
@@ -81,7 +83,7 @@ pub(crate) fn shard_param<const D: usize>(shard: Tensor<D>) -> Param<Tensor<D>> 
 }
 
 /// A trainable parameter of `shape` whose host values `values` draws on first use: a layer
-/// built and then loaded (from a record by [`dropin::load_sharded`], or a checkpoint) never
+/// built and then loaded (from a record by [`dropin::load_sharded`](crate::dropin::load_sharded), or a checkpoint) never
 /// draws them or holds them (its layer states its attributes).
 pub(crate) fn lazy_host_param<const D: usize>(
     shape: [usize; D],

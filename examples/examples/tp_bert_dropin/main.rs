@@ -22,9 +22,9 @@
 use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_megatron::dropin::TpPlan;
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::tensor_parallel::TpError;
-use burn_megatron::tensor_parallel::dropin::TpPlan;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_examples::dropin::{print_losses, solo, train, worst};
 use burn_megatron_examples::memory::{Counter, mib};
@@ -114,7 +114,7 @@ impl Batch {
 /// Each rank's activations after a forward (what its graph holds for backward) through a
 /// larger encoder split at TP `tp`, with the plan's sequence parallelism and without.
 fn activation_memory(tp: usize) -> Result<String, Box<dyn std::error::Error>> {
-    use burn_megatron::tensor_parallel::dropin::nn::transformer as tr;
+    use burn_megatron::dropin::nn::transformer as tr;
     let (b, s, d, layers) = (4, 256, 256, 4);
     let ranks = launch::threads(
         &ParallelConfig::new(tp, tp, 1),

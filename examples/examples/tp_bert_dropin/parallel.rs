@@ -4,7 +4,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Bool, Device, Int, Tensor};
-use burn_megatron::tensor_parallel::dropin::{nn::transformer::*, nn::*, *};
+use burn_megatron::dropin::{nn::transformer::*, nn::*, *};
 use burn_megatron::{comm::Comm, tensor_parallel::TpError};
 use std::path::Path;
 

@@ -19,12 +19,12 @@
 use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_megatron::dropin::save_gathered;
 use burn_megatron::launch::{self, LaunchOptions, RankContext};
 use burn_megatron::pipeline::{
     ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
 };
 use burn_megatron::tensor_parallel::TpError;
-use burn_megatron::tensor_parallel::dropin::save_gathered;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_examples::dropin::{
     ByPath, by_path, param_bytes, print_losses, solo, train, worst,

@@ -4,7 +4,8 @@ use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
-use burn_megatron::tensor_parallel::{dropin::nn::*, dropin::*, *};
+use burn_megatron::dropin::{nn::*, *};
+use burn_megatron::tensor_parallel::*;
 use std::path::Path;
 type Result<T> = std::result::Result<T, TpError>;
 

@@ -4,8 +4,9 @@ use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor};
 use burn_megatron::comm::Comm;
-use burn_megatron::pipeline::{ChunkOutput, PpPlan, PpStage};
-use burn_megatron::tensor_parallel::{dropin::nn::*, dropin::*, *};
+use burn_megatron::dropin::{nn::*, *};
+use burn_megatron::pipeline::ChunkOutput;
+use burn_megatron::tensor_parallel::*;
 use std::path::Path;
 type Result<T> = std::result::Result<T, TpError>;
 

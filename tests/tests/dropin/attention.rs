@@ -8,8 +8,8 @@ use super::Error;
 use burn::module::Module;
 use burn::nn::attention::{MhaInput, MultiHeadAttentionConfig, generate_autoregressive_mask};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
-use burn_megatron::tensor_parallel::dropin::nn::attention as ours;
-use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::dropin::nn::attention as ours;
+use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, values};
@@ -161,9 +161,7 @@ fn burns_multi_head_attention_on_its_own_splits_by_heads_at_tp_2_and_4() -> Resu
 /// layer, on its own and inside an encoder, although the width (24 over 2) splits.
 #[test]
 fn attention_heads_that_do_not_split_are_refused_by_the_plan() -> Result<(), Error> {
-    use burn_megatron::tensor_parallel::dropin::nn::transformer::{
-        TransformerEncoder, TransformerEncoderConfig,
-    };
+    use burn_megatron::dropin::nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
     #[derive(Module, Debug)]
     struct WithEncoder {
         encoder: TransformerEncoder,

@@ -10,8 +10,8 @@ use burn::module::Module;
 use burn::nn::attention::generate_autoregressive_mask;
 use burn::nn::transformer as burn_tr;
 use burn::tensor::{Device, Tensor};
-use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
-use burn_megatron::tensor_parallel::dropin::{RecordSource, TpPlan, load_sharded};
+use burn_megatron::dropin::nn::transformer as ours;
+use burn_megatron::dropin::{RecordSource, TpPlan, load_sharded};
 use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, values};
 

@@ -10,9 +10,7 @@ use burn::nn::LinearLayout;
 use burn::tensor::Device;
 use burn::tensor::activation::relu;
 use burn_megatron::comm::Comm;
-use burn_megatron::tensor_parallel::dropin::{
-    LoadOptions, RecordSource, TpPlan, load_sharded, nn, save_gathered,
-};
+use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded, nn, save_gathered};
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
 use burn_megatron_tests::{data, values};

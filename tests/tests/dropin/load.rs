@@ -10,8 +10,8 @@ use super::{
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
 use burn::tensor::{Device, Tensor};
-use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput as TpInput;
-use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, load_sharded};
+use burn_megatron::dropin::nn::transformer::TransformerEncoderInput as TpInput;
+use burn_megatron::dropin::{LoadOptions, RecordSource, load_sharded};
 use burn_megatron_tests::data;
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
@@ -349,7 +349,7 @@ fn a_record_that_does_not_fit_is_an_error_naming_the_path() -> Result<(), Error>
 /// heads) through `rotary_half_to_interleaved`, bit for bit; without it, it does not.
 #[test]
 fn a_rotary_layout_is_rearranged_while_it_loads() -> Result<(), Error> {
-    use burn_megatron::tensor_parallel::dropin::rotary_half_to_interleaved;
+    use burn_megatron::dropin::rotary_half_to_interleaved;
     let config = config(true, 0.0);
     let dir = scratch("rotary");
     let bpk = encoder_record(&config, &dir, "encoder.bpk");

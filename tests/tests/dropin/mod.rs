@@ -1,4 +1,4 @@
-//! Burn's layers made tensor-parallel (`tensor_parallel::dropin`): the tests of each way in
+//! Burn's layers made tensor-parallel (`dropin`): the tests of each way in
 //! (a model's imports swapped for `dropin::nn`'s, a layer Burn built converted with `From`)
 //! hold the split model to Burn's own at TP 2 and 4 (output, every gradient gathered, the
 //! record paths), and a plan's errors name the layer and the numbers.
@@ -10,8 +10,8 @@ use burn::nn::transformer::{
 use burn::nn::{Initializer, SwiGluConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_megatron::comm::{Comm, LocalWorld};
-use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
-use burn_megatron::tensor_parallel::dropin::{TpPlan, nn};
+use burn_megatron::dropin::nn::transformer as ours;
+use burn_megatron::dropin::{TpPlan, nn};
 use burn_megatron::tensor_parallel::{RowParallelLinear, RowParallelLinearConfig, TpError};
 use burn_megatron_tests::gpt::{gathered, max_rel_diff};
 use burn_megatron_tests::tp_ranks;

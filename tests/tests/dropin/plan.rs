@@ -8,10 +8,10 @@ use super::Error;
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
-use burn_megatron::tensor_parallel::dropin::nn::{
+use burn_megatron::dropin::nn::{
     Embedding, EmbeddingConfig, Linear, LinearConfig, SwiGlu, SwiGluConfig,
 };
-use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
@@ -205,13 +205,13 @@ fn plans_that_do_not_fit_the_model_are_errors_naming_the_path() {
 /// A model holding `dropin::nn::transformer`'s encoder, as a BERT holds Burn's.
 #[derive(Module, Debug)]
 struct WithEncoder {
-    encoder: burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoder,
+    encoder: burn_megatron::dropin::nn::transformer::TransformerEncoder,
 }
 
 #[test]
 fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() -> Result<(), Error>
 {
-    use burn_megatron::tensor_parallel::dropin::nn::transformer::TransformerEncoderInput;
+    use burn_megatron::dropin::nn::transformer::TransformerEncoderInput;
     use burn_megatron_tests::data;
     let dir = std::env::temp_dir().join(format!("bm-dropin-encoder-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -255,7 +255,7 @@ fn an_encoder_plan_splits_a_burn_named_encoder_as_megatron_does_at_tp_2_and_4() 
 
 #[test]
 fn a_split_encoders_dropout_agrees_where_the_stream_is_whole() -> Result<(), Error> {
-    use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+    use burn_megatron::dropin::nn::transformer::{
         TransformerEncoderConfig, TransformerEncoderInput,
     };
     let out = tp_ranks(2, |ctx| {

@@ -12,11 +12,11 @@ use burn::nn::transformer as burn_tr;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 use burn_megatron::comm::{Comm, Probed};
-use burn_megatron::tensor_parallel::dropin::TpPlan;
-use burn_megatron::tensor_parallel::dropin::nn::attention::{
+use burn_megatron::dropin::TpPlan;
+use burn_megatron::dropin::nn::attention::{
     MultiHeadAttention, MultiHeadAttentionConfig, generate_autoregressive_mask,
 };
-use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
+use burn_megatron::dropin::nn::transformer as ours;
 use burn_megatron::tensor_parallel::parallel_attrs;
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::{data, tp_ranks, values};

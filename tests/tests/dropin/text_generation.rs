@@ -8,7 +8,7 @@
 use super::Error;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron_tests::tp_ranks;
 
 /// The model under Burn's own layers.
@@ -32,12 +32,10 @@ mod parallel {
     use burn::nn::attention::generate_autoregressive_mask;
     use burn::nn::loss::CrossEntropyLossConfig;
     use burn::tensor::{Bool, Device, Int, Tensor};
-    use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+    use burn_megatron::dropin::nn::transformer::{
         TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
     };
-    use burn_megatron::tensor_parallel::dropin::nn::{
-        Embedding, EmbeddingConfig, Linear, LinearConfig,
-    };
+    use burn_megatron::dropin::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
     include!("text_generation_model.rs");
 }
 
@@ -67,7 +65,7 @@ fn config() -> (
     plain::TextGenerationModelConfig,
     parallel::TextGenerationModelConfig,
 ) {
-    use burn_megatron::tensor_parallel::dropin::nn::transformer as dropin;
+    use burn_megatron::dropin::nn::transformer as dropin;
     let plain = burn::nn::transformer::TransformerEncoderConfig::new(32, 64, 4, 2)
         .with_dropout(0.0)
         .with_norm_first(true);

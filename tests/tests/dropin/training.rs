@@ -12,15 +12,13 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::CommunicatorExt;
 use burn_megatron::comm::ReduceOp;
-use burn_megatron::launch::{LaunchOptions, threads};
-use burn_megatron::optimizer::InnerOptimizer;
-use burn_megatron::tensor_parallel::dropin::TpPlan;
-use burn_megatron::tensor_parallel::dropin::nn::transformer::{
+use burn_megatron::dropin::TpPlan;
+use burn_megatron::dropin::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
-use burn_megatron::tensor_parallel::dropin::nn::{
-    Embedding, EmbeddingConfig, Linear, LinearConfig,
-};
+use burn_megatron::dropin::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};

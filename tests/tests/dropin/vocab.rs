@@ -14,10 +14,8 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::tensor_parallel::dropin::nn::{
-    Embedding, EmbeddingConfig, Linear, LinearConfig,
-};
-use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::dropin::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron::tensor_parallel::{
     vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_padded,
 };
@@ -296,7 +294,7 @@ fn a_vocabulary_padded_wrongly_or_not_at_all_is_an_error_naming_the_layer() -> R
 /// every rank.
 #[test]
 fn a_split_model_saves_the_record_the_plain_model_loads() -> Result<(), Error> {
-    use burn_megatron::tensor_parallel::dropin::save_gathered;
+    use burn_megatron::dropin::save_gathered;
     let dir = scratch("save");
     // Each TP size draws other weights (seed 20 + TP), so the record read at TP 4 shows.
     let plan = |seed: u64| -> Result<TpPlan, Error> {
@@ -380,7 +378,7 @@ impl Holder {
 
 #[test]
 fn the_saved_record_holds_int_parameters_and_burns_mapped_layouts() -> Result<(), Error> {
-    use burn_megatron::tensor_parallel::dropin::save_gathered;
+    use burn_megatron::dropin::save_gathered;
     let dir = scratch("save-holder");
     let file = dir.join("holder.bpk");
     tp_ranks(2, |ctx| {

@@ -9,7 +9,7 @@
 use super::{Error, Values};
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
+use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron_tests::tp_ranks;
 use std::path::{Path, PathBuf};
 
@@ -27,7 +27,7 @@ mod parallel {
     use burn::config::Config;
     use burn::module::Module;
     use burn::tensor::{Bool, Device, Int, Tensor};
-    use burn_megatron::tensor_parallel::dropin::nn;
+    use burn_megatron::dropin::nn;
     include!("whole_nn_model.rs");
 }
 
@@ -201,7 +201,7 @@ fn burn_0_21_records_load_sharded_and_compute_what_burn_0_21_computed() -> Resul
 /// split at TP 2 and 4 as Megatron splits a layer: Burn 0.21's output.
 #[test]
 fn a_burn_0_21_transformer_encoder_record_loads_sharded() -> Result<(), Error> {
-    use burn_megatron::tensor_parallel::dropin::nn::transformer as ours;
+    use burn_megatron::dropin::nn::transformer as ours;
     let dir = burn_mpk_dir();
     let want = floats(&burn_0_21_entry("encoder.mpk")?["output"]);
     if want.is_empty() {
@@ -242,7 +242,7 @@ fn a_burn_0_21_transformer_encoder_record_loads_sharded() -> Result<(), Error> {
 /// what Burn 0.21 did on load.
 #[test]
 fn a_converted_burn_0_21_record_loads_into_the_plain_burn_model() -> Result<(), Error> {
-    use burn_megatron::tensor_parallel::dropin::convert_named_mpk;
+    use burn_megatron::dropin::convert_named_mpk;
     let fixtures = burn_mpk_dir();
     let dir = super::load::scratch("convert-mpk");
     let config = plain::SharedLayerModelConfig::new(VOCAB, 16, 4, 32, 3);

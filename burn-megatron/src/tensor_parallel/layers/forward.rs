@@ -347,7 +347,7 @@ pub(crate) fn check_input_width<const D: usize>(
         let hint = match got == want * size && size > 1 {
             true => format!(
                 " ({got} is the full width: this rank takes 1/{size} of it; size reshapes from \
-                 this rank's heads, tensor_parallel::dropin::attention_split, not from the \
+                 this rank's heads, dropin::attention_split, not from the \
                  input's width)"
             ),
             false => String::new(),

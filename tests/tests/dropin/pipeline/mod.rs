@@ -14,19 +14,19 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
+use burn_megatron::dropin::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
+use burn_megatron::dropin::nn::{
+    Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
+use burn_megatron::dropin::{
+    LoadOptions, PpPlan, PpStage, RecordSource, TpPlan, load_sharded, save_gathered_stages,
+};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::pipeline::{
-    ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, PpPlan, PpStage,
-    forward_backward_func, save_gathered_stages,
+    ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
+    forward_backward_func,
 };
-use burn_megatron::tensor_parallel::dropin::nn::transformer::{
-    TransformerEncoderConfig, TransformerEncoderLayer,
-};
-use burn_megatron::tensor_parallel::dropin::nn::{
-    Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig,
-};
-use burn_megatron::tensor_parallel::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded};
 use burn_megatron::tensor_parallel::mappings::copy_to_tensor_model_parallel_region;
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
 use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelinePosition};

@@ -1,6 +1,6 @@
 //! How a layer's heads and width split over the tensor-parallel ranks.
 
-use super::super::TpError;
+use crate::tensor_parallel::TpError;
 
 /// One rank's share of an attention layer: its heads and the width they span.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub struct AttentionSplit {
 /// caches from these instead of the config's totals.
 ///
 /// ```
-/// use burn_megatron::tensor_parallel::dropin::attention_split;
+/// use burn_megatron::dropin::attention_split;
 /// let split = attention_split("layers.0.attention", 512, 8, 2, 2).unwrap();
 /// assert_eq!((split.heads, split.kv_heads, split.head_dim, split.width), (4, 1, 64, 256));
 /// let e = attention_split("layers.0.attention", 512, 8, 2, 4).unwrap_err().to_string();

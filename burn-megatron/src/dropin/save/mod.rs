@@ -7,11 +7,15 @@
 //! other ranks run the same sequence, and rank 0 runs the rest of it when its writer stops
 //! early, so a failed write is an error on every rank rather than a hang.
 
-use super::super::{TpError, parallel_attrs};
+mod stages;
+
+pub use stages::save_gathered_stages;
+
 use super::slot::{Facts, col_weight, facts};
 use crate::comm::tensor::all_gather;
 use crate::comm::{Comm, CommunicatorExt, ReduceOp};
 use crate::module_path::{PathVisitor, visit_paths};
+use crate::tensor_parallel::{TpError, parallel_attrs};
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};

@@ -9,10 +9,10 @@
 //! layer's parameters come before its slot, and the plan draws them, the loader reads them
 //! and the writer gathers them.
 
-use super::super::RngTracker;
-use super::super::attrs::{LayoutOwner, ParallelAttrs};
 use super::plan::Split;
 use crate::comm::Comm;
+use crate::tensor_parallel::RngTracker;
+use crate::tensor_parallel::{LayoutOwner, ParallelAttrs};
 use burn::module::{
     Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
 };

@@ -1,5 +1,5 @@
 //! One pipeline stage's part of a whole model's module paths (what
-//! [`PpStage`](crate::pipeline::PpStage) hands down to loading and to a plan).
+//! [`PpStage`](crate::dropin::PpStage) hands down to loading and to a plan).
 
 use crate::module_path::{is_under, layer_index};
 use crate::tensor_parallel::update_parallel_attrs;

@@ -13,7 +13,7 @@
 use super::Linear;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
-use crate::tensor_parallel::layers::gathered_product;
+use crate::tensor_parallel::gathered_product;
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -76,7 +76,7 @@ pub(super) fn column_products<const N: usize>(
 
 /// Where a row-parallel layer's output goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::tensor_parallel::dropin) enum Region {
+pub(in crate::dropin) enum Region {
     /// Whole on every rank: the partial products are all-reduced.
     Tensor,
     /// Split by sequence around the block: the partial products are reduce-scattered over

@@ -1,7 +1,7 @@
 //! How record keys meet a model's module paths, and what a sharded load did.
 
-use super::super::super::TpError;
 use super::super::StageKeys;
+use crate::tensor_parallel::TpError;
 use burn::tensor::TensorData;
 use regex::Regex;
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 /// How record names meet module paths, and what a mismatch may be.
 ///
 /// ```
-/// use burn_megatron::tensor_parallel::dropin::LoadOptions;
+/// use burn_megatron::dropin::LoadOptions;
 /// // Hugging Face names onto a Burn model's paths, with PyTorch's `[out, in]` linears.
 /// let options = LoadOptions::default()
 ///     .with_key_remap(r"^model\.layers\.(\d+)\.", "layers.$1.").unwrap()
@@ -65,7 +65,7 @@ impl LoadOptions {
     /// has no Burn counterpart: allow it with `with_allow_unused`.
     ///
     /// ```
-    /// use burn_megatron::tensor_parallel::dropin::LoadOptions;
+    /// use burn_megatron::dropin::LoadOptions;
     /// // A PyTorch port of a Burn encoder: `encoder.layer.N.` for `layers.N.`, its linears
     /// // `[out, in]`, its norms' `weight` and `bias`.
     /// let options = LoadOptions::default()
@@ -109,7 +109,7 @@ impl LoadOptions {
     }
 
     /// Load one pipeline stage's part of a whole model's record (what
-    /// [`PpStage::load_options`](crate::pipeline::PpStage::load_options) asks for).
+    /// [`PpStage::load_options`](crate::dropin::PpStage::load_options) asks for).
     pub(crate) fn with_stage(mut self, stage: StageKeys) -> Self {
         self.stage = Some(stage);
         self
@@ -148,7 +148,7 @@ pub struct LoadReport {
 ///
 /// ```
 /// use burn::tensor::TensorData;
-/// use burn_megatron::tensor_parallel::dropin::rotary_half_to_interleaved;
+/// use burn_megatron::dropin::rotary_half_to_interleaved;
 /// // One input row, 2 heads of 4 features: [a0 a1 b0 b1 | c0 c1 d0 d1] (halves a, b).
 /// let hf = TensorData::new(vec![0f32, 1., 10., 11., 20., 21., 30., 31.], [1, 8]);
 /// let burn = rotary_half_to_interleaved(2)(hf).unwrap();

@@ -11,11 +11,11 @@
 //! draws of its split layers ([`PpStage::tp_plan`]) and in checkpoints
 //! ([`PpPlan::global_names`]).
 
-use super::PipelineError;
 use crate::comm::tensor::all_reduce;
 use crate::comm::{Comm, CommError, ReduceOp};
+use crate::dropin::{LoadOptions, StageKeys, TpPlan};
 use crate::module_path::{PathMapper, PathVisitor, is_under, layer_index, map_paths, visit_paths};
-use crate::tensor_parallel::dropin::{LoadOptions, StageKeys, TpPlan};
+use crate::pipeline::PipelineError;
 use crate::tensor_parallel::parallel_attrs;
 use crate::topology::{ParallelState, PipelinePosition};
 use burn::module::{Module, Param, ParamId};
@@ -30,7 +30,7 @@ use std::sync::Arc;
 /// characters).
 ///
 /// ```
-/// use burn_megatron::pipeline::PpPlan;
+/// use burn_megatron::dropin::PpPlan;
 /// use burn_megatron::topology::PipelinePosition;
 /// let plan = PpPlan::new("layers", 8).first(&["tok_embeddings"]).last(&["norm", "output"]);
 /// // 2 stages of 2 chunks: chunk 1 of stage 0 is virtual stage 2, layers 4..6.
@@ -199,9 +199,9 @@ impl PpStage {
     }
 
     /// `options` for reading this chunk from the whole model's record with
-    /// [`load_sharded`](crate::tensor_parallel::dropin::load_sharded): its `layers.{i}` from
+    /// [`load_sharded`](crate::dropin::load_sharded): its `layers.{i}` from
     /// the record's `layers.{start + i}`, the other stages' tensors skipped (listed in
-    /// [`LoadReport::elsewhere`](crate::tensor_parallel::dropin::LoadReport)), and a
+    /// [`LoadReport::elsewhere`](crate::dropin::LoadReport)), and a
     /// parameter the stage must not hold an error naming it, as [`check`](Self::check).
     pub fn load_options(&self, options: LoadOptions) -> LoadOptions {
         options.with_stage(self.keys())

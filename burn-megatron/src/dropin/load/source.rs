@@ -44,7 +44,7 @@ impl RecordSource {
     /// PyTorch state dict at the top level; anything else burnpack.
     ///
     /// ```
-    /// use burn_megatron::tensor_parallel::dropin::RecordSource;
+    /// use burn_megatron::dropin::RecordSource;
     /// let source = RecordSource::from_path("checkpoint/pytorch_model.bin");
     /// assert!(matches!(source, RecordSource::Pytorch { top_level_key: None, .. }));
     /// let source = RecordSource::from_path("Llama-3.1-8B/model.safetensors.index.json");

@@ -14,12 +14,12 @@
 //! checkpoint is read a tensor at a time (pytorch-reader reads a tensor whole), each cut and
 //! dropped before the next. The file must not change while it loads.
 
-use super::super::{TpError, parallel_attrs};
 use super::slot::{Facts, col_weight, facts};
 use crate::comm::Comm;
 use crate::module_path::{PathMapper, map_paths};
 use crate::safetensors_io;
 use crate::shards::{Piece, assemble_padded};
+use crate::tensor_parallel::{TpError, parallel_attrs};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use std::borrow::Cow;

@@ -242,9 +242,9 @@ impl TransformerEncoderLayerAutoregressiveCache {
 /// Burn's `TransformerEncoderInput`, whose fields Burn keeps private: the same builder.
 #[derive(Debug, Clone)]
 pub struct TransformerEncoderInput {
-    pub(in crate::tensor_parallel::dropin) tensor: Tensor<3>,
-    pub(in crate::tensor_parallel::dropin) mask_pad: Option<Tensor<2, Bool>>,
-    pub(in crate::tensor_parallel::dropin) mask_attn: Option<Tensor<3, Bool>>,
+    pub(in crate::dropin) tensor: Tensor<3>,
+    pub(in crate::dropin) mask_pad: Option<Tensor<2, Bool>>,
+    pub(in crate::dropin) mask_attn: Option<Tensor<3, Bool>>,
 }
 
 impl TransformerEncoderInput {

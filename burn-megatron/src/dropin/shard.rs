@@ -3,10 +3,10 @@
 //! from the layer's default law of the whole tensor, so that every TP size draws the same
 //! weights.
 
-use super::super::init::MasterInit;
-use super::super::{derive_seed, lazy_host_param, shard_param};
 use super::master_init;
 use crate::comm::Comm;
+use crate::tensor_parallel::MasterInit;
+use crate::tensor_parallel::{derive_seed, lazy_host_param, shard_param};
 use burn::module::Param;
 use burn::nn::Initializer;
 use burn::tensor::ops::PadMode;

@@ -110,11 +110,11 @@ pub struct MultiHeadAttention {
 /// Burn's `MhaInput`: the query, key and value, and the masks.
 #[derive(Debug, Clone)]
 pub struct MhaInput {
-    pub(in crate::tensor_parallel::dropin) query: Tensor<3>,
-    pub(in crate::tensor_parallel::dropin) key: Tensor<3>,
-    pub(in crate::tensor_parallel::dropin) value: Tensor<3>,
-    pub(in crate::tensor_parallel::dropin) mask_pad: Option<Tensor<2, Bool>>,
-    pub(in crate::tensor_parallel::dropin) mask_attn: Option<Tensor<3, Bool>>,
+    pub(in crate::dropin) query: Tensor<3>,
+    pub(in crate::dropin) key: Tensor<3>,
+    pub(in crate::dropin) value: Tensor<3>,
+    pub(in crate::dropin) mask_pad: Option<Tensor<2, Bool>>,
+    pub(in crate::dropin) mask_attn: Option<Tensor<3, Bool>>,
 }
 
 impl MhaInput {
@@ -148,7 +148,7 @@ impl MhaInput {
     }
 
     /// The masks a transformer layer's input carries, each if it has one.
-    pub(in crate::tensor_parallel::dropin) fn masks(
+    pub(in crate::dropin) fn masks(
         mut self,
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,

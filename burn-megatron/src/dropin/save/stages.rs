@@ -8,9 +8,10 @@
 //! group and sends it back. So the writer holds one whole tensor at a time, and a send (which
 //! never waits for its receiver) cannot fill the writer's memory ahead of the file.
 
-use super::{PipelineError, PpStage};
+use super::{Entry, entries, gather_all, write};
 use crate::comm::{Buffer, Comm, CommDType, CommunicatorExt, ReduceOp};
-use crate::tensor_parallel::dropin::save::{Entry, entries, gather_all, write};
+use crate::dropin::PpStage;
+use crate::pipeline::PipelineError;
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, ParamId};
 use burn::tensor::{DType, TensorData};
@@ -29,9 +30,9 @@ struct Meta {
 
 /// Writes the record the whole plain model saves with `Module::save_file` (a burnpack file
 /// at `path`, each parameter whole under the whole model's module path), from this rank's
-/// `chunks`, built for `stages` (from [`PpPlan::stages`](super::PpPlan::stages)). Burn's
+/// `chunks`, built for `stages` (from [`PpPlan::stages`](crate::dropin::PpPlan::stages)). Burn's
 /// `load_file` reads it into the plain model, and
-/// [`load_sharded`](crate::tensor_parallel::dropin::load_sharded) into any layout.
+/// [`load_sharded`](crate::dropin::load_sharded) into any layout.
 ///
 /// Collective over the model-parallel ranks of one replica: every rank of `tp` (its
 /// tensor-parallel group) and `pp` (its pipeline group, `ctx.groups.pp`) calls it. The

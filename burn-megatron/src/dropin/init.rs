@@ -1,7 +1,7 @@
 //! Burn's initialisers as master initialisers: drawn on the host from a seed, the same full
 //! tensor at every TP size.
 
-use super::super::{MasterInit, TpError};
+use crate::tensor_parallel::{MasterInit, TpError};
 use burn::nn::Initializer;
 
 /// The [`MasterInit`] that draws what Burn's `initializer` draws for a parameter Burn gives
@@ -12,7 +12,8 @@ use burn::nn::Initializer;
 ///
 /// ```
 /// use burn::nn::Initializer;
-/// use burn_megatron::tensor_parallel::{MasterInit, dropin::master_init};
+/// use burn_megatron::dropin::master_init;
+/// use burn_megatron::tensor_parallel::MasterInit;
 /// // Burn's default for a Linear, PyTorch's nn.Linear: uniform on ±1/√fan_in.
 /// let burn = Initializer::KaimingUniform { gain: 1.0 / 3f64.sqrt(), fan_out_only: false };
 /// assert_eq!(master_init(&burn, Some(64), Some(32)).unwrap(), MasterInit::KaimingUniform);

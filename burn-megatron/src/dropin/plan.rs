@@ -6,12 +6,12 @@
 //! fields and builders) carry a slot, [`TpSlot`], that receives the layer's split and group
 //! when [`TpPlan::apply`] passes. The slot has no parameters, so records keep Burn's paths.
 
-use super::super::attrs::{LayoutOwner, ParallelAttrs};
-use super::super::{RngTracker, TpError, padded_vocab_size};
 use super::shard::{Placement, held_dims, shard};
 use super::slot::{Assigned, Facts, Offer, PENDING, facts};
 use super::stage::StageKeys;
 use crate::comm::Comm;
+use crate::tensor_parallel::{LayoutOwner, ParallelAttrs};
+use crate::tensor_parallel::{RngTracker, TpError, padded_vocab_size};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use std::collections::HashMap;
@@ -56,7 +56,7 @@ pub enum Split {
 /// characters, dots included): Megatron's layout of a Burn model, stated once.
 ///
 /// ```
-/// use burn_megatron::tensor_parallel::dropin::TpPlan;
+/// use burn_megatron::dropin::TpPlan;
 /// let plan = TpPlan::new()
 ///     .column(&["*.wq", "*.wk", "*.wv", "*.swiglu", "output"]).unwrap()
 ///     .row(&["*.wo", "*.w2"]).unwrap()
@@ -122,7 +122,8 @@ impl TpPlan {
     /// Without it, a vocabulary that does not split over the ranks is an error. Fails on 0.
     ///
     /// ```
-    /// use burn_megatron::tensor_parallel::{dropin::TpPlan, padded_vocab_size};
+    /// use burn_megatron::dropin::TpPlan;
+    /// use burn_megatron::tensor_parallel::padded_vocab_size;
     /// // GPT-2's 50257 tokens become 50304 rows at TP 1, 50432 at TP 2, 50688 at TP 4.
     /// let padded: Vec<_> = [1, 2, 4].map(|tp| padded_vocab_size(50257, 128, tp)).into();
     /// assert_eq!(padded, [50304, 50432, 50688]);
@@ -165,7 +166,7 @@ impl TpPlan {
     /// its own (no residual stream to split) is then an error.
     ///
     /// ```
-    /// use burn_megatron::tensor_parallel::dropin::TpPlan;
+    /// use burn_megatron::dropin::TpPlan;
     /// let plan = TpPlan::new().encoder(&["transformer"]).unwrap().sequence_parallel();
     /// # drop(plan);
     /// ```
@@ -187,7 +188,7 @@ impl TpPlan {
     }
 
     /// The plan for one pipeline stage's chunk (what
-    /// [`PpStage::tp_plan`](crate::pipeline::PpStage::tp_plan) makes): a rule naming only
+    /// [`PpStage::tp_plan`](crate::dropin::PpStage::tp_plan) makes): a rule naming only
     /// modules other stages hold matches nothing here, and that is not an error.
     pub(crate) fn at_stage(mut self, keys: StageKeys, virtual_stage: usize) -> Self {
         self.stage = Some(PlanStage {
@@ -432,7 +433,7 @@ impl ModuleMapper for PlanMapper<'_> {
                 let msg = format!(
                     "{}: a {:?} rule names it, but it has no tensor-parallel slot: it is one of \
                      burn::nn's types; import Linear, Embedding or SwiGlu from \
-                     burn_megatron::tensor_parallel::dropin::nn instead",
+                     burn_megatron::dropin::nn instead",
                     active.path, active.split
                 );
                 self.fail(msg);

@@ -26,8 +26,7 @@ pub mod transformer;
 pub use burn::nn::*;
 
 use crate::comm::Comm;
-use crate::tensor_parallel::embedding::vocab_lookup;
-use crate::tensor_parallel::layers::{ParallelLinear, Partition, check_input_width};
+use crate::tensor_parallel::{ParallelLinear, Partition, check_input_width, vocab_lookup};
 use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
 use burn::config::Config;
 use burn::module::{Module, Param};
