@@ -80,3 +80,13 @@ pub(crate) fn is_under(pattern: &glob::Pattern, path: &str) -> bool {
     let prefixes = path.match_indices('.').map(|(at, _)| &path[..at]);
     prefixes.chain([path]).any(|p| pattern.matches(p))
 }
+
+/// Commits the update each `RunningState` (`BatchNorm`'s running statistics) holds apart:
+/// Burn keeps a layer's latest update aside until the layer's next forward or `valid()`, so a
+/// visitor reads the statistics one update late and a mapper's value is replaced by the held
+/// update. `valid()` commits them in place (the statistics' values are shared with `module`);
+/// the module it returns is dropped. Training is unchanged: the next forward commits the
+/// same value.
+pub(crate) fn commit_running_states<M: Module>(module: &M) {
+    drop(module.valid());
+}

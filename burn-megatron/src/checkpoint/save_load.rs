@@ -24,6 +24,8 @@ pub fn save_checkpoint<M: Module + Clone>(
     optimizer: &MegatronOptimizer<M>,
     extra: serde_json::Value,
 ) -> Result<(), CheckpointError> {
+    // The statistics' last update belongs in the checkpoint.
+    crate::module_path::commit_running_states(model);
     // Collective for a distributed optimizer: before any rank returns.
     let burn_state = optimizer.burn_state(model)?;
     let mut flat_state = Vec::new();

@@ -19,6 +19,7 @@
 mod finalize;
 mod overlap;
 mod reduce_scatter;
+mod replicas;
 mod shard_plan;
 #[cfg(test)]
 mod tests;
@@ -37,6 +38,7 @@ pub mod advanced {
     };
     pub use super::overlap::OverlapReducer;
     pub use super::reduce_scatter::reduce_scatter_gradients;
+    pub use super::replicas::{broadcast_params, check_replicas};
     pub use super::shard_plan::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
 }
 

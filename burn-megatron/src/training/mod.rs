@@ -29,8 +29,8 @@ use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, Communica
 use crate::data_parallel::{
     DataParallelConfig,
     advanced::{
-        DpReduction, OptimizerShards, OverlapReducer, ShardPlan, finalize_expert_grads,
-        finalize_model_grads,
+        DpReduction, OptimizerShards, OverlapReducer, ShardPlan, broadcast_params, check_replicas,
+        finalize_expert_grads, finalize_model_grads,
     },
     expert_params,
 };
@@ -43,6 +43,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// How gradients are reduced and the optimizer state is laid out (Megatron's
 /// `DistributedDataParallelConfig` and `--use-distributed-optimizer`).
@@ -93,6 +94,8 @@ pub struct ParallelTraining {
     /// The experts' plans over the expert data-parallel group (none without experts).
     expert_plans: Vec<ShardPlan>,
     reducers: Vec<OverlapReducer>,
+    /// Whether a `finalize` has found the data-parallel replicas alike (once per process).
+    replicas_checked: AtomicBool,
 }
 
 impl ParallelTrainingConfig {
@@ -147,6 +150,7 @@ impl ParallelTrainingConfig {
             plans: Vec::new(),
             expert_plans: Vec::new(),
             reducers: Vec::new(),
+            replicas_checked: AtomicBool::new(false),
         };
         training.attach(chunks);
         Ok(training)
@@ -258,16 +262,41 @@ impl ParallelTraining {
             .then(|| self.reducers.iter().map(|r| r as &dyn GradSync).collect())
     }
 
+    /// `chunks` with every replica holding the first data-parallel rank's weights and
+    /// buffers (Megatron's `broadcast_params`; PyTorch's DDP does it at construction). A
+    /// Burn model built on each rank needs it: Burn's initializers draw on each rank apart,
+    /// and [`finalize`](Self::finalize) refuses replicas that differ. A collective: every
+    /// rank calls it, once, before the first step.
+    ///
+    /// ```text
+    /// let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+    /// let chunks = training.broadcast_params(chunks)?;
+    /// ```
+    pub fn broadcast_params<C: Module>(&self, chunks: Vec<C>) -> Result<Vec<C>, CommError> {
+        chunks
+            .into_iter()
+            .map(|c| broadcast_params(c, &self.dp_cp, &self.expert_dp))
+            .collect()
+    }
+
     /// Megatron's `finalize_model_grads` for this configuration: the data-parallel
     /// reduction (waited for when it overlapped backward, reduce-scattered for the
     /// distributed optimizer), the tensor-parallel reduction of sequence-parallel
     /// gradients, the embedding group's of tied embeddings, and the experts' over their
     /// expert-data-parallel replicas.
+    ///
+    /// The first call also checks that the data-parallel replicas hold the same weights,
+    /// and fails naming the first parameter that differs (see
+    /// [`broadcast_params`](Self::broadcast_params)).
     pub fn finalize<M: Module>(
         &self,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<(), CommError> {
+        if !self.replicas_checked.load(Ordering::Relaxed) {
+            check_replicas(model, &self.dp_cp, &self.expert_dp)?;
+            self.replicas_checked.store(true, Ordering::Relaxed);
+        }
         let (tp, embedding, config) = (
             &self.tp,
             self.embedding.as_ref(),

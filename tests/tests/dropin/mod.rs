@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 mod attention;
 mod cache;
+mod cnn;
 mod decoder;
 mod layout;
 mod load;

@@ -1,0 +1,125 @@
+//! The data-parallel replicas of a model must hold the same weights: each averages its
+//! gradient with the others', so replicas drawn apart train a mix of models and no error
+//! shows it. A model the library builds draws alike on every replica (`MasterInit`, the
+//! plans' seeds); a Burn model built on each rank does not (Burn's initializers draw from
+//! one process-wide generator, which ranks as threads share and processes seed apart).
+//! [`broadcast_params`] gives every replica the first one's weights, as Megatron's
+//! `DistributedDataParallel.broadcast_params` and PyTorch's DDP at construction do, and
+//! [`check_replicas`] finds a parameter whose replicas differ.
+
+use crate::comm::{Comm, CommError, CommunicatorExt};
+use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
+use crate::tensor_parallel::parallel_attrs;
+use burn::module::{Module, Param};
+use burn::tensor::Tensor;
+
+/// `model` with every float parameter and buffer (a `RunningState`, such as `BatchNorm`'s
+/// running statistics) replaced by the first member's value over its data-parallel group:
+/// `dp` for the dense parameters, `expert_dp` for the experts' (Megatron's
+/// `broadcast_params`). Ids and `require_grad` are kept. A collective over both groups:
+/// every rank calls it, with the same model structure.
+///
+/// Call it once the replicas are built, before the first step.
+pub fn broadcast_params<M: Module>(model: M, dp: &Comm, expert_dp: &Comm) -> Result<M, CommError> {
+    struct Broadcast<'a> {
+        groups: (&'a Comm, &'a Comm),
+        error: Option<CommError>,
+    }
+    impl PathMapper for Broadcast<'_> {
+        fn map<const D: usize>(&mut self, _: &str, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let group = match parallel_attrs(p.id).expert {
+                true => self.groups.1,
+                false => self.groups.0,
+            };
+            if self.error.is_some() || group.group().size() == 1 {
+                return p;
+            }
+            let (id, value, mapper) = p.consume();
+            let require_grad = value.is_require_grad();
+            match crate::comm::tensor::broadcast(&**group, value.clone().detach(), 0) {
+                Ok(first) => {
+                    Param::from_mapped_value(id, first.set_require_grad(require_grad), mapper)
+                }
+                Err(e) => {
+                    self.error = Some(e);
+                    Param::from_mapped_value(id, value, mapper)
+                }
+            }
+        }
+    }
+    // Else a layer's held update of its statistics would replace the broadcast value.
+    crate::module_path::commit_running_states(&model);
+    let mut broadcast = Broadcast {
+        groups: (dp, expert_dp),
+        error: None,
+    };
+    let model = map_paths(model, &mut broadcast);
+    match broadcast.error {
+        Some(e) => Err(e),
+        None => Ok(model),
+    }
+}
+
+/// An error naming the first trained parameter whose values differ between the members of
+/// its data-parallel group (`dp`, or `expert_dp` for an expert's), and the fix. Each member
+/// hashes its values (CRC-32 of their bytes) and the members compare the hashes: one small
+/// all-gather per group, but a read of every parameter to the host, so a loop runs it once.
+pub fn check_replicas<M: Module>(model: &M, dp: &Comm, expert_dp: &Comm) -> Result<(), CommError> {
+    #[derive(Default)]
+    struct Hashes {
+        /// (path, hash) of the dense and of the expert parameters.
+        dense: Vec<(String, i64)>,
+        experts: Vec<(String, i64)>,
+    }
+    impl PathVisitor for Hashes {
+        fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+            let value = p.val();
+            if !value.is_require_grad() {
+                return;
+            }
+            let hash = i64::from(crc32fast::hash(value.into_data().as_bytes()));
+            match parallel_attrs(p.id).expert {
+                true => self.experts.push((path.to_string(), hash)),
+                false => self.dense.push((path.to_string(), hash)),
+            }
+        }
+    }
+    let mut hashes = Hashes::default();
+    visit_paths(model, &mut hashes);
+    compare(&hashes.dense, dp)?;
+    compare(&hashes.experts, expert_dp)
+}
+
+/// The members' `hashes` compared: the first parameter whose hashes differ, as an error.
+fn compare(hashes: &[(String, i64)], group: &Comm) -> Result<(), CommError> {
+    let size = group.group().size();
+    if size == 1 {
+        return Ok(());
+    }
+    let n = hashes.len();
+    let mine: Vec<i64> = std::iter::once(n as i64)
+        .chain(hashes.iter().map(|(_, h)| *h))
+        .collect();
+    // The count first: replicas with different parameter lists gather unequal lengths,
+    // which the collective reports as a mismatch.
+    let all = group.all_gather_vec(mine)?;
+    let members: Vec<&[i64]> = all.chunks(n + 1).map(|m| &m[1..]).collect();
+    let differs = (0..n).find(|&i| members.iter().any(|m| m[i] != members[0][i]));
+    let Some(i) = differs else {
+        return Ok(());
+    };
+    let apart: Vec<usize> = (0..size)
+        .filter(|&m| members[m][i] != members[0][i])
+        .collect();
+    Err(CommError::InvalidArgument {
+        group: group.group().name().to_string(),
+        op: "finalize_model_grads",
+        reason: format!(
+            "the data-parallel replicas hold different values of `{}` (members {apart:?} \
+             differ from member 0), so averaging their gradients would train a mix of \
+             models. Build every replica from one seed or record, or pass the model \
+             through `ParallelTraining::broadcast_params` once after init",
+            hashes[i].0
+        ),
+    })
+}

@@ -1,0 +1,239 @@
+//! A Burn CNN (the layers of tracel-ai's ResNet: `Conv2d`, `BatchNorm`, pooling, `Linear`)
+//! trained data-parallel through `ParallelTraining`, as a Burn user builds it: on each rank,
+//! from Burn's initializers. Those draw apart on every rank, so the replicas are refused
+//! until `broadcast_params` gives them the first rank's weights and buffers; then DP 2 trains
+//! as one rank that averages the losses of the two ranks' batches (each `BatchNorm`
+//! normalising over its own half, as under data parallelism).
+
+use super::Error;
+use burn::module::{Module, RunningState};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::{CommunicatorExt, ReduceOp};
+use burn_megatron::dropin::nn::conv::{Conv2d, Conv2dConfig};
+use burn_megatron::dropin::nn::loss::CrossEntropyLossConfig;
+use burn_megatron::dropin::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig};
+use burn_megatron::dropin::nn::{
+    BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d,
+};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::optimizer::InnerOptimizer;
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
+use burn_megatron_tests::values;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Samples per data-parallel rank and step.
+const LOCAL: usize = 4;
+const STEPS: usize = 3;
+
+#[derive(Module, Debug)]
+struct Cnn {
+    conv1: Conv2d,
+    bn1: BatchNorm,
+    conv2: Conv2d,
+    bn2: BatchNorm,
+    pool: AdaptiveAvgPool2d,
+    head: Linear,
+}
+
+impl Cnn {
+    fn new(device: &Device) -> Self {
+        let conv = |i, o| {
+            Conv2dConfig::new([i, o], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(device)
+        };
+        Self {
+            conv1: conv(3, 8),
+            bn1: BatchNormConfig::new(8).init(device),
+            conv2: conv(8, 8),
+            bn2: BatchNormConfig::new(8).init(device),
+            pool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
+            head: LinearConfig::new(8, 4).init(device),
+        }
+    }
+
+    /// The mean cross-entropy of images `first..first + n` (3 × 8 × 8, four classes).
+    fn loss(&self, first: usize, n: usize, device: &Device) -> Tensor<1> {
+        let x: Vec<f32> = (first * 192..(first + n) * 192)
+            .map(|i| (i * 37 % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let x = Tensor::<4>::from_data(TensorData::new(x, [n, 3, 8, 8]), device);
+        let y: Vec<i64> = (first..first + n).map(|i| (i % 4) as i64).collect();
+        let y = Tensor::<1, Int>::from_data(TensorData::new(y, [n]), device);
+        let relu = burn::tensor::activation::relu;
+        let h = relu(self.bn1.forward(self.conv1.forward(x)));
+        let h = relu(self.bn2.forward(self.conv2.forward(h)));
+        let logits = self.head.forward(self.pool.forward(h).reshape([n, 8]));
+        CrossEntropyLossConfig::new()
+            .init(device)
+            .forward(logits, y)
+            .reshape([1])
+    }
+
+    /// The trained weights compared between runs.
+    fn weights(&self) -> Vec<f32> {
+        [
+            values(self.conv1.weight.val()),
+            values(self.bn1.gamma.val()),
+            values(self.conv2.weight.val()),
+            values(self.head.weight.val()),
+        ]
+        .concat()
+    }
+}
+
+/// What a rank of [`train`] ends with.
+#[derive(Debug)]
+struct Trained {
+    /// Each step's loss, averaged over the data-parallel ranks.
+    losses: Vec<f32>,
+    weights: Vec<f32>,
+    /// `bn1`'s running mean as training began, and as it ended (its last update included).
+    initial_mean: Vec<f32>,
+    final_mean: Vec<f32>,
+}
+
+/// Each rank of a DP `dp` run of models drawn on each rank, with each rank's own running
+/// mean set to its rank (as a record loaded per rank would set it). With `broadcast`, the
+/// replicas are broadcast first and rank 0 saves its model at `record`; the run ends with a
+/// checkpoint under `root`.
+fn train(dp: usize, broadcast: bool, record: &Path, root: &Path) -> Result<Vec<Trained>, Error> {
+    let out = threads(
+        &ParallelConfig::new(dp, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (d, rank) = (&ctx.device, ctx.state.data_parallel_rank());
+            let mut cnn = Cnn::new(d);
+            cnn.bn1.running_mean = RunningState::new(Tensor::full([8], rank as f32, d));
+            let names = Arc::new(|path: &str| path.to_string());
+            let mut chunks = vec![cnn];
+            let training = ParallelTrainingConfig::new()
+                .with_use_distributed_optimizer(true)
+                .init(&ctx, &chunks, names)?;
+            if broadcast {
+                chunks = training.broadcast_params(chunks)?;
+            }
+            let initial_mean = values(chunks[0].bn1.running_mean.value());
+            if broadcast && rank == 0 {
+                chunks[0].clone().save_file(record)?;
+            }
+            let adamw = InnerOptimizer::from(AdamWConfig::new().init());
+            let mut optimizer = training.optimizer(adamw, &chunks)?;
+            let mut losses = Vec::new();
+            for _ in 0..STEPS {
+                let loss = chunks[0].loss(rank * LOCAL, LOCAL, d);
+                let mut value = vec![loss.clone().into_scalar::<f32>()];
+                let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
+                training.finalize(&chunks, &mut grads)?;
+                (chunks, _) = optimizer.step(1e-2, chunks, grads)?;
+                ctx.groups.dp.all_reduce_vec(&mut value, ReduceOp::Avg)?;
+                losses.push(value[0]);
+            }
+            training.save(root, STEPS, &chunks, &optimizer, serde_json::json!({}))?;
+            // `valid()` commits the statistics' last update, which Burn holds apart until
+            // the next forward.
+            let final_mean = values(chunks[0].valid().bn1.running_mean.value());
+            Ok::<_, Error>(Trained {
+                losses,
+                weights: chunks[0].weights(),
+                initial_mean,
+                final_mean,
+            })
+        },
+    )?;
+    Ok(out)
+}
+
+/// One rank from `record`, each step's loss the mean of two forwards, one per half of the
+/// DP 2 run's batch: what DP 2 computes, each `BatchNorm` over its own half.
+fn one_rank_over_both_halves(record: &Path) -> Result<(Vec<f32>, Vec<f32>), Error> {
+    let out = threads(
+        &ParallelConfig::new(1, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let d = &ctx.device;
+            let chunks = vec![Cnn::new(d).load_file(record)];
+            let names = Arc::new(|path: &str| path.to_string());
+            let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+            let adamw = InnerOptimizer::from(AdamWConfig::new().init());
+            let mut optimizer = training.optimizer(adamw, &chunks)?;
+            let mut chunks = chunks;
+            let mut losses = Vec::new();
+            for _ in 0..STEPS {
+                let halves = [0, LOCAL].map(|first| chunks[0].loss(first, LOCAL, d));
+                let [a, b] = halves;
+                let loss = (a + b) / 2.0;
+                losses.push(loss.clone().into_scalar::<f32>());
+                let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
+                training.finalize(&chunks, &mut grads)?;
+                (chunks, _) = optimizer.step(1e-2, chunks, grads)?;
+            }
+            Ok::<_, Error>((losses, chunks[0].weights()))
+        },
+    )?;
+    Ok(out.into_iter().next().unwrap_or_default())
+}
+
+/// `bn1`'s running mean of the checkpoint under `root`, loaded at DP 1.
+fn resumed_mean(root: &Path) -> Result<Vec<f32>, Error> {
+    let out = threads(
+        &ParallelConfig::new(1, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let chunks = vec![Cnn::new(&ctx.device)];
+            let names = Arc::new(|path: &str| path.to_string());
+            let mut training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+            let adamw = || InnerOptimizer::from(AdamWConfig::new().init());
+            let make = |t: &ParallelTraining, m: &Vec<Cnn>| t.optimizer(adamw(), m);
+            let restored = training.load(root, Some(STEPS), chunks, make, false)?;
+            Ok::<_, Error>(values(restored.model[0].bn1.running_mean.value()))
+        },
+    )?;
+    Ok(out.into_iter().next().unwrap_or_default())
+}
+
+#[test]
+fn a_burn_cnn_trains_at_dp_2_as_one_rank_once_its_replicas_are_broadcast() -> Result<(), Error> {
+    let dir = super::load::scratch("cnn");
+    let record = dir.join("initial");
+    let ranks = train(2, true, &record, &dir.join("checkpoints"))?;
+    // The buffers came from rank 0 as well.
+    for (rank, trained) in ranks.iter().enumerate() {
+        assert_eq!(
+            trained.initial_mean,
+            vec![0.0; 8],
+            "rank {rank}'s running mean"
+        );
+    }
+    let (losses, weights) = one_rank_over_both_halves(&record)?;
+    for (rank, trained) in ranks.iter().enumerate() {
+        let loss_diff = super::max_abs_diff(&trained.losses, &losses);
+        let weight_diff = super::max_abs_diff(&trained.weights, &weights);
+        assert!(
+            loss_diff < 1e-5 && weight_diff < 1e-5,
+            "rank {rank}: losses {:?} against {losses:?}, weights off by {weight_diff}",
+            trained.losses
+        );
+    }
+    // The checkpoint holds rank 0's statistics, their last update included, and resumes at
+    // DP 1 with them.
+    let resumed = resumed_mean(&dir.join("checkpoints"))?;
+    assert_eq!(resumed, ranks[0].final_mean, "the resumed running mean");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+#[test]
+fn replicas_drawn_apart_are_refused_at_the_first_finalize_naming_the_parameter() {
+    let dir = super::load::scratch("cnn_apart");
+    let err = train(2, false, &dir.join("unused"), &dir).expect_err("replicas that differ");
+    let message = err.to_string();
+    assert!(
+        message.contains("conv1.weight`") && message.contains("broadcast_params"),
+        "{message}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
