@@ -16,6 +16,7 @@ use burn_megatron::dropin::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig
 use burn_megatron::dropin::nn::{
     BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d,
 };
+use burn_megatron::dropin::save_gathered;
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::topology::ParallelConfig;
@@ -91,15 +92,18 @@ struct Trained {
     /// Each step's loss, averaged over the data-parallel ranks.
     losses: Vec<f32>,
     weights: Vec<f32>,
-    /// `bn1`'s running mean as training began, and as it ended (its last update included).
+    /// `bn1`'s running mean as training began, as it ended (its last update included), and
+    /// before the last step (rank 0).
     initial_mean: Vec<f32>,
     final_mean: Vec<f32>,
+    plain_mean: Vec<f32>,
 }
 
 /// Each rank of a DP `dp` run of models drawn on each rank, with each rank's own running
 /// mean set to its rank (as a record loaded per rank would set it). With `broadcast`, the
 /// replicas are broadcast first and rank 0 saves its model at `record`; the run ends with a
-/// checkpoint under `root`.
+/// checkpoint under `root`, and rank 0 saves its plain record at `root/plain` before the last
+/// step.
 fn train(dp: usize, broadcast: bool, record: &Path, root: &Path) -> Result<Vec<Trained>, Error> {
     let out = threads(
         &ParallelConfig::new(dp, 1, 1),
@@ -123,7 +127,15 @@ fn train(dp: usize, broadcast: bool, record: &Path, root: &Path) -> Result<Vec<T
             let adamw = InnerOptimizer::from(AdamWConfig::new().init());
             let mut optimizer = training.optimizer(adamw, &chunks)?;
             let mut losses = Vec::new();
-            for _ in 0..STEPS {
+            let mut plain_mean = Vec::new();
+            for step in 0..STEPS {
+                if step == STEPS - 1 && rank == 0 {
+                    // Back to a plain record before the last step, which Burn's own
+                    // `load_file` reads (the checkpoint below must commit its own update).
+                    std::fs::create_dir_all(root)?;
+                    save_gathered(&chunks[0], root.join("plain"), &ctx.groups.tp)?;
+                    plain_mean = values(chunks[0].valid().bn1.running_mean.value());
+                }
                 let loss = chunks[0].loss(rank * LOCAL, LOCAL, d);
                 let mut value = vec![loss.clone().into_scalar::<f32>()];
                 let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
@@ -141,6 +153,7 @@ fn train(dp: usize, broadcast: bool, record: &Path, root: &Path) -> Result<Vec<T
                 weights: chunks[0].weights(),
                 initial_mean,
                 final_mean,
+                plain_mean,
             })
         },
     )?;
@@ -222,6 +235,12 @@ fn a_burn_cnn_trains_at_dp_2_as_one_rank_once_its_replicas_are_broadcast() -> Re
     // DP 1 with them.
     let resumed = resumed_mean(&dir.join("checkpoints"))?;
     assert_eq!(resumed, ranks[0].final_mean, "the resumed running mean");
+    let plain = Cnn::new(&Device::flex()).load_file(dir.join("checkpoints").join("plain"));
+    let plain_mean = values(plain.bn1.running_mean.value());
+    assert_eq!(
+        plain_mean, ranks[0].plain_mean,
+        "the plain record's running mean"
+    );
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

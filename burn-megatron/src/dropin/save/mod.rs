@@ -144,6 +144,8 @@ pub fn save_gathered<M: Module>(
 /// `model`'s parameters as the plain model's record holds them, in module order, each with
 /// its gather over `tp`.
 pub(crate) fn entries<M: Module>(model: &M, tp: &Comm) -> Vec<Entry> {
+    // The statistics' last update belongs in the record.
+    crate::module_path::commit_running_states(model);
     let mut collect = Collect {
         tp,
         facts: facts(model),
