@@ -62,6 +62,8 @@ pub(crate) fn visit_paths<M: Module>(module: &M, visitor: &mut impl PathVisitor)
 
 /// `module` with each float parameter replaced by `mapper`.
 pub(crate) fn map_paths<M: Module>(module: M, mapper: &mut impl PathMapper) -> M {
+    // Else a layer's held update of its statistics would replace the value written here.
+    commit_running_states(&module);
     module.map(&mut Paths {
         path: Vec::new(),
         inner: mapper,

@@ -7,7 +7,7 @@
 //! `DistributedDataParallel.broadcast_params` and PyTorch's DDP at construction do, and
 //! [`check_replicas`] finds a parameter whose replicas differ.
 
-use crate::comm::{Comm, CommError, CommunicatorExt};
+use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, Param};
@@ -19,7 +19,9 @@ use burn::tensor::Tensor;
 /// `broadcast_params`). Ids and `require_grad` are kept. A collective over both groups:
 /// every rank calls it, with the same model structure.
 ///
-/// Call it once the replicas are built, before the first step.
+/// Call it once the replicas are built, before the optimizer is: an optimizer copies the
+/// weights it is built with (its FP32 master weights, or its shards of them) and its first
+/// step writes them back.
 pub fn broadcast_params<M: Module>(model: M, dp: &Comm, expert_dp: &Comm) -> Result<M, CommError> {
     struct Broadcast<'a> {
         groups: (&'a Comm, &'a Comm),
@@ -47,8 +49,6 @@ pub fn broadcast_params<M: Module>(model: M, dp: &Comm, expert_dp: &Comm) -> Res
             }
         }
     }
-    // Else a layer's held update of its statistics would replace the broadcast value.
-    crate::module_path::commit_running_states(&model);
     let mut broadcast = Broadcast {
         groups: (dp, expert_dp),
         error: None,
@@ -64,7 +64,16 @@ pub fn broadcast_params<M: Module>(model: M, dp: &Comm, expert_dp: &Comm) -> Res
 /// its data-parallel group (`dp`, or `expert_dp` for an expert's), and the fix. Each member
 /// hashes its values (CRC-32 of their bytes) and the members compare the hashes: one small
 /// all-gather per group, but a read of every parameter to the host, so a loop runs it once.
-pub fn check_replicas<M: Module>(model: &M, dp: &Comm, expert_dp: &Comm) -> Result<(), CommError> {
+/// Frozen parameters (`require_grad` off) and buffers are not compared: no gradient of
+/// theirs is averaged, and each rank's `BatchNorm` statistics differ by design. The ranks
+/// then agree over `world`, so that every rank returns an error when any group's replicas
+/// differ, and none waits on a peer that stopped.
+pub fn check_replicas<M: Module>(
+    model: &M,
+    dp: &Comm,
+    expert_dp: &Comm,
+    world: &Comm,
+) -> Result<(), CommError> {
     #[derive(Default)]
     struct Hashes {
         /// (path, hash) of the dense and of the expert parameters.
@@ -86,8 +95,23 @@ pub fn check_replicas<M: Module>(model: &M, dp: &Comm, expert_dp: &Comm) -> Resu
     }
     let mut hashes = Hashes::default();
     visit_paths(model, &mut hashes);
-    compare(&hashes.dense, dp)?;
-    compare(&hashes.experts, expert_dp)
+    // Both groups gather whatever the first finds, so that every member of each takes part.
+    let dense = compare(&hashes.dense, dp);
+    let experts = compare(&hashes.experts, expert_dp);
+    let local = dense.and(experts);
+    let mut failed = vec![i64::from(local.is_err())];
+    world.all_reduce_vec(&mut failed, ReduceOp::Max)?;
+    match (local, failed[0]) {
+        (Err(e), _) => Err(e),
+        (Ok(()), 0) => Ok(()),
+        (Ok(()), _) => Err(CommError::InvalidArgument {
+            group: world.group().name().to_string(),
+            op: "check_replicas",
+            reason: "the replicas of another data-parallel group differ (its ranks name the \
+                     parameter)"
+                .to_string(),
+        }),
+    }
 }
 
 /// The members' `hashes` compared: the first parameter whose hashes differ, as an error.
@@ -108,18 +132,21 @@ fn compare(hashes: &[(String, i64)], group: &Comm) -> Result<(), CommError> {
     let Some(i) = differs else {
         return Ok(());
     };
+    let ranks = group.group().ranks();
     let apart: Vec<usize> = (0..size)
         .filter(|&m| members[m][i] != members[0][i])
+        .map(|m| ranks[m])
         .collect();
     Err(CommError::InvalidArgument {
         group: group.group().name().to_string(),
-        op: "finalize_model_grads",
+        op: "check_replicas",
         reason: format!(
-            "the data-parallel replicas hold different values of `{}` (members {apart:?} \
-             differ from member 0), so averaging their gradients would train a mix of \
-             models. Build every replica from one seed or record, or pass the model \
-             through `ParallelTraining::broadcast_params` once after init",
-            hashes[i].0
+            "the data-parallel replicas hold different values of `{}` (global ranks \
+             {apart:?} differ from rank {}), so averaging their gradients would train a mix \
+             of models. Build every replica from one seed or record, or pass the model \
+             through `ParallelTraining::broadcast_params` after init, before building the \
+             optimizer",
+            hashes[i].0, ranks[0]
         ),
     })
 }

@@ -13,8 +13,8 @@
 //! column-parallel, the attention output and the second feed-forward layer row-parallel, norms
 //! whole (one all-reduce per block in each direction); sizes that do not split are errors
 //! naming the layer and the numbers, except a vocabulary, which a plan pads as Megatron does
-//! ([`TpPlan::make_vocab_size_divisible_by`]). Dropout comes from a [`RngTracker`](crate::tensor_parallel::RngTracker):
-//! Burn's `Dropout` draws from one process-wide generator, so ranks running as threads would
+//! ([`TpPlan::make_vocab_size_divisible_by`]). Dropout comes from a
+//! [`RngTracker`](crate::tensor_parallel::RngTracker): Burn's `Dropout` draws from one process-wide generator, so ranks running as threads would
 //! draw different masks for activations every rank holds whole. With
 //! [`TpPlan::sequence_parallel`] the encoder and decoder also split their residual stream by
 //! sequence between blocks (Megatron's sequence parallelism), the model's code unchanged.

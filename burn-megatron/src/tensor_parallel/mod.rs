@@ -19,7 +19,6 @@ mod embedding;
 mod grads;
 mod init;
 mod layers;
-pub(crate) use layers::{matmul_bias, product};
 pub mod mappings;
 mod random;
 mod sampling;
@@ -43,7 +42,8 @@ pub use layers::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
 pub(crate) use layers::{
-    LinearShard, ParallelLinear, Partition, check_input_width, gathered_product,
+    LinearShard, ParallelLinear, Partition, check_input_width, gathered_product, matmul_bias,
+    product,
 };
 pub use random::{MODEL_PARALLEL_SEED_OFFSET, RngRegion, RngTracker};
 pub use sampling::{
@@ -83,8 +83,9 @@ pub(crate) fn shard_param<const D: usize>(shard: Tensor<D>) -> Param<Tensor<D>> 
 }
 
 /// A trainable parameter of `shape` whose host values `values` draws on first use: a layer
-/// built and then loaded (from a record by [`dropin::load_sharded`](crate::dropin::load_sharded), or a checkpoint) never
-/// draws them or holds them (its layer states its attributes).
+/// built and then loaded (from a record by
+/// [`dropin::load_sharded`](crate::dropin::load_sharded), or a checkpoint) never draws them
+/// or holds them (its layer states its attributes).
 pub(crate) fn lazy_host_param<const D: usize>(
     shape: [usize; D],
     device: &Device,

@@ -94,8 +94,10 @@ pub struct ParallelTraining {
     /// The experts' plans over the expert data-parallel group (none without experts).
     expert_plans: Vec<ShardPlan>,
     reducers: Vec<OverlapReducer>,
-    /// Whether a `finalize` has found the data-parallel replicas alike (once per process).
+    /// Whether a `finalize` has found the data-parallel replicas alike (checked once).
     replicas_checked: AtomicBool,
+    /// Whether an optimizer was built, which copied the replicas' weights as they were.
+    optimizer_built: AtomicBool,
 }
 
 impl ParallelTrainingConfig {
@@ -151,6 +153,7 @@ impl ParallelTrainingConfig {
             expert_plans: Vec::new(),
             reducers: Vec::new(),
             replicas_checked: AtomicBool::new(false),
+            optimizer_built: AtomicBool::new(false),
         };
         training.attach(chunks);
         Ok(training)
@@ -243,6 +246,7 @@ impl ParallelTraining {
         inner: impl Into<InnerOptimizer>,
         chunks: &Vec<C>,
     ) -> Result<MegatronOptimizer<Vec<C>>, OptimizerError> {
+        self.optimizer_built.store(true, Ordering::Relaxed);
         let (mp, tp_rank) = (self.mp.clone(), self.tp_rank);
         let optimizer = match self.config.use_distributed_optimizer {
             true => {
@@ -266,13 +270,26 @@ impl ParallelTraining {
     /// buffers (Megatron's `broadcast_params`; PyTorch's DDP does it at construction). A
     /// Burn model built on each rank needs it: Burn's initializers draw on each rank apart,
     /// and [`finalize`](Self::finalize) refuses replicas that differ. A collective: every
-    /// rank calls it, once, before the first step.
+    /// rank calls it, once, before building the optimizer, which copies the weights it is
+    /// built with (refused after, on every rank).
     ///
     /// ```text
     /// let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
     /// let chunks = training.broadcast_params(chunks)?;
+    /// let optimizer = training.optimizer(adamw, &chunks)?;
     /// ```
     pub fn broadcast_params<C: Module>(&self, chunks: Vec<C>) -> Result<Vec<C>, CommError> {
+        if self.optimizer_built.load(Ordering::Relaxed) {
+            return Err(CommError::InvalidArgument {
+                group: self.dp_cp.group().name().to_string(),
+                op: "broadcast_params",
+                reason: "the optimizer was built before the broadcast: it copied each \
+                         replica's own weights (its FP32 master weights or shards of them), \
+                         and its first step would write them back. Broadcast the replicas, \
+                         then build the optimizer"
+                    .to_string(),
+            });
+        }
         chunks
             .into_iter()
             .map(|c| broadcast_params(c, &self.dp_cp, &self.expert_dp))
@@ -294,7 +311,7 @@ impl ParallelTraining {
         grads: &mut GradientsParams,
     ) -> Result<(), CommError> {
         if !self.replicas_checked.load(Ordering::Relaxed) {
-            check_replicas(model, &self.dp_cp, &self.expert_dp)?;
+            check_replicas(model, &self.dp_cp, &self.expert_dp, &self.world)?;
             self.replicas_checked.store(true, Ordering::Relaxed);
         }
         let (tp, embedding, config) = (

@@ -256,3 +256,67 @@ fn replicas_drawn_apart_are_refused_at_the_first_finalize_naming_the_parameter()
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A broadcast after the optimizer was built would be undone by its first step (it copied
+/// each replica's own weights): it is refused on every rank.
+#[test]
+fn a_broadcast_after_the_optimizer_is_built_is_refused() -> Result<(), Error> {
+    let messages = threads(
+        &ParallelConfig::new(2, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let chunks = vec![Cnn::new(&ctx.device)];
+            let names = Arc::new(|path: &str| path.to_string());
+            let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+            let adamw = InnerOptimizer::from(AdamWConfig::new().init());
+            let _optimizer = training.optimizer(adamw, &chunks)?;
+            let refused = training.broadcast_params(chunks).err();
+            Ok::<_, Error>(refused.map(|e| e.to_string()).unwrap_or_default())
+        },
+    )?;
+    for message in messages {
+        assert!(message.contains("then build the optimizer"), "{message:?}");
+    }
+    Ok(())
+}
+
+/// At TP 2 × DP 2 only the replicas of tensor-parallel rank 0 differ (a whole layer Burn
+/// draws there, a constant one on rank 1): the ranks of the other data-parallel group fail
+/// as well, saying why, rather than wait for peers that stopped.
+#[test]
+fn replicas_that_differ_in_one_group_fail_every_rank() -> Result<(), Error> {
+    #[derive(Module, Debug)]
+    struct Whole {
+        layer: Linear,
+    }
+    let messages = threads(
+        &ParallelConfig::new(4, 2, 1),
+        LaunchOptions::default().with_timeout(std::time::Duration::from_secs(20)),
+        |ctx| {
+            let d = &ctx.device;
+            let config = LinearConfig::new(4, 4);
+            let config = match ctx.state.tensor_model_parallel_rank() {
+                0 => config,
+                _ => config.with_initializer(burn::nn::Initializer::Constant { value: 0.5 }),
+            };
+            let chunks = vec![Whole {
+                layer: config.init(d),
+            }];
+            let names = Arc::new(|path: &str| path.to_string());
+            let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+            let x = Tensor::<2>::ones([2, 4], d);
+            let loss = chunks[0].layer.forward(x).sum();
+            let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
+            let refused = training.finalize(&chunks, &mut grads).err();
+            Ok::<_, Error>(refused.map(|e| e.to_string()).unwrap_or_default())
+        },
+    )?;
+    for (rank, message) in messages.iter().enumerate() {
+        let want = match rank % 2 {
+            0 => "values of `0.layer.weight`",
+            _ => "the replicas of another data-parallel group differ",
+        };
+        assert!(message.contains(want), "rank {rank}: {message:?}");
+    }
+    Ok(())
+}

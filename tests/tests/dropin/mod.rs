@@ -1,7 +1,8 @@
 //! Burn's layers made tensor-parallel (`dropin`): the tests of each way in
 //! (a model's imports swapped for `dropin::nn`'s, a layer Burn built converted with `From`)
 //! hold the split model to Burn's own at TP 2 and 4 (output, every gradient gathered, the
-//! record paths), and a plan's errors name the layer and the numbers.
+//! record paths), and a plan's errors name the layer and the numbers; a Burn CNN with no
+//! layer to split trains data-parallel (`cnn`).
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::transformer::{

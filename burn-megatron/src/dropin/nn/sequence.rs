@@ -13,11 +13,11 @@
 use super::Linear;
 use crate::comm::Comm;
 use crate::grad_hooks::hook_param;
-use crate::tensor_parallel::gathered_product;
 use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 };
+use crate::tensor_parallel::{check_input_width, gathered_product};
 use burn::module::Param;
 use burn::nn::LayerNorm;
 use burn::tensor::Tensor;
@@ -49,6 +49,8 @@ pub(super) fn column_products<const N: usize>(
     let weights: Vec<Tensor<2>> = linears
         .iter()
         .map(|l| {
+            let want = l.weight.lazy_shape().dims::<2>()[0];
+            check_input_width("Linear (column-parallel)", &x, want, Some(tp));
             if let Some(a) = &l.tp.assigned {
                 l.restate(a);
             }

@@ -1,14 +1,22 @@
 //! The forward of a parallel linear layer, written once. [`ColumnParallelLinear`],
 //! [`RowParallelLinear`] and a plan's split drop-in `Linear` each describe their shard as a
-//! [`ParallelLinear`] and run [`ParallelLinear::forward`]; a region that forms the product
-//! and its gradients itself (`recompute::recompute_linear_input`) runs the steps apart:
-//! [`parallel_input`](ParallelLinear::parallel_input), this rank's product, then
-//! [`finish`](ParallelLinear::finish).
+//! [`ParallelLinear`] and run [`ParallelLinear::forward`]. Two callers form the product
+//! themselves and take the rest from here: a region that forms the product and its
+//! gradients itself (`recompute::recompute_linear_input`) runs the steps apart
+//! ([`parallel_input`](ParallelLinear::parallel_input), this rank's product, then
+//! [`finish`](ParallelLinear::finish)), and a drop-in sequence-parallel block forms its
+//! column layers' products under one gather ([`gathered_product`] of their weights side by
+//! side).
 //!
 //! | partition | the input | this rank's product | the output |
 //! | --- | --- | --- | --- |
-//! | column | copied into the region (SP: this rank's positions, gathered by the product) | `x·W_i + b_i` | as it is, or all-gathered (`gather_output`) |
-//! | row | this rank's features (or split here) | `x_i·W_i` | summed over the ranks (SP: reduce-scattered), then `+ b` |
+//! | column | copied into the region (SP: gathered) | `x·W_i + b_i` | as it is, or all-gathered |
+//! | row | this rank's features (or split here) | `x_i·W_i` | summed (SP: reduce-scattered), `+ b` |
+//!
+//! Under sequence parallelism the forward gathers inside the product
+//! ([`gathered_product`]), which gathers again in backward rather than keep the gathered
+//! input; [`parallel_input`](ParallelLinear::parallel_input) gathers on its own, and what it
+//! returns lives as long as the region's graph that keeps it.
 //!
 //! [`ColumnParallelLinear`]: super::ColumnParallelLinear
 //! [`RowParallelLinear`]: super::RowParallelLinear
@@ -181,7 +189,7 @@ impl ParallelLinear<'_> {
 
     /// `input`, once its width is checked against the weight's.
     fn checked<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        check_width(self.name, &input, self.weight, Some(self.tp));
+        check_width(self.name, &input, self.weight, self.tp);
         input
     }
 
@@ -329,9 +337,9 @@ fn check_width<const D: usize>(
     layer: &str,
     input: &Tensor<D>,
     weight: &Param<Tensor<2>>,
-    tp: Option<&Comm>,
+    tp: &Comm,
 ) {
-    check_input_width(layer, input, weight.lazy_shape().to_vec()[0], tp);
+    check_input_width(layer, input, weight.lazy_shape().to_vec()[0], Some(tp));
 }
 
 /// As [`check_width`], against a weight that takes `want` input features.
