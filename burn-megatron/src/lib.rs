@@ -30,7 +30,8 @@
 //! - [`models`]: one transformer core (attention, MLP, layer) and the GPT / Llama family
 //!   and BERT over it, with Hugging Face import and export and generation.
 //! - [`data_parallel`]: gradient reduction over the data-parallel group in buckets, after
-//!   backward or overlapped with it, and the distributed optimizer's shard plans.
+//!   backward or overlapped with it, the distributed optimizer's shard plans, and the
+//!   replicas' weights broadcast and compared.
 //! - [`data`]: pretraining data: corpora, tokenizers, BERT and GPT samples, Megatron's
 //!   indexed datasets.
 //! - [`optimizer`]: Megatron's LR / WD scheduler, loss scalers, and the optimizer wrapper

@@ -16,41 +16,47 @@ use burn::tensor::Tensor;
 /// `model` with every float parameter and buffer (a `RunningState`, such as `BatchNorm`'s
 /// running statistics) replaced by the first member's value over its data-parallel group:
 /// `dp` for the dense parameters, `expert_dp` for the experts' (Megatron's
-/// `broadcast_params`). Ids and `require_grad` are kept. A collective over both groups:
-/// every rank calls it, with the same model structure.
+/// `broadcast_params`); a dense parameter every tensor-parallel rank holds whole (a layer no
+/// plan split) then also takes `tp`'s first member's. Ids and `require_grad` are kept. A
+/// collective over the three groups: every rank calls it, with the same model structure.
 ///
 /// Call it once the replicas are built, before the optimizer is: an optimizer copies the
 /// weights it is built with (its FP32 master weights, or its shards of them) and its first
 /// step writes them back.
-pub fn broadcast_params<M: Module>(model: M, dp: &Comm, expert_dp: &Comm) -> Result<M, CommError> {
+pub fn broadcast_params<M: Module>(
+    model: M,
+    dp: &Comm,
+    expert_dp: &Comm,
+    tp: &Comm,
+) -> Result<M, CommError> {
     struct Broadcast<'a> {
-        groups: (&'a Comm, &'a Comm),
+        groups: [&'a Comm; 3],
         error: Option<CommError>,
     }
     impl PathMapper for Broadcast<'_> {
         fn map<const D: usize>(&mut self, _: &str, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let group = match parallel_attrs(p.id).expert {
-                true => self.groups.1,
-                false => self.groups.0,
+            let [dp, expert_dp, tp] = self.groups;
+            let groups = match replicated_over(p.id) {
+                Replicas::Experts => vec![expert_dp],
+                Replicas::DataParallel => vec![dp],
+                Replicas::DataAndTensorParallel => vec![dp, tp],
             };
-            if self.error.is_some() || group.group().size() == 1 {
-                return p;
-            }
-            let (id, value, mapper) = p.consume();
+            let (id, mut value, mapper) = p.consume();
             let require_grad = value.is_require_grad();
-            match crate::comm::tensor::broadcast(&**group, value.clone().detach(), 0) {
-                Ok(first) => {
-                    Param::from_mapped_value(id, first.set_require_grad(require_grad), mapper)
+            for group in groups {
+                if self.error.is_some() || group.group().size() == 1 {
+                    continue;
                 }
-                Err(e) => {
-                    self.error = Some(e);
-                    Param::from_mapped_value(id, value, mapper)
+                match crate::comm::tensor::broadcast(&**group, value.clone().detach(), 0) {
+                    Ok(first) => value = first.set_require_grad(require_grad),
+                    Err(e) => self.error = Some(e),
                 }
             }
+            Param::from_mapped_value(id, value, mapper)
         }
     }
     let mut broadcast = Broadcast {
-        groups: (dp, expert_dp),
+        groups: [dp, expert_dp, tp],
         error: None,
     };
     let model = map_paths(model, &mut broadcast);
@@ -61,7 +67,8 @@ pub fn broadcast_params<M: Module>(model: M, dp: &Comm, expert_dp: &Comm) -> Res
 }
 
 /// An error naming the first trained parameter whose values differ between the members of
-/// its data-parallel group (`dp`, or `expert_dp` for an expert's), and the fix. Each member
+/// its data-parallel group (`dp`, or `expert_dp` for an expert's; and `tp` for a dense
+/// parameter every tensor-parallel rank holds whole), and the fix. Each member
 /// hashes its values (CRC-32 of their bytes) and the members compare the hashes: one small
 /// all-gather per group, but a read of every parameter to the host, so a loop runs it once.
 /// Frozen parameters (`require_grad` off) and buffers are not compared: no gradient of
@@ -72,13 +79,16 @@ pub fn check_replicas<M: Module>(
     model: &M,
     dp: &Comm,
     expert_dp: &Comm,
+    tp: &Comm,
     world: &Comm,
 ) -> Result<(), CommError> {
     #[derive(Default)]
     struct Hashes {
-        /// (path, hash) of the dense and of the expert parameters.
+        /// (path, hash) of the dense parameters, the experts', and the dense ones every
+        /// tensor-parallel rank holds whole.
         dense: Vec<(String, i64)>,
         experts: Vec<(String, i64)>,
+        whole: Vec<(String, i64)>,
     }
     impl PathVisitor for Hashes {
         fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
@@ -86,19 +96,27 @@ pub fn check_replicas<M: Module>(
             if !value.is_require_grad() {
                 return;
             }
-            let hash = i64::from(crc32fast::hash(value.into_data().as_bytes()));
-            match parallel_attrs(p.id).expert {
-                true => self.experts.push((path.to_string(), hash)),
-                false => self.dense.push((path.to_string(), hash)),
+            let entry = (
+                path.to_string(),
+                i64::from(crc32fast::hash(value.into_data().as_bytes())),
+            );
+            match replicated_over(p.id) {
+                Replicas::Experts => self.experts.push(entry),
+                Replicas::DataParallel => self.dense.push(entry),
+                Replicas::DataAndTensorParallel => {
+                    self.whole.push(entry.clone());
+                    self.dense.push(entry);
+                }
             }
         }
     }
     let mut hashes = Hashes::default();
     visit_paths(model, &mut hashes);
-    // Both groups gather whatever the first finds, so that every member of each takes part.
-    let dense = compare(&hashes.dense, dp);
-    let experts = compare(&hashes.experts, expert_dp);
-    let local = dense.and(experts);
+    // Every group gathers whatever the first finds, so that every member of each takes part.
+    let dense = compare(&hashes.dense, dp, "data-parallel replicas");
+    let experts = compare(&hashes.experts, expert_dp, "data-parallel replicas");
+    let whole = compare(&hashes.whole, tp, "tensor-parallel ranks");
+    let local = dense.and(experts).and(whole);
     let mut failed = vec![i64::from(local.is_err())];
     world.all_reduce_vec(&mut failed, ReduceOp::Max)?;
     match (local, failed[0]) {
@@ -114,8 +132,28 @@ pub fn check_replicas<M: Module>(
     }
 }
 
-/// The members' `hashes` compared: the first parameter whose hashes differ, as an error.
-fn compare(hashes: &[(String, i64)], group: &Comm) -> Result<(), CommError> {
+/// Which groups hold a parameter alike.
+enum Replicas {
+    /// An expert's: its expert data-parallel group.
+    Experts,
+    /// A tensor-parallel shard: its data-parallel group.
+    DataParallel,
+    /// A dense parameter every tensor-parallel rank holds whole: both groups.
+    DataAndTensorParallel,
+}
+
+fn replicated_over(id: burn::module::ParamId) -> Replicas {
+    let attrs = parallel_attrs(id);
+    match (attrs.expert, attrs.tensor_model_parallel) {
+        (true, _) => Replicas::Experts,
+        (false, true) => Replicas::DataParallel,
+        (false, false) => Replicas::DataAndTensorParallel,
+    }
+}
+
+/// The members' `hashes` compared: the first parameter whose hashes differ, as an error
+/// naming `who` holds them.
+fn compare(hashes: &[(String, i64)], group: &Comm, who: &str) -> Result<(), CommError> {
     let size = group.group().size();
     if size == 1 {
         return Ok(());
@@ -141,9 +179,8 @@ fn compare(hashes: &[(String, i64)], group: &Comm) -> Result<(), CommError> {
         group: group.group().name().to_string(),
         op: "check_replicas",
         reason: format!(
-            "the data-parallel replicas hold different values of `{}` (global ranks \
-             {apart:?} differ from rank {}), so averaging their gradients would train a mix \
-             of models. Build every replica from one seed or record, or pass the model \
+            "the {who} hold different values of `{}` (global ranks \
+             {apart:?} differ from rank {}), so the ranks would train a mix of models. Build every replica from one seed or record, or pass the model \
              through `ParallelTraining::broadcast_params` after init, before building the \
              optimizer",
             hashes[i].0, ranks[0]

@@ -292,7 +292,7 @@ impl ParallelTraining {
         }
         chunks
             .into_iter()
-            .map(|c| broadcast_params(c, &self.dp_cp, &self.expert_dp))
+            .map(|c| broadcast_params(c, &self.dp_cp, &self.expert_dp, &self.tp))
             .collect()
     }
 
@@ -311,7 +311,7 @@ impl ParallelTraining {
         grads: &mut GradientsParams,
     ) -> Result<(), CommError> {
         if !self.replicas_checked.load(Ordering::Relaxed) {
-            check_replicas(model, &self.dp_cp, &self.expert_dp, &self.world)?;
+            check_replicas(model, &self.dp_cp, &self.expert_dp, &self.tp, &self.world)?;
             self.replicas_checked.store(true, Ordering::Relaxed);
         }
         let (tp, embedding, config) = (

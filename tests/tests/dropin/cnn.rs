@@ -280,43 +280,73 @@ fn a_broadcast_after_the_optimizer_is_built_is_refused() -> Result<(), Error> {
     Ok(())
 }
 
-/// At TP 2 × DP 2 only the replicas of tensor-parallel rank 0 differ (a whole layer Burn
-/// draws there, a constant one on rank 1): the ranks of the other data-parallel group fail
-/// as well, saying why, rather than wait for peers that stopped.
+/// A layer every rank holds whole: Burn's draw on the first pipeline stage, a constant on
+/// any other.
+#[derive(Module, Debug)]
+struct Whole {
+    layer: Linear,
+}
+
+/// Each rank's `finalize` error (empty when none) on a `layout` of [`Whole`] models, drawn by
+/// Burn on the first pipeline stage only, after `broadcast_params` with `broadcast`; and the
+/// layer's weight as the step began.
+fn finalize_whole(
+    layout: ParallelConfig,
+    broadcast: bool,
+) -> Result<Vec<(String, Vec<f32>)>, Error> {
+    let options = LaunchOptions::default().with_timeout(std::time::Duration::from_secs(20));
+    let out = threads(&layout, options, |ctx| {
+        let d = &ctx.device;
+        let config = LinearConfig::new(4, 4);
+        let config = match ctx.state.pipeline_model_parallel_rank() {
+            0 => config,
+            _ => config.with_initializer(burn::nn::Initializer::Constant { value: 0.5 }),
+        };
+        let mut chunks = vec![Whole {
+            layer: config.init(d),
+        }];
+        let names = Arc::new(|path: &str| path.to_string());
+        let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+        if broadcast {
+            chunks = training.broadcast_params(chunks)?;
+        }
+        let weight = values(chunks[0].layer.weight.val());
+        let loss = chunks[0].layer.forward(Tensor::<2>::ones([2, 4], d)).sum();
+        let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
+        let refused = training.finalize(&chunks, &mut grads).err();
+        Ok::<_, Error>((refused.map(|e| e.to_string()).unwrap_or_default(), weight))
+    })?;
+    Ok(out)
+}
+
+/// At PP 2 × DP 2 only the first stage's replicas differ: the ranks of the second stage's
+/// data-parallel group fail as well, saying why, rather than wait for peers that stopped.
 #[test]
 fn replicas_that_differ_in_one_group_fail_every_rank() -> Result<(), Error> {
-    #[derive(Module, Debug)]
-    struct Whole {
-        layer: Linear,
-    }
-    let messages = threads(
-        &ParallelConfig::new(4, 2, 1),
-        LaunchOptions::default().with_timeout(std::time::Duration::from_secs(20)),
-        |ctx| {
-            let d = &ctx.device;
-            let config = LinearConfig::new(4, 4);
-            let config = match ctx.state.tensor_model_parallel_rank() {
-                0 => config,
-                _ => config.with_initializer(burn::nn::Initializer::Constant { value: 0.5 }),
-            };
-            let chunks = vec![Whole {
-                layer: config.init(d),
-            }];
-            let names = Arc::new(|path: &str| path.to_string());
-            let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
-            let x = Tensor::<2>::ones([2, 4], d);
-            let loss = chunks[0].layer.forward(x).sum();
-            let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
-            let refused = training.finalize(&chunks, &mut grads).err();
-            Ok::<_, Error>(refused.map(|e| e.to_string()).unwrap_or_default())
-        },
-    )?;
-    for (rank, message) in messages.iter().enumerate() {
-        let want = match rank % 2 {
-            0 => "values of `0.layer.weight`",
-            _ => "the replicas of another data-parallel group differ",
+    let ranks = finalize_whole(ParallelConfig::new(4, 1, 2), false)?;
+    for (rank, (message, _)) in ranks.iter().enumerate() {
+        let want = match rank < 2 {
+            true => "data-parallel replicas hold different values of `0.layer.weight`",
+            false => "the replicas of another data-parallel group differ",
         };
         assert!(message.contains(want), "rank {rank}: {message:?}");
     }
+    Ok(())
+}
+
+/// A layer no plan splits is whole on every tensor-parallel rank, which must hold the same
+/// copy: Burn's draws on two TP ranks are refused, and `broadcast_params` gives the second
+/// rank the first one's.
+#[test]
+fn a_whole_layer_drawn_apart_on_tensor_parallel_ranks_is_refused_until_broadcast()
+-> Result<(), Error> {
+    let apart = finalize_whole(ParallelConfig::new(2, 2, 1), false)?;
+    for (rank, (message, _)) in apart.iter().enumerate() {
+        let want = "tensor-parallel ranks hold different values of `0.layer.weight`";
+        assert!(message.contains(want), "rank {rank}: {message:?}");
+    }
+    let broadcast = finalize_whole(ParallelConfig::new(2, 2, 1), true)?;
+    assert_eq!(broadcast[0], (String::new(), broadcast[1].1.clone()));
+    assert_eq!(broadcast[1].0, "");
     Ok(())
 }
