@@ -4,7 +4,7 @@
 //! the importers that are tested against `transformers`) computes the checkpoint's logits, and
 //! the GPTs' checkpoints loaded into pipeline stages generate the whole model's tokens.
 
-use crate::common::{args, tmp};
+use crate::common::{LLAMA_STYLE, args, tmp};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_megatron::comm::LocalWorld;
 use burn_megatron::data::GptTokenizer;
@@ -203,7 +203,7 @@ fn gpt_round_trip(name: &str, flags: &[&str], architecture: &str) {
 
 #[test]
 fn a_llama_style_checkpoint_at_tp2_pp2_converts_to_hugging_face() {
-    let flags = [
+    let layout = [
         "--tensor-model-parallel-size",
         "2",
         "--pipeline-model-parallel-size",
@@ -213,14 +213,8 @@ fn a_llama_style_checkpoint_at_tp2_pp2_converts_to_hugging_face() {
         "--group-query-attention",
         "--num-query-groups",
         "2",
-        "--position-embedding-type",
-        "rope",
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
     ];
+    let flags = [&layout[..], LLAMA_STYLE].concat();
     gpt_round_trip("gpt-llama-to-hf", &flags, "LlamaForCausalLM");
 }
 
@@ -233,7 +227,7 @@ fn a_gpt2_style_checkpoint_at_tp2_converts_to_hugging_face() {
 /// Experts saved at EP 2 load whole (their global names) and convert to Mixtral.
 #[test]
 fn a_mixtral_style_checkpoint_at_ep2_converts_to_hugging_face() {
-    let flags = [
+    let experts = [
         "--tensor-model-parallel-size",
         "1",
         "--world-size",
@@ -244,13 +238,7 @@ fn a_mixtral_style_checkpoint_at_ep2_converts_to_hugging_face() {
         "4",
         "--moe-router-topk",
         "2",
-        "--position-embedding-type",
-        "rope",
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
     ];
+    let flags = [&experts[..], LLAMA_STYLE].concat();
     gpt_round_trip("gpt-mixtral-to-hf", &flags, "MixtralForCausalLM");
 }

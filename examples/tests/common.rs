@@ -55,6 +55,18 @@ pub fn argv(extra: &[&str], dir: &std::path::Path) -> Vec<String> {
 }
 
 /// A tiny Llama-style model (GQA, RoPE, RMSNorm, SwiGLU, no biases, untied) at TP 2.
+/// The flags that make `gpt_pretrain`'s GPT a Llama: rotary positions, RMSNorm, SwiGLU, no
+/// biases, an output layer of its own.
+pub const LLAMA_STYLE: &[&str] = &[
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+];
+
 pub fn gpt_argv(extra: &[&str], dir: &Path) -> Vec<String> {
     let plot = dir.join("loss.png");
     let mut v = vec![
@@ -72,13 +84,6 @@ pub fn gpt_argv(extra: &[&str], dir: &Path) -> Vec<String> {
         "--group-query-attention",
         "--num-query-groups",
         "2",
-        "--position-embedding-type",
-        "rope",
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
         "--seq-length",
         "32",
         "--micro-batch-size",
@@ -105,6 +110,7 @@ pub fn gpt_argv(extra: &[&str], dir: &Path) -> Vec<String> {
         "--loss-plot",
         plot.to_str().unwrap(),
     ];
+    v.extend_from_slice(LLAMA_STYLE);
     v.extend_from_slice(extra);
     v.into_iter().map(String::from).collect()
 }
