@@ -99,14 +99,20 @@ struct Trained {
     plain_mean: Vec<f32>,
 }
 
-/// Each rank of a DP `dp` run of models drawn on each rank, with each rank's own running
+/// Each rank of a DP 2 run (with the distributed optimizer when `distributed`) of models
+/// drawn on each rank, with each rank's own running
 /// mean set to its rank (as a record loaded per rank would set it). With `broadcast`, the
 /// replicas are broadcast first and rank 0 saves its model at `record`; the run ends with a
 /// checkpoint under `root`, and rank 0 saves its plain record at `root/plain` before the last
 /// step.
-fn train(dp: usize, broadcast: bool, record: &Path, root: &Path) -> Result<Vec<Trained>, Error> {
+fn train(
+    distributed: bool,
+    broadcast: bool,
+    record: &Path,
+    root: &Path,
+) -> Result<Vec<Trained>, Error> {
     let out = threads(
-        &ParallelConfig::new(dp, 1, 1),
+        &ParallelConfig::new(2, 1, 1),
         LaunchOptions::default(),
         |ctx| {
             let (d, rank) = (&ctx.device, ctx.state.data_parallel_rank());
@@ -115,7 +121,7 @@ fn train(dp: usize, broadcast: bool, record: &Path, root: &Path) -> Result<Vec<T
             let names = Arc::new(|path: &str| path.to_string());
             let mut chunks = vec![cnn];
             let training = ParallelTrainingConfig::new()
-                .with_use_distributed_optimizer(true)
+                .with_use_distributed_optimizer(distributed)
                 .init(&ctx, &chunks, names)?;
             if broadcast {
                 chunks = training.broadcast_params(chunks)?;
@@ -210,45 +216,42 @@ fn resumed_mean(root: &Path) -> Result<Vec<f32>, Error> {
 
 #[test]
 fn a_burn_cnn_trains_at_dp_2_as_one_rank_once_its_replicas_are_broadcast() -> Result<(), Error> {
-    let dir = super::load::scratch("cnn");
-    let record = dir.join("initial");
-    let ranks = train(2, true, &record, &dir.join("checkpoints"))?;
-    // The buffers came from rank 0 as well.
-    for (rank, trained) in ranks.iter().enumerate() {
-        assert_eq!(
-            trained.initial_mean,
-            vec![0.0; 8],
-            "rank {rank}'s running mean"
-        );
+    for distributed in [true, false] {
+        let dir = super::load::scratch(&format!("cnn-{distributed}"));
+        let (record, root) = (dir.join("initial"), dir.join("checkpoints"));
+        let ranks = train(distributed, true, &record, &root)?;
+        let what = |rank| format!("rank {rank}, distributed optimizer {distributed}");
+        // The buffers came from rank 0 as well.
+        for (rank, trained) in ranks.iter().enumerate() {
+            assert_eq!(trained.initial_mean, vec![0.0; 8], "{}", what(rank));
+        }
+        let (losses, weights) = one_rank_over_both_halves(&record)?;
+        for (rank, trained) in ranks.iter().enumerate() {
+            let loss_diff = super::max_abs_diff(&trained.losses, &losses);
+            let weight_diff = super::max_abs_diff(&trained.weights, &weights);
+            assert!(
+                loss_diff < 1e-5 && weight_diff < 1e-5,
+                "{}: losses {:?} against {losses:?}, weights off by {weight_diff}",
+                what(rank),
+                trained.losses
+            );
+        }
+        // The checkpoint holds rank 0's statistics, their last update included, and resumes
+        // at DP 1 with them; so does the plain record, from the step before.
+        let resumed = resumed_mean(&root)?;
+        assert_eq!(resumed, ranks[0].final_mean, "resumed, {}", what(0));
+        let plain = Cnn::new(&Device::flex()).load_file(root.join("plain"));
+        let plain_mean = values(plain.bn1.running_mean.value());
+        assert_eq!(plain_mean, ranks[0].plain_mean, "plain record, {}", what(0));
+        std::fs::remove_dir_all(dir)?;
     }
-    let (losses, weights) = one_rank_over_both_halves(&record)?;
-    for (rank, trained) in ranks.iter().enumerate() {
-        let loss_diff = super::max_abs_diff(&trained.losses, &losses);
-        let weight_diff = super::max_abs_diff(&trained.weights, &weights);
-        assert!(
-            loss_diff < 1e-5 && weight_diff < 1e-5,
-            "rank {rank}: losses {:?} against {losses:?}, weights off by {weight_diff}",
-            trained.losses
-        );
-    }
-    // The checkpoint holds rank 0's statistics, their last update included, and resumes at
-    // DP 1 with them.
-    let resumed = resumed_mean(&dir.join("checkpoints"))?;
-    assert_eq!(resumed, ranks[0].final_mean, "the resumed running mean");
-    let plain = Cnn::new(&Device::flex()).load_file(dir.join("checkpoints").join("plain"));
-    let plain_mean = values(plain.bn1.running_mean.value());
-    assert_eq!(
-        plain_mean, ranks[0].plain_mean,
-        "the plain record's running mean"
-    );
-    std::fs::remove_dir_all(dir)?;
     Ok(())
 }
 
 #[test]
 fn replicas_drawn_apart_are_refused_at_the_first_finalize_naming_the_parameter() {
     let dir = super::load::scratch("cnn_apart");
-    let err = train(2, false, &dir.join("unused"), &dir).expect_err("replicas that differ");
+    let err = train(true, false, &dir.join("unused"), &dir).expect_err("replicas that differ");
     let message = err.to_string();
     assert!(
         message.contains("conv1.weight`") && message.contains("broadcast_params"),
