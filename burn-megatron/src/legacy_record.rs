@@ -50,18 +50,16 @@ impl std::ops::Deref for Buffer {
 
 /// The bytes of the record at `path`.
 pub(crate) fn open(path: &Path) -> Result<Buffer, String> {
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    if path.to_string_lossy().ends_with(".gz") {
-        let mut out = Vec::new();
-        flate2::read::GzDecoder::new(file)
-            .read_to_end(&mut out)
-            .map_err(|e| format!("not a gzip stream: {e}"))?;
-        return Ok(Buffer::Inflated(out));
+    if !path.to_string_lossy().ends_with(".gz") {
+        let map = crate::mapped_file::map(path).map_err(|e| e.to_string())?;
+        return Ok(Buffer::Mapped(map));
     }
-    // SAFETY: the file must not change while it is mapped, as for every mapped checkpoint
-    // reader; the map is dropped once the load has copied the shards out of it.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| e.to_string())?;
-    Ok(Buffer::Mapped(map))
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(file)
+        .read_to_end(&mut out)
+        .map_err(|e| format!("not a gzip stream: {e}"))?;
+    Ok(Buffer::Inflated(out))
 }
 
 /// The tensors of a legacy record, by module path, and the Burn version that wrote it.

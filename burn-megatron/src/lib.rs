@@ -53,8 +53,9 @@
 //! `grad_hooks` (where a parameter's gradient is handed to the overlapped reduction),
 //! `module_path` (parameters by their path in a module), `param_grads` (gradients by
 //! parameter id, any tensor rank), `safetensors_io`, `pytorch_io` (PyTorch checkpoints'
-//! dtypes), `legacy_record` (the `.mpk` records of Burn before 0.22) and `shards` (a box of
-//! a tensor cut out of, or put together from, pieces).
+//! dtypes), `legacy_record` (the `.mpk` records of Burn before 0.22), `mapped_file` (files
+//! read through a memory map) and `shards` (a box of a tensor cut out of, or put together
+//! from, pieces).
 //!
 //! # Lower-level ways in
 //!
@@ -103,6 +104,7 @@ pub mod dropin;
 mod grad_hooks;
 pub mod launch;
 mod legacy_record;
+mod mapped_file;
 pub mod models;
 mod module_path;
 pub mod moe;

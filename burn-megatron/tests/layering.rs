@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 /// pipeline channels), checkpoints, and drop-in conversion (a Burn model split by plans over
 /// tensor-parallel layers and pipeline stages), and at the top the training object.
 const LEVELS: &[&[&str]] = &[
+    // Files read through a memory map, by the leaves above and the data sets.
+    &["mapped_file"],
     &[
         "topology",
         "module_path",

@@ -160,11 +160,7 @@ fn io_err(path: &Path, e: std::io::Error) -> DataError {
 }
 
 fn map(path: &Path) -> Result<Mmap, DataError> {
-    let file = File::open(path).map_err(|e| io_err(path, e))?;
-    // SAFETY: the map is read-only and every read through it is bounds-checked against its
-    // length. Like every reader of a memory-mapped file (numpy's memmap in Megatron too),
-    // it assumes no other process truncates the file while it is open.
-    unsafe { Mmap::map(&file) }.map_err(|e| io_err(path, e))
+    crate::mapped_file::map(path).map_err(|e| io_err(path, e))
 }
 
 /// A memory-mapped Megatron indexed dataset (`IndexedDataset` in Megatron-Core).

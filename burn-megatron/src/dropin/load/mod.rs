@@ -52,13 +52,8 @@ pub fn load_sharded<M: Module>(
 ) -> Result<(M, LoadReport), TpError> {
     let file = |e: String| TpError::Invalid(format!("{}: {e}", source.path().display()));
     let (tp_rank, tp_size) = (tp.group().rank(), tp.group().size());
-    let mapped = |path: &Path| {
-        let handle = std::fs::File::open(path).map_err(|e| e.to_string())?;
-        // SAFETY: the file must not change while it is mapped (as for every reader of a
-        // mapped checkpoint, safetensors' and burn-store's among them); the map lives while
-        // this function runs, and what is loaded is copied out of it.
-        unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| e.to_string())
-    };
+    // The map lives while this function runs; what is loaded is copied out of it.
+    let mapped = |path: &Path| crate::mapped_file::map(path).map_err(|e| e.to_string());
     match source {
         RecordSource::Burnpack(path) => {
             // The pack over the map, not Burn's file reader: that one reads a tensor into a
