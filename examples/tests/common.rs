@@ -1,5 +1,6 @@
 //! What the pretraining tests share: small models' flags and exact comparisons.
 
+pub use burn_megatron_examples::pretrain::LLAMA_STYLE;
 use burn_megatron_examples::pretrain::{Args, GptArgs, IterationLog};
 use clap::Parser;
 use std::path::Path;
@@ -55,18 +56,6 @@ pub fn argv(extra: &[&str], dir: &std::path::Path) -> Vec<String> {
 }
 
 /// A tiny Llama-style model (GQA, RoPE, RMSNorm, SwiGLU, no biases, untied) at TP 2.
-/// The flags that make `gpt_pretrain`'s GPT a Llama: rotary positions, RMSNorm, SwiGLU, no
-/// biases, an output layer of its own.
-pub const LLAMA_STYLE: &[&str] = &[
-    "--position-embedding-type",
-    "rope",
-    "--normalization",
-    "RMSNorm",
-    "--swiglu",
-    "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights",
-];
-
 pub fn gpt_argv(extra: &[&str], dir: &Path) -> Vec<String> {
     let plot = dir.join("loss.png");
     let mut v = vec![

@@ -2,7 +2,7 @@
 //! training step's achieved FLOP/s.
 
 use super::{Report, gpu_devices};
-use burn_megatron_examples::pretrain::{Args, GptArgs, IterationLog, run, run_gpt};
+use burn_megatron_examples::pretrain::{Args, GptArgs, IterationLog, LLAMA_STYLE, run, run_gpt};
 use clap::Parser;
 use std::path::Path;
 
@@ -76,24 +76,20 @@ fn shape(layers: usize, hidden: usize, heads: usize, seq: usize, micro: usize) -
 /// biases, untied, and the corpus's 400-token vocabulary (512 padded).
 fn llama(groups: usize) -> Vec<String> {
     let groups = groups.to_string();
-    [
+    let rest = [
         "--group-query-attention",
         "--num-query-groups",
         &groups,
-        "--position-embedding-type",
-        "rope",
-        "--normalization",
-        "RMSNorm",
-        "--swiglu",
-        "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights",
         "--generate-tokens",
         "0",
         "--vocab-size",
         "400",
-    ]
-    .map(String::from)
-    .into()
+    ];
+    [LLAMA_STYLE, &rest[..]]
+        .concat()
+        .into_iter()
+        .map(String::from)
+        .collect()
 }
 
 /// `family`'s lm losses over `iters` iterations on `device` with `--attention-backend

@@ -36,6 +36,18 @@ pub enum Normalization {
     RmsNorm,
 }
 
+/// The flags that make `gpt_pretrain`'s GPT a Llama: rotary positions, RMSNorm, SwiGLU, no
+/// biases, an output layer of its own (grouped-query attention is a separate choice).
+pub const LLAMA_STYLE: &[&str] = &[
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+];
+
 /// GPT-family pretraining (GPT-2 style by default, Llama style with `--position-embedding-type
 /// rope --normalization RMSNorm --swiglu --group-query-attention --num-query-groups N
 /// --disable-bias-linear --untie-embeddings-and-output-weights`) with tensor, pipeline and

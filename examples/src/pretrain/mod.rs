@@ -26,7 +26,7 @@ pub use args::{
 };
 pub use bert::{Args, run};
 pub use gpt::{run_gpt, run_gpt_learner};
-pub use gpt_args::{GptArgs, PositionEmbedding};
+pub use gpt_args::{GptArgs, LLAMA_STYLE, PositionEmbedding};
 pub use learner::{LearnerOptions, Renderer};
 pub use moe_args::{Dispatcher, MoeArgs, RouterScore, TokenDrop};
 pub use setup::scheduler;
