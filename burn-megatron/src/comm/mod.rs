@@ -389,6 +389,15 @@ pub trait CommunicatorExt: Communicator {
         let out = self.reduce_scatter(T::into_buffer(v), op)?;
         Ok(T::from_buffer(out).expect("reduce_scatter keeps the dtype"))
     }
+
+    /// Whether `flag` is set on any member: how the members of a collective step agree that
+    /// one of them failed, so that every member returns an error rather than the others
+    /// waiting on it.
+    fn any_rank(&self, flag: bool) -> Result<bool, CommError> {
+        let mut v = vec![i64::from(flag)];
+        self.all_reduce_vec(&mut v, ReduceOp::Max)?;
+        Ok(v[0] != 0)
+    }
 }
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}

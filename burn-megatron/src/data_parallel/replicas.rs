@@ -7,7 +7,7 @@
 //! `DistributedDataParallel.broadcast_params` and PyTorch's DDP at construction do, and
 //! [`check_replicas`] finds a parameter whose replicas differ.
 
-use crate::comm::{Comm, CommError, CommunicatorExt, ReduceOp};
+use crate::comm::{Comm, CommError, CommunicatorExt};
 use crate::module_path::{PathMapper, PathVisitor, map_paths, visit_paths};
 use crate::tensor_parallel::parallel_attrs;
 use burn::module::{Module, Param};
@@ -117,12 +117,11 @@ pub fn check_replicas<M: Module>(
     let experts = compare(&hashes.experts, expert_dp, "data-parallel replicas");
     let whole = compare(&hashes.whole, tp, "tensor-parallel ranks");
     let local = dense.and(experts).and(whole);
-    let mut failed = vec![i64::from(local.is_err())];
-    world.all_reduce_vec(&mut failed, ReduceOp::Max)?;
-    match (local, failed[0]) {
+    let failed = world.any_rank(local.is_err())?;
+    match (local, failed) {
         (Err(e), _) => Err(e),
-        (Ok(()), 0) => Ok(()),
-        (Ok(()), _) => Err(CommError::InvalidArgument {
+        (Ok(()), false) => Ok(()),
+        (Ok(()), true) => Err(CommError::InvalidArgument {
             group: world.group().name().to_string(),
             op: "check_replicas",
             reason: "the replicas of another data-parallel group differ (its ranks name the \

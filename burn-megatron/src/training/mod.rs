@@ -25,7 +25,7 @@ use crate::checkpoint::{
     advanced::{begin_checkpoint, commit_checkpoint, load_checkpoint, save_checkpoint},
     latest_loadable_checkpoint,
 };
-use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt, ReduceOp};
+use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommError, CommunicatorExt};
 use crate::data_parallel::{
     DataParallelConfig,
     advanced::{
@@ -382,12 +382,9 @@ impl ParallelTraining {
         self.world
             .barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT)
             .map_err(collective)?;
-        let mut failed = vec![i64::from(mine.is_err())];
-        self.world
-            .all_reduce_vec(&mut failed, ReduceOp::Max)
-            .map_err(collective)?;
+        let failed = self.world.any_rank(mine.is_err()).map_err(collective)?;
         mine?;
-        if failed[0] != 0 {
+        if failed {
             return Err(CheckpointError::Peer(format!(
                 "another rank failed while {what} the checkpoint (see its error)"
             )));

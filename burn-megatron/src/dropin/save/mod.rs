@@ -13,7 +13,7 @@ pub use stages::save_gathered_stages;
 
 use super::slot::{Facts, col_weight, facts};
 use crate::comm::tensor::all_gather;
-use crate::comm::{Comm, CommunicatorExt, ReduceOp};
+use crate::comm::{Comm, CommunicatorExt};
 use crate::module_path::{PathVisitor, visit_paths};
 use crate::tensor_parallel::{TpError, parallel_attrs};
 use burn::module::{Module, Param, ParamId};
@@ -128,12 +128,11 @@ pub fn save_gathered<M: Module>(
         0 => write(&entries, path),
         _ => gather_all(&entries),
     };
-    let mut failed = vec![i64::from(written.is_err())];
-    tp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
-    match (written, failed[0]) {
+    let failed = tp.any_rank(written.is_err())?;
+    match (written, failed) {
         (Err(e), _) => Err(TpError::Invalid(format!("{}: {e}", path.display()))),
-        (Ok(()), 0) => Ok(()),
-        (Ok(()), _) => Err(TpError::Invalid(format!(
+        (Ok(()), false) => Ok(()),
+        (Ok(()), true) => Err(TpError::Invalid(format!(
             "{}: not written: tensor-parallel rank 0 failed to write it, or a rank failed to \
              gather its shards",
             path.display()

@@ -9,7 +9,7 @@
 //! never waits for its receiver) cannot fill the writer's memory ahead of the file.
 
 use super::{Entry, entries, gather_all, write};
-use crate::comm::{Buffer, Comm, CommDType, CommunicatorExt, ReduceOp};
+use crate::comm::{Buffer, Comm, CommDType, CommunicatorExt};
 use crate::dropin::PpStage;
 use crate::pipeline::PipelineError;
 use crate::tensor_parallel::parallel_attrs;
@@ -82,13 +82,11 @@ pub fn save_gathered_stages<M: Module>(
         _ => gather_all(&mine),
     };
     // Every rank learns whether any failed: over its stage, then over the stages.
-    let mut failed = vec![i64::from(written.is_err())];
-    tp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
-    pp.all_reduce_vec(&mut failed, ReduceOp::Max)?;
-    match (written, failed[0]) {
+    let failed = pp.any_rank(tp.any_rank(written.is_err())?)?;
+    match (written, failed) {
         (Err(e), _) => Err(PipelineError::Invalid(format!("{}: {e}", path.display()))),
-        (Ok(()), 0) => Ok(()),
-        (Ok(()), _) => Err(PipelineError::Invalid(format!(
+        (Ok(()), false) => Ok(()),
+        (Ok(()), true) => Err(PipelineError::Invalid(format!(
             "{}: not written: another rank failed to write or gather it (see its error)",
             path.display()
         ))),
