@@ -17,7 +17,7 @@ use burn_megatron::dropin::nn::{
     BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d,
 };
 use burn_megatron::dropin::save_gathered;
-use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::launch::{LaunchOptions, RankContext, threads};
 use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
@@ -86,6 +86,22 @@ impl Cnn {
     }
 }
 
+/// `config`'s training state of a model in one stage: checkpoints name its parameters by
+/// their module paths.
+fn init<M: Module>(
+    config: &ParallelTrainingConfig,
+    ctx: &RankContext,
+    chunks: &[M],
+) -> Result<ParallelTraining, Error> {
+    let names = Arc::new(|path: &str| path.to_string());
+    Ok(config.init(ctx, chunks, names)?)
+}
+
+/// Burn's AdamW, the optimizer every run here steps.
+fn adamw() -> InnerOptimizer {
+    AdamWConfig::new().init().into()
+}
+
 /// What a rank of [`train`] ends with.
 #[derive(Debug)]
 struct Trained {
@@ -118,11 +134,9 @@ fn train(
             let (d, rank) = (&ctx.device, ctx.state.data_parallel_rank());
             let mut cnn = Cnn::new(d);
             cnn.bn1.running_mean = RunningState::new(Tensor::full([8], rank as f32, d));
-            let names = Arc::new(|path: &str| path.to_string());
             let mut chunks = vec![cnn];
-            let training = ParallelTrainingConfig::new()
-                .with_use_distributed_optimizer(distributed)
-                .init(&ctx, &chunks, names)?;
+            let config = ParallelTrainingConfig::new().with_use_distributed_optimizer(distributed);
+            let training = init(&config, &ctx, &chunks)?;
             if broadcast {
                 chunks = training.broadcast_params(chunks)?;
             }
@@ -130,8 +144,7 @@ fn train(
             if broadcast && rank == 0 {
                 chunks[0].clone().save_file(record)?;
             }
-            let adamw = InnerOptimizer::from(AdamWConfig::new().init());
-            let mut optimizer = training.optimizer(adamw, &chunks)?;
+            let mut optimizer = training.optimizer(adamw(), &chunks)?;
             let mut losses = Vec::new();
             let mut plain_mean = Vec::new();
             for step in 0..STEPS {
@@ -175,10 +188,8 @@ fn one_rank_over_both_halves(record: &Path) -> Result<(Vec<f32>, Vec<f32>), Erro
         |ctx| {
             let d = &ctx.device;
             let chunks = vec![Cnn::new(d).load_file(record)];
-            let names = Arc::new(|path: &str| path.to_string());
-            let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
-            let adamw = InnerOptimizer::from(AdamWConfig::new().init());
-            let mut optimizer = training.optimizer(adamw, &chunks)?;
+            let training = init(&ParallelTrainingConfig::new(), &ctx, &chunks)?;
+            let mut optimizer = training.optimizer(adamw(), &chunks)?;
             let mut chunks = chunks;
             let mut losses = Vec::new();
             for _ in 0..STEPS {
@@ -203,9 +214,7 @@ fn resumed_mean(root: &Path) -> Result<Vec<f32>, Error> {
         LaunchOptions::default(),
         |ctx| {
             let chunks = vec![Cnn::new(&ctx.device)];
-            let names = Arc::new(|path: &str| path.to_string());
-            let mut training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
-            let adamw = || InnerOptimizer::from(AdamWConfig::new().init());
+            let mut training = init(&ParallelTrainingConfig::new(), &ctx, &chunks)?;
             let make = |t: &ParallelTraining, m: &Vec<Cnn>| t.optimizer(adamw(), m);
             let restored = training.load(root, Some(STEPS), chunks, make, false)?;
             Ok::<_, Error>(values(restored.model[0].bn1.running_mean.value()))
@@ -269,10 +278,8 @@ fn a_broadcast_after_the_optimizer_is_built_is_refused() -> Result<(), Error> {
         LaunchOptions::default(),
         |ctx| {
             let chunks = vec![Cnn::new(&ctx.device)];
-            let names = Arc::new(|path: &str| path.to_string());
-            let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
-            let adamw = InnerOptimizer::from(AdamWConfig::new().init());
-            let _optimizer = training.optimizer(adamw, &chunks)?;
+            let training = init(&ParallelTrainingConfig::new(), &ctx, &chunks)?;
+            let _optimizer = training.optimizer(adamw(), &chunks)?;
             let refused = training.broadcast_params(chunks).err();
             Ok::<_, Error>(refused.map(|e| e.to_string()).unwrap_or_default())
         },
@@ -308,8 +315,7 @@ fn finalize_whole(
         let mut chunks = vec![Whole {
             layer: config.init(d),
         }];
-        let names = Arc::new(|path: &str| path.to_string());
-        let training = ParallelTrainingConfig::new().init(&ctx, &chunks, names)?;
+        let training = init(&ParallelTrainingConfig::new(), &ctx, &chunks)?;
         if broadcast {
             chunks = training.broadcast_params(chunks)?;
         }
