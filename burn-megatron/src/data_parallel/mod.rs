@@ -16,6 +16,7 @@
 //!
 //! [`advanced::DpReduction`] names the three; [`advanced::finalize_model_grads`] takes one.
 
+pub(crate) mod batch_norm;
 mod finalize;
 mod overlap;
 mod reduce_scatter;
@@ -32,6 +33,7 @@ pub(crate) use finalize::{dense_params, expert_params};
 /// (after backward, overlapped with it, or reduce-scattered for the distributed optimizer)
 /// and, for a model with experts, `finalize_expert_grads`.
 pub mod advanced {
+    pub use super::batch_norm::sync_batch_norm;
     pub use super::finalize::{
         DpReduction, all_reduce_gradients, bucket_layout, finalize_expert_grads,
         finalize_model_grads,

@@ -30,7 +30,7 @@ use crate::data_parallel::{
     DataParallelConfig,
     advanced::{
         DpReduction, OptimizerShards, OverlapReducer, ShardPlan, broadcast_params, check_replicas,
-        finalize_expert_grads, finalize_model_grads,
+        finalize_expert_grads, finalize_model_grads, sync_batch_norm,
     },
     expert_params,
 };
@@ -293,6 +293,23 @@ impl ParallelTraining {
         chunks
             .into_iter()
             .map(|c| broadcast_params(c, &self.dp_cp, &self.expert_dp, &self.tp))
+            .collect()
+    }
+
+    /// `chunks` with every drop-in [`BatchNorm`](crate::dropin::nn::BatchNorm) computing its
+    /// training statistics over the data- and context-parallel batches together (PyTorch's
+    /// `SyncBatchNorm.convert_sync_batchnorm`), so that DP `n` trains as one rank over the `n`
+    /// batches. Refused, naming the layer, for Burn's own `burn::nn::BatchNorm`. Moves no
+    /// data; every rank calls it, as every rank's training forward then synchronises.
+    ///
+    /// ```text
+    /// let chunks = training.broadcast_params(chunks)?;
+    /// let chunks = training.sync_batch_norm(chunks)?;
+    /// ```
+    pub fn sync_batch_norm<C: Module>(&self, chunks: Vec<C>) -> Result<Vec<C>, CommError> {
+        chunks
+            .into_iter()
+            .map(|c| sync_batch_norm(c, &self.dp_cp))
             .collect()
     }
 

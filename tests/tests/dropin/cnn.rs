@@ -84,6 +84,20 @@ impl Cnn {
         ]
         .concat()
     }
+
+    /// Both `BatchNorm`s' running means and variances, their last update included.
+    fn statistics(&self) -> Vec<f32> {
+        let model = self.valid();
+        let (bn1, bn2) = (&model.bn1, &model.bn2);
+        [
+            &bn1.running_mean,
+            &bn1.running_var,
+            &bn2.running_mean,
+            &bn2.running_var,
+        ]
+        .map(|state| values(state.value()))
+        .concat()
+    }
 }
 
 /// `config`'s training state of a model in one stage: checkpoints name its parameters by
@@ -179,9 +193,14 @@ fn train(
     Ok(out)
 }
 
-/// One rank from `record`, each step's loss the mean of two forwards, one per half of the
-/// DP 2 run's batch: what DP 2 computes, each `BatchNorm` over its own half.
-fn one_rank_over_both_halves(record: &Path) -> Result<(Vec<f32>, Vec<f32>), Error> {
+/// A run's losses, weights and running statistics.
+type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// One rank from `record` over the DP 2 run's batch: each step's loss the mean of two
+/// forwards, one per half (what DP 2 computes, each `BatchNorm` over its own half), or with
+/// `whole` one forward over both halves (what DP 2 computes with synchronised `BatchNorm`s).
+/// Its losses, weights and running statistics.
+fn one_rank(record: &Path, whole: bool) -> Result<Run, Error> {
     let out = threads(
         &ParallelConfig::new(1, 1, 1),
         LaunchOptions::default(),
@@ -193,15 +212,20 @@ fn one_rank_over_both_halves(record: &Path) -> Result<(Vec<f32>, Vec<f32>), Erro
             let mut chunks = chunks;
             let mut losses = Vec::new();
             for _ in 0..STEPS {
-                let halves = [0, LOCAL].map(|first| chunks[0].loss(first, LOCAL, d));
-                let [a, b] = halves;
-                let loss = (a + b) / 2.0;
+                let loss = match whole {
+                    true => chunks[0].loss(0, 2 * LOCAL, d),
+                    false => {
+                        let [a, b] = [0, LOCAL].map(|first| chunks[0].loss(first, LOCAL, d));
+                        (a + b) / 2.0
+                    }
+                };
                 losses.push(loss.clone().into_scalar::<f32>());
                 let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
                 training.finalize(&chunks, &mut grads)?;
                 (chunks, _) = optimizer.step(1e-2, chunks, grads)?;
             }
-            Ok::<_, Error>((losses, chunks[0].weights()))
+            let statistics = chunks[0].statistics();
+            Ok::<_, Error>((losses, chunks[0].weights(), statistics))
         },
     )?;
     Ok(out.into_iter().next().unwrap_or_default())
@@ -234,7 +258,7 @@ fn a_burn_cnn_trains_at_dp_2_as_one_rank_once_its_replicas_are_broadcast() -> Re
         for (rank, trained) in ranks.iter().enumerate() {
             assert_eq!(trained.initial_mean, vec![0.0; 8], "{}", what(rank));
         }
-        let (losses, weights) = one_rank_over_both_halves(&record)?;
+        let (losses, weights, _) = one_rank(&record, false)?;
         for (rank, trained) in ranks.iter().enumerate() {
             let loss_diff = super::max_abs_diff(&trained.losses, &losses);
             let weight_diff = super::max_abs_diff(&trained.weights, &weights);
@@ -254,6 +278,65 @@ fn a_burn_cnn_trains_at_dp_2_as_one_rank_once_its_replicas_are_broadcast() -> Re
         assert_eq!(plain_mean, ranks[0].plain_mean, "plain record, {}", what(0));
         std::fs::remove_dir_all(dir)?;
     }
+    Ok(())
+}
+
+/// Each rank's losses (averaged over the ranks), weights and running statistics after a DP 2
+/// run whose `BatchNorm`s are synchronised; rank 0 saves the broadcast model at `record`.
+fn train_synchronised(record: &Path) -> Result<Vec<Run>, Error> {
+    let out = threads(
+        &ParallelConfig::new(2, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let (d, rank) = (&ctx.device, ctx.state.data_parallel_rank());
+            let chunks = vec![Cnn::new(d)];
+            let training = init(&ParallelTrainingConfig::new(), &ctx, &chunks)?;
+            let chunks = training.broadcast_params(chunks)?;
+            if rank == 0 {
+                chunks[0].clone().save_file(record)?;
+            }
+            // ANCHOR: sync_batch_norm
+            let mut chunks = training.sync_batch_norm(chunks)?;
+            // ANCHOR_END: sync_batch_norm
+            let mut optimizer = training.optimizer(adamw(), &chunks)?;
+            let mut losses = Vec::new();
+            for _ in 0..STEPS {
+                let loss = chunks[0].loss(rank * LOCAL, LOCAL, d);
+                let mut value = vec![loss.clone().into_scalar::<f32>()];
+                let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
+                training.finalize(&chunks, &mut grads)?;
+                (chunks, _) = optimizer.step(1e-2, chunks, grads)?;
+                ctx.groups.dp.all_reduce_vec(&mut value, ReduceOp::Avg)?;
+                losses.push(value[0]);
+            }
+            Ok::<_, Error>((losses, chunks[0].weights(), chunks[0].statistics()))
+        },
+    )?;
+    Ok(out)
+}
+
+/// With synchronised `BatchNorm`s, DP 2 trains as one rank over both ranks' batches at once:
+/// the same losses, weights and running statistics (which every rank then holds alike).
+#[test]
+fn a_burn_cnn_with_synchronised_batch_norm_at_dp_2_trains_as_one_rank_over_the_whole_batch()
+-> Result<(), Error> {
+    let dir = super::load::scratch("cnn-sync");
+    let record = dir.join("initial");
+    let ranks = train_synchronised(&record)?;
+    let (losses, weights, statistics) = one_rank(&record, true)?;
+    for (rank, (l, w, s)) in ranks.iter().enumerate() {
+        let diffs = [
+            super::max_abs_diff(l, &losses),
+            super::max_abs_diff(w, &weights),
+            super::max_abs_diff(s, &statistics),
+        ];
+        assert!(
+            diffs.iter().all(|d| *d < 1e-5),
+            "rank {rank}: losses {l:?} against {losses:?}; weights and statistics off by {:?}",
+            &diffs[1..]
+        );
+    }
+    std::fs::remove_dir_all(dir)?;
     Ok(())
 }
 

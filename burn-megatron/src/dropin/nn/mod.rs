@@ -16,6 +16,9 @@ pub mod cache;
 mod sequence;
 pub mod transformer;
 
+/// Burn's `BatchNorm`, whose statistics can span the data-parallel batch
+/// ([`ParallelTraining::sync_batch_norm`](crate::training::ParallelTraining::sync_batch_norm)).
+pub use crate::data_parallel::batch_norm::{BatchNorm, BatchNormConfig, SyncGroup};
 /// The rest of Burn's `nn`, as Burn has it (norms, dropout, activations, rotary encoding,
 /// losses, convolutions, initializers, ...): none of it is split, so `use burn::nn::…` swaps
 /// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache` and
