@@ -2,7 +2,7 @@
 //! importing Burn-named layers and applying one plan.
 //!
 //! ```text
-//! cargo run -p burn-megatron-examples --example tp_bert_dropin [-- --tp 2 --steps 5]
+//! cargo run --release -p burn-megatron-examples --example tp_bert_dropin [-- --tp 2 --steps 5]
 //! ```
 //!
 //! `plain.rs` is a small BERT for masked-language modelling written as bert-burn writes one:

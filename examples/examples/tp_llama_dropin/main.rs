@@ -2,7 +2,7 @@
 //! by building each stage's part.
 //!
 //! ```text
-//! cargo run -p burn-megatron-examples --example tp_llama_dropin [-- --tp 2 --pp 2 --steps 5]
+//! cargo run --release -p burn-megatron-examples --example tp_llama_dropin [-- --tp 2 --pp 2 --steps 5]
 //! ```
 //!
 //! `mod plain` is a small Llama written the way Burn's model repositories write one
