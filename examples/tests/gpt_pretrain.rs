@@ -5,8 +5,9 @@
 mod ecosystem;
 mod moe;
 
-use crate::common::{assert_close_losses, assert_same_iterations, gpt_args as args, tmp};
-use burn_megatron_examples::pretrain::{IterationLog, Summary, run_gpt};
+use crate::common::{assert_close_losses, assert_same_iterations, gpt_args as args, gpt_argv, tmp};
+use burn_megatron_examples::pretrain::{GptArgs, IterationLog, Summary, run_gpt};
+use clap::Parser;
 use std::path::Path;
 
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
@@ -323,6 +324,49 @@ fn bad_flags_are_refused_before_any_work_naming_them() {
             ][..],
             "interleaves with --num-virtual-stages-per-pipeline-rank",
         ),
+        (
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--world-size",
+                "4",
+                "--num-layers",
+                "3",
+                "--pipeline-model-parallel-layout",
+                "Ett|ttL",
+            ][..],
+            "it holds 4 transformer layers, and the model 3",
+        ),
+        (
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--world-size",
+                "4",
+                "--num-layers",
+                "4",
+                "--pipeline-model-parallel-layout",
+                "Ett|ttL",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ][..],
+            "not with --num-layers-per-virtual-pipeline-stage",
+        ),
+        (
+            &[
+                "--pipeline-model-parallel-size",
+                "2",
+                "--world-size",
+                "4",
+                "--num-layers",
+                "4",
+                "--pipeline-model-parallel-layout",
+                "Ett|ttL",
+                "--decoder-first-pipeline-num-layers",
+                "2",
+            ][..],
+            "cannot be set with it",
+        ),
         // A byte-level BPE cannot be smaller; it once trained 257 tokens silently.
         (
             &["--vocab-size", "1"][..],
@@ -334,6 +378,34 @@ fn bad_flags_are_refused_before_any_work_naming_them() {
     }
     assert!(!dir.join("loss.png").exists(), "nothing ran");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Megatron-Core's `--pipeline-model-parallel-layout` sets each virtual stage's layers and,
+/// through their number, the model chunks per stage; a letter it does not build is refused
+/// as the flag is parsed. (The layout trains as one rank: `tests/tests/gpt/pipeline.rs`.)
+#[test]
+fn a_pipeline_layout_sets_the_stages_and_the_model_chunks() {
+    let dir = tmp("gpt-layout");
+    let pp2 = |layout: &str| {
+        let flags = [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--world-size",
+            "4",
+            "--num-layers",
+        ];
+        let layout = ["4", "--pipeline-model-parallel-layout", layout];
+        gpt_argv(&[&flags[..], &layout[..]].concat(), &dir)
+    };
+    let written = GptArgs::try_parse_from(pp2("E|tt|t|tL")).expect("a layout");
+    assert_eq!(
+        written.train.layers_per_virtual_stage(),
+        Ok(vec![0, 2, 1, 1])
+    );
+    let config = written.train.parallel_config().expect("a valid layout");
+    assert_eq!(config.virtual_pipeline_model_parallel_size, Some(2));
+    let e = GptArgs::try_parse_from(pp2("Ett|tmL")).expect_err("no multi-token prediction");
+    assert!(e.to_string().contains("`m`: multi-token prediction"), "{e}");
 }
 
 /// `plan`'s predicted peak per pipeline rank against the peak each rank's counter measured

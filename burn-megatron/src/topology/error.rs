@@ -150,6 +150,15 @@ pub enum TopologyError {
         num_model_chunks: usize,
     },
 
+    /// A `--pipeline-model-parallel-layout` that does not parse, or names what is not built.
+    #[error("--pipeline-model-parallel-layout {layout:?}: {reason}")]
+    InvalidPipelineLayout {
+        /// The layout as written.
+        layout: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A [`LayerSplit`](super::LayerSplit) that cannot place the layers.
     #[error("pipeline layer split: {reason}")]
     InvalidLayerSplit {

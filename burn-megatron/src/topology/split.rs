@@ -1,7 +1,7 @@
 //! How a model's layers split over the pipeline's virtual stages: evenly, or as
 //! Megatron-Core's uneven split sets them.
 
-use super::{PipelinePosition, TopologyError};
+use super::{PipelineLayout, PipelinePosition, TopologyError};
 use std::ops::Range;
 
 /// How the transformer layers split over the `P·V` virtual pipeline stages, with
@@ -15,6 +15,8 @@ use std::ops::Range;
 /// - `account_for_embedding_in_pipeline_split` / `account_for_loss_in_pipeline_split`: the
 ///   embedding (the loss) counts as one layer of the even split, so the first (last)
 ///   virtual stage holds one layer fewer; it may hold none.
+/// - `pipeline_model_parallel_layout` (`--pipeline-model-parallel-layout`): every virtual
+///   stage's layers written out ([`PipelineLayout`]), instead of the four above.
 ///
 /// With a virtual pipeline, each rank's layers split evenly over its `V` chunks, and chunk
 /// `c` of rank `r` is virtual stage `c·P + r`: the stages hold consecutive layers in
@@ -43,6 +45,8 @@ pub struct LayerSplit {
     pub account_for_embedding_in_pipeline_split: bool,
     /// The loss counts as a layer of the even split.
     pub account_for_loss_in_pipeline_split: bool,
+    /// Every virtual stage's layers, written out (the four fields above then stay unset).
+    pub pipeline_model_parallel_layout: Option<PipelineLayout>,
 }
 
 impl LayerSplit {
@@ -74,6 +78,13 @@ impl LayerSplit {
         self
     }
 
+    /// Sets every virtual stage's layers.
+    #[must_use]
+    pub fn with_layout(mut self, layout: PipelineLayout) -> Self {
+        self.pipeline_model_parallel_layout = Some(layout);
+        self
+    }
+
     /// The ends counted as layers of the even split: 0, 1 or 2 (the embedding, the loss).
     pub fn counted_ends(&self) -> usize {
         usize::from(self.account_for_embedding_in_pipeline_split)
@@ -84,6 +95,44 @@ impl LayerSplit {
     pub fn is_uneven(&self) -> bool {
         self.num_layers_in_first_pipeline_stage.is_some()
             || self.num_layers_in_last_pipeline_stage.is_some()
+    }
+
+    /// The layout's checks that need no layer count: Megatron-Core's conflicts with the
+    /// other settings, and its stages against the pipeline's.
+    fn check_layout(
+        &self,
+        layout: &PipelineLayout,
+        pipeline_size: usize,
+        num_model_chunks: usize,
+    ) -> Result<(), TopologyError> {
+        let invalid = |reason: String| {
+            Err(TopologyError::InvalidPipelineLayout {
+                layout: layout.to_string(),
+                reason,
+            })
+        };
+        if self.is_uneven() || self.counted_ends() > 0 {
+            return invalid(
+                "it sets every stage's layers: the first or last stage's layers and the \
+                 embedding or loss counted as a layer cannot be set with it"
+                    .into(),
+            );
+        }
+        let stages = layout.num_stages();
+        if stages != pipeline_size * num_model_chunks {
+            let hint = match stages.is_multiple_of(pipeline_size.max(1)) {
+                true => format!(
+                    "; a virtual pipeline of {} chunks per stage fits it",
+                    stages / pipeline_size.max(1)
+                ),
+                false => String::new(),
+            };
+            return invalid(format!(
+                "it has {stages} stages, and the pipeline {pipeline_size} stages × \
+                 {num_model_chunks} model chunks{hint}"
+            ));
+        }
+        Ok(())
     }
 
     /// The checks that need no layer count, for
@@ -100,6 +149,9 @@ impl LayerSplit {
         pipeline_size: usize,
         num_model_chunks: usize,
     ) -> Result<(), TopologyError> {
+        if let Some(layout) = &self.pipeline_model_parallel_layout {
+            return self.check_layout(layout, pipeline_size, num_model_chunks);
+        }
         let invalid = |reason: String| Err(TopologyError::InvalidLayerSplit { reason });
         if self.is_uneven()
             && (self.account_for_embedding_in_pipeline_split
@@ -182,6 +234,18 @@ impl LayerSplit {
             });
         }
         self.check(p, v)?;
+        if let Some(layout) = &self.pipeline_model_parallel_layout {
+            if layout.num_layers() != num_layers {
+                return Err(TopologyError::InvalidPipelineLayout {
+                    layout: layout.to_string(),
+                    reason: format!(
+                        "it holds {} transformer layers, and the model {num_layers}",
+                        layout.num_layers()
+                    ),
+                });
+            }
+            return Ok(layout.layers_per_virtual_stage().to_vec());
+        }
         let per_rank = if self.is_uneven() {
             self.uneven_ranks(num_layers, p, v)?
         } else {

@@ -10,7 +10,7 @@ use burn_megatron::pipeline::PipelineSchedule;
 use burn_megatron::recompute::{
     RecomputeConfig, RecomputeGranularity, RecomputeMethod, RecomputeModule,
 };
-use burn_megatron::topology::{LayerSplit, ParallelConfig};
+use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelineLayout};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -201,6 +201,12 @@ pub struct TrainArgs {
     /// Count the loss as a layer of the even split: the last stage holds one layer fewer.
     #[arg(long)]
     pub account_for_loss_in_pipeline_split: bool,
+    /// Every virtual stage's layers, written out: stages separated by `|` in virtual-stage
+    /// order, `E` the embedding, `t` a transformer layer, `L` the loss, `x*n` and `(…)*n`
+    /// repeating (`E|t*4|(tt|)*2,tL`). The number of stages over PP sets the model chunks
+    /// per stage; not with the four flags above or --num-layers-per-virtual-pipeline-stage.
+    #[arg(long)]
+    pub pipeline_model_parallel_layout: Option<PipelineLayout>,
     /// Microbatches per group of the interleaved schedule's table (default: PP).
     #[arg(long)]
     pub microbatch_group_size_per_virtual_pipeline_stage: Option<usize>,
@@ -424,11 +430,13 @@ impl TrainArgs {
         let split = self.layer_split();
         // Megatron counts the embedding and the loss in the layers a stage holds.
         let counted = split.counted_ends();
+        let layout = self.pipeline_model_parallel_layout.as_ref();
         match (
             self.num_virtual_stages_per_pipeline_rank,
             self.num_layers_per_virtual_pipeline_stage,
         ) {
             (Some(v), _) => v.max(1),
+            (None, _) if let Some(layout) = layout => (layout.num_stages() / pp).max(1),
             (None, Some(n)) if n > 0 => ((self.num_layers + counted) / pp / n).max(1),
             _ => 1,
         }
@@ -438,6 +446,7 @@ impl TrainArgs {
     fn interleaved(&self) -> bool {
         self.num_layers_per_virtual_pipeline_stage.is_some()
             || self.num_virtual_stages_per_pipeline_rank.is_some()
+            || self.num_model_chunks() > 1
     }
 
     /// How the layers split over the pipeline stages.
@@ -447,6 +456,7 @@ impl TrainArgs {
             num_layers_in_last_pipeline_stage: self.decoder_last_pipeline_num_layers,
             account_for_embedding_in_pipeline_split: self.account_for_embedding_in_pipeline_split,
             account_for_loss_in_pipeline_split: self.account_for_loss_in_pipeline_split,
+            pipeline_model_parallel_layout: self.pipeline_model_parallel_layout,
         }
     }
 

@@ -19,7 +19,7 @@ use burn_megatron::pipeline::{
     ForwardBackwardConfig, ForwardStep, GradSync, P2pShapes, PipelineSchedule,
     forward_backward_func,
 };
-use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelinePosition};
+use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelineLayout, PipelinePosition};
 use burn_megatron_tests::gpt::{
     causal_lm_step, gathered, gpt_rows, gpt2, llama, max_rel_diff, mean_reported_loss,
 };
@@ -326,5 +326,13 @@ fn gpt_uneven_pipelines_match_one_rank() {
         "llama",
         &llama(2, SEQ),
         &[layout(1, 4, 1, counted, &[0, 1, 1, 0])],
+    );
+    // Megatron-Core's --pipeline-model-parallel-layout, every virtual stage written out: at
+    // PP 2 × VP 2 the first chunk only embeds.
+    let written = PipelineLayout::parse("E|tt|t|tL").expect("a layout");
+    check(
+        "llama",
+        &llama(LAYERS, SEQ),
+        &[layout(1, 2, 2, split.with_layout(written), &[0, 2, 1, 1])],
     );
 }

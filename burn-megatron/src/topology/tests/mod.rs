@@ -3,6 +3,7 @@
 mod config;
 mod generator;
 mod invariants;
+mod layout;
 mod split;
 mod state;
 

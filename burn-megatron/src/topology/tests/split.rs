@@ -40,6 +40,7 @@ fn split_of(first: Option<usize>, last: Option<usize>, emb: bool, loss: bool) ->
         num_layers_in_last_pipeline_stage: last,
         account_for_embedding_in_pipeline_split: emb,
         account_for_loss_in_pipeline_split: loss,
+        pipeline_model_parallel_layout: None,
     }
 }
 

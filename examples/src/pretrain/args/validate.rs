@@ -127,6 +127,14 @@ impl TrainArgs {
                         .into(),
                 );
             }
+            (Some(_), None) if split.pipeline_model_parallel_layout.is_some() => {
+                return Err(
+                    "--pipeline-model-parallel-layout sets every stage's layers, \
+                     and with them the model chunks: not with \
+                     --num-layers-per-virtual-pipeline-stage"
+                        .into(),
+                );
+            }
             (Some(_), None) if split.is_uneven() => {
                 return Err("an uneven split (--decoder-first-pipeline-num-layers or \
                      --decoder-last-pipeline-num-layers) interleaves with \
