@@ -180,7 +180,13 @@ fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePla
         // Layers that do not split (evenly, or as the flags' uneven split says) are refused
         // by the validation below.
         for pp in divisors(world / tp) {
-            for vp in [1, 2, 4].into_iter().filter(|&v| v == 1 || pp > 1) {
+            // A --pipeline-model-parallel-layout fixes P·V: only its own model chunks.
+            let layout = train.pipeline_model_parallel_layout;
+            let fits = move |v: usize| layout.is_none_or(|l| l.num_stages() == pp * v);
+            for vp in [1, 2, 4]
+                .into_iter()
+                .filter(|&v| (v == 1 || pp > 1) && fits(v))
+            {
                 for (recompute, name) in [
                     (None, "none"),
                     (Some(Granularity::Selective), "selective"),
