@@ -181,12 +181,12 @@ fn search(train: &TrainArgs, make: Make<'_>) -> Vec<(String, Setup, Vec<StagePla
         // by the validation below.
         for pp in divisors(world / tp) {
             // A --pipeline-model-parallel-layout fixes P·V: only its own model chunks.
-            let layout = train.pipeline_model_parallel_layout;
-            let fits = move |v: usize| layout.is_none_or(|l| l.num_stages() == pp * v);
-            for vp in [1, 2, 4]
-                .into_iter()
-                .filter(|&v| (v == 1 || pp > 1) && fits(v))
-            {
+            let chunks = match train.pipeline_model_parallel_layout {
+                Some(l) if l.num_stages().is_multiple_of(pp) => vec![l.num_stages() / pp],
+                Some(_) => Vec::new(),
+                None => vec![1, 2, 4],
+            };
+            for vp in chunks.into_iter().filter(|&v| v == 1 || pp > 1) {
                 for (recompute, name) in [
                     (None, "none"),
                     (Some(Granularity::Selective), "selective"),

@@ -338,6 +338,10 @@ fn bad_flags_are_refused_before_any_work_naming_them() {
             "it holds 4 transformer layers, and the model 3",
         ),
         (
+            &["--pipeline-model-parallel-layout", "Et|tL"][..],
+            "of more than one stage needs --pipeline-model-parallel-size > 1",
+        ),
+        (
             &[
                 "--pipeline-model-parallel-size",
                 "2",

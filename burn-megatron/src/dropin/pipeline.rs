@@ -56,8 +56,9 @@ impl PpPlan {
     /// The stages divide the `num_layers` elements of the `Vec` at module path `layers`
     /// (a path, not a pattern: `layers`, `decoder.layers`) as the position's
     /// [`LayerSplit`](crate::topology::LayerSplit) says: evenly, `num_layers / (P·V)` each,
-    /// unless the layout sets Megatron's uneven first and last stages
-    /// ([`ParallelConfig::with_layer_split`](crate::topology::ParallelConfig::with_layer_split)).
+    /// unless the layout sets Megatron's uneven first and last stages or writes every stage
+    /// out ([`PipelineLayout`](crate::topology::PipelineLayout)), through
+    /// [`ParallelConfig::with_layer_split`](crate::topology::ParallelConfig::with_layer_split).
     pub fn new(layers: &str, num_layers: usize) -> Self {
         Self {
             layers: layers.to_string(),

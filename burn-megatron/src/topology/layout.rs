@@ -123,7 +123,7 @@ fn unroll(chars: &[char], start: usize, in_group: bool) -> Result<(Vec<char>, us
                     return Err("a `(` is not closed".into());
                 }
                 i = end + 1;
-                let (times, next) = repeat(chars, i).ok_or("a group `(…)` needs `*n` after it")?;
+                let (times, next) = repeat(chars, i)?.ok_or("a group `(…)` needs `*n` after it")?;
                 i = next;
                 too_many(inner.len(), times, out.len())?;
                 inner.repeat(times)
@@ -131,7 +131,7 @@ fn unroll(chars: &[char], start: usize, in_group: bool) -> Result<(Vec<char>, us
             '*' => return Err("`*` repeats nothing".into()),
             c => {
                 i += 1;
-                match repeat(chars, i) {
+                match repeat(chars, i)? {
                     Some((times, next)) => {
                         i = next;
                         too_many(1, times, out.len())?;
@@ -155,17 +155,23 @@ fn too_many(unit: usize, times: usize, so_far: usize) -> Result<(), String> {
     }
 }
 
-/// The count of a `*n` at `chars[i..]`, and where it ends.
-fn repeat(chars: &[char], i: usize) -> Option<(usize, usize)> {
+/// The count of a `*n` at `chars[i..]` and where it ends; none without a `*` and digits.
+fn repeat(chars: &[char], i: usize) -> Result<Option<(usize, usize)>, String> {
     if chars.get(i) != Some(&'*') {
-        return None;
+        return Ok(None);
     }
     let digits = chars[i + 1..]
         .iter()
         .take_while(|c| c.is_ascii_digit())
         .count();
+    if digits == 0 {
+        return Ok(None);
+    }
     let n: String = chars[i + 1..i + 1 + digits].iter().collect();
-    Some((n.parse().ok()?, i + 1 + digits))
+    let times = n
+        .parse()
+        .map_err(|_| format!("the repetition `*{n}` is too large"))?;
+    Ok(Some((times, i + 1 + digits)))
 }
 
 impl FromStr for PipelineLayout {

@@ -328,11 +328,21 @@ fn gpt_uneven_pipelines_match_one_rank() {
         &[layout(1, 4, 1, counted, &[0, 1, 1, 0])],
     );
     // Megatron-Core's --pipeline-model-parallel-layout, every virtual stage written out: at
-    // PP 2 × VP 2 the first chunk only embeds.
-    let written = PipelineLayout::parse("E|tt|t|tL").expect("a layout");
+    // PP 2 × VP 2 the first chunk only embeds; at PP 4 the third stage holds nothing at all
+    // (no layer, no embedding, no head: a chunk without parameters, which Megatron accepts).
+    let written = |text| split.with_layout(PipelineLayout::parse(text).expect("a layout"));
     check(
         "llama",
         &llama(LAYERS, SEQ),
-        &[layout(1, 2, 2, split.with_layout(written), &[0, 2, 1, 1])],
+        &[
+            layout(1, 2, 2, written("E|tt|t|tL"), &[0, 2, 1, 1]),
+            layout(1, 4, 1, written("Et|t||ttL"), &[1, 1, 0, 2]),
+            // The empty chunk's data-parallel reducer has nothing to reduce.
+            Layout {
+                dp: 2,
+                overlap: true,
+                ..layout(1, 4, 1, written("Et|t||ttL"), &[1, 1, 0, 2])
+            },
+        ],
     );
 }

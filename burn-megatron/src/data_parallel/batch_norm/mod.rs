@@ -18,7 +18,7 @@ use burn::module::{
     Content, Devices, DisplaySettings, Flag, Module, ModuleDisplay, ModuleDisplayDefault,
     ModuleMapper, ModuleVisitor, Param, RunningState,
 };
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use std::cell::RefCell;
 
 /// Burn's `BatchNormConfig`.
@@ -135,7 +135,8 @@ impl BatchNorm {
         };
         let running = |state: &RunningState<Tensor<1>>, batch: Tensor<1>| {
             let old = state.value_sync().to_device(&device);
-            let new = old.mul_scalar(1.0 - self.momentum) + batch.detach() * self.momentum;
+            let batch = batch.detach().cast(old.dtype());
+            let new = old.mul_scalar(1.0 - self.momentum) + batch * self.momentum;
             state.update(new.detach());
         };
         running(&self.running_mean, mean);
@@ -147,6 +148,8 @@ impl BatchNorm {
     /// then the sum of squared deviations from the group's mean), each one all-reduce of
     /// `[channels]` (the first carries the count), so the variance is as exact as Burn's.
     /// Every rank's loss depends on the sums, so backward all-reduces their gradients too.
+    /// The statistics are summed in f32 whatever the input's dtype (a bf16 sum over the
+    /// group's batch would lose most of its digits); the output is in the input's.
     fn synced<const D: usize>(
         &self,
         input: Tensor<D>,
@@ -166,12 +169,14 @@ impl BatchNorm {
         };
         let mut shape = [1; D];
         shape[1] = channels;
-        let device = input.device();
+        let (device, dtype) = (input.device(), input.dtype());
+        let input = input.cast(DType::F32);
         let count = Tensor::<1>::full(
             [1],
             (input.shape().num_elements() / channels) as f64,
             &device,
-        );
+        )
+        .cast(DType::F32);
         let sums = all_reduce(Tensor::cat(vec![per_channel(input.clone()), count], 0));
         let count = sums.clone().slice(channels..channels + 1);
         let mean = sums.slice(0..channels) / count.clone();
@@ -179,9 +184,9 @@ impl BatchNorm {
         let squares = all_reduce(per_channel(centered.clone().powi_scalar(2)));
         let variance = squares / count;
         let inv_std = (variance.clone() + self.epsilon).sqrt().recip();
-        let output = centered * inv_std.reshape(shape) * self.gamma.val().reshape(shape)
-            + self.beta.val().reshape(shape);
-        (output, mean, variance)
+        let affine = |p: &Param<Tensor<1>>| p.val().cast(DType::F32).reshape(shape);
+        let output = centered * inv_std.reshape(shape) * affine(&self.gamma) + affine(&self.beta);
+        (output.cast(dtype), mean, variance)
     }
 }
 
@@ -281,15 +286,14 @@ pub fn sync_batch_norm<M: Module>(model: M, group: &Comm) -> Result<M, CommError
     }
     impl ModuleVisitor for Finder {
         fn enter_module(&mut self, name: &str, container: &str) {
+            // A struct of that name with running statistics is a batch norm; with a `sync`
+            // slot, this module's.
             if container == "Struct:BatchNorm" {
                 let layer = self.path.join(".");
-                let seen = if name == "sync" {
-                    &mut self.ours
-                } else {
-                    &mut self.layers
-                };
-                if seen.last() != Some(&layer) {
-                    seen.push(layer);
+                match name {
+                    "sync" => self.ours.push(layer),
+                    "running_mean" => self.layers.push(layer),
+                    _ => {}
                 }
             }
             self.path.push(name.to_string());

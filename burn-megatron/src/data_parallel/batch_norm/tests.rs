@@ -3,7 +3,7 @@ use crate::comm::solo_group;
 use crate::launch::{LaunchOptions, threads};
 use crate::module_path::{PathVisitor, visit_paths};
 use crate::topology::ParallelConfig;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data().iter::<f32>().collect()
@@ -145,4 +145,33 @@ fn burns_own_batch_norm_is_refused_naming_it() {
         message.contains("`blocks.0` is Burn's own BatchNorm") && message.contains("dropin::nn"),
         "{message}"
     );
+}
+
+/// In bf16 the statistics are still summed in f32: the output is the f32 layer's, rounded to
+/// bf16, and the running statistics keep their own dtype.
+#[test]
+fn a_synchronised_batch_norm_in_bf16_sums_its_statistics_in_f32() {
+    let ranks = threads(
+        &ParallelConfig::new(2, 1, 1),
+        LaunchOptions::default(),
+        |ctx| {
+            let d = &ctx.device;
+            let rank = ctx.state.data_parallel_rank();
+            let burns = burn::nn::BatchNormConfig::new(2);
+            let layer = sync_batch_norm(BatchNorm::from(burns.init(d)), &ctx.groups.dp_cp)?;
+            let (x, _) = batch(4 * rank, 4, d);
+            let y = layer.forward(x.clone().cast(DType::BF16));
+            let dtype = y.dtype();
+            let f32_layer = sync_batch_norm(BatchNorm::from(burns.init(d)), &ctx.groups.dp_cp)?;
+            let want = f32_layer.forward(x);
+            let stats = layer.valid().running_var.value().dtype();
+            Ok::<_, CommError>((values(y.cast(DType::F32)), values(want), dtype, stats))
+        },
+    )
+    .expect("both ranks normalise");
+    for (rank, (got, want, dtype, stats)) in ranks.into_iter().enumerate() {
+        assert_eq!((dtype, stats), (DType::BF16, DType::F32), "rank {rank}");
+        let diff = max_diff(&got, &want);
+        assert!(diff < 2e-2, "rank {rank}'s bf16 output off by {diff}");
+    }
 }

@@ -69,6 +69,10 @@ fn what_megatron_leaves_undefined_or_this_library_does_not_build_is_refused() {
     refused("*2Et|tL", "`*` repeats nothing");
     refused("E|()*2|tL", "an empty group");
     refused("Et*99999999|L", "more than a million layers");
+    refused(
+        "Et*99999999999999999999999|L",
+        "the repetition `*99999999999999999999999` is too large",
+    );
     refused("E(t*4096|)*4096,L", "more than a million layers");
     // Set with the other split settings, as Megatron-Core refuses it.
     let layout = PipelineLayout::parse("Et|tL").unwrap();

@@ -127,6 +127,19 @@ impl TrainArgs {
                         .into(),
                 );
             }
+            (None, None)
+                if pp == 1
+                    && split
+                        .pipeline_model_parallel_layout
+                        .is_some_and(|l| l.num_stages() > 1) =>
+            {
+                return Err(
+                    "--pipeline-model-parallel-layout of more than one stage needs \
+                     --pipeline-model-parallel-size > 1 (its stages over the pipeline's set \
+                     the model chunks of each)"
+                        .into(),
+                );
+            }
             (Some(_), None) if split.pipeline_model_parallel_layout.is_some() => {
                 return Err(
                     "--pipeline-model-parallel-layout sets every stage's layers, \
