@@ -411,26 +411,6 @@ impl Setup {
                 logits_grad = rows * (self.vocab / self.tp) as u64;
             }
         }
-        // The schedule's op order on this rank: the chunk-microbatches alive at its peak.
-        let ops = self.schedule.ops(p).map_err(|e| e.to_string())?;
-        let (mut live, mut peak_elems, mut peak_count, mut count) = (0u64, 0u64, 0usize, 0usize);
-        let chunk_forwards = ops.len() / 2;
-        for op in ops {
-            match op.pass {
-                Pass::Forward => {
-                    live += per_mb[op.chunk];
-                    count += 1;
-                }
-                Pass::Backward => {
-                    live -= per_mb[op.chunk];
-                    count -= 1;
-                }
-            }
-            if live > peak_elems {
-                peak_elems = live;
-            }
-            peak_count = peak_count.max(count);
-        }
         let e = self.elem;
         let weight_bytes = params * e;
         // The overlapped reducer keeps each hooked gradient as its FP32 main gradient
@@ -460,16 +440,14 @@ impl Setup {
             })
             .sum::<u64>()
             * e;
-        // Gradients of earlier microbatches are summed and kept while later ones run
-        // (unless every microbatch is in flight at the peak), and a backward forms the next
-        // microbatch's beside them: at the activations' peak the sum is alive, and a
-        // replayed region's backward adds the new ones. The last step's gradients were
-        // consumed by the optimizer before this step began.
+        // Gradients of earlier microbatches are summed and kept while later ones run, and a
+        // backward forms the next microbatch's beside them: once a backward has run, the sum
+        // is alive, and a replayed region's backward adds the new ones. The last step's
+        // gradients were consumed by the optimizer before this step began.
         // Under the overlapped reduction those sums are the main gradients (`buckets`), and
         // the gradients written back at its end replace them.
         let grads = params * e;
         let held = if self.overlap { 0 } else { grads };
-        let accumulated = if chunk_forwards > peak_count { held } else { 0 };
         // Burn's backward forms a layer's parameter gradients before that layer's saved
         // activations go: the top layer's, on every rank that holds one (measured at PP 2,
         // GPT 4 × 256, seq 256: 3.1 MB on top of the kept activations, 2.5 MB of them that
@@ -484,10 +462,32 @@ impl Setup {
         } else {
             0
         });
-        let total_bytes = weight_bytes
-            + buckets
-            + optimizer_bytes
-            + (peak_elems * e + accumulated + transient).max(grads + held);
+        // The schedule's op order on this rank: the chunk-microbatches alive at each op. A
+        // backward runs with its microbatch's activations still kept and its transient on
+        // top; the peak may come at the activations' peak or at a later backward, fewer
+        // microbatches alive beside the summed gradients (full recomputation at PP 2 with
+        // two microbatches: the second backward).
+        let ops = self.schedule.ops(p).map_err(|e| e.to_string())?;
+        let (mut live, mut peak_count, mut count) = (0u64, 0usize, 0usize);
+        let (mut backwards, mut dynamic) = (0usize, 0u64);
+        for op in ops {
+            let accumulated = if backwards > 0 { held } else { 0 };
+            match op.pass {
+                Pass::Forward => {
+                    live += per_mb[op.chunk];
+                    count += 1;
+                    dynamic = dynamic.max(live * e + accumulated);
+                }
+                Pass::Backward => {
+                    dynamic = dynamic.max(live * e + accumulated + transient);
+                    live -= per_mb[op.chunk];
+                    count -= 1;
+                    backwards += 1;
+                }
+            }
+            peak_count = peak_count.max(count);
+        }
+        let total_bytes = weight_bytes + buckets + optimizer_bytes + dynamic.max(grads + held);
         Ok(StagePlan {
             stage: p,
             parameters: params,
