@@ -295,9 +295,7 @@ fn train_synchronised(record: &Path) -> Result<Vec<Run>, Error> {
             if rank == 0 {
                 chunks[0].clone().save_file(record)?;
             }
-            // ANCHOR: sync_batch_norm
             let mut chunks = training.sync_batch_norm(chunks)?;
-            // ANCHOR_END: sync_batch_norm
             let mut optimizer = training.optimizer(adamw(), &chunks)?;
             let mut losses = Vec::new();
             for _ in 0..STEPS {
