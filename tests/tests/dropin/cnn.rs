@@ -18,7 +18,7 @@ use burn_megatron::dropin::nn::{
 };
 use burn_megatron::dropin::save_gathered;
 use burn_megatron::launch::{LaunchOptions, RankContext, threads};
-use burn_megatron::optimizer::InnerOptimizer;
+use burn_megatron::optimizer::{InnerOptimizer, MegatronOptimizer};
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
 use burn_megatron_tests::values;
@@ -116,6 +116,24 @@ fn adamw() -> InnerOptimizer {
     AdamWConfig::new().init().into()
 }
 
+/// One data-parallel step on this rank's images: the model after it, and its loss averaged
+/// over the ranks.
+fn dp_step(
+    ctx: &RankContext,
+    training: &ParallelTraining,
+    optimizer: &mut MegatronOptimizer<Vec<Cnn>>,
+    chunks: Vec<Cnn>,
+) -> Result<(Vec<Cnn>, f32), Error> {
+    let rank = ctx.state.data_parallel_rank();
+    let loss = chunks[0].loss(rank * LOCAL, LOCAL, &ctx.device);
+    let mut value = vec![loss.clone().into_scalar::<f32>()];
+    let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
+    training.finalize(&chunks, &mut grads)?;
+    let (chunks, _) = optimizer.step(1e-2, chunks, grads)?;
+    ctx.groups.dp.all_reduce_vec(&mut value, ReduceOp::Avg)?;
+    Ok((chunks, value[0]))
+}
+
 /// What a rank of [`train`] ends with.
 #[derive(Debug)]
 struct Trained {
@@ -169,13 +187,9 @@ fn train(
                     save_gathered(&chunks[0], root.join("plain"), &ctx.groups.tp)?;
                     plain_mean = values(chunks[0].valid().bn1.running_mean.value());
                 }
-                let loss = chunks[0].loss(rank * LOCAL, LOCAL, d);
-                let mut value = vec![loss.clone().into_scalar::<f32>()];
-                let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
-                training.finalize(&chunks, &mut grads)?;
-                (chunks, _) = optimizer.step(1e-2, chunks, grads)?;
-                ctx.groups.dp.all_reduce_vec(&mut value, ReduceOp::Avg)?;
-                losses.push(value[0]);
+                let loss;
+                (chunks, loss) = dp_step(&ctx, &training, &mut optimizer, chunks)?;
+                losses.push(loss);
             }
             training.save(root, STEPS, &chunks, &optimizer, serde_json::json!({}))?;
             // `valid()` commits the statistics' last update, which Burn holds apart until
@@ -299,13 +313,9 @@ fn train_synchronised(record: &Path) -> Result<Vec<Run>, Error> {
             let mut optimizer = training.optimizer(adamw(), &chunks)?;
             let mut losses = Vec::new();
             for _ in 0..STEPS {
-                let loss = chunks[0].loss(rank * LOCAL, LOCAL, d);
-                let mut value = vec![loss.clone().into_scalar::<f32>()];
-                let mut grads = GradientsParams::from_grads(loss.backward(), &chunks);
-                training.finalize(&chunks, &mut grads)?;
-                (chunks, _) = optimizer.step(1e-2, chunks, grads)?;
-                ctx.groups.dp.all_reduce_vec(&mut value, ReduceOp::Avg)?;
-                losses.push(value[0]);
+                let loss;
+                (chunks, loss) = dp_step(&ctx, &training, &mut optimizer, chunks)?;
+                losses.push(loss);
             }
             Ok::<_, Error>((losses, chunks[0].weights(), chunks[0].statistics()))
         },
