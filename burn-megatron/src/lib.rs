@@ -16,7 +16,8 @@
 //! the exact table and checks it.
 //!
 //! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data-, context-
-//!   and expert-parallel groups (Megatron-Core's exact rank arithmetic).
+//!   and expert-parallel groups (Megatron-Core's exact rank arithmetic), and how the layers
+//!   are placed over the pipeline's stages (`LayerSplit`, `PipelineLayout`).
 //! - [`aux_loss`]: losses computed inside the model (MoE load balancing) whose gradient
 //!   enters backward directly.
 //! - [`comm`]: collectives between ranks (NCCL-shaped), every call bounded by a timeout; the
@@ -30,8 +31,9 @@
 //! - [`models`]: one transformer core (attention, MLP, layer) and the GPT / Llama family
 //!   and BERT over it, with Hugging Face import and export and generation.
 //! - [`data_parallel`]: gradient reduction over the data-parallel group in buckets, after
-//!   backward or overlapped with it, the distributed optimizer's shard plans, and the
-//!   replicas' weights broadcast and compared.
+//!   backward or overlapped with it, the distributed optimizer's shard plans (its sharded
+//!   step is in [`optimizer`]), the replicas' weights broadcast and compared, and
+//!   synchronised `BatchNorm` (`batch_norm/`, public as [`dropin::nn::BatchNorm`]).
 //! - [`data`]: pretraining data: corpora, tokenizers, BERT and GPT samples, Megatron's
 //!   indexed datasets.
 //! - [`optimizer`]: Megatron's LR / WD scheduler, loss scalers, and the optimizer wrapper
@@ -82,9 +84,15 @@
 //!   MoE layer's load-balancing loss receives, set by the pipeline executor for its
 //!   micro-batches (Megatron's `MoEAuxLossAutoScaler`).
 //!
-//! One more lives only during a call: while [`dropin::TpPlan::apply`] walks
-//! a model, a thread-local hands each layer's slot its split (Burn's traversal gives a mapper
-//! parameters, not fields); it is empty before and after.
+//! Two more live only during a call: while [`dropin::TpPlan::apply`] walks a model, a
+//! thread-local hands each layer's slot its split (`dropin/slot.rs`; Burn's traversal gives
+//! a mapper parameters, not fields), and while
+//! [`training::ParallelTraining::sync_batch_norm`] walks one, another hands each
+//! `BatchNorm` its group (`data_parallel/batch_norm/`); both are empty before and after.
+//!
+//! And one store that only grows: each distinct `--pipeline-model-parallel-layout` parsed
+//! ([`topology::PipelineLayout`]) is kept for the life of the process, so that the layer
+//! split carrying it stays `Copy`.
 //!
 //! Beside them, caches that cannot go stale: `param_grads`' accessors per tensor rank, the
 //! kernels' wgpu device (opened once per process), a counter for unique temporary names in

@@ -24,6 +24,14 @@
 //! The optimizer's state follows, whichever the optimizer: the fused Adam's buffers (with or
 //! without the distributed optimizer) and a burn-optim optimizer's record (its per-parameter
 //! tensors as `optim.{field}` sets, its scalars in the index) are stored by global name too.
+//!
+//! The files: `save_load.rs` (one rank's save and load), `tensors.rs` (a module's parameters
+//! as global tensors, restored from whatever shards overlap; the cutting and joining is the
+//! crate's `shards.rs`, which the drop-in loader shares), `index.rs` (`index.json`, the
+//! layout saved at), `check.rs` (what every index must agree on), `layout.rs` (before a save,
+//! the tensor-parallel ranks agree on each parameter), `commit.rs` (the atomic, durable
+//! protocol), `find.rs` (which checkpoint to load), `read.rs` (global tensors read whole, for
+//! tools) and `burn_optim.rs` (a burn-optim optimizer's state by global name).
 
 mod burn_optim;
 mod check;

@@ -1,4 +1,7 @@
-//! Context parallelism: one sequence split over the context-parallel (CP) group.
+//! Context parallelism: one sequence split over the context-parallel (CP) group. This folder
+//! splits the sequence and gathers K/V; the attention of each comm type is the models':
+//! `models/attention/context_parallel.rs` (all-gather and Ulysses) and
+//! `models/attention/ring.rs` (the ring).
 //!
 //! Causal attention makes later tokens cost more, so the sequence is cut into `2·CP`
 //! chunks and rank `r` holds chunks `r` and `2·CP − 1 − r` (Megatron's

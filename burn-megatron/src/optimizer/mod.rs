@@ -4,6 +4,13 @@
 //! de-duplication ([`global_grad_norm`], [`clip_grads_by_total_norm`]), and
 //! [`MegatronOptimizer`] around burn-optim optimizers or the fused flat-buffer Adam
 //! ([`FusedAdamConfig`]).
+//!
+//! The distributed optimizer (ZeRO-1, `--use-distributed-optimizer`) is
+//! [`MegatronOptimizer::distributed`]: this rank's pieces of each bucket, which
+//! `data_parallel`'s shard plan (`shard_plan.rs`) assigns and its reduce-scatter
+//! (`reduce_scatter.rs`) fills, are stepped by `fused_adam/sharded.rs` (the fused Adam) or
+//! `sharded_burn.rs` (a burn-optim optimizer, its pieces as 1-D parameters), and the
+//! updated weights all-gathered.
 
 mod cast;
 mod error;

@@ -13,8 +13,8 @@
 //! A rank builds only its own chunks. With V chunks per stage (interleaving), chunk `v` of
 //! pipeline rank `r` is virtual stage `v·P + r` and holds the layers
 //! [`PipelinePosition::layer_range`](crate::topology::PipelinePosition::layer_range) gives
-//! (`L/(P·V)` of them, unless the layout splits them unevenly); the first virtual stage embeds,
-//! the last computes the loss.
+//! (`L/(P·V)` of them, unless the layout's [`LayerSplit`](crate::topology::LayerSplit) splits
+//! them unevenly); the first virtual stage embeds, the last computes the loss.
 
 mod deallocate;
 mod executor;

@@ -12,6 +12,15 @@
 //!
 //! A model written with `burn::nn` is split by [`crate::dropin`] instead, which uses these
 //! layers' forward.
+//!
+//! Sequence parallelism has no folder of its own; it happens in four places. The mappings
+//! split and gather the sequence (the `*_sequence_parallel_region` ones, and
+//! [`mappings::gather_sequence_matmul`] in a column layer's forward); a model scatters its
+//! embeddings' output and gathers before its head (`models/gpt/forward.rs`, `models/bert.rs`;
+//! the drop-in encoder and decoder in `dropin/nn/sequence.rs`); the norms between the split
+//! layers see a rank's positions only, so their gradients are partial: the built-in models'
+//! are summed by [`allreduce_sequence_parallel_grads`] in `finalize_model_grads`, the drop-in
+//! layers' inside the graph.
 
 mod attrs;
 mod cross_entropy;

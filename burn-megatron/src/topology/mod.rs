@@ -7,6 +7,11 @@
 //! - [`ParallelConfig`] → [`ValidatedConfig`]: user settings, checked up front;
 //!   [`ValidatedConfig::all_groups`] lists every group a launcher must create.
 //! - [`ParallelState`]: one rank's coordinates, groups and pipeline neighbours.
+//! - Layer placement over the pipeline: [`PipelinePosition::layer_range`] gives a chunk's
+//!   layers, as its [`LayerSplit`] (`split.rs`) places them: evenly, Megatron's uneven first
+//!   and last stages, or every virtual stage written out ([`PipelineLayout`], `layout.rs`,
+//!   `--pipeline-model-parallel-layout`). Parsed layouts are kept for the life of the
+//!   process (interned, so that a split stays `Copy`); all else here is arithmetic.
 //!
 //! ```
 //! use burn_megatron::topology::{GroupKind, ParallelConfig, ParallelState};
@@ -44,5 +49,7 @@ pub use group::GroupKind;
 pub use layout::PipelineLayout;
 pub use rank_generator::{DEFAULT_ORDER, RankGenerator};
 pub use split::LayerSplit;
-pub use stage::{PipelinePosition, layer_offset, layers_per_chunk};
+pub use stage::PipelinePosition;
+#[cfg(test)]
+pub(crate) use stage::{layer_offset, layers_per_chunk};
 pub use state::ParallelState;

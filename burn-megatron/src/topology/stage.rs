@@ -100,14 +100,10 @@ impl PipelinePosition {
 
 /// Layers per model chunk when `num_layers` split evenly over `P·V` virtual stages (the
 /// default [`LayerSplit`]; an uneven split's chunks differ: use
-/// [`LayerSplit::layers_per_virtual_stage`]).
-///
-/// ```
-/// use burn_megatron::topology::layers_per_chunk;
-/// assert_eq!(layers_per_chunk(8, 2, 2), Ok(2));
-/// assert!(layers_per_chunk(6, 2, 2).is_err());
-/// ```
-pub fn layers_per_chunk(
+/// [`LayerSplit::layers_per_virtual_stage`]). The schedule tests' shorthand: code places a
+/// chunk's layers with [`PipelinePosition::layer_range`].
+#[cfg(test)]
+pub(crate) fn layers_per_chunk(
     num_layers: usize,
     pipeline_size: usize,
     num_model_chunks: usize,
@@ -123,14 +119,11 @@ pub fn layers_per_chunk(
     Ok(num_layers / stages)
 }
 
-/// Index of the first layer of `chunk` on `pipeline_rank` under an even split (see
-/// [`PipelinePosition::layer_range`], which follows the position's [`LayerSplit`]).
-///
-/// ```
-/// use burn_megatron::topology::layer_offset;
-/// assert_eq!(layer_offset(8, 2, 2, 1, 0), Ok(2));
-/// ```
-pub fn layer_offset(
+/// Index of the first layer of `chunk` on `pipeline_rank` under an even split (the schedule
+/// tests' shorthand for [`PipelinePosition::layer_range`], which follows the position's
+/// [`LayerSplit`]).
+#[cfg(test)]
+pub(crate) fn layer_offset(
     num_layers: usize,
     pipeline_size: usize,
     num_model_chunks: usize,

@@ -10,9 +10,7 @@
 //! [`sync_batch_norm`] sets; until then it computes exactly what Burn's does.
 
 use crate::comm::{Comm, CommError};
-use crate::tensor_parallel::mappings::{
-    copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-};
+use crate::tensor_parallel::mappings::{Mapping, apply};
 use burn::config::Config;
 use burn::module::{
     Content, Devices, DisplaySettings, Flag, Module, ModuleDisplay, ModuleDisplayDefault,
@@ -163,9 +161,11 @@ impl BatchNorm {
                 .sum_dim(1)
                 .reshape([channels])
         };
+        // Megatron's conjugate pair over the data-parallel group: all-reduce forward (the
+        // first), all-reduce backward (the second).
         let all_reduce = |x: Tensor<1>| {
-            let summed = reduce_from_tensor_model_parallel_region(x, group);
-            copy_to_tensor_model_parallel_region(summed, group)
+            let summed = apply(x, Mapping::ReduceFrom, group);
+            apply(summed, Mapping::CopyTo, group)
         };
         let mut shape = [1; D];
         shape[1] = channels;
