@@ -13,7 +13,7 @@
 //!
 //! The modules, bottom up: no module imports one listed after it (data parallelism, the
 //! optimizer and the pipeline do not import the models either); `tests/layering.rs` holds
-//! the exact table and checks it.
+//! the exact table and checks both.
 //!
 //! - [`topology`]: how global ranks are laid out into tensor-, pipeline-, data-, context-
 //!   and expert-parallel groups (Megatron-Core's exact rank arithmetic), and how the layers

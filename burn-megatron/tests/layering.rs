@@ -429,6 +429,34 @@ fn cycles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
     found
 }
 
+/// Data parallelism, the optimizer and the pipeline run any model, the built-in ones and a
+/// Burn user's: none of them names the built-in models, though their level would allow it.
+const MODEL_AGNOSTIC: &[&str] = &["data_parallel", "optimizer", "pipeline"];
+
+#[test]
+fn the_training_machinery_names_no_built_in_model() {
+    let sources = sources();
+    let found: Vec<String> = sources
+        .iter()
+        .filter(|s| {
+            s.module
+                .first()
+                .is_some_and(|m| MODEL_AGNOSTIC.contains(&m.as_str()))
+        })
+        .flat_map(|s| {
+            crate_paths(&s.code, &s.module)
+                .into_iter()
+                .filter(|p| p.first().is_some_and(|m| m == "models"))
+                .map(move |p| format!("{} names crate::{}", s.rel.display(), p.join("::")))
+        })
+        .collect();
+    assert!(
+        found.is_empty(),
+        "model-agnostic modules naming the models:\n{}",
+        found.join("\n")
+    );
+}
+
 #[test]
 fn modules_import_only_lower_layers() {
     let sources = sources();
