@@ -39,12 +39,12 @@ pub mod advanced {
         finalize_model_grads,
     };
     pub use super::overlap::OverlapReducer;
-    /// What [`OverlapReducer::activate`] returns: the reducer stays active on this thread
-    /// until it is dropped.
-    pub use crate::grad_hooks::ActiveGuard;
     pub use super::reduce_scatter::reduce_scatter_gradients;
     pub use super::replicas::{broadcast_params, check_replicas};
     pub use super::shard_plan::{OptimizerShards, Piece, PlannedBucket, PlannedParam, ShardPlan};
+    /// What [`OverlapReducer::activate`] returns: the reducer stays active on this thread
+    /// until it is dropped.
+    pub use crate::grad_hooks::ActiveGuard;
 }
 
 /// How gradients are reduced over the data-parallel group.

@@ -44,14 +44,19 @@ impl StageKeys {
     }
 
     /// Whether a plan's layer pattern that matches nothing here may name a module another
-    /// stage holds: one of theirs, or a layer outside this stage's.
+    /// stage holds: one of theirs, a layer outside this stage's, or any of the stack's layers
+    /// (`layers.*`) on a stage that holds none (a layout's stage of no layer).
     pub(crate) fn may_name_elsewhere(&self, rule: &glob::Pattern) -> bool {
         let theirs = self
             .elsewhere
             .iter()
             .any(|e| rule.matches(e.as_str()) || e.matches(rule.as_str()));
         let layer = layer_index(&self.prefix, rule.as_str());
-        theirs || layer.is_some_and(|(i, _)| i < self.total && !self.layers.contains(&i))
+        let in_stack = (rule.as_str().strip_prefix(self.prefix.as_str()))
+            .is_some_and(|tail| tail.starts_with('.'));
+        theirs
+            || layer.is_some_and(|(i, _)| i < self.total && !self.layers.contains(&i))
+            || (in_stack && self.layers.is_empty())
     }
 
     /// Where the record's `key` (a module path once renamed) goes; an error for a layer

@@ -29,7 +29,7 @@ use burn_megatron::pipeline::{
 };
 use burn_megatron::tensor_parallel::mappings::copy_to_tensor_model_parallel_region;
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
-use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelinePosition};
+use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelineLayout, PipelinePosition};
 use burn_megatron::training::{ParallelTraining, ParallelTrainingConfig};
 use burn_megatron_tests::gpt::{gathered, max_rel_diff};
 use std::collections::BTreeMap;
@@ -380,14 +380,17 @@ fn a_burn_model_trains_across_pipeline_stages_as_on_one_rank() -> Result<(), Err
         let got = train(resumed)?;
         assert_same(&format!("resumed at PP {pp} × VP {vp}"), &got, &rest);
     }
-    // Megatron's uneven splits, from the state's layout: 1 + 3 layers, and the embedding and
-    // the loss counted as layers over 3 stages (4 + 2 = 2 each, one fewer at the ends); and
-    // the even checkpoint resumed under the second.
+    // Megatron's uneven splits, from the state's layout: 1 + 3 layers, the embedding and the
+    // loss counted as layers over 3 stages (4 + 2 = 2 each, one fewer at the ends), and every
+    // stage written out (--pipeline-model-parallel-layout: 3 + 0 + 1, a stage of no layer);
+    // and the even checkpoint resumed under the second.
     let split = LayerSplit::default();
     let counted = split.with_embedding_counted(true).with_loss_counted(true);
+    let written = split.with_layout(PipelineLayout::parse("Ettt||tL")?);
     for (pp, split, layers) in [
         (2, split.with_first_stage(1), vec![0..1, 1..4]),
         (3, counted, vec![0..1, 1..3, 3..4]),
+        (3, written, vec![0..3, 3..3, 3..4]),
     ] {
         let what = format!("PP {pp} split {split:?}");
         let got = train(Run {
