@@ -391,6 +391,9 @@ fn a_burn_model_trains_across_pipeline_stages_as_on_one_rank() -> Result<(), Err
         (2, split.with_first_stage(1), vec![0..1, 1..4]),
         (3, counted, vec![0..1, 1..3, 3..4]),
         (3, written, vec![0..3, 3..3, 3..4]),
+        // 4 layers + 2 counted over 6 stages: the first only embeds, the last only computes
+        // the loss.
+        (6, counted, vec![0..0, 0..1, 1..2, 2..3, 3..4, 4..4]),
     ] {
         let what = format!("PP {pp} split {split:?}");
         let got = train(Run {
