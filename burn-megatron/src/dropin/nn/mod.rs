@@ -5,8 +5,9 @@
 //! applying a plan, with no constructor changed. Until a plan assigns a split, each layer
 //! computes exactly what Burn's does. Burn's autoregressive decoding (`forward_cache`,
 //! `forward_autoregressive_inference`) comes with its caches ([`cache`],
-//! [`attention::MhaCache`]); a layer Burn built converts with `From`. The rest of Burn's
-//! `nn` is re-exported as it is, so this module stands in for all of it.
+//! [`attention::MhaCache`]); a layer Burn built converts with `From`. [`BatchNorm`] is
+//! Burn's too, its statistics able to span the data-parallel batch once synchronised. The
+//! rest of Burn's `nn` is re-exported as it is, so this module stands in for all of it.
 
 use super::plan::Split;
 use super::slot::TpSlot;
