@@ -120,11 +120,15 @@ impl LayerSplit {
         }
         let stages = layout.num_stages();
         if stages != pipeline_size * num_model_chunks {
-            let hint = match stages.is_multiple_of(pipeline_size.max(1)) {
+            // A virtual pipeline needs pipeline parallelism: at PP 1 no chunk count fits.
+            let hint = match pipeline_size > 1 && stages.is_multiple_of(pipeline_size) {
                 true => format!(
                     "; a virtual pipeline of {} chunks per stage fits it",
-                    stages / pipeline_size.max(1)
+                    stages / pipeline_size
                 ),
+                false if pipeline_size <= 1 && stages > 1 => {
+                    "; its stages need pipeline parallelism".to_string()
+                }
                 false => String::new(),
             };
             return invalid(format!(

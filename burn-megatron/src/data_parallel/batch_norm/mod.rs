@@ -6,8 +6,9 @@
 //! trains as one rank over the `n` batches together: the same outputs, gradients and running
 //! statistics.
 //!
-//! It is Burn's `BatchNorm` (same config, fields, record and forward) with a group that
-//! [`sync_batch_norm`] sets; until then it computes exactly what Burn's does.
+//! It is Burn's `BatchNorm` (the same config, record and forward; Burn's fields and a `sync`
+//! slot without parameters) with a group that [`sync_batch_norm`] sets; until then it
+//! computes exactly what Burn's does.
 
 use crate::comm::{Comm, CommError};
 use crate::tensor_parallel::mappings::{Mapping, apply};
@@ -327,10 +328,17 @@ pub fn sync_batch_norm<M: Module>(model: M, group: &Comm) -> Result<M, CommError
     }
     struct Untouched;
     impl ModuleMapper for Untouched {}
+    /// Withdraws the offer however the walk ends (a panic in a module's `map` included), so
+    /// that no later walk on this thread hands a `BatchNorm` the group.
+    struct Offered;
+    impl Drop for Offered {
+        fn drop(&mut self) {
+            OFFER.with(|o| o.borrow_mut().take());
+        }
+    }
     OFFER.with(|o| *o.borrow_mut() = Some(group.clone()));
-    let model = model.map(&mut Untouched);
-    OFFER.with(|o| o.borrow_mut().take());
-    Ok(model)
+    let _offered = Offered;
+    Ok(model.map(&mut Untouched))
 }
 
 #[cfg(test)]

@@ -147,8 +147,10 @@ fn burns_own_batch_norm_is_refused_naming_it() {
     );
 }
 
-/// In bf16 the statistics are still summed in f32: the output is the f32 layer's, rounded to
-/// bf16, and the running statistics keep their own dtype.
+/// In bf16 the statistics are still summed in f32: over 512 values near 11 per channel, the
+/// output is the f32 layer's on the same rounded input within bf16's rounding of it (0.004;
+/// statistics summed in bf16 put it 0.016 off), and the running statistics keep their own
+/// dtype.
 #[test]
 fn a_synchronised_batch_norm_in_bf16_sums_its_statistics_in_f32() {
     let ranks = threads(
@@ -159,11 +161,12 @@ fn a_synchronised_batch_norm_in_bf16_sums_its_statistics_in_f32() {
             let rank = ctx.state.data_parallel_rank();
             let burns = burn::nn::BatchNormConfig::new(2);
             let layer = sync_batch_norm(BatchNorm::from(burns.init(d)), &ctx.groups.dp_cp)?;
-            let (x, _) = batch(4 * rank, 4, d);
-            let y = layer.forward(x.clone().cast(DType::BF16));
+            let (x, _) = batch(64 * rank, 64, d);
+            let x = (x + 10.0).cast(DType::BF16);
+            let y = layer.forward(x.clone());
             let dtype = y.dtype();
             let f32_layer = sync_batch_norm(BatchNorm::from(burns.init(d)), &ctx.groups.dp_cp)?;
-            let want = f32_layer.forward(x);
+            let want = f32_layer.forward(x.cast(DType::F32));
             let stats = layer.valid().running_var.value().dtype();
             Ok::<_, CommError>((values(y.cast(DType::F32)), values(want), dtype, stats))
         },
@@ -172,6 +175,6 @@ fn a_synchronised_batch_norm_in_bf16_sums_its_statistics_in_f32() {
     for (rank, (got, want, dtype, stats)) in ranks.into_iter().enumerate() {
         assert_eq!((dtype, stats), (DType::BF16, DType::F32), "rank {rank}");
         let diff = max_diff(&got, &want);
-        assert!(diff < 2e-2, "rank {rank}'s bf16 output off by {diff}");
+        assert!(diff < 6e-3, "rank {rank}'s bf16 output off by {diff}");
     }
 }

@@ -97,6 +97,15 @@ fn what_megatron_leaves_undefined_or_this_library_does_not_build_is_refused() {
         message.contains("a virtual pipeline of 2 chunks per stage fits it"),
         "{message}"
     );
+    let message = LayerSplit::default()
+        .with_layout(PipelineLayout::parse("Et|tL").unwrap())
+        .layers_per_virtual_stage(2, 1, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("its stages need pipeline parallelism"),
+        "{message}"
+    );
     // Parsed twice, one layout.
     assert_eq!(PipelineLayout::parse("Et|tL"), Ok(layout));
     assert_eq!(layout.to_string(), "Et|tL");
