@@ -351,6 +351,11 @@ spawn job_layout gpt dp2-distopt 2 --use-distributed-optimizer
 # Overlapped with backward and all-reduced in place (the distributed optimizer's in-place
 # reduce-scatter is the dp2-distopt-overlap layouts above).
 spawn job_layout gpt dp2-overlap 2 --overlap-grad-reduce
+# Four ranks on communicators of two groups at once: each rank's tensor-parallel collectives
+# of backward on its main thread while its reducer's worker all-reduces buckets over the
+# data-parallel group (synchronised BatchNorm's backward meets the worker the same way).
+spawn job_layout gpt tp2-sp-dp2-overlap 4 --tensor-model-parallel-size 2 --sequence-parallel \
+  --overlap-grad-reduce
 # The same pipeline and ring with their messages through host memory, for the device path's
 # effect.
 BURN_MEGATRON_P2P=host spawn job_layout gpt pp2-1f1b-p2p-host 2 --pipeline-model-parallel-size 2
