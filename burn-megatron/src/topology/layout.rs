@@ -100,6 +100,14 @@ impl PipelineLayout {
         self.0.layers.len()
     }
 
+    /// The error a check of this layout against the pipeline or the model gives.
+    pub(super) fn invalid(&self, reason: String) -> TopologyError {
+        TopologyError::InvalidPipelineLayout {
+            layout: self.to_string(),
+            reason,
+        }
+    }
+
     /// The transformer layers of every stage together.
     pub fn num_layers(&self) -> usize {
         self.0.layers.iter().sum()

@@ -105,12 +105,7 @@ impl LayerSplit {
         pipeline_size: usize,
         num_model_chunks: usize,
     ) -> Result<(), TopologyError> {
-        let invalid = |reason: String| {
-            Err(TopologyError::InvalidPipelineLayout {
-                layout: layout.to_string(),
-                reason,
-            })
-        };
+        let invalid = |reason: String| Err(layout.invalid(reason));
         if self.is_uneven() || self.counted_ends() > 0 {
             return invalid(
                 "it sets every stage's layers: the first or last stage's layers and the \
@@ -240,13 +235,10 @@ impl LayerSplit {
         self.check(p, v)?;
         if let Some(layout) = &self.pipeline_model_parallel_layout {
             if layout.num_layers() != num_layers {
-                return Err(TopologyError::InvalidPipelineLayout {
-                    layout: layout.to_string(),
-                    reason: format!(
-                        "it holds {} transformer layers, and the model {num_layers}",
-                        layout.num_layers()
-                    ),
-                });
+                return Err(layout.invalid(format!(
+                    "it holds {} transformer layers, and the model {num_layers}",
+                    layout.num_layers()
+                )));
             }
             return Ok(layout.layers_per_virtual_stage().to_vec());
         }
