@@ -1,6 +1,7 @@
 //! Drop-in conversion: a model written with `burn::nn` made tensor- and pipeline-parallel,
 //! its record paths unchanged. Import
 //! [`nn`]'s `Linear`, `Embedding`, `SwiGlu`, `attention::MultiHeadAttention`,
+//! `attention::CrossAttention`,
 //! `transformer::TransformerEncoder` and `transformer::TransformerDecoder` (Burn's names,
 //! fields, configs and record paths) in place of `burn::nn`'s, and name the layout once with
 //! a [`TpPlan`]: one [`apply`](TpPlan::apply) splits the whole module tree.

@@ -44,8 +44,8 @@ pub enum Split {
     /// loss written for whole logits (`burn::nn::loss::CrossEntropyLoss`).
     GatheredVocab,
     /// [`nn::transformer`](super::nn::transformer)'s encoder or decoder (or one of their
-    /// layers, or an [`nn::attention`](super::nn::attention) `MultiHeadAttention` on its own)
-    /// split as
+    /// layers, or an [`nn::attention`](super::nn::attention) `MultiHeadAttention` or
+    /// `CrossAttention` on its own) split as
     /// Megatron splits a transformer layer: `query`, `key`, `value` and `linear_inner`
     /// column-parallel, `output` and `linear_outer` row-parallel, the norms whole, dropout
     /// from a tracker.
@@ -144,8 +144,8 @@ impl TpPlan {
     }
 
     /// [`nn::transformer::TransformerEncoder`](super::nn::transformer::TransformerEncoder)s
-    /// (or their layers, or [`nn::attention::MultiHeadAttention`](super::nn::attention::MultiHeadAttention)s) split as Megatron splits
-    /// a transformer layer ([`Split::Encoder`]); their dropout draws from streams seeded by
+    /// (or their layers, or [`nn::attention`](super::nn::attention)'s `MultiHeadAttention`s
+    /// and `CrossAttention`s) split as Megatron splits a transformer layer ([`Split::Encoder`]); their dropout draws from streams seeded by
     /// [`with_seed`](Self::with_seed).
     pub fn encoder(self, patterns: &[&str]) -> Result<Self, TpError> {
         self.rule(patterns, Split::Encoder)
@@ -346,11 +346,20 @@ impl ModuleMapper for PlanMapper<'_> {
                 // An attention named on its own has no residual stream to split.
                 let alone = active.depth + 1 == self.path.len();
                 let sequence_parallel = self.plan.sequence_parallel && split == Split::Encoder;
-                if sequence_parallel && alone && container_type == "Struct:MultiHeadAttention" {
+                let attention = matches!(
+                    container_type,
+                    "Struct:MultiHeadAttention" | "Struct:CrossAttention"
+                );
+                if sequence_parallel && alone && attention {
+                    let hint = match container_type {
+                        "Struct:CrossAttention" => {
+                            "split it by a plan without sequence parallelism"
+                        }
+                        _ => "name its layer, encoder or decoder",
+                    };
                     let e = format!(
                         "{}: sequence parallelism splits a transformer layer's residual \
-                         stream, and an attention on its own has none; name its layer, \
-                         encoder or decoder",
+                         stream, and an attention on its own has none; {hint}",
                         active.path
                     );
                     self.fail(e);
@@ -409,9 +418,12 @@ impl ModuleMapper for PlanMapper<'_> {
                 Offer::Split(_) => self.fail(format!(
                     "{path}: a field named `tp` that is not a tensor-parallel slot"
                 )),
-                Offer::Heads { heads, tp } => self.fail(format!(
-                    "{path}: {heads} attention heads do not split over the tensor-parallel \
-                     size {tp}"
+                Offer::Heads { heads, kv, tp } => self.fail(format!(
+                    "{path}: {heads} {} do not split over the tensor-parallel size {tp}",
+                    match kv {
+                        true => "key/value heads",
+                        false => "attention heads",
+                    }
                 )),
                 Offer::Cannot(reason) => self.fail(format!("{path}: {reason}")),
                 Offer::Refused => self.fail(format!(
@@ -563,6 +575,7 @@ fn container_type_is_dropin(container_type: &str) -> bool {
         "Struct:Linear"
             | "Struct:Embedding"
             | "Struct:MultiHeadAttention"
+            | "Struct:CrossAttention"
             | "Struct:PositionWiseFeedForward"
             | "Struct:TransformerEncoderLayer"
             | "Struct:TransformerDecoderLayer"

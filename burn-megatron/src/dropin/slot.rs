@@ -68,8 +68,8 @@ pub(super) enum Offer {
     Split(Assigned),
     /// The slot had a split already: a plan applied twice.
     Refused,
-    /// The layer's attention heads do not split over the group.
-    Heads { heads: usize, tp: usize },
+    /// The layer's attention heads (or its key/value heads, `kv`) do not split over the group.
+    Heads { heads: usize, kv: bool, tp: usize },
     /// The layer cannot be split at all, for this reason.
     Cannot(String),
 }
@@ -87,9 +87,9 @@ thread_local! {
 #[derive(Debug, Clone, Default)]
 pub struct TpSlot {
     pub(super) assigned: Option<Assigned>,
-    /// An attention layer's heads, which a split must divide (checked when the plan assigns
-    /// it, so that a layout that does not fit fails before any forward).
-    heads: Option<usize>,
+    /// An attention layer's query and key/value heads, which a split must divide (checked
+    /// when the plan assigns it, so that a layout that does not fit fails before any forward).
+    heads: Option<(usize, usize)>,
     /// Why the layer cannot be split at all.
     refuses: Option<String>,
     /// The initializer the layer's config named, for the parameters a plan draws (none:
@@ -127,8 +127,17 @@ pub(super) struct Facts {
 impl TpSlot {
     /// The slot of an attention layer of `heads` heads.
     pub(super) fn attention(heads: usize) -> Self {
+        Self::grouped_attention(heads, heads)
+    }
+
+    /// The slot of an attention layer of `heads` query heads sharing `kv_heads` key/value
+    /// heads: a split keeps each query head with its key/value head, so both must divide.
+    pub(super) fn grouped_attention(heads: usize, kv_heads: usize) -> Self {
+        let refuses = (kv_heads == 0 || !heads.is_multiple_of(kv_heads))
+            .then(|| format!("{heads} query heads cannot share {kv_heads} key/value heads evenly"));
         Self {
-            heads: Some(heads),
+            heads: Some((heads, kv_heads)),
+            refuses,
             ..Self::default()
         }
     }
@@ -232,8 +241,20 @@ impl Module for TpSlot {
                             *offer = Offer::Cannot(reason.clone());
                             self
                         }
-                        (_, Some(heads)) if !heads.is_multiple_of(tp) => {
-                            *offer = Offer::Heads { heads, tp };
+                        (_, Some((heads, _))) if !heads.is_multiple_of(tp) => {
+                            *offer = Offer::Heads {
+                                heads,
+                                kv: false,
+                                tp,
+                            };
+                            self
+                        }
+                        (_, Some((_, kv))) if !kv.is_multiple_of(tp) => {
+                            *offer = Offer::Heads {
+                                heads: kv,
+                                kv: true,
+                                tp,
+                            };
                             self
                         }
                         _ => Self {

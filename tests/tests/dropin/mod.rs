@@ -24,6 +24,7 @@ use std::sync::Arc;
 mod attention;
 mod cache;
 mod cnn;
+mod cross_attention;
 mod decoder;
 mod layout;
 mod load;

@@ -1,4 +1,4 @@
-//! `Linear`, `Embedding`, `SwiGlu`, (in [`attention`]) `MultiHeadAttention` and (in
+//! `Linear`, `Embedding`, `SwiGlu`, (in [`attention`]) `MultiHeadAttention` and `CrossAttention`, and (in
 //! [`transformer`]) `TransformerEncoder` and `TransformerDecoder` with Burn's names, fields,
 //! configs and record paths, each with a [`TpSlot`] that a [`TpPlan`](super::TpPlan) fills: a
 //! model written with `burn::nn` becomes tensor-parallel by importing these instead and

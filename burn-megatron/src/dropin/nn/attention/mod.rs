@@ -3,7 +3,8 @@
 //! [`TransformerEncoder`](super::transformer::TransformerEncoder) holding it) makes the
 //! query, key and value column-parallel, each rank computing `n_heads / tp` heads, and the
 //! output row-parallel, which sums the heads' contributions over the ranks. Self- and
-//! cross-attention alike; the masks apply whole to every rank's heads.
+//! cross-attention alike; the masks apply whole to every rank's heads. Burn's
+//! [`CrossAttention`] (a context of another width, grouped-query heads) splits the same way.
 
 use super::super::slot::TpSlot;
 use super::cache::{TensorCache, cached};
@@ -16,9 +17,12 @@ use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer};
 use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Device, Tensor};
 
-/// The rest of Burn's `nn::attention` (the mask builders, `CrossAttention`), so that an
-/// import of it swaps whole; `CrossAttention` is Burn's own, not split.
+/// The rest of Burn's `nn::attention` (the mask builders), so that an import of it swaps
+/// whole.
 pub use burn::nn::attention::*;
+pub use cross_attention::{CrossAttention, CrossAttentionCache, CrossAttentionConfig};
+
+mod cross_attention;
 
 /// Burn's `MultiHeadAttentionConfig`, field for field.
 #[derive(Config, Debug)]
