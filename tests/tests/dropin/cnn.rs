@@ -1,4 +1,5 @@
-//! A Burn CNN (the layers of tracel-ai's ResNet: `Conv2d`, `BatchNorm`, pooling, `Linear`)
+//! A Burn CNN (the layers of tracel-ai's ResNet: `Conv2d`, `BatchNorm`, pooling, `Linear`;
+//! its second norm chosen by config, through Burn's `Normalization` wrapper)
 //! trained data-parallel through `ParallelTraining`, as a Burn user builds it: on each rank,
 //! from Burn's initializers. Those draw apart on every rank, so the replicas are refused
 //! until `broadcast_params` gives them the first rank's weights and buffers; then DP 2 trains
@@ -12,6 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::dropin::nn::conv::{Conv2d, Conv2dConfig};
 use burn_megatron::dropin::nn::loss::CrossEntropyLossConfig;
+use burn_megatron::dropin::nn::norm::{Normalization, NormalizationConfig};
 use burn_megatron::dropin::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig};
 use burn_megatron::dropin::nn::{
     BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d,
@@ -34,7 +36,7 @@ struct Cnn {
     conv1: Conv2d,
     bn1: BatchNorm,
     conv2: Conv2d,
-    bn2: BatchNorm,
+    bn2: Normalization,
     pool: AdaptiveAvgPool2d,
     head: Linear,
 }
@@ -50,7 +52,7 @@ impl Cnn {
             conv1: conv(3, 8),
             bn1: BatchNormConfig::new(8).init(device),
             conv2: conv(8, 8),
-            bn2: BatchNormConfig::new(8).init(device),
+            bn2: NormalizationConfig::Batch(BatchNormConfig::new(8)).init(device),
             pool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
             head: LinearConfig::new(8, 4).init(device),
         }
@@ -88,7 +90,10 @@ impl Cnn {
     /// Both `BatchNorm`s' running means and variances, their last update included.
     fn statistics(&self) -> Vec<f32> {
         let model = self.valid();
-        let (bn1, bn2) = (&model.bn1, &model.bn2);
+        let Normalization::Batch(bn2) = &model.bn2 else {
+            panic!("bn2 is built as a batch norm")
+        };
+        let bn1 = &model.bn1;
         [
             &bn1.running_mean,
             &bn1.running_var,
@@ -448,5 +453,77 @@ fn a_whole_layer_drawn_apart_on_tensor_parallel_ranks_is_refused_until_broadcast
     let broadcast = finalize_whole(ParallelConfig::new(2, 2, 1), true)?;
     assert_eq!(broadcast[0], (String::new(), broadcast[1].1.clone()));
     assert_eq!(broadcast[1].0, "");
+    Ok(())
+}
+
+/// `dropin::nn::norm::Normalization` is Burn's wrapper: each variant has Burn's module paths,
+/// loads Burn's record and computes Burn's output and input gradient bit for bit (a batch
+/// norm training on the batch's statistics, unsynchronised); and a model holding Burn's own
+/// wrapper of Burn's batch norm is refused by `sync_batch_norm`, naming it.
+#[test]
+fn the_normalization_wrapper_is_burns_and_its_batch_norm_can_sync() -> Result<(), Error> {
+    use burn::nn::norm as burns;
+    use burn_megatron::data_parallel::advanced::sync_batch_norm;
+    let pairs = [
+        (
+            burns::NormalizationConfig::Identity,
+            NormalizationConfig::Identity,
+        ),
+        (
+            burns::BatchNormConfig::new(4).with_momentum(0.3).into(),
+            BatchNormConfig::new(4).with_momentum(0.3).into(),
+        ),
+        (
+            burns::GroupNormConfig::new(2, 4).into(),
+            burns::GroupNormConfig::new(2, 4).into(),
+        ),
+        (
+            burns::InstanceNormConfig::new(4).into(),
+            burns::InstanceNormConfig::new(4).into(),
+        ),
+        (
+            burns::LayerNormConfig::new(3).into(),
+            burns::LayerNormConfig::new(3).into(),
+        ),
+        (
+            burns::RmsNormConfig::new(3).into(),
+            burns::RmsNormConfig::new(3).into(),
+        ),
+    ];
+    let d = Device::flex().autodiff();
+    let x: Vec<f32> = (0..24).map(|i| (i * 7 % 11) as f32 / 3.0 - 1.5).collect();
+    let x = Tensor::<3>::from_data(TensorData::new(x, [2, 4, 3]), &d);
+    let w = x.clone().cos();
+    for (burns, ours) in pairs {
+        let what = format!("{burns:?}");
+        let theirs = burns.init(&d);
+        let mine = ours.init(&d).load_record(theirs.clone().into_record());
+        assert_eq!(super::paths(&mine), super::paths(&theirs), "{what}");
+        assert_eq!(mine.num_features(), theirs.num_features(), "{what}");
+        let run = |forward: &dyn Fn(Tensor<3>) -> Tensor<3>| {
+            let x = x.clone().require_grad();
+            let y = forward(x.clone());
+            let grads = (y.clone() * w.clone()).sum().backward();
+            let dx = x.grad(&grads).map(values).unwrap_or_default();
+            (values(y), dx)
+        };
+        let want = run(&|x| theirs.forward(x));
+        assert_eq!(run(&|x| mine.forward(x)), want, "{what}");
+    }
+    #[derive(Module, Debug)]
+    struct WithBurns {
+        norm: burns::Normalization,
+    }
+    let model = WithBurns {
+        norm: burns::BatchNormConfig::new(4).init(&d).into(),
+    };
+    let message = sync_batch_norm(model, &super::solo())
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        message.contains("norm") && message.contains("Burn's own BatchNorm"),
+        "{message:?}"
+    );
     Ok(())
 }

@@ -6,7 +6,8 @@
 //! computes exactly what Burn's does. Burn's autoregressive decoding (`forward_cache`,
 //! `forward_autoregressive_inference`) comes with its caches ([`cache`],
 //! [`attention::MhaCache`]); a layer Burn built converts with `From`. [`BatchNorm`] is
-//! Burn's too, its statistics able to span the data-parallel batch once synchronised. The
+//! Burn's too, its statistics able to span the data-parallel batch once synchronised, and
+//! so is [`norm::Normalization`], whose `Batch` variant holds it. The
 //! rest of Burn's `nn` is re-exported as it is, so this module stands in for all of it.
 
 use super::plan::Split;
@@ -14,6 +15,7 @@ use super::slot::TpSlot;
 
 pub mod attention;
 pub mod cache;
+pub mod norm;
 mod sequence;
 pub mod transformer;
 
@@ -22,8 +24,8 @@ pub mod transformer;
 pub use crate::data_parallel::batch_norm::{BatchNorm, BatchNormConfig, SyncGroup};
 /// The rest of Burn's `nn`, as Burn has it (norms, dropout, activations, rotary encoding,
 /// losses, convolutions, initializers, ...): none of it is split, so `use burn::nn::…` swaps
-/// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache` and
-/// `transformer` modules, which do the same with Burn's) take the place of Burn's. Burn's
+/// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache`, `norm`
+/// and `transformer` modules, which do the same with Burn's) take the place of Burn's. Burn's
 /// own paths to its layers stay Burn's: `activation::SwiGlu` and `modules::Linear` are
 /// Burn's layers, which a plan refuses to split, naming them; import `SwiGlu` and `Linear`
 /// from here.
