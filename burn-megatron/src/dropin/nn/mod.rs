@@ -17,26 +17,33 @@ pub mod attention;
 pub mod cache;
 pub mod norm;
 mod sequence;
+mod swiglu;
 pub mod transformer;
+
+/// Burn's `nn::activation`, its [`SwiGlu`] the one a plan can
+/// split, so that an import of it swaps whole.
+pub mod activation {
+    pub use super::swiglu::{SwiGlu, SwiGluConfig};
+    pub use burn::nn::activation::*;
+}
 
 /// Burn's `BatchNorm`, whose statistics can span the data-parallel batch
 /// ([`ParallelTraining::sync_batch_norm`](crate::training::ParallelTraining::sync_batch_norm)).
 pub use crate::data_parallel::batch_norm::{BatchNorm, BatchNormConfig, SyncGroup};
 /// The rest of Burn's `nn`, as Burn has it (norms, dropout, activations, rotary encoding,
 /// losses, convolutions, initializers, ...): none of it is split, so `use burn::nn::…` swaps
-/// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache`, `norm`
-/// and `transformer` modules, which do the same with Burn's) take the place of Burn's. Burn's
-/// own paths to its layers stay Burn's: `activation::SwiGlu` and `modules::Linear` are
-/// Burn's layers, which a plan refuses to split, naming them; import `SwiGlu` and `Linear`
-/// from here.
+/// whole for `use dropin::nn::…`. The items defined here (and the `activation`,
+/// `attention`, `cache`, `norm` and `transformer` modules, which do the same with Burn's)
+/// take the place of Burn's. Burn's `modules` path stays Burn's: `modules::Linear` is Burn's
+/// layer, which a plan refuses to split, naming it; import `Linear` from here.
 pub use burn::nn::*;
+pub use swiglu::{SwiGlu, SwiGluConfig};
 
 use crate::comm::Comm;
 use crate::tensor_parallel::{ParallelLinear, Partition, check_input_width, vocab_lookup};
 use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor};
 use sequence::Region;
 
@@ -258,59 +265,6 @@ impl Embedding {
     }
 }
 
-/// Burn's `SwiGluConfig`.
-#[derive(Config, Debug)]
-pub struct SwiGluConfig {
-    /// The size of the input features.
-    pub d_input: usize,
-    /// The size of the output features.
-    pub d_output: usize,
-    /// If a bias should be used.
-    #[config(default = false)]
-    pub bias: bool,
-    /// The type of function used to initialize the linear layers' parameters (Burn's
-    /// default).
-    #[config(default = "burn::nn::SwiGluConfig::new(1, 1).initializer")]
-    pub initializer: Initializer,
-    /// How Burn stores the linear layers' weights (see [`LinearConfig::layout`]).
-    #[config(default = "LinearLayout::Row")]
-    pub layout: LinearLayout,
-}
-
-impl SwiGluConfig {
-    /// The layer on `device`, drawn lazily as Burn draws it.
-    pub fn init(&self, device: &Device) -> SwiGlu {
-        let linear = || {
-            LinearConfig::new(self.d_input, self.d_output)
-                .with_bias(self.bias)
-                .with_initializer(self.initializer.clone())
-                .with_layout(self.layout)
-                .init(device)
-        };
-        SwiGlu {
-            linear_inner: linear(),
-            linear_outer: linear(),
-        }
-    }
-}
-
-/// Burn's `SwiGlu`: `silu(linear_inner(x)) · linear_outer(x)`; a column rule on it splits
-/// both.
-#[derive(Module, Debug)]
-pub struct SwiGlu {
-    /// The gate.
-    pub linear_inner: Linear,
-    /// The value.
-    pub linear_outer: Linear,
-}
-
-impl SwiGlu {
-    /// `[..., d_input]` → `[..., d_output]` (column-parallel: `[..., d_output / tp]`).
-    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        silu(self.linear_inner.forward(input.clone())) * self.linear_outer.forward(input)
-    }
-}
-
 impl From<burn::nn::Linear> for Linear {
     /// Burn's built layer, its parameters kept (lazy ones stay lazy: a plan draws them from
     /// Burn's default initializer, as the layer no longer says which built it). The layer
@@ -332,16 +286,6 @@ impl From<burn::nn::Embedding> for Embedding {
         Self {
             weight: embedding.weight,
             tp: TpSlot::default(),
-        }
-    }
-}
-
-impl From<burn::nn::SwiGlu> for SwiGlu {
-    /// Burn's built layer, its parameters kept.
-    fn from(swiglu: burn::nn::SwiGlu) -> Self {
-        Self {
-            linear_inner: swiglu.linear_inner.into(),
-            linear_outer: swiglu.linear_outer.into(),
         }
     }
 }
