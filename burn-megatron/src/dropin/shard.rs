@@ -53,6 +53,17 @@ pub(super) fn shard<const D: usize>(
     at: Placement<'_>,
     tp: &Comm,
 ) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
+    let frozen = is_frozen(&param);
+    let shard = cut(param, at, tp)?;
+    Ok(trainable_as(shard, frozen))
+}
+
+/// [`shard`], trainable whatever the parameter was.
+fn cut<const D: usize>(
+    param: Param<Tensor<D>>,
+    at: Placement<'_>,
+    tp: &Comm,
+) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
     let (rank, size) = (tp.group().rank(), tp.group().size());
     let dims = held_dims(&param, at.col);
     let Some(dim) = at.dim else {
@@ -98,6 +109,31 @@ pub(super) fn shard<const D: usize>(
         }
     };
     Ok(shard_param(value))
+}
+
+/// Whether `param` is frozen (Burn's `freeze`, or what a LoRA adapter froze): on a device
+/// that trains, it would not require a gradient. Read without drawing a lazy parameter, from
+/// what Burn's loading would give it.
+pub(super) fn is_frozen<const D: usize>(param: &Param<Tensor<D>>) -> bool {
+    let device = param.lazy_device();
+    if !device.is_autodiff() {
+        return false;
+    }
+    let probe = Tensor::<D>::zeros([1; D], &device);
+    let loaded = param.clone().transform_for_load(probe, param.id);
+    !loaded.val().is_require_grad()
+}
+
+/// `param` (a shard, trainable where the device trains), frozen when the parameter it was cut
+/// from was: a plan must not train what the model froze.
+pub(super) fn trainable_as<const D: usize>(
+    param: Param<Tensor<D>>,
+    frozen: bool,
+) -> Param<Tensor<D>> {
+    match frozen {
+        true => param.set_require_grad(false),
+        false => param,
+    }
 }
 
 /// `param`'s entries `start..start + part` along `at.dim` (zeros past its real extent), drawn

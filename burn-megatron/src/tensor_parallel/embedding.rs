@@ -6,7 +6,7 @@ use super::layers::{partition, unpadded};
 use super::mappings::{
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
-use super::{TpError, lazy_host_param};
+use super::{TpError, lazy_host_param, split_weight};
 use crate::comm::Comm;
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -292,8 +292,11 @@ pub(crate) fn vocab_lookup(
     tp: &Comm,
     sequence_parallel: bool,
 ) -> Tensor<3> {
+    // The table with its LoRA adapter's product, the adapter's whole factor summing its
+    // gradient over the ranks.
+    let table = split_weight(weight, 0, tp, |p| p.val());
     let out = if tp.group().size() == 1 {
-        embedding(weight.val(), ids)
+        embedding(table, ids)
     } else {
         let part = weight.dims()[0];
         let start = tp.group().rank() * part;
@@ -306,9 +309,9 @@ pub(crate) fn vocab_lookup(
         let keep = outside
             .bool_not()
             .float()
-            .cast(weight.val().dtype())
+            .cast(table.dtype())
             .unsqueeze_dim::<3>(2);
-        embedding(weight.val(), local) * keep
+        embedding(table, local) * keep
     };
     if sequence_parallel {
         reduce_scatter_to_sequence_parallel_region(out.swap_dims(0, 1), tp)

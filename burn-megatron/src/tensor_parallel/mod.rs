@@ -28,6 +28,7 @@ mod embedding;
 mod grads;
 mod init;
 mod layers;
+mod lora;
 pub mod mappings;
 mod random;
 mod sampling;
@@ -54,6 +55,7 @@ pub(crate) use layers::{
     LinearShard, ParallelLinear, Partition, check_input_width, gathered_product, matmul_bias,
     product,
 };
+pub(crate) use lora::{adapter_attrs, split_weight, state_adapter};
 pub use random::{MODEL_PARALLEL_SEED_OFFSET, RngRegion, RngTracker};
 pub use sampling::{
     Sampling, VocabParallelSampler, vocab_parallel_accuracy, vocab_parallel_argmax,

@@ -28,6 +28,7 @@ mod cross_attention;
 mod decoder;
 mod layout;
 mod load;
+mod lora;
 mod pipeline;
 mod plan;
 mod sequence;

@@ -41,7 +41,7 @@ pub use swiglu::{SwiGlu, SwiGluConfig};
 
 use crate::comm::Comm;
 use crate::tensor_parallel::{ParallelLinear, Partition, check_input_width, vocab_lookup};
-use crate::tensor_parallel::{mask_vocab_padding, matmul_bias};
+use crate::tensor_parallel::{mask_vocab_padding, matmul_bias, state_adapter};
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor};
@@ -193,6 +193,11 @@ impl Linear {
         if let Some(bias) = &self.bias {
             a.layout.state(bias.id, b);
         }
+        let sharded_dim = match a.split {
+            Split::Row => 0,
+            _ => 1,
+        };
+        state_adapter(&a.layout, &self.weight, sharded_dim);
     }
 }
 
@@ -238,6 +243,7 @@ impl Embedding {
             None => burn::tensor::module::embedding(self.weight.val(), input),
             Some(a) => {
                 a.layout.state(self.weight.id, a.sharded(0));
+                state_adapter(&a.layout, &self.weight, 0);
                 vocab_lookup(&self.weight, input, &a.tp, false)
             }
         }

@@ -29,6 +29,7 @@ use crate::tensor_parallel::mappings::{
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 };
+use crate::tensor_parallel::split_weight;
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn_megatron_kernels::linear_with_grad_accumulation;
@@ -97,7 +98,11 @@ impl ParallelLinear<'_> {
         };
         // Gradient-ready hooks when an OverlapReducer is active (else the plain values).
         let bias = self.bias.map(|b| hook_param(b, &input));
-        let weight = hook_param(self.weight, &input);
+        let sharded_dim = match self.partition {
+            Partition::Column { .. } => 1,
+            Partition::Row { .. } => 0,
+        };
+        let weight = split_weight(self.weight, sharded_dim, self.tp, |p| hook_param(p, &input));
         match self.partition {
             Partition::Column { .. } => {
                 let (add, skipped) = match self.skip_bias_add {

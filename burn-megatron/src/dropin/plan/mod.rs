@@ -16,6 +16,8 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use std::collections::HashMap;
 
+mod adapter;
+
 /// How a layer is split over the tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
@@ -475,6 +477,10 @@ impl PlanMapper<'_> {
         let layer = self.types.last().cloned().unwrap_or_default();
         let field = self.path.last().cloned().unwrap_or_default();
         let path = self.path.join(".");
+        if layer == "Struct:LoraAdapter" {
+            let split = active.split;
+            return self.split_adapter(param, split);
+        }
         let split = match active.split {
             // An encoder's norms stay whole; its linears split by their role.
             Split::Encoder if layer != "Struct:Linear" => return param,

@@ -1,0 +1,287 @@
+//! Burn's LoRA (`Module::apply_lora`) on a model made tensor-parallel: the adapters Burn
+//! attached before the plan are split with their weights (a column-parallel weight's `a`
+//! whole and `b` split, a row- or vocabulary-parallel one's `a` split and `b` whole), load
+//! from the record Burn's model saved, and at TP 2 and 4 give Burn's model's loss, every
+//! adapter factor's gradient (gathered) and, after a plain Burn AdamW step, its factors.
+
+use super::Error;
+use burn::module::{Lora, Module};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::{CommunicatorExt, ReduceOp};
+use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded, save_gathered};
+use burn_megatron::launch::{LaunchOptions, threads};
+use burn_megatron::optimizer::InnerOptimizer;
+use burn_megatron::topology::ParallelConfig;
+use burn_megatron::training::ParallelTrainingConfig;
+use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::{data, tp_ranks};
+use std::sync::Arc;
+
+/// The model under Burn's own `nn`.
+mod plain {
+    use burn::module::Module;
+    use burn::nn;
+    use burn::tensor::{Device, Int, Tensor};
+    include!("lora_model.rs");
+}
+
+/// The same model under the drop-in `nn`.
+mod parallel {
+    use burn::module::Module;
+    use burn::tensor::{Device, Int, Tensor};
+    use burn_megatron::dropin::nn;
+    include!("lora_model.rs");
+}
+
+const VOCAB: usize = 16;
+const D: usize = 8;
+const HEADS: usize = 4;
+const FF: usize = 16;
+
+fn lora() -> Lora {
+    Lora::new(2, 4.0)
+}
+
+fn ids(device: &Device) -> Tensor<2, Int> {
+    let ids: Vec<i64> = (0..10).map(|i| (i * 5 % VOCAB) as i64).collect();
+    Tensor::from_data(TensorData::new(ids, [2, 5]), device)
+}
+
+/// A loss weighting every logit.
+fn loss(logits: Tensor<3>) -> Tensor<1> {
+    let weights = data([2, 5, VOCAB], 0, 7, &logits.device());
+    (logits * weights).sum()
+}
+
+/// Every layer split: the table by vocabulary, the attention as Megatron splits it, the
+/// block column then row, the output layer by vocabulary (its logits gathered).
+fn plan() -> Result<TpPlan, Error> {
+    Ok(TpPlan::new()
+        .vocab(&["embed"])?
+        .encoder(&["attn"])?
+        .column(&["up"])?
+        .row(&["down"])?
+        .gathered_vocab(&["out"])?)
+}
+
+type Values = super::Values;
+
+/// Only the adapters' entries.
+fn adapters(values: Values) -> Values {
+    values
+        .into_iter()
+        .filter(|(k, _)| k.contains(".lora."))
+        .collect()
+}
+
+#[test]
+fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4()
+-> Result<(), Error> {
+    let dir = super::load::scratch("lora");
+    let record = dir.join("net.bpk");
+    let ad = Device::flex().autodiff();
+    ad.seed(11);
+    let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad).apply_lora(lora());
+    // One step first, so that every `b` (zeros as Burn draws it) holds values.
+    let grads = GradientsParams::from_grads(loss(plain.logits(ids(&ad))).backward(), &plain);
+    let plain = AdamWConfig::new().init().step(5e-2, plain, grads);
+    plain.clone().save_file(&record)?;
+    let l = loss(plain.logits(ids(&ad)));
+    let want_loss = l.clone().into_scalar::<f32>();
+    let grads = GradientsParams::from_grads(l.backward(), &plain);
+    // Only the adapters train: Burn's LoRA freezes everything else, and so must the plan.
+    let want_grads = gathered(&plain, Some(&grads), &super::solo());
+    assert_eq!(
+        adapters(want_grads.clone()).len(),
+        2 * 8,
+        "every weight adapted"
+    );
+    assert_eq!(want_grads.len(), 2 * 8, "only the adapters train");
+    let stepped = AdamWConfig::new().init().step(5e-2, plain, grads);
+    let want_after = gathered(&stepped, None, &super::solo());
+
+    let source = RecordSource::from_path(&record);
+    for tp in [2, 4] {
+        let out = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let net = parallel::Net::new(VOCAB, D, HEADS, FF, d).apply_lora(lora());
+            let net = plan()?.apply(net, g)?;
+            let (net, _) = load_sharded(net, &source, g, &LoadOptions::default())?;
+            let l = loss(net.logits(ids(d)));
+            let value = l.clone().into_scalar::<f32>();
+            let grads = GradientsParams::from_grads(l.backward(), &net);
+            let gathered_grads = gathered(&net, Some(&grads), g);
+            let net = AdamWConfig::new().init().step(5e-2, net, grads);
+            let after = gathered(&net, None, g);
+            if tp == 2 {
+                save_gathered(&net, dir.join("written"), g)?;
+            }
+            Ok::<_, Error>((value, gathered_grads, after))
+        })?;
+        for (rank, (value, grads, after)) in out.iter().enumerate() {
+            let what = format!("TP {tp}, rank {rank}");
+            assert!(
+                (value - want_loss).abs() < 1e-4,
+                "{what}: loss {value} against {want_loss}"
+            );
+            let (worst, name) = super::grad_diff(grads, &want_grads);
+            assert!(worst < 1e-5, "{what}: {name}'s gradient off by {worst}");
+            let (worst, name) = super::grad_diff(after, &want_after);
+            assert!(worst < 1e-5, "{what}: {name} after a step off by {worst}");
+        }
+    }
+    // The written record is Burn's model's, its adapters whole.
+    let written = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
+        .apply_lora(lora())
+        .load_file(dir.join("written"));
+    let written = gathered(&written, None, &super::solo());
+    let (worst, name) = super::grad_diff(&written, &want_after);
+    assert!(worst < 1e-5, "the written record's {name} off by {worst}");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// A LoRA Burn draws afresh on each rank, before the plan: the plan gives the ranks one
+/// adapter (the whole factors broadcast from the first rank), so that the split model is one
+/// unsplit model with one adapter, which `save_gathered` writes. Burn's model loading that
+/// record takes the same AdamW step to the same loss.
+#[test]
+fn a_fresh_lora_on_each_rank_becomes_one_adapter_when_the_plan_splits_it() -> Result<(), Error> {
+    let dir = super::load::scratch("lora-fresh");
+    let (base, initial) = (dir.join("base.bpk"), dir.join("initial"));
+    let device = Device::flex();
+    device.seed(13);
+    plain::Net::new(VOCAB, D, HEADS, FF, &device).save_file(&base)?;
+    let step = |l: Tensor<1>| l.into_scalar::<f32>();
+    let losses = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let net = parallel::Net::new(VOCAB, D, HEADS, FF, d)
+            .load_file(&base)
+            .apply_lora(lora());
+        let net = plan()?.apply(net, g)?;
+        save_gathered(&net, &initial, g)?;
+        let grads = GradientsParams::from_grads(loss(net.logits(ids(d))).backward(), &net);
+        let net = AdamWConfig::new().init().step(5e-2, net, grads);
+        Ok::<_, Error>(step(loss(net.logits(ids(d)))))
+    })?;
+    let ad = Device::flex().autodiff();
+    let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
+        .apply_lora(lora())
+        .load_file(&initial);
+    let grads = GradientsParams::from_grads(loss(plain.logits(ids(&ad))).backward(), &plain);
+    let plain = AdamWConfig::new().init().step(5e-2, plain, grads);
+    let want = step(loss(plain.logits(ids(&ad))));
+    for (rank, got) in losses.iter().enumerate() {
+        assert!(
+            (got - want).abs() < 1e-4,
+            "rank {rank}: loss after a step {got} against {want}"
+        );
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// Each step's loss (averaged over the data-parallel ranks) of `layout` trained through
+/// `ParallelTraining` (AdamW): a LoRA drawn on each rank before the plan, the replicas made
+/// one by `broadcast_params`, and (DP rank 0's replica) the initial model written at
+/// `initial`; or with `from`, every rank loading that record instead. Data-parallel rank `r`
+/// trains on batch `r` of the two, one rank on both.
+fn train(
+    layout: ParallelConfig,
+    initial: &std::path::Path,
+    from: bool,
+    config: ParallelTrainingConfig,
+) -> Result<Vec<Vec<f32>>, Error> {
+    let out = threads(&layout, LaunchOptions::default(), |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let net = parallel::Net::new(VOCAB, D, HEADS, FF, d).apply_lora(lora());
+        let net = plan()?.apply(net, g)?;
+        let net = match from {
+            true => {
+                load_sharded(
+                    net,
+                    &RecordSource::from_path(initial),
+                    g,
+                    &Default::default(),
+                )?
+                .0
+            }
+            false => net,
+        };
+        let names = Arc::new(|path: &str| path.to_string());
+        let training = config.init(&ctx, std::slice::from_ref(&net), names)?;
+        let mut chunks = training.broadcast_params(vec![net])?;
+        if !from && ctx.state.data_parallel_rank() == 0 {
+            save_gathered(&chunks[0], initial, g)?;
+        }
+        let mut optimizer =
+            training.optimizer(InnerOptimizer::from(AdamWConfig::new().init()), &chunks)?;
+        let (dp, rank) = (layout.data_parallel_size(), ctx.state.data_parallel_rank());
+        let mut losses = Vec::new();
+        for step in 0..2 {
+            let batches: Vec<usize> = (0..2).filter(|b| b % dp == rank).collect();
+            // The overlapped reducer, when there is one, active over the step's one forward
+            // and backward (its last).
+            let active: Vec<_> = training
+                .grad_sync()
+                .into_iter()
+                .flatten()
+                .map(|h| h.enter(true))
+                .collect();
+            let mut l = Tensor::<1>::zeros([1], d);
+            for b in &batches {
+                l = l + loss(chunks[0].logits(data_ids(*b, step, d))) / batches.len() as f32;
+            }
+            let mut value = vec![l.clone().into_scalar::<f32>()];
+            let mut grads = GradientsParams::from_grads(l.backward(), &chunks);
+            drop(active);
+            training.finalize(&chunks, &mut grads)?;
+            (chunks, _) = optimizer.step(5e-2, chunks, grads)?;
+            ctx.groups.dp.all_reduce_vec(&mut value, ReduceOp::Avg)?;
+            losses.push(value[0]);
+        }
+        Ok::<_, Error>(losses)
+    })?;
+    Ok(out)
+}
+
+/// Batch `b` of step `step`.
+fn data_ids(b: usize, step: usize, device: &Device) -> Tensor<2, Int> {
+    let ids: Vec<i64> = (0..10)
+        .map(|i| ((i * 3 + b * 7 + step * 5) % VOCAB) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [2, 5]), device)
+}
+
+/// LoRA at TP 2 × DP 2 through `ParallelTraining`: drawn on each rank, made one adapter by the
+/// plan and `broadcast_params`, it trains as one rank does from the same initial model, with
+/// the distributed optimizer and the gradient reduction overlapped with backward (the
+/// adapter's factors hooked where the layer reads them) too.
+#[test]
+fn lora_at_tp_2_and_dp_2_trains_through_parallel_training_as_one_rank() -> Result<(), Error> {
+    let dir = super::load::scratch("lora-dp");
+    let initial = dir.join("initial.bpk");
+    for overlap in [false, true] {
+        let config = ParallelTrainingConfig::new()
+            .with_use_distributed_optimizer(overlap)
+            .with_overlap_grad_reduce(overlap);
+        let parallel = train(ParallelConfig::new(4, 2, 1), &initial, false, config)?;
+        let one = train(
+            ParallelConfig::new(1, 1, 1),
+            &initial,
+            true,
+            ParallelTrainingConfig::new(),
+        )?;
+        for (rank, losses) in parallel.iter().enumerate() {
+            let d = super::max_abs_diff(losses, &one[0]);
+            assert!(
+                d < 1e-4,
+                "overlap {overlap}, rank {rank}: losses {losses:?} against {:?}",
+                one[0]
+            );
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}

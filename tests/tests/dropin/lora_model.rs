@@ -1,0 +1,35 @@
+// A small model written against Burn's `nn` (a table, self-attention, a feed-forward block,
+// an output layer), included twice by `lora.rs`: with `nn` standing for `burn::nn` and for
+// `dropin::nn`. Nothing else differs.
+
+#[derive(Module, Debug)]
+pub struct Net {
+    pub embed: nn::Embedding,
+    pub attn: nn::attention::MultiHeadAttention,
+    pub up: nn::Linear,
+    pub down: nn::Linear,
+    pub out: nn::Linear,
+}
+
+impl Net {
+    pub fn new(vocab: usize, d: usize, heads: usize, ff: usize, device: &Device) -> Self {
+        Self {
+            embed: nn::EmbeddingConfig::new(vocab, d).init(device),
+            attn: nn::attention::MultiHeadAttentionConfig::new(d, heads)
+                .with_dropout(0.0)
+                .init(device),
+            up: nn::LinearConfig::new(d, ff).init(device),
+            down: nn::LinearConfig::new(ff, d).init(device),
+            out: nn::LinearConfig::new(d, vocab).init(device),
+        }
+    }
+
+    /// The logits `[b, s, vocab]` of `ids`.
+    pub fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let x = self.embed.forward(ids);
+        let attended = self.attn.forward(nn::attention::MhaInput::self_attn(x.clone()));
+        let x = x + attended.context;
+        let hidden = burn::tensor::activation::relu(self.up.forward(x.clone()));
+        self.out.forward(x + self.down.forward(hidden))
+    }
+}
