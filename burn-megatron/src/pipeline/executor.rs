@@ -51,7 +51,7 @@ pub enum ChunkOutput<const D: usize> {
         /// The microbatch's loss.
         loss: Tensor<1>,
         /// Values reported back per microbatch, kept on the device like the loss (detached
-        /// by the executor): [`ForwardBackwardOutput::read_losses`] reads them.
+        /// by the executor): [`read_losses`] reads them.
         report: Vec<Tensor<1>>,
     },
 }
@@ -155,7 +155,7 @@ impl ForwardBackwardConfig<'_> {
 ///
 /// The executor reads nothing back: on a GPU a read waits for every kernel queued before
 /// it, so Megatron keeps its losses on the device until the log interval. Read them with
-/// [`ForwardBackwardOutput::read_losses`] (one read for every microbatch), or sum them on
+/// [`read_losses`] (one read for every microbatch), or sum them on
 /// the device over several steps first.
 #[derive(Debug, Clone)]
 pub struct MicrobatchLoss {
@@ -192,15 +192,9 @@ pub struct ForwardBackwardOutput {
     pub spans: Vec<Span>,
 }
 
-impl ForwardBackwardOutput {
-    /// Every microbatch's loss and report, read to the host in one read (one device
-    /// synchronisation); empty off the last stage.
-    pub fn read_losses(&self) -> Vec<MicrobatchLossValues> {
-        read_losses(&self.losses)
-    }
-}
-
-/// `losses`' values, read to the host in one read.
+/// Every microbatch's loss and report in `losses` (a [`ForwardBackwardOutput`]'s, or several
+/// steps' gathered on the device), read to the host in one read (one device synchronisation);
+/// empty off the last stage.
 pub fn read_losses(losses: &[MicrobatchLoss]) -> Vec<MicrobatchLossValues> {
     let parts: Vec<Tensor<1>> = losses
         .iter()
@@ -285,7 +279,7 @@ struct Live<const D: usize> {
 /// )
 /// .unwrap();
 /// // The losses stay on the device until read, both at once.
-/// let losses = out.read_losses();
+/// let losses = read_losses(&out.losses);
 /// assert_eq!(losses.len(), 2);
 /// assert!(losses[1].loss > losses[0].loss);
 /// assert!(out.grads.get::<2>(chunks[0].weight.id).is_some());

@@ -23,6 +23,7 @@ use burn_megatron::dropin::save_gathered;
 use burn_megatron::launch::{self, LaunchOptions, RankContext};
 use burn_megatron::pipeline::{
     ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
+    read_losses,
 };
 use burn_megatron::tensor_parallel::TpError;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
@@ -207,7 +208,7 @@ fn pipeline_rank(
             &p2p,
             ForwardBackwardConfig::new(schedule),
         )?;
-        let microbatches = out.read_losses();
+        let microbatches = read_losses(&out.losses);
         losses.push(microbatches.iter().map(|l| l.loss as f32).sum::<f32>() / BATCH as f32);
         if step == 0 {
             let grads = by_path(&model, Some(&out.grads), tp);

@@ -16,7 +16,7 @@ use burn_megatron::models::{Gpt, GptStageOutput};
 use burn_megatron::optimizer::{MegatronOptimizer, NormType};
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
-    forward_backward_func,
+    forward_backward_func, read_losses,
 };
 use burn_megatron::tensor_parallel::IdCheck;
 use burn_megatron::topology::ParallelConfig;
@@ -63,7 +63,7 @@ fn step_reads(check: IdCheck) -> (u64, u64, u64) {
                 fb,
             )?;
             let backward_done = thread_host_reads();
-            let losses = out.read_losses();
+            let losses = read_losses(&out.losses);
             let read = thread_host_reads();
             assert_eq!(losses.len(), MICRO_BATCHES);
             assert!(losses.iter().all(|l| l.loss.is_finite() && l.loss > 0.0));

@@ -192,7 +192,7 @@ fn pipelined(schedule: PipelineSchedule, variable: bool) -> Vec<(Trace, usize)> 
             }
             trace
                 .losses
-                .push(out.read_losses().iter().map(|l| l.loss).collect());
+                .push(read_losses(&out.losses).iter().map(|l| l.loss).collect());
             chunks = optim.step(1e-2, chunks, out.grads);
         }
         for (c, chunk) in chunks.iter().enumerate() {
@@ -326,7 +326,7 @@ fn forward_only_gives_the_losses_and_no_gradients() {
             )?;
             assert!(out.grads.is_empty());
             let warned = warnings.load(Ordering::Relaxed);
-            Ok::<_, PipelineError>((out.read_losses(), warned))
+            Ok::<_, PipelineError>((read_losses(&out.losses), warned))
         })
         .unwrap();
         let what = if valid {

@@ -25,7 +25,7 @@ use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
-    forward_backward_func,
+    forward_backward_func, read_losses,
 };
 use burn_megatron::tensor_parallel::mappings::copy_to_tensor_model_parallel_region;
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
@@ -271,7 +271,7 @@ fn train(run: Run<'_>) -> Result<Trace, Error> {
                 &p2p,
                 ForwardBackwardConfig::new(schedule),
             )?;
-            let losses = out.read_losses();
+            let losses = read_losses(&out.losses);
             let mut grads = out.grads;
             training.finalize(&chunks, &mut grads)?;
             // Reduce-scattered for the distributed optimizer: each replica holds a part.
