@@ -144,7 +144,9 @@ pub struct LoadReport {
 /// conversion permuted Meta's weights so), Burn's `RotaryEncoding` rotates adjacent pairs.
 /// Along the last dimension (a query or key projection's outputs, in `n_heads` heads of `d`
 /// features), feature `2i` of a head takes Hugging Face's feature `i` and `2i + 1` its
-/// `d/2 + i`. Per head, so it commutes with a split by heads.
+/// `d/2 + i`. Per head, so it commutes with a split by heads. `n_heads` is the projection's
+/// own: the query's heads, or under grouped-query attention the key's key/value heads (a
+/// transform each; with the query's count a key's heads would be cut at the wrong width).
 ///
 /// ```
 /// use burn::tensor::TensorData;
