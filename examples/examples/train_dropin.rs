@@ -94,6 +94,9 @@ fn train(ctx: RankContext, data: &GptCorpusDataset, root: &Path) -> Result<Vec<f
     let training = ParallelTrainingConfig::new()
         .with_use_distributed_optimizer(true) // ZeRO-1: AdamW's state sharded over DP
         .init(&ctx, &chunks, names)?;
+    // Every replica from the first one's weights: a layer no plan splits is Burn's draw,
+    // which differs by rank (here every layer is split, and it costs one broadcast).
+    chunks = training.broadcast_params(chunks)?;
     let mut optimizer = training
         .optimizer(AdamWConfig::new().init(), &chunks)?
         .with_clip_grad(1.0, NormType::L2);

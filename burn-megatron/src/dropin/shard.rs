@@ -7,7 +7,7 @@ use super::master_init;
 use crate::comm::Comm;
 use crate::tensor_parallel::MasterInit;
 use crate::tensor_parallel::{derive_seed, lazy_host_param, shard_param};
-use burn::module::Param;
+use burn::module::{Module, Param};
 use burn::nn::Initializer;
 use burn::tensor::ops::PadMode;
 use burn::tensor::{Tensor, TensorCreationOptions};
@@ -111,17 +111,18 @@ fn cut<const D: usize>(
     Ok(shard_param(value))
 }
 
-/// Whether `param` is frozen (Burn's `freeze`, or what a LoRA adapter froze): on a device
-/// that trains, it would not require a gradient. Read without drawing a lazy parameter, from
-/// what Burn's loading would give it.
+/// Whether `param` is frozen (Burn's `freeze`, or what a LoRA adapter froze): in training it
+/// would not require a gradient, on whatever device it is. Read without drawing a lazy
+/// parameter: Burn's loading gives a stand-in the parameter's training state (its own load
+/// mapper replaced, so that nothing of the user's runs on the stand-in), and `train` applies
+/// it.
 pub(super) fn is_frozen<const D: usize>(param: &Param<Tensor<D>>) -> bool {
-    let device = param.lazy_device();
-    if !device.is_autodiff() {
-        return false;
-    }
-    let probe = Tensor::<D>::zeros([1; D], &device);
-    let loaded = param.clone().transform_for_load(probe, param.id);
-    !loaded.val().is_require_grad()
+    let probe = Tensor::<D>::zeros([1; D], &param.lazy_device());
+    let stand_in = param
+        .clone()
+        .load_mapper(|t| t)
+        .transform_for_load(probe, param.id);
+    !stand_in.train().val().is_require_grad()
 }
 
 /// `param` (a shard, trainable where the device trains), frozen when the parameter it was cut

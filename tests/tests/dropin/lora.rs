@@ -285,3 +285,93 @@ fn lora_at_tp_2_and_dp_2_trains_through_parallel_training_as_one_rank() -> Resul
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+/// A model built on a device that does not train (as one is built to be loaded), given its
+/// LoRA there and split: once trained, only the adapters take gradients, as Burn's own model
+/// would (the plan's shards are new parameters, which would otherwise all train).
+#[test]
+fn a_plan_on_a_device_that_does_not_train_keeps_what_lora_froze() -> Result<(), Error> {
+    let out = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let plain_device = Device::flex();
+        let net = parallel::Net::new(VOCAB, D, HEADS, FF, &plain_device).apply_lora(lora());
+        let net = plan()?.apply(net, g)?.fork(d).train();
+        let grads = GradientsParams::from_grads(loss(net.logits(ids(d))).backward(), &net);
+        Ok::<_, Error>(gathered(&net, Some(&grads), g))
+    })?;
+    for (rank, grads) in out.iter().enumerate() {
+        let trained: Vec<_> = grads.keys().filter(|k| !k.contains(".lora.")).collect();
+        assert!(
+            trained.is_empty(),
+            "rank {rank}: frozen parameters trained: {trained:?}"
+        );
+        assert_eq!(grads.len(), 2 * 8, "rank {rank}: every adapter trains");
+    }
+    Ok(())
+}
+
+/// LoRA under sequence parallelism: an encoder split with `sequence_parallel()`, whose
+/// column-parallel layers take the gathered sequence, trains as Burn's model at TP 2 (loss,
+/// every trainable gradient, the parameters after an AdamW step).
+#[test]
+fn lora_in_a_sequence_parallel_encoder_trains_as_burns_at_tp_2() -> Result<(), Error> {
+    let dir = super::load::scratch("lora-sp");
+    let record = dir.join("net.bpk");
+    let ids = |d: &Device| {
+        let ids: Vec<i64> = (0..8).map(|i| (i * 5 % VOCAB) as i64).collect();
+        Tensor::<2, Int>::from_data(TensorData::new(ids, [2, 4]), d)
+    };
+    let loss =
+        |logits: Tensor<3>| (logits.clone() * data([2, 4, VOCAB], 0, 7, &logits.device())).sum();
+    let ad = Device::flex().autodiff();
+    ad.seed(17);
+    let plain = plain::EncoderNet::new(VOCAB, D, HEADS, FF, &ad).apply_lora(lora());
+    let grads = GradientsParams::from_grads(loss(plain.logits(ids(&ad))).backward(), &plain);
+    let plain = AdamWConfig::new().init().step(5e-2, plain, grads);
+    plain.clone().save_file(&record)?;
+    let l = loss(plain.logits(ids(&ad)));
+    let want_loss = l.clone().into_scalar::<f32>();
+    let grads = GradientsParams::from_grads(l.backward(), &plain);
+    let want_grads = gathered(&plain, Some(&grads), &super::solo());
+    let want_after = gathered(
+        &AdamWConfig::new().init().step(5e-2, plain, grads),
+        None,
+        &super::solo(),
+    );
+    let source = RecordSource::from_path(&record);
+    let out = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let net = parallel::EncoderNet::new(VOCAB, D, HEADS, FF, d).apply_lora(lora());
+        let plan = TpPlan::new()
+            .vocab(&["embed"])?
+            .encoder(&["encoder"])?
+            .gathered_vocab(&["out"])?
+            .sequence_parallel();
+        let net = plan.apply(net, g)?;
+        let (net, _) = load_sharded(net, &source, g, &LoadOptions::default())?;
+        let l = loss(net.logits(ids(d)));
+        let value = l.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(l.backward(), &net);
+        let got_grads = gathered(&net, Some(&grads), g);
+        let net = AdamWConfig::new().init().step(5e-2, net, grads);
+        Ok::<_, Error>((value, got_grads, gathered(&net, None, g)))
+    })?;
+    for (rank, (value, grads, after)) in out.iter().enumerate() {
+        assert!(
+            (value - want_loss).abs() < 1e-4,
+            "rank {rank}: loss {value} against {want_loss}"
+        );
+        let (worst, name) = super::grad_diff(grads, &want_grads);
+        assert!(
+            worst < 1e-5,
+            "rank {rank}: {name}'s gradient off by {worst}"
+        );
+        let (worst, name) = super::grad_diff(after, &want_after);
+        assert!(
+            worst < 1e-5,
+            "rank {rank}: {name} after a step off by {worst}"
+        );
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}

@@ -33,3 +33,32 @@ impl Net {
         self.out.forward(x + self.down.forward(hidden))
     }
 }
+
+/// A table, a two-layer encoder and an output layer: what sequence parallelism splits.
+#[derive(Module, Debug)]
+pub struct EncoderNet {
+    pub embed: nn::Embedding,
+    pub encoder: nn::transformer::TransformerEncoder,
+    pub out: nn::Linear,
+}
+
+impl EncoderNet {
+    pub fn new(vocab: usize, d: usize, heads: usize, ff: usize, device: &Device) -> Self {
+        Self {
+            embed: nn::EmbeddingConfig::new(vocab, d).init(device),
+            encoder: nn::transformer::TransformerEncoderConfig::new(d, ff, heads, 2)
+                .with_dropout(0.0)
+                .init(device),
+            out: nn::LinearConfig::new(d, vocab).init(device),
+        }
+    }
+
+    /// The logits `[b, s, vocab]` of `ids`.
+    pub fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let x = self.embed.forward(ids);
+        let x = self
+            .encoder
+            .forward(nn::transformer::TransformerEncoderInput::new(x));
+        self.out.forward(x)
+    }
+}

@@ -233,12 +233,10 @@ fn a_transformer_encoder_burn_built_converts_and_splits_as_the_plain_one() -> Re
 
 #[test]
 fn a_swiglu_mlp_burn_built_converts_and_splits_as_the_plain_one() -> Result<(), Error> {
-    // Llama's feed-forward, w2(swiglu(x)): the SwiGlu column-parallel, w2 row-parallel. Its
-    // type named at Burn's other path, `activation`, which must be the drop-in layer too (Burn's
-    // would convert into itself and be refused by the plan).
+    // Llama's feed-forward, w2(swiglu(x)): the SwiGlu column-parallel, w2 row-parallel.
     #[derive(Module, Debug)]
     struct Mlp {
-        swiglu: nn::activation::SwiGlu,
+        swiglu: nn::SwiGlu,
         w2: nn::Linear,
     }
     let dir = load::scratch("swiglu");

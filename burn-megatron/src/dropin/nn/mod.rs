@@ -20,22 +20,16 @@ mod sequence;
 mod swiglu;
 pub mod transformer;
 
-/// Burn's `nn::activation`, its [`SwiGlu`] the one a plan can
-/// split, so that an import of it swaps whole.
-pub mod activation {
-    pub use super::swiglu::{SwiGlu, SwiGluConfig};
-    pub use burn::nn::activation::*;
-}
-
 /// Burn's `BatchNorm`, whose statistics can span the data-parallel batch
 /// ([`ParallelTraining::sync_batch_norm`](crate::training::ParallelTraining::sync_batch_norm)).
 pub use crate::data_parallel::batch_norm::{BatchNorm, BatchNormConfig, SyncGroup};
 /// The rest of Burn's `nn`, as Burn has it (norms, dropout, activations, rotary encoding,
 /// losses, convolutions, initializers, ...): none of it is split, so `use burn::nn::…` swaps
-/// whole for `use dropin::nn::…`. The items defined here (and the `activation`,
-/// `attention`, `cache`, `norm` and `transformer` modules, which do the same with Burn's)
-/// take the place of Burn's. Burn's `modules` path stays Burn's: `modules::Linear` is Burn's
-/// layer, which a plan refuses to split, naming it; import `Linear` from here.
+/// whole for `use dropin::nn::…`. The items defined here (and the `attention`, `cache`, `norm`
+/// and `transformer` modules, which do the same with Burn's) take the place of Burn's. Burn's
+/// own paths to its layers stay Burn's: `activation::SwiGlu` (whose `SwiGluConfig` Burn's
+/// `ActivationConfig::SwiGlu` holds) and `modules::Linear` are Burn's layers, which a plan
+/// refuses to split, naming them; import `SwiGlu` and `Linear` from here.
 pub use burn::nn::*;
 pub use swiglu::{SwiGlu, SwiGluConfig};
 

@@ -17,7 +17,7 @@ use crate::tensor_parallel::mappings::{
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 };
-use crate::tensor_parallel::{check_input_width, gathered_product};
+use crate::tensor_parallel::{check_input_width, gathered_product, split_weight};
 use burn::module::Param;
 use burn::nn::LayerNorm;
 use burn::tensor::Tensor;
@@ -54,7 +54,8 @@ pub(super) fn column_products<const N: usize>(
             if let Some(a) = &l.tp.assigned {
                 l.restate(a);
             }
-            hook_param(&l.weight, &x)
+            // With a LoRA adapter, its whole factor's gradient summed over the ranks.
+            split_weight(&l.weight, 1, tp, |p| hook_param(p, &x))
         })
         .collect();
     let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();

@@ -1,5 +1,4 @@
-//! Burn's `SwiGlu`, made of [`Linear`]s a plan can split. It is public at Burn's two paths,
-//! `nn::SwiGlu` and `nn::activation::SwiGlu`.
+//! Burn's `SwiGlu`, made of [`Linear`]s a plan can split.
 
 use super::{Linear, LinearConfig, LinearLayout};
 use burn::config::Config;
