@@ -14,7 +14,7 @@ use super::ops::{RecomputeOps, Region};
 use super::{Leaves, RecomputeError, replayed, sink, trained_params};
 use crate::grad_hooks::{Phase, deliver_formed, enter_phase, hook_param, in_discard};
 use crate::tensor_parallel::{ColumnParallelLinear, LinearShard, RowParallelLinear};
-use crate::tensor_parallel::{matmul_bias, product};
+use crate::tensor_parallel::{matmul_bias, product, refuse_adapter};
 use burn::backend::Dispatch;
 use burn::module::Module;
 use burn::tensor::{DType, DispatchTensor, Tensor};
@@ -189,6 +189,7 @@ where
     let mut products_train = None;
     for l in linears {
         let l = l.parallel();
+        refuse_adapter(l.weight, l.name);
         let weight = Some(l.weight).filter(|w| w.is_require_grad());
         let bias = l.added_bias().filter(|b| b.is_require_grad());
         trained.extend(weight.map(|w| w.id).into_iter().chain(bias.map(|b| b.id)));

@@ -6,7 +6,7 @@ use super::layers::{partition, unpadded};
 use super::mappings::{
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
-use super::{TpError, lazy_host_param, split_weight};
+use super::{TpError, lazy_host_param, no_adapter, refuse_adapter, split_weight};
 use crate::comm::Comm;
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -131,6 +131,7 @@ impl VocabParallelEmbedding {
         sequence_parallel: bool,
         tp: &Comm,
     ) -> Result<Self, TpError> {
+        no_adapter(&embedding.weight, "VocabParallelEmbedding::from_embedding")?;
         let [vocab, _] = embedding.weight.dims();
         let part = partition(vocab, tp.group().size(), "vocabulary entries")?;
         let rows = embedding
@@ -227,7 +228,7 @@ impl VocabParallelEmbedding {
     /// [`check_ids`](Self::check_ids).
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.state_attrs();
-        vocab_lookup(&self.weight, ids, &self.tp, self.sequence_parallel)
+        vocab_lookup(&self.weight, ids, &self.tp, self.sequence_parallel, false)
     }
 
     /// Gathers every rank's rows back into the full plain Burn `Embedding` (a collective).
@@ -285,13 +286,18 @@ pub(crate) fn checked_index(
 /// `[b, s]` ids → `[b, s, d]` rows of a table whose rows `weight` holds this rank's share of
 /// (rank `r` of `tp` holds the `r`-th block): ids outside it give zeros, and the ranks' rows
 /// are summed (reduce-scattered along the sequence, `[s / tp, b, d]`, under sequence
-/// parallelism).
+/// parallelism). With `adapters`, a LoRA adapter on the table is composed split with it (the
+/// drop-in table); without, one is refused (a panic naming the layer).
 pub(crate) fn vocab_lookup(
     weight: &Param<Tensor<2>>,
     ids: Tensor<2, Int>,
     tp: &Comm,
     sequence_parallel: bool,
+    adapters: bool,
 ) -> Tensor<3> {
+    if !adapters {
+        refuse_adapter(weight, "VocabParallelEmbedding");
+    }
     // The table with its LoRA adapter's product, the adapter's whole factor summing its
     // gradient over the ranks.
     let table = split_weight(weight, 0, tp, |p| p.val());

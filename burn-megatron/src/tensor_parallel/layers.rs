@@ -17,7 +17,7 @@ pub use row::{RowParallelLinear, RowParallelLinearConfig};
 
 use super::attrs::{LayoutOwner, ParallelAttrs, real_part};
 use super::init::{MasterInit, slice_cols, slice_rows};
-use super::{TpError, lazy_host_param};
+use super::{TpError, lazy_host_param, no_adapter};
 use crate::comm::Comm;
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -169,6 +169,7 @@ impl ColumnParallelLinear {
         config: &ColumnParallelLinearConfig,
         tp: &Comm,
     ) -> Result<Self, TpError> {
+        no_adapter(&linear.weight, "ColumnParallelLinear::from_linear")?;
         let [_, d_output] = linear.weight.dims();
         let size = tp.group().size();
         let part = partition(d_output, size, "output features")?;
@@ -265,6 +266,7 @@ impl LinearShard for ColumnParallelLinear {
             sequence_dim: self.sequence_parallel.then_some(0),
             skip_bias_add: self.skip_bias_add,
             fusion: self.gradient_accumulation_fusion,
+            adapters: false,
         }
     }
 }

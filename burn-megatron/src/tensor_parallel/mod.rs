@@ -55,7 +55,7 @@ pub(crate) use layers::{
     LinearShard, ParallelLinear, Partition, check_input_width, gathered_product, matmul_bias,
     product,
 };
-pub(crate) use lora::{adapter_attrs, split_weight, state_adapter};
+pub(crate) use lora::{adapter_attrs, no_adapter, refuse_adapter, split_weight, state_adapter};
 pub use random::{MODEL_PARALLEL_SEED_OFFSET, RngRegion, RngTracker};
 pub use sampling::{
     Sampling, VocabParallelSampler, vocab_parallel_accuracy, vocab_parallel_argmax,

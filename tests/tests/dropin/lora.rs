@@ -375,3 +375,88 @@ fn lora_in_a_sequence_parallel_encoder_trains_as_burns_at_tp_2() -> Result<(), E
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+/// A reparameterization that changes nothing, with one parameter of its own: what a user's
+/// own (not Burn's LoRA) would look like to a plan.
+#[derive(Module, Debug)]
+struct Shift {
+    delta: burn::module::Param<Tensor<1>>,
+}
+
+impl burn::module::Reparameterization for Shift {
+    const NAME: &'static str = "shift";
+    fn apply<const N: usize>(&self, base: Tensor<N>) -> Tensor<N> {
+        base
+    }
+}
+
+struct Shifts;
+
+impl burn::module::Reparameterizer for Shifts {
+    type Reparam = Shift;
+    fn reparameterize<const N: usize>(
+        &mut self,
+        _: &str,
+        param: burn::module::Param<Tensor<N>>,
+    ) -> (burn::module::Param<Tensor<N>>, Option<Shift>) {
+        let delta = Tensor::zeros([2], &param.lazy_device());
+        let shift = Shift {
+            delta: burn::module::Param::from_tensor(delta),
+        };
+        (param, (N == 2).then_some(shift))
+    }
+}
+
+/// What the plan cannot split with a weight is refused, naming the layer: an adapter on a
+/// linear in Burn's column layout, an adapter on a padded vocabulary, and a reparameterization
+/// other than Burn's LoRA.
+#[test]
+fn adapters_a_plan_cannot_split_are_refused_naming_the_layer() -> Result<(), Error> {
+    use burn_megatron::dropin::nn;
+    #[derive(Module, Debug)]
+    struct Col {
+        up: nn::Linear,
+    }
+    let errors = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let col = Col {
+            up: nn::LinearConfig::new(D, FF)
+                .with_layout(nn::LinearLayout::Col)
+                .init(d),
+        };
+        let col = TpPlan::new()
+            .column(&["up"])?
+            .apply(col.apply_lora(lora()), g);
+        let padded = plan()?.make_vocab_size_divisible_by(3)?;
+        let padded = padded.apply(
+            parallel::Net::new(VOCAB, D, HEADS, FF, d).apply_lora(lora()),
+            g,
+        );
+        let shifted = parallel::Net::new(VOCAB, D, HEADS, FF, d).apply_reparameterization(Shifts);
+        let shifted = plan()?.apply(shifted, g);
+        let message = |r: Result<_, _>| {
+            r.err()
+                .map(|e: burn_megatron::tensor_parallel::TpError| e.to_string())
+                .unwrap_or_default()
+        };
+        Ok::<_, Error>([
+            message(col.map(|_| ())),
+            message(padded.map(|_| ())),
+            message(shifted.map(|_| ())),
+        ])
+    })?;
+    let [col, padded, shifted] = &errors[0];
+    assert!(
+        col.contains("up.weight.lora.a") && col.contains("column layout"),
+        "{col:?}"
+    );
+    assert!(
+        padded.contains("embed.weight.lora.a") && padded.contains("padded vocabulary"),
+        "{padded:?}"
+    );
+    assert!(
+        shifted.contains("embed.weight.shift.delta") && shifted.contains("other than Burn's LoRA"),
+        "{shifted:?}"
+    );
+    Ok(())
+}

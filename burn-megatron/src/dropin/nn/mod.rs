@@ -134,6 +134,7 @@ impl Linear {
             sequence_dim: (row && region == Region::Sequence).then_some(1),
             skip_bias_add: false,
             fusion: false,
+            adapters: true,
         };
         let (out, _) = layer.forward(input);
         match (a.split, a.vocab) {
@@ -238,7 +239,7 @@ impl Embedding {
             Some(a) => {
                 a.layout.state(self.weight.id, a.sharded(0));
                 state_adapter(&a.layout, &self.weight, 0);
-                vocab_lookup(&self.weight, input, &a.tp, false)
+                vocab_lookup(&self.weight, input, &a.tp, false, true)
             }
         }
     }

@@ -481,6 +481,13 @@ impl PlanMapper<'_> {
             let split = active.split;
             return self.split_adapter(param, split);
         }
+        // Another reparameterization's parameters would stay whole beside a split base.
+        if self.types.iter().any(|t| t == "Reparameterization") {
+            self.fail(format!(
+                "{path}: a reparameterization other than Burn's LoRA on a layer the plan splits"
+            ));
+            return param;
+        }
         let split = match active.split {
             // An encoder's norms stay whole; its linears split by their role.
             Split::Encoder if layer != "Struct:Linear" => return param,

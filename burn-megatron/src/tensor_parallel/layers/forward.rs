@@ -29,7 +29,7 @@ use crate::tensor_parallel::mappings::{
     reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 };
-use crate::tensor_parallel::split_weight;
+use crate::tensor_parallel::{refuse_adapter, split_weight};
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
 use burn_megatron_kernels::linear_with_grad_accumulation;
@@ -76,6 +76,9 @@ pub(crate) struct ParallelLinear<'a> {
     pub(crate) skip_bias_add: bool,
     /// The weight gradient summed in f32 (`gradient_accumulation_fusion`).
     pub(crate) fusion: bool,
+    /// A LoRA adapter on the weight is composed, split with it (the drop-in layers); else
+    /// one is refused.
+    pub(crate) adapters: bool,
 }
 
 impl ParallelLinear<'_> {
@@ -102,6 +105,9 @@ impl ParallelLinear<'_> {
             Partition::Column { .. } => 1,
             Partition::Row { .. } => 0,
         };
+        if !self.adapters {
+            refuse_adapter(self.weight, self.name);
+        }
         let weight = split_weight(self.weight, sharded_dim, self.tp, |p| hook_param(p, &input));
         match self.partition {
             Partition::Column { .. } => {

@@ -123,6 +123,7 @@ impl RowParallelLinear {
         config: &RowParallelLinearConfig,
         tp: &Comm,
     ) -> Result<Self, TpError> {
+        no_adapter(&linear.weight, "RowParallelLinear::from_linear")?;
         let [d_input, _] = linear.weight.dims();
         let part = partition(d_input, tp.group().size(), "input features")?;
         let weight = linear
@@ -211,6 +212,7 @@ impl LinearShard for RowParallelLinear {
             sequence_dim: self.sequence_parallel.then_some(0),
             skip_bias_add: self.skip_bias_add,
             fusion: self.gradient_accumulation_fusion,
+            adapters: false,
         }
     }
 }
