@@ -122,6 +122,8 @@ pub(super) struct Facts {
     pub(super) col: bool,
     /// A plan split it.
     pub(super) split: bool,
+    /// How, where its parameters' layout is stated, and whether over a padded vocabulary.
+    pub(super) assigned: Option<(Split, LayoutOwner, bool)>,
 }
 
 impl TpSlot {
@@ -223,6 +225,8 @@ impl Module for TpSlot {
             init: self.init.clone(),
             col: self.col,
             split: self.assigned.is_some(),
+            assigned: (self.assigned.as_ref())
+                .map(|a| (a.split, a.layout.clone(), a.vocab.is_some())),
         };
         SEEN.with(|s| *s.borrow_mut() = Some(facts));
     }

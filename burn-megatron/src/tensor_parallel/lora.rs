@@ -1,8 +1,9 @@
 //! Burn's LoRA adapters (`Module::apply_lora`) on split weights. A weight split along one
 //! dimension keeps the adapter factor on that side split with it and the factor on the other
 //! side whole: a column-parallel weight `[in, out / tp]` holds `a` `[in, r]` whole and `b`
-//! `[r, out / tp]` split; a row-parallel (or vocabulary-parallel) one `[in / tp, out]` holds
-//! `a` `[in / tp, r]` split and `b` `[r, out]` whole. Each rank's shard of `base + s · a b` is
+//! `[r, out / tp]` split (an output layer split by vocabulary is one); a row-parallel one
+//! `[in / tp, out]`, or a table split by vocabulary rows, holds `a` `[in / tp, r]` split and
+//! `b` `[r, out]` whole. Each rank's shard of `base + s · a b` is
 //! then its shard of the unsplit layer's, with the adapter of the unsplit rank `r`.
 //!
 //! The whole factor's gradient on a rank comes from that rank's shard alone, a partial sum of

@@ -1,15 +1,19 @@
 //! Burn's LoRA (`Module::apply_lora`) on a model made tensor-parallel: the adapters Burn
-//! attached before the plan are split with their weights (a column-parallel weight's `a`
-//! whole and `b` split, a row- or vocabulary-parallel one's `a` split and `b` whole), load
-//! from the record Burn's model saved, and at TP 2 and 4 give Burn's model's loss, every
-//! adapter factor's gradient (gathered) and, after a plain Burn AdamW step, its factors.
+//! attached before the plan, or `dropin::apply_lora` after it, are split with their weights
+//! (a column-parallel weight's `a` whole and `b` split, a row-parallel weight's or a table's
+//! `a` split and `b` whole), load from the record Burn's model saved, and at TP 2 and 4 give
+//! Burn's model's loss, every trainable gradient (gathered) and, after a plain Burn AdamW
+//! step, its parameters; under sequence parallelism and through `ParallelTraining` at DP 2
+//! too; what cannot split is refused.
 
 use super::Error;
 use burn::module::{Lora, Module};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
-use burn_megatron::dropin::{LoadOptions, RecordSource, TpPlan, load_sharded, save_gathered};
+use burn_megatron::dropin::{
+    LoadOptions, RecordSource, TpPlan, apply_lora, load_sharded, save_gathered,
+};
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
 use burn_megatron::topology::ParallelConfig;
@@ -102,11 +106,15 @@ fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4
     let want_after = gathered(&stepped, None, &super::solo());
 
     let source = RecordSource::from_path(&record);
-    for tp in [2, 4] {
+    // Burn's LoRA before the plan, and `dropin::apply_lora` after it.
+    for (tp, post) in [(2, false), (4, false), (2, true), (4, true)] {
         let out = tp_ranks(tp, |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let net = parallel::Net::new(VOCAB, D, HEADS, FF, d).apply_lora(lora());
-            let net = plan()?.apply(net, g)?;
+            let net = parallel::Net::new(VOCAB, D, HEADS, FF, d);
+            let net = match post {
+                false => plan()?.apply(net.apply_lora(lora()), g)?,
+                true => apply_lora(plan()?.apply(net, g)?, lora(), g)?,
+            };
             let (net, _) = load_sharded(net, &source, g, &LoadOptions::default())?;
             let l = loss(net.logits(ids(d)));
             let value = l.clone().into_scalar::<f32>();
@@ -114,13 +122,13 @@ fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4
             let gathered_grads = gathered(&net, Some(&grads), g);
             let net = AdamWConfig::new().init().step(5e-2, net, grads);
             let after = gathered(&net, None, g);
-            if tp == 2 {
+            if tp == 2 && !post {
                 save_gathered(&net, dir.join("written"), g)?;
             }
             Ok::<_, Error>((value, gathered_grads, after))
         })?;
         for (rank, (value, grads, after)) in out.iter().enumerate() {
-            let what = format!("TP {tp}, rank {rank}");
+            let what = format!("TP {tp}, rank {rank}, LoRA after the plan {post}");
             assert!(
                 (value - want_loss).abs() < 1e-4,
                 "{what}: loss {value} against {want_loss}"
@@ -154,29 +162,38 @@ fn a_fresh_lora_on_each_rank_becomes_one_adapter_when_the_plan_splits_it() -> Re
     device.seed(13);
     plain::Net::new(VOCAB, D, HEADS, FF, &device).save_file(&base)?;
     let step = |l: Tensor<1>| l.into_scalar::<f32>();
-    let losses = tp_ranks(2, |ctx| {
-        let (g, d) = (&ctx.groups.tp, &ctx.device);
-        let net = parallel::Net::new(VOCAB, D, HEADS, FF, d)
-            .load_file(&base)
-            .apply_lora(lora());
-        let net = plan()?.apply(net, g)?;
-        save_gathered(&net, &initial, g)?;
-        let grads = GradientsParams::from_grads(loss(net.logits(ids(d))).backward(), &net);
-        let net = AdamWConfig::new().init().step(5e-2, net, grads);
-        Ok::<_, Error>(step(loss(net.logits(ids(d)))))
-    })?;
-    let ad = Device::flex().autodiff();
-    let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
-        .apply_lora(lora())
-        .load_file(&initial);
-    let grads = GradientsParams::from_grads(loss(plain.logits(ids(&ad))).backward(), &plain);
-    let plain = AdamWConfig::new().init().step(5e-2, plain, grads);
-    let want = step(loss(plain.logits(ids(&ad))));
-    for (rank, got) in losses.iter().enumerate() {
-        assert!(
-            (got - want).abs() < 1e-4,
-            "rank {rank}: loss after a step {got} against {want}"
-        );
+    for after in [false, true] {
+        let losses = tp_ranks(2, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let net = parallel::Net::new(VOCAB, D, HEADS, FF, d);
+            let net = match after {
+                false => plan()?.apply(net.load_file(&base).apply_lora(lora()), g)?,
+                // The way for a model that does not fit: no whole weight on a rank.
+                true => {
+                    let net = plan()?.apply(net, g)?;
+                    let source = RecordSource::from_path(&base);
+                    let (net, _) = load_sharded(net, &source, g, &LoadOptions::default())?;
+                    apply_lora(net, lora(), g)?
+                }
+            };
+            save_gathered(&net, &initial, g)?;
+            let grads = GradientsParams::from_grads(loss(net.logits(ids(d))).backward(), &net);
+            let net = AdamWConfig::new().init().step(5e-2, net, grads);
+            Ok::<_, Error>(step(loss(net.logits(ids(d)))))
+        })?;
+        let ad = Device::flex().autodiff();
+        let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
+            .apply_lora(lora())
+            .load_file(&initial);
+        let grads = GradientsParams::from_grads(loss(plain.logits(ids(&ad))).backward(), &plain);
+        let plain = AdamWConfig::new().init().step(5e-2, plain, grads);
+        let want = step(loss(plain.logits(ids(&ad))));
+        for (rank, got) in losses.iter().enumerate() {
+            assert!(
+                (got - want).abs() < 1e-4,
+                "rank {rank}, LoRA after the plan {after}: loss after a step {got} against {want}"
+            );
+        }
     }
     std::fs::remove_dir_all(dir)?;
     Ok(())

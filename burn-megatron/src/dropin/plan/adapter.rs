@@ -1,19 +1,121 @@
-//! The plan's part in Burn's LoRA: a factor of the adapter `apply_lora` attached to a weight
-//! the plan splits is split with it (see
-//! [`split_weight`](crate::tensor_parallel::split_weight)).
+//! Burn's LoRA on the layers a plan splits. The factor of an adapter on the side its weight
+//! is split along is split with it; the other is whole, and one over the ranks (see
+//! [`split_weight`](crate::tensor_parallel::split_weight)). An adapter already on a layer when
+//! the plan applies (a model with its LoRA in memory) is cut by the plan; [`apply_lora`]
+//! gives a model the plan split its LoRA, each rank drawing only its part.
 
 use super::{PlanMapper, Split, encoder_split};
+use crate::comm::Comm;
 use crate::comm::tensor::broadcast;
 use crate::dropin::shard::{Placement, is_frozen, shard, trainable_as};
-use crate::tensor_parallel::{LayoutOwner, adapter_attrs, shard_param};
-use burn::module::Param;
+use crate::dropin::slot::{Facts, facts};
+use crate::tensor_parallel::{LayoutOwner, ParallelAttrs, TpError, adapter_attrs, shard_param};
+use burn::module::{Lora, Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
+use std::collections::HashMap;
+
+/// Burn's LoRA ([`Module::apply_lora`]) on a model a [`TpPlan`](super::TpPlan) has split:
+/// each rank's adapters drawn in its shards' shapes, then made one adapter over the ranks (the
+/// whole factors broadcast from the first rank) and their layout stated, so that
+/// [`load_sharded`](crate::dropin::load_sharded), [`save_gathered`](crate::dropin::save_gathered),
+/// `ParallelTraining` and its checkpoints read and write the unsplit adapter. No whole weight
+/// is drawn (Burn's LoRA draws each weight it adapts; on a split model, a shard), so it is
+/// the way for a model that does not fit one device: plan, [`load_sharded`](crate::dropin::load_sharded)
+/// the base, then this. Collective over `tp`: every rank calls it.
+///
+/// Errors, naming the layer: an adapter on a linear in Burn's column layout or on a padded
+/// vocabulary (leave those out of the LoRA's parameter group), or a failed broadcast.
+///
+/// ```text
+/// let model = plan.apply(Model::new(&device), &tp)?;
+/// let (model, _) = load_sharded(model, &base, &tp, &LoadOptions::default())?;
+/// let model = dropin::apply_lora(model, Lora::new(8, 16.0), &tp)?;
+/// ```
+pub fn apply_lora<M: Module>(model: M, lora: Lora, tp: &Comm) -> Result<M, TpError> {
+    let model = model.apply_lora(lora);
+    let mut mapper = Adapters {
+        tp,
+        facts: facts(&model),
+        path: Vec::new(),
+        types: Vec::new(),
+        error: None,
+    };
+    let model = model.map(&mut mapper);
+    match mapper.error {
+        Some(e) => Err(TpError::Invalid(e)),
+        None => Ok(model),
+    }
+}
+
+/// Where the factor at `path` (`…layer.weight.lora.{a,b}`, entered from `types`) goes on a
+/// layer split by `split`: the dimension it is cut along (none: whole), and its layout. Or
+/// why it cannot split.
+fn factor(
+    path: &[String],
+    types: &[String],
+    split: Split,
+    col: bool,
+    padded: bool,
+) -> Result<(Option<usize>, ParallelAttrs), &'static str> {
+    let n = path.len();
+    let at = |i: usize| n.checked_sub(i).map_or("", |k| path[k].as_str());
+    let layer_type = n.checked_sub(3).map_or("", |k| types[k].as_str());
+    let sharded_dim = match (layer_type, at(3), split) {
+        ("Struct:Linear", "weight", Split::Encoder) => match encoder_split(at(4)) {
+            Some(Split::Row) => Some(0),
+            Some(_) => Some(1),
+            None => None,
+        },
+        ("Struct:Linear", "weight", Split::Row) => Some(0),
+        ("Struct:Linear", "weight", _) => Some(1),
+        ("Struct:Embedding", "weight", Split::Vocab) => Some(0),
+        _ => None,
+    };
+    let sharded_dim = match (sharded_dim, col, padded) {
+        (None, _, _) => return Err("a LoRA adapter splits only on a split layer's weight"),
+        (_, true, _) => {
+            return Err(
+                "a LoRA adapter on a linear in Burn's column layout does not split; build the \
+                 layer in the row layout, or leave it out of the LoRA's parameter group",
+            );
+        }
+        (_, _, true) => {
+            return Err(
+                "a LoRA adapter on a padded vocabulary does not split; leave the layer out of \
+                 the LoRA's parameter group, or the plan's padding out",
+            );
+        }
+        (Some(d), _, _) => d,
+    };
+    let (a, b) = adapter_attrs(sharded_dim);
+    Ok(match at(1) {
+        "a" => ((sharded_dim == 0).then_some(0), a),
+        _ => ((sharded_dim == 1).then_some(1), b),
+    })
+}
+
+/// A whole factor, the same on every rank of `tp`: the first rank's (Burn drew it on each),
+/// its training state kept.
+fn one_over_ranks<const D: usize>(
+    param: Param<Tensor<D>>,
+    tp: &Comm,
+    path: &str,
+) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
+    if tp.group().size() == 1 {
+        return Ok(param);
+    }
+    match broadcast(&**tp, param.val().detach(), 0) {
+        Ok(value) => Ok(trainable_as(shard_param(value), is_frozen(&param))),
+        Err(e) => Err((
+            param,
+            format!("{path}: the LoRA factor's broadcast failed: {e}"),
+        )),
+    }
+}
 
 impl PlanMapper<'_> {
-    /// A factor of the LoRA adapter Burn's `apply_lora` attached to a weight this plan splits
-    /// (its path `…layer.weight.lora.{a,b}`): the factor on the side the weight is split
-    /// along is split with it, the other kept whole (see
-    /// [`split_weight`](crate::tensor_parallel::split_weight)).
+    /// A factor of an adapter on a weight this plan splits: cut with it, or made one over
+    /// the ranks.
     pub(super) fn split_adapter<const D: usize>(
         &mut self,
         param: Param<Tensor<D>>,
@@ -21,49 +123,25 @@ impl PlanMapper<'_> {
     ) -> Param<Tensor<D>> {
         let n = self.path.len();
         let path = self.path.join(".");
-        let at = |i: usize| {
-            n.checked_sub(i)
-                .map(|k| self.path[k].as_str())
-                .unwrap_or("")
-        };
-        let layer_type = n
-            .checked_sub(3)
-            .map(|k| self.types[k].as_str())
-            .unwrap_or("");
-        let sharded_dim = match (layer_type, at(3), split) {
-            ("Struct:Linear", "weight", Split::Encoder) => match encoder_split(at(4)) {
-                Some(Split::Row) => Some(0),
-                Some(_) => Some(1),
-                None => None,
-            },
-            ("Struct:Linear", "weight", Split::Row) => Some(0),
-            ("Struct:Linear", "weight", _) => Some(1),
-            ("Struct:Embedding", "weight", Split::Vocab) => Some(0),
-            _ => None,
-        };
         let layer = self.path[..n.saturating_sub(3)].join(".");
         let col = self.facts.get(&layer).is_some_and(|f| f.col);
-        let refusal = match (sharded_dim, col, self.vocab) {
-            (None, _, _) => Some("a LoRA adapter splits only on a split layer's weight"),
-            (_, true, _) => Some(
-                "a LoRA adapter on a linear in Burn's column layout does not split; build the \
-                 layer in the row layout, or leave it out of the LoRA's parameter group",
-            ),
-            (_, _, Some(_)) => Some(
-                "a LoRA adapter on a padded vocabulary does not split; leave the layer out of \
-                 the LoRA's parameter group, or the plan's padding out",
-            ),
-            _ => None,
+        let padded = self.vocab.is_some();
+        let (dim, attrs) = match factor(&self.path, &self.types, split, col, padded) {
+            Ok(placed) => placed,
+            Err(reason) => {
+                self.fail(format!("{path}: {reason}"));
+                return param;
+            }
         };
-        if let Some(reason) = refusal {
-            self.fail(format!("{path}: {reason}"));
-            return param;
-        }
-        let sharded_dim = sharded_dim.unwrap_or(0);
-        let (a, b) = adapter_attrs(sharded_dim);
-        let (dim, attrs) = match at(1) {
-            "a" => ((sharded_dim == 0).then_some(0), a),
-            _ => ((sharded_dim == 1).then_some(1), b),
+        let param = match dim {
+            Some(_) => param,
+            None => match one_over_ranks(param, self.tp, &path) {
+                Ok(p) => p,
+                Err((p, e)) => {
+                    self.fail(e);
+                    return p;
+                }
+            },
         };
         let seed_path = self.plan.global_name(&path);
         let placement = Placement {
@@ -79,17 +157,6 @@ impl PlanMapper<'_> {
             fans: (None, None),
         };
         let owner = self.owner.get_or_insert_with(LayoutOwner::default).clone();
-        let param = match (dim, self.tp.group().size()) {
-            // Burn drew the whole factor on each rank: the ranks must hold one.
-            (None, 2..) => match broadcast(&**self.tp, param.val().detach(), 0) {
-                Ok(value) => trainable_as(shard_param(value), is_frozen(&param)),
-                Err(e) => {
-                    self.fail(format!("{path}: the LoRA factor's broadcast failed: {e}"));
-                    return param;
-                }
-            },
-            _ => param,
-        };
         match shard(param, placement, self.tp) {
             Ok(p) => {
                 owner.state(p.id, attrs);
@@ -100,5 +167,64 @@ impl PlanMapper<'_> {
                 p
             }
         }
+    }
+}
+
+/// [`apply_lora`]'s walk: each factor of an adapter on a split layer's weight, drawn by Burn
+/// in the shard's shape, made one over the ranks if whole, its layout stated.
+struct Adapters<'a> {
+    tp: &'a Comm,
+    facts: HashMap<String, Facts>,
+    path: Vec<String>,
+    types: Vec<String>,
+    error: Option<String>,
+}
+
+impl ModuleMapper for Adapters<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.path.push(name.to_string());
+        self.types.push(container_type.to_string());
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+        self.types.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.types.last().map(String::as_str) != Some("Struct:LoraAdapter") {
+            return param;
+        }
+        let n = self.path.len();
+        let layer = self.path[..n.saturating_sub(3)].join(".");
+        // An adapter on a layer no plan split is whole, as Burn made it.
+        let Some(Facts {
+            col,
+            assigned: Some((split, layout, padded)),
+            ..
+        }) = self.facts.get(&layer).cloned()
+        else {
+            return param;
+        };
+        let path = self.path.join(".");
+        let (dim, attrs) = match factor(&self.path, &self.types, split, col, padded) {
+            Ok(placed) => placed,
+            Err(reason) => {
+                self.error.get_or_insert(format!("{path}: {reason}"));
+                return param;
+            }
+        };
+        let param = match dim {
+            Some(_) => param,
+            None => match one_over_ranks(param, self.tp, &path) {
+                Ok(p) => p,
+                Err((p, e)) => {
+                    self.error.get_or_insert(e);
+                    return p;
+                }
+            },
+        };
+        layout.state(param.id, attrs);
+        param
     }
 }

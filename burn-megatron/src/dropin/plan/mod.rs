@@ -18,6 +18,8 @@ use std::collections::HashMap;
 
 mod adapter;
 
+pub use adapter::apply_lora;
+
 /// How a layer is split over the tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
