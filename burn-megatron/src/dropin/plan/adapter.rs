@@ -94,21 +94,35 @@ fn factor(
     })
 }
 
-/// A whole factor, the same on every rank of `tp`: the first rank's (Burn drew it on each),
-/// its training state kept.
-fn one_over_ranks<const D: usize>(
+/// A factor, the dimension to cut it along (none: whole) and its layout.
+type Placed<const D: usize> = (Param<Tensor<D>>, Option<usize>, ParallelAttrs);
+
+/// The factor `param` on a layer split by `split`, where [`factor`] places it (`walked`: the
+/// path and container types the walk entered it by): a whole one made the same on every rank
+/// of `tp` (the first rank's: Burn drew it on each; its training state kept). With the
+/// dimension to cut it along (none: whole) and its layout; or why it cannot split.
+fn placed<const D: usize>(
     param: Param<Tensor<D>>,
+    (path, types): (&[String], &[String]),
+    (split, col, padded): (Split, bool, bool),
     tp: &Comm,
-    path: &str,
-) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
-    if tp.group().size() == 1 {
-        return Ok(param);
+) -> Result<Placed<D>, (Param<Tensor<D>>, String)> {
+    let at = path.join(".");
+    let (dim, attrs) = match factor(path, types, split, col, padded) {
+        Ok(placed) => placed,
+        Err(reason) => return Err((param, format!("{at}: {reason}"))),
+    };
+    if dim.is_some() || tp.group().size() == 1 {
+        return Ok((param, dim, attrs));
     }
     match broadcast(&**tp, param.val().detach(), 0) {
-        Ok(value) => Ok(trainable_as(shard_param(value), is_frozen(&param))),
+        Ok(value) => {
+            let param = trainable_as(shard_param(value), is_frozen(&param));
+            Ok((param, dim, attrs))
+        }
         Err(e) => Err((
             param,
-            format!("{path}: the LoRA factor's broadcast failed: {e}"),
+            format!("{at}: the LoRA factor's broadcast failed: {e}"),
         )),
     }
 }
@@ -125,24 +139,15 @@ impl PlanMapper<'_> {
         let path = self.path.join(".");
         let layer = self.path[..n.saturating_sub(3)].join(".");
         let col = self.facts.get(&layer).is_some_and(|f| f.col);
-        let padded = self.vocab.is_some();
-        let (dim, attrs) = match factor(&self.path, &self.types, split, col, padded) {
-            Ok(placed) => placed,
-            Err(reason) => {
-                self.fail(format!("{path}: {reason}"));
-                return param;
-            }
-        };
-        let param = match dim {
-            Some(_) => param,
-            None => match one_over_ranks(param, self.tp, &path) {
-                Ok(p) => p,
+        let walked = (&self.path[..], &self.types[..]);
+        let (param, dim, attrs) =
+            match placed(param, walked, (split, col, self.vocab.is_some()), self.tp) {
+                Ok(placed) => placed,
                 Err((p, e)) => {
                     self.fail(e);
                     return p;
                 }
-            },
-        };
+            };
         let seed_path = self.plan.global_name(&path);
         let placement = Placement {
             init: None,
@@ -206,25 +211,17 @@ impl ModuleMapper for Adapters<'_> {
         else {
             return param;
         };
-        let path = self.path.join(".");
-        let (dim, attrs) = match factor(&self.path, &self.types, split, col, padded) {
-            Ok(placed) => placed,
-            Err(reason) => {
-                self.error.get_or_insert(format!("{path}: {reason}"));
-                return param;
+        // Burn drew the factor in the shard's shape: nothing to cut.
+        let walked = (&self.path[..], &self.types[..]);
+        match placed(param, walked, (split, col, padded), self.tp) {
+            Ok((param, _, attrs)) => {
+                layout.state(param.id, attrs);
+                param
             }
-        };
-        let param = match dim {
-            Some(_) => param,
-            None => match one_over_ranks(param, self.tp, &path) {
-                Ok(p) => p,
-                Err((p, e)) => {
-                    self.error.get_or_insert(e);
-                    return p;
-                }
-            },
-        };
-        layout.state(param.id, attrs);
-        param
+            Err((param, e)) => {
+                self.error.get_or_insert(e);
+                param
+            }
+        }
     }
 }
