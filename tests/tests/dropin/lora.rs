@@ -58,12 +58,13 @@ fn loss(logits: Tensor<3>) -> Tensor<1> {
     (logits * weights).sum()
 }
 
-/// Every layer split: the table by vocabulary, the attention as Megatron splits it, the
-/// block column then row, the output layer by vocabulary (its logits gathered).
+/// Every layer split: the table by vocabulary, both attentions as Megatron splits them (the
+/// cross-attention's key/value heads too), the block column then row, the output layer by
+/// vocabulary (its logits gathered).
 fn plan() -> Result<TpPlan, Error> {
     Ok(TpPlan::new()
         .vocab(&["embed"])?
-        .encoder(&["attn"])?
+        .encoder(&["attn", "cross"])?
         .column(&["up"])?
         .row(&["down"])?
         .gathered_vocab(&["out"])?)
@@ -98,10 +99,10 @@ fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4
     let want_grads = gathered(&plain, Some(&grads), &super::solo());
     assert_eq!(
         adapters(want_grads.clone()).len(),
-        2 * 8,
+        2 * 12,
         "every weight adapted"
     );
-    assert_eq!(want_grads.len(), 2 * 8, "only the adapters train");
+    assert_eq!(want_grads.len(), 2 * 12, "only the adapters train");
     let stepped = AdamWConfig::new().init().step(5e-2, plain, grads);
     let want_after = gathered(&stepped, None, &super::solo());
 
@@ -322,7 +323,7 @@ fn a_plan_on_a_device_that_does_not_train_keeps_what_lora_froze() -> Result<(), 
             trained.is_empty(),
             "rank {rank}: frozen parameters trained: {trained:?}"
         );
-        assert_eq!(grads.len(), 2 * 8, "rank {rank}: every adapter trains");
+        assert_eq!(grads.len(), 2 * 12, "rank {rank}: every adapter trains");
     }
     Ok(())
 }

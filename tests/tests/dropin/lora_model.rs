@@ -1,11 +1,12 @@
-// A small model written against Burn's `nn` (a table, self-attention, a feed-forward block,
-// an output layer), included twice by `lora.rs`: with `nn` standing for `burn::nn` and for
+// A small model written against Burn's `nn` (a table, self-attention, cross-attention with
+// grouped key/value heads, a feed-forward block, an output layer), included twice by `lora.rs`: with `nn` standing for `burn::nn` and for
 // `dropin::nn`. Nothing else differs.
 
 #[derive(Module, Debug)]
 pub struct Net {
     pub embed: nn::Embedding,
     pub attn: nn::attention::MultiHeadAttention,
+    pub cross: nn::attention::CrossAttention,
     pub up: nn::Linear,
     pub down: nn::Linear,
     pub out: nn::Linear,
@@ -16,6 +17,10 @@ impl Net {
         Self {
             embed: nn::EmbeddingConfig::new(vocab, d).init(device),
             attn: nn::attention::MultiHeadAttentionConfig::new(d, heads)
+                .with_dropout(0.0)
+                .init(device),
+            // 8 query heads of 1 feature sharing 4 key/value heads.
+            cross: nn::attention::CrossAttentionConfig::new(d, d, 8, 4, 1)
                 .with_dropout(0.0)
                 .init(device),
             up: nn::LinearConfig::new(d, ff).init(device),
@@ -29,6 +34,7 @@ impl Net {
         let x = self.embed.forward(ids);
         let attended = self.attn.forward(nn::attention::MhaInput::self_attn(x.clone()));
         let x = x + attended.context;
+        let x = x.clone() + self.cross.forward(x.clone(), x.clone().flip([1]), None);
         let hidden = burn::tensor::activation::relu(self.up.forward(x.clone()));
         self.out.forward(x + self.down.forward(hidden))
     }
