@@ -80,6 +80,25 @@ fn adapters(values: Values) -> Values {
         .collect()
 }
 
+/// Burn's `model` (a LoRA on it) after one AdamW step on `loss`, so that every `b` (zeros as
+/// Burn draws it) holds values, saved at `record`; then its loss, every trainable gradient
+/// (gathered) and its parameters after another step: what a split copy must reproduce.
+fn reference<M: Module + Clone>(
+    model: M,
+    loss: impl Fn(&M) -> Tensor<1>,
+    record: &std::path::Path,
+) -> Result<(f32, Values, Values), Error> {
+    let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
+    let model = AdamWConfig::new().init().step(5e-2, model, grads);
+    model.clone().save_file(record)?;
+    let l = loss(&model);
+    let value = l.clone().into_scalar::<f32>();
+    let grads = GradientsParams::from_grads(l.backward(), &model);
+    let trained = gathered(&model, Some(&grads), &super::solo());
+    let stepped = AdamWConfig::new().init().step(5e-2, model, grads);
+    Ok((value, trained, gathered(&stepped, None, &super::solo())))
+}
+
 #[test]
 fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4()
 -> Result<(), Error> {
@@ -88,23 +107,15 @@ fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4
     let ad = Device::flex().autodiff();
     ad.seed(11);
     let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad).apply_lora(lora());
-    // One step first, so that every `b` (zeros as Burn draws it) holds values.
-    let grads = GradientsParams::from_grads(loss(plain.logits(ids(&ad))).backward(), &plain);
-    let plain = AdamWConfig::new().init().step(5e-2, plain, grads);
-    plain.clone().save_file(&record)?;
-    let l = loss(plain.logits(ids(&ad)));
-    let want_loss = l.clone().into_scalar::<f32>();
-    let grads = GradientsParams::from_grads(l.backward(), &plain);
+    let (want_loss, want_grads, want_after) =
+        reference(plain, |m| loss(m.logits(ids(&ad))), &record)?;
     // Only the adapters train: Burn's LoRA freezes everything else, and so must the plan.
-    let want_grads = gathered(&plain, Some(&grads), &super::solo());
     assert_eq!(
         adapters(want_grads.clone()).len(),
         2 * 12,
         "every weight adapted"
     );
     assert_eq!(want_grads.len(), 2 * 12, "only the adapters train");
-    let stepped = AdamWConfig::new().init().step(5e-2, plain, grads);
-    let want_after = gathered(&stepped, None, &super::solo());
 
     let source = RecordSource::from_path(&record);
     // Burn's LoRA before the plan, and `dropin::apply_lora` after it.
@@ -344,18 +355,8 @@ fn lora_in_a_sequence_parallel_encoder_trains_as_burns_at_tp_2() -> Result<(), E
     let ad = Device::flex().autodiff();
     ad.seed(17);
     let plain = plain::EncoderNet::new(VOCAB, D, HEADS, FF, &ad).apply_lora(lora());
-    let grads = GradientsParams::from_grads(loss(plain.logits(ids(&ad))).backward(), &plain);
-    let plain = AdamWConfig::new().init().step(5e-2, plain, grads);
-    plain.clone().save_file(&record)?;
-    let l = loss(plain.logits(ids(&ad)));
-    let want_loss = l.clone().into_scalar::<f32>();
-    let grads = GradientsParams::from_grads(l.backward(), &plain);
-    let want_grads = gathered(&plain, Some(&grads), &super::solo());
-    let want_after = gathered(
-        &AdamWConfig::new().init().step(5e-2, plain, grads),
-        None,
-        &super::solo(),
-    );
+    let (want_loss, want_grads, want_after) =
+        reference(plain, |m| loss(m.logits(ids(&ad))), &record)?;
     let source = RecordSource::from_path(&record);
     let out = tp_ranks(2, |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
