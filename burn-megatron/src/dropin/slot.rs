@@ -77,8 +77,11 @@ pub(super) enum Offer {
 thread_local! {
     /// The plan's offer to the slot being mapped now (set and cleared by the plan's mapper).
     pub(super) static PENDING: RefCell<Offer> = const { RefCell::new(Offer::None) };
-    /// What the slot visited last knows (set by the slot, taken by [`facts`]).
+    /// What the slot visited last knows (set by the slot while [`facts`] walks, taken by it).
     static SEEN: RefCell<Option<Facts>> = const { RefCell::new(None) };
+    /// [`facts`] is walking: other visitors leave nothing behind (a layer's layout owner
+    /// would outlive its model).
+    static COLLECTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// A layer's tensor-parallel split, empty until a [`TpPlan`](super::TpPlan) assigns one,
@@ -221,6 +224,9 @@ impl Module for TpSlot {
         self
     }
     fn visit<V: ModuleVisitor>(&self, _: &mut V) {
+        if !COLLECTING.with(|c| c.get()) {
+            return;
+        }
         let facts = Facts {
             init: self.init.clone(),
             col: self.col,
@@ -304,6 +310,15 @@ pub(super) fn facts<M: Module>(model: &M) -> HashMap<String, Facts> {
         }
     }
     SEEN.with(|s| s.borrow_mut().take());
+    /// Ends the collection however the walk ends.
+    struct Collecting;
+    impl Drop for Collecting {
+        fn drop(&mut self) {
+            COLLECTING.with(|c| c.set(false));
+        }
+    }
+    COLLECTING.with(|c| c.set(true));
+    let _collecting = Collecting;
     let mut reader = Reader(Vec::new(), HashMap::new());
     model.visit(&mut reader);
     reader.1

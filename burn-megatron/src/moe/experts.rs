@@ -110,6 +110,14 @@ impl ExpertMlp {
     /// expert tensor parallelism this is this rank's partial sum of the output.
     pub fn forward(&self, x: Tensor<2>, weight: Tensor<2>) -> Tensor<2> {
         self.state_attrs();
+        let weights = [
+            Some(&self.linear_fc1),
+            self.linear_fc1_gate.as_ref(),
+            Some(&self.linear_fc2),
+        ];
+        for w in weights.into_iter().flatten() {
+            crate::tensor_parallel::refuse_adapter(w, "ExpertMlp");
+        }
         let act = match &self.linear_fc1_gate {
             Some(gate) => {
                 let g = x.clone().matmul(gate.val());

@@ -233,6 +233,7 @@ impl VocabParallelEmbedding {
 
     /// Gathers every rank's rows back into the full plain Burn `Embedding` (a collective).
     pub fn to_embedding(&self) -> Result<Embedding, TpError> {
+        no_adapter(&self.weight, "VocabParallelEmbedding::to_embedding")?;
         let w = crate::comm::tensor::all_gather(&*self.tp, self.weight.val().detach(), 0)?;
         Ok(Embedding {
             weight: Param::from_tensor(w),

@@ -236,6 +236,7 @@ impl ColumnParallelLinear {
     /// Gathers the shards of every rank back into the full plain Burn `Linear` (a
     /// collective: every rank of the group must call it). The result is not tracked.
     pub fn to_linear(&self) -> Result<Linear, TpError> {
+        no_adapter(&self.weight, "ColumnParallelLinear::to_linear")?;
         let w = crate::comm::tensor::all_gather(&*self.tp, self.weight.val().detach(), 1)?;
         let bias = match &self.bias {
             Some(b) => Some(Param::from_tensor(crate::comm::tensor::all_gather(

@@ -1,5 +1,5 @@
 // A small model written against Burn's `nn` (a table, self-attention, cross-attention with
-// grouped key/value heads, a feed-forward block, an output layer), included twice by `lora.rs`: with `nn` standing for `burn::nn` and for
+// grouped key/value heads, a linear no plan splits, a feed-forward block, an output layer), included twice by `lora.rs`: with `nn` standing for `burn::nn` and for
 // `dropin::nn`. Nothing else differs.
 
 #[derive(Module, Debug)]
@@ -7,6 +7,7 @@ pub struct Net {
     pub embed: nn::Embedding,
     pub attn: nn::attention::MultiHeadAttention,
     pub cross: nn::attention::CrossAttention,
+    pub mix: nn::Linear,
     pub up: nn::Linear,
     pub down: nn::Linear,
     pub out: nn::Linear,
@@ -23,6 +24,7 @@ impl Net {
             cross: nn::attention::CrossAttentionConfig::new(d, d, 8, 4, 1)
                 .with_dropout(0.0)
                 .init(device),
+            mix: nn::LinearConfig::new(d, d).init(device),
             up: nn::LinearConfig::new(d, ff).init(device),
             down: nn::LinearConfig::new(ff, d).init(device),
             out: nn::LinearConfig::new(d, vocab).init(device),
@@ -35,6 +37,7 @@ impl Net {
         let attended = self.attn.forward(nn::attention::MhaInput::self_attn(x.clone()));
         let x = x + attended.context;
         let x = x.clone() + self.cross.forward(x.clone(), x.clone().flip([1]), None);
+        let x = x.clone() + self.mix.forward(x);
         let hidden = burn::tensor::activation::relu(self.up.forward(x.clone()));
         self.out.forward(x + self.down.forward(hidden))
     }

@@ -21,7 +21,8 @@ use std::collections::HashMap;
 /// `ParallelTraining` and its checkpoints read and write the unsplit adapter. No whole weight
 /// is drawn (Burn's LoRA draws each weight it adapts; on a split model, a shard), so it is
 /// the way for a model that does not fit one device: plan, [`load_sharded`](crate::dropin::load_sharded)
-/// the base, then this. Collective over `tp`: every rank calls it.
+/// the base, then this. Collective over `tp`, the group the plan split the model over: every
+/// rank calls it.
 ///
 /// Errors, naming the layer: an adapter on a linear in Burn's column layout or on a padded
 /// vocabulary (leave those out of the LoRA's parameter group), or a failed broadcast.
@@ -94,6 +95,25 @@ fn factor(
     })
 }
 
+/// `param`, a whole factor, the same on every rank of `tp`: the first rank's (Burn drew it on
+/// each), its training state kept.
+fn whole_over_ranks<const D: usize>(
+    param: Param<Tensor<D>>,
+    at: &str,
+    tp: &Comm,
+) -> Result<Param<Tensor<D>>, (Param<Tensor<D>>, String)> {
+    if tp.group().size() == 1 {
+        return Ok(param);
+    }
+    match broadcast(&**tp, param.val().detach(), 0) {
+        Ok(value) => Ok(trainable_as(shard_param(value), is_frozen(&param))),
+        Err(e) => Err((
+            param,
+            format!("{at}: the LoRA factor's broadcast failed: {e}"),
+        )),
+    }
+}
+
 /// A factor, the dimension to cut it along (none: whole) and its layout.
 type Placed<const D: usize> = (Param<Tensor<D>>, Option<usize>, ParallelAttrs);
 
@@ -112,22 +132,31 @@ fn placed<const D: usize>(
         Ok(placed) => placed,
         Err(reason) => return Err((param, format!("{at}: {reason}"))),
     };
-    if dim.is_some() || tp.group().size() == 1 {
+    if dim.is_some() {
         return Ok((param, dim, attrs));
     }
-    match broadcast(&**tp, param.val().detach(), 0) {
-        Ok(value) => {
-            let param = trainable_as(shard_param(value), is_frozen(&param));
-            Ok((param, dim, attrs))
-        }
-        Err(e) => Err((
-            param,
-            format!("{at}: the LoRA factor's broadcast failed: {e}"),
-        )),
-    }
+    Ok((whole_over_ranks(param, &at, tp)?, dim, attrs))
 }
 
 impl PlanMapper<'_> {
+    /// `param` as it is, or, a factor of an adapter on a layer no rule names (whole, like
+    /// the layer), the same on every rank.
+    pub(super) fn whole_adapter<const D: usize>(
+        &mut self,
+        param: Param<Tensor<D>>,
+    ) -> Param<Tensor<D>> {
+        if self.types.last().map(String::as_str) != Some("Struct:LoraAdapter") {
+            return param;
+        }
+        match whole_over_ranks(param, &self.path.join("."), self.tp) {
+            Ok(p) => p,
+            Err((p, e)) => {
+                self.fail(e);
+                p
+            }
+        }
+    }
+
     /// A factor of an adapter on a weight this plan splits: cut with it, or made one over
     /// the ranks.
     pub(super) fn split_adapter<const D: usize>(
@@ -202,14 +231,20 @@ impl ModuleMapper for Adapters<'_> {
         }
         let n = self.path.len();
         let layer = self.path[..n.saturating_sub(3)].join(".");
-        // An adapter on a layer no plan split is whole, as Burn made it.
+        // An adapter on a layer no plan split is whole, like the layer, and one over the ranks.
         let Some(Facts {
             col,
             assigned: Some((split, layout, padded)),
             ..
         }) = self.facts.get(&layer).cloned()
         else {
-            return param;
+            return match whole_over_ranks(param, &self.path.join("."), self.tp) {
+                Ok(p) => p,
+                Err((p, e)) => {
+                    self.error.get_or_insert(e);
+                    p
+                }
+            };
         };
         // Burn drew the factor in the shard's shape: nothing to cut.
         let walked = (&self.path[..], &self.types[..]);

@@ -473,7 +473,7 @@ impl PlanMapper<'_> {
     /// `param` cut to this rank's shard when a rule named its layer.
     fn split_param<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let Some(active) = &mut self.active else {
-            return param;
+            return self.whole_adapter(param);
         };
         active.params += 1;
         let layer = self.types.last().cloned().unwrap_or_default();

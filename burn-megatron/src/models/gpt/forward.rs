@@ -265,6 +265,7 @@ impl Gpt {
                 };
                 // A 2-d product over all positions: a broadcast [1, h, V] weight would make
                 // backward materialise one [h, V] gradient per position before summing them.
+                crate::tensor_parallel::refuse_adapter(&w.weight, "the tied output head");
                 product(x, w.weight.val().transpose())
             }
             (None, None, None) => {

@@ -185,6 +185,7 @@ impl RowParallelLinear {
     /// Gathers the shards of every rank back into the full plain Burn `Linear` (a
     /// collective: every rank of the group must call it). The result is not tracked.
     pub fn to_linear(&self) -> Result<Linear, TpError> {
+        no_adapter(&self.weight, "RowParallelLinear::to_linear")?;
         let w = crate::comm::tensor::all_gather(&*self.tp, self.weight.val().detach(), 0)?;
         let bias = self
             .bias
