@@ -504,3 +504,31 @@ fn adapters_a_plan_cannot_split_are_refused_naming_the_layer() -> Result<(), Err
     );
     Ok(())
 }
+
+/// Ranks whose adapters differ in number (a LoRA parameter group chosen per rank) get an
+/// error naming the counts from `apply_lora`, on every rank, rather than broadcasts that pair
+/// one rank's factor with another's.
+#[test]
+fn ranks_with_different_adapters_are_refused_by_apply_lora() -> Result<(), Error> {
+    let errors = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let net = plan()?.apply(parallel::Net::new(VOCAB, D, HEADS, FF, d), g)?;
+        let lora = match ctx.state.tensor_model_parallel_rank() {
+            0 => lora(),
+            _ => {
+                let up =
+                    burn::module::ParamGroup::from_regex("^up").map_err(|e| format!("{e:?}"))?;
+                lora().set_param_group(up)
+            }
+        };
+        let refused = apply_lora(net, lora, g).err();
+        Ok::<_, Error>(refused.map(|e| e.to_string()).unwrap_or_default())
+    })?;
+    for (rank, message) in errors.iter().enumerate() {
+        assert!(
+            message.contains("different numbers of LoRA factors"),
+            "rank {rank}: {message:?}"
+        );
+    }
+    Ok(())
+}

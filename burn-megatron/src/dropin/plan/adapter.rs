@@ -7,10 +7,11 @@
 use super::{PlanMapper, Split, encoder_split};
 use crate::comm::Comm;
 use crate::comm::tensor::broadcast;
+use crate::comm::{CommunicatorExt, ReduceOp};
 use crate::dropin::shard::{Placement, is_frozen, shard, trainable_as};
 use crate::dropin::slot::{Facts, facts};
 use crate::tensor_parallel::{LayoutOwner, ParallelAttrs, TpError, adapter_attrs, shard_param};
-use burn::module::{Lora, Module, ModuleMapper, Param};
+use burn::module::{Lora, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use std::collections::HashMap;
 
@@ -34,6 +35,7 @@ use std::collections::HashMap;
 /// ```
 pub fn apply_lora<M: Module>(model: M, lora: Lora, tp: &Comm) -> Result<M, TpError> {
     let model = model.apply_lora(lora);
+    same_adapters(&model, tp)?;
     let mut mapper = Adapters {
         tp,
         facts: facts(&model),
@@ -45,6 +47,32 @@ pub fn apply_lora<M: Module>(model: M, lora: Lora, tp: &Comm) -> Result<M, TpErr
     match mapper.error {
         Some(e) => Err(TpError::Invalid(e)),
         None => Ok(model),
+    }
+}
+
+/// An error on every rank when the ranks' adapters differ in number (a LoRA parameter group
+/// chosen per rank, models that differ): the broadcasts of the walk would pair one rank's
+/// factor with another's.
+fn same_adapters<M: Module>(model: &M, tp: &Comm) -> Result<(), TpError> {
+    struct Count(usize);
+    impl ModuleVisitor for Count {
+        fn enter_module(&mut self, _: &str, container_type: &str) {
+            self.0 += usize::from(container_type == "Struct:LoraAdapter");
+        }
+    }
+    let mut count = Count(0);
+    model.visit(&mut count);
+    // The same fields of each adapter, on every rank alike.
+    let mine = count.0 as f32;
+    let mut range = vec![mine, -mine];
+    tp.all_reduce_vec(&mut range, ReduceOp::Max)?;
+    match (range[0], -range[1]) {
+        (most, least) if most == least => Ok(()),
+        (most, least) => Err(TpError::Invalid(format!(
+            "the tensor-parallel ranks' models carry different numbers of LoRA factors ({least} \
+             to {most}; this rank {mine}): give every rank the same model and the same LoRA \
+             parameter group"
+        ))),
     }
 }
 
