@@ -19,7 +19,8 @@ use burn_megatron::dropin::nn::{
     Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
 use burn_megatron::dropin::{
-    LoadOptions, PpPlan, PpStage, RecordSource, TpPlan, load_sharded, save_gathered_stages,
+    LoadOptions, PpPlan, PpStage, RecordSource, TpPlan, apply_lora, load_sharded,
+    save_gathered_stages,
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
@@ -153,6 +154,28 @@ fn record(dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// The LoRA every LoRA run applies.
+fn lora() -> burn::module::Lora {
+    burn::module::Lora::new(2, 4.0)
+}
+
+/// The whole model with Burn's LoRA on it, saved after one AdamW step (so that every `b`, zeros
+/// as Burn draws it, holds values): what every LoRA layout loads.
+fn lora_record(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("lm-lora.bpk");
+    let device = Device::flex().autodiff();
+    device.seed(13);
+    let whole = plan().stage(PipelinePosition::whole()).unwrap();
+    let lm = Lm::new(&whole, &device).apply_lora(lora());
+    let Ok(ChunkOutput::Loss { loss, .. }) = lm.step(0, None, &device) else {
+        panic!("the whole model ends in its loss")
+    };
+    let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &lm);
+    let lm = AdamWConfig::new().init().step(5e-2, lm, grads);
+    lm.save_file(&path).unwrap();
+    path
+}
+
 /// The tied model's record: `wte`, the layers and the norm.
 fn tied_record(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("tied.bpk");
@@ -179,6 +202,9 @@ struct Run<'a> {
     tied: bool,
     /// How the layers split over the stages.
     split: LayerSplit,
+    /// Burn's LoRA on every stage, by `dropin::apply_lora` after the plan (the record holds
+    /// the adapters).
+    lora: bool,
 }
 
 fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<'a> {
@@ -194,6 +220,7 @@ fn run<'a>(tp: usize, pp: usize, vp: usize, dp: usize, record: &'a Path) -> Run<
         plain: None,
         tied: false,
         split: LayerSplit::default(),
+        lora: false,
     }
 }
 
@@ -231,6 +258,10 @@ fn train(run: Run<'_>) -> Result<Trace, Error> {
             .iter()
             .map(|stage| {
                 let chunk = stage.tp_plan(tp_plan.clone()).apply(build(stage), tp)?;
+                let chunk = match run.lora {
+                    true => apply_lora(chunk, lora(), tp)?,
+                    false => chunk,
+                };
                 let options = stage.load_options(LoadOptions::default());
                 Ok(load_sharded(chunk, &source, tp, &options)?.0)
             })
@@ -414,6 +445,28 @@ fn a_burn_model_trains_across_pipeline_stages_as_on_one_rank() -> Result<(), Err
         ..run(1, 3, 1, 1, &record)
     };
     assert_same("resumed at PP 3, ends counted", &train(resumed)?, &rest);
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// Burn's LoRA on a model split into pipeline stages (`dropin::apply_lora` on each stage's
+/// chunk, the adapters loaded from the whole LoRA model's record) trains as that model on
+/// one rank: losses, grad norms, the adapters' gradients and every weight.
+#[test]
+fn lora_on_pipeline_stages_trains_as_on_one_rank() -> Result<(), Error> {
+    let dir = super::load::scratch("pipeline-lora");
+    let record = lora_record(&dir);
+    let lora_run = |tp, pp, vp, dp| Run {
+        lora: true,
+        ..run(tp, pp, vp, dp, &record)
+    };
+    let one = train(lora_run(1, 1, 1, 1))?;
+    let trained = one.grads.as_ref().map_or(0, BTreeMap::len);
+    assert_eq!(trained, 2 * (2 + LAYERS * 6), "only the adapters train");
+    for (tp, pp, vp, dp) in [(1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1), (1, 2, 1, 2)] {
+        let what = format!("LoRA, TP {tp} × PP {pp} × VP {vp} × DP {dp}");
+        assert_same(&what, &train(lora_run(tp, pp, vp, dp))?, &one);
+    }
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
