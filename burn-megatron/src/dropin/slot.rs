@@ -123,9 +123,8 @@ pub(super) struct Facts {
     pub(super) init: Option<Initializer>,
     /// A linear in Burn's column layout (its record holds the weight transposed).
     pub(super) col: bool,
-    /// A plan split it.
-    pub(super) split: bool,
-    /// How, where its parameters' layout is stated, and whether over a padded vocabulary.
+    /// A plan split it: how, where its parameters' layout is stated, and whether over a
+    /// padded vocabulary.
     pub(super) assigned: Option<(Split, LayoutOwner, bool)>,
 }
 
@@ -230,7 +229,6 @@ impl Module for TpSlot {
         let facts = Facts {
             init: self.init.clone(),
             col: self.col,
-            split: self.assigned.is_some(),
             assigned: (self.assigned.as_ref())
                 .map(|a| (a.split, a.layout.clone(), a.vocab.is_some())),
         };
@@ -330,5 +328,5 @@ pub(super) fn facts<M: Module>(model: &M) -> HashMap<String, Facts> {
 pub(super) fn col_weight(facts: &HashMap<String, Facts>, path: &str) -> Option<bool> {
     let (layer, field) = path.rsplit_once('.').unwrap_or(("", path));
     let facts = facts.get(layer).filter(|f| f.col && field == "weight")?;
-    Some(facts.split)
+    Some(facts.assigned.is_some())
 }

@@ -8,11 +8,11 @@ use super::super::super::slot::TpSlot;
 use super::super::cache::TensorCache;
 use super::super::transformer::drop;
 use super::super::{Linear, LinearConfig};
+use super::{attention_probs, to_heads};
 use crate::tensor_parallel::RngRegion;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer};
-use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Device, Tensor};
 
 /// Burn's `CrossAttentionConfig`, field for field.
@@ -178,9 +178,9 @@ impl CrossAttention {
             context_batch, batch,
             "CrossAttention: a context of {context_batch} samples for queries of {batch}"
         );
-        let q = self.split_heads(self.query.forward(query), heads);
-        let k_of = |x| self.split_heads(self.key.forward(x), kv_heads);
-        let v_of = |x| self.split_heads(self.value.forward(x), kv_heads);
+        let q = to_heads(self.query.forward(query), heads, self.d_head);
+        let k_of = |x| to_heads(self.key.forward(x), kv_heads, self.d_head);
+        let v_of = |x| to_heads(self.value.forward(x), kv_heads, self.d_head);
         let (k, v) = match cache {
             None => (k_of(context.clone()), v_of(context)),
             Some(c) => (
@@ -194,15 +194,9 @@ impl CrossAttention {
             1 => (k, v),
             n_rep => (repeat_kv(k, n_rep), repeat_kv(v, n_rep)),
         };
-        let s_c = k.dims()[2];
-        let mut scores = q.matmul(k.transpose()).mul_scalar(self.scale);
-        if let Some(mask) = mask {
-            scores = scores.mask_fill(mask.reshape([batch, 1, 1, s_c]), self.min_float);
-        }
-        let weights = match self.quiet_softmax {
-            true => quiet_softmax(scores, 3),
-            false => softmax(scores, 3),
-        };
+        let scores = q.matmul(k.transpose()).mul_scalar(self.scale);
+        // The mask is Burn's padding mask, `[b, s_c]`.
+        let weights = attention_probs(scores, mask, None, self.min_float, self.quiet_softmax);
         // Each rank holds other heads: their masks differ.
         let weights = drop(
             &self.dropout,
@@ -235,12 +229,6 @@ impl CrossAttention {
              tensor-parallel ranks"
         );
         (heads / tp, kv_heads / tp)
-    }
-
-    /// `[b, s, heads · d_head]` → `[b, heads, s, d_head]`.
-    fn split_heads(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
-        let [b, s, _] = x.dims();
-        x.reshape([b, s, heads, self.d_head]).swap_dims(1, 2)
     }
 }
 

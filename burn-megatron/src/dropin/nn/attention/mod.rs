@@ -252,10 +252,9 @@ impl MultiHeadAttention {
         self.n_heads / tp
     }
 
-    /// `[b, s, heads · d_k]` → `[b, heads, s, d_k]`.
+    /// `[b, s, heads · d_k]` → `[b, heads, s, d_k]`, this rank's heads.
     fn split_heads(&self, x: Tensor<3>) -> Tensor<4> {
-        let [b, s, _] = x.dims();
-        x.reshape([b, s, self.heads(), self.d_k]).swap_dims(1, 2)
+        to_heads(x, self.heads(), self.d_k)
     }
 
     /// Scores, probabilities, their dropout and the output projection (through `output`'s
@@ -327,6 +326,12 @@ impl MhaCache {
             ..Self::autoregressive()
         }
     }
+}
+
+/// `[b, s, heads · d]` → `[b, heads, s, d]`.
+fn to_heads(x: Tensor<3>, heads: usize, d: usize) -> Tensor<4> {
+    let [b, s, _] = x.dims();
+    x.reshape([b, s, heads, d]).swap_dims(1, 2)
 }
 
 /// Burn's attention probabilities: `scores` `[b, heads, s_q, s_k]` filled with `min_float`
