@@ -90,6 +90,28 @@ fn the_swapped_plain_burn_llama_matches_the_plain_one() {
     assert!(ratio <= 1.2, "{line}");
 }
 
+/// `--hf`: a Hugging Face Llama checkpoint (the fixture `transformers` wrote) at TP 1 and 2,
+/// each rank reading its shards, generates the same tokens; the integration test
+/// `dropin::hf_llama` holds the same code to `transformers`' logits, gradients and tokens. A
+/// checkpoint the model cannot hold fails, naming the setting.
+#[test]
+fn the_llama_example_reads_a_hugging_face_checkpoint() {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
+    let llama = format!("{fixtures}/hf_llama_tiny");
+    let args = ["--hf", &llama, "--prompt", "86,13,60,13,9,28,68", "--new-tokens", "10"];
+    let stdout = run("tp_llama_dropin", &args);
+    let tokens = after(&stdout, "greedy tokens TP=1:");
+    assert_eq!(tokens.split(',').count(), 10, "{stdout}");
+    assert_eq!(tokens, after(&stdout, "greedy tokens TP=2:"));
+    let tied = format!("{fixtures}/hf_qwen2_tiny");
+    let out = std::process::Command::new(example_binary("tp_llama_dropin"))
+        .args(["--hf", &tied])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("tie_word_embeddings"), "{stderr}");
+}
+
 #[test]
 fn the_swapped_burn_encoder_bert_matches_the_plain_one_at_tp_2_and_4() {
     for tp in ["2", "4"] {

@@ -16,10 +16,9 @@
 //! the two): at TP = `--tp` × PP = `--pp` each stage loads only its layers from the same
 //! record and trains through Megatron's 1F1B schedule, held to the same bounds.
 
-use burn::config::Config;
 use burn::module::Module;
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use burn_megatron::dropin::save_gathered;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::dropin::{LoadOptions, save_gathered};
 use burn_megatron::launch::{self, LaunchOptions, RankContext};
 use burn_megatron::pipeline::{
     ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
@@ -32,6 +31,7 @@ use burn_megatron_examples::dropin::{
 };
 use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 struct Args {
@@ -47,81 +47,25 @@ struct Args {
     /// Tokens to generate greedily from the saved weights.
     #[arg(long, default_value_t = 8)]
     new_tokens: usize,
-}
-
-/// The model's sizes, as llama-burn's `LlamaConfig`.
-#[derive(Config, Debug)]
-pub struct LlamaConfig {
-    pub vocab_size: usize,
-    pub d_model: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub hidden_size: usize,
-    pub n_layers: usize,
-    pub max_seq_len: usize,
+    /// The prompt's token ids.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 7, 3, 12])]
+    prompt: Vec<i64>,
+    /// A Hugging Face Llama's directory (`config.json` and its safetensors): load it at TP 1
+    /// and at `--tp` and generate from `--prompt`, instead of the rest.
+    #[arg(long)]
+    hf: Option<PathBuf>,
 }
 
 const SEQ: usize = 16;
 const BATCH: usize = 2;
 const TOLERANCE: f32 = 1e-5;
 
-/// Llama's `repeat_kv`: `[b, kv_heads, s, d]` → `[b, kv_heads · n_rep, s, d]`.
-fn repeat_kv(x: Tensor<4>, n_rep: usize) -> Tensor<4> {
-    let [b, kv_heads, s, d] = x.dims();
-    let x = x.unsqueeze_dim::<5>(2).repeat_dim(2, n_rep);
-    x.reshape([b, kv_heads * n_rep, s, d])
-}
+/// The config, the rotary encoding, the cache: what the conversion leaves alone.
+mod llama;
+use llama::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 
-/// `[1, 1, s, t]`, added to the scores of the last `s` of `t` positions: a large negative
-/// number where a key lies after its query.
-fn causal_mask(s: usize, t: usize, device: &Device) -> Tensor<4> {
-    let after = Tensor::<2, Bool>::tril_mask([s, t], (t - s) as i64, device);
-    Tensor::<2>::zeros([s, t], device)
-        .mask_fill(after, -1e9)
-        .unsqueeze()
-}
-
-/// One layer's keys and values so far, `[batch, kv_heads, max_seq_len, head_dim]` (llama-burn's
-/// `cache.rs`, which the conversion does not touch).
-pub struct KeyValueCache {
-    key: Tensor<4>,
-    value: Tensor<4>,
-    len: usize,
-}
-
-impl KeyValueCache {
-    pub fn new(
-        batch: usize,
-        kv_heads: usize,
-        max_seq_len: usize,
-        head_dim: usize,
-        device: &Device,
-    ) -> Self {
-        let empty = || Tensor::zeros([batch, kv_heads, max_seq_len, head_dim], device);
-        Self {
-            key: empty(),
-            value: empty(),
-            len: 0,
-        }
-    }
-
-    /// Appends `[b, kv_heads, s, d]` keys and values; all of them so far.
-    pub fn forward(&mut self, k: Tensor<4>, v: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
-        let [b, h, s, d] = k.dims();
-        let (at, end) = (self.len, self.len + s);
-        self.key = self
-            .key
-            .clone()
-            .slice_assign([0..b, 0..h, at..end, 0..d], k);
-        self.value = self
-            .value
-            .clone()
-            .slice_assign([0..b, 0..h, at..end, 0..d], v);
-        self.len = end;
-        let so_far = |t: &Tensor<4>| t.clone().slice([0..b, 0..h, 0..end, 0..d]);
-        (so_far(&self.key), so_far(&self.value))
-    }
-}
+/// A Hugging Face Llama checkpoint read into the user's Llama.
+mod hf;
 
 /// The user's Llama, in plain Burn.
 mod plain;
@@ -154,7 +98,13 @@ fn loading_memory(dir: &std::path::Path, tp: usize) -> Result<String, Box<dyn st
         LaunchOptions::default(),
         |ctx| {
             let counter = Counter::claim();
-            let model = parallel::Llama::load(&config, &record, &ctx.groups.tp, &Device::flex())?;
+            let model = parallel::Llama::load(
+                &config,
+                &record,
+                &LoadOptions::default(),
+                &ctx.groups.tp,
+                &Device::flex(),
+            )?;
             let peak = counter.peak();
             Ok::<_, TpError>((peak, param_bytes(&model) as i64))
         },
@@ -223,8 +173,52 @@ fn pipeline_rank(
 }
 // ANCHOR_END: pipeline
 
+// ANCHOR: hf
+/// `--hf`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards,
+/// generating greedily from `--prompt`.
+fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let config = hf::config(dir)?;
+    if !config.n_kv_heads.is_multiple_of(args.tp) {
+        return Err(format!("--tp must divide the {} key/value heads", config.n_kv_heads).into());
+    }
+    if args.prompt.len() + args.new_tokens > config.max_seq_len {
+        return Err("--prompt and --new-tokens exceed max_position_embeddings".into());
+    }
+    println!(
+        "{}: {} layers, width {}, {} heads over {} key/value heads, vocabulary {}",
+        dir.display(),
+        config.n_layers,
+        config.d_model,
+        config.n_heads,
+        config.n_kv_heads,
+        config.vocab_size
+    );
+    let mut generated = Vec::new();
+    for tp in [1, args.tp] {
+        let ranks = launch::threads(
+            &ParallelConfig::new(tp, tp, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let model = hf::load(&config, dir, &ctx.groups.tp, &Device::flex())?;
+                model.generate(&config, &args.prompt, args.new_tokens)
+            },
+        )?;
+        let tokens = ranks.into_iter().next().expect("a rank");
+        println!("greedy tokens TP={tp}: {:?}", &tokens[args.prompt.len()..]);
+        generated.push(tokens);
+    }
+    if generated[0] != generated[1] {
+        return Err(format!("TP={} generated other tokens than TP=1", args.tp).into());
+    }
+    Ok(())
+}
+// ANCHOR_END: hf
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    if let Some(dir) = &args.hf {
+        return from_hugging_face(dir, &args);
+    }
     // 65 tokens: no TP size splits them, so the plan pads the vocabulary (to 80 at TP 2).
     let config = LlamaConfig::new(65, 32, 4, 2, 48, 2, SEQ + args.new_tokens + 8);
     if !config.n_kv_heads.is_multiple_of(args.tp) {
@@ -240,11 +234,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let device = Device::flex();
     device.seed(42);
     plain::Llama::new(&config, &device).save_file(&record)?;
-    let prompt = [1, 7, 3, 12];
+    let prompt = &args.prompt;
 
     // TP 1: the plain model loads the whole record.
     let tokens =
-        plain::Llama::load(&config, &record, &device).generate(&config, &prompt, args.new_tokens);
+        plain::Llama::load(&config, &record, &device).generate(&config, prompt, args.new_tokens);
     let ad = Device::flex().autodiff();
     let model = plain::Llama::load(&config, &record, &ad);
     let (x, y) = batch(&ad);
@@ -258,9 +252,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         LaunchOptions::default(),
         |ctx| {
             let (tp, d) = (&ctx.groups.tp, &ctx.device);
-            let model = parallel::Llama::load(&config, &record, tp, &Device::flex())?;
-            let tokens = model.generate(&config, &prompt, args.new_tokens)?;
-            let model = parallel::Llama::load(&config, &record, tp, d)?;
+            let model = parallel::Llama::load(
+                &config,
+                &record,
+                &LoadOptions::default(),
+                tp,
+                &Device::flex(),
+            )?;
+            let tokens = model.generate(&config, prompt, args.new_tokens)?;
+            let model = parallel::Llama::load(&config, &record, &LoadOptions::default(), tp, d)?;
             let (x, y) = batch(d);
             let loss = |m: &parallel::Llama| m.loss(x.clone(), y.clone());
             let (model, losses, grads) = train(model, args.steps, tp, loss)?;

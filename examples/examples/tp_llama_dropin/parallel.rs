@@ -1,6 +1,6 @@
 use super::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 use burn::module::Module;
-use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig};
+use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
@@ -94,7 +94,11 @@ impl Llama {
     // ANCHOR: new
     pub fn new(c: &LlamaConfig, device: &Device) -> Self {
         let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
-        let norm = || RmsNormConfig::new(c.d_model).init(device);
+        let norm = || {
+            RmsNormConfig::new(c.d_model)
+                .with_epsilon(c.norm_eps)
+                .init(device)
+        };
         let head_dim = c.d_model / c.n_heads;
         let block = |_| TransformerBlock {
             attention: Attention {
@@ -118,21 +122,26 @@ impl Llama {
             layers: (0..c.n_layers).map(block).collect(),
             norm: norm(),
             output: linear(c.d_model, c.vocab_size),
-            rope: RotaryEncodingConfig::new(c.max_seq_len, head_dim).init(device),
+            rope: c.rope(device),
         }
     }
     // ANCHOR_END: new
 
     // ANCHOR: load
-    /// The model with the weights of the record at `path`.
-    pub fn load(c: &LlamaConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self> {
+    /// The model with the weights of the record at `path`, read as `options` say.
+    pub fn load(
+        c: &LlamaConfig,
+        path: &Path,
+        options: &LoadOptions,
+        tp: &Comm,
+        device: &Device,
+    ) -> Result<Self> {
         let plan = TpPlan::new().column(&["*.wq", "*.wk", "*.wv", "*.swiglu"])?;
         let plan = plan.row(&["*.wo", "*.w2"])?;
         let plan = plan.vocab(&["tok_embeddings", "output"])?;
         let plan = plan.make_vocab_size_divisible_by(8)?;
         let model = plan.apply(Self::new(c, device), tp)?;
-        let (source, options) = (RecordSource::from_path(path), LoadOptions::default());
-        Ok(load_sharded(model, &source, tp, &options)?.0)
+        Ok(load_sharded(model, &RecordSource::from_path(path), tp, options)?.0)
     }
     // ANCHOR_END: load
 

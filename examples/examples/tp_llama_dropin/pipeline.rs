@@ -1,6 +1,6 @@
 use super::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 use burn::module::Module;
-use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig};
+use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor};
 use burn_megatron::comm::Comm;
@@ -95,7 +95,11 @@ impl Llama {
     // ANCHOR: new
     pub fn new(c: &LlamaConfig, stage: &PpStage, device: &Device) -> Self {
         let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
-        let norm = || RmsNormConfig::new(c.d_model).init(device);
+        let norm = || {
+            RmsNormConfig::new(c.d_model)
+                .with_epsilon(c.norm_eps)
+                .init(device)
+        };
         let head_dim = c.d_model / c.n_heads;
         let block = |_| TransformerBlock {
             attention: Attention {
@@ -120,7 +124,7 @@ impl Llama {
             layers: stage.layers().map(block).collect(),
             norm: stage.is_last().then(norm),
             output: stage.is_last().then(|| linear(c.d_model, c.vocab_size)),
-            rope: RotaryEncodingConfig::new(c.max_seq_len, head_dim).init(device),
+            rope: c.rope(device),
         }
     }
     // ANCHOR_END: new

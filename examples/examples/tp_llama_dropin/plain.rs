@@ -2,7 +2,7 @@ use super::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, SwiGlu, SwiGluConfig};
-use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding, RotaryEncodingConfig};
+use burn::nn::{RmsNorm, RmsNormConfig, RotaryEncoding};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use std::path::Path;
@@ -89,7 +89,11 @@ impl Llama {
     // ANCHOR: new
     pub fn new(c: &LlamaConfig, device: &Device) -> Self {
         let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
-        let norm = || RmsNormConfig::new(c.d_model).init(device);
+        let norm = || {
+            RmsNormConfig::new(c.d_model)
+                .with_epsilon(c.norm_eps)
+                .init(device)
+        };
         let head_dim = c.d_model / c.n_heads;
         let block = |_| TransformerBlock {
             attention: Attention {
@@ -113,7 +117,7 @@ impl Llama {
             layers: (0..c.n_layers).map(block).collect(),
             norm: norm(),
             output: linear(c.d_model, c.vocab_size),
-            rope: RotaryEncodingConfig::new(c.max_seq_len, head_dim).init(device),
+            rope: c.rope(device),
         }
     }
     // ANCHOR_END: new

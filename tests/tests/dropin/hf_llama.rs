@@ -1,0 +1,211 @@
+//! A Hugging Face Llama checkpoint in the user's Llama: the llama-burn-style model of
+//! `examples/examples/tp_llama_dropin`, made tensor-parallel by its imports, compiled here from
+//! the example's own files. At TP 1 and 2, against `transformers` (`tests/fixtures/
+//! hf_llama_tiny`: grouped-query attention, Llama 3's RoPE scaling, four safetensors shards):
+//! the logits, the causal-LM loss, every gradient, and greedy generation through the cache.
+
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_llama_dropin/hf.rs"]
+mod hf;
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_llama_dropin/llama.rs"]
+mod llama;
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_llama_dropin/parallel.rs"]
+mod parallel;
+
+use super::Error;
+use super::load::{scratch, write_safetensors};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::Comm;
+use burn_megatron::comm::tensor::all_gather;
+use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
+use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::{read_safetensors, tp_ranks};
+use llama::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+type Fixture = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
+type Values = BTreeMap<String, Vec<f32>>;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_llama_tiny")
+}
+
+/// The logits at the positions `transformers`' attention mask keeps (gathered over the
+/// vocabulary, its padding cut), and the causal-LM loss as `transformers` computes it:
+/// position `t` predicts `labels[t + 1]`, the −100 labels and the last position left out, the
+/// mean over the rest. With the loss's gradients.
+fn run(
+    model: &parallel::Llama,
+    f: &Fixture,
+    vocab: usize,
+    tp: &Comm,
+    device: &Device,
+) -> Result<(Vec<f32>, f32, GradientsParams), Error> {
+    let (shape, ids) = &f["input_ids"];
+    let (b, s) = (shape[0], shape[1]);
+    let tokens = TensorData::new(ids.iter().map(|x| *x as i64).collect(), [b, s]);
+    let labels = &f["labels"].1;
+    let next = |i: usize| if i % s + 1 < s { labels[i + 1] } else { -100.0 };
+    let targets: Vec<i64> = (0..b * s).map(|i| next(i).max(0.0) as i64).collect();
+    let counted: Vec<f32> = (0..b * s).map(|i| f32::from(next(i) >= 0.0)).collect();
+    let n: f32 = counted.iter().sum();
+    let logits = model.forward(Tensor::<2, Int>::from_data(tokens, device), None);
+    let v = logits.dims()[2];
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [b * s]), device);
+    let ce = vocab_parallel_cross_entropy(logits.clone().reshape([b * s, v]), targets, 0.0, tp)?;
+    let counted = Tensor::<1>::from_data(TensorData::new(counted, [b * s]), device);
+    let loss = (ce * counted).sum() / n;
+    let whole = all_gather(&**tp, logits.detach(), 2)?.narrow(2, 0, vocab);
+    let kept = &f["attention_mask"].1;
+    let logits = (whole.into_data().iter::<f32>().collect::<Vec<_>>())
+        .chunks(vocab)
+        .zip(kept)
+        .filter(|(_, m)| **m == 1.0)
+        .flat_map(|(row, _)| row.to_vec())
+        .collect();
+    let value = loss.clone().into_scalar::<f32>();
+    Ok((
+        logits,
+        value,
+        GradientsParams::from_grads(loss.backward(), model),
+    ))
+}
+
+/// `want`'s logits at the positions the attention mask keeps.
+fn kept_logits(f: &Fixture, vocab: usize) -> Vec<f32> {
+    (f["logits"].1.chunks(vocab))
+        .zip(&f["attention_mask"].1)
+        .filter(|(_, m)| **m == 1.0)
+        .flat_map(|(row, _)| row.iter().map(|x| *x as f32))
+        .collect()
+}
+
+/// The largest of each gradient's `‖got − want‖ / ‖want‖`, and its parameter; every parameter
+/// of `want` must be in `got`.
+fn worst_gradient(got: &Values, want: &Values) -> (f32, String) {
+    let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| x * x).sum::<f32>().sqrt();
+    let mut worst = (0f32, String::new());
+    for (name, want) in want {
+        let Some(got) = got.get(name).filter(|g| g.len() == want.len()) else {
+            return (f32::INFINITY, format!("{name} (no gradient of its size)"));
+        };
+        let diff =
+            norm(&mut got.iter().zip(want).map(|(a, b)| a - b)) / norm(&mut want.iter().copied());
+        if diff.is_nan() || diff > worst.0 {
+            worst = (
+                if diff.is_nan() { f32::INFINITY } else { diff },
+                name.clone(),
+            );
+        }
+    }
+    worst
+}
+
+#[test]
+fn a_hugging_face_llama_in_the_users_llama_gives_transformers_numbers() -> Result<(), Error> {
+    let dir = fixture();
+    let config = hf::config(&dir)?;
+    let expected = read_safetensors(&dir.join("expected.safetensors"));
+    let generate = read_safetensors(&dir.join("generate.safetensors"));
+    // `transformers`' gradients written as a checkpoint under the parameters' names: read
+    // through the same options, they come in the model's layout (linears `[in, out]`, query
+    // and key features paired), split as the model is.
+    let grads: Vec<(String, Vec<usize>, Vec<f32>)> = (expected.iter())
+        .filter_map(|(k, (shape, v))| {
+            let values = v.iter().map(|x| *x as f32).collect();
+            k.strip_prefix("grad.")
+                .map(|n| (n.to_string(), shape.clone(), values))
+        })
+        .collect();
+    assert_eq!(grads.len(), 21, "a gradient for every parameter");
+    let scratch = scratch("hf-llama");
+    let grads_path = scratch.join("grads.safetensors");
+    write_safetensors(&grads_path, &grads);
+    // The fixture's one unpadded prompt, and `transformers`' ten greedy tokens after it.
+    let (shape, prompts) = &generate["prompt_ids"];
+    let row = |v: &[f64], width: usize| -> Vec<i64> {
+        v[width..2 * width].iter().map(|x| *x as i64).collect()
+    };
+    let prompt = row(prompts, shape[1]);
+    let greedy = row(&generate["greedy"].1, generate["greedy"].0[1]);
+    let want_logits = kept_logits(&expected, config.vocab_size);
+    let want_loss = expected["loss"].1[0] as f32;
+    for tp in [1, 2] {
+        let ranks = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = hf::load(&config, &dir, g, d)?;
+            let (logits, loss, grads) = run(&model, &expected, config.vocab_size, g, d)?;
+            let options = hf::options(&config)?;
+            let reference = parallel::Llama::load(&config, &grads_path, &options, g, d)?;
+            let tokens = model.generate(&config, &prompt, greedy.len())?;
+            Ok::<_, Error>((
+                logits,
+                loss,
+                gathered(&model, Some(&grads), g),
+                gathered(&reference, None, g),
+                tokens[prompt.len()..].to_vec(),
+            ))
+        })?;
+        for (rank, (logits, loss, grads, want_grads, tokens)) in ranks.iter().enumerate() {
+            let what = format!("TP {tp}, rank {rank}");
+            let d = super::max_abs_diff(logits, &want_logits);
+            assert!(d <= 1e-4, "{what}: logits off by {d}");
+            assert!(
+                (loss - want_loss).abs() <= 1e-5,
+                "{what}: loss {loss} vs {want_loss}"
+            );
+            let (worst, name) = worst_gradient(grads, want_grads);
+            assert!(
+                worst <= 1e-5,
+                "{what}: {name}'s gradient off by {worst:.2e} relative"
+            );
+            assert_eq!(tokens, &greedy, "{what}: transformers' greedy tokens");
+            println!("{what}: logits within {d:.1e}, gradients within {worst:.1e} ({name})");
+        }
+    }
+    std::fs::remove_dir_all(scratch)?;
+    Ok(())
+}
+
+/// What the Llama cannot hold is refused before anything loads, naming the setting.
+#[test]
+fn a_checkpoint_the_users_llama_cannot_hold_is_an_error_naming_the_setting() -> Result<(), Error> {
+    let dir = scratch("hf-llama-config");
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("config.json"))?)?;
+    let cases = [
+        ("tie_word_embeddings", serde_json::json!(true)),
+        ("attention_bias", serde_json::json!(true)),
+        ("hidden_act", serde_json::json!("gelu")),
+        ("head_dim", serde_json::json!(8)),
+    ];
+    for (key, value) in cases {
+        let mut json = base.clone();
+        json[key] = value;
+        std::fs::write(dir.join("config.json"), json.to_string())?;
+        let e = hf::config(&dir).unwrap_err();
+        assert!(e.contains(key), "{key}: {e}");
+    }
+    let mut json = base.clone();
+    json["rope_parameters"]["rope_type"] = serde_json::json!("yarn");
+    std::fs::write(dir.join("config.json"), json.to_string())?;
+    let e = hf::config(&dir).unwrap_err();
+    assert!(e.contains("rope_type") && e.contains("yarn"), "{e}");
+    // transformers 4's form: `rope_theta` at the top, the scaling in `rope_scaling`.
+    let mut json = base;
+    let rope = json["rope_parameters"].take();
+    json["rope_theta"] = rope["rope_theta"].clone();
+    json["rope_scaling"] = rope;
+    json.as_object_mut().map(|o| o.remove("rope_parameters"));
+    std::fs::write(dir.join("config.json"), json.to_string())?;
+    assert_eq!(
+        hf::config(&dir)?.to_string(),
+        hf::config(&fixture())?.to_string()
+    );
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
