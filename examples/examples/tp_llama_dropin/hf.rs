@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 // ANCHOR: options
 /// How a Hugging Face Llama's tensors meet the user's Llama: its names renamed to the model's
 /// paths, its linears read `[out, in]` and its norms' `weight` as `gamma` (the PyTorch
-/// adapter), and each query and key head's features, stored as `rotate_half`'s two halves,
-/// paired as Burn's `RotaryEncoding` pairs them. The key projection has the key/value heads.
+/// adapter), each query and key head's features, stored as `rotate_half`'s two halves,
+/// paired as Burn's `RotaryEncoding` pairs them (the key projection has the key/value
+/// heads), and the output layer read from the embedding's table where the checkpoint ties
+/// them (`tie_word_embeddings`, as Llama 3.2's 1B and 3B do: no `lm_head.weight` saved).
 pub fn options(c: &LlamaConfig) -> Result<LoadOptions, TpError> {
     let renames = [
         (r"^model\.", ""),
@@ -33,6 +35,7 @@ pub fn options(c: &LlamaConfig) -> Result<LoadOptions, TpError> {
     for (pattern, replacement) in renames {
         options = options.with_key_remap(pattern, replacement)?;
     }
+    let options = options.with_tied("output.weight", "tok_embeddings.weight");
     options
         .with_transform(r"\.wq\.weight$", rotary_half_to_interleaved(c.n_heads))?
         .with_transform(r"\.wk\.weight$", rotary_half_to_interleaved(c.n_kv_heads))
@@ -61,7 +64,7 @@ pub fn checkpoint(dir: &Path) -> PathBuf {
 }
 
 /// `dir/config.json` as the model's config. What this Llama cannot hold is an error naming the
-/// setting: biases, tied embeddings, another activation, a head width other than
+/// setting: another model type, biases, another activation, a head width other than
 /// `hidden_size / num_attention_heads`, a RoPE other than the default or Llama 3's.
 pub fn config(dir: &Path) -> Result<LlamaConfig, String> {
     let path = dir.join("config.json");
@@ -81,9 +84,12 @@ pub fn config(dir: &Path) -> Result<LlamaConfig, String> {
             .ok_or_else(|| at(key) + " is not a count")
     };
     let flag = |key: &str| json[key].as_bool().unwrap_or(false);
-    for key in ["attention_bias", "mlp_bias", "tie_word_embeddings"] {
+    if json["model_type"].as_str().is_some_and(|t| t != "llama") {
+        return Err(at("model_type") + " is not llama");
+    }
+    for key in ["attention_bias", "mlp_bias"] {
         if flag(key) {
-            return Err(at(key) + " is true: this Llama has no biases and its own output layer");
+            return Err(at(key) + " is true: this Llama has no biases");
         }
     }
     if json["hidden_act"].as_str().is_some_and(|a| a != "silu") {

@@ -430,3 +430,91 @@ fn a_rotary_layout_is_rearranged_while_it_loads() -> Result<(), Error> {
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
+
+/// A language model whose output layer a tied checkpoint does not hold: its fields in an
+/// order that visits the output before the embedding it is tied to, and each part optional,
+/// as a pipeline stage holds it.
+#[derive(burn::module::Module, Debug)]
+struct TiedLm {
+    output: Option<burn_megatron::dropin::nn::Linear>,
+    layers: Vec<burn_megatron::dropin::nn::Linear>,
+    embed: Option<burn_megatron::dropin::nn::Embedding>,
+}
+
+impl TiedLm {
+    fn new(output: bool, layers: usize, embed: bool, device: &Device) -> Self {
+        use burn_megatron::dropin::nn::{EmbeddingConfig, LinearConfig};
+        let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
+        Self {
+            output: output.then(|| linear(TIED_D, TIED_V)),
+            layers: (0..layers).map(|_| linear(TIED_D, TIED_D)).collect(),
+            embed: embed.then(|| EmbeddingConfig::new(TIED_V, TIED_D).init(device)),
+        }
+    }
+}
+
+const TIED_V: usize = 10;
+const TIED_D: usize = 4;
+
+/// `with_tied`: a parameter the record lacks reads another path's tensor, in its own layout
+/// and split: an output layer `[d, V]` from a tied checkpoint's table `[V, d]`, at TP 1 and 2,
+/// visited before its source, and on the last pipeline stage, where the first holds the
+/// embedding. Without it, or tied to a path the record lacks, the error names both.
+#[test]
+fn a_tied_parameter_reads_its_sources_tensor() -> Result<(), Error> {
+    use burn_megatron::dropin::{PpPlan, TpPlan};
+    use burn_megatron::topology::PipelinePosition;
+    let table: Vec<f32> = (0..TIED_V * TIED_D).map(|i| i as f32 * 0.1).collect();
+    let layer: Vec<f32> = (0..TIED_D * TIED_D).map(|i| i as f32).collect();
+    let dir = scratch("tied");
+    let path = dir.join("tied.safetensors");
+    let tensor =
+        |name: &str, shape: &[usize], v: &[f32]| (name.to_string(), shape.to_vec(), v.to_vec());
+    write_safetensors(
+        &path,
+        &[
+            tensor("embed.weight", &[TIED_V, TIED_D], &table),
+            tensor("layers.0.weight", &[TIED_D, TIED_D], &layer),
+            tensor("layers.1.weight", &[TIED_D, TIED_D], &layer),
+        ],
+    );
+    let source = RecordSource::from_path(&path);
+    let untied = LoadOptions::default().with_pytorch_adapter(true);
+    let options = untied.clone().with_tied("output.weight", "embed.weight");
+    let tied = vec![("output.weight".to_string(), "embed.weight".to_string())];
+    // The output's weight in Burn's `[in, out]`: the table transposed.
+    let output = transposed(&[TIED_V, TIED_D], &table);
+    for tp in [1, 2] {
+        let ranks = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let plan = TpPlan::new().vocab(&["embed", "output"])?;
+            let model = plan.apply(TiedLm::new(true, 2, true, d), g)?;
+            let (model, report) = load_sharded(model, &source, g, &options)?;
+            Ok::<_, Error>((gathered(&model, None, g), report))
+        })?;
+        for (rank, (weights, report)) in ranks.iter().enumerate() {
+            assert_eq!(weights["output.weight"], output, "TP {tp}, rank {rank}");
+            assert_eq!(weights["embed.weight"], table, "TP {tp}, rank {rank}");
+            assert_eq!(report.tied, tied, "TP {tp}, rank {rank}");
+            assert!(report.unused.is_empty(), "{:?}", report.unused);
+        }
+    }
+    let plan = PpPlan::new("layers", 2).first(&["embed"]).last(&["output"]);
+    let last = plan.stage(PipelinePosition::new(2, 1, 1, 0))?;
+    let stage = TiedLm::new(true, 1, false, &Device::flex());
+    let (stage, report) = load_sharded(stage, &source, &solo(), &last.load_options(options))?;
+    assert_eq!(gathered(&stage, None, &solo())["output.weight"], output);
+    assert_eq!(report.tied, tied);
+    assert_eq!(report.elsewhere, ["layers.0.weight", "embed.weight"]);
+    let whole = || TiedLm::new(true, 2, true, &Device::flex());
+    let e = load_sharded(whole(), &source, &solo(), &untied).unwrap_err();
+    assert!(
+        e.to_string().contains("output.weight: not in the record"),
+        "{e}"
+    );
+    let absent = untied.with_tied("output.weight", "head.weight");
+    let e = load_sharded(whole(), &source, &solo(), &absent).unwrap_err();
+    assert!(e.to_string().contains("nor `head.weight`"), "{e}");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}

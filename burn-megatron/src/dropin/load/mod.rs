@@ -158,6 +158,8 @@ fn load<M: Module>(
 ) -> Result<(M, LoadReport), TpError> {
     let mut by_path: BTreeMap<String, (String, Stored<'_>)> = BTreeMap::new();
     let mut elsewhere = Vec::new();
+    // The sources of tied parameters that another pipeline stage holds, by whole-model path.
+    let mut spare = BTreeMap::new();
     // Whether any record key lies in a pipeline stage's layer stack.
     let mut stack = false;
     for (key, tensor) in stored {
@@ -165,6 +167,7 @@ fn load<M: Module>(
             re.replace_all(&k, to.as_str()).into_owned()
         });
         stack |= options.stage.as_ref().is_some_and(|s| s.in_stack(&path));
+        let source = (options.tied.iter().any(|(_, s)| *s == path)).then(|| path.clone());
         let placed = match &options.stage {
             Some(stage) => stage
                 .place(&path)
@@ -174,6 +177,9 @@ fn load<M: Module>(
         let path = match placed {
             StageKey::Here(path) => path,
             StageKey::Elsewhere => {
+                if let Some(source) = source {
+                    spare.insert(source, (key.clone(), tensor));
+                }
                 elsewhere.push(key);
                 continue;
             }
@@ -194,6 +200,7 @@ fn load<M: Module>(
     }
     let mut loader = Loader {
         by_path,
+        taken: spare,
         facts: facts(&model),
         owners: match options.pytorch_adapter {
             true => owners(&model),
@@ -223,7 +230,10 @@ fn load<M: Module>(
 }
 
 struct Loader<'a, 'o> {
+    /// The record's tensors no parameter has taken yet, by module path.
     by_path: BTreeMap<String, (String, Stored<'a>)>,
+    /// Those taken, kept for the parameters tied to them (views of the file, or handles).
+    taken: BTreeMap<String, (String, Stored<'a>)>,
     /// What the layers' slots know (Burn's column layout).
     facts: HashMap<String, Facts>,
     /// The type of the layer that holds each parameter, by parameter path (for the PyTorch
@@ -245,17 +255,30 @@ impl PathMapper for Loader<'_, '_> {
             return p;
         }
         let owner = self.owners.get(path).map(String::as_str);
-        let found = self.by_path.remove(path).or_else(|| {
-            let alternative = pytorch_norm_key(owner, path)?;
-            self.by_path.remove(&alternative)
+        let own = [Some(path.to_string()), pytorch_norm_key(owner, path)];
+        let found = own.into_iter().flatten().find_map(|k| {
+            let entry = self.by_path.remove(&k)?;
+            Some((k, entry, false))
         });
-        let Some((_, stored)) = found else {
+        // A tied parameter borrows its source's entry: back where it was found, so that the
+        // source's own parameter still finds it.
+        let options = self.options;
+        let tied = options.tied.iter().find(|(p, _)| p == path);
+        let found = found.or_else(|| {
+            let (_, source) = tied?;
+            let pending = self.by_path.remove(source).map(|e| (e, true));
+            let (entry, pending) = pending.or_else(|| Some((self.taken.remove(source)?, false)))?;
+            self.report.tied.push((path.to_string(), source.clone()));
+            Some((source.clone(), entry, pending))
+        });
+        let Some((record_path, (key, stored), pending)) = found else {
             match self.options.allow_missing {
                 true => self.report.missing.push(path.to_string()),
                 false => {
+                    let source = tied.map_or(String::new(), |(_, s)| format!(", nor `{s}`"));
                     self.error = Some(TpError::Invalid(format!(
-                        "{path}: not in the record (rename record keys with `with_key_remap`, \
-                         or allow it with `with_allow_missing`)"
+                        "{path}: not in the record{source} (rename record keys with \
+                         `with_key_remap`, or allow it with `with_allow_missing`)"
                     )))
                 }
             }
@@ -276,23 +299,22 @@ impl PathMapper for Loader<'_, '_> {
             .transforms
             .iter()
             .find(|(re, _)| re.is_match(path));
-        let (stored, transposed) = match transform {
+        let shard = match transform {
             Some((_, f)) => match transformed(&stored, transposed, f) {
                 Ok(whole) => {
                     let largest = &mut self.report.largest_whole_tensor_bytes;
                     *largest = (*largest).max(stored_len(&stored));
-                    (whole, false)
+                    // The whole tensor goes before the shard is copied in.
+                    self.shard(&p, &whole, false, mapped)
                 }
-                Err(e) => {
-                    self.error = Some(TpError::Invalid(format!("{path}: {e}")));
-                    return p;
-                }
+                Err(e) => Err(e),
             },
-            None => (stored, transposed),
+            None => self.shard(&p, &stored, transposed, mapped),
         };
-        let shard = self.shard(&p, &stored, transposed, mapped);
-        // The whole tensor a column shard was cut from goes before the shard is copied in.
-        drop(stored);
+        match pending {
+            true => self.by_path.insert(record_path, (key, stored)),
+            false => self.taken.insert(record_path, (key, stored)),
+        };
         match shard {
             Ok(data) => {
                 self.report.loaded.push(path.to_string());

@@ -26,6 +26,7 @@ pub struct LoadOptions {
     pub(super) allow_unused: bool,
     pub(super) stage: Option<StageKeys>,
     pub(super) transforms: Vec<(Regex, Transform)>,
+    pub(super) tied: Vec<(String, String)>,
 }
 
 /// A whole tensor rearranged before this rank's part is cut from it.
@@ -108,6 +109,25 @@ impl LoadOptions {
         Ok(self)
     }
 
+    /// Read the parameter at module path `path`, where the record holds nothing under it,
+    /// from the tensor the record holds for the module path `source` (both after renaming;
+    /// `source` by the whole model's names), in `path`'s own layout and split. For a
+    /// checkpoint whose output layer shares its embedding's table (Hugging Face's
+    /// `tie_word_embeddings`: no `lm_head.weight` saved) and a model with its own output
+    /// layer: each parameter then trains on its own. Listed in [`LoadReport::tied`].
+    ///
+    /// ```
+    /// use burn_megatron::dropin::LoadOptions;
+    /// let options = LoadOptions::default()
+    ///     .with_key_remap(r"^model\.embed_tokens\.", "tok_embeddings.").unwrap()
+    ///     .with_tied("output.weight", "tok_embeddings.weight");
+    /// # drop(options);
+    /// ```
+    pub fn with_tied(mut self, path: &str, source: &str) -> Self {
+        self.tied.push((path.to_string(), source.to_string()));
+        self
+    }
+
     /// Load one pipeline stage's part of a whole model's record (what
     /// [`PpStage::load_options`](crate::dropin::PpStage::load_options) asks for).
     pub(crate) fn with_stage(mut self, stage: StageKeys) -> Self {
@@ -131,6 +151,9 @@ pub struct LoadReport {
     pub unused: Vec<String>,
     /// Record tensors another pipeline stage holds, by record key (loading a stage's part).
     pub elsewhere: Vec<String>,
+    /// Parameters read from the tensor of another path ([`LoadOptions::with_tied`]), as
+    /// `(path, source)`.
+    pub tied: Vec<(String, String)>,
     /// Bytes of this rank's shards, as read from the file (a padded vocabulary's zeros
     /// included).
     pub shard_bytes: u64,
