@@ -110,6 +110,38 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     let tokens = after(&stdout, "greedy tokens TP=1:");
     assert_eq!(tokens.split(',').count(), 10, "{stdout}");
     assert_eq!(tokens, after(&stdout, "greedy tokens TP=2:"));
+    // `--text` through a `tokenizer.json` beside the checkpoint: a word-level one whose
+    // `wN` is token N, so the prompt is BOS and the ids the words name.
+    let dir = std::env::temp_dir().join(format!("tp-llama-hf-text-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(&llama).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let mut vocab = serde_json::json!({"<unk>": 0, "<s>": 1, "</s>": 2});
+    for id in 3..100 {
+        vocab[format!("w{id}")] = serde_json::json!(id);
+    }
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let text = "w86 w13 w60 w13 w9 w28 w68";
+    let args = [
+        "--hf",
+        dir.to_str().unwrap(),
+        "--text",
+        text,
+        "--new-tokens",
+        "6",
+    ];
+    let stdout = run("tp_llama_dropin", &args);
+    let words = after(&stdout, "text TP=1:");
+    assert_eq!(words.split(' ').count(), 6, "{stdout}");
+    assert_eq!(words, after(&stdout, "text TP=2:"));
+    std::fs::remove_dir_all(dir).unwrap();
     let qwen2 = format!("{fixtures}/hf_qwen2_tiny");
     let out = std::process::Command::new(example_binary("tp_llama_dropin"))
         .args(["--hf", &qwen2])

@@ -67,10 +67,7 @@ pub fn checkpoint(dir: &Path) -> PathBuf {
 /// setting: another model type, biases, another activation, a head width other than
 /// `hidden_size / num_attention_heads`, a RoPE other than the default or Llama 3's.
 pub fn config(dir: &Path) -> Result<LlamaConfig, String> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (path, json) = read_config(dir)?;
     let at = |key: &str| format!("{}: `{key}`", path.display());
     let number = |key: &str| {
         json[key]
@@ -140,4 +137,17 @@ pub fn config(dir: &Path) -> Result<LlamaConfig, String> {
     .with_norm_eps(number("rms_norm_eps")?)
     .with_rope_theta(theta as f32)
     .with_rope_scaling(scaling))
+}
+
+/// `dir/config.json`'s `bos_token_id`, where it has one.
+pub fn bos_token_id(dir: &Path) -> Result<Option<i64>, String> {
+    Ok(read_config(dir)?.1["bos_token_id"].as_i64())
+}
+
+fn read_config(dir: &Path) -> Result<(PathBuf, Value), String> {
+    let path = dir.join("config.json");
+    let error = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let text = std::fs::read_to_string(&path).map_err(|e| error(&e))?;
+    let json = serde_json::from_str(&text).map_err(|e| error(&e))?;
+    Ok((path, json))
 }

@@ -18,6 +18,7 @@
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::data::GptTokenizer;
 use burn_megatron::dropin::{LoadOptions, save_gathered};
 use burn_megatron::launch::{self, LaunchOptions, RankContext};
 use burn_megatron::pipeline::{
@@ -54,6 +55,10 @@ struct Args {
     /// and at `--tp` and generate from `--prompt`, instead of the rest.
     #[arg(long)]
     hf: Option<PathBuf>,
+    /// With `--hf`: a text prompt for the directory's `tokenizer.json`, after the config's
+    /// `bos_token_id`, instead of `--prompt`.
+    #[arg(long, requires = "hf")]
+    text: Option<String>,
 }
 
 const SEQ: usize = 16;
@@ -173,17 +178,31 @@ fn pipeline_rank(
 }
 // ANCHOR_END: pipeline
 
-// ANCHOR: hf
 /// `--hf`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards,
-/// generating greedily from `--prompt`.
+/// generating greedily from `--prompt` (or `--text`, through the checkpoint's tokenizer).
 fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let config = hf::config(dir)?;
+    let mut config = hf::config(dir)?;
     if !config.n_kv_heads.is_multiple_of(args.tp) {
         return Err(format!("--tp must divide the {} key/value heads", config.n_kv_heads).into());
     }
-    if args.prompt.len() + args.new_tokens > config.max_seq_len {
-        return Err("--prompt and --new-tokens exceed max_position_embeddings".into());
+    let tokenizer = match &args.text {
+        Some(_) => Some(GptTokenizer::from_file(&dir.join("tokenizer.json"))?),
+        None => None,
+    };
+    let prompt = match (&args.text, &tokenizer) {
+        (Some(text), Some(t)) => {
+            let ids = t.encode(text)?.into_iter().map(i64::from);
+            hf::bos_token_id(dir)?.into_iter().chain(ids).collect()
+        }
+        _ => args.prompt.clone(),
+    };
+    let length = prompt.len() + args.new_tokens;
+    if length > config.max_seq_len {
+        return Err("the prompt and --new-tokens exceed max_position_embeddings".into());
     }
+    // The cache and the rotary table for the positions this run uses, not the 128k a
+    // Llama 3 checkpoint allows (the scaling reads `original_max_position_embeddings`).
+    config.max_seq_len = length;
     println!(
         "{}: {} layers, width {}, {} heads over {} key/value heads, vocabulary {}",
         dir.display(),
@@ -200,11 +219,16 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
             LaunchOptions::default(),
             |ctx| {
                 let model = hf::load(&config, dir, &ctx.groups.tp, &Device::flex())?;
-                model.generate(&config, &args.prompt, args.new_tokens)
+                model.generate(&config, &prompt, args.new_tokens)
             },
         )?;
         let tokens = ranks.into_iter().next().expect("a rank");
-        println!("greedy tokens TP={tp}: {:?}", &tokens[args.prompt.len()..]);
+        let new = &tokens[prompt.len()..];
+        println!("greedy tokens TP={tp}: {new:?}");
+        if let Some(t) = &tokenizer {
+            let ids: Vec<u32> = new.iter().map(|&i| i as u32).collect();
+            println!("text TP={tp}: {:?}", t.decode(&ids)?);
+        }
         generated.push(tokens);
     }
     if generated[0] != generated[1] {
@@ -212,7 +236,6 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
     }
     Ok(())
 }
-// ANCHOR_END: hf
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
