@@ -142,7 +142,7 @@ fn pipeline_rank(
 ) -> Result<(Option<Vec<f32>>, ByPath), Error> {
     let (tp, d) = (&ctx.groups.tp, &ctx.device);
     let stage = pipeline::Llama::pp_plan(config).stage(PipelinePosition::of(&ctx.state, 0))?;
-    let mut model = pipeline::Llama::load(config, record, &stage, tp, d)?;
+    let mut model = pipeline::Llama::load(config, record, &LoadOptions::default(), &stage, tp, d)?;
     let p2p = ctx.p2p(P2pShapes::Variable);
     let schedule = PipelineSchedule::new(ctx.state.pipeline_model_parallel_size(), BATCH);
     let mut optim = burn::optim::AdamWConfig::new()

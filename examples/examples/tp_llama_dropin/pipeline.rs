@@ -136,10 +136,12 @@ impl Llama {
         plan.last(&["norm", "output"])
     }
 
-    /// This stage's part of the model, with the weights of the record at `path`.
+    /// This stage's part of the model, with the weights of the record at `path`, read as
+    /// `options` say.
     pub fn load(
         c: &LlamaConfig,
         path: &Path,
+        options: &LoadOptions,
         stage: &PpStage,
         tp: &Comm,
         device: &Device,
@@ -150,7 +152,7 @@ impl Llama {
         let plan = plan.make_vocab_size_divisible_by(8)?;
         let model = stage.tp_plan(plan).apply(Self::new(c, stage, device), tp)?;
         let source = RecordSource::from_path(path);
-        let options = stage.load_options(LoadOptions::default());
+        let options = stage.load_options(options.clone());
         Ok(load_sharded(model, &source, tp, &options)?.0)
     }
     // ANCHOR_END: load

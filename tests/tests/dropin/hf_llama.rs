@@ -13,6 +13,9 @@ mod llama;
 #[allow(dead_code)]
 #[path = "../../../examples/examples/tp_llama_dropin/parallel.rs"]
 mod parallel;
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_llama_dropin/pipeline.rs"]
+mod pipeline;
 
 use super::Error;
 use super::load::{scratch, write_safetensors};
@@ -20,7 +23,13 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
+use burn_megatron::launch::{self, LaunchOptions};
+use burn_megatron::pipeline::{
+    ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
+    forward_backward_func, read_losses,
+};
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
+use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::{read_safetensors, tp_ranks};
 use llama::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
@@ -36,10 +45,47 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// `transformers`' batch as the causal-LM loss reads it: the tokens `[b, s]`, and for each
+/// position the label it predicts (`labels[t + 1]`) and whether it counts (the −100 labels
+/// and the last position do not), with the count.
+struct Batch {
+    tokens: Tensor<2, Int>,
+    targets: Tensor<1, Int>,
+    counted: Tensor<1>,
+    n: f32,
+}
+
+impl Batch {
+    fn new(f: &Fixture, device: &Device) -> Self {
+        let (shape, ids) = &f["input_ids"];
+        let (b, s) = (shape[0], shape[1]);
+        let tokens = TensorData::new(ids.iter().map(|x| *x as i64).collect(), [b, s]);
+        let labels = &f["labels"].1;
+        let next = |i: usize| if i % s + 1 < s { labels[i + 1] } else { -100.0 };
+        let targets: Vec<i64> = (0..b * s).map(|i| next(i).max(0.0) as i64).collect();
+        let counted: Vec<f32> = (0..b * s).map(|i| f32::from(next(i) >= 0.0)).collect();
+        Self {
+            tokens: Tensor::from_data(tokens, device),
+            targets: Tensor::from_data(TensorData::new(targets, [b * s]), device),
+            n: counted.iter().sum(),
+            counted: Tensor::from_data(TensorData::new(counted, [b * s]), device),
+        }
+    }
+
+    /// The summed cross-entropy of the counted positions of the samples `logits` (`[n, s,
+    /// V / tp]`) are for, from `first`.
+    fn loss_sum(&self, logits: Tensor<3>, first: usize, tp: &Comm) -> Result<Tensor<1>, Error> {
+        let [n, s, v] = logits.dims();
+        let (at, len) = (first * s, n * s);
+        let targets = self.targets.clone().narrow(0, at, len);
+        let ce = vocab_parallel_cross_entropy(logits.reshape([len, v]), targets, 0.0, tp)?;
+        Ok((ce * self.counted.clone().narrow(0, at, len)).sum())
+    }
+}
+
 /// The logits at the positions `transformers`' attention mask keeps (gathered over the
-/// vocabulary, its padding cut), and the causal-LM loss as `transformers` computes it:
-/// position `t` predicts `labels[t + 1]`, the −100 labels and the last position left out, the
-/// mean over the rest. With the loss's gradients.
+/// vocabulary, its padding cut), and the causal-LM loss as `transformers` computes it, the
+/// mean over the counted positions, with its gradients.
 fn run(
     model: &parallel::Llama,
     f: &Fixture,
@@ -47,20 +93,9 @@ fn run(
     tp: &Comm,
     device: &Device,
 ) -> Result<(Vec<f32>, f32, GradientsParams), Error> {
-    let (shape, ids) = &f["input_ids"];
-    let (b, s) = (shape[0], shape[1]);
-    let tokens = TensorData::new(ids.iter().map(|x| *x as i64).collect(), [b, s]);
-    let labels = &f["labels"].1;
-    let next = |i: usize| if i % s + 1 < s { labels[i + 1] } else { -100.0 };
-    let targets: Vec<i64> = (0..b * s).map(|i| next(i).max(0.0) as i64).collect();
-    let counted: Vec<f32> = (0..b * s).map(|i| f32::from(next(i) >= 0.0)).collect();
-    let n: f32 = counted.iter().sum();
-    let logits = model.forward(Tensor::<2, Int>::from_data(tokens, device), None);
-    let v = logits.dims()[2];
-    let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [b * s]), device);
-    let ce = vocab_parallel_cross_entropy(logits.clone().reshape([b * s, v]), targets, 0.0, tp)?;
-    let counted = Tensor::<1>::from_data(TensorData::new(counted, [b * s]), device);
-    let loss = (ce * counted).sum() / n;
+    let batch = Batch::new(f, device);
+    let logits = model.forward(batch.tokens.clone(), None);
+    let loss = batch.loss_sum(logits.clone(), 0, tp)? / batch.n;
     let whole = all_gather(&**tp, logits.detach(), 2)?.narrow(2, 0, vocab);
     let kept = &f["attention_mask"].1;
     let logits = (whole.into_data().iter::<f32>().collect::<Vec<_>>())
@@ -75,6 +110,37 @@ fn run(
         value,
         GradientsParams::from_grads(loss.backward(), model),
     ))
+}
+
+/// `transformers`' gradients written as a checkpoint under the parameters' names: read
+/// through the same options as the weights, they come in the model's layout (linears
+/// `[in, out]`, query and key features paired), split as the model is.
+fn grads_checkpoint(expected: &Fixture, dir: &Path) -> PathBuf {
+    let grads: Vec<(String, Vec<usize>, Vec<f32>)> = (expected.iter())
+        .filter_map(|(k, (shape, v))| {
+            let values = v.iter().map(|x| *x as f32).collect();
+            k.strip_prefix("grad.")
+                .map(|n| (n.to_string(), shape.clone(), values))
+        })
+        .collect();
+    let path = dir.join("grads.safetensors");
+    write_safetensors(&path, &grads);
+    path
+}
+
+/// A tied checkpoint has one table, whose gradient is the sum of both its uses: the output
+/// layer's gradient (`[d, V]`) added to the embedding's (`[V, d]`), and the output's
+/// reference (the table's gradient again) dropped.
+fn sum_tied(config: &LlamaConfig, grads: &mut Values, want: &mut Values) {
+    let output = grads
+        .remove("output.weight")
+        .expect("the output's gradient");
+    want.remove("output.weight");
+    let (d, v) = (config.d_model, config.vocab_size);
+    let table = grads.get_mut("tok_embeddings.weight").expect("the table's");
+    for (at, g) in table.iter_mut().enumerate() {
+        *g += output[(at % d) * v + at / d];
+    }
 }
 
 /// `want`'s logits at the positions the attention mask keeps.
@@ -115,19 +181,8 @@ fn matches_transformers(name: &str) -> Result<(), Error> {
     let config = hf::config(&dir)?;
     let expected = read_safetensors(&dir.join("expected.safetensors"));
     let generate = read_safetensors(&dir.join("generate.safetensors"));
-    // `transformers`' gradients written as a checkpoint under the parameters' names: read
-    // through the same options, they come in the model's layout (linears `[in, out]`, query
-    // and key features paired), split as the model is.
-    let grads: Vec<(String, Vec<usize>, Vec<f32>)> = (expected.iter())
-        .filter_map(|(k, (shape, v))| {
-            let values = v.iter().map(|x| *x as f32).collect();
-            k.strip_prefix("grad.")
-                .map(|n| (n.to_string(), shape.clone(), values))
-        })
-        .collect();
     let scratch = scratch(name);
-    let grads_path = scratch.join("grads.safetensors");
-    write_safetensors(&grads_path, &grads);
+    let grads_path = grads_checkpoint(&expected, &scratch);
     // The fixture's one unpadded prompt, and `transformers`' ten greedy tokens after it.
     let (shape, prompts) = &generate["prompt_ids"];
     let row = |v: &[f64], width: usize| -> Vec<i64> {
@@ -159,16 +214,7 @@ fn matches_transformers(name: &str) -> Result<(), Error> {
         {
             let what = format!("{name}, TP {tp}, rank {rank}");
             if tied {
-                // `transformers` has one table, whose gradient is the sum of both uses.
-                let output = grads
-                    .remove("output.weight")
-                    .expect("the output's gradient");
-                want_grads.remove("output.weight");
-                let (d, v) = (config.d_model, config.vocab_size);
-                let table = grads.get_mut("tok_embeddings.weight").expect("the table's");
-                for (at, g) in table.iter_mut().enumerate() {
-                    *g += output[(at % d) * v + at / d];
-                }
+                sum_tied(&config, &mut grads, &mut want_grads);
             }
             let d = super::max_abs_diff(&logits, &want_logits);
             assert!(d <= 1e-4, "{what}: logits off by {d}");
@@ -202,6 +248,87 @@ fn a_hugging_face_llama_in_the_users_llama_gives_transformers_numbers() -> Resul
 #[test]
 fn a_tied_hugging_face_llama_in_the_users_llama_gives_transformers_numbers() -> Result<(), Error> {
     matches_transformers("hf_llama_tied_tiny")
+}
+
+/// The tied checkpoint split into two pipeline stages, at PP 2 and TP 2 × PP 2: each stage
+/// reads its layers' shards, the last its output layer from the table the first stage holds
+/// (`with_tied` across stages). Through Megatron's 1F1B schedule, a microbatch per sample,
+/// the loss and every gradient are `transformers`'.
+#[test]
+fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> Result<(), Error> {
+    let name = "hf_llama_tied_tiny";
+    let dir = fixture(name);
+    let config = hf::config(&dir)?;
+    let expected = read_safetensors(&dir.join("expected.safetensors"));
+    let scratch = scratch("hf-llama-pp");
+    let grads_path = grads_checkpoint(&expected, &scratch);
+    let options = hf::options(&config)?;
+    let samples = expected["input_ids"].0[0];
+    for tp in [1, 2] {
+        let ranks = launch::threads(
+            &ParallelConfig::new(2 * tp, tp, 2),
+            LaunchOptions::default(),
+            |ctx| {
+                let (g, d) = (&ctx.groups.tp, &ctx.device);
+                let plan = pipeline::Llama::pp_plan(&config);
+                let stage = plan.stage(PipelinePosition::of(&ctx.state, 0))?;
+                let load =
+                    |path: &Path| pipeline::Llama::load(&config, path, &options, &stage, g, d);
+                let (model, reference) = (load(&hf::checkpoint(&dir))?, load(&grads_path)?);
+                let batch = Batch::new(&expected, d);
+                let step = |s: ForwardStep<'_, pipeline::Llama, 3>| {
+                    let tokens = batch.tokens.clone().narrow(0, s.microbatch, 1);
+                    let out = s.model.forward(tokens, s.input, None)?;
+                    if !stage.is_last() {
+                        return Ok(ChunkOutput::Activation(out));
+                    }
+                    // Backward runs on each microbatch's loss over M: the mean over all
+                    // counted positions needs the sum times M over their count.
+                    let loss = batch.loss_sum(out, s.microbatch, g)?;
+                    let loss = loss * (samples as f32 / batch.n);
+                    Ok::<_, Error>(ChunkOutput::Loss {
+                        loss,
+                        report: vec![],
+                    })
+                };
+                let schedule = PipelineSchedule::new(2, samples);
+                let p2p = ctx.p2p(P2pShapes::Variable);
+                let config = ForwardBackwardConfig::new(schedule);
+                let out = forward_backward_func(step, std::slice::from_ref(&model), &p2p, config)?;
+                let global = |v: Values| -> Values {
+                    v.into_iter()
+                        .map(|(k, v)| (stage.global_name(&k), v))
+                        .collect()
+                };
+                let losses = read_losses(&out.losses).iter().map(|l| l.loss).sum::<f64>();
+                Ok::<_, Error>((
+                    stage.is_last().then_some(losses as f32 / samples as f32),
+                    global(gathered(&model, Some(&out.grads), g)),
+                    global(gathered(&reference, None, g)),
+                ))
+            },
+        )?;
+        let (mut loss, mut grads, mut want) = (None, Values::new(), Values::new());
+        for (l, g, w) in ranks {
+            loss = loss.or(l);
+            grads.extend(g);
+            want.extend(w);
+        }
+        sum_tied(&config, &mut grads, &mut want);
+        let (loss, want_loss) = (loss.expect("the last stage's loss"), expected["loss"].1[0]);
+        assert!(
+            (f64::from(loss) - want_loss).abs() <= 1e-5,
+            "TP {tp} × PP 2: loss {loss} vs {want_loss}"
+        );
+        let (worst, param) = worst_gradient(&grads, &want);
+        assert!(
+            worst <= 1e-5,
+            "TP {tp} × PP 2: {param}'s gradient off by {worst:.2e}"
+        );
+        println!("{name}, TP {tp} × PP 2: gradients within {worst:.1e} ({param})");
+    }
+    std::fs::remove_dir_all(scratch)?;
+    Ok(())
 }
 
 /// What the Llama cannot hold is refused before anything loads, naming the setting.
