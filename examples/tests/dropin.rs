@@ -139,8 +139,14 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     ];
     let stdout = run("tp_llama_dropin", &args);
     let words = after(&stdout, "text TP=1:");
-    assert_eq!(words.split(' ').count(), 6, "{stdout}");
     assert_eq!(words, after(&stdout, "text TP=2:"));
+    // The words name the tokens the same prompt as ids (BOS first) generates.
+    let ids = ["--prompt", "1,86,13,60,13,9,28,68", "--new-tokens", "6"];
+    let stdout = run("tp_llama_dropin", &[&["--hf", &llama][..], &ids].concat());
+    let tokens = after(&stdout, "greedy tokens TP=1:");
+    let tokens = tokens.trim_matches(|c| c == '[' || c == ']').split(", ");
+    let named: Vec<String> = tokens.map(|t| format!("w{t}")).collect();
+    assert_eq!(words, format!("{:?}", named.join(" ")), "{stdout}");
     std::fs::remove_dir_all(dir).unwrap();
     let qwen2 = format!("{fixtures}/hf_qwen2_tiny");
     let out = std::process::Command::new(example_binary("tp_llama_dropin"))

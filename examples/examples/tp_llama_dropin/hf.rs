@@ -1,7 +1,8 @@
-//! A Hugging Face Llama checkpoint (`config.json` and `model.safetensors`, or shards named by
-//! `model.safetensors.index.json`) in the user's Llama: the config as a [`LlamaConfig`], and
-//! the [`LoadOptions`] that bring the checkpoint's tensors to the model's paths and layouts.
-//! The model's code does not change; each rank still reads only its shards.
+//! A Hugging Face Llama checkpoint (`config.json` with `model.safetensors`,
+//! `pytorch_model.bin`, or the shards an `*.index.json` names) in the user's Llama: the config
+//! as a [`LlamaConfig`], and the [`LoadOptions`] that bring the checkpoint's tensors to the
+//! model's paths and layouts. The model's code does not change; each rank still reads only
+//! its shards.
 
 use super::llama::{LlamaConfig, RopeScaling};
 use super::parallel;
@@ -12,62 +13,90 @@ use burn_megatron::tensor_parallel::TpError;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-// ANCHOR: options
-/// How a Hugging Face Llama's tensors meet the user's Llama: its names renamed to the model's
-/// paths, its linears read `[out, in]` and its norms' `weight` as `gamma` (the PyTorch
-/// adapter), each query and key head's features, stored as `rotate_half`'s two halves,
-/// paired as Burn's `RotaryEncoding` pairs them (the key projection has the key/value
-/// heads), and the output layer read from the embedding's table where the checkpoint ties
-/// them (`tie_word_embeddings`, as Llama 3.2's 1B and 3B do: no `lm_head.weight` saved).
-pub fn options(c: &LlamaConfig) -> Result<LoadOptions, TpError> {
-    let renames = [
-        (r"^model\.", ""),
-        (r"^embed_tokens\.", "tok_embeddings."),
-        (r"^lm_head\.", "output."),
-        (r"\.self_attn\.([qkvo])_proj\.", ".attention.w$1."),
-        (r"\.mlp\.gate_proj\.", ".feed_forward.swiglu.linear_inner."),
-        (r"\.mlp\.up_proj\.", ".feed_forward.swiglu.linear_outer."),
-        (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
-        (r"\.input_layernorm\.", ".attention_norm."),
-        (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    ];
-    let mut options = LoadOptions::default().with_pytorch_adapter(true);
-    for (pattern, replacement) in renames {
-        options = options.with_key_remap(pattern, replacement)?;
+/// A Hugging Face Llama checkpoint's directory, its `config.json` read.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    /// The model's config. Its `max_seq_len` is `max_position_embeddings` (128k for Llama
+    /// 3.1 and later): the rotary table and a generation cache take that many positions, so
+    /// set it to the positions a run uses.
+    pub config: LlamaConfig,
+    /// Whether the output layer shares the embedding's table (no `lm_head.weight` saved).
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<i64>,
+}
+
+impl Checkpoint {
+    // ANCHOR: options
+    /// How the checkpoint's tensors meet the user's Llama: its names renamed to the model's
+    /// paths, its linears read `[out, in]` and its norms' `weight` as `gamma` (the PyTorch
+    /// adapter), each query and key head's features, stored as `rotate_half`'s two halves,
+    /// paired as Burn's `RotaryEncoding` pairs them (the key projection has the key/value
+    /// heads), and where the checkpoint ties them (Llama 3.2's 1B and 3B), the output layer
+    /// read from the embedding's table.
+    pub fn options(&self) -> Result<LoadOptions, TpError> {
+        let renames = [
+            (r"^model\.", ""),
+            (r"^embed_tokens\.", "tok_embeddings."),
+            (r"^lm_head\.", "output."),
+            (r"\.self_attn\.([qkvo])_proj\.", ".attention.w$1."),
+            (r"\.mlp\.gate_proj\.", ".feed_forward.swiglu.linear_inner."),
+            (r"\.mlp\.up_proj\.", ".feed_forward.swiglu.linear_outer."),
+            (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
+            (r"\.input_layernorm\.", ".attention_norm."),
+            (r"\.post_attention_layernorm\.", ".ffn_norm."),
+        ];
+        let mut options = LoadOptions::default().with_pytorch_adapter(true);
+        for (pattern, replacement) in renames {
+            options = options.with_key_remap(pattern, replacement)?;
+        }
+        if self.tie_word_embeddings {
+            options = options.with_tied("output.weight", "tok_embeddings.weight");
+        }
+        let (heads, kv_heads) = (self.config.n_heads, self.config.n_kv_heads);
+        options
+            .with_transform(r"\.wq\.weight$", rotary_half_to_interleaved(heads))?
+            .with_transform(r"\.wk\.weight$", rotary_half_to_interleaved(kv_heads))
     }
-    let options = options.with_tied("output.weight", "tok_embeddings.weight");
-    options
-        .with_transform(r"\.wq\.weight$", rotary_half_to_interleaved(c.n_heads))?
-        .with_transform(r"\.wk\.weight$", rotary_half_to_interleaved(c.n_kv_heads))
-}
-// ANCHOR_END: options
+    // ANCHOR_END: options
 
-/// The model, split over `tp` as `parallel::Llama::load` splits it, with the weights of the
-/// checkpoint in `dir`.
-pub fn load(
-    c: &LlamaConfig,
-    dir: &Path,
-    tp: &Comm,
-    device: &Device,
-) -> Result<parallel::Llama, TpError> {
-    parallel::Llama::load(c, &checkpoint(dir), &options(c)?, tp, device)
-}
+    /// The model, split over `tp` as `parallel::Llama::load` splits it, with the checkpoint's
+    /// weights.
+    pub fn load(&self, tp: &Comm, device: &Device) -> Result<parallel::Llama, TpError> {
+        let (config, options) = (&self.config, self.options()?);
+        parallel::Llama::load(config, &self.weights()?, &options, tp, device)
+    }
 
-/// The checkpoint's index where it is sharded, else its one file.
-pub fn checkpoint(dir: &Path) -> PathBuf {
-    let index = dir.join("model.safetensors.index.json");
-    if index.exists() {
-        index
-    } else {
-        dir.join("model.safetensors")
+    /// The checkpoint's index where it is sharded, else its one file: safetensors first, as
+    /// `transformers` looks for them.
+    pub fn weights(&self) -> Result<PathBuf, TpError> {
+        let names = [
+            "model.safetensors.index.json",
+            "model.safetensors",
+            "pytorch_model.bin.index.json",
+            "pytorch_model.bin",
+        ];
+        let found = names.iter().map(|n| self.dir.join(n)).find(|p| p.is_file());
+        found.ok_or_else(|| {
+            let dir = self.dir.display();
+            TpError::Invalid(format!("{dir}: none of {}", names.join(", ")))
+        })
+    }
+
+    /// `dir/config.json` read. What this Llama cannot hold is an error naming the setting:
+    /// another model type, biases, another activation, a head width other than
+    /// `hidden_size / num_attention_heads`, a RoPE other than the default or Llama 3's.
+    pub fn open(dir: &Path) -> Result<Self, String> {
+        let (path, json) = read_config(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config: config(&path, &json)?,
+            tie_word_embeddings: json["tie_word_embeddings"].as_bool().unwrap_or(false),
+            bos_token_id: json["bos_token_id"].as_i64(),
+        })
     }
 }
 
-/// `dir/config.json` as the model's config. What this Llama cannot hold is an error naming the
-/// setting: another model type, biases, another activation, a head width other than
-/// `hidden_size / num_attention_heads`, a RoPE other than the default or Llama 3's.
-pub fn config(dir: &Path) -> Result<LlamaConfig, String> {
-    let (path, json) = read_config(dir)?;
+fn config(path: &Path, json: &Value) -> Result<LlamaConfig, String> {
     let at = |key: &str| format!("{}: `{key}`", path.display());
     let number = |key: &str| {
         json[key]
@@ -137,11 +166,6 @@ pub fn config(dir: &Path) -> Result<LlamaConfig, String> {
     .with_norm_eps(number("rms_norm_eps")?)
     .with_rope_theta(theta as f32)
     .with_rope_scaling(scaling))
-}
-
-/// `dir/config.json`'s `bos_token_id`, where it has one.
-pub fn bos_token_id(dir: &Path) -> Result<Option<i64>, String> {
-    Ok(read_config(dir)?.1["bos_token_id"].as_i64())
 }
 
 fn read_config(dir: &Path) -> Result<(PathBuf, Value), String> {

@@ -57,7 +57,7 @@ struct Args {
     hf: Option<PathBuf>,
     /// With `--hf`: a text prompt for the directory's `tokenizer.json`, after the config's
     /// `bos_token_id`, instead of `--prompt`.
-    #[arg(long, requires = "hf")]
+    #[arg(long, requires = "hf", conflicts_with = "prompt")]
     text: Option<String>,
 }
 
@@ -181,45 +181,58 @@ fn pipeline_rank(
 /// `--hf`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards,
 /// generating greedily from `--prompt` (or `--text`, through the checkpoint's tokenizer).
 fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let mut config = hf::config(dir)?;
-    if !config.n_kv_heads.is_multiple_of(args.tp) {
-        return Err(format!("--tp must divide the {} key/value heads", config.n_kv_heads).into());
+    let mut checkpoint = hf::Checkpoint::open(dir)?;
+    let c = &checkpoint.config;
+    if !c.n_kv_heads.is_multiple_of(args.tp) {
+        return Err(format!("--tp must divide the {} key/value heads", c.n_kv_heads).into());
     }
+    println!(
+        "{}: {} layers, width {}, {} heads over {} key/value heads, vocabulary {}{}",
+        dir.display(),
+        c.n_layers,
+        c.d_model,
+        c.n_heads,
+        c.n_kv_heads,
+        c.vocab_size,
+        if checkpoint.tie_word_embeddings {
+            ", tied"
+        } else {
+            ""
+        },
+    );
     let tokenizer = match &args.text {
         Some(_) => Some(GptTokenizer::from_file(&dir.join("tokenizer.json"))?),
         None => None,
     };
-    let prompt = match (&args.text, &tokenizer) {
+    let prompt: Vec<i64> = match (&args.text, &tokenizer) {
         (Some(text), Some(t)) => {
             let ids = t.encode(text)?.into_iter().map(i64::from);
-            hf::bos_token_id(dir)?.into_iter().chain(ids).collect()
+            checkpoint.bos_token_id.into_iter().chain(ids).collect()
         }
         _ => args.prompt.clone(),
     };
     let length = prompt.len() + args.new_tokens;
-    if length > config.max_seq_len {
-        return Err("the prompt and --new-tokens exceed max_position_embeddings".into());
+    if prompt.is_empty() || length > c.max_seq_len {
+        return Err(
+            "the prompt is empty, or it and --new-tokens exceed max_position_embeddings".into(),
+        );
     }
     // The cache and the rotary table for the positions this run uses, not the 128k a
     // Llama 3 checkpoint allows (the scaling reads `original_max_position_embeddings`).
-    config.max_seq_len = length;
-    println!(
-        "{}: {} layers, width {}, {} heads over {} key/value heads, vocabulary {}",
-        dir.display(),
-        config.n_layers,
-        config.d_model,
-        config.n_heads,
-        config.n_kv_heads,
-        config.vocab_size
-    );
+    checkpoint.config.max_seq_len = length;
     let mut generated = Vec::new();
-    for tp in [1, args.tp] {
+    let sizes = if args.tp == 1 {
+        vec![1]
+    } else {
+        vec![1, args.tp]
+    };
+    for tp in sizes {
         let ranks = launch::threads(
             &ParallelConfig::new(tp, tp, 1),
             LaunchOptions::default(),
             |ctx| {
-                let model = hf::load(&config, dir, &ctx.groups.tp, &Device::flex())?;
-                model.generate(&config, &prompt, args.new_tokens)
+                let model = checkpoint.load(&ctx.groups.tp, &Device::flex())?;
+                model.generate(&checkpoint.config, &prompt, args.new_tokens)
             },
         )?;
         let tokens = ranks.into_iter().next().expect("a rank");
@@ -231,7 +244,7 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
         }
         generated.push(tokens);
     }
-    if generated[0] != generated[1] {
+    if generated.iter().any(|g| *g != generated[0]) {
         return Err(format!("TP={} generated other tokens than TP=1", args.tp).into());
     }
     Ok(())

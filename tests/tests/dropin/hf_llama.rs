@@ -173,15 +173,15 @@ fn worst_gradient(got: &Values, want: &Values) -> (f32, String) {
     worst
 }
 
-/// The checkpoint in `tests/fixtures/{name}` at TP 1 and 2 against `transformers`: logits
-/// within 1e-4, loss within 1e-5, every gradient within 1e-5 of its norm, the greedy tokens
-/// equal.
-fn matches_transformers(name: &str) -> Result<(), Error> {
-    let dir = fixture(name);
-    let config = hf::config(&dir)?;
+/// The checkpoint in `tests/fixtures/{weights}` at TP 1 and 2 against what `transformers`
+/// computed with it (in `tests/fixtures/{name}`): logits within 1e-4, loss within 1e-5, every
+/// gradient within 1e-5 of its norm, the greedy tokens equal.
+fn matches_transformers(weights: &str, name: &str) -> Result<(), Error> {
+    let checkpoint = hf::Checkpoint::open(&fixture(weights))?;
+    let (config, dir) = (&checkpoint.config, fixture(name));
     let expected = read_safetensors(&dir.join("expected.safetensors"));
     let generate = read_safetensors(&dir.join("generate.safetensors"));
-    let scratch = scratch(name);
+    let scratch = scratch(weights);
     let grads_path = grads_checkpoint(&expected, &scratch);
     // The fixture's one unpadded prompt, and `transformers`' ten greedy tokens after it.
     let (shape, prompts) = &generate["prompt_ids"];
@@ -196,11 +196,11 @@ fn matches_transformers(name: &str) -> Result<(), Error> {
     for tp in [1, 2] {
         let ranks = tp_ranks(tp, |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let model = hf::load(&config, &dir, g, d)?;
+            let model = checkpoint.load(g, d)?;
             let (logits, loss, grads) = run(&model, &expected, config.vocab_size, g, d)?;
-            let options = hf::options(&config)?;
-            let reference = parallel::Llama::load(&config, &grads_path, &options, g, d)?;
-            let tokens = model.generate(&config, &prompt, greedy.len())?;
+            let options = checkpoint.options()?;
+            let reference = parallel::Llama::load(config, &grads_path, &options, g, d)?;
+            let tokens = model.generate(config, &prompt, greedy.len())?;
             Ok::<_, Error>((
                 logits,
                 loss,
@@ -212,9 +212,9 @@ fn matches_transformers(name: &str) -> Result<(), Error> {
         for (rank, (logits, loss, mut grads, mut want_grads, tokens)) in
             ranks.into_iter().enumerate()
         {
-            let what = format!("{name}, TP {tp}, rank {rank}");
+            let what = format!("{weights}, TP {tp}, rank {rank}");
             if tied {
-                sum_tied(&config, &mut grads, &mut want_grads);
+                sum_tied(config, &mut grads, &mut want_grads);
             }
             let d = super::max_abs_diff(&logits, &want_logits);
             assert!(d <= 1e-4, "{what}: logits off by {d}");
@@ -239,7 +239,14 @@ fn matches_transformers(name: &str) -> Result<(), Error> {
 /// key/value heads.
 #[test]
 fn a_hugging_face_llama_in_the_users_llama_gives_transformers_numbers() -> Result<(), Error> {
-    matches_transformers("hf_llama_tiny")
+    matches_transformers("hf_llama_tiny", "hf_llama_tiny")
+}
+
+/// The same checkpoint as PyTorch pickles (`pytorch_model-*.bin` and their index), read by
+/// the same options.
+#[test]
+fn a_hugging_face_llama_of_pytorch_files_gives_transformers_numbers() -> Result<(), Error> {
+    matches_transformers("hf_llama_tiny_bin", "hf_llama_tiny")
 }
 
 /// Llama 3.2's layout: the output layer tied to the embedding (no `lm_head.weight` in the one
@@ -247,7 +254,7 @@ fn a_hugging_face_llama_in_the_users_llama_gives_transformers_numbers() -> Resul
 /// (padded at TP 2). The model's own output layer reads the table (`with_tied`).
 #[test]
 fn a_tied_hugging_face_llama_in_the_users_llama_gives_transformers_numbers() -> Result<(), Error> {
-    matches_transformers("hf_llama_tied_tiny")
+    matches_transformers("hf_llama_tied_tiny", "hf_llama_tied_tiny")
 }
 
 /// The tied checkpoint split into two pipeline stages, at PP 2 and TP 2 × PP 2: each stage
@@ -257,12 +264,12 @@ fn a_tied_hugging_face_llama_in_the_users_llama_gives_transformers_numbers() -> 
 #[test]
 fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> Result<(), Error> {
     let name = "hf_llama_tied_tiny";
-    let dir = fixture(name);
-    let config = hf::config(&dir)?;
-    let expected = read_safetensors(&dir.join("expected.safetensors"));
+    let checkpoint = hf::Checkpoint::open(&fixture(name))?;
+    let config = &checkpoint.config;
+    let expected = read_safetensors(&fixture(name).join("expected.safetensors"));
     let scratch = scratch("hf-llama-pp");
     let grads_path = grads_checkpoint(&expected, &scratch);
-    let options = hf::options(&config)?;
+    let options = checkpoint.options()?;
     let samples = expected["input_ids"].0[0];
     for tp in [1, 2] {
         let ranks = launch::threads(
@@ -270,11 +277,11 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
             LaunchOptions::default(),
             |ctx| {
                 let (g, d) = (&ctx.groups.tp, &ctx.device);
-                let plan = pipeline::Llama::pp_plan(&config);
+                let plan = pipeline::Llama::pp_plan(config);
                 let stage = plan.stage(PipelinePosition::of(&ctx.state, 0))?;
                 let load =
-                    |path: &Path| pipeline::Llama::load(&config, path, &options, &stage, g, d);
-                let (model, reference) = (load(&hf::checkpoint(&dir))?, load(&grads_path)?);
+                    |path: &Path| pipeline::Llama::load(config, path, &options, &stage, g, d);
+                let (model, reference) = (load(&checkpoint.weights()?)?, load(&grads_path)?);
                 let batch = Batch::new(&expected, d);
                 let step = |s: ForwardStep<'_, pipeline::Llama, 3>| {
                     let tokens = batch.tokens.clone().narrow(0, s.microbatch, 1);
@@ -314,7 +321,7 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
             grads.extend(g);
             want.extend(w);
         }
-        sum_tied(&config, &mut grads, &mut want);
+        sum_tied(config, &mut grads, &mut want);
         let (loss, want_loss) = (loss.expect("the last stage's loss"), expected["loss"].1[0]);
         assert!(
             (f64::from(loss) - want_loss).abs() <= 1e-5,
@@ -348,25 +355,40 @@ fn a_checkpoint_the_users_llama_cannot_hold_is_an_error_naming_the_setting() -> 
         let mut json = base.clone();
         json[key] = value;
         std::fs::write(dir.join("config.json"), json.to_string())?;
-        let e = hf::config(&dir).unwrap_err();
+        let e = hf::Checkpoint::open(&dir).err().expect("refused");
         assert!(e.contains(key), "{key}: {e}");
     }
     let mut json = base.clone();
     json["rope_parameters"]["rope_type"] = serde_json::json!("yarn");
     std::fs::write(dir.join("config.json"), json.to_string())?;
-    let e = hf::config(&dir).unwrap_err();
+    let e = hf::Checkpoint::open(&dir).err().expect("refused");
     assert!(e.contains("rope_type") && e.contains("yarn"), "{e}");
-    // transformers 4's form: `rope_theta` at the top, the scaling in `rope_scaling`.
-    let mut json = base;
-    let rope = json["rope_parameters"].take();
-    json["rope_theta"] = rope["rope_theta"].clone();
-    json["rope_scaling"] = rope;
-    json.as_object_mut().map(|o| o.remove("rope_parameters"));
-    std::fs::write(dir.join("config.json"), json.to_string())?;
-    assert_eq!(
-        hf::config(&dir)?.to_string(),
-        hf::config(&fixture("hf_llama_tiny"))?.to_string()
-    );
+    // transformers 4's form: `rope_theta` at the top (500000 for the tied one), the scaling
+    // in `rope_scaling`, or `null`.
+    for name in ["hf_llama_tiny", "hf_llama_tied_tiny"] {
+        let text = std::fs::read_to_string(fixture(name).join("config.json"))?;
+        let mut json: serde_json::Value = serde_json::from_str(&text)?;
+        let mut rope = json["rope_parameters"].take();
+        json["rope_theta"] = rope["rope_theta"].take();
+        let rope = rope.as_object_mut().expect("rope_parameters");
+        rope.remove("rope_theta");
+        let default = rope.get("rope_type").and_then(|t| t.as_str()) == Some("default");
+        json["rope_scaling"] = if default {
+            serde_json::Value::Null
+        } else {
+            rope.clone().into()
+        };
+        json.as_object_mut().map(|o| o.remove("rope_parameters"));
+        std::fs::write(dir.join("config.json"), json.to_string())?;
+        let (four, five) = (
+            hf::Checkpoint::open(&dir)?,
+            hf::Checkpoint::open(&fixture(name))?,
+        );
+        assert_eq!(four.config.to_string(), five.config.to_string(), "{name}");
+    }
+    let tied = hf::Checkpoint::open(&fixture("hf_llama_tied_tiny"))?;
+    assert_eq!(tied.config.rope_theta, 500000.0);
+    assert!(tied.config.rope_scaling.is_none() && tied.tie_word_embeddings);
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -502,19 +502,67 @@ fn a_tied_parameter_reads_its_sources_tensor() -> Result<(), Error> {
     let plan = PpPlan::new("layers", 2).first(&["embed"]).last(&["output"]);
     let last = plan.stage(PipelinePosition::new(2, 1, 1, 0))?;
     let stage = TiedLm::new(true, 1, false, &Device::flex());
-    let (stage, report) = load_sharded(stage, &source, &solo(), &last.load_options(options))?;
+    let (stage, report) =
+        load_sharded(stage, &source, &solo(), &last.load_options(options.clone()))?;
     assert_eq!(gathered(&stage, None, &solo())["output.weight"], output);
     assert_eq!(report.tied, tied);
-    assert_eq!(report.elsewhere, ["layers.0.weight", "embed.weight"]);
+    let mut elsewhere = report.elsewhere;
+    elsewhere.sort();
+    assert_eq!(elsewhere, ["embed.weight", "layers.0.weight"]);
     let whole = || TiedLm::new(true, 2, true, &Device::flex());
     let e = load_sharded(whole(), &source, &solo(), &untied).unwrap_err();
     assert!(
         e.to_string().contains("output.weight: not in the record"),
         "{e}"
     );
-    let absent = untied.with_tied("output.weight", "head.weight");
+    let absent = untied.clone().with_tied("output.weight", "head.weight");
     let e = load_sharded(whole(), &source, &solo(), &absent).unwrap_err();
     assert!(e.to_string().contains("nor `head.weight`"), "{e}");
+    // A model without the source's own parameter: the tensor is used, not unused.
+    let headless = TiedLm::new(true, 2, false, &Device::flex());
+    let (_, report) = load_sharded(headless, &source, &solo(), &options)?;
+    assert!(
+        report.unused.is_empty() && report.tied == tied,
+        "{report:?}"
+    );
+    // Tied within the layer stack, by the whole model's names: the last stage's only layer
+    // (its `layers.0`) is the model's `layers.1`, and reads the first stage's `layers.0`.
+    let stack = untied
+        .clone()
+        .with_tied("layers.1.weight", "layers.0.weight");
+    let partial = dir.join("partial.safetensors");
+    write_safetensors(
+        &partial,
+        &[tensor("layers.0.weight", &[TIED_D, TIED_D], &layer)],
+    );
+    let stage = TiedLm::new(false, 1, false, &Device::flex());
+    let options = last.load_options(stack.with_allow_unused(true));
+    let (stage, report) =
+        load_sharded(stage, &RecordSource::from_path(&partial), &solo(), &options)?;
+    let read = gathered(&stage, None, &solo())["layers.0.weight"].clone();
+    assert_eq!(read, transposed(&[TIED_D, TIED_D], &layer));
+    let pair = ("layers.1.weight".to_string(), "layers.0.weight".to_string());
+    assert_eq!(report.tied, [pair]);
+    // Its own tensor, where the record holds one, comes first.
+    let own: Vec<f32> = (0..TIED_D * TIED_V).map(|i| -(i as f32)).collect();
+    let full = dir.join("untied.safetensors");
+    write_safetensors(
+        &full,
+        &[
+            tensor("embed.weight", &[TIED_V, TIED_D], &table),
+            tensor("output.weight", &[TIED_V, TIED_D], &own),
+            tensor("layers.0.weight", &[TIED_D, TIED_D], &layer),
+            tensor("layers.1.weight", &[TIED_D, TIED_D], &layer),
+        ],
+    );
+    let options = untied.with_tied("output.weight", "embed.weight");
+    let (model, report) =
+        load_sharded(whole(), &RecordSource::from_path(&full), &solo(), &options)?;
+    let read = gathered(&model, None, &solo())["output.weight"].clone();
+    assert_eq!(
+        (read, report.tied),
+        (transposed(&[TIED_V, TIED_D], &own), vec![])
+    );
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -23,7 +23,7 @@ use crate::tensor_parallel::{TpError, parallel_attrs};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 mod options;
@@ -200,7 +200,9 @@ fn load<M: Module>(
     }
     let mut loader = Loader {
         by_path,
-        taken: spare,
+        taken: BTreeMap::new(),
+        spare,
+        borrowed: BTreeSet::new(),
         facts: facts(&model),
         owners: match options.pytorch_adapter {
             true => owners(&model),
@@ -217,7 +219,10 @@ fn load<M: Module>(
     }
     let mut report = loader.report;
     report.elsewhere = elsewhere;
-    report.unused = loader.by_path.into_values().map(|(key, _)| key).collect();
+    report.unused = (loader.by_path.into_values())
+        .map(|(key, _)| key)
+        .filter(|key| !loader.borrowed.contains(key))
+        .collect();
     if !report.unused.is_empty() && !options.allow_unused {
         return Err(TpError::Invalid(format!(
             "the record holds tensors no parameter takes: {} (rename them with \
@@ -234,6 +239,11 @@ struct Loader<'a, 'o> {
     by_path: BTreeMap<String, (String, Stored<'a>)>,
     /// Those taken, kept for the parameters tied to them (views of the file, or handles).
     taken: BTreeMap<String, (String, Stored<'a>)>,
+    /// The sources of tied parameters that another pipeline stage holds, by whole-model path.
+    spare: BTreeMap<String, (String, Stored<'a>)>,
+    /// Record keys a tied parameter read while their own parameter had not: used, even if
+    /// no parameter of their own takes them.
+    borrowed: BTreeSet<String>,
     /// What the layers' slots know (Burn's column layout).
     facts: HashMap<String, Facts>,
     /// The type of the layer that holds each parameter, by parameter path (for the PyTorch
@@ -258,20 +268,37 @@ impl PathMapper for Loader<'_, '_> {
         let own = [Some(path.to_string()), pytorch_norm_key(owner, path)];
         let found = own.into_iter().flatten().find_map(|k| {
             let entry = self.by_path.remove(&k)?;
-            Some((k, entry, false))
+            Some((k, entry, Home::Taken))
         });
-        // A tied parameter borrows its source's entry: back where it was found, so that the
-        // source's own parameter still finds it.
-        let options = self.options;
-        let tied = options.tied.iter().find(|(p, _)| p == path);
+        // A tied parameter borrows its source's entry, which goes back where it was found,
+        // so that the source's own parameter still finds it. Both are named as in the whole
+        // model; on a pipeline stage the source may be this stage's (by its name here) or
+        // another's.
+        let (options, stage) = (self.options, self.options.stage.as_ref());
+        let global = stage.map_or_else(|| path.to_string(), |s| s.global_name(path));
+        let tied = options.tied.iter().find(|(p, _)| *p == global);
         let found = found.or_else(|| {
             let (_, source) = tied?;
-            let pending = self.by_path.remove(source).map(|e| (e, true));
-            let (entry, pending) = pending.or_else(|| Some((self.taken.remove(source)?, false)))?;
-            self.report.tied.push((path.to_string(), source.clone()));
-            Some((source.clone(), entry, pending))
+            let here = match stage.map(|s| s.place(source)) {
+                None => Some(source.clone()),
+                Some(Ok(StageKey::Here(local))) => Some(local),
+                Some(Ok(StageKey::Elsewhere)) => None,
+                Some(Err(_)) => return None,
+            };
+            let (entry, home, at) = match here {
+                Some(local) => match self.by_path.remove(&local) {
+                    Some(entry) => {
+                        self.borrowed.insert(entry.0.clone());
+                        (entry, Home::Pending, local)
+                    }
+                    None => (self.taken.remove(&local)?, Home::Taken, local),
+                },
+                None => (self.spare.remove(source)?, Home::Spare, source.clone()),
+            };
+            self.report.tied.push((global.clone(), source.clone()));
+            Some((at, entry, home))
         });
-        let Some((record_path, (key, stored), pending)) = found else {
+        let Some((record_path, (key, stored), home)) = found else {
             match self.options.allow_missing {
                 true => self.report.missing.push(path.to_string()),
                 false => {
@@ -311,10 +338,12 @@ impl PathMapper for Loader<'_, '_> {
             },
             None => self.shard(&p, &stored, transposed, mapped),
         };
-        match pending {
-            true => self.by_path.insert(record_path, (key, stored)),
-            false => self.taken.insert(record_path, (key, stored)),
+        let home = match home {
+            Home::Pending => &mut self.by_path,
+            Home::Taken => &mut self.taken,
+            Home::Spare => &mut self.spare,
         };
+        home.insert(record_path, (key, stored));
         match shard {
             Ok(data) => {
                 self.report.loaded.push(path.to_string());
@@ -340,6 +369,16 @@ impl PathMapper for Loader<'_, '_> {
             }
         }
     }
+}
+
+/// Where a record entry goes after a parameter read it.
+enum Home {
+    /// Not yet taken by its own parameter (a tied one borrowed it).
+    Pending,
+    /// Taken, kept for the parameters tied to it.
+    Taken,
+    /// Held by another pipeline stage, kept for this stage's parameters tied to it.
+    Spare,
 }
 
 impl Loader<'_, '_> {

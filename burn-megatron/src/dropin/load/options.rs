@@ -110,16 +110,23 @@ impl LoadOptions {
     }
 
     /// Read the parameter at module path `path`, where the record holds nothing under it,
-    /// from the tensor the record holds for the module path `source` (both after renaming;
-    /// `source` by the whole model's names), in `path`'s own layout and split. For a
-    /// checkpoint whose output layer shares its embedding's table (Hugging Face's
-    /// `tie_word_embeddings`: no `lm_head.weight` saved) and a model with its own output
-    /// layer: each parameter then trains on its own. Listed in [`LoadReport::tied`].
+    /// from the record's tensor named `source` (after renaming; the record's name, such as a
+    /// PyTorch norm's `weight`, where it differs from the module's). Both are named as in the
+    /// whole model, also when a pipeline stage loads its part, and the source may lie on
+    /// another stage. The tensor is read as `path`'s parameter reads its own: its layout
+    /// (`with_transposed`, the PyTorch adapter, Burn's column layout), its transform and its
+    /// split are `path`'s, not `source`'s. For a checkpoint whose output layer shares its
+    /// embedding's table (Hugging Face's `tie_word_embeddings`: no `lm_head.weight` saved) in
+    /// a model with its own output layer: the output `Linear` reads the `[vocab, d]` table as
+    /// PyTorch stores a linear, `[out, in]`, so give it the adapter (or `with_transposed`).
+    /// The two parameters then train apart, and a record saved afterwards holds both.
+    /// Listed in [`LoadReport::tied`].
     ///
     /// ```
     /// use burn_megatron::dropin::LoadOptions;
     /// let options = LoadOptions::default()
     ///     .with_key_remap(r"^model\.embed_tokens\.", "tok_embeddings.").unwrap()
+    ///     .with_pytorch_adapter(true)
     ///     .with_tied("output.weight", "tok_embeddings.weight");
     /// # drop(options);
     /// ```
@@ -142,6 +149,7 @@ fn regex(pattern: &str) -> Result<Regex, TpError> {
 
 /// What a sharded load did, and the memory it needed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LoadReport {
     /// Parameters loaded, by module path.
     pub loaded: Vec<String>,
