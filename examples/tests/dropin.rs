@@ -160,6 +160,55 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     );
 }
 
+/// `--hf --text`: a Hugging Face BERT checkpoint (the fixture `transformers` wrote) beside a
+/// `vocab.txt`, at TP 1 and 2, fills the same masks; the integration test `dropin::hf_bert`
+/// holds the same code to `transformers`' logits. A checkpoint of another model type fails,
+/// naming the setting.
+#[test]
+fn the_bert_example_reads_a_hugging_face_checkpoint() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/hf_bert_tiny"
+    );
+    let dir = std::env::temp_dir().join(format!("tp-bert-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(fixture).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    // A word-level vocabulary the size of the model's: `wN` is token N.
+    let special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"].map(String::from);
+    let vocab: Vec<String> = special
+        .into_iter()
+        .chain((5..100).map(|i| format!("w{i}")))
+        .collect();
+    std::fs::write(dir.join("vocab.txt"), vocab.join("\n")).unwrap();
+    let text = "w17 w23 [MASK] w42 w8 [MASK] w61";
+    let args = ["--hf", dir.to_str().unwrap(), "--text", text, "--tp", "2"];
+    let stdout = run("tp_bert_dropin", &args);
+    let filled = after(&stdout, "masks filled at TP=1:");
+    assert_eq!(
+        filled.split("], ").next().unwrap().split(',').count(),
+        2,
+        "{stdout}"
+    );
+    assert_eq!(filled, after(&stdout, "masks filled at TP=2:"));
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["model_type"] = serde_json::json!("roberta");
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let out = std::process::Command::new(example_binary("tp_bert_dropin"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("model_type"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn the_swapped_burn_encoder_bert_matches_the_plain_one_at_tp_2_and_4() {
     for tp in ["2", "4"] {

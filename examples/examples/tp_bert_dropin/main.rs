@@ -19,16 +19,17 @@
 //! what sequence parallelism saves: each rank's activations after a forward of a larger
 //! encoder, with and without it.
 
-use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use burn_megatron::dropin::TpPlan;
+use burn_megatron::data::BertTokenizer;
+use burn_megatron::dropin::{LoadOptions, TpPlan};
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::tensor_parallel::TpError;
 use burn_megatron::topology::ParallelConfig;
 use burn_megatron_examples::dropin::{print_losses, solo, train, worst};
 use burn_megatron_examples::memory::{Counter, mib};
 use clap::Parser;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 struct Args {
@@ -38,19 +39,22 @@ struct Args {
     /// Training steps.
     #[arg(long, default_value_t = 5)]
     steps: usize,
+    /// A Hugging Face BERT's directory (`config.json`, its weights, and `tokenizer.json` or
+    /// `vocab.txt`): fill the `[MASK]`s of `--text` with it at TP 1 and at `--tp`, instead of
+    /// the rest.
+    #[arg(long, requires = "text")]
+    hf: Option<PathBuf>,
+    /// With `--hf`: a text with `[MASK]` tokens.
+    #[arg(long, requires = "hf")]
+    text: Option<String>,
 }
 
-/// The model's sizes, named as Hugging Face's `BertConfig` names them.
-#[derive(Config, Debug)]
-pub struct BertConfig {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub intermediate_size: usize,
-    pub max_position_embeddings: usize,
-    pub type_vocab_size: usize,
-}
+/// The config and the masked positions' logits: what the conversion leaves alone.
+mod bert;
+use bert::{BertConfig, masked};
+
+/// A Hugging Face BERT checkpoint read into the user's BERT.
+mod hf;
 
 /// The user's BERT, in plain Burn.
 mod plain;
@@ -63,12 +67,6 @@ const SEQ: usize = 12;
 const PAD: i64 = 0;
 const MASK: i64 = 1;
 const TOLERANCE: f32 = 1e-5;
-
-/// `[b, s, v]` logits at the flat positions `at`: `[n, v]`.
-pub fn masked(logits: Tensor<3>, at: Tensor<1, Int>) -> Tensor<2> {
-    let [b, s, v] = logits.dims();
-    logits.reshape([b * s, v]).select(0, at)
-}
 
 /// A masked-language-modelling batch: tokens with `[MASK]` at some positions, the second
 /// sample padded at its end, the masked positions (flat) and their original tokens.
@@ -152,8 +150,73 @@ fn activation_memory(tp: usize) -> Result<String, Box<dyn std::error::Error>> {
     ))
 }
 
+/// `--hf`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards,
+/// filling the masks of `text`.
+fn from_hugging_face(dir: &Path, text: &str, tp: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let checkpoint = hf::Checkpoint::open(dir)?;
+    let c = &checkpoint.config;
+    if !c.num_attention_heads.is_multiple_of(tp) {
+        return Err(format!("--tp must divide the {} heads", c.num_attention_heads).into());
+    }
+    let vocab = ["tokenizer.json", "vocab.txt"].map(|n| dir.join(n));
+    let vocab = vocab.iter().find(|p| p.is_file());
+    let tokenizer = BertTokenizer::from_file(vocab.ok_or("no tokenizer.json or vocab.txt")?)?;
+    let words = tokenizer.encode(text)?;
+    let ids: Vec<i64> = [tokenizer.cls]
+        .iter()
+        .chain(&words)
+        .chain([&tokenizer.sep])
+        .map(|&i| i64::from(i))
+        .collect();
+    let at: Vec<i64> = (0..ids.len() as i64)
+        .filter(|&i| ids[i as usize] == i64::from(tokenizer.mask))
+        .collect();
+    if at.is_empty() || ids.len() > c.max_position_embeddings {
+        return Err("--text has no [MASK], or more tokens than max_position_embeddings".into());
+    }
+    let mut filled = Vec::new();
+    let sizes = if tp == 1 { vec![1] } else { vec![1, tp] };
+    for tp in sizes {
+        let ranks = launch::threads(
+            &ParallelConfig::new(tp, tp, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let device = Device::flex();
+                let model = checkpoint.load(&ctx.groups.tp, &device)?;
+                // Sequence parallelism splits the positions: padded to a multiple of TP, the
+                // padding masked.
+                let (n, len) = (ids.len(), ids.len().next_multiple_of(tp));
+                let pad_id = i64::from(tokenizer.pad);
+                let padded: Vec<i64> = (0..len)
+                    .map(|i| ids.get(i).copied().unwrap_or(pad_id))
+                    .collect();
+                let tokens = Tensor::from_data(TensorData::new(padded, [1, len]), &device);
+                let pad = TensorData::new((0..len).map(|i| i >= n).collect(), [1, len]);
+                let pad = Tensor::<2, Bool>::from_data(pad, &device);
+                let at = Tensor::from_data(TensorData::new(at.clone(), [at.len()]), &device);
+                let labels = at.zeros_like();
+                Ok::<_, TpError>(model.fill_mask(tokens, pad, at, labels).0)
+            },
+        )?;
+        let best = ranks.into_iter().next().expect("a rank");
+        let pieces: Vec<u32> = best.iter().map(|&t| t as u32).collect();
+        println!(
+            "masks filled at TP={tp}: {best:?} {:?}",
+            tokenizer.decode(&pieces)?
+        );
+        filled.push(best);
+    }
+    if filled.iter().any(|f| *f != filled[0]) {
+        return Err(format!("TP={tp} filled the masks with other tokens than TP=1").into());
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    if let (Some(dir), Some(text)) = (&args.hf, &args.text) {
+        return from_hugging_face(dir, text, args.tp);
+    }
     let config = BertConfig::new(128, 32, 2, 4, 64, 16, 2);
     if !config.num_attention_heads.is_multiple_of(args.tp) {
         return Err("--tp must divide the 4 attention heads".into());
@@ -190,10 +253,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (tp, d) = (&ctx.groups.tp, &ctx.device);
             let plain_device = Device::flex();
             let e = Batch::new(config.vocab_size, &plain_device);
-            let filled = parallel::BertMaskedLm::load(&config, &record, tp, &plain_device)?
-                .fill_mask(e.tokens, e.pad, e.at, e.labels);
+            let filled = parallel::BertMaskedLm::load(
+                &config,
+                &record,
+                &LoadOptions::default(),
+                tp,
+                &plain_device,
+            )?
+            .fill_mask(e.tokens, e.pad, e.at, e.labels);
             let b = Batch::new(config.vocab_size, d);
-            let model = parallel::BertMaskedLm::load(&config, &record, tp, d)?;
+            let model =
+                parallel::BertMaskedLm::load(&config, &record, &LoadOptions::default(), tp, d)?;
             let (_, losses, grads) = train(model, args.steps, tp, |m| {
                 let (t, p, a, l) = (
                     b.tokens.clone(),

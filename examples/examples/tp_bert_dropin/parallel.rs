@@ -36,7 +36,7 @@ impl BertMaskedLm {
         let embedding = |n| EmbeddingConfig::new(n, c.hidden_size).init(device);
         let norm = || {
             LayerNormConfig::new(c.hidden_size)
-                .with_epsilon(1e-12)
+                .with_epsilon(c.layer_norm_eps)
                 .init(device)
         };
         let encoder = TransformerEncoderConfig {
@@ -52,7 +52,7 @@ impl BertMaskedLm {
                 std: 0.02,
             },
             activation: burn::nn::activation::ActivationConfig::Gelu,
-            layer_norm_eps: 1e-12,
+            layer_norm_eps: c.layer_norm_eps,
         };
         Self {
             embeddings: BertEmbeddings {
@@ -72,19 +72,30 @@ impl BertMaskedLm {
     // ANCHOR_END: new
 
     // ANCHOR: load
-    /// The model with the weights of the record at `path`.
-    pub fn load(c: &BertConfig, path: &Path, tp: &Comm, device: &Device) -> Result<Self, TpError> {
+    /// The model with the weights of the record at `path`, read as `options` say.
+    pub fn load(
+        c: &BertConfig,
+        path: &Path,
+        options: &LoadOptions,
+        tp: &Comm,
+        device: &Device,
+    ) -> Result<Self, TpError> {
         let plan = TpPlan::new().encoder(&["encoder"])?.sequence_parallel();
         let plan = plan.vocab(&["*.word_embeddings"])?;
         let plan = plan.gathered_column(&["*.decoder"])?;
         let model = plan.apply(Self::new(c, device), tp)?;
-        let (source, options) = (RecordSource::from_path(path), LoadOptions::default());
-        Ok(load_sharded(model, &source, tp, &options)?.0)
+        Ok(load_sharded(model, &RecordSource::from_path(path), tp, options)?.0)
     }
     // ANCHOR_END: load
 
-    /// `[b, s]` tokens (`pad` where `mask_pad`) → `[b, s, vocab]` logits.
-    pub fn forward(&self, tokens: Tensor<2, Int>, mask_pad: Tensor<2, Bool>) -> Tensor<3> {
+    /// `[b, s]` tokens of the segments `types` (`pad` where `mask_pad`) → `[b, s, vocab]`
+    /// logits.
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        types: Tensor<2, Int>,
+        mask_pad: Tensor<2, Bool>,
+    ) -> Tensor<3> {
         let [b, s] = tokens.dims();
         let positions = Tensor::arange(0..s as i64, &tokens.device())
             .unsqueeze()
@@ -92,7 +103,7 @@ impl BertMaskedLm {
         let e = &self.embeddings;
         let x = e.word_embeddings.forward(tokens.clone())
             + e.position_embeddings.forward(positions)
-            + e.token_type_embeddings.forward(tokens.zeros_like());
+            + e.token_type_embeddings.forward(types);
         let input = TransformerEncoderInput::new(e.layer_norm.forward(x)).mask_pad(mask_pad);
         let h = self.encoder.forward(input);
         let head = &self.lm_head;
@@ -109,7 +120,7 @@ impl BertMaskedLm {
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
     ) -> Tensor<1> {
-        let logits = masked(self.forward(tokens, pad), at);
+        let logits = masked(self.forward(tokens.clone(), tokens.zeros_like(), pad), at);
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, labels)
@@ -123,7 +134,7 @@ impl BertMaskedLm {
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
     ) -> (Vec<i64>, usize) {
-        let logits = masked(self.forward(tokens, pad), at);
+        let logits = masked(self.forward(tokens.clone(), tokens.zeros_like(), pad), at);
         let best: Vec<i64> = logits.argmax(1).into_data().iter::<i64>().collect();
         let labels: Vec<i64> = labels.into_data().iter::<i64>().collect();
         let right = best.iter().zip(&labels).filter(|(b, l)| b == l).count();

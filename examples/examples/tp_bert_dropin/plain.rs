@@ -38,7 +38,7 @@ impl BertMaskedLm {
         let embedding = |n| EmbeddingConfig::new(n, c.hidden_size).init(device);
         let norm = || {
             LayerNormConfig::new(c.hidden_size)
-                .with_epsilon(1e-12)
+                .with_epsilon(c.layer_norm_eps)
                 .init(device)
         };
         let encoder = TransformerEncoderConfig {
@@ -54,7 +54,7 @@ impl BertMaskedLm {
                 std: 0.02,
             },
             activation: burn::nn::activation::ActivationConfig::Gelu,
-            layer_norm_eps: 1e-12,
+            layer_norm_eps: c.layer_norm_eps,
         };
         Self {
             embeddings: BertEmbeddings {
@@ -80,8 +80,14 @@ impl BertMaskedLm {
     }
     // ANCHOR_END: load
 
-    /// `[b, s]` tokens (`pad` where `mask_pad`) → `[b, s, vocab]` logits.
-    pub fn forward(&self, tokens: Tensor<2, Int>, mask_pad: Tensor<2, Bool>) -> Tensor<3> {
+    /// `[b, s]` tokens of the segments `types` (`pad` where `mask_pad`) → `[b, s, vocab]`
+    /// logits.
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        types: Tensor<2, Int>,
+        mask_pad: Tensor<2, Bool>,
+    ) -> Tensor<3> {
         let [b, s] = tokens.dims();
         let positions = Tensor::arange(0..s as i64, &tokens.device())
             .unsqueeze()
@@ -89,7 +95,7 @@ impl BertMaskedLm {
         let e = &self.embeddings;
         let x = e.word_embeddings.forward(tokens.clone())
             + e.position_embeddings.forward(positions)
-            + e.token_type_embeddings.forward(tokens.zeros_like());
+            + e.token_type_embeddings.forward(types);
         let input = TransformerEncoderInput::new(e.layer_norm.forward(x)).mask_pad(mask_pad);
         let h = self.encoder.forward(input);
         let head = &self.lm_head;
@@ -106,7 +112,7 @@ impl BertMaskedLm {
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
     ) -> Tensor<1> {
-        let logits = masked(self.forward(tokens, pad), at);
+        let logits = masked(self.forward(tokens.clone(), tokens.zeros_like(), pad), at);
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, labels)
@@ -120,7 +126,7 @@ impl BertMaskedLm {
         at: Tensor<1, Int>,
         labels: Tensor<1, Int>,
     ) -> (Vec<i64>, usize) {
-        let logits = masked(self.forward(tokens, pad), at);
+        let logits = masked(self.forward(tokens.clone(), tokens.zeros_like(), pad), at);
         let best: Vec<i64> = logits.argmax(1).into_data().iter::<i64>().collect();
         let labels: Vec<i64> = labels.into_data().iter::<i64>().collect();
         let right = best.iter().zip(&labels).filter(|(b, l)| b == l).count();

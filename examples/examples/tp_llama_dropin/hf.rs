@@ -8,7 +8,7 @@ use super::llama::{LlamaConfig, RopeScaling};
 use super::parallel;
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
-use burn_megatron::dropin::{LoadOptions, rotary_half_to_interleaved};
+use burn_megatron::dropin::{LoadOptions, RecordSource, rotary_half_to_interleaved};
 use burn_megatron::tensor_parallel::TpError;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -31,8 +31,8 @@ impl Checkpoint {
     /// paths, its linears read `[out, in]` and its norms' `weight` as `gamma` (the PyTorch
     /// adapter), each query and key head's features, stored as `rotate_half`'s two halves,
     /// paired as Burn's `RotaryEncoding` pairs them (the key projection has the key/value
-    /// heads), and where the checkpoint ties them (Llama 3.2's 1B and 3B), the output layer
-    /// read from the embedding's table.
+    /// heads), where the checkpoint ties them (Llama 3.2's 1B and 3B), the output layer read
+    /// from the embedding's table, and an older checkpoint's rotary buffers skipped.
     pub fn options(&self) -> Result<LoadOptions, TpError> {
         let renames = [
             (r"^model\.", ""),
@@ -53,6 +53,8 @@ impl Checkpoint {
             options = options.with_tied("output.weight", "tok_embeddings.weight");
         }
         let (heads, kv_heads) = (self.config.n_heads, self.config.n_kv_heads);
+        // What `transformers` before 4.31 saved beside each attention; the model computes it.
+        let options = options.with_skipped(r"\.rotary_emb\.inv_freq$")?;
         options
             .with_transform(r"\.wq\.weight$", rotary_half_to_interleaved(heads))?
             .with_transform(r"\.wk\.weight$", rotary_half_to_interleaved(kv_heads))
@@ -62,24 +64,8 @@ impl Checkpoint {
     /// The model, split over `tp` as `parallel::Llama::load` splits it, with the checkpoint's
     /// weights.
     pub fn load(&self, tp: &Comm, device: &Device) -> Result<parallel::Llama, TpError> {
-        let (config, options) = (&self.config, self.options()?);
-        parallel::Llama::load(config, &self.weights()?, &options, tp, device)
-    }
-
-    /// The checkpoint's index where it is sharded, else its one file: safetensors first, as
-    /// `transformers` looks for them.
-    pub fn weights(&self) -> Result<PathBuf, TpError> {
-        let names = [
-            "model.safetensors.index.json",
-            "model.safetensors",
-            "pytorch_model.bin.index.json",
-            "pytorch_model.bin",
-        ];
-        let found = names.iter().map(|n| self.dir.join(n)).find(|p| p.is_file());
-        found.ok_or_else(|| {
-            let dir = self.dir.display();
-            TpError::Invalid(format!("{dir}: none of {}", names.join(", ")))
-        })
+        let weights = RecordSource::from_hugging_face(&self.dir)?;
+        parallel::Llama::load(&self.config, weights.path(), &self.options()?, tp, device)
     }
 
     /// `dir/config.json` read. What this Llama cannot hold is an error naming the setting:

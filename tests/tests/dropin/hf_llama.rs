@@ -23,6 +23,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
+use burn_megatron::dropin::RecordSource;
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
@@ -281,7 +282,10 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
                 let stage = plan.stage(PipelinePosition::of(&ctx.state, 0))?;
                 let load =
                     |path: &Path| pipeline::Llama::load(config, path, &options, &stage, g, d);
-                let (model, reference) = (load(&checkpoint.weights()?)?, load(&grads_path)?);
+                let (model, reference) = (
+                    load(RecordSource::from_hugging_face(&checkpoint.dir)?.path())?,
+                    load(&grads_path)?,
+                );
                 let batch = Batch::new(&expected, d);
                 let step = |s: ForwardStep<'_, pipeline::Llama, 3>| {
                     let tokens = batch.tokens.clone().narrow(0, s.microbatch, 1);
@@ -335,6 +339,34 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
         println!("{name}, TP {tp} × PP 2: gradients within {worst:.1e} ({param})");
     }
     std::fs::remove_dir_all(scratch)?;
+    Ok(())
+}
+
+/// A checkpoint `transformers` wrote before 4.31, with each attention's `rotary_emb.inv_freq`
+/// beside its weights: skipped, the rest loaded as from the checkpoint without them.
+#[test]
+fn an_older_checkpoints_rotary_buffers_are_skipped() -> Result<(), Error> {
+    let fixture = fixture("hf_llama_tied_tiny");
+    let dir = scratch("hf-llama-inv-freq");
+    std::fs::copy(fixture.join("config.json"), dir.join("config.json"))?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> =
+        (read_safetensors(&fixture.join("model.safetensors")).into_iter())
+            .map(|(k, (shape, v))| (k, shape, v.into_iter().map(|x| x as f32).collect()))
+            .collect();
+    for layer in 0..2 {
+        let name = format!("model.layers.{layer}.self_attn.rotary_emb.inv_freq");
+        tensors.push((name, vec![4], vec![1.0, 0.1, 0.01, 0.001]));
+    }
+    write_safetensors(&dir.join("model.safetensors"), &tensors);
+    let (old, new) = (hf::Checkpoint::open(&dir)?, hf::Checkpoint::open(&fixture)?);
+    let ranks = tp_ranks(1, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let (old, new) = (old.load(g, d)?, new.load(g, d)?);
+        Ok::<_, Error>((gathered(&old, None, g), gathered(&new, None, g)))
+    })?;
+    let (old, new) = &ranks[0];
+    assert_eq!(old, new);
+    std::fs::remove_dir_all(dir)?;
     Ok(())
 }
 

@@ -459,7 +459,9 @@ const TIED_D: usize = 4;
 /// `with_tied`: a parameter the record lacks reads another path's tensor, in its own layout
 /// and split: an output layer `[d, V]` from a tied checkpoint's table `[V, d]`, at TP 1 and 2,
 /// visited before its source, and on the last pipeline stage, where the first holds the
-/// embedding. Without it, or tied to a path the record lacks, the error names both.
+/// embedding. Without it, or tied to a path the record lacks, the error names both. Where the
+/// record holds the parameter's own tensor, that one. And `with_skipped`: a tensor the model
+/// lacks, skipped and listed, not an error.
 #[test]
 fn a_tied_parameter_reads_its_sources_tensor() -> Result<(), Error> {
     use burn_megatron::dropin::{PpPlan, TpPlan};
@@ -553,16 +555,25 @@ fn a_tied_parameter_reads_its_sources_tensor() -> Result<(), Error> {
             tensor("output.weight", &[TIED_V, TIED_D], &own),
             tensor("layers.0.weight", &[TIED_D, TIED_D], &layer),
             tensor("layers.1.weight", &[TIED_D, TIED_D], &layer),
+            tensor("pooler.weight", &[TIED_D, TIED_D], &layer),
         ],
     );
+    // With a pooler the model lacks: an error naming it, unless skipped.
+    let full = RecordSource::from_path(&full);
     let options = untied.with_tied("output.weight", "embed.weight");
-    let (model, report) =
-        load_sharded(whole(), &RecordSource::from_path(&full), &solo(), &options)?;
+    let e = load_sharded(whole(), &full, &solo(), &options).unwrap_err();
+    assert!(
+        e.to_string().contains("no parameter takes: pooler.weight"),
+        "{e}"
+    );
+    let options = options.with_skipped(r"^pooler\.")?;
+    let (model, report) = load_sharded(whole(), &full, &solo(), &options)?;
     let read = gathered(&model, None, &solo())["output.weight"].clone();
     assert_eq!(
         (read, report.tied),
         (transposed(&[TIED_V, TIED_D], &own), vec![])
     );
+    assert_eq!(report.skipped, ["pooler.weight"]);
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -26,6 +26,7 @@ mod cache;
 mod cnn;
 mod cross_attention;
 mod decoder;
+mod hf_bert;
 mod hf_llama;
 mod layout;
 mod load;

@@ -157,7 +157,7 @@ fn load<M: Module>(
     options: &LoadOptions,
 ) -> Result<(M, LoadReport), TpError> {
     let mut by_path: BTreeMap<String, (String, Stored<'_>)> = BTreeMap::new();
-    let mut elsewhere = Vec::new();
+    let (mut elsewhere, mut skipped) = (Vec::new(), Vec::new());
     // The sources of tied parameters that another pipeline stage holds, by whole-model path.
     let mut spare = BTreeMap::new();
     // Whether any record key lies in a pipeline stage's layer stack.
@@ -166,6 +166,10 @@ fn load<M: Module>(
         let path = options.remaps.iter().fold(key.clone(), |k, (re, to)| {
             re.replace_all(&k, to.as_str()).into_owned()
         });
+        if options.skipped.iter().any(|re| re.is_match(&path)) {
+            skipped.push(key);
+            continue;
+        }
         stack |= options.stage.as_ref().is_some_and(|s| s.in_stack(&path));
         let source = (options.tied.iter().any(|(_, s)| *s == path)).then(|| path.clone());
         let placed = match &options.stage {
@@ -219,6 +223,7 @@ fn load<M: Module>(
     }
     let mut report = loader.report;
     report.elsewhere = elsewhere;
+    report.skipped = skipped;
     report.unused = (loader.by_path.into_values())
         .map(|(key, _)| key)
         .filter(|key| !loader.borrowed.contains(key))

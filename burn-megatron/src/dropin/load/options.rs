@@ -27,6 +27,7 @@ pub struct LoadOptions {
     pub(super) stage: Option<StageKeys>,
     pub(super) transforms: Vec<(Regex, Transform)>,
     pub(super) tied: Vec<(String, String)>,
+    pub(super) skipped: Vec<Regex>,
 }
 
 /// A whole tensor rearranged before this rank's part is cut from it.
@@ -84,6 +85,15 @@ impl LoadOptions {
     pub fn with_allow_missing(mut self, allow: bool) -> Self {
         self.allow_missing = allow;
         self
+    }
+
+    /// Skip the record tensors whose names (after renaming) `pattern` matches: the parts of a
+    /// checkpoint the model does not have (a pretraining head, a pooler, a buffer the model
+    /// computes), listed in [`LoadReport::skipped`], while any other tensor no parameter takes
+    /// is still an error.
+    pub fn with_skipped(mut self, pattern: &str) -> Result<Self, TpError> {
+        self.skipped.push(regex(pattern)?);
+        Ok(self)
     }
 
     /// Ignore record tensors no parameter takes (listed in the report) instead of failing.
@@ -162,6 +172,8 @@ pub struct LoadReport {
     /// Parameters read from the tensor of another path ([`LoadOptions::with_tied`]), as
     /// `(path, source)`.
     pub tied: Vec<(String, String)>,
+    /// Record tensors skipped by [`LoadOptions::with_skipped`], by record key.
+    pub skipped: Vec<String>,
     /// Bytes of this rank's shards, as read from the file (a padded vocabulary's zeros
     /// included).
     pub shard_bytes: u64,

@@ -73,7 +73,26 @@ impl RecordSource {
         }
     }
 
-    pub(super) fn path(&self) -> &Path {
+    /// The weights of a Hugging Face model directory, as `save_pretrained` writes them and
+    /// `transformers` looks for them: `model.safetensors.index.json`, `model.safetensors`,
+    /// `pytorch_model.bin.index.json`, then `pytorch_model.bin`. None of them is an error
+    /// naming the directory.
+    pub fn from_hugging_face(dir: impl AsRef<Path>) -> Result<Self, TpError> {
+        const NAMES: [&str; 4] = [
+            "model.safetensors.index.json",
+            "model.safetensors",
+            "pytorch_model.bin.index.json",
+            "pytorch_model.bin",
+        ];
+        let dir = dir.as_ref();
+        let found = NAMES.iter().map(|n| dir.join(n)).find(|p| p.is_file());
+        found.map(Self::from_path).ok_or_else(|| {
+            TpError::Invalid(format!("{}: none of {}", dir.display(), NAMES.join(", ")))
+        })
+    }
+
+    /// The file it reads (for shards, their index).
+    pub fn path(&self) -> &Path {
         match self {
             Self::Burnpack(p)
             | Self::Safetensors(p)

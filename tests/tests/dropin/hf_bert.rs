@@ -1,0 +1,160 @@
+//! A Hugging Face BERT checkpoint in the user's BERT: the bert-burn-style masked-LM of
+//! `examples/examples/tp_bert_dropin` (Burn's `TransformerEncoder`), made tensor-parallel by
+//! its imports, compiled here from the example's own files. At TP 1, 2 and 4 against
+//! `transformers` (`tests/fixtures/hf_bert_tiny`: a `BertForPreTraining`, its decoder tied to
+//! the word embeddings, two segments, a padded sample): the prediction logits at every
+//! position, the masked-LM loss, and the prediction head's gradients.
+
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_bert_dropin/bert.rs"]
+mod bert;
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_bert_dropin/hf.rs"]
+mod hf;
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_bert_dropin/parallel.rs"]
+mod parallel;
+
+use super::Error;
+use super::load::{scratch, write_safetensors};
+use bert::{BertConfig, masked};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::GradientsParams;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::{read_safetensors, tp_ranks, values};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+type Fixture = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
+
+/// The prediction head's parameters by their Hugging Face names, and by the model's paths:
+/// only the masked-LM loss reaches them (the fixture's gradients are of it and the
+/// sentence-order loss, which also reaches the encoder and the embeddings).
+const HEAD: [(&str, &str); 5] = [
+    (
+        "cls.predictions.transform.dense.weight",
+        "lm_head.dense.weight",
+    ),
+    ("cls.predictions.transform.dense.bias", "lm_head.dense.bias"),
+    (
+        "cls.predictions.transform.LayerNorm.weight",
+        "lm_head.layer_norm.gamma",
+    ),
+    (
+        "cls.predictions.transform.LayerNorm.bias",
+        "lm_head.layer_norm.beta",
+    ),
+    ("cls.predictions.bias", "lm_head.decoder.bias"),
+];
+
+fn ints(f: &Fixture, name: &str, device: &burn::tensor::Device) -> Tensor<2, Int> {
+    let (shape, v) = &f[name];
+    let v: Vec<i64> = v.iter().map(|x| *x as i64).collect();
+    Tensor::from_data(TensorData::new(v, [shape[0], shape[1]]), device)
+}
+
+#[test]
+fn a_hugging_face_bert_in_the_users_bert_gives_transformers_numbers() -> Result<(), Error> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny");
+    let checkpoint = hf::Checkpoint::open(&dir)?;
+    let c = &checkpoint.config;
+    let expected = read_safetensors(&dir.join("expected.safetensors"));
+    let gradients = read_safetensors(&dir.join("gradients.safetensors"));
+    // The head's gradients written as a checkpoint under Hugging Face's names: read through
+    // the same options, they come in the model's layout, split as the model is.
+    let head: Vec<(String, Vec<usize>, Vec<f32>)> = HEAD
+        .iter()
+        .map(|(name, _)| {
+            let (shape, v) = &gradients[&format!("grad.{name}")];
+            let v = v.iter().map(|x| *x as f32).collect();
+            (name.to_string(), shape.clone(), v)
+        })
+        .collect();
+    let scratch = scratch("hf-bert");
+    let grads_path = scratch.join("head-grads.safetensors");
+    write_safetensors(&grads_path, &head);
+    let reference = checkpoint.options()?.with_allow_missing(true);
+    let (_, labels) = &gradients["mlm_labels"];
+    let at: Vec<i64> = (0..labels.len() as i64)
+        .filter(|&i| labels[i as usize] >= 0.0)
+        .collect();
+    let targets: Vec<i64> = at.iter().map(|&i| labels[i as usize] as i64).collect();
+    let want_loss = gradients["lm_loss"].1[0];
+    for tp in [1, 2, 4] {
+        let ranks = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = checkpoint.load(g, d)?;
+            let (tokens, types) = (
+                ints(&expected, "input_ids", d),
+                ints(&expected, "token_type_ids", d),
+            );
+            let pad = ints(&expected, "attention_mask", d).equal_elem(0);
+            let logits = model.forward(tokens, types, pad);
+            let n = at.len();
+            let positions = Tensor::from_data(TensorData::new(at.clone(), [n]), d);
+            let labels = Tensor::from_data(TensorData::new(targets.clone(), [n]), d);
+            let loss = CrossEntropyLossConfig::new()
+                .init(d)
+                .forward(masked(logits.clone(), positions), labels);
+            let value = loss.clone().into_scalar::<f32>();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let want = parallel::BertMaskedLm::load(c, &grads_path, &reference, g, d)?;
+            let head = |v: BTreeMap<String, Vec<f32>>| -> Vec<Vec<f32>> {
+                HEAD.iter().map(|(_, path)| v[*path].clone()).collect()
+            };
+            Ok::<_, Error>((
+                values(logits),
+                value,
+                head(gathered(&model, Some(&grads), g)),
+                head(gathered(&want, None, g)),
+            ))
+        })?;
+        for (rank, (logits, loss, grads, want)) in ranks.into_iter().enumerate() {
+            let what = format!("TP {tp}, rank {rank}");
+            let want_logits: Vec<f32> = (expected["prediction_logits"].1.iter())
+                .map(|x| *x as f32)
+                .collect();
+            let d = super::max_abs_diff(&logits, &want_logits);
+            assert!(d <= 1e-4, "{what}: logits off by {d}");
+            let dl = (f64::from(loss) - want_loss).abs();
+            assert!(dl <= 1e-5, "{what}: loss {loss} vs {want_loss}");
+            let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| x * x).sum::<f32>().sqrt();
+            for ((got, want), (name, _)) in grads.iter().zip(&want).zip(HEAD) {
+                let diff = norm(&mut got.iter().zip(want).map(|(a, b)| a - b));
+                let rel = diff / norm(&mut want.iter().copied());
+                assert!(
+                    rel <= 1e-5,
+                    "{what}: {name}'s gradient off by {rel:.2e} relative"
+                );
+            }
+            println!("{what}: logits within {d:.1e}, loss within {dl:.1e}");
+        }
+    }
+    std::fs::remove_dir_all(scratch)?;
+    Ok(())
+}
+
+/// What the BERT cannot hold is refused before anything loads, naming the setting.
+#[test]
+fn a_checkpoint_the_users_bert_cannot_hold_is_an_error_naming_the_setting() -> Result<(), Error> {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny");
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json"))?)?;
+    let dir = scratch("hf-bert-config");
+    for (key, value) in [
+        ("model_type", "roberta"),
+        ("hidden_act", "relu"),
+        ("position_embedding_type", "relative_key"),
+    ] {
+        let mut json = base.clone();
+        json[key] = serde_json::json!(value);
+        std::fs::write(dir.join("config.json"), json.to_string())?;
+        let e = hf::Checkpoint::open(&dir).err().expect("refused");
+        assert!(e.contains(key), "{key}: {e}");
+    }
+    let config: BertConfig = hf::Checkpoint::open(&fixture)?.config;
+    assert_eq!(config.layer_norm_eps, 1e-12);
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
