@@ -32,16 +32,7 @@ fn tok_err(path: &str) -> impl Fn(tokenizers::Error) -> DataError + '_ {
 }
 
 impl BertTokenizer {
-    fn from_tokenizer(mut inner: Tokenizer, source: &str) -> Result<Self, DataError> {
-        // As Hugging Face's BERT tokenizers do: `[MASK]` in a text is the mask token, not the
-        // pieces of `[`, `mask` and `]` (a `vocab.txt` declares no special tokens).
-        let specials: Vec<AddedToken> = (SPECIAL_TOKENS.iter())
-            .filter(|t| inner.token_to_id(t).is_some())
-            .map(|t| AddedToken::from(*t, true))
-            .collect();
-        inner
-            .add_special_tokens(specials)
-            .map_err(tok_err(source))?;
+    fn from_tokenizer(inner: Tokenizer, source: &str) -> Result<Self, DataError> {
         let id = |t: &str| {
             inner.token_to_id(t).ok_or_else(|| {
                 DataError::Tokenizer(format!("{source}: the vocabulary has no {t} token"))

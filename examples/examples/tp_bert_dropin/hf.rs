@@ -1,5 +1,6 @@
 //! A Hugging Face BERT checkpoint (`config.json` with its weights, as `save_pretrained` writes
-//! them: `BertForPreTraining`, `BertForMaskedLM` or `BertModel`) in the user's BERT: the config
+//! them: `BertForPreTraining` or `BertForMaskedLM`, whose prediction head the model has) in
+//! the user's BERT: the config
 //! as a [`BertConfig`], and the [`LoadOptions`] that bring its tensors to the model's paths,
 //! Burn's `TransformerEncoder` names among them. The model's code does not change; each rank
 //! still reads only its shards.
@@ -61,7 +62,7 @@ impl Checkpoint {
             options = options.with_tied("lm_head.decoder.weight", table);
         }
         // The decoder's bias is `cls.predictions.bias`, which older checkpoints save twice.
-        let unused = r"^(pooler|cls\.seq_relationship)\.|^embeddings\.position_ids$|^cls\.predictions\.decoder\.bias$";
+        let unused = r"^(pooler|cls\.seq_relationship)\.|^embeddings\.(position|token_type)_ids$|^cls\.predictions\.decoder\.bias$";
         options.with_skipped(unused)
     }
     // ANCHOR_END: options
@@ -75,7 +76,8 @@ impl Checkpoint {
     }
 
     /// `dir/config.json` read. What this BERT cannot hold is an error naming the setting:
-    /// another model type, activation or position embedding.
+    /// another model type, activation (the exact GeLU's names are `gelu` and `gelu_python`)
+    /// or position embedding, a decoder, cross-attention.
     pub fn open(dir: &Path) -> Result<Self, String> {
         let path = dir.join("config.json");
         let error = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
@@ -87,13 +89,18 @@ impl Checkpoint {
             n.ok_or_else(|| at(key) + " is not a count")
         };
         let settings = [
-            ("model_type", "bert"),
-            ("hidden_act", "gelu"),
-            ("position_embedding_type", "absolute"),
+            ("model_type", &["bert"][..]),
+            ("hidden_act", &["gelu", "gelu_python"]),
+            ("position_embedding_type", &["absolute"]),
         ];
         for (key, want) in settings {
-            if json[key].as_str().is_some_and(|v| v != want) {
-                return Err(at(key) + &format!(" is not {want}"));
+            if json[key].as_str().is_some_and(|v| !want.contains(&v)) {
+                return Err(at(key) + &format!(" is not {}", want.join(" or ")));
+            }
+        }
+        for key in ["is_decoder", "add_cross_attention"] {
+            if json[key].as_bool() == Some(true) {
+                return Err(at(key) + " is true: this BERT is an encoder");
             }
         }
         let config = BertConfig::new(

@@ -155,23 +155,28 @@ fn activation_memory(tp: usize) -> Result<String, Box<dyn std::error::Error>> {
 fn from_hugging_face(dir: &Path, text: &str, tp: usize) -> Result<(), Box<dyn std::error::Error>> {
     let checkpoint = hf::Checkpoint::open(dir)?;
     let c = &checkpoint.config;
-    if !c.num_attention_heads.is_multiple_of(tp) {
-        return Err(format!("--tp must divide the {} heads", c.num_attention_heads).into());
+    if !(c.num_attention_heads.is_multiple_of(tp) && c.vocab_size.is_multiple_of(tp)) {
+        let (heads, vocab) = (c.num_attention_heads, c.vocab_size);
+        return Err(format!("--tp must divide the {heads} heads and the {vocab} tokens").into());
     }
     let vocab = ["tokenizer.json", "vocab.txt"].map(|n| dir.join(n));
     let vocab = vocab.iter().find(|p| p.is_file());
     let tokenizer = BertTokenizer::from_file(vocab.ok_or("no tokenizer.json or vocab.txt")?)?;
-    let words = tokenizer.encode(text)?;
-    let ids: Vec<i64> = [tokenizer.cls]
-        .iter()
-        .chain(&words)
-        .chain([&tokenizer.sep])
-        .map(|&i| i64::from(i))
-        .collect();
+    // `[CLS]`, the text's pieces with `[MASK]` between them, `[SEP]`: a vocabulary file
+    // declares no special tokens, and its normaliser would split `[MASK]` as text.
+    let mut ids = vec![i64::from(tokenizer.cls)];
+    for (i, piece) in text.split("[MASK]").enumerate() {
+        if i > 0 {
+            ids.push(i64::from(tokenizer.mask));
+        }
+        ids.extend(tokenizer.encode(piece)?.into_iter().map(i64::from));
+    }
+    ids.push(i64::from(tokenizer.sep));
     let at: Vec<i64> = (0..ids.len() as i64)
         .filter(|&i| ids[i as usize] == i64::from(tokenizer.mask))
         .collect();
-    if at.is_empty() || ids.len() > c.max_position_embeddings {
+    // Sequence parallelism splits the positions: padded to a multiple of TP.
+    if at.is_empty() || ids.len().next_multiple_of(tp) > c.max_position_embeddings {
         return Err("--text has no [MASK], or more tokens than max_position_embeddings".into());
     }
     let mut filled = Vec::new();
@@ -183,8 +188,7 @@ fn from_hugging_face(dir: &Path, text: &str, tp: usize) -> Result<(), Box<dyn st
             |ctx| {
                 let device = Device::flex();
                 let model = checkpoint.load(&ctx.groups.tp, &device)?;
-                // Sequence parallelism splits the positions: padded to a multiple of TP, the
-                // padding masked.
+                // The padding masked.
                 let (n, len) = (ids.len(), ids.len().next_multiple_of(tp));
                 let pad_id = i64::from(tokenizer.pad);
                 let padded: Vec<i64> = (0..len)

@@ -143,18 +143,31 @@ fn a_checkpoint_the_users_bert_cannot_hold_is_an_error_naming_the_setting() -> R
         serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json"))?)?;
     let dir = scratch("hf-bert-config");
     for (key, value) in [
-        ("model_type", "roberta"),
-        ("hidden_act", "relu"),
-        ("position_embedding_type", "relative_key"),
+        ("model_type", serde_json::json!("roberta")),
+        ("hidden_act", serde_json::json!("gelu_new")),
+        ("position_embedding_type", serde_json::json!("relative_key")),
+        ("is_decoder", serde_json::json!(true)),
+        ("add_cross_attention", serde_json::json!(true)),
     ] {
         let mut json = base.clone();
-        json[key] = serde_json::json!(value);
+        json[key] = value;
         std::fs::write(dir.join("config.json"), json.to_string())?;
         let e = hf::Checkpoint::open(&dir).err().expect("refused");
         assert!(e.contains(key), "{key}: {e}");
     }
-    let config: BertConfig = hf::Checkpoint::open(&fixture)?.config;
-    assert_eq!(config.layer_norm_eps, 1e-12);
+    // Read where given, transformers' defaults where not.
+    let mut json = base.clone();
+    json["layer_norm_eps"] = serde_json::json!(1e-5);
+    json["hidden_act"] = serde_json::json!("gelu_python");
+    json.as_object_mut()
+        .map(|o| o.remove("tie_word_embeddings"));
+    std::fs::write(dir.join("config.json"), json.to_string())?;
+    let read = hf::Checkpoint::open(&dir)?;
+    let config: BertConfig = read.config;
+    assert!(config.layer_norm_eps == 1e-5 && read.tie_word_embeddings);
+    json.as_object_mut().map(|o| o.remove("layer_norm_eps"));
+    std::fs::write(dir.join("config.json"), json.to_string())?;
+    assert_eq!(hf::Checkpoint::open(&dir)?.config.layer_norm_eps, 1e-12);
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -32,8 +32,6 @@ fn trained_vocab_round_trips_and_reloads_from_json_and_vocab_txt() {
     std::fs::write(&vocab, lines.join("\n")).unwrap();
     let v = BertTokenizer::from_file(&vocab).unwrap();
     assert_eq!(v.encode("The dogs cat.").unwrap(), vec![5, 6, 7, 1, 8]);
-    // `[MASK]` in a text is the mask token, as Hugging Face's BERT tokenizers read it.
-    assert_eq!(v.encode("the [MASK] dog").unwrap(), vec![5, 4, 6]);
     // The generator's own vocabulary: whole words, the same ids in every process.
     let syn = BertTokenizer::from_vocab(synthetic_vocabulary()).unwrap();
     let again = BertTokenizer::from_vocab(synthetic_vocabulary()).unwrap();

@@ -74,15 +74,15 @@ impl RecordSource {
     }
 
     /// The weights of a Hugging Face model directory, as `save_pretrained` writes them and
-    /// `transformers` looks for them: `model.safetensors.index.json`, `model.safetensors`,
-    /// `pytorch_model.bin.index.json`, then `pytorch_model.bin`. None of them is an error
+    /// `transformers` looks for them: `model.safetensors`, `model.safetensors.index.json`,
+    /// `pytorch_model.bin`, then `pytorch_model.bin.index.json`. None of them is an error
     /// naming the directory.
     pub fn from_hugging_face(dir: impl AsRef<Path>) -> Result<Self, TpError> {
         const NAMES: [&str; 4] = [
-            "model.safetensors.index.json",
             "model.safetensors",
-            "pytorch_model.bin.index.json",
+            "model.safetensors.index.json",
             "pytorch_model.bin",
+            "pytorch_model.bin.index.json",
         ];
         let dir = dir.as_ref();
         let found = NAMES.iter().map(|n| dir.join(n)).find(|p| p.is_file());
