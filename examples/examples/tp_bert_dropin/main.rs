@@ -18,6 +18,9 @@
 //! within 1e-5 and the predicted tokens must be equal, or the example fails. Last, it prints
 //! what sequence parallelism saves: each rank's activations after a forward of a larger
 //! encoder, with and without it.
+//!
+//! With `--hf <dir> --text "... [MASK] ..."`, the same BERT reads a Hugging Face BERT
+//! checkpoint instead (`mod hf`) and fills the masks at TP 1 and at `--tp`.
 
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};

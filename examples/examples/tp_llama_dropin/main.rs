@@ -15,6 +15,10 @@
 //! equal, or the example fails. `mod pipeline` is `parallel` split into pipeline stages (diff
 //! the two): at TP = `--tp` × PP = `--pp` each stage loads only its layers from the same
 //! record and trains through Megatron's 1F1B schedule, held to the same bounds.
+//!
+//! With `--hf <dir>`, the same Llama reads a Hugging Face Llama checkpoint instead (`mod hf`:
+//! its `config.json` and the load options that map its tensors), at TP 1 and at `--tp`, and
+//! generates from `--text` or `--prompt`.
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -36,7 +40,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 struct Args {
-    /// Tensor-parallel size to compare with TP = 1 (1 or 2: it splits the 2 key/value heads).
+    /// Tensor-parallel size to compare with TP = 1 (1 or 2: it splits the 2 key/value heads;
+    /// with `--hf`, any divisor of the checkpoint's).
     #[arg(long, default_value_t = 2)]
     tp: usize,
     /// Pipeline stages for the TP × PP run (1 or 2: the model has 2 layers).
@@ -51,8 +56,9 @@ struct Args {
     /// The prompt's token ids.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 7, 3, 12])]
     prompt: Vec<i64>,
-    /// A Hugging Face Llama's directory (`config.json` and its safetensors): load it at TP 1
-    /// and at `--tp` and generate from `--prompt`, instead of the rest.
+    /// A Hugging Face Llama's directory (`config.json` and its weights, safetensors or
+    /// PyTorch): load it at TP 1 and at `--tp` (any divisor of its key/value heads) and
+    /// generate from `--prompt` or `--text`, instead of the rest.
     #[arg(long)]
     hf: Option<PathBuf>,
     /// With `--hf`: a text prompt for the directory's `tokenizer.json`, after the config's
