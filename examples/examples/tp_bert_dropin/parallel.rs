@@ -82,7 +82,8 @@ impl BertMaskedLm {
     ) -> Result<Self, TpError> {
         let plan = TpPlan::new().encoder(&["encoder"])?.sequence_parallel();
         let plan = plan.vocab(&["*.word_embeddings"])?;
-        let plan = plan.gathered_column(&["*.decoder"])?;
+        let plan = plan.gathered_vocab(&["*.decoder"])?;
+        let plan = plan.make_vocab_size_divisible_by(8)?;
         let model = plan.apply(Self::new(c, device), tp)?;
         Ok(load_sharded(model, &RecordSource::from_path(path), tp, options)?.0)
     }

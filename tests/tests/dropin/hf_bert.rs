@@ -2,8 +2,9 @@
 //! `examples/examples/tp_bert_dropin` (Burn's `TransformerEncoder`), made tensor-parallel by
 //! its imports, compiled here from the example's own files. At TP 1, 2 and 4 against
 //! `transformers` (`tests/fixtures/hf_bert_tiny`: a `BertForPreTraining`, its decoder tied to
-//! the word embeddings, two segments, a padded sample): the prediction logits at every
-//! position, the masked-LM loss, and the prediction head's gradients.
+//! the word embeddings, two segments, a padded sample, 100 tokens padded at TP 2 and 4): the
+//! prediction logits at every position, the masked-LM loss, and the prediction head's
+//! gradients.
 
 #[allow(dead_code)]
 #[path = "../../../examples/examples/tp_bert_dropin/bert.rs"]
