@@ -18,6 +18,28 @@ fn run(name: &str, args: &[&str]) -> String {
     stdout
 }
 
+/// A scratch copy of the test fixture `name` (`tests/fixtures/{name}`), to add files to.
+fn fixture_copy(name: &str) -> std::path::PathBuf {
+    let fixture = format!("{}/../tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(fixture).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+/// `name` run with `args` fails, its error naming `what`.
+fn fails_naming(name: &str, args: &[&str], what: &str) {
+    let out = std::process::Command::new(example_binary(name))
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains(what), "{stderr}");
+}
+
 /// The text after `prefix` on the line that starts with it.
 fn after<'a>(stdout: &'a str, prefix: &str) -> &'a str {
     let line = stdout.lines().find(|l| l.starts_with(prefix));
@@ -112,12 +134,7 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     assert_eq!(tokens, after(&stdout, "greedy tokens TP=2:"));
     // `--text` through a `tokenizer.json` beside the checkpoint: a word-level one whose
     // `wN` is token N, so the prompt is BOS and the ids the words name.
-    let dir = std::env::temp_dir().join(format!("tp-llama-hf-text-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in std::fs::read_dir(&llama).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
-    }
+    let dir = fixture_copy("hf_llama_tiny");
     let mut vocab = serde_json::json!({"<unk>": 0, "<s>": 1, "</s>": 2});
     for id in 3..100 {
         vocab[format!("w{id}")] = serde_json::json!(id);
@@ -149,15 +166,7 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     assert_eq!(words, format!("{:?}", named.join(" ")), "{stdout}");
     std::fs::remove_dir_all(dir).unwrap();
     let qwen2 = format!("{fixtures}/hf_qwen2_tiny");
-    let out = std::process::Command::new(example_binary("tp_llama_dropin"))
-        .args(["--hf", &qwen2])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && stderr.contains("model_type"),
-        "{stderr}"
-    );
+    fails_naming("tp_llama_dropin", &["--hf", &qwen2], "model_type");
 }
 
 /// `--hf --text`: a Hugging Face BERT checkpoint (the fixture `transformers` wrote) beside a
@@ -166,16 +175,7 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
 /// naming the setting.
 #[test]
 fn the_bert_example_reads_a_hugging_face_checkpoint() {
-    let fixture = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../tests/fixtures/hf_bert_tiny"
-    );
-    let dir = std::env::temp_dir().join(format!("tp-bert-hf-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in std::fs::read_dir(fixture).unwrap() {
-        let f = f.unwrap().path();
-        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
-    }
+    let dir = fixture_copy("hf_bert_tiny");
     // A word-level vocabulary the size of the model's: `wN` is token N.
     let special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"].map(String::from);
     let vocab: Vec<String> = special
@@ -197,15 +197,7 @@ fn the_bert_example_reads_a_hugging_face_checkpoint() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     config["model_type"] = serde_json::json!("roberta");
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let out = std::process::Command::new(example_binary("tp_bert_dropin"))
-        .args(args)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && stderr.contains("model_type"),
-        "{stderr}"
-    );
+    fails_naming("tp_bert_dropin", &args, "model_type");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -155,7 +155,7 @@ fn kept_logits(f: &Fixture, vocab: usize) -> Vec<f32> {
 
 /// The largest of each gradient's `‖got − want‖ / ‖want‖`, and its parameter; every parameter
 /// of `want` must be in `got`.
-fn worst_gradient(got: &Values, want: &Values) -> (f32, String) {
+pub(super) fn worst_gradient(got: &Values, want: &Values) -> (f32, String) {
     let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| x * x).sum::<f32>().sqrt();
     let mut worst = (0f32, String::new());
     for (name, want) in want {
