@@ -46,7 +46,7 @@ pub use load::{
     rotary_half_to_interleaved,
 };
 pub use pipeline::{PpPlan, PpStage};
-pub use plan::{Split, TpPlan, apply_lora};
+pub use plan::{Split, TpPlan, apply_lora, apply_qlora};
 pub use save::{save_gathered, save_gathered_stages};
 pub use slot::TpSlot;
 pub(crate) use stage::{StageKey, StageKeys};

@@ -12,7 +12,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::dropin::{
-    LoadOptions, RecordSource, TpPlan, apply_lora, load_sharded, save_gathered,
+    LoadOptions, RecordSource, TpPlan, apply_lora, apply_qlora, load_sharded, save_gathered,
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
@@ -530,5 +530,73 @@ fn ranks_with_different_adapters_are_refused_by_apply_lora() -> Result<(), Error
             "rank {rank}: {message:?}"
         );
     }
+    Ok(())
+}
+
+/// Burn's QLoRA: blocks of one row and two columns, which no shard of `plan` at TP 2 cuts.
+fn qlora(device: &Device) -> burn::module::QLora {
+    use burn::tensor::quantization::{Calibration, QuantValue, ScaleDtype};
+    let scheme = device.settings().quantization.scheme;
+    let scheme = scheme
+        .with_value(QuantValue::Q8S)
+        .per_block([1, 2], ScaleDtype::F32);
+    let quantizer = burn::module::Quantizer::new(Calibration::MinMax, scheme);
+    burn::module::QLora::new(lora(), quantizer)
+}
+
+/// Burn's QLoRA on the split model (`dropin::apply_qlora`, after the plan and the base loaded
+/// shard by shard): each rank quantizes its shards as the whole weights' blocks are quantized,
+/// and its adapters are one adapter, so at TP 2 the model trains as Burn's QLoRA model on one
+/// rank: the loss, every adapter's gradient and the weights after an AdamW step. The adapters
+/// come from the trained reference's record; its quantized base is skipped, and the split
+/// model quantizes the float base itself.
+#[test]
+fn burns_qlora_on_the_split_model_trains_as_burns_at_tp_2() -> Result<(), Error> {
+    let dir = super::load::scratch("qlora");
+    let (base, record) = (dir.join("base.bpk"), dir.join("trained.bpk"));
+    let ad = Device::flex().autodiff();
+    ad.seed(17);
+    plain::Net::new(VOCAB, D, HEADS, FF, &ad).save_file(&base)?;
+    let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
+        .load_file(&base)
+        .apply_qlora(qlora(&ad));
+    let (want_loss, want_grads, want_after) =
+        reference(plain, |m| loss(m.logits(ids(&ad))), &record)?;
+    assert_eq!(want_grads.len(), 2 * 13, "only the adapters train");
+    let adapters_only = LoadOptions::default()
+        .with_skipped(r"(weight|bias)$")?
+        .with_allow_missing(true);
+    let out = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let net = plan()?.apply(parallel::Net::new(VOCAB, D, HEADS, FF, d), g)?;
+        let (net, _) = load_sharded(
+            net,
+            &RecordSource::from_path(&base),
+            g,
+            &LoadOptions::default(),
+        )?;
+        let net = apply_qlora(net, qlora(d), g)?;
+        let source = RecordSource::from_path(&record);
+        let (net, report) = load_sharded(net, &source, g, &adapters_only)?;
+        assert_eq!(report.loaded.len(), 2 * 13, "{:?}", report.loaded);
+        let l = loss(net.logits(ids(d)));
+        let value = l.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(l.backward(), &net);
+        let gathered_grads = gathered(&net, Some(&grads), g);
+        let net = AdamWConfig::new().init().step(5e-2, net, grads);
+        Ok::<_, Error>((value, gathered_grads, gathered(&net, None, g)))
+    })?;
+    for (rank, (value, grads, after)) in out.iter().enumerate() {
+        let what = format!("TP 2, rank {rank}");
+        assert!(
+            (value - want_loss).abs() < 1e-4,
+            "{what}: loss {value} against {want_loss}"
+        );
+        let (worst, name) = super::grad_diff(grads, &want_grads);
+        assert!(worst < 1e-5, "{what}: {name}'s gradient off by {worst}");
+        let (worst, name) = super::grad_diff(after, &want_after);
+        assert!(worst < 1e-4, "{what}: {name} after a step off by {worst}");
+    }
+    std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -11,7 +11,7 @@ use crate::comm::{CommunicatorExt, ReduceOp};
 use crate::dropin::shard::{Placement, is_frozen, shard, trainable_as};
 use crate::dropin::slot::{Facts, facts};
 use crate::tensor_parallel::{LayoutOwner, ParallelAttrs, TpError, adapter_attrs, shard_param};
-use burn::module::{Lora, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Lora, Module, ModuleMapper, ModuleVisitor, Param, QLora};
 use burn::tensor::Tensor;
 use std::collections::HashMap;
 
@@ -34,7 +34,31 @@ use std::collections::HashMap;
 /// let model = dropin::apply_lora(model, Lora::new(8, 16.0), &tp)?;
 /// ```
 pub fn apply_lora<M: Module>(model: M, lora: Lora, tp: &Comm) -> Result<M, TpError> {
-    let model = model.apply_lora(lora);
+    one_adapter(model.apply_lora(lora), tp)
+}
+
+/// Burn's QLoRA ([`Module::apply_qlora`]) on a model a [`TpPlan`](super::TpPlan) has split:
+/// each rank quantizes its shards of the frozen base weights, and the adapters become one
+/// adapter over the ranks as [`apply_lora`] makes them. A block scheme whose blocks do not
+/// straddle the shards (blocks of one row along a row split, a width dividing each rank's
+/// columns along a column split) quantizes every shard as the whole weight's quantization
+/// would: the split model is then the unsplit QLoRA model. A per-tensor scheme gives each
+/// shard its own scale, close to but not the whole weight's. Collective over `tp`.
+///
+/// ```text
+/// let model = plan.apply(Model::new(&device), &tp)?;
+/// let (model, _) = load_sharded(model, &base, &tp, &LoadOptions::default())?;
+/// let scheme = device.settings().quantization.scheme.with_value(QuantValue::Q4S)
+///     .per_block([1, 32], ScaleDtype::F32);
+/// let qlora = QLora::new(Lora::new(8, 16.0), Quantizer::new(Calibration::MinMax, scheme));
+/// let model = dropin::apply_qlora(model, qlora, &tp)?;
+/// ```
+pub fn apply_qlora<M: Module>(model: M, qlora: QLora, tp: &Comm) -> Result<M, TpError> {
+    one_adapter(model.apply_qlora(qlora), tp)
+}
+
+/// `model`'s adapters, drawn on each rank in its shards' shapes, made one adapter over `tp`.
+fn one_adapter<M: Module>(model: M, tp: &Comm) -> Result<M, TpError> {
     same_adapters(&model, tp)?;
     let mut mapper = Adapters {
         tp,

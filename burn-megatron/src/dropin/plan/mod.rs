@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 mod adapter;
 
-pub use adapter::apply_lora;
+pub use adapter::{apply_lora, apply_qlora};
 
 /// How a layer is split over the tensor-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
