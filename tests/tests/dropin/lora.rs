@@ -99,6 +99,24 @@ fn reference<M: Module + Clone>(
     Ok((value, trained, gathered(&stepped, None, &super::solo())))
 }
 
+/// Each rank's loss, gathered gradients and weights after a step against [`reference`]'s: the
+/// loss within 1e-4, the gradients within 1e-5, the weights within 1e-4 (AdamW divides by the
+/// gradient's own size: float noise in one grows to a few 1e-5).
+fn assert_as_reference(what: &str, ranks: &[(f32, Values, Values)], want: (f32, &Values, &Values)) {
+    for (rank, (value, grads, after)) in ranks.iter().enumerate() {
+        let what = format!("{what}, rank {rank}");
+        assert!(
+            (value - want.0).abs() < 1e-4,
+            "{what}: loss {value} against {}",
+            want.0
+        );
+        let (worst, name) = super::grad_diff(grads, want.1);
+        assert!(worst < 1e-5, "{what}: {name}'s gradient off by {worst}");
+        let (worst, name) = super::grad_diff(after, want.2);
+        assert!(worst < 1e-4, "{what}: {name} after a step off by {worst}");
+    }
+}
+
 #[test]
 fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4()
 -> Result<(), Error> {
@@ -139,18 +157,8 @@ fn burns_lora_adapters_split_with_their_weights_and_train_as_burns_at_tp_2_and_4
             }
             Ok::<_, Error>((value, gathered_grads, after))
         })?;
-        for (rank, (value, grads, after)) in out.iter().enumerate() {
-            let what = format!("TP {tp}, rank {rank}, LoRA after the plan {post}");
-            assert!(
-                (value - want_loss).abs() < 1e-4,
-                "{what}: loss {value} against {want_loss}"
-            );
-            let (worst, name) = super::grad_diff(grads, &want_grads);
-            assert!(worst < 1e-5, "{what}: {name}'s gradient off by {worst}");
-            let (worst, name) = super::grad_diff(after, &want_after);
-            // AdamW divides by the gradient's own size: float noise in one grows to a few 1e-5.
-            assert!(worst < 1e-4, "{what}: {name} after a step off by {worst}");
-        }
+        let what = format!("TP {tp}, LoRA after the plan {post}");
+        assert_as_reference(&what, &out, (want_loss, &want_grads, &want_after));
     }
     // The written record is Burn's model's, its adapters whole.
     let written = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
@@ -586,17 +594,7 @@ fn burns_qlora_on_the_split_model_trains_as_burns_at_tp_2() -> Result<(), Error>
         let net = AdamWConfig::new().init().step(5e-2, net, grads);
         Ok::<_, Error>((value, gathered_grads, gathered(&net, None, g)))
     })?;
-    for (rank, (value, grads, after)) in out.iter().enumerate() {
-        let what = format!("TP 2, rank {rank}");
-        assert!(
-            (value - want_loss).abs() < 1e-4,
-            "{what}: loss {value} against {want_loss}"
-        );
-        let (worst, name) = super::grad_diff(grads, &want_grads);
-        assert!(worst < 1e-5, "{what}: {name}'s gradient off by {worst}");
-        let (worst, name) = super::grad_diff(after, &want_after);
-        assert!(worst < 1e-4, "{what}: {name} after a step off by {worst}");
-    }
+    assert_as_reference("TP 2", &out, (want_loss, &want_grads, &want_after));
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
