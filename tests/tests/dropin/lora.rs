@@ -584,6 +584,18 @@ fn burns_qlora_on_the_split_model_trains_as_burns_at_tp_2() -> Result<(), Error>
             &LoadOptions::default(),
         )?;
         let net = apply_qlora(net, qlora(d), g)?;
+        // The quantized base takes no float weights.
+        let into_quantized = load_sharded(
+            net.clone(),
+            &RecordSource::from_path(&base),
+            g,
+            &LoadOptions::default(),
+        );
+        let e = into_quantized
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("a quantized parameter"), "{e:?}");
         let source = RecordSource::from_path(&record);
         let (net, report) = load_sharded(net, &source, g, &adapters_only)?;
         assert_eq!(report.loaded.len(), 2 * 13, "{:?}", report.loaded);

@@ -331,6 +331,15 @@ impl PathMapper for Loader<'_, '_> {
             .transforms
             .iter()
             .find(|(re, _)| re.is_match(path));
+        // Burn's QLoRA quantizes the base in place: loading a float tensor into it would
+        // replace the quantized weight (or fail on its dtype).
+        if p.is_initialized() && matches!(p.val().dtype(), DType::QFloat(_)) {
+            self.error = Some(TpError::Invalid(format!(
+                "{path}: a quantized parameter: load the float weights before quantizing \
+                 (`apply_qlora`), not into them (skip it with `with_skipped`)"
+            )));
+            return p;
+        }
         let shard = match transform {
             Some((_, f)) => match transformed(&stored, transposed, f) {
                 Ok(whole) => {

@@ -39,11 +39,13 @@ pub fn apply_lora<M: Module>(model: M, lora: Lora, tp: &Comm) -> Result<M, TpErr
 
 /// Burn's QLoRA ([`Module::apply_qlora`]) on a model a [`TpPlan`](super::TpPlan) has split:
 /// each rank quantizes its shards of the frozen base weights, and the adapters become one
-/// adapter over the ranks as [`apply_lora`] makes them. A block scheme whose blocks do not
-/// straddle the shards (blocks of one row along a row split, a width dividing each rank's
-/// columns along a column split) quantizes every shard as the whole weight's quantization
-/// would: the split model is then the unsplit QLoRA model. A per-tensor scheme gives each
-/// shard its own scale, close to but not the whole weight's. Collective over `tp`.
+/// adapter over the ranks as [`apply_lora`] makes them. A block-only scheme whose blocks do
+/// not straddle the shards (blocks of one row along a row split, a width dividing each
+/// rank's columns along a column split) quantizes every shard as the whole weight's
+/// quantization would: the split model is then the unsplit QLoRA model. A per-tensor scale
+/// is each shard's own, close to but not the whole weight's. Load the float base first
+/// ([`load_sharded`](crate::dropin::load_sharded) refuses a quantized parameter). Collective
+/// over `tp`.
 ///
 /// ```text
 /// let model = plan.apply(Model::new(&device), &tp)?;
