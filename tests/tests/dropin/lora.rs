@@ -596,6 +596,10 @@ fn burns_qlora_on_the_split_model_trains_as_burns_at_tp_2() -> Result<(), Error>
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("a quantized parameter"), "{e:?}");
+        // Nor does `save_gathered` write it (it gathers float tensors).
+        let saved = save_gathered(&net, dir.join("quantized"), g);
+        let e = saved.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("not supported by the collectives"), "{e:?}");
         let source = RecordSource::from_path(&record);
         let (net, report) = load_sharded(net, &source, g, &adapters_only)?;
         assert_eq!(report.loaded.len(), 2 * 13, "{:?}", report.loaded);
