@@ -47,6 +47,6 @@ pub use load::{
 };
 pub use pipeline::{PpPlan, PpStage};
 pub use plan::{Split, TpPlan, apply_lora, apply_qlora};
-pub use save::{save_gathered, save_gathered_stages};
+pub use save::{save_gathered, save_gathered_group, save_gathered_stages};
 pub use slot::TpSlot;
 pub(crate) use stage::{StageKey, StageKeys};

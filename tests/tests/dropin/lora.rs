@@ -13,6 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::dropin::{
     LoadOptions, RecordSource, TpPlan, apply_lora, apply_qlora, load_sharded, save_gathered,
+    save_gathered_group,
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
@@ -596,7 +597,8 @@ fn burns_qlora_on_the_split_model_trains_as_burns_at_tp_2() -> Result<(), Error>
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("a quantized parameter"), "{e:?}");
-        // Nor does `save_gathered` write it (it gathers float tensors).
+        // Nor does `save_gathered` write it (it gathers float tensors): the adapters are
+        // written alone, below.
         let saved = save_gathered(&net, dir.join("quantized"), g);
         let e = saved.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("not supported by the collectives"), "{e:?}");
@@ -608,9 +610,34 @@ fn burns_qlora_on_the_split_model_trains_as_burns_at_tp_2() -> Result<(), Error>
         let grads = GradientsParams::from_grads(l.backward(), &net);
         let gathered_grads = gathered(&net, Some(&grads), g);
         let net = AdamWConfig::new().init().step(5e-2, net, grads);
-        Ok::<_, Error>((value, gathered_grads, gathered(&net, None, g)))
+        let lora =
+            burn::module::ParamGroup::from_regex(r"\.lora\.").map_err(|e| format!("{e:?}"))?;
+        save_gathered_group(&net, dir.join("adapters"), g, &lora)?;
+        let trained = loss(net.logits(ids(d))).into_scalar::<f32>();
+        Ok::<_, Error>(((value, gathered_grads, gathered(&net, None, g)), trained))
     })?;
-    assert_as_reference("TP 2", &out, (want_loss, &want_grads, &want_after));
+    let (ranks, trained): (Vec<_>, Vec<f32>) = out.into_iter().unzip();
+    assert_as_reference("TP 2", &ranks, (want_loss, &want_grads, &want_after));
+    // The adapters written alone, over Burn's QLoRA model of the same base: the split
+    // model's loss after its step.
+    let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
+        .load_file(&base)
+        .apply_qlora(qlora(&ad));
+    let adapters = RecordSource::from_path(dir.join("adapters.bpk"));
+    let missing = LoadOptions::default().with_allow_missing(true);
+    let (plain, report) = load_sharded(plain, &adapters, &super::solo(), &missing)?;
+    assert_eq!(
+        report.loaded.len(),
+        2 * 13,
+        "only the adapters: {:?}",
+        report.loaded
+    );
+    let reloaded = loss(plain.logits(ids(&ad))).into_scalar::<f32>();
+    assert!(
+        (reloaded - trained[0]).abs() < 1e-4,
+        "{reloaded} against {}",
+        trained[0]
+    );
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

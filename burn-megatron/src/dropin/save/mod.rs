@@ -16,7 +16,7 @@ use crate::comm::tensor::all_gather;
 use crate::comm::{Comm, CommunicatorExt};
 use crate::module_path::{PathVisitor, visit_paths};
 use crate::tensor_parallel::{TpError, parallel_attrs};
-use burn::module::{Module, Param, ParamId};
+use burn::module::{Module, Param, ParamGroup, ParamId};
 use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use std::collections::HashMap;
@@ -41,6 +41,8 @@ pub(crate) struct Entry {
 /// in the form its mapper saves (`transform_for_save`).
 struct Collect<'a> {
     tp: &'a Comm,
+    /// The parameters to collect (all of them, but for a group's record).
+    group: &'a ParamGroup,
     /// What the layers' slots know (Burn's column layout).
     facts: HashMap<String, Facts>,
     entries: Vec<Entry>,
@@ -73,6 +75,10 @@ impl Collect<'_> {
 
 impl PathVisitor for Collect<'_> {
     fn visit<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+        // Outside the group: neither read nor gathered.
+        if !self.group.matches(&p.id, Some(path)) {
+            return;
+        }
         let attrs = parallel_attrs(p.id);
         let value = p.transform_for_save().val();
         let Some(d) = attrs.split_dim() else {
@@ -99,11 +105,15 @@ impl PathVisitor for Collect<'_> {
     }
 
     fn visit_int<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D, Int>>) {
-        self.whole(path, p.id, p.transform_for_save().val());
+        if self.group.matches(&p.id, Some(path)) {
+            self.whole(path, p.id, p.transform_for_save().val());
+        }
     }
 
     fn visit_bool<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D, Bool>>) {
-        self.whole(path, p.id, p.transform_for_save().val());
+        if self.group.matches(&p.id, Some(path)) {
+            self.whole(path, p.id, p.transform_for_save().val());
+        }
     }
 }
 
@@ -122,8 +132,25 @@ pub fn save_gathered<M: Module>(
     path: impl AsRef<Path>,
     tp: &Comm,
 ) -> Result<(), TpError> {
+    save_gathered_group(model, path, tp, &ParamGroup::all())
+}
+
+/// [`save_gathered`] of the parameters `group` matches, by module path, as Burn's
+/// `Module::into_record_group` collects them: what a run that trained a group writes when
+/// the rest of the model is the record it started from, such as a LoRA or QLoRA fine-tune's
+/// adapters (`ParamGroup::from_regex(r"\.lora\.")`). The rest is neither read nor gathered,
+/// so a quantized base is never touched. [`load_sharded`](super::load_sharded) with
+/// `with_allow_missing(true)` reads it back over the base, at any TP size, and Burn's
+/// `try_load_record` with `allow_partial` into the plain model. Collective, as
+/// [`save_gathered`].
+pub fn save_gathered_group<M: Module>(
+    model: &M,
+    path: impl AsRef<Path>,
+    tp: &Comm,
+    group: &ParamGroup,
+) -> Result<(), TpError> {
     let path = path.as_ref();
-    let entries = entries(model, tp);
+    let entries = entries_in(model, tp, group);
     let written = match tp.group().rank() {
         0 => write(&entries, path),
         _ => gather_all(&entries),
@@ -143,10 +170,16 @@ pub fn save_gathered<M: Module>(
 /// `model`'s parameters as the plain model's record holds them, in module order, each with
 /// its gather over `tp`.
 pub(crate) fn entries<M: Module>(model: &M, tp: &Comm) -> Vec<Entry> {
+    entries_in(model, tp, &ParamGroup::all())
+}
+
+/// [`entries`] of the parameters `group` matches.
+fn entries_in<M: Module>(model: &M, tp: &Comm, group: &ParamGroup) -> Vec<Entry> {
     // The statistics' last update belongs in the record.
     crate::module_path::commit_running_states(model);
     let mut collect = Collect {
         tp,
+        group,
         facts: facts(model),
         entries: Vec::new(),
     };
