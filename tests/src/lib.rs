@@ -125,6 +125,13 @@ pub fn reload_as_another_process<M: burn::module::Module>(
     loaded
 }
 
+/// The directory of the test fixture `name` (`tests/fixtures/{name}`).
+pub fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
+}
+
 /// Every tensor of a safetensors file (a fixture) as (shape, f32 or i64 values widened to
 /// f64), by name.
 pub fn read_safetensors(

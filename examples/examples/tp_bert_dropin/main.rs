@@ -182,7 +182,8 @@ fn from_hugging_face(dir: &Path, text: &str, tp: usize) -> Result<(), Box<dyn st
         return Err("--text has no [MASK], or more tokens than max_position_embeddings".into());
     }
     let mut filled = Vec::new();
-    let sizes = if tp == 1 { vec![1] } else { vec![1, tp] };
+    let mut sizes = vec![1, tp];
+    sizes.dedup();
     for tp in sizes {
         let ranks = launch::threads(
             &ParallelConfig::new(tp, tp, 1),

@@ -206,16 +206,16 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
             ""
         },
     );
-    let tokenizer = match &args.text {
-        Some(_) => Some(GptTokenizer::from_file(&dir.join("tokenizer.json"))?),
-        None => None,
-    };
-    let prompt: Vec<i64> = match (&args.text, &tokenizer) {
-        (Some(text), Some(t)) => {
+    let (prompt, tokenizer): (Vec<i64>, _) = match &args.text {
+        Some(text) => {
+            let t = GptTokenizer::from_file(&dir.join("tokenizer.json"))?;
             let ids = t.encode(text)?.into_iter().map(i64::from);
-            checkpoint.bos_token_id.into_iter().chain(ids).collect()
+            (
+                checkpoint.bos_token_id.into_iter().chain(ids).collect(),
+                Some(t),
+            )
         }
-        _ => args.prompt.clone(),
+        None => (args.prompt.clone(), None),
     };
     let length = prompt.len() + args.new_tokens;
     if prompt.is_empty() || length > c.max_seq_len {
@@ -227,11 +227,8 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
     // Llama 3 checkpoint allows (the scaling reads `original_max_position_embeddings`).
     checkpoint.config.max_seq_len = length;
     let mut generated = Vec::new();
-    let sizes = if args.tp == 1 {
-        vec![1]
-    } else {
-        vec![1, args.tp]
-    };
+    let mut sizes = vec![1, args.tp];
+    sizes.dedup();
     for tp in sizes {
         let ranks = launch::threads(
             &ParallelConfig::new(tp, tp, 1),

@@ -17,38 +17,28 @@ mod hf;
 mod parallel;
 
 use super::Error;
-use super::hf_llama::worst_gradient;
-use super::load::{scratch, write_safetensors};
+use super::hf_llama::{grads_checkpoint, worst_gradient};
+use super::load::scratch;
 use bert::{BertConfig, masked};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron_tests::gpt::gathered;
-use burn_megatron_tests::{read_safetensors, tp_ranks, values};
+use burn_megatron_tests::{fixture, read_safetensors, tp_ranks, values};
 use std::collections::BTreeMap;
-use std::path::Path;
 
 type Fixture = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
 type Values = BTreeMap<String, Vec<f32>>;
 
-/// The prediction head's parameters by their Hugging Face names, and by the model's paths:
-/// only the masked-LM loss reaches them (the fixture's gradients are of it and the
-/// sentence-order loss, which also reaches the encoder and the embeddings).
-const HEAD: [(&str, &str); 5] = [
-    (
-        "cls.predictions.transform.dense.weight",
-        "lm_head.dense.weight",
-    ),
-    ("cls.predictions.transform.dense.bias", "lm_head.dense.bias"),
-    (
-        "cls.predictions.transform.LayerNorm.weight",
-        "lm_head.layer_norm.gamma",
-    ),
-    (
-        "cls.predictions.transform.LayerNorm.bias",
-        "lm_head.layer_norm.beta",
-    ),
-    ("cls.predictions.bias", "lm_head.decoder.bias"),
+/// The prediction head's parameters: only the masked-LM loss reaches them (the fixture's
+/// gradients are of it and the sentence-order loss, which also reaches the encoder and the
+/// embeddings).
+const HEAD: [&str; 5] = [
+    "lm_head.dense.weight",
+    "lm_head.dense.bias",
+    "lm_head.layer_norm.gamma",
+    "lm_head.layer_norm.beta",
+    "lm_head.decoder.bias",
 ];
 
 fn ints(f: &Fixture, name: &str, device: &burn::tensor::Device) -> Tensor<2, Int> {
@@ -59,25 +49,14 @@ fn ints(f: &Fixture, name: &str, device: &burn::tensor::Device) -> Tensor<2, Int
 
 #[test]
 fn a_hugging_face_bert_in_the_users_bert_gives_transformers_numbers() -> Result<(), Error> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny");
+    let dir = fixture("hf_bert_tiny");
     let checkpoint = hf::Checkpoint::open(&dir)?;
     let c = &checkpoint.config;
     let expected = read_safetensors(&dir.join("expected.safetensors"));
     let gradients = read_safetensors(&dir.join("gradients.safetensors"));
-    // The head's gradients written as a checkpoint under Hugging Face's names: read through
-    // the same options, they come in the model's layout, split as the model is.
-    let head: Vec<(String, Vec<usize>, Vec<f32>)> = HEAD
-        .iter()
-        .map(|(name, _)| {
-            let (shape, v) = &gradients[&format!("grad.{name}")];
-            let v = v.iter().map(|x| *x as f32).collect();
-            (name.to_string(), shape.clone(), v)
-        })
-        .collect();
     let scratch = scratch("hf-bert");
-    let grads_path = scratch.join("head-grads.safetensors");
-    write_safetensors(&grads_path, &head);
-    let reference = checkpoint.options()?.with_allow_missing(true);
+    let grads_path = grads_checkpoint(&gradients, &scratch);
+    let reference = checkpoint.options()?;
     let (_, labels) = &gradients["mlm_labels"];
     let at: Vec<i64> = (0..labels.len() as i64)
         .filter(|&i| labels[i as usize] >= 0.0)
@@ -105,7 +84,7 @@ fn a_hugging_face_bert_in_the_users_bert_gives_transformers_numbers() -> Result<
             let want = parallel::BertMaskedLm::load(c, &grads_path, &reference, g, d)?;
             let head = |v: Values| -> Values {
                 (v.into_iter())
-                    .filter(|(path, _)| HEAD.iter().any(|(_, p)| p == path))
+                    .filter(|(path, _)| HEAD.contains(&path.as_str()))
                     .collect()
             };
             Ok::<_, Error>((
@@ -140,7 +119,7 @@ fn a_hugging_face_bert_in_the_users_bert_gives_transformers_numbers() -> Result<
 /// What the BERT cannot hold is refused before anything loads, naming the setting.
 #[test]
 fn a_checkpoint_the_users_bert_cannot_hold_is_an_error_naming_the_setting() -> Result<(), Error> {
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf_bert_tiny");
+    let fixture = fixture("hf_bert_tiny");
     let base: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json"))?)?;
     let dir = scratch("hf-bert-config");

@@ -32,19 +32,13 @@ use burn_megatron::pipeline::{
 use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::gpt::gathered;
-use burn_megatron_tests::{read_safetensors, tp_ranks};
+use burn_megatron_tests::{fixture, read_safetensors, tp_ranks};
 use llama::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 type Fixture = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
 type Values = BTreeMap<String, Vec<f32>>;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
-}
 
 /// `transformers`' batch as the causal-LM loss reads it: the tokens `[b, s]`, and for each
 /// position the label it predicts (`labels[t + 1]`) and whether it counts (the −100 labels
@@ -98,13 +92,8 @@ fn run(
     let logits = model.forward(batch.tokens.clone(), None);
     let loss = batch.loss_sum(logits.clone(), 0, tp)? / batch.n;
     let whole = all_gather(&**tp, logits.detach(), 2)?.narrow(2, 0, vocab);
-    let kept = &f["attention_mask"].1;
-    let logits = (whole.into_data().iter::<f32>().collect::<Vec<_>>())
-        .chunks(vocab)
-        .zip(kept)
-        .filter(|(_, m)| **m == 1.0)
-        .flat_map(|(row, _)| row.to_vec())
-        .collect();
+    let whole: Vec<f32> = whole.into_data().iter::<f32>().collect();
+    let logits = kept(&whole, f, vocab);
     let value = loss.clone().into_scalar::<f32>();
     Ok((
         logits,
@@ -116,7 +105,7 @@ fn run(
 /// `transformers`' gradients written as a checkpoint under the parameters' names: read
 /// through the same options as the weights, they come in the model's layout (linears
 /// `[in, out]`, query and key features paired), split as the model is.
-fn grads_checkpoint(expected: &Fixture, dir: &Path) -> PathBuf {
+pub(super) fn grads_checkpoint(expected: &Fixture, dir: &Path) -> PathBuf {
     let grads: Vec<(String, Vec<usize>, Vec<f32>)> = (expected.iter())
         .filter_map(|(k, (shape, v))| {
             let values = v.iter().map(|x| *x as f32).collect();
@@ -144,12 +133,12 @@ fn sum_tied(config: &LlamaConfig, grads: &mut Values, want: &mut Values) {
     }
 }
 
-/// `want`'s logits at the positions the attention mask keeps.
-fn kept_logits(f: &Fixture, vocab: usize) -> Vec<f32> {
-    (f["logits"].1.chunks(vocab))
+/// The rows of `logits` (`[b, s, vocab]`) at the positions `f`'s attention mask keeps.
+fn kept<T: Copy + Into<f64>>(logits: &[T], f: &Fixture, vocab: usize) -> Vec<f32> {
+    (logits.chunks(vocab))
         .zip(&f["attention_mask"].1)
         .filter(|(_, m)| **m == 1.0)
-        .flat_map(|(row, _)| row.iter().map(|x| *x as f32))
+        .flat_map(|(row, _)| row.iter().map(|x| (*x).into() as f32))
         .collect()
 }
 
@@ -191,7 +180,7 @@ fn matches_transformers(weights: &str, name: &str) -> Result<(), Error> {
     };
     let prompt = row(prompts, shape[1]);
     let greedy = row(&generate["greedy"].1, generate["greedy"].0[1]);
-    let want_logits = kept_logits(&expected, config.vocab_size);
+    let want_logits = kept(&expected["logits"].1, &expected, config.vocab_size);
     let want_loss = expected["loss"].1[0] as f32;
     let tied = !expected.contains_key("grad.lm_head.weight");
     for tp in [1, 2] {

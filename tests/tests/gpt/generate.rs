@@ -4,7 +4,7 @@
 //! without it; sampling with a seed.
 
 use super::Error;
-use super::hf::{FIXTURES, fixture};
+use super::hf::FIXTURES;
 use burn_megatron::launch::{LaunchOptions, RankContext, threads};
 use burn_megatron::models::{
     GenerateConfig, Gpt, HfGptConfig, generate, generate_stages, load_hf_gpt, load_hf_gpt_weights,
@@ -12,6 +12,7 @@ use burn_megatron::models::{
 };
 use burn_megatron::tensor_parallel::Sampling;
 use burn_megatron::topology::{LayerSplit, ParallelConfig, PipelinePosition};
+use burn_megatron_tests::fixture;
 use burn_megatron_tests::read_safetensors;
 use burn_megatron_tests::tp_ranks;
 

@@ -13,17 +13,11 @@ use burn_megatron::models::{
     Gpt, GptStageOutput, HfGptConfig, Positions, hf_gpt_state_dict, load_hf_gpt, save_hf_gpt,
 };
 use burn_megatron_tests::tp_ranks;
-use burn_megatron_tests::{as_gradients, read_safetensors};
+use burn_megatron_tests::{as_gradients, fixture, read_safetensors};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub(super) const FIXTURES: [&str; 3] = ["hf_llama_tiny", "hf_qwen2_tiny", "hf_gpt2_tiny"];
-
-pub(super) fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
-}
 
 pub(super) type Fixture = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
 

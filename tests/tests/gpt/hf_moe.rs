@@ -8,7 +8,7 @@
 //! checkpoint back.
 
 use super::Error;
-use super::hf::{Fixture, check_against, fixture, forward_then};
+use super::hf::{Fixture, check_against, forward_then};
 use burn_megatron::data_parallel::{
     DataParallelConfig,
     advanced::{DpReduction, finalize_expert_grads, finalize_model_grads},
@@ -16,6 +16,7 @@ use burn_megatron::data_parallel::{
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::models::{HfGptConfig, load_hf_gpt_weights, read_hf_tensors, save_hf_gpt};
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron_tests::fixture;
 use burn_megatron_tests::read_safetensors;
 use std::collections::BTreeMap;
 

@@ -158,8 +158,8 @@ fn load<M: Module>(
 ) -> Result<(M, LoadReport), TpError> {
     let mut by_path: BTreeMap<String, (String, Stored<'_>)> = BTreeMap::new();
     let (mut elsewhere, mut skipped) = (Vec::new(), Vec::new());
-    // The sources of tied parameters that another pipeline stage holds, by whole-model path.
-    let mut spare = BTreeMap::new();
+    // The sources of tied parameters that another pipeline stage holds.
+    let mut taken = BTreeMap::new();
     // Whether any record key lies in a pipeline stage's layer stack.
     let mut stack = false;
     for (key, tensor) in stored {
@@ -182,7 +182,7 @@ fn load<M: Module>(
             StageKey::Here(path) => path,
             StageKey::Elsewhere => {
                 if let Some(source) = source {
-                    spare.insert(source, (key.clone(), tensor));
+                    taken.insert(source, (key.clone(), tensor));
                 }
                 elsewhere.push(key);
                 continue;
@@ -204,8 +204,7 @@ fn load<M: Module>(
     }
     let mut loader = Loader {
         by_path,
-        taken: BTreeMap::new(),
-        spare,
+        taken,
         borrowed: BTreeSet::new(),
         facts: facts(&model),
         owners: match options.pytorch_adapter {
@@ -242,10 +241,10 @@ fn load<M: Module>(
 struct Loader<'a, 'o> {
     /// The record's tensors no parameter has taken yet, by module path.
     by_path: BTreeMap<String, (String, Stored<'a>)>,
-    /// Those taken, kept for the parameters tied to them (views of the file, or handles).
+    /// The sources of tied parameters that no parameter of this stage's takes again: taken
+    /// by their own, or held by another pipeline stage (views of the file, or handles), by
+    /// whole-model path (a path is either this stage's or another's, never both).
     taken: BTreeMap<String, (String, Stored<'a>)>,
-    /// The sources of tied parameters that another pipeline stage holds, by whole-model path.
-    spare: BTreeMap<String, (String, Stored<'a>)>,
     /// Record keys a tied parameter read while their own parameter had not: used, even if
     /// no parameter of their own takes them.
     borrowed: BTreeSet<String>,
@@ -271,39 +270,42 @@ impl PathMapper for Loader<'_, '_> {
         }
         let owner = self.owners.get(path).map(String::as_str);
         let own = [Some(path.to_string()), pytorch_norm_key(owner, path)];
+        let (options, stage) = (self.options, self.options.stage.as_ref());
+        let whole_model = |p: &str| stage.map_or_else(|| p.to_string(), |s| s.global_name(p));
+        // Each entry found with its whole-model path, and where it goes back if a tied
+        // parameter borrowed it before its own parameter took it.
         let found = own.into_iter().flatten().find_map(|k| {
             let entry = self.by_path.remove(&k)?;
-            Some((k, entry, Home::Taken))
+            Some((whole_model(&k), entry, None))
         });
         // A tied parameter borrows its source's entry, which goes back where it was found,
         // so that the source's own parameter still finds it. Both are named as in the whole
         // model; on a pipeline stage the source may be this stage's (by its name here) or
         // another's.
-        let (options, stage) = (self.options, self.options.stage.as_ref());
-        let global = stage.map_or_else(|| path.to_string(), |s| s.global_name(path));
+        let global = whole_model(path);
         let tied = options.tied.iter().find(|(p, _)| *p == global);
         let found = found.or_else(|| {
             let (_, source) = tied?;
+            // Not yet taken by its own parameter of this stage, or kept.
             let here = match stage.map(|s| s.place(source)) {
                 None => Some(source.clone()),
                 Some(Ok(StageKey::Here(local))) => Some(local),
                 Some(Ok(StageKey::Elsewhere)) => None,
                 Some(Err(_)) => return None,
             };
-            let (entry, home, at) = match here {
-                Some(local) => match self.by_path.remove(&local) {
-                    Some(entry) => {
-                        self.borrowed.insert(entry.0.clone());
-                        (entry, Home::Pending, local)
-                    }
-                    None => (self.taken.remove(&local)?, Home::Taken, local),
-                },
-                None => (self.spare.remove(source)?, Home::Spare, source.clone()),
+            let pending =
+                here.and_then(|local| Some((local.clone(), self.by_path.remove(&local)?)));
+            let found = match pending {
+                Some((local, entry)) => {
+                    self.borrowed.insert(entry.0.clone());
+                    (source.clone(), entry, Some(local))
+                }
+                None => (source.clone(), self.taken.remove(source)?, None),
             };
             self.report.tied.push((global.clone(), source.clone()));
-            Some((at, entry, home))
+            Some(found)
         });
-        let Some((record_path, (key, stored), home)) = found else {
+        let Some((record_path, (key, stored), pending)) = found else {
             match self.options.allow_missing {
                 true => self.report.missing.push(path.to_string()),
                 false => {
@@ -352,12 +354,16 @@ impl PathMapper for Loader<'_, '_> {
             },
             None => self.shard(&p, &stored, transposed, mapped),
         };
-        let home = match home {
-            Home::Pending => &mut self.by_path,
-            Home::Taken => &mut self.taken,
-            Home::Spare => &mut self.spare,
-        };
-        home.insert(record_path, (key, stored));
+        // A borrowed entry goes back among those not taken yet, for its own parameter; a
+        // taken one a tie names is kept for the tied parameters; the rest goes now, before
+        // the shard is copied in.
+        match pending {
+            Some(local) => drop(self.by_path.insert(local, (key, stored))),
+            None if self.options.tied.iter().any(|(_, s)| *s == record_path) => {
+                drop(self.taken.insert(record_path, (key, stored)));
+            }
+            None => {}
+        }
         match shard {
             Ok(data) => {
                 self.report.loaded.push(path.to_string());
@@ -383,16 +389,6 @@ impl PathMapper for Loader<'_, '_> {
             }
         }
     }
-}
-
-/// Where a record entry goes after a parameter read it.
-enum Home {
-    /// Not yet taken by its own parameter (a tied one borrowed it).
-    Pending,
-    /// Taken, kept for the parameters tied to it.
-    Taken,
-    /// Held by another pipeline stage, kept for this stage's parameters tied to it.
-    Spare,
 }
 
 impl Loader<'_, '_> {

@@ -140,9 +140,8 @@ pub fn save_gathered<M: Module>(
 /// the rest of the model is the record it started from, such as a LoRA or QLoRA fine-tune's
 /// adapters (`ParamGroup::from_regex(r"\.lora\.")`). The rest is neither read nor gathered,
 /// so a quantized base is never touched. [`load_sharded`](super::load_sharded) with
-/// `with_allow_missing(true)` reads it back over the base, at any TP size, and Burn's
-/// `try_load_record` with `allow_partial` into the plain model. Collective, as
-/// [`save_gathered`].
+/// `with_allow_missing(true)` reads it back over the base, into a split model at any TP size
+/// or into the plain one. Collective, as [`save_gathered`].
 pub fn save_gathered_group<M: Module>(
     model: &M,
     path: impl AsRef<Path>,
