@@ -169,6 +169,31 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     fails_naming("tp_llama_dropin", &["--hf", &qwen2], "model_type");
 }
 
+/// `--meta`: a Llama in Meta's format split over two model-parallel files (the fixture
+/// `make_meta_llama.py` wrote) at TP 1 and 4, each rank reading its shards of the joined
+/// parts, generates `transformers`' greedy tokens; the integration test
+/// `dropin::hf_llama::meta_format` holds it to `transformers`' logits and gradients. Without
+/// the RoPE scaling factor Meta's files do not give, it fails, naming the setting.
+#[test]
+fn the_llama_example_reads_a_meta_checkpoint() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/meta_llama_tiny_mp2"
+    );
+    let prompt = ["--prompt", "76,59,55,63,13,32,12", "--new-tokens", "10"];
+    let args = [
+        &["--meta", dir, "--rope-scaling-factor", "32", "--tp", "4"][..],
+        &prompt,
+    ];
+    let stdout = run("tp_llama_dropin", &args.concat());
+    assert!(stdout.contains("(2 model-parallel files)"), "{stdout}");
+    // `transformers`' tokens (tests/fixtures/meta_llama_tiny/generate.safetensors, row 1).
+    let want = "[83, 43, 69, 92, 92, 92, 92, 34, 17, 27]";
+    assert_eq!(after(&stdout, "greedy tokens TP=1:"), want, "{stdout}");
+    assert_eq!(after(&stdout, "greedy tokens TP=4:"), want, "{stdout}");
+    fails_naming("tp_llama_dropin", &["--meta", dir], "use_scaled_rope");
+}
+
 /// `--hf --text`: a Hugging Face BERT checkpoint (the fixture `transformers` wrote) beside a
 /// `vocab.txt`, at TP 1 and 2, fills the same masks; the integration test `dropin::hf_bert`
 /// holds the same code to `transformers`' logits. A checkpoint of another model type fails,

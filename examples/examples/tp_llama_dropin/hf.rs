@@ -65,7 +65,7 @@ impl Checkpoint {
     /// weights.
     pub fn load(&self, tp: &Comm, device: &Device) -> Result<parallel::Llama, TpError> {
         let weights = RecordSource::from_hugging_face(&self.dir)?;
-        parallel::Llama::load(&self.config, weights.path(), &self.options()?, tp, device)
+        parallel::Llama::load(&self.config, &weights, &self.options()?, tp, device)
     }
 
     /// `dir/config.json` read. What this Llama cannot hold is an error naming the setting:

@@ -18,12 +18,15 @@
 //!
 //! With `--hf <dir>`, the same Llama reads a Hugging Face Llama checkpoint instead (`mod hf`:
 //! its `config.json` and the load options that map its tensors), at TP 1 and at `--tp`, and
-//! generates from `--text` or `--prompt`.
+//! generates from `--text` or `--prompt`. With `--meta <dir>`, it reads a checkpoint in
+//! Meta's own format (`mod meta`: `params.json` and `consolidated.NN.pth`, one file or one
+//! per model-parallel rank), and generates from `--prompt`.
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_megatron::comm::Comm;
 use burn_megatron::data::GptTokenizer;
-use burn_megatron::dropin::{LoadOptions, save_gathered};
+use burn_megatron::dropin::{LoadOptions, RecordSource, save_gathered};
 use burn_megatron::launch::{self, LaunchOptions, RankContext};
 use burn_megatron::pipeline::{
     ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule, forward_backward_func,
@@ -65,6 +68,14 @@ struct Args {
     /// `bos_token_id`, instead of `--prompt`.
     #[arg(long, requires = "hf", conflicts_with = "prompt")]
     text: Option<String>,
+    /// A Llama in Meta's format (`params.json`, `consolidated.NN.pth`): load it at TP 1 and at
+    /// `--tp` and generate from `--prompt`, instead of the rest.
+    #[arg(long, conflicts_with = "hf")]
+    meta: Option<PathBuf>,
+    /// With `--meta`: Llama 3's RoPE scaling factor, which Meta's params.json does not give
+    /// (8 for Llama 3.1, 32 for Llama 3.2).
+    #[arg(long, requires = "meta")]
+    rope_scaling_factor: Option<f32>,
 }
 
 const SEQ: usize = 16;
@@ -77,6 +88,9 @@ use llama::{KeyValueCache, LlamaConfig, causal_mask, repeat_kv};
 
 /// A Hugging Face Llama checkpoint read into the user's Llama.
 mod hf;
+
+/// A Llama checkpoint in Meta's own format read into the user's Llama.
+mod meta;
 
 /// The user's Llama, in plain Burn.
 mod plain;
@@ -111,7 +125,7 @@ fn loading_memory(dir: &std::path::Path, tp: usize) -> Result<String, Box<dyn st
             let counter = Counter::claim();
             let model = parallel::Llama::load(
                 &config,
-                &record,
+                &RecordSource::from_path(&record),
                 &LoadOptions::default(),
                 &ctx.groups.tp,
                 &Device::flex(),
@@ -143,7 +157,7 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 fn pipeline_rank(
     ctx: RankContext,
     config: &LlamaConfig,
-    record: &std::path::Path,
+    record: &RecordSource,
     steps: usize,
 ) -> Result<(Option<Vec<f32>>, ByPath), Error> {
     let (tp, d) = (&ctx.groups.tp, &ctx.device);
@@ -189,9 +203,6 @@ fn pipeline_rank(
 fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut checkpoint = hf::Checkpoint::open(dir)?;
     let c = &checkpoint.config;
-    if !c.n_kv_heads.is_multiple_of(args.tp) {
-        return Err(format!("--tp must divide the {} key/value heads", c.n_kv_heads).into());
-    }
     println!(
         "{}: {} layers, width {}, {} heads over {} key/value heads, vocabulary {}{}",
         dir.display(),
@@ -206,7 +217,7 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
             ""
         },
     );
-    let (prompt, tokenizer): (Vec<i64>, _) = match &args.text {
+    let (prompt, tokenizer): (Vec<i64>, Option<GptTokenizer>) = match &args.text {
         Some(text) => {
             let t = GptTokenizer::from_file(&dir.join("tokenizer.json"))?;
             let ids = t.encode(text)?.into_iter().map(i64::from);
@@ -217,15 +228,66 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
         }
         None => (args.prompt.clone(), None),
     };
-    let length = prompt.len() + args.new_tokens;
-    if prompt.is_empty() || length > c.max_seq_len {
-        return Err(
-            "the prompt is empty, or it and --new-tokens exceed max_position_embeddings".into(),
-        );
+    fit(&mut checkpoint.config, &prompt, args)?;
+    let load = |tp: &Comm, device: &Device| checkpoint.load(tp, device);
+    same_tokens(&checkpoint.config, load, &prompt, tokenizer.as_ref(), args)
+}
+
+/// `--meta`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards
+/// (of the parts joined, for a model-parallel checkpoint), generating greedily from `--prompt`.
+fn from_meta(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let mut checkpoint = meta::Checkpoint::open(dir, args.rope_scaling_factor)?;
+    let c = &checkpoint.config;
+    let files = match RecordSource::from_meta(dir)? {
+        RecordSource::ModelParallel(files) => format!("{} model-parallel files", files.len()),
+        _ => "one file".to_string(),
+    };
+    println!(
+        "{} ({files}): {} layers, width {}, feed-forward {}, {} heads over {} key/value heads, \
+         vocabulary {}",
+        dir.display(),
+        c.n_layers,
+        c.d_model,
+        c.hidden_size,
+        c.n_heads,
+        c.n_kv_heads,
+        c.vocab_size,
+    );
+    fit(&mut checkpoint.config, &args.prompt, args)?;
+    let load = |tp: &Comm, device: &Device| checkpoint.load(tp, device);
+    same_tokens(&checkpoint.config, load, &args.prompt, None, args)
+}
+
+/// The config's positions cut to the prompt and `--new-tokens`: the cache and the rotary table
+/// for the positions this run uses, not the 128k a Llama 3 checkpoint allows (the scaling
+/// reads its original context length). `--tp` must divide the key/value heads.
+fn fit(config: &mut LlamaConfig, prompt: &[i64], args: &Args) -> Result<(), String> {
+    if !config.n_kv_heads.is_multiple_of(args.tp) {
+        return Err(format!(
+            "--tp must divide the {} key/value heads",
+            config.n_kv_heads
+        ));
     }
-    // The cache and the rotary table for the positions this run uses, not the 128k a
-    // Llama 3 checkpoint allows (the scaling reads `original_max_position_embeddings`).
-    checkpoint.config.max_seq_len = length;
+    let length = prompt.len() + args.new_tokens;
+    if prompt.is_empty() || length > config.max_seq_len {
+        return Err(format!(
+            "the prompt is empty, or it and --new-tokens exceed the model's {} positions",
+            config.max_seq_len
+        ));
+    }
+    config.max_seq_len = length;
+    Ok(())
+}
+
+/// The model `load` gives at TP 1 and at `--tp` generates greedily from `prompt`; an error if
+/// the tokens differ.
+fn same_tokens(
+    config: &LlamaConfig,
+    load: impl Fn(&Comm, &Device) -> Result<parallel::Llama, TpError> + Sync,
+    prompt: &[i64],
+    tokenizer: Option<&GptTokenizer>,
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
     let mut generated = Vec::new();
     let mut sizes = vec![1, args.tp];
     sizes.dedup();
@@ -234,14 +296,14 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
             &ParallelConfig::new(tp, tp, 1),
             LaunchOptions::default(),
             |ctx| {
-                let model = checkpoint.load(&ctx.groups.tp, &Device::flex())?;
-                model.generate(&checkpoint.config, &prompt, args.new_tokens)
+                let model = load(&ctx.groups.tp, &Device::flex())?;
+                model.generate(config, prompt, args.new_tokens)
             },
         )?;
         let tokens = ranks.into_iter().next().expect("a rank");
         let new = &tokens[prompt.len()..];
         println!("greedy tokens TP={tp}: {new:?}");
-        if let Some(t) = &tokenizer {
+        if let Some(t) = tokenizer {
             let ids: Vec<u32> = new.iter().map(|&i| i as u32).collect();
             println!("text TP={tp}: {:?}", t.decode(&ids)?);
         }
@@ -258,6 +320,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(dir) = &args.hf {
         return from_hugging_face(dir, &args);
     }
+    if let Some(dir) = &args.meta {
+        return from_meta(dir, &args);
+    }
     // 65 tokens: no TP size splits them, so the plan pads the vocabulary (to 80 at TP 2).
     let config = LlamaConfig::new(65, 32, 4, 2, 48, 2, SEQ + args.new_tokens + 8);
     if !config.n_kv_heads.is_multiple_of(args.tp) {
@@ -270,6 +335,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("tp-llama-dropin-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let (record, trained) = (dir.join("llama.bpk"), dir.join("trained.bpk"));
+    let source = RecordSource::from_path(&record);
     let device = Device::flex();
     device.seed(42);
     plain::Llama::new(&config, &device).save_file(&record)?;
@@ -293,13 +359,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (tp, d) = (&ctx.groups.tp, &ctx.device);
             let model = parallel::Llama::load(
                 &config,
-                &record,
+                &source,
                 &LoadOptions::default(),
                 tp,
                 &Device::flex(),
             )?;
             let tokens = model.generate(&config, prompt, args.new_tokens)?;
-            let model = parallel::Llama::load(&config, &record, &LoadOptions::default(), tp, d)?;
+            let model = parallel::Llama::load(&config, &source, &LoadOptions::default(), tp, d)?;
             let (x, y) = batch(d);
             let loss = |m: &parallel::Llama| m.loss(x.clone(), y.clone());
             let (model, losses, grads) = train(model, args.steps, tp, loss)?;
@@ -313,7 +379,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stages = launch::threads(
         &ParallelConfig::new(args.tp * args.pp, args.tp, args.pp),
         LaunchOptions::default(),
-        |ctx| pipeline_rank(ctx, &config, &record, args.steps),
+        |ctx| pipeline_rank(ctx, &config, &source, args.steps),
     )?;
     let mut pipelined = (Vec::new(), ByPath::new());
     for (losses, grads) in stages {

@@ -6,7 +6,6 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::dropin::{nn::*, *};
 use burn_megatron::tensor_parallel::*;
-use std::path::Path;
 type Result<T> = std::result::Result<T, TpError>;
 
 #[derive(Module, Debug)]
@@ -128,10 +127,10 @@ impl Llama {
     // ANCHOR_END: new
 
     // ANCHOR: load
-    /// The model with the weights of the record at `path`, read as `options` say.
+    /// The model with the weights `weights` holds, read as `options` say.
     pub fn load(
         c: &LlamaConfig,
-        path: &Path,
+        weights: &RecordSource,
         options: &LoadOptions,
         tp: &Comm,
         device: &Device,
@@ -141,7 +140,7 @@ impl Llama {
         let plan = plan.vocab(&["tok_embeddings", "output"])?;
         let plan = plan.make_vocab_size_divisible_by(8)?;
         let model = plan.apply(Self::new(c, device), tp)?;
-        Ok(load_sharded(model, &RecordSource::from_path(path), tp, options)?.0)
+        Ok(load_sharded(model, weights, tp, options)?.0)
     }
     // ANCHOR_END: load
 

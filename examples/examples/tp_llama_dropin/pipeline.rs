@@ -7,7 +7,6 @@ use burn_megatron::comm::Comm;
 use burn_megatron::dropin::{nn::*, *};
 use burn_megatron::pipeline::ChunkOutput;
 use burn_megatron::tensor_parallel::*;
-use std::path::Path;
 type Result<T> = std::result::Result<T, TpError>;
 
 #[derive(Module, Debug)]
@@ -136,11 +135,11 @@ impl Llama {
         plan.last(&["norm", "output"])
     }
 
-    /// This stage's part of the model, with the weights of the record at `path`, read as
-    /// `options` say.
+    /// This stage's part of the model, with the weights `weights` holds, read as `options`
+    /// say.
     pub fn load(
         c: &LlamaConfig,
-        path: &Path,
+        weights: &RecordSource,
         options: &LoadOptions,
         stage: &PpStage,
         tp: &Comm,
@@ -151,9 +150,8 @@ impl Llama {
         let plan = plan.vocab(&["tok_embeddings", "output"])?;
         let plan = plan.make_vocab_size_divisible_by(8)?;
         let model = stage.tp_plan(plan).apply(Self::new(c, stage, device), tp)?;
-        let source = RecordSource::from_path(path);
         let options = stage.load_options(options.clone());
-        Ok(load_sharded(model, &source, tp, &options)?.0)
+        Ok(load_sharded(model, weights, tp, &options)?.0)
     }
     // ANCHOR_END: load
 

@@ -3,6 +3,7 @@
 //! the example's own files. At TP 1 and 2, against `transformers` (`tests/fixtures/
 //! hf_llama_tiny`: grouped-query attention, Llama 3's RoPE scaling, four safetensors shards):
 //! the logits, the causal-LM loss, every gradient, and greedy generation through the cache.
+//! `meta_format` holds the same model to `transformers` from checkpoints in Meta's format.
 
 #[allow(dead_code)]
 #[path = "../../../examples/examples/tp_llama_dropin/hf.rs"]
@@ -10,6 +11,9 @@ mod hf;
 #[allow(dead_code)]
 #[path = "../../../examples/examples/tp_llama_dropin/llama.rs"]
 mod llama;
+#[allow(dead_code)]
+#[path = "../../../examples/examples/tp_llama_dropin/meta.rs"]
+mod meta;
 #[allow(dead_code)]
 #[path = "../../../examples/examples/tp_llama_dropin/parallel.rs"]
 mod parallel;
@@ -23,13 +27,13 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::dropin::RecordSource;
+use burn_megatron::dropin::{LoadOptions, RecordSource};
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
     forward_backward_func, read_losses,
 };
-use burn_megatron::tensor_parallel::vocab_parallel_cross_entropy;
+use burn_megatron::tensor_parallel::{TpError, vocab_parallel_cross_entropy};
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::{fixture, read_safetensors, tp_ranks};
@@ -163,16 +167,33 @@ pub(super) fn worst_gradient(got: &Values, want: &Values) -> (f32, String) {
     worst
 }
 
+mod meta_format;
+
 /// The checkpoint in `tests/fixtures/{weights}` at TP 1 and 2 against what `transformers`
-/// computed with it (in `tests/fixtures/{name}`): logits within 1e-4, loss within 1e-5, every
-/// gradient within 1e-5 of its norm, the greedy tokens equal.
+/// computed with it (in `tests/fixtures/{name}`).
 fn matches_transformers(weights: &str, name: &str) -> Result<(), Error> {
     let checkpoint = hf::Checkpoint::open(&fixture(weights))?;
-    let (config, dir) = (&checkpoint.config, fixture(name));
+    let load = |tp: &Comm, device: &Device| checkpoint.load(tp, device);
+    let (config, options) = (&checkpoint.config, checkpoint.options()?);
+    agrees_with_transformers(weights, config, load, &options, name, &[1, 2])
+}
+
+/// The model `load` gives at each TP size of `sizes` against what `transformers` computed
+/// (in `tests/fixtures/{name}`, its gradients read through `options`): logits within 1e-4,
+/// loss within 1e-5, every gradient within 1e-5 of its norm, the greedy tokens equal.
+fn agrees_with_transformers(
+    weights: &str,
+    config: &LlamaConfig,
+    load: impl Fn(&Comm, &Device) -> Result<parallel::Llama, TpError> + Sync,
+    options: &LoadOptions,
+    name: &str,
+    sizes: &[usize],
+) -> Result<(), Error> {
+    let dir = fixture(name);
     let expected = read_safetensors(&dir.join("expected.safetensors"));
     let generate = read_safetensors(&dir.join("generate.safetensors"));
     let scratch = scratch(weights);
-    let grads_path = grads_checkpoint(&expected, &scratch);
+    let want_grads = RecordSource::from_path(grads_checkpoint(&expected, &scratch));
     // The fixture's one unpadded prompt, and `transformers`' ten greedy tokens after it.
     let (shape, prompts) = &generate["prompt_ids"];
     let row = |v: &[f64], width: usize| -> Vec<i64> {
@@ -182,14 +203,16 @@ fn matches_transformers(weights: &str, name: &str) -> Result<(), Error> {
     let greedy = row(&generate["greedy"].1, generate["greedy"].0[1]);
     let want_logits = kept(&expected["logits"].1, &expected, config.vocab_size);
     let want_loss = expected["loss"].1[0] as f32;
-    let tied = !expected.contains_key("grad.lm_head.weight");
-    for tp in [1, 2] {
+    // No gradient of an output layer, under Hugging Face's name or Meta's: a tied table.
+    let tied = !["grad.lm_head.weight", "grad.output.weight"]
+        .iter()
+        .any(|k| expected.contains_key(*k));
+    for &tp in sizes {
         let ranks = tp_ranks(tp, |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let model = checkpoint.load(g, d)?;
+            let model = load(g, d)?;
+            let reference = parallel::Llama::load(config, &want_grads, options, g, d)?;
             let (logits, loss, grads) = run(&model, &expected, config.vocab_size, g, d)?;
-            let options = checkpoint.options()?;
-            let reference = parallel::Llama::load(config, &grads_path, &options, g, d)?;
             let tokens = model.generate(config, &prompt, greedy.len())?;
             Ok::<_, Error>((
                 logits,
@@ -269,11 +292,12 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
                 let (g, d) = (&ctx.groups.tp, &ctx.device);
                 let plan = pipeline::Llama::pp_plan(config);
                 let stage = plan.stage(PipelinePosition::of(&ctx.state, 0))?;
-                let load =
-                    |path: &Path| pipeline::Llama::load(config, path, &options, &stage, g, d);
+                let load = |weights: &RecordSource| {
+                    pipeline::Llama::load(config, weights, &options, &stage, g, d)
+                };
                 let (model, reference) = (
-                    load(RecordSource::from_hugging_face(&checkpoint.dir)?.path())?,
-                    load(&grads_path)?,
+                    load(&RecordSource::from_hugging_face(&checkpoint.dir)?)?,
+                    load(&RecordSource::from_path(&grads_path))?,
                 );
                 let batch = Batch::new(&expected, d);
                 let step = |s: ForwardStep<'_, pipeline::Llama, 3>| {

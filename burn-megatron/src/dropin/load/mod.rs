@@ -28,11 +28,13 @@ use std::path::Path;
 
 mod options;
 mod source;
+mod stored;
 
 use super::{StageKey, StageKeys};
 pub use options::{LoadOptions, LoadReport, rotary_half_to_interleaved};
 pub use source::{RecordSource, convert_named_mpk};
-use source::{legacy_tensors, pytorch_tensors, safetensors_tensors};
+use source::{joined, legacy_tensors, model_parallel_parts, pytorch_tensors, safetensors_tensors};
+use stored::{Bytes, Stored, stored_len, transformed, transpose};
 
 /// `model` with every float parameter replaced by this rank's part of the tensor the record
 /// at `source` holds under the parameter's module path: its split from the layer's parallel
@@ -117,36 +119,25 @@ pub fn load_sharded<M: Module>(
             }
             load(model, stored, (tp_rank, tp_size), options)
         }
-    }
-}
-
-/// Where a tensor's bytes are.
-enum Bytes<'a> {
-    /// A window of the pack over the map.
-    Pack(burn::tensor::Bytes),
-    /// A window of the mapped file.
-    Mapped(&'a [u8]),
-    /// In a PyTorch checkpoint, read when asked for (whole).
-    Read(pytorch_reader::Tensor),
-    /// Made here (a transformed tensor).
-    Owned(Vec<u8>),
-}
-
-struct Stored<'a> {
-    dtype: DType,
-    dims: Vec<usize>,
-    bytes: Bytes<'a>,
-}
-
-impl Stored<'_> {
-    /// The tensor's bytes: a view of the map, or read from the file now.
-    fn bytes(&self) -> Result<Cow<'_, [u8]>, String> {
-        Ok(match &self.bytes {
-            Bytes::Mapped(b) => Cow::Borrowed(b),
-            Bytes::Pack(b) => Cow::Borrowed(b),
-            Bytes::Read(t) => Cow::Owned(t.read().map_err(|e| e.to_string())?),
-            Bytes::Owned(b) => Cow::Borrowed(b),
-        })
+        RecordSource::ModelParallel(files) => {
+            if files.is_empty() {
+                return Err(file("a model-parallel checkpoint of no files".into()));
+            }
+            let named = |f: &Path, e: String| TpError::Invalid(format!("{}: {e}", f.display()));
+            let maps = (files.iter())
+                .filter(|f| !crate::pytorch_io::is_pytorch(f))
+                .map(|f| Ok((f, mapped(f).map_err(|e| named(f, e))?)))
+                .collect::<Result<Vec<_>, TpError>>()?;
+            let mut per_file = Vec::with_capacity(files.len());
+            for f in files {
+                per_file.push(match maps.iter().find(|(m, _)| *m == f) {
+                    Some((_, map)) => safetensors_tensors(map).map_err(|e| named(f, e))?,
+                    None => pytorch_tensors(f, None).map_err(|e| named(f, e))?,
+                });
+            }
+            let stored = model_parallel_parts(per_file, files).map_err(&file)?;
+            load(model, stored, (tp_rank, tp_size), options)
+        }
     }
 }
 
@@ -342,17 +333,32 @@ impl PathMapper for Loader<'_, '_> {
             )));
             return p;
         }
-        let shard = match transform {
-            Some((_, f)) => match transformed(&stored, transposed, f) {
-                Ok(whole) => {
-                    let largest = &mut self.report.largest_whole_tensor_bytes;
-                    *largest = (*largest).max(stored_len(&stored));
-                    // The whole tensor goes before the shard is copied in.
-                    self.shard(&p, &whole, false, mapped)
+        // A model-parallel checkpoint's parts, joined as the parameter holds the tensor.
+        let resolved = match &stored.bytes {
+            Bytes::Parts(parts) => joined(parts, &self.stored_shapes(&p, transposed, mapped)),
+            _ => Ok(None),
+        };
+        let shard = match resolved {
+            Err(e) => Err(e),
+            Ok(resolved) => {
+                let one = match (&resolved, &stored.bytes) {
+                    (Some(whole), _) => whole,
+                    (None, Bytes::Parts(parts)) => &parts[0],
+                    (None, _) => &stored,
+                };
+                match transform {
+                    Some((_, f)) => match transformed(one, transposed, f) {
+                        Ok(whole) => {
+                            let largest = &mut self.report.largest_whole_tensor_bytes;
+                            *largest = (*largest).max(stored_len(one));
+                            // The whole tensor goes before the shard is copied in.
+                            self.shard(&p, &whole, false, mapped)
+                        }
+                        Err(e) => Err(e),
+                    },
+                    None => self.shard(&p, one, transposed, mapped),
                 }
-                Err(e) => Err(e),
-            },
-            None => self.shard(&p, &stored, transposed, mapped),
+            }
         };
         // A borrowed entry goes back among those not taken yet, for its own parameter; a
         // taken one a tie names is kept for the tied parameters; the rest goes now, before
@@ -392,6 +398,33 @@ impl PathMapper for Loader<'_, '_> {
 }
 
 impl Loader<'_, '_> {
+    /// The parameter's global shape as the record stores it (reversed when stored `[out,
+    /// in]`), then with a padded vocabulary's real extent.
+    fn stored_shapes<const D: usize>(
+        &self,
+        p: &Param<Tensor<D>>,
+        transposed: bool,
+        mapped: bool,
+    ) -> [Vec<usize>; 2] {
+        let mut local = p.lazy_shape().to_vec();
+        if mapped && p.is_initialized() {
+            local.reverse();
+        }
+        let attrs = parallel_attrs(p.id);
+        let (global, _) = attrs.placement(&local, self.tp.0, self.tp.1);
+        let mut real = global.clone();
+        if let Some((d, n)) = attrs.padding() {
+            real[d] = n;
+        }
+        let stored = |mut v: Vec<usize>| {
+            if transposed {
+                v.reverse();
+            }
+            v
+        };
+        [stored(global), stored(real)]
+    }
+
     /// This rank's box of `stored`, as the parameter `p` holds it.
     fn shard<const D: usize>(
         &mut self,
@@ -476,50 +509,6 @@ impl Loader<'_, '_> {
     }
 }
 
-/// `stored` whole in the parameter's layout (transposed back when stored `[out, in]`), through
-/// `transform`, as a tensor of the same shape.
-fn transformed<'a>(
-    stored: &Stored<'_>,
-    transposed: bool,
-    transform: &options::Transform,
-) -> Result<Stored<'a>, String> {
-    let (elem, mut dims) = (stored.dtype.size(), stored.dims.clone());
-    let mut bytes = stored.bytes()?.into_owned();
-    if transposed {
-        if dims.len() != 2 {
-            return Err(format!(
-                "stored transposed but has {} dimensions, not 2",
-                dims.len()
-            ));
-        }
-        bytes = transpose(&bytes, dims[0], dims[1], elem);
-        dims.reverse();
-    }
-    let data = (transform.0)(TensorData::from_bytes_vec(
-        bytes,
-        dims.clone(),
-        stored.dtype,
-    ))?;
-    if data.shape().to_vec() != dims || data.dtype() != stored.dtype {
-        return Err(format!(
-            "the transform returned {:?} {:?} for {dims:?} {:?}",
-            data.shape().to_vec(),
-            data.dtype(),
-            stored.dtype
-        ));
-    }
-    Ok(Stored {
-        dtype: stored.dtype,
-        dims,
-        bytes: Bytes::Owned(data.into_bytes().to_vec()),
-    })
-}
-
-/// The bytes a stored tensor takes whole.
-fn stored_len(stored: &Stored<'_>) -> u64 {
-    (stored.dims.iter().product::<usize>() * stored.dtype.size()) as u64
-}
-
 /// The path under which a PyTorch state dict stores the norm parameter at `path` (`weight`
 /// for `gamma`, `bias` for `beta`), when its layer `owner` is one of Burn's norms.
 fn pytorch_norm_key(owner: Option<&str>, path: &str) -> Option<String> {
@@ -569,16 +558,4 @@ fn owners<M: Module>(model: &M) -> HashMap<String, String> {
     let mut owners = Owners(Vec::new(), HashMap::new());
     model.visit(&mut owners);
     owners.1
-}
-
-/// The `rows × cols` row-major matrix of `elem`-byte elements, transposed.
-fn transpose(bytes: &[u8], rows: usize, cols: usize, elem: usize) -> Vec<u8> {
-    let mut out = vec![0u8; bytes.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            let (s, t) = ((r * cols + c) * elem, (c * rows + r) * elem);
-            out[t..t + elem].copy_from_slice(&bytes[s..s + elem]);
-        }
-    }
-    out
 }

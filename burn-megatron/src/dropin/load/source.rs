@@ -36,6 +36,14 @@ pub enum RecordSource {
     /// Burn 0.14 to 0.21 at full or half precision. tracel-ai's pretrained models
     /// (llama-burn's `model.mpk`) are such records.
     NamedMpk(PathBuf),
+    /// A checkpoint saved split over model-parallel ranks, one file per rank in rank order
+    /// (safetensors or PyTorch state dicts): Meta's `consolidated.00.pth` … `consolidated.07.pth`
+    /// of a Llama 70B, fairscale's layout. Every file holds every tensor, whole (a norm) or
+    /// one rank's part of it: the tensor is read as the concatenation of the parts along the
+    /// one dimension whose extents add up to the model's, found from the parameter's global
+    /// shape, so no split is configured and any tensor-parallel size reads it. A tensor split
+    /// over the files is read whole, each part read once.
+    ModelParallel(Vec<PathBuf>),
 }
 
 impl RecordSource {
@@ -91,7 +99,37 @@ impl RecordSource {
         })
     }
 
-    /// The file it reads (for shards, their index).
+    /// The weights of a Llama directory as Meta's download script writes it: its
+    /// `consolidated.NN.pth`, one per model-parallel rank (a [`Self::Pytorch`] file alone, a
+    /// [`Self::ModelParallel`] checkpoint for several). None, or numbers that do not run
+    /// from `00` without a gap, is an error naming the directory.
+    pub fn from_meta(dir: impl AsRef<Path>) -> Result<Self, TpError> {
+        let dir = dir.as_ref();
+        let error = |e: String| TpError::Invalid(format!("{}: {e}", dir.display()));
+        let mut ranks = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(|e| error(e.to_string()))? {
+            let name = entry.map_err(|e| error(e.to_string()))?.file_name();
+            let rank = (name.to_str())
+                .and_then(|n| n.strip_prefix("consolidated.")?.strip_suffix(".pth"))
+                .and_then(|n| n.parse::<usize>().ok());
+            ranks.extend(rank.map(|r| (r, dir.join(name))));
+        }
+        ranks.sort();
+        if ranks.is_empty() || ranks.iter().enumerate().any(|(i, (r, _))| i != *r) {
+            let found: Vec<usize> = ranks.iter().map(|(r, _)| *r).collect();
+            return Err(error(format!(
+                "no run of consolidated.NN.pth from 00 (ranks found: {found:?})"
+            )));
+        }
+        let mut files: Vec<PathBuf> = ranks.into_iter().map(|(_, p)| p).collect();
+        Ok(match files.len() {
+            1 => Self::from_path(files.remove(0)),
+            _ => Self::ModelParallel(files),
+        })
+    }
+
+    /// The file it reads (for shards, their index; for a model-parallel checkpoint, its
+    /// first file).
     pub fn path(&self) -> &Path {
         match self {
             Self::Burnpack(p)
@@ -99,8 +137,113 @@ impl RecordSource {
             | Self::Index(p)
             | Self::NamedMpk(p)
             | Self::Pytorch { path: p, .. } => p,
+            Self::ModelParallel(files) => files.first().map_or(Path::new(""), |p| p.as_path()),
         }
     }
+}
+
+/// The tensors of a model-parallel checkpoint's files (`files[r]` rank `r`'s), each key's
+/// parts gathered in rank order, to be joined against the parameter that takes them. Every
+/// file must hold the same keys, each of one dtype and number of dimensions in all.
+pub(super) fn model_parallel_parts<'a>(
+    files: Vec<Vec<(String, Stored<'a>)>>,
+    names: &[PathBuf],
+) -> Result<Vec<(String, Stored<'a>)>, String> {
+    let mut files = files.into_iter();
+    let first = files.next().unwrap_or_default();
+    let mut rest: Vec<std::collections::HashMap<String, Stored<'a>>> =
+        files.map(|f| f.into_iter().collect()).collect();
+    let name = |r: usize| {
+        names
+            .get(r)
+            .map_or(String::new(), |p| p.display().to_string())
+    };
+    let mut out = Vec::with_capacity(first.len());
+    for (key, stored) in first {
+        let mut parts = vec![stored];
+        for (r, file) in rest.iter_mut().enumerate() {
+            let part = file
+                .remove(&key)
+                .ok_or_else(|| format!("`{key}` is in {} but not in {}", name(0), name(r + 1)))?;
+            if part.dtype != parts[0].dtype || part.dims.len() != parts[0].dims.len() {
+                return Err(format!(
+                    "`{key}`: {:?} {:?} in {}, {:?} {:?} in {}",
+                    parts[0].dtype,
+                    parts[0].dims,
+                    name(0),
+                    part.dtype,
+                    part.dims,
+                    name(r + 1)
+                ));
+            }
+            parts.push(part);
+        }
+        let (dtype, dims) = (parts[0].dtype, parts[0].dims.clone());
+        let bytes = Bytes::Parts(parts);
+        out.push((key, Stored { dtype, dims, bytes }));
+    }
+    if let Some((r, key)) =
+        (rest.iter().enumerate()).find_map(|(r, f)| f.keys().min().map(|k| (r, k.clone())))
+    {
+        return Err(format!(
+            "`{key}` is in {} but not in {}",
+            name(r + 1),
+            name(0)
+        ));
+    }
+    Ok(out)
+}
+
+/// One tensor from its part in each file of a model-parallel checkpoint, as the model's
+/// parameter has it: `shapes` are its global shapes in the stored layout (a padded
+/// vocabulary's real extent too). `None`: whole in every file, read from the first; else
+/// the parts joined along the one dimension whose extents add up to the model's (with two or
+/// more parts of non-zero extent, never both, never two dimensions).
+pub(super) fn joined(
+    parts: &[Stored<'_>],
+    shapes: &[Vec<usize>],
+) -> Result<Option<Stored<'static>>, String> {
+    let first = &parts[0].dims;
+    // Every part has as many dimensions as the first.
+    for want in shapes.iter().filter(|w| w.len() == first.len()) {
+        if parts.iter().all(|p| p.dims == *want) {
+            return Ok(None);
+        }
+        let along = (0..want.len()).find(|&d| {
+            let others = |p: &Stored<'_>| (0..want.len()).all(|e| e == d || p.dims[e] == want[e]);
+            parts.iter().all(others) && parts.iter().map(|p| p.dims[d]).sum::<usize>() == want[d]
+        });
+        let Some(d) = along else {
+            continue;
+        };
+        let elem = parts[0].dtype.size();
+        let outer: usize = want[..d].iter().product();
+        let bytes = parts
+            .iter()
+            .map(Stored::bytes)
+            .collect::<Result<Vec<_>, String>>()?;
+        let mut out = Vec::with_capacity(want.iter().product::<usize>() * elem);
+        for o in 0..outer {
+            for (part, b) in parts.iter().zip(&bytes) {
+                let chunk = part.dims[d..].iter().product::<usize>() * elem;
+                let run = b.get(o * chunk..(o + 1) * chunk);
+                out.extend_from_slice(run.ok_or("a part holds fewer bytes than its shape")?);
+            }
+        }
+        let (dtype, dims) = (parts[0].dtype, want.clone());
+        return Ok(Some(Stored {
+            dtype,
+            dims,
+            bytes: Bytes::Owned(out),
+        }));
+    }
+    let all: Vec<&Vec<usize>> = parts.iter().map(|p| &p.dims).collect();
+    Err(format!(
+        "its parts in the {} files, of shapes {all:?}, are neither the model's {:?} whole \
+         nor split along one of its dimensions",
+        parts.len(),
+        shapes.first().map_or(&Vec::new(), |s| s)
+    ))
 }
 
 /// The tensors of a mapped safetensors file, as views of the map.

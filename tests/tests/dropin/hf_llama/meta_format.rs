@@ -1,0 +1,183 @@
+//! A Llama checkpoint in Meta's own format (`params.json`, `consolidated.NN.pth` in bfloat16,
+//! Meta's names and rotary layout) in the user's Llama, against `transformers` holding the same
+//! weights (`tests/fixtures/make_meta_llama.py`): one file, and the same weights split over two
+//! model-parallel files as fairscale holds them, each at TP 1, 2 and 4.
+
+use super::{Error, agrees_with_transformers, grads_checkpoint, kept, meta, parallel, run};
+use crate::dropin::load::{scratch, write_safetensors};
+use burn::tensor::Device;
+use burn_megatron::comm::Comm;
+use burn_megatron::dropin::RecordSource;
+use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::{fixture, read_safetensors, tp_ranks};
+
+/// Llama 3.2's factor, which the fixture's params.json does not give (as Meta's do not).
+const FACTOR: Option<f32> = Some(32.0);
+
+fn matches(weights: &str, sizes: &[usize]) -> Result<(), Error> {
+    let checkpoint = meta::Checkpoint::open(&fixture(weights), FACTOR)?;
+    let load = |tp: &Comm, device: &Device| checkpoint.load(tp, device);
+    let (config, options) = (&checkpoint.config, meta::Checkpoint::options()?);
+    agrees_with_transformers(weights, config, load, &options, "meta_llama_tiny", sizes)
+}
+
+/// One `consolidated.00.pth`: no rotary permutation, the feed-forward width from Meta's
+/// `multiple_of` and `ffn_dim_multiplier`, Llama 3's scaling with the factor given.
+#[test]
+fn a_meta_llama_in_the_users_llama_gives_transformers_numbers() -> Result<(), Error> {
+    matches("meta_llama_tiny", &[1, 2, 4])
+}
+
+/// Two model-parallel files (Llama 3 70B's form, at MP 2): joined as the model holds each
+/// tensor (the embedding's and the column layers' rows, the row layers' columns, the norms
+/// whole), then cut at TP 1 (joined whole), 2 (each rank one file's part) and 4 (half of one).
+#[test]
+fn a_model_parallel_meta_llama_loads_at_any_tp_size() -> Result<(), Error> {
+    assert!(matches!(
+        RecordSource::from_meta(fixture("meta_llama_tiny_mp2"))?,
+        RecordSource::ModelParallel(files) if files.len() == 2
+    ));
+    matches("meta_llama_tiny_mp2", &[1, 2, 4])
+}
+
+/// The factor the files do not give changes the logits (Llama 3.1's 8 for 3.2's 32: by more
+/// than the tests' bound), so it is asked for, not assumed; params.json's own, where given,
+/// comes first.
+#[test]
+fn meta_llama_3s_rope_scaling_factor_is_asked_for() -> Result<(), Error> {
+    let dir = fixture("meta_llama_tiny");
+    let e = meta::Checkpoint::open(&dir, None).err().expect("refused");
+    assert!(e.contains("use_scaled_rope") && e.contains("32"), "{e}");
+    let expected = read_safetensors(&dir.join("expected.safetensors"));
+    let vocab = 96;
+    let want = kept(&expected["logits"].1, &expected, vocab);
+    let wrong = meta::Checkpoint::open(&dir, Some(8.0))?;
+    let ranks = tp_ranks(1, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        Ok::<_, Error>(run(&wrong.load(g, d)?, &expected, vocab, g, d)?.0)
+    })?;
+    let off = super::super::max_abs_diff(&ranks[0], &want);
+    assert!(off > 1e-3, "factor 8: logits off by only {off}");
+    let copy = scratch("meta-factor");
+    let mut params: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("params.json"))?)?;
+    params["rope_scaling_factor"] = serde_json::json!(32.0);
+    std::fs::write(copy.join("params.json"), params.to_string())?;
+    let given = meta::Checkpoint::open(&copy, Some(8.0))?;
+    let want = meta::Checkpoint::open(&dir, FACTOR)?;
+    assert_eq!(given.config.to_string(), want.config.to_string());
+    std::fs::remove_dir_all(copy)?;
+    Ok(())
+}
+
+/// What the Llama cannot read is refused naming the setting or the files: Llama 2's
+/// vocabulary of -1, no `consolidated.00.pth`, a gap in the ranks.
+#[test]
+fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Result<(), Error> {
+    let dir = scratch("meta-refusals");
+    let mut params: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        fixture("meta_llama_tiny").join("params.json"),
+    )?)?;
+    params["vocab_size"] = serde_json::json!(-1);
+    std::fs::write(dir.join("params.json"), params.to_string())?;
+    let e = meta::Checkpoint::open(&dir, FACTOR).err().expect("refused");
+    assert!(e.contains("vocab_size") && e.contains("-1"), "{e}");
+    let e = RecordSource::from_meta(&dir).unwrap_err().to_string();
+    assert!(e.contains("consolidated") && e.contains("[]"), "{e}");
+    let part = fixture("meta_llama_tiny_mp2").join("consolidated.00.pth");
+    std::fs::copy(&part, dir.join("consolidated.00.pth"))?;
+    std::fs::copy(&part, dir.join("consolidated.02.pth"))?;
+    let e = RecordSource::from_meta(&dir).unwrap_err().to_string();
+    assert!(e.contains("[0, 2]"), "{e}");
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+/// A model-parallel checkpoint of safetensors files reads as its whole record does, and parts
+/// that do not make the model's tensor are errors naming it: a tensor one file lacks, a part
+/// one row short.
+#[test]
+fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> Result<(), Error> {
+    let checkpoint = meta::Checkpoint::open(&fixture("meta_llama_tiny"), FACTOR)?;
+    let (config, options) = (&checkpoint.config, meta::Checkpoint::options()?);
+    let expected = read_safetensors(&fixture("meta_llama_tiny").join("expected.safetensors"));
+    let dir = scratch("meta-parts");
+    // The gradients as a record in Meta's names, whole and split over two files.
+    let whole = grads_checkpoint(&expected, &dir);
+    let tensors: Vec<Named> = (read_safetensors(&whole).into_iter())
+        .map(|(k, (shape, v))| (k, shape, v.into_iter().map(|x| x as f32).collect()))
+        .collect();
+    // Rank r's part of each tensor, as fairscale splits Llama 3: the norms whole, `wo` and
+    // `w2` by columns, the rest by rows.
+    let part = |r: usize| -> Vec<Named> {
+        let dim = |name: &str| usize::from(name.contains(".wo.") || name.contains(".w2."));
+        (tensors.iter())
+            .map(|(name, shape, v)| match shape.len() {
+                1 => (name.clone(), shape.clone(), v.clone()),
+                _ => half(name, shape, v, dim(name), r),
+            })
+            .collect()
+    };
+    let write = |tag: &str, files: [Vec<Named>; 2]| {
+        let paths = (files.iter().enumerate())
+            .map(|(r, tensors)| {
+                let path = dir.join(format!("{tag}.{r}.safetensors"));
+                write_safetensors(&path, tensors);
+                path
+            })
+            .collect();
+        RecordSource::ModelParallel(paths)
+    };
+    let joined = write("joined", [part(0), part(1)]);
+    let mut lacking = part(1);
+    lacking.retain(|(name, ..)| name != "norm.weight");
+    let lacking = write("lacking", [part(0), lacking]);
+    let mut short = part(1);
+    for (_, shape, v) in short.iter_mut().filter(|(n, ..)| n == "output.weight") {
+        shape[0] -= 1;
+        v.truncate(shape[0] * shape[1]);
+    }
+    let short = write("short", [part(0), short]);
+    let whole = RecordSource::from_path(&whole);
+    let ranks = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let load = |w: &RecordSource| parallel::Llama::load(config, w, &options, g, d);
+        let (a, b) = (load(&whole)?, load(&joined)?);
+        let errors = [&lacking, &short].map(|w| load(w).err().map(|e| e.to_string()));
+        Ok::<_, Error>((gathered(&a, None, g), gathered(&b, None, g), errors))
+    })?;
+    for (whole, joined, [lacking, short]) in ranks {
+        assert_eq!(whole, joined);
+        let lacking = lacking.expect("a file lacking a tensor is refused");
+        assert!(
+            lacking.contains("`norm.weight` is in") && lacking.contains("lacking.1"),
+            "{lacking}"
+        );
+        let short = short.expect("a part one row short is refused");
+        assert!(
+            short.contains("output.weight") && short.contains("[47, 64]"),
+            "{short}"
+        );
+    }
+    std::fs::remove_dir_all(dir)?;
+    Ok(())
+}
+
+type Named = (String, Vec<usize>, Vec<f32>);
+
+/// Part `r` of 2 of a `[rows, cols]` tensor, split along `dim`.
+fn half(name: &str, shape: &[usize], v: &[f32], dim: usize, r: usize) -> Named {
+    let (rows, cols) = (shape[0], shape[1]);
+    let (shape, v) = match dim {
+        0 => {
+            let h = rows / 2;
+            (vec![h, cols], v[r * h * cols..(r + 1) * h * cols].to_vec())
+        }
+        _ => {
+            let h = cols / 2;
+            let row = |i: usize| &v[i * cols + r * h..i * cols + (r + 1) * h];
+            (vec![rows, h], (0..rows).flat_map(row).copied().collect())
+        }
+    };
+    (name.to_string(), shape, v)
+}
