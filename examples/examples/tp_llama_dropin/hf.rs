@@ -70,7 +70,8 @@ impl Checkpoint {
 
     /// `dir/config.json` read. What this Llama cannot hold is an error naming the setting:
     /// another model type, biases, another activation, a head width other than
-    /// `hidden_size / num_attention_heads`, a RoPE other than the default or Llama 3's.
+    /// `hidden_size / num_attention_heads`, key/value heads that do not divide the heads, a
+    /// RoPE other than the default or Llama 3's.
     pub fn open(dir: &Path) -> Result<Self, String> {
         let (path, json) = read_config(dir)?;
         Ok(Self {
@@ -138,13 +139,15 @@ fn config(path: &Path, json: &Value) -> Result<LlamaConfig, String> {
         }
         Some(other) => return Err(at("rope_type") + &format!(" is {other}: not default or llama3")),
     };
+    let kv_heads = (json["num_key_value_heads"].as_u64()).map_or(n_heads, |n| n as usize);
+    if kv_heads == 0 || !n_heads.is_multiple_of(kv_heads) {
+        return Err(at("num_key_value_heads") + " does not divide num_attention_heads");
+    }
     Ok(LlamaConfig::new(
         count("vocab_size")?,
         d_model,
         n_heads,
-        json["num_key_value_heads"]
-            .as_u64()
-            .map_or(n_heads, |n| n as usize),
+        kv_heads,
         count("intermediate_size")?,
         count("num_hidden_layers")?,
         count("max_position_embeddings")?,

@@ -73,7 +73,7 @@ struct Args {
     #[arg(long, conflicts_with = "hf")]
     meta: Option<PathBuf>,
     /// With `--meta`: Llama 3's RoPE scaling factor, which Meta's params.json does not give
-    /// (8 for Llama 3.1, 32 for Llama 3.2).
+    /// (Hugging Face's configs: 32 for Llama 3.2 1B and 3B, 8 for the other 3.1 and later).
     #[arg(long, requires = "meta")]
     rope_scaling_factor: Option<f32>,
 }

@@ -4,8 +4,8 @@
 //! `consolidated.NN.pth` per rank. Meta's names are llama-burn's, and its query and key
 //! projections pair each head's features as Burn's `RotaryEncoding` does, so the options
 //! only rename the SwiGLU's two inputs and read PyTorch's layout. A model-parallel checkpoint
-//! loads at any TP size that divides the heads: each tensor's parts are joined as the model
-//! holds it, then cut to this rank's shard.
+//! loads at any TP size that divides the key/value heads: each rank reads the parts of each
+//! tensor its shard overlaps, joined as the model holds the tensor.
 
 use super::llama::{LlamaConfig, RopeScaling};
 use super::parallel;
@@ -52,11 +52,14 @@ impl Checkpoint {
         parallel::Llama::load(&self.config, &weights, &Self::options()?, tp, device)
     }
 
-    /// `dir/params.json` read. Meta's files do not say Llama 3's RoPE scaling factor (Meta's
-    /// code takes 8 for Llama 3.1 and 32 for 3.2): with `use_scaled_rope`, it is params.json's
-    /// `rope_scaling_factor` where present, else `scaling_factor`, else an error. Other
-    /// errors name the setting: a count that is missing, Llama 2's `vocab_size` of -1 (the
-    /// tokenizer's size), heads that do not divide the width.
+    /// `dir/params.json` read. Meta's Llama 3 files do not give the RoPE scaling factor (Meta's
+    /// reference code fixes 8; Hugging Face's configs give 32 for Llama 3.2 1B and 3B, 8 for
+    /// the other 3.1 and later models): with `use_scaled_rope`, it is params.json's
+    /// `rope_scaling_factor` where present, else `scaling_factor`, else an error (and
+    /// `rope_high_freq_factor` where present, else Meta's 4). `rope_theta` defaults to
+    /// Llama 2's 10000 (every Llama 3 params.json gives it). Other errors name the setting: a
+    /// count that is missing, Llama 2's `vocab_size` of -1 (the tokenizer's size), heads that
+    /// do not divide the width, key/value heads that do not divide the heads.
     pub fn open(dir: &Path, scaling_factor: Option<f32>) -> Result<Self, String> {
         let path = dir.join("params.json");
         let error = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
@@ -82,17 +85,21 @@ impl Checkpoint {
             Some(Value::Null) | None => n_heads,
             Some(_) => count("n_kv_heads")?,
         };
+        if !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(at("n_kv_heads") + " does not divide `n_heads`");
+        }
         let scaling = match json["use_scaled_rope"].as_bool().unwrap_or(false) {
             false => None,
             true => {
                 let factor = json["rope_scaling_factor"].as_f64().map(|f| f as f32);
                 let factor = factor.or(scaling_factor).ok_or_else(|| {
                     at("use_scaled_rope")
-                        + " without `rope_scaling_factor`: give the factor (8 for Llama 3.1, \
-                           32 for Llama 3.2)"
+                        + " without `rope_scaling_factor`: give the factor (Hugging Face's \
+                           configs: 32 for Llama 3.2 1B and 3B, 8 for the other 3.1 and later)"
                 })?;
+                let high = json["rope_high_freq_factor"].as_f64().unwrap_or(4.0);
                 // Meta's `apply_scaling`: its other constants are fixed in code.
-                Some(RopeScaling::new(factor, 1.0, 4.0, 8192))
+                Some(RopeScaling::new(factor, 1.0, high as f32, 8192))
             }
         };
         let config = LlamaConfig::new(

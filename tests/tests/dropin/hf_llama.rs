@@ -395,6 +395,7 @@ fn a_checkpoint_the_users_llama_cannot_hold_is_an_error_naming_the_setting() -> 
         ("attention_bias", serde_json::json!(true)),
         ("hidden_act", serde_json::json!("gelu")),
         ("head_dim", serde_json::json!(8)),
+        ("num_key_value_heads", serde_json::json!(3)),
     ];
     for (key, value) in cases {
         let mut json = base.clone();

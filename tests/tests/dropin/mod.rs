@@ -31,6 +31,7 @@ mod hf_llama;
 mod layout;
 mod load;
 mod lora;
+mod model_parallel;
 mod pipeline;
 mod plan;
 mod sequence;

@@ -5,7 +5,8 @@
 //! before the split. Here each parameter of the tensor-parallel model finds its tensor in the
 //! file by module path, reads the part this rank holds (its place comes from the layer's
 //! [`ParallelAttrs`](crate::tensor_parallel::ParallelAttrs)) and replaces the parameter with
-//! it, one at a time, so a rank holds its shards plus at most one whole tensor.
+//! it, one at a time, so a rank holds its shards plus at most one whole tensor (of a
+//! model-parallel checkpoint, the parts of one tensor its shard overlaps).
 //!
 //! Burnpack and safetensors files are read through a memory map: a shard is copied out of
 //! the file's pages, which are the kernel's page cache, not the rank's memory. A shard that
@@ -20,21 +21,24 @@ use crate::module_path::{PathMapper, map_paths};
 use crate::safetensors_io;
 use crate::shards::{Piece, assemble_padded};
 use crate::tensor_parallel::{TpError, parallel_attrs};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, Param};
 use burn::tensor::{AllocationProperty, DType, Tensor, TensorCreationOptions, TensorData};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
+mod adapter;
 mod options;
 mod source;
 mod stored;
 
 use super::{StageKey, StageKeys};
+use adapter::{owners, pytorch_norm_key};
 pub use options::{LoadOptions, LoadReport, rotary_half_to_interleaved};
 pub use source::{RecordSource, convert_named_mpk};
-use source::{joined, legacy_tensors, model_parallel_parts, pytorch_tensors, safetensors_tensors};
-use stored::{Bytes, Stored, stored_len, transformed, transpose};
+use source::{join_along, joined, legacy_tensors, model_parallel_parts};
+use source::{pytorch_tensors, safetensors_tensors};
+use stored::{Bytes, Stored, Whole, stored_len, transformed, transpose};
 
 /// `model` with every float parameter replaced by this rank's part of the tensor the record
 /// at `source` holds under the parameter's module path: its split from the layer's parallel
@@ -319,11 +323,9 @@ impl PathMapper for Loader<'_, '_> {
         let adapter = torch_linear && col.is_none();
         let mapped = col == Some(false);
         let transposed = options || adapter || col == Some(true);
-        let transform = self
-            .options
-            .transforms
-            .iter()
-            .find(|(re, _)| re.is_match(path));
+        let transform = (self.options.transforms.iter())
+            .find(|(re, _)| re.is_match(path))
+            .map(|(_, f)| f);
         // Burn's QLoRA quantizes the base in place: loading a float tensor into it would
         // replace the quantized weight (or fail on its dtype).
         if p.is_initialized() && matches!(p.val().dtype(), DType::QFloat(_)) {
@@ -333,32 +335,26 @@ impl PathMapper for Loader<'_, '_> {
             )));
             return p;
         }
-        // A model-parallel checkpoint's parts, joined as the parameter holds the tensor.
-        let resolved = match &stored.bytes {
-            Bytes::Parts(parts) => joined(parts, &self.stored_shapes(&p, transposed, mapped)),
-            _ => Ok(None),
-        };
-        let shard = match resolved {
-            Err(e) => Err(e),
-            Ok(resolved) => {
-                let one = match (&resolved, &stored.bytes) {
-                    (Some(whole), _) => whole,
-                    (None, Bytes::Parts(parts)) => &parts[0],
-                    (None, _) => &stored,
-                };
-                match transform {
-                    Some((_, f)) => match transformed(one, transposed, f) {
-                        Ok(whole) => {
-                            let largest = &mut self.report.largest_whole_tensor_bytes;
-                            *largest = (*largest).max(stored_len(one));
-                            // The whole tensor goes before the shard is copied in.
-                            self.shard(&p, &whole, false, mapped)
+        // A model-parallel checkpoint's parts: whole in every file (the first read), or
+        // joined as the parameter holds the tensor, whole for a transform, else only the
+        // parts this rank's shard overlaps read.
+        let shard = match &stored.bytes {
+            Bytes::Parts(parts) => {
+                let shapes = self.stored_shapes(&p, transposed, mapped);
+                match shapes.and_then(|shapes| join_along(parts, &shapes)) {
+                    Err(e) => Err(e),
+                    Ok(None) => self.read(&p, &parts[0], transform, transposed, mapped),
+                    Ok(Some((along, dims))) => match transform {
+                        Some(_) => joined(parts, along, &dims)
+                            .and_then(|whole| self.read(&p, &whole, transform, transposed, mapped)),
+                        None => {
+                            let whole = Whole::Parts { parts, along, dims };
+                            self.shard(&p, whole, transposed, mapped)
                         }
-                        Err(e) => Err(e),
                     },
-                    None => self.shard(&p, one, transposed, mapped),
                 }
             }
+            _ => self.read(&p, &stored, transform, transposed, mapped),
         };
         // A borrowed entry goes back among those not taken yet, for its own parameter; a
         // taken one a tie names is kept for the tied parameters; the rest goes now, before
@@ -398,6 +394,27 @@ impl PathMapper for Loader<'_, '_> {
 }
 
 impl Loader<'_, '_> {
+    /// This rank's box of `stored`, through `transform` first if given.
+    fn read<const D: usize>(
+        &mut self,
+        p: &Param<Tensor<D>>,
+        stored: &Stored<'_>,
+        transform: Option<&options::Transform>,
+        transposed: bool,
+        mapped: bool,
+    ) -> Result<TensorData, String> {
+        match transform {
+            Some(f) => {
+                let whole = transformed(stored, transposed, f)?;
+                let largest = &mut self.report.largest_whole_tensor_bytes;
+                *largest = (*largest).max(stored_len(stored));
+                // The whole tensor goes before the shard is copied in.
+                self.shard(p, Whole::One(&whole), false, mapped)
+            }
+            None => self.shard(p, Whole::One(stored), transposed, mapped),
+        }
+    }
+
     /// The parameter's global shape as the record stores it (reversed when stored `[out,
     /// in]`), then with a padded vocabulary's real extent.
     fn stored_shapes<const D: usize>(
@@ -405,7 +422,10 @@ impl Loader<'_, '_> {
         p: &Param<Tensor<D>>,
         transposed: bool,
         mapped: bool,
-    ) -> [Vec<usize>; 2] {
+    ) -> Result<[Vec<usize>; 2], String> {
+        if transposed && D != 2 {
+            return Err(not_a_matrix(D));
+        }
         let mut local = p.lazy_shape().to_vec();
         if mapped && p.is_initialized() {
             local.reverse();
@@ -422,14 +442,14 @@ impl Loader<'_, '_> {
             }
             v
         };
-        [stored(global), stored(real)]
+        Ok([stored(global), stored(real)])
     }
 
     /// This rank's box of `stored`, as the parameter `p` holds it.
     fn shard<const D: usize>(
         &mut self,
         p: &Param<Tensor<D>>,
-        stored: &Stored<'_>,
+        stored: Whole<'_, '_>,
         transposed: bool,
         mapped: bool,
     ) -> Result<TensorData, String> {
@@ -442,9 +462,7 @@ impl Loader<'_, '_> {
         let attrs = parallel_attrs(p.id);
         let (global, offset) = attrs.placement(&local, self.tp.0, self.tp.1);
         if transposed && D != 2 {
-            return Err(format!(
-                "matches `with_transposed` but has {D} dimensions, not 2"
-            ));
+            return Err(not_a_matrix(D));
         }
         // The box in the stored tensor's own order of dimensions.
         let flip = |v: &[usize]| {
@@ -457,12 +475,12 @@ impl Loader<'_, '_> {
         // A padded vocabulary: a plain record holds the real extent, and the padding is
         // zeros; a record padded as the model is (a Megatron checkpoint's) is read as it is.
         let mut real = global.clone();
-        let padded_dim = attrs.padding().filter(|_| stored.dims != flip(&global));
+        let padded_dim = attrs.padding().filter(|_| stored.dims() != flip(&global));
         if let Some((d, n)) = padded_dim {
             real[d] = n;
         }
         let (want, at, size) = (flip(&real), flip(&offset), flip(&local));
-        if stored.dims != want {
+        if stored.dims() != want {
             let layout = if transposed {
                 " (stored transposed)"
             } else {
@@ -471,10 +489,21 @@ impl Loader<'_, '_> {
             return Err(format!(
                 "the record holds shape {:?}, the model's global shape is {want:?}{layout} \
                  (this rank holds {local:?})",
-                stored.dims
+                stored.dims()
             ));
         }
-        let elem = stored.dtype.size();
+        let (elem, dtype) = (stored.dtype().size(), stored.dtype());
+        let stored = match stored {
+            Whole::One(stored) => stored,
+            Whole::Parts { parts, along, .. } => {
+                let bytes = self.cut_parts(parts, along, &want, &at, &size, elem)?;
+                let bytes = match transposed {
+                    true => transpose(&bytes, size[0], size[1], elem),
+                    false => bytes,
+                };
+                return Ok(TensorData::from_bytes_vec(bytes, local, dtype));
+            }
+        };
         let row: usize = want.iter().skip(1).product::<usize>() * elem;
         let rows_only = (1..want.len()).all(|d| at[d] == 0 && size[d] == want[d]);
         let whole = stored.bytes()?;
@@ -505,57 +534,47 @@ impl Loader<'_, '_> {
             true => transpose(&bytes, size[0], size[1], elem),
             false => bytes,
         };
-        Ok(TensorData::from_bytes_vec(bytes, local, stored.dtype))
+        Ok(TensorData::from_bytes_vec(bytes, local, dtype))
     }
-}
 
-/// The path under which a PyTorch state dict stores the norm parameter at `path` (`weight`
-/// for `gamma`, `bias` for `beta`), when its layer `owner` is one of Burn's norms.
-fn pytorch_norm_key(owner: Option<&str>, path: &str) -> Option<String> {
-    const NORMS: [&str; 4] = [
-        "Struct:LayerNorm",
-        "Struct:RmsNorm",
-        "Struct:BatchNorm",
-        "Struct:GroupNorm",
-    ];
-    owner.filter(|o| NORMS.contains(o))?;
-    let (layer, field) = path.rsplit_once('.').unwrap_or(("", path));
-    let torch = match field {
-        "gamma" => "weight",
-        "beta" => "bias",
-        _ => return None,
-    };
-    Some(match layer {
-        "" => torch.to_string(),
-        _ => format!("{layer}.{torch}"),
-    })
-}
-
-/// The type of the layer holding each float parameter (`Struct:Linear`: Burn's derive
-/// passes the owning struct's name as it enters each field), by parameter path.
-fn owners<M: Module>(model: &M) -> HashMap<String, String> {
-    struct Owners(Vec<(String, String)>, HashMap<String, String>);
-    impl ModuleVisitor for Owners {
-        fn enter_module(&mut self, name: &str, container_type: &str) {
-            self.0.push((name.to_string(), container_type.to_string()));
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
-            let path: Vec<&str> = self.0.iter().map(|(n, _)| n.as_str()).collect();
-            let owner = self
-                .0
-                .iter()
-                .rev()
-                .map(|(_, t)| t.as_str())
-                .find(|t| t.starts_with("Struct:") || t.starts_with("Enum:"));
-            if let Some(owner) = owner {
-                self.1.insert(path.join("."), owner.to_string());
+    /// The box at `at` of `size` in the tensor of shape `want` (zeros past its extent) that
+    /// `parts` make joined along `along`, from the parts the box overlaps, each read whole
+    /// (counted together in the report's largest whole tensor).
+    fn cut_parts(
+        &mut self,
+        parts: &[Stored<'_>],
+        along: usize,
+        want: &[usize],
+        at: &[usize],
+        size: &[usize],
+        elem: usize,
+    ) -> Result<Vec<u8>, String> {
+        let (lo, hi) = (at[along], (at[along] + size[along]).min(want[along]));
+        let mut read = Vec::new();
+        let mut start = 0;
+        for part in parts {
+            let end = start + part.dims[along];
+            if start < hi && lo < end {
+                let mut offset = vec![0; want.len()];
+                offset[along] = start;
+                read.push((offset, part, part.bytes()?));
             }
+            start = end;
         }
+        let bytes: usize = read.iter().map(|(_, _, b)| b.len()).sum();
+        let largest = &mut self.report.largest_whole_tensor_bytes;
+        *largest = (*largest).max(bytes as u64);
+        let pieces: Vec<Piece<'_>> = (read.iter())
+            .map(|(offset, part, bytes)| Piece {
+                offset,
+                shape: &part.dims,
+                bytes,
+            })
+            .collect();
+        assemble_padded(at, size, &pieces, elem, want)
     }
-    let mut owners = Owners(Vec::new(), HashMap::new());
-    model.visit(&mut owners);
-    owners.1
+}
+
+fn not_a_matrix(dims: usize) -> String {
+    format!("matches `with_transposed` but has {dims} dimensions, not 2")
 }

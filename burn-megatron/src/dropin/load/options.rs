@@ -178,7 +178,9 @@ pub struct LoadReport {
     /// included).
     pub shard_bytes: u64,
     /// The largest tensor read whole: to cut a column shard out of it, or any tensor of a
-    /// PyTorch checkpoint (0 when every shard was a run of rows of a mapped file).
+    /// PyTorch checkpoint (0 when every shard was a run of rows of a mapped file); of a
+    /// [`RecordSource::ModelParallel`](super::RecordSource::ModelParallel) checkpoint, the
+    /// parts of one tensor a shard overlaps, together.
     pub largest_whole_tensor_bytes: u64,
 }
 

@@ -39,10 +39,12 @@ pub enum RecordSource {
     /// A checkpoint saved split over model-parallel ranks, one file per rank in rank order
     /// (safetensors or PyTorch state dicts): Meta's `consolidated.00.pth` … `consolidated.07.pth`
     /// of a Llama 70B, fairscale's layout. Every file holds every tensor, whole (a norm) or
-    /// one rank's part of it: the tensor is read as the concatenation of the parts along the
-    /// one dimension whose extents add up to the model's, found from the parameter's global
-    /// shape, so no split is configured and any tensor-parallel size reads it. A tensor split
-    /// over the files is read whole, each part read once.
+    /// one rank's part of it: the tensor is the concatenation of the parts along the one
+    /// dimension whose extents add up to the model's, found from the parameter's global
+    /// shape, so no split is configured and any tensor-parallel size reads it. A rank reads
+    /// only the parts its shard overlaps, each whole (at TP = MP, one file's part of each
+    /// tensor); a tensor under [`LoadOptions::with_transform`](super::LoadOptions::with_transform)
+    /// is joined whole first.
     ModelParallel(Vec<PathBuf>),
 }
 
@@ -194,15 +196,15 @@ pub(super) fn model_parallel_parts<'a>(
     Ok(out)
 }
 
-/// One tensor from its part in each file of a model-parallel checkpoint, as the model's
-/// parameter has it: `shapes` are its global shapes in the stored layout (a padded
-/// vocabulary's real extent too). `None`: whole in every file, read from the first; else
-/// the parts joined along the one dimension whose extents add up to the model's (with two or
-/// more parts of non-zero extent, never both, never two dimensions).
-pub(super) fn joined(
+/// How a model-parallel checkpoint's parts of one tensor make the tensor the model's
+/// parameter has: `shapes` are its global shapes in the stored layout (a padded vocabulary's
+/// real extent too). `None`: whole in every file, read from the first; else the dimension
+/// they join along, and the joined shape: the one dimension whose extents add up to the
+/// model's (with two or more parts of non-zero extent, never both, never two dimensions).
+pub(super) fn join_along(
     parts: &[Stored<'_>],
     shapes: &[Vec<usize>],
-) -> Result<Option<Stored<'static>>, String> {
+) -> Result<Option<(usize, Vec<usize>)>, String> {
     let first = &parts[0].dims;
     // Every part has as many dimensions as the first.
     for want in shapes.iter().filter(|w| w.len() == first.len()) {
@@ -213,37 +215,45 @@ pub(super) fn joined(
             let others = |p: &Stored<'_>| (0..want.len()).all(|e| e == d || p.dims[e] == want[e]);
             parts.iter().all(others) && parts.iter().map(|p| p.dims[d]).sum::<usize>() == want[d]
         });
-        let Some(d) = along else {
-            continue;
-        };
-        let elem = parts[0].dtype.size();
-        let outer: usize = want[..d].iter().product();
-        let bytes = parts
-            .iter()
-            .map(Stored::bytes)
-            .collect::<Result<Vec<_>, String>>()?;
-        let mut out = Vec::with_capacity(want.iter().product::<usize>() * elem);
-        for o in 0..outer {
-            for (part, b) in parts.iter().zip(&bytes) {
-                let chunk = part.dims[d..].iter().product::<usize>() * elem;
-                let run = b.get(o * chunk..(o + 1) * chunk);
-                out.extend_from_slice(run.ok_or("a part holds fewer bytes than its shape")?);
-            }
+        if let Some(d) = along {
+            return Ok(Some((d, want.clone())));
         }
-        let (dtype, dims) = (parts[0].dtype, want.clone());
-        return Ok(Some(Stored {
-            dtype,
-            dims,
-            bytes: Bytes::Owned(out),
-        }));
     }
     let all: Vec<&Vec<usize>> = parts.iter().map(|p| &p.dims).collect();
+    let mut model: Vec<&Vec<usize>> = shapes.iter().collect();
+    model.dedup();
     Err(format!(
-        "its parts in the {} files, of shapes {all:?}, are neither the model's {:?} whole \
-         nor split along one of its dimensions",
+        "its parts in the {} files, of shapes {all:?}, are neither the model's shape (as \
+         stored: {model:?}) whole nor split along one of its dimensions",
         parts.len(),
-        shapes.first().map_or(&Vec::new(), |s| s)
     ))
+}
+
+/// The parts joined along `along` into one tensor of shape `dims`, every part read.
+pub(super) fn joined(
+    parts: &[Stored<'_>],
+    along: usize,
+    dims: &[usize],
+) -> Result<Stored<'static>, String> {
+    let elem = parts[0].dtype.size();
+    let outer: usize = dims[..along].iter().product();
+    let bytes = parts
+        .iter()
+        .map(Stored::bytes)
+        .collect::<Result<Vec<_>, String>>()?;
+    let mut out = Vec::with_capacity(dims.iter().product::<usize>() * elem);
+    for o in 0..outer {
+        for (part, b) in parts.iter().zip(&bytes) {
+            let chunk = part.dims[along..].iter().product::<usize>() * elem;
+            let run = b.get(o * chunk..(o + 1) * chunk);
+            out.extend_from_slice(run.ok_or("a part holds fewer bytes than its shape")?);
+        }
+    }
+    Ok(Stored {
+        dtype: parts[0].dtype,
+        dims: dims.to_vec(),
+        bytes: Bytes::Owned(out),
+    })
 }
 
 /// The tensors of a mapped safetensors file, as views of the map.

@@ -21,6 +21,33 @@ pub(super) enum Bytes<'a> {
     Parts(Vec<Stored<'a>>),
 }
 
+/// What a shard is cut from: one stored tensor, or a model-parallel checkpoint's parts joined
+/// along `along` into `dims`, of which only those the shard overlaps are read.
+pub(super) enum Whole<'s, 'a> {
+    One(&'s Stored<'a>),
+    Parts {
+        parts: &'s [Stored<'a>],
+        along: usize,
+        dims: Vec<usize>,
+    },
+}
+
+impl Whole<'_, '_> {
+    pub(super) fn dims(&self) -> &[usize] {
+        match self {
+            Self::One(stored) => &stored.dims,
+            Self::Parts { dims, .. } => dims,
+        }
+    }
+
+    pub(super) fn dtype(&self) -> DType {
+        match self {
+            Self::One(stored) => stored.dtype,
+            Self::Parts { parts, .. } => parts[0].dtype,
+        }
+    }
+}
+
 pub(super) struct Stored<'a> {
     pub(super) dtype: DType,
     pub(super) dims: Vec<usize>,

@@ -3,11 +3,15 @@
 //! weights (`tests/fixtures/make_meta_llama.py`): one file, and the same weights split over two
 //! model-parallel files as fairscale holds them, each at TP 1, 2 and 4.
 
-use super::{Error, agrees_with_transformers, grads_checkpoint, kept, meta, parallel, run};
+use super::{
+    Error, agrees_with_transformers, grads_checkpoint, kept, meta, parallel, pipeline, run,
+};
 use crate::dropin::load::{scratch, write_safetensors};
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
 use burn_megatron::dropin::RecordSource;
+use burn_megatron::launch::{self, LaunchOptions};
+use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::{fixture, read_safetensors, tp_ranks};
 
@@ -38,6 +42,30 @@ fn a_model_parallel_meta_llama_loads_at_any_tp_size() -> Result<(), Error> {
         RecordSource::ModelParallel(files) if files.len() == 2
     ));
     matches("meta_llama_tiny_mp2", &[1, 2, 4])
+}
+
+/// Pipeline stages read the model-parallel files as the one file: at TP 2 × PP 2, each stage
+/// loads the same shards of its layers from both.
+#[test]
+fn pipeline_stages_read_a_model_parallel_meta_llama_as_its_one_file() -> Result<(), Error> {
+    let checkpoint = meta::Checkpoint::open(&fixture("meta_llama_tiny"), FACTOR)?;
+    let (config, options) = (&checkpoint.config, meta::Checkpoint::options()?);
+    let one = RecordSource::from_meta(fixture("meta_llama_tiny"))?;
+    let parts = RecordSource::from_meta(fixture("meta_llama_tiny_mp2"))?;
+    let layout = ParallelConfig::new(4, 2, 2);
+    let ranks = launch::threads(&layout, LaunchOptions::default(), |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let plan = pipeline::Llama::pp_plan(config);
+        let stage = plan.stage(PipelinePosition::of(&ctx.state, 0))?;
+        let load = |w: &RecordSource| pipeline::Llama::load(config, w, &options, &stage, g, d);
+        let (from_one, from_parts) = (load(&one)?, load(&parts)?);
+        Ok::<_, Error>((gathered(&from_one, None, g), gathered(&from_parts, None, g)))
+    })?;
+    for (rank, (from_one, from_parts)) in ranks.into_iter().enumerate() {
+        assert!(!from_one.is_empty(), "rank {rank} holds parameters");
+        assert_eq!(from_one, from_parts, "rank {rank}");
+    }
+    Ok(())
 }
 
 /// The factor the files do not give changes the logits (Llama 3.1's 8 for 3.2's 32: by more
@@ -71,7 +99,8 @@ fn meta_llama_3s_rope_scaling_factor_is_asked_for() -> Result<(), Error> {
 }
 
 /// What the Llama cannot read is refused naming the setting or the files: Llama 2's
-/// vocabulary of -1, no `consolidated.00.pth`, a gap in the ranks.
+/// vocabulary of -1, key/value heads that do not divide the heads, no `consolidated.00.pth`,
+/// a gap in the ranks.
 #[test]
 fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Result<(), Error> {
     let dir = scratch("meta-refusals");
@@ -82,6 +111,11 @@ fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Resul
     std::fs::write(dir.join("params.json"), params.to_string())?;
     let e = meta::Checkpoint::open(&dir, FACTOR).err().expect("refused");
     assert!(e.contains("vocab_size") && e.contains("-1"), "{e}");
+    params["vocab_size"] = serde_json::json!(96);
+    params["n_kv_heads"] = serde_json::json!(3);
+    std::fs::write(dir.join("params.json"), params.to_string())?;
+    let e = meta::Checkpoint::open(&dir, FACTOR).err().expect("refused");
+    assert!(e.contains("n_kv_heads"), "{e}");
     let e = RecordSource::from_meta(&dir).unwrap_err().to_string();
     assert!(e.contains("consolidated") && e.contains("[]"), "{e}");
     let part = fixture("meta_llama_tiny_mp2").join("consolidated.00.pth");
@@ -93,20 +127,32 @@ fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Resul
     Ok(())
 }
 
-/// A model-parallel checkpoint of safetensors files reads as its whole record does, and parts
-/// that do not make the model's tensor are errors naming it: a tensor one file lacks, a part
-/// one row short.
+/// A model-parallel checkpoint of safetensors files reads as its whole record does, its
+/// vocabulary of 90 padded to 96 (at TP 2, rank 0's rows overlap both files' parts, rank 1's
+/// one part and the padding), and parts that do not make the model's tensor are errors
+/// naming it: a tensor one file lacks, a part one row short.
 #[test]
 fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> Result<(), Error> {
     let checkpoint = meta::Checkpoint::open(&fixture("meta_llama_tiny"), FACTOR)?;
-    let (config, options) = (&checkpoint.config, meta::Checkpoint::options()?);
+    let mut config = checkpoint.config.clone();
+    config.vocab_size = 90;
+    let (config, options) = (&config, meta::Checkpoint::options()?);
     let expected = read_safetensors(&fixture("meta_llama_tiny").join("expected.safetensors"));
     let dir = scratch("meta-parts");
-    // The gradients as a record in Meta's names, whole and split over two files.
-    let whole = grads_checkpoint(&expected, &dir);
-    let tensors: Vec<Named> = (read_safetensors(&whole).into_iter())
-        .map(|(k, (shape, v))| (k, shape, v.into_iter().map(|x| x as f32).collect()))
+    // The gradients as a record in Meta's names, their vocabulary cut to 90, whole and split
+    // over two files.
+    let tensors: Vec<Named> = (read_safetensors(&grads_checkpoint(&expected, &dir)).into_iter())
+        .map(|(k, (mut shape, v))| {
+            let mut v: Vec<f32> = v.into_iter().map(|x| x as f32).collect();
+            if k == "tok_embeddings.weight" || k == "output.weight" {
+                shape[0] = 90;
+                v.truncate(90 * shape[1]);
+            }
+            (k, shape, v)
+        })
         .collect();
+    let whole = dir.join("whole.safetensors");
+    write_safetensors(&whole, &tensors);
     // Rank r's part of each tensor, as fairscale splits Llama 3: the norms whole, `wo` and
     // `w2` by columns, the rest by rows.
     let part = |r: usize| -> Vec<Named> {
@@ -155,7 +201,7 @@ fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> 
         );
         let short = short.expect("a part one row short is refused");
         assert!(
-            short.contains("output.weight") && short.contains("[47, 64]"),
+            short.contains("output.weight") && short.contains("[44, 64]"),
             "{short}"
         );
     }
