@@ -12,8 +12,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::{CommunicatorExt, ReduceOp};
 use burn_megatron::dropin::{
-    LoadOptions, RecordSource, TpPlan, apply_lora, apply_qlora, load_sharded, save_gathered,
-    save_gathered_group,
+    LoadOptions, RecordSource, TpPlan, apply_lora, load_sharded, save_gathered,
 };
 use burn_megatron::launch::{LaunchOptions, threads};
 use burn_megatron::optimizer::InnerOptimizer;
@@ -38,6 +37,8 @@ mod parallel {
     use burn_megatron::dropin::nn;
     include!("lora_model.rs");
 }
+
+mod qlora;
 
 const VOCAB: usize = 16;
 const D: usize = 8;
@@ -539,105 +540,5 @@ fn ranks_with_different_adapters_are_refused_by_apply_lora() -> Result<(), Error
             "rank {rank}: {message:?}"
         );
     }
-    Ok(())
-}
-
-/// Burn's QLoRA: blocks of one row and two columns, which no shard of `plan` at TP 2 cuts.
-fn qlora(device: &Device) -> burn::module::QLora {
-    use burn::tensor::quantization::{Calibration, QuantValue, ScaleDtype};
-    let scheme = device.settings().quantization.scheme;
-    let scheme = scheme
-        .with_value(QuantValue::Q8S)
-        .per_block([1, 2], ScaleDtype::F32);
-    let quantizer = burn::module::Quantizer::new(Calibration::MinMax, scheme);
-    burn::module::QLora::new(lora(), quantizer)
-}
-
-/// Burn's QLoRA on the split model (`dropin::apply_qlora`, after the plan and the base loaded
-/// shard by shard): each rank quantizes its shards as the whole weights' blocks are quantized,
-/// and its adapters are one adapter, so at TP 2 the model trains as Burn's QLoRA model on one
-/// rank: the loss, every adapter's gradient and the weights after an AdamW step. The adapters
-/// come from the trained reference's record; its quantized base is skipped, and the split
-/// model quantizes the float base itself.
-#[test]
-fn burns_qlora_on_the_split_model_trains_as_burns_at_tp_2() -> Result<(), Error> {
-    let dir = super::load::scratch("qlora");
-    let (base, record) = (dir.join("base.bpk"), dir.join("trained.bpk"));
-    let ad = Device::flex().autodiff();
-    ad.seed(17);
-    plain::Net::new(VOCAB, D, HEADS, FF, &ad).save_file(&base)?;
-    let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
-        .load_file(&base)
-        .apply_qlora(qlora(&ad));
-    let (want_loss, want_grads, want_after) =
-        reference(plain, |m| loss(m.logits(ids(&ad))), &record)?;
-    assert_eq!(want_grads.len(), 2 * 13, "only the adapters train");
-    let adapters_only = LoadOptions::default()
-        .with_skipped(r"(weight|bias)$")?
-        .with_allow_missing(true);
-    let out = tp_ranks(2, |ctx| {
-        let (g, d) = (&ctx.groups.tp, &ctx.device);
-        let net = plan()?.apply(parallel::Net::new(VOCAB, D, HEADS, FF, d), g)?;
-        let (net, _) = load_sharded(
-            net,
-            &RecordSource::from_path(&base),
-            g,
-            &LoadOptions::default(),
-        )?;
-        let net = apply_qlora(net, qlora(d), g)?;
-        // The quantized base takes no float weights.
-        let into_quantized = load_sharded(
-            net.clone(),
-            &RecordSource::from_path(&base),
-            g,
-            &LoadOptions::default(),
-        );
-        let e = into_quantized
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(e.contains("a quantized parameter"), "{e:?}");
-        // Nor does `save_gathered` write it (it gathers float tensors): the adapters are
-        // written alone, below.
-        let saved = save_gathered(&net, dir.join("quantized"), g);
-        let e = saved.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("not supported by the collectives"), "{e:?}");
-        let source = RecordSource::from_path(&record);
-        let (net, report) = load_sharded(net, &source, g, &adapters_only)?;
-        assert_eq!(report.loaded.len(), 2 * 13, "{:?}", report.loaded);
-        let l = loss(net.logits(ids(d)));
-        let value = l.clone().into_scalar::<f32>();
-        let grads = GradientsParams::from_grads(l.backward(), &net);
-        let gathered_grads = gathered(&net, Some(&grads), g);
-        let net = AdamWConfig::new().init().step(5e-2, net, grads);
-        let lora =
-            burn::module::ParamGroup::from_regex(r"\.lora\.").map_err(|e| format!("{e:?}"))?;
-        save_gathered_group(&net, dir.join("adapters"), g, &lora)?;
-        let trained = loss(net.logits(ids(d))).into_scalar::<f32>();
-        Ok::<_, Error>(((value, gathered_grads, gathered(&net, None, g)), trained))
-    })?;
-    let (ranks, trained): (Vec<_>, Vec<f32>) = out.into_iter().unzip();
-    assert_as_reference("TP 2", &ranks, (want_loss, &want_grads, &want_after));
-    // The adapters written alone, over Burn's QLoRA model of the same base: the split
-    // model's loss after its step.
-    let plain = plain::Net::new(VOCAB, D, HEADS, FF, &ad)
-        .load_file(&base)
-        .apply_qlora(qlora(&ad));
-    let adapters = RecordSource::from_path(dir.join("adapters.bpk"));
-    let missing = LoadOptions::default().with_allow_missing(true);
-    let (plain, report) = load_sharded(plain, &adapters, &super::solo(), &missing)?;
-    assert_eq!(
-        report.loaded.len(),
-        2 * 13,
-        "only the adapters: {:?}",
-        report.loaded
-    );
-    let reloaded = loss(plain.logits(ids(&ad))).into_scalar::<f32>();
-    assert!(
-        (reloaded - trained[0]).abs() < 1e-4,
-        "{reloaded} against {}",
-        trained[0]
-    );
-    std::fs::remove_dir_all(dir)?;
     Ok(())
 }

@@ -11,7 +11,7 @@ use crate::comm::{CommunicatorExt, ReduceOp};
 use crate::dropin::shard::{Placement, is_frozen, shard, trainable_as};
 use crate::dropin::slot::{Facts, facts};
 use crate::tensor_parallel::{LayoutOwner, ParallelAttrs, TpError, adapter_attrs, shard_param};
-use burn::module::{Lora, Module, ModuleMapper, ModuleVisitor, Param, QLora};
+use burn::module::{Lora, Module, ModuleMapper, ModuleVisitor, Param, QLora, Quantizer};
 use burn::tensor::Tensor;
 use std::collections::HashMap;
 
@@ -37,26 +37,85 @@ pub fn apply_lora<M: Module>(model: M, lora: Lora, tp: &Comm) -> Result<M, TpErr
     one_adapter(model.apply_lora(lora), tp)
 }
 
-/// Burn's QLoRA ([`Module::apply_qlora`]) on a model a [`TpPlan`](super::TpPlan) has split:
-/// each rank quantizes its shards of the frozen base weights, and the adapters become one
-/// adapter over the ranks as [`apply_lora`] makes them. A block-only scheme whose blocks do
-/// not straddle the shards (blocks of one row along a row split, a width dividing each
-/// rank's columns along a column split) quantizes every shard as the whole weight's
-/// quantization would: the split model is then the unsplit QLoRA model. A per-tensor scale
-/// is each shard's own, close to but not the whole weight's. Load the float base first
-/// ([`load_sharded`](crate::dropin::load_sharded) refuses a quantized parameter). Collective
-/// over `tp`.
+/// Burn's QLoRA ([`Module::apply_qlora`] with `QLora::new(lora, quantizer)`) on a model a
+/// [`TpPlan`](super::TpPlan) has split: each rank quantizes its shards of the frozen base
+/// weights, and the adapters become one adapter over the ranks as [`apply_lora`] makes them.
+/// A block-only scheme whose blocks do not straddle the shards (blocks of one row along a row
+/// split, a width dividing each rank's columns along a column split) quantizes every shard as
+/// the whole weight's quantization would: the split model is then the unsplit QLoRA model. A
+/// per-tensor scale is each shard's own, close to but not the whole weight's. Load the float
+/// base first ([`load_sharded`](crate::dropin::load_sharded) refuses a quantized parameter).
+/// Collective over `tp`.
+///
+/// Errors, on every rank and before anything is quantized: a shard the quantizer's blocks do
+/// not divide (a block would straddle two ranks' shards), naming the parameter, its shard's
+/// shape and the block; then as [`apply_lora`].
 ///
 /// ```text
 /// let model = plan.apply(Model::new(&device), &tp)?;
 /// let (model, _) = load_sharded(model, &base, &tp, &LoadOptions::default())?;
 /// let scheme = device.settings().quantization.scheme.with_value(QuantValue::Q4S)
 ///     .per_block([1, 32], ScaleDtype::F32);
-/// let qlora = QLora::new(Lora::new(8, 16.0), Quantizer::new(Calibration::MinMax, scheme));
-/// let model = dropin::apply_qlora(model, qlora, &tp)?;
+/// let quantizer = Quantizer::new(Calibration::MinMax, scheme);
+/// let model = dropin::apply_qlora(model, Lora::new(8, 16.0), quantizer, &tp)?;
 /// ```
-pub fn apply_qlora<M: Module>(model: M, qlora: QLora, tp: &Comm) -> Result<M, TpError> {
-    one_adapter(model.apply_qlora(qlora), tp)
+pub fn apply_qlora<M: Module>(
+    model: M,
+    lora: Lora,
+    quantizer: Quantizer,
+    tp: &Comm,
+) -> Result<M, TpError> {
+    let straddling = straddling_block(&model, &quantizer);
+    let mut any = vec![f32::from(straddling.is_some())];
+    tp.all_reduce_vec(&mut any, ReduceOp::Max)?;
+    if let Some(why) = straddling {
+        return Err(TpError::Invalid(why));
+    }
+    if any[0] > 0.0 {
+        return Err(TpError::Invalid(
+            "another tensor-parallel rank's shard does not split into the quantization \
+             blocks (see its error)"
+                .into(),
+        ));
+    }
+    one_adapter(model.apply_qlora(QLora::new(lora, quantizer)), tp)
+}
+
+/// The first parameter `quantizer` quantizes whose shard its blocks do not divide, as an error
+/// naming it (Burn's quantization panics on it).
+fn straddling_block<M: Module>(model: &M, quantizer: &Quantizer) -> Option<String> {
+    struct Walk<'q>(Vec<String>, &'q Quantizer, Option<String>);
+    impl ModuleVisitor for Walk<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let path = self.0.join(".");
+            let Some(block) = self.1.scheme.block_size() else {
+                return;
+            };
+            if self.2.is_some() || !self.1.group.matches(&p.id, Some(&path)) {
+                return;
+            }
+            let shape = p.lazy_shape().to_vec();
+            let block = block.to_dim_vec(shape.len());
+            let fits = |(d, b): (&usize, &u8)| *b > 0 && d.is_multiple_of(usize::from(*b));
+            if !shape.iter().zip(&block).all(fits) {
+                self.2 = Some(format!(
+                    "{path}: this rank's shard {shape:?} does not split into the quantization \
+                     blocks {block:?} (a block would straddle two ranks' shards): choose blocks \
+                     that divide every rank's shard, or leave the layer out of the quantizer's \
+                     parameter group"
+                ));
+            }
+        }
+    }
+    let mut walk = Walk(Vec::new(), quantizer, None);
+    model.visit(&mut walk);
+    walk.2
 }
 
 /// `model`'s adapters, drawn on each rank in its shards' shapes, made one adapter over `tp`.
