@@ -23,6 +23,7 @@ mod pipeline;
 
 use super::Error;
 use super::load::{scratch, write_safetensors};
+use super::model_parallel::half;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
@@ -352,6 +353,51 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
         println!("{name}, TP {tp} × PP 2: gradients within {worst:.1e} ({param})");
     }
     std::fs::remove_dir_all(scratch)?;
+    Ok(())
+}
+
+/// The tied checkpoint with every tensor split in two over two files (alternately by rows and
+/// by columns, the norms too), read as `RecordSource::ModelParallel`: at TP 1 and 2 the model
+/// holds what it reads from the one file, through the query and key transforms (joined whole
+/// first) and the output layer tied to the embedding's parts.
+#[test]
+fn model_parallel_parts_meet_transforms_and_ties() -> Result<(), Error> {
+    let fixture = fixture("hf_llama_tied_tiny");
+    let checkpoint = hf::Checkpoint::open(&fixture)?;
+    let dir = scratch("hf-llama-parts");
+    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> =
+        (read_safetensors(&fixture.join("model.safetensors")).into_iter())
+            .map(|(k, (shape, v))| (k, shape, v.into_iter().map(|x| x as f32).collect()))
+            .collect();
+    let files: Vec<PathBuf> = (0..2)
+        .map(|r| {
+            let part: Vec<_> = (tensors.iter().enumerate())
+                .map(|(i, (name, shape, v))| {
+                    let dim = (i % 2).min(shape.len() - 1);
+                    let (shape, v) = half(shape, v, dim, r);
+                    (name.clone(), shape, v)
+                })
+                .collect();
+            let path = dir.join(format!("part-{r}.safetensors"));
+            write_safetensors(&path, &part);
+            path
+        })
+        .collect();
+    let parts = RecordSource::ModelParallel(files);
+    let (config, options) = (&checkpoint.config, checkpoint.options()?);
+    for tp in [1, 2] {
+        let ranks = tp_ranks(tp, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let from_parts = parallel::Llama::load(config, &parts, &options, g, d)?;
+            let from_one = checkpoint.load(g, d)?;
+            Ok::<_, Error>((gathered(&from_parts, None, g), gathered(&from_one, None, g)))
+        })?;
+        for (rank, (from_parts, from_one)) in ranks.into_iter().enumerate() {
+            assert!(from_one.contains_key("output.weight"));
+            assert_eq!(from_parts, from_one, "TP {tp}, rank {rank}");
+        }
+    }
+    std::fs::remove_dir_all(dir)?;
     Ok(())
 }
 

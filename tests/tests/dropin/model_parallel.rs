@@ -12,7 +12,7 @@ use burn_megatron_tests::tp_ranks;
 type Named = (String, Vec<usize>, Vec<f32>);
 
 /// Part `r` of 2 of `shape`'s tensor `v`, split along `dim`.
-fn half(shape: &[usize], v: &[f32], dim: usize, r: usize) -> (Vec<usize>, Vec<f32>) {
+pub(super) fn half(shape: &[usize], v: &[f32], dim: usize, r: usize) -> (Vec<usize>, Vec<f32>) {
     let inner: usize = shape[dim + 1..].iter().product();
     let (outer, n) = (v.len() / (shape[dim] * inner), shape[dim] / 2);
     let mut part = shape.to_vec();

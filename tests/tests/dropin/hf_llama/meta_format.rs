@@ -7,6 +7,7 @@ use super::{
     Error, agrees_with_transformers, grads_checkpoint, kept, meta, parallel, pipeline, run,
 };
 use crate::dropin::load::{scratch, write_safetensors};
+use crate::dropin::model_parallel::half;
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
 use burn_megatron::dropin::RecordSource;
@@ -160,7 +161,10 @@ fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> 
         (tensors.iter())
             .map(|(name, shape, v)| match shape.len() {
                 1 => (name.clone(), shape.clone(), v.clone()),
-                _ => half(name, shape, v, dim(name), r),
+                _ => {
+                    let (shape, v) = half(shape, v, dim(name), r);
+                    (name.clone(), shape, v)
+                }
             })
             .collect()
     };
@@ -210,20 +214,3 @@ fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> 
 }
 
 type Named = (String, Vec<usize>, Vec<f32>);
-
-/// Part `r` of 2 of a `[rows, cols]` tensor, split along `dim`.
-fn half(name: &str, shape: &[usize], v: &[f32], dim: usize, r: usize) -> Named {
-    let (rows, cols) = (shape[0], shape[1]);
-    let (shape, v) = match dim {
-        0 => {
-            let h = rows / 2;
-            (vec![h, cols], v[r * h * cols..(r + 1) * h * cols].to_vec())
-        }
-        _ => {
-            let h = cols / 2;
-            let row = |i: usize| &v[i * cols + r * h..i * cols + (r + 1) * h];
-            (vec![rows, h], (0..rows).flat_map(row).copied().collect())
-        }
-    };
-    (name.to_string(), shape, v)
-}
