@@ -64,7 +64,7 @@ pub(crate) fn burn_dtype(d: Dtype) -> Result<DType, String> {
     })
 }
 
-fn dtype(d: DType) -> Result<Dtype, String> {
+pub(crate) fn dtype(d: DType) -> Result<Dtype, String> {
     Ok(match d {
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,

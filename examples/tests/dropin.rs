@@ -167,6 +167,19 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     std::fs::remove_dir_all(dir).unwrap();
     let qwen2 = format!("{fixtures}/hf_qwen2_tiny");
     fails_naming("tp_llama_dropin", &["--hf", &qwen2], "model_type");
+    // `--save-hf`: written back at TP 2, the checkpoint reads again to the same tokens.
+    let out = std::env::temp_dir().join(format!("hf-llama-saved-{}", std::process::id()));
+    let prompt = ["--prompt", "86,13,60,13,9,28,68", "--new-tokens", "10"];
+    let save = ["--hf", &llama, "--save-hf", out.to_str().unwrap()];
+    let saved = run("tp_llama_dropin", &[&save[..], &prompt].concat());
+    assert!(saved.contains("written at TP 2"), "{saved}");
+    let again = ["--hf", out.to_str().unwrap()];
+    let again = run("tp_llama_dropin", &[&again[..], &prompt].concat());
+    assert_eq!(
+        after(&again, "greedy tokens TP=2:"),
+        after(&saved, "greedy tokens TP=2:")
+    );
+    std::fs::remove_dir_all(out).unwrap();
 }
 
 /// `--meta`: a Llama in Meta's format split over two model-parallel files (the fixture

@@ -47,6 +47,9 @@ pub use load::{
 };
 pub use pipeline::{PpPlan, PpStage};
 pub use plan::{Split, TpPlan, apply_lora, apply_qlora};
-pub use save::{save_gathered, save_gathered_group, save_gathered_stages};
+pub use save::{
+    SaveOptions, rotary_interleaved_to_half, save_gathered, save_gathered_group,
+    save_gathered_stages, save_safetensors,
+};
 pub use slot::TpSlot;
 pub(crate) use stage::{StageKey, StageKeys};

@@ -8,7 +8,8 @@ use super::llama::{LlamaConfig, RopeScaling};
 use super::parallel;
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
-use burn_megatron::dropin::{LoadOptions, RecordSource, rotary_half_to_interleaved};
+use burn_megatron::dropin::{LoadOptions, RecordSource, SaveOptions, rotary_half_to_interleaved};
+use burn_megatron::dropin::{rotary_interleaved_to_half, save_safetensors};
 use burn_megatron::tensor_parallel::TpError;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -60,6 +61,56 @@ impl Checkpoint {
             .with_transform(r"\.wk\.weight$", rotary_half_to_interleaved(kv_heads))
     }
     // ANCHOR_END: options
+
+    // ANCHOR: save_options
+    /// The way back, for `save_safetensors`: the model's paths to Hugging Face's names,
+    /// linears `[out, in]` and norms' `gamma` as `weight`, each query and key head's features
+    /// back in `rotate_half`'s two halves. Where the checkpoint ties, the output layer is left
+    /// out: `transformers` ties it to the embedding again (train it frozen, or untie it in
+    /// `config.json` and leave this out).
+    pub fn save_options(&self) -> Result<SaveOptions, TpError> {
+        let renames = [
+            (r"^tok_embeddings\.", "model.embed_tokens."),
+            (r"^output\.", "lm_head."),
+            (r"^(layers|norm)\.", "model.$1."),
+            (r"\.attention\.w([qkvo])\.", ".self_attn.${1}_proj."),
+            (r"\.feed_forward\.swiglu\.linear_inner\.", ".mlp.gate_proj."),
+            (r"\.feed_forward\.swiglu\.linear_outer\.", ".mlp.up_proj."),
+            (r"\.feed_forward\.w2\.", ".mlp.down_proj."),
+            (r"\.attention_norm\.", ".input_layernorm."),
+            (r"\.ffn_norm\.", ".post_attention_layernorm."),
+        ];
+        let mut options = SaveOptions::default().with_pytorch_adapter(true);
+        for (pattern, replacement) in renames {
+            options = options.with_key_remap(pattern, replacement)?;
+        }
+        if self.tie_word_embeddings {
+            options = options.with_skipped(r"^output\.weight$")?;
+        }
+        let (heads, kv_heads) = (self.config.n_heads, self.config.n_kv_heads);
+        options
+            .with_transform(r"\.wq\.weight$", rotary_interleaved_to_half(heads))?
+            .with_transform(r"\.wk\.weight$", rotary_interleaved_to_half(kv_heads))
+    }
+    // ANCHOR_END: save_options
+
+    /// `model`'s weights as this checkpoint's `model.safetensors` in `dir` (with its
+    /// `config.json`, copied): a Hugging Face checkpoint `transformers` loads. Collective over
+    /// `tp`.
+    pub fn save(&self, model: &parallel::Llama, dir: &Path, tp: &Comm) -> Result<(), TpError> {
+        let io = |e: std::io::Error| TpError::Invalid(format!("{}: {e}", dir.display()));
+        let config = self.dir.join("config.json");
+        // Every rank goes on to the collective write, whatever the copy did.
+        let copied = match tp.group().rank() {
+            0 => std::fs::create_dir_all(dir)
+                .and_then(|_| std::fs::copy(config, dir.join("config.json"))),
+            _ => Ok(0),
+        };
+        let options = self.save_options()?;
+        let saved = save_safetensors(model, dir.join("model.safetensors"), tp, &options);
+        copied.map_err(io)?;
+        saved
+    }
 
     /// The model, split over `tp` as `parallel::Llama::load` splits it, with the checkpoint's
     /// weights.

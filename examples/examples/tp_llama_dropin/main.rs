@@ -68,6 +68,10 @@ struct Args {
     /// `bos_token_id`, instead of `--prompt`.
     #[arg(long, requires = "hf", conflicts_with = "prompt")]
     text: Option<String>,
+    /// With `--hf`: write the model loaded at `--tp` back to this directory as a Hugging Face
+    /// checkpoint (`config.json`, `model.safetensors`), each rank's shards gathered.
+    #[arg(long, requires = "hf")]
+    save_hf: Option<PathBuf>,
     /// A Llama in Meta's format (`params.json`, `consolidated.NN.pth`): load it at TP 1 and at
     /// `--tp` and generate from `--prompt`, instead of the rest.
     #[arg(long, conflicts_with = "hf")]
@@ -230,7 +234,20 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
     };
     fit(&mut checkpoint.config, &prompt, args)?;
     let load = |tp: &Comm, device: &Device| checkpoint.load(tp, device);
-    same_tokens(&checkpoint.config, load, &prompt, tokenizer.as_ref(), args)
+    same_tokens(&checkpoint.config, load, &prompt, tokenizer.as_ref(), args)?;
+    if let Some(out) = &args.save_hf {
+        // What a fine-tune would write back: here the weights as loaded, at --tp.
+        launch::threads(
+            &ParallelConfig::new(args.tp, args.tp, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let model = checkpoint.load(&ctx.groups.tp, &Device::flex())?;
+                checkpoint.save(&model, out, &ctx.groups.tp)
+            },
+        )?;
+        println!("written at TP {}: {}", args.tp, out.display());
+    }
+    Ok(())
 }
 
 /// `--meta`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards

@@ -356,6 +356,44 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
     Ok(())
 }
 
+/// The way back: the model loaded at TP 2 and written with `save_safetensors` through the
+/// example's `save_options` is, tensor for tensor and bit for bit, the checkpoint
+/// `transformers` wrote (its four shards together; the tied one without an output layer),
+/// under its names and layouts (the query and key heads back in `rotate_half`'s halves).
+#[test]
+fn the_users_llama_writes_back_the_hugging_face_checkpoint_it_read() -> Result<(), Error> {
+    for name in ["hf_llama_tiny", "hf_llama_tied_tiny"] {
+        let checkpoint = hf::Checkpoint::open(&fixture(name))?;
+        let out = scratch(&format!("hf-save-{name}"));
+        tp_ranks(2, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = checkpoint.load(g, d)?;
+            checkpoint.save(&model, &out, g)
+        })?;
+        let mut want = BTreeMap::new();
+        for f in std::fs::read_dir(fixture(name))? {
+            let f = f?.path();
+            let file = f.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if file.starts_with("model") && file.ends_with(".safetensors") {
+                want.extend(read_safetensors(&f));
+            }
+        }
+        let got = read_safetensors(&out.join("model.safetensors"));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        for (k, w) in &want {
+            assert!(got[k] == *w, "{name}: {k} differs");
+        }
+        let config = |dir: &Path| std::fs::read_to_string(dir.join("config.json"));
+        assert_eq!(config(&out)?, config(&fixture(name))?);
+        std::fs::remove_dir_all(out)?;
+    }
+    Ok(())
+}
+
 /// The tied checkpoint with every tensor split in two over two files (alternately by rows and
 /// by columns, the norms too), read as `RecordSource::ModelParallel`: at TP 1 and 2 the model
 /// holds what it reads from the one file, through the query and key transforms (joined whole

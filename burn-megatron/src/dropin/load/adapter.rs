@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 /// The path under which a PyTorch state dict stores the norm parameter at `path` (`weight`
 /// for `gamma`, `bias` for `beta`), when its layer `owner` is one of Burn's norms.
-pub(super) fn pytorch_norm_key(owner: Option<&str>, path: &str) -> Option<String> {
+pub(in crate::dropin) fn pytorch_norm_key(owner: Option<&str>, path: &str) -> Option<String> {
     const NORMS: [&str; 4] = [
         "Struct:LayerNorm",
         "Struct:RmsNorm",
@@ -29,7 +29,7 @@ pub(super) fn pytorch_norm_key(owner: Option<&str>, path: &str) -> Option<String
 
 /// The type of the layer holding each float parameter (`Struct:Linear`: Burn's derive
 /// passes the owning struct's name as it enters each field), by parameter path.
-pub(super) fn owners<M: Module>(model: &M) -> HashMap<String, String> {
+pub(in crate::dropin) fn owners<M: Module>(model: &M) -> HashMap<String, String> {
     struct Owners(Vec<(String, String)>, HashMap<String, String>);
     impl ModuleVisitor for Owners {
         fn enter_module(&mut self, name: &str, container_type: &str) {

@@ -27,10 +27,10 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
-mod adapter;
+pub(in crate::dropin) mod adapter;
 mod options;
 mod source;
-mod stored;
+pub(in crate::dropin) mod stored;
 
 use super::{StageKey, StageKeys};
 use adapter::{owners, pytorch_norm_key};

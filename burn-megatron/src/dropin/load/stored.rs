@@ -112,7 +112,7 @@ pub(super) fn stored_len(stored: &Stored<'_>) -> u64 {
 }
 
 /// The `rows × cols` row-major matrix of `elem`-byte elements, transposed.
-pub(super) fn transpose(bytes: &[u8], rows: usize, cols: usize, elem: usize) -> Vec<u8> {
+pub(in crate::dropin) fn transpose(bytes: &[u8], rows: usize, cols: usize, elem: usize) -> Vec<u8> {
     let mut out = vec![0u8; bytes.len()];
     for r in 0..rows {
         for c in 0..cols {

@@ -7,8 +7,10 @@
 //! other ranks run the same sequence, and rank 0 runs the rest of it when its writer stops
 //! early, so a failed write is an error on every rank rather than a hang.
 
+mod safetensors;
 mod stages;
 
+pub use safetensors::{SaveOptions, rotary_interleaved_to_half, save_safetensors};
 pub use stages::save_gathered_stages;
 
 use super::slot::{Facts, col_weight, facts};

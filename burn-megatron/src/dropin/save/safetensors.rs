@@ -1,0 +1,303 @@
+//! A split model's weights written whole as another library reads them: a safetensors file
+//! under that library's names and layouts (a Hugging Face checkpoint, for the user's own
+//! Llama), the inverse of what [`LoadOptions`](crate::dropin::LoadOptions) reads.
+//!
+//! The gathers are collectives in module order, and safetensors writes its tensors in its
+//! own order (by dtype and name): so TP rank 0 first appends each gathered tensor to a
+//! scratch file beside the target, one at a time, then the safetensors crate writes the file
+//! from views of the scratch file's map, and the scratch file goes.
+
+use super::{Entry, entries_in, gather_all};
+use crate::comm::{Comm, CommunicatorExt};
+use crate::dropin::load::adapter::{owners, pytorch_norm_key};
+use crate::dropin::load::stored::transpose;
+use crate::dropin::slot::{col_weight, facts};
+use crate::safetensors_io;
+use crate::tensor_parallel::TpError;
+use burn::module::{Module, ParamGroup};
+use burn::tensor::TensorData;
+use regex::Regex;
+use safetensors::tensor::TensorView;
+use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+
+type TransformFn = dyn Fn(TensorData) -> Result<TensorData, String> + Send + Sync;
+
+/// How a model's parameters are named and laid out in the file [`save_safetensors`] writes:
+/// the inverse of the [`LoadOptions`](crate::dropin::LoadOptions) that read them.
+///
+/// ```
+/// use burn_megatron::dropin::SaveOptions;
+/// // Burn's Llama paths back to Hugging Face's names, PyTorch's `[out, in]` linears.
+/// let options = SaveOptions::default()
+///     .with_key_remap(r"^tok_embeddings\.", "model.embed_tokens.").unwrap()
+///     .with_pytorch_adapter(true);
+/// assert!(SaveOptions::default().with_key_remap("(", "x").is_err());
+/// # drop(options);
+/// ```
+#[derive(Clone, Default)]
+pub struct SaveOptions {
+    remaps: Vec<(Regex, String)>,
+    pytorch_adapter: bool,
+    transforms: Vec<(Regex, Arc<TransformFn>)>,
+    skipped: Vec<Regex>,
+}
+
+impl std::fmt::Debug for SaveOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveOptions")
+            .field("remaps", &self.remaps)
+            .field("pytorch_adapter", &self.pytorch_adapter)
+            .field("transforms", &self.transforms.len())
+            .field("skipped", &self.skipped)
+            .finish()
+    }
+}
+
+impl SaveOptions {
+    /// Rename module paths to the file's names: every path goes through each `(pattern,
+    /// replacement)` in order (`regex` syntax, `$1` for groups), after the PyTorch adapter's
+    /// norm names.
+    pub fn with_key_remap(mut self, pattern: &str, replacement: &str) -> Result<Self, TpError> {
+        self.remaps.push((regex(pattern)?, replacement.to_string()));
+        Ok(self)
+    }
+
+    /// Write as PyTorch stores a state dict (burn-store's `BurnToPyTorchAdapter`): every
+    /// `Linear`'s 2-D weight `[out, in]` (a layer in Burn's column layout is already), and a
+    /// norm's `gamma` and `beta` as `weight` and `bias`.
+    pub fn with_pytorch_adapter(mut self, on: bool) -> Self {
+        self.pytorch_adapter = on;
+        self
+    }
+
+    /// Pass the tensors at module paths `pattern` matches through `transform`, whole, as the
+    /// plain model's record holds them (Burn's `[in, out]` for a linear), before the adapter:
+    /// the inverse of a load transform, such as [`rotary_interleaved_to_half`] for a
+    /// Hugging Face Llama's query and key. It must keep the shape and dtype.
+    pub fn with_transform(
+        mut self,
+        pattern: &str,
+        transform: impl Fn(TensorData) -> Result<TensorData, String> + Send + Sync + 'static,
+    ) -> Result<Self, TpError> {
+        self.transforms.push((regex(pattern)?, Arc::new(transform)));
+        Ok(self)
+    }
+
+    /// Leave out the parameters at module paths `pattern` matches (neither gathered nor
+    /// written): an output layer the file ties to the embedding, say.
+    pub fn with_skipped(mut self, pattern: &str) -> Result<Self, TpError> {
+        self.skipped.push(regex(pattern)?);
+        Ok(self)
+    }
+}
+
+fn regex(pattern: &str) -> Result<Regex, TpError> {
+    Regex::new(pattern).map_err(|e| TpError::Invalid(format!("pattern `{pattern}`: {e}")))
+}
+
+/// The inverse of [`rotary_half_to_interleaved`](crate::dropin::rotary_half_to_interleaved):
+/// along the last dimension, in `n_heads` heads of `d` features, Burn's adjacent pairs back
+/// to the two halves Hugging Face rotates (feature `i` of a head takes Burn's `2i`, `d/2 + i`
+/// takes `2i + 1`).
+///
+/// ```
+/// use burn::tensor::TensorData;
+/// use burn_megatron::dropin::{rotary_half_to_interleaved, rotary_interleaved_to_half};
+/// let hf = TensorData::new(vec![0f32, 1., 10., 11., 20., 21., 30., 31.], [1, 8]);
+/// let burn = rotary_half_to_interleaved(2)(hf.clone()).unwrap();
+/// assert_eq!(rotary_interleaved_to_half(2)(burn).unwrap(), hf);
+/// ```
+pub fn rotary_interleaved_to_half(
+    n_heads: usize,
+) -> impl Fn(TensorData) -> Result<TensorData, String> + Send + Sync + Clone + 'static {
+    move |data: TensorData| {
+        let shape = data.shape().to_vec();
+        let last = shape.last().copied().unwrap_or(0);
+        let d = last.checked_div(n_heads).unwrap_or(0);
+        if n_heads == 0 || d == 0 || last != n_heads * d || !d.is_multiple_of(2) {
+            return Err(format!(
+                "{last} features do not split into {n_heads} heads of an even size"
+            ));
+        }
+        let (elem, dtype) = (data.dtype().size(), data.dtype());
+        let bytes = data.into_bytes();
+        let mut out = vec![0u8; bytes.len()];
+        for (row_in, row_out) in bytes.chunks(last * elem).zip(out.chunks_mut(last * elem)) {
+            for h in 0..n_heads {
+                for i in 0..d {
+                    let to = h * d + (i % 2) * (d / 2) + i / 2;
+                    let from = h * d + i;
+                    row_out[to * elem..(to + 1) * elem]
+                        .copy_from_slice(&row_in[from * elem..(from + 1) * elem]);
+                }
+            }
+        }
+        Ok(TensorData::from_bytes_vec(out, shape, dtype))
+    }
+}
+
+/// Writes `model`'s parameters whole, from its shards on every rank of `tp`, as a
+/// safetensors file at `path` under the names and layouts `options` give (replaced
+/// atomically): what another library loads, such as `transformers` from a Hugging Face
+/// checkpoint the model was loaded from. A padded vocabulary is cut to its real size.
+///
+/// Collective: every rank of `tp` calls it, TP rank 0 writes. Rank 0 holds one whole tensor
+/// at a time besides the model, and needs the file's size twice on disk while it writes.
+/// Errors on every rank: two parameters under one name, a transform's error or a changed
+/// shape, a dtype safetensors cannot hold, a failed gather or write.
+pub fn save_safetensors<M: Module>(
+    model: &M,
+    path: impl AsRef<Path>,
+    tp: &Comm,
+    options: &SaveOptions,
+) -> Result<(), TpError> {
+    let path = path.as_ref();
+    let entries: Vec<Entry> = entries_in(model, tp, &ParamGroup::all())
+        .into_iter()
+        .filter(|e| !options.skipped.iter().any(|re| re.is_match(&e.path)))
+        .collect();
+    let written = match tp.group().rank() {
+        0 => write(model, &entries, path, options),
+        _ => gather_all(&entries),
+    };
+    let failed = tp.any_rank(written.is_err())?;
+    match (written, failed) {
+        (Err(e), _) => Err(TpError::Invalid(format!("{}: {e}", path.display()))),
+        (Ok(()), false) => Ok(()),
+        (Ok(()), true) => Err(TpError::Invalid(format!(
+            "{}: not written: tensor-parallel rank 0 failed to write it, or a rank failed to \
+             gather its shards",
+            path.display()
+        ))),
+    }
+}
+
+/// A tensor appended to the scratch file: its name, dtype, shape and byte range.
+struct Placed {
+    name: String,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    range: std::ops::Range<usize>,
+}
+
+/// The writer's part: every gather in module order (all of them, failed or not, as the other
+/// ranks run them), each tensor renamed, transformed and appended to the scratch file; then
+/// the safetensors file from views of it.
+fn write<M: Module>(
+    model: &M,
+    entries: &[Entry],
+    path: &Path,
+    options: &SaveOptions,
+) -> Result<(), String> {
+    let scratch = path.with_extension("safetensors.parts");
+    let mut file = std::fs::File::create(&scratch).map_err(|e| e.to_string())?;
+    let owners = match options.pytorch_adapter {
+        true => owners(model),
+        false => HashMap::new(),
+    };
+    let facts = facts(model);
+    let (mut placed, mut names, mut first_error) = (Vec::new(), BTreeSet::new(), None);
+    let mut at = 0;
+    for e in entries {
+        let data = (e.gather)(first_error.is_none());
+        if first_error.is_some() {
+            continue;
+        }
+        let one = data.and_then(|d| d.ok_or_else(|| "no data read".to_string()));
+        // Burn's column layout writes its record `[out, in]` already.
+        let col = col_weight(&facts, &e.path).is_some();
+        let one = one.and_then(|d| convert(e, d, owners.get(&e.path), col, options));
+        let one = one.and_then(|(name, data)| {
+            if !names.insert(name.clone()) {
+                return Err(format!("two parameters are written as `{name}`"));
+            }
+            let dtype = safetensors_io::dtype(data.dtype())?;
+            let shape = data.shape().to_vec();
+            let bytes = data.into_bytes();
+            file.write_all(&bytes).map_err(|e| e.to_string())?;
+            let range = at..at + bytes.len();
+            at = range.end;
+            placed.push(Placed {
+                name,
+                dtype,
+                shape,
+                range,
+            });
+            Ok(())
+        });
+        if let Err(why) = one {
+            first_error = Some(format!("{}: {why}", e.path));
+        }
+    }
+    if let Some(e) = first_error {
+        let _ = std::fs::remove_file(&scratch);
+        return Err(e);
+    }
+    file.sync_all().map_err(|e| e.to_string())?;
+    drop(file);
+    let result = from_scratch(&scratch, &placed, path);
+    let _ = std::fs::remove_file(&scratch);
+    result
+}
+
+/// The safetensors file at `path` (through a temporary name, then renamed) from the tensors
+/// `placed` in the scratch file.
+fn from_scratch(scratch: &Path, placed: &[Placed], path: &Path) -> Result<(), String> {
+    let map = crate::mapped_file::map(scratch).map_err(|e| e.to_string())?;
+    let views = placed
+        .iter()
+        .map(|p| {
+            let bytes = map
+                .get(p.range.clone())
+                .ok_or("the scratch file is short")?;
+            let view = TensorView::new(p.dtype, p.shape.clone(), bytes)
+                .map_err(|e| format!("{}: {e}", p.name))?;
+            Ok((p.name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let partial = path.with_extension("safetensors.partial");
+    safetensors::serialize_to_file(views, None, &partial).map_err(|e| e.to_string())?;
+    safetensors_io::sync(&partial)?;
+    std::fs::rename(&partial, path).map_err(|e| e.to_string())
+}
+
+/// One gathered parameter under its file name, in the file's layout.
+fn convert(
+    e: &Entry,
+    mut data: TensorData,
+    owner: Option<&String>,
+    col: bool,
+    options: &SaveOptions,
+) -> Result<(String, TensorData), String> {
+    if let Some((_, f)) = options
+        .transforms
+        .iter()
+        .find(|(re, _)| re.is_match(&e.path))
+    {
+        let (shape, dtype) = (data.shape().to_vec(), data.dtype());
+        data = f(data)?;
+        if data.shape().to_vec() != shape || data.dtype() != dtype {
+            return Err(format!(
+                "the transform returned {:?} {:?} for {shape:?} {dtype:?}",
+                data.shape().to_vec(),
+                data.dtype()
+            ));
+        }
+    }
+    let owner = owner.map(String::as_str);
+    let mut name = pytorch_norm_key(owner, &e.path).unwrap_or_else(|| e.path.clone());
+    let weight = e.path == "weight" || e.path.ends_with(".weight");
+    if owner == Some("Struct:Linear") && weight && e.shape.len() == 2 && !col {
+        let (rows, cols, elem) = (e.shape[0], e.shape[1], data.dtype().size());
+        let dtype = data.dtype();
+        let bytes = transpose(&data.into_bytes(), rows, cols, elem);
+        data = TensorData::from_bytes_vec(bytes, vec![cols, rows], dtype);
+    }
+    for (re, to) in &options.remaps {
+        name = re.replace_all(&name, to.as_str()).into_owned();
+    }
+    Ok((name, data))
+}
