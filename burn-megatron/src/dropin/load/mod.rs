@@ -34,6 +34,7 @@ pub(in crate::dropin) mod stored;
 
 use super::{StageKey, StageKeys};
 use adapter::{owners, pytorch_norm_key};
+pub(in crate::dropin) use options::rotary_pairs;
 pub use options::{LoadOptions, LoadReport, rotary_half_to_interleaved};
 pub use source::{RecordSource, convert_named_mpk};
 use source::{join_along, joined, legacy_tensors, model_parallel_parts};

@@ -205,28 +205,39 @@ pub struct LoadReport {
 pub fn rotary_half_to_interleaved(
     n_heads: usize,
 ) -> impl Fn(TensorData) -> Result<TensorData, String> + Send + Sync + Clone + 'static {
-    move |data: TensorData| {
-        let shape = data.shape().to_vec();
-        let last = shape.last().copied().unwrap_or(0);
-        let d = last.checked_div(n_heads).unwrap_or(0);
-        if n_heads == 0 || d == 0 || last != n_heads * d || !d.is_multiple_of(2) {
-            return Err(format!(
-                "{last} features do not split into {n_heads} heads of an even size"
-            ));
-        }
-        let (elem, dtype) = (data.dtype().size(), data.dtype());
-        let bytes = data.into_bytes();
-        let mut out = vec![0u8; bytes.len()];
-        for (row_in, row_out) in bytes.chunks(last * elem).zip(out.chunks_mut(last * elem)) {
-            for h in 0..n_heads {
-                for i in 0..d {
-                    let from = h * d + (i % 2) * (d / 2) + i / 2;
-                    let to = h * d + i;
-                    row_out[to * elem..(to + 1) * elem]
-                        .copy_from_slice(&row_in[from * elem..(from + 1) * elem]);
-                }
+    move |data: TensorData| rotary_pairs(data, n_heads, true)
+}
+
+/// Each row's `n_heads` heads of `d` features rearranged: with `interleave`, feature `2i` of a
+/// head takes feature `i` and `2i + 1` takes `d/2 + i`; without, the inverse.
+pub(in crate::dropin) fn rotary_pairs(
+    data: TensorData,
+    n_heads: usize,
+    interleave: bool,
+) -> Result<TensorData, String> {
+    let shape = data.shape().to_vec();
+    let last = shape.last().copied().unwrap_or(0);
+    let d = last.checked_div(n_heads).unwrap_or(0);
+    if n_heads == 0 || d == 0 || last != n_heads * d || !d.is_multiple_of(2) {
+        return Err(format!(
+            "{last} features do not split into {n_heads} heads of an even size"
+        ));
+    }
+    let (elem, dtype) = (data.dtype().size(), data.dtype());
+    let bytes = data.into_bytes();
+    let mut out = vec![0u8; bytes.len()];
+    for (row_in, row_out) in bytes.chunks(last * elem).zip(out.chunks_mut(last * elem)) {
+        for h in 0..n_heads {
+            for i in 0..d {
+                let (paired, halves) = (h * d + i, h * d + (i % 2) * (d / 2) + i / 2);
+                let (from, to) = match interleave {
+                    true => (halves, paired),
+                    false => (paired, halves),
+                };
+                row_out[to * elem..(to + 1) * elem]
+                    .copy_from_slice(&row_in[from * elem..(from + 1) * elem]);
             }
         }
-        Ok(TensorData::from_bytes_vec(out, shape, dtype))
     }
+    Ok(TensorData::from_bytes_vec(out, shape, dtype))
 }

@@ -10,6 +10,7 @@
 use super::{Entry, entries_in, gather_all};
 use crate::comm::{Comm, CommunicatorExt};
 use crate::dropin::load::adapter::{owners, pytorch_norm_key};
+use crate::dropin::load::rotary_pairs;
 use crate::dropin::load::stored::transpose;
 use crate::dropin::slot::{col_weight, facts};
 use crate::safetensors_io;
@@ -113,30 +114,7 @@ fn regex(pattern: &str) -> Result<Regex, TpError> {
 pub fn rotary_interleaved_to_half(
     n_heads: usize,
 ) -> impl Fn(TensorData) -> Result<TensorData, String> + Send + Sync + Clone + 'static {
-    move |data: TensorData| {
-        let shape = data.shape().to_vec();
-        let last = shape.last().copied().unwrap_or(0);
-        let d = last.checked_div(n_heads).unwrap_or(0);
-        if n_heads == 0 || d == 0 || last != n_heads * d || !d.is_multiple_of(2) {
-            return Err(format!(
-                "{last} features do not split into {n_heads} heads of an even size"
-            ));
-        }
-        let (elem, dtype) = (data.dtype().size(), data.dtype());
-        let bytes = data.into_bytes();
-        let mut out = vec![0u8; bytes.len()];
-        for (row_in, row_out) in bytes.chunks(last * elem).zip(out.chunks_mut(last * elem)) {
-            for h in 0..n_heads {
-                for i in 0..d {
-                    let to = h * d + (i % 2) * (d / 2) + i / 2;
-                    let from = h * d + i;
-                    row_out[to * elem..(to + 1) * elem]
-                        .copy_from_slice(&row_in[from * elem..(from + 1) * elem]);
-                }
-            }
-        }
-        Ok(TensorData::from_bytes_vec(out, shape, dtype))
-    }
+    move |data: TensorData| rotary_pairs(data, n_heads, false)
 }
 
 /// Writes `model`'s parameters whole, from its shards on every rank of `tp`, as a
