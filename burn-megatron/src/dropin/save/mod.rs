@@ -156,6 +156,12 @@ pub fn save_gathered_group<M: Module>(
         0 => write(&entries, path),
         _ => gather_all(&entries),
     };
+    agreed(written, path, tp)
+}
+
+/// This rank's part of a gathered write (`written`) as the outcome on every rank of `tp`: an
+/// error anywhere is an error everywhere, naming `path`.
+fn agreed(written: Result<(), String>, path: &Path, tp: &Comm) -> Result<(), TpError> {
     let failed = tp.any_rank(written.is_err())?;
     match (written, failed) {
         (Err(e), _) => Err(TpError::Invalid(format!("{}: {e}", path.display()))),

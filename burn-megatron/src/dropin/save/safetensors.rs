@@ -7,8 +7,8 @@
 //! scratch file beside the target, one at a time, then the safetensors crate writes the file
 //! from views of the scratch file's map, and the scratch file goes.
 
-use super::{Entry, entries_in, gather_all};
-use crate::comm::{Comm, CommunicatorExt};
+use super::{Entry, agreed, entries_in, gather_all};
+use crate::comm::Comm;
 use crate::dropin::load::adapter::{owners, pytorch_norm_key};
 use crate::dropin::load::rotary_pairs;
 use crate::dropin::load::stored::transpose;
@@ -141,16 +141,7 @@ pub fn save_safetensors<M: Module>(
         0 => write(model, &entries, path, options),
         _ => gather_all(&entries),
     };
-    let failed = tp.any_rank(written.is_err())?;
-    match (written, failed) {
-        (Err(e), _) => Err(TpError::Invalid(format!("{}: {e}", path.display()))),
-        (Ok(()), false) => Ok(()),
-        (Ok(()), true) => Err(TpError::Invalid(format!(
-            "{}: not written: tensor-parallel rank 0 failed to write it, or a rank failed to \
-             gather its shards",
-            path.display()
-        ))),
-    }
+    agreed(written, path, tp)
 }
 
 /// A tensor appended to the scratch file: its name, dtype, shape and byte range.
