@@ -44,6 +44,7 @@ pub struct SaveOptions {
     pytorch_adapter: bool,
     transforms: Vec<(Regex, Arc<TransformFn>)>,
     skipped: Vec<Regex>,
+    max_shard_bytes: Option<u64>,
 }
 
 impl std::fmt::Debug for SaveOptions {
@@ -53,6 +54,7 @@ impl std::fmt::Debug for SaveOptions {
             .field("pytorch_adapter", &self.pytorch_adapter)
             .field("transforms", &self.transforms.len())
             .field("skipped", &self.skipped)
+            .field("max_shard_bytes", &self.max_shard_bytes)
             .finish()
     }
 }
@@ -85,6 +87,19 @@ impl SaveOptions {
     ) -> Result<Self, TpError> {
         self.transforms.push((regex(pattern)?, Arc::new(transform)));
         Ok(self)
+    }
+
+    /// Shard the checkpoint as `save_pretrained(max_shard_size=…)` does when it exceeds
+    /// `bytes`: for `path` `dir/model.safetensors`, the files
+    /// `dir/model-00001-of-0000N.safetensors` … of at most `bytes` each (a tensor larger than
+    /// that alone in its file), tensors in module order, and their index
+    /// `dir/model.safetensors.index.json` (its `weight_map`, `metadata.total_size`), which
+    /// `transformers` and [`RecordSource::from_hugging_face`](crate::dropin::RecordSource::from_hugging_face)
+    /// read. A file at `path` itself is removed (a reader would take it before the index).
+    /// The Hugging Face Hub takes files of at most 50 GB.
+    pub fn with_max_shard_bytes(mut self, bytes: u64) -> Self {
+        self.max_shard_bytes = Some(bytes);
+        self
     }
 
     /// Leave out the parameters at module paths `pattern` matches (neither gathered nor
@@ -207,9 +222,65 @@ fn write<M: Module>(
     }
     file.sync_all().map_err(|e| e.to_string())?;
     drop(file);
-    let result = from_scratch(&scratch, &placed, path);
+    let result = match shards(&placed, options.max_shard_bytes) {
+        shards if shards.len() <= 1 => from_scratch(&scratch, &placed, path),
+        shards => sharded(&scratch, &placed, &shards, path),
+    };
     let _ = std::fs::remove_file(&scratch);
     result
+}
+
+/// `placed` cut, in order, into runs of at most `max` bytes (a larger tensor alone): their
+/// ends. One run without a maximum.
+fn shards(placed: &[Placed], max: Option<u64>) -> Vec<usize> {
+    let Some(max) = max else {
+        return vec![placed.len()];
+    };
+    let (mut ends, mut bytes) = (Vec::new(), 0u64);
+    for (i, p) in placed.iter().enumerate() {
+        let len = p.range.len() as u64;
+        if i > 0 && bytes + len > max {
+            ends.push(i);
+            bytes = 0;
+        }
+        bytes += len;
+    }
+    ends.push(placed.len());
+    ends
+}
+
+/// The shards ending at `ends`, named after `path`'s stem, then their index beside `path`
+/// (written last, so that a reader finds it only over complete shards); `path` itself goes.
+fn sharded(scratch: &Path, placed: &[Placed], ends: &[usize], path: &Path) -> Result<(), String> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+    let file = path
+        .file_name()
+        .and_then(|s| s.to_str())
+        .unwrap_or("model.safetensors");
+    let (n, mut start) = (ends.len(), 0);
+    let mut weight_map = serde_json::Map::new();
+    for (i, &end) in ends.iter().enumerate() {
+        let name = format!("{stem}-{:05}-of-{n:05}.safetensors", i + 1);
+        from_scratch(scratch, &placed[start..end], &dir.join(&name))?;
+        for p in &placed[start..end] {
+            weight_map.insert(p.name.clone(), name.clone().into());
+        }
+        start = end;
+    }
+    let total: usize = placed.iter().map(|p| p.range.len()).sum();
+    let index = serde_json::json!({
+        "metadata": {"total_size": total},
+        "weight_map": weight_map,
+    });
+    let at = dir.join(format!("{file}.index.json"));
+    let partial = dir.join(format!("{file}.index.json.partial"));
+    safetensors_io::write_synced(&partial, index.to_string().as_bytes())?;
+    std::fs::rename(&partial, &at).map_err(|e| e.to_string())?;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.to_string()),
+        _ => Ok(()),
+    }
 }
 
 /// The safetensors file at `path` (through a temporary name, then renamed) from the tensors
