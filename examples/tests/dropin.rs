@@ -225,6 +225,22 @@ fn the_bert_example_reads_a_hugging_face_checkpoint() {
     let args = ["--hf", dir.to_str().unwrap(), "--text", text, "--tp", "2"];
     let stdout = run("tp_bert_dropin", &args);
     let filled = after(&stdout, "masks filled at TP=1:");
+    // `--save-hf`: written back at TP 2 beside the vocabulary, the checkpoint fills the
+    // masks alike.
+    let out = std::env::temp_dir().join(format!("hf-bert-saved-{}", std::process::id()));
+    let saved = run(
+        "tp_bert_dropin",
+        &[&args[..], &["--save-hf", out.to_str().unwrap()]].concat(),
+    );
+    assert!(saved.contains("written at TP 2"), "{saved}");
+    std::fs::copy(dir.join("vocab.txt"), out.join("vocab.txt")).unwrap();
+    let again = ["--hf", out.to_str().unwrap(), "--text", text, "--tp", "2"];
+    let again = run("tp_bert_dropin", &again);
+    assert_eq!(
+        after(&again, "masks filled at TP=2:"),
+        after(&stdout, "masks filled at TP=2:")
+    );
+    std::fs::remove_dir_all(&out).unwrap();
     assert_eq!(
         filled.split("], ").next().unwrap().split(',').count(),
         2,

@@ -9,7 +9,7 @@ use super::bert::BertConfig;
 use super::parallel;
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
-use burn_megatron::dropin::{LoadOptions, RecordSource};
+use burn_megatron::dropin::{LoadOptions, RecordSource, SaveOptions, save_safetensors};
 use burn_megatron::tensor_parallel::TpError;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -66,6 +66,65 @@ impl Checkpoint {
         options.with_skipped(unused)
     }
     // ANCHOR_END: options
+
+    /// The way back, for `save_safetensors`: the model's paths to `BertForPreTraining`'s and
+    /// `BertForMaskedLM`'s names, linears `[out, in]`, norms' `gamma` and `beta` as `weight`
+    /// and `bias`, the decoder left out where it is tied to the word embeddings (as
+    /// `transformers` saves it). What this model has not (the pooler, the sentence-order
+    /// head) is not written: `BertForMaskedLM` has none either.
+    pub fn save_options(&self) -> Result<SaveOptions, TpError> {
+        let renames = [
+            (r"^embeddings\.layer_norm\.", "bert.embeddings.LayerNorm."),
+            (r"^embeddings\.", "bert.embeddings."),
+            (r"^encoder\.layers\.", "bert.encoder.layer."),
+            (r"\.mha\.(query|key|value)\.", ".attention.self.$1."),
+            (r"\.mha\.output\.", ".attention.output.dense."),
+            (r"\.norm_1\.", ".attention.output.LayerNorm."),
+            (r"\.pwff\.linear_inner\.", ".intermediate.dense."),
+            (r"\.pwff\.linear_outer\.", ".output.dense."),
+            (r"\.norm_2\.", ".output.LayerNorm."),
+            (r"^lm_head\.dense\.", "cls.predictions.transform.dense."),
+            (
+                r"^lm_head\.layer_norm\.",
+                "cls.predictions.transform.LayerNorm.",
+            ),
+            (r"^lm_head\.decoder\.bias$", "cls.predictions.bias"),
+            (
+                r"^lm_head\.decoder\.weight$",
+                "cls.predictions.decoder.weight",
+            ),
+        ];
+        let mut options = SaveOptions::default().with_pytorch_adapter(true);
+        for (pattern, replacement) in renames {
+            options = options.with_key_remap(pattern, replacement)?;
+        }
+        match self.tie_word_embeddings {
+            true => options.with_skipped(r"^lm_head\.decoder\.weight$"),
+            false => Ok(options),
+        }
+    }
+
+    /// `model`'s weights as this checkpoint's `model.safetensors` in `dir` (with its
+    /// `config.json`, copied), which `transformers` loads. Collective over `tp`.
+    pub fn save(
+        &self,
+        model: &parallel::BertMaskedLm,
+        dir: &Path,
+        tp: &Comm,
+    ) -> Result<(), TpError> {
+        let io = |e: std::io::Error| TpError::Invalid(format!("{}: {e}", dir.display()));
+        let config = self.dir.join("config.json");
+        // Every rank goes on to the collective write, whatever the copy did.
+        let copied = match tp.group().rank() {
+            0 => std::fs::create_dir_all(dir)
+                .and_then(|_| std::fs::copy(config, dir.join("config.json"))),
+            _ => Ok(0),
+        };
+        let options = self.save_options()?;
+        let saved = save_safetensors(model, dir.join("model.safetensors"), tp, &options);
+        copied.map_err(io)?;
+        saved
+    }
 
     /// The model, split over `tp` as `parallel::BertMaskedLm::load` splits it, with the
     /// checkpoint's weights.

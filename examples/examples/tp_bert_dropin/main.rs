@@ -50,6 +50,10 @@ struct Args {
     /// With `--hf`: a text with `[MASK]` tokens.
     #[arg(long, requires = "hf")]
     text: Option<String>,
+    /// With `--hf`: write the model loaded at `--tp` back to this directory as a Hugging Face
+    /// checkpoint (`config.json`, `model.safetensors`), each rank's shards gathered.
+    #[arg(long, requires = "hf")]
+    save_hf: Option<PathBuf>,
 }
 
 /// The config and the masked positions' logits: what the conversion leaves alone.
@@ -155,7 +159,12 @@ fn activation_memory(tp: usize) -> Result<String, Box<dyn std::error::Error>> {
 
 /// `--hf`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards,
 /// filling the masks of `text`.
-fn from_hugging_face(dir: &Path, text: &str, tp: usize) -> Result<(), Box<dyn std::error::Error>> {
+fn from_hugging_face(
+    dir: &Path,
+    text: &str,
+    tp: usize,
+    save_hf: Option<&Path>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let checkpoint = hf::Checkpoint::open(dir)?;
     let c = &checkpoint.config;
     if !c.num_attention_heads.is_multiple_of(tp) {
@@ -216,13 +225,25 @@ fn from_hugging_face(dir: &Path, text: &str, tp: usize) -> Result<(), Box<dyn st
     if filled.iter().any(|f| *f != filled[0]) {
         return Err(format!("TP={tp} filled the masks with other tokens than TP=1").into());
     }
+    if let Some(out) = save_hf {
+        // What a fine-tune would write back: here the weights as loaded, at --tp.
+        launch::threads(
+            &ParallelConfig::new(tp, tp, 1),
+            LaunchOptions::default(),
+            |ctx| {
+                let model = checkpoint.load(&ctx.groups.tp, &Device::flex())?;
+                checkpoint.save(&model, out, &ctx.groups.tp)
+            },
+        )?;
+        println!("written at TP {tp}: {}", out.display());
+    }
     Ok(())
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     if let (Some(dir), Some(text)) = (&args.hf, &args.text) {
-        return from_hugging_face(dir, text, args.tp);
+        return from_hugging_face(dir, text, args.tp, args.save_hf.as_deref());
     }
     let config = BertConfig::new(128, 32, 2, 4, 64, 16, 2);
     if !config.num_attention_heads.is_multiple_of(args.tp) {
