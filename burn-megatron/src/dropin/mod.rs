@@ -49,7 +49,7 @@ pub use pipeline::{PpPlan, PpStage};
 pub use plan::{Split, TpPlan, apply_lora, apply_qlora};
 pub use save::{
     SaveOptions, rotary_interleaved_to_half, save_gathered, save_gathered_group,
-    save_gathered_stages, save_safetensors,
+    save_gathered_stages, save_safetensors, save_safetensors_stages,
 };
 pub use slot::TpSlot;
 pub(crate) use stage::{StageKey, StageKeys};

@@ -28,7 +28,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::dropin::{LoadOptions, RecordSource, save_safetensors};
+use burn_megatron::dropin::{LoadOptions, RecordSource};
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::pipeline::{
     ChunkOutput, ForwardBackwardConfig, ForwardStep, P2pShapes, PipelineSchedule,
@@ -169,6 +169,7 @@ pub(super) fn worst_gradient(got: &Values, want: &Values) -> (f32, String) {
 }
 
 mod meta_format;
+mod way_back;
 
 /// The checkpoint in `tests/fixtures/{weights}` at TP 1 and 2 against what `transformers`
 /// computed with it (in `tests/fixtures/{name}`).
@@ -353,90 +354,6 @@ fn a_tied_hugging_face_llama_in_pipeline_stages_gives_transformers_numbers() -> 
         println!("{name}, TP {tp} × PP 2: gradients within {worst:.1e} ({param})");
     }
     std::fs::remove_dir_all(scratch)?;
-    Ok(())
-}
-
-/// The way back: the model loaded at TP 2 and written with `save_safetensors` through the
-/// example's `save_options` is, tensor for tensor and bit for bit, the checkpoint
-/// `transformers` wrote (its four shards together; the tied one without an output layer),
-/// under its names and layouts (the query and key heads back in `rotate_half`'s halves).
-#[test]
-fn the_users_llama_writes_back_the_hugging_face_checkpoint_it_read() -> Result<(), Error> {
-    for name in ["hf_llama_tiny", "hf_llama_tied_tiny"] {
-        let checkpoint = hf::Checkpoint::open(&fixture(name))?;
-        let out = scratch(&format!("hf-save-{name}"));
-        tp_ranks(2, |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let model = checkpoint.load(g, d)?;
-            checkpoint.save(&model, &out, g)
-        })?;
-        let mut want = BTreeMap::new();
-        for f in std::fs::read_dir(fixture(name))? {
-            let f = f?.path();
-            let file = f.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if file.starts_with("model") && file.ends_with(".safetensors") {
-                want.extend(read_safetensors(&f));
-            }
-        }
-        let got = read_safetensors(&out.join("model.safetensors"));
-        assert_eq!(
-            got.keys().collect::<Vec<_>>(),
-            want.keys().collect::<Vec<_>>(),
-            "{name}"
-        );
-        for (k, w) in &want {
-            assert!(got[k] == *w, "{name}: {k} differs");
-        }
-        let config = |dir: &Path| std::fs::read_to_string(dir.join("config.json"));
-        assert_eq!(config(&out)?, config(&fixture(name))?);
-        // Sharded as `save_pretrained(max_shard_size="100KB")` shards it: the same tensors
-        // over the files the index names, each at most 100 kB of tensors, the single file
-        // gone; read back through the index, the model holds what it read from the fixture.
-        let options = checkpoint.save_options()?.with_max_shard_bytes(100_000);
-        let ranks = tp_ranks(2, |ctx| {
-            let (g, d) = (&ctx.groups.tp, &ctx.device);
-            let model = checkpoint.load(g, d)?;
-            save_safetensors(&model, out.join("model.safetensors"), g, &options)?;
-            let index = RecordSource::from_hugging_face(&out)?;
-            let reread =
-                parallel::Llama::load(&checkpoint.config, &index, &checkpoint.options()?, g, d)?;
-            Ok::<_, Error>((gathered(&reread, None, g), gathered(&model, None, g)))
-        })?;
-        for (reread, model) in ranks {
-            assert_eq!(reread, model, "{name}: read back through the index");
-        }
-        let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
-            out.join("model.safetensors.index.json"),
-        )?)?;
-        let mut files = BTreeMap::new();
-        for (tensor, file) in index["weight_map"].as_object().expect("a weight map") {
-            let file = file.as_str().expect("a file name").to_string();
-            files
-                .entry(file)
-                .or_insert_with(Vec::new)
-                .push(tensor.clone());
-        }
-        assert!(
-            files.len() >= 2 && !out.join("model.safetensors").exists(),
-            "{files:?}"
-        );
-        let mut got = BTreeMap::new();
-        for (file, tensors) in &files {
-            let part = read_safetensors(&out.join(file));
-            let bytes: usize = part.values().map(|(_, v)| 4 * v.len()).sum();
-            assert!(bytes <= 100_000 || part.len() == 1, "{file}: {bytes} bytes");
-            assert_eq!(
-                part.keys().collect::<Vec<_>>(),
-                tensors.iter().collect::<Vec<_>>()
-            );
-            got.extend(part);
-        }
-        assert!(
-            got == want,
-            "{name}: the shards hold the checkpoint's tensors"
-        );
-        std::fs::remove_dir_all(out)?;
-    }
     Ok(())
 }
 

@@ -11,7 +11,7 @@ mod safetensors;
 mod stages;
 
 pub use safetensors::{SaveOptions, rotary_interleaved_to_half, save_safetensors};
-pub use stages::save_gathered_stages;
+pub use stages::{save_gathered_stages, save_safetensors_stages};
 
 use super::slot::{Facts, col_weight, facts};
 use crate::comm::tensor::all_gather;

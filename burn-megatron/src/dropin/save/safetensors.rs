@@ -110,6 +110,21 @@ impl SaveOptions {
     }
 }
 
+impl SaveOptions {
+    pub(super) fn max_shard_bytes(&self) -> Option<u64> {
+        self.max_shard_bytes
+    }
+
+    pub(super) fn pytorch_adapter(&self) -> bool {
+        self.pytorch_adapter
+    }
+
+    /// Whether the parameter at `path` is left out.
+    pub(super) fn skips(&self, path: &str) -> bool {
+        self.skipped.iter().any(|re| re.is_match(path))
+    }
+}
+
 fn regex(pattern: &str) -> Result<Regex, TpError> {
     Regex::new(pattern).map_err(|e| TpError::Invalid(format!("pattern `{pattern}`: {e}")))
 }
@@ -148,15 +163,35 @@ pub fn save_safetensors<M: Module>(
     options: &SaveOptions,
 ) -> Result<(), TpError> {
     let path = path.as_ref();
-    let entries: Vec<Entry> = entries_in(model, tp, &ParamGroup::all())
-        .into_iter()
-        .filter(|e| !options.skipped.iter().any(|re| re.is_match(&e.path)))
-        .collect();
+    let entries = entries_in(model, tp, &ParamGroup::all());
+    let layouts = layouts(model, &entries, options.pytorch_adapter);
+    let (entries, layouts): (Vec<Entry>, Vec<Layout>) = (entries.into_iter().zip(layouts))
+        .filter(|(e, _)| !options.skipped.iter().any(|re| re.is_match(&e.path)))
+        .unzip();
     let written = match tp.group().rank() {
-        0 => write(model, &entries, path, options),
+        0 => write(&entries, &layouts, path, options).map(drop),
         _ => gather_all(&entries),
     };
     agreed(written, path, tp)
+}
+
+/// A parameter's layer type (for the PyTorch adapter), and whether it is a weight of Burn's
+/// column layout (whose record is `[out, in]` already).
+pub(super) type Layout = (Option<String>, bool);
+
+/// Each entry's [`Layout`], from `model`, whose paths the entries have.
+pub(super) fn layouts<M: Module>(model: &M, entries: &[Entry], adapter: bool) -> Vec<Layout> {
+    let owners = match adapter {
+        true => owners(model),
+        false => HashMap::new(),
+    };
+    let facts = facts(model);
+    (entries.iter())
+        .map(|e| {
+            let col = col_weight(&facts, &e.path).is_some();
+            (owners.get(&e.path).cloned(), col)
+        })
+        .collect()
 }
 
 /// A tensor appended to the scratch file: its name, dtype, shape and byte range.
@@ -169,31 +204,24 @@ struct Placed {
 
 /// The writer's part: every gather in module order (all of them, failed or not, as the other
 /// ranks run them), each tensor renamed, transformed and appended to the scratch file; then
-/// the safetensors file from views of it.
-fn write<M: Module>(
-    model: &M,
+/// the safetensors file from views of it. The names written, with their bytes.
+pub(super) fn write(
     entries: &[Entry],
+    layouts: &[Layout],
     path: &Path,
     options: &SaveOptions,
-) -> Result<(), String> {
+) -> Result<Vec<(String, usize)>, String> {
     let scratch = path.with_extension("safetensors.parts");
     let mut file = std::fs::File::create(&scratch).map_err(|e| e.to_string())?;
-    let owners = match options.pytorch_adapter {
-        true => owners(model),
-        false => HashMap::new(),
-    };
-    let facts = facts(model);
     let (mut placed, mut names, mut first_error) = (Vec::new(), BTreeSet::new(), None);
     let mut at = 0;
-    for e in entries {
+    for (e, (owner, col)) in entries.iter().zip(layouts) {
         let data = (e.gather)(first_error.is_none());
         if first_error.is_some() {
             continue;
         }
         let one = data.and_then(|d| d.ok_or_else(|| "no data read".to_string()));
-        // Burn's column layout writes its record `[out, in]` already.
-        let col = col_weight(&facts, &e.path).is_some();
-        let one = one.and_then(|d| convert(e, d, owners.get(&e.path), col, options));
+        let one = one.and_then(|d| convert(e, d, owner.as_ref(), *col, options));
         let one = one.and_then(|(name, data)| {
             if !names.insert(name.clone()) {
                 return Err(format!("two parameters are written as `{name}`"));
@@ -227,7 +255,11 @@ fn write<M: Module>(
         shards => sharded(&scratch, &placed, &shards, path),
     };
     let _ = std::fs::remove_file(&scratch);
-    result
+    result?;
+    Ok(placed
+        .into_iter()
+        .map(|p| (p.name, p.range.len()))
+        .collect())
 }
 
 /// `placed` cut, in order, into runs of at most `max` bytes (a larger tensor alone): their
@@ -253,22 +285,49 @@ fn shards(placed: &[Placed], max: Option<u64>) -> Vec<usize> {
 /// (written last, so that a reader finds it only over complete shards); `path` itself goes.
 fn sharded(scratch: &Path, placed: &[Placed], ends: &[usize], path: &Path) -> Result<(), String> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
-    let file = path
-        .file_name()
-        .and_then(|s| s.to_str())
-        .unwrap_or("model.safetensors");
     let (n, mut start) = (ends.len(), 0);
-    let mut weight_map = serde_json::Map::new();
+    let mut files = Vec::new();
     for (i, &end) in ends.iter().enumerate() {
-        let name = format!("{stem}-{:05}-of-{n:05}.safetensors", i + 1);
+        let name = shard_name(path, i, n);
         from_scratch(scratch, &placed[start..end], &dir.join(&name))?;
-        for p in &placed[start..end] {
-            weight_map.insert(p.name.clone(), name.clone().into());
-        }
+        let tensors = placed[start..end]
+            .iter()
+            .map(|p| (p.name.clone(), p.range.len()));
+        files.push((name, tensors.collect()));
         start = end;
     }
-    let total: usize = placed.iter().map(|p| p.range.len()).sum();
+    write_index(path, &files)
+}
+
+/// Shard `i` of `n` of the checkpoint at `path` (`model.safetensors`):
+/// `model-0000{i+1}-of-0000{n}.safetensors`.
+pub(super) fn shard_name(path: &Path, i: usize, n: usize) -> String {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+    format!("{stem}-{:05}-of-{n:05}.safetensors", i + 1)
+}
+
+/// The index of the shards `files` (each file's name, and its tensors' names and bytes)
+/// beside `path`, as `{path's name}.index.json`, written last so that a reader finds it only
+/// over complete shards; a file at `path` itself goes (a reader would take it first).
+pub(super) fn write_index(
+    path: &Path,
+    files: &[(String, Vec<(String, usize)>)],
+) -> Result<(), String> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let file = (path.file_name().and_then(|s| s.to_str())).unwrap_or("model.safetensors");
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0;
+    for (name, tensors) in files {
+        for (tensor, bytes) in tensors {
+            if weight_map
+                .insert(tensor.clone(), name.clone().into())
+                .is_some()
+            {
+                return Err(format!("two parameters are written as `{tensor}`"));
+            }
+            total += bytes;
+        }
+    }
     let index = serde_json::json!({
         "metadata": {"total_size": total},
         "weight_map": weight_map,

@@ -8,12 +8,13 @@
 //! group and sends it back. So the writer holds one whole tensor at a time, and a send (which
 //! never waits for its receiver) cannot fill the writer's memory ahead of the file.
 
-use super::{Entry, entries, gather_all, write};
+use super::safetensors::{Layout, layouts, shard_name, write as write_safetensors, write_index};
+use super::{Entry, SaveOptions, entries, entries_in, gather_all, write};
 use crate::comm::{Buffer, Comm, CommDType, CommunicatorExt};
 use crate::dropin::PpStage;
 use crate::pipeline::PipelineError;
 use crate::tensor_parallel::parallel_attrs;
-use burn::module::{Module, ParamId};
+use burn::module::{Module, ParamGroup, ParamId};
 use burn::tensor::{DType, TensorData};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -46,26 +47,7 @@ pub fn save_gathered_stages<M: Module>(
     pp: &Comm,
 ) -> Result<(), PipelineError> {
     let path = path.as_ref();
-    let (pp_rank, pp_size) = (pp.group().rank(), pp.group().size());
-    if chunks.len() != stages.len() || stages.is_empty() {
-        return Err(PipelineError::Invalid(format!(
-            "{} chunks for {} stages (one chunk per stage)",
-            chunks.len(),
-            stages.len()
-        )));
-    }
-    if let Some(s) = stages.iter().find(|s| {
-        let p = s.position();
-        (p.pipeline_size, p.pipeline_rank) != (pp_size, pp_rank)
-    }) {
-        return Err(PipelineError::Invalid(format!(
-            "a stage at pipeline rank {} of {}, but the pipeline group {} is rank {pp_rank} of \
-             {pp_size}",
-            s.position().pipeline_rank,
-            s.position().pipeline_size,
-            pp.group()
-        )));
-    }
+    check_stages(chunks.len(), stages, pp)?;
     let mut mine: Vec<Entry> = Vec::new();
     for (chunk, stage) in chunks.iter().zip(stages) {
         for mut e in entries(chunk, tp) {
@@ -81,6 +63,88 @@ pub fn save_gathered_stages<M: Module>(
         0 => lead(mine, path, pp),
         _ => gather_all(&mine),
     };
+    agreed_stages(written, path, tp, pp)
+}
+
+/// [`save_safetensors`](super::save_safetensors) for a model split into pipeline stages (and
+/// by tensor parallelism within each), as a sharded Hugging Face checkpoint: each stage's
+/// tensor-parallel rank 0 writes its stage's parameters, under the whole model's paths, to
+/// its own file beside `path` (`model-0000{s+1}-of-0000{P}.safetensors` for
+/// `model.safetensors`), and the first stage's the index naming them
+/// (`model.safetensors.index.json`, written last; a file at `path` itself goes). No tensor
+/// crosses stages. `chunks` and `stages` as for [`save_gathered_stages`]; `options`' patterns
+/// name whole-model paths. A tied weight's second copy (on the last stage) is not written.
+///
+/// Collective over the model-parallel ranks of one replica, as [`save_gathered_stages`].
+/// Errors on every rank: those of `save_safetensors`, a stage layout that does not match
+/// `pp`, and `with_max_shard_bytes` (the files are the stages).
+pub fn save_safetensors_stages<M: Module>(
+    chunks: &[M],
+    stages: &[PpStage],
+    path: impl AsRef<Path>,
+    tp: &Comm,
+    pp: &Comm,
+    options: &SaveOptions,
+) -> Result<(), PipelineError> {
+    let path = path.as_ref();
+    check_stages(chunks.len(), stages, pp)?;
+    if options.max_shard_bytes().is_some() {
+        return Err(PipelineError::Invalid(
+            "with_max_shard_bytes: a model split into pipeline stages writes a file per stage"
+                .into(),
+        ));
+    }
+    let (mut mine, mut layout): (Vec<Entry>, Vec<Layout>) = (Vec::new(), Vec::new());
+    for (chunk, stage) in chunks.iter().zip(stages) {
+        let entries = entries_in(chunk, tp, &ParamGroup::all());
+        let layouts = layouts(chunk, &entries, options.pytorch_adapter());
+        for (mut e, l) in entries.into_iter().zip(layouts) {
+            e.path = stage.global_name(&e.path);
+            let skipped = options.skips(&e.path);
+            if !skipped && !parallel_attrs(ParamId::from(e.id)).shared {
+                mine.push(e);
+                layout.push(l);
+            }
+        }
+    }
+    let (rank, n) = (pp.group().rank(), pp.group().size());
+    let name = shard_name(path, rank, n);
+    let written = match tp.group().rank() {
+        0 => {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            let mine = write_safetensors(&mine, &layout, &dir.join(&name), options);
+            // Every stage's names to the first, whatever each wrote.
+            let names = mine.as_ref().map_or_else(|_| Vec::new(), Clone::clone);
+            let json = serde_json::to_vec(&names).map_err(|e| e.to_string());
+            let all = json.and_then(|json| all_gather_bytes(pp, &json));
+            match (mine, all) {
+                (Err(e), _) | (_, Err(e)) => Err(e),
+                (Ok(_), Ok(all)) if rank == 0 => {
+                    let files = (all.iter().enumerate())
+                        .map(|(s, json)| {
+                            let tensors =
+                                serde_json::from_slice(json).map_err(|e| e.to_string())?;
+                            Ok((shard_name(path, s, n), tensors))
+                        })
+                        .collect::<Result<Vec<_>, String>>();
+                    files.and_then(|files| write_index(path, &files))
+                }
+                (Ok(_), Ok(_)) => Ok(()),
+            }
+        }
+        _ => gather_all(&mine),
+    };
+    agreed_stages(written, path, tp, pp)
+}
+
+/// This rank's part of a write over the stages as the outcome on every rank: an error
+/// anywhere is an error everywhere, naming `path`.
+fn agreed_stages(
+    written: Result<(), String>,
+    path: &Path,
+    tp: &Comm,
+    pp: &Comm,
+) -> Result<(), PipelineError> {
     // Every rank learns whether any failed: over its stage, then over the stages.
     let failed = pp.any_rank(tp.any_rank(written.is_err())?)?;
     match (written, failed) {
@@ -91,6 +155,31 @@ pub fn save_gathered_stages<M: Module>(
             path.display()
         ))),
     }
+}
+
+/// One chunk per stage, each stage at this rank's place in `pp`.
+fn check_stages(chunks: usize, stages: &[PpStage], pp: &Comm) -> Result<(), PipelineError> {
+    let (pp_rank, pp_size) = (pp.group().rank(), pp.group().size());
+    if chunks != stages.len() || stages.is_empty() {
+        return Err(PipelineError::Invalid(format!(
+            "{} chunks for {} stages (one chunk per stage)",
+            chunks,
+            stages.len()
+        )));
+    }
+    if let Some(s) = stages.iter().find(|s| {
+        let p = s.position();
+        (p.pipeline_size, p.pipeline_rank) != (pp_size, pp_rank)
+    }) {
+        return Err(PipelineError::Invalid(format!(
+            "a stage at pipeline rank {} of {}, but the pipeline group {} is rank {pp_rank} of \
+             {pp_size}",
+            s.position().pipeline_rank,
+            s.position().pipeline_size,
+            pp.group()
+        )));
+    }
+    Ok(())
 }
 
 /// A stage's tensor-parallel rank 0: the writer on the first stage, a server on the others.

@@ -1,0 +1,161 @@
+//! The way back: the user's Llama, split, writes the Hugging Face checkpoint it read, through
+//! the example's `save_options`, one file, shards, or a file per pipeline stage.
+
+use super::{Error, hf, parallel, pipeline};
+use crate::dropin::load::scratch;
+use burn_megatron::dropin::{RecordSource, save_safetensors, save_safetensors_stages};
+use burn_megatron::launch::{self, LaunchOptions};
+use burn_megatron::topology::{ParallelConfig, PipelinePosition};
+use burn_megatron_tests::gpt::gathered;
+use burn_megatron_tests::{fixture, read_safetensors, tp_ranks};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+type Tensors = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
+
+/// Every tensor of the checkpoint `transformers` wrote in `dir` (its shards together).
+fn checkpoint_tensors(dir: &Path) -> Result<Tensors, Error> {
+    let mut all = BTreeMap::new();
+    for f in std::fs::read_dir(dir)? {
+        let f = f?.path();
+        let file = f.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if file.starts_with("model") && file.ends_with(".safetensors") {
+            all.extend(read_safetensors(&f));
+        }
+    }
+    Ok(all)
+}
+
+/// The way back: the model loaded at TP 2 and written with `save_safetensors` through the
+/// example's `save_options` is, tensor for tensor and bit for bit, the checkpoint
+/// `transformers` wrote (its four shards together; the tied one without an output layer),
+/// under its names and layouts (the query and key heads back in `rotate_half`'s halves).
+#[test]
+fn the_users_llama_writes_back_the_hugging_face_checkpoint_it_read() -> Result<(), Error> {
+    for name in ["hf_llama_tiny", "hf_llama_tied_tiny"] {
+        let checkpoint = hf::Checkpoint::open(&fixture(name))?;
+        let out = scratch(&format!("hf-save-{name}"));
+        tp_ranks(2, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = checkpoint.load(g, d)?;
+            checkpoint.save(&model, &out, g)
+        })?;
+        let want = checkpoint_tensors(&fixture(name))?;
+        let got = read_safetensors(&out.join("model.safetensors"));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        for (k, w) in &want {
+            assert!(got[k] == *w, "{name}: {k} differs");
+        }
+        let config = |dir: &Path| std::fs::read_to_string(dir.join("config.json"));
+        assert_eq!(config(&out)?, config(&fixture(name))?);
+        // Sharded as `save_pretrained(max_shard_size="100KB")` shards it: the same tensors
+        // over the files the index names, each at most 100 kB of tensors, the single file
+        // gone; read back through the index, the model holds what it read from the fixture.
+        let options = checkpoint.save_options()?.with_max_shard_bytes(100_000);
+        let ranks = tp_ranks(2, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = checkpoint.load(g, d)?;
+            save_safetensors(&model, out.join("model.safetensors"), g, &options)?;
+            let index = RecordSource::from_hugging_face(&out)?;
+            let reread =
+                parallel::Llama::load(&checkpoint.config, &index, &checkpoint.options()?, g, d)?;
+            Ok::<_, Error>((gathered(&reread, None, g), gathered(&model, None, g)))
+        })?;
+        for (reread, model) in ranks {
+            assert_eq!(reread, model, "{name}: read back through the index");
+        }
+        let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+            out.join("model.safetensors.index.json"),
+        )?)?;
+        let mut files = BTreeMap::new();
+        for (tensor, file) in index["weight_map"].as_object().expect("a weight map") {
+            let file = file.as_str().expect("a file name").to_string();
+            files
+                .entry(file)
+                .or_insert_with(Vec::new)
+                .push(tensor.clone());
+        }
+        assert!(
+            files.len() >= 2 && !out.join("model.safetensors").exists(),
+            "{files:?}"
+        );
+        let mut got = BTreeMap::new();
+        for (file, tensors) in &files {
+            let part = read_safetensors(&out.join(file));
+            let bytes: usize = part.values().map(|(_, v)| 4 * v.len()).sum();
+            assert!(bytes <= 100_000 || part.len() == 1, "{file}: {bytes} bytes");
+            assert_eq!(
+                part.keys().collect::<Vec<_>>(),
+                tensors.iter().collect::<Vec<_>>()
+            );
+            got.extend(part);
+        }
+        assert!(
+            got == want,
+            "{name}: the shards hold the checkpoint's tensors"
+        );
+        std::fs::remove_dir_all(out)?;
+    }
+    Ok(())
+}
+
+/// Split into two pipeline stages at TP 2 × PP 2 (the tied checkpoint; the last stage's
+/// output layer read from the first's table), each stage writes its own file and the first
+/// the index: together, `transformers`' tensors bit for bit, the index naming each in its
+/// stage's file, and read back through the index, the model of the one file.
+#[test]
+fn pipeline_stages_write_back_a_sharded_hugging_face_checkpoint() -> Result<(), Error> {
+    let name = "hf_llama_tied_tiny";
+    let checkpoint = hf::Checkpoint::open(&fixture(name))?;
+    let (config, out) = (&checkpoint.config, scratch("hf-save-stages"));
+    let (load, save) = (checkpoint.options()?, checkpoint.save_options()?);
+    let weights = RecordSource::from_hugging_face(&checkpoint.dir)?;
+    let layout = ParallelConfig::new(4, 2, 2);
+    launch::threads(&layout, LaunchOptions::default(), |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let stage = pipeline::Llama::pp_plan(config).stage(PipelinePosition::of(&ctx.state, 0))?;
+        let model = pipeline::Llama::load(config, &weights, &load, &stage, g, d)?;
+        let (chunks, stages) = (std::slice::from_ref(&model), std::slice::from_ref(&stage));
+        let path = out.join("model.safetensors");
+        save_safetensors_stages(chunks, stages, path, g, &ctx.groups.pp, &save)?;
+        Ok::<_, Error>(())
+    })?;
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        out.join("model.safetensors.index.json"),
+    )?)?;
+    let mut got = BTreeMap::new();
+    for stage in 1..=2 {
+        let file = format!("model-0000{stage}-of-00002.safetensors");
+        let part = read_safetensors(&out.join(&file));
+        for tensor in part.keys() {
+            assert_eq!(
+                index["weight_map"][tensor],
+                serde_json::json!(file),
+                "{tensor}"
+            );
+        }
+        got.extend(part);
+    }
+    assert!(got.keys().any(|k| k.starts_with("model.layers.1.")));
+    assert!(
+        got == checkpoint_tensors(&fixture(name))?,
+        "transformers' tensors"
+    );
+    let reread = RecordSource::from_hugging_face(&out)?;
+    assert!(matches!(reread, RecordSource::Index(_)), "{reread:?}");
+    let ranks = tp_ranks(2, |ctx| {
+        let (g, d) = (&ctx.groups.tp, &ctx.device);
+        let from_index = parallel::Llama::load(config, &reread, &load, g, d)?;
+        let from_one = checkpoint.load(g, d)?;
+        Ok::<_, Error>((gathered(&from_index, None, g), gathered(&from_one, None, g)))
+    })?;
+    for (from_index, from_one) in ranks {
+        assert_eq!(from_index, from_one);
+    }
+    std::fs::remove_dir_all(out)?;
+    Ok(())
+}
