@@ -116,7 +116,6 @@ fn a_hugging_face_bert_in_the_users_bert_gives_transformers_numbers() -> Result<
     Ok(())
 }
 
-/// What the BERT cannot hold is refused before anything loads, naming the setting.
 /// The way back: the BERT loaded at TP 2 and written with `save_safetensors` through the
 /// example's `save_options` holds, bit for bit and under the same names, every tensor of the
 /// checkpoint `transformers` wrote but the pooler and the sentence-order head, which this
@@ -144,6 +143,7 @@ fn the_users_bert_writes_back_the_hugging_face_checkpoint_it_read() -> Result<()
     Ok(())
 }
 
+/// What the BERT cannot hold is refused before anything loads, naming the setting.
 #[test]
 fn a_checkpoint_the_users_bert_cannot_hold_is_an_error_naming_the_setting() -> Result<(), Error> {
     let fixture = fixture("hf_bert_tiny");

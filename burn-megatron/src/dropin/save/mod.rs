@@ -15,7 +15,7 @@ pub use stages::{save_gathered_stages, save_safetensors_stages};
 
 use super::slot::{Facts, col_weight, facts};
 use crate::comm::tensor::all_gather;
-use crate::comm::{Comm, CommunicatorExt};
+use crate::comm::{CHECKPOINT_BARRIER_TIMEOUT, Comm, CommunicatorExt};
 use crate::module_path::{PathVisitor, visit_paths};
 use crate::tensor_parallel::{TpError, parallel_attrs};
 use burn::module::{Module, Param, ParamGroup, ParamId};
@@ -161,7 +161,10 @@ pub fn save_gathered_group<M: Module>(
 
 /// This rank's part of a gathered write (`written`) as the outcome on every rank of `tp`: an
 /// error anywhere is an error everywhere, naming `path`.
-fn agreed(written: Result<(), String>, path: &Path, tp: &Comm) -> Result<(), TpError> {
+pub(super) fn agreed(written: Result<(), String>, path: &Path, tp: &Comm) -> Result<(), TpError> {
+    // Rank 0 may still be writing the file after the last gather: the others wait for it as
+    // for a checkpoint, not a collective's timeout.
+    tp.barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT)?;
     let failed = tp.any_rank(written.is_err())?;
     match (written, failed) {
         (Err(e), _) => Err(TpError::Invalid(format!("{}: {e}", path.display()))),

@@ -77,7 +77,8 @@ impl SaveOptions {
     }
 
     /// Pass the tensors at module paths `pattern` matches through `transform`, whole, as the
-    /// plain model's record holds them (Burn's `[in, out]` for a linear), before the adapter:
+    /// parameter holds them (Burn's `[in, out]` for a linear, in either layout), before the
+    /// adapter:
     /// the inverse of a load transform, such as [`rotary_interleaved_to_half`] for a
     /// Hugging Face Llama's query and key. It must keep the shape and dtype.
     pub fn with_transform(
@@ -152,8 +153,10 @@ pub fn rotary_interleaved_to_half(
 /// atomically): what another library loads, such as `transformers` from a Hugging Face
 /// checkpoint the model was loaded from. A padded vocabulary is cut to its real size.
 ///
-/// Collective: every rank of `tp` calls it, TP rank 0 writes. Rank 0 holds one whole tensor
-/// at a time besides the model, and needs the file's size twice on disk while it writes.
+/// Collective: every rank of `tp` calls it, TP rank 0 writes; with data parallelism, call it
+/// in one replica (the replicas hold the same weights, and would write the same files). Rank
+/// 0 holds one whole tensor at a time besides the model, and needs the file's size twice on
+/// disk while it writes; the other ranks wait for it as for a checkpoint.
 /// Errors on every rank: two parameters under one name, a transform's error or a changed
 /// shape, a dtype safetensors cannot hold, a failed gather or write.
 pub fn save_safetensors<M: Module>(
@@ -212,14 +215,21 @@ pub(super) fn write(
     options: &SaveOptions,
 ) -> Result<Vec<(String, usize)>, String> {
     let scratch = path.with_extension("safetensors.parts");
-    let mut file = std::fs::File::create(&scratch).map_err(|e| e.to_string())?;
     let (mut placed, mut names, mut first_error) = (Vec::new(), BTreeSet::new(), None);
+    // Without a scratch file the gathers still run, as the other ranks run them.
+    let mut file = match std::fs::File::create(&scratch) {
+        Ok(file) => Some(file),
+        Err(e) => {
+            first_error = Some(format!("{}: {e}", scratch.display()));
+            None
+        }
+    };
     let mut at = 0;
     for (e, (owner, col)) in entries.iter().zip(layouts) {
         let data = (e.gather)(first_error.is_none());
-        if first_error.is_some() {
+        let Some(file) = file.as_mut().filter(|_| first_error.is_none()) else {
             continue;
-        }
+        };
         let one = data.and_then(|d| d.ok_or_else(|| "no data read".to_string()));
         let one = one.and_then(|d| convert(e, d, owner.as_ref(), *col, options));
         let one = one.and_then(|(name, data)| {
@@ -244,16 +254,15 @@ pub(super) fn write(
             first_error = Some(format!("{}: {why}", e.path));
         }
     }
-    if let Some(e) = first_error {
-        let _ = std::fs::remove_file(&scratch);
-        return Err(e);
-    }
-    file.sync_all().map_err(|e| e.to_string())?;
-    drop(file);
-    let result = match shards(&placed, options.max_shard_bytes) {
+    let synced = match (first_error, file) {
+        (Some(e), _) => Err(e),
+        (None, Some(file)) => file.sync_all().map_err(|e| e.to_string()),
+        (None, None) => Err("no scratch file".to_string()),
+    };
+    let result = synced.and_then(|()| match shards(&placed, options.max_shard_bytes) {
         shards if shards.len() <= 1 => from_scratch(&scratch, &placed, path),
         shards => sharded(&scratch, &placed, &shards, path),
-    };
+    });
     let _ = std::fs::remove_file(&scratch);
     result?;
     Ok(placed
@@ -285,6 +294,7 @@ fn shards(placed: &[Placed], max: Option<u64>) -> Vec<usize> {
 /// (written last, so that a reader finds it only over complete shards); `path` itself goes.
 fn sharded(scratch: &Path, placed: &[Placed], ends: &[usize], path: &Path) -> Result<(), String> {
     let dir = path.parent().unwrap_or(Path::new("."));
+    remove_index(path)?;
     let (n, mut start) = (ends.len(), 0);
     let mut files = Vec::new();
     for (i, &end) in ends.iter().enumerate() {
@@ -297,6 +307,17 @@ fn sharded(scratch: &Path, placed: &[Placed], ends: &[usize], path: &Path) -> Re
         start = end;
     }
     write_index(path, &files)
+}
+
+/// The index an earlier save left beside `path`, removed before new shards replace its files,
+/// so that a save that fails part way leaves no index over a mix of old and new shards.
+pub(super) fn remove_index(path: &Path) -> Result<(), String> {
+    let file = (path.file_name().and_then(|s| s.to_str())).unwrap_or("model.safetensors");
+    let index = path.with_file_name(format!("{file}.index.json"));
+    match std::fs::remove_file(index) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.to_string()),
+        _ => Ok(()),
+    }
 }
 
 /// Shard `i` of `n` of the checkpoint at `path` (`model.safetensors`):
@@ -358,9 +379,14 @@ fn from_scratch(scratch: &Path, placed: &[Placed], path: &Path) -> Result<(), St
         })
         .collect::<Result<Vec<_>, String>>()?;
     let partial = path.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, None, &partial).map_err(|e| e.to_string())?;
-    safetensors_io::sync(&partial)?;
-    std::fs::rename(&partial, path).map_err(|e| e.to_string())
+    let written = (safetensors::serialize_to_file(views, None, &partial))
+        .map_err(|e| e.to_string())
+        .and_then(|()| safetensors_io::sync(&partial))
+        .and_then(|()| std::fs::rename(&partial, path).map_err(|e| e.to_string()));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    written
 }
 
 /// One gathered parameter under its file name, in the file's layout.
@@ -376,6 +402,16 @@ fn convert(
         .iter()
         .find(|(re, _)| re.is_match(&e.path))
     {
+        // As the parameter holds it: a column-layout weight's record is `[out, in]`.
+        let flip = |data: TensorData| {
+            let (s, dtype) = (data.shape().to_vec(), data.dtype());
+            let bytes = transpose(&data.into_bytes(), s[0], s[1], dtype.size());
+            TensorData::from_bytes_vec(bytes, vec![s[1], s[0]], dtype)
+        };
+        let col = col && e.shape.len() == 2;
+        if col {
+            data = flip(data);
+        }
         let (shape, dtype) = (data.shape().to_vec(), data.dtype());
         data = f(data)?;
         if data.shape().to_vec() != shape || data.dtype() != dtype {
@@ -384,6 +420,9 @@ fn convert(
                 data.shape().to_vec(),
                 data.dtype()
             ));
+        }
+        if col {
+            data = flip(data);
         }
     }
     let owner = owner.map(String::as_str);

@@ -8,9 +8,10 @@
 //! group and sends it back. So the writer holds one whole tensor at a time, and a send (which
 //! never waits for its receiver) cannot fill the writer's memory ahead of the file.
 
-use super::safetensors::{Layout, layouts, shard_name, write as write_safetensors, write_index};
+use super::safetensors::write as write_safetensors;
+use super::safetensors::{Layout, layouts, remove_index, shard_name, write_index};
 use super::{Entry, SaveOptions, entries, entries_in, gather_all, write};
-use crate::comm::{Buffer, Comm, CommDType, CommunicatorExt};
+use crate::comm::{Buffer, CHECKPOINT_BARRIER_TIMEOUT, Comm, CommDType, CommunicatorExt};
 use crate::dropin::PpStage;
 use crate::pipeline::PipelineError;
 use crate::tensor_parallel::parallel_attrs;
@@ -112,18 +113,31 @@ pub fn save_safetensors_stages<M: Module>(
     let written = match tp.group().rank() {
         0 => {
             let dir = path.parent().unwrap_or(Path::new("."));
-            let mine = write_safetensors(&mine, &layout, &dir.join(&name), options);
-            // Every stage's names to the first, whatever each wrote.
-            let names = mine.as_ref().map_or_else(|_| Vec::new(), Clone::clone);
+            // No index over a mix of old and new files while they are written.
+            let cleared = match rank {
+                0 => remove_index(path),
+                _ => Ok(()),
+            };
+            let mine =
+                cleared.and_then(|()| write_safetensors(&mine, &layout, &dir.join(&name), options));
+            // Every stage's names to the first, or `null` for a stage that failed, whatever
+            // each wrote; the stages wait for the slowest writer as for a checkpoint.
+            let names = mine.as_ref().ok();
             let json = serde_json::to_vec(&names).map_err(|e| e.to_string());
-            let all = json.and_then(|json| all_gather_bytes(pp, &json));
+            let waited = pp.barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT);
+            let all = (waited.map_err(|e| e.to_string()))
+                .and(json)
+                .and_then(|json| all_gather_bytes(pp, &json));
             match (mine, all) {
                 (Err(e), _) | (_, Err(e)) => Err(e),
                 (Ok(_), Ok(all)) if rank == 0 => {
                     let files = (all.iter().enumerate())
                         .map(|(s, json)| {
-                            let tensors =
+                            let tensors: Option<Vec<(String, usize)>> =
                                 serde_json::from_slice(json).map_err(|e| e.to_string())?;
+                            let tensors = tensors.ok_or_else(|| {
+                                format!("pipeline stage {s} failed to write its file: no index")
+                            })?;
                             Ok((shard_name(path, s, n), tensors))
                         })
                         .collect::<Result<Vec<_>, String>>();
@@ -145,7 +159,10 @@ fn agreed_stages(
     tp: &Comm,
     pp: &Comm,
 ) -> Result<(), PipelineError> {
-    // Every rank learns whether any failed: over its stage, then over the stages.
+    // The writers may still be writing: the others wait for them as for a checkpoint. Then
+    // every rank learns whether any failed: over its stage, then over the stages.
+    tp.barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT)?;
+    pp.barrier_with_timeout(CHECKPOINT_BARRIER_TIMEOUT)?;
     let failed = pp.any_rank(tp.any_rank(written.is_err())?)?;
     match (written, failed) {
         (Err(e), _) => Err(PipelineError::Invalid(format!("{}: {e}", path.display()))),

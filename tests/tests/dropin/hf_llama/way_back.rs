@@ -159,3 +159,44 @@ fn pipeline_stages_write_back_a_sharded_hugging_face_checkpoint() -> Result<(), 
     std::fs::remove_dir_all(out)?;
     Ok(())
 }
+
+/// A write that cannot happen is an error on every rank, not a hang: a directory that does
+/// not exist (TP rank 0 cannot create its scratch file, and still runs the gathers), and two
+/// parameters renamed to one name (the second found while rank 0 writes).
+#[test]
+fn a_write_that_fails_is_an_error_on_every_rank() -> Result<(), Error> {
+    let checkpoint = hf::Checkpoint::open(&fixture("hf_llama_tiny"))?;
+    let out = scratch("hf-save-errors");
+    let options = checkpoint.save_options()?;
+    let one_name = options
+        .clone()
+        .with_key_remap(r"\.(gate|up)_proj\.", ".mlp_proj.")?;
+    let cases = [
+        (
+            out.join("missing").join("model.safetensors"),
+            options,
+            "missing",
+        ),
+        (out.join("model.safetensors"), one_name, "written as"),
+    ];
+    for (path, options, what) in cases {
+        let errors = tp_ranks(2, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let model = checkpoint.load(g, d)?;
+            let saved = save_safetensors(&model, &path, g, &options);
+            Ok::<_, Error>(saved.err().map(|e| e.to_string()))
+        })?;
+        for (rank, e) in errors.into_iter().enumerate() {
+            let e = e.unwrap_or_else(|| panic!("rank {rank}: {what}: written"));
+            assert!(e.contains(&*path.to_string_lossy()), "rank {rank}: {e}");
+            if rank == 0 {
+                assert!(e.contains(what), "{e}");
+            }
+        }
+        assert!(!path.exists());
+    }
+    let left: Vec<_> = std::fs::read_dir(&out)?.collect();
+    assert!(left.is_empty(), "scratch files left: {left:?}");
+    std::fs::remove_dir_all(out)?;
+    Ok(())
+}
