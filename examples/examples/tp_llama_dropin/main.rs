@@ -44,7 +44,7 @@ use std::path::{Path, PathBuf};
 #[derive(Parser)]
 struct Args {
     /// Tensor-parallel size to compare with TP = 1 (1 or 2: it splits the 2 key/value heads;
-    /// with `--hf`, any divisor of the checkpoint's).
+    /// with `--hf` or `--meta`, any divisor of the checkpoint's).
     #[arg(long, default_value_t = 2)]
     tp: usize,
     /// Pipeline stages for the TP × PP run (1 or 2: the model has 2 layers).
