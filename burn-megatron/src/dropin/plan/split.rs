@@ -17,18 +17,18 @@ pub enum Split {
     /// `[vocab / tp, d]`), or an output `Linear`'s columns (Megatron's `output_layer`: logits
     /// `[..., vocab / tp]` for the vocabulary-parallel loss, argmax and sampler). A vocabulary
     /// that does not split is padded with
-    /// [`make_vocab_size_divisible_by`](TpPlan::make_vocab_size_divisible_by); the padding
+    /// [`make_vocab_size_divisible_by`](super::TpPlan::make_vocab_size_divisible_by); the padding
     /// logits are masked to [`PADDED_VOCAB_LOGIT`](crate::tensor_parallel::PADDED_VOCAB_LOGIT).
     /// A label-smoothed loss over split logits takes the real vocabulary
-    /// ([`Linear::d_output`](super::nn::Linear::d_output)) with
+    /// ([`Linear::d_output`](crate::dropin::nn::Linear::d_output)) with
     /// [`vocab_parallel_cross_entropy_padded`](crate::tensor_parallel::vocab_parallel_cross_entropy_padded).
     Vocab,
     /// An output `Linear` split over the vocabulary as [`Vocab`](Self::Vocab), its logits
     /// gathered and cut back to the real vocabulary: every rank gets `[..., vocab]`, for a
     /// loss written for whole logits (`burn::nn::loss::CrossEntropyLoss`).
     GatheredVocab,
-    /// [`nn::transformer`](super::nn::transformer)'s encoder or decoder (or one of their
-    /// layers, or an [`nn::attention`](super::nn::attention) `MultiHeadAttention` or
+    /// [`nn::transformer`](crate::dropin::nn::transformer)'s encoder or decoder (or one of their
+    /// layers, or an [`nn::attention`](crate::dropin::nn::attention) `MultiHeadAttention` or
     /// `CrossAttention` on its own) split as
     /// Megatron splits a transformer layer: `query`, `key`, `value` and `linear_inner`
     /// column-parallel, `output` and `linear_outer` row-parallel, the norms whole, dropout
