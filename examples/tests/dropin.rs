@@ -132,6 +132,18 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     let tokens = after(&stdout, "greedy tokens TP=1:");
     assert_eq!(tokens.split(',').count(), 10, "{stdout}");
     assert_eq!(tokens, after(&stdout, "greedy tokens TP=2:"));
+    // `--no-reference`: TP 2 alone, the same tokens; `--device cuda` without a GPU (or
+    // without the `cuda` feature) fails before any rank starts, naming the flag.
+    let alone = run(
+        "tp_llama_dropin",
+        &[&args[..], &["--no-reference"]].concat(),
+    );
+    assert!(!alone.contains("TP=1"), "{alone}");
+    assert_eq!(after(&alone, "greedy tokens TP=2:"), tokens);
+    if burn_megatron_kernels::device::cuda_device(0).is_err() {
+        let cuda = [&args[..], &["--no-reference", "--device", "cuda"]].concat();
+        fails_naming("tp_llama_dropin", &cuda, "--device cuda");
+    }
     // `--text` through a `tokenizer.json` beside the checkpoint: a word-level one whose
     // `wN` is token N, so the prompt is BOS and the ids the words name.
     let dir = fixture_copy("hf_llama_tiny");

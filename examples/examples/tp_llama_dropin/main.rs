@@ -80,6 +80,35 @@ struct Args {
     /// (Hugging Face's configs: 32 for Llama 3.2 1B and 3B, 8 for the other 3.1 and later).
     #[arg(long, requires = "meta")]
     rope_scaling_factor: Option<f32>,
+    /// With `--hf` or `--meta`: load only at `--tp`, without the TP 1 comparison (whose whole
+    /// model need not fit one device).
+    #[arg(long)]
+    no_reference: bool,
+    /// With `--hf` or `--meta`: where each rank of `--tp` computes: `cpu` (Burn's Flex), or
+    /// `cuda`, rank r on CUDA device r (build with `--features cuda`; collectives staged
+    /// through host memory).
+    #[arg(long, value_enum, default_value_t = RankDevice::Cpu)]
+    device: RankDevice,
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RankDevice {
+    Cpu,
+    Cuda,
+}
+
+impl RankDevice {
+    /// Each of `ranks` ranks' device, or why there is none (before any rank starts).
+    fn devices(self, ranks: usize) -> Result<Vec<Device>, String> {
+        (0..ranks)
+            .map(|r| match self {
+                RankDevice::Cpu => Ok(Device::flex()),
+                RankDevice::Cuda => burn_megatron_kernels::device::cuda_device(r)
+                    .map_err(|e| format!("--device cuda, rank {r}: {e}")),
+            })
+            .collect()
+    }
 }
 
 const SEQ: usize = 16;
@@ -306,17 +335,18 @@ fn same_tokens(
     args: &Args,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let mut generated = Vec::new();
-    let mut sizes = vec![1, args.tp];
+    let mut sizes = match args.no_reference {
+        true => vec![args.tp],
+        false => vec![1, args.tp],
+    };
     sizes.dedup();
     for tp in sizes {
-        let ranks = launch::threads(
-            &ParallelConfig::new(tp, tp, 1),
-            LaunchOptions::default(),
-            |ctx| {
-                let model = load(&ctx.groups.tp, &Device::flex())?;
-                model.generate(config, prompt, args.new_tokens)
-            },
-        )?;
+        let devices = args.device.devices(tp)?;
+        let options = LaunchOptions::default().with_device(move |r| devices[r].clone());
+        let ranks = launch::threads(&ParallelConfig::new(tp, tp, 1), options, |ctx| {
+            let model = load(&ctx.groups.tp, &ctx.device)?;
+            model.generate(config, prompt, args.new_tokens)
+        })?;
         let tokens = ranks.into_iter().next().expect("a rank");
         let new = &tokens[prompt.len()..];
         println!("greedy tokens TP={tp}: {new:?}");
