@@ -106,9 +106,9 @@ fn straddling_block<M: Module>(model: &M, quantizer: &Quantizer) -> Option<Strin
             if !shape.iter().zip(&block).all(fits) {
                 self.2 = Some(format!(
                     "{path}: this rank's shard {shape:?} does not split into the quantization \
-                     blocks {block:?} (a block would straddle two ranks' shards): choose blocks \
-                     that divide every rank's shard, or leave the layer out of the quantizer's \
-                     parameter group"
+                     blocks {block:?} (a block would straddle two ranks' shards, or the tensor's \
+                     edge): choose blocks that divide every rank's shard, or leave the layer \
+                     out of the quantizer's parameter group"
                 ));
             }
         }

@@ -200,3 +200,40 @@ fn a_write_that_fails_is_an_error_on_every_rank() -> Result<(), Error> {
     std::fs::remove_dir_all(out)?;
     Ok(())
 }
+
+/// A stage that cannot write its file fails the save on every rank of every stage, and the
+/// first stage writes no index over the files that were written (a transform that fails on
+/// the second stage's layer only).
+#[test]
+fn a_stage_that_fails_leaves_no_index() -> Result<(), Error> {
+    let checkpoint = hf::Checkpoint::open(&fixture("hf_llama_tied_tiny"))?;
+    let (config, out) = (&checkpoint.config, scratch("hf-save-stage-fails"));
+    let load = checkpoint.options()?;
+    let failing = (checkpoint.save_options()?)
+        .with_transform(r"^layers\.1\.ffn_norm\.", |_| Err("refused".to_string()))?;
+    let weights = RecordSource::from_hugging_face(&checkpoint.dir)?;
+    let ranks = launch::threads(
+        &ParallelConfig::new(4, 2, 2),
+        LaunchOptions::default(),
+        |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            let stage =
+                pipeline::Llama::pp_plan(config).stage(PipelinePosition::of(&ctx.state, 0))?;
+            let model = pipeline::Llama::load(config, &weights, &load, &stage, g, d)?;
+            let (chunks, stages) = (std::slice::from_ref(&model), std::slice::from_ref(&stage));
+            let path = out.join("model.safetensors");
+            let saved = save_safetensors_stages(chunks, stages, path, g, &ctx.groups.pp, &failing);
+            Ok::<_, Error>((stage.is_last(), saved.err().map(|e| e.to_string())))
+        },
+    )?;
+    for (rank, (last, e)) in ranks.into_iter().enumerate() {
+        let e = e.unwrap_or_else(|| panic!("rank {rank}: saved"));
+        if last && rank % 2 == 0 {
+            assert!(e.contains("refused"), "rank {rank}: {e}");
+        }
+    }
+    assert!(!out.join("model.safetensors.index.json").exists());
+    assert!(!out.join("model-00002-of-00002.safetensors").exists());
+    std::fs::remove_dir_all(out)?;
+    Ok(())
+}
