@@ -37,7 +37,7 @@ use adapter::{owners, pytorch_norm_key};
 pub(in crate::dropin) use options::rotary_pairs;
 pub use options::{LoadOptions, LoadReport, rotary_half_to_interleaved};
 pub use source::{RecordSource, convert_named_mpk};
-use source::{join_along, joined, legacy_tensors, model_parallel_parts};
+use source::{cut_parts, join_along, legacy_tensors, model_parallel_parts};
 use source::{pytorch_tensors, safetensors_tensors};
 use stored::{Bytes, Stored, Whole, stored_len, transformed, transpose};
 
@@ -341,13 +341,22 @@ impl PathMapper for Loader<'_, '_> {
         // parts this rank's shard overlaps read.
         let shard = match &stored.bytes {
             Bytes::Parts(parts) => {
-                let shapes = self.stored_shapes(&p, transposed, mapped);
+                let place = self.place(&p, transposed, mapped);
+                let shapes = place.map(|place| [place.global, place.real]);
                 match shapes.and_then(|shapes| join_along(parts, &shapes)) {
                     Err(e) => Err(e),
                     Ok(None) => self.read(&p, &parts[0], transform, transposed, mapped),
                     Ok(Some((along, dims))) => match transform {
-                        Some(_) => joined(parts, along, &dims)
-                            .and_then(|whole| self.read(&p, &whole, transform, transposed, mapped)),
+                        Some(_) => {
+                            let zeros = vec![0; dims.len()];
+                            let whole = cut_parts(parts, along, &dims, &zeros, &dims);
+                            whole.and_then(|(bytes, _)| {
+                                let dtype = parts[0].dtype;
+                                let bytes = Bytes::Owned(bytes);
+                                let whole = Stored { dtype, dims, bytes };
+                                self.read(&p, &whole, transform, transposed, mapped)
+                            })
+                        }
                         None => {
                             let whole = Whole::Parts { parts, along, dims };
                             self.shard(&p, whole, transposed, mapped)
@@ -416,34 +425,43 @@ impl Loader<'_, '_> {
         }
     }
 
-    /// The parameter's global shape as the record stores it (reversed when stored `[out,
-    /// in]`), then with a padded vocabulary's real extent.
-    fn stored_shapes<const D: usize>(
+    /// Where this rank's part of `p` lies in the whole tensor, in the record's order of
+    /// dimensions (reversed when stored `[out, in]`).
+    fn place<const D: usize>(
         &self,
         p: &Param<Tensor<D>>,
         transposed: bool,
         mapped: bool,
-    ) -> Result<[Vec<usize>; 2], String> {
+    ) -> Result<Place, String> {
         if transposed && D != 2 {
             return Err(not_a_matrix(D));
         }
         let mut local = p.lazy_shape().to_vec();
+        // A mapped parameter Burn has not drawn yet has the stored layout's shape; drawn, the
+        // layer's.
         if mapped && p.is_initialized() {
             local.reverse();
         }
         let attrs = parallel_attrs(p.id);
-        let (global, _) = attrs.placement(&local, self.tp.0, self.tp.1);
+        let (global, offset) = attrs.placement(&local, self.tp.0, self.tp.1);
         let mut real = global.clone();
         if let Some((d, n)) = attrs.padding() {
             real[d] = n;
         }
-        let stored = |mut v: Vec<usize>| {
+        let stored = |v: &[usize]| {
+            let mut v = v.to_vec();
             if transposed {
                 v.reverse();
             }
             v
         };
-        Ok([stored(global), stored(real)])
+        Ok(Place {
+            global: stored(&global),
+            real: stored(&real),
+            at: stored(&offset),
+            size: stored(&local),
+            local,
+        })
     }
 
     /// This rank's box of `stored`, as the parameter `p` holds it.
@@ -454,33 +472,20 @@ impl Loader<'_, '_> {
         transposed: bool,
         mapped: bool,
     ) -> Result<TensorData, String> {
-        let mut local = p.lazy_shape().to_vec();
-        // A mapped parameter Burn has not drawn yet has the stored layout's shape; drawn, the
-        // layer's.
-        if mapped && p.is_initialized() {
-            local.reverse();
-        }
-        let attrs = parallel_attrs(p.id);
-        let (global, offset) = attrs.placement(&local, self.tp.0, self.tp.1);
-        if transposed && D != 2 {
-            return Err(not_a_matrix(D));
-        }
-        // The box in the stored tensor's own order of dimensions.
-        let flip = |v: &[usize]| {
-            if transposed {
-                vec![v[1], v[0]]
-            } else {
-                v.to_vec()
-            }
-        };
+        let Place {
+            global,
+            real,
+            at,
+            size,
+            local,
+        } = self.place(p, transposed, mapped)?;
         // A padded vocabulary: a plain record holds the real extent, and the padding is
         // zeros; a record padded as the model is (a Megatron checkpoint's) is read as it is.
-        let mut real = global.clone();
-        let padded_dim = attrs.padding().filter(|_| stored.dims() != flip(&global));
-        if let Some((d, n)) = padded_dim {
-            real[d] = n;
-        }
-        let (want, at, size) = (flip(&real), flip(&offset), flip(&local));
+        let want = if stored.dims() == global {
+            global
+        } else {
+            real
+        };
         if stored.dims() != want {
             let layout = if transposed {
                 " (stored transposed)"
@@ -497,7 +502,10 @@ impl Loader<'_, '_> {
         let stored = match stored {
             Whole::One(stored) => stored,
             Whole::Parts { parts, along, .. } => {
-                let bytes = self.cut_parts(parts, along, &want, &at, &size, elem)?;
+                let (bytes, read) = cut_parts(parts, along, &want, &at, &size)?;
+                // The parts read for this tensor, together.
+                let largest = &mut self.report.largest_whole_tensor_bytes;
+                *largest = (*largest).max(read as u64);
                 let bytes = match transposed {
                     true => transpose(&bytes, size[0], size[1], elem),
                     false => bytes,
@@ -537,43 +545,17 @@ impl Loader<'_, '_> {
         };
         Ok(TensorData::from_bytes_vec(bytes, local, dtype))
     }
+}
 
-    /// The box at `at` of `size` in the tensor of shape `want` (zeros past its extent) that
-    /// `parts` make joined along `along`, from the parts the box overlaps, each read whole
-    /// (counted together in the report's largest whole tensor).
-    fn cut_parts(
-        &mut self,
-        parts: &[Stored<'_>],
-        along: usize,
-        want: &[usize],
-        at: &[usize],
-        size: &[usize],
-        elem: usize,
-    ) -> Result<Vec<u8>, String> {
-        let (lo, hi) = (at[along], (at[along] + size[along]).min(want[along]));
-        let mut read = Vec::new();
-        let mut start = 0;
-        for part in parts {
-            let end = start + part.dims[along];
-            if start < hi && lo < end {
-                let mut offset = vec![0; want.len()];
-                offset[along] = start;
-                read.push((offset, part, part.bytes()?));
-            }
-            start = end;
-        }
-        let bytes: usize = read.iter().map(|(_, _, b)| b.len()).sum();
-        let largest = &mut self.report.largest_whole_tensor_bytes;
-        *largest = (*largest).max(bytes as u64);
-        let pieces: Vec<Piece<'_>> = (read.iter())
-            .map(|(offset, part, bytes)| Piece {
-                offset,
-                shape: &part.dims,
-                bytes,
-            })
-            .collect();
-        assemble_padded(at, size, &pieces, elem, want)
-    }
+/// Where a rank's part of a parameter lies, in the record's order of dimensions: the whole
+/// tensor's shape, the same with a padded vocabulary's real extent, this rank's box (its
+/// first index and shape); and the rank's shape as the parameter holds it.
+struct Place {
+    global: Vec<usize>,
+    real: Vec<usize>,
+    at: Vec<usize>,
+    size: Vec<usize>,
+    local: Vec<usize>,
 }
 
 fn not_a_matrix(dims: usize) -> String {

@@ -3,6 +3,7 @@
 
 use super::{Bytes, Stored};
 use crate::safetensors_io;
+use crate::shards::{Piece, assemble_padded};
 use crate::tensor_parallel::TpError;
 use std::path::{Path, PathBuf};
 
@@ -229,31 +230,38 @@ pub(super) fn join_along(
     ))
 }
 
-/// The parts joined along `along` into one tensor of shape `dims`, every part read.
-pub(super) fn joined(
+/// The box at `at` of `size` in the tensor of shape `want` (zeros past its extent) that
+/// `parts` make joined along `along`, from the parts the box overlaps, each read whole; and
+/// the bytes read. The whole tensor is the box at zero of `want`.
+pub(super) fn cut_parts(
     parts: &[Stored<'_>],
     along: usize,
-    dims: &[usize],
-) -> Result<Stored<'static>, String> {
-    let elem = parts[0].dtype.size();
-    let outer: usize = dims[..along].iter().product();
-    let bytes = parts
-        .iter()
-        .map(Stored::bytes)
-        .collect::<Result<Vec<_>, String>>()?;
-    let mut out = Vec::with_capacity(dims.iter().product::<usize>() * elem);
-    for o in 0..outer {
-        for (part, b) in parts.iter().zip(&bytes) {
-            let chunk = part.dims[along..].iter().product::<usize>() * elem;
-            let run = b.get(o * chunk..(o + 1) * chunk);
-            out.extend_from_slice(run.ok_or("a part holds fewer bytes than its shape")?);
+    want: &[usize],
+    at: &[usize],
+    size: &[usize],
+) -> Result<(Vec<u8>, usize), String> {
+    let (lo, hi) = (at[along], (at[along] + size[along]).min(want[along]));
+    let mut read = Vec::new();
+    let mut start = 0;
+    for part in parts {
+        let end = start + part.dims[along];
+        if start < hi && lo < end {
+            let mut offset = vec![0; want.len()];
+            offset[along] = start;
+            read.push((offset, part, part.bytes()?));
         }
+        start = end;
     }
-    Ok(Stored {
-        dtype: parts[0].dtype,
-        dims: dims.to_vec(),
-        bytes: Bytes::Owned(out),
-    })
+    let bytes = read.iter().map(|(_, _, b)| b.len()).sum();
+    let pieces: Vec<Piece<'_>> = (read.iter())
+        .map(|(offset, part, bytes)| Piece {
+            offset,
+            shape: &part.dims,
+            bytes,
+        })
+        .collect();
+    let elem = parts[0].dtype.size();
+    Ok((assemble_padded(at, size, &pieces, elem, want)?, bytes))
 }
 
 /// The tensors of a mapped safetensors file, as views of the map.
