@@ -4,7 +4,7 @@
 //! model's paths and layouts. The model's code does not change; each rank still reads only
 //! its shards.
 
-use super::llama::{LlamaConfig, RopeScaling};
+use super::llama::{LlamaConfig, RopeScaling, read_json};
 use super::parallel;
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
@@ -124,7 +124,8 @@ impl Checkpoint {
     /// `hidden_size / num_attention_heads`, key/value heads that do not divide the heads, a
     /// RoPE other than the default or Llama 3's.
     pub fn open(dir: &Path) -> Result<Self, String> {
-        let (path, json) = read_config(dir)?;
+        let path = dir.join("config.json");
+        let json = read_json(&path)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             config: config(&path, &json)?,
@@ -206,12 +207,4 @@ fn config(path: &Path, json: &Value) -> Result<LlamaConfig, String> {
     .with_norm_eps(number("rms_norm_eps")?)
     .with_rope_theta(theta as f32)
     .with_rope_scaling(scaling))
-}
-
-fn read_config(dir: &Path) -> Result<(PathBuf, Value), String> {
-    let path = dir.join("config.json");
-    let error = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-    let text = std::fs::read_to_string(&path).map_err(|e| error(&e))?;
-    let json = serde_json::from_str(&text).map_err(|e| error(&e))?;
-    Ok((path, json))
 }

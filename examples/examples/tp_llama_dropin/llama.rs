@@ -1,5 +1,6 @@
 //! What the Llama's three forms share, untouched by the conversion: its config (llama-burn's
-//! `LlamaConfig`), its rotary encoding, `repeat_kv`, the causal mask and the key/value cache.
+//! `LlamaConfig`, and the reader of a checkpoint's JSON config), its rotary encoding,
+//! `repeat_kv`, the causal mask and the key/value cache.
 
 use burn::config::Config;
 use burn::nn::{RotaryEncoding, RotaryEncodingConfig};
@@ -128,4 +129,11 @@ impl KeyValueCache {
         let so_far = |t: &Tensor<4>| t.clone().slice([0..b, 0..h, 0..end, 0..d]);
         (so_far(&self.key), so_far(&self.value))
     }
+}
+
+/// The JSON file at `path` (a checkpoint's config), or why not, naming the file.
+pub fn read_json(path: &std::path::Path) -> Result<serde_json::Value, String> {
+    let error = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let text = std::fs::read_to_string(path).map_err(|e| error(&e))?;
+    serde_json::from_str(&text).map_err(|e| error(&e))
 }

@@ -7,7 +7,7 @@
 //! loads at any TP size that divides the key/value heads: each rank reads the parts of each
 //! tensor its shard overlaps, joined as the model holds the tensor.
 
-use super::llama::{LlamaConfig, RopeScaling};
+use super::llama::{LlamaConfig, RopeScaling, read_json};
 use super::parallel;
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
@@ -62,9 +62,7 @@ impl Checkpoint {
     /// do not divide the width, key/value heads that do not divide the heads.
     pub fn open(dir: &Path, scaling_factor: Option<f32>) -> Result<Self, String> {
         let path = dir.join("params.json");
-        let error = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-        let text = std::fs::read_to_string(&path).map_err(|e| error(&e))?;
-        let json: Value = serde_json::from_str(&text).map_err(|e| error(&e))?;
+        let json = read_json(&path)?;
         let at = |key: &str| format!("{}: `{key}`", path.display());
         let count = |key: &str| {
             json[key]
