@@ -169,7 +169,7 @@ pub fn save_safetensors<M: Module>(
     let entries = entries_in(model, tp, &ParamGroup::all());
     let layouts = layouts(model, &entries, options.pytorch_adapter);
     let (entries, layouts): (Vec<Entry>, Vec<Layout>) = (entries.into_iter().zip(layouts))
-        .filter(|(e, _)| !options.skipped.iter().any(|re| re.is_match(&e.path)))
+        .filter(|(e, _)| !options.skips(&e.path))
         .unzip();
     let written = match tp.group().rank() {
         0 => write(&entries, &layouts, path, options).map(drop),
