@@ -23,7 +23,7 @@ mod pipeline;
 
 use super::Error;
 use super::load::{scratch, write_safetensors};
-use super::model_parallel::half;
+use super::model_parallel::{Named, halves, write_parts};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
@@ -366,25 +366,11 @@ fn model_parallel_parts_meet_transforms_and_ties() -> Result<(), Error> {
     let fixture = fixture("hf_llama_tied_tiny");
     let checkpoint = hf::Checkpoint::open(&fixture)?;
     let dir = scratch("hf-llama-parts");
-    let tensors: Vec<(String, Vec<usize>, Vec<f32>)> =
-        (read_safetensors(&fixture.join("model.safetensors")).into_iter())
-            .map(|(k, (shape, v))| (k, shape, v.into_iter().map(|x| x as f32).collect()))
-            .collect();
-    let files: Vec<PathBuf> = (0..2)
-        .map(|r| {
-            let part: Vec<_> = (tensors.iter().enumerate())
-                .map(|(i, (name, shape, v))| {
-                    let dim = (i % 2).min(shape.len() - 1);
-                    let (shape, v) = half(shape, v, dim, r);
-                    (name.clone(), shape, v)
-                })
-                .collect();
-            let path = dir.join(format!("part-{r}.safetensors"));
-            write_safetensors(&path, &part);
-            path
-        })
+    let tensors: Vec<Named> = (read_safetensors(&fixture.join("model.safetensors")).into_iter())
+        .map(|(k, (shape, v))| (k, shape, v.into_iter().map(|x| x as f32).collect()))
         .collect();
-    let parts = RecordSource::ModelParallel(files);
+    let split = |i: usize, _: &str, shape: &[usize]| Some((i % 2).min(shape.len() - 1));
+    let parts = write_parts(&dir, "part", &halves(&tensors, split));
     let (config, options) = (&checkpoint.config, checkpoint.options()?);
     for tp in [1, 2] {
         let ranks = tp_ranks(tp, |ctx| {

@@ -8,11 +8,44 @@ use burn::tensor::Device;
 use burn_megatron::dropin::{LoadOptions, RecordSource, load_sharded};
 use burn_megatron_tests::gpt::gathered;
 use burn_megatron_tests::tp_ranks;
+use std::path::Path;
 
-type Named = (String, Vec<usize>, Vec<f32>);
+/// A tensor by name: its shape and values.
+pub(super) type Named = (String, Vec<usize>, Vec<f32>);
+
+/// The two ranks' parts of `tensors`: the `i`-th split in two along the dimension `dim(i,
+/// name, shape)` gives, or whole in both where it gives none.
+pub(super) fn halves(
+    tensors: &[Named],
+    dim: impl Fn(usize, &str, &[usize]) -> Option<usize>,
+) -> [Vec<Named>; 2] {
+    [0, 1].map(|r| {
+        (tensors.iter().enumerate())
+            .map(|(i, (name, shape, v))| match dim(i, name, shape) {
+                Some(d) => {
+                    let (shape, v) = half(shape, v, d, r);
+                    (name.clone(), shape, v)
+                }
+                None => (name.clone(), shape.clone(), v.clone()),
+            })
+            .collect()
+    })
+}
+
+/// `parts` (rank `r`'s in `dir/{tag}.{r}.safetensors`) as a model-parallel checkpoint.
+pub(super) fn write_parts(dir: &Path, tag: &str, parts: &[Vec<Named>]) -> RecordSource {
+    let paths = (parts.iter().enumerate())
+        .map(|(r, tensors)| {
+            let path = dir.join(format!("{tag}.{r}.safetensors"));
+            write_safetensors(&path, tensors);
+            path
+        })
+        .collect();
+    RecordSource::ModelParallel(paths)
+}
 
 /// Part `r` of 2 of `shape`'s tensor `v`, split along `dim`.
-pub(super) fn half(shape: &[usize], v: &[f32], dim: usize, r: usize) -> (Vec<usize>, Vec<f32>) {
+fn half(shape: &[usize], v: &[f32], dim: usize, r: usize) -> (Vec<usize>, Vec<f32>) {
     let inner: usize = shape[dim + 1..].iter().product();
     let (outer, n) = (v.len() / (shape[dim] * inner), shape[dim] / 2);
     let mut part = shape.to_vec();
@@ -50,23 +83,7 @@ fn a_model_parallel_checkpoint_loads_at_any_tp_size_reading_only_the_parts_it_ne
             false => (row && name.ends_with(".weight")).then_some(1),
         }
     };
-    let files: Vec<_> = (0..2)
-        .map(|r| {
-            let part: Vec<Named> = (torch.iter())
-                .map(|(name, shape, v)| match split(name) {
-                    Some(dim) => {
-                        let (shape, v) = half(shape, v, dim, r);
-                        (name.clone(), shape, v)
-                    }
-                    None => (name.clone(), shape.clone(), v.clone()),
-                })
-                .collect();
-            let path = dir.join(format!("mp_rank_0{r}.safetensors"));
-            write_safetensors(&path, &part);
-            path
-        })
-        .collect();
-    let source = RecordSource::ModelParallel(files);
+    let source = write_parts(&dir, "mp_rank", &halves(&torch, |_, name, _| split(name)));
     let options = LoadOptions::default().with_transposed(r"\.weight$")?;
     // The largest split tensor, the feed-forward's, whole and one file's part of it.
     let largest = (D_MODEL * D_FF * 4) as u64;

@@ -7,7 +7,7 @@ use super::{
     Error, agrees_with_transformers, grads_checkpoint, kept, meta, parallel, pipeline, run,
 };
 use crate::dropin::load::{scratch, write_safetensors};
-use crate::dropin::model_parallel::half;
+use crate::dropin::model_parallel::{Named, halves, write_parts};
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
 use burn_megatron::dropin::RecordSource;
@@ -154,40 +154,22 @@ fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> 
         .collect();
     let whole = dir.join("whole.safetensors");
     write_safetensors(&whole, &tensors);
-    // Rank r's part of each tensor, as fairscale splits Llama 3: the norms whole, `wo` and
+    // Each rank's part of each tensor, as fairscale splits Llama 3: the norms whole, `wo` and
     // `w2` by columns, the rest by rows.
-    let part = |r: usize| -> Vec<Named> {
-        let dim = |name: &str| usize::from(name.contains(".wo.") || name.contains(".w2."));
-        (tensors.iter())
-            .map(|(name, shape, v)| match shape.len() {
-                1 => (name.clone(), shape.clone(), v.clone()),
-                _ => {
-                    let (shape, v) = half(shape, v, dim(name), r);
-                    (name.clone(), shape, v)
-                }
-            })
-            .collect()
-    };
-    let write = |tag: &str, files: [Vec<Named>; 2]| {
-        let paths = (files.iter().enumerate())
-            .map(|(r, tensors)| {
-                let path = dir.join(format!("{tag}.{r}.safetensors"));
-                write_safetensors(&path, tensors);
-                path
-            })
-            .collect();
-        RecordSource::ModelParallel(paths)
-    };
-    let joined = write("joined", [part(0), part(1)]);
-    let mut lacking = part(1);
+    let [first, second] = halves(&tensors, |_, name, shape| {
+        let row = name.contains(".wo.") || name.contains(".w2.");
+        (shape.len() > 1).then_some(usize::from(row))
+    });
+    let joined = write_parts(&dir, "joined", &[first.clone(), second.clone()]);
+    let mut lacking = second.clone();
     lacking.retain(|(name, ..)| name != "norm.weight");
-    let lacking = write("lacking", [part(0), lacking]);
-    let mut short = part(1);
+    let lacking = write_parts(&dir, "lacking", &[first.clone(), lacking]);
+    let mut short = second;
     for (_, shape, v) in short.iter_mut().filter(|(n, ..)| n == "output.weight") {
         shape[0] -= 1;
         v.truncate(shape[0] * shape[1]);
     }
-    let short = write("short", [part(0), short]);
+    let short = write_parts(&dir, "short", &[first, short]);
     let whole = RecordSource::from_path(&whole);
     let ranks = tp_ranks(2, |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
@@ -212,5 +194,3 @@ fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> 
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
-
-type Named = (String, Vec<usize>, Vec<f32>);
