@@ -18,7 +18,8 @@ use std::path::PathBuf;
 /// Megatron's tokenizer kinds that `preprocess_data` reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum TokenizerType {
-    /// A Hugging Face `tokenizer.json` with an end-of-document token (GPT-2, Llama, …).
+    /// A Hugging Face `tokenizer.json` with an end-of-document token (GPT-2, Llama, …), or
+    /// Meta's Llama 3 `tokenizer.model` (tiktoken's format).
     #[value(name = "HuggingFaceTokenizer")]
     HuggingFace,
     /// BERT's WordPiece (`vocab.txt` or `tokenizer.json`), lower-cased.

@@ -205,18 +205,81 @@ fn the_llama_example_reads_a_meta_checkpoint() {
         env!("CARGO_MANIFEST_DIR"),
         "/../tests/fixtures/meta_llama_tiny_mp2"
     );
-    let prompt = ["--prompt", "76,59,55,63,13,32,12", "--new-tokens", "10"];
-    let args = [
-        &["--meta", dir, "--rope-scaling-factor", "32", "--tp", "4"][..],
-        &prompt,
+    let prompt = [
+        "--prompt",
+        "305,424,102,212,189,238,330",
+        "--new-tokens",
+        "10",
     ];
+    let meta = ["--meta", dir, "--rope-scaling-factor", "32"];
+    let args = [&meta[..], &["--tp", "4"], &prompt];
     let stdout = run("tp_llama_dropin", &args.concat());
     assert!(stdout.contains("(2 model-parallel files)"), "{stdout}");
     // `transformers`' tokens (tests/fixtures/meta_llama_tiny/generate.safetensors, row 1).
-    let want = "[83, 43, 69, 92, 92, 92, 92, 34, 17, 27]";
+    let want = "[136, 218, 337, 218, 400, 91, 422, 61, 36, 324]";
     assert_eq!(after(&stdout, "greedy tokens TP=1:"), want, "{stdout}");
     assert_eq!(after(&stdout, "greedy tokens TP=4:"), want, "{stdout}");
     fails_naming("tp_llama_dropin", &["--meta", dir], "use_scaled_rope");
+    // `--text` through the directory's `tokenizer.model`: the prompt is `<|begin_of_text|>`
+    // and tiktoken's ids for the text (tests/fixtures/meta_llama_tiny/tokenizer_expected.json),
+    // and it generates what those ids as `--prompt` generate.
+    let tokens: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{dir}/../meta_llama_tiny/tokenizer_expected.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let case = (tokens["cases"].as_array().unwrap().iter())
+        .find(|c| c["text"] == "Hello world")
+        .unwrap();
+    let mut ids = vec![tokens["begin_of_text"].as_i64().unwrap()];
+    ids.extend(
+        case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_i64().unwrap()),
+    );
+    let text = [&meta[..], &["--text", "Hello world", "--new-tokens", "6"]].concat();
+    let stdout = run("tp_llama_dropin", &text);
+    assert_eq!(
+        after(&stdout, "prompt ids:"),
+        format!("{ids:?}"),
+        "{stdout}"
+    );
+    assert_eq!(after(&stdout, "text TP=1:"), after(&stdout, "text TP=2:"));
+    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+    let ids = ids.join(",");
+    let as_ids = [&meta[..], &["--prompt", &ids, "--new-tokens", "6"]].concat();
+    let again = run("tp_llama_dropin", &as_ids);
+    assert_eq!(
+        after(&stdout, "greedy tokens TP=2:"),
+        after(&again, "greedy tokens TP=2:")
+    );
+    // Without a tokenizer.model, `--text` is refused naming it; an id outside the vocabulary
+    // is refused before any rank starts.
+    let bare = std::env::temp_dir().join(format!("meta-no-tokenizer-{}", std::process::id()));
+    std::fs::create_dir_all(&bare).unwrap();
+    for f in ["params.json", "consolidated.00.pth", "consolidated.01.pth"] {
+        std::fs::copy(format!("{dir}/{f}"), bare.join(f)).unwrap();
+    }
+    let bare_args = [
+        "--meta",
+        bare.to_str().unwrap(),
+        "--rope-scaling-factor",
+        "32",
+    ];
+    fails_naming(
+        "tp_llama_dropin",
+        &[&bare_args[..], &["--text", "Hi"]].concat(),
+        "tokenizer.model",
+    );
+    std::fs::remove_dir_all(bare).unwrap();
+    let outside = [&meta[..], &["--prompt", "1,576"]].concat();
+    fails_naming(
+        "tp_llama_dropin",
+        &outside,
+        "576 is not in the vocabulary of 576",
+    );
 }
 
 /// `--hf --text`: a Hugging Face BERT checkpoint (the fixture `transformers` wrote) beside a

@@ -1,6 +1,7 @@
-//! GPT pretraining data: a byte-level BPE tokenizer (trained on the corpus, or any Hugging
-//! Face `tokenizer.json`), and causal-LM samples cut from the documents concatenated with an
-//! end-of-document token between them, as Megatron's GPT dataset does.
+//! GPT pretraining data: a byte-level BPE tokenizer (trained on the corpus, any Hugging Face
+//! `tokenizer.json`, or a tiktoken file such as Meta's Llama 3 `tokenizer.model`), and
+//! causal-LM samples cut from the documents concatenated with an end-of-document token
+//! between them, as Megatron's GPT dataset does.
 //!
 //! Sample `i` of the epoch is the `seq_length + 1` tokens of window `order[i]`, `order` a
 //! seeded shuffle of the windows: the inputs are its first `seq_length` tokens, the labels
@@ -29,6 +30,21 @@ pub const END_OF_TEXT: &str = "<|endoftext|>";
 /// Llama 3's, Llama 2's / Mistral's, Gemma's.
 const EOD_CANDIDATES: [&str; 4] = [END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>"];
 
+/// A file's bytes, and its name for errors.
+fn read(path: &Path) -> Result<(Vec<u8>, String), DataError> {
+    let name = path.display().to_string();
+    let bytes = match path.is_file() {
+        true => std::fs::read(path).map_err(|e| e.to_string()),
+        false => Err("no such file".to_string()),
+    };
+    bytes
+        .map(|b| (b, name.clone()))
+        .map_err(|message| DataError::Io {
+            path: name,
+            message,
+        })
+}
+
 /// A byte-level tokenizer with its end-of-document id.
 #[derive(Debug, Clone)]
 pub struct GptTokenizer {
@@ -42,17 +58,59 @@ fn tok_err(what: &str) -> impl Fn(tokenizers::Error) -> DataError + '_ {
 }
 
 impl GptTokenizer {
-    /// Loads a Hugging Face `tokenizer.json`; its end-of-document token is the first of
-    /// `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` it has.
+    /// Loads a Hugging Face `tokenizer.json`, or a tiktoken BPE file read as Meta's Llama 3
+    /// `tokenizer.model` (its pattern [`LLAMA3_PATTERN`], its 256
+    /// [`llama3_special_tokens`] after the ranks). The end-of-document token is the first of
+    /// `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` the tokenizer has.
+    ///
+    /// Llama 2's `tokenizer.model` is a SentencePiece model, which is not read: use the
+    /// `tokenizer.json` Hugging Face ships beside it.
     pub fn from_file(path: &Path) -> Result<Self, DataError> {
-        let name = path.display().to_string();
-        if !path.is_file() {
-            return Err(DataError::Io {
-                path: name,
-                message: "no such file".into(),
-            });
+        let (bytes, name) = read(path)?;
+        if tiktoken::looks_like_tiktoken(&bytes) {
+            let specials = llama3_special_tokens();
+            let inner = tiktoken::tokenizer(&bytes, &name, LLAMA3_PATTERN, &specials)?;
+            return Self::with_eod(inner, &name);
         }
-        let inner = Tokenizer::from_file(path).map_err(tok_err(&name))?;
+        let inner = Tokenizer::from_bytes(&bytes).map_err(|e| {
+            DataError::Tokenizer(format!(
+                "{name}: neither a tokenizer.json ({e}) nor a tiktoken BPE file (Llama 3's \
+                 tokenizer.model); Llama 2's SentencePiece tokenizer.model is not read, \
+                 use the tokenizer.json beside it"
+            ))
+        })?;
+        Self::with_eod(inner, &name)
+    }
+
+    /// Loads a tiktoken BPE file (each line a token's bytes in base64 and its rank), splitting
+    /// text by the regular expression `pattern`, with `special_tokens` numbered from the
+    /// first id after the ranks, as Meta's Llama 3 tokenizer numbers its own.
+    ///
+    /// The result is the Hugging Face byte-level BPE that encodes as tiktoken does
+    /// (`transformers` converts these files so); [`save`](Self::save) writes it as a
+    /// `tokenizer.json`. Special tokens in the text are encoded as themselves.
+    ///
+    /// ```no_run
+    /// use burn_megatron::data::{GptTokenizer, LLAMA3_PATTERN, llama3_special_tokens};
+    /// # fn main() -> Result<(), burn_megatron::data::DataError> {
+    /// // What `from_file` does with Meta's Llama 3 `tokenizer.model`.
+    /// let path = std::path::Path::new("Llama3.2-1B/tokenizer.model");
+    /// let tokenizer = GptTokenizer::from_tiktoken(path, LLAMA3_PATTERN, &llama3_special_tokens())?;
+    /// assert_eq!(tokenizer.token_id("<|begin_of_text|>"), Some(128000));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_tiktoken(
+        path: &Path,
+        pattern: &str,
+        special_tokens: &[String],
+    ) -> Result<Self, DataError> {
+        let (bytes, name) = read(path)?;
+        let inner = tiktoken::tokenizer(&bytes, &name, pattern, special_tokens)?;
+        Self::with_eod(inner, &name)
+    }
+
+    fn with_eod(inner: Tokenizer, name: &str) -> Result<Self, DataError> {
         let eod = EOD_CANDIDATES
             .iter()
             .find_map(|t| inner.token_to_id(t))
@@ -100,6 +158,12 @@ impl GptTokenizer {
     /// The vocabulary size (special tokens included).
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// The id of `token` (a special token such as `<|begin_of_text|>`, or any token of the
+    /// vocabulary), if the tokenizer has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
     }
 
     /// The ids of `text`, without special tokens.
@@ -249,3 +313,5 @@ impl GptBatch {
 
 #[cfg(test)]
 mod tests;
+mod tiktoken;
+pub use tiktoken::{LLAMA3_PATTERN, llama3_special_tokens};

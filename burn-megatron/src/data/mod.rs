@@ -27,6 +27,7 @@ pub use bert_dataset::{BertBatch, BertDataset, BertDatasetConfig, BertSample};
 pub use corpus::{Document, load_corpus, synthetic_corpus, synthetic_vocabulary};
 pub use gpt_dataset::{
     END_OF_TEXT, GptBatch, GptCorpusDataset, GptCorpusDatasetConfig, GptSample, GptTokenizer,
+    LLAMA3_PATTERN, llama3_special_tokens,
 };
 pub use tokenizer::{BertTokenizer, SPECIAL_TOKENS};
 

@@ -20,7 +20,8 @@
 //! its `config.json` and the load options that map its tensors), at TP 1 and at `--tp`, and
 //! generates from `--text` or `--prompt`. With `--meta <dir>`, it reads a checkpoint in
 //! Meta's own format (`mod meta`: `params.json` and `consolidated.NN.pth`, one file or one
-//! per model-parallel rank), and generates from `--prompt`.
+//! per model-parallel rank; `tokenizer.model` for `--text`), and generates from `--text` or
+//! `--prompt`.
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -42,6 +43,7 @@ use clap::Parser;
 use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
+#[command(group(clap::ArgGroup::new("checkpoint").args(["hf", "meta"])))]
 struct Args {
     /// Tensor-parallel size to compare with TP = 1 (1 or 2: it splits the 2 key/value heads;
     /// with `--hf` or `--meta`, any divisor of the checkpoint's).
@@ -65,15 +67,16 @@ struct Args {
     #[arg(long)]
     hf: Option<PathBuf>,
     /// With `--hf`: a text prompt for the directory's `tokenizer.json`, after the config's
-    /// `bos_token_id`, instead of `--prompt`.
-    #[arg(long, requires = "hf", conflicts_with = "prompt")]
+    /// `bos_token_id`; with `--meta`: for its `tokenizer.model` (Llama 3's tiktoken file),
+    /// after `<|begin_of_text|>`. Instead of `--prompt`.
+    #[arg(long, requires = "checkpoint", conflicts_with = "prompt")]
     text: Option<String>,
     /// With `--hf`: write the model loaded at `--tp` back to this directory as a Hugging Face
     /// checkpoint (`config.json`, `model.safetensors`), each rank's shards gathered.
     #[arg(long, requires = "hf")]
     save_hf: Option<PathBuf>,
     /// A Llama in Meta's format (`params.json`, `consolidated.NN.pth`): load it at TP 1 and at
-    /// `--tp` and generate from `--prompt`, instead of the rest.
+    /// `--tp` and generate from `--prompt` or `--text`, instead of the rest.
     #[arg(long, conflicts_with = "hf")]
     meta: Option<PathBuf>,
     /// With `--meta`: Llama 3's RoPE scaling factor, which Meta's params.json does not give
@@ -250,17 +253,8 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
             ""
         },
     );
-    let (prompt, tokenizer): (Vec<i64>, Option<GptTokenizer>) = match &args.text {
-        Some(text) => {
-            let t = GptTokenizer::from_file(&dir.join("tokenizer.json"))?;
-            let ids = t.encode(text)?.into_iter().map(i64::from);
-            (
-                checkpoint.bos_token_id.into_iter().chain(ids).collect(),
-                Some(t),
-            )
-        }
-        None => (args.prompt.clone(), None),
-    };
+    let bos = checkpoint.bos_token_id;
+    let (prompt, tokenizer) = prompt(args, || Ok((open(&dir.join("tokenizer.json"))?, bos)))?;
     fit(&mut checkpoint.config, &prompt, args)?;
     let load = |tp: &Comm, device: &Device| checkpoint.load(tp, device);
     same_tokens(&checkpoint.config, load, &prompt, tokenizer.as_ref(), args)?;
@@ -280,7 +274,8 @@ fn from_hugging_face(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::
 }
 
 /// `--meta`: the checkpoint in `dir` at TP 1 and at `--tp`, each rank reading only its shards
-/// (of the parts joined, for a model-parallel checkpoint), generating greedily from `--prompt`.
+/// (of the parts joined, for a model-parallel checkpoint), generating greedily from `--prompt`
+/// (or `--text`, through its `tokenizer.model`).
 fn from_meta(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut checkpoint = meta::Checkpoint::open(dir, args.rope_scaling_factor)?;
     let c = &checkpoint.config;
@@ -299,19 +294,55 @@ fn from_meta(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> 
         c.n_kv_heads,
         c.vocab_size,
     );
-    fit(&mut checkpoint.config, &args.prompt, args)?;
+    let (prompt, tokenizer) = prompt(args, || {
+        let t = open(&dir.join("tokenizer.model"))?;
+        let bos = t.token_id("<|begin_of_text|>").map(i64::from);
+        Ok((t, bos))
+    })?;
+    fit(&mut checkpoint.config, &prompt, args)?;
     let load = |tp: &Comm, device: &Device| checkpoint.load(tp, device);
-    same_tokens(&checkpoint.config, load, &args.prompt, None, args)
+    same_tokens(&checkpoint.config, load, &prompt, tokenizer.as_ref(), args)
+}
+
+/// The checkpoint's tokenizer, or why there is none.
+fn open(path: &Path) -> Result<GptTokenizer, String> {
+    GptTokenizer::from_file(path).map_err(|e| format!("--text needs the tokenizer: {e}"))
+}
+
+/// `--text` through the checkpoint's tokenizer, after its beginning-of-sequence id (what
+/// `tokenizer` gives), or `--prompt`.
+fn prompt(
+    args: &Args,
+    tokenizer: impl FnOnce() -> Result<(GptTokenizer, Option<i64>), String>,
+) -> Result<(Vec<i64>, Option<GptTokenizer>), Box<dyn std::error::Error>> {
+    let Some(text) = &args.text else {
+        return Ok((args.prompt.clone(), None));
+    };
+    let (t, bos) = tokenizer()?;
+    let ids = t.encode(text)?.into_iter().map(i64::from);
+    let ids: Vec<i64> = bos.into_iter().chain(ids).collect();
+    println!("prompt ids: {ids:?}");
+    Ok((ids, Some(t)))
 }
 
 /// The config's positions cut to the prompt and `--new-tokens`: the cache and the rotary table
 /// for the positions this run uses, not the 128k a Llama 3 checkpoint allows (the scaling
-/// reads its original context length). `--tp` must divide the key/value heads.
+/// reads its original context length). `--tp` must divide the key/value heads, and the
+/// prompt's ids must be in the vocabulary.
 fn fit(config: &mut LlamaConfig, prompt: &[i64], args: &Args) -> Result<(), String> {
     if !config.n_kv_heads.is_multiple_of(args.tp) {
         return Err(format!(
             "--tp must divide the {} key/value heads",
             config.n_kv_heads
+        ));
+    }
+    let vocab = config.vocab_size;
+    if let Some(id) = prompt
+        .iter()
+        .find(|&&i| usize::try_from(i).is_ok_and(|i| i >= vocab) || i < 0)
+    {
+        return Err(format!(
+            "the prompt's token {id} is not in the vocabulary of {vocab}"
         ));
     }
     let length = prompt.len() + args.new_tokens;

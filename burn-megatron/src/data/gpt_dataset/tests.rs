@@ -1,5 +1,6 @@
 use super::*;
 use crate::data::synthetic_corpus;
+use std::path::Path;
 
 #[test]
 fn bpe_training_is_deterministic_and_round_trips() {
@@ -44,4 +45,58 @@ fn samples_are_shifted_windows_of_the_stream() {
         "the next epoch repeats the order"
     );
     assert!(GptCorpusDataset::from_tokens(vec![1, 2], GptCorpusDatasetConfig::new(4)).is_err());
+}
+
+/// Meta's Llama 3 `tokenizer.model` (a tiktoken BPE file) gives tiktoken's ids: the fixture's
+/// cases, encoded by `tiktoken.Encoding` with Meta's pattern and special tokens
+/// (tests/fixtures/make_meta_llama.py), special tokens in the text included. The ids decode
+/// to the text, and the `tokenizer.json` it saves as reads back to the same ids.
+#[test]
+fn a_llama_3_tokenizer_model_encodes_as_tiktoken() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/meta_llama_tiny");
+    let t = GptTokenizer::from_file(&dir.join("tokenizer.model")).unwrap();
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tokenizer_expected.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(t.vocab_size() as u64, expected["vocab_size"]);
+    assert_eq!(
+        t.token_id("<|begin_of_text|>").map(u64::from),
+        expected["begin_of_text"].as_u64()
+    );
+    assert_eq!(u64::from(t.eod), expected["end_of_text"]);
+    let saved = std::env::temp_dir().join(format!("bm-tiktoken-{}.json", std::process::id()));
+    t.save(&saved).unwrap();
+    let again = GptTokenizer::from_file(&saved).unwrap();
+    std::fs::remove_file(&saved).unwrap();
+    let cases = expected["cases"].as_array().unwrap();
+    assert!(cases.len() > 10);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        let ids = t.encode(text).unwrap();
+        assert_eq!(ids, want, "{text:?}");
+        assert_eq!(again.encode(text).unwrap(), want, "saved, {text:?}");
+        if !text.contains("<|") {
+            assert_eq!(t.decode(&ids).unwrap(), text);
+        }
+    }
+}
+
+/// What is neither a `tokenizer.json` nor a tiktoken file (Llama 2's SentencePiece model, say)
+/// is refused naming both, and the file.
+#[test]
+fn a_tokenizer_file_of_neither_kind_is_refused_naming_what_is_read() {
+    let path = std::env::temp_dir().join(format!("bm-spm-{}.model", std::process::id()));
+    std::fs::write(
+        &path,
+        [0x0a, 0x0e, 0x0a, 0x05, b'<', b'u', b'n', b'k', b'>'],
+    )
+    .unwrap();
+    let e = GptTokenizer::from_file(&path).unwrap_err().to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        e.contains("bm-spm") && e.contains("tiktoken") && e.contains("SentencePiece"),
+        "{e}"
+    );
 }

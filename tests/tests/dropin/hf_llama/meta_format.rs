@@ -78,9 +78,9 @@ fn meta_llama_3s_rope_scaling_factor_is_asked_for() -> Result<(), Error> {
     let e = meta::Checkpoint::open(&dir, None).err().expect("refused");
     assert!(e.contains("use_scaled_rope") && e.contains("32"), "{e}");
     let expected = read_safetensors(&dir.join("expected.safetensors"));
-    let vocab = 96;
-    let want = kept(&expected["logits"].1, &expected, vocab);
     let wrong = meta::Checkpoint::open(&dir, Some(8.0))?;
+    let vocab = wrong.config.vocab_size;
+    let want = kept(&expected["logits"].1, &expected, vocab);
     let ranks = tp_ranks(1, |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         Ok::<_, Error>(run(&wrong.load(g, d)?, &expected, vocab, g, d)?.0)
@@ -112,7 +112,7 @@ fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Resul
     std::fs::write(dir.join("params.json"), params.to_string())?;
     let e = meta::Checkpoint::open(&dir, FACTOR).err().expect("refused");
     assert!(e.contains("vocab_size") && e.contains("-1"), "{e}");
-    params["vocab_size"] = serde_json::json!(96);
+    params["vocab_size"] = serde_json::json!(576);
     params["n_kv_heads"] = serde_json::json!(3);
     std::fs::write(dir.join("params.json"), params.to_string())?;
     let e = meta::Checkpoint::open(&dir, FACTOR).err().expect("refused");
@@ -129,25 +129,25 @@ fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Resul
 }
 
 /// A model-parallel checkpoint of safetensors files reads as its whole record does, its
-/// vocabulary of 90 padded to 96 (at TP 2, rank 0's rows overlap both files' parts, rank 1's
+/// vocabulary of 570 padded to 576 (at TP 2, rank 0's rows overlap both files' parts, rank 1's
 /// one part and the padding), and parts that do not make the model's tensor are errors
 /// naming it: a tensor one file lacks, a part one row short.
 #[test]
 fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> Result<(), Error> {
     let checkpoint = meta::Checkpoint::open(&fixture("meta_llama_tiny"), FACTOR)?;
     let mut config = checkpoint.config.clone();
-    config.vocab_size = 90;
+    config.vocab_size = 570;
     let (config, options) = (&config, meta::Checkpoint::options()?);
     let expected = read_safetensors(&fixture("meta_llama_tiny").join("expected.safetensors"));
     let dir = scratch("meta-parts");
-    // The gradients as a record in Meta's names, their vocabulary cut to 90, whole and split
+    // The gradients as a record in Meta's names, their vocabulary cut to 570, whole and split
     // over two files.
     let tensors: Vec<Named> = (read_safetensors(&grads_checkpoint(&expected, &dir)).into_iter())
         .map(|(k, (mut shape, v))| {
             let mut v: Vec<f32> = v.into_iter().map(|x| x as f32).collect();
             if k == "tok_embeddings.weight" || k == "output.weight" {
-                shape[0] = 90;
-                v.truncate(90 * shape[1]);
+                shape[0] = 570;
+                v.truncate(570 * shape[1]);
             }
             (k, shape, v)
         })
@@ -187,7 +187,7 @@ fn model_parallel_parts_join_as_the_whole_record_or_name_what_does_not_fit() -> 
         );
         let short = short.expect("a part one row short is refused");
         assert!(
-            short.contains("output.weight") && short.contains("[44, 64]"),
+            short.contains("output.weight") && short.contains("[284, 64]"),
             "{short}"
         );
     }
