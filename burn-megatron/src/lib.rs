@@ -61,10 +61,11 @@
 //!
 //! # Lower-level ways in
 //!
-//! Where [`training::ParallelTraining`] assembles lower-level pieces, those live in an
-//! `advanced` module beside their concept, for a loop that holds them itself:
-//! [`data_parallel::advanced`] (the `finalize_model_grads` family, reducers, shard plans)
-//! and [`checkpoint::advanced`] (one rank's save and load, and the commit protocol).
+//! Where [`training::ParallelTraining`] assembles lower-level pieces, those stay public for a
+//! loop that holds them itself: [`optimizer::MegatronOptimizer`], and in an `advanced`
+//! module beside their concept, [`data_parallel::advanced`] (the `finalize_model_grads`
+//! family, reducers, shard plans) and [`checkpoint::advanced`] (one rank's save and load,
+//! and the commit protocol).
 //!
 //! # Global state
 //!

@@ -90,7 +90,7 @@ fn train(ctx: RankContext, data: &GptCorpusDataset, root: &Path) -> Result<Vec<f
     for iteration in 0..TRAIN_ITERS {
         // One microbatch through this rank's stage; the first stage embeds the tokens,
         // the last computes the loss, the others take and give hidden states (3: their
-        // tensor rank, [b, s, h]).
+        // tensor rank, [s, b, h]).
         let step = |s: ForwardStep<'_, Gpt, 3>| {
             let samples = batches.micro_batch(iteration, dp_rank, s.microbatch);
             let samples: Vec<_> = samples.map(|i| data.sample(i % data.len())).collect();

@@ -41,7 +41,7 @@ fn run_on(
     attention: AttnBackend,
     options: LaunchOptions,
 ) -> Vec<Vec<(f32, f32)>> {
-    let config = ParallelConfig::new(tp * dp, tp, 1).with_sequence_parallel(sp);
+    let config = ParallelConfig::new(tp * dp, tp, 1);
     threads(&config, options, |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);
         let mut model = bert(2, (16, 4, 32), SEQ, VOCAB)
@@ -258,7 +258,7 @@ fn a_model_reloaded_through_burn_records_keeps_its_parallel_attributes() {
     use burn_megatron::optimizer::global_grad_norm;
     use burn_megatron::tensor_parallel::{ParallelAttrs, parallel_attrs};
     let norm = |tp: usize| {
-        let config = ParallelConfig::new(tp, tp, 1).with_sequence_parallel(tp > 1);
+        let config = ParallelConfig::new(tp, tp, 1);
         threads(&config, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
             let bert = bert(2, (16, 4, 32), SEQ, VOCAB)
@@ -324,7 +324,7 @@ fn gradients(model: &Bert, grads: &GradientsParams) -> Vec<Option<Vec<f32>>> {
 #[test]
 fn the_masked_position_head_gives_the_all_position_loss_and_gradients() {
     for (tp, sp) in [(1, false), (2, true)] {
-        let config = ParallelConfig::new(tp, tp, 1).with_sequence_parallel(sp);
+        let config = ParallelConfig::new(tp, tp, 1);
         let per_rank = threads(&config, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
             let model = bert(2, (16, 4, 32), SEQ, VOCAB)
@@ -397,9 +397,7 @@ fn bert_with_context_parallelism_matches_one_rank() {
     type Tensors = BTreeMap<String, Vec<f32>>;
     type Error = Box<dyn std::error::Error + Send + Sync>;
     let run = |tp: usize, cp: usize, sp: bool, comm_type: CpCommType| {
-        let layout = ParallelConfig::new(tp * cp, tp, 1)
-            .with_context_parallel(cp)
-            .with_sequence_parallel(sp);
+        let layout = ParallelConfig::new(tp * cp, tp, 1).with_context_parallel(cp);
         threads(&layout, LaunchOptions::default(), |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);
             let mut model = bert(2, (16, 4, 32), CP_SEQ, VOCAB)

@@ -102,7 +102,6 @@ type RankTrace = (Option<Vec<(f64, f64)>>, Vec<f64>, Vec<usize>);
 fn pipelined(l: Layout, variable: bool) -> Vec<RankTrace> {
     let world = l.tp * l.pp * l.dp;
     let config = ParallelConfig::new(world, l.tp, l.pp)
-        .with_sequence_parallel(l.sp)
         .with_virtual_pipeline((l.vp > 1).then_some(l.vp))
         .with_layer_split(l.split);
     threads(&config, LaunchOptions::default(), |ctx| {

@@ -86,70 +86,60 @@ fn reference_mlp() -> Trace {
 }
 
 fn parallel_mlp(tp: usize, sp: bool) -> Vec<Trace> {
-    threads(
-        &ParallelConfig::new(tp, tp, 1).with_sequence_parallel(sp),
-        options(),
-        |ctx| {
-            let group = &ctx.groups.tp;
-            let device = &ctx.device;
-            // Drop-in: each rank builds the plain layers from the seed and keeps its shard.
-            let col = ColumnParallelLinearConfig::new(D, FFN).with_sequence_parallel(sp);
-            let row = RowParallelLinearConfig::new(FFN, D).with_sequence_parallel(sp);
-            let mut model = TpMlp {
-                fc1: ColumnParallelLinear::from_linear(
-                    &seeded_linear(D, FFN, 10, device),
-                    &col,
-                    group,
-                )?,
-                fc2: RowParallelLinear::from_linear(
-                    &seeded_linear(FFN, D, 20, device),
-                    &row,
-                    group,
-                )?,
+    threads(&ParallelConfig::new(tp, tp, 1), options(), |ctx| {
+        let group = &ctx.groups.tp;
+        let device = &ctx.device;
+        // Drop-in: each rank builds the plain layers from the seed and keeps its shard.
+        let col = ColumnParallelLinearConfig::new(D, FFN).with_sequence_parallel(sp);
+        let row = RowParallelLinearConfig::new(FFN, D).with_sequence_parallel(sp);
+        let mut model = TpMlp {
+            fc1: ColumnParallelLinear::from_linear(
+                &seeded_linear(D, FFN, 10, device),
+                &col,
+                group,
+            )?,
+            fc2: RowParallelLinear::from_linear(&seeded_linear(FFN, D, 20, device), &row, group)?,
+        };
+        let mut optim = SgdConfig::new().init();
+        let mut trace = Vec::new();
+        let rank = ctx.state.tensor_model_parallel_rank();
+        for step in 0..STEPS {
+            let (x, target) = mlp_batch(step, device);
+            let x = if sp {
+                x.narrow(0, rank * S / tp, S / tp)
+            } else {
+                x
             };
-            let mut optim = SgdConfig::new().init();
-            let mut trace = Vec::new();
-            let rank = ctx.state.tensor_model_parallel_rank();
-            for step in 0..STEPS {
-                let (x, target) = mlp_batch(step, device);
-                let x = if sp {
-                    x.narrow(0, rank * S / tp, S / tp)
-                } else {
-                    x
-                };
-                let y = model.fc2.forward(gelu(model.fc1.forward(x)));
-                let y = if sp {
-                    gather_from_sequence_parallel_region(y, group, false)
-                } else {
-                    y
-                };
-                let loss = (y - target).powi_scalar(2).mean();
-                let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-                allreduce_sequence_parallel_grads(&model, &mut grads, group)?;
-                let g2 =
-                    |id, dim| all_gather(&**group, grads.get::<2>(id).unwrap(), dim).map(values);
-                let g1 =
-                    |id, dim| all_gather(&**group, grads.get::<1>(id).unwrap(), dim).map(values);
-                let step_grads = vec![
-                    g2(model.fc1.weight.id, 1)?,
-                    g1(model.fc1.bias.as_ref().unwrap().id, 0)?,
-                    g2(model.fc2.weight.id, 0)?,
-                    values(grads.get::<1>(model.fc2.bias.as_ref().unwrap().id).unwrap()),
-                ];
-                let loss = values(loss.inner())[0];
-                model = optim.step(LR, model, grads);
-                let (fc1, fc2) = (model.fc1.to_linear()?, model.fc2.to_linear()?);
-                let weights = vec![
-                    values(fc1.weight.val()),
-                    values(fc1.bias.unwrap().val()),
-                    values(fc2.weight.val()),
-                    values(fc2.bias.unwrap().val()),
-                ];
-                trace.push((loss, step_grads, weights));
-            }
-            Ok::<_, TpError>(trace)
-        },
-    )
+            let y = model.fc2.forward(gelu(model.fc1.forward(x)));
+            let y = if sp {
+                gather_from_sequence_parallel_region(y, group, false)
+            } else {
+                y
+            };
+            let loss = (y - target).powi_scalar(2).mean();
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            allreduce_sequence_parallel_grads(&model, &mut grads, group)?;
+            let g2 = |id, dim| all_gather(&**group, grads.get::<2>(id).unwrap(), dim).map(values);
+            let g1 = |id, dim| all_gather(&**group, grads.get::<1>(id).unwrap(), dim).map(values);
+            let step_grads = vec![
+                g2(model.fc1.weight.id, 1)?,
+                g1(model.fc1.bias.as_ref().unwrap().id, 0)?,
+                g2(model.fc2.weight.id, 0)?,
+                values(grads.get::<1>(model.fc2.bias.as_ref().unwrap().id).unwrap()),
+            ];
+            let loss = values(loss.inner())[0];
+            model = optim.step(LR, model, grads);
+            let (fc1, fc2) = (model.fc1.to_linear()?, model.fc2.to_linear()?);
+            let weights = vec![
+                values(fc1.weight.val()),
+                values(fc1.bias.unwrap().val()),
+                values(fc2.weight.val()),
+                values(fc2.bias.unwrap().val()),
+            ];
+            trace.push((loss, step_grads, weights));
+        }
+        Ok::<_, TpError>(trace)
+    })
     .unwrap()
 }
 
@@ -244,73 +234,69 @@ fn reference_lm() -> Trace {
 }
 
 fn parallel_lm(tp: usize, sp: bool) -> Vec<Trace> {
-    threads(
-        &ParallelConfig::new(tp, tp, 1).with_sequence_parallel(sp),
-        options(),
-        |ctx| {
-            let group = &ctx.groups.tp;
-            let device = &ctx.device;
-            let head = ColumnParallelLinearConfig::new(D, VOCAB).with_sequence_parallel(sp);
-            let mut model = TpLm {
-                embedding: VocabParallelEmbedding::from_embedding(
-                    &seeded_embedding(VOCAB, D, 30, device),
-                    sp,
-                    group,
-                )?,
-                head: ColumnParallelLinear::from_linear(
-                    &seeded_linear(D, VOCAB, 40, device),
-                    &head,
-                    group,
-                )?,
-            };
-            let mut optim = SgdConfig::new().init();
-            let mut trace = Vec::new();
-            for _ in 0..STEPS {
-                let (ids, target) = lm_batch(device);
-                // Under sequence parallelism the activations are [s, b, ·]: targets follow.
-                let target = if sp { target.swap_dims(0, 1) } else { target };
-                let logits = model.head.forward(model.embedding.forward(ids));
-                let [a, b, v] = logits.dims();
-                let losses = vocab_parallel_cross_entropy(
-                    logits.reshape([a * b, v]),
-                    target.reshape([a * b]),
-                    0.0,
-                    group,
-                )?;
-                let loss = losses.mean();
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                let step_grads = vec![
-                    values(all_gather(
-                        &**group,
-                        grads.get::<2>(model.embedding.weight.id).unwrap(),
-                        0,
-                    )?),
-                    values(all_gather(
-                        &**group,
-                        grads.get::<2>(model.head.weight.id).unwrap(),
-                        1,
-                    )?),
-                    values(all_gather(
-                        &**group,
-                        grads
-                            .get::<1>(model.head.bias.as_ref().unwrap().id)
-                            .unwrap(),
-                        0,
-                    )?),
-                ];
-                let loss = values(loss.inner())[0];
-                model = optim.step(LR, model, grads);
-                let (emb, head) = (model.embedding.to_embedding()?, model.head.to_linear()?);
-                let weights = vec![
-                    values(emb.weight.val()),
-                    values(head.weight.val()),
-                    values(head.bias.unwrap().val()),
-                ];
-                trace.push((loss, step_grads, weights));
-            }
-            Ok::<_, TpError>(trace)
-        },
-    )
+    threads(&ParallelConfig::new(tp, tp, 1), options(), |ctx| {
+        let group = &ctx.groups.tp;
+        let device = &ctx.device;
+        let head = ColumnParallelLinearConfig::new(D, VOCAB).with_sequence_parallel(sp);
+        let mut model = TpLm {
+            embedding: VocabParallelEmbedding::from_embedding(
+                &seeded_embedding(VOCAB, D, 30, device),
+                sp,
+                group,
+            )?,
+            head: ColumnParallelLinear::from_linear(
+                &seeded_linear(D, VOCAB, 40, device),
+                &head,
+                group,
+            )?,
+        };
+        let mut optim = SgdConfig::new().init();
+        let mut trace = Vec::new();
+        for _ in 0..STEPS {
+            let (ids, target) = lm_batch(device);
+            // Under sequence parallelism the activations are [s, b, ·]: targets follow.
+            let target = if sp { target.swap_dims(0, 1) } else { target };
+            let logits = model.head.forward(model.embedding.forward(ids));
+            let [a, b, v] = logits.dims();
+            let losses = vocab_parallel_cross_entropy(
+                logits.reshape([a * b, v]),
+                target.reshape([a * b]),
+                0.0,
+                group,
+            )?;
+            let loss = losses.mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let step_grads = vec![
+                values(all_gather(
+                    &**group,
+                    grads.get::<2>(model.embedding.weight.id).unwrap(),
+                    0,
+                )?),
+                values(all_gather(
+                    &**group,
+                    grads.get::<2>(model.head.weight.id).unwrap(),
+                    1,
+                )?),
+                values(all_gather(
+                    &**group,
+                    grads
+                        .get::<1>(model.head.bias.as_ref().unwrap().id)
+                        .unwrap(),
+                    0,
+                )?),
+            ];
+            let loss = values(loss.inner())[0];
+            model = optim.step(LR, model, grads);
+            let (emb, head) = (model.embedding.to_embedding()?, model.head.to_linear()?);
+            let weights = vec![
+                values(emb.weight.val()),
+                values(head.weight.val()),
+                values(head.bias.unwrap().val()),
+            ];
+            trace.push((loss, step_grads, weights));
+        }
+        Ok::<_, TpError>(trace)
+    })
     .unwrap()
 }
 

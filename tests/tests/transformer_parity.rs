@@ -37,7 +37,7 @@ fn padding(device: &Device) -> Tensor<2, Bool> {
 
 fn run(tp: usize, sp: bool, position: LayerNormPosition, norm: NormKind) -> Vec<Out> {
     threads(
-        &ParallelConfig::new(tp, tp, 1).with_sequence_parallel(sp),
+        &ParallelConfig::new(tp, tp, 1),
         LaunchOptions::default(),
         |ctx| {
             let (g, d) = (&ctx.groups.tp, &ctx.device);

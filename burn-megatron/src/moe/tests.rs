@@ -253,8 +253,7 @@ fn ranks_without_rows_take_part_in_every_exchange() {
         for etp in [1, 2] {
             let layout = ParallelConfig::new(4, 2, 1)
                 .with_expert_parallel(2)
-                .with_expert_tensor_parallel(etp)
-                .with_sequence_parallel(true);
+                .with_expert_tensor_parallel(etp);
             let options = LaunchOptions {
                 timeout: std::time::Duration::from_secs(20),
                 ..LaunchOptions::default()

@@ -13,13 +13,15 @@ use super::{LayerSplit, ParallelDim, RankGenerator, TopologyError};
 /// use burn_megatron::topology::ParallelConfig;
 ///
 /// let config = ParallelConfig::new(16, 2, 2)
-///     .with_sequence_parallel(true)
 ///     .with_virtual_pipeline(Some(2))
 ///     .validate()
 ///     .unwrap();
 /// assert_eq!(config.data_parallel_size(), 4);
-/// assert!(config.sequence_parallel());
 /// ```
+///
+/// Sequence parallelism is not here: it changes what a layer computes, so it is the model's
+/// setting, as in Megatron-Core's `TransformerConfig` (`TransformerLayerConfig::sequence_parallel`,
+/// `TpPlan::sequence_parallel` for a drop-in model, or a parallel linear layer's own).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParallelConfig {
     /// Total number of ranks.
@@ -34,7 +36,8 @@ pub struct ParallelConfig {
     /// How the model's layers split over the pipeline's virtual stages (evenly by default;
     /// Megatron's uneven first and last stages).
     pub layer_split: LayerSplit,
-    /// Ranks that split the sequence dimension in attention (`cp`); only 1 is supported.
+    /// Ranks that split the sequence dimension in attention (`cp`); the models split it by
+    /// their `context_parallel` setting (all-gather, ring or Ulysses).
     pub context_parallel_size: usize,
     /// Ranks that split the experts of mixture-of-experts layers (`ep`), laid out by a
     /// second rank generator as Megatron-Core's (see [`GroupKind::ExpertModelParallel`](crate::topology::GroupKind::ExpertModelParallel)).
@@ -43,15 +46,13 @@ pub struct ParallelConfig {
     /// default here; Megatron's is the dense TP size) or the tensor-parallel size, when the
     /// experts' tensor-parallel groups are the dense ones (the default order's).
     pub expert_tensor_parallel_size: usize,
-    /// Whether activations outside tensor-parallel regions are split along the sequence.
-    pub sequence_parallel: bool,
     /// `-`-joined dimension order, fastest-varying first; `pp` must come last when pp > 1.
     pub order: String,
 }
 
 impl ParallelConfig {
     /// A configuration with the given world, tensor and pipeline sizes; context and expert
-    /// parallel size 1, no virtual pipeline, no sequence parallelism, order
+    /// parallel size 1, no virtual pipeline, order
     /// `"tp-cp-ep-dp-pp"`. The data parallel size is whatever remains.
     pub fn new(world_size: usize, tp: usize, pp: usize) -> ParallelConfig {
         ParallelConfig {
@@ -63,16 +64,8 @@ impl ParallelConfig {
             context_parallel_size: 1,
             expert_model_parallel_size: 1,
             expert_tensor_parallel_size: 1,
-            sequence_parallel: false,
             order: DEFAULT_ORDER.to_string(),
         }
-    }
-
-    /// Turns sequence parallelism on or off (it is switched off by validation when tp = 1).
-    #[must_use]
-    pub fn with_sequence_parallel(mut self, enabled: bool) -> ParallelConfig {
-        self.sequence_parallel = enabled;
-        self
     }
 
     /// Sets the dimension order, e.g. `"tp-pp-dp"` is rejected when pp > 1 but
@@ -143,7 +136,7 @@ impl ParallelConfig {
     /// `pp` not last in the order when pp > 1; a virtual pipeline size with pp = 1; a
     /// layer split that [`LayerSplit::check`] refuses.
     pub fn validate(self) -> Result<ValidatedConfig, TopologyError> {
-        let mut config = self;
+        let config = self;
         let world = config.world_size;
         let tp = config.tensor_model_parallel_size;
         let pp = config.pipeline_model_parallel_size;
@@ -241,13 +234,6 @@ impl ParallelConfig {
             .layer_split
             .check(pp, config.virtual_pipeline_model_parallel_size.unwrap_or(1))?;
 
-        if config.sequence_parallel && tp == 1 {
-            tracing::warn!(
-                "disabling sequence parallelism because tensor model parallelism is off (tp = 1)"
-            );
-            config.sequence_parallel = false;
-        }
-
         debug_assert_eq!(generator.world_size(), world);
         Ok(ValidatedConfig {
             config,
@@ -343,11 +329,6 @@ impl ValidatedConfig {
     /// Data parallel size: `world_size / (tp · pp · cp)`, exact.
     pub fn data_parallel_size(&self) -> usize {
         self.data_parallel_size
-    }
-
-    /// Whether sequence parallelism is on.
-    pub fn sequence_parallel(&self) -> bool {
-        self.config.sequence_parallel
     }
 }
 

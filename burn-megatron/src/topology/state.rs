@@ -141,11 +141,6 @@ impl ParallelState {
             .expect("a rank always belongs to its own ep group")
     }
 
-    /// Whether sequence parallelism is on.
-    pub fn sequence_parallel(&self) -> bool {
-        self.config.sequence_parallel()
-    }
-
     /// This rank's group of `kind`, as ascending global ranks.
     ///
     /// For [`GroupKind::Embedding`] and [`GroupKind::PositionEmbedding`] this is the

@@ -506,7 +506,6 @@ impl TrainArgs {
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
         )
-        .with_sequence_parallel(self.sequence_parallel)
         .with_context_parallel(self.context_parallel_size)
         .with_expert_parallel(self.expert_model_parallel_size)
         .with_expert_tensor_parallel(self.expert_tensor_parallel_size)

@@ -59,9 +59,7 @@ fn rows_at(v: &[f32], positions: &[usize], row: usize) -> Vec<f32> {
 const COMM_TYPES: [CpCommType; 3] = [CpCommType::AllGather, CpCommType::P2p, CpCommType::A2a];
 
 fn run(config: &GptConfig, tp: usize, cp: usize, sp: bool, comm_type: CpCommType) -> Vec<Trace> {
-    let layout = ParallelConfig::new(tp * cp, tp, 1)
-        .with_context_parallel(cp)
-        .with_sequence_parallel(sp);
+    let layout = ParallelConfig::new(tp * cp, tp, 1).with_context_parallel(cp);
     let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(sp));
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);

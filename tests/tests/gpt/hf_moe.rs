@@ -81,8 +81,7 @@ fn reproduced(name: &str) {
     for (world, tp, ep, etp, sp) in layouts {
         let layout = ParallelConfig::new(world, tp, 1)
             .with_expert_parallel(ep)
-            .with_expert_tensor_parallel(etp)
-            .with_sequence_parallel(sp);
+            .with_expert_tensor_parallel(etp);
         let config = (hf.to_gpt_config(tp)).map_transformer(|t| t.with_sequence_parallel(sp));
         let out = threads(&layout, LaunchOptions::default(), |ctx| {
             let device = ctx.device.clone().autodiff();

@@ -101,8 +101,7 @@ fn run_split(
 ) -> Vec<(Trace, usize)> {
     let layout = ParallelConfig::new(world, tp, 1)
         .with_expert_parallel(ep)
-        .with_expert_tensor_parallel(etp)
-        .with_sequence_parallel(sp);
+        .with_expert_tensor_parallel(etp);
     let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(sp));
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);

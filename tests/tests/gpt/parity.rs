@@ -31,7 +31,7 @@ struct Trace {
 }
 
 fn run(config: &GptConfig, tp: usize, dp: usize, sp: bool) -> Vec<Trace> {
-    let layout = ParallelConfig::new(tp * dp, tp, 1).with_sequence_parallel(sp);
+    let layout = ParallelConfig::new(tp * dp, tp, 1);
     let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(sp));
     threads(&layout, LaunchOptions::default(), |ctx| {
         let (g, d) = (&ctx.groups.tp, &ctx.device);

@@ -91,7 +91,6 @@ type RankTrace = (Option<Vec<f32>>, Vec<f32>, Tensors, Vec<(usize, usize)>);
 /// Each rank's trace.
 fn pipelined(config: &GptConfig, l: Layout) -> Vec<RankTrace> {
     let parallel = ParallelConfig::new(l.tp * l.pp * l.dp, l.tp, l.pp)
-        .with_sequence_parallel(l.sp)
         .with_virtual_pipeline((l.vp > 1).then_some(l.vp))
         .with_layer_split(l.split);
     let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(l.sp));

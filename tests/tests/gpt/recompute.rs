@@ -51,7 +51,6 @@ struct Layout {
 
 fn train(config: &GptConfig, l: Layout) -> Trace {
     let parallel = ParallelConfig::new(l.tp * l.pp * l.dp, l.tp, l.pp)
-        .with_sequence_parallel(l.sp)
         .with_virtual_pipeline((l.vp > 1).then_some(l.vp));
     let config = (config.clone()).map_transformer(|t| t.with_sequence_parallel(l.sp));
     threads(&parallel, LaunchOptions::default(), |ctx| {
@@ -302,7 +301,7 @@ fn bert_recomputes_too() {
     use burn_megatron_tests::bert::{bert, bert_rows};
     let config = bert(2, (32, 4, 64), 16, 128).map_transformer(|t| t.with_sequence_parallel(true));
     let run = |recompute: RecomputeConfig, query_chunk: Option<usize>| {
-        let parallel = ParallelConfig::new(2, 2, 1).with_sequence_parallel(true);
+        let parallel = ParallelConfig::new(2, 2, 1);
         let config = (config.clone()).map_transformer(|mut t| {
             if let Some(rows) = query_chunk {
                 t.attention.attention_backend = AttnBackend::Chunked;

@@ -8,7 +8,6 @@ fn defaults_and_derived_sizes() {
     assert_eq!(config.context_parallel_size, 1);
     assert_eq!(config.expert_model_parallel_size, 1);
     assert_eq!(config.virtual_pipeline_model_parallel_size, None);
-    assert!(!config.sequence_parallel);
     assert_eq!(config.order, "tp-cp-ep-dp-pp");
     assert_eq!(config.data_parallel_size(), 8);
 
@@ -30,32 +29,14 @@ fn defaults_and_derived_sizes() {
 #[test]
 fn builder_methods_set_fields() {
     let config = ParallelConfig::new(16, 2, 4)
-        .with_sequence_parallel(true)
         .with_virtual_pipeline(Some(3))
         .with_order("tp-dp-pp")
         .with_context_parallel(1)
         .with_expert_parallel(1);
     let validated = config.validate().unwrap();
-    assert!(validated.sequence_parallel());
     assert_eq!(validated.virtual_pipeline_model_parallel_size(), Some(3));
     assert_eq!(validated.data_parallel_size(), 2);
     assert_eq!(validated.config().order, "tp-dp-pp");
-}
-
-#[test]
-fn sequence_parallel_with_tp_1_is_turned_off() {
-    let validated = ParallelConfig::new(4, 1, 2)
-        .with_sequence_parallel(true)
-        .validate()
-        .unwrap();
-    assert!(!validated.sequence_parallel());
-    assert!(!validated.config().sequence_parallel);
-
-    let validated = ParallelConfig::new(4, 2, 2)
-        .with_sequence_parallel(true)
-        .validate()
-        .unwrap();
-    assert!(validated.sequence_parallel());
 }
 
 #[test]

@@ -208,15 +208,11 @@ fn world_64_tp4_pp2_rank_45() {
 
 #[test]
 fn flags_are_carried() {
-    let config = ParallelConfig::new(8, 2, 2)
-        .with_sequence_parallel(true)
-        .with_virtual_pipeline(Some(4));
+    let config = ParallelConfig::new(8, 2, 2).with_virtual_pipeline(Some(4));
     let s = config.state_for_rank(3).unwrap();
-    assert!(s.sequence_parallel());
     assert_eq!(s.virtual_pipeline_model_parallel_size(), Some(4));
     assert_eq!(s.config().world_size(), 8);
     let s = state(8, 2, 2, 3);
-    assert!(!s.sequence_parallel());
     assert_eq!(s.virtual_pipeline_model_parallel_size(), None);
 }
 
