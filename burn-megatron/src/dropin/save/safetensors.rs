@@ -96,8 +96,10 @@ impl SaveOptions {
     /// that alone in its file), tensors in module order, and their index
     /// `dir/model.safetensors.index.json` (its `weight_map`, `metadata.total_size`), which
     /// `transformers` and [`RecordSource::from_hugging_face`](crate::dropin::RecordSource::from_hugging_face)
-    /// read. A file at `path` itself is removed (a reader would take it before the index).
-    /// The Hugging Face Hub takes files of at most 50 GB.
+    /// read. A file at `path` itself is removed (a reader would take it before the index), and
+    /// so are the shards of an earlier save there that this one did not write (as
+    /// `save_pretrained` removes them); a save into one file removes an earlier index and its
+    /// shards. The Hugging Face Hub takes files of at most 50 GB.
     pub fn with_max_shard_bytes(mut self, bytes: u64) -> Self {
         self.max_shard_bytes = Some(bytes);
         self
@@ -260,7 +262,9 @@ pub(super) fn write(
         (None, None) => Err("no scratch file".to_string()),
     };
     let result = synced.and_then(|()| match shards(&placed, options.max_shard_bytes) {
-        shards if shards.len() <= 1 => from_scratch(&scratch, &placed, path),
+        shards if shards.len() <= 1 => from_scratch(&scratch, &placed, path)
+            .and_then(|()| remove_index(path))
+            .and_then(|()| remove_stale_shards(path, &[])),
         shards => sharded(&scratch, &placed, &shards, path),
     });
     let _ = std::fs::remove_file(&scratch);
@@ -329,7 +333,8 @@ pub(super) fn shard_name(path: &Path, i: usize, n: usize) -> String {
 
 /// The index of the shards `files` (each file's name, and its tensors' names and bytes)
 /// beside `path`, as `{path's name}.index.json`, written last so that a reader finds it only
-/// over complete shards; a file at `path` itself goes (a reader would take it first).
+/// over complete shards; a file at `path` itself goes (a reader would take it first), and so
+/// do the shards of an earlier save that this one did not write.
 pub(super) fn write_index(
     path: &Path,
     files: &[(String, Vec<(String, usize)>)],
@@ -360,7 +365,43 @@ pub(super) fn write_index(
     match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.to_string()),
         _ => Ok(()),
+    }?;
+    let kept: Vec<&str> = files.iter().map(|(name, _)| name.as_str()).collect();
+    remove_stale_shards(path, &kept)
+}
+
+/// The shards of an earlier save at `path` (named as [`shard_name`] names them) that this save
+/// did not write, removed as `save_pretrained` removes them: a reader that takes every
+/// `model*.safetensors` file, or an index written later, finds only this save's. Other files
+/// stay.
+fn remove_stale_shards(path: &Path, kept: &[&str]) -> Result<(), String> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for entry in entries {
+        let name = entry.map_err(|e| e.to_string())?.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        if is_shard(name, stem) && !kept.contains(&name) {
+            let file = dir.join(name);
+            std::fs::remove_file(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        }
     }
+    Ok(())
+}
+
+/// Whether `name` is `{stem}-NNNNN-of-MMMMM.safetensors`.
+fn is_shard(name: &str, stem: &str) -> bool {
+    let numbers = (name.strip_prefix(stem))
+        .and_then(|n| n.strip_prefix('-'))
+        .and_then(|n| n.strip_suffix(".safetensors"))
+        .and_then(|n| n.split_once("-of-"));
+    let five_digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    numbers.is_some_and(|(i, n)| five_digits(i) && five_digits(n))
 }
 
 /// The safetensors file at `path` (through a temporary name, then renamed) from the tensors

@@ -3,7 +3,7 @@
 
 use super::{Error, hf, parallel, pipeline};
 use crate::dropin::load::scratch;
-use burn_megatron::dropin::{RecordSource, save_safetensors, save_safetensors_stages};
+use burn_megatron::dropin::{RecordSource, SaveOptions, save_safetensors, save_safetensors_stages};
 use burn_megatron::launch::{self, LaunchOptions};
 use burn_megatron::topology::{ParallelConfig, PipelinePosition};
 use burn_megatron_tests::gpt::gathered;
@@ -98,7 +98,65 @@ fn the_users_llama_writes_back_the_hugging_face_checkpoint_it_read() -> Result<(
             got == want,
             "{name}: the shards hold the checkpoint's tensors"
         );
+        stale_files_go(&checkpoint, &out, files.len())?;
         std::fs::remove_dir_all(out)?;
+    }
+    Ok(())
+}
+
+/// A save over an earlier one in `out` (`earlier` shards of 100 kB) leaves only its own
+/// files, as `save_pretrained` does: shards of 200 kB (fewer) remove the shards their index no
+/// longer names, and one file removes the index and every shard. Files not named as this
+/// checkpoint's shards stay.
+fn stale_files_go(checkpoint: &hf::Checkpoint, out: &Path, earlier: usize) -> Result<(), Error> {
+    let foreign = [
+        "other-00001-of-00002.safetensors",
+        "model-00001-of-00002.safetensors.bak",
+    ];
+    for f in foreign {
+        std::fs::write(out.join(f), b"not ours")?;
+    }
+    let shards = || -> Result<Vec<String>, Error> {
+        let mut names = Vec::new();
+        for f in std::fs::read_dir(out)? {
+            let name = f?.file_name().to_string_lossy().into_owned();
+            if name.starts_with("model-") && name.ends_with(".safetensors") {
+                names.push(name);
+            }
+        }
+        names.sort();
+        Ok(names)
+    };
+    let save = |options: &SaveOptions| {
+        tp_ranks(2, |ctx| {
+            let (g, d) = (&ctx.groups.tp, &ctx.device);
+            save_safetensors(
+                &checkpoint.load(g, d)?,
+                out.join("model.safetensors"),
+                g,
+                options,
+            )?;
+            Ok::<_, Error>(())
+        })
+    };
+    save(&checkpoint.save_options()?.with_max_shard_bytes(200_000))?;
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        out.join("model.safetensors.index.json"),
+    )?)?;
+    let mut named: Vec<String> = (index["weight_map"].as_object().expect("a weight map"))
+        .values()
+        .map(|f| f.as_str().expect("a file name").to_string())
+        .collect();
+    named.sort();
+    named.dedup();
+    assert!(named.len() < earlier, "{named:?}, {earlier} before");
+    assert_eq!(shards()?, named);
+    save(&checkpoint.save_options()?)?;
+    assert_eq!(shards()?, Vec::<String>::new());
+    assert!(!out.join("model.safetensors.index.json").exists());
+    assert!(out.join("model.safetensors").exists());
+    for f in foreign {
+        assert!(out.join(f).exists(), "{f} stays");
     }
     Ok(())
 }
