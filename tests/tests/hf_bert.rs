@@ -5,7 +5,7 @@
 
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 use burn_megatron::comm::tensor::all_gather;
-use burn_megatron::models::{HfError, hf_state_dict, load_hf_bert, save_hf_bert};
+use burn_megatron::models::{HfError, hf_bert_state_dict, load_hf_bert, save_hf_bert};
 use burn_megatron_tests::read_safetensors as read;
 use burn_megatron_tests::tp_ranks;
 use std::collections::BTreeMap;
@@ -101,7 +101,7 @@ fn export_then_import_round_trips_every_tensor() {
     );
     let again = tp_ranks(1, |ctx| {
         let (model, hf) = load_hf_bert(&out, &ctx.groups.tp, &ctx.device)?;
-        hf_state_dict(&model, hf.vocab_size, &ctx.groups.tp)
+        hf_bert_state_dict(&model, hf.vocab_size, &ctx.groups.tp)
     })
     .unwrap()
     .remove(0);
@@ -217,7 +217,7 @@ fn transformers_gradients_are_reproduced_at_tp1_and_tp2() {
             let losses = [lm.clone(), so.clone()].map(|l| f64::from(l.into_scalar::<f32>()));
             let grads = burn::optim::GradientsParams::from_grads((lm + so).backward(), &model);
             let as_grads = burn_megatron_tests::as_gradients(&model, &grads);
-            let named = hf_state_dict(&as_grads, hf.vocab_size, &ctx.groups.tp)?;
+            let named = hf_bert_state_dict(&as_grads, hf.vocab_size, &ctx.groups.tp)?;
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>((losses, named))
         })
         .unwrap();

@@ -19,7 +19,7 @@ pub use bert::{
     Bert, BertConfig, BertEmbeddings, BertHead, BertOutput, BertStageOutput, MaskedPositions,
 };
 pub use bert_hf::{
-    HfBertConfig, HfError, hf_state_dict, load_hf_bert, load_hf_weights, save_hf_bert,
+    HfBertConfig, HfError, hf_bert_state_dict, load_hf_bert, load_hf_bert_weights, save_hf_bert,
 };
 pub use gpt::{
     GenerateConfig, GenerateError, Generated, Gpt, GptConfig, GptEmbedding, GptHead,

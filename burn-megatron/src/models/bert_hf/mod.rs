@@ -119,12 +119,16 @@ impl HfBertConfig {
 /// each rank keeps its shard. Vocabulary rows beyond the checkpoint's (Megatron's padding to
 /// a multiple of 128 × TP) get zero embeddings and an MLM bias of −10⁴, so the model's
 /// softmax, loss and gradients are the checkpoint's.
-pub fn load_hf_weights(model: &mut Bert, safetensors: &[u8], tp: &Comm) -> Result<(), HfError> {
+pub fn load_hf_bert_weights(
+    model: &mut Bert,
+    safetensors: &[u8],
+    tp: &Comm,
+) -> Result<(), HfError> {
     let (tensors, _) = safetensors_io::read(safetensors).map_err(HfError::Checkpoint)?;
     load_hf_tensors(model, &tensors.into_iter().collect(), tp)
 }
 
-/// [`load_hf_weights`] from tensors already read (see [`read_hf_tensors`]).
+/// [`load_hf_bert_weights`] from tensors already read (see [`read_hf_tensors`]).
 fn load_hf_tensors(
     model: &mut Bert,
     tensors: &HashMap<String, TensorData>,
@@ -246,7 +250,7 @@ pub fn load_hf_bert(
 
 /// The full (gathered) HF-named tensors of `model`, vocabulary trimmed to `vocab_size`.
 /// Collective: every rank of `tp` calls it.
-pub fn hf_state_dict(
+pub fn hf_bert_state_dict(
     model: &Bert,
     vocab_size: usize,
     tp: &Comm,
@@ -330,7 +334,7 @@ pub fn hf_state_dict(
 /// Collective: every rank of the model's tensor-parallel group calls it.
 pub fn save_hf_bert(model: &Bert, hf: &HfBertConfig, dir: &Path) -> Result<(), HfError> {
     let tp = model.tp();
-    let tensors = hf_state_dict(model, hf.vocab_size, tp)?;
+    let tensors = hf_bert_state_dict(model, hf.vocab_size, tp)?;
     if tp.group().rank() != 0 {
         return Ok(());
     }
