@@ -220,6 +220,38 @@ fn the_llama_example_reads_a_meta_checkpoint() {
     assert_eq!(after(&stdout, "greedy tokens TP=1:"), want, "{stdout}");
     assert_eq!(after(&stdout, "greedy tokens TP=4:"), want, "{stdout}");
     fails_naming("tp_llama_dropin", &["--meta", dir], "use_scaled_rope");
+    // `--dtype`: each rank's device set to bf16 or f16 before the model is built, the weights
+    // are read from the bfloat16 files in that type (half f32's bytes on every rank), and TP 4
+    // generates what TP 1 does. In f16 the tokens are also `transformers`' own.
+    let weights = |out: &str, tp: usize| -> (String, usize) {
+        let line = after(out, &format!("weights TP={tp}:"));
+        let (dtypes, bytes) = line.split_once(", ").unwrap();
+        (
+            dtypes.to_string(),
+            bytes.split(' ').next().unwrap().parse().unwrap(),
+        )
+    };
+    let f32_bytes = [weights(&stdout, 1).1, weights(&stdout, 4).1];
+    assert_eq!(weights(&stdout, 1).0, "[F32]");
+    for (dtype, held) in [("bf16", "[BF16]"), ("f16", "[F16]")] {
+        let args = [&meta[..], &["--tp", "4", "--dtype", dtype], &prompt];
+        let out = run("tp_llama_dropin", &args.concat());
+        assert_eq!(
+            weights(&out, 1),
+            (held.to_string(), f32_bytes[0] / 2),
+            "{out}"
+        );
+        assert_eq!(
+            weights(&out, 4),
+            (held.to_string(), f32_bytes[1] / 2),
+            "{out}"
+        );
+        let tokens = after(&out, "greedy tokens TP=1:");
+        assert_eq!(tokens, after(&out, "greedy tokens TP=4:"));
+        if dtype == "f16" {
+            assert_eq!(tokens, want, "{out}");
+        }
+    }
     // `--text` through the directory's `tokenizer.model`: the prompt is `<|begin_of_text|>`
     // and tiktoken's ids for the text (tests/fixtures/meta_llama_tiny/tokenizer_expected.json),
     // and it generates what those ids as `--prompt` generate.

@@ -23,8 +23,8 @@
 //! per model-parallel rank; `tokenizer.model` for `--text`), and generates from `--text` or
 //! `--prompt`.
 
-use burn::module::Module;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use burn_megatron::comm::Comm;
 use burn_megatron::data::GptTokenizer;
 use burn_megatron::dropin::{LoadOptions, RecordSource, save_gathered};
@@ -92,6 +92,19 @@ struct Args {
     /// through host memory).
     #[arg(long, value_enum, default_value_t = RankDevice::Cpu)]
     device: RankDevice,
+    /// With `--hf` or `--meta`: the float type the weights are held and computed in
+    /// (`f32`; or `bf16`, `f16`: each rank's device set to it before the model is built, so
+    /// the weights are read into it from the file, never widened).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    dtype: Precision,
+}
+
+/// `--dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Precision {
+    F32,
+    Bf16,
+    F16,
 }
 
 /// `--device`.
@@ -103,12 +116,26 @@ enum RankDevice {
 
 impl RankDevice {
     /// Each of `ranks` ranks' device, or why there is none (before any rank starts).
-    fn devices(self, ranks: usize) -> Result<Vec<Device>, String> {
+    fn devices(self, ranks: usize, dtype: Precision) -> Result<Vec<Device>, String> {
         (0..ranks)
-            .map(|r| match self {
-                RankDevice::Cpu => Ok(Device::flex()),
-                RankDevice::Cuda => burn_megatron_kernels::device::cuda_device(r)
-                    .map_err(|e| format!("--device cuda, rank {r}: {e}")),
+            .map(|r| {
+                let mut device = match self {
+                    RankDevice::Cpu => Device::flex(),
+                    RankDevice::Cuda => burn_megatron_kernels::device::cuda_device(r)
+                        .map_err(|e| format!("--device cuda, rank {r}: {e}"))?,
+                };
+                let float = match dtype {
+                    Precision::F32 => return Ok(device),
+                    Precision::Bf16 => FloatDType::BF16,
+                    Precision::F16 => FloatDType::F16,
+                };
+                // Once per device: the ranks of one CPU share it, and a second run reuses it.
+                if device.settings().float_dtype != float {
+                    device
+                        .configure(float)
+                        .map_err(|e| format!("--dtype: {e:?}"))?;
+                }
+                Ok(device)
             })
             .collect()
     }
@@ -337,10 +364,8 @@ fn fit(config: &mut LlamaConfig, prompt: &[i64], args: &Args) -> Result<(), Stri
         ));
     }
     let vocab = config.vocab_size;
-    if let Some(id) = prompt
-        .iter()
-        .find(|&&i| usize::try_from(i).is_ok_and(|i| i >= vocab) || i < 0)
-    {
+    let outside = |&&i: &&i64| usize::try_from(i).ok().is_none_or(|i| i >= vocab);
+    if let Some(id) = prompt.iter().find(outside) {
         return Err(format!(
             "the prompt's token {id} is not in the vocabulary of {vocab}"
         ));
@@ -354,6 +379,23 @@ fn fit(config: &mut LlamaConfig, prompt: &[i64], args: &Args) -> Result<(), Stri
     }
     config.max_seq_len = length;
     Ok(())
+}
+
+/// The float types of `model`'s weights, and their bytes on this rank.
+fn held(model: &impl Module) -> (Vec<DType>, usize) {
+    struct Held(Vec<DType>, usize);
+    impl ModuleVisitor for Held {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let v = p.val();
+            if !self.0.contains(&v.dtype()) {
+                self.0.push(v.dtype());
+            }
+            self.1 += v.shape().num_elements() * v.dtype().size();
+        }
+    }
+    let mut held = Held(Vec::new(), 0);
+    model.visit(&mut held);
+    (held.0, held.1)
 }
 
 /// The model `load` gives at TP 1 and at `--tp` generates greedily from `prompt`; an error if
@@ -372,13 +414,15 @@ fn same_tokens(
     };
     sizes.dedup();
     for tp in sizes {
-        let devices = args.device.devices(tp)?;
+        let devices = args.device.devices(tp, args.dtype)?;
         let options = LaunchOptions::default().with_device(move |r| devices[r].clone());
         let ranks = launch::threads(&ParallelConfig::new(tp, tp, 1), options, |ctx| {
             let model = load(&ctx.groups.tp, &ctx.device)?;
-            model.generate(config, prompt, args.new_tokens)
+            let weights = held(&model);
+            (model.generate(config, prompt, args.new_tokens)).map(|tokens| (tokens, weights))
         })?;
-        let tokens = ranks.into_iter().next().expect("a rank");
+        let (tokens, (dtypes, bytes)) = ranks.into_iter().next().expect("a rank");
+        println!("weights TP={tp}: {dtypes:?}, {bytes} bytes on rank 0");
         let new = &tokens[prompt.len()..];
         println!("greedy tokens TP={tp}: {new:?}");
         if let Some(t) = tokenizer {
