@@ -259,8 +259,9 @@ fn update_entry(
 
 /// What a parallel layer holds (`#[module(skip)]`) so that the attributes it states live
 /// exactly as long as it does: its clones share the owner, and once the last one is dropped
-/// the entries are freed. Attributes stated without an owner ([`set_layout_attrs`],
-/// [`set_parallel_attrs`]) are kept for the life of the process.
+/// the entries are freed: the way a custom layer states its parameters' attributes.
+/// Attributes stated without an owner ([`set_layout_attrs`]) are kept for the life of the
+/// process.
 ///
 /// ```
 /// use burn::module::ParamId;
@@ -280,26 +281,19 @@ impl LayoutOwner {
         self.update(id, |a| a.with_layout_of(layout));
     }
 
-    /// [`update_parallel_attrs`] for a parameter of the layer holding this owner; an entry
-    /// another live owner stated keeps that owner.
+    /// Changes the attributes of a parameter of the layer holding this owner in place (an id
+    /// never registered starts as duplicated); an entry another live owner stated keeps that
+    /// owner.
     pub fn update(&self, id: ParamId, update: impl FnOnce(ParallelAttrs) -> ParallelAttrs) {
         update_entry(id, Some(self), update);
     }
-}
-
-/// Records the attributes of parameter `id` (replacing earlier ones; the layers that stated
-/// them keep holding them).
-pub fn set_parallel_attrs(id: ParamId, attrs: ParallelAttrs) {
-    let mut r = write();
-    let owners = r.get(id).and_then(|e| e.owners.clone());
-    r.insert(id, Entry { attrs, owners });
 }
 
 /// Gives parameter `to` the attributes of `from`, and its owners: a parameter whose id
 /// changed (a checkpoint restores the saved ids) lives as long as the layer holding it. When
 /// another live layer already holds `to` (another rank of this process restored the same
 /// id), both hold it.
-pub fn copy_parallel_attrs(from: ParamId, to: ParamId) {
+pub(crate) fn copy_parallel_attrs(from: ParamId, to: ParamId) {
     let mut r = write();
     let Some(source) = r.get(from).cloned() else {
         return;
@@ -327,7 +321,10 @@ pub(crate) fn parallel_attrs_entries() -> usize {
 /// Changes the attributes of `id` in place (an id never registered starts as duplicated);
 /// takes the write lock only when `update` changed something, so layers can call it at every
 /// forward.
-pub fn update_parallel_attrs(id: ParamId, update: impl FnOnce(ParallelAttrs) -> ParallelAttrs) {
+pub(crate) fn update_parallel_attrs(
+    id: ParamId,
+    update: impl FnOnce(ParallelAttrs) -> ParallelAttrs,
+) {
     update_entry(id, None, update);
 }
 
@@ -350,10 +347,10 @@ pub fn set_layout_attrs(id: ParamId, layout: ParallelAttrs) {
 ///
 /// ```
 /// use burn::module::ParamId;
-/// use burn_megatron::tensor_parallel::{ParallelAttrs, parallel_attrs, set_parallel_attrs};
+/// use burn_megatron::tensor_parallel::{ParallelAttrs, parallel_attrs, set_layout_attrs};
 /// let id = ParamId::new();
 /// assert_eq!(parallel_attrs(id), ParallelAttrs::default());
-/// set_parallel_attrs(id, ParallelAttrs::sharded(1));
+/// set_layout_attrs(id, ParallelAttrs::sharded(1));
 /// assert!(parallel_attrs(id).tensor_model_parallel);
 /// ```
 pub fn parallel_attrs(id: ParamId) -> ParallelAttrs {

@@ -34,11 +34,8 @@ mod random;
 mod sampling;
 mod vocab;
 
-pub(crate) use attrs::real_part;
-pub use attrs::{
-    LayoutOwner, ParallelAttrs, copy_parallel_attrs, parallel_attrs, set_layout_attrs,
-    set_parallel_attrs, update_parallel_attrs,
-};
+pub use attrs::{LayoutOwner, ParallelAttrs, parallel_attrs, set_layout_attrs};
+pub(crate) use attrs::{copy_parallel_attrs, real_part, update_parallel_attrs};
 pub use cross_entropy::{
     LabelSmoothing, VocabParallelCrossEntropyOps, vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy_padded,
