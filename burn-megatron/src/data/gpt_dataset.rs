@@ -84,7 +84,9 @@ impl GptTokenizer {
 
     /// Loads a tiktoken BPE file (each line a token's bytes in base64 and its rank), splitting
     /// text by the regular expression `pattern`, with `special_tokens` numbered from the
-    /// first id after the ranks, as Meta's Llama 3 tokenizer numbers its own.
+    /// first id after the ranks, as Meta's Llama 3 tokenizer numbers its own. The pattern must
+    /// match all of any text (Llama 3's does): tiktoken drops what it does not match, a
+    /// Hugging Face tokenizer keeps it.
     ///
     /// The result is the Hugging Face byte-level BPE that encodes as tiktoken does
     /// (`transformers` converts these files so); [`save`](Self::save) writes it as a
@@ -160,13 +162,15 @@ impl GptTokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// The id of `token` (a special token such as `<|begin_of_text|>`, or any token of the
-    /// vocabulary), if the tokenizer has it.
+    /// The id of `token`, if the tokenizer has it: a special token such as
+    /// `<|begin_of_text|>`, or a token of the vocabulary as the vocabulary writes it (a
+    /// byte-level BPE's ` the` is `Ġthe`).
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
 
-    /// The ids of `text`, without special tokens.
+    /// The ids of `text`. A special token's text in it (`<|end_of_text|>`) is that token, as
+    /// in a Hugging Face tokenizer; none is added (no beginning-of-sequence id).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
         Ok(self
             .inner

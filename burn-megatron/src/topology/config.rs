@@ -125,8 +125,6 @@ impl ParallelConfig {
 
     /// Checks every constraint up front and derives the rank layout.
     ///
-    /// Sequence parallelism with tp = 1 is not an error: it is switched off with a warning.
-    ///
     /// # Errors
     ///
     /// A size of 0 (including a virtual pipeline size of 0); an expert tensor-parallel size
@@ -264,7 +262,7 @@ pub struct ValidatedConfig {
 }
 
 impl ValidatedConfig {
-    /// The settings as validated (sequence parallelism already switched off when tp = 1).
+    /// The settings as validated.
     pub fn config(&self) -> &ParallelConfig {
         &self.config
     }

@@ -363,13 +363,7 @@ fn fit(config: &mut LlamaConfig, prompt: &[i64], args: &Args) -> Result<(), Stri
             config.n_kv_heads
         ));
     }
-    let vocab = config.vocab_size;
-    let outside = |&&i: &&i64| usize::try_from(i).ok().is_none_or(|i| i >= vocab);
-    if let Some(id) = prompt.iter().find(outside) {
-        return Err(format!(
-            "the prompt's token {id} is not in the vocabulary of {vocab}"
-        ));
-    }
+    in_vocabulary(prompt, config.vocab_size)?;
     let length = prompt.len() + args.new_tokens;
     if prompt.is_empty() || length > config.max_seq_len {
         return Err(format!(
@@ -396,6 +390,17 @@ fn held(model: &impl Module) -> (Vec<DType>, usize) {
     let mut held = Held(Vec::new(), 0);
     model.visit(&mut held);
     (held.0, held.1)
+}
+
+/// An error naming the first of `prompt`'s ids that is not in a vocabulary of `vocab`.
+fn in_vocabulary(prompt: &[i64], vocab: usize) -> Result<(), String> {
+    let outside = |&&i: &&i64| usize::try_from(i).ok().is_none_or(|i| i >= vocab);
+    match prompt.iter().find(outside) {
+        Some(id) => Err(format!(
+            "the prompt's token {id} is not in the vocabulary of {vocab}"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The model `load` gives at TP 1 and at `--tp` generates greedily from `prompt`; an error if
@@ -453,6 +458,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !config.n_layers.is_multiple_of(args.pp) {
         return Err("--pp must divide the 2 layers".into());
     }
+    in_vocabulary(&args.prompt, config.vocab_size)?;
     // The user's saved weights: a record the plain model writes (burnpack, Burn's own format).
     let dir = std::env::temp_dir().join(format!("tp-llama-dropin-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

@@ -51,7 +51,7 @@ impl Args {
         let mlp = ParallelMlpConfig::new(a.ffn_hidden_size.unwrap_or(4 * a.hidden_size));
         let transformer = TransformerLayerConfig::new(a.hidden_size, attention, mlp)
             .with_hidden_dropout(a.hidden_dropout)
-            .with_sequence_parallel(a.sequence_parallel)
+            .with_sequence_parallel(a.sequence_parallel_on())
             .with_recompute(a.recompute())
             .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
             .with_initializer(MasterInit::Normal {

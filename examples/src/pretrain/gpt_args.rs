@@ -179,7 +179,7 @@ impl GptArgs {
                 t.attention.attention_backend = a.attention_backend.into();
                 t.attention.attention_query_chunk = a.attention_query_chunk;
                 t.with_hidden_dropout(a.hidden_dropout)
-                    .with_sequence_parallel(a.sequence_parallel)
+                    .with_sequence_parallel(a.sequence_parallel_on())
                     .with_recompute(a.recompute())
                     .with_gradient_accumulation_fusion(a.gradient_accumulation_fusion)
                     .with_moe(self.moe.config())

@@ -314,7 +314,11 @@ fn layout_line(args: &TrainArgs) -> String {
             cp => format!(" × CP {cp}"),
         },
         args.data_parallel_size(),
-        if args.sequence_parallel { " + SP" } else { "" },
+        if args.sequence_parallel_on() {
+            " + SP"
+        } else {
+            ""
+        },
     )
 }
 

@@ -30,8 +30,9 @@ const LLAMA3_SPECIAL_COUNT: usize = 256;
 
 /// Meta's Llama 3 special tokens in id order, numbered from the first id after the ranks
 /// (128000 in Meta's files): Llama 3.1's names, which Meta's code and `transformers`'
-/// conversion give for 3.1 to 3.3. Llama 3.0 named ids 2–5, 8 and 10 as reserved tokens; the
-/// ids a chat uses (begin/end of text, the header marks, end of turn) are the same.
+/// conversion give for 3.1 to 3.3. Llama 3.0 named ids 2–5, 8 and 10 as reserved tokens, and
+/// numbers its reserved tokens from 5 where 3.1 numbers them from 2; the ids a chat uses
+/// (begin and end of text, the header marks, end of turn) are the same.
 pub fn llama3_special_tokens() -> Vec<String> {
     let named = [
         "<|begin_of_text|>",
@@ -53,10 +54,18 @@ pub fn llama3_special_tokens() -> Vec<String> {
         .collect()
 }
 
-/// Whether `bytes` look like a tiktoken file rather than JSON: the first line is base64, a
-/// space, and a number.
+/// The lines of a tiktoken file that hold something, without a `\r` before the newline, with
+/// their line numbers (from 1).
+fn lines(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
+    (bytes.split(|&b| b == b'\n').enumerate())
+        .map(|(i, line)| (i + 1, line.strip_suffix(b"\r").unwrap_or(line)))
+        .filter(|(_, line)| !line.is_empty())
+}
+
+/// Whether `bytes` look like a tiktoken file rather than JSON: the first line that holds
+/// something is base64, a space, and a number.
 pub(super) fn looks_like_tiktoken(bytes: &[u8]) -> bool {
-    let first = bytes.split(|&b| b == b'\n').next().unwrap_or_default();
+    let first = lines(bytes).next().map(|(_, l)| l).unwrap_or_default();
     let mut fields = first.split(|&b| b == b' ');
     let token = fields.next().is_some_and(|t| STANDARD.decode(t).is_ok());
     let rank = fields
@@ -74,39 +83,38 @@ fn ranks(bytes: &[u8], name: &str) -> Result<Vec<Vec<u8>>, DataError> {
         path: name.to_string(),
         message,
     };
-    let mut by_rank: Vec<Option<Vec<u8>>> = Vec::new();
+    let n = lines(bytes).count();
+    // With every rank below the number of tokens and none given twice, none is missing.
+    let mut by_rank: Vec<Option<Vec<u8>>> = vec![None; n];
     let mut seen = std::collections::HashSet::new();
-    for (i, line) in bytes.split(|&b| b == b'\n').enumerate() {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if line.is_empty() {
-            continue;
-        }
-        let bad = || format!("line {}: not `<base64 token> <rank>`", i + 1);
+    for (i, line) in lines(bytes) {
+        let bad = || format!("line {i}: not `<base64 token> <rank>`");
         let (token, rank) = match line.iter().position(|&b| b == b' ') {
             Some(at) => (&line[..at], &line[at + 1..]),
             None => return Err(format(bad())),
         };
         let token = STANDARD.decode(token).map_err(|_| format(bad()))?;
+        if token.is_empty() {
+            return Err(format(format!("line {i}: an empty token")));
+        }
         let rank: usize = (std::str::from_utf8(rank).ok())
             .and_then(|r| r.parse().ok())
             .ok_or_else(|| format(bad()))?;
-        if by_rank.len() <= rank {
-            by_rank.resize(rank + 1, None);
-        }
-        if by_rank[rank].is_some() {
-            return Err(format(format!("line {}: rank {rank} given twice", i + 1)));
+        let slot = by_rank.get_mut(rank).ok_or_else(|| {
+            format(format!(
+                "line {i}: rank {rank}, but the file holds {n} tokens (ranks run from 0 \
+                 without a gap)"
+            ))
+        })?;
+        if slot.is_some() {
+            return Err(format(format!("line {i}: rank {rank} given twice")));
         }
         if !seen.insert(token.clone()) {
-            return Err(format(format!("line {}: a token given twice", i + 1)));
+            return Err(format(format!("line {i}: a token given twice")));
         }
-        by_rank[rank] = Some(token);
+        *slot = Some(token);
     }
-    let n = by_rank.len();
-    let ranks: Vec<Vec<u8>> = by_rank
-        .into_iter()
-        .enumerate()
-        .map(|(r, t)| t.ok_or_else(|| format(format!("rank {r} is missing (ranks up to {n})"))))
-        .collect::<Result<_, _>>()?;
+    let ranks: Vec<Vec<u8>> = by_rank.into_iter().flatten().collect();
     if let Some(b) = (0..=255u8).find(|b| !seen.contains(&vec![*b])) {
         return Err(format(format!("the byte {b:#04x} is not a token")));
     }
@@ -253,7 +261,10 @@ mod tests {
             257
         );
         let err = |f: Vec<u8>| ranks(&f, "t").unwrap_err().to_string();
-        assert!(err(file(&[&format!("{ab} 257")])).contains("rank 256 is missing"));
+        assert!(err(file(&[&format!("{ab} 257")])).contains("rank 257, but the file holds 257"));
+        let huge = format!("{ab} 18446744073709551615");
+        assert!(err(file(&[&huge])).contains("the file holds 257 tokens"));
+        assert!(err(file(&["  257"])).contains("line 257: an empty token"));
         assert!(err(file(&[&format!("{ab} 255")])).contains("rank 255 given twice"));
         let repeat = format!("{} 256", STANDARD.encode(b"a"));
         assert!(err(file(&[&repeat])).contains("a token given twice"));

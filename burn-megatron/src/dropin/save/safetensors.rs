@@ -379,14 +379,20 @@ fn remove_stale_shards(path: &Path, kept: &[&str]) -> Result<(), String> {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),
     };
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+    // A stem that is not text names no shard of ours (shard_name would have written
+    // "model-…", another checkpoint's name).
+    let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else {
+        return Ok(());
+    };
     let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for entry in entries {
-        let name = entry.map_err(|e| e.to_string())?.file_name();
+        let entry = entry.map_err(|e| e.to_string())?;
+        let name = entry.file_name();
         let Some(name) = name.to_str() else {
             continue;
         };
-        if is_shard(name, stem) && !kept.contains(&name) {
+        let file = entry.file_type().is_ok_and(|t| t.is_file());
+        if file && is_shard(name, stem) && !kept.contains(&name) {
             let file = dir.join(name);
             std::fs::remove_file(&file).map_err(|e| format!("{}: {e}", file.display()))?;
         }

@@ -235,8 +235,17 @@ impl TrainArgs {
         Ok(())
     }
 
+    /// Whether sequence parallelism is on: `--sequence-parallel` at a tensor-parallel size
+    /// above 1 (at 1 there is nothing to split, and Megatron switches it off, as here).
+    pub fn sequence_parallel_on(&self) -> bool {
+        self.sequence_parallel && self.tensor_model_parallel_size > 1
+    }
+
     /// Every check that can fail before training starts, with a message naming the flags.
     pub fn validate(&self) -> Result<BatchLayout, String> {
+        if self.sequence_parallel && !self.sequence_parallel_on() {
+            tracing::warn!("--sequence-parallel is off: --tensor-model-parallel-size is 1");
+        }
         self.validate_floats()?;
         for (flag, value) in [
             ("--num-layers", self.num_layers),
