@@ -48,8 +48,10 @@
 //!   layers that one plan splits, pipeline stages of the model, and its record loaded as
 //!   each rank's shards and saved back whole.
 //! - [`training`]: one rank's side of training in one object.
+//! - [`device`]: the devices a rank computes on (CUDA, wgpu), in every build: without the
+//!   feature a device needs, an error saying so.
 //! - `cuda` (feature `cuda`): the CUDA device and its libraries, from
-//!   `burn_megatron_kernels`.
+//!   `burn_megatron_kernels`, with their errors as types.
 //!
 //! Crate-private helpers, at the bottom: `activation` (activation functions by name),
 //! `grad_hooks` (where a parameter's gradient is handed to the overlapped reduction),
@@ -109,6 +111,7 @@ pub mod context_parallel;
 pub use burn_megatron_kernels::cuda;
 pub mod data;
 pub mod data_parallel;
+pub mod device;
 pub mod dropin;
 mod grad_hooks;
 pub mod launch;

@@ -23,6 +23,7 @@ const LEVELS: &[&[&str]] = &[
     &["mapped_file"],
     &[
         "topology",
+        "device",
         "module_path",
         "safetensors_io",
         "pytorch_io",

@@ -140,7 +140,7 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     );
     assert!(!alone.contains("TP=1"), "{alone}");
     assert_eq!(after(&alone, "greedy tokens TP=2:"), tokens);
-    if burn_megatron_kernels::device::cuda_device(0).is_err() {
+    if burn_megatron::device::cuda_device(0).is_err() {
         let cuda = [&args[..], &["--no-reference", "--device", "cuda"]].concat();
         fails_naming("tp_llama_dropin", &cuda, "--device cuda");
     }

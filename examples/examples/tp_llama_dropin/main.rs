@@ -121,7 +121,7 @@ impl RankDevice {
             .map(|r| {
                 let mut device = match self {
                     RankDevice::Cpu => Device::flex(),
-                    RankDevice::Cuda => burn_megatron_kernels::device::cuda_device(r)
+                    RankDevice::Cuda => burn_megatron::device::cuda_device(r)
                         .map_err(|e| format!("--device cuda, rank {r}: {e}"))?,
                 };
                 let float = match dtype {
