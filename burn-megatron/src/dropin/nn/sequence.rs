@@ -20,7 +20,7 @@ use crate::tensor_parallel::mappings::{
 use crate::tensor_parallel::{check_input_width, gathered_product, split_weight};
 use burn::module::Param;
 use burn::nn::LayerNorm;
-use burn::tensor::Tensor;
+use burn::tensor::{Bool, Device, Tensor, TensorData};
 
 /// `norm` whose parameters' gradients are summed over the group in backward: under sequence
 /// parallelism each rank normalises its own positions, so its gradients are partial sums.
@@ -92,7 +92,9 @@ pub(in crate::dropin) enum Region {
 ///
 /// # Panics
 ///
-/// When `s` does not split over the group, naming `what` and the numbers.
+/// When `s` does not split over the group, naming `what` and the numbers: the layers pad the
+/// sequence first ([`missing_positions`]), so only a stack whose layers were split over
+/// groups of different sizes gets here.
 fn scatter(x: Tensor<3>, tp: &Comm, what: &str) -> Tensor<3> {
     let (s, n) = (x.dims()[1], tp.group().size());
     assert!(
@@ -107,6 +109,72 @@ fn scatter(x: Tensor<3>, tp: &Comm, what: &str) -> Tensor<3> {
 /// gradient, whole and the same on every rank, cut to this rank's positions backward).
 fn gather(x: Tensor<3>, tp: &Comm) -> Tensor<3> {
     gather_from_sequence_parallel_region(x.swap_dims(0, 1), tp, false).swap_dims(0, 1)
+}
+
+/// How many positions a sequence of `s` needs at its end to split over `sp`'s group (none
+/// without sequence parallelism). Megatron requires the length to divide; a Burn model's
+/// batches need not, so the split layers pad: the added positions are zeros, masked as
+/// padding for every query ([`pad_mask`]), and cut off the output, so that the real positions
+/// compute what they would unpadded.
+pub(super) fn missing_positions(s: usize, sp: Option<&Comm>) -> usize {
+    sp.map_or(0, |tp| s.next_multiple_of(tp.group().size()) - s)
+}
+
+/// The first `s` positions of `x` `[b, s', d]`: a padded sequence's own.
+pub(super) fn cut(x: Tensor<3>, s: usize) -> Tensor<3> {
+    match x.dims()[1] == s {
+        true => x,
+        false => x.narrow(1, 0, s),
+    }
+}
+
+/// `x` `[b, s, d]` with `extra` positions of zeros after its own.
+pub(super) fn pad_positions(x: Tensor<3>, extra: usize) -> Tensor<3> {
+    if extra == 0 {
+        return x;
+    }
+    let [b, _, d] = x.dims();
+    let zeros = Tensor::zeros([b, extra, d], (&x.device(), x.dtype()));
+    Tensor::cat(vec![x, zeros], 1)
+}
+
+/// The padding mask `[b, s + extra]` of a sequence `[b, s]` with `extra` positions added:
+/// those masked, the others as `mask` says (none given: none masked).
+pub(super) fn pad_mask(
+    mask: Option<Tensor<2, Bool>>,
+    [b, s]: [usize; 2],
+    extra: usize,
+    device: &Device,
+) -> Option<Tensor<2, Bool>> {
+    if extra == 0 {
+        return mask;
+    }
+    let fill = |value: bool, n: usize| {
+        Tensor::<2, Bool>::from_data(TensorData::new(vec![value; b * n], [b, n]), device)
+    };
+    let mask = mask.unwrap_or_else(|| fill(false, s));
+    Some(Tensor::cat(vec![mask, fill(true, extra)], 1))
+}
+
+/// An attention mask `[b, q, k]` with `rows` more queries and `cols` more keys, none of them
+/// masked here: the padding mask keeps every query from the added keys, and the added
+/// queries' outputs are cut off.
+pub(super) fn pad_attn(
+    mask: Option<Tensor<3, Bool>>,
+    rows: usize,
+    cols: usize,
+) -> Option<Tensor<3, Bool>> {
+    let grow = |m: Tensor<3, Bool>, dim: usize, n: usize| {
+        if n == 0 {
+            return m;
+        }
+        let mut dims = m.dims();
+        dims[dim] = n;
+        let none = vec![false; dims.iter().product()];
+        let added = Tensor::<3, Bool>::from_data(TensorData::new(none, dims), &m.device());
+        Tensor::cat(vec![m, added], dim)
+    };
+    mask.map(|m| grow(grow(m, 2, cols), 1, rows))
 }
 
 /// The residual stream between transformer layers: whole on every rank, or split by

@@ -12,6 +12,7 @@ use super::super::sequence::Stream;
 use super::{
     Parts, PositionWiseFeedForward, check_cache, drop, norm_in, residual_region, self_attention,
 };
+use crate::comm::Comm;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;
@@ -90,18 +91,18 @@ pub struct TransformerDecoder {
 }
 
 impl TransformerDecoder {
-    /// The target `[b, s_t, d_model]` after every layer, whole on every rank.
-    ///
-    /// # Panics
-    ///
-    /// Under sequence parallelism, on a target sequence that does not split over the ranks.
+    /// The target `[b, s_t, d_model]` after every layer, whole on every rank. Under sequence
+    /// parallelism a target the ranks do not split is padded at its end and the padding
+    /// masked, then cut off the output.
     pub fn forward(&self, input: TransformerDecoderInput) -> Tensor<3> {
+        let sp = self.layers.iter().find_map(|l| l.tp.sequence_parallel());
+        let (input, s) = input.padded(sp);
         let mut target = Stream::whole(input.target.clone());
         for layer in &self.layers {
             target = target.to(layer.tp.sequence_parallel(), "TransformerDecoderLayer");
             target = target.map(|t| layer.run(input.with_target(t), None).target);
         }
-        target.into_whole()
+        sequence::cut(target.into_whole(), s)
     }
 
     /// Burn's `forward_autoregressive_inference`: one decoding step, each call's target one
@@ -154,6 +155,32 @@ impl TransformerDecoderInput {
             memory_mask_pad: None,
             memory_mask_attn: None,
         }
+    }
+
+    /// This input, its target padded at its end to a length `sp`'s group splits
+    /// ([`sequence::missing_positions`]; the memory stays as it is), and the target's own
+    /// length.
+    fn padded(&self, sp: Option<&Comm>) -> (Self, usize) {
+        let [b, s, _] = self.target.dims();
+        let extra = sequence::missing_positions(s, sp);
+        if extra == 0 {
+            return (self.clone(), s);
+        }
+        let device = self.target.device();
+        let padded = Self {
+            target: sequence::pad_positions(self.target.clone(), extra),
+            target_mask_pad: sequence::pad_mask(
+                self.target_mask_pad.clone(),
+                [b, s],
+                extra,
+                &device,
+            ),
+            target_mask_attn: sequence::pad_attn(self.target_mask_attn.clone(), extra, extra),
+            memory: self.memory.clone(),
+            memory_mask_pad: self.memory_mask_pad.clone(),
+            memory_mask_attn: sequence::pad_attn(self.memory_mask_attn.clone(), extra, 0),
+        };
+        (padded, s)
     }
 
     /// This input with another target (a layer's output, or a rank's positions of it).
@@ -239,16 +266,14 @@ impl TransformerDecoderLayer {
     }
 
     /// Burn's layer: its norms where Burn puts them (`norm_3` before the self-attention
-    /// pre-norm, after the layer post-norm).
-    ///
-    /// # Panics
-    ///
-    /// Under sequence parallelism, on a target sequence that does not split over the ranks.
+    /// pre-norm, after the layer post-norm). Under sequence parallelism a target the ranks do
+    /// not split is padded as [`TransformerDecoder::forward`] pads it.
     pub fn forward(&self, input: TransformerDecoderInput) -> TransformerDecoderInput {
         let sp = self.tp.sequence_parallel();
-        let target = Stream::whole(input.target.clone()).to(sp, "TransformerDecoderLayer");
-        let target = target.map(|t| self.run(input.with_target(t), None).target);
-        input.with_target(target.into_whole())
+        let (padded, s) = input.padded(sp);
+        let target = Stream::whole(padded.target.clone()).to(sp, "TransformerDecoderLayer");
+        let target = target.map(|t| self.run(padded.with_target(t), None).target);
+        input.with_target(sequence::cut(target.into_whole(), s))
     }
 
     /// Burn's layer one decoding step at a time, through `cache`.

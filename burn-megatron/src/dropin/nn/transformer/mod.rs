@@ -155,19 +155,19 @@ pub struct TransformerEncoder {
 }
 
 impl TransformerEncoder {
-    /// `[b, s, d_model]` → `[b, s, d_model]`, every rank the whole output.
-    ///
-    /// # Panics
-    ///
-    /// Under sequence parallelism, on a sequence that does not split over the ranks.
+    /// `[b, s, d_model]` → `[b, s, d_model]`, every rank the whole output. Under sequence
+    /// parallelism a sequence the ranks do not split is padded at its end and the padding
+    /// masked, then cut off the output.
     pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
+        let sp = self.layers.iter().find_map(|l| l.tp.sequence_parallel());
+        let (input, s) = input.padded(sp);
         let mut x = Stream::whole(input.tensor);
         for layer in &self.layers {
             let (pad, attn) = (input.mask_pad.clone(), input.mask_attn.clone());
             x = x.to(layer.tp.sequence_parallel(), "TransformerEncoderLayer");
             x = x.map(|x| layer.run(x, pad, attn, None));
         }
-        x.into_whole()
+        sequence::cut(x.into_whole(), s)
     }
 
     /// Burn's `forward_autoregressive_inference`: one decoding step, each call's input one
@@ -248,6 +248,20 @@ pub struct TransformerEncoderInput {
 }
 
 impl TransformerEncoderInput {
+    /// This input padded at its end to a length `sp`'s group splits
+    /// ([`sequence::missing_positions`]), and its own length.
+    fn padded(self, sp: Option<&Comm>) -> (Self, usize) {
+        let [b, s, _] = self.tensor.dims();
+        let extra = sequence::missing_positions(s, sp);
+        let device = self.tensor.device();
+        let padded = Self {
+            tensor: sequence::pad_positions(self.tensor, extra),
+            mask_pad: sequence::pad_mask(self.mask_pad, [b, s], extra, &device),
+            mask_attn: sequence::pad_attn(self.mask_attn, extra, extra),
+        };
+        (padded, s)
+    }
+
     /// The input `[b, s, d_model]`.
     pub fn new(tensor: Tensor<3>) -> Self {
         Self {
@@ -304,11 +318,9 @@ impl TransformerEncoderLayer {
         }
     }
 
-    /// Burn's layer over `x` `[b, s, d_model]`, with the padding and attention masks.
-    ///
-    /// # Panics
-    ///
-    /// Under sequence parallelism, on a sequence that does not split over the ranks.
+    /// Burn's layer over `x` `[b, s, d_model]`, with the padding and attention masks (under
+    /// sequence parallelism, a sequence the ranks do not split padded as
+    /// [`TransformerEncoder::forward`] pads it).
     pub fn forward(
         &self,
         x: Tensor<3>,
@@ -316,9 +328,15 @@ impl TransformerEncoderLayer {
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<3> {
         let sp = self.tp.sequence_parallel();
-        let x = Stream::whole(x).to(sp, "TransformerEncoderLayer");
-        x.map(|x| self.run(x, mask_pad, mask_attn, None))
-            .into_whole()
+        let input = TransformerEncoderInput {
+            tensor: x,
+            mask_pad,
+            mask_attn,
+        };
+        let (input, s) = input.padded(sp);
+        let x = Stream::whole(input.tensor).to(sp, "TransformerEncoderLayer");
+        let x = x.map(|x| self.run(x, input.mask_pad, input.mask_attn, None));
+        sequence::cut(x.into_whole(), s)
     }
 
     /// Burn's layer over `x` one decoding step at a time, through `cache`.
