@@ -300,10 +300,40 @@ fn the_llama_example_reads_a_meta_checkpoint() {
         "--rope-scaling-factor",
         "32",
     ];
-    fails_naming(
-        "tp_llama_dropin",
-        &[&bare_args[..], &["--text", "Hi"]].concat(),
-        "tokenizer.model",
+    let hi = [
+        &bare_args[..],
+        &["--text", "Hello world", "--new-tokens", "2"],
+    ]
+    .concat();
+    fails_naming("tp_llama_dropin", &hi, "tokenizer.model");
+    // Llama 2's kind of tokenizer.model (SentencePiece's) in its place: the prompt is `<s>`
+    // and SentencePiece's ids (tests/fixtures/spm_llama2_tiny/tokenizer_expected.json).
+    let spm = format!("{dir}/../spm_llama2_tiny");
+    std::fs::copy(
+        format!("{spm}/tokenizer.model"),
+        bare.join("tokenizer.model"),
+    )
+    .unwrap();
+    let tokens: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{spm}/tokenizer_expected.json")).unwrap(),
+    )
+    .unwrap();
+    let case = (tokens["cases"].as_array().unwrap().iter())
+        .find(|c| c["text"] == "Hello world")
+        .unwrap();
+    let mut ids = vec![tokens["bos"].as_i64().unwrap()];
+    ids.extend(
+        case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_i64().unwrap()),
+    );
+    let stdout = run("tp_llama_dropin", &hi);
+    assert_eq!(
+        after(&stdout, "prompt ids:"),
+        format!("{ids:?}"),
+        "{stdout}"
     );
     std::fs::remove_dir_all(bare).unwrap();
     let outside = [&meta[..], &["--prompt", "1,576"]].concat();

@@ -58,13 +58,12 @@ fn tok_err(what: &str) -> impl Fn(tokenizers::Error) -> DataError + '_ {
 }
 
 impl GptTokenizer {
-    /// Loads a Hugging Face `tokenizer.json`, or a tiktoken BPE file read as Meta's Llama 3
+    /// Loads a Hugging Face `tokenizer.json`; a tiktoken BPE file, read as Meta's Llama 3
     /// `tokenizer.model` (its pattern [`LLAMA3_PATTERN`], its 256
-    /// [`llama3_special_tokens`] after the ranks). The end-of-document token is the first of
-    /// `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` the tokenizer has.
-    ///
-    /// Llama 2's `tokenizer.model` is a SentencePiece model, which is not read: use the
-    /// `tokenizer.json` Hugging Face ships beside it.
+    /// [`llama3_special_tokens`] after the ranks); or a SentencePiece BPE model, Llama 2's
+    /// `tokenizer.model` (as the Hugging Face BPE that encodes as SentencePiece does; unigram
+    /// models are refused). The end-of-document token is the first of `<|endoftext|>`,
+    /// `<|end_of_text|>`, `</s>`, `<eos>` the tokenizer has.
     pub fn from_file(path: &Path) -> Result<Self, DataError> {
         let (bytes, name) = read(path)?;
         if tiktoken::looks_like_tiktoken(&bytes) {
@@ -72,11 +71,14 @@ impl GptTokenizer {
             let inner = tiktoken::tokenizer(&bytes, &name, LLAMA3_PATTERN, &specials)?;
             return Self::with_eod(inner, &name);
         }
+        let json = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        if !json && sentencepiece::looks_like_sentencepiece(&bytes) {
+            return Self::with_eod(sentencepiece::tokenizer(&bytes, &name)?, &name);
+        }
         let inner = Tokenizer::from_bytes(&bytes).map_err(|e| {
             DataError::Tokenizer(format!(
-                "{name}: neither a tokenizer.json ({e}) nor a tiktoken BPE file (Llama 3's \
-                 tokenizer.model); Llama 2's SentencePiece tokenizer.model is not read, \
-                 use the tokenizer.json beside it"
+                "{name}: neither a tokenizer.json ({e}), nor a tiktoken BPE file (Llama 3's \
+                 tokenizer.model), nor a SentencePiece model (Llama 2's)"
             ))
         })?;
         Self::with_eod(inner, &name)
@@ -315,6 +317,7 @@ impl GptBatch {
     }
 }
 
+mod sentencepiece;
 #[cfg(test)]
 mod tests;
 mod tiktoken;

@@ -323,7 +323,8 @@ fn from_meta(dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> 
     );
     let (prompt, tokenizer) = prompt(args, || {
         let t = open(&dir.join("tokenizer.model"))?;
-        let bos = t.token_id("<|begin_of_text|>").map(i64::from);
+        // Llama 3's, or Llama 2's (SentencePiece's).
+        let bos = (t.token_id("<|begin_of_text|>").or(t.token_id("<s>"))).map(i64::from);
         Ok((t, bos))
     })?;
     fit(&mut checkpoint.config, &prompt, args)?;

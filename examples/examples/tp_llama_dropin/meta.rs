@@ -11,6 +11,7 @@ use super::llama::{LlamaConfig, RopeScaling, read_json};
 use super::parallel;
 use burn::tensor::Device;
 use burn_megatron::comm::Comm;
+use burn_megatron::data::GptTokenizer;
 use burn_megatron::dropin::{LoadOptions, RecordSource};
 use burn_megatron::tensor_parallel::TpError;
 use serde_json::Value;
@@ -58,8 +59,9 @@ impl Checkpoint {
     /// `rope_scaling_factor` where present, else `scaling_factor`, else an error (and
     /// `rope_high_freq_factor` where present, else Meta's 4). `rope_theta` defaults to
     /// Llama 2's 10000 (every Llama 3 params.json gives it). Other errors name the setting: a
-    /// count that is missing, Llama 2's `vocab_size` of -1 (the tokenizer's size), heads that
-    /// do not divide the width, key/value heads that do not divide the heads.
+    /// count that is missing, heads that do not divide the width, key/value heads that do not
+    /// divide the heads. Llama 2's `vocab_size` of -1 means the tokenizer's size: that of
+    /// `dir/tokenizer.model` (an error without it).
     pub fn open(dir: &Path, scaling_factor: Option<f32>) -> Result<Self, String> {
         let path = dir.join("params.json");
         let json = read_json(&path)?;
@@ -71,10 +73,12 @@ impl Checkpoint {
                 .map(|n| n as usize)
                 .ok_or_else(|| at(key) + " is not a positive count")
         };
-        if json["vocab_size"].as_i64() == Some(-1) {
-            return Err(at("vocab_size")
-                + " is -1, the tokenizer's size (Llama 2): write the tokenizer's size there");
-        }
+        let vocab_size = match json["vocab_size"].as_i64() {
+            Some(-1) => GptTokenizer::from_file(&dir.join("tokenizer.model"))
+                .map(|t| t.vocab_size())
+                .map_err(|e| at("vocab_size") + &format!(" is -1, the tokenizer's size: {e}"))?,
+            _ => count("vocab_size")?,
+        };
         let (d_model, n_heads) = (count("dim")?, count("n_heads")?);
         if !d_model.is_multiple_of(n_heads) {
             return Err(at("n_heads") + " does not divide `dim`");
@@ -101,7 +105,7 @@ impl Checkpoint {
             }
         };
         let config = LlamaConfig::new(
-            count("vocab_size")?,
+            vocab_size,
             d_model,
             n_heads,
             n_kv_heads,

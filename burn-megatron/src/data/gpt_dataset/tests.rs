@@ -100,3 +100,44 @@ fn a_tokenizer_file_of_neither_kind_is_refused_naming_what_is_read() {
         "{e}"
     );
 }
+
+/// Llama 2's `tokenizer.model` (a SentencePiece BPE model, trained as Llama 2's was: byte
+/// fallback, digits split, a dummy prefix, spaces kept) gives SentencePiece's ids for the
+/// fixture's texts, and decodes them to SentencePiece's text; a model with NFKC
+/// normalisation (its precompiled map) too (tests/fixtures/make_sentencepiece.py). The saved
+/// `tokenizer.json` reads back to the same ids.
+#[test]
+fn a_llama_2_tokenizer_model_encodes_as_sentencepiece() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/spm_llama2_tiny");
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tokenizer_expected.json")).unwrap(),
+    )
+    .unwrap();
+    let t = GptTokenizer::from_file(&dir.join("tokenizer.model")).unwrap();
+    assert_eq!(t.vocab_size() as u64, expected["vocab_size"]);
+    assert_eq!(t.token_id("<s>").map(u64::from), expected["bos"].as_u64());
+    assert_eq!(u64::from(t.eod), expected["eos"]);
+    let saved = std::env::temp_dir().join(format!("bm-spm-{}.json", std::process::id()));
+    t.save(&saved).unwrap();
+    let again = GptTokenizer::from_file(&saved).unwrap();
+    std::fs::remove_file(&saved).unwrap();
+    let nfkc = GptTokenizer::from_file(&dir.join("nfkc.model")).unwrap();
+    for (tokenizer, key, at_least) in [(&t, "cases", 15), (&nfkc, "nfkc_cases", 4)] {
+        let cases = expected[key].as_array().unwrap();
+        assert!(cases.len() >= at_least, "{key}");
+        for case in cases {
+            let text = case["text"].as_str().unwrap();
+            let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+            let ids = tokenizer.encode(text).unwrap();
+            assert_eq!(ids, want, "{key}: {text:?}");
+            assert_eq!(
+                tokenizer.decode(&ids).unwrap(),
+                case["decoded"],
+                "{key}: {text:?}"
+            );
+            if key == "cases" {
+                assert_eq!(again.encode(text).unwrap(), want, "saved: {text:?}");
+            }
+        }
+    }
+}

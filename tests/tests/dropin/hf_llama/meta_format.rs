@@ -100,7 +100,7 @@ fn meta_llama_3s_rope_scaling_factor_is_asked_for() -> Result<(), Error> {
 }
 
 /// What the Llama cannot read is refused naming the setting or the files: Llama 2's
-/// vocabulary of -1, key/value heads that do not divide the heads, no `consolidated.00.pth`,
+/// vocabulary of -1 without a tokenizer (with one, its size), key/value heads that do not divide the heads, no `consolidated.00.pth`,
 /// a gap in the ranks.
 #[test]
 fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Result<(), Error> {
@@ -111,7 +111,16 @@ fn a_meta_directory_the_users_llama_cannot_read_is_an_error_naming_it() -> Resul
     params["vocab_size"] = serde_json::json!(-1);
     std::fs::write(dir.join("params.json"), params.to_string())?;
     let e = meta::Checkpoint::open(&dir, FACTOR).err().expect("refused");
-    assert!(e.contains("vocab_size") && e.contains("-1"), "{e}");
+    assert!(
+        e.contains("vocab_size") && e.contains("tokenizer.model"),
+        "{e}"
+    );
+    // Llama 2's -1 is the size of the tokenizer beside it.
+    let tokenizer = fixture("meta_llama_tiny").join("tokenizer.model");
+    std::fs::copy(&tokenizer, dir.join("tokenizer.model"))?;
+    let from_tokenizer = meta::Checkpoint::open(&dir, FACTOR)?;
+    assert_eq!(from_tokenizer.config.vocab_size, 576);
+    std::fs::remove_file(dir.join("tokenizer.model"))?;
     params["vocab_size"] = serde_json::json!(576);
     params["n_kv_heads"] = serde_json::json!(3);
     std::fs::write(dir.join("params.json"), params.to_string())?;
