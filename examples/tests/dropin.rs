@@ -194,6 +194,22 @@ fn the_llama_example_reads_a_hugging_face_checkpoint() {
     std::fs::remove_dir_all(out).unwrap();
 }
 
+/// The prompt `--text "Hello world"` makes through the tokenizer fixture in `dir`: the id its
+/// `tokenizer_expected.json` gives under `bos`, then the tokenizer's own ids for the text.
+fn hello_world(dir: &str, bos: &str) -> Vec<i64> {
+    let path = format!("{dir}/tokenizer_expected.json");
+    let tokens: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let case = (tokens["cases"].as_array().unwrap().iter())
+        .find(|c| c["text"] == "Hello world")
+        .unwrap();
+    let ids = case["ids"].as_array().unwrap().iter();
+    std::iter::once(&tokens[bos])
+        .chain(ids)
+        .map(|i| i.as_i64().unwrap())
+        .collect()
+}
+
 /// `--meta`: a Llama in Meta's format split over two model-parallel files (the fixture
 /// `make_meta_llama.py` wrote) at TP 1 and 4, each rank reading its shards of the joined
 /// parts, generates `transformers`' greedy tokens; the integration test
@@ -255,22 +271,7 @@ fn the_llama_example_reads_a_meta_checkpoint() {
     // `--text` through the directory's `tokenizer.model`: the prompt is `<|begin_of_text|>`
     // and tiktoken's ids for the text (tests/fixtures/meta_llama_tiny/tokenizer_expected.json),
     // and it generates what those ids as `--prompt` generate.
-    let tokens: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(format!("{dir}/../meta_llama_tiny/tokenizer_expected.json"))
-            .unwrap(),
-    )
-    .unwrap();
-    let case = (tokens["cases"].as_array().unwrap().iter())
-        .find(|c| c["text"] == "Hello world")
-        .unwrap();
-    let mut ids = vec![tokens["begin_of_text"].as_i64().unwrap()];
-    ids.extend(
-        case["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_i64().unwrap()),
-    );
+    let ids = hello_world(&format!("{dir}/../meta_llama_tiny"), "begin_of_text");
     let text = [&meta[..], &["--text", "Hello world", "--new-tokens", "6"]].concat();
     let stdout = run("tp_llama_dropin", &text);
     assert_eq!(
@@ -314,21 +315,7 @@ fn the_llama_example_reads_a_meta_checkpoint() {
         bare.join("tokenizer.model"),
     )
     .unwrap();
-    let tokens: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(format!("{spm}/tokenizer_expected.json")).unwrap(),
-    )
-    .unwrap();
-    let case = (tokens["cases"].as_array().unwrap().iter())
-        .find(|c| c["text"] == "Hello world")
-        .unwrap();
-    let mut ids = vec![tokens["bos"].as_i64().unwrap()];
-    ids.extend(
-        case["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i.as_i64().unwrap()),
-    );
+    let ids = hello_world(&spm, "bos");
     let stdout = run("tp_llama_dropin", &hi);
     assert_eq!(
         after(&stdout, "prompt ids:"),
