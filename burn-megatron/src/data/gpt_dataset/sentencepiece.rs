@@ -66,10 +66,14 @@ struct NormalizerSpec {
     /// Default true.
     #[prost(bool, optional, tag = "4")]
     remove_extra_whitespaces: Option<bool>,
+    /// Default true.
+    #[prost(bool, optional, tag = "5")]
+    escape_whitespaces: Option<bool>,
 }
 
 const UNKNOWN: i32 = 2;
 const CONTROL: i32 = 3;
+const USER_DEFINED: i32 = 4;
 const BPE_MODEL: i32 = 2;
 
 /// Whether `bytes` parse as a SentencePiece model with pieces.
@@ -129,8 +133,28 @@ pub(super) fn tokenizer(bytes: &[u8], name: &str) -> Result<Tokenizer, DataError
                 special.push(piece);
             }
             CONTROL => special.push(piece),
+            // SentencePiece matches them in the text before BPE, whole; a Hugging Face
+            // added token gets the dummy prefix around it instead.
+            USER_DEFINED => {
+                return Err(format(format!(
+                    "the user-defined piece {piece:?}: models with user-defined pieces \
+                     (Gemma's) are not read, use the tokenizer.json beside it"
+                )));
+            }
             _ => {}
         }
+    }
+    // Without one, SentencePiece refuses the model; a Hugging Face BPE would drop what it
+    // cannot encode.
+    if unk.is_none() {
+        return Err(format("no unknown piece (type UNKNOWN)".into()));
+    }
+    if !normalizer.escape_whitespaces.unwrap_or(true) {
+        return Err(format(
+            "a SentencePiece model that keeps spaces as they are (escape_whitespaces off) is \
+             not read"
+                .into(),
+        ));
     }
     let merges = merges(&model.pieces, &vocab);
     let err = |e: tokenizers::Error| DataError::Tokenizer(format!("{name}: {e}"));
@@ -146,6 +170,15 @@ pub(super) fn tokenizer(bytes: &[u8], name: &str) -> Result<Tokenizer, DataError
     let mut normalizers = Vec::new();
     match normalizer.precompiled_charsmap.as_deref() {
         Some(map) if !map.is_empty() => {
+            // The map's first four bytes are its trie's length: a map that does not hold it
+            // would panic at the first text normalised.
+            let trie = (map.get(..4)).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let fits = |t: u32| (4..=map.len() - 4).contains(&(t as usize)) && t.is_multiple_of(4);
+            if !trie.is_some_and(fits) {
+                return Err(format(
+                    "the normaliser's precompiled map is malformed".into(),
+                ));
+            }
             let map = Precompiled::from(map)
                 .map_err(|e| format(format!("the normaliser {:?}'s map: {e}", normalizer.name)))?;
             normalizers.push(NormalizerWrapper::Precompiled(map));
@@ -202,7 +235,9 @@ fn merges(pieces: &[Piece], vocab: &AHashMap<String, u32>) -> Vec<(String, Strin
 mod tests {
     use super::*;
 
-    /// A model of another kind, or one that removes extra whitespace, is refused naming why.
+    /// A model of another kind, one that removes extra whitespace, one with user-defined
+    /// pieces or without an unknown piece, and a malformed normalisation map are refused
+    /// naming why.
     #[test]
     fn models_of_another_kind_are_refused() {
         let model = |model_type: i32, remove: bool| {
@@ -226,6 +261,22 @@ mod tests {
         let err = |bytes: Vec<u8>| tokenizer(&bytes, "t.model").unwrap_err().to_string();
         assert!(err(model(1, false)).contains("a SentencePiece unigram model"));
         assert!(err(model(2, true)).contains("remove_extra_whitespaces"));
+        let mut user = ModelProto::decode(model(2, false).as_slice()).unwrap();
+        user.pieces.push(Piece {
+            piece: Some("<sep>".into()),
+            score: Some(0.0),
+            kind: Some(USER_DEFINED),
+        });
+        assert!(err(user.encode_to_vec()).contains("user-defined piece \"<sep>\""));
+        let mut no_unk = ModelProto::decode(model(2, false).as_slice()).unwrap();
+        no_unk.pieces[0].kind = Some(1);
+        assert!(err(no_unk.encode_to_vec()).contains("no unknown piece"));
+        let mut bad_map = ModelProto::decode(model(2, false).as_slice()).unwrap();
+        if let Some(n) = bad_map.normalizer_spec.as_mut() {
+            // An empty trie: `Precompiled::from` takes it, and its first text panics.
+            n.precompiled_charsmap = Some(b"\0\0\0\0abc".to_vec());
+        }
+        assert!(err(bad_map.encode_to_vec()).contains("precompiled map is malformed"));
         assert!(tokenizer(&model(2, false), "t.model").is_ok());
         assert!(looks_like_sentencepiece(&model(2, false)));
         assert!(!looks_like_sentencepiece(b"{\"version\": \"1.0\"}"));

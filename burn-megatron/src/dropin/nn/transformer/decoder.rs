@@ -110,7 +110,7 @@ impl TransformerDecoder {
     ///
     /// # Panics
     ///
-    /// On a cache made for another number of layers, and as [`forward`](Self::forward).
+    /// On a cache made for another number of layers.
     pub fn forward_autoregressive_inference(
         &self,
         mut input: TransformerDecoderInput,

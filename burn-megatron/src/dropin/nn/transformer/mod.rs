@@ -175,7 +175,7 @@ impl TransformerEncoder {
     ///
     /// # Panics
     ///
-    /// On a cache made for another number of layers, and as [`forward`](Self::forward).
+    /// On a cache made for another number of layers.
     pub fn forward_autoregressive_inference(
         &self,
         input: TransformerEncoderInput,
